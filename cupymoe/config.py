@@ -1,0 +1,329 @@
+"""MoeConfig: every knob of the layer's math (DESIGN.md section 1), validated and frozen.
+
+`MoeConfig.from_hf(config_dict, layer_idx)` owns the mapping from each model family's
+Hugging Face `config.json` to these fields, in one place: key names differ per family
+(`num_experts` / `n_routed_experts` / `num_local_experts`, `moe_intermediate_size` /
+`intermediate_size` / `expert_ffn_hidden_size`, ...) and transformers 5 may write a
+family's canonical key under an alias from its `attribute_map`, so every lookup below
+accepts all the spellings a family's config class accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swiglu_oai")
+WEIGHT_FORMATS = ("bf16", "fp8_block", "nvfp4", "mxfp4")
+SUPPORTED_MODEL_TYPES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "qwen3_next",
+    "deepseek_v3",
+    "mixtral",
+    "gpt_oss",
+    "longcat_flash",
+)
+
+
+class UnsupportedModelError(ValueError):
+    """The config's model_type is not one cupymoe knows how to map."""
+
+
+class DenseLayerError(ValueError):
+    """The requested layer index is a dense (non-MoE) MLP layer in this model."""
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """One MoE layer. Field names follow the Hugging Face spellings where one exists."""
+
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+
+    # --- routing -------------------------------------------------------------------
+    scoring_func: str = "softmax"  # softmax | sigmoid | sqrtsoftplus
+    norm_topk_prob: bool = False  # w /= sum(w) + 1e-20 over the k selected
+    routed_scaling_factor: float = 1.0
+    has_correction_bias: bool = False  # e_score_correction_bias, selection only
+    n_group: int = 1  # group-limited selection when > 1
+    topk_group: int = 1
+    topk_then_softmax: bool = False  # gpt-oss: top-k of logits, softmax over the k
+    has_router_bias: bool = False  # added to the logits (gpt-oss router.bias)
+    zero_expert_num: int = 0  # LongCat identity experts, ids E .. E+Z-1
+    hash_routing: bool = False  # DeepSeek-V4 style static tid2eid table
+    hash_vocab_size: int = 0  # rows of tid2eid
+
+    # --- experts -------------------------------------------------------------------
+    hidden_act: str = "silu"  # silu | gelu | gelu_tanh | swiglu_oai
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    has_expert_bias: bool = False  # gate/up/down biases (gpt-oss)
+
+    # --- shared expert -------------------------------------------------------------
+    shared_expert_intermediate_size: int = 0
+    has_shared_expert_gate: bool = False  # scale = sigmoid(x . w_shared_gate)
+
+    # --- pre-expert norm -----------------------------------------------------------
+    pre_expert_norm: bool = False  # routed experts read rmsnorm(x) * w_norm
+    rms_norm_eps: float = 1e-6
+
+    # --- expert parallelism --------------------------------------------------------
+    ep_world_size: int = 1
+    ep_rank: int = 0
+
+    # --- weights -------------------------------------------------------------------
+    weight_format: str = "bf16"  # the routed experts' format in the checkpoint
+    quant_exclude: tuple[str, ...] = ()  # module-name patterns kept unquantized
+    model_type: str = ""
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value: Any, why: str) -> ValueError:
+            return ValueError(f"MoeConfig.{field}={value!r}: {why}")
+
+        for name in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise bad(name, v, "must be a positive integer")
+        E, k = self.num_experts, self.num_experts_per_tok
+        R = E + self.zero_expert_num
+        if self.zero_expert_num < 0:
+            raise bad("zero_expert_num", self.zero_expert_num, "must be >= 0")
+        if k > R:
+            raise bad("num_experts_per_tok", k, f"k exceeds the router width E + Z = {E} + {self.zero_expert_num}")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise bad("scoring_func", self.scoring_func, f"must be one of {SCORING_FUNCS}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise bad("hidden_act", self.hidden_act, f"unknown activation; must be one of {ACTIVATIONS}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise bad("weight_format", self.weight_format, f"must be one of {WEIGHT_FORMATS}")
+        if not (self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor)):
+            raise bad("routed_scaling_factor", self.routed_scaling_factor, "must be positive and finite")
+        if self.n_group < 1:
+            raise bad("n_group", self.n_group, "must be >= 1")
+        if self.n_group > 1:
+            if E % self.n_group:
+                raise bad("n_group", self.n_group, f"does not divide num_experts={E}")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise bad("topk_group", self.topk_group, f"must be in 1..n_group={self.n_group}")
+            if E // self.n_group < 2:
+                raise bad("n_group", self.n_group, "groups need >= 2 experts (group score = sum of top-2)")
+            if k > self.topk_group * (E // self.n_group):
+                raise bad("num_experts_per_tok", k, f"exceeds the experts in topk_group={self.topk_group} groups")
+            if self.zero_expert_num:
+                raise bad("n_group", self.n_group, "group-limited routing with zero experts is not defined")
+        if self.topk_then_softmax and (self.has_correction_bias or self.n_group > 1 or self.hash_routing):
+            raise bad("topk_then_softmax", True, "cannot combine with a correction bias, groups or hash routing")
+        if self.topk_then_softmax and self.scoring_func != "softmax":
+            raise bad("scoring_func", self.scoring_func, "topk_then_softmax applies softmax over the k logits")
+        if self.hash_routing:
+            if self.hash_vocab_size <= 0:
+                raise bad("hash_vocab_size", self.hash_vocab_size, "hash routing needs the tid2eid table's row count")
+            if self.n_group > 1:
+                raise bad("hash_routing", True, "the static table replaces group-limited selection")
+        if self.swiglu_limit <= 0 or self.swiglu_alpha <= 0:
+            raise bad("swiglu_limit", (self.swiglu_alpha, self.swiglu_limit), "alpha and limit must be positive")
+        if self.shared_expert_intermediate_size < 0:
+            raise bad("shared_expert_intermediate_size", self.shared_expert_intermediate_size, "must be >= 0")
+        if self.has_shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise bad("has_shared_expert_gate", True, "a shared-expert gate needs a shared expert")
+        if not self.rms_norm_eps > 0:
+            raise bad("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        if self.ep_world_size < 1:
+            raise bad("ep_world_size", self.ep_world_size, "must be >= 1")
+        if E % self.ep_world_size:
+            raise bad("ep_world_size", self.ep_world_size, f"does not divide num_experts={E}")
+        if not 0 <= self.ep_rank < self.ep_world_size:
+            raise bad("ep_rank", self.ep_rank, f"must be in 0..{self.ep_world_size - 1}")
+        object.__setattr__(self, "quant_exclude", tuple(self.quant_exclude))
+
+    # --- derived ---------------------------------------------------------------------
+    @property
+    def router_width(self) -> int:
+        """R = E + Z: the router scores the zero (identity) experts too."""
+        return self.num_experts + self.zero_expert_num
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_expert_intermediate_size > 0
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep_world_size
+
+    def owned_experts(self) -> range:
+        """The contiguous block of routed experts this EP rank computes."""
+        n = self.experts_per_rank
+        return range(self.ep_rank * n, (self.ep_rank + 1) * n)
+
+    def replace(self, **changes: Any) -> "MoeConfig":
+        return dataclasses.replace(self, **changes)
+
+    # --- Hugging Face ---------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any], layer_idx: int | None = None, **overrides: Any) -> "MoeConfig":
+        """Map a `config.json` dict of a supported family to a MoeConfig.
+
+        `layer_idx`, when given, is checked against the family's dense-layer rules
+        (DeepSeek's `first_k_dense_replace`, Qwen's `mlp_only_layers` and
+        `decoder_sparse_step`): asking for a dense layer raises DenseLayerError.
+        `overrides` set fields directly (e.g. `ep_world_size=2, ep_rank=1`).
+        """
+        return _from_hf(cls, config, layer_idx, overrides)
+
+
+# ----------------------------------------------------------------------------------
+# Hugging Face mapping
+# ----------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _get(cfg: Mapping[str, Any], *names: str, default: Any = _MISSING) -> Any:
+    """First present spelling of a key; the names are every alias transformers allows."""
+    for n in names:
+        if n in cfg and cfg[n] is not None:
+            return cfg[n]
+    if default is _MISSING:
+        mt = cfg.get("model_type", "?")
+        raise KeyError(f"config.json of model_type={mt!r} lacks {' / '.join(names)}")
+    return default
+
+
+def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
+    q = cfg.get("quantization_config")
+    if not q:
+        return "bf16", ()
+    method = str(q.get("quant_method", "")).lower()
+    if method == "fp8":
+        block = list(q.get("weight_block_size") or [])
+        if block != [128, 128]:
+            raise ValueError(f"quantization_config.weight_block_size={block!r}: only [128, 128] fp8 blocks are supported")
+        excl = q.get("modules_to_not_convert") or ()
+        return "fp8_block", tuple(excl)
+    if method == "modelopt":
+        algo = str(q.get("quant_algo", "")).upper()
+        if algo != "NVFP4":
+            raise ValueError(f"quantization_config.quant_algo={algo!r}: only NVFP4 ModelOpt checkpoints are supported")
+        gs = q.get("group_size", 16)
+        if gs != 16:
+            raise ValueError(f"quantization_config.group_size={gs!r}: NVFP4 uses groups of 16")
+        excl = q.get("exclude_modules") or q.get("ignore") or ()
+        return "nvfp4", tuple(excl)
+    if method == "mxfp4":
+        return "mxfp4", tuple(q.get("modules_to_not_convert") or ())
+    raise ValueError(f"quantization_config.quant_method={method!r}: supported are fp8, modelopt (NVFP4), mxfp4")
+
+
+def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None) -> None:
+    if layer_idx is None:
+        return
+    n_layers = _get(cfg, "num_hidden_layers", "num_layers", default=None)
+    if n_layers is not None and not 0 <= layer_idx < int(n_layers):
+        raise ValueError(f"layer_idx={layer_idx} is outside 0..{int(n_layers) - 1} for {model_type}")
+    dense = False
+    if model_type == "deepseek_v3":
+        first = int(cfg.get("first_k_dense_replace", 0) or 0)
+        freq = int(cfg.get("moe_layer_freq", 1) or 1)
+        dense = layer_idx < first or layer_idx % freq != 0
+    elif model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
+        mlp_only = cfg.get("mlp_only_layers") or []
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        dense = layer_idx in mlp_only or (layer_idx + 1) % step != 0
+    if dense:
+        raise DenseLayerError(f"layer {layer_idx} of this {model_type} model is a dense MLP layer, not MoE")
+
+
+def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: dict) -> MoeConfig:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    _check_layer(model_type, config, layer_idx)
+    fmt, exclude = _weight_format(config)
+    g = lambda *names, default=_MISSING: _get(config, *names, default=default)  # noqa: E731
+    H = int(g("hidden_size"))
+    eps = float(g("rms_norm_eps", default=1e-6))
+    kw: dict[str, Any] = dict(model_type=model_type, hidden_size=H, rms_norm_eps=eps, weight_format=fmt,
+                              quant_exclude=exclude)
+
+    if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
+        kw.update(
+            num_experts=int(g("num_experts", "num_local_experts")),
+            num_experts_per_tok=int(g("num_experts_per_tok")),
+            moe_intermediate_size=int(g("moe_intermediate_size")),
+            norm_topk_prob=bool(g("norm_topk_prob", default=model_type == "qwen3_next")),
+            hidden_act=_act(g("hidden_act", default="silu")),
+            scoring_func="softmax",
+        )
+        if model_type != "qwen3_moe":
+            sh = int(g("shared_expert_intermediate_size", default=0))
+            kw.update(shared_expert_intermediate_size=sh, has_shared_expert_gate=sh > 0)
+    elif model_type == "deepseek_v3":
+        E = int(g("n_routed_experts", "num_local_experts"))
+        I = int(g("moe_intermediate_size"))
+        topk_method = g("topk_method", default="noaux_tc")
+        kw.update(
+            num_experts=E,
+            num_experts_per_tok=int(g("num_experts_per_tok")),
+            moe_intermediate_size=I,
+            scoring_func=str(g("scoring_func", default="sigmoid")),
+            has_correction_bias=topk_method == "noaux_tc",
+            n_group=int(g("n_group", default=1) or 1),
+            topk_group=int(g("topk_group", default=1) or 1),
+            norm_topk_prob=bool(g("norm_topk_prob", default=True)),
+            routed_scaling_factor=float(g("routed_scaling_factor", default=1.0)),
+            shared_expert_intermediate_size=I * int(g("n_shared_experts", default=0) or 0),
+            hidden_act=_act(g("hidden_act", default="silu")),
+        )
+    elif model_type == "mixtral":
+        kw.update(
+            num_experts=int(g("num_local_experts", "num_experts")),
+            num_experts_per_tok=int(g("num_experts_per_tok")),
+            moe_intermediate_size=int(g("intermediate_size")),
+            norm_topk_prob=True,  # softmax over all, top-k, renormalise over the k
+            hidden_act=_act(g("hidden_act", default="silu")),
+        )
+    elif model_type == "gpt_oss":
+        kw.update(
+            num_experts=int(g("num_local_experts", "num_experts")),
+            num_experts_per_tok=int(g("num_experts_per_tok", "experts_per_token")),
+            moe_intermediate_size=int(g("intermediate_size")),
+            topk_then_softmax=True,
+            has_router_bias=True,
+            has_expert_bias=True,
+            hidden_act="swiglu_oai",
+            swiglu_alpha=1.702,
+            swiglu_limit=float(g("swiglu_limit", default=7.0)),
+        )
+    elif model_type == "longcat_flash":
+        kw.update(
+            num_experts=int(g("n_routed_experts", "num_experts", "num_local_experts")),
+            num_experts_per_tok=int(g("moe_topk", "num_experts_per_tok")),
+            moe_intermediate_size=int(g("expert_ffn_hidden_size", "moe_intermediate_size")),
+            zero_expert_num=int(g("zero_expert_num", default=0) or 0),
+            has_correction_bias=True,
+            norm_topk_prob=bool(g("norm_topk_prob", default=False)),
+            routed_scaling_factor=float(g("routed_scaling_factor", default=1.0)),
+            hidden_act=_act(g("hidden_act", default="silu")),
+        )
+        ztype = config.get("zero_expert_type", "identity")
+        if kw["zero_expert_num"] and ztype != "identity":
+            raise ValueError(f"zero_expert_type={ztype!r}: only identity zero experts are defined")
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def _act(name: str) -> str:
+    name = str(name)
+    aliases = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+               "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh", "swiglu_oai": "swiglu_oai"}
+    if name not in aliases:
+        raise ValueError(f"hidden_act={name!r}: unknown activation; supported: {sorted(aliases)}")
+    return aliases[name]

@@ -1,0 +1,275 @@
+"""Weight formats on the host: quantize, dequantize and pack (numpy + ml_dtypes).
+
+Bit-exact to FORMATS.md. Every container keeps the logical [..., out, in] shape of the
+matrix it stands for (leading axes stack experts), so `HostWeights` can hold plain bf16
+arrays and quantized weights side by side and `.shape` means the same for both.
+
+| format    | container       | stored                                                       |
+|-----------|-----------------|--------------------------------------------------------------|
+| bf16      | np.ndarray      | ml_dtypes.bfloat16 [..., out, in]                            |
+| fp8_block | Fp8BlockWeight  | q e4m3fn [..., out, in]; scale_inv f32 [..., ceil(out/128), ceil(in/128)] |
+| nvfp4     | Nvfp4Weight     | packed u8 [..., out, in/2] (element 2j low nibble); scale e4m3fn [..., out, in/16]; scale_2 f32 [...] |
+| mxfp4     | Mxfp4Weight     | blocks u8 [..., out, in/32, 16] (element 2j low nibble); scales u8 (e8m0) [..., out, in/32] |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+FP8_BLOCK = 128
+NVFP4_GROUP = 16
+MXFP4_GROUP = 32
+
+# e2m1 code -> value (FORMATS.md): 0..7 positive, 8..15 their negatives.
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+
+
+# ----------------------------------------------------------------------------------
+# e2m1 codes and nibble packing
+# ----------------------------------------------------------------------------------
+
+def e2m1_decode(codes: np.ndarray) -> np.ndarray:
+    """4-bit e2m1 codes (any integer array, values 0..15) -> float32 values."""
+    return E2M1_VALUES[np.asarray(codes, dtype=np.uint8) & 0xF]
+
+
+def e2m1_encode(values: np.ndarray) -> np.ndarray:
+    """float values -> nearest e2m1 code (ties to even, saturating at +-6), uint8 0..15."""
+    v = np.clip(np.asarray(values, dtype=np.float32), -E2M1_MAX, E2M1_MAX)
+    return v.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """[..., 2n] codes -> [..., n] bytes, element 2j in the low nibble, 2j+1 in the high one."""
+    c = np.asarray(codes, dtype=np.uint8)
+    if c.shape[-1] % 2:
+        raise ValueError(f"pack_nibbles: last axis must be even, found {c.shape}")
+    return (c[..., 0::2] & 0xF) | ((c[..., 1::2] & 0xF) << 4)
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """[..., n] bytes -> [..., 2n] codes (inverse of pack_nibbles)."""
+    p = np.asarray(packed, dtype=np.uint8)
+    out = np.empty(p.shape[:-1] + (p.shape[-1] * 2,), dtype=np.uint8)
+    out[..., 0::2] = p & 0xF
+    out[..., 1::2] = p >> 4
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# containers
+# ----------------------------------------------------------------------------------
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Fp8BlockWeight:
+    """DeepSeek-V3 fp8: W[i, j] = q[i, j] * scale_inv[i // 128, j // 128]."""
+
+    q: np.ndarray  # float8_e4m3fn [..., out, in]
+    scale_inv: np.ndarray  # float32 [..., ceil(out/128), ceil(in/128)]
+    format = "fp8_block"
+
+    def __post_init__(self) -> None:
+        self.q = np.asarray(self.q)
+        if self.q.dtype != E4M3:
+            if self.q.dtype == np.uint8:
+                self.q = self.q.view(E4M3)
+            else:
+                raise ValueError(f"Fp8BlockWeight.q: expected float8_e4m3fn, found {self.q.dtype}")
+        self.scale_inv = np.asarray(self.scale_inv, dtype=np.float32)
+        out, inn = self.q.shape[-2:]
+        want = self.q.shape[:-2] + (_ceil_div(out, FP8_BLOCK), _ceil_div(inn, FP8_BLOCK))
+        if self.scale_inv.shape != want:
+            raise ValueError(f"Fp8BlockWeight.scale_inv: expected shape {want} for q {self.q.shape}, "
+                             f"found {self.scale_inv.shape}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale_inv.nbytes
+
+    def __getitem__(self, idx) -> "Fp8BlockWeight":
+        return Fp8BlockWeight(self.q[idx], self.scale_inv[idx])
+
+    def dequantize(self, dtype=np.float32) -> np.ndarray:
+        out, inn = self.q.shape[-2:]
+        s = np.repeat(np.repeat(self.scale_inv, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)[..., :out, :inn]
+        return (self.q.astype(np.float32) * s).astype(dtype)
+
+
+@dataclass
+class Nvfp4Weight:
+    """ModelOpt NVFP4: W[i, j] = e2m1(q[i, j]) * float(scale[i, j // 16]) * scale_2."""
+
+    packed: np.ndarray  # uint8 [..., out, in/2]
+    scale: np.ndarray  # float8_e4m3fn [..., out, in/16]
+    scale_2: np.ndarray  # float32 [...]: one global scale per matrix
+    input_scale: Optional[np.ndarray] = None  # float32 [...], kept for W4A4 users; W4A16 ignores it
+    format = "nvfp4"
+
+    def __post_init__(self) -> None:
+        self.packed = np.asarray(self.packed, dtype=np.uint8)
+        self.scale = np.asarray(self.scale)
+        if self.scale.dtype == np.uint8:
+            self.scale = self.scale.view(E4M3)
+        if self.scale.dtype != E4M3:
+            raise ValueError(f"Nvfp4Weight.scale: expected float8_e4m3fn, found {self.scale.dtype}")
+        self.scale_2 = np.asarray(self.scale_2, dtype=np.float32).reshape(self.packed.shape[:-2])
+        inn = self.packed.shape[-1] * 2
+        if inn % NVFP4_GROUP:
+            raise ValueError(f"Nvfp4Weight: in={inn} is not a multiple of {NVFP4_GROUP}")
+        want = self.packed.shape[:-1] + (inn // NVFP4_GROUP,)
+        if self.scale.shape != want:
+            raise ValueError(f"Nvfp4Weight.scale: expected shape {want} for packed {self.packed.shape}, "
+                             f"found {self.scale.shape}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.packed.shape[:-1]) + (self.packed.shape[-1] * 2,)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale.nbytes + self.scale_2.nbytes
+
+    def __getitem__(self, idx) -> "Nvfp4Weight":
+        isc = None if self.input_scale is None else np.asarray(self.input_scale)[idx]
+        return Nvfp4Weight(self.packed[idx], self.scale[idx], self.scale_2[idx], isc)
+
+    def dequantize(self, dtype=np.float32) -> np.ndarray:
+        vals = e2m1_decode(unpack_nibbles(self.packed))
+        s = np.repeat(self.scale.astype(np.float32), NVFP4_GROUP, axis=-1)
+        return (vals * s * self.scale_2[..., None, None]).astype(dtype)
+
+
+@dataclass
+class Mxfp4Weight:
+    """OCP MX fp4 (gpt-oss): W[..., i, j] = e2m1(code) * 2^(scales[..., i, j // 32] - 127)."""
+
+    blocks: np.ndarray  # uint8 [..., out, in/32, 16]
+    scales: np.ndarray  # uint8 [..., out, in/32] (e8m0 biased exponents)
+    format = "mxfp4"
+
+    def __post_init__(self) -> None:
+        self.blocks = np.asarray(self.blocks, dtype=np.uint8)
+        sc = np.asarray(self.scales)
+        self.scales = sc.view(np.uint8) if sc.dtype.itemsize == 1 else sc.astype(np.uint8)
+        if self.blocks.ndim < 3 or self.blocks.shape[-1] != MXFP4_GROUP // 2:
+            raise ValueError(f"Mxfp4Weight.blocks: expected [..., out, in/32, 16], found {self.blocks.shape}")
+        if self.scales.shape != self.blocks.shape[:-1]:
+            raise ValueError(f"Mxfp4Weight.scales: expected shape {self.blocks.shape[:-1]}, found {self.scales.shape}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.blocks.shape[:-2]) + (self.blocks.shape[-2] * MXFP4_GROUP,)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes + self.scales.nbytes
+
+    def __getitem__(self, idx) -> "Mxfp4Weight":
+        return Mxfp4Weight(self.blocks[idx], self.scales[idx])
+
+    def dequantize(self, dtype=np.float32) -> np.ndarray:
+        vals = e2m1_decode(unpack_nibbles(self.blocks))  # [..., out, in/32, 32]
+        scale = np.ldexp(np.float32(1), self.scales.astype(np.int32) - 127).astype(np.float32)
+        w = vals * scale[..., None]
+        return w.reshape(self.shape).astype(dtype)
+
+
+QuantWeight = Union[Fp8BlockWeight, Nvfp4Weight, Mxfp4Weight]
+
+
+def weight_format(t: Any) -> str:
+    """'bf16' for plain arrays (bf16 or float32), else the container's format name."""
+    return getattr(t, "format", "bf16")
+
+
+def dequantize(t: Any, dtype=np.float64) -> np.ndarray:
+    """Any weight (plain array or container) -> its dequantized values as `dtype`."""
+    if hasattr(t, "dequantize"):
+        return t.dequantize(np.float32).astype(dtype)
+    return np.asarray(t).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------
+# quantizers
+# ----------------------------------------------------------------------------------
+
+def _blocks_2d(w: np.ndarray, bo: int, bi: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """Pad [..., out, in] to whole blocks and view as [..., out/bo, bo, in/bi, bi]."""
+    out, inn = w.shape[-2:]
+    po, pi = _ceil_div(out, bo) * bo, _ceil_div(inn, bi) * bi
+    pad = [(0, 0)] * (w.ndim - 2) + [(0, po - out), (0, pi - inn)]
+    wp = np.pad(w, pad)
+    return wp.reshape(w.shape[:-2] + (po // bo, bo, pi // bi, bi)), (out, inn)
+
+
+def quantize_fp8_block(w: np.ndarray) -> Fp8BlockWeight:
+    """Per-128x128-block absmax scaling to e4m3 (DeepSeek-V3's scheme)."""
+    w = np.asarray(w, dtype=np.float32)
+    blk, (out, inn) = _blocks_2d(w, FP8_BLOCK, FP8_BLOCK)
+    amax = np.abs(blk).max(axis=(-3, -1))  # [..., out/128, in/128]
+    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+    q = (blk / scale[..., :, None, :, None]).astype(E4M3)
+    q = q.reshape(blk.shape[:-4] + (blk.shape[-4] * FP8_BLOCK, blk.shape[-2] * FP8_BLOCK))[..., :out, :inn]
+    return Fp8BlockWeight(np.ascontiguousarray(q), scale)
+
+
+def quantize_nvfp4(w: np.ndarray) -> Nvfp4Weight:
+    """ModelOpt NVFP4: global scale_2 = amax / (448 * 6); e4m3 scale per 16; e2m1 values."""
+    w = np.asarray(w, dtype=np.float32)
+    out, inn = w.shape[-2:]
+    if inn % NVFP4_GROUP:
+        raise ValueError(f"quantize_nvfp4: in={inn} is not a multiple of {NVFP4_GROUP}")
+    amax = np.abs(w).max(axis=(-2, -1))
+    scale_2 = np.where(amax > 0, amax / (E4M3_MAX * E2M1_MAX), 1.0).astype(np.float32)
+    g = w.reshape(w.shape[:-1] + (inn // NVFP4_GROUP, NVFP4_GROUP))
+    gmax = np.abs(g).max(axis=-1)
+    s = (gmax / E2M1_MAX / scale_2[..., None, None]).astype(E4M3)  # rounds to e4m3
+    sf = s.astype(np.float32) * scale_2[..., None, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.where(sf[..., None] > 0, g / sf[..., None], 0.0)
+    codes = e2m1_encode(v).reshape(w.shape)
+    return Nvfp4Weight(pack_nibbles(codes), s, scale_2)
+
+
+def quantize_mxfp4(w: np.ndarray) -> Mxfp4Weight:
+    """OCP MX: shared exponent floor(log2(amax)) - 2 per 32 elements (e2m1's emax is 2)."""
+    w = np.asarray(w, dtype=np.float32)
+    out, inn = w.shape[-2:]
+    if inn % MXFP4_GROUP:
+        raise ValueError(f"quantize_mxfp4: in={inn} is not a multiple of {MXFP4_GROUP}")
+    g = w.reshape(w.shape[:-1] + (inn // MXFP4_GROUP, MXFP4_GROUP))
+    gmax = np.abs(g).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        e = np.where(gmax > 0, np.floor(np.log2(np.maximum(gmax, 1e-38))) - 2, -127)
+    e = np.clip(e, -127, 127).astype(np.int32)
+    v = g / np.ldexp(np.float32(1), e)[..., None]
+    codes = e2m1_encode(v)
+    return Mxfp4Weight(pack_nibbles(codes), (e + 127).astype(np.uint8))
+
+
+QUANTIZERS = {"fp8_block": quantize_fp8_block, "nvfp4": quantize_nvfp4, "mxfp4": quantize_mxfp4}
+
+
+def quantize(w: np.ndarray, fmt: str) -> Any:
+    """Quantize a float matrix (stack) to `fmt`; 'bf16' rounds to bfloat16."""
+    if fmt == "bf16":
+        return np.asarray(w, dtype=np.float32).astype(BF16)
+    if fmt not in QUANTIZERS:
+        raise ValueError(f"quantize: unknown format {fmt!r}; known: bf16, {', '.join(QUANTIZERS)}")
+    return QUANTIZERS[fmt](w)
