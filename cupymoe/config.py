@@ -223,7 +223,10 @@ def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
 def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None) -> None:
     if layer_idx is None:
         return
-    n_layers = _get(cfg, "num_hidden_layers", "num_layers", default=None)
+    # LongCat counts blocks in num_layers (each holds two attention sub-layers and one MoE);
+    # its num_hidden_layers counts the sub-layers, twice as many.
+    keys = ("num_layers", "num_hidden_layers") if model_type == "longcat_flash" else ("num_hidden_layers", "num_layers")
+    n_layers = _get(cfg, *keys, default=None)
     if n_layers is not None and not 0 <= layer_idx < int(n_layers):
         raise ValueError(f"layer_idx={layer_idx} is outside 0..{int(n_layers) - 1} for {model_type}")
     dense = False
@@ -275,11 +278,12 @@ def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: d
             moe_intermediate_size=I,
             scoring_func=str(g("scoring_func", default="sigmoid")),
             has_correction_bias=topk_method == "noaux_tc",
-            n_group=int(g("n_group", default=1) or 1),
-            topk_group=int(g("topk_group", default=1) or 1),
+            # defaults are transformers' DeepseekV3Config's
+            n_group=int(g("n_group", default=8) or 1),
+            topk_group=int(g("topk_group", default=4) or 1),
             norm_topk_prob=bool(g("norm_topk_prob", default=True)),
-            routed_scaling_factor=float(g("routed_scaling_factor", default=1.0)),
-            shared_expert_intermediate_size=I * int(g("n_shared_experts", default=0) or 0),
+            routed_scaling_factor=float(g("routed_scaling_factor", default=2.5)),
+            shared_expert_intermediate_size=I * int(g("n_shared_experts", default=1) or 0),
             hidden_act=_act(g("hidden_act", default="silu")),
         )
     elif model_type == "mixtral":

@@ -103,12 +103,14 @@ class Fp8BlockWeight:
         return self.q.nbytes + self.scale_inv.nbytes
 
     def __getitem__(self, idx) -> "Fp8BlockWeight":
+        """Index the leading (expert) axes only; rows of one matrix share block scales."""
         return Fp8BlockWeight(self.q[idx], self.scale_inv[idx])
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
         out, inn = self.q.shape[-2:]
         s = np.repeat(np.repeat(self.scale_inv, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)[..., :out, :inn]
-        return (self.q.astype(np.float32) * s).astype(dtype)
+        # the product in float64 is exact; cast once at the end
+        return (self.q.astype(np.float64) * s).astype(dtype)
 
 
 @dataclass
@@ -128,7 +130,10 @@ class Nvfp4Weight:
             self.scale = self.scale.view(E4M3)
         if self.scale.dtype != E4M3:
             raise ValueError(f"Nvfp4Weight.scale: expected float8_e4m3fn, found {self.scale.dtype}")
-        self.scale_2 = np.asarray(self.scale_2, dtype=np.float32).reshape(self.packed.shape[:-2])
+        lead = self.packed.shape[:-2]
+        self.scale_2 = np.broadcast_to(np.asarray(self.scale_2, dtype=np.float32), lead).copy()
+        if self.input_scale is not None:
+            self.input_scale = np.broadcast_to(np.asarray(self.input_scale, dtype=np.float32), lead).copy()
         inn = self.packed.shape[-1] * 2
         if inn % NVFP4_GROUP:
             raise ValueError(f"Nvfp4Weight: in={inn} is not a multiple of {NVFP4_GROUP}")
@@ -150,9 +155,9 @@ class Nvfp4Weight:
         return Nvfp4Weight(self.packed[idx], self.scale[idx], self.scale_2[idx], isc)
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
-        vals = e2m1_decode(unpack_nibbles(self.packed))
-        s = np.repeat(self.scale.astype(np.float32), NVFP4_GROUP, axis=-1)
-        return (vals * s * self.scale_2[..., None, None]).astype(dtype)
+        vals = e2m1_decode(unpack_nibbles(self.packed)).astype(np.float64)
+        s = np.repeat(self.scale.astype(np.float64), NVFP4_GROUP, axis=-1)
+        return (vals * s * self.scale_2.astype(np.float64)[..., None, None]).astype(dtype)
 
 
 @dataclass
@@ -201,7 +206,7 @@ def weight_format(t: Any) -> str:
 def dequantize(t: Any, dtype=np.float64) -> np.ndarray:
     """Any weight (plain array or container) -> its dequantized values as `dtype`."""
     if hasattr(t, "dequantize"):
-        return t.dequantize(np.float32).astype(dtype)
+        return t.dequantize(dtype)
     return np.asarray(t).astype(dtype)
 
 

@@ -1,0 +1,354 @@
+"""The numpy oracle of the MoE layer (DESIGN.md section 1): every GPU kernel is checked against it.
+
+It computes in float64 by default (`dtype=np.float32` computes every step in float32
+instead) and depends on nothing but numpy, ml_dtypes (through `formats`) and the config,
+so any CPU test can use it. It is written for legibility: one function per step of
+section 1, vectorised over rows where that stays readable, no fusion, no cleverness.
+
+Conventions that section 1 leaves open, fixed here (kernels must follow them):
+
+- **Top-k tie-break**: among equal selection scores the LOWER expert id wins (a stable
+  sort of the negated scores). The same rule picks groups in group-limited routing.
+  The ids of a row are listed in descending score order.
+- **Zero (identity) experts** contribute `w * x_e[row]`, where `x_e` is the expert input
+  (`rmsnorm(x) * w_norm` under `pre_expert_norm`, else `x`): an identity expert stands in
+  for a routed expert, so it sees what the routed experts see. LongCat, the one family with
+  zero experts, has no pre-expert norm, so there both readings agree.
+- **Group-limited routing** excludes the experts of the dropped groups from the top-k
+  outright (score -inf), as vLLM does. (transformers' DeepseekV3 fills them with 0.0
+  instead, which differs only when every kept candidate's `c` is negative.)
+- **norm_topk_prob** and **routed_scaling_factor** apply after the weights are known,
+  whatever produced them (top-k of `c`, `topk_then_softmax`, hash routing); for
+  `topk_then_softmax` the renormalisation is a no-op and the scaling factor is applied
+  even though gpt-oss leaves it at 1.
+- **Expert parallelism**: a rank's output is its PARTIAL sum: the routed experts it owns,
+  plus, on rank 0 only, the shared expert and the zero-expert identity terms, so that the
+  partials of all ranks sum (all-reduce) to the full output with those counted once.
+- **Precision**: the router logits and everything after are computed in `dtype` from the
+  exact bf16 input and the dequantized weights; nothing is rounded to bf16 in between
+  (the GPU path rounds some intermediates; the tests' tolerances absorb that).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from . import formats
+from .config import MoeConfig
+from .host_weights import HostWeights
+
+__all__ = ["Routing", "moe_forward", "route", "expert_input", "activation", "router_logits", "scores"]
+
+# norm_topk_prob divides by sum(w) + NORM_EPS, as the reference implementations do, so that
+# a row whose selected weights underflow to 0 yields 0 rather than NaN.
+NORM_EPS = 1e-20
+
+
+@dataclass
+class Routing:
+    """One batch's routing decision (float64 unless computed inside a float32 forward).
+
+    logits  [N, R]  router logits (after the router bias)
+    ids     [N, k]  selected expert ids, best first; ids >= E are zero (identity) experts
+    weights [N, k]  the weight of each selected id, after renormalisation and scaling
+    margin  [N]     how far the row is from a different selection: the gap, in the
+                    selection score (logits for topk_then_softmax), between the k-th
+                    selected candidate and the best unselected one; +inf when nothing
+                    could change the choice (hash routing, or every candidate selected).
+                    GPU tests redraw rows with a small margin, where fp32 rounding
+                    could legitimately pick different experts than float64.
+    """
+
+    logits: np.ndarray
+    ids: np.ndarray
+    weights: np.ndarray
+    margin: np.ndarray
+
+
+# ----------------------------------------------------------------------------------
+# inputs
+# ----------------------------------------------------------------------------------
+
+def _as_input(cfg: MoeConfig, x: Any, dtype) -> np.ndarray:
+    """[N, H] input (bf16 or any float array) -> `dtype`; bf16 converts exactly."""
+    a = np.asarray(x)
+    if a.ndim != 2 or a.shape[1] != cfg.hidden_size:
+        raise ValueError(f"x: expected shape [N, {cfg.hidden_size}], found {a.shape}")
+    return a.astype(dtype)
+
+
+def _vector(t: Optional[np.ndarray], dtype) -> Optional[np.ndarray]:
+    return None if t is None else np.asarray(t).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------
+# step 1: pre-expert norm
+# ----------------------------------------------------------------------------------
+
+def expert_input(cfg: MoeConfig, host_weights: HostWeights, x: Any, *, dtype=np.float64) -> np.ndarray:
+    """What the routed (and zero) experts read: `rmsnorm(x) * w_norm` under pre_expert_norm, else `x`.
+
+    The router and the shared expert always read the un-normed `x` (section 1, step 1).
+    """
+    xf = _as_input(cfg, x, dtype)
+    if not cfg.pre_expert_norm:
+        return xf
+    w = _vector(host_weights.norm_weight, dtype)
+    rms = np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    return xf / rms * w
+
+
+# ----------------------------------------------------------------------------------
+# steps 2 and 3: router logits, scores, selection
+# ----------------------------------------------------------------------------------
+
+def router_logits(cfg: MoeConfig, host_weights: HostWeights, x: np.ndarray) -> np.ndarray:
+    """`l = x @ Wg^T (+ router bias)`, [N, R], in x's dtype."""
+    wg = formats.dequantize(host_weights.router, x.dtype)
+    logits = x @ wg.T
+    if cfg.has_router_bias:
+        logits = logits + _vector(host_weights.router_bias, x.dtype)
+    return logits
+
+
+def _sigmoid(v: np.ndarray) -> np.ndarray:
+    # exp(-v) overflows to inf for very negative v; 1 / (1 + inf) = 0 is the right limit.
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-v))
+
+
+def _softmax(v: np.ndarray) -> np.ndarray:
+    e = np.exp(v - v.max(axis=-1, keepdims=True))  # shift by the max: no overflow
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def scores(cfg: MoeConfig, logits: np.ndarray) -> np.ndarray:
+    """`s` by scoring_func: softmax over all R, sigmoid, or sqrt(softplus)."""
+    if cfg.scoring_func == "softmax":
+        return _softmax(logits)
+    if cfg.scoring_func == "sigmoid":
+        return _sigmoid(logits)
+    if cfg.scoring_func == "sqrtsoftplus":
+        return np.sqrt(np.logaddexp(0.0, logits))  # logaddexp(0, l) = softplus(l), overflow-free
+    raise ValueError(f"scoring_func={cfg.scoring_func!r} is not defined")
+
+
+def _topk(c: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest entries per row, best first; ties go to the lower index.
+
+    A stable sort of -c keeps equal values in index order, which is the tie-break rule.
+    """
+    return np.argsort(-c, axis=-1, kind="stable")[:, :k]
+
+
+def _gap_kth_vs_rest(c: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Per row: min over selected of c minus max over unselected candidates (-inf = not a candidate)."""
+    n = c.shape[0]
+    rows = np.arange(n)[:, None]
+    kth = c[rows, ids].min(axis=-1)
+    rest = c.copy()
+    rest[rows, ids] = -np.inf
+    best_rest = rest.max(axis=-1)
+    # No unselected candidate left: no perturbation can change the choice.
+    return np.where(np.isneginf(best_rest), np.inf, kth - best_rest)
+
+
+def _select_grouped(cfg: MoeConfig, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Group-limited top-k (DeepSeek-V3): keep the topk_group best groups, top-k inside them.
+
+    A group's score is the sum of its two best `c`. Returns (ids, margin); the margin is
+    the smaller of the group-choice gap (last kept vs best dropped group score) and the
+    in-group gap (k-th selected vs best unselected expert of the kept groups).
+    """
+    n, E = c.shape
+    G, gsize = cfg.n_group, E // cfg.n_group
+    grouped = c.reshape(n, G, gsize)
+    group_score = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)  # [n, G]
+    kept = _topk(group_score, cfg.topk_group)  # [n, topk_group]
+    group_margin = _gap_kth_vs_rest(group_score, kept)
+
+    keep_mask = np.zeros((n, G), dtype=bool)
+    keep_mask[np.arange(n)[:, None], kept] = True
+    candidate = np.repeat(keep_mask, gsize, axis=1)  # [n, E]: expert j lies in group j // gsize
+    masked = np.where(candidate, c, -np.inf)
+    ids = _topk(masked, cfg.num_experts_per_tok)
+    return ids, np.minimum(group_margin, _gap_kth_vs_rest(masked, ids))
+
+
+def _hash_ids(cfg: MoeConfig, host_weights: HostWeights, token_ids: Any, n: int) -> np.ndarray:
+    """Static routing (DeepSeek-V4 hash layers): ids = tid2eid[token_id]."""
+    if token_ids is None:
+        raise ValueError("hash routing (cfg.hash_routing=True) needs token_ids: pass the [N] token ids "
+                         "of the rows, the static tid2eid table is indexed by them")
+    t = np.asarray(token_ids)
+    if t.shape != (n,) or not np.issubdtype(t.dtype, np.integer):
+        raise ValueError(f"token_ids: expected [{n}] integers (one per row of x), found shape {t.shape} "
+                         f"dtype {t.dtype}")
+    V = cfg.hash_vocab_size
+    if n and (t.min() < 0 or t.max() >= V):
+        raise ValueError(f"token_ids must lie in 0..{V - 1} (tid2eid rows, cfg.hash_vocab_size), "
+                         f"found {int(t.min())}..{int(t.max())}")
+    return np.asarray(host_weights.tid2eid)[t].astype(np.int64)
+
+
+def _route(cfg: MoeConfig, host_weights: HostWeights, x: np.ndarray, token_ids: Any) -> Routing:
+    """Steps 2-3 on the router input `x` (already in the working dtype)."""
+    n, k = x.shape[0], cfg.num_experts_per_tok
+    rows = np.arange(n)[:, None]
+    logits = router_logits(cfg, host_weights, x)
+
+    if cfg.topk_then_softmax:
+        # gpt-oss: select on the logits themselves, then softmax over the k chosen logits.
+        ids = _topk(logits, k)
+        weights = _softmax(logits[rows, ids])
+        margin = _gap_kth_vs_rest(logits, ids)
+    else:
+        s = scores(cfg, logits)
+        if cfg.hash_routing:
+            ids = _hash_ids(cfg, host_weights, token_ids, n)
+            margin = np.full(n, np.inf, dtype=x.dtype)  # a table lookup has no near-ties
+        else:
+            # The correction bias steers the selection only; the weights stay s.
+            c = s + _vector(host_weights.correction_bias, x.dtype) if cfg.has_correction_bias else s
+            if cfg.n_group > 1:
+                ids, margin = _select_grouped(cfg, c)
+            else:
+                ids = _topk(c, k)
+                margin = _gap_kth_vs_rest(c, ids)
+        weights = s[rows, ids]
+
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + NORM_EPS)
+    weights = weights * cfg.routed_scaling_factor
+    return Routing(logits=logits, ids=ids.astype(np.int64), weights=weights, margin=margin)
+
+
+def route(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: Any = None) -> Routing:
+    """Router logits, scores, selection and weights for the rows of `x` [N, H], in float64.
+
+    The router reads the un-normed `x` (pre_expert_norm affects the experts only).
+    Hash routing needs `token_ids` [N] and raises ValueError without them.
+    """
+    host_weights.validate(cfg)
+    return _route(cfg, host_weights, _as_input(cfg, x, np.float64), token_ids)
+
+
+# ----------------------------------------------------------------------------------
+# step 4: experts
+# ----------------------------------------------------------------------------------
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])  # numpy has no erf; libm's is exact to ~1 ulp
+
+
+def activation(cfg: MoeConfig, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """`act(g, u)` of the GLU expert: the gate projection `g` activated, times the up projection `u`."""
+    act = cfg.hidden_act
+    if act == "silu":
+        return g * _sigmoid(g) * u
+    if act == "gelu":  # exact (erf) form
+        return 0.5 * g * (1.0 + _erf(g / math.sqrt(2.0)).astype(g.dtype)) * u
+    if act == "gelu_tanh":  # the tanh approximation (gelu_pytorch_tanh, gelu_new)
+        return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3))) * u
+    if act == "swiglu_oai":
+        # gpt-oss: gate clamped from above only, up clamped both ways, and the "+1" on up.
+        lim = cfg.swiglu_limit
+        g = np.minimum(g, lim)
+        u = np.clip(u, -lim, lim)
+        return g * _sigmoid(cfg.swiglu_alpha * g) * (u + 1.0)
+    raise ValueError(f"hidden_act={act!r} is not defined")
+
+
+def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
+         biases: tuple[Optional[np.ndarray], ...] = (None, None, None)) -> np.ndarray:
+    """One GLU feed-forward on rows `x`: down(act(gate(x), up(x))), weights dequantized here."""
+    dt = x.dtype
+    g = x @ formats.dequantize(gate, dt).T
+    u = x @ formats.dequantize(up, dt).T
+    bg, bu, bd = biases
+    if bg is not None:
+        g, u = g + bg, u + bu
+    y = activation(cfg, g, u) @ formats.dequantize(down, dt).T
+    return y if bd is None else y + bd
+
+
+def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Routing,
+                    owned: range, include_zero: bool) -> np.ndarray:
+    """Sum over (row, slot) of w * expert(x_e[row]) for the owned experts (+ identity experts).
+
+    Loops over experts, not rows: each chosen expert's weights are dequantized once and
+    applied to all the rows that chose it. Experts nobody chose are never touched.
+    """
+    E = cfg.num_experts
+    dt = xe.dtype
+    out = np.zeros_like(xe)
+    ids, weights = routing.ids, routing.weights.astype(dt)
+    for e in np.unique(ids):
+        e = int(e)
+        rows, slots = np.nonzero(ids == e)
+        w = weights[rows, slots][:, None]
+        if e >= E:
+            if include_zero:  # zero (identity) expert: w * its input
+                np.add.at(out, rows, w * xe[rows])
+            continue
+        if e not in owned:
+            continue
+        biases = (None, None, None)
+        if cfg.has_expert_bias:
+            biases = tuple(_vector(b[e], dt) for b in (hw.gate_bias, hw.up_bias, hw.down_bias))
+        y = _ffn(cfg, xe[rows], hw.gate[e], hw.up[e], hw.down[e], biases)
+        # A row picks an expert at most once (top-k of distinct ids; tid2eid rows are
+        # distinct by contract), but add.at stays right even if a table repeats one.
+        np.add.at(out, rows, w * y)
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# step 5: shared expert
+# ----------------------------------------------------------------------------------
+
+def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray) -> np.ndarray:
+    """`scale * down(act(gate(x), up(x)))` on the un-normed x; scale = sigmoid(x . w_gate) or 1."""
+    sh = _ffn(cfg, x, hw.shared_gate, hw.shared_up, hw.shared_down)
+    if cfg.has_shared_expert_gate:
+        sh = sh * _sigmoid(x @ _vector(hw.shared_expert_gate, x.dtype))[:, None]
+    return sh
+
+
+# ----------------------------------------------------------------------------------
+# the layer
+# ----------------------------------------------------------------------------------
+
+def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: Any = None, *,
+                dtype=np.float64, ep_rank: Optional[int] = None) -> np.ndarray:
+    """The MoE layer's output [N, H] in `dtype` for input `x` [N, H] (bf16 or float).
+
+    Every step runs in `dtype` (float64 by default: the oracle; float32 to estimate what
+    an fp32 kernel can achieve). Weights of any format are dequantized on the fly.
+
+    Expert parallelism: with `cfg.ep_world_size > 1`, or when `ep_rank` is given (it
+    overrides `cfg.ep_rank`), the result is that rank's PARTIAL output: the routed experts
+    in its `owned_experts()` block, plus, on rank 0 only, the shared expert and the
+    zero-expert identity terms. Summing the partials of ranks 0..ep_world_size-1 gives
+    the full output, with the shared expert and identity terms counted exactly once.
+
+    Hash routing needs `token_ids` [N] (ValueError without them).
+    """
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise ValueError(f"dtype={dtype}: the reference computes in float32 or float64")
+    host_weights.validate(cfg)
+    rank = cfg.ep_rank if ep_rank is None else int(ep_rank)
+    owned = cfg.replace(ep_rank=rank).owned_experts()  # validates the rank
+    on_rank0 = rank == 0
+
+    xf = _as_input(cfg, x, dtype)
+    routing = _route(cfg, host_weights, xf, token_ids)  # the router reads x, not the normed copy
+    xe = expert_input(cfg, host_weights, xf, dtype=dtype)
+    out = _routed_experts(cfg, host_weights, xe, routing, owned, include_zero=on_rank0)
+    if cfg.has_shared_expert and on_rank0:
+        out = out + _shared_expert(cfg, host_weights, xf)
+    return out.astype(dtype, copy=False)

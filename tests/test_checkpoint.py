@@ -1,0 +1,642 @@
+"""CPU tests of cupymoe.checkpoint: hub naming and formats <-> HostWeights.
+
+Two independent kinds of evidence:
+1. Round trips: random HostWeights -> save_layer -> load_layer, bit-exact, for every family x
+   format that exists in the wild. These catch asymmetries but not a naming error made the
+   same way in both directions.
+2. Hand-written checkpoints: tensors written under literal hub names (as FORMATS.md spells
+   them) with safetensors.numpy.save_file, then loaded and checked element by element,
+   including gpt-oss's even/odd interleave and the fp4 nibble order, computed here from the
+   raw bytes rather than with cupymoe.formats.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import fields
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from cupymoe import checkpoint
+from cupymoe.checkpoint import (CheckpointError, CheckpointFileError, MissingTensorError, load_layer,
+                                load_layer_from_tensors, read_config, save_layer)
+from cupymoe.config import DenseLayerError, MoeConfig, UnsupportedModelError
+from cupymoe.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from cupymoe.host_weights import HostWeights
+from cupymoe.testing import FAMILIES, hf_config_dict, random_host_weights
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+LAYER = 1  # an MoE layer in every tiny config (deepseek's layer 0 is dense)
+
+# FORMATS.md: e2m1 code -> value; 8..15 are the negatives of 0..7.
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+FP8_QCONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+NVFP4_QCONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                 "exclude_modules": ["lm_head", "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_expert_gate"]}
+MXFP4_QCONFIG = {"quant_method": "mxfp4",
+                 "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "lm_head"]}
+QCONFIGS = {"fp8_block": FP8_QCONFIG, "nvfp4": NVFP4_QCONFIG, "mxfp4": MXFP4_QCONFIG}
+
+# Every family x format combination that exists in released checkpoints.
+COMBOS = [(f, "bf16") for f in FAMILIES] + [
+    ("deepseek_v3", "fp8_block"), ("qwen3_moe", "fp8_block"),
+    ("qwen3_moe", "nvfp4"), ("deepseek_v3", "nvfp4"), ("qwen2_moe", "nvfp4"),
+    ("gpt_oss", "mxfp4"),
+]
+
+
+# ----------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------
+
+def config_for(family: str, fmt: str) -> dict:
+    cfg = hf_config_dict(family)
+    if fmt != "bf16":
+        cfg["quantization_config"] = json.loads(json.dumps(QCONFIGS[fmt]))
+    return cfg
+
+
+def with_input_scales(hw: HostWeights, rng: np.random.Generator) -> HostWeights:
+    """ModelOpt NVFP4 checkpoints carry an input_scale per linear; give every nvfp4 weight one."""
+    for f in fields(hw):
+        w = getattr(hw, f.name)
+        if isinstance(w, Nvfp4Weight):
+            w.input_scale = (rng.random(w.scale_2.shape) + 0.5).astype(np.float32)
+    return hw
+
+
+def assert_bits_equal(got, want, label: str) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype, f"{label}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{label}: shape {got.shape} != {want.shape}"
+    assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes(), f"{label}: bits differ"
+
+
+def assert_same_weight(got, want, label: str) -> None:
+    assert type(got) is type(want), f"{label}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, (Fp8BlockWeight, Nvfp4Weight, Mxfp4Weight)):
+        for part in fields(want):
+            g, w = getattr(got, part.name), getattr(want, part.name)
+            assert (g is None) == (w is None), f"{label}.{part.name}: {g!r} vs {w!r}"
+            if w is not None:
+                assert_bits_equal(g, w, f"{label}.{part.name}")
+    else:
+        assert_bits_equal(got, want, label)
+
+
+def assert_same_weights(got: HostWeights, want: HostWeights) -> None:
+    assert got.names() == want.names()
+    for name in want.names():
+        assert_same_weight(getattr(got, name), getattr(want, name), name)
+
+
+def rand_bf16(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32).astype(BF16)
+
+
+def rand_f32(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def rand_e4m3(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return (rng.standard_normal(shape) * 50).astype(np.float32).astype(E4M3)
+
+
+def write_checkpoint(root, config: dict, tensors: dict, shards: list[list[str]] | None = None,
+                     extra_files: dict | None = None):
+    """A checkpoint written by hand: config.json and one file, or the given shards + index."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    for name, content in (extra_files or {}).items():
+        (root / name).write_text(json.dumps(content))
+    if shards is None:
+        save_file(tensors, str(root / "model.safetensors"))
+        return root
+    weight_map = {}
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, str(root / fname))
+        weight_map.update({n: fname for n in names})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root
+
+
+def per_expert_bf16(rng, prefix: str, E: int, H: int, I: int, projs=("gate_proj", "up_proj", "down_proj")):
+    """{hub name: bf16 array} of E experts' gate/up/down, in the per-expert naming."""
+    g, u, d = projs
+    t = {}
+    for e in range(E):
+        t[f"{prefix}experts.{e}.{g}.weight"] = rand_bf16(rng, I, H)
+        t[f"{prefix}experts.{e}.{u}.weight"] = rand_bf16(rng, I, H)
+        t[f"{prefix}experts.{e}.{d}.weight"] = rand_bf16(rng, H, I)
+    return t
+
+
+def check_per_expert(hw: HostWeights, tensors: dict, prefix: str, E: int, projs=("gate_proj", "up_proj", "down_proj")):
+    for e in range(E):
+        for field, proj in zip(("gate", "up", "down"), projs):
+            assert_bits_equal(getattr(hw, field)[e], tensors[f"{prefix}experts.{e}.{proj}.weight"], f"{field}[{e}]")
+
+
+# ----------------------------------------------------------------------------------
+# 1. round trips through save_layer
+# ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family,fmt", COMBOS, ids=[f"{f}-{m}" for f, m in COMBOS])
+def test_round_trip_bit_exact(tmp_path, family, fmt):
+    rng = np.random.default_rng(COMBOS.index((family, fmt)))
+    config = config_for(family, fmt)
+    cfg = MoeConfig.from_hf(config, LAYER)
+    assert cfg.weight_format == fmt
+    hw = with_input_scales(random_host_weights(cfg, rng, fmt), rng)
+
+    save_layer(tmp_path, config, LAYER, hw)
+    got_cfg, got = load_layer(tmp_path, LAYER)
+
+    assert got_cfg == cfg
+    assert_same_weights(got, hw)
+
+
+def test_round_trip_sharded_mixed_formats(tmp_path):
+    """fp8 routed experts next to a bf16 shared expert and an fp8 router, across 5 shards."""
+    rng = np.random.default_rng(1)
+    config = config_for("deepseek_v3", "fp8_block")
+    cfg = MoeConfig.from_hf(config, LAYER)
+    hw = random_host_weights(cfg, rng, "fp8_block", router_fmt="fp8_block", shared_fmt="bf16")
+
+    save_layer(tmp_path, config, LAYER, hw, shard_max_tensors=23)
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    n_tensors = 2 + 1 + 16 * 3 * 2 + 3  # router q+s, correction bias, 48 fp8 expert linears, bf16 shared
+    assert len(index["weight_map"]) == n_tensors
+    assert shards == sorted(set(index["weight_map"].values())) and len(shards) == 5
+    assert not (tmp_path / "model.safetensors").exists()
+
+    got_cfg, got = load_layer(tmp_path, LAYER)
+    assert got_cfg == cfg
+    assert isinstance(got.router, Fp8BlockWeight) and got.shared_gate.dtype == BF16
+    assert_same_weights(got, hw)
+
+
+def test_save_adds_quantization_config(tmp_path):
+    """No quantization_config given + nvfp4 experts -> save_layer writes ModelOpt's, excluding bf16 modules."""
+    rng = np.random.default_rng(2)
+    config = hf_config_dict("qwen2_moe")
+    hw = random_host_weights(MoeConfig.from_hf(config, LAYER), rng, "nvfp4")
+    save_layer(tmp_path, config, LAYER, hw)
+
+    written = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert written["quant_method"] == "modelopt" and written["quant_algo"] == "NVFP4"
+    assert sorted(written["exclude_modules"]) == ["model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate"]
+    got_cfg, got = load_layer(tmp_path, LAYER)
+    assert got_cfg.weight_format == "nvfp4"
+    assert got_cfg.quant_exclude == tuple(written["exclude_modules"])
+    assert_same_weights(got, hw)
+
+
+def test_save_refuses_quantized_excluded_module(tmp_path):
+    rng = np.random.default_rng(3)
+    config = config_for("qwen3_moe", "nvfp4")  # excludes model.layers.*.mlp.gate
+    hw = random_host_weights(MoeConfig.from_hf(config, LAYER), rng, "nvfp4", router_fmt="nvfp4")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.gate is nvfp4 but the quantization config excludes"):
+        save_layer(tmp_path, config, LAYER, hw)
+
+
+def test_save_refuses_format_contradicting_config(tmp_path):
+    rng = np.random.default_rng(4)
+    config = config_for("deepseek_v3", "fp8_block")
+    hw = random_host_weights(MoeConfig.from_hf(config, LAYER), rng, "nvfp4")
+    with pytest.raises(ValueError, match="means fp8_block routed experts, but host_weights holds nvfp4"):
+        save_layer(tmp_path, config, LAYER, hw)
+
+
+def test_save_refuses_existing_checkpoint(tmp_path):
+    rng = np.random.default_rng(5)
+    config = hf_config_dict("mixtral")
+    hw = random_host_weights(MoeConfig.from_hf(config, LAYER), rng)
+    save_layer(tmp_path, config, LAYER, hw)
+    with pytest.raises(FileExistsError, match="already holds"):
+        save_layer(tmp_path, config, LAYER, hw)
+
+
+# ----------------------------------------------------------------------------------
+# 2. hand-written checkpoints, one per family
+# ----------------------------------------------------------------------------------
+
+def test_qwen3_moe_bf16_hand_written(tmp_path):
+    rng = np.random.default_rng(10)
+    config = hf_config_dict("qwen3_moe")  # E=15, H=96, I=64
+    p = "model.layers.1.mlp."
+    t = {"model.layers.1.mlp.gate.weight": rand_bf16(rng, 15, 96)}
+    t.update(per_expert_bf16(rng, p, 15, 96, 64))
+    t["model.layers.0.mlp.gate.weight"] = rand_bf16(rng, 15, 96)  # another layer: must be left alone
+    cfg, hw = load_layer(write_checkpoint(tmp_path, config, t), LAYER)
+
+    assert cfg == MoeConfig.from_hf(config, LAYER)
+    assert_bits_equal(hw.router, t["model.layers.1.mlp.gate.weight"], "router")
+    check_per_expert(hw, t, p, 15)
+    assert hw.gate.shape == (15, 64, 96) and hw.down.shape == (15, 96, 64)
+
+
+def test_qwen2_moe_shared_expert_hand_written(tmp_path):
+    rng = np.random.default_rng(11)
+    config = hf_config_dict("qwen2_moe")  # E=10, H=160, I=64, Is=96
+    p = "model.layers.1.mlp."
+    t = {"model.layers.1.mlp.gate.weight": rand_bf16(rng, 10, 160),
+         "model.layers.1.mlp.shared_expert.gate_proj.weight": rand_bf16(rng, 96, 160),
+         "model.layers.1.mlp.shared_expert.up_proj.weight": rand_bf16(rng, 96, 160),
+         "model.layers.1.mlp.shared_expert.down_proj.weight": rand_bf16(rng, 160, 96),
+         "model.layers.1.mlp.shared_expert_gate.weight": rand_bf16(rng, 1, 160)}
+    t.update(per_expert_bf16(rng, p, 10, 160, 64))
+    cfg, hw = load_layer(write_checkpoint(tmp_path, config, t), LAYER)
+
+    assert cfg.has_shared_expert_gate and cfg.shared_expert_intermediate_size == 96
+    check_per_expert(hw, t, p, 10)
+    for field, proj in (("shared_gate", "gate_proj"), ("shared_up", "up_proj"), ("shared_down", "down_proj")):
+        assert_bits_equal(getattr(hw, field), t[f"{p}shared_expert.{proj}.weight"], field)
+    # [1, H] bf16 -> [H] float32, values unchanged
+    assert hw.shared_expert_gate.dtype == np.float32 and hw.shared_expert_gate.shape == (160,)
+    assert np.array_equal(hw.shared_expert_gate, t[f"{p}shared_expert_gate.weight"][0].astype(np.float32))
+
+
+def test_qwen3_next_sharded_hand_written(tmp_path):
+    """Sharded through index.json, with one expert's projections split across two shards."""
+    rng = np.random.default_rng(12)
+    config = hf_config_dict("qwen3_next")  # E=20, H=96, I=64, Is=64
+    p = "model.layers.1.mlp."
+    t = {"model.layers.1.mlp.gate.weight": rand_bf16(rng, 20, 96),
+         "model.layers.1.mlp.shared_expert.gate_proj.weight": rand_bf16(rng, 64, 96),
+         "model.layers.1.mlp.shared_expert.up_proj.weight": rand_bf16(rng, 64, 96),
+         "model.layers.1.mlp.shared_expert.down_proj.weight": rand_bf16(rng, 96, 64),
+         "model.layers.1.mlp.shared_expert_gate.weight": rand_bf16(rng, 1, 96)}
+    t.update(per_expert_bf16(rng, p, 20, 96, 64))
+    first = [n for n in t if ".experts." not in n or int(n.split(".experts.")[1].split(".")[0]) < 10]
+    first.append("model.layers.1.mlp.experts.10.gate_proj.weight")
+    second = [n for n in t if n not in first]
+    root = write_checkpoint(tmp_path, config, t, shards=[first, second])
+    assert "model.layers.1.mlp.experts.10.up_proj.weight" in second
+
+    cfg, hw = load_layer(root, LAYER)
+    assert cfg == MoeConfig.from_hf(config, LAYER)
+    assert_bits_equal(hw.router, t[f"{p}gate.weight"], "router")
+    check_per_expert(hw, t, p, 20)
+    assert np.array_equal(hw.shared_expert_gate, t[f"{p}shared_expert_gate.weight"][0].astype(np.float32))
+
+
+def test_deepseek_v3_fp8_hand_written(tmp_path):
+    """DeepSeek fp8: e4m3 weights + fp32 weight_scale_inv per 128x128 block; bf16 router; fp32 bias."""
+    rng = np.random.default_rng(13)
+    config = config_for("deepseek_v3", "fp8_block")  # E=16, H=160, I=64, Is=128
+    p = "model.layers.1.mlp."
+    t = {"model.layers.1.mlp.gate.weight": rand_bf16(rng, 16, 160),
+         "model.layers.1.mlp.gate.e_score_correction_bias": rand_f32(rng, 16)}
+    for mod, (out, inn) in ([(f"experts.{e}.{proj}", shape) for e in range(16) for proj, shape in
+                             (("gate_proj", (64, 160)), ("up_proj", (64, 160)), ("down_proj", (160, 64)))]
+                            + [("shared_experts.gate_proj", (128, 160)), ("shared_experts.up_proj", (128, 160)),
+                               ("shared_experts.down_proj", (160, 128))]):
+        t[f"{p}{mod}.weight"] = rand_e4m3(rng, out, inn)
+        t[f"{p}{mod}.weight_scale_inv"] = rng.random((-(-out // 128), -(-inn // 128))).astype(np.float32)
+    cfg, hw = load_layer(write_checkpoint(tmp_path, config, t), LAYER)
+
+    assert cfg.weight_format == "fp8_block" and cfg.has_correction_bias and cfg.n_group == 4
+    assert hw.router.dtype == BF16
+    assert_bits_equal(hw.correction_bias, t[f"{p}gate.e_score_correction_bias"], "correction_bias")
+    assert isinstance(hw.gate, Fp8BlockWeight) and hw.gate.scale_inv.shape == (16, 1, 2)
+    assert hw.down.scale_inv.shape == (16, 2, 1)
+    for e in range(16):
+        for field, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            assert_bits_equal(getattr(hw, field).q[e], t[f"{p}experts.{e}.{proj}.weight"], f"{field}[{e}].q")
+            assert_bits_equal(getattr(hw, field).scale_inv[e], t[f"{p}experts.{e}.{proj}.weight_scale_inv"], field)
+    assert isinstance(hw.shared_up, Fp8BlockWeight)
+    assert_bits_equal(hw.shared_up.q, t[f"{p}shared_experts.up_proj.weight"], "shared_up.q")
+    # W[i, j] = q[i, j] * s[i // 128, j // 128]: element (5, 150) of expert 3's gate is in block (0, 1)
+    q, s = t[f"{p}experts.3.gate_proj.weight"], t[f"{p}experts.3.gate_proj.weight_scale_inv"]
+    assert hw.gate.dequantize()[3, 5, 150] == np.float32(float(q[5, 150]) * float(s[0, 1]))
+
+
+def test_mixtral_w1_w3_w2_hand_written(tmp_path):
+    """Mixtral: block_sparse_moe.*, w1 = gate, w3 = up, w2 = down."""
+    rng = np.random.default_rng(14)
+    config = hf_config_dict("mixtral")  # E=8, H=96, I=64
+    p = "model.layers.1.block_sparse_moe."
+    t = {"model.layers.1.block_sparse_moe.gate.weight": rand_bf16(rng, 8, 96)}
+    t.update(per_expert_bf16(rng, p, 8, 96, 64, projs=("w1", "w3", "w2")))
+    cfg, hw = load_layer(write_checkpoint(tmp_path, config, t), LAYER)
+
+    assert cfg.norm_topk_prob
+    assert_bits_equal(hw.router, t["model.layers.1.block_sparse_moe.gate.weight"], "router")
+    check_per_expert(hw, t, p, 8, projs=("w1", "w3", "w2"))
+    assert_bits_equal(hw.up[6], t["model.layers.1.block_sparse_moe.experts.6.w3.weight"], "w3 is up")
+
+
+def test_gpt_oss_bf16_interleave_hand_written(tmp_path):
+    """gate_up_proj [E, H, 2I]: gate = even columns, up = odd; transposed to [E, I, H]."""
+    rng = np.random.default_rng(15)
+    config = hf_config_dict("gpt_oss")  # E=9, H=96, I=64
+    p = "model.layers.1.mlp."
+    gu, gub = rand_bf16(rng, 9, 96, 128), rand_f32(rng, 9, 128).astype(BF16)
+    dp, dpb = rand_bf16(rng, 9, 64, 96), rand_f32(rng, 9, 96).astype(BF16)
+    t = {"model.layers.1.mlp.router.weight": rand_bf16(rng, 9, 96),
+         "model.layers.1.mlp.router.bias": rand_bf16(rng, 9),
+         "model.layers.1.mlp.experts.gate_up_proj": gu, "model.layers.1.mlp.experts.gate_up_proj_bias": gub,
+         "model.layers.1.mlp.experts.down_proj": dp, "model.layers.1.mlp.experts.down_proj_bias": dpb}
+    cfg, hw = load_layer(write_checkpoint(tmp_path, config, t), LAYER)
+
+    assert cfg.topk_then_softmax and cfg.hidden_act == "swiglu_oai" and cfg.swiglu_limit == 1.25
+    assert hw.gate.shape == (9, 64, 96) and hw.up.shape == (9, 64, 96) and hw.down.shape == (9, 96, 64)
+    for e, i, h in ((0, 0, 0), (2, 5, 7), (8, 63, 95), (4, 31, 50)):
+        assert hw.gate[e, i, h] == gu[e, h, 2 * i]
+        assert hw.up[e, i, h] == gu[e, h, 2 * i + 1]
+        assert hw.down[e, h, i] == dp[e, i, h]
+        assert hw.gate_bias[e, i] == np.float32(gub[e, 2 * i])
+        assert hw.up_bias[e, i] == np.float32(gub[e, 2 * i + 1])
+        assert hw.down_bias[e, h] == np.float32(dpb[e, h])
+    assert hw.gate.dtype == BF16 and hw.gate_bias.dtype == np.float32
+    assert np.array_equal(hw.router_bias, t[f"{p}router.bias"].astype(np.float32))
+
+
+def test_gpt_oss_mxfp4_interleave_and_nibbles_hand_written(tmp_path):
+    """mxfp4 rows interleaved (gate = even rows, up = odd); element 2j in the low nibble."""
+    rng = np.random.default_rng(16)
+    config = config_for("gpt_oss", "mxfp4")  # E=9, H=96, I=64
+    gu_b = rng.integers(0, 256, (9, 128, 3, 16), dtype=np.uint8)
+    gu_s = rng.integers(120, 134, (9, 128, 3), dtype=np.uint8)
+    d_b = rng.integers(0, 256, (9, 96, 2, 16), dtype=np.uint8)
+    d_s = rng.integers(120, 134, (9, 96, 2), dtype=np.uint8)
+    t = {"model.layers.1.mlp.router.weight": rand_bf16(rng, 9, 96),
+         "model.layers.1.mlp.router.bias": rand_bf16(rng, 9),
+         "model.layers.1.mlp.experts.gate_up_proj_blocks": gu_b,
+         "model.layers.1.mlp.experts.gate_up_proj_scales": gu_s,
+         "model.layers.1.mlp.experts.gate_up_proj_bias": rand_bf16(rng, 9, 128),
+         "model.layers.1.mlp.experts.down_proj_blocks": d_b,
+         "model.layers.1.mlp.experts.down_proj_scales": d_s,
+         "model.layers.1.mlp.experts.down_proj_bias": rand_bf16(rng, 9, 96)}
+    cfg, hw = load_layer(write_checkpoint(tmp_path, config, t), LAYER)
+
+    assert cfg.weight_format == "mxfp4"
+    assert isinstance(hw.gate, Mxfp4Weight) and hw.gate.shape == (9, 64, 96) and hw.down.shape == (9, 96, 64)
+    assert_bits_equal(hw.gate.blocks[4, 7], gu_b[4, 14], "gate row 7 = row 14")
+    assert_bits_equal(hw.up.blocks[4, 7], gu_b[4, 15], "up row 7 = row 15")
+    assert_bits_equal(hw.up.scales[4, 7], gu_s[4, 15], "up scales row 7 = row 15")
+    assert_bits_equal(hw.down.blocks, d_b, "down blocks")
+
+    def by_hand(blocks, scales, e, row, j):
+        byte = int(blocks[e, row, j // 32, (j % 32) // 2])
+        code = byte & 0xF if j % 2 == 0 else byte >> 4
+        return E2M1[code] * 2.0 ** (int(scales[e, row, j // 32]) - 127)
+
+    up, gate, down = hw.up.dequantize(), hw.gate.dequantize(), hw.down.dequantize()
+    for e, i, j in ((4, 7, 45), (0, 0, 0), (8, 63, 95), (2, 10, 32)):
+        assert up[e, i, j] == by_hand(gu_b, gu_s, e, 2 * i + 1, j)
+        assert gate[e, i, j] == by_hand(gu_b, gu_s, e, 2 * i, j)
+    assert down[3, 90, 33] == by_hand(d_b, d_s, 3, 90, 33)
+
+
+def test_longcat_flash_router_width_hand_written(tmp_path):
+    """LongCat: router.classifier [E+Z, H] and router.e_score_correction_bias [E+Z]; E experts only."""
+    rng = np.random.default_rng(17)
+    config = hf_config_dict("longcat_flash")  # E=12, Z=3, H=96, I=64
+    p = "model.layers.1.mlp."
+    t = {"model.layers.1.mlp.router.classifier.weight": rand_bf16(rng, 15, 96),
+         "model.layers.1.mlp.router.e_score_correction_bias": rand_f32(rng, 15)}
+    t.update(per_expert_bf16(rng, p, 12, 96, 64))
+    cfg, hw = load_layer(write_checkpoint(tmp_path, config, t), LAYER)
+
+    assert cfg.router_width == 15 and cfg.zero_expert_num == 3
+    assert_bits_equal(hw.router, t[f"{p}router.classifier.weight"], "router")
+    assert_bits_equal(hw.correction_bias, t[f"{p}router.e_score_correction_bias"], "correction_bias")
+    check_per_expert(hw, t, p, 12)
+
+
+def test_nvfp4_modelopt_hf_quant_config_hand_written(tmp_path):
+    """Older ModelOpt: quantization in hf_quant_config.json; u8 weights, e4m3 scales, fp32 scale_2 scalars."""
+    rng = np.random.default_rng(18)
+    config = hf_config_dict("qwen3_moe")  # E=15, H=96, I=64; no quantization_config
+    hf_quant = {"producer": {"name": "modelopt", "version": "0.19.0"},
+                "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                 "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"]}}
+    p = "model.layers.1.mlp."
+    t = {"model.layers.1.mlp.gate.weight": rand_bf16(rng, 15, 96)}
+    for e in range(15):
+        for proj, (out, inn) in (("gate_proj", (64, 96)), ("up_proj", (64, 96)), ("down_proj", (96, 64))):
+            m = f"{p}experts.{e}.{proj}"
+            t[m + ".weight"] = rng.integers(0, 256, (out, inn // 2), dtype=np.uint8)
+            t[m + ".weight_scale"] = (rng.random((out, inn // 16)) * 4 + 0.25).astype(np.float32).astype(E4M3)
+            t[m + ".weight_scale_2"] = np.array(0.01 * (e + 1), dtype=np.float32)
+            t[m + ".input_scale"] = np.array(0.5 + e, dtype=np.float32)
+    root = write_checkpoint(tmp_path, config, t, extra_files={"hf_quant_config.json": hf_quant})
+    cfg, hw = load_layer(root, LAYER)
+
+    assert cfg.weight_format == "nvfp4" and cfg.quant_exclude == ("lm_head", "model.layers.*.mlp.gate")
+    assert read_config(root)["quantization_config"]["quant_method"] == "modelopt"
+    assert hw.router.dtype == BF16
+    assert isinstance(hw.down, Nvfp4Weight) and hw.down.shape == (15, 96, 64)
+    assert_bits_equal(hw.up.packed[6], t[f"{p}experts.6.up_proj.weight"], "up[6].packed")
+    assert_bits_equal(hw.up.scale[6], t[f"{p}experts.6.up_proj.weight_scale"], "up[6].scale")
+    assert_bits_equal(hw.up.scale_2, np.array([0.01 * (e + 1) for e in range(15)], np.float32), "scale_2")
+    assert_bits_equal(hw.gate.input_scale, np.arange(15, dtype=np.float32) + np.float32(0.5), "input_scale")
+    # W[i, j] = e2m1(nibble of byte j // 2: low for even j) * scale[i, j // 16] * scale_2
+    m = f"{p}experts.9.down_proj"
+    for i, j in ((0, 0), (17, 33), (95, 63)):
+        byte = int(t[m + ".weight"][i, j // 2])
+        code = byte & 0xF if j % 2 == 0 else byte >> 4
+        want = np.float32(E2M1[code]) * np.float32(t[m + ".weight_scale"][i, j // 16]) * np.float32(0.1)
+        assert hw.down.dequantize()[9, i, j] == want
+
+
+# ----------------------------------------------------------------------------------
+# errors
+# ----------------------------------------------------------------------------------
+
+def small_qwen3(rng):
+    config = hf_config_dict("qwen3_moe")
+    t = {"model.layers.1.mlp.gate.weight": rand_bf16(rng, 15, 96)}
+    t.update(per_expert_bf16(rng, "model.layers.1.mlp.", 15, 96, 64))
+    return config, t
+
+
+def test_missing_tensor_names_tensor_and_file(tmp_path):
+    config, t = small_qwen3(np.random.default_rng(20))
+    del t["model.layers.1.mlp.experts.13.up_proj.weight"]
+    root = write_checkpoint(tmp_path, config, t)
+    with pytest.raises(MissingTensorError) as info:
+        load_layer(root, LAYER)
+    msg = str(info.value)
+    assert "model.layers.1.mlp.experts.13.up_proj.weight" in msg and str(root / "model.safetensors") in msg
+    assert isinstance(info.value, KeyError) and isinstance(info.value, CheckpointError)
+
+
+def test_missing_tensor_in_sharded_checkpoint_names_index(tmp_path):
+    config, t = small_qwen3(np.random.default_rng(21))
+    del t["model.layers.1.mlp.experts.2.down_proj.weight"]
+    names = list(t)
+    root = write_checkpoint(tmp_path, config, t, shards=[names[:20], names[20:]])
+    with pytest.raises(MissingTensorError, match=r"'model\.layers\.1\.mlp\.experts\.2\.down_proj\.weight' not found "
+                                                 r"in .*model\.safetensors\.index\.json"):
+        load_layer(root, LAYER)
+
+
+def test_wrong_shape_names_tensor_expected_found_file(tmp_path):
+    config, t = small_qwen3(np.random.default_rng(22))
+    t["model.layers.1.mlp.experts.4.down_proj.weight"] = rand_bf16(np.random.default_rng(0), 96, 65)
+    root = write_checkpoint(tmp_path, config, t)
+    with pytest.raises(CheckpointError) as info:
+        load_layer(root, LAYER)
+    msg = str(info.value)
+    for part in ("model.layers.1.mlp.experts.4.down_proj.weight", "expected shape (96, 64)", "found (96, 65)",
+                 str(root / "model.safetensors")):
+        assert part in msg
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(CheckpointFileError, match="config.json not found: .*config.json"):
+        load_layer(tmp_path, LAYER)
+
+
+def test_no_weights_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict("mixtral")))
+    with pytest.raises(CheckpointFileError, match="holds neither model.safetensors nor model.safetensors.index.json"):
+        load_layer(tmp_path, LAYER)
+
+
+def test_index_naming_missing_shard(tmp_path):
+    config, t = small_qwen3(np.random.default_rng(23))
+    root = write_checkpoint(tmp_path, config, t, shards=[list(t)[:10], list(t)[10:]])
+    (root / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointFileError, match=r"model-00002-of-00002\.safetensors, but .*model-00002-of-00002"
+                                                  r"\.safetensors does not exist"):
+        load_layer(root, LAYER)
+
+
+def test_index_pointing_at_wrong_shard(tmp_path):
+    config, t = small_qwen3(np.random.default_rng(24))
+    names = list(t)
+    root = write_checkpoint(tmp_path, config, t, shards=[names[:10], names[10:]])
+    index_path = root / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.layers.1.mlp.experts.14.gate_proj.weight"] = "model-00001-of-00002.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(MissingTensorError, match=r"maps tensor 'model\.layers\.1\.mlp\.experts\.14\.gate_proj\.weight'"
+                                                 r" to .*model-00001-of-00002\.safetensors, but that file does not"):
+        load_layer(root, LAYER)
+
+
+def test_dense_deepseek_layer_raises(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict("deepseek_v3")))  # first_k_dense_replace=1
+    with pytest.raises(DenseLayerError, match="layer 0"):
+        load_layer(tmp_path, 0)
+
+
+def test_unknown_model_type_raises(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(UnsupportedModelError, match="'llama'"):
+        load_layer(tmp_path, 0)
+
+
+def test_fp8_weight_without_block_scale(tmp_path):
+    rng = np.random.default_rng(25)
+    config, t = small_qwen3(rng)
+    t["model.layers.1.mlp.experts.0.gate_proj.weight"] = rand_e4m3(rng, 64, 96)
+    with pytest.raises(MissingTensorError, match=r"experts\.0\.gate_proj\.weight is float8_e4m3fn but "
+                                                 r".*weight_scale_inv is not found"):
+        load_layer(write_checkpoint(tmp_path, config, t), LAYER)
+
+
+def test_experts_must_share_a_format(tmp_path):
+    rng = np.random.default_rng(26)
+    config, t = small_qwen3(rng)
+    t["model.layers.1.mlp.experts.7.up_proj.weight"] = rand_e4m3(rng, 64, 96)
+    t["model.layers.1.mlp.experts.7.up_proj.weight_scale_inv"] = np.ones((1, 1), np.float32)
+    with pytest.raises(CheckpointError, match=r"experts\.7\.up_proj is stored as fp8_block .* but "
+                                              r".*experts\.0\.up_proj as bf16"):
+        load_layer(write_checkpoint(tmp_path, config, t), LAYER)
+
+
+def test_unused_tensors_under_prefix_are_reported(tmp_path, caplog):
+    rng = np.random.default_rng(27)
+    config, t = small_qwen3(rng)
+    t["model.layers.1.mlp.gate.bias"] = rand_bf16(rng, 15)
+    with caplog.at_level(logging.WARNING, logger="cupymoe.checkpoint"):
+        load_layer(write_checkpoint(tmp_path, config, t), LAYER)
+    assert "model.layers.1.mlp.gate.bias" in caplog.text
+
+
+def test_big_layer_logs_progress(tmp_path, caplog):
+    rng = np.random.default_rng(28)
+    config = hf_config_dict("qwen3_moe", num_experts=checkpoint.PROGRESS_MIN_EXPERTS)
+    hw = random_host_weights(MoeConfig.from_hf(config, LAYER), rng)
+    save_layer(tmp_path, config, LAYER, hw)
+    with caplog.at_level(logging.INFO, logger="cupymoe.checkpoint"):
+        _, got = load_layer(tmp_path, LAYER)
+    n = checkpoint.PROGRESS_MIN_EXPERTS
+    assert f"model.layers.1.mlp.experts.*.down_proj: read {n}/{n} experts" in caplog.text
+    assert_same_weights(got, hw)
+
+
+# ----------------------------------------------------------------------------------
+# mapping form
+# ----------------------------------------------------------------------------------
+
+def test_mapping_form_matches_files(tmp_path):
+    rng = np.random.default_rng(30)
+    config = hf_config_dict("qwen2_moe")
+    hw = random_host_weights(MoeConfig.from_hf(config, LAYER), rng)
+    save_layer(tmp_path, config, LAYER, hw)
+    from safetensors.numpy import load_file
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.0.mlp.gate.weight"] = rand_bf16(rng, 10, 160)  # whole-model mapping: other layers too
+
+    cfg, got = load_layer_from_tensors(config, tensors, "model.layers.1.mlp.")
+    assert cfg == MoeConfig.from_hf(config, LAYER)
+    assert_same_weights(got, hw)
+    # a MoeConfig instead of the dict, and a prefix without the trailing dot
+    cfg2, got2 = load_layer_from_tensors(cfg, tensors, "model.layers.1.mlp")
+    assert cfg2 == cfg
+    assert_same_weights(got2, hw)
+
+
+def test_mapping_form_fp8_as_uint8_views():
+    """CuPy has no fp8 dtype: e4m3 weights may arrive as uint8; weight_scale_inv marks them fp8."""
+    rng = np.random.default_rng(31)
+    config = config_for("deepseek_v3", "fp8_block")
+    cfg = MoeConfig.from_hf(config, LAYER)
+    hw = random_host_weights(cfg, rng, "fp8_block")
+    tensors, _ = checkpoint._hub_tensors(cfg, hw, "model.layers.1.mlp.")
+    as_u8 = {n: (a.view(np.uint8) if a.dtype == E4M3 else a) for n, a in tensors.items()}
+    assert any(a.dtype == np.uint8 for a in as_u8.values())
+    _, got = load_layer_from_tensors(config, as_u8, "model.layers.1.mlp.")
+    assert_same_weights(got, hw)
+
+
+def test_mapping_form_errors():
+    rng = np.random.default_rng(32)
+    config, t = small_qwen3(rng)
+    del t["model.layers.1.mlp.experts.3.gate_proj.weight"]
+    with pytest.raises(MissingTensorError, match=r"'model\.layers\.1\.mlp\.experts\.3\.gate_proj\.weight' not found "
+                                                 r"in the tensors mapping"):
+        load_layer_from_tensors(config, t, "model.layers.1.mlp.")
+    with pytest.raises(DenseLayerError):
+        load_layer_from_tensors(hf_config_dict("deepseek_v3"), {}, "model.layers.0.mlp.")
+    with pytest.raises(CheckpointError, match="model_type is empty"):
+        load_layer_from_tensors(MoeConfig(hidden_size=96, moe_intermediate_size=64, num_experts=15,
+                                          num_experts_per_tok=4), t, "model.layers.1.mlp.")
+
+
+def test_raw_reader_agrees_with_safetensors(tmp_path):
+    """F8 tensors bypass safetensors' numpy framework (it cannot build them); check that byte
+    reader against safetensors on the dtypes both can read."""
+    import contextlib
+    rng = np.random.default_rng(33)
+    t = {"a": rand_bf16(rng, 3, 5), "b": rand_f32(rng, 7), "c": rng.integers(0, 256, (2, 2, 4), dtype=np.uint8)}
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with contextlib.ExitStack() as stack:
+        src = checkpoint._FileSource(tmp_path, stack)
+        for name, want in t.items():
+            assert_bits_equal(src.read(name), want, name)
+            assert_bits_equal(src._read_raw(tmp_path / "model.safetensors", name, want.dtype), want, name)
