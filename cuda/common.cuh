@@ -1,0 +1,97 @@
+// Shared device helpers for every cupymoe kernel: bf16 vectors, warp reductions,
+// the activations of DESIGN.md section 1. Compiled by NVRTC (no host code here).
+#pragma once
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+typedef unsigned long long u64;
+
+// NVRTC has no <cmath>: spell the special values with the device intrinsics.
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+#ifndef NAN
+#define NAN __int_as_float(0x7fffffff)
+#endif
+
+#define CUPYMOE_WARP 32
+#define CUPYMOE_FULL_MASK 0xffffffffu
+
+// Activation codes shared with cupymoe/kernels.py (ACTIVATION_CODES).
+#define ACT_SILU 0
+#define ACT_GELU 1
+#define ACT_GELU_TANH 2
+#define ACT_SWIGLU_OAI 3
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(CUPYMOE_FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(CUPYMOE_FULL_MASK, v, o));
+    return v;
+}
+
+// 8 bf16 in one 16-byte register quad.
+struct bf16x8 {
+    uint4 raw;
+};
+
+__device__ __forceinline__ bf16x8 load_bf16x8(const bf16* p) {
+    bf16x8 v;
+    v.raw = __ldg(reinterpret_cast<const uint4*>(p));
+    return v;
+}
+
+// Weights are read exactly once per step: stream them past L1 (no allocation there).
+__device__ __forceinline__ bf16x8 load_bf16x8_stream(const bf16* p) {
+    bf16x8 v;
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.raw.x), "=r"(v.raw.y), "=r"(v.raw.z), "=r"(v.raw.w)
+                 : "l"(q));
+    return v;
+}
+
+__device__ __forceinline__ void unpack_bf16x8(const bf16x8& v, float f[8]) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v.raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 t = __bfloat1622float2(h[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
+}
+
+__device__ __forceinline__ float dot_bf16x8(const bf16x8& a, const float b[8], float acc) {
+    float f[8];
+    unpack_bf16x8(a, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc = fmaf(f[i], b[i], acc);
+    return acc;
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// act(g, u) of DESIGN.md section 1; `act` is a launch-uniform code, so the switch costs
+// one predictable branch per element.
+__device__ __forceinline__ float apply_activation(int act, float g, float u, float alpha, float limit) {
+    switch (act) {
+        case ACT_GELU:
+            return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
+        case ACT_GELU_TANH: {
+            const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+            return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * u;
+        }
+        case ACT_SWIGLU_OAI: {
+            g = fminf(g, limit);
+            u = fminf(fmaxf(u, -limit), limit);
+            return g * sigmoidf_(alpha * g) * (u + 1.0f);
+        }
+        default:  // ACT_SILU
+            return g * sigmoidf_(g) * u;
+    }
+}

@@ -1,0 +1,270 @@
+// Decode path (small N): every stage is ONE launch for all N rows, and every selected
+// expert's weights stream from HBM once per step however many rows chose it.
+//
+//   decode_build_lists  (row, slot) pairs grouped by expert: the active experts, each one's
+//                       run of positions, the row of each position, and pair -> position.
+//                       The shared expert is one more "expert" (table slot `n_local`)
+//                       that every row chose, so it rides through the same two kernels.
+//   decode_gate_up<RT>  one warp per intermediate column of one active expert: streams the
+//                       gate and up rows once per RT-row tile, act(g, u) fused, bf16 out.
+//   decode_down<RT>     one warp per hidden column of one active expert: y = act . W_down,
+//                       fp32 out per position, or (atomic path) w * y added into acc[row].
+//   decode_reduce       out[row] = sum_slots w * y (+ zero-expert w * x) + scale * shared,
+//                       the sum in slot order, so the result is reproducible bit for bit.
+#include "common.cuh"
+
+#define DECODE_WARPS 8
+#define LISTS_THREADS 1024
+
+// Block-wide exclusive scan of one int per thread (blockDim.x == LISTS_THREADS).
+__device__ int block_exclusive_scan(int v, int* warp_totals, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
+        if (lane >= o) incl += t;
+    }
+    if (lane == 31) warp_totals[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        int t = lane < LISTS_THREADS / 32 ? warp_totals[lane] : 0;
+        int ti = t;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int u = __shfl_up_sync(CUPYMOE_FULL_MASK, ti, o);
+            if (lane >= o) ti += u;
+        }
+        if (lane < LISTS_THREADS / 32) warp_totals[lane] = ti - t;  // exclusive warp offsets
+        if (lane == 31) warp_totals[LISTS_THREADS / 32] = ti;
+    }
+    __syncthreads();
+    total = warp_totals[LISTS_THREADS / 32];
+    const int r = warp_totals[warp] + incl - v;
+    __syncthreads();
+    return r;
+}
+
+// One block. Experts [e_lo, e_hi) are this rank's (table slots 0 .. n_local-1); ids outside
+// (other ranks' experts, zero experts, -1 from a bad hash token) get pair_pos = -1.
+// Stable: positions within an expert follow pair order, so the layout is deterministic.
+__global__ void __launch_bounds__(LISTS_THREADS)
+decode_build_lists(const int* __restrict__ ids, int N, int k, int e_lo, int e_hi, int has_shared,
+                   int* __restrict__ num_active, int* __restrict__ active_slot, int* __restrict__ active_start,
+                   int* __restrict__ active_len, int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
+                   int* __restrict__ pair_pos) {
+    extern __shared__ int sm[];
+    const int n_local = e_hi - e_lo;
+    int* cnt = sm;                      // [n_local]
+    int* start = cnt + n_local;         // [n_local]
+    int* warp_totals = start + n_local;  // [LISTS_THREADS / 32 + 1]
+    const int P = N * k;
+    for (int i = threadIdx.x; i < n_local; i += LISTS_THREADS) cnt[i] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += LISTS_THREADS) {
+        const int e = ids[p];
+        if (e >= e_lo && e < e_hi) atomicAdd(&cnt[e - e_lo], 1);
+    }
+    __syncthreads();
+    // exclusive scans over experts, LISTS_THREADS experts per round
+    int pos_base = 0, act_base = 0;
+    for (int e0 = 0; e0 < n_local; e0 += LISTS_THREADS) {
+        const int e = e0 + threadIdx.x;
+        const int c = e < n_local ? cnt[e] : 0;
+        int tot_c, tot_a;
+        const int off = block_exclusive_scan(c, warp_totals, tot_c);
+        const int aidx = block_exclusive_scan(c > 0 ? 1 : 0, warp_totals, tot_a);
+        if (c > 0) {
+            start[e] = pos_base + off;
+            active_slot[act_base + aidx] = e;
+            active_start[act_base + aidx] = pos_base + off;
+            active_len[act_base + aidx] = c;
+        }
+        pos_base += tot_c;
+        act_base += tot_a;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += LISTS_THREADS) {
+        const int e = ids[p];
+        int pos = -1;
+        if (e >= e_lo && e < e_hi) {
+            int rank = 0;
+            for (int q = 0; q < p; ++q) rank += ids[q] == e;
+            pos = start[e - e_lo] + rank;
+            sorted_row[pos] = p / k;
+            sorted_pair[pos] = p;
+        }
+        pair_pos[p] = pos;
+    }
+    if (has_shared) {
+        for (int r = threadIdx.x; r < N; r += LISTS_THREADS) {
+            sorted_row[pos_base + r] = r;
+            sorted_pair[pos_base + r] = P + r;
+            pair_pos[P + r] = pos_base + r;
+        }
+        if (threadIdx.x == 0) {
+            active_slot[act_base] = n_local;
+            active_start[act_base] = pos_base;
+            active_len[act_base] = N;
+        }
+    }
+    if (threadIdx.x == 0) *num_active = act_base + (has_shared ? 1 : 0);
+}
+
+// grid (ceil(I_max / DECODE_WARPS), max_active), block DECODE_WARPS * 32.
+template <int RT>
+__global__ void __launch_bounds__(DECODE_WARPS * 32)
+decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ num_active,
+               const int* __restrict__ active_slot, const int* __restrict__ active_start,
+               const int* __restrict__ active_len, const int* __restrict__ sorted_row,
+               const u64* __restrict__ gate_ptrs, const u64* __restrict__ up_ptrs,
+               const u64* __restrict__ gate_bias_ptrs, const u64* __restrict__ up_bias_ptrs,
+               const int* __restrict__ inter, int shared_slot, bf16* __restrict__ act, int H, int I_max,
+               int act_code, float alpha, float limit) {
+    const int j = blockIdx.y;
+    if (j >= *num_active) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int slot = active_slot[j];
+    const int I = inter[slot];
+    const int col = blockIdx.x * DECODE_WARPS + warp;
+    if (col >= I) return;
+    // The shared expert reads x; routed experts read the (optionally pre-normed) xe.
+    const bf16* in = slot == shared_slot ? x : xe;
+    const bf16* wg = reinterpret_cast<const bf16*>(gate_ptrs[slot]) + (size_t)col * H;
+    const bf16* wu = reinterpret_cast<const bf16*>(up_ptrs[slot]) + (size_t)col * H;
+    const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
+    const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
+    const int start = active_start[j], len = active_len[j];
+
+    for (int r0 = 0; r0 < len; r0 += RT) {
+        // A tile past the run's end recomputes its last row (cached) and writes nothing:
+        // no divergence and no run-time-indexed arrays in the hot loop.
+        const bf16* xr[RT];
+        float ag[RT], au[RT];
+#pragma unroll
+        for (int i = 0; i < RT; ++i) {
+            xr[i] = in + (size_t)sorted_row[start + min(r0 + i, len - 1)] * H;
+            ag[i] = 0.0f;
+            au[i] = 0.0f;
+        }
+#pragma unroll 2
+        for (int kk = lane * 8; kk < H; kk += 256) {
+            float fg[8], fu[8];
+            unpack_bf16x8(load_bf16x8_stream(wg + kk), fg);
+            unpack_bf16x8(load_bf16x8_stream(wu + kk), fu);
+#pragma unroll
+            for (int i = 0; i < RT; ++i) {
+                float fx[8];
+                unpack_bf16x8(load_bf16x8(xr[i] + kk), fx);
+#pragma unroll
+                for (int t = 0; t < 8; ++t) {
+                    ag[i] = fmaf(fg[t], fx[t], ag[i]);
+                    au[i] = fmaf(fu[t], fx[t], au[i]);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < RT; ++i) {
+            const float g = warp_sum(ag[i]);
+            const float u = warp_sum(au[i]);
+            if (lane == 0 && r0 + i < len) {
+                const float gb = g + (bg ? bg[col] : 0.0f);
+                const float ub = u + (bu ? bu[col] : 0.0f);
+                act[(size_t)(start + r0 + i) * I_max + col] =
+                    __float2bfloat16(apply_activation(act_code, gb, ub, alpha, limit));
+            }
+        }
+    }
+}
+
+// grid (ceil(H / DECODE_WARPS), max_active), block DECODE_WARPS * 32.
+// atomic == 0: y[pos, h] = act[pos] . W_down[h] (+ bias).
+// atomic == 1: routed pairs add w * y into acc[row, h]; the shared expert still stores y.
+template <int RT>
+__global__ void __launch_bounds__(DECODE_WARPS * 32)
+decode_down(const bf16* __restrict__ act, const int* __restrict__ num_active, const int* __restrict__ active_slot,
+            const int* __restrict__ active_start, const int* __restrict__ active_len,
+            const int* __restrict__ sorted_pair, const u64* __restrict__ down_ptrs,
+            const u64* __restrict__ down_bias_ptrs, const int* __restrict__ inter,
+            const float* __restrict__ topk_w, float* __restrict__ y, float* __restrict__ acc, int H, int I_max,
+            int k, int P, int atomic) {
+    const int j = blockIdx.y;
+    if (j >= *num_active) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int slot = active_slot[j];
+    const int I = inter[slot];
+    const int h = blockIdx.x * DECODE_WARPS + warp;
+    if (h >= H) return;
+    const bf16* wd = reinterpret_cast<const bf16*>(down_ptrs[slot]) + (size_t)h * I;
+    const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
+    const int start = active_start[j], len = active_len[j];
+
+    for (int r0 = 0; r0 < len; r0 += RT) {
+        float a[RT];
+#pragma unroll
+        for (int i = 0; i < RT; ++i) a[i] = 0.0f;
+#pragma unroll 2
+        for (int kk = lane * 8; kk < I; kk += 256) {
+            float fw[8];
+            unpack_bf16x8(load_bf16x8_stream(wd + kk), fw);
+#pragma unroll
+            for (int i = 0; i < RT; ++i) {
+                const size_t pos = start + min(r0 + i, len - 1);  // past the end: recompute, don't write
+                a[i] = dot_bf16x8(load_bf16x8(act + pos * I_max + kk), fw, a[i]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < RT; ++i) {
+            const float v = warp_sum(a[i]) + (bd ? bd[h] : 0.0f);
+            if (lane == 0 && r0 + i < len) {
+                const int pos = start + r0 + i;
+                const int pair = sorted_pair[pos];
+                if (atomic && pair < P)
+                    atomicAdd(acc + (size_t)(pair / k) * H + h, topk_w[pair] * v);
+                else
+                    y[(size_t)pos * H + h] = v;
+            }
+        }
+    }
+}
+
+// grid N, block 256. out[row] = routed terms + zero-expert terms + shared term, in bf16.
+// `primary` (EP rank 0, or no EP) adds the zero-expert and shared terms, which belong to
+// no rank's experts and must be counted once across the ranks' partial outputs.
+#define REDUCE_THREADS 256
+__global__ void __launch_bounds__(REDUCE_THREADS)
+decode_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ ids,
+              const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ y,
+              const float* __restrict__ acc, const float* __restrict__ shared_gate_w, bf16* __restrict__ out,
+              int N, int H, int k, int E, int has_shared, int primary, int atomic) {
+    __shared__ float partial[REDUCE_THREADS / 32];
+    const int row = blockIdx.x;
+    const size_t rbase = (size_t)row * H;
+    float scale = 1.0f;
+    if (has_shared && primary && shared_gate_w) {
+        float d = 0.0f;
+        for (int h = threadIdx.x; h < H; h += REDUCE_THREADS) d = fmaf(__bfloat162float(x[rbase + h]), shared_gate_w[h], d);
+        d = warp_sum(d);
+        if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = d;
+        __syncthreads();
+        float t = 0.0f;
+#pragma unroll
+        for (int i = 0; i < REDUCE_THREADS / 32; ++i) t += partial[i];
+        scale = sigmoidf_(t);
+    }
+    const int shared_pos = has_shared ? pair_pos[N * k + row] : -1;
+    for (int h = threadIdx.x; h < H; h += REDUCE_THREADS) {
+        float o = atomic ? acc[rbase + h] : 0.0f;
+        for (int s = 0; s < k; ++s) {
+            const int p = row * k + s;
+            const int pos = pair_pos[p];
+            if (pos >= 0) {
+                if (!atomic) o = fmaf(topk_w[p], y[(size_t)pos * H + h], o);
+            } else if (primary && ids[p] >= E) {
+                o = fmaf(topk_w[p], __bfloat162float(xe[rbase + h]), o);
+            }
+        }
+        if (primary && shared_pos >= 0) o = fmaf(scale, y[(size_t)shared_pos * H + h], o);
+        out[rbase + h] = __float2bfloat16(o);
+    }
+}

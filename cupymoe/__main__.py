@@ -1,0 +1,132 @@
+"""python -m cupymoe: kernels (build check, no GPU), info, verify (GPU), bench (GPU).
+
+    python -m cupymoe kernels --arch sm_90a   compile cuda/ through NVRTC, print resources
+    python -m cupymoe info                    versions, device, the arch we compile for
+    python -m cupymoe verify                  every family on the GPU against the reference
+    python -m cupymoe bench --help            decode timings against the floor
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _no_gpu_reason() -> str | None:
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install 'cupymoe[cu12]' or 'cupymoe[cu13]')"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return f"no CUDA driver or device ({type(e).__name__}: {e})"
+    return None if n else "no CUDA device found"
+
+
+def require_gpu(what: str) -> None:
+    reason = _no_gpu_reason()
+    if reason:
+        print(f"cupymoe {what}: needs an NVIDIA GPU (sm_80 or newer), but {reason}.\n"
+              f"Without a GPU you can run: python -m cupymoe kernels --arch sm_90a", file=sys.stderr)
+        sys.exit(2)
+
+
+def cmd_kernels(args) -> int:
+    from . import kernels
+
+    bad = 0
+    for arch in args.arch:
+        print(f"== {arch}: NVRTC {'.'.join(map(str, kernels.nvrtc_version()))}, options "
+              f"{' '.join(o for o in kernels.compile_options(arch) if not o.startswith('-I'))}", flush=True)
+        mods = []
+        for m in kernels.MODULES:
+            print(f"   compiling {m} ...", end="", flush=True, file=sys.stderr)
+            cm = kernels.compile_module(m, arch, use_cache=not args.no_cache)
+            print(" cached" if cm.from_cache else " done", file=sys.stderr)
+            mods.append(cm)
+        print(kernels.format_report(mods))
+        spills = [(cm.module, r.name) for cm in mods for r in cm.resources() if r.spill_stores or r.spill_loads]
+        if spills:
+            print(f"SPILLS on {arch}: {spills}")
+            bad += 1
+    return 1 if bad else 0
+
+
+def cmd_info(args) -> int:
+    import numpy
+
+    from . import __version__, kernels
+
+    print(f"cupymoe {__version__}, numpy {numpy.__version__}")
+    try:
+        print(f"NVRTC {'.'.join(map(str, kernels.nvrtc_version()))}, headers {kernels.cuda_include_dirs()[0]}")
+    except Exception as e:
+        print(f"NVRTC unavailable: {e}")
+    reason = _no_gpu_reason()
+    if reason:
+        print(f"GPU: none ({reason})")
+        return 0
+    import cupy
+
+    for d in range(cupy.cuda.runtime.getDeviceCount()):
+        p = cupy.cuda.runtime.getDeviceProperties(d)
+        cc = cupy.cuda.Device(d).compute_capability
+        print(f"GPU {d}: {p['name'].decode()}, sm_{cc}, {p['totalGlobalMem'] / 2**30:.0f} GiB, "
+              f"{p['multiProcessorCount']} SMs -> kernels compiled for "
+              f"{kernels.arch_for_capability(int(cc[:-1]), int(cc[-1]))}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    require_gpu("verify")
+    from .verify import verify_families
+
+    return verify_families(args.family, args.tokens, args.path, seed=args.seed)
+
+
+def cmd_bench(args) -> int:
+    require_gpu("bench")
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cupymoe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    k = sub.add_parser("kernels", help="compile every cuda/ kernel through NVRTC (no GPU needed)")
+    k.add_argument("--arch", nargs="+", default=["sm_90a"], help="real architectures, e.g. sm_80 sm_90a")
+    k.add_argument("--no-cache", action="store_true", help="recompile even when the cache has the cubin")
+    k.set_defaults(fn=cmd_kernels)
+
+    i = sub.add_parser("info", help="versions, GPUs and the arch the kernels are compiled for")
+    i.set_defaults(fn=cmd_info)
+
+    from .testing import FAMILIES
+
+    v = sub.add_parser("verify", help="run every family's layer on the GPU against cupymoe.reference")
+    v.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    v.add_argument("--tokens", nargs="+", type=int, default=[1, 3, 17, 64])
+    v.add_argument("--path", nargs="+", default=["decode", "atomic"], choices=["decode", "atomic"])
+    v.add_argument("--seed", type=int, default=None, help="random seed (default: fresh each run)")
+    v.set_defaults(fn=cmd_verify)
+
+    from .bench import add_bench_args
+
+    b = sub.add_parser("bench", help="time the layer with CUDA-graph replays against the floor (GPU)")
+    add_bench_args(b)
+    b.set_defaults(fn=cmd_bench)
+
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""python -m cupymoe bench: per-layer time with CUDA-graph replays, next to the floor.
+
+Method (PERFORMANCE.md): several layers' worth of weights (so the experts do not sit in
+the 50 MB L2) captured into one CUDA graph, replays timed with CUDA events, the median of
+repeats; random inputs, never zeros; the floor computed from the routing the layer
+actually produced (its own top-k ids, read back from the arena):
+
+    bytes = touched experts x 3 H I x 2 + router R H x 2 + shared 3 H Is x 2 + in/out N H x 2 x 2
+    FLOPs = 2 N k 3 H I + 2 N H R + 2 N 3 H Is
+    floor = max(bytes / copy bandwidth, FLOPs / bf16 matrix rate)
+
+The ceilings default to the ones measured on the lent H200 (4.26 TB/s, 777 TFLOP/s) and can
+be measured in the same run with --measure-ceilings. The peers' figures come from
+benchmarks/baselines/h200-bf16-peers.json (measured on the same kind of GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from .config import MoeConfig
+
+# PERFORMANCE.md's grid. The peers ran routed experts only; "shared" is reported apart.
+PRESETS: dict[str, dict] = {
+    "qwen3-30b-a3b": dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True),
+    "qwen3-235b-a22b": dict(hidden_size=4096, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+                            norm_topk_prob=True),
+    "deepseek-v3": dict(hidden_size=7168, moe_intermediate_size=2048, num_experts=256, num_experts_per_tok=8,
+                        scoring_func="sigmoid", has_correction_bias=True, n_group=8, topk_group=4,
+                        norm_topk_prob=True, routed_scaling_factor=2.5, shared_expert_intermediate_size=2048),
+    "mixtral-8x7b": dict(hidden_size=4096, moe_intermediate_size=14336, num_experts=8, num_experts_per_tok=2,
+                         norm_topk_prob=True),
+    "qwen3-next-80b": dict(hidden_size=2048, moe_intermediate_size=512, num_experts=512, num_experts_per_tok=10,
+                           norm_topk_prob=True, shared_expert_intermediate_size=512, has_shared_expert_gate=True),
+    "gpt-oss-120b": dict(hidden_size=2880, moe_intermediate_size=2880, num_experts=128, num_experts_per_tok=4,
+                         topk_then_softmax=True, has_router_bias=True, has_expert_bias=True, hidden_act="swiglu_oai"),
+}
+COPY_TBPS = 4.26
+BF16_TFLOPS = 777.0
+L2_BYTES = 50e6
+BASELINES = Path(__file__).resolve().parent.parent / "benchmarks" / "baselines" / "h200-bf16-peers.json"
+
+
+def preset_config(name: str, *, routed_only: bool = True) -> MoeConfig:
+    kw = dict(PRESETS[name])
+    if routed_only:  # the peers' figures cover the routed experts only
+        kw.pop("shared_expert_intermediate_size", None)
+        kw.pop("has_shared_expert_gate", None)
+    return MoeConfig(model_type=name, **kw)
+
+
+def add_bench_args(ap) -> None:
+    ap.add_argument("--preset", nargs="+", default=["qwen3-30b-a3b"], choices=sorted(PRESETS))
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--path", default="auto", choices=["auto", "decode", "atomic"])
+    ap.add_argument("--full-layer", action="store_true", help="include the shared expert (peers exclude it)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed repetitions (median reported)")
+    ap.add_argument("--replays", type=int, default=20, help="graph replays per repetition")
+    ap.add_argument("--measure-ceilings", action="store_true", help="measure copy TB/s and bf16 TFLOP/s (needs torch)")
+    ap.add_argument("--json", default=None, help="write results here (default benchmarks/results/<date>-<gpu>.json)")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def _peers() -> dict:
+    try:
+        rows = json.loads(BASELINES.read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {(r["shape"], r["N"]): r for r in rows}
+
+
+def measure_ceilings() -> tuple[float, float]:
+    import torch
+
+    a = torch.empty(2**31 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+
+    def timed(fn, reps=10):
+        fn()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        torch.cuda.synchronize()
+        return e0.elapsed_time(e1) / 1e3 / reps
+
+    t_copy = timed(lambda: b.copy_(a))
+    t_mm = timed(lambda: m @ m)
+    return 2 * a.numel() * 2 / t_copy / 1e12, 2 * 8192**3 / t_mm / 1e12
+
+
+def random_device_weights(cfg: MoeConfig, seed: int):
+    """Random bf16 weights drawn on the GPU (a layer is GBs: numpy would take minutes).
+
+    std 1/sqrt(fan_in) keeps activations O(1); bf16 bits are the top half of float32.
+    """
+    import cupy
+
+    from .host_weights import HostWeights
+
+    g = cupy.random.default_rng(seed)
+    E, H, I, R = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.router_width
+    Is = cfg.shared_expert_intermediate_size
+
+    def w(*shape):
+        a = g.standard_normal(shape, dtype=cupy.float32) * (1.0 / math.sqrt(shape[-1]))
+        return (a.view(cupy.uint32) >> 16).astype(cupy.uint16)
+
+    def v(n, scale=0.1):
+        return (g.standard_normal(n, dtype=cupy.float32) * scale).get()
+
+    return HostWeights(
+        router=w(R, H), gate=w(E, I, H), up=w(E, I, H), down=w(E, H, I),
+        router_bias=v(R) if cfg.has_router_bias else None,
+        correction_bias=v(R) if cfg.has_correction_bias else None,
+        gate_bias=v((E, I)) if cfg.has_expert_bias else None,
+        up_bias=v((E, I)) if cfg.has_expert_bias else None,
+        down_bias=v((E, H)) if cfg.has_expert_bias else None,
+        shared_gate=w(Is, H) if Is else None, shared_up=w(Is, H) if Is else None,
+        shared_down=w(H, Is) if Is else None,
+        shared_expert_gate=v(H) if cfg.has_shared_expert_gate else None,
+    )
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_bench(args) -> int:
+    import cupy
+
+    from .layer import MoeLayer
+    from .verify import bf16_bits
+
+    rng = np.random.default_rng(args.seed)
+    copy_tbps, mm_tflops = COPY_TBPS, BF16_TFLOPS
+    if args.measure_ceilings:
+        copy_tbps, mm_tflops = measure_ceilings()
+        print(f"ceilings measured: copy {copy_tbps:.2f} TB/s, bf16 mm {mm_tflops:.0f} TFLOP/s", flush=True)
+    peers = _peers()
+    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    results = []
+    max_n = max(args.tokens)
+    for name in args.preset:
+        cfg = preset_config(name, routed_only=not args.full_layer)
+        H, I, E, k, R = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.router_width
+        Is = cfg.shared_expert_intermediate_size
+        layer_bytes = (E * 3 * H * I + 3 * H * Is + R * H) * 2
+        n_layers = max(2, math.ceil(4 * L2_BYTES / layer_bytes))
+        print(f"[{name}] drawing weights ({layer_bytes / 1e9:.2f} GB/layer), building {n_layers} layers ...",
+              flush=True)
+        t0 = time.perf_counter()
+        hw = random_device_weights(cfg, args.seed)
+        layers = [MoeLayer(cfg, hw, max_tokens=max_n, path=args.path) for _ in range(n_layers)]
+        del hw
+        for L in layers:
+            L.warmup()
+        print(f"[{name}] ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        for n in args.tokens:
+            x = cupy.asarray(bf16_bits(rng.standard_normal((n, H), dtype=np.float32)))
+            out = cupy.empty_like(x)
+            s = cupy.cuda.Stream(non_blocking=True)
+            for L in layers:  # eager once: warm, and the routing for the floor
+                L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
+            s.synchronize()
+            ids = cupy.ndarray((n, k), cupy.int32, cupy.cuda.MemoryPointer(
+                cupy.cuda.UnownedMemory(layers[-1].arena.ptr("topk_ids"), n * k * 4, None), 0)).get()
+            touched = len(np.unique(ids[ids < E]))
+            s.begin_capture()
+            for L in layers:
+                L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
+            g = s.end_capture()
+            g.upload(s)
+            for _ in range(3):
+                g.launch(s)
+            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+            times = []
+            for _ in range(args.repeats):
+                e0.record(s)
+                for _ in range(args.replays):
+                    g.launch(s)
+                e1.record(s)
+                e1.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / args.replays / n_layers)
+            us = statistics.median(times)
+            nbytes = (touched * 3 * H * I + 3 * H * Is + R * H + 2 * n * H) * 2
+            flops = 2 * n * (k * 3 * H * I + H * R + 3 * H * Is)
+            floor = max(nbytes / copy_tbps / 1e6, flops / mm_tflops / 1e6)
+            peer = peers.get((name, n), {})
+            row = dict(shape=name, N=n, path=args.path, us=round(us, 2), floor_us=round(floor, 2),
+                       pct_of_floor=round(100 * floor / us, 1), touched=touched,
+                       TBps=round(nbytes / us / 1e6, 3), TFLOPs=round(flops / us / 1e6, 2),
+                       spread_us=round(max(times) - min(times), 2),
+                       vllm_compute_only=peer.get("vllm_compute_only"), grouped_mm=peer.get("grouped_mm"))
+            results.append(row)
+            vs = f"{peer['vllm_compute_only'] / us:.2f}x vLLM" if peer.get("vllm_compute_only") else ""
+            print(f"  N={n:<6} {us:9.1f} us  floor {floor:8.1f} us ({row['pct_of_floor']:5.1f}% of floor)  "
+                  f"{row['TBps']:.2f} TB/s  {row['TFLOPs']:.1f} TFLOP/s  touched {touched}  {vs}", flush=True)
+        del layers
+        cupy.get_default_memory_pool().free_all_blocks()
+    meta = dict(gpu=gpu, commit=_git_commit(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                python=platform.python_version(), cupy=cupy.__version__, copy_TBps=copy_tbps,
+                bf16_TFLOPs=mm_tflops, method="CUDA-graph replays over several layers, median of repeats")
+    path = Path(args.json) if args.json else (
+        Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-{gpu.replace(' ', '_')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(meta=meta, rows=results), indent=1))
+    print(f"results written to {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,361 @@
+"""Compiling and loading the cuda/ kernels: NVRTC through CuPy's bindings, one arch choice.
+
+One compile path serves both the runtime (MoeLayer loads cubins onto its device) and the
+GPU-less build check (`python -m cupymoe kernels --arch sm_90a`): NVRTC compiles each
+module for an explicit real architecture (`sm_90a` on Hopper, so wgmma is available;
+`sm_XY` elsewhere) straight to a cubin, with every template variant named up front
+through name expressions. The arch is chosen here and only here: CuPy's RawModule adds
+the device's own arch to the options, which collides with ours (DESIGN.md section 3).
+
+Cubins are cached on disk, keyed by the module source, every header it can include, the
+options, the arch and the NVRTC version (`CUPYMOE_CACHE_DIR`, default
+~/.cache/cupymoe). Writes are atomic (temp file + rename), so several processes starting
+at once at worst compile the same thing twice and never read a torn file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+log = logging.getLogger(__name__)
+
+# Codes shared with cuda/common.cuh and cuda/topk.cu.
+ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swiglu_oai": 3}
+SCORING_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
+# Rows per weight pass in the router and decode kernels (a template parameter). gate/up
+# keeps two accumulators per row: at 8 rows ptxas spills, so it stops at 4.
+ROW_TILES = (1, 2, 4, 8)
+GATE_UP_ROW_TILES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One cuda/*.cu file and the kernels (template instances included) it provides."""
+
+    file: str
+    names: tuple[str, ...]
+
+
+MODULES: dict[str, ModuleSpec] = {
+    "router": ModuleSpec(
+        "router.cu", tuple(f"router_logits_bf16<{r}>" for r in ROW_TILES) + ("rmsnorm_bf16",)
+    ),
+    "topk": ModuleSpec("topk.cu", ("topk_route",)),
+    "decode": ModuleSpec(
+        "decode.cu",
+        ("decode_build_lists", "decode_reduce")
+        + tuple(f"decode_gate_up<{r}>" for r in GATE_UP_ROW_TILES)
+        + tuple(f"decode_down<{r}>" for r in ROW_TILES),
+    ),
+}
+
+
+class KernelBuildError(RuntimeError):
+    """NVRTC rejected a module; the message carries its log."""
+
+
+class CudaUnavailableError(RuntimeError):
+    """No usable CUDA device / CuPy installation for a GPU operation."""
+
+
+def kernel_dir() -> Path:
+    """cuda/ of the source tree, or cupymoe/cuda/ of an installed package."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "cuda", here.parent / "cuda"):
+        if (cand / "common.cuh").is_file():
+            return cand
+    raise FileNotFoundError(f"cupymoe kernels not found next to {here} (looked in cuda/ and ../cuda/)")
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("CUPYMOE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cupymoe")
+    return Path(d)
+
+
+# ----------------------------------------------------------------------------------
+# NVRTC
+# ----------------------------------------------------------------------------------
+
+def _nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise CudaUnavailableError(
+            "CuPy is not installed: install cupymoe with the cu12 or cu13 extra "
+            "(pip install 'cupymoe[cu12]')"
+        ) from e
+    return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    return tuple(_nvrtc().getVersion())  # type: ignore[return-value]
+
+
+def cuda_include_dirs() -> list[str]:
+    """Where cuda_bf16.h lives: NVIDIA's PyPI headers first, then a local toolkit."""
+    dirs: list[str] = []
+    try:
+        import cuda.pathfinder as pf
+
+        d = pf.find_nvidia_header_directory("cudart")
+        if d:
+            dirs.append(str(d))
+    except Exception as e:  # pathfinder absent or no pip headers: try the toolkit
+        log.debug("cuda.pathfinder found no cudart headers: %s", e)
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            dirs.append(os.path.join(os.environ[env], "include"))
+    dirs.append("/usr/local/cuda/include")
+    found = [d for d in dirs if os.path.isfile(os.path.join(d, "cuda_bf16.h"))]
+    if not found:
+        raise KernelBuildError(
+            "cuda_bf16.h not found: install the CUDA headers (pip install nvidia-cuda-runtime-cu12) "
+            f"or set CUDA_PATH; looked in {dirs}"
+        )
+    return found[:1]
+
+
+def parse_arch(arch: str) -> tuple[int, str]:
+    """'sm_90a' -> (90, 'sm_90a'). Real architectures only: the cubin is what loads."""
+    m = re.fullmatch(r"sm_(\d+)([a-z]?)", arch)
+    if not m:
+        raise ValueError(f"arch={arch!r}: expected a real architecture like sm_80 or sm_90a")
+    cc = int(m.group(1))
+    if cc < 80:
+        raise ValueError(f"arch={arch!r}: cupymoe needs sm_80 or newer (bf16 tensor cores, cp.async)")
+    return cc, arch
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """The arch we compile for on a device: Hopper gets sm_90a so wgmma is available."""
+    cc = major * 10 + minor
+    return "sm_90a" if cc == 90 else f"sm_{cc}"
+
+
+def compile_options(arch: str) -> tuple[str, ...]:
+    cc, arch = parse_arch(arch)
+    return (
+        f"--gpu-architecture={arch}",
+        "--std=c++17",
+        "-lineinfo",
+        f"-DCUPYMOE_SM={cc}",
+        f"-I{kernel_dir()}",
+        *(f"-I{d}" for d in cuda_include_dirs()),
+        "-Xptxas=-v",  # resource report in the program log (registers, spills, smem)
+    )
+
+
+@dataclass
+class KernelResources:
+    name: str  # the name expression, e.g. decode_gate_up<4>
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    smem_bytes: int
+    uses_wgmma: bool
+
+
+@dataclass
+class CompiledModule:
+    module: str
+    arch: str
+    cubin: bytes
+    ptx: str
+    lowered: dict[str, str]  # name expression -> mangled name
+    log: str
+    from_cache: bool = False
+    _resources: Optional[list[KernelResources]] = field(default=None, repr=False)
+
+    def resources(self) -> list[KernelResources]:
+        """Per-kernel registers, spills, static shared memory and wgmma use, from ptxas -v."""
+        if self._resources is None:
+            self._resources = _parse_resources(self.log, self.ptx, self.lowered)
+        return self._resources
+
+
+def _source_digest(spec: ModuleSpec, options: Iterable[str], arch: str, version: tuple[int, int]) -> str:
+    h = hashlib.sha256()
+    kd = kernel_dir()
+    h.update((kd / spec.file).read_bytes())
+    for hdr in sorted(kd.glob("*.cuh")):  # every header any module could include
+        h.update(hdr.name.encode())
+        h.update(hdr.read_bytes())
+    # include paths differ between machines but not the code they hold; key on the rest
+    h.update(json.dumps([o for o in options if not o.startswith("-I")]).encode())
+    h.update(arch.encode())
+    h.update(repr(version).encode())
+    h.update(json.dumps(spec.names).encode())
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def compile_module(module: str, arch: str, *, use_cache: bool = True) -> CompiledModule:
+    """Compile one cuda/ module for `arch` (no GPU needed), through the disk cache."""
+    if module not in MODULES:
+        raise KeyError(f"unknown kernel module {module!r}; known: {sorted(MODULES)}")
+    spec = MODULES[module]
+    nvrtc = _nvrtc()
+    version = nvrtc_version()
+    options = compile_options(arch)
+    key = _source_digest(spec, options, arch, version)
+    stem = cache_dir() / f"{module}-{arch}-{key[:20]}"
+    if use_cache and stem.with_suffix(".json").is_file() and stem.with_suffix(".cubin").is_file():
+        try:
+            meta = json.loads(stem.with_suffix(".json").read_text())
+            cubin = stem.with_suffix(".cubin").read_bytes()
+            if meta.get("key") == key and len(cubin) == meta.get("cubin_len"):
+                return CompiledModule(module, arch, cubin, meta["ptx"], meta["lowered"], meta["log"], True)
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("ignoring unreadable kernel cache entry %s: %s", stem, e)
+
+    source = (kernel_dir() / spec.file).read_text()
+    prog = nvrtc.createProgram(source, spec.file, (), ())
+    try:
+        for name in spec.names:
+            nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as e:
+            raise KernelBuildError(
+                f"NVRTC failed on cuda/{spec.file} for {arch}: {e}\n{nvrtc.getProgramLog(prog)}"
+            ) from None
+        lowered = {name: nvrtc.getLoweredName(prog, name) for name in spec.names}
+        plog = nvrtc.getProgramLog(prog)
+        cubin = nvrtc.getCUBIN(prog)
+        ptx = nvrtc.getPTX(prog)
+        if isinstance(ptx, bytes):
+            ptx = ptx.decode(errors="replace")
+    finally:
+        nvrtc.destroyProgram(prog)
+    cm = CompiledModule(module, arch, cubin, ptx, lowered, plog)
+    if use_cache:
+        try:
+            meta = {"key": key, "cubin_len": len(cubin), "ptx": ptx, "lowered": lowered, "log": plog}
+            _atomic_write(stem.with_suffix(".cubin"), cubin)
+            _atomic_write(stem.with_suffix(".json"), json.dumps(meta).encode())
+        except OSError as e:  # a read-only home must not stop the layer
+            log.warning("could not write kernel cache %s: %s", stem, e)
+    return cm
+
+
+_RE_ENTRY = re.compile(r"Compiling entry function '([^']+)' for")
+_RE_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_RE_USED = re.compile(r"Used (\d+) registers")
+_RE_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def _parse_resources(plog: str, ptx: str, lowered: dict[str, str]) -> list[KernelResources]:
+    by_mangled: dict[str, dict] = {}
+    cur = None
+    for line in plog.splitlines():
+        m = _RE_ENTRY.search(line)
+        if m:
+            cur = by_mangled.setdefault(m.group(1), {"regs": 0, "st": 0, "ld": 0, "stack": 0, "smem": 0})
+            continue
+        if cur is None:
+            continue
+        m = _RE_FRAME.search(line)
+        if m:
+            cur["stack"], cur["st"], cur["ld"] = (int(g) for g in m.groups())
+        m = _RE_USED.search(line)
+        if m:
+            cur["regs"] = int(m.group(1))
+            s = _RE_SMEM.search(line)
+            cur["smem"] = int(s.group(1)) if s else 0
+    # wgmma use, per entry, from the PTX bodies
+    wgmma: dict[str, bool] = {}
+    for m in re.finditer(r"\.entry\s+(\S+?)\s*\(", ptx):
+        start = m.end()
+        nxt = ptx.find(".entry", start)
+        wgmma[m.group(1)] = "wgmma.mma_async" in ptx[start: nxt if nxt >= 0 else len(ptx)]
+    out = []
+    for name, mangled in lowered.items():
+        r = by_mangled.get(mangled, {"regs": -1, "st": 0, "ld": 0, "stack": 0, "smem": 0})
+        out.append(KernelResources(name, r["regs"], r["st"], r["ld"], r["stack"], r["smem"], wgmma.get(mangled, False)))
+    return out
+
+
+def build_all(arch: str, *, use_cache: bool = True) -> list[CompiledModule]:
+    return [compile_module(m, arch, use_cache=use_cache) for m in MODULES]
+
+
+def format_report(modules: list[CompiledModule]) -> str:
+    rows = [("module", "kernel", "regs", "spill st/ld", "stack", "smem", "wgmma")]
+    for cm in modules:
+        for r in cm.resources():
+            rows.append((cm.module, r.name, str(r.registers), f"{r.spill_stores}/{r.spill_loads}",
+                         str(r.stack_bytes), str(r.smem_bytes), "yes" if r.uses_wgmma else "no"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------
+# Loading onto a device
+# ----------------------------------------------------------------------------------
+
+class KernelLibrary:
+    """Every kernel of cuda/, compiled for one device and loaded, looked up by name expression.
+
+    Construction compiles (or reads from the cache) and loads everything, so nothing is
+    compiled inside a forward or during graph capture.
+    """
+
+    def __init__(self, device_id: int, modules: Iterable[str] = tuple(MODULES)):
+        import cupy
+
+        self.device_id = device_id
+        with cupy.cuda.Device(device_id):
+            cc = cupy.cuda.Device(device_id).compute_capability  # e.g. "90"
+            self.arch = arch_for_capability(int(cc[:-1]), int(cc[-1]))
+            self._functions: dict[str, object] = {}
+            self._modules = []
+            for name in modules:
+                cm = compile_module(name, self.arch)
+                mod = cupy.cuda.function.Module()
+                mod.load(cm.cubin)
+                self._modules.append(mod)  # keep the module alive as long as its functions
+                for expr, mangled in cm.lowered.items():
+                    self._functions[expr] = mod.get_function(mangled)
+
+    def __getitem__(self, name: str):
+        try:
+            return self._functions[name]
+        except KeyError:
+            raise KeyError(f"kernel {name!r} is not in the library; known: {sorted(self._functions)}") from None
+
+
+_LIBRARIES: dict[int, KernelLibrary] = {}
+
+
+def library(device_id: int) -> KernelLibrary:
+    """The process-wide KernelLibrary of a device (compiled once, shared by every layer)."""
+    lib = _LIBRARIES.get(device_id)
+    if lib is None:
+        lib = _LIBRARIES[device_id] = KernelLibrary(device_id)
+    return lib

@@ -1,0 +1,424 @@
+"""MoeLayer: the stage launches of one MoE layer, on the caller's stream, by raw pointer.
+
+`forward(input_ptr, num_tokens, output_ptr, stream, *, token_ids_ptr=0)` (DESIGN.md
+section 5) only enqueues kernels on `stream`: no host sync, no allocation, no host-to-device
+copy of per-step data, so a whole forward can be captured into a CUDA graph. All scratch
+lives in the arena (fixed addresses); kernels were compiled and loaded at construction.
+Every refusal happens before the first launch, so nothing is written when a call is
+refused.
+
+Paths (DESIGN.md section 3):
+  decode  router -> top-k -> [pre-norm] -> expert lists -> gate/up -> down -> reduce; one
+          launch per stage for all N rows. Row-invariant and bit-reproducible.
+  atomic  the same, but the routed down projections atomically add w * y into an fp32
+          [N, H] accumulator that the reduce casts; not bit-reproducible (opt-in).
+  prefill sorted grouped tensor-core GEMMs: not built yet; asking for it is a named error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from . import kernels
+from .arena import Arena, ArenaPlan, BufferSpec, plan_arena
+from .config import MoeConfig
+from .host_weights import HostWeights
+from .profiling import StageTimer, dump_dir, profile_enabled, write_dumps
+from .weights import DeviceWeights
+
+log = logging.getLogger(__name__)
+
+PATHS = ("auto", "decode", "atomic", "prefill")
+STAGES = ("route", "norm", "sort", "gate_up", "down", "reduce")
+DEFAULT_ATOMIC_MAX_TOKENS = 64
+
+
+class MoeCallError(ValueError):
+    """A forward call refused before anything was launched; names the problem and values."""
+
+
+class PathUnavailableError(ValueError):
+    """A forced path that cannot serve this layer or call."""
+
+
+def _u64(v: int) -> np.uint64:
+    return np.uint64(v)
+
+
+def _i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def _f32(v: float) -> np.float32:
+    return np.float32(v)
+
+
+def _row_tile(rows: float, tiles: tuple[int, ...]) -> int:
+    """Smallest tile holding `rows` expected rows, capped at the largest variant."""
+    for t in tiles:
+        if t >= rows:
+            return t
+    return tiles[-1]
+
+
+def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int) -> ArenaPlan:
+    """The layer's buffers, their live stages and the ONE alias table."""
+    T, k, H, R = max_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.router_width
+    sh = 1 if cfg.has_shared_expert else 0
+    P = T * k + sh * T  # expert positions: every routed pair, plus one shared row per token
+    buffers = [
+        BufferSpec("err", 4, "route", "reduce"),  # sticky error bits, read by check_errors()
+        BufferSpec("logits", T * R * 4, "route", "route"),
+        BufferSpec("topk_ids", T * k * 4, "route", "reduce"),
+        BufferSpec("topk_w", T * k * 4, "route", "reduce"),
+        BufferSpec("xe", T * H * 2 if cfg.pre_expert_norm else 0, "norm", "reduce"),
+        BufferSpec("num_active", 4, "sort", "down"),
+        BufferSpec("active_slot", (n_local + 1) * 4, "sort", "down"),
+        BufferSpec("active_start", (n_local + 1) * 4, "sort", "down"),
+        BufferSpec("active_len", (n_local + 1) * 4, "sort", "down"),
+        BufferSpec("sorted_row", P * 4, "sort", "gate_up"),
+        BufferSpec("sorted_pair", P * 4, "sort", "down"),
+        BufferSpec("pair_pos", (T * k + T) * 4, "sort", "reduce"),
+        BufferSpec("act", P * i_max * 2, "gate_up", "down"),
+        BufferSpec("y", P * H * 4, "down", "reduce"),
+        BufferSpec("acc", T * H * 4, "sort", "reduce"),  # atomic path: zeroed in 'sort'
+    ]
+    # logits die once top-k has read them; act is born at gate_up.
+    aliases = [("logits", "act")]
+    return plan_arena(STAGES, buffers, aliases)
+
+
+class _StreamHandle:
+    """A raw cudaStream_t seen through the CUDA stream protocol (`__cuda_stream__`)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+class MoeLayer:
+    """One MoE layer on one GPU. See DESIGN.md section 5 for the calling convention."""
+
+    def __init__(self, cfg: MoeConfig, host_weights: HostWeights, *, max_tokens: int,
+                 device: Optional[int] = None, path: str = "auto", row_invariant: bool = False,
+                 atomic_max_tokens: int = DEFAULT_ATOMIC_MAX_TOKENS):
+        import cupy
+
+        if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens <= 0:
+            raise ValueError(f"max_tokens={max_tokens!r}: must be a positive integer")
+        if path not in PATHS:
+            raise ValueError(f"path={path!r}: must be one of {PATHS}")
+        H, I = cfg.hidden_size, cfg.moe_intermediate_size
+        for name, v in (("hidden_size", H), ("moe_intermediate_size", I),
+                        ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
+            if v % 8:
+                raise ValueError(f"MoeConfig.{name}={v}: the kernels read 16-byte vectors, so it must be a multiple of 8")
+        if cfg.n_group > 32:
+            raise ValueError(f"MoeConfig.n_group={cfg.n_group}: the top-k kernel handles at most 32 groups")
+        if cfg.num_experts_per_tok > 64 or cfg.router_width > 4096:
+            raise ValueError(f"k={cfg.num_experts_per_tok}, R={cfg.router_width}: the top-k kernel serves k <= 64, R <= 4096")
+
+        self.cfg = cfg
+        self.max_tokens = int(max_tokens)
+        self.device_id = cupy.cuda.runtime.getDevice() if device is None else int(device)
+        self.default_path = path
+        self.row_invariant = bool(row_invariant)
+        self.atomic_max_tokens = int(atomic_max_tokens)
+        if path != "auto":
+            self._check_path(path, 1, cfg)
+
+        with cupy.cuda.Device(self.device_id):
+            self.lib = kernels.library(self.device_id)
+            self.weights = DeviceWeights(cfg, host_weights, self.device_id)
+            self.arena = Arena(plan_layer_arena(cfg, self.max_tokens, self.weights.n_local, self.weights.i_max),
+                               self.device_id)
+            cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
+            self._ctx = cupy.cuda.driver.ctxGetCurrent()
+        self._streams: dict[int, Any] = {}
+        log.info("MoeLayer ready on device %d (%s): %d local experts, weights %.1f MB, arena %.1f MB",
+                 self.device_id, self.lib.arch, self.weights.n_local, self.weights.nbytes / 1e6,
+                 self.arena.total_bytes / 1e6)
+
+    # --- constructors ------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, config_dict: Mapping[str, Any], tensors: Mapping[str, Any], prefix: str, *,
+                max_tokens: int, **options) -> "MoeLayer":
+        """Build from a config.json dict and a mapping of hub tensor names (numpy, torch, CuPy)."""
+        from .checkpoint import load_layer_from_tensors
+
+        cfg, hw = load_layer_from_tensors(config_dict, tensors, prefix)
+        return cls(cfg, hw, max_tokens=max_tokens, **options)
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir, layer_idx: int, *, max_tokens: int, **options) -> "MoeLayer":
+        """Build from a checkpoint directory in hub naming (config.json + safetensors)."""
+        from .checkpoint import load_layer
+
+        cfg, hw = load_layer(checkpoint_dir, layer_idx)
+        return cls(cfg, hw, max_tokens=max_tokens, **options)
+
+    # --- dispatch ------------------------------------------------------------------------
+    def _check_path(self, path: str, num_tokens: int, cfg: MoeConfig) -> None:
+        if path == "prefill":
+            raise PathUnavailableError(
+                "path='prefill': the grouped tensor-core prefill kernels are not built yet; "
+                "use path='decode' (serves any N up to max_tokens) or 'auto'"
+            )
+        if path == "atomic":
+            if self.row_invariant:
+                raise PathUnavailableError("path='atomic' accumulates with atomics, so it cannot be row_invariant=True")
+            if num_tokens > self.atomic_max_tokens:
+                raise PathUnavailableError(
+                    f"path='atomic' serves num_tokens <= {self.atomic_max_tokens} (atomic_max_tokens), got {num_tokens}"
+                )
+
+    def select_path(self, num_tokens: int, path: Optional[str] = None) -> str:
+        """The path a forward of `num_tokens` rows takes (validates a forced one)."""
+        p = path or self.default_path
+        if p not in PATHS:
+            raise PathUnavailableError(f"path={p!r}: must be one of {PATHS}")
+        if p == "auto":
+            return "decode"
+        self._check_path(p, num_tokens, self.cfg)
+        return p
+
+    # --- the forward ---------------------------------------------------------------------
+    def _stream(self, stream: int):
+        s = self._streams.get(stream)
+        if s is not None:
+            return s
+        import cupy
+
+        if stream not in (0, 1, 2):  # legacy / per-thread default streams belong to the current context
+            ctx = cupy.cuda.driver.streamGetCtx(stream)
+            if ctx != self._ctx:
+                raise MoeCallError(
+                    f"stream 0x{stream:x} belongs to another device's context than this layer's device {self.device_id}"
+                )
+        if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14: the CUDA stream protocol
+            s = cupy.cuda.Stream.from_external(_StreamHandle(stream))
+        else:
+            s = cupy.cuda.ExternalStream(stream, self.device_id)
+        self._streams[stream] = s
+        return s
+
+    def _check_call(self, input_ptr: int, num_tokens: int, output_ptr: int, token_ids_ptr: int) -> None:
+        if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool):
+            raise MoeCallError(f"num_tokens={num_tokens!r}: must be an int")
+        if not 1 <= num_tokens <= self.max_tokens:
+            raise MoeCallError(f"num_tokens={num_tokens}: must be in 1..max_tokens={self.max_tokens}")
+        for name, p in (("input_ptr", input_ptr), ("output_ptr", output_ptr)):
+            if not isinstance(p, (int, np.integer)) or p == 0:
+                raise MoeCallError(f"{name}={p!r}: a non-null device pointer (int) is required")
+            if p % 16:
+                raise MoeCallError(f"{name}=0x{int(p):x}: must be 16-byte aligned (the kernels read 16-byte vectors)")
+        if self.cfg.hash_routing:
+            if not token_ids_ptr:
+                raise MoeCallError("hash routing (tid2eid) needs token_ids_ptr: a device pointer to num_tokens int32 ids")
+            if token_ids_ptr % 4:
+                raise MoeCallError(f"token_ids_ptr=0x{int(token_ids_ptr):x}: must be 4-byte aligned (int32)")
+
+    def forward(self, input_ptr: int, num_tokens: int, output_ptr: int, stream: int, *,
+                token_ids_ptr: int = 0, path: Optional[str] = None) -> None:
+        """Enqueue the layer on `stream`: output[N, H] bf16 = MoE(input[N, H] bf16)."""
+        self._check_call(input_ptr, num_tokens, output_ptr, token_ids_ptr)
+        p = self.select_path(num_tokens, path)
+        s = self._stream(int(stream))
+        debug = profile_enabled() or dump_dir() is not None
+        if debug and s.is_capturing():
+            raise MoeCallError("CUPYMOE_PROFILE / CUPYMOE_DUMP_DIR synchronise the stream; unset them while capturing a graph")
+        self._enqueue(int(input_ptr), int(num_tokens), int(output_ptr), s, int(token_ids_ptr), p)
+        if dump_dir() is not None:
+            self._dump(int(input_ptr), int(num_tokens), int(output_ptr), s, p)
+
+    def _enqueue(self, x: int, N: int, out: int, s, token_ids: int, path: str) -> None:
+        cfg, A, W, lib = self.cfg, self.arena, self.weights, self.lib
+        H, R, k, E = cfg.hidden_size, cfg.router_width, cfg.num_experts_per_tok, cfg.num_experts
+        atomic = path == "atomic"
+        timer = StageTimer(s, N, path)
+
+        with timer.stage("router"):
+            self._launch_router(x, N, A.ptr("logits"), s)
+        with timer.stage("topk"):
+            warps = 4
+            lib["topk_route"](
+                ((N + warps - 1) // warps,), (warps * 32,),
+                (_u64(A.ptr("logits")), _u64(W.ptr("correction_bias")), _u64(W.ptr("tid2eid")), _u64(token_ids),
+                 _u64(A.ptr("topk_ids")), _u64(A.ptr("topk_w")), _u64(A.ptr("err")),
+                 _i32(N), _i32(R), _i32(E), _i32(k), _i32(kernels.SCORING_CODES[cfg.scoring_func]),
+                 _i32(cfg.n_group), _i32(cfg.topk_group), _i32(int(cfg.topk_then_softmax)),
+                 _i32(int(cfg.norm_topk_prob)), _f32(cfg.routed_scaling_factor), _i32(cfg.hash_vocab_size)),
+                stream=s, shared_mem=warps * (2 * R + 64) * 4)
+        xe = x
+        if cfg.pre_expert_norm:
+            with timer.stage("norm"):
+                xe = A.ptr("xe")
+                lib["rmsnorm_bf16"]((N,), (256,), (_u64(x), _u64(W.ptr("norm_weight")), _u64(xe), _i32(H),
+                                                  _f32(cfg.rms_norm_eps)), stream=s)
+        has_shared = 1 if cfg.has_shared_expert else 0
+        with timer.stage("sort"):
+            lib["decode_build_lists"](
+                (1,), (1024,),
+                (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _i32(W.e_lo), _i32(W.e_hi), _i32(has_shared),
+                 _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
+                 _u64(A.ptr("active_len")), _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")),
+                 _u64(A.ptr("pair_pos"))),
+                stream=s, shared_mem=(2 * W.n_local + 33) * 4)
+            if atomic:
+                import cupy
+
+                cupy.cuda.runtime.memsetAsync(A.ptr("acc"), 0, N * H * 4, s.ptr)
+        max_active = min(W.n_local, N * k) + has_shared
+        rows_per_expert = max(1.0, 2.0 * N * k / max(W.n_local, 1))
+        with timer.stage("gate_up"):
+            rt = _row_tile(rows_per_expert, kernels.GATE_UP_ROW_TILES)
+            lib[f"decode_gate_up<{rt}>"](
+                ((W.i_max + 7) // 8, max_active), (256,),
+                (_u64(x), _u64(xe), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
+                 _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_row")),
+                 _u64(W.ptr("gate")), _u64(W.ptr("up")), _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")),
+                 _u64(W.ptr("inter")), _i32(W.shared_slot), _u64(A.ptr("act")), _i32(H), _i32(W.i_max),
+                 _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit)),
+                stream=s)
+        with timer.stage("down"):
+            rt = _row_tile(rows_per_expert, kernels.ROW_TILES)
+            lib[f"decode_down<{rt}>"](
+                ((H + 7) // 8, max_active), (256,),
+                (_u64(A.ptr("act")), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
+                 _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_pair")),
+                 _u64(W.ptr("down")), _u64(W.ptr("down_bias")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
+                 _u64(A.ptr("y")), _u64(A.ptr("acc")), _i32(H), _i32(W.i_max), _i32(k), _i32(N * k),
+                 _i32(int(atomic))),
+                stream=s)
+        with timer.stage("reduce"):
+            self._launch_reduce(x, xe, out, N, s, atomic, has_shared)
+
+    def _launch_router(self, x: int, N: int, logits: int, s) -> None:
+        cfg, W = self.cfg, self.weights
+        R = cfg.router_width
+        rt = _row_tile(N, kernels.ROW_TILES)
+        self.lib[f"router_logits_bf16<{rt}>"](
+            ((R + 7) // 8, (N + rt - 1) // rt), (256,),
+            (_u64(x), _u64(W.ptr("router")), _u64(W.ptr("router_bias")), _u64(logits),
+             _i32(N), _i32(R), _i32(cfg.hidden_size)), stream=s)
+
+    def _launch_reduce(self, x: int, xe: int, out: int, N: int, s, atomic: bool, has_shared: int) -> None:
+        cfg, A, W = self.cfg, self.arena, self.weights
+        primary = 1 if cfg.ep_rank == 0 else 0
+        self.lib["decode_reduce"](
+            (N,), (256,),
+            (_u64(x), _u64(xe), _u64(A.ptr("topk_ids")), _u64(A.ptr("topk_w")), _u64(A.ptr("pair_pos")),
+             _u64(A.ptr("y")), _u64(A.ptr("acc")), _u64(W.ptr("shared_expert_gate")), _u64(out),
+             _i32(N), _i32(cfg.hidden_size), _i32(cfg.num_experts_per_tok), _i32(cfg.num_experts),
+             _i32(has_shared), _i32(primary), _i32(int(atomic))),
+            stream=s)
+
+    def _dump(self, x: int, N: int, out: int, s, path: str) -> None:
+        """The seed's debug dumps (CUPYMOE_DUMP_DIR); a debug aid with host syncs and copies."""
+        import cupy
+
+        cfg, A = self.cfg, self.arena
+        H, k, R = cfg.hidden_size, cfg.num_experts_per_tok, cfg.router_width
+        with cupy.cuda.Device(self.device_id):
+            # `logits` shares bytes with `act`, so recompute them for the dump
+            logits = cupy.empty((N, R), dtype=cupy.float32)
+            self._launch_router(x, N, int(logits.data.ptr), s)
+            # the routed-only output: the reduce again, without the shared expert
+            routed = cupy.empty((N, H), dtype=cupy.uint16)
+            xe = A.ptr("xe") if cfg.pre_expert_norm else x
+            self._launch_reduce(x, xe, int(routed.data.ptr), N, s, path == "atomic", 0)
+            arrays = {
+                "gate_input": (x, (N, H), "bf16"),
+                "gate_logits": (int(logits.data.ptr), (N, R), "float32"),
+                "expert_ids": (A.ptr("topk_ids"), (N, k), "int32"),
+                "expert_weights": (A.ptr("topk_w"), (N, k), "float32"),
+                "routed_only": (int(routed.data.ptr), (N, H), "bf16"),
+                "moe_out": (out, (N, H), "bf16"),
+            }
+            if cfg.has_shared_expert:  # the shared expert's rows sit contiguously in y
+                s.synchronize()
+                pos = np.empty(1, np.int32)
+                cupy.cuda.runtime.memcpy(pos.ctypes.data, A.ptr("pair_pos") + N * k * 4, 4,
+                                         cupy.cuda.runtime.memcpyDeviceToHost)
+                arrays["shared_out"] = (A.ptr("y") + int(pos[0]) * H * 4, (N, H), "float32")
+            write_dumps(s, arrays)
+
+    # --- conveniences ----------------------------------------------------------------------
+    def __call__(self, x, *, out=None, stream=None, token_ids=None, path: Optional[str] = None):
+        """Run on a torch tensor (bf16, CUDA) or a CuPy array (uint16 bits of bf16), [N, H].
+
+        Allocates `out` when not given (so not for graph capture: pass `out` there), then
+        calls `forward` on the current stream of the tensor's framework (or `stream`).
+        """
+        H = self.cfg.hidden_size
+        is_torch = type(x).__module__.startswith("torch")
+        if is_torch:
+            import torch
+
+            if x.dtype != torch.bfloat16 or not x.is_cuda or x.dim() != 2 or x.shape[1] != H or not x.is_contiguous():
+                raise MoeCallError(f"x: expected a contiguous CUDA bf16 tensor [N, {H}], got "
+                                   f"{tuple(x.shape)} {x.dtype} on {x.device}")
+            if out is None:
+                out = torch.empty_like(x)
+            elif out.dtype != torch.bfloat16 or tuple(out.shape) != tuple(x.shape) or not out.is_contiguous():
+                raise MoeCallError(f"out: expected a contiguous bf16 tensor {tuple(x.shape)}, got {tuple(out.shape)} {out.dtype}")
+            if stream is None:
+                stream = torch.cuda.current_stream(x.device).cuda_stream
+            xp, op, n = x.data_ptr(), out.data_ptr(), x.shape[0]
+            tp = 0 if token_ids is None else token_ids.data_ptr()
+            if token_ids is not None and (token_ids.dtype != torch.int32 or token_ids.numel() != n):
+                raise MoeCallError(f"token_ids: expected {n} int32 ids, got {token_ids.numel()} {token_ids.dtype}")
+        else:
+            import cupy
+
+            if not isinstance(x, cupy.ndarray) or x.dtype != cupy.uint16 or x.ndim != 2 or x.shape[1] != H \
+                    or not x.flags.c_contiguous:
+                raise MoeCallError(f"x: expected a contiguous CuPy uint16 (bf16 bits) array [N, {H}], got "
+                                   f"{getattr(x, 'shape', None)} {getattr(x, 'dtype', type(x))}")
+            if out is None:
+                out = cupy.empty_like(x)
+            elif out.dtype != cupy.uint16 or out.shape != x.shape or not out.flags.c_contiguous:
+                raise MoeCallError(f"out: expected a contiguous uint16 array {x.shape}, got {out.shape} {out.dtype}")
+            if stream is None:
+                stream = cupy.cuda.get_current_stream().ptr
+            xp, op, n = int(x.data.ptr), int(out.data.ptr), x.shape[0]
+            tp = 0 if token_ids is None else int(token_ids.data.ptr)
+            if token_ids is not None and (token_ids.dtype != cupy.int32 or token_ids.size != n):
+                raise MoeCallError(f"token_ids: expected {n} int32 ids, got {token_ids.size} {token_ids.dtype}")
+        self.forward(xp, n, op, int(stream), token_ids_ptr=tp, path=path)
+        return out
+
+    def check_errors(self) -> None:
+        """Synchronise and raise if a kernel flagged bad input (e.g. a token id outside tid2eid)."""
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            cupy.cuda.runtime.deviceSynchronize()
+            flags = np.zeros(1, np.int32)
+            cupy.cuda.runtime.memcpy(flags.ctypes.data, self.arena.ptr("err"), 4, cupy.cuda.runtime.memcpyDeviceToHost)
+            if flags[0]:
+                cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
+                raise MoeCallError(f"a kernel flagged bad input (error bits 0x{int(flags[0]):x}: "
+                                   "bit 0 = a token id outside 0..hash_vocab_size-1; those rows got no routed experts)")
+
+    def warmup(self) -> None:
+        """Launch every path once on a scratch input, so first-launch costs stay out of capture."""
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            rng = np.random.default_rng(0)
+            x = cupy.asarray((rng.standard_normal((1, self.cfg.hidden_size), dtype=np.float32)
+                              .view(np.uint32) >> 16).astype(np.uint16))
+            tids = cupy.zeros(1, cupy.int32)
+            out = cupy.empty_like(x)
+            s = cupy.cuda.Stream(non_blocking=True)
+            for p in ("decode", "atomic"):
+                if p == "atomic" and self.row_invariant:
+                    continue
+                self.forward(int(x.data.ptr), 1, int(out.data.ptr), s.ptr, token_ids_ptr=int(tids.data.ptr), path=p)
+            s.synchronize()

@@ -1,0 +1,283 @@
+"""GPU: the decode and atomic paths against cupymoe.reference, graphs, streams, refusals.
+
+Every check draws fresh random inputs (the seed is printed on failure), poisons the output
+with NaN before the run, and judges with cupymoe.verify.compare (tolerances justified in
+cupymoe/verify.py: per element 2^-8 |ref| + 2^-7 rms(ref), normwise 2^-8).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from cupymoe import reference, testing
+from cupymoe.verify import bf16_bits, bits_to_f32, compare, run_layer, well_separated_input
+
+pytestmark = pytest.mark.gpu
+
+TOKENS = (1, 2, 3, 4, 7, 16, 33, 64)
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def rng():
+    seed = time.time_ns() % 2**31
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def _layer(cfg, hw, **kw):
+    from cupymoe import MoeLayer
+
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    return MoeLayer(cfg, hw, **kw)
+
+
+def _check(layer, cfg, hw, rng, n, path, token_ids=None):
+    x = well_separated_input(cfg, hw, rng, n, token_ids)
+    ref = reference.moe_forward(cfg, hw, x, token_ids)
+    c = compare(run_layer(layer, x, path, token_ids), ref)
+    assert c.ok, f"{cfg.model_type} N={n} {path}: {c}"
+
+
+@pytest.fixture(scope="module", params=testing.FAMILIES)
+def family_layer(request, rng):
+    cfg = testing.tiny_config(request.param)
+    hw = testing.random_host_weights(cfg, rng)
+    return cfg, hw, _layer(cfg, hw)
+
+
+@pytest.mark.parametrize("path", ["decode", "atomic"])
+def test_families_against_reference(family_layer, rng, path):
+    cfg, hw, layer = family_layer
+    for n in TOKENS:
+        _check(layer, cfg, hw, rng, n, path)
+
+
+VARIANTS = {
+    "sqrtsoftplus_bias": dict(family="deepseek_v3", scoring_func="sqrtsoftplus", n_group=1, topk_group=1),
+    "softmax_bias_groups": dict(family="deepseek_v3", scoring_func="softmax"),
+    "pre_norm": dict(family="qwen2_moe", pre_expert_norm=True),
+    "pre_norm_zero_experts": dict(family="longcat_flash", pre_expert_norm=True),
+    "gelu": dict(family="qwen3_moe", hidden_act="gelu"),
+    "gelu_tanh": dict(family="mixtral", hidden_act="gelu_tanh"),
+    "topk_softmax_scaled": dict(family="gpt_oss", routed_scaling_factor=1.5),
+    "wide_k": dict(family="qwen3_next", num_experts_per_tok=12),
+    "ungated_shared": dict(family="qwen2_moe", has_shared_expert_gate=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("path", ["decode", "atomic"])
+def test_routing_and_expert_variants(name, path, rng):
+    kw = dict(VARIANTS[name])
+    cfg = testing.tiny_config(kw.pop("family"), **kw)
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _layer(cfg, hw)
+    for n in (1, 3, 17, 64):
+        _check(layer, cfg, hw, rng, n, path)
+
+
+def test_hash_routing_with_token_ids(rng):
+    from cupymoe.layer import MoeCallError
+
+    cfg = testing.tiny_config("deepseek_v3", hash_routing=True, hash_vocab_size=50, n_group=1, topk_group=1)
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _layer(cfg, hw)
+    for n in (1, 4, 33):
+        _check(layer, cfg, hw, rng, n, "decode", testing.random_token_ids(rng, n, 50))
+    import cupy
+
+    x = cupy.asarray(bf16_bits(testing.random_input(rng, 2, cfg.hidden_size)))
+    with pytest.raises(MoeCallError, match="hash routing .* needs token_ids_ptr"):
+        layer(x)
+    # a token id outside the table is flagged, not silently routed
+    layer(x, token_ids=cupy.asarray(np.array([3, 99], np.int32)))
+    with pytest.raises(MoeCallError, match="token id outside"):
+        layer.check_errors()
+
+
+def test_expert_parallel_partials_sum_to_full_layer(rng):
+    """Each rank's partial (shared expert and identity terms on rank 0 only) sums to the full layer."""
+    for fam in ("qwen2_moe", "longcat_flash"):
+        cfg = testing.tiny_config(fam)
+        hw = testing.random_host_weights(cfg, rng)
+        n = 17
+        x = well_separated_input(cfg, hw, rng, n)
+        full = reference.moe_forward(cfg, hw, x)
+        total = np.zeros_like(full)
+        for rank in range(2):
+            rcfg = cfg.replace(ep_world_size=2, ep_rank=rank)
+            out = run_layer(_layer(rcfg, hw), x, "decode")
+            c = compare(out, reference.moe_forward(rcfg, hw, x))
+            assert c.ok, f"{fam} rank {rank}: {c}"
+            total += out
+        # two bf16 partials summed: each carries its own output rounding
+        assert compare(total, full).ok
+
+
+def _graph_case(rng, fam="qwen3_next"):
+    import cupy
+
+    cfg = testing.tiny_config(fam)
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _layer(cfg, hw)
+    layer.warmup()
+    return cupy, cfg, hw, layer
+
+
+@pytest.mark.parametrize("path", ["decode", "atomic"])
+def test_cupy_graph_replay_is_bitwise_eager_and_follows_new_inputs(rng, path):
+    cupy, cfg, hw, layer = _graph_case(rng)
+    for n in (1, 4, 33):
+        x = cupy.asarray(bf16_bits(well_separated_input(cfg, hw, rng, n)))
+        eager = cupy.full_like(x, 0x7FC0)
+        s = cupy.cuda.Stream(non_blocking=True)
+        layer.forward(int(x.data.ptr), n, int(eager.data.ptr), s.ptr, path=path)
+        out = cupy.full_like(x, 0x7FC0)
+        s.begin_capture()
+        layer.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr, path=path)
+        g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+        if path == "decode":
+            assert cupy.array_equal(out, eager), f"N={n}: graph replay differs from eager"
+        # new contents written into the same input buffer before a replay
+        x2 = well_separated_input(cfg, hw, rng, n)
+        x[...] = cupy.asarray(bf16_bits(x2))
+        out.fill(0x7FC0)
+        g.launch(s)
+        s.synchronize()
+        c = compare(bits_to_f32(out.get()), reference.moe_forward(cfg, hw, x2))
+        assert c.ok, f"N={n} after new input: {c}"
+
+
+def test_torch_graph_capture(rng):
+    torch = pytest.importorskip("torch")
+    cupy, cfg, hw, layer = _graph_case(rng, "deepseek_v3")
+    n = 4
+    xh = well_separated_input(cfg, hw, rng, n)
+    x = torch.from_numpy(bf16_bits(xh).view(np.int16)).view(torch.bfloat16).cuda()
+    out = torch.full_like(x, float("nan"))
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        layer(x, out=out)  # eager warm-up on the capture stream
+    torch.cuda.synchronize()
+    eager = out.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        layer(x, out=out)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+    xh2 = well_separated_input(cfg, hw, rng, n)
+    x.copy_(torch.from_numpy(bf16_bits(xh2).view(np.int16)).view(torch.bfloat16).cuda())
+    g.replay()
+    torch.cuda.synchronize()
+    got = bits_to_f32(out.view(torch.int16).cpu().numpy().view(np.uint16))
+    assert compare(got, reference.moe_forward(cfg, hw, xh2)).ok
+
+
+def test_two_layers_on_two_streams_run_concurrently_without_interference(rng):
+    import cupy
+
+    cases = []
+    for fam in ("qwen2_moe", "longcat_flash"):
+        cfg = testing.tiny_config(fam)
+        hw = testing.random_host_weights(cfg, rng)
+        cases.append((cfg, hw, _layer(cfg, hw)))
+    n = 33
+    inputs = [well_separated_input(cfg, hw, rng, n) for cfg, hw, _ in cases]
+    refs = [reference.moe_forward(cfg, hw, x) for (cfg, hw, _), x in zip(cases, inputs)]
+    xs = [cupy.asarray(bf16_bits(x)) for x in inputs]
+    outs = [cupy.full_like(x, 0x7FC0) for x in xs]
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in cases]
+    for _ in range(20):  # interleave many forwards on both streams
+        for (cfg, hw, layer), x, o, s in zip(cases, xs, outs, streams):
+            layer.forward(int(x.data.ptr), n, int(o.data.ptr), s.ptr)
+    for s in streams:
+        s.synchronize()
+    for o, ref in zip(outs, refs):
+        assert compare(bits_to_f32(o.get()), ref).ok
+
+
+def test_from_pretrained_matches_reference(tmp_path, rng):
+    from cupymoe import MoeLayer, checkpoint
+
+    fam = "qwen2_moe"
+    cfg = testing.tiny_config(fam)
+    hw = testing.random_host_weights(cfg, rng)
+    checkpoint.save_layer(tmp_path, testing.hf_config_dict(fam), 1, hw)
+    layer = MoeLayer.from_pretrained(tmp_path, 1, max_tokens=16)
+    assert layer.cfg == cfg
+    x = well_separated_input(cfg, hw, rng, 7)
+    assert compare(run_layer(layer, x), reference.moe_forward(cfg, hw, x)).ok
+
+
+def test_refusals_name_the_values_and_write_nothing(rng):
+    import cupy
+
+    from cupymoe.layer import MoeCallError, PathUnavailableError
+
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _layer(cfg, hw, max_tokens=8)
+    x = cupy.asarray(bf16_bits(testing.random_input(rng, 8, cfg.hidden_size)))
+    out = cupy.full_like(x, 0x7FC0)
+    s = cupy.cuda.Stream(non_blocking=True)
+    xp, op = int(x.data.ptr), int(out.data.ptr)
+    cases = [
+        (dict(input_ptr=xp, num_tokens=0, output_ptr=op), MoeCallError, r"num_tokens=0: must be in 1..max_tokens=8"),
+        (dict(input_ptr=xp, num_tokens=9, output_ptr=op), MoeCallError, r"num_tokens=9"),
+        (dict(input_ptr=0, num_tokens=1, output_ptr=op), MoeCallError, r"input_ptr=0"),
+        (dict(input_ptr=xp, num_tokens=1, output_ptr=0), MoeCallError, r"output_ptr=0"),
+        (dict(input_ptr=xp + 2, num_tokens=1, output_ptr=op), MoeCallError, r"16-byte aligned"),
+        (dict(input_ptr=xp, num_tokens=1, output_ptr=op, path="prefill"), PathUnavailableError, r"prefill"),
+        (dict(input_ptr=xp, num_tokens=8, output_ptr=op, path="warp"), PathUnavailableError, r"'warp'"),
+    ]
+    for kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            layer.forward(stream=s.ptr, **kw)
+    s.synchronize()
+    assert int((out != 0x7FC0).sum()) == 0, "a refused call wrote to the output"
+    small = _layer(cfg, hw, max_tokens=8, atomic_max_tokens=4)
+    with pytest.raises(PathUnavailableError, match="atomic_max_tokens"):
+        small.forward(xp, 5, op, s.ptr, path="atomic")
+    with pytest.raises(PathUnavailableError, match="row_invariant"):
+        _layer(cfg, hw, path="atomic", row_invariant=True)
+    # a stream of another device's context (faked: this machine may have one GPU)
+    layer._ctx = -1
+    other = cupy.cuda.Stream(non_blocking=True)  # kept alive: a destroyed stream is no stream
+    with pytest.raises(MoeCallError, match="another device"):
+        layer.forward(xp, 1, op, other.ptr)
+    with pytest.raises(MoeCallError, match="expected a contiguous CuPy uint16"):
+        layer(x.astype(cupy.float32))
+
+
+def test_profile_mode_and_debug_dumps(tmp_path, rng, monkeypatch, caplog):
+    import logging
+
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _layer(cfg, hw)
+    monkeypatch.setenv("CUPYMOE_PROFILE", "1")
+    monkeypatch.setenv("CUPYMOE_DUMP_DIR", str(tmp_path))
+    n = 5
+    x = well_separated_input(cfg, hw, rng, n)
+    with caplog.at_level(logging.INFO, logger="cupymoe.profile"):
+        out = run_layer(layer, x)
+    stages = {"router", "topk", "sort", "gate_up", "down", "reduce"}
+    logged = {r.getMessage().split("[")[1].split("]")[0] for r in caplog.records if "MoE decode" in r.getMessage()}
+    assert stages <= logged
+    files = {p.name.split("_", 1)[1][:-4]: np.load(p) for p in tmp_path.glob("*.npy")}
+    assert set(files) == {"gate_input", "gate_logits", "expert_ids", "expert_weights", "routed_only",
+                          "shared_out", "moe_out"}
+    routing = reference.route(cfg, hw, x)
+    np.testing.assert_allclose(files["gate_logits"], routing.logits, rtol=1e-4, atol=1e-4)
+    assert (np.sort(files["expert_ids"], axis=1) == np.sort(routing.ids, axis=1)).all()
+    np.testing.assert_array_equal(files["moe_out"], out)
+    assert files["shared_out"].shape == (n, cfg.hidden_size)

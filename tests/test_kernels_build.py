@@ -1,0 +1,66 @@
+"""The CPU kernel-build check: every cuda/ module compiles through NVRTC, no GPU needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cupymoe import kernels
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kcache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CUPYMOE_CACHE_DIR", str(d))
+    yield d
+    mp.undo()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_every_kernel_compiles_without_spills(arch, cache):
+    mods = kernels.build_all(arch)
+    assert {m.module for m in mods} == set(kernels.MODULES)
+    for m in mods:
+        res = {r.name: r for r in m.resources()}
+        assert set(res) == set(kernels.MODULES[m.module].names), f"{m.module}: a kernel is missing from the report"
+        for r in res.values():
+            assert r.registers > 0, f"{arch} {r.name}: no ptxas report"
+            assert (r.spill_stores, r.spill_loads) == (0, 0), f"{arch} {r.name} spills: {r}"
+            assert r.stack_bytes == 0, f"{arch} {r.name} uses a stack frame (local memory): {r}"
+    print(f"\n{arch}\n" + kernels.format_report(mods))
+
+
+def test_cache_hits_and_keys_on_arch(cache):
+    a = kernels.compile_module("topk", "sm_90a")
+    b = kernels.compile_module("topk", "sm_90a")
+    assert b.from_cache and b.cubin == a.cubin and b.lowered == a.lowered
+    c = kernels.compile_module("topk", "sm_80")
+    assert c.cubin != a.cubin
+    assert len(list(cache.glob("topk-sm_90a-*.cubin"))) == 1
+
+
+def test_cli_prints_the_table_for_both_archs(cache):
+    r = subprocess.run([sys.executable, "-m", "cupymoe", "kernels", "--arch", "sm_80", "sm_90a"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "== sm_90a" in r.stdout and "decode_gate_up<4>" in r.stdout and "SPILLS" not in r.stdout
+
+
+def test_concurrent_processes_share_one_cache_safely(tmp_path):
+    code = ("import sys; from cupymoe import kernels; "
+            "m = kernels.compile_module('router', 'sm_90a'); print(len(m.cubin))")
+    env = {**__import__("os").environ, "CUPYMOE_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(3)]
+    sizes = {p.communicate(timeout=300)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs) and len(sizes) == 1
+    assert not list(tmp_path.glob("*.tmp")), "a temporary file was left behind"
+
+
+@pytest.mark.parametrize("bad", ["sm_70", "compute_90", "90"])
+def test_bad_arch_is_refused(bad):
+    with pytest.raises(ValueError, match=repr(bad)):
+        kernels.parse_arch(bad)
