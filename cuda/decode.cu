@@ -231,6 +231,8 @@ decode_down(const bf16* __restrict__ act, const int* __restrict__ num_active, co
 // grid N, block 256. out[row] = routed terms + zero-expert terms + shared term, in bf16.
 // `primary` (EP rank 0, or no EP) adds the zero-expert and shared terms, which belong to
 // no rank's experts and must be counted once across the ranks' partial outputs.
+// The row's slot table (position, weight) goes to shared memory first, so the loads of the
+// k expert outputs are independent and all in flight at once.
 #define REDUCE_THREADS 256
 __global__ void __launch_bounds__(REDUCE_THREADS)
 decode_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ ids,
@@ -238,8 +240,24 @@ decode_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int
               const float* __restrict__ acc, const float* __restrict__ shared_gate_w, bf16* __restrict__ out,
               int N, int H, int k, int E, int has_shared, int primary, int atomic) {
     __shared__ float partial[REDUCE_THREADS / 32];
+    __shared__ int s_pos[64];
+    __shared__ float s_w[64];
+    __shared__ float s_zero_w;
     const int row = blockIdx.x;
     const size_t rbase = (size_t)row * H;
+    if (threadIdx.x < 32) {
+        float zw = 0.0f;
+        for (int s = threadIdx.x; s < k; s += 32) {
+            const int p = row * k + s;
+            const int pos = pair_pos[p];
+            const float w = topk_w[p];
+            s_pos[s] = atomic ? -1 : pos;  // atomic: routed terms are already in acc
+            s_w[s] = w;
+            if (pos < 0 && primary && ids[p] >= E) zw += w;  // identity expert: w * x
+        }
+        zw = warp_sum(zw);
+        if (threadIdx.x == 0) s_zero_w = zw;
+    }
     float scale = 1.0f;
     if (has_shared && primary && shared_gate_w) {
         float d = 0.0f;
@@ -252,19 +270,38 @@ decode_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int
         for (int i = 0; i < REDUCE_THREADS / 32; ++i) t += partial[i];
         scale = sigmoidf_(t);
     }
-    const int shared_pos = has_shared ? pair_pos[N * k + row] : -1;
-    for (int h = threadIdx.x; h < H; h += REDUCE_THREADS) {
-        float o = atomic ? acc[rbase + h] : 0.0f;
+    __syncthreads();
+    const int shared_pos = has_shared && primary ? pair_pos[N * k + row] : -1;
+    const float zw = s_zero_w;
+    for (int h = threadIdx.x * 4; h < H; h += REDUCE_THREADS * 4) {
+        float4 o = atomic ? *reinterpret_cast<const float4*>(acc + rbase + h) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
         for (int s = 0; s < k; ++s) {
-            const int p = row * k + s;
-            const int pos = pair_pos[p];
-            if (pos >= 0) {
-                if (!atomic) o = fmaf(topk_w[p], y[(size_t)pos * H + h], o);
-            } else if (primary && ids[p] >= E) {
-                o = fmaf(topk_w[p], __bfloat162float(xe[rbase + h]), o);
-            }
+            const int pos = s_pos[s];
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (pos >= 0) v = *reinterpret_cast<const float4*>(y + (size_t)pos * H + h);
+            const float w = s_w[s];
+            o.x = fmaf(w, v.x, o.x);
+            o.y = fmaf(w, v.y, o.y);
+            o.z = fmaf(w, v.z, o.z);
+            o.w = fmaf(w, v.w, o.w);
         }
-        if (primary && shared_pos >= 0) o = fmaf(scale, y[(size_t)shared_pos * H + h], o);
-        out[rbase + h] = __float2bfloat16(o);
+        if (zw != 0.0f) {
+            const __nv_bfloat162* xv = reinterpret_cast<const __nv_bfloat162*>(xe + rbase + h);
+            const float2 a = __bfloat1622float2(xv[0]), b = __bfloat1622float2(xv[1]);
+            o.x = fmaf(zw, a.x, o.x);
+            o.y = fmaf(zw, a.y, o.y);
+            o.z = fmaf(zw, b.x, o.z);
+            o.w = fmaf(zw, b.y, o.w);
+        }
+        if (shared_pos >= 0) {
+            const float4 v = *reinterpret_cast<const float4*>(y + (size_t)shared_pos * H + h);
+            o.x = fmaf(scale, v.x, o.x);
+            o.y = fmaf(scale, v.y, o.y);
+            o.z = fmaf(scale, v.z, o.z);
+            o.w = fmaf(scale, v.w, o.w);
+        }
+        __nv_bfloat162 r[2] = {__floats2bfloat162_rn(o.x, o.y), __floats2bfloat162_rn(o.z, o.w)};
+        *reinterpret_cast<uint2*>(out + rbase + h) = *reinterpret_cast<const uint2*>(r);
     }
 }

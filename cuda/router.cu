@@ -6,37 +6,53 @@
 // whatever N or ROWS is (row invariance: a row's bits never depend on its batch).
 #include "common.cuh"
 
-#define ROUTER_WARPS 8
+// A block is 8 warps: 2 router columns x 4 warps splitting H. The split is fixed by H
+// alone and the 4 partial sums are added in split order, so the bits stay N-independent.
+// The split quadruples the warps streaming the router at small N (N = 1: R / 2 blocks).
+#define ROUTER_COLS 2
+#define ROUTER_SPLIT 4
 
 template <int ROWS>
-__global__ void __launch_bounds__(ROUTER_WARPS * 32)
+__global__ void __launch_bounds__(ROUTER_COLS * ROUTER_SPLIT * 32)
 router_logits_bf16(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
                    float* __restrict__ logits, int N, int R, int H) {
+    __shared__ float part[ROUTER_COLS * ROUTER_SPLIT][ROWS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int r = blockIdx.x * ROUTER_WARPS + warp;
-    if (r >= R) return;
+    const int r = blockIdx.x * ROUTER_COLS + warp / ROUTER_SPLIT;
+    const int split = warp % ROUTER_SPLIT;
+    const int chunk = ((H / 8 + ROUTER_SPLIT - 1) / ROUTER_SPLIT) * 8;
+    const int k0 = split * chunk, k1 = min(H, k0 + chunk);
     const int row0 = blockIdx.y * ROWS;
-    const bf16* w = W + (size_t)r * H;
     float acc[ROWS];
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
-
+    if (r < R) {
+        const bf16* w = W + (size_t)r * H;
 #pragma unroll 2
-    for (int k = lane * 8; k < H; k += 256) {
-        float wf[8];
-        unpack_bf16x8(load_bf16x8_stream(w + k), wf);
+        for (int k = k0 + lane * 8; k < k1; k += 256) {
+            float wf[8];
+            unpack_bf16x8(load_bf16x8_stream(w + k), wf);
 #pragma unroll
-        for (int i = 0; i < ROWS; ++i) {
-            const int row = row0 + i;
-            if (row < N) acc[i] = dot_bf16x8(load_bf16x8(x + (size_t)row * H + k), wf, acc[i]);
+            for (int i = 0; i < ROWS; ++i) {
+                const int row = min(row0 + i, N - 1);  // past N: recompute a valid row, never stored
+                acc[i] = dot_bf16x8(load_bf16x8(x + (size_t)row * H + k), wf, acc[i]);
+            }
         }
     }
-    const float b = bias ? bias[r] : 0.0f;
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
         const float v = warp_sum(acc[i]);
-        const int row = row0 + i;
-        if (lane == 0 && row < N) logits[(size_t)row * R + r] = v + b;
+        if (lane == 0) part[warp][i] = v;
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < ROUTER_COLS * ROWS; t += blockDim.x) {
+        const int c = t / ROWS, i = t % ROWS;
+        const int rc = blockIdx.x * ROUTER_COLS + c, row = row0 + i;
+        if (rc >= R || row >= N) continue;
+        float v = 0.0f;
+#pragma unroll
+        for (int s = 0; s < ROUTER_SPLIT; ++s) v += part[c * ROUTER_SPLIT + s][i];
+        logits[(size_t)row * R + rc] = v + (bias ? bias[rc] : 0.0f);
     }
 }
 

@@ -303,7 +303,7 @@ class MoeLayer:
         R = cfg.router_width
         rt = _row_tile(N, kernels.ROW_TILES)
         self.lib[f"router_logits_bf16<{rt}>"](
-            ((R + 7) // 8, (N + rt - 1) // rt), (256,),
+            ((R + 1) // 2, (N + rt - 1) // rt), (256,),  # 2 columns per block (router.cu)
             (_u64(x), _u64(W.ptr("router")), _u64(W.ptr("router_bias")), _u64(logits),
              _i32(N), _i32(R), _i32(cfg.hidden_size)), stream=s)
 
