@@ -16,6 +16,7 @@ benchmarks/baselines/h200-bf16-peers.json (measured on the same kind of GPU).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import MoeConfig
+from .profiling import record_stage_events
 
 # PERFORMANCE.md's grid. The peers ran routed experts only; "shared" is reported apart.
 PRESETS: dict[str, dict] = {
@@ -53,6 +55,11 @@ L2_BYTES = 50e6
 BASELINES = Path(__file__).resolve().parent.parent / "benchmarks" / "baselines" / "h200-bf16-peers.json"
 
 
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
 def preset_config(name: str, *, routed_only: bool = True) -> MoeConfig:
     kw = dict(PRESETS[name])
     if routed_only:  # the peers' figures cover the routed experts only
@@ -64,12 +71,14 @@ def preset_config(name: str, *, routed_only: bool = True) -> MoeConfig:
 def add_bench_args(ap) -> None:
     ap.add_argument("--preset", nargs="+", default=["qwen3-30b-a3b"], choices=sorted(PRESETS))
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64])
-    ap.add_argument("--path", default="auto", choices=["auto", "decode", "atomic"])
+    ap.add_argument("--path", default="auto", choices=["auto", "decode", "atomic", "prefill"])
     ap.add_argument("--full-layer", action="store_true", help="include the shared expert (peers exclude it)")
     ap.add_argument("--repeats", type=int, default=7, help="timed repetitions (median reported)")
     ap.add_argument("--replays", type=int, default=20, help="graph replays per repetition")
     ap.add_argument("--measure-ceilings", action="store_true", help="measure copy TB/s and bf16 TFLOP/s (needs torch)")
     ap.add_argument("--json", default=None, help="write results here (default benchmarks/results/<date>-<gpu>.json)")
+    ap.add_argument("--stages", action="store_true",
+                    help="also time each stage inside the replayed graph (CUDA events between stages)")
     ap.add_argument("--seed", type=int, default=0)
 
 
@@ -185,9 +194,11 @@ def run_bench(args) -> int:
             ids = cupy.ndarray((n, k), cupy.int32, cupy.cuda.MemoryPointer(
                 cupy.cuda.UnownedMemory(layers[-1].arena.ptr("topk_ids"), n * k * 4, None), 0)).get()
             touched = len(np.unique(ids[ids < E]))
+            stage_events: list = []
             s.begin_capture()
-            for L in layers:
-                L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
+            with record_stage_events(stage_events) if args.stages else _nothing():
+                for L in layers:
+                    L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
             g = s.end_capture()
             g.upload(s)
             for _ in range(3):
@@ -202,6 +213,10 @@ def run_bench(args) -> int:
                 e1.synchronize()
                 times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / args.replays / n_layers)
             us = statistics.median(times)
+            stage_us: dict[str, float] = {}
+            if stage_events:  # after the last replay: each stage's time, averaged over the layers
+                for st, a, z in stage_events:
+                    stage_us[st] = stage_us.get(st, 0.0) + cupy.cuda.get_elapsed_time(a, z) * 1e3 / n_layers
             nbytes = (touched * 3 * H * I + 3 * H * Is + R * H + 2 * n * H) * 2
             flops = 2 * n * (k * 3 * H * I + H * R + 3 * H * Is)
             floor = max(nbytes / copy_tbps / 1e6, flops / mm_tflops / 1e6)
@@ -210,11 +225,14 @@ def run_bench(args) -> int:
                        pct_of_floor=round(100 * floor / us, 1), touched=touched,
                        TBps=round(nbytes / us / 1e6, 3), TFLOPs=round(flops / us / 1e6, 2),
                        spread_us=round(max(times) - min(times), 2),
-                       vllm_compute_only=peer.get("vllm_compute_only"), grouped_mm=peer.get("grouped_mm"))
+                       vllm_compute_only=peer.get("vllm_compute_only"), grouped_mm=peer.get("grouped_mm"),
+                       stages_us={k: round(v, 2) for k, v in stage_us.items()} or None)
             results.append(row)
             vs = f"{peer['vllm_compute_only'] / us:.2f}x vLLM" if peer.get("vllm_compute_only") else ""
             print(f"  N={n:<6} {us:9.1f} us  floor {floor:8.1f} us ({row['pct_of_floor']:5.1f}% of floor)  "
                   f"{row['TBps']:.2f} TB/s  {row['TFLOPs']:.1f} TFLOP/s  touched {touched}  {vs}", flush=True)
+            if stage_us:
+                print("           stages: " + "  ".join(f"{k} {v:.1f}" for k, v in stage_us.items()), flush=True)
         del layers
         cupy.get_default_memory_pool().free_all_blocks()
     meta = dict(gpu=gpu, commit=_git_commit(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),

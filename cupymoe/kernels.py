@@ -50,6 +50,11 @@ MODULES: dict[str, ModuleSpec] = {
         "router.cu", tuple(f"router_logits_bf16<{r}>" for r in ROW_TILES) + ("rmsnorm_bf16",)
     ),
     "topk": ModuleSpec("topk.cu", ("topk_route",)),
+    "grouped": ModuleSpec(
+        "grouped.cu",
+        ("sort_count", "sort_scan", "sort_place", "make_tiles", "grouped_gemm<0>", "grouped_gemm<1>",
+         "grouped_reduce"),
+    ),
     "decode": ModuleSpec(
         "decode.cu",
         ("decode_build_lists", "decode_reduce")

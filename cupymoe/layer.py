@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 PATHS = ("auto", "decode", "atomic", "prefill")
 STAGES = ("route", "norm", "sort", "gate_up", "down", "reduce")
 DEFAULT_ATOMIC_MAX_TOKENS = 64
+# auto: decode up to this many rows, grouped tensor-core GEMMs above (benchmarks/NOTES.md)
+DEFAULT_DECODE_MAX_TOKENS = 16
 
 
 class MoeCallError(ValueError):
@@ -64,27 +66,50 @@ def _row_tile(rows: float, tiles: tuple[int, ...]) -> int:
     return tiles[-1]
 
 
-def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int) -> ArenaPlan:
+GROUPED_BM = 64  # rows per M-tile of the grouped GEMMs (cuda/grouped.cu GG_BM)
+SORT_BLOCK = 1024  # pairs per block of the multi-block sort (cuda/grouped.cu SORT_THREADS)
+SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_build_lists)
+
+
+def max_tiles(num_tokens: int, k: int, n_local: int, has_shared: bool) -> int:
+    """Upper bound of the grouped GEMMs' M-tiles: each active run wastes < one tile."""
+    P = num_tokens * k
+    runs = min(n_local, P)
+    t = -(-P // GROUPED_BM) + runs
+    if has_shared:
+        t += -(-num_tokens // GROUPED_BM)
+    return t
+
+
+def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
+                     decode_max_tokens: int) -> ArenaPlan:
     """The layer's buffers, their live stages and the ONE alias table."""
     T, k, H, R = max_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.router_width
     sh = 1 if cfg.has_shared_expert else 0
     P = T * k + sh * T  # expert positions: every routed pair, plus one shared row per token
+    Td = min(T, decode_max_tokens)
+    Pd = Td * k + sh * Td
+    nblk = -(-T * k // SORT_BLOCK)
     buffers = [
         BufferSpec("err", 4, "route", "reduce"),  # sticky error bits, read by check_errors()
         BufferSpec("logits", T * R * 4, "route", "route"),
         BufferSpec("topk_ids", T * k * 4, "route", "reduce"),
         BufferSpec("topk_w", T * k * 4, "route", "reduce"),
         BufferSpec("xe", T * H * 2 if cfg.pre_expert_norm else 0, "norm", "reduce"),
+        BufferSpec("block_counts", nblk * n_local * 4, "sort", "sort"),  # multi-block sort
         BufferSpec("num_active", 4, "sort", "down"),
         BufferSpec("active_slot", (n_local + 1) * 4, "sort", "down"),
         BufferSpec("active_start", (n_local + 1) * 4, "sort", "down"),
         BufferSpec("active_len", (n_local + 1) * 4, "sort", "down"),
+        BufferSpec("num_tiles", 4, "sort", "down"),  # grouped path: M-tiles
+        BufferSpec("tile_info", max_tiles(T, k, n_local, bool(sh)) * 16, "sort", "down"),
         BufferSpec("sorted_row", P * 4, "sort", "gate_up"),
         BufferSpec("sorted_pair", P * 4, "sort", "down"),
         BufferSpec("pair_pos", (T * k + T) * 4, "sort", "reduce"),
         BufferSpec("act", P * i_max * 2, "gate_up", "down"),
-        BufferSpec("y", P * H * 4, "down", "reduce"),
-        BufferSpec("acc", T * H * 4, "sort", "reduce"),  # atomic path: zeroed in 'sort'
+        BufferSpec("y", Pd * H * 4, "down", "reduce"),  # decode: fp32 expert outputs
+        BufferSpec("yw", P * H * 2, "down", "reduce"),  # grouped: weighted bf16 expert outputs
+        BufferSpec("acc", Td * H * 4, "sort", "reduce"),  # atomic path: zeroed in 'sort'
     ]
     # logits die once top-k has read them; act is born at gate_up.
     aliases = [("logits", "act")]
@@ -106,7 +131,8 @@ class MoeLayer:
 
     def __init__(self, cfg: MoeConfig, host_weights: HostWeights, *, max_tokens: int,
                  device: Optional[int] = None, path: str = "auto", row_invariant: bool = False,
-                 atomic_max_tokens: int = DEFAULT_ATOMIC_MAX_TOKENS):
+                 atomic_max_tokens: int = DEFAULT_ATOMIC_MAX_TOKENS,
+                 decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS):
         import cupy
 
         if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens <= 0:
@@ -128,15 +154,16 @@ class MoeLayer:
         self.device_id = cupy.cuda.runtime.getDevice() if device is None else int(device)
         self.default_path = path
         self.row_invariant = bool(row_invariant)
-        self.atomic_max_tokens = int(atomic_max_tokens)
-        if path != "auto":
-            self._check_path(path, 1, cfg)
+        self.decode_max_tokens = max(1, int(decode_max_tokens))
+        self.atomic_max_tokens = min(int(atomic_max_tokens), self.decode_max_tokens)
+        if path == "atomic" and row_invariant:
+            raise PathUnavailableError("path='atomic' accumulates with atomics, so it cannot be row_invariant=True")
 
         with cupy.cuda.Device(self.device_id):
             self.lib = kernels.library(self.device_id)
             self.weights = DeviceWeights(cfg, host_weights, self.device_id)
-            self.arena = Arena(plan_layer_arena(cfg, self.max_tokens, self.weights.n_local, self.weights.i_max),
-                               self.device_id)
+            self.arena = Arena(plan_layer_arena(cfg, self.max_tokens, self.weights.n_local, self.weights.i_max,
+                                                self.decode_max_tokens), self.device_id)
             cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
         self._streams: dict[int, Any] = {}
@@ -164,10 +191,10 @@ class MoeLayer:
 
     # --- dispatch ------------------------------------------------------------------------
     def _check_path(self, path: str, num_tokens: int, cfg: MoeConfig) -> None:
-        if path == "prefill":
+        if path in ("decode", "atomic") and num_tokens > self.decode_max_tokens:
             raise PathUnavailableError(
-                "path='prefill': the grouped tensor-core prefill kernels are not built yet; "
-                "use path='decode' (serves any N up to max_tokens) or 'auto'"
+                f"path={path!r} serves num_tokens <= decode_max_tokens={self.decode_max_tokens}, got {num_tokens} "
+                "(its scratch is sized for that; raise decode_max_tokens at construction)"
             )
         if path == "atomic":
             if self.row_invariant:
@@ -183,7 +210,7 @@ class MoeLayer:
         if p not in PATHS:
             raise PathUnavailableError(f"path={p!r}: must be one of {PATHS}")
         if p == "auto":
-            return "decode"
+            return "decode" if num_tokens <= self.decode_max_tokens else "prefill"
         self._check_path(p, num_tokens, self.cfg)
         return p
 
@@ -262,17 +289,14 @@ class MoeLayer:
                                                   _f32(cfg.rms_norm_eps)), stream=s)
         has_shared = 1 if cfg.has_shared_expert else 0
         with timer.stage("sort"):
-            lib["decode_build_lists"](
-                (1,), (1024,),
-                (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _i32(W.e_lo), _i32(W.e_hi), _i32(has_shared),
-                 _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
-                 _u64(A.ptr("active_len")), _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")),
-                 _u64(A.ptr("pair_pos"))),
-                stream=s, shared_mem=(2 * W.n_local + 33) * 4)
+            self._launch_sort(N, s, has_shared)
             if atomic:
                 import cupy
 
                 cupy.cuda.runtime.memsetAsync(A.ptr("acc"), 0, N * H * 4, s.ptr)
+        if path == "prefill":
+            self._enqueue_grouped(x, xe, N, out, s, timer, has_shared)
+            return
         max_active = min(W.n_local, N * k) + has_shared
         rows_per_expert = max(1.0, 2.0 * N * k / max(W.n_local, 1))
         with timer.stage("gate_up"):
@@ -297,6 +321,68 @@ class MoeLayer:
                 stream=s)
         with timer.stage("reduce"):
             self._launch_reduce(x, xe, out, N, s, atomic, has_shared)
+
+    def _launch_sort(self, N: int, s, has_shared: int) -> None:
+        """(row, slot) pairs grouped by expert, stable: one block for few pairs, else three passes."""
+        cfg, A, W, lib = self.cfg, self.arena, self.weights, self.lib
+        k = cfg.num_experts_per_tok
+        P = N * k
+        lists = (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
+                 _u64(A.ptr("active_len")))
+        if P <= SMALL_SORT_PAIRS:
+            lib["decode_build_lists"](
+                (1,), (1024,),
+                (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _i32(W.e_lo), _i32(W.e_hi), _i32(has_shared),
+                 *lists, _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(A.ptr("pair_pos"))),
+                stream=s, shared_mem=(2 * W.n_local + 33) * 4)
+            return
+        nblk = -(-P // SORT_BLOCK)
+        lib["sort_count"]((nblk,), (SORT_BLOCK,),
+                          (_u64(A.ptr("topk_ids")), _i32(P), _i32(W.e_lo), _i32(W.e_hi), _u64(A.ptr("block_counts"))),
+                          stream=s, shared_mem=W.n_local * 4)
+        lib["sort_scan"]((1,), (SORT_BLOCK,),
+                         (_u64(A.ptr("block_counts")), _i32(nblk), _i32(W.n_local), _i32(N), _i32(k),
+                          _i32(has_shared), *lists), stream=s)
+        lib["sort_place"]((nblk,), (SORT_BLOCK,),
+                          (_u64(A.ptr("topk_ids")), _i32(P), _i32(N), _i32(W.e_lo), _i32(W.e_hi), _i32(has_shared),
+                           _u64(A.ptr("block_counts")), _u64(A.ptr("active_start")), _u64(A.ptr("num_active")),
+                           _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(A.ptr("pair_pos")), _i32(k)),
+                          stream=s, shared_mem=W.n_local * 4)
+
+    def _enqueue_grouped(self, x: int, xe: int, N: int, out: int, s, timer, has_shared: int) -> None:
+        """gate/up and down as tensor-core grouped GEMMs over BM-row tiles of each expert's run."""
+        cfg, A, W, lib = self.cfg, self.arena, self.weights, self.lib
+        H, k = cfg.hidden_size, cfg.num_experts_per_tok
+        tiles = max_tiles(N, k, W.n_local, bool(has_shared))
+        with timer.stage("gate_up"):
+            lib["make_tiles"]((1,), (1024,),
+                              (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
+                               _u64(A.ptr("active_len")), _i32(GROUPED_BM), _u64(A.ptr("num_tiles")),
+                               _u64(A.ptr("tile_info"))), stream=s)
+            lib["grouped_gemm<0>"](
+                (-(-W.i_max // 64), tiles), (128,),
+                (_u64(x), _u64(xe), _u64(0), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
+                 _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("gate")), _u64(W.ptr("up")),
+                 _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
+                 _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("act")),
+                 _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit)),
+                stream=s)
+        with timer.stage("down"):
+            lib["grouped_gemm<1>"](
+                (-(-H // 128), tiles), (128,),
+                (_u64(x), _u64(xe), _u64(A.ptr("act")), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
+                 _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("down")), _u64(0),
+                 _u64(W.ptr("down_bias")), _u64(0), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
+                 _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("yw")),
+                 _i32(0), _f32(0.0), _f32(0.0)),
+                stream=s)
+        with timer.stage("reduce"):
+            lib["grouped_reduce"](
+                (N,), (256,),
+                (_u64(x), _u64(xe), _u64(A.ptr("topk_ids")), _u64(A.ptr("topk_w")), _u64(A.ptr("pair_pos")),
+                 _u64(A.ptr("yw")), _u64(W.ptr("shared_expert_gate")), _u64(out), _i32(N), _i32(H), _i32(k),
+                 _i32(cfg.num_experts), _i32(has_shared), _i32(1 if cfg.ep_rank == 0 else 0)),
+                stream=s)
 
     def _launch_router(self, x: int, N: int, logits: int, s) -> None:
         cfg, W = self.cfg, self.weights

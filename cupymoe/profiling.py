@@ -39,6 +39,21 @@ def dump_dir() -> Optional[Path]:
     return Path(d) if d else None
 
 
+_stage_events: Optional[list] = None
+
+
+@contextmanager
+def record_stage_events(into: list):
+    """Within this block every stage also records CUDA events (graph-capturable) into `into`
+    as (stage, start_event, end_event): per-stage device time inside a replayed graph."""
+    global _stage_events
+    prev, _stage_events = _stage_events, into
+    try:
+        yield into
+    finally:
+        _stage_events = prev
+
+
 class StageTimer:
     """Wraps each stage of one forward in an NVTX range (and, in profile mode, a timed sync)."""
 
@@ -54,6 +69,12 @@ class StageTimer:
         label = f"moe/{name}"
         if _nvtx is not None:
             _nvtx.push_range(label, domain=DOMAIN)
+        events = None
+        if _stage_events is not None:
+            import cupy
+
+            events = (cupy.cuda.Event(), cupy.cuda.Event())
+            events[0].record(self.stream)
         t0 = None
         if self.profile:
             self.stream.synchronize()
@@ -61,6 +82,9 @@ class StageTimer:
         try:
             yield
         finally:
+            if events is not None:
+                events[1].record(self.stream)
+                _stage_events.append((name, *events))
             if t0 is not None:
                 self.stream.synchronize()
                 us = (time.perf_counter() - t0) * 1e6

@@ -54,11 +54,13 @@ def test_alias_table_naming_unknown_buffer_is_refused():
 def test_layer_plan_is_proven_and_sized_for_max_tokens(shared, prenorm):
     cfg = MoeConfig(hidden_size=128, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
                     shared_expert_intermediate_size=shared, pre_expert_norm=prenorm)
-    plan = plan_layer_arena(cfg, max_tokens=33, n_local=16, i_max=64)
+    plan = plan_layer_arena(cfg, max_tokens=33, n_local=16, i_max=64, decode_max_tokens=8)
     assert plan.stages == STAGES
     assert plan.overlapping_pairs() == [("logits", "act")]
     P = 33 * 4 + (33 if shared else 0)
-    assert plan.placements["y"].nbytes == P * 128 * 4
+    Pd = 8 * 4 + (8 if shared else 0)  # fp32 decode outputs only for the decode path's rows
+    assert plan.placements["y"].nbytes == Pd * 128 * 4
+    assert plan.placements["yw"].nbytes == P * 128 * 2
     assert plan.placements["xe"].nbytes == (33 * 128 * 2 if prenorm else 0)
 
 

@@ -33,6 +33,7 @@ def _layer(cfg, hw, **kw):
     from cupymoe import MoeLayer
 
     kw.setdefault("max_tokens", MAX_TOKENS)
+    kw.setdefault("decode_max_tokens", kw["max_tokens"])  # tests force every path at every N
     return MoeLayer(cfg, hw, **kw)
 
 
@@ -50,7 +51,7 @@ def family_layer(request, rng):
     return cfg, hw, _layer(cfg, hw)
 
 
-@pytest.mark.parametrize("path", ["decode", "atomic"])
+@pytest.mark.parametrize("path", ["decode", "atomic", "prefill"])
 def test_families_against_reference(family_layer, rng, path):
     cfg, hw, layer = family_layer
     for n in TOKENS:
@@ -71,7 +72,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-@pytest.mark.parametrize("path", ["decode", "atomic"])
+@pytest.mark.parametrize("path", ["decode", "atomic", "prefill"])
 def test_routing_and_expert_variants(name, path, rng):
     kw = dict(VARIANTS[name])
     cfg = testing.tiny_config(kw.pop("family"), **kw)
@@ -88,7 +89,8 @@ def test_hash_routing_with_token_ids(rng):
     hw = testing.random_host_weights(cfg, rng)
     layer = _layer(cfg, hw)
     for n in (1, 4, 33):
-        _check(layer, cfg, hw, rng, n, "decode", testing.random_token_ids(rng, n, 50))
+        for path in ("decode", "prefill"):
+            _check(layer, cfg, hw, rng, n, path, testing.random_token_ids(rng, n, 50))
     import cupy
 
     x = cupy.asarray(bf16_bits(testing.random_input(rng, 2, cfg.hidden_size)))
@@ -129,7 +131,7 @@ def _graph_case(rng, fam="qwen3_next"):
     return cupy, cfg, hw, layer
 
 
-@pytest.mark.parametrize("path", ["decode", "atomic"])
+@pytest.mark.parametrize("path", ["decode", "atomic", "prefill"])
 def test_cupy_graph_replay_is_bitwise_eager_and_follows_new_inputs(rng, path):
     cupy, cfg, hw, layer = _graph_case(rng)
     for n in (1, 4, 33):
@@ -143,7 +145,7 @@ def test_cupy_graph_replay_is_bitwise_eager_and_follows_new_inputs(rng, path):
         g = s.end_capture()
         g.launch(s)
         s.synchronize()
-        if path == "decode":
+        if path != "atomic":
             assert cupy.array_equal(out, eager), f"N={n}: graph replay differs from eager"
         # new contents written into the same input buffer before a replay
         x2 = well_separated_input(cfg, hw, rng, n)
@@ -236,7 +238,6 @@ def test_refusals_name_the_values_and_write_nothing(rng):
         (dict(input_ptr=0, num_tokens=1, output_ptr=op), MoeCallError, r"input_ptr=0"),
         (dict(input_ptr=xp, num_tokens=1, output_ptr=0), MoeCallError, r"output_ptr=0"),
         (dict(input_ptr=xp + 2, num_tokens=1, output_ptr=op), MoeCallError, r"16-byte aligned"),
-        (dict(input_ptr=xp, num_tokens=1, output_ptr=op, path="prefill"), PathUnavailableError, r"prefill"),
         (dict(input_ptr=xp, num_tokens=8, output_ptr=op, path="warp"), PathUnavailableError, r"'warp'"),
     ]
     for kw, exc, msg in cases:
@@ -244,7 +245,9 @@ def test_refusals_name_the_values_and_write_nothing(rng):
             layer.forward(stream=s.ptr, **kw)
     s.synchronize()
     assert int((out != 0x7FC0).sum()) == 0, "a refused call wrote to the output"
-    small = _layer(cfg, hw, max_tokens=8, atomic_max_tokens=4)
+    small = _layer(cfg, hw, max_tokens=8, atomic_max_tokens=4, decode_max_tokens=6)
+    with pytest.raises(PathUnavailableError, match="decode_max_tokens=6"):
+        small.forward(xp, 7, op, s.ptr, path="decode")
     with pytest.raises(PathUnavailableError, match="atomic_max_tokens"):
         small.forward(xp, 5, op, s.ptr, path="atomic")
     with pytest.raises(PathUnavailableError, match="row_invariant"):
@@ -281,3 +284,33 @@ def test_profile_mode_and_debug_dumps(tmp_path, rng, monkeypatch, caplog):
     assert (np.sort(files["expert_ids"], axis=1) == np.sort(routing.ids, axis=1)).all()
     np.testing.assert_array_equal(files["moe_out"], out)
     assert files["shared_out"].shape == (n, cfg.hidden_size)
+
+
+LARGE_TOKENS = (65, 100, 1000, 4099)
+
+
+@pytest.mark.parametrize("family", testing.FAMILIES)
+def test_grouped_path_at_prefill_sizes(family, rng):
+    """The multi-block sort and the tensor-core GEMMs at prefill sizes, auto dispatch."""
+    from cupymoe import MoeLayer
+
+    cfg = testing.tiny_config(family)
+    hw = testing.random_host_weights(cfg, rng)
+    layer = MoeLayer(cfg, hw, max_tokens=max(LARGE_TOKENS))
+    for n in LARGE_TOKENS:
+        assert layer.select_path(n) == "prefill"
+        _check(layer, cfg, hw, rng, n, None)
+
+
+def test_one_expert_receives_every_row(rng):
+    """A router bias that puts expert 3 in every row's top-k: one run of N rows, others empty."""
+    cfg = testing.tiny_config("gpt_oss")
+    hw = testing.random_host_weights(cfg, rng)
+    hw.router_bias = hw.router_bias.copy()
+    hw.router_bias[3] = 50.0
+    layer = _layer(cfg, hw, max_tokens=1000)
+    for n, path in ((1000, "prefill"), (64, "prefill"), (64, "decode")):
+        x = well_separated_input(cfg, hw, rng, n)
+        assert (reference.route(cfg, hw, x).ids == 3).any(axis=1).all()
+        c = compare(run_layer(layer, x, path), reference.moe_forward(cfg, hw, x))
+        assert c.ok, f"N={n} {path}: {c}"

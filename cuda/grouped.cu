@@ -1,0 +1,452 @@
+// Grouped path (larger N): a stable multi-block sort of the (row, slot) pairs by expert,
+// M-tiles per expert, tensor-core grouped GEMMs (mma.sync m16n8k16 bf16, cp.async
+// 3-stage pipeline; any sm_80+), and the unpermute + weighted reduce.
+//
+//   sort_count     per block of 1024 pairs: how many pairs chose each local expert
+//   sort_scan      one block: expert totals -> expert starts, active lists, per-block offsets
+//   sort_place     per block: stable positions (pair order within an expert), shared rows
+//   make_tiles     one block: BM-row tiles over the active experts' runs
+//   grouped_gemm<MODE_GATE_UP>  act[pos, :I] = act(x[row] W_gate^T + b, x[row] W_up^T + b), bf16
+//   grouped_gemm<MODE_DOWN>     yw[pos, :H] = bf16(w_pair * (act[pos] W_down^T + b)): the routing
+//                               weight applied in fp32 before the only rounding
+//   grouped_reduce out[row] = sum over slots of yw (fixed slot order) + identity + scale * shared
+#include "common.cuh"
+
+#define SORT_THREADS 1024
+
+__device__ __forceinline__ int block_excl_scan_1024(int v, int* tmp /* 33 ints */, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
+        if (lane >= o) incl += t;
+    }
+    if (lane == 31) tmp[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        const int t = tmp[lane];
+        int ti = t;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int u = __shfl_up_sync(CUPYMOE_FULL_MASK, ti, o);
+            if (lane >= o) ti += u;
+        }
+        tmp[lane] = ti - t;
+        if (lane == 31) tmp[32] = ti;
+    }
+    __syncthreads();
+    total = tmp[32];
+    const int r = tmp[warp] + incl - v;
+    __syncthreads();
+    return r;
+}
+
+// grid ceil(P / 1024), block 1024, dynamic smem n_local ints.
+__global__ void __launch_bounds__(SORT_THREADS)
+sort_count(const int* __restrict__ ids, int P, int e_lo, int e_hi, int* __restrict__ block_counts) {
+    extern __shared__ int cnt[];
+    const int n_local = e_hi - e_lo;
+    for (int i = threadIdx.x; i < n_local; i += SORT_THREADS) cnt[i] = 0;
+    __syncthreads();
+    const int p = blockIdx.x * SORT_THREADS + threadIdx.x;
+    if (p < P) {
+        const int e = ids[p];
+        if (e >= e_lo && e < e_hi) atomicAdd(&cnt[e - e_lo], 1);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n_local; i += SORT_THREADS) block_counts[(size_t)blockIdx.x * n_local + i] = cnt[i];
+}
+
+// One block. block_counts[b, e] becomes the position where block b's first pair of expert e
+// goes. Also the active lists (as decode_build_lists makes them) and the shared expert's run.
+__global__ void __launch_bounds__(SORT_THREADS)
+sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, int has_shared,
+          int* __restrict__ num_active, int* __restrict__ active_slot, int* __restrict__ active_start,
+          int* __restrict__ active_len) {
+    __shared__ int tmp[33];
+    int pos_base = 0, act_base = 0;
+    for (int e0 = 0; e0 < n_local; e0 += SORT_THREADS) {
+        const int e = e0 + threadIdx.x;
+        int total = 0;
+        if (e < n_local)
+            for (int b = 0; b < nblk; ++b) total += block_counts[(size_t)b * n_local + e];
+        int tot_c, tot_a;
+        const int start = pos_base + block_excl_scan_1024(total, tmp, tot_c);
+        const int aidx = act_base + block_excl_scan_1024(total > 0 ? 1 : 0, tmp, tot_a);
+        if (e < n_local) {
+            int run = start;
+            for (int b = 0; b < nblk; ++b) {
+                const int c = block_counts[(size_t)b * n_local + e];
+                block_counts[(size_t)b * n_local + e] = run;
+                run += c;
+            }
+            if (total > 0) {
+                active_slot[aidx] = e;
+                active_start[aidx] = start;
+                active_len[aidx] = total;
+            }
+        }
+        pos_base += tot_c;
+        act_base += tot_a;
+    }
+    if (threadIdx.x == 0) {
+        if (has_shared) {
+            active_slot[act_base] = n_local;
+            active_start[act_base] = pos_base;
+            active_len[act_base] = N;
+        }
+        *num_active = act_base + (has_shared ? 1 : 0);
+    }
+}
+
+// grid ceil(P / 1024), block 1024. Warps place their pairs one warp after another, so ranks
+// follow pair order (stable); __match_any_sync ranks equal experts inside a warp.
+__global__ void __launch_bounds__(SORT_THREADS)
+sort_place(const int* __restrict__ ids, int P, int N, int e_lo, int e_hi, int has_shared,
+           const int* __restrict__ block_counts, const int* __restrict__ active_start,
+           const int* __restrict__ num_active, int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
+           int* __restrict__ pair_pos, int k) {
+    extern __shared__ int next[];  // [n_local]: next free position of each expert in this block
+    const int n_local = e_hi - e_lo;
+    for (int i = threadIdx.x; i < n_local; i += SORT_THREADS)
+        next[i] = block_counts[(size_t)blockIdx.x * n_local + i];
+    __syncthreads();
+    const int p = blockIdx.x * SORT_THREADS + threadIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int e = p < P ? ids[p] : -1;
+    const bool mine = e >= e_lo && e < e_hi;
+    const int key = mine ? e - e_lo : -1 - (threadIdx.x & 31);  // non-local lanes never match others
+    for (int w = 0; w < SORT_THREADS / 32; ++w) {
+        if (warp == w) {
+            const unsigned peers = __match_any_sync(CUPYMOE_FULL_MASK, key);
+            if (mine) {
+                const int rank = __popc(peers & ((1u << lane) - 1u));
+                const int pos = next[key] + rank;
+                sorted_row[pos] = p / k;
+                sorted_pair[pos] = p;
+                pair_pos[p] = pos;
+                __syncwarp(peers);
+                if (lane == 31 - __clz(peers)) next[key] += __popc(peers);  // the group's last lane
+            } else if (p < P) {
+                pair_pos[p] = -1;
+            }
+        }
+        __syncthreads();
+    }
+    if (has_shared) {  // the shared expert's run follows the routed positions
+        const int base = active_start[*num_active - 1];
+        for (int r = blockIdx.x * SORT_THREADS + threadIdx.x; r < N; r += gridDim.x * SORT_THREADS) {
+            sorted_row[base + r] = r;
+            sorted_pair[base + r] = P + r;
+            pair_pos[P + r] = base + r;
+        }
+    }
+}
+
+// One block: split each active run into BM-row tiles. tile_info[t] = (slot, pos0, rows).
+__global__ void __launch_bounds__(SORT_THREADS)
+make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_slot,
+           const int* __restrict__ active_start, const int* __restrict__ active_len, int BM,
+           int* __restrict__ num_tiles, int4* __restrict__ tile_info) {
+    __shared__ int tmp[33];
+    const int na = *num_active;
+    int base = 0;
+    for (int j0 = 0; j0 < na; j0 += SORT_THREADS) {
+        const int j = j0 + threadIdx.x;
+        const int len = j < na ? active_len[j] : 0;
+        const int nt = (len + BM - 1) / BM;
+        int tot;
+        const int t0 = base + block_excl_scan_1024(nt, tmp, tot);
+        for (int i = 0; i < nt; ++i)
+            tile_info[t0 + i] = make_int4(active_slot[j], active_start[j] + i * BM, min(BM, len - i * BM), 0);
+        base += tot;
+    }
+    if (threadIdx.x == 0) *num_tiles = base;
+}
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core grouped GEMM
+// ---------------------------------------------------------------------------------------
+#define MODE_GATE_UP 0
+#define MODE_DOWN 1
+
+#define GG_BM 64
+#define GG_BN 128  // B rows per tile: 64 gate + 64 up columns, or 128 down columns
+#define GG_BK 32
+#define GG_STAGES 3
+#define GG_THREADS 128
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Tiles are [rows][GG_BK] bf16: 4 chunks of 16 bytes per row, the chunk index XOR-swizzled
+// by (row >> 1) & 3 so the 8 rows an ldmatrix reads hit 8 different bank groups.
+__device__ __forceinline__ int swz(int row, int chunk) { return row * GG_BK + ((chunk ^ ((row >> 1) & 3)) << 3); }
+
+// grid (ceil(ncols / (MODE_GATE_UP ? 64 : 128)), max_tiles), block 128.
+// MODE_GATE_UP: A rows gathered from x/xe through sorted_row; K = H; out act [pos, I_max].
+// MODE_DOWN:    A rows are act[pos]; K = inter[slot]; out yw [pos, H] bf16, weighted.
+template <int MODE>
+__global__ void __launch_bounds__(GG_THREADS)
+grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16* __restrict__ act_in,
+             const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
+             const int* __restrict__ sorted_row, const int* __restrict__ sorted_pair,
+             const u64* __restrict__ w0_ptrs, const u64* __restrict__ w1_ptrs, const u64* __restrict__ b0_ptrs,
+             const u64* __restrict__ b1_ptrs, const int* __restrict__ inter, const float* __restrict__ topk_w,
+             int shared_slot, int H, int I_max, int P, bf16* __restrict__ out, int act_code, float alpha,
+             float limit) {
+    __shared__ __align__(128) bf16 sA[GG_STAGES][GG_BM * GG_BK];
+    __shared__ __align__(128) bf16 sB[GG_STAGES][GG_BN * GG_BK];
+    if ((int)blockIdx.y >= *num_tiles) return;
+    const int4 ti = tile_info[blockIdx.y];
+    const int slot = ti.x, pos0 = ti.y, rows = ti.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp >> 1, wn = warp & 1;
+
+    // Problem shape of this tile
+    const int K = MODE == MODE_GATE_UP ? H : inter[slot];
+    const int ncols = MODE == MODE_GATE_UP ? inter[slot] : H;   // output columns
+    const int n0 = blockIdx.x * (MODE == MODE_GATE_UP ? GG_BN / 2 : GG_BN);
+    if (n0 >= ncols) return;
+    const bf16* W0 = reinterpret_cast<const bf16*>(w0_ptrs[slot]);
+    const bf16* W1 = MODE == MODE_GATE_UP ? reinterpret_cast<const bf16*>(w1_ptrs[slot]) : nullptr;
+
+    // Each thread copies 2 A chunks and 4 B chunks per stage; precompute their sources.
+    const bf16* a_src[2];
+    bool a_ok[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = (tid + i * GG_THREADS) >> 2;
+        a_ok[i] = r < rows;
+        const int pos = pos0 + min(r, rows - 1);
+        if (MODE == MODE_GATE_UP) {
+            const bf16* in = slot == shared_slot ? x : xe;
+            a_src[i] = in + (size_t)sorted_row[pos] * H;
+        } else {
+            a_src[i] = act_in + (size_t)pos * I_max;
+        }
+    }
+    const bf16* b_src[4];
+    bool b_ok[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = (tid + i * GG_THREADS) >> 2;  // 0..127
+        int n;
+        const bf16* W;
+        if (MODE == MODE_GATE_UP) {
+            n = n0 + (r & 63);
+            W = r < 64 ? W0 : W1;
+        } else {
+            n = n0 + r;
+            W = W0;
+        }
+        b_ok[i] = n < ncols;
+        b_src[i] = W + (size_t)min(n, ncols - 1) * K;
+    }
+    const int chunk = tid & 3;
+
+    auto load_stage = [&](int st, int k0) {
+        const int kc = k0 + chunk * 8;
+        const bool kin = kc < K;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int r = (tid + i * GG_THREADS) >> 2;
+            cp_async16(&sA[st][swz(r, chunk)], a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = (tid + i * GG_THREADS) >> 2;
+            cp_async16(&sB[st][swz(r, chunk)], b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
+        }
+    };
+
+    float acc[2][8][4];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 8; ++b)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.0f;
+
+    // B rows (in the stage tile) of this warp's 8 n-tiles of 8 columns
+    auto brow = [&](int j) -> int {
+        if (MODE == MODE_GATE_UP) return (j < 4 ? 0 : 64) + wn * 32 + (j & 3) * 8;
+        return wn * 64 + j * 8;
+    };
+
+    const int KT = (K + GG_BK - 1) / GG_BK;
+#pragma unroll
+    for (int s = 0; s < GG_STAGES - 1; ++s) {
+        if (s < KT) load_stage(s, s * GG_BK);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait<GG_STAGES - 2>();
+        __syncthreads();
+        const int kn = kt + GG_STAGES - 1;
+        if (kn < KT) load_stage(kn % GG_STAGES, kn * GG_BK);
+        cp_async_commit();
+        const bf16* tA = sA[kt % GG_STAGES];
+        const bf16* tB = sB[kt % GG_STAGES];
+#pragma unroll
+        for (int kk = 0; kk < GG_BK / 16; ++kk) {
+            unsigned af[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                const int r = wm * 32 + mt * 16 + (lane & 15);
+                ldmatrix_x4(af[mt][0], af[mt][1], af[mt][2], af[mt][3], tA + swz(r, kk * 2 + (lane >> 4)));
+            }
+#pragma unroll
+            for (int jp = 0; jp < 4; ++jp) {  // pairs of n-tiles (2 jp, 2 jp + 1)
+                const int r = brow(2 * jp) + (lane & 7) + ((lane >> 4) << 3);
+                unsigned b0, b1, b2, b3;
+                ldmatrix_x4(b0, b1, b2, b3, tB + swz(r, kk * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    mma_bf16(acc[mt][2 * jp], af[mt], b0, b1);
+                    mma_bf16(acc[mt][2 * jp + 1], af[mt], b2, b3);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Epilogue
+    const int g = lane >> 2, t4 = lane & 3;
+    if (MODE == MODE_GATE_UP) {
+        const float* bg = reinterpret_cast<const float*>(b0_ptrs[slot]);
+        const float* bu = reinterpret_cast<const float*>(b1_ptrs[slot]);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = wm * 32 + mt * 16 + g + h * 8;
+                    const int col = n0 + wn * 32 + j * 8 + t4 * 2;
+                    if (r >= rows || col >= ncols) continue;
+                    float o[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float gv = acc[mt][j][h * 2 + e] + (bg ? bg[col + e] : 0.0f);
+                        const float uv = acc[mt][j + 4][h * 2 + e] + (bu ? bu[col + e] : 0.0f);
+                        o[e] = apply_activation(act_code, gv, uv, alpha, limit);
+                    }
+                    *reinterpret_cast<__nv_bfloat162*>(out + (size_t)(pos0 + r) * I_max + col) =
+                        __floats2bfloat162_rn(o[0], o[1]);
+                }
+    } else {
+        const float* bd = reinterpret_cast<const float*>(b0_ptrs[slot]);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = wm * 32 + mt * 16 + g + h * 8;
+                if (r >= rows) continue;
+                const int pos = pos0 + r;
+                const int pair = sorted_pair[pos];
+                const float w = pair < P ? topk_w[pair] : 1.0f;  // the shared expert is scaled in the reduce
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int col = n0 + wn * 64 + j * 8 + t4 * 2;
+                    if (col >= ncols) continue;
+                    const float v0 = acc[mt][j][h * 2] + (bd ? bd[col] : 0.0f);
+                    const float v1 = acc[mt][j][h * 2 + 1] + (bd ? bd[col + 1] : 0.0f);
+                    *reinterpret_cast<__nv_bfloat162*>(out + (size_t)pos * H + col) =
+                        __floats2bfloat162_rn(w * v0, w * v1);
+                }
+            }
+    }
+}
+
+// grid N, block 256: out[row] = sum_s yw[pos(row, s)] + identity terms + scale * shared.
+#define GREDUCE_THREADS 256
+__global__ void __launch_bounds__(GREDUCE_THREADS)
+grouped_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ ids,
+               const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const bf16* __restrict__ yw,
+               const float* __restrict__ shared_gate_w, bf16* __restrict__ out, int N, int H, int k, int E,
+               int has_shared, int primary) {
+    __shared__ float partial[GREDUCE_THREADS / 32];
+    __shared__ int s_pos[64];
+    __shared__ float s_zero_w;
+    const int row = blockIdx.x;
+    const size_t rbase = (size_t)row * H;
+    if (threadIdx.x < 32) {
+        float zw = 0.0f;
+        for (int s = threadIdx.x; s < k; s += 32) {
+            const int p = row * k + s;
+            const int pos = pair_pos[p];
+            s_pos[s] = pos;
+            if (pos < 0 && primary && ids[p] >= E) zw += topk_w[p];
+        }
+        zw = warp_sum(zw);
+        if (threadIdx.x == 0) s_zero_w = zw;
+    }
+    float scale = 1.0f;
+    if (has_shared && primary && shared_gate_w) {
+        float d = 0.0f;
+        for (int h = threadIdx.x; h < H; h += GREDUCE_THREADS) d = fmaf(__bfloat162float(x[rbase + h]), shared_gate_w[h], d);
+        d = warp_sum(d);
+        if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = d;
+        __syncthreads();
+        float t = 0.0f;
+#pragma unroll
+        for (int i = 0; i < GREDUCE_THREADS / 32; ++i) t += partial[i];
+        scale = sigmoidf_(t);
+    }
+    __syncthreads();
+    const int shared_pos = has_shared && primary ? pair_pos[N * k + row] : -1;
+    const float zw = s_zero_w;
+    for (int h = threadIdx.x * 8; h < H; h += GREDUCE_THREADS * 8) {
+        float o[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = 0.0f;
+#pragma unroll 4
+        for (int s = 0; s < k; ++s) {
+            const int pos = s_pos[s];
+            if (pos < 0) continue;
+            float f[8];
+            unpack_bf16x8(load_bf16x8(yw + (size_t)pos * H + h), f);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) o[i] += f[i];
+        }
+        if (zw != 0.0f) {
+            float f[8];
+            unpack_bf16x8(load_bf16x8(xe + rbase + h), f);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) o[i] = fmaf(zw, f[i], o[i]);
+        }
+        if (shared_pos >= 0) {
+            float f[8];
+            unpack_bf16x8(load_bf16x8(yw + (size_t)shared_pos * H + h), f);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) o[i] = fmaf(scale, f[i], o[i]);
+        }
+        __align__(16) bf16 r[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) r[i] = __float2bfloat16(o[i]);
+        *reinterpret_cast<uint4*>(out + rbase + h) = *reinterpret_cast<const uint4*>(r);
+    }
+}
