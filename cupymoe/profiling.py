@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -54,6 +55,22 @@ def record_stage_events(into: list):
         _stage_events = prev
 
 
+_libcuda = None
+
+
+def _record_external(event, stream) -> None:
+    """cuEventRecordWithFlags(..., CU_EVENT_RECORD_EXTERNAL): inside stream capture a plain
+    event record only orders streams; the external flag makes it a real record node, so
+    the event's time can be read after each replay of the graph."""
+    global _libcuda
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+        _libcuda.cuEventRecordWithFlags.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    rc = _libcuda.cuEventRecordWithFlags(event.ptr, stream.ptr, 1)
+    if rc != 0:
+        raise RuntimeError(f"cuEventRecordWithFlags failed with CUresult {rc}")
+
+
 class StageTimer:
     """Wraps each stage of one forward in an NVTX range (and, in profile mode, a timed sync)."""
 
@@ -74,7 +91,7 @@ class StageTimer:
             import cupy
 
             events = (cupy.cuda.Event(), cupy.cuda.Event())
-            events[0].record(self.stream)
+            _record_external(events[0], self.stream)
         t0 = None
         if self.profile:
             self.stream.synchronize()
@@ -83,7 +100,7 @@ class StageTimer:
             yield
         finally:
             if events is not None:
-                events[1].record(self.stream)
+                _record_external(events[1], self.stream)
                 _stage_events.append((name, *events))
             if t0 is not None:
                 self.stream.synchronize()
