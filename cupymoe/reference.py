@@ -262,8 +262,19 @@ def activation(cfg: MoeConfig, g: np.ndarray, u: np.ndarray) -> np.ndarray:
     raise ValueError(f"hidden_act={act!r} is not defined")
 
 
+# Kernel-faithful rounding (moe_forward's `rounding`): which intermediates the GPU paths
+# store as bf16. "decode": the pre-normed input and the activation; "grouped": those and
+# each (row, slot)'s weighted expert output (the shared expert's unweighted output).
+ROUNDINGS = (None, "decode", "grouped")
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """Round to bfloat16 (nearest even) and back to a's dtype."""
+    return a.astype(np.float32).astype(formats.BF16).astype(a.dtype)
+
+
 def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
-         biases: tuple[Optional[np.ndarray], ...] = (None, None, None)) -> np.ndarray:
+         biases: tuple[Optional[np.ndarray], ...] = (None, None, None), rounding: Optional[str] = None) -> np.ndarray:
     """One GLU feed-forward on rows `x`: down(act(gate(x), up(x))), weights dequantized here."""
     dt = x.dtype
     g = x @ formats.dequantize(gate, dt).T
@@ -271,12 +282,15 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
     bg, bu, bd = biases
     if bg is not None:
         g, u = g + bg, u + bu
-    y = activation(cfg, g, u) @ formats.dequantize(down, dt).T
+    a = activation(cfg, g, u)
+    if rounding:
+        a = _bf16(a)
+    y = a @ formats.dequantize(down, dt).T
     return y if bd is None else y + bd
 
 
 def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Routing,
-                    owned: range, include_zero: bool) -> np.ndarray:
+                    owned: range, include_zero: bool, rounding: Optional[str] = None) -> np.ndarray:
     """Sum over (row, slot) of w * expert(x_e[row]) for the owned experts (+ identity experts).
 
     Loops over experts, not rows: each chosen expert's weights are dequantized once and
@@ -299,7 +313,10 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
         biases = (None, None, None)
         if cfg.has_expert_bias:
             biases = tuple(_vector(b[e], dt) for b in (hw.gate_bias, hw.up_bias, hw.down_bias))
-        y = _ffn(cfg, xe[rows], hw.gate[e], hw.up[e], hw.down[e], biases)
+        y = _ffn(cfg, xe[rows], hw.gate[e], hw.up[e], hw.down[e], biases, rounding)
+        if rounding == "grouped":  # the grouped GEMM stores bf16(w * y), weighted in fp32 first
+            np.add.at(out, rows, _bf16(w * y))
+            continue
         # A row picks an expert at most once (top-k of distinct ids; tid2eid rows are
         # distinct by contract), but add.at stays right even if a table repeats one.
         np.add.at(out, rows, w * y)
@@ -310,9 +327,11 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
 # step 5: shared expert
 # ----------------------------------------------------------------------------------
 
-def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray) -> np.ndarray:
+def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Optional[str] = None) -> np.ndarray:
     """`scale * down(act(gate(x), up(x)))` on the un-normed x; scale = sigmoid(x . w_gate) or 1."""
-    sh = _ffn(cfg, x, hw.shared_gate, hw.shared_up, hw.shared_down)
+    sh = _ffn(cfg, x, hw.shared_gate, hw.shared_up, hw.shared_down, rounding=rounding)
+    if rounding == "grouped":
+        sh = _bf16(sh)
     if cfg.has_shared_expert_gate:
         sh = sh * _sigmoid(x @ _vector(hw.shared_expert_gate, x.dtype))[:, None]
     return sh
@@ -323,7 +342,7 @@ def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray) -> np.ndarray
 # ----------------------------------------------------------------------------------
 
 def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: Any = None, *,
-                dtype=np.float64, ep_rank: Optional[int] = None) -> np.ndarray:
+                dtype=np.float64, ep_rank: Optional[int] = None, rounding: Optional[str] = None) -> np.ndarray:
     """The MoE layer's output [N, H] in `dtype` for input `x` [N, H] (bf16 or float).
 
     Every step runs in `dtype` (float64 by default: the oracle; float32 to estimate what
@@ -336,7 +355,13 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     the full output, with the shared expert and identity terms counted exactly once.
 
     Hash routing needs `token_ids` [N] (ValueError without them).
+
+    `rounding` ("decode" or "grouped", see ROUNDINGS) also rounds to bf16 the intermediates
+    that GPU path stores as bf16, everything else staying in `dtype`: the kernel-faithful
+    reference that GPU tests compare against with a tight tolerance. None: exact.
     """
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r}: must be one of {ROUNDINGS}")
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise ValueError(f"dtype={dtype}: the reference computes in float32 or float64")
@@ -348,7 +373,9 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     xf = _as_input(cfg, x, dtype)
     routing = _route(cfg, host_weights, xf, token_ids)  # the router reads x, not the normed copy
     xe = expert_input(cfg, host_weights, xf, dtype=dtype)
-    out = _routed_experts(cfg, host_weights, xe, routing, owned, include_zero=on_rank0)
+    if rounding and cfg.pre_expert_norm:
+        xe = _bf16(xe)
+    out = _routed_experts(cfg, host_weights, xe, routing, owned, include_zero=on_rank0, rounding=rounding)
     if cfg.has_shared_expert and on_rank0:
-        out = out + _shared_expert(cfg, host_weights, xf)
+        out = out + _shared_expert(cfg, host_weights, xf, rounding)
     return out.astype(dtype, copy=False)

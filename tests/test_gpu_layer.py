@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cupymoe import reference, testing
-from cupymoe.verify import bf16_bits, bits_to_f32, compare, run_layer, well_separated_input
+from cupymoe.verify import bf16_bits, bits_to_f32, compare, references, run_layer, well_separated_input
 
 pytestmark = pytest.mark.gpu
 
@@ -39,9 +39,9 @@ def _layer(cfg, hw, **kw):
 
 def _check(layer, cfg, hw, rng, n, path, token_ids=None):
     x = well_separated_input(cfg, hw, rng, n, token_ids)
-    ref = reference.moe_forward(cfg, hw, x, token_ids)
-    c = compare(run_layer(layer, x, path, token_ids), ref)
-    assert c.ok, f"{cfg.model_type} N={n} {path}: {c}"
+    taken = layer.select_path(n, path)
+    c = compare(run_layer(layer, x, path, token_ids), *references(cfg, hw, x, taken, token_ids))
+    assert c.ok, f"{cfg.model_type} N={n} {path} ({taken}): {c}"
 
 
 @pytest.fixture(scope="module", params=testing.FAMILIES)
@@ -114,7 +114,7 @@ def test_expert_parallel_partials_sum_to_full_layer(rng):
         for rank in range(2):
             rcfg = cfg.replace(ep_world_size=2, ep_rank=rank)
             out = run_layer(_layer(rcfg, hw), x, "decode")
-            c = compare(out, reference.moe_forward(rcfg, hw, x))
+            c = compare(out, *references(rcfg, hw, x, "decode"))
             assert c.ok, f"{fam} rank {rank}: {c}"
             total += out
         # two bf16 partials summed: each carries its own output rounding
@@ -153,7 +153,7 @@ def test_cupy_graph_replay_is_bitwise_eager_and_follows_new_inputs(rng, path):
         out.fill(0x7FC0)
         g.launch(s)
         s.synchronize()
-        c = compare(bits_to_f32(out.get()), reference.moe_forward(cfg, hw, x2))
+        c = compare(bits_to_f32(out.get()), *references(cfg, hw, x2, path))
         assert c.ok, f"N={n} after new input: {c}"
 
 
@@ -181,7 +181,7 @@ def test_torch_graph_capture(rng):
     g.replay()
     torch.cuda.synchronize()
     got = bits_to_f32(out.view(torch.int16).cpu().numpy().view(np.uint16))
-    assert compare(got, reference.moe_forward(cfg, hw, xh2)).ok
+    assert compare(got, *references(cfg, hw, xh2, layer.select_path(n))).ok
 
 
 def test_two_layers_on_two_streams_run_concurrently_without_interference(rng):
@@ -194,7 +194,7 @@ def test_two_layers_on_two_streams_run_concurrently_without_interference(rng):
         cases.append((cfg, hw, _layer(cfg, hw)))
     n = 33
     inputs = [well_separated_input(cfg, hw, rng, n) for cfg, hw, _ in cases]
-    refs = [reference.moe_forward(cfg, hw, x) for (cfg, hw, _), x in zip(cases, inputs)]
+    refs = [references(cfg, hw, x, layer.select_path(n)) for (cfg, hw, layer), x in zip(cases, inputs)]
     xs = [cupy.asarray(bf16_bits(x)) for x in inputs]
     outs = [cupy.full_like(x, 0x7FC0) for x in xs]
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in cases]
@@ -204,7 +204,7 @@ def test_two_layers_on_two_streams_run_concurrently_without_interference(rng):
     for s in streams:
         s.synchronize()
     for o, ref in zip(outs, refs):
-        assert compare(bits_to_f32(o.get()), ref).ok
+        assert compare(bits_to_f32(o.get()), *ref).ok
 
 
 def test_from_pretrained_matches_reference(tmp_path, rng):
@@ -217,7 +217,7 @@ def test_from_pretrained_matches_reference(tmp_path, rng):
     layer = MoeLayer.from_pretrained(tmp_path, 1, max_tokens=16)
     assert layer.cfg == cfg
     x = well_separated_input(cfg, hw, rng, 7)
-    assert compare(run_layer(layer, x), reference.moe_forward(cfg, hw, x)).ok
+    assert compare(run_layer(layer, x), *references(cfg, hw, x, layer.select_path(7))).ok
 
 
 def test_refusals_name_the_values_and_write_nothing(rng):
@@ -312,5 +312,5 @@ def test_one_expert_receives_every_row(rng):
     for n, path in ((1000, "prefill"), (64, "prefill"), (64, "decode")):
         x = well_separated_input(cfg, hw, rng, n)
         assert (reference.route(cfg, hw, x).ids == 3).any(axis=1).all()
-        c = compare(run_layer(layer, x, path), reference.moe_forward(cfg, hw, x))
+        c = compare(run_layer(layer, x, path), *references(cfg, hw, x, path))
         assert c.ok, f"N={n} {path}: {c}"

@@ -587,3 +587,25 @@ def test_builders_shapes_and_invariants():
     assert all(len(set(row)) == cfg.num_experts_per_tok for row in hw.tid2eid.tolist())
     assert hw.tid2eid.max() < cfg.router_width and formats.weight_format(hw.gate) == "nvfp4"
     assert hw.router.dtype == BF16
+
+
+def test_kernel_faithful_rounding_modes():
+    """rounding='decode'/'grouped' round exactly the intermediates the GPU paths store as bf16."""
+    from cupymoe import reference, testing
+    from cupymoe.verify import compare
+
+    rng = np.random.default_rng(7)
+    cfg = testing.tiny_config("qwen2_moe", pre_expert_norm=True)
+    hw = testing.random_host_weights(cfg, rng)
+    x = testing.random_input(rng, 9, cfg.hidden_size)
+    exact = reference.moe_forward(cfg, hw, x)
+    dec = reference.moe_forward(cfg, hw, x, rounding="decode")
+    grp = reference.moe_forward(cfg, hw, x, rounding="grouped")
+    # bf16 intermediates move the result by rounding amounts, never by more
+    for r in (dec, grp):
+        assert 0 < np.linalg.norm(r - exact) / np.linalg.norm(exact) < 2.0 ** -7
+    assert not np.array_equal(dec, grp)
+    # 'grouped' sums bf16 values: every routed term it adds is representable in bf16
+    assert compare(dec.astype(np.float32), exact, grp).faithful_normwise < 2.0 ** -7
+    with pytest.raises(ValueError, match="rounding='fp8'"):
+        reference.moe_forward(cfg, hw, x, rounding="fp8")
