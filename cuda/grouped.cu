@@ -170,12 +170,11 @@ make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_sl
 // ---------------------------------------------------------------------------------------
 #define MODE_GATE_UP 0
 #define MODE_DOWN 1
+#define MODE_ROUTER 2  // one dense GEMM: logits[N, R] fp32 = x W_router^T (+ bias)
 
-#define GG_BM 64
-#define GG_BN 128  // B rows per tile: 64 gate + 64 up columns, or 128 down columns
+#define GG_BN 128  // B rows per tile: 64 gate + 64 up columns, or 128 down / router columns
 #define GG_BK 32
 #define GG_STAGES 3
-#define GG_THREADS 128
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -205,54 +204,70 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
 // by (row >> 1) & 3 so the 8 rows an ldmatrix reads hit 8 different bank groups.
 __device__ __forceinline__ int swz(int row, int chunk) { return row * GG_BK + ((chunk ^ ((row >> 1) & 3)) << 3); }
 
-// grid (ceil(ncols / (MODE_GATE_UP ? 64 : 128)), max_tiles), block 128.
+// Block: BM rows x GG_BN columns, BM / 16 warps as (BM / 32) x 2, each 32 rows x 64 columns.
+// grid (column tiles, M-tiles): MODE_GATE_UP 64 columns of gate and up per tile; else 128.
 // MODE_GATE_UP: A rows gathered from x/xe through sorted_row; K = H; out act [pos, I_max].
 // MODE_DOWN:    A rows are act[pos]; K = inter[slot]; out yw [pos, H] bf16, weighted.
-template <int MODE>
-__global__ void __launch_bounds__(GG_THREADS)
+// MODE_ROUTER:  A rows are x[m0 + r] (no tiles table); K = H; out fp32 logits [N, R] + bias.
+// Every output element is one fixed-order K reduction of its row alone: the bits of a row
+// do not depend on the other rows of its tile (row invariance).
+template <int MODE, int BM>
+__global__ void __launch_bounds__(BM * 2)
 grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16* __restrict__ act_in,
              const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
              const int* __restrict__ sorted_row, const int* __restrict__ sorted_pair,
              const u64* __restrict__ w0_ptrs, const u64* __restrict__ w1_ptrs, const u64* __restrict__ b0_ptrs,
              const u64* __restrict__ b1_ptrs, const int* __restrict__ inter, const float* __restrict__ topk_w,
-             int shared_slot, int H, int I_max, int P, bf16* __restrict__ out, int act_code, float alpha,
+             int shared_slot, int H, int I_max, int P, void* __restrict__ out, int act_code, float alpha,
              float limit) {
-    __shared__ __align__(128) bf16 sA[GG_STAGES][GG_BM * GG_BK];
+    constexpr int THREADS = BM * 2;
+    constexpr int A_PER_THREAD = BM * 4 / THREADS;     // 16-byte chunks per stage
+    constexpr int B_PER_THREAD = GG_BN * 4 / THREADS;
+    __shared__ __align__(128) bf16 sA[GG_STAGES][BM * GG_BK];
     __shared__ __align__(128) bf16 sB[GG_STAGES][GG_BN * GG_BK];
-    if ((int)blockIdx.y >= *num_tiles) return;
-    const int4 ti = tile_info[blockIdx.y];
-    const int slot = ti.x, pos0 = ti.y, rows = ti.z;
+    int slot = 0, pos0, rows;
+    if (MODE == MODE_ROUTER) {  // P is N here; w0_ptrs is the router matrix itself
+        pos0 = blockIdx.y * BM;
+        rows = min(BM, P - pos0);
+    } else {
+        if ((int)blockIdx.y >= *num_tiles) return;
+        const int4 ti = tile_info[blockIdx.y];
+        slot = ti.x;
+        pos0 = ti.y;
+        rows = ti.z;
+    }
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 1, wn = warp & 1;
 
-    // Problem shape of this tile
-    const int K = MODE == MODE_GATE_UP ? H : inter[slot];
-    const int ncols = MODE == MODE_GATE_UP ? inter[slot] : H;   // output columns
+    const int K = MODE == MODE_DOWN ? inter[slot] : H;
+    const int ncols = MODE == MODE_GATE_UP ? inter[slot] : MODE == MODE_DOWN ? H : I_max /* R */;
     const int n0 = blockIdx.x * (MODE == MODE_GATE_UP ? GG_BN / 2 : GG_BN);
     if (n0 >= ncols) return;
-    const bf16* W0 = reinterpret_cast<const bf16*>(w0_ptrs[slot]);
+    const bf16* W0 = MODE == MODE_ROUTER ? reinterpret_cast<const bf16*>(w0_ptrs)
+                                         : reinterpret_cast<const bf16*>(w0_ptrs[slot]);
     const bf16* W1 = MODE == MODE_GATE_UP ? reinterpret_cast<const bf16*>(w1_ptrs[slot]) : nullptr;
 
-    // Each thread copies 2 A chunks and 4 B chunks per stage; precompute their sources.
-    const bf16* a_src[2];
-    bool a_ok[2];
+    const bf16* a_src[A_PER_THREAD];
+    bool a_ok[A_PER_THREAD];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = (tid + i * GG_THREADS) >> 2;
+    for (int i = 0; i < A_PER_THREAD; ++i) {
+        const int r = (tid + i * THREADS) >> 2;
         a_ok[i] = r < rows;
         const int pos = pos0 + min(r, rows - 1);
         if (MODE == MODE_GATE_UP) {
             const bf16* in = slot == shared_slot ? x : xe;
             a_src[i] = in + (size_t)sorted_row[pos] * H;
-        } else {
+        } else if (MODE == MODE_DOWN) {
             a_src[i] = act_in + (size_t)pos * I_max;
+        } else {
+            a_src[i] = x + (size_t)pos * H;
         }
     }
-    const bf16* b_src[4];
-    bool b_ok[4];
+    const bf16* b_src[B_PER_THREAD];
+    bool b_ok[B_PER_THREAD];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int r = (tid + i * GG_THREADS) >> 2;  // 0..127
+    for (int i = 0; i < B_PER_THREAD; ++i) {
+        const int r = (tid + i * THREADS) >> 2;  // 0..127
         int n;
         const bf16* W;
         if (MODE == MODE_GATE_UP) {
@@ -271,13 +286,13 @@ grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16
         const int kc = k0 + chunk * 8;
         const bool kin = kc < K;
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int r = (tid + i * GG_THREADS) >> 2;
+        for (int i = 0; i < A_PER_THREAD; ++i) {
+            const int r = (tid + i * THREADS) >> 2;
             cp_async16(&sA[st][swz(r, chunk)], a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
         }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = (tid + i * GG_THREADS) >> 2;
+        for (int i = 0; i < B_PER_THREAD; ++i) {
+            const int r = (tid + i * THREADS) >> 2;
             cp_async16(&sB[st][swz(r, chunk)], b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
         }
     };
@@ -336,6 +351,7 @@ grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16
     // Epilogue
     const int g = lane >> 2, t4 = lane & 3;
     if (MODE == MODE_GATE_UP) {
+        bf16* act = reinterpret_cast<bf16*>(out);
         const float* bg = reinterpret_cast<const float*>(b0_ptrs[slot]);
         const float* bu = reinterpret_cast<const float*>(b1_ptrs[slot]);
 #pragma unroll
@@ -354,11 +370,12 @@ grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16
                         const float uv = acc[mt][j + 4][h * 2 + e] + (bu ? bu[col + e] : 0.0f);
                         o[e] = apply_activation(act_code, gv, uv, alpha, limit);
                     }
-                    *reinterpret_cast<__nv_bfloat162*>(out + (size_t)(pos0 + r) * I_max + col) =
+                    *reinterpret_cast<__nv_bfloat162*>(act + (size_t)(pos0 + r) * I_max + col) =
                         __floats2bfloat162_rn(o[0], o[1]);
                 }
     } else {
-        const float* bd = reinterpret_cast<const float*>(b0_ptrs[slot]);
+        const float* bd = MODE == MODE_ROUTER ? reinterpret_cast<const float*>(b0_ptrs)
+                                              : reinterpret_cast<const float*>(b0_ptrs[slot]);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -366,16 +383,25 @@ grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16
                 const int r = wm * 32 + mt * 16 + g + h * 8;
                 if (r >= rows) continue;
                 const int pos = pos0 + r;
-                const int pair = sorted_pair[pos];
-                const float w = pair < P ? topk_w[pair] : 1.0f;  // the shared expert is scaled in the reduce
+                float w = 1.0f;
+                if (MODE == MODE_DOWN) {
+                    const int pair = sorted_pair[pos];
+                    w = pair < P ? topk_w[pair] : 1.0f;  // the shared expert is scaled in the reduce
+                }
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const int col = n0 + wn * 64 + j * 8 + t4 * 2;
                     if (col >= ncols) continue;
                     const float v0 = acc[mt][j][h * 2] + (bd ? bd[col] : 0.0f);
                     const float v1 = acc[mt][j][h * 2 + 1] + (bd ? bd[col + 1] : 0.0f);
-                    *reinterpret_cast<__nv_bfloat162*>(out + (size_t)pos * H + col) =
-                        __floats2bfloat162_rn(w * v0, w * v1);
+                    if (MODE == MODE_DOWN) {
+                        *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)pos * H + col) =
+                            __floats2bfloat162_rn(w * v0, w * v1);
+                    } else {  // router logits, fp32; R may be odd, so store one by one
+                        float* lg = reinterpret_cast<float*>(out) + (size_t)pos * ncols + col;
+                        lg[0] = v0;
+                        if (col + 1 < ncols) lg[1] = v1;
+                    }
                 }
             }
     }

@@ -35,6 +35,7 @@ SCORING_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 # keeps two accumulators per row: at 8 rows ptxas spills, so it stops at 4.
 ROW_TILES = (1, 2, 4, 8)
 GATE_UP_ROW_TILES = (1, 2, 4)
+GROUPED_BMS = (64, 128)  # rows per M-tile of the tensor-core grouped GEMMs
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,8 @@ MODULES: dict[str, ModuleSpec] = {
     "topk": ModuleSpec("topk.cu", ("topk_route",)),
     "grouped": ModuleSpec(
         "grouped.cu",
-        ("sort_count", "sort_scan", "sort_place", "make_tiles", "grouped_gemm<0>", "grouped_gemm<1>",
-         "grouped_reduce"),
+        ("sort_count", "sort_scan", "sort_place", "make_tiles", "grouped_reduce")
+        + tuple(f"grouped_gemm<{mode}, {bm}>" for mode in (0, 1, 2) for bm in GROUPED_BMS),
     ),
     "decode": ModuleSpec(
         "decode.cu",

@@ -66,7 +66,7 @@ def _row_tile(rows: float, tiles: tuple[int, ...]) -> int:
     return tiles[-1]
 
 
-GROUPED_BM = 64  # rows per M-tile of the grouped GEMMs (cuda/grouped.cu GG_BM)
+GROUPED_BM = 64  # the smallest M-tile height of the grouped GEMMs (kernels.GROUPED_BMS)
 SORT_BLOCK = 1024  # pairs per block of the multi-block sort (cuda/grouped.cu SORT_THREADS)
 SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_build_lists)
 
@@ -156,8 +156,9 @@ class MoeLayer:
         self.row_invariant = bool(row_invariant)
         self.decode_max_tokens = max(1, int(decode_max_tokens))
         self.atomic_max_tokens = min(int(atomic_max_tokens), self.decode_max_tokens)
-        if path == "atomic" and row_invariant:
-            raise PathUnavailableError("path='atomic' accumulates with atomics, so it cannot be row_invariant=True")
+        if path in ("decode", "atomic") and row_invariant:
+            raise PathUnavailableError(f"path={path!r} with row_invariant=True: row-invariant layers run the "
+                                       "grouped path at every N; use path='auto' or 'prefill'")
 
         with cupy.cuda.Device(self.device_id):
             self.lib = kernels.library(self.device_id)
@@ -191,6 +192,11 @@ class MoeLayer:
 
     # --- dispatch ------------------------------------------------------------------------
     def _check_path(self, path: str, num_tokens: int, cfg: MoeConfig) -> None:
+        if self.row_invariant and path != "prefill":
+            raise PathUnavailableError(
+                f"path={path!r} with row_invariant=True: row-invariant layers run the grouped path at every N, "
+                "so a row's bits do not depend on N or on the path; use path='auto' or 'prefill'"
+            )
         if path in ("decode", "atomic") and num_tokens > self.decode_max_tokens:
             raise PathUnavailableError(
                 f"path={path!r} serves num_tokens <= decode_max_tokens={self.decode_max_tokens}, got {num_tokens} "
@@ -210,6 +216,8 @@ class MoeLayer:
         if p not in PATHS:
             raise PathUnavailableError(f"path={p!r}: must be one of {PATHS}")
         if p == "auto":
+            if self.row_invariant:  # one path for every N: a row's bits never depend on N
+                return "prefill"
             return "decode" if num_tokens <= self.decode_max_tokens else "prefill"
         self._check_path(p, num_tokens, self.cfg)
         return p
@@ -270,7 +278,16 @@ class MoeLayer:
         timer = StageTimer(s, N, path)
 
         with timer.stage("router"):
-            self._launch_router(x, N, A.ptr("logits"), s)
+            if path == "prefill":  # tensor cores; the CUDA-core router only pays off at few rows
+                bm = 128 if N >= 128 else 64
+                lib[f"grouped_gemm<2, {bm}>"](
+                    (-(-R // 128), -(-N // bm)), (2 * bm,),
+                    (_u64(x), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(W.ptr("router")),
+                     _u64(0), _u64(W.ptr("router_bias")), _u64(0), _u64(0), _u64(0), _i32(0), _i32(H), _i32(R),
+                     _i32(N), _u64(A.ptr("logits")), _i32(0), _f32(0.0), _f32(0.0)),
+                    stream=s)
+            else:
+                self._launch_router(x, N, A.ptr("logits"), s)
         with timer.stage("topk"):
             warps = 4
             lib["topk_route"](
@@ -353,14 +370,16 @@ class MoeLayer:
         """gate/up and down as tensor-core grouped GEMMs over BM-row tiles of each expert's run."""
         cfg, A, W, lib = self.cfg, self.arena, self.weights, self.lib
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
-        tiles = max_tiles(N, k, W.n_local, bool(has_shared))
+        # 128-row tiles once the average expert run fills them (measured: benchmarks/NOTES.md)
+        bm = 128 if N * k >= 96 * W.n_local else 64
+        tiles = max_tiles(N, k, W.n_local, bool(has_shared))  # a bound for either tile height
         with timer.stage("gate_up"):
             lib["make_tiles"]((1,), (1024,),
                               (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
-                               _u64(A.ptr("active_len")), _i32(GROUPED_BM), _u64(A.ptr("num_tiles")),
+                               _u64(A.ptr("active_len")), _i32(bm), _u64(A.ptr("num_tiles")),
                                _u64(A.ptr("tile_info"))), stream=s)
-            lib["grouped_gemm<0>"](
-                (-(-W.i_max // 64), tiles), (128,),
+            lib[f"grouped_gemm<0, {bm}>"](
+                (-(-W.i_max // 64), tiles), (2 * bm,),
                 (_u64(x), _u64(xe), _u64(0), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                  _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("gate")), _u64(W.ptr("up")),
                  _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
@@ -368,8 +387,8 @@ class MoeLayer:
                  _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit)),
                 stream=s)
         with timer.stage("down"):
-            lib["grouped_gemm<1>"](
-                (-(-H // 128), tiles), (128,),
+            lib[f"grouped_gemm<1, {bm}>"](
+                (-(-H // 128), tiles), (2 * bm,),
                 (_u64(x), _u64(xe), _u64(A.ptr("act")), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                  _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("down")), _u64(0),
                  _u64(W.ptr("down_bias")), _u64(0), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),

@@ -252,6 +252,8 @@ def test_refusals_name_the_values_and_write_nothing(rng):
         small.forward(xp, 5, op, s.ptr, path="atomic")
     with pytest.raises(PathUnavailableError, match="row_invariant"):
         _layer(cfg, hw, path="atomic", row_invariant=True)
+    with pytest.raises(PathUnavailableError, match="row_invariant"):
+        _layer(cfg, hw, row_invariant=True).forward(xp, 1, op, s.ptr, path="decode")
     # a stream of another device's context (faked: this machine may have one GPU)
     layer._ctx = -1
     other = cupy.cuda.Stream(non_blocking=True)  # kept alive: a destroyed stream is no stream
@@ -314,3 +316,23 @@ def test_one_expert_receives_every_row(rng):
         assert (reference.route(cfg, hw, x).ids == 3).any(axis=1).all()
         c = compare(run_layer(layer, x, path), *references(cfg, hw, x, path))
         assert c.ok, f"N={n} {path}: {c}"
+
+
+def test_row_invariance(rng):
+    """row_invariant=True: each row's output bits equal the same row run alone and in other batches."""
+    from cupymoe import MoeLayer
+
+    for fam in ("deepseek_v3", "longcat_flash"):
+        cfg = testing.tiny_config(fam)
+        hw = testing.random_host_weights(cfg, rng)
+        layer = MoeLayer(cfg, hw, max_tokens=1000, row_invariant=True)
+        pool = testing.random_input(rng, 1000, cfg.hidden_size)
+        tracked = rng.choice(1000, size=12, replace=False)
+        alone = {int(r): run_layer(layer, pool[r:r + 1])[0] for r in tracked}
+        for n in (1, 2, 7, 64, 333, 1000):
+            others = rng.permutation(np.setdiff1d(np.arange(1000), tracked))[: max(0, n - 12)]
+            rows = rng.permutation(np.concatenate([tracked[: min(n, 12)], others]))
+            out = run_layer(layer, pool[rows])
+            for j, r in enumerate(rows):
+                if int(r) in alone:
+                    np.testing.assert_array_equal(out[j], alone[int(r)], err_msg=f"{fam}: row {r} in a batch of {n}")
