@@ -111,8 +111,10 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, int e_lo, int e_hi
     if (threadIdx.x == 0) *num_active = act_base + (has_shared ? 1 : 0);
 }
 
-// grid (ceil(I_max / DECODE_WARPS), max_active), block DECODE_WARPS * 32.
-template <int RT>
+// grid (ceil(I_max / (DECODE_WARPS * CW)), max_active), block DECODE_WARPS * 32.
+// Each warp owns CW intermediate columns: CW gate rows and CW up rows stream together, so a
+// warp keeps 4 * CW 16-byte loads in flight and few warps cover a small step in one wave.
+template <int RT, int CW>
 __global__ void __launch_bounds__(DECODE_WARPS * 32)
 decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ num_active,
                const int* __restrict__ active_slot, const int* __restrict__ active_start,
@@ -126,12 +128,18 @@ decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int slot = active_slot[j];
     const int I = inter[slot];
-    const int col = blockIdx.x * DECODE_WARPS + warp;
-    if (col >= I) return;
+    const int col0 = (blockIdx.x * DECODE_WARPS + warp) * CW;
+    if (col0 >= I) return;
     // The shared expert reads x; routed experts read the (optionally pre-normed) xe.
     const bf16* in = slot == shared_slot ? x : xe;
-    const bf16* wg = reinterpret_cast<const bf16*>(gate_ptrs[slot]) + (size_t)col * H;
-    const bf16* wu = reinterpret_cast<const bf16*>(up_ptrs[slot]) + (size_t)col * H;
+    const bf16* wg[CW];
+    const bf16* wu[CW];
+#pragma unroll
+    for (int c = 0; c < CW; ++c) {  // a column past I recomputes column I - 1 and writes nothing
+        const int col = min(col0 + c, I - 1);
+        wg[c] = reinterpret_cast<const bf16*>(gate_ptrs[slot]) + (size_t)col * H;
+        wu[c] = reinterpret_cast<const bf16*>(up_ptrs[slot]) + (size_t)col * H;
+    }
     const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
     const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
@@ -140,47 +148,53 @@ decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
         // A tile past the run's end recomputes its last row (cached) and writes nothing:
         // no divergence and no run-time-indexed arrays in the hot loop.
         const bf16* xr[RT];
-        float ag[RT], au[RT];
+        float ag[RT][CW], au[RT][CW];
 #pragma unroll
         for (int i = 0; i < RT; ++i) {
             xr[i] = in + (size_t)sorted_row[start + min(r0 + i, len - 1)] * H;
-            ag[i] = 0.0f;
-            au[i] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < CW; ++c) ag[i][c] = au[i][c] = 0.0f;
         }
 #pragma unroll 2
         for (int kk = lane * 8; kk < H; kk += 256) {
-            float fg[8], fu[8];
-            unpack_bf16x8(load_bf16x8_stream(wg + kk), fg);
-            unpack_bf16x8(load_bf16x8_stream(wu + kk), fu);
+            bf16x8 vg[CW], vu[CW];
+#pragma unroll
+            for (int c = 0; c < CW; ++c) {
+                vg[c] = load_bf16x8_stream(wg[c] + kk);
+                vu[c] = load_bf16x8_stream(wu[c] + kk);
+            }
 #pragma unroll
             for (int i = 0; i < RT; ++i) {
                 float fx[8];
                 unpack_bf16x8(load_bf16x8(xr[i] + kk), fx);
 #pragma unroll
-                for (int t = 0; t < 8; ++t) {
-                    ag[i] = fmaf(fg[t], fx[t], ag[i]);
-                    au[i] = fmaf(fu[t], fx[t], au[i]);
+                for (int c = 0; c < CW; ++c) {
+                    ag[i][c] = dot_bf16x8(vg[c], fx, ag[i][c]);
+                    au[i][c] = dot_bf16x8(vu[c], fx, au[i][c]);
                 }
             }
         }
 #pragma unroll
-        for (int i = 0; i < RT; ++i) {
-            const float g = warp_sum(ag[i]);
-            const float u = warp_sum(au[i]);
-            if (lane == 0 && r0 + i < len) {
-                const float gb = g + (bg ? bg[col] : 0.0f);
-                const float ub = u + (bu ? bu[col] : 0.0f);
-                act[(size_t)(start + r0 + i) * I_max + col] =
-                    __float2bfloat16(apply_activation(act_code, gb, ub, alpha, limit));
+        for (int i = 0; i < RT; ++i)
+#pragma unroll
+            for (int c = 0; c < CW; ++c) {
+                const float g = warp_sum(ag[i][c]);
+                const float u = warp_sum(au[i][c]);
+                const int col = col0 + c;
+                if (lane == 0 && r0 + i < len && col < I) {
+                    const float gb = g + (bg ? bg[col] : 0.0f);
+                    const float ub = u + (bu ? bu[col] : 0.0f);
+                    act[(size_t)(start + r0 + i) * I_max + col] =
+                        __float2bfloat16(apply_activation(act_code, gb, ub, alpha, limit));
+                }
             }
-        }
     }
 }
 
-// grid (ceil(H / DECODE_WARPS), max_active), block DECODE_WARPS * 32.
-// atomic == 0: y[pos, h] = act[pos] . W_down[h] (+ bias).
+// grid (ceil(H / (DECODE_WARPS * CW)), max_active), block DECODE_WARPS * 32; CW hidden columns
+// per warp. atomic == 0: y[pos, h] = act[pos] . W_down[h] (+ bias).
 // atomic == 1: routed pairs add w * y into acc[row, h]; the shared expert still stores y.
-template <int RT>
+template <int RT, int CW>
 __global__ void __launch_bounds__(DECODE_WARPS * 32)
 decode_down(const bf16* __restrict__ act, const int* __restrict__ num_active, const int* __restrict__ active_slot,
             const int* __restrict__ active_start, const int* __restrict__ active_len,
@@ -193,38 +207,49 @@ decode_down(const bf16* __restrict__ act, const int* __restrict__ num_active, co
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int slot = active_slot[j];
     const int I = inter[slot];
-    const int h = blockIdx.x * DECODE_WARPS + warp;
-    if (h >= H) return;
-    const bf16* wd = reinterpret_cast<const bf16*>(down_ptrs[slot]) + (size_t)h * I;
+    const int h0 = (blockIdx.x * DECODE_WARPS + warp) * CW;
+    if (h0 >= H) return;
+    const bf16* wd[CW];
+#pragma unroll
+    for (int c = 0; c < CW; ++c) wd[c] = reinterpret_cast<const bf16*>(down_ptrs[slot]) + (size_t)min(h0 + c, H - 1) * I;
     const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
 
     for (int r0 = 0; r0 < len; r0 += RT) {
-        float a[RT];
+        float a[RT][CW];
 #pragma unroll
-        for (int i = 0; i < RT; ++i) a[i] = 0.0f;
+        for (int i = 0; i < RT; ++i)
+#pragma unroll
+            for (int c = 0; c < CW; ++c) a[i][c] = 0.0f;
 #pragma unroll 2
         for (int kk = lane * 8; kk < I; kk += 256) {
-            float fw[8];
-            unpack_bf16x8(load_bf16x8_stream(wd + kk), fw);
+            bf16x8 vw[CW];
+#pragma unroll
+            for (int c = 0; c < CW; ++c) vw[c] = load_bf16x8_stream(wd[c] + kk);
 #pragma unroll
             for (int i = 0; i < RT; ++i) {
                 const size_t pos = start + min(r0 + i, len - 1);  // past the end: recompute, don't write
-                a[i] = dot_bf16x8(load_bf16x8(act + pos * I_max + kk), fw, a[i]);
+                float fa[8];
+                unpack_bf16x8(load_bf16x8(act + pos * I_max + kk), fa);
+#pragma unroll
+                for (int c = 0; c < CW; ++c) a[i][c] = dot_bf16x8(vw[c], fa, a[i][c]);
             }
         }
 #pragma unroll
-        for (int i = 0; i < RT; ++i) {
-            const float v = warp_sum(a[i]) + (bd ? bd[h] : 0.0f);
-            if (lane == 0 && r0 + i < len) {
-                const int pos = start + r0 + i;
-                const int pair = sorted_pair[pos];
-                if (atomic && pair < P)
-                    atomicAdd(acc + (size_t)(pair / k) * H + h, topk_w[pair] * v);
-                else
-                    y[(size_t)pos * H + h] = v;
+        for (int i = 0; i < RT; ++i)
+#pragma unroll
+            for (int c = 0; c < CW; ++c) {
+                const int h = h0 + c;
+                const float v = warp_sum(a[i][c]) + (bd ? bd[min(h, H - 1)] : 0.0f);
+                if (lane == 0 && r0 + i < len && h < H) {
+                    const int pos = start + r0 + i;
+                    const int pair = sorted_pair[pos];
+                    if (atomic && pair < P)
+                        atomicAdd(acc + (size_t)(pair / k) * H + h, topk_w[pair] * v);
+                    else
+                        y[(size_t)pos * H + h] = v;
+                }
             }
-        }
     }
 }
 

@@ -173,8 +173,8 @@ make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_sl
 #define MODE_ROUTER 2  // one dense GEMM: logits[N, R] fp32 = x W_router^T (+ bias)
 
 #define GG_BN 128  // B rows per tile: 64 gate + 64 up columns, or 128 down / router columns
-#define GG_BK 32
-#define GG_STAGES 3
+#define GG_BK 64
+#define GG_STAGES 4
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -200,9 +200,9 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Tiles are [rows][GG_BK] bf16: 4 chunks of 16 bytes per row, the chunk index XOR-swizzled
-// by (row >> 1) & 3 so the 8 rows an ldmatrix reads hit 8 different bank groups.
-__device__ __forceinline__ int swz(int row, int chunk) { return row * GG_BK + ((chunk ^ ((row >> 1) & 3)) << 3); }
+// Tiles are [rows][GG_BK] bf16: 8 chunks of 16 bytes per 128-byte row, the chunk index
+// XOR-swizzled by row & 7 so the 8 rows an ldmatrix reads hit 8 different bank groups.
+__device__ __forceinline__ int swz(int row, int chunk) { return row * GG_BK + ((chunk ^ (row & 7)) << 3); }
 
 // Block: BM rows x GG_BN columns, BM / 16 warps as (BM / 32) x 2, each 32 rows x 64 columns.
 // grid (column tiles, M-tiles): MODE_GATE_UP 64 columns of gate and up per tile; else 128.
@@ -221,10 +221,13 @@ grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16
              int shared_slot, int H, int I_max, int P, void* __restrict__ out, int act_code, float alpha,
              float limit) {
     constexpr int THREADS = BM * 2;
-    constexpr int A_PER_THREAD = BM * 4 / THREADS;     // 16-byte chunks per stage
-    constexpr int B_PER_THREAD = GG_BN * 4 / THREADS;
-    __shared__ __align__(128) bf16 sA[GG_STAGES][BM * GG_BK];
-    __shared__ __align__(128) bf16 sB[GG_STAGES][GG_BN * GG_BK];
+    constexpr int CHUNKS = GG_BK / 8;                       // 16-byte chunks per tile row
+    constexpr int A_PER_THREAD = BM * CHUNKS / THREADS;     // chunks each thread copies per stage
+    constexpr int B_PER_THREAD = GG_BN * CHUNKS / THREADS;
+    // dynamic: GG_STAGES * (BM + GG_BN) * GG_BK * 2 bytes (kernels.grouped_smem_bytes)
+    extern __shared__ __align__(128) unsigned char gg_smem[];
+    bf16 (*sA)[BM * GG_BK] = reinterpret_cast<bf16 (*)[BM * GG_BK]>(gg_smem);
+    bf16 (*sB)[GG_BN * GG_BK] = reinterpret_cast<bf16 (*)[GG_BN * GG_BK]>(gg_smem + GG_STAGES * BM * GG_BK * 2);
     int slot = 0, pos0, rows;
     if (MODE == MODE_ROUTER) {  // P is N here; w0_ptrs is the router matrix itself
         pos0 = blockIdx.y * BM;
@@ -251,7 +254,7 @@ grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16
     bool a_ok[A_PER_THREAD];
 #pragma unroll
     for (int i = 0; i < A_PER_THREAD; ++i) {
-        const int r = (tid + i * THREADS) >> 2;
+        const int r = (tid + i * THREADS) / CHUNKS;
         a_ok[i] = r < rows;
         const int pos = pos0 + min(r, rows - 1);
         if (MODE == MODE_GATE_UP) {
@@ -267,7 +270,7 @@ grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16
     bool b_ok[B_PER_THREAD];
 #pragma unroll
     for (int i = 0; i < B_PER_THREAD; ++i) {
-        const int r = (tid + i * THREADS) >> 2;  // 0..127
+        const int r = (tid + i * THREADS) / CHUNKS;  // 0..127
         int n;
         const bf16* W;
         if (MODE == MODE_GATE_UP) {
@@ -280,19 +283,19 @@ grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16
         b_ok[i] = n < ncols;
         b_src[i] = W + (size_t)min(n, ncols - 1) * K;
     }
-    const int chunk = tid & 3;
+    const int chunk = tid % CHUNKS;
 
     auto load_stage = [&](int st, int k0) {
         const int kc = k0 + chunk * 8;
         const bool kin = kc < K;
 #pragma unroll
         for (int i = 0; i < A_PER_THREAD; ++i) {
-            const int r = (tid + i * THREADS) >> 2;
+            const int r = (tid + i * THREADS) / CHUNKS;
             cp_async16(&sA[st][swz(r, chunk)], a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
         }
 #pragma unroll
         for (int i = 0; i < B_PER_THREAD; ++i) {
-            const int r = (tid + i * THREADS) >> 2;
+            const int r = (tid + i * THREADS) / CHUNKS;
             cp_async16(&sB[st][swz(r, chunk)], b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
         }
     };

@@ -31,11 +31,21 @@ log = logging.getLogger(__name__)
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swiglu_oai": 3}
 SCORING_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
-# Rows per weight pass in the router and decode kernels (a template parameter). gate/up
-# keeps two accumulators per row: at 8 rows ptxas spills, so it stops at 4.
+# Rows per weight pass (RT) in the router and decode kernels, and columns per warp (CW) in
+# the decode kernels. Register use grows with RT * CW: both kernels stay at RT * CW <= 4
+# (down<4, 2> spilled on sm_80), and down also has one-column tiles of 8 rows.
 ROW_TILES = (1, 2, 4, 8)
 GATE_UP_ROW_TILES = (1, 2, 4)
+DECODE_COLS = (1, 2, 4)
+GATE_UP_VARIANTS = tuple((rt, cw) for rt in GATE_UP_ROW_TILES for cw in DECODE_COLS if rt * cw <= 4)
+DOWN_VARIANTS = tuple((rt, cw) for rt in ROW_TILES for cw in DECODE_COLS if rt * cw <= 4 or cw == 1)
 GROUPED_BMS = (64, 128)  # rows per M-tile of the tensor-core grouped GEMMs
+GROUPED_BN, GROUPED_BK, GROUPED_STAGES = 128, 64, 4  # cuda/grouped.cu GG_BN, GG_BK, GG_STAGES
+
+
+def grouped_smem_bytes(bm: int) -> int:
+    """Dynamic shared memory of grouped_gemm<mode, bm>: the pipeline's A and B stages."""
+    return GROUPED_STAGES * (bm + GROUPED_BN) * GROUPED_BK * 2
 
 
 @dataclass(frozen=True)
@@ -59,8 +69,8 @@ MODULES: dict[str, ModuleSpec] = {
     "decode": ModuleSpec(
         "decode.cu",
         ("decode_build_lists", "decode_reduce")
-        + tuple(f"decode_gate_up<{r}>" for r in GATE_UP_ROW_TILES)
-        + tuple(f"decode_down<{r}>" for r in ROW_TILES),
+        + tuple(f"decode_gate_up<{r}, {c}>" for r, c in GATE_UP_VARIANTS)
+        + tuple(f"decode_down<{r}, {c}>" for r, c in DOWN_VARIANTS),
     ),
 }
 
@@ -310,7 +320,7 @@ def build_all(arch: str, *, use_cache: bool = True) -> list[CompiledModule]:
 
 
 def format_report(modules: list[CompiledModule]) -> str:
-    rows = [("module", "kernel", "regs", "spill st/ld", "stack", "smem", "wgmma")]
+    rows = [("module", "kernel", "regs", "spill st/ld", "stack", "static smem", "wgmma")]
     for cm in modules:
         for r in cm.resources():
             rows.append((cm.module, r.name, str(r.registers), f"{r.spill_stores}/{r.spill_loads}",
@@ -347,7 +357,11 @@ class KernelLibrary:
                 mod.load(cm.cubin)
                 self._modules.append(mod)  # keep the module alive as long as its functions
                 for expr, mangled in cm.lowered.items():
-                    self._functions[expr] = mod.get_function(mangled)
+                    fn = mod.get_function(mangled)
+                    m = re.fullmatch(r"grouped_gemm<\d+, (\d+)>", expr)
+                    if m:  # opt in to more than 48 KB of dynamic shared memory, once
+                        fn.max_dynamic_shared_size_bytes = grouped_smem_bytes(int(m.group(1)))
+                    self._functions[expr] = fn
 
     def __getitem__(self, name: str):
         try:

@@ -81,6 +81,19 @@ def max_tiles(num_tokens: int, k: int, n_local: int, has_shared: bool) -> int:
     return t
 
 
+RESIDENT_WARPS = 132 * 32  # H200: 132 SMs x 32 warps of the decode kernels (<= 64 registers)
+
+
+def _cols_per_warp(warp_columns: int, rt: int, variants) -> int:
+    """Fewest columns per warp that cover `warp_columns` in about one wave of resident warps:
+    a partial second wave would leave most SMs idle at its end."""
+    allowed = [c for r, c in variants if r == rt]
+    for c in allowed:
+        if warp_columns / c <= RESIDENT_WARPS:
+            return c
+    return allowed[-1]
+
+
 def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
                      decode_max_tokens: int) -> ArenaPlan:
     """The layer's buffers, their live stages and the ONE alias table."""
@@ -285,7 +298,7 @@ class MoeLayer:
                     (_u64(x), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(W.ptr("router")),
                      _u64(0), _u64(W.ptr("router_bias")), _u64(0), _u64(0), _u64(0), _i32(0), _i32(H), _i32(R),
                      _i32(N), _u64(A.ptr("logits")), _i32(0), _f32(0.0), _f32(0.0)),
-                    stream=s)
+                    stream=s, shared_mem=kernels.grouped_smem_bytes(bm))
             else:
                 self._launch_router(x, N, A.ptr("logits"), s)
         with timer.stage("topk"):
@@ -318,8 +331,9 @@ class MoeLayer:
         rows_per_expert = max(1.0, 2.0 * N * k / max(W.n_local, 1))
         with timer.stage("gate_up"):
             rt = _row_tile(rows_per_expert, kernels.GATE_UP_ROW_TILES)
-            lib[f"decode_gate_up<{rt}>"](
-                ((W.i_max + 7) // 8, max_active), (256,),
+            cw = _cols_per_warp(max_active * W.i_max, rt, kernels.GATE_UP_VARIANTS)
+            lib[f"decode_gate_up<{rt}, {cw}>"](
+                (-(-W.i_max // (8 * cw)), max_active), (256,),
                 (_u64(x), _u64(xe), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
                  _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_row")),
                  _u64(W.ptr("gate")), _u64(W.ptr("up")), _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")),
@@ -328,8 +342,9 @@ class MoeLayer:
                 stream=s)
         with timer.stage("down"):
             rt = _row_tile(rows_per_expert, kernels.ROW_TILES)
-            lib[f"decode_down<{rt}>"](
-                ((H + 7) // 8, max_active), (256,),
+            cw = _cols_per_warp(max_active * H, rt, kernels.DOWN_VARIANTS)
+            lib[f"decode_down<{rt}, {cw}>"](
+                (-(-H // (8 * cw)), max_active), (256,),
                 (_u64(A.ptr("act")), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
                  _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_pair")),
                  _u64(W.ptr("down")), _u64(W.ptr("down_bias")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
@@ -385,7 +400,7 @@ class MoeLayer:
                  _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
                  _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("act")),
                  _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit)),
-                stream=s)
+                stream=s, shared_mem=kernels.grouped_smem_bytes(bm))
         with timer.stage("down"):
             lib[f"grouped_gemm<1, {bm}>"](
                 (-(-H // 128), tiles), (2 * bm,),
@@ -394,7 +409,7 @@ class MoeLayer:
                  _u64(W.ptr("down_bias")), _u64(0), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
                  _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("yw")),
                  _i32(0), _f32(0.0), _f32(0.0)),
-                stream=s)
+                stream=s, shared_mem=kernels.grouped_smem_bytes(bm))
         with timer.stage("reduce"):
             lib["grouped_reduce"](
                 (N,), (256,),
