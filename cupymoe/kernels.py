@@ -360,7 +360,9 @@ class KernelLibrary:
                     fn = mod.get_function(mangled)
                     m = re.fullmatch(r"grouped_gemm<\d+, (\d+)>", expr)
                     if m:  # opt in to more than 48 KB of dynamic shared memory, once
-                        fn.max_dynamic_shared_size_bytes = grouped_smem_bytes(int(m.group(1)))
+                        drv = cupy.cuda.driver
+                        drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                             grouped_smem_bytes(int(m.group(1))))
                     self._functions[expr] = fn
 
     def __getitem__(self, name: str):
