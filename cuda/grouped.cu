@@ -173,8 +173,8 @@ make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_sl
 #define MODE_ROUTER 2  // one dense GEMM: logits[N, R] fp32 = x W_router^T (+ bias)
 
 #define GG_BN 128  // B rows per tile: 64 gate + 64 up columns, or 128 down / router columns
-#define GG_BK 64
-#define GG_STAGES 4
+#define GG_BK 32
+#define GG_STAGES 3
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -200,9 +200,14 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Tiles are [rows][GG_BK] bf16: 8 chunks of 16 bytes per 128-byte row, the chunk index
-// XOR-swizzled by row & 7 so the 8 rows an ldmatrix reads hit 8 different bank groups.
-__device__ __forceinline__ int swz(int row, int chunk) { return row * GG_BK + ((chunk ^ (row & 7)) << 3); }
+// Tiles are [rows][GG_BK] bf16 in 16-byte chunks, the chunk index XOR-swizzled so the 8
+// consecutive rows an ldmatrix reads hit 8 different bank groups: with 4 chunks (64-byte
+// rows) two rows share 128 bytes, so swizzle by (row >> 1) & 3; with 8, by row & 7.
+// (BK 64 with 4 stages measured slower: 164 registers, one block per SM; NOTES.md.)
+__device__ __forceinline__ int swz(int row, int chunk) {
+    constexpr int C = GG_BK / 8;
+    return row * GG_BK + ((chunk ^ ((C == 4 ? row >> 1 : row) & (C - 1))) << 3);
+}
 
 // Block: BM rows x GG_BN columns, BM / 16 warps as (BM / 32) x 2, each 32 rows x 64 columns.
 // grid (column tiles, M-tiles): MODE_GATE_UP 64 columns of gate and up per tile; else 128.

@@ -40,7 +40,7 @@ DECODE_COLS = (1, 2, 4)
 GATE_UP_VARIANTS = tuple((rt, cw) for rt in GATE_UP_ROW_TILES for cw in DECODE_COLS if rt * cw <= 4)
 DOWN_VARIANTS = tuple((rt, cw) for rt in ROW_TILES for cw in DECODE_COLS if rt * cw <= 4 or cw == 1)
 GROUPED_BMS = (64, 128)  # rows per M-tile of the tensor-core grouped GEMMs
-GROUPED_BN, GROUPED_BK, GROUPED_STAGES = 128, 64, 4  # cuda/grouped.cu GG_BN, GG_BK, GG_STAGES
+GROUPED_BN, GROUPED_BK, GROUPED_STAGES = 128, 32, 3  # cuda/grouped.cu GG_BN, GG_BK, GG_STAGES
 
 
 def grouped_smem_bytes(bm: int) -> int:
