@@ -173,8 +173,6 @@ make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_sl
 #define MODE_ROUTER 2  // one dense GEMM: logits[N, R] fp32 = x W_router^T (+ bias)
 
 #define GG_BN 128  // B rows per tile: 64 gate + 64 up columns, or 128 down / router columns
-#define GG_BK 32
-#define GG_STAGES 3
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -200,23 +198,27 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Tiles are [rows][GG_BK] bf16 in 16-byte chunks, the chunk index XOR-swizzled so the 8
+// Tiles are [rows][BK] bf16 in 16-byte chunks, the chunk index XOR-swizzled so the 8
 // consecutive rows an ldmatrix reads hit 8 different bank groups: with 4 chunks (64-byte
 // rows) two rows share 128 bytes, so swizzle by (row >> 1) & 3; with 8, by row & 7.
-// (BK 64 with 4 stages measured slower: 164 registers, one block per SM; NOTES.md.)
+template <int BK>
 __device__ __forceinline__ int swz(int row, int chunk) {
-    constexpr int C = GG_BK / 8;
-    return row * GG_BK + ((chunk ^ ((C == 4 ? row >> 1 : row) & (C - 1))) << 3);
+    constexpr int C = BK / 8;
+    return row * BK + ((chunk ^ ((C == 4 ? row >> 1 : row) & (C - 1))) << 3);
 }
 
-// Block: BM rows x GG_BN columns, BM / 16 warps as (BM / 32) x 2, each 32 rows x 64 columns.
+// Block: BM rows x GG_BN columns, BM / 16 warps as (BM / 32) x 2, each 32 rows x 64 columns;
+// K in BK-wide steps through a STAGES-deep cp.async pipeline. Two configurations are built
+// (kernels.GROUPED_CONFIGS): deep 64-wide steps where the weights stream (few rows per
+// expert: bytes in flight decide), 128-row tiles with 3 shallow stages where the math
+// decides (fewer registers: two blocks per SM).
 // grid (column tiles, M-tiles): MODE_GATE_UP 64 columns of gate and up per tile; else 128.
 // MODE_GATE_UP: A rows gathered from x/xe through sorted_row; K = H; out act [pos, I_max].
 // MODE_DOWN:    A rows are act[pos]; K = inter[slot]; out yw [pos, H] bf16, weighted.
 // MODE_ROUTER:  A rows are x[m0 + r] (no tiles table); K = H; out fp32 logits [N, R] + bias.
 // Every output element is one fixed-order K reduction of its row alone: the bits of a row
 // do not depend on the other rows of its tile (row invariance).
-template <int MODE, int BM>
+template <int MODE, int BM, int BK, int STAGES>
 __global__ void __launch_bounds__(BM * 2)
 grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16* __restrict__ act_in,
              const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
@@ -226,13 +228,13 @@ grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16
              int shared_slot, int H, int I_max, int P, void* __restrict__ out, int act_code, float alpha,
              float limit) {
     constexpr int THREADS = BM * 2;
-    constexpr int CHUNKS = GG_BK / 8;                       // 16-byte chunks per tile row
+    constexpr int CHUNKS = BK / 8;                          // 16-byte chunks per tile row
     constexpr int A_PER_THREAD = BM * CHUNKS / THREADS;     // chunks each thread copies per stage
     constexpr int B_PER_THREAD = GG_BN * CHUNKS / THREADS;
-    // dynamic: GG_STAGES * (BM + GG_BN) * GG_BK * 2 bytes (kernels.grouped_smem_bytes)
+    // dynamic: STAGES * (BM + GG_BN) * BK * 2 bytes (kernels.grouped_smem_bytes)
     extern __shared__ __align__(128) unsigned char gg_smem[];
-    bf16 (*sA)[BM * GG_BK] = reinterpret_cast<bf16 (*)[BM * GG_BK]>(gg_smem);
-    bf16 (*sB)[GG_BN * GG_BK] = reinterpret_cast<bf16 (*)[GG_BN * GG_BK]>(gg_smem + GG_STAGES * BM * GG_BK * 2);
+    bf16 (*sA)[BM * BK] = reinterpret_cast<bf16 (*)[BM * BK]>(gg_smem);
+    bf16 (*sB)[GG_BN * BK] = reinterpret_cast<bf16 (*)[GG_BN * BK]>(gg_smem + STAGES * BM * BK * 2);
     int slot = 0, pos0, rows;
     if (MODE == MODE_ROUTER) {  // P is N here; w0_ptrs is the router matrix itself
         pos0 = blockIdx.y * BM;
@@ -296,12 +298,12 @@ grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16
 #pragma unroll
         for (int i = 0; i < A_PER_THREAD; ++i) {
             const int r = (tid + i * THREADS) / CHUNKS;
-            cp_async16(&sA[st][swz(r, chunk)], a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
+            cp_async16(&sA[st][swz<BK>(r, chunk)], a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
         }
 #pragma unroll
         for (int i = 0; i < B_PER_THREAD; ++i) {
             const int r = (tid + i * THREADS) / CHUNKS;
-            cp_async16(&sB[st][swz(r, chunk)], b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
+            cp_async16(&sB[st][swz<BK>(r, chunk)], b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
         }
     };
 
@@ -319,33 +321,33 @@ grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16
         return wn * 64 + j * 8;
     };
 
-    const int KT = (K + GG_BK - 1) / GG_BK;
+    const int KT = (K + BK - 1) / BK;
 #pragma unroll
-    for (int s = 0; s < GG_STAGES - 1; ++s) {
-        if (s < KT) load_stage(s, s * GG_BK);
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KT) load_stage(s, s * BK);
         cp_async_commit();
     }
     for (int kt = 0; kt < KT; ++kt) {
-        cp_async_wait<GG_STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();
-        const int kn = kt + GG_STAGES - 1;
-        if (kn < KT) load_stage(kn % GG_STAGES, kn * GG_BK);
+        const int kn = kt + STAGES - 1;
+        if (kn < KT) load_stage(kn % STAGES, kn * BK);
         cp_async_commit();
-        const bf16* tA = sA[kt % GG_STAGES];
-        const bf16* tB = sB[kt % GG_STAGES];
+        const bf16* tA = sA[kt % STAGES];
+        const bf16* tB = sB[kt % STAGES];
 #pragma unroll
-        for (int kk = 0; kk < GG_BK / 16; ++kk) {
+        for (int kk = 0; kk < BK / 16; ++kk) {
             unsigned af[2][4];
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 const int r = wm * 32 + mt * 16 + (lane & 15);
-                ldmatrix_x4(af[mt][0], af[mt][1], af[mt][2], af[mt][3], tA + swz(r, kk * 2 + (lane >> 4)));
+                ldmatrix_x4(af[mt][0], af[mt][1], af[mt][2], af[mt][3], tA + swz<BK>(r, kk * 2 + (lane >> 4)));
             }
 #pragma unroll
             for (int jp = 0; jp < 4; ++jp) {  // pairs of n-tiles (2 jp, 2 jp + 1)
                 const int r = brow(2 * jp) + (lane & 7) + ((lane >> 4) << 3);
                 unsigned b0, b1, b2, b3;
-                ldmatrix_x4(b0, b1, b2, b3, tB + swz(r, kk * 2 + ((lane >> 3) & 1)));
+                ldmatrix_x4(b0, b1, b2, b3, tB + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)));
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
                     mma_bf16(acc[mt][2 * jp], af[mt], b0, b1);

@@ -72,6 +72,8 @@ def add_bench_args(ap) -> None:
     ap.add_argument("--preset", nargs="+", default=["qwen3-30b-a3b"], choices=sorted(PRESETS))
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--path", default="auto", choices=["auto", "decode", "atomic", "prefill"])
+    ap.add_argument("--decode-max-tokens", type=int, default=None,
+                    help="the layer's decode_max_tokens (default: the layer's own)")
     ap.add_argument("--full-layer", action="store_true", help="include the shared expert (peers exclude it)")
     ap.add_argument("--repeats", type=int, default=7, help="timed repetitions (median reported)")
     ap.add_argument("--replays", type=int, default=20, help="graph replays per repetition")
@@ -179,7 +181,8 @@ def run_bench(args) -> int:
               flush=True)
         t0 = time.perf_counter()
         hw = random_device_weights(cfg, args.seed)
-        layers = [MoeLayer(cfg, hw, max_tokens=max_n, path=args.path) for _ in range(n_layers)]
+        opts = {} if args.decode_max_tokens is None else {"decode_max_tokens": args.decode_max_tokens}
+        layers = [MoeLayer(cfg, hw, max_tokens=max_n, path=args.path, **opts) for _ in range(n_layers)]
         del hw
         for L in layers:
             L.warmup()

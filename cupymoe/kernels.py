@@ -39,13 +39,22 @@ GATE_UP_ROW_TILES = (1, 2, 4)
 DECODE_COLS = (1, 2, 4)
 GATE_UP_VARIANTS = tuple((rt, cw) for rt in GATE_UP_ROW_TILES for cw in DECODE_COLS if rt * cw <= 4)
 DOWN_VARIANTS = tuple((rt, cw) for rt in ROW_TILES for cw in DECODE_COLS if rt * cw <= 4 or cw == 1)
-GROUPED_BMS = (64, 128)  # rows per M-tile of the tensor-core grouped GEMMs
-GROUPED_BN, GROUPED_BK, GROUPED_STAGES = 128, 32, 3  # cuda/grouped.cu GG_BN, GG_BK, GG_STAGES
+# (BM, BK, STAGES) of the tensor-core grouped GEMMs: "stream" for few rows per expert
+# (weights streaming: deep 64-wide K steps keep more bytes in flight), "math" for many
+# (128-row tiles, shallow stages, fewer registers: two blocks per SM). NOTES.md has the data.
+GROUPED_CONFIGS = {"stream": (64, 64, 4), "math": (128, 32, 3)}
+GROUPED_BN = 128  # cuda/grouped.cu GG_BN
 
 
-def grouped_smem_bytes(bm: int) -> int:
-    """Dynamic shared memory of grouped_gemm<mode, bm>: the pipeline's A and B stages."""
-    return GROUPED_STAGES * (bm + GROUPED_BN) * GROUPED_BK * 2
+def grouped_smem_bytes(bm: int, bk: int, stages: int) -> int:
+    """Dynamic shared memory of grouped_gemm<mode, bm, bk, stages>: the pipeline's stages."""
+    return stages * (bm + GROUPED_BN) * bk * 2
+
+
+def grouped_kernel(mode: int, config: str) -> tuple[str, int, int]:
+    """(name expression, threads, dynamic smem bytes) of a grouped GEMM configuration."""
+    bm, bk, st = GROUPED_CONFIGS[config]
+    return f"grouped_gemm<{mode}, {bm}, {bk}, {st}>", 2 * bm, grouped_smem_bytes(bm, bk, st)
 
 
 @dataclass(frozen=True)
@@ -64,7 +73,7 @@ MODULES: dict[str, ModuleSpec] = {
     "grouped": ModuleSpec(
         "grouped.cu",
         ("sort_count", "sort_scan", "sort_place", "make_tiles", "grouped_reduce")
-        + tuple(f"grouped_gemm<{mode}, {bm}>" for mode in (0, 1, 2) for bm in GROUPED_BMS),
+        + tuple(grouped_kernel(mode, c)[0] for mode in (0, 1, 2) for c in GROUPED_CONFIGS),
     ),
     "decode": ModuleSpec(
         "decode.cu",
@@ -358,11 +367,11 @@ class KernelLibrary:
                 self._modules.append(mod)  # keep the module alive as long as its functions
                 for expr, mangled in cm.lowered.items():
                     fn = mod.get_function(mangled)
-                    m = re.fullmatch(r"grouped_gemm<\d+, (\d+)>", expr)
+                    m = re.fullmatch(r"grouped_gemm<\d+, (\d+), (\d+), (\d+)>", expr)
                     if m:  # opt in to more than 48 KB of dynamic shared memory, once
                         drv = cupy.cuda.driver
                         drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                             grouped_smem_bytes(int(m.group(1))))
+                                             grouped_smem_bytes(*(int(g) for g in m.groups())))
                     self._functions[expr] = fn
 
     def __getitem__(self, name: str):

@@ -292,13 +292,14 @@ class MoeLayer:
 
         with timer.stage("router"):
             if path == "prefill":  # tensor cores; the CUDA-core router only pays off at few rows
-                bm = 128 if N >= 128 else 64
-                lib[f"grouped_gemm<2, {bm}>"](
-                    (-(-R // 128), -(-N // bm)), (2 * bm,),
+                name, threads, smem = kernels.grouped_kernel(2, "math" if N >= 1024 else "stream")
+                bm = threads // 2
+                lib[name](
+                    (-(-R // 128), -(-N // bm)), (threads,),
                     (_u64(x), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(W.ptr("router")),
                      _u64(0), _u64(W.ptr("router_bias")), _u64(0), _u64(0), _u64(0), _i32(0), _i32(H), _i32(R),
                      _i32(N), _u64(A.ptr("logits")), _i32(0), _f32(0.0), _f32(0.0)),
-                    stream=s, shared_mem=kernels.grouped_smem_bytes(bm))
+                    stream=s, shared_mem=smem)
             else:
                 self._launch_router(x, N, A.ptr("logits"), s)
         with timer.stage("topk"):
@@ -385,31 +386,34 @@ class MoeLayer:
         """gate/up and down as tensor-core grouped GEMMs over BM-row tiles of each expert's run."""
         cfg, A, W, lib = self.cfg, self.arena, self.weights, self.lib
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
-        # 128-row tiles once the average expert run fills them (measured: benchmarks/NOTES.md)
-        bm = 128 if N * k >= 96 * W.n_local else 64
+        # the math-bound configuration once the average expert run fills its 128-row tiles
+        config = "math" if N * k >= 96 * W.n_local else "stream"
+        bm = kernels.GROUPED_CONFIGS[config][0]
+        gate_up, threads, smem = kernels.grouped_kernel(0, config)
+        down = kernels.grouped_kernel(1, config)[0]
         tiles = max_tiles(N, k, W.n_local, bool(has_shared))  # a bound for either tile height
         with timer.stage("gate_up"):
             lib["make_tiles"]((1,), (1024,),
                               (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
                                _u64(A.ptr("active_len")), _i32(bm), _u64(A.ptr("num_tiles")),
                                _u64(A.ptr("tile_info"))), stream=s)
-            lib[f"grouped_gemm<0, {bm}>"](
-                (-(-W.i_max // 64), tiles), (2 * bm,),
+            lib[gate_up](
+                (-(-W.i_max // 64), tiles), (threads,),
                 (_u64(x), _u64(xe), _u64(0), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                  _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("gate")), _u64(W.ptr("up")),
                  _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
                  _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("act")),
                  _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit)),
-                stream=s, shared_mem=kernels.grouped_smem_bytes(bm))
+                stream=s, shared_mem=smem)
         with timer.stage("down"):
-            lib[f"grouped_gemm<1, {bm}>"](
-                (-(-H // 128), tiles), (2 * bm,),
+            lib[down](
+                (-(-H // 128), tiles), (threads,),
                 (_u64(x), _u64(xe), _u64(A.ptr("act")), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                  _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("down")), _u64(0),
                  _u64(W.ptr("down_bias")), _u64(0), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
                  _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("yw")),
                  _i32(0), _f32(0.0), _f32(0.0)),
-                stream=s, shared_mem=kernels.grouped_smem_bytes(bm))
+                stream=s, shared_mem=smem)
         with timer.stage("reduce"):
             lib["grouped_reduce"](
                 (N,), (256,),
