@@ -149,6 +149,8 @@ def random_device_weights(cfg: MoeConfig, seed: int):
 
 
 def _git_commit() -> str:
+    if os.environ.get("CUPYMOE_COMMIT"):  # a copy of the tree without .git (a lent GPU machine)
+        return os.environ["CUPYMOE_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
                                        stderr=subprocess.DEVNULL, text=True).strip()

@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 
 PATHS = ("auto", "decode", "atomic", "prefill")
 STAGES = ("route", "norm", "sort", "gate_up", "down", "reduce")
-DEFAULT_ATOMIC_MAX_TOKENS = 64
+DEFAULT_ATOMIC_MAX_TOKENS = 8
 # auto: decode up to this many rows, grouped tensor-core GEMMs above (benchmarks/NOTES.md)
-DEFAULT_DECODE_MAX_TOKENS = 16
+DEFAULT_DECODE_MAX_TOKENS = 8
 
 
 class MoeCallError(ValueError):
