@@ -11,6 +11,7 @@
 //                               weight applied in fp32 before the only rounding
 //   grouped_reduce out[row] = sum over slots of yw (fixed slot order) + identity + scale * shared
 #include "common.cuh"
+#include "gemm_common.cuh"
 
 #define SORT_THREADS 1024
 
@@ -166,23 +167,8 @@ make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_sl
 }
 
 // ---------------------------------------------------------------------------------------
-// Tensor-core grouped GEMM
+// Tensor-core grouped GEMM, mma.sync (any sm_80+). Hopper's wgmma version: grouped_sm90.cu.
 // ---------------------------------------------------------------------------------------
-#define MODE_GATE_UP 0
-#define MODE_DOWN 1
-#define MODE_ROUTER 2  // one dense GEMM: logits[N, R] fp32 = x W_router^T (+ bias)
-
-#define GG_BN 128  // B rows per tile: 64 gate + 64 up columns, or 128 down / router columns
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 __device__ __forceinline__ void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -198,114 +184,25 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Tiles are [rows][BK] bf16 in 16-byte chunks, the chunk index XOR-swizzled so the 8
-// consecutive rows an ldmatrix reads hit 8 different bank groups: with 4 chunks (64-byte
-// rows) two rows share 128 bytes, so swizzle by (row >> 1) & 3; with 8, by row & 7.
-template <int BK>
-__device__ __forceinline__ int swz(int row, int chunk) {
-    constexpr int C = BK / 8;
-    return row * BK + ((chunk ^ ((C == 4 ? row >> 1 : row) & (C - 1))) << 3);
-}
-
 // Block: BM rows x GG_BN columns, BM / 16 warps as (BM / 32) x 2, each 32 rows x 64 columns;
 // K in BK-wide steps through a STAGES-deep cp.async pipeline. Two configurations are built
 // (kernels.GROUPED_CONFIGS): deep 64-wide steps where the weights stream (few rows per
 // expert: bytes in flight decide), 128-row tiles with 3 shallow stages where the math
-// decides (fewer registers: two blocks per SM).
-// grid (column tiles, M-tiles): MODE_GATE_UP 64 columns of gate and up per tile; else 128.
-// MODE_GATE_UP: A rows gathered from x/xe through sorted_row; K = H; out act [pos, I_max].
-// MODE_DOWN:    A rows are act[pos]; K = inter[slot]; out yw [pos, H] bf16, weighted.
-// MODE_ROUTER:  A rows are x[m0 + r] (no tiles table); K = H; out fp32 logits [N, R] + bias.
-// Every output element is one fixed-order K reduction of its row alone: the bits of a row
-// do not depend on the other rows of its tile (row invariance).
+// decides (fewer registers: two blocks per SM). Arguments: GEMM_ARGS (gemm_common.cuh).
 template <int MODE, int BM, int BK, int STAGES>
 __global__ void __launch_bounds__(BM * 2)
-grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16* __restrict__ act_in,
-             const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
-             const int* __restrict__ sorted_row, const int* __restrict__ sorted_pair,
-             const u64* __restrict__ w0_ptrs, const u64* __restrict__ w1_ptrs, const u64* __restrict__ b0_ptrs,
-             const u64* __restrict__ b1_ptrs, const int* __restrict__ inter, const float* __restrict__ topk_w,
-             int shared_slot, int H, int I_max, int P, void* __restrict__ out, int act_code, float alpha,
-             float limit) {
+grouped_gemm(GEMM_ARGS) {
     constexpr int THREADS = BM * 2;
-    constexpr int CHUNKS = BK / 8;                          // 16-byte chunks per tile row
-    constexpr int A_PER_THREAD = BM * CHUNKS / THREADS;     // chunks each thread copies per stage
-    constexpr int B_PER_THREAD = GG_BN * CHUNKS / THREADS;
     // dynamic: STAGES * (BM + GG_BN) * BK * 2 bytes (kernels.grouped_smem_bytes)
     extern __shared__ __align__(128) unsigned char gg_smem[];
-    bf16 (*sA)[BM * BK] = reinterpret_cast<bf16 (*)[BM * BK]>(gg_smem);
-    bf16 (*sB)[GG_BN * BK] = reinterpret_cast<bf16 (*)[GG_BN * BK]>(gg_smem + STAGES * BM * BK * 2);
-    int slot = 0, pos0, rows;
-    if (MODE == MODE_ROUTER) {  // P is N here; w0_ptrs is the router matrix itself
-        pos0 = blockIdx.y * BM;
-        rows = min(BM, P - pos0);
-    } else {
-        if ((int)blockIdx.y >= *num_tiles) return;
-        const int4 ti = tile_info[blockIdx.y];
-        slot = ti.x;
-        pos0 = ti.y;
-        rows = ti.z;
-    }
+    bf16* sA = reinterpret_cast<bf16*>(gg_smem);
+    bf16* sB = sA + STAGES * BM * BK;
+    GemmTile t;
+    if (!gemm_tile<MODE, BM, GG_BN>(t, GEMM_ARG_NAMES)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 1, wn = warp & 1;
-
-    const int K = MODE == MODE_DOWN ? inter[slot] : H;
-    const int ncols = MODE == MODE_GATE_UP ? inter[slot] : MODE == MODE_DOWN ? H : I_max /* R */;
-    const int n0 = blockIdx.x * (MODE == MODE_GATE_UP ? GG_BN / 2 : GG_BN);
-    if (n0 >= ncols) return;
-    const bf16* W0 = MODE == MODE_ROUTER ? reinterpret_cast<const bf16*>(w0_ptrs)
-                                         : reinterpret_cast<const bf16*>(w0_ptrs[slot]);
-    const bf16* W1 = MODE == MODE_GATE_UP ? reinterpret_cast<const bf16*>(w1_ptrs[slot]) : nullptr;
-
-    const bf16* a_src[A_PER_THREAD];
-    bool a_ok[A_PER_THREAD];
-#pragma unroll
-    for (int i = 0; i < A_PER_THREAD; ++i) {
-        const int r = (tid + i * THREADS) / CHUNKS;
-        a_ok[i] = r < rows;
-        const int pos = pos0 + min(r, rows - 1);
-        if (MODE == MODE_GATE_UP) {
-            const bf16* in = slot == shared_slot ? x : xe;
-            a_src[i] = in + (size_t)sorted_row[pos] * H;
-        } else if (MODE == MODE_DOWN) {
-            a_src[i] = act_in + (size_t)pos * I_max;
-        } else {
-            a_src[i] = x + (size_t)pos * H;
-        }
-    }
-    const bf16* b_src[B_PER_THREAD];
-    bool b_ok[B_PER_THREAD];
-#pragma unroll
-    for (int i = 0; i < B_PER_THREAD; ++i) {
-        const int r = (tid + i * THREADS) / CHUNKS;  // 0..127
-        int n;
-        const bf16* W;
-        if (MODE == MODE_GATE_UP) {
-            n = n0 + (r & 63);
-            W = r < 64 ? W0 : W1;
-        } else {
-            n = n0 + r;
-            W = W0;
-        }
-        b_ok[i] = n < ncols;
-        b_src[i] = W + (size_t)min(n, ncols - 1) * K;
-    }
-    const int chunk = tid % CHUNKS;
-
-    auto load_stage = [&](int st, int k0) {
-        const int kc = k0 + chunk * 8;
-        const bool kin = kc < K;
-#pragma unroll
-        for (int i = 0; i < A_PER_THREAD; ++i) {
-            const int r = (tid + i * THREADS) / CHUNKS;
-            cp_async16(&sA[st][swz<BK>(r, chunk)], a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
-        }
-#pragma unroll
-        for (int i = 0; i < B_PER_THREAD; ++i) {
-            const int r = (tid + i * THREADS) / CHUNKS;
-            cp_async16(&sB[st][swz<BK>(r, chunk)], b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
-        }
-    };
+    TileLoader<MODE, BM, BK, THREADS> ld;
+    ld.init(t, GEMM_ARG_NAMES);
 
     float acc[2][8][4];
 #pragma unroll
@@ -321,20 +218,20 @@ grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16
         return wn * 64 + j * 8;
     };
 
-    const int KT = (K + BK - 1) / BK;
+    const int KT = (t.K + BK - 1) / BK;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < KT) load_stage(s, s * BK);
+        if (s < KT) ld.load(sA + s * BM * BK, sB + s * GG_BN * BK, s * BK, t.K);
         cp_async_commit();
     }
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         const int kn = kt + STAGES - 1;
-        if (kn < KT) load_stage(kn % STAGES, kn * BK);
+        if (kn < KT) ld.load(sA + (kn % STAGES) * BM * BK, sB + (kn % STAGES) * GG_BN * BK, kn * BK, t.K);
         cp_async_commit();
-        const bf16* tA = sA[kt % STAGES];
-        const bf16* tB = sB[kt % STAGES];
+        const bf16* tA = sA + (kt % STAGES) * BM * BK;
+        const bf16* tB = sB + (kt % STAGES) * GG_BN * BK;
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
             unsigned af[2][4];
@@ -358,63 +255,26 @@ grouped_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16
     }
     cp_async_wait<0>();
 
-    // Epilogue
+    // Epilogue: accumulator (mt, j, h * 2 + e) is row wm*32 + mt*16 + g + 8h, column
+    // (wn's 64 or gate/up 32 + 32) + j*8 + 2*t4 + e.
     const int g = lane >> 2, t4 = lane & 3;
-    if (MODE == MODE_GATE_UP) {
-        bf16* act = reinterpret_cast<bf16*>(out);
-        const float* bg = reinterpret_cast<const float*>(b0_ptrs[slot]);
-        const float* bu = reinterpret_cast<const float*>(b1_ptrs[slot]);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
+        for (int h = 0; h < 2; ++h) {
+            const int r = wm * 32 + mt * 16 + g + h * 8;
+            if (MODE == MODE_GATE_UP) {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = wm * 32 + mt * 16 + g + h * 8;
-                    const int col = n0 + wn * 32 + j * 8 + t4 * 2;
-                    if (r >= rows || col >= ncols) continue;
-                    float o[2];
+                for (int j = 0; j < 4; ++j)
+                    emit_gate_up(t, r, wn * 32 + j * 8 + t4 * 2, acc[mt][j][h * 2], acc[mt][j][h * 2 + 1],
+                                 acc[mt][j + 4][h * 2], acc[mt][j + 4][h * 2 + 1], GEMM_ARG_NAMES);
+            } else {
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float gv = acc[mt][j][h * 2 + e] + (bg ? bg[col + e] : 0.0f);
-                        const float uv = acc[mt][j + 4][h * 2 + e] + (bu ? bu[col + e] : 0.0f);
-                        o[e] = apply_activation(act_code, gv, uv, alpha, limit);
-                    }
-                    *reinterpret_cast<__nv_bfloat162*>(act + (size_t)(pos0 + r) * I_max + col) =
-                        __floats2bfloat162_rn(o[0], o[1]);
-                }
-    } else {
-        const float* bd = MODE == MODE_ROUTER ? reinterpret_cast<const float*>(b0_ptrs)
-                                              : reinterpret_cast<const float*>(b0_ptrs[slot]);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = wm * 32 + mt * 16 + g + h * 8;
-                if (r >= rows) continue;
-                const int pos = pos0 + r;
-                float w = 1.0f;
-                if (MODE == MODE_DOWN) {
-                    const int pair = sorted_pair[pos];
-                    w = pair < P ? topk_w[pair] : 1.0f;  // the shared expert is scaled in the reduce
-                }
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int col = n0 + wn * 64 + j * 8 + t4 * 2;
-                    if (col >= ncols) continue;
-                    const float v0 = acc[mt][j][h * 2] + (bd ? bd[col] : 0.0f);
-                    const float v1 = acc[mt][j][h * 2 + 1] + (bd ? bd[col + 1] : 0.0f);
-                    if (MODE == MODE_DOWN) {
-                        *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)pos * H + col) =
-                            __floats2bfloat162_rn(w * v0, w * v1);
-                    } else {  // router logits, fp32; R may be odd, so store one by one
-                        float* lg = reinterpret_cast<float*>(out) + (size_t)pos * ncols + col;
-                        lg[0] = v0;
-                        if (col + 1 < ncols) lg[1] = v1;
-                    }
-                }
+                for (int j = 0; j < 8; ++j)
+                    emit_out<MODE>(t, r, wn * 64 + j * 8 + t4 * 2, acc[mt][j][h * 2], acc[mt][j][h * 2 + 1],
+                                   GEMM_ARG_NAMES);
             }
-    }
+        }
 }
 
 // grid N, block 256: out[row] = sum_s yw[pos(row, s)] + identity terms + scale * shared.

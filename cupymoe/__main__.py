@@ -41,7 +41,7 @@ def cmd_kernels(args) -> int:
         print(f"== {arch}: NVRTC {'.'.join(map(str, kernels.nvrtc_version()))}, options "
               f"{' '.join(o for o in kernels.compile_options(arch) if not o.startswith('-I'))}", flush=True)
         mods = []
-        for m in kernels.MODULES:
+        for m in kernels.modules_for(arch):
             print(f"   compiling {m} ...", end="", flush=True, file=sys.stderr)
             cm = kernels.compile_module(m, arch, use_cache=not args.no_cache)
             print(" cached" if cm.from_cache else " done", file=sys.stderr)

@@ -51,6 +51,15 @@ def grouped_smem_bytes(bm: int, bk: int, stages: int) -> int:
     return stages * (bm + GROUPED_BN) * bk * 2
 
 
+SM90_TILE = (128, 64, 4)  # BM, BK, stages of grouped_gemm_sm90 (cuda/grouped_sm90.cu)
+
+
+def sm90_smem_bytes() -> int:
+    """grouped_gemm_sm90's pipeline, plus 1 KB to align its swizzle atoms."""
+    bm, bk, st = SM90_TILE
+    return grouped_smem_bytes(bm, bk, st) + 1024
+
+
 def grouped_kernel(mode: int, config: str) -> tuple[str, int, int]:
     """(name expression, threads, dynamic smem bytes) of a grouped GEMM configuration."""
     bm, bk, st = GROUPED_CONFIGS[config]
@@ -63,6 +72,10 @@ class ModuleSpec:
 
     file: str
     names: tuple[str, ...]
+    archs: Optional[tuple[str, ...]] = None  # built only for these (None: every arch)
+
+    def builds_for(self, arch: str) -> bool:
+        return self.archs is None or arch in self.archs
 
 
 MODULES: dict[str, ModuleSpec] = {
@@ -75,6 +88,8 @@ MODULES: dict[str, ModuleSpec] = {
         ("sort_count", "sort_scan", "sort_place", "make_tiles", "grouped_reduce")
         + tuple(grouped_kernel(mode, c)[0] for mode in (0, 1, 2) for c in GROUPED_CONFIGS),
     ),
+    "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(f"grouped_gemm_sm90<{m}>" for m in (0, 1, 2)),
+                               archs=("sm_90a",)),
     "decode": ModuleSpec(
         "decode.cu",
         ("decode_build_lists", "decode_reduce")
@@ -324,8 +339,12 @@ def _parse_resources(plog: str, ptx: str, lowered: dict[str, str]) -> list[Kerne
     return out
 
 
+def modules_for(arch: str) -> list[str]:
+    return [m for m, spec in MODULES.items() if spec.builds_for(arch)]
+
+
 def build_all(arch: str, *, use_cache: bool = True) -> list[CompiledModule]:
-    return [compile_module(m, arch, use_cache=use_cache) for m in MODULES]
+    return [compile_module(m, arch, use_cache=use_cache) for m in modules_for(arch)]
 
 
 def format_report(modules: list[CompiledModule]) -> str:
@@ -351,7 +370,7 @@ class KernelLibrary:
     compiled inside a forward or during graph capture.
     """
 
-    def __init__(self, device_id: int, modules: Iterable[str] = tuple(MODULES)):
+    def __init__(self, device_id: int, modules: Optional[Iterable[str]] = None):
         import cupy
 
         self.device_id = device_id
@@ -360,7 +379,7 @@ class KernelLibrary:
             self.arch = arch_for_capability(int(cc[:-1]), int(cc[-1]))
             self._functions: dict[str, object] = {}
             self._modules = []
-            for name in modules:
+            for name in modules_for(self.arch) if modules is None else modules:
                 cm = compile_module(name, self.arch)
                 mod = cupy.cuda.function.Module()
                 mod.load(cm.cubin)
@@ -368,10 +387,11 @@ class KernelLibrary:
                 for expr, mangled in cm.lowered.items():
                     fn = mod.get_function(mangled)
                     m = re.fullmatch(r"grouped_gemm<\d+, (\d+), (\d+), (\d+)>", expr)
-                    if m:  # opt in to more than 48 KB of dynamic shared memory, once
+                    smem = (grouped_smem_bytes(*(int(g) for g in m.groups())) if m
+                            else sm90_smem_bytes() if expr.startswith("grouped_gemm_sm90") else 0)
+                    if smem:  # opt in to more than 48 KB of dynamic shared memory, once
                         drv = cupy.cuda.driver
-                        drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                             grouped_smem_bytes(*(int(g) for g in m.groups())))
+                        drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
                     self._functions[expr] = fn
 
     def __getitem__(self, name: str):

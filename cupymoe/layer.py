@@ -292,8 +292,8 @@ class MoeLayer:
 
         with timer.stage("router"):
             if path == "prefill":  # tensor cores; the CUDA-core router only pays off at few rows
-                name, threads, smem = kernels.grouped_kernel(2, "math" if N >= 1024 else "stream")
-                bm = threads // 2
+                name, threads, smem = self._grouped_kernel(2, "math" if N >= 1024 else "stream")
+                bm = 128 if threads == 256 else threads // 2
                 lib[name](
                     (-(-R // 128), -(-N // bm)), (threads,),
                     (_u64(x), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(W.ptr("router")),
@@ -355,6 +355,14 @@ class MoeLayer:
         with timer.stage("reduce"):
             self._launch_reduce(x, xe, out, N, s, atomic, has_shared)
 
+    def _grouped_kernel(self, mode: int, config: str) -> tuple[str, int, int]:
+        """(kernel, threads, dynamic smem) of a grouped GEMM: wgmma on Hopper where the math
+        decides, except for row-invariant layers, whose every N must run the same
+        instructions (the mma.sync configurations agree bit for bit; wgmma need not)."""
+        if config == "math" and self.lib.arch == "sm_90a" and not self.row_invariant:
+            return f"grouped_gemm_sm90<{mode}>", 256, kernels.sm90_smem_bytes()
+        return kernels.grouped_kernel(mode, config)
+
     def _launch_sort(self, N: int, s, has_shared: int) -> None:
         """(row, slot) pairs grouped by expert, stable: one block for few pairs, else three passes."""
         cfg, A, W, lib = self.cfg, self.arena, self.weights, self.lib
@@ -388,9 +396,9 @@ class MoeLayer:
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
         # the math-bound configuration once the average expert run fills its 128-row tiles
         config = "math" if N * k >= 96 * W.n_local else "stream"
-        bm = kernels.GROUPED_CONFIGS[config][0]
-        gate_up, threads, smem = kernels.grouped_kernel(0, config)
-        down = kernels.grouped_kernel(1, config)[0]
+        bm = kernels.GROUPED_CONFIGS[config][0]  # the sm90 kernel's tiles are 128 rows too
+        gate_up, threads, smem = self._grouped_kernel(0, config)
+        down = self._grouped_kernel(1, config)[0]
         tiles = max_tiles(N, k, W.n_local, bool(has_shared))  # a bound for either tile height
         with timer.stage("gate_up"):
             lib["make_tiles"]((1,), (1024,),

@@ -1,0 +1,172 @@
+// What the two grouped-GEMM kernels share (grouped.cu: mma.sync, any sm_80+;
+// grouped_sm90.cu: wgmma, sm_90a): the argument list, the tile a block computes, the
+// cp.async tile loader with its swizzled layout, and the epilogues.
+#pragma once
+#include "common.cuh"
+
+#define MODE_GATE_UP 0  // act[pos, :I] = act(x[row] W_gate^T + b, x[row] W_up^T + b), bf16
+#define MODE_DOWN 1     // yw[pos, :H] = bf16(w_pair * (act[pos] W_down^T + b)), weighted in fp32
+#define MODE_ROUTER 2   // one dense GEMM: logits[N, R] fp32 = x W_router^T (+ bias)
+
+#define GG_BN 128  // B rows per tile: 64 gate + 64 up columns, or 128 down / router columns
+
+// One argument list for every mode (unused ones are 0). MODE_ROUTER: w0_ptrs / b0_ptrs are
+// the router matrix and bias themselves, I_max is R and P is N.
+#define GEMM_ARGS                                                                                          \
+    const bf16 *__restrict__ x, const bf16 *__restrict__ xe, const bf16 *__restrict__ act_in,             \
+        const int *__restrict__ num_tiles, const int4 *__restrict__ tile_info,                            \
+        const int *__restrict__ sorted_row, const int *__restrict__ sorted_pair,                          \
+        const u64 *__restrict__ w0_ptrs, const u64 *__restrict__ w1_ptrs, const u64 *__restrict__ b0_ptrs, \
+        const u64 *__restrict__ b1_ptrs, const int *__restrict__ inter, const float *__restrict__ topk_w,  \
+        int shared_slot, int H, int I_max, int P, void *__restrict__ out, int act_code, float alpha, float limit
+#define GEMM_ARG_NAMES                                                                                 \
+    x, xe, act_in, num_tiles, tile_info, sorted_row, sorted_pair, w0_ptrs, w1_ptrs, b0_ptrs, b1_ptrs, \
+        inter, topk_w, shared_slot, H, I_max, P, out, act_code, alpha, limit
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Tiles are [rows][BK] bf16 in 16-byte chunks, the chunk index XOR-swizzled so the 8
+// consecutive rows an ldmatrix reads hit 8 different bank groups: with 4 chunks (64-byte
+// rows) two rows share 128 bytes, so swizzle by (row >> 1) & 3; with 8, by row & 7, which
+// is also exactly wgmma's 128-byte swizzle when the tile starts on a 1024-byte boundary.
+template <int BK>
+__device__ __forceinline__ int swz(int row, int chunk) {
+    constexpr int C = BK / 8;
+    return row * BK + ((chunk ^ ((C == 4 ? row >> 1 : row) & (C - 1))) << 3);
+}
+
+struct GemmTile {
+    int slot, pos0, rows;  // expert table slot, first sorted position, rows in this tile
+    int K, ncols, n0;      // reduction length, output columns of the problem, first column
+    const bf16* W0;        // gate / down / router weights [ncols, K]
+    const bf16* W1;        // up weights (MODE_GATE_UP)
+};
+
+// The block's tile; false when the block has nothing to do (past the tiles or the columns).
+template <int MODE, int BM, int BN>
+__device__ __forceinline__ bool gemm_tile(GemmTile& t, GEMM_ARGS) {
+    if (MODE == MODE_ROUTER) {
+        t.slot = 0;
+        t.pos0 = blockIdx.y * BM;
+        t.rows = min(BM, P - t.pos0);
+    } else {
+        if ((int)blockIdx.y >= *num_tiles) return false;
+        const int4 ti = tile_info[blockIdx.y];
+        t.slot = ti.x;
+        t.pos0 = ti.y;
+        t.rows = ti.z;
+    }
+    t.K = MODE == MODE_DOWN ? inter[t.slot] : H;
+    t.ncols = MODE == MODE_GATE_UP ? inter[t.slot] : MODE == MODE_DOWN ? H : I_max;
+    t.n0 = blockIdx.x * (MODE == MODE_GATE_UP ? BN / 2 : BN);
+    if (t.n0 >= t.ncols) return false;
+    t.W0 = MODE == MODE_ROUTER ? reinterpret_cast<const bf16*>(w0_ptrs) : reinterpret_cast<const bf16*>(w0_ptrs[t.slot]);
+    t.W1 = MODE == MODE_GATE_UP ? reinterpret_cast<const bf16*>(w1_ptrs[t.slot]) : nullptr;
+    return true;
+}
+
+// Each thread copies a fixed set of 16-byte chunks per stage: its rows' sources are
+// resolved once (A gathered through sorted_row for gate/up), K advances per stage. Rows
+// past the tile and chunks past K are zero-filled, never read.
+template <int MODE, int BM, int BK, int THREADS>
+struct TileLoader {
+    static constexpr int CHUNKS = BK / 8;
+    static constexpr int A_PER = BM * CHUNKS / THREADS;
+    static constexpr int B_PER = GG_BN * CHUNKS / THREADS;
+    static_assert(A_PER * THREADS == BM * CHUNKS && B_PER * THREADS == GG_BN * CHUNKS, "tile / threads");
+    const bf16* a_src[A_PER];
+    const bf16* b_src[B_PER];
+    bool a_ok[A_PER], b_ok[B_PER];
+    int chunk;
+
+    __device__ __forceinline__ void init(const GemmTile& t, GEMM_ARGS) {
+        const int tid = threadIdx.x;
+        chunk = tid % CHUNKS;
+#pragma unroll
+        for (int i = 0; i < A_PER; ++i) {
+            const int r = (tid + i * THREADS) / CHUNKS;
+            a_ok[i] = r < t.rows;
+            const int pos = t.pos0 + min(r, t.rows - 1);
+            if (MODE == MODE_GATE_UP) {
+                const bf16* in = t.slot == shared_slot ? x : xe;  // the shared expert reads x
+                a_src[i] = in + (size_t)sorted_row[pos] * H;
+            } else if (MODE == MODE_DOWN) {
+                a_src[i] = act_in + (size_t)pos * I_max;
+            } else {
+                a_src[i] = x + (size_t)pos * H;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < B_PER; ++i) {
+            const int r = (tid + i * THREADS) / CHUNKS;  // 0 .. GG_BN - 1
+            const int n = t.n0 + (MODE == MODE_GATE_UP ? (r & (GG_BN / 2 - 1)) : r);
+            const bf16* W = MODE == MODE_GATE_UP && r >= GG_BN / 2 ? t.W1 : t.W0;
+            b_ok[i] = n < t.ncols;
+            b_src[i] = W + (size_t)min(n, t.ncols - 1) * t.K;
+        }
+    }
+
+    __device__ __forceinline__ void load(bf16* sA, bf16* sB, int k0, int K) const {
+        const int kc = k0 + chunk * 8;
+        const bool kin = kc < K;
+        const int tid = threadIdx.x;
+#pragma unroll
+        for (int i = 0; i < A_PER; ++i)
+            cp_async16(sA + swz<BK>((tid + i * THREADS) / CHUNKS, chunk), a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
+#pragma unroll
+        for (int i = 0; i < B_PER; ++i)
+            cp_async16(sB + swz<BK>((tid + i * THREADS) / CHUNKS, chunk), b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
+    }
+};
+
+// Gate/up epilogue for one row r of the tile and two adjacent columns c, c + 1 (of the
+// tile's 64): bias, activation, bf16 store into act[pos, :].
+__device__ __forceinline__ void emit_gate_up(const GemmTile& t, int r, int c, float g0, float g1, float u0,
+                                             float u1, GEMM_ARGS) {
+    const int col = t.n0 + c;
+    if (r >= t.rows || col >= t.ncols) return;
+    const float* bg = reinterpret_cast<const float*>(b0_ptrs[t.slot]);
+    const float* bu = reinterpret_cast<const float*>(b1_ptrs[t.slot]);
+    if (bg) {
+        g0 += bg[col];
+        g1 += bg[col + 1];
+    }
+    if (bu) {
+        u0 += bu[col];
+        u1 += bu[col + 1];
+    }
+    *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)(t.pos0 + r) * I_max + col) =
+        __floats2bfloat162_rn(apply_activation(act_code, g0, u0, alpha, limit),
+                              apply_activation(act_code, g1, u1, alpha, limit));
+}
+
+// Down / router epilogue for row r and columns c, c + 1 of the tile's 128.
+template <int MODE>
+__device__ __forceinline__ void emit_out(const GemmTile& t, int r, int c, float v0, float v1, GEMM_ARGS) {
+    const int col = t.n0 + c;
+    if (r >= t.rows || col >= t.ncols) return;
+    const int pos = t.pos0 + r;
+    const float* bias = MODE == MODE_ROUTER ? reinterpret_cast<const float*>(b0_ptrs)
+                                            : reinterpret_cast<const float*>(b0_ptrs[t.slot]);
+    if (bias) {
+        v0 += bias[col];
+        v1 += col + 1 < t.ncols ? bias[col + 1] : 0.0f;
+    }
+    if (MODE == MODE_DOWN) {
+        const int pair = sorted_pair[pos];
+        const float w = pair < P ? topk_w[pair] : 1.0f;  // the shared expert is scaled in the reduce
+        *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)pos * H + col) =
+            __floats2bfloat162_rn(w * v0, w * v1);
+    } else {  // router logits, fp32; R may be odd, so store one by one
+        float* lg = reinterpret_cast<float*>(out) + (size_t)pos * t.ncols + col;
+        lg[0] = v0;
+        if (col + 1 < t.ncols) lg[1] = v1;
+    }
+}
