@@ -22,7 +22,8 @@ def cache(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_every_kernel_compiles_without_spills(arch, cache):
     mods = kernels.build_all(arch)
-    assert {m.module for m in mods} == set(kernels.MODULES)
+    assert {m.module for m in mods} == set(kernels.modules_for(arch))
+    assert ("grouped_sm90" in kernels.modules_for(arch)) == (arch == "sm_90a")
     for m in mods:
         res = {r.name: r for r in m.resources()}
         assert set(res) == set(kernels.MODULES[m.module].names), f"{m.module}: a kernel is missing from the report"
@@ -30,6 +31,7 @@ def test_every_kernel_compiles_without_spills(arch, cache):
             assert r.registers > 0, f"{arch} {r.name}: no ptxas report"
             assert (r.spill_stores, r.spill_loads) == (0, 0), f"{arch} {r.name} spills: {r}"
             assert r.stack_bytes == 0, f"{arch} {r.name} uses a stack frame (local memory): {r}"
+            assert r.uses_wgmma == r.name.startswith("grouped_gemm_sm90"), f"{arch} {r.name}: wgmma {r.uses_wgmma}"
     print(f"\n{arch}\n" + kernels.format_report(mods))
 
 
