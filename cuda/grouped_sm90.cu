@@ -3,7 +3,7 @@
 // Same tiles, modes, arguments and epilogues as grouped.cu's mma.sync kernel
 // (gemm_common.cuh); here 2 warpgroups each own 64 rows of a 128 x 128 tile and issue
 // m64n128k16 wgmmas from 128-byte-swizzled K-major tiles (64-wide K steps: one 128-byte
-// row per tile row, exactly the swizzle atom), fed by a 4-stage cp.async pipeline. One
+// row per tile row, exactly the swizzle atom), fed by a 6-stage cp.async pipeline (192 KB: deep enough to cover the load latency at one block per SM). One
 // wgmma batch stays in flight while the next stage is loaded. cp.async writes through
 // the generic proxy and wgmma reads through the async proxy: each thread fences
 // (fence.proxy.async) after its copies land and before the barrier.
@@ -11,7 +11,7 @@
 
 #define SM90_BM 128
 #define SM90_BK 64
-#define SM90_STAGES 4
+#define SM90_STAGES 6
 #define SM90_THREADS 256
 
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart.

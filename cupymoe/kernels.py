@@ -51,7 +51,7 @@ def grouped_smem_bytes(bm: int, bk: int, stages: int) -> int:
     return stages * (bm + GROUPED_BN) * bk * 2
 
 
-SM90_TILE = (128, 64, 4)  # BM, BK, stages of grouped_gemm_sm90 (cuda/grouped_sm90.cu)
+SM90_TILE = (128, 64, 6)  # BM, BK, stages of grouped_gemm_sm90 (cuda/grouped_sm90.cu)
 
 
 def sm90_smem_bytes() -> int:
