@@ -45,16 +45,17 @@ __device__ int block_exclusive_scan(int v, int* warp_totals, int& total) {
     return r;
 }
 
-// One block. Experts [e_lo, e_hi) are this rank's (table slots 0 .. n_local-1); ids outside
-// (other ranks' experts, zero experts, -1 from a bad hash token) get pair_pos = -1.
+// One block. slot_of[e] is expert e's table slot on this rank (0 .. n_local-1), or -1 for
+// another rank's expert and for zero experts; ids outside 0..R-1 (-1 from a bad hash
+// token) are nobody's. Unowned pairs get pair_pos = -1.
 // Stable: positions within an expert follow pair order, so the layout is deterministic.
 __global__ void __launch_bounds__(LISTS_THREADS)
-decode_build_lists(const int* __restrict__ ids, int N, int k, int e_lo, int e_hi, int has_shared,
+decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restrict__ slot_of, int R,
+                   int n_local, int has_shared,
                    int* __restrict__ num_active, int* __restrict__ active_slot, int* __restrict__ active_start,
                    int* __restrict__ active_len, int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
                    int* __restrict__ pair_pos) {
     extern __shared__ int sm[];
-    const int n_local = e_hi - e_lo;
     int* cnt = sm;                      // [n_local]
     int* start = cnt + n_local;         // [n_local]
     int* warp_totals = start + n_local;  // [LISTS_THREADS / 32 + 1]
@@ -63,7 +64,8 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, int e_lo, int e_hi
     __syncthreads();
     for (int p = threadIdx.x; p < P; p += LISTS_THREADS) {
         const int e = ids[p];
-        if (e >= e_lo && e < e_hi) atomicAdd(&cnt[e - e_lo], 1);
+        const int sl = e >= 0 && e < R ? slot_of[e] : -1;
+        if (sl >= 0) atomicAdd(&cnt[sl], 1);
     }
     __syncthreads();
     // exclusive scans over experts, LISTS_THREADS experts per round
@@ -86,11 +88,12 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, int e_lo, int e_hi
     __syncthreads();
     for (int p = threadIdx.x; p < P; p += LISTS_THREADS) {
         const int e = ids[p];
+        const int sl = e >= 0 && e < R ? slot_of[e] : -1;
         int pos = -1;
-        if (e >= e_lo && e < e_hi) {
+        if (sl >= 0) {
             int rank = 0;
             for (int q = 0; q < p; ++q) rank += ids[q] == e;
-            pos = start[e - e_lo] + rank;
+            pos = start[sl] + rank;
             sorted_row[pos] = p / k;
             sorted_pair[pos] = p;
         }

@@ -45,15 +45,16 @@ __device__ __forceinline__ int block_excl_scan_1024(int v, int* tmp /* 33 ints *
 
 // grid ceil(P / 1024), block 1024, dynamic smem n_local ints.
 __global__ void __launch_bounds__(SORT_THREADS)
-sort_count(const int* __restrict__ ids, int P, int e_lo, int e_hi, int* __restrict__ block_counts) {
+sort_count(const int* __restrict__ ids, int P, const int* __restrict__ slot_of, int R, int n_local,
+           int* __restrict__ block_counts) {
     extern __shared__ int cnt[];
-    const int n_local = e_hi - e_lo;
     for (int i = threadIdx.x; i < n_local; i += SORT_THREADS) cnt[i] = 0;
     __syncthreads();
     const int p = blockIdx.x * SORT_THREADS + threadIdx.x;
     if (p < P) {
         const int e = ids[p];
-        if (e >= e_lo && e < e_hi) atomicAdd(&cnt[e - e_lo], 1);
+        const int sl = e >= 0 && e < R ? slot_of[e] : -1;
+        if (sl >= 0) atomicAdd(&cnt[sl], 1);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < n_local; i += SORT_THREADS) block_counts[(size_t)blockIdx.x * n_local + i] = cnt[i];
@@ -104,20 +105,21 @@ sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, i
 // grid ceil(P / 1024), block 1024. Warps place their pairs one warp after another, so ranks
 // follow pair order (stable); __match_any_sync ranks equal experts inside a warp.
 __global__ void __launch_bounds__(SORT_THREADS)
-sort_place(const int* __restrict__ ids, int P, int N, int e_lo, int e_hi, int has_shared,
+sort_place(const int* __restrict__ ids, int P, int N, const int* __restrict__ slot_of, int R, int n_local,
+           int has_shared,
            const int* __restrict__ block_counts, const int* __restrict__ active_start,
            const int* __restrict__ num_active, int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
            int* __restrict__ pair_pos, int k) {
     extern __shared__ int next[];  // [n_local]: next free position of each expert in this block
-    const int n_local = e_hi - e_lo;
     for (int i = threadIdx.x; i < n_local; i += SORT_THREADS)
         next[i] = block_counts[(size_t)blockIdx.x * n_local + i];
     __syncthreads();
     const int p = blockIdx.x * SORT_THREADS + threadIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int e = p < P ? ids[p] : -1;
-    const bool mine = e >= e_lo && e < e_hi;
-    const int key = mine ? e - e_lo : -1 - (threadIdx.x & 31);  // non-local lanes never match others
+    const int e = p < P ? ids[p] : -1;
+    const int sl = e >= 0 && e < R ? slot_of[e] : -1;
+    const bool mine = sl >= 0;
+    const int key = mine ? sl : -1 - (threadIdx.x & 31);  // non-local lanes never match others
     for (int w = 0; w < SORT_THREADS / 32; ++w) {
         if (warp == w) {
             const unsigned peers = __match_any_sync(CUPYMOE_FULL_MASK, key);

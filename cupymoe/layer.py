@@ -18,7 +18,7 @@ Paths (DESIGN.md section 3):
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from .arena import Arena, ArenaPlan, BufferSpec, plan_arena
 from .config import MoeConfig
 from .host_weights import HostWeights
 from .profiling import StageTimer, dump_dir, profile_enabled, write_dumps
+from .parallel import Communicator, check_communicator, owned_experts
 from .weights import DeviceWeights
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,12 @@ class MoeLayer:
     def __init__(self, cfg: MoeConfig, host_weights: HostWeights, *, max_tokens: int,
                  device: Optional[int] = None, path: str = "auto", row_invariant: bool = False,
                  atomic_max_tokens: int = DEFAULT_ATOMIC_MAX_TOKENS,
-                 decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS):
+                 decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS,
+                 comm: Optional[Communicator] = None, expert_owner: Optional[Sequence[int]] = None):
+        """Options: `path`, `row_invariant`, `decode_max_tokens`, `atomic_max_tokens` (module
+        docstring); `comm` sums the expert-parallel partials (cupymoe.parallel; without it an
+        EP layer writes its rank's partial); `expert_owner[e]` = the rank computing expert e
+        (default: contiguous blocks of E / ep_world_size)."""
         import cupy
 
         if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens <= 0:
@@ -173,9 +179,13 @@ class MoeLayer:
             raise PathUnavailableError(f"path={path!r} with row_invariant=True: row-invariant layers run the "
                                        "grouped path at every N; use path='auto' or 'prefill'")
 
+        self.comm = comm
+        if comm is not None:
+            check_communicator(cfg, comm)
+        owned = owned_experts(cfg, expert_owner)
         with cupy.cuda.Device(self.device_id):
             self.lib = kernels.library(self.device_id)
-            self.weights = DeviceWeights(cfg, host_weights, self.device_id)
+            self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             self.arena = Arena(plan_layer_arena(cfg, self.max_tokens, self.weights.n_local, self.weights.i_max,
                                                 self.decode_max_tokens), self.device_id)
             cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
@@ -327,8 +337,16 @@ class MoeLayer:
                 cupy.cuda.runtime.memsetAsync(A.ptr("acc"), 0, N * H * 4, s.ptr)
         if path == "prefill":
             self._enqueue_grouped(x, xe, N, out, s, timer, has_shared)
-            return
-        max_active = min(W.n_local, N * k) + has_shared
+        else:
+            self._enqueue_decode(x, xe, N, out, s, timer, has_shared, atomic)
+        if self.comm is not None:  # partials -> the full layer, on the caller's stream
+            with timer.stage("all_reduce"):
+                self.comm.all_reduce(out, N * H * 2, "bf16", s.ptr)
+
+    def _enqueue_decode(self, x: int, xe: int, N: int, out: int, s, timer, has_shared: int, atomic: bool) -> None:
+        cfg, A, W, lib = self.cfg, self.arena, self.weights, self.lib
+        H, k = cfg.hidden_size, cfg.num_experts_per_tok
+        max_active = max(1, min(W.n_local, N * k) + has_shared)
         rows_per_expert = max(1.0, 2.0 * N * k / max(W.n_local, 1))
         with timer.stage("gate_up"):
             rt = _row_tile(rows_per_expert, kernels.GATE_UP_ROW_TILES)
@@ -373,19 +391,22 @@ class MoeLayer:
         if P <= SMALL_SORT_PAIRS:
             lib["decode_build_lists"](
                 (1,), (1024,),
-                (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _i32(W.e_lo), _i32(W.e_hi), _i32(has_shared),
+                (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
+                 _i32(W.n_local), _i32(has_shared),
                  *lists, _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(A.ptr("pair_pos"))),
                 stream=s, shared_mem=(2 * W.n_local + 33) * 4)
             return
         nblk = -(-P // SORT_BLOCK)
         lib["sort_count"]((nblk,), (SORT_BLOCK,),
-                          (_u64(A.ptr("topk_ids")), _i32(P), _i32(W.e_lo), _i32(W.e_hi), _u64(A.ptr("block_counts"))),
+                          (_u64(A.ptr("topk_ids")), _i32(P), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
+                           _i32(W.n_local), _u64(A.ptr("block_counts"))),
                           stream=s, shared_mem=W.n_local * 4)
         lib["sort_scan"]((1,), (SORT_BLOCK,),
                          (_u64(A.ptr("block_counts")), _i32(nblk), _i32(W.n_local), _i32(N), _i32(k),
                           _i32(has_shared), *lists), stream=s)
         lib["sort_place"]((nblk,), (SORT_BLOCK,),
-                          (_u64(A.ptr("topk_ids")), _i32(P), _i32(N), _i32(W.e_lo), _i32(W.e_hi), _i32(has_shared),
+                          (_u64(A.ptr("topk_ids")), _i32(P), _i32(N), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
+                           _i32(W.n_local), _i32(has_shared),
                            _u64(A.ptr("block_counts")), _u64(A.ptr("active_start")), _u64(A.ptr("num_active")),
                            _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(A.ptr("pair_pos")), _i32(k)),
                           stream=s, shared_mem=W.n_local * 4)
@@ -399,7 +420,7 @@ class MoeLayer:
         bm = kernels.GROUPED_CONFIGS[config][0]  # the sm90 kernel's tiles are 128 rows too
         gate_up, threads, smem = self._grouped_kernel(0, config)
         down = self._grouped_kernel(1, config)[0]
-        tiles = max_tiles(N, k, W.n_local, bool(has_shared))  # a bound for either tile height
+        tiles = max(1, max_tiles(N, k, W.n_local, bool(has_shared)))  # a bound for either tile height
         with timer.stage("gate_up"):
             lib["make_tiles"]((1,), (1024,),
                               (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),

@@ -342,7 +342,8 @@ def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Opt
 # ----------------------------------------------------------------------------------
 
 def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: Any = None, *,
-                dtype=np.float64, ep_rank: Optional[int] = None, rounding: Optional[str] = None) -> np.ndarray:
+                dtype=np.float64, ep_rank: Optional[int] = None, rounding: Optional[str] = None,
+                owned_experts: Optional[Any] = None) -> np.ndarray:
     """The MoE layer's output [N, H] in `dtype` for input `x` [N, H] (bf16 or float).
 
     Every step runs in `dtype` (float64 by default: the oracle; float32 to estimate what
@@ -356,6 +357,8 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
 
     Hash routing needs `token_ids` [N] (ValueError without them).
 
+    `owned_experts` replaces the contiguous block with an explicit set (cupymoe.parallel).
+
     `rounding` ("decode" or "grouped", see ROUNDINGS) also rounds to bf16 the intermediates
     that GPU path stores as bf16, everything else staying in `dtype`: the kernel-faithful
     reference that GPU tests compare against with a tight tolerance. None: exact.
@@ -368,6 +371,8 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     host_weights.validate(cfg)
     rank = cfg.ep_rank if ep_rank is None else int(ep_rank)
     owned = cfg.replace(ep_rank=rank).owned_experts()  # validates the rank
+    if owned_experts is not None:  # an explicit expert -> rank map's share for this rank
+        owned = frozenset(int(e) for e in owned_experts)
     on_rank0 = rank == 0
 
     xf = _as_input(cfg, x, dtype)

@@ -198,3 +198,43 @@ def random_input(rng: np.random.Generator, n: int, h: int) -> np.ndarray:
 def random_token_ids(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
     """[n] int32 token ids in [0, vocab)."""
     return rng.integers(0, vocab, size=n).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------------
+# expert parallelism: one rank's part of the multi-GPU test (cupymoe.parallel.spawn_ranks)
+# ----------------------------------------------------------------------------------
+
+def ep_rank_check(rank: int, world_size: int, unique_id, family: str, seed: int, tokens, paths) -> dict:
+    """Build `family`'s tiny layer as EP rank `rank` with an NCCL communicator, run every
+    (N, path) eagerly and as a replayed CUDA graph, and return the inputs and outputs.
+    Every rank draws the same weights and inputs from `seed`, in the same order."""
+    import cupy
+
+    from .layer import MoeLayer
+    from .parallel import NcclCommunicator
+    from .verify import bf16_bits, bits_to_f32, well_separated_input
+
+    rng = np.random.default_rng(seed)
+    cfg = tiny_config(family)
+    hw = random_host_weights(cfg, rng)
+    comm = NcclCommunicator(world_size, rank, unique_id)
+    layer = MoeLayer(cfg.replace(ep_world_size=world_size, ep_rank=rank), hw, max_tokens=max(tokens),
+                     decode_max_tokens=64, comm=comm)
+    out: dict = {}
+    s = cupy.cuda.Stream(non_blocking=True)
+    for n in tokens:
+        x = well_separated_input(cfg, hw, rng, n)
+        xd = cupy.asarray(bf16_bits(x))
+        for path in paths:
+            if path != "prefill" and n > 64:
+                continue
+            eager = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
+            layer.forward(int(xd.data.ptr), n, int(eager.data.ptr), s.ptr, path=path)
+            graph_out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
+            s.begin_capture()
+            layer.forward(int(xd.data.ptr), n, int(graph_out.data.ptr), s.ptr, path=path)
+            g = s.end_capture()
+            g.launch(s)
+            s.synchronize()
+            out[(n, path)] = (x, bits_to_f32(eager.get()), bits_to_f32(graph_out.get()))
+    return out

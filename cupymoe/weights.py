@@ -9,7 +9,7 @@ so the shared expert rides through the same expert kernels as one more expert.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -49,15 +49,19 @@ def _f32(t: Optional[np.ndarray]) -> Optional[np.ndarray]:
 
 
 class DeviceWeights:
-    def __init__(self, cfg: MoeConfig, hw: HostWeights, device_id: int):
+    def __init__(self, cfg: MoeConfig, hw: HostWeights, device_id: int, owned: Optional[Sequence[int]] = None):
+        """`owned`: the routed experts this rank computes (default: the config's contiguous block)."""
         import cupy
 
         hw.validate(cfg)
         self.cfg = cfg
-        owned = cfg.owned_experts()
-        self.e_lo, self.e_hi = owned.start, owned.stop
+        owned = list(cfg.owned_experts() if owned is None else owned)
+        self.owned = owned
         self.n_local = len(owned)
-        sl = slice(self.e_lo, self.e_hi)
+        # slot_of[e]: expert e's table slot here, -1 for other ranks' experts and zero experts
+        slot_of = np.full(cfg.router_width, -1, np.int32)
+        slot_of[owned] = np.arange(len(owned), dtype=np.int32)
+        sl = _selector(owned)
         self._keep: list[Any] = []  # device arrays the pointer tables point into
 
         def up(a: Optional[np.ndarray]):
@@ -71,6 +75,7 @@ class DeviceWeights:
             return 0 if d is None else int(d.data.ptr)
 
         with cupy.cuda.Device(device_id):
+            self.slot_of = up(slot_of)
             self.router = up(_bf16_bits(hw.router, "router"))
             self.router_bias = up(_f32(hw.router_bias))
             self.correction_bias = up(_f32(hw.correction_bias))
@@ -115,3 +120,10 @@ class DeviceWeights:
         d = self.tables[name] if name in self.tables else getattr(self, name)
         return 0 if d is None else int(d.data.ptr)
 
+
+def _selector(owned: list[int]):
+    """Index of the owned experts along the stacked expert axis: a slice when contiguous
+    (a view, no host copy), else an index array."""
+    if owned and owned == list(range(owned[0], owned[-1] + 1)):
+        return slice(owned[0], owned[-1] + 1)
+    return np.asarray(owned, dtype=np.int64)

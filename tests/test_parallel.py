@@ -1,0 +1,117 @@
+"""Expert parallelism: ownership, communicators, partial outputs, NCCL (one and two GPUs)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from cupymoe import reference, testing
+from cupymoe.parallel import check_communicator, owned_experts
+from cupymoe.verify import bf16_bits, bits_to_f32, compare, references, run_layer, well_separated_input
+
+
+def test_owned_experts_contiguous_by_default_or_from_a_map():
+    cfg = testing.tiny_config("qwen2_moe", ep_world_size=2, ep_rank=1)  # E = 10
+    assert owned_experts(cfg) == [5, 6, 7, 8, 9]
+    assert owned_experts(cfg, [e % 2 for e in range(10)]) == [1, 3, 5, 7, 9]
+    with pytest.raises(ValueError, match="has 3 entries; the layer has num_experts=10"):
+        owned_experts(cfg, [0, 1, 0])
+    with pytest.raises(ValueError, match=r"ranks outside 0..1: \(expert, rank\) \[\(2, 5\)\]"):
+        owned_experts(cfg, [0, 1, 5] + [0] * 7)
+
+
+def test_communicator_must_match_the_ep_world():
+    class Fake:
+        world_size, rank = 2, 0
+
+        def all_reduce(self, ptr, nbytes, dtype, stream):
+            raise AssertionError("not called")
+
+    check_communicator(testing.tiny_config("qwen2_moe", ep_world_size=2, ep_rank=0), Fake())
+    with pytest.raises(ValueError, match="rank 0 of 2, but the layer is ep_rank=1 of ep_world_size=2"):
+        check_communicator(testing.tiny_config("qwen2_moe", ep_world_size=2, ep_rank=1), Fake())
+
+
+@pytest.fixture(scope="module")
+def rng():
+    seed = time.time_ns() % 2**31
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_explicit_owner_map_partials_sum_to_the_full_layer(rng, path):
+    """Each rank's partial, run in turn on one GPU, with experts dealt round-robin."""
+    from cupymoe import MoeLayer
+
+    cfg = testing.tiny_config("qwen2_moe")  # gated shared expert: counted once, on rank 0
+    hw = testing.random_host_weights(cfg, rng)
+    owner = [e % 2 for e in range(cfg.num_experts)]
+    n = 33
+    x = well_separated_input(cfg, hw, rng, n)
+    exact = reference.moe_forward(cfg, hw, x)
+    total = np.zeros_like(exact)
+    for rank in range(2):
+        rcfg = cfg.replace(ep_world_size=2, ep_rank=rank)
+        layer = MoeLayer(rcfg, hw, max_tokens=64, decode_max_tokens=64, expert_owner=owner)
+        out = run_layer(layer, x, path)
+        mine = owned_experts(rcfg, owner)
+        ex = reference.moe_forward(rcfg, hw, x, owned_experts=mine)
+        fa = reference.moe_forward(rcfg, hw, x, owned_experts=mine, rounding="decode" if path == "decode" else "grouped")
+        c = compare(out, ex, fa)
+        assert c.ok, f"rank {rank}: {c}"
+        total += out
+    assert compare(total, exact).ok  # two bf16 partials: normwise and envelope only
+
+
+@pytest.mark.gpu
+def test_one_rank_nccl_communicator_eager_and_captured(rng):
+    """The NCCL all-reduce on the forward's stream, captured in a graph (one rank: identity)."""
+    import cupy
+
+    from cupymoe import MoeLayer
+    from cupymoe.parallel import NcclCommunicator
+
+    cfg = testing.tiny_config("deepseek_v3")
+    hw = testing.random_host_weights(cfg, rng)
+    plain = MoeLayer(cfg, hw, max_tokens=64)
+    comm = NcclCommunicator(1, 0, NcclCommunicator.new_unique_id())
+    layer = MoeLayer(cfg, hw, max_tokens=64, comm=comm)
+    s = cupy.cuda.Stream(non_blocking=True)
+    for n in (1, 64):
+        x = well_separated_input(cfg, hw, rng, n)
+        want = run_layer(plain, x)
+        assert np.array_equal(run_layer(layer, x), want)
+        xd = cupy.asarray(bf16_bits(x))
+        out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
+        s.begin_capture()
+        layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr)
+        g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+        assert np.array_equal(bits_to_f32(out.get()), want)
+
+
+@pytest.mark.gpu
+def test_two_ranks_over_nccl_equal_the_single_gpu_layer():
+    """Two processes, one GPU each: every rank's output is the full layer's, eager and replayed."""
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs 2 GPUs (NCCL refuses two ranks on one GPU)")
+    from cupymoe.parallel import spawn_ranks
+
+    seed = time.time_ns() % 2**31
+    for family in ("qwen2_moe", "longcat_flash"):
+        outs = spawn_ranks(testing.ep_rank_check, 2, family, seed, (1, 7, 64, 1000), ("decode", "prefill"))
+        cfg = testing.tiny_config(family)
+        hw = testing.random_host_weights(cfg, np.random.default_rng(seed))
+        for key, (x, eager0, graph0) in outs[0].items():
+            _, eager1, graph1 = outs[1][key]
+            assert np.array_equal(eager0, eager1), f"{family} {key}: ranks disagree"
+            assert np.array_equal(eager0, graph0) and np.array_equal(eager1, graph1), f"{family} {key}: graph != eager"
+            c = compare(eager0, reference.moe_forward(cfg, hw, x))
+            assert c.ok, f"{family} {key} (seed {seed}): {c}"
