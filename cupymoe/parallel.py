@@ -120,34 +120,51 @@ class TorchCommunicator:
 # one process per GPU
 # ----------------------------------------------------------------------------------
 
-def spawn_ranks(fn, world_size: int, *args, timeout: float = 900.0) -> list:
+def spawn_ranks(fn, world_size: int, *args, timeout: float = 900.0, make_unique_id=None,
+                use_gpus: bool = True) -> list:
     """Run `fn(rank, world_size, unique_id, *args)` in one fresh process per GPU (rank r on
     device r) and return the ranks' results in rank order. `fn` must be importable (a
     module-level function); a rank's exception comes back as a RuntimeError with its
-    traceback. The launcher example scripts/ep_launch.py is built on this."""
+    traceback, and a rank that dies without one (a native crash) fails the call at once
+    instead of leaving the others waiting. `make_unique_id` defaults to NCCL's; the
+    launcher example scripts/ep_launch.py is built on this."""
     import multiprocessing as mp
     import queue
+    import time
 
     ctx = mp.get_context("spawn")  # CUDA does not survive fork
-    uid = NcclCommunicator.new_unique_id()
+    uid = (make_unique_id or NcclCommunicator.new_unique_id)()
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, uid, args, results), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, uid, args, results, use_gpus), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
     got: dict[int, object] = {}
-    failures = []
+    failures: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, ok, payload = results.get(timeout=timeout)
+        while len(got) + len(failures) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                # a rank that died without a word (a crash in native code) would otherwise
+                # leave the others waiting in their collectives until the deadline
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+                if dead or time.monotonic() > deadline:
+                    why = (f"rank(s) {dead} exited with code(s) {[procs[r].exitcode for r in dead]} and no result"
+                           if dead else f"no result from ranks {sorted(set(range(world_size)) - set(got))} "
+                                        f"in {timeout:.0f} s")
+                    failures.append(why)
+                    break
+                continue
             if ok:
                 got[rank] = payload
             else:
                 failures.append(f"rank {rank}:\n{payload}")
-    except queue.Empty:
-        failures.append(f"ranks {sorted(set(range(world_size)) - set(got))} gave no result in {timeout:.0f} s")
     finally:
         for p in procs:
+            if failures:  # the survivors would wait for the failed rank forever
+                p.kill()
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
@@ -156,13 +173,14 @@ def spawn_ranks(fn, world_size: int, *args, timeout: float = 900.0) -> list:
     return [got[r] for r in range(world_size)]
 
 
-def _rank_main(fn, rank, world_size, uid, args, results) -> None:
+def _rank_main(fn, rank, world_size, uid, args, results, use_gpus=True) -> None:
     import traceback
 
     try:
-        import cupy
+        if use_gpus:
+            import cupy
 
-        cupy.cuda.Device(rank).use()
+            cupy.cuda.Device(rank).use()
         results.put((rank, True, fn(rank, world_size, uid, *args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))

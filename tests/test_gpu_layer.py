@@ -34,6 +34,7 @@ def _layer(cfg, hw, **kw):
 
     kw.setdefault("max_tokens", MAX_TOKENS)
     kw.setdefault("decode_max_tokens", kw["max_tokens"])  # tests force every path at every N
+    kw.setdefault("atomic_max_tokens", kw["max_tokens"])
     return MoeLayer(cfg, hw, **kw)
 
 

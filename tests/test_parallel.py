@@ -34,6 +34,37 @@ def test_communicator_must_match_the_ep_world():
         check_communicator(testing.tiny_config("qwen2_moe", ep_world_size=2, ep_rank=1), Fake())
 
 
+def _rank_ok(rank, world, uid, scale):
+    return rank * scale
+
+
+def _rank_raises(rank, world, uid):
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    return rank
+
+
+def _rank_dies(rank, world, uid):
+    import os
+
+    if rank == 1:
+        os._exit(3)  # a crash in native code leaves no Python exception behind
+    time.sleep(60)  # rank 0 would wait in a collective for the dead rank
+
+
+def test_spawn_ranks_collects_results_and_reports_failed_or_dead_ranks():
+    from cupymoe.parallel import spawn_ranks
+
+    kw = dict(make_unique_id=lambda: b"uid", use_gpus=False)
+    assert spawn_ranks(_rank_ok, 3, 10, **kw) == [0, 10, 20]
+    with pytest.raises(RuntimeError, match="(?s)rank 1:.*ValueError: rank one refuses"):
+        spawn_ranks(_rank_raises, 2, **kw)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] exited with code\(s\) \[3\]"):
+        spawn_ranks(_rank_dies, 2, **kw)
+    assert time.monotonic() - t0 < 30, "a dead rank must fail the launch at once"
+
+
 @pytest.fixture(scope="module")
 def rng():
     seed = time.time_ns() % 2**31
