@@ -55,11 +55,6 @@ L2_BYTES = 50e6
 BASELINES = Path(__file__).resolve().parent.parent / "benchmarks" / "baselines" / "h200-bf16-peers.json"
 
 
-@contextlib.contextmanager
-def _nothing():
-    yield
-
-
 def preset_config(name: str, *, routed_only: bool = True) -> MoeConfig:
     kw = dict(PRESETS[name])
     if routed_only:  # the peers' figures cover the routed experts only
@@ -201,7 +196,7 @@ def run_bench(args) -> int:
             touched = len(np.unique(ids[ids < E]))
             stage_events: list = []
             s.begin_capture()
-            with record_stage_events(stage_events) if args.stages else _nothing():
+            with record_stage_events(stage_events) if args.stages else contextlib.nullcontext():
                 for L in layers:
                     L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
             g = s.end_capture()

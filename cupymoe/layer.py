@@ -9,10 +9,17 @@ refused.
 
 Paths (DESIGN.md section 3):
   decode  router -> top-k -> [pre-norm] -> expert lists -> gate/up -> down -> reduce; one
-          launch per stage for all N rows. Row-invariant and bit-reproducible.
+          launch per stage for all N rows, each selected expert's weights streamed once.
+          Bit-reproducible.
   atomic  the same, but the routed down projections atomically add w * y into an fp32
           [N, H] accumulator that the reduce casts; not bit-reproducible (opt-in).
-  prefill sorted grouped tensor-core GEMMs: not built yet; asking for it is a named error.
+  prefill tensor-core router -> top-k -> [pre-norm] -> stable sort by expert -> grouped
+          GEMMs (gate/up with the activation fused; down with the routing weight applied
+          in fp32) -> unpermute + weighted reduce. mma.sync everywhere, wgmma on Hopper
+          where the math decides.
+`auto` takes decode up to `decode_max_tokens` rows, prefill above; `row_invariant=True`
+takes prefill at every N (a row's bits then never depend on N or the batch). With an
+expert-parallel config and a communicator, the partial outputs are all-reduced last.
 """
 
 from __future__ import annotations
@@ -34,9 +41,11 @@ log = logging.getLogger(__name__)
 
 PATHS = ("auto", "decode", "atomic", "prefill")
 STAGES = ("route", "norm", "sort", "gate_up", "down", "reduce")
-DEFAULT_ATOMIC_MAX_TOKENS = 8
-# auto: decode up to this many rows, grouped tensor-core GEMMs above (benchmarks/NOTES.md)
+# auto: decode up to this many rows, grouped tensor-core GEMMs above: the measured
+# crossover on the H200 lies between 8 and 16 rows (benchmarks/NOTES.md)
 DEFAULT_DECODE_MAX_TOKENS = 8
+# the atomic path measured no faster than decode; it serves the decode range at most
+DEFAULT_ATOMIC_MAX_TOKENS = 8
 
 
 class MoeCallError(ValueError):
@@ -67,7 +76,7 @@ def _row_tile(rows: float, tiles: tuple[int, ...]) -> int:
     return tiles[-1]
 
 
-GROUPED_BM = 64  # the smallest M-tile height of the grouped GEMMs (kernels.GROUPED_BMS)
+GROUPED_BM = 64  # the smallest M-tile height of the grouped GEMMs (kernels.GROUPED_CONFIGS)
 SORT_BLOCK = 1024  # pairs per block of the multi-block sort (cuda/grouped.cu SORT_THREADS)
 SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_build_lists)
 

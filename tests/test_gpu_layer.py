@@ -7,7 +7,6 @@ cupymoe/verify.py: per element 2^-8 |ref| + 2^-7 rms(ref), normwise 2^-8).
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np

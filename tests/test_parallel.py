@@ -9,7 +9,7 @@ import pytest
 
 from cupymoe import reference, testing
 from cupymoe.parallel import check_communicator, owned_experts
-from cupymoe.verify import bf16_bits, bits_to_f32, compare, references, run_layer, well_separated_input
+from cupymoe.verify import bf16_bits, bits_to_f32, compare, run_layer, well_separated_input
 
 
 def test_owned_experts_contiguous_by_default_or_from_a_map():
