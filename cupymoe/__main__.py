@@ -118,7 +118,11 @@ def main(argv=None) -> int:
 
     from .bench import add_bench_args
 
-    b = sub.add_parser("bench", help="time the layer with CUDA-graph replays against the floor (GPU)")
+    b = sub.add_parser("bench", help="time the layer with CUDA-graph replays against the floor (GPU)",
+                       description="Time cupymoe's layer on the six PERFORMANCE.md presets with CUDA-graph "
+                                   "replays, next to the floor and, in the same run, torch peers. Needs an "
+                                   "NVIDIA GPU (sm_80+) and CuPy; torch with CUDA (optional) for the peers; "
+                                   "matplotlib (optional) for --plots.")
     add_bench_args(b)
     b.set_defaults(fn=cmd_bench)
 

@@ -74,6 +74,12 @@ def add_bench_args(ap) -> None:
     ap.add_argument("--replays", type=int, default=20, help="graph replays per repetition")
     ap.add_argument("--measure-ceilings", action="store_true", help="measure copy TB/s and bf16 TFLOP/s (needs torch)")
     ap.add_argument("--json", default=None, help="write results here (default benchmarks/results/<date>-<gpu>.json)")
+    ap.add_argument("--no-peers", action="store_true",
+                    help="skip the torch peers (timed in the same run when torch is importable)")
+    ap.add_argument("--eager-max-tokens", type=int, default=256,
+                    help="time the per-expert eager loop only up to this many tokens (it is slow)")
+    ap.add_argument("--plots", default=None,
+                    help="folder for one PNG per preset (time against N, log-log); needs matplotlib")
     ap.add_argument("--stages", action="store_true",
                     help="also time each stage inside the replayed graph (CUDA events between stages)")
     ap.add_argument("--seed", type=int, default=0)
@@ -183,7 +189,9 @@ def run_bench(args) -> int:
         del hw
         for L in layers:
             L.warmup()
-        print(f"[{name}] ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        peers = None if args.no_peers else _torch_peers(layers)
+        print(f"[{name}] ready in {time.perf_counter() - t0:.1f} s"
+              f"{'' if peers else ' (no torch peers)'}", flush=True)
         for n in args.tokens:
             x = cupy.asarray(bf16_bits(rng.standard_normal((n, H), dtype=np.float32)))
             out = cupy.empty_like(x)
@@ -227,8 +235,13 @@ def run_bench(args) -> int:
                        spread_us=round(max(times) - min(times), 2),
                        vllm_compute_only=peer.get("vllm_compute_only"), grouped_mm=peer.get("grouped_mm"),
                        stages_us={k: round(v, 2) for k, v in stage_us.items()} or None)
+            if peers:
+                row.update(time_peers(peers, cfg, x, out, n, args))
             results.append(row)
             vs = f"{peer['vllm_compute_only'] / us:.2f}x vLLM" if peer.get("vllm_compute_only") else ""
+            for name in ("grouped_mm", "eager"):
+                if row.get(f"{name}_us"):
+                    vs += f"  {row[f'{name}_us'] / us:.2f}x {name}"
             print(f"  N={n:<6} {us:9.1f} us  floor {floor:8.1f} us ({row['pct_of_floor']:5.1f}% of floor)  "
                   f"{row['TBps']:.2f} TB/s  {row['TFLOPs']:.1f} TFLOP/s  touched {touched}  {vs}", flush=True)
             if stage_us:
@@ -243,4 +256,112 @@ def run_bench(args) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(meta=meta, rows=results), indent=1))
     print(f"results written to {path}", file=sys.stderr)
+    if args.plots:
+        for png in plot_results(results, Path(args.plots), stem=path.stem):
+            print(f"plot written to {png}", file=sys.stderr)
     return 0
+
+
+def _torch_peers(layers):
+    """One TorchPeers per layer, or None when torch (with CUDA) is not importable."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+    except ImportError:
+        return None
+    from .peers import TorchPeers
+
+    return [TorchPeers(L) for L in layers]
+
+
+def time_peers(peers, cfg, x, out, n: int, args) -> dict:
+    """The peers on the same input, same layers: grouped_mm captured in a graph, eager
+    (host-synchronising) timed as is; and, where they compute cupymoe's function, how
+    far their output is from cupymoe's (normwise)."""
+    import torch
+
+    from .peers import same_function
+
+    xt = torch.from_dlpack(x).view(torch.bfloat16)
+    ours = torch.from_dlpack(out).view(torch.bfloat16).float()
+    res: dict = {}
+    o = torch.empty_like(xt)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        peers[-1].grouped_mm(xt, o)  # warm-up, and the output check: `out` holds the last layer's
+    torch.cuda.synchronize()
+    if same_function(cfg):
+        res["grouped_mm_vs_cupymoe"] = round(float((o.float() - ours).norm() / ours.norm()), 5)
+
+    def timed(fn, reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = []
+        for _ in range(reps):
+            e0.record(s)
+            fn()
+            e1.record(s)
+            e1.synchronize()
+            t.append(e0.elapsed_time(e1) * 1e3)
+        return statistics.median(t)
+
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            for p in peers:
+                p.grouped_mm(xt, o)
+        g.replay()
+
+        def replays():
+            for _ in range(args.replays):
+                g.replay()
+
+        with torch.cuda.stream(s):
+            res["grouped_mm_us"] = round(timed(replays, args.repeats) / args.replays / len(peers), 2)
+    except RuntimeError as e:  # a torch build whose grouped_mm cannot be captured: time it eagerly
+        res["grouped_mm_note"] = f"not capturable ({e.__class__.__name__}); timed eagerly"
+        with torch.cuda.stream(s):
+            res["grouped_mm_us"] = round(timed(lambda: [p.grouped_mm(xt, o) for p in peers], args.repeats)
+                                         / len(peers), 2)
+    if n <= args.eager_max_tokens:
+        with torch.cuda.stream(s):
+            res["eager_us"] = round(timed(lambda: [p.eager(xt, o) for p in peers], 3) / len(peers), 2)
+    return res
+
+
+def plot_results(rows: list[dict], folder: Path, stem: str = "bench") -> list[Path]:
+    """One PNG per preset: time against N (log-log), the floor, every implementation."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    series = [("us", "cupymoe", "-o"), ("grouped_mm_us", "torch._grouped_mm (same run)", "--s"),
+              ("eager_us", "per-expert eager loop (same run)", ":^"),
+              ("vllm_compute_only", "vLLM compute-only (baseline file)", "-.d"), ("floor_us", "floor", "k-")]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["N"])
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for key, label, style in series:
+            pts = [(r["N"], r[key]) for r in mine if r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), style, label=label, linewidth=1.5 if key != "floor_us" else 1.0)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens N")
+        ax.set_ylabel("µs per layer")
+        ax.set_title(f"{shape}: bf16 MoE layer (routed experts)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        png = folder / f"{stem}-{shape}.png"
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+        written.append(png)
+    return written

@@ -86,6 +86,9 @@ class DeviceWeights:
             gate = up(_bf16_bits(hw.gate[sl], "gate"))
             upw = up(_bf16_bits(hw.up[sl], "up"))
             down = up(_bf16_bits(hw.down[sl], "down"))
+            # the stacked routed experts ([n_local, I, H], [n_local, H, I], bf16 bits), kept
+            # by name for code that reads them whole (the benchmark's torch peers)
+            self.experts = {"gate": gate, "up": upw, "down": down}
             gb = up(_f32(None if hw.gate_bias is None else hw.gate_bias[sl]))
             ub = up(_f32(None if hw.up_bias is None else hw.up_bias[sl]))
             db = up(_f32(None if hw.down_bias is None else hw.down_bias[sl]))
