@@ -155,7 +155,8 @@ NAMING: dict[str, HubNaming] = {
     "deepseek_v3": HubNaming(correction_bias="gate.e_score_correction_bias", shared="shared_experts."),
     "mixtral": HubNaming(mlp="block_sparse_moe.", projections=("w1", "w3", "w2")),
     "gpt_oss": HubNaming(router="router", router_bias="router.bias", experts="experts.", fused_experts=True),
-    "longcat_flash": HubNaming(router="router.classifier", correction_bias="router.e_score_correction_bias"),
+    "longcat_flash": HubNaming(router="router.classifier", router_bias="router.classifier.bias",
+                               correction_bias="router.e_score_correction_bias"),
 }
 
 # gpt-oss fused expert tensors, under HubNaming.experts (FORMATS.md).

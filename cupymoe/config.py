@@ -283,7 +283,8 @@ def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: d
             topk_group=int(g("topk_group", default=4) or 1),
             norm_topk_prob=bool(g("norm_topk_prob", default=True)),
             routed_scaling_factor=float(g("routed_scaling_factor", default=2.5)),
-            shared_expert_intermediate_size=I * int(g("n_shared_experts", default=1) or 0),
+            # an explicit null means no shared expert (DeepSeek's modelling code)
+            shared_expert_intermediate_size=I * int(config.get("n_shared_experts", 1) or 0),
             hidden_act=_act(g("hidden_act", default="silu")),
         )
     elif model_type == "mixtral":
@@ -313,6 +314,7 @@ def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: d
             moe_intermediate_size=int(g("expert_ffn_hidden_size", "moe_intermediate_size")),
             zero_expert_num=int(g("zero_expert_num", default=0) or 0),
             has_correction_bias=True,
+            has_router_bias=bool(config.get("router_bias", False)),  # router.classifier.bias
             norm_topk_prob=bool(g("norm_topk_prob", default=False)),
             routed_scaling_factor=float(g("routed_scaling_factor", default=1.0)),
             hidden_act=_act(g("hidden_act", default="silu")),

@@ -260,8 +260,9 @@ def quantize_mxfp4(w: np.ndarray) -> Mxfp4Weight:
         raise ValueError(f"quantize_mxfp4: in={inn} is not a multiple of {MXFP4_GROUP}")
     g = w.reshape(w.shape[:-1] + (inn // MXFP4_GROUP, MXFP4_GROUP))
     gmax = np.abs(g).max(axis=-1)
-    with np.errstate(divide="ignore"):
-        e = np.where(gmax > 0, np.floor(np.log2(np.maximum(gmax, 1e-38))) - 2, -127)
+    # floor(log2(gmax)) exactly, from the binary exponent: float32 log2 rounds values just
+    # below a power of two up to it (frexp: gmax = m * 2^x with m in [0.5, 1))
+    e = np.where(gmax > 0, np.frexp(gmax)[1] - 1 - 2, -127)
     e = np.clip(e, -127, 127).astype(np.int32)
     v = g / np.ldexp(np.float32(1), e)[..., None]
     codes = e2m1_encode(v)

@@ -27,7 +27,7 @@ from cupymoe.checkpoint import (CheckpointError, CheckpointFileError, MissingTen
 from cupymoe.config import DenseLayerError, MoeConfig, UnsupportedModelError
 from cupymoe.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from cupymoe.host_weights import HostWeights
-from cupymoe.testing import FAMILIES, hf_config_dict, random_host_weights
+from cupymoe.testing import FAMILIES, hf_config_dict, random_host_weights, tiny_config
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -640,3 +640,13 @@ def test_raw_reader_agrees_with_safetensors(tmp_path):
         for name, want in t.items():
             assert_bits_equal(src.read(name), want, name)
             assert_bits_equal(src._read_raw(tmp_path / "model.safetensors", name, want.dtype), want, name)
+
+
+def test_longcat_router_bias_round_trip(tmp_path):
+    """config.json `router_bias: true` puts a bias on mlp.router.classifier (LongCat)."""
+    cfg = tiny_config("longcat_flash", has_router_bias=True)
+    hw = random_host_weights(cfg, np.random.default_rng(5))
+    save_layer(tmp_path, hf_config_dict("longcat_flash", router_bias=True), LAYER, hw)
+    got_cfg, got = load_layer(tmp_path, LAYER)
+    assert got_cfg == cfg
+    np.testing.assert_array_equal(got.router_bias, hw.router_bias)

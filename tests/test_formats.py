@@ -1,0 +1,608 @@
+"""CPU tests of cupymoe.formats against FORMATS.md: e2m1 codes, nibble packing, and the
+fp8-block / NVFP4 / MXFP4 quantizers and containers.
+
+Evidence comes from three independent sources:
+1. Tables and bytes written by hand from FORMATS.md (codes, packed bytes, e4m3 / e8m0
+   scale bytes); the derivations are in the comments next to each literal.
+2. Worst-case error bounds derived from the formats' grids (derivations in the comments
+   of each bound helper), checked per element on random matrices (hypothesis drives the
+   seeds, shapes and dynamic ranges; few examples so the file stays fast).
+3. Structural properties: exact round trips of values already on a grid, and
+   quantize(stack)[e] == quantize(stack[e]) bit for bit.
+
+Error checks dequantize in float64, where the product code * scale is exact (a 4-bit e2m1
+or e4m3 significand times a 24-bit float32 one fits in 53 bits), so the only rounding
+left is the quantizer's own and the bounds need no float32 slop term.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cupymoe import formats
+from cupymoe.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+# Few examples, no deadline (the first call of a numpy path can take tens of ms).
+PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _random_matrix(seed: int, shape: tuple[int, ...], log2_scale: int, spread: int) -> np.ndarray:
+    """float32 normals times 2^log2_scale, each element further scaled by 2^-u with
+    u uniform in [0, spread]: a wide dynamic range inside one block/group, so small
+    elements land on the e4m3 subnormals / the low end of e2m1 as well as the top."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape) * np.exp2(log2_scale - rng.uniform(0, spread, size=shape))
+    return w.astype(np.float32)
+
+
+# ==================================================================================
+# e2m1 codes
+# ==================================================================================
+
+# FORMATS.md: `0:0, 1:0.5, 2:1, 3:1.5, 4:2, 5:3, 6:4, 7:6`, codes 8-15 are the negatives.
+E2M1_TABLE = {0: 0.0, 1: 0.5, 2: 1.0, 3: 1.5, 4: 2.0, 5: 3.0, 6: 4.0, 7: 6.0,
+              8: -0.0, 9: -0.5, 10: -1.0, 11: -1.5, 12: -2.0, 13: -3.0, 14: -4.0, 15: -6.0}
+
+
+@pytest.mark.parametrize("code", range(16))
+def test_e2m1_decode_matches_formats_md(code):
+    got = formats.e2m1_decode(np.array([code]))
+    assert got.dtype == np.float32
+    assert got[0] == E2M1_TABLE[code]
+    # code 8 is negative zero: the sign bit must survive the decode
+    assert math.copysign(1.0, float(got[0])) == (-1.0 if code >= 8 else 1.0)
+
+
+def test_e2m1_decode_uses_only_low_nibble():
+    # e2m1_decode masks with 0xF: 0x17 -> 7 -> 6.0, 0xF9 -> 9 -> -0.5
+    assert list(formats.e2m1_decode(np.array([0x17, 0xF9]))) == [6.0, -0.5]
+
+
+@pytest.mark.parametrize("code", [c for c in range(16) if c != 8])
+def test_e2m1_encode_inverts_decode(code):
+    assert formats.e2m1_encode(np.array([E2M1_TABLE[code]]))[0] == code
+
+
+def test_e2m1_encode_negative_zero():
+    # -0.0 keeps its sign bit (code 8); +0.0 is code 0. Both decode to a zero.
+    assert list(formats.e2m1_encode(np.array([0.0, -0.0]))) == [0, 8]
+
+
+# Midpoints between neighbouring grid values. Round-to-nearest-even picks the neighbour
+# whose code is even (the e2m1 mantissa bit is the code's lowest bit):
+#   0.25 between 0 (code 0) and 0.5 (code 1)  -> 0    (code 0)
+#   0.75 between 0.5 (code 1) and 1 (code 2)  -> 1    (code 2)
+#   1.25 between 1 (code 2) and 1.5 (code 3)  -> 1    (code 2)
+#   1.75 between 1.5 (code 3) and 2 (code 4)  -> 2    (code 4)
+#   2.5  between 2 (code 4) and 3 (code 5)    -> 2    (code 4)
+#   3.5  between 3 (code 5) and 4 (code 6)    -> 4    (code 6)
+#   5    between 4 (code 6) and 6 (code 7)    -> 4    (code 6)
+# negatives mirror them with code + 8; -0.25 rounds to -0 (code 8).
+MIDPOINTS = [(0.25, 0), (0.75, 2), (1.25, 2), (1.75, 4), (2.5, 4), (3.5, 6), (5.0, 6),
+             (-0.25, 8), (-0.75, 10), (-1.25, 10), (-1.75, 12), (-2.5, 12), (-3.5, 14), (-5.0, 14)]
+
+
+@pytest.mark.parametrize("value,code", MIDPOINTS)
+def test_e2m1_encode_ties_to_even(value, code):
+    assert formats.e2m1_encode(np.array([value], np.float32))[0] == code
+
+
+@pytest.mark.parametrize("value,code", [
+    (0.2, 0), (0.3, 1), (0.8, 2), (2.6, 5), (4.9, 6), (5.1, 7),  # nearest, not a tie
+    (6.5, 7), (7.0, 7), (100.0, 7), (np.inf, 7),  # saturate at +6 (code 7), never NaN
+    (-6.5, 15), (-1e30, 15), (-np.inf, 15),  # saturate at -6 (code 15)
+])
+def test_e2m1_encode_nearest_and_saturation(value, code):
+    assert formats.e2m1_encode(np.array([value], np.float32))[0] == code
+
+
+# ==================================================================================
+# nibble packing: element 2j in the low nibble
+# ==================================================================================
+
+@pytest.mark.parametrize("codes,packed", [
+    ([1, 2], [0x21]),  # low nibble = element 0 = 1, high = element 1 = 2
+    ([2, 1], [0x12]),
+    ([15, 0], [0x0F]),
+    ([0, 15], [0xF0]),
+    ([7, 9, 3, 12], [0x97, 0xC3]),
+])
+def test_pack_nibbles_hand_bytes(codes, packed):
+    got = formats.pack_nibbles(np.array(codes, np.uint8))
+    assert got.dtype == np.uint8
+    assert list(got) == packed
+    assert list(formats.unpack_nibbles(np.array(packed, np.uint8))) == codes
+
+
+def test_pack_unpack_round_trip_with_leading_axes():
+    codes = np.random.default_rng(0).integers(0, 16, size=(3, 5, 8), dtype=np.uint8)
+    packed = formats.pack_nibbles(codes)
+    assert packed.shape == (3, 5, 4)
+    # element-wise restatement of the layout
+    assert np.array_equal(packed, codes[..., 0::2] | (codes[..., 1::2] << 4))
+    assert np.array_equal(formats.unpack_nibbles(packed), codes)
+    every_byte = np.arange(256, dtype=np.uint8)
+    assert np.array_equal(formats.pack_nibbles(formats.unpack_nibbles(every_byte)), every_byte)
+
+
+def test_pack_nibbles_odd_length_refused():
+    with pytest.raises(ValueError, match=r"\(2, 3\)"):
+        formats.pack_nibbles(np.zeros((2, 3), np.uint8))
+
+
+# ==================================================================================
+# fp8 block (DeepSeek-V3)
+# ==================================================================================
+
+def fp8_error_bound(w: np.ndarray, s_full: np.ndarray) -> np.ndarray:
+    """Per-element bound on |w - q*s| for one block scale s = amax / 448.
+
+    Derivation. v = fl32(w / s) = (w/s)(1 + d), |d| <= 2^-24; |v| <= 448 (up to a float32
+    ulp that e4m3 rounds back to 448). e4m3 has 3 stored mantissa bits:
+    - normal range |v| >= 2^-6: round-to-nearest moves v by at most half an ulp,
+      2^(floor(log2|v|) - 4) <= 2^-4 |v| (in fact <= |v|/17, the worst case being
+      v = 2^e (1 + 2^-4));
+    - subnormal range |v| < 2^-6: the grid spacing is 2^-9, so |q - v| <= 2^-10.
+    Hence |q - v| <= 2^-4 |v| + 2^-10 and, multiplying by s,
+        |w - q s| <= |w - v s| + |v - q| s <= 2^-24 |w| + |w|/17 (1 + 2^-24) + 2^-10 s
+                  <= 2^-4 |w| + 2^-10 s
+    because 2^-4 - 1/17 = 1/272 absorbs the 2^-24 terms.
+    """
+    return 2.0 ** -4 * np.abs(w.astype(np.float64)) + 2.0 ** -10 * s_full
+
+
+def _expand_blocks(scale_inv: np.ndarray, out: int, inn: int) -> np.ndarray:
+    s = np.repeat(np.repeat(scale_inv.astype(np.float64), 128, axis=-2), 128, axis=-1)
+    return s[..., :out, :inn]
+
+
+def _fp8_expected_scale(w: np.ndarray) -> np.ndarray:
+    """amax / 448 per 128x128 block (float32 division), 1.0 for an all-zero block;
+    computed with plain loops, independently of formats._blocks_2d."""
+    out, inn = w.shape[-2:]
+    lead = w.shape[:-2]
+    so, si = -(-out // 128), -(-inn // 128)
+    s = np.ones(lead + (so, si), np.float32)
+    for idx in np.ndindex(*lead, so, si):
+        *e, bo, bi = idx
+        blk = w[tuple(e) + (slice(bo * 128, bo * 128 + 128), slice(bi * 128, bi * 128 + 128))]
+        amax = np.float32(np.abs(blk).max())
+        if amax > 0:
+            s[idx] = amax / np.float32(448.0)
+    return s
+
+
+def test_fp8_partial_blocks_shape_and_scales():
+    # out=130, in=200: ceil(130/128) = 2 row blocks, ceil(200/128) = 2 column blocks; the
+    # last blocks are 2 x 128, 128 x 72 and 2 x 72 elements.
+    w = _random_matrix(1, (130, 200), 0, 0)
+    w[129, 199] = 7.0  # the 2 x 72 corner block's amax: its scale must be 7/448 exactly
+    qw = formats.quantize_fp8_block(w)
+    assert isinstance(qw, Fp8BlockWeight)
+    assert qw.q.dtype == E4M3 and qw.q.shape == (130, 200)
+    assert qw.scale_inv.dtype == np.float32 and qw.scale_inv.shape == (2, 2)
+    assert qw.shape == (130, 200)
+    assert qw.nbytes == 130 * 200 + 4 * 4
+    assert np.array_equal(qw.scale_inv, _fp8_expected_scale(w))
+    assert qw.scale_inv[1, 1] == np.float32(7.0) / np.float32(448.0)
+    # the block's amax element sits exactly at e4m3's max (7 / (7/448) = 448 up to one
+    # float32 ulp, which e4m3 rounds to 448)
+    assert float(qw.q[129, 199]) == 448.0
+    dq = qw.dequantize(np.float64)
+    assert np.all(np.abs(w - dq) <= fp8_error_bound(w, _expand_blocks(qw.scale_inv, 130, 200)))
+
+
+def test_fp8_all_zero_block_gets_unit_scale():
+    w = np.zeros((130, 130), np.float32)
+    w[:128, :128] = 7.0
+    qw = formats.quantize_fp8_block(w)
+    # scale 7/448 = 2^-6 (exact) where amax = 7; 1.0 (not 0, which would divide by
+    # zero) for the three all-zero blocks
+    assert np.array_equal(qw.scale_inv, np.array([[2.0 ** -6, 1], [1, 1]], np.float32))
+    # 7 / 2^-6 = 448 exactly and 448 * 2^-6 = 7: the round trip is exact
+    assert np.array_equal(qw.dequantize(np.float64), w)
+
+
+@given(seed=st.integers(0, 2 ** 32 - 1), out=st.integers(1, 300), inn=st.integers(1, 300),
+       log2_scale=st.integers(-30, 30), spread=st.integers(0, 24))
+@PROPERTY
+def test_fp8_error_bound_property(seed, out, inn, log2_scale, spread):
+    w = _random_matrix(seed, (out, inn), log2_scale, spread)
+    qw = formats.quantize_fp8_block(w)
+    assert qw.scale_inv.shape == (-(-out // 128), -(-inn // 128))
+    assert np.array_equal(qw.scale_inv, _fp8_expected_scale(w))
+    dq = qw.dequantize(np.float64)
+    bound = fp8_error_bound(w, _expand_blocks(qw.scale_inv, out, inn))
+    err = np.abs(w.astype(np.float64) - dq)
+    assert np.all(err <= bound), f"worst excess {np.max(err - bound)}"
+
+
+def test_fp8_leading_expert_axes_and_indexing():
+    w = _random_matrix(2, (3, 130, 200), 0, 8)
+    w[1] *= 1000.0  # experts of very different magnitudes keep separate scales
+    qw = formats.quantize_fp8_block(w)
+    assert qw.shape == (3, 130, 200) and qw.scale_inv.shape == (3, 2, 2)
+    assert np.array_equal(qw.scale_inv, _fp8_expected_scale(w))
+    dq = qw.dequantize(np.float64)
+    for e in range(3):
+        one = formats.quantize_fp8_block(w[e])
+        sub = qw[e]
+        assert isinstance(sub, Fp8BlockWeight) and sub.shape == (130, 200)
+        # stacking changes nothing: bit-identical to quantizing the expert alone
+        assert np.array_equal(sub.q.view(np.uint8), one.q.view(np.uint8))
+        assert np.array_equal(sub.scale_inv, one.scale_inv)
+        assert np.array_equal(sub.dequantize(np.float64), dq[e])
+
+
+@given(seed=st.integers(0, 2 ** 32 - 1), log2_s=st.integers(-60, 60), odd=st.integers(0, 2 ** 19 - 1))
+@PROPERTY
+def test_fp8_on_grid_values_round_trip_exactly(seed, log2_s, odd):
+    # s = m * 2^k with m odd < 2^20: every q * s (q has <= 4 significant bits) has <= 24
+    # significant bits, so w = q * s is exact in float32. Each block holds one +-448, so
+    # its amax is 448 s and the quantizer's scale fl(448 s / 448) = s exactly; then
+    # w / s = q exactly and q rounds to itself: the round trip must be exact.
+    rng = np.random.default_rng(seed)
+    s = np.float32(math.ldexp(2 * odd + 1, log2_s - 20))
+    finite = np.array([b for b in range(256) if np.isfinite(np.uint8(b).view(E4M3).astype(np.float32))],
+                      np.uint8)
+    q = rng.choice(finite, size=(130, 140)).view(E4M3)
+    q[0, 0] = q[128, 0] = q[0, 128] = q[128, 128] = np.float32(448.0)  # one per block
+    q[129, 129] = np.float32(-448.0)
+    w = (q.astype(np.float64) * np.float64(s)).astype(np.float32)
+    assert np.array_equal(w.astype(np.float64), q.astype(np.float64) * np.float64(s))  # exact
+    qw = formats.quantize_fp8_block(w)
+    assert np.all(qw.scale_inv == s)
+    assert np.array_equal(qw.dequantize(np.float32), w)
+    # codes equal as values (+0 and -0 may differ in sign bit only where w is zero)
+    assert np.array_equal(qw.q.astype(np.float32), q.astype(np.float32))
+
+
+def test_fp8_dequantize_float64_is_an_exact_product():
+    # q = [[1.5, -2], [0.0625, 448]] (all e4m3 values), one block scale
+    # s = float32(0.1) = 0.100000001490116119384765625 (13421773 * 2^-27).
+    # q * s needs <= 24 + 2 significant bits: exact in float64, so the expected values
+    # are exactly 1.5 s, -2 s, s / 16 and 448 s written out.
+    s = np.float32(0.1)
+    assert float(s) == 13421773 * 2.0 ** -27
+    qw = Fp8BlockWeight(np.array([[1.5, -2.0], [0.0625, 448.0]], np.float32).astype(E4M3),
+                        np.array([[s]], np.float32))
+    expected = np.array([[1.5 * 13421773 * 2.0 ** -27, -2 * 13421773 * 2.0 ** -27],
+                         [13421773 * 2.0 ** -31, 448 * 13421773 * 2.0 ** -27]])
+    got = qw.dequantize(np.float64)
+    assert got.dtype == np.float64
+    assert np.array_equal(got, expected)
+    # the float32 result is the float64 one rounded once
+    assert np.array_equal(qw.dequantize(np.float32), expected.astype(np.float32))
+    assert np.array_equal(formats.dequantize(qw), expected)  # module-level default float64
+
+
+def test_fp8_partial_block_dequantize_uses_its_blocks_scale():
+    # W[i, j] = q[i, j] * s[i // 128, j // 128]: with q = 1 everywhere, each element
+    # must show its block's scale.
+    s = np.array([[1.0, 2.0], [4.0, 8.0]], np.float32)
+    qw = Fp8BlockWeight(np.ones((130, 200), np.float32).astype(E4M3), s)
+    dq = qw.dequantize(np.float64)
+    assert dq[0, 0] == 1 and dq[127, 127] == 1
+    assert dq[0, 128] == 2 and dq[127, 199] == 2
+    assert dq[128, 0] == 4 and dq[129, 127] == 4
+    assert dq[128, 128] == 8 and dq[129, 199] == 8
+
+
+def test_fp8_container_validation():
+    q = np.zeros((130, 200), np.float32).astype(E4M3)
+    with pytest.raises(ValueError, match=r"expected shape \(2, 2\).*found \(1, 2\)"):
+        Fp8BlockWeight(q, np.ones((1, 2), np.float32))
+    with pytest.raises(ValueError, match="float8_e4m3fn.*float32"):
+        Fp8BlockWeight(np.zeros((4, 4), np.float32), np.ones((1, 1), np.float32))
+    # uint8 bytes are taken as e4m3 bit patterns: 0x38 = 0 0111 000 = 2^(7-7) = 1.0
+    raw = Fp8BlockWeight(np.full((2, 2), 0x38, np.uint8), np.full((1, 1), 3.0, np.float32))
+    assert raw.q.dtype == E4M3
+    assert np.array_equal(raw.dequantize(np.float64), np.full((2, 2), 3.0))
+
+
+# ==================================================================================
+# NVFP4 (ModelOpt)
+# ==================================================================================
+
+def nvfp4_error_bound(qw: Nvfp4Weight) -> np.ndarray:
+    """Per-element bound on |w - dq| for NVFP4, from the container's own scales.
+
+    s_g = float(e4m3 scale) * scale_2 is the group's effective scale, v = w / s_g the value
+    the e2m1 code stands for. Two cases:
+    - |v| <= 6: rounding to the e2m1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} moves v by at most
+      half the widest spacing, (6 - 4) / 2 = 1, so |w - dq| <= s_g.
+    - |v| > 6: saturation to 6. It happens only because the e4m3 scale was rounded down
+      from s_true = gmax / (6 scale_2): |v| <= gmax / s_g = 6 s_true / s. With a normal
+      e4m3 scale |s - s_true| <= 2^-4 s_true, so the overshoot (|v| - 6) s_g
+      = 6 scale_2 (s_true - s) <= 6 * 2^-4 s_g / (1 - 2^-4) < 0.4 s_g; with an e4m3
+      subnormal scale (s_true < 2^-6, grid 2^-9) s_true - s <= 2^-10, overshoot
+      <= 6 * 2^-10 scale_2. That term also covers a scale that rounds to 0 (then dq = 0
+      and |w| <= gmax = 6 s_true scale_2 < 6 * 2^-10 scale_2).
+    Together: |w - dq| <= (1 + 6 * 2^-4) s_g + 6 * 2^-10 scale_2. The float32 rounding of
+    w / (s scale_2) inside the quantizer (~2^-23 relative) is absorbed by the
+    1.375 vs 1 slack.
+    """
+    s = np.repeat(qw.scale.astype(np.float64), 16, axis=-1)
+    s2 = qw.scale_2.astype(np.float64)[..., None, None]
+    return (1 + 6 * 2.0 ** -4) * s * s2 + 6 * 2.0 ** -10 * s2
+
+
+def test_nvfp4_hand_made_example():
+    # One row, in = 48: three groups of 16.
+    # group 0: the e2m1 grid times 448; amax over the matrix = 6 * 448 = 2688, so
+    #   scale_2 = 2688 / (448 * 6) = 1.0, s_true = 2688 / 6 / 1 = 448 = e4m3 max:
+    #   448 = 1.75 * 2^8 -> e4m3 exponent field 8 + 7 = 15 (1111), mantissa 110 -> 0x7E.
+    #   v = w / 448 is the grid value itself, so the codes are exact:
+    #   codes [7, 1, 2, 3, 4, 5, 6, 0, 9, 10, 11, 12, 13, 14, 15, 15]
+    #   bytes (low nibble = even element): 0x17 0x32 0x54 0x06 0xA9 0xCB 0xED 0xFF
+    # group 1: [12, 5, -1, 0.5, 0 ...]: gmax 12 -> s_true = 12 / 6 = 2 -> e4m3 2.0:
+    #   exponent field 1 + 7 = 8 (1000), mantissa 000 -> 0x40. v = w / 2 =
+    #   [6, 2.5, -0.5, 0.25, 0...] -> codes [7, 4 (tie to even), 9, 0 (tie to even), 0...]
+    #   bytes 0x47 0x09 0x00 ... ; dequantized [12, 4, -1, 0, 0...]
+    # group 2: [13.8, -4.5, 0 ...]: gmax 13.8 -> s_true = 2.3 -> e4m3 grid in [2, 4) has
+    #   spacing 0.25 -> 2.25 = 1.125 * 2 -> exponent 1000, mantissa 001 -> 0x41.
+    #   v = [13.8 / 2.25 = 6.13 -> saturates to 6 (code 7), -4.5 / 2.25 = -2 (code 12)]
+    #   bytes 0xC7 0x00 ... ; dequantized [13.5, -4.5, 0...] (error 0.3 <= 1.375 * 2.25).
+    g0 = np.array([6, .5, 1, 1.5, 2, 3, 4, 0, -.5, -1, -1.5, -2, -3, -4, -6, -6]) * 448
+    g1 = np.array([12, 5, -1, 0.5] + [0] * 12)
+    g2 = np.array([13.8, -4.5] + [0] * 14)
+    w = np.concatenate([g0, g1, g2]).astype(np.float32)[None, :]
+    qw = formats.quantize_nvfp4(w)
+    assert isinstance(qw, Nvfp4Weight) and qw.shape == (1, 48)
+    assert qw.packed.dtype == np.uint8 and qw.packed.shape == (1, 24)
+    assert qw.scale.dtype == E4M3 and qw.scale.shape == (1, 3)
+    assert qw.scale_2.dtype == np.float32 and qw.scale_2.shape == () and qw.scale_2 == 1.0
+    assert list(qw.packed[0]) == [0x17, 0x32, 0x54, 0x06, 0xA9, 0xCB, 0xED, 0xFF,
+                                  0x47, 0x09, 0, 0, 0, 0, 0, 0,
+                                  0xC7, 0, 0, 0, 0, 0, 0, 0]
+    assert list(qw.scale.view(np.uint8)[0]) == [0x7E, 0x40, 0x41]
+    expected = np.concatenate([g0, [12, 4, -1, 0] + [0] * 12, [13.5, -4.5] + [0] * 14])
+    assert np.array_equal(qw.dequantize(np.float64)[0], expected)
+    # the same container built from the hand bytes decodes identically
+    hand = Nvfp4Weight(qw.packed.copy(), np.array([[0x7E, 0x40, 0x41]], np.uint8), np.float32(1.0))
+    assert np.array_equal(hand.dequantize(np.float64)[0], expected)
+    assert np.all(np.abs(w - qw.dequantize(np.float64)) <= nvfp4_error_bound(qw))
+
+
+def test_nvfp4_subnormal_group_scales_need_the_floor_term():
+    # scale_2 = 1 (group 0 holds 2688 = 448 * 6). e4m3 subnormals are multiples of 2^-9.
+    # group 1: gmax = 8.4 * 2^-9 -> s_true = 1.4 * 2^-9 rounds DOWN to 2^-9 (byte 0x01);
+    #   v = 8.4 saturates to 6 (code 7): dq = 6 * 2^-9, error 2.4 * 2^-9. That exceeds
+    #   (1 + 6 * 2^-4) s_g = 1.375 * 2^-9: the e4m3 subnormal floor term 6 * 2^-10 of
+    #   nvfp4_error_bound (3 * 2^-9 here) is what covers it.
+    # group 2: gmax = 2^-12 -> s_true = 2^-12 / 6 < 2^-10 (half the smallest subnormal)
+    #   rounds to 0 (byte 0x00): the whole group dequantizes to 0, error 2^-12 <= 6 * 2^-10.
+    w = np.zeros((1, 48), np.float32)
+    w[0, 0] = 2688.0
+    w[0, 16] = 8.4 * 2.0 ** -9
+    w[0, 32] = 2.0 ** -12
+    qw = formats.quantize_nvfp4(w)
+    assert qw.scale_2 == 1.0
+    assert list(qw.scale.view(np.uint8)[0]) == [0x7E, 0x01, 0x00]
+    dq = qw.dequantize(np.float64)[0]
+    assert dq[0] == 2688.0 and dq[16] == 6 * 2.0 ** -9 and dq[32] == 0.0
+    err = np.abs(w[0] - dq)
+    assert err[16] > (1 + 6 * 2.0 ** -4) * 2.0 ** -9  # the plain bound alone is not enough
+    assert np.all(err <= nvfp4_error_bound(qw)[0])
+
+
+def test_nvfp4_global_scale_is_amax_over_2688():
+    w = _random_matrix(3, (4, 5, 32), 3, 4)
+    qw = formats.quantize_nvfp4(w)
+    assert qw.scale_2.shape == (4,)
+    for e in range(4):
+        amax = np.float32(np.abs(w[e]).max())
+        assert qw.scale_2[e] == amax / np.float32(448 * 6)
+        # the largest element's group gets scale amax / 6 / scale_2 = 448 (e4m3 max, up to
+        # float32 rounding that e4m3 absorbs) and the element itself code +-6 (7 or 15)
+        i, j = np.unravel_index(np.argmax(np.abs(w[e])), w[e].shape)
+        assert float(qw.scale[e, i, j // 16]) == 448.0
+        assert formats.unpack_nibbles(qw.packed[e])[i, j] == (7 if w[e, i, j] > 0 else 15)
+    # an all-zero matrix gets scale_2 = 1 (not 0, which would divide by zero)
+    assert np.array_equal(formats.quantize_nvfp4(np.zeros((2, 16), np.float32)).scale_2, np.float32(1.0))
+
+
+@given(seed=st.integers(0, 2 ** 32 - 1), out=st.integers(1, 40), groups=st.integers(1, 12),
+       log2_scale=st.integers(-30, 30), spread=st.integers(0, 24))
+@PROPERTY
+def test_nvfp4_error_bound_property(seed, out, groups, log2_scale, spread):
+    w = _random_matrix(seed, (out, 16 * groups), log2_scale, spread)
+    qw = formats.quantize_nvfp4(w)
+    assert qw.packed.shape == (out, 8 * groups) and qw.scale.shape == (out, groups)
+    assert qw.scale_2 == np.float32(np.abs(w).max()) / np.float32(2688)
+    # the group scales are the e4m3 rounding of gmax / 6 / scale_2 (never above 448)
+    assert np.all(qw.scale.astype(np.float32) <= 448)
+    err = np.abs(w.astype(np.float64) - qw.dequantize(np.float64))
+    bound = nvfp4_error_bound(qw)
+    assert np.all(err <= bound), f"worst excess {np.max(err - bound)}"
+
+
+def test_nvfp4_leading_axes_and_indexing():
+    w = _random_matrix(4, (3, 6, 64), 0, 6)
+    w[2] *= 1e-3
+    qw = formats.quantize_nvfp4(w)
+    dq = qw.dequantize(np.float64)
+    for e in range(3):
+        one, sub = formats.quantize_nvfp4(w[e]), qw[e]
+        assert isinstance(sub, Nvfp4Weight) and sub.shape == (6, 64)
+        assert np.array_equal(sub.packed, one.packed)
+        assert np.array_equal(sub.scale.view(np.uint8), one.scale.view(np.uint8))
+        assert sub.scale_2 == one.scale_2
+        assert np.array_equal(sub.dequantize(np.float64), dq[e])
+
+
+def test_nvfp4_validation_names_shapes():
+    packed = np.zeros((2, 16), np.uint8)  # in = 32 -> scale must be [2, 2]
+    with pytest.raises(ValueError, match=r"expected shape \(2, 2\).*\(2, 16\).*found \(2, 1\)"):
+        Nvfp4Weight(packed, np.zeros((2, 1), np.uint8), np.float32(1))
+    with pytest.raises(ValueError, match="in=8 is not a multiple of 16"):
+        Nvfp4Weight(np.zeros((2, 4), np.uint8), np.zeros((2, 0), np.uint8), np.float32(1))
+    with pytest.raises(ValueError, match="float8_e4m3fn.*float32"):
+        Nvfp4Weight(packed, np.zeros((2, 2), np.float32), np.float32(1))
+    with pytest.raises(ValueError, match="in=24 is not a multiple of 16"):
+        formats.quantize_nvfp4(np.zeros((2, 24), np.float32))
+
+
+# ==================================================================================
+# MXFP4 (OCP MX, gpt-oss)
+# ==================================================================================
+
+def _floor_log2(x: np.ndarray) -> np.ndarray:
+    """Exact floor(log2(x)) for x > 0, from the binary exponent (frexp: x = m 2^p,
+    m in [0.5, 1) -> floor(log2 x) = p - 1): no floating-point log involved."""
+    return np.frexp(x.astype(np.float64))[1] - 1
+
+
+def mxfp4_error_bound(w: np.ndarray, qw: Mxfp4Weight) -> np.ndarray:
+    """Per-element bound on |w - dq| with e = scale - 127, v = w / 2^e (exact: a power of 2).
+
+    With e = floor(log2 gmax) - 2, gmax / 2^e is in [4, 8): every |v| < 8.
+    - |v| in [6, 8) saturates to 6: error < 2 * 2^e = 2^(e+1);
+    - |v| in [4, 6]: grid spacing 2 -> half-spacing 1: error <= 2^e;
+    - |v| in [2, 4): spacing 1 -> error <= 2^(e-1);
+    - |v| < 2: spacing 0.5 -> error <= 2^(e-2).
+    """
+    e = np.repeat(qw.scales.astype(np.int64) - 127, 32, axis=-1).reshape(w.shape)
+    u = np.exp2(e.astype(np.float64))
+    a = np.abs(w.astype(np.float64)) / u
+    return np.where(a < 2, 0.25, np.where(a < 4, 0.5, np.where(a <= 6, 1.0, 2.0))) * u
+
+
+def test_mxfp4_hand_packed_blocks():
+    # Block 0 (32 values): gmax = 7.5 -> floor(log2 7.5) = 2 -> e = 0 -> scale byte 127.
+    # v = w; codes and the rounding behind each:
+    #   0->0  .5->1  1->2  1.5->3  2->4  3->5  4->6  6->7  -.5->9  -1->10  -1.5->11  -2->12
+    #   -3->13  -4->14  -6->15  .25->0 (tie, even)  .75->2 (tie)  2.5->4 (tie)  5->6 (tie)
+    #   7->7 (saturates)  -7.5->15 (saturates)  3.5->6 (tie)  1.25->2 (tie)  1.75->4 (tie)
+    #   then 8 zeros.
+    # bytes, element 2j low: (0,1)0x10 (2,3)0x32 (4,5)0x54 (6,7)0x76 (9,10)0xA9 (11,12)0xCB
+    #   (13,14)0xED (15,0)0x0F (2,4)0x42 (6,7)0x76 (15,6)0x6F (2,4)0x42 then 4 x 0x00.
+    b0 = [0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, .25,
+          .75, 2.5, 5, 7, -7.5, 3.5, 1.25, 1.75] + [0] * 8
+    d0 = [0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 0,
+          1, 2, 4, 6, -6, 4, 1, 2] + [0] * 8
+    # Block 1: [0.75, -0.0625, 0.1, 0...]: gmax 0.75 -> floor(log2 .75) = -1 -> e = -3
+    #   -> scale byte 124. v = 8 w = [6, -0.5, 0.8] -> codes [7, 9, 2] (0.8 is nearer 1
+    #   than 0.5) -> bytes (7,9)0x97 (2,0)0x02; dequantized [0.75, -0.0625, 0.125].
+    b1 = [0.75, -0.0625, 0.1] + [0] * 29
+    d1 = [0.75, -0.0625, 0.125] + [0] * 29
+    w = np.array([b0 + b1], np.float32)
+    qw = formats.quantize_mxfp4(w)
+    assert isinstance(qw, Mxfp4Weight) and qw.shape == (1, 64)
+    assert qw.blocks.shape == (1, 2, 16) and qw.scales.shape == (1, 2)
+    assert list(qw.blocks[0, 0]) == [0x10, 0x32, 0x54, 0x76, 0xA9, 0xCB, 0xED, 0x0F,
+                                     0x42, 0x76, 0x6F, 0x42, 0, 0, 0, 0]
+    assert list(qw.blocks[0, 1]) == [0x97, 0x02] + [0] * 14
+    assert list(qw.scales[0]) == [127, 124]
+    assert np.array_equal(qw.dequantize(np.float64)[0], np.array(d0 + d1))
+    # a container built from the hand bytes (scales as e8m0, as safetensors gives them)
+    hand = Mxfp4Weight(qw.blocks.copy(), np.array([[127, 124]], np.uint8).view(ml_dtypes.float8_e8m0fnu))
+    assert hand.scales.dtype == np.uint8
+    assert np.array_equal(hand.dequantize(np.float64)[0], np.array(d0 + d1))
+    assert np.all(np.abs(w - qw.dequantize(np.float64)) <= mxfp4_error_bound(w, qw))
+
+
+@given(seed=st.integers(0, 2 ** 32 - 1), out=st.integers(1, 20), groups=st.integers(1, 8),
+       log2_scale=st.integers(-100, 100), spread=st.integers(0, 24))
+@PROPERTY
+def test_mxfp4_scale_and_error_bound_property(seed, out, groups, log2_scale, spread):
+    # Random normals hit the float32 neighbourhood just below a power of two (see
+    # test_mxfp4_exponent_just_below_a_power_of_two) with probability ~2^-20 per group.
+    w = _random_matrix(seed, (1, out, 32 * groups), log2_scale, spread)
+    qw = formats.quantize_mxfp4(w)
+    assert qw.blocks.shape == (1, out, groups, 16) and qw.scales.shape == (1, out, groups)
+    gmax = np.abs(w.reshape(1, out, groups, 32)).max(axis=-1)
+    # 2^(scale - 127) = 2^(floor(log2 gmax) - 2) for every non-zero group (|log2_scale| <=
+    # 100 keeps the exponent far inside e8m0's range, so no clipping)
+    assert np.array_equal(qw.scales.astype(np.int64) - 127, _floor_log2(gmax) - 2)
+    err = np.abs(w.astype(np.float64) - qw.dequantize(np.float64))
+    bound = mxfp4_error_bound(w, qw)
+    assert np.all(err <= bound), f"worst excess {np.max(err - bound)}"
+    # the two headline bounds of the format: 2^(e+1) everywhere, half-spacing below 4 * 2^e
+    u = np.exp2(np.repeat(qw.scales.astype(np.float64) - 127, 32, axis=-1).reshape(w.shape))
+    assert np.all(err <= 2 * u)
+    small = np.abs(w) < 4 * u
+    assert np.all(err[small] <= 0.5 * u[small])
+
+
+def test_mxfp4_exponent_just_below_a_power_of_two():
+    # gmax = nextafter(8, 0) = 8 (1 - 2^-24): floor(log2 gmax) = 2 exactly, so OCP MX's
+    # shared exponent is 2 - 2 = 0 (scale byte 127) and gmax / 2^0 ~ 8 saturates to 6.
+    # float32 log2(gmax) = 3 - 1.7e-7 rounds to 3.0 (ulp there is 2.4e-7), giving 128.
+    w = np.zeros((1, 32), np.float32)
+    w[0, 0] = np.nextafter(np.float32(8), np.float32(0))
+    w[0, 1] = 0.75  # with the spec's scale 2^0 this is 0.75 -> code 2 (1.0); with 2^1 it is 0
+    assert _floor_log2(np.abs(w).max()) == 2
+    assert formats.quantize_mxfp4(w).scales[0, 0] == 127
+
+
+def test_mxfp4_zero_and_tiny_groups():
+    w = np.zeros((2, 64), np.float32)
+    w[1, 32] = 2.0 ** -140  # float32 subnormal: floor(log2) - 2 = -142, clipped to e8m0's -127
+    qw = formats.quantize_mxfp4(w)
+    assert qw.scales[0, 0] == 0 and qw.scales[1, 1] == 0  # 2^-127: the smallest e8m0 scale
+    # v = 2^-140 / 2^-127 = 2^-13 rounds to 0: error 2^-140 <= 2^-128 (half-spacing bound)
+    assert np.array_equal(qw.dequantize(np.float64), np.zeros((2, 64)))
+
+
+def test_mxfp4_leading_axes_and_indexing():
+    w = _random_matrix(5, (3, 4, 64), 0, 10)
+    qw = formats.quantize_mxfp4(w)
+    assert qw.shape == (3, 4, 64) and qw.blocks.shape == (3, 4, 2, 16)
+    dq = qw.dequantize(np.float64)
+    for e in range(3):
+        one, sub = formats.quantize_mxfp4(w[e]), qw[e]
+        assert isinstance(sub, Mxfp4Weight) and sub.shape == (4, 64)
+        assert np.array_equal(sub.blocks, one.blocks) and np.array_equal(sub.scales, one.scales)
+        assert np.array_equal(sub.dequantize(np.float64), dq[e])
+
+
+def test_mxfp4_validation_names_shapes():
+    with pytest.raises(ValueError, match=r"\[\.\.\., out, in/32, 16\].*\(2, 1, 15\)"):
+        Mxfp4Weight(np.zeros((2, 1, 15), np.uint8), np.zeros((2, 1), np.uint8))
+    with pytest.raises(ValueError, match=r"\(2, 16\)"):
+        Mxfp4Weight(np.zeros((2, 16), np.uint8), np.zeros((2,), np.uint8))
+    with pytest.raises(ValueError, match=r"expected shape \(2, 3\), found \(2, 2\)"):
+        Mxfp4Weight(np.zeros((2, 3, 16), np.uint8), np.zeros((2, 2), np.uint8))
+    with pytest.raises(ValueError, match="in=48 is not a multiple of 32"):
+        formats.quantize_mxfp4(np.zeros((2, 48), np.float32))
+
+
+# ==================================================================================
+# dispatch and format names
+# ==================================================================================
+
+def test_quantize_dispatch():
+    w = _random_matrix(6, (2, 3, 64), 0, 4)
+    b = formats.quantize(w, "bf16")
+    assert isinstance(b, np.ndarray) and b.dtype == BF16 and b.shape == w.shape
+    assert np.array_equal(b.view(np.uint16), w.astype(BF16).view(np.uint16))
+    for fmt, cls, fn in [("fp8_block", Fp8BlockWeight, formats.quantize_fp8_block),
+                         ("nvfp4", Nvfp4Weight, formats.quantize_nvfp4),
+                         ("mxfp4", Mxfp4Weight, formats.quantize_mxfp4)]:
+        got = formats.quantize(w, fmt)
+        assert isinstance(got, cls) and got.shape == w.shape
+        assert np.array_equal(got.dequantize(np.float64), fn(w).dequantize(np.float64))
+        assert formats.weight_format(got) == fmt == got.format
+
+
+def test_quantize_unknown_format_named():
+    with pytest.raises(ValueError, match="'int4'"):
+        formats.quantize(np.zeros((2, 32), np.float32), "int4")
+
+
+def test_weight_format_and_dequantize_on_plain_arrays():
+    f32 = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert formats.weight_format(f32) == "bf16"
+    assert formats.weight_format(f32.astype(BF16)) == "bf16"
+    got = formats.dequantize(f32.astype(BF16))
+    assert got.dtype == np.float64 and np.array_equal(got, f32)  # 0..5 are exact in bf16
