@@ -220,6 +220,23 @@ def test_from_pretrained_matches_reference(tmp_path, rng):
     assert compare(run_layer(layer, x), *references(cfg, hw, x, layer.select_path(7))).ok
 
 
+def test_from_hf_with_a_tensor_mapping_matches_reference(tmp_path, rng):
+    """MoeLayer.from_hf: a config.json dict, hub-named tensors already in memory, the MLP prefix."""
+    from safetensors.numpy import load_file
+
+    from cupymoe import MoeLayer, checkpoint
+
+    fam = "deepseek_v3"
+    cfg = testing.tiny_config(fam)
+    hw = testing.random_host_weights(cfg, rng)
+    checkpoint.save_layer(tmp_path, testing.hf_config_dict(fam), 1, hw)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    layer = MoeLayer.from_hf(testing.hf_config_dict(fam), tensors, "model.layers.1.mlp.", max_tokens=16)
+    assert layer.cfg == cfg
+    x = well_separated_input(cfg, hw, rng, 5)
+    assert compare(run_layer(layer, x), *references(cfg, hw, x, layer.select_path(5))).ok
+
+
 def test_refusals_name_the_values_and_write_nothing(rng):
     import cupy
 
