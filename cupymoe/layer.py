@@ -312,7 +312,7 @@ class MoeLayer:
         with timer.stage("router"):
             if path == "prefill":  # tensor cores; the CUDA-core router only pays off at few rows
                 name, threads, smem = self._grouped_kernel(2, "math" if N >= 1024 else "stream")
-                bm = 128 if threads == 256 else threads // 2
+                bm = threads // 2  # every grouped GEMM runs two threads per tile row
                 lib[name](
                     (-(-R // 128), -(-N // bm)), (threads,),
                     (_u64(x), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(W.ptr("router")),

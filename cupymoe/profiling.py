@@ -79,7 +79,6 @@ class StageTimer:
         self.num_tokens = num_tokens
         self.path = path
         self.profile = profile_enabled()
-        self.times: dict[str, float] = {}
 
     @contextmanager
     def stage(self, name: str):
@@ -105,7 +104,6 @@ class StageTimer:
             if t0 is not None:
                 self.stream.synchronize()
                 us = (time.perf_counter() - t0) * 1e6
-                self.times[name] = us
                 log.info("MoE %s [%s] N=%d: %.1f us", self.path, name, self.num_tokens, us)
             if _nvtx is not None:
                 _nvtx.pop_range(domain=DOMAIN)

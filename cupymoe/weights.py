@@ -56,7 +56,6 @@ class DeviceWeights:
         hw.validate(cfg)
         self.cfg = cfg
         owned = list(cfg.owned_experts() if owned is None else owned)
-        self.owned = owned
         self.n_local = len(owned)
         # slot_of[e]: expert e's table slot here, -1 for other ranks' experts and zero experts
         slot_of = np.full(cfg.router_width, -1, np.int32)
