@@ -12,7 +12,10 @@ pointer `ptr`, enqueued on the raw `cudaStream_t` `stream`). Two are provided:
 
 - `NcclCommunicator`: NCCL through CuPy's bindings, built from a unique id that one process
   makes (`NcclCommunicator.new_unique_id()`) and shares with the others by any channel.
-  NCCL calls on a capturing stream are captured into the CUDA graph.
+  NCCL calls on a capturing stream are captured into the CUDA graph. Destroy every CUDA
+  graph that captured a communicator before the communicator itself (`close()`, or letting
+  the last reference go): NCCL's destroy waits for those graphs to be released, so the other
+  order hangs for good, holding Python's GIL (seen on the lent H200s with NCCL 2.28).
 - `TorchCommunicator`: an adapter for a caller's torch.distributed process group (NCCL
   backend), through its own all-reduce on the same stream.
 """
@@ -86,7 +89,16 @@ class NcclCommunicator:
 
         return nccl.get_unique_id()
 
+    def close(self) -> None:
+        """Destroy the NCCL communicator, on every rank; first release every CUDA graph
+        that captured one of its all-reduces (see the module docstring)."""
+        if self._comm is not None:
+            self._comm.destroy()
+            self._comm = None
+
     def all_reduce(self, ptr: int, nbytes: int, dtype: str, stream: int) -> None:
+        if self._comm is None:
+            raise RuntimeError("all_reduce on a closed NcclCommunicator")
         count = _count(nbytes, dtype)
         self._comm.allReduce(ptr, ptr, count, self._NCCL_TYPES[dtype], self._nccl.NCCL_SUM, stream)
 
@@ -135,7 +147,8 @@ def spawn_ranks(fn, world_size: int, *args, timeout: float = 900.0, make_unique_
     ctx = mp.get_context("spawn")  # CUDA does not survive fork
     uid = (make_unique_id or NcclCommunicator.new_unique_id)()
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, uid, args, results, use_gpus), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, uid, args, results, use_gpus, timeout),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -173,9 +186,12 @@ def spawn_ranks(fn, world_size: int, *args, timeout: float = 900.0, make_unique_
     return [got[r] for r in range(world_size)]
 
 
-def _rank_main(fn, rank, world_size, uid, args, results, use_gpus=True) -> None:
+def _rank_main(fn, rank, world_size, uid, args, results, use_gpus=True, timeout=None) -> None:
+    import faulthandler
     import traceback
 
+    if timeout:  # a rank stuck in a collective says where, on stderr, before the launcher gives up
+        faulthandler.dump_traceback_later(max(1.0, timeout - 5.0), exit=False)
     try:
         if use_gpus:
             import cupy

@@ -236,5 +236,7 @@ def ep_rank_check(rank: int, world_size: int, unique_id, family: str, seed: int,
             g = s.end_capture()
             g.launch(s)
             s.synchronize()
+            del g  # graphs that captured NCCL calls go before the communicator (cupymoe.parallel)
             out[(n, path)] = (x, bits_to_f32(eager.get()), bits_to_f32(graph_out.get()))
+    comm.close()
     return out

@@ -57,6 +57,8 @@ def rank_main(rank: int, world: int, uid, preset: str, tokens, seed: int, replay
                 e1.synchronize()
                 reps.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / replays)
             times[(name, n)] = statistics.median(reps)
+            del g  # graphs that captured NCCL calls go before the communicator (cupymoe.parallel)
+    comm.close()
     return {f"{k[0]}:{k[1]}": v for k, v in times.items()}
 
 
