@@ -5,15 +5,26 @@
 //                       run of positions, the row of each position, and pair -> position.
 //                       The shared expert is one more "expert" (table slot `n_local`)
 //                       that every row chose, so it rides through the same two kernels.
-//   decode_gate_up<RT>  one warp per intermediate column of one active expert: streams the
-//                       gate and up rows once per RT-row tile, act(g, u) fused, bf16 out.
-//   decode_down<RT>     one warp per hidden column of one active expert: y = act . W_down,
-//                       fp32 out per position, or (atomic path) w * y added into acc[row].
+//   decode_gate_up<RT, CW, FMT>  one warp per CW intermediate columns of one active expert:
+//                       streams the gate and up rows once per RT-row tile, act(g, u) fused,
+//                       bf16 out.
+//   decode_down<RT, CW, FMT>     one warp per CW hidden columns of one active expert:
+//                       y = act . W_down, fp32 out per position, or (atomic path) w * y
+//                       added into acc[row].
+//                       FMT is the weights' format (quant.cuh); a launch serves the active
+//                       experts of its format and skips the others, so a layer whose
+//                       shared expert is bf16 next to quantized routed experts launches
+//                       each kernel once per format.
 //   decode_reduce       out[row] = sum_slots w * y (+ zero-expert w * x) + scale * shared,
 //                       the sum in slot order, so the result is reproducible bit for bit.
 #include "common.cuh"
+#include "quant.cuh"
 
 #define DECODE_WARPS 8
+// One block per SM at minimum: ptxas may then give each variant the registers it needs
+// (with no minimum it capped some variants at 64 and spilled; with 2, gate_up<1, 4> spilled
+// on sm_80). kernels --arch checks every variant for spills.
+#define DECODE_MIN_BLOCKS 1
 #define LISTS_THREADS 1024
 
 // Block-wide exclusive scan of one int per thread (blockDim.x == LISTS_THREADS).
@@ -117,12 +128,15 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restr
 // grid (ceil(I_max / (DECODE_WARPS * CW)), max_active), block DECODE_WARPS * 32.
 // Each warp owns CW intermediate columns: CW gate rows and CW up rows stream together, so a
 // warp keeps 4 * CW 16-byte loads in flight and few warps cover a small step in one wave.
-template <int RT, int CW>
-__global__ void __launch_bounds__(DECODE_WARPS * 32)
+template <int RT, int CW, int FMT>
+__global__ void __launch_bounds__(DECODE_WARPS * 32, DECODE_MIN_BLOCKS)
 decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ num_active,
                const int* __restrict__ active_slot, const int* __restrict__ active_start,
                const int* __restrict__ active_len, const int* __restrict__ sorted_row,
                const u64* __restrict__ gate_ptrs, const u64* __restrict__ up_ptrs,
+               const u64* __restrict__ gate_scale_ptrs, const u64* __restrict__ up_scale_ptrs,
+               const float* __restrict__ gate_gscale, const float* __restrict__ up_gscale,
+               const int* __restrict__ slot_fmt,
                const u64* __restrict__ gate_bias_ptrs, const u64* __restrict__ up_bias_ptrs,
                const int* __restrict__ inter, int shared_slot, bf16* __restrict__ act, int H, int I_max,
                int act_code, float alpha, float limit) {
@@ -130,19 +144,22 @@ decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
     if (j >= *num_active) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int slot = active_slot[j];
+    if (slot_fmt[slot] != FMT) return;  // another launch serves this expert's format
     const int I = inter[slot];
     const int col0 = (blockIdx.x * DECODE_WARPS + warp) * CW;
     if (col0 >= I) return;
     // The shared expert reads x; routed experts read the (optionally pre-normed) xe.
     const bf16* in = slot == shared_slot ? x : xe;
-    const bf16* wg[CW];
-    const bf16* wu[CW];
+    QRow wg[CW], wu[CW];
 #pragma unroll
     for (int c = 0; c < CW; ++c) {  // a column past I recomputes column I - 1 and writes nothing
         const int col = min(col0 + c, I - 1);
-        wg[c] = reinterpret_cast<const bf16*>(gate_ptrs[slot]) + (size_t)col * H;
-        wu[c] = reinterpret_cast<const bf16*>(up_ptrs[slot]) + (size_t)col * H;
+        wg[c] = q_row<FMT>(reinterpret_cast<const void*>(gate_ptrs[slot]),
+                           reinterpret_cast<const void*>(gate_scale_ptrs[slot]), col, H);
+        wu[c] = q_row<FMT>(reinterpret_cast<const void*>(up_ptrs[slot]),
+                           reinterpret_cast<const void*>(up_scale_ptrs[slot]), col, H);
     }
+    const float gsg = gate_gscale[slot], gsu = up_gscale[slot];  // nvfp4's scale_2, else 1
     const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
     const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
@@ -160,11 +177,11 @@ decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
         }
 #pragma unroll 2
         for (int kk = lane * 8; kk < H; kk += 256) {
-            bf16x8 vg[CW], vu[CW];
+            WChunk<FMT> vg[CW], vu[CW];
 #pragma unroll
             for (int c = 0; c < CW; ++c) {
-                vg[c] = load_bf16x8_stream(wg[c] + kk);
-                vu[c] = load_bf16x8_stream(wu[c] + kk);
+                vg[c].load(wg[c], kk);
+                vu[c].load(wu[c], kk);
             }
 #pragma unroll
             for (int i = 0; i < RT; ++i) {
@@ -172,8 +189,8 @@ decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
                 unpack_bf16x8(load_bf16x8(xr[i] + kk), fx);
 #pragma unroll
                 for (int c = 0; c < CW; ++c) {
-                    ag[i][c] = dot_bf16x8(vg[c], fx, ag[i][c]);
-                    au[i][c] = dot_bf16x8(vu[c], fx, au[i][c]);
+                    ag[i][c] = vg[c].dot(fx, ag[i][c]);
+                    au[i][c] = vu[c].dot(fx, au[i][c]);
                 }
             }
         }
@@ -181,8 +198,8 @@ decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
         for (int i = 0; i < RT; ++i)
 #pragma unroll
             for (int c = 0; c < CW; ++c) {
-                const float g = warp_sum(ag[i][c]);
-                const float u = warp_sum(au[i][c]);
+                const float g = warp_sum(ag[i][c]) * gsg;
+                const float u = warp_sum(au[i][c]) * gsu;
                 const int col = col0 + c;
                 if (lane == 0 && r0 + i < len && col < I) {
                     const float gb = g + (bg ? bg[col] : 0.0f);
@@ -197,11 +214,13 @@ decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
 // grid (ceil(H / (DECODE_WARPS * CW)), max_active), block DECODE_WARPS * 32; CW hidden columns
 // per warp. atomic == 0: y[pos, h] = act[pos] . W_down[h] (+ bias).
 // atomic == 1: routed pairs add w * y into acc[row, h]; the shared expert still stores y.
-template <int RT, int CW>
-__global__ void __launch_bounds__(DECODE_WARPS * 32)
+template <int RT, int CW, int FMT>
+__global__ void __launch_bounds__(DECODE_WARPS * 32, DECODE_MIN_BLOCKS)
 decode_down(const bf16* __restrict__ act, const int* __restrict__ num_active, const int* __restrict__ active_slot,
             const int* __restrict__ active_start, const int* __restrict__ active_len,
             const int* __restrict__ sorted_pair, const u64* __restrict__ down_ptrs,
+            const u64* __restrict__ down_scale_ptrs, const float* __restrict__ down_gscale,
+            const int* __restrict__ slot_fmt,
             const u64* __restrict__ down_bias_ptrs, const int* __restrict__ inter,
             const float* __restrict__ topk_w, float* __restrict__ y, float* __restrict__ acc, int H, int I_max,
             int k, int P, int atomic) {
@@ -209,12 +228,16 @@ decode_down(const bf16* __restrict__ act, const int* __restrict__ num_active, co
     if (j >= *num_active) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int slot = active_slot[j];
+    if (slot_fmt[slot] != FMT) return;  // another launch serves this expert's format
     const int I = inter[slot];
     const int h0 = (blockIdx.x * DECODE_WARPS + warp) * CW;
     if (h0 >= H) return;
-    const bf16* wd[CW];
+    QRow wd[CW];
 #pragma unroll
-    for (int c = 0; c < CW; ++c) wd[c] = reinterpret_cast<const bf16*>(down_ptrs[slot]) + (size_t)min(h0 + c, H - 1) * I;
+    for (int c = 0; c < CW; ++c)
+        wd[c] = q_row<FMT>(reinterpret_cast<const void*>(down_ptrs[slot]),
+                           reinterpret_cast<const void*>(down_scale_ptrs[slot]), min(h0 + c, H - 1), I);
+    const float gsd = down_gscale[slot];  // nvfp4's scale_2, else 1
     const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
 
@@ -226,16 +249,16 @@ decode_down(const bf16* __restrict__ act, const int* __restrict__ num_active, co
             for (int c = 0; c < CW; ++c) a[i][c] = 0.0f;
 #pragma unroll 2
         for (int kk = lane * 8; kk < I; kk += 256) {
-            bf16x8 vw[CW];
+            WChunk<FMT> vw[CW];
 #pragma unroll
-            for (int c = 0; c < CW; ++c) vw[c] = load_bf16x8_stream(wd[c] + kk);
+            for (int c = 0; c < CW; ++c) vw[c].load(wd[c], kk);
 #pragma unroll
             for (int i = 0; i < RT; ++i) {
                 const size_t pos = start + min(r0 + i, len - 1);  // past the end: recompute, don't write
                 float fa[8];
                 unpack_bf16x8(load_bf16x8(act + pos * I_max + kk), fa);
 #pragma unroll
-                for (int c = 0; c < CW; ++c) a[i][c] = dot_bf16x8(vw[c], fa, a[i][c]);
+                for (int c = 0; c < CW; ++c) a[i][c] = vw[c].dot(fa, a[i][c]);
             }
         }
 #pragma unroll
@@ -243,7 +266,7 @@ decode_down(const bf16* __restrict__ act, const int* __restrict__ num_active, co
 #pragma unroll
             for (int c = 0; c < CW; ++c) {
                 const int h = h0 + c;
-                const float v = warp_sum(a[i][c]) + (bd ? bd[min(h, H - 1)] : 0.0f);
+                const float v = warp_sum(a[i][c]) * gsd + (bd ? bd[min(h, H - 1)] : 0.0f);
                 if (lane == 0 && r0 + i < len && h < H) {
                     const int pos = start + r0 + i;
                     const int pair = sorted_pair[pos];

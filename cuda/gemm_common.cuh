@@ -3,6 +3,7 @@
 // cp.async tile loader with its swizzled layout, and the epilogues.
 #pragma once
 #include "common.cuh"
+#include "quant.cuh"
 
 #define MODE_GATE_UP 0  // act[pos, :I] = act(x[row] W_gate^T + b, x[row] W_up^T + b), bf16
 #define MODE_DOWN 1     // yw[pos, :H] = bf16(w_pair * (act[pos] W_down^T + b)), weighted in fp32
@@ -11,17 +12,22 @@
 #define GG_BN 128  // B rows per tile: 64 gate + 64 up columns, or 128 down / router columns
 
 // One argument list for every mode (unused ones are 0). MODE_ROUTER: w0_ptrs / b0_ptrs are
-// the router matrix and bias themselves, I_max is R and P is N.
+// the router matrix and bias themselves, I_max is R and P is N, and the scale tables and
+// slot_fmt are null (the router is bf16). w0/w1 = gate/up (or down) weights per table slot,
+// s0/s1 their scales, gs0/gs1 their global scales (nvfp4's scale_2, else 1), slot_fmt the
+// slot's weight format (quant.cuh): a kernel built for one format skips other slots' tiles.
 #define GEMM_ARGS                                                                                          \
     const bf16 *__restrict__ x, const bf16 *__restrict__ xe, const bf16 *__restrict__ act_in,             \
         const int *__restrict__ num_tiles, const int4 *__restrict__ tile_info,                            \
         const int *__restrict__ sorted_row, const int *__restrict__ sorted_pair,                          \
         const u64 *__restrict__ w0_ptrs, const u64 *__restrict__ w1_ptrs, const u64 *__restrict__ b0_ptrs, \
-        const u64 *__restrict__ b1_ptrs, const int *__restrict__ inter, const float *__restrict__ topk_w,  \
+        const u64 *__restrict__ b1_ptrs, const u64 *__restrict__ s0_ptrs, const u64 *__restrict__ s1_ptrs, \
+        const float *__restrict__ gs0, const float *__restrict__ gs1, const int *__restrict__ slot_fmt,    \
+        const int *__restrict__ inter, const float *__restrict__ topk_w,                                  \
         int shared_slot, int H, int I_max, int P, void *__restrict__ out, int act_code, float alpha, float limit
 #define GEMM_ARG_NAMES                                                                                 \
     x, xe, act_in, num_tiles, tile_info, sorted_row, sorted_pair, w0_ptrs, w1_ptrs, b0_ptrs, b1_ptrs, \
-        inter, topk_w, shared_slot, H, I_max, P, out, act_code, alpha, limit
+        s0_ptrs, s1_ptrs, gs0, gs1, slot_fmt, inter, topk_w, shared_slot, H, I_max, P, out, act_code, alpha, limit
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -45,12 +51,16 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 struct GemmTile {
     int slot, pos0, rows;  // expert table slot, first sorted position, rows in this tile
     int K, ncols, n0;      // reduction length, output columns of the problem, first column
-    const bf16* W0;        // gate / down / router weights [ncols, K]
+    const bf16* W0;        // gate / down / router weights [ncols, K] (bytes of any format)
     const bf16* W1;        // up weights (MODE_GATE_UP)
+    const void* S0;        // their scales (quantized formats)
+    const void* S1;
+    float g0, g1;          // their global scales, applied to the fp32 accumulators
 };
 
-// The block's tile; false when the block has nothing to do (past the tiles or the columns).
-template <int MODE, int BM, int BN>
+// The block's tile; false when the block has nothing to do (past the tiles or the columns,
+// or a tile of another weight format than this kernel's FMT).
+template <int MODE, int BM, int BN, int FMT = FMT_BF16>
 __device__ __forceinline__ bool gemm_tile(GemmTile& t, GEMM_ARGS) {
     if (MODE == MODE_ROUTER) {
         t.slot = 0;
@@ -63,12 +73,17 @@ __device__ __forceinline__ bool gemm_tile(GemmTile& t, GEMM_ARGS) {
         t.pos0 = ti.y;
         t.rows = ti.z;
     }
+    if (MODE != MODE_ROUTER && slot_fmt[t.slot] != FMT) return false;
     t.K = MODE == MODE_DOWN ? inter[t.slot] : H;
     t.ncols = MODE == MODE_GATE_UP ? inter[t.slot] : MODE == MODE_DOWN ? H : I_max;
     t.n0 = blockIdx.x * (MODE == MODE_GATE_UP ? BN / 2 : BN);
     if (t.n0 >= t.ncols) return false;
     t.W0 = MODE == MODE_ROUTER ? reinterpret_cast<const bf16*>(w0_ptrs) : reinterpret_cast<const bf16*>(w0_ptrs[t.slot]);
     t.W1 = MODE == MODE_GATE_UP ? reinterpret_cast<const bf16*>(w1_ptrs[t.slot]) : nullptr;
+    t.S0 = MODE == MODE_ROUTER ? nullptr : reinterpret_cast<const void*>(s0_ptrs[t.slot]);
+    t.S1 = MODE == MODE_GATE_UP ? reinterpret_cast<const void*>(s1_ptrs[t.slot]) : nullptr;
+    t.g0 = MODE == MODE_ROUTER ? 1.0f : gs0[t.slot];
+    t.g1 = MODE == MODE_GATE_UP ? gs1[t.slot] : 1.0f;
     return true;
 }
 
@@ -113,16 +128,92 @@ struct TileLoader {
         }
     }
 
-    __device__ __forceinline__ void load(bf16* sA, bf16* sB, int k0, int K) const {
+    __device__ __forceinline__ void load_a(bf16* sA, int k0, int K) const {
         const int kc = k0 + chunk * 8;
         const bool kin = kc < K;
         const int tid = threadIdx.x;
 #pragma unroll
         for (int i = 0; i < A_PER; ++i)
             cp_async16(sA + swz<BK>((tid + i * THREADS) / CHUNKS, chunk), a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
+    }
+
+    __device__ __forceinline__ void load(bf16* sA, bf16* sB, int k0, int K) const {
+        load_a(sA, k0, K);
+        const int kc = k0 + chunk * 8;
+        const bool kin = kc < K;
+        const int tid = threadIdx.x;
 #pragma unroll
         for (int i = 0; i < B_PER; ++i)
             cp_async16(sB + swz<BK>((tid + i * THREADS) / CHUNKS, chunk), b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
+    }
+};
+
+// The B operand of quantized weights (FMT != FMT_BF16): cp.async brings the raw codes of a
+// stage into a ring of [GG_BN][BK * BITS / 8] byte tiles; the thread that copied a 16-byte
+// raw chunk later turns it into bf16 chunks of the swizzled tile the MMA reads (quant.cuh),
+// so only its own cp.async groups need to have landed, no barrier. Rows past the columns
+// and chunks past K come out as zeros. Needs K % (128 / BITS) == 0 (whole raw chunks).
+template <int MODE, int BK, int THREADS, int FMT>
+struct QuantBLoader {
+    static constexpr int BITS = QFormat<FMT>::BITS;
+    static constexpr int EPC = 128 / BITS;           // weights per 16-byte raw chunk: 16 fp8 / 32 fp4
+    static constexpr int RAWC = BK / EPC;            // raw chunks per tile row
+    static constexpr int ROW_BYTES = BK * BITS / 8;  // raw bytes per tile row
+    static constexpr int UNITS = GG_BN * RAWC;
+    static constexpr int PER = (UNITS + THREADS - 1) / THREADS;
+    static_assert(RAWC >= 1 && RAWC * EPC == BK, "BK must hold whole raw chunks");
+    QRow src[PER];
+    bool ok[PER];
+
+    __device__ __forceinline__ void init(const GemmTile& t) {
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int u = threadIdx.x + i * THREADS;
+            const int r = min(u, UNITS - 1) / RAWC;  // 0 .. GG_BN - 1
+            const int n = t.n0 + (MODE == MODE_GATE_UP ? (r & (GG_BN / 2 - 1)) : r);
+            const bool second = MODE == MODE_GATE_UP && r >= GG_BN / 2;
+            ok[i] = u < UNITS && n < t.ncols;
+            src[i] = q_row<FMT>(second ? t.W1 : t.W0, second ? t.S1 : t.S0, min(n, t.ncols - 1), t.K);
+        }
+    }
+
+    __device__ __forceinline__ void load(u8* raw, int k0, int K) const {
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int u = threadIdx.x + i * THREADS;
+            if (u >= UNITS) break;
+            const int r = u / RAWC, c = u % RAWC;
+            const int kc = k0 + c * EPC;
+            const bool v = ok[i] && kc < K;
+            cp_async16(raw + r * ROW_BYTES + c * 16, src[i].w + (v ? kc * BITS / 8 : 0), v);
+        }
+    }
+
+    __device__ __forceinline__ void convert(const u8* raw, bf16* sB, int k0, int K) const {
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int u = threadIdx.x + i * THREADS;
+            if (u >= UNITS) break;
+            const int r = u / RAWC, c = u % RAWC;
+            const int kc = k0 + c * EPC;
+            const uint4 q = *reinterpret_cast<const uint4*>(raw + r * ROW_BYTES + c * 16);
+            uint4 o[EPC / 8];
+            if (!(ok[i] && kc < K)) {
+#pragma unroll
+                for (int j = 0; j < EPC / 8; ++j) o[j] = make_uint4(0, 0, 0, 0);
+            } else if (FMT == FMT_FP8) {  // 16 weights, one 128 x 128 block scale
+                const float s = q_scale<FMT>(src[i].s, kc);
+                o[0] = fp8x8_to_bf16(q.x, q.y, s);
+                o[EPC / 8 - 1] = fp8x8_to_bf16(q.z, q.w, s);
+            } else {  // 32 weights: 2 nvfp4 groups of 16, or 1 mxfp4 group of 32
+                const unsigned w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int j = 0; j < EPC / 8; ++j) o[j] = fp4x8_to_bf16(w[j & 3], q_scale<FMT>(src[i].s, kc + 8 * j));
+            }
+#pragma unroll
+            for (int j = 0; j < EPC / 8; ++j)
+                *reinterpret_cast<uint4*>(sB + swz<BK>(r, c * (EPC / 8) + j)) = o[j];
+        }
     }
 };
 
@@ -132,6 +223,10 @@ __device__ __forceinline__ void emit_gate_up(const GemmTile& t, int r, int c, fl
                                              float u1, GEMM_ARGS) {
     const int col = t.n0 + c;
     if (r >= t.rows || col >= t.ncols) return;
+    g0 *= t.g0;  // the matrices' global scales (1 but for nvfp4), before the biases
+    g1 *= t.g0;
+    u0 *= t.g1;
+    u1 *= t.g1;
     const float* bg = reinterpret_cast<const float*>(b0_ptrs[t.slot]);
     const float* bu = reinterpret_cast<const float*>(b1_ptrs[t.slot]);
     if (bg) {
@@ -153,6 +248,8 @@ __device__ __forceinline__ void emit_out(const GemmTile& t, int r, int c, float 
     const int col = t.n0 + c;
     if (r >= t.rows || col >= t.ncols) return;
     const int pos = t.pos0 + r;
+    v0 *= t.g0;  // the matrix's global scale (1 but for nvfp4), before the bias
+    v1 *= t.g0;
     const float* bias = MODE == MODE_ROUTER ? reinterpret_cast<const float*>(b0_ptrs)
                                             : reinterpret_cast<const float*>(b0_ptrs[t.slot]);
     if (bias) {

@@ -191,20 +191,39 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
 // (kernels.GROUPED_CONFIGS): deep 64-wide steps where the weights stream (few rows per
 // expert: bytes in flight decide), 128-row tiles with 3 shallow stages where the math
 // decides (fewer registers: two blocks per SM). Arguments: GEMM_ARGS (gemm_common.cuh).
-template <int MODE, int BM, int BK, int STAGES>
+//
+// FMT (quant.cuh) is the weights' format. bf16 weights go to the MMA tiles by cp.async;
+// quantized ones arrive raw (QuantBLoader) and are turned into bf16 B tiles, double
+// buffered, right before the step that reads them.
+template <int MODE, int BM, int BK, int STAGES, int FMT>
 __global__ void __launch_bounds__(BM * 2)
 grouped_gemm(GEMM_ARGS) {
     constexpr int THREADS = BM * 2;
-    // dynamic: STAGES * (BM + GG_BN) * BK * 2 bytes (kernels.grouped_smem_bytes)
+    constexpr bool QUANT = FMT != FMT_BF16;
+    // dynamic (kernels.grouped_smem_bytes): A stages, then bf16 B stages (2 when quantized),
+    // then the raw quantized B stages
     extern __shared__ __align__(128) unsigned char gg_smem[];
     bf16* sA = reinterpret_cast<bf16*>(gg_smem);
     bf16* sB = sA + STAGES * BM * BK;
+    u8* sRaw = reinterpret_cast<u8*>(sB + (QUANT ? 2 : STAGES) * GG_BN * BK);
     GemmTile t;
-    if (!gemm_tile<MODE, BM, GG_BN>(t, GEMM_ARG_NAMES)) return;
+    if (!gemm_tile<MODE, BM, GG_BN, FMT>(t, GEMM_ARG_NAMES)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 1, wn = warp & 1;
     TileLoader<MODE, BM, BK, THREADS> ld;
     ld.init(t, GEMM_ARG_NAMES);
+    typedef QuantBLoader<MODE, BK, THREADS, QUANT ? FMT : FMT_FP8> QB;
+    constexpr int RAW_STAGE = GG_BN * QB::ROW_BYTES;
+    QB qb;
+    if (QUANT) qb.init(t);
+    auto load_stage = [&](int s, int k0) {
+        if (QUANT) {
+            ld.load_a(sA + s * BM * BK, k0, t.K);
+            qb.load(sRaw + s * RAW_STAGE, k0, t.K);
+        } else {
+            ld.load(sA + s * BM * BK, sB + s * GG_BN * BK, k0, t.K);
+        }
+    };
 
     float acc[2][8][4];
 #pragma unroll
@@ -223,17 +242,21 @@ grouped_gemm(GEMM_ARGS) {
     const int KT = (t.K + BK - 1) / BK;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < KT) ld.load(sA + s * BM * BK, sB + s * GG_BN * BK, s * BK, t.K);
+        if (s < KT) load_stage(s, s * BK);
         cp_async_commit();
     }
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<STAGES - 2>();
+        // quantized: this thread's raw chunks of step kt have landed; make them bf16. The
+        // buffer written here was last read in step kt - 2, before the barrier of kt - 1.
+        if (QUANT) qb.convert(sRaw + (kt % STAGES) * RAW_STAGE, sB + (kt & 1) * GG_BN * BK, kt * BK, t.K);
         __syncthreads();
+        // the stage refilled here was read (and, raw, converted by its own thread) in kt - 1
         const int kn = kt + STAGES - 1;
-        if (kn < KT) ld.load(sA + (kn % STAGES) * BM * BK, sB + (kn % STAGES) * GG_BN * BK, kn * BK, t.K);
+        if (kn < KT) load_stage(kn % STAGES, kn * BK);
         cp_async_commit();
         const bf16* tA = sA + (kt % STAGES) * BM * BK;
-        const bf16* tB = sB + (kt % STAGES) * GG_BN * BK;
+        const bf16* tB = sB + (QUANT ? (kt & 1) : (kt % STAGES)) * GG_BN * BK;
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
             unsigned af[2][4];

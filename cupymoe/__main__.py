@@ -120,8 +120,10 @@ def main(argv=None) -> int:
 
     b = sub.add_parser("bench", help="time the layer with CUDA-graph replays against the floor (GPU)",
                        description="Time cupymoe's layer on the six PERFORMANCE.md presets with CUDA-graph "
-                                   "replays, next to the floor and, in the same run, torch peers. Needs an "
-                                   "NVIDIA GPU (sm_80+) and CuPy; torch with CUDA (optional) for the peers; "
+                                   "replays, next to the floor and, in the same run, torch peers. --format "
+                                   "picks the routed experts' weight format(s) (bf16, fp8_block, nvfp4, "
+                                   "mxfp4), each timed next to its own floor. Needs an NVIDIA GPU (sm_80+) "
+                                   "and CuPy; torch with CUDA (optional) for the peers and --measure-ceilings; "
                                    "matplotlib (optional) for --plots.")
     add_bench_args(b)
     b.set_defaults(fn=cmd_bench)

@@ -1,17 +1,29 @@
 """python -m cupymoe bench: per-layer time with CUDA-graph replays, next to the floor.
 
-Method (PERFORMANCE.md): several layers' worth of weights (so the experts do not sit in
-the 50 MB L2) captured into one CUDA graph, replays timed with CUDA events, the median of
+Method (PERFORMANCE.md): several copies of the layer's weights (so the experts do not sit
+in the 50 MB L2) captured into one CUDA graph, replays timed with CUDA events, the median of
 repeats; random inputs, never zeros; the floor computed from the routing the layer
-actually produced (its own top-k ids, read back from the arena):
+actually produced (its own top-k ids, read back from the arena).
 
-    bytes = touched experts x 3 H I x 2 + router R H x 2 + shared 3 H Is x 2 + in/out N H x 2 x 2
+The routed experts are drawn in one of FORMATS (--format; router and shared expert stay
+bf16), and each row's floor counts the bytes of that format:
+
+    bytes = touched experts x expert_bytes(format) (+ their fp32 biases) + router R H x 2
+            + shared 3 H Is x 2 + in/out N H x 2 x 2
     FLOPs = 2 N k 3 H I + 2 N H R + 2 N 3 H Is
     floor = max(bytes / copy bandwidth, FLOPs / bf16 matrix rate)
 
-The ceilings default to the ones measured on the lent H200 (4.26 TB/s, 777 TFLOP/s) and can
-be measured in the same run with --measure-ceilings. The peers' figures come from
-benchmarks/baselines/h200-bf16-peers.json (measured on the same kind of GPU).
+Every format runs its expert GEMMs on bf16 tensor cores here (quantized weights are
+dequantized in registers: W8A16 / W4A16), so `floor_us` uses the bf16 rate; fp8_block rows
+also carry `floor_fp8_us`, the routed experts' FLOPs at the fp8 matrix rate (what a W8A8
+kernel such as vLLM's could reach).
+
+The ceilings default to the ones measured on the lent H200 (4.26 TB/s, 777 TFLOP/s bf16,
+1462 TFLOP/s fp8 through torch._scaled_mm) and can be measured in the same run with
+--measure-ceilings. The peers' figures come from benchmarks/baselines/h200-bf16-peers.json
+(every row: vLLM's bf16 compute-only time; bf16 rows: also torch._grouped_mm) and
+h200-fp8-peers.json (fp8_block rows: vLLM's fp8 GEMMs only), measured on the same kind of
+GPU. The torch peers timed in the same run read bf16 weights, so they run on bf16 rows only.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 
@@ -49,10 +62,20 @@ PRESETS: dict[str, dict] = {
     "gpt-oss-120b": dict(hidden_size=2880, moe_intermediate_size=2880, num_experts=128, num_experts_per_tok=4,
                          topk_then_softmax=True, has_router_bias=True, has_expert_bias=True, hidden_act="swiglu_oai"),
 }
+FORMATS = ("bf16", "fp8_block", "nvfp4", "mxfp4")  # of the routed experts
+# Ceilings measured on the lent H200 (PERFORMANCE.md): device-to-device copy (bytes read +
+# written), bf16 matrix product 8192^3, fp8 e4m3 torch._scaled_mm 8192^3 (dense fp8 is ~2x bf16).
 COPY_TBPS = 4.26
 BF16_TFLOPS = 777.0
+FP8_TFLOPS = 1462.0
 L2_BYTES = 50e6
-BASELINES = Path(__file__).resolve().parent.parent / "benchmarks" / "baselines" / "h200-bf16-peers.json"
+MAX_LAYERS = 32  # copies of the weights rotated through one graph, at most
+
+_REPO = Path(__file__).resolve().parent.parent
+# Where the peers' figures are looked for, first hit wins: $CUPYMOE_BASELINES, the repo's
+# benchmarks/baselines, the shared/baselines beside the checkout.
+BASELINE_DIRS = (_REPO / "benchmarks" / "baselines", _REPO.parent / "shared" / "baselines")
+BASELINE_FILES = {"bf16": "h200-bf16-peers.json", "fp8_block": "h200-fp8-peers.json"}
 
 
 def preset_config(name: str, *, routed_only: bool = True) -> MoeConfig:
@@ -65,6 +88,9 @@ def preset_config(name: str, *, routed_only: bool = True) -> MoeConfig:
 
 def add_bench_args(ap) -> None:
     ap.add_argument("--preset", nargs="+", default=["qwen3-30b-a3b"], choices=sorted(PRESETS))
+    ap.add_argument("--format", dest="formats", nargs="+", default=["bf16"], choices=FORMATS,
+                    help="routed experts' weight format(s), each timed next to its own floor "
+                         "(router and shared expert stay bf16; default bf16)")
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--path", default="auto", choices=["auto", "decode", "atomic", "prefill"])
     ap.add_argument("--decode-max-tokens", type=int, default=None,
@@ -72,36 +98,339 @@ def add_bench_args(ap) -> None:
     ap.add_argument("--full-layer", action="store_true", help="include the shared expert (peers exclude it)")
     ap.add_argument("--repeats", type=int, default=7, help="timed repetitions (median reported)")
     ap.add_argument("--replays", type=int, default=20, help="graph replays per repetition")
-    ap.add_argument("--measure-ceilings", action="store_true", help="measure copy TB/s and bf16 TFLOP/s (needs torch)")
+    ap.add_argument("--measure-ceilings", action="store_true",
+                    help="measure copy TB/s, bf16 and fp8 (torch._scaled_mm) TFLOP/s in this run (needs torch)")
     ap.add_argument("--json", default=None, help="write results here (default benchmarks/results/<date>-<gpu>.json)")
     ap.add_argument("--no-peers", action="store_true",
-                    help="skip the torch peers (timed in the same run when torch is importable)")
+                    help="skip the torch peers (timed in the same run when torch is importable; bf16 only)")
     ap.add_argument("--eager-max-tokens", type=int, default=256,
                     help="time the per-expert eager loop only up to this many tokens (it is slow)")
     ap.add_argument("--plots", default=None,
-                    help="folder for one PNG per preset (time against N, log-log); needs matplotlib")
+                    help="folder for one PNG per preset and format (time against N, log-log); needs matplotlib")
     ap.add_argument("--stages", action="store_true",
                     help="also time each stage inside the replayed graph (CUDA events between stages)")
     ap.add_argument("--seed", type=int, default=0)
 
 
-def _peers() -> dict:
-    try:
-        rows = json.loads(BASELINES.read_text())["rows"]
-    except (OSError, ValueError, KeyError):
-        return {}
-    return {(r["shape"], r["N"]): r for r in rows}
+# ----------------------------------------------------------------------------------
+# baselines (the peers' figures measured earlier on the same kind of GPU)
+# ----------------------------------------------------------------------------------
+
+def baseline_path(fmt: str) -> Optional[Path]:
+    """The baseline file for `fmt` (None when that format has none or none is found)."""
+    fname = BASELINE_FILES.get(fmt)
+    if fname is None:
+        return None
+    env = os.environ.get("CUPYMOE_BASELINES")
+    for d in ((Path(env),) if env else ()) + BASELINE_DIRS:
+        if (d / fname).is_file():
+            return d / fname
+    return None
 
 
-def measure_ceilings() -> tuple[float, float]:
+def load_baselines() -> dict[tuple[str, str, int], dict]:
+    """{(format, shape, N): that cell's row} from every baseline file found."""
+    out: dict[tuple[str, str, int], dict] = {}
+    for fmt in BASELINE_FILES:
+        p = baseline_path(fmt)
+        if p is None:
+            continue
+        try:
+            rows = json.loads(p.read_text())["rows"]
+        except (OSError, ValueError, KeyError) as e:
+            print(f"baselines: cannot read {p} ({type(e).__name__}: {e})", file=sys.stderr)
+            continue
+        for r in rows:
+            out[(fmt, r["shape"], int(r["N"]))] = r
+    return out
+
+
+def baseline_columns(baselines: dict, shape: str, fmt: str, n: int) -> dict:
+    """The peers' figures a row carries: vLLM's bf16 compute-only time on every row (the
+    reference a quantized layer must also beat), torch._grouped_mm's on bf16 rows, vLLM's fp8
+    GEMMs-only time on fp8_block rows. Absent cells are None."""
+    b16 = baselines.get(("bf16", shape, n), {})
+    cols = {"vllm_compute_only": b16.get("vllm_compute_only")}
+    if fmt == "bf16":
+        cols["grouped_mm"] = b16.get("grouped_mm")
+    if fmt == "fp8_block":
+        cols["vllm_fp8_gemms_only"] = baselines.get(("fp8_block", shape, n), {}).get("vllm_fp8_gemms_only")
+    return cols
+
+
+# ----------------------------------------------------------------------------------
+# bytes, FLOPs and floors (pure: tested without a GPU)
+# ----------------------------------------------------------------------------------
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def matrix_bytes(fmt: str, out: int, inn: int) -> int:
+    """Bytes of one [out, in] weight matrix stored in `fmt` (weights + scales)."""
+    if fmt == "bf16":
+        return out * inn * 2
+    if fmt == "fp8_block":  # e4m3 bytes + fp32 scale_inv per 128x128 block
+        return out * inn + _ceil_div(out, 128) * _ceil_div(inn, 128) * 4
+    if fmt == "nvfp4":  # e2m1 nibbles + e4m3 scale per 16 + one fp32 scale_2
+        if inn % 16:
+            raise ValueError(f"nvfp4: in={inn} is not a multiple of 16")
+        return out * inn // 2 + out * inn // 16 + 4
+    if fmt == "mxfp4":  # e2m1 nibbles + e8m0 scale per 32
+        if inn % 32:
+            raise ValueError(f"mxfp4: in={inn} is not a multiple of 32")
+        return out * inn // 2 + out * inn // 32
+    raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+
+
+def expert_bytes(fmt: str, H: int, I: int) -> int:
+    """Bytes of one routed expert's gate [I, H], up [I, H] and down [H, I] in `fmt`."""
+    return 2 * matrix_bytes(fmt, I, H) + matrix_bytes(fmt, H, I)
+
+
+def layer_weight_bytes(cfg: MoeConfig, fmt: str) -> int:
+    """Bytes of one layer's weights: routed experts in `fmt`, router and shared expert bf16."""
+    E, H, I, R = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.router_width
+    bias = (2 * I + H) * 4 if cfg.has_expert_bias else 0
+    return E * (expert_bytes(fmt, H, I) + bias) + R * H * 2 + 3 * H * cfg.shared_expert_intermediate_size * 2
+
+
+def expected_touched(E: int, k: int, n: int) -> float:
+    """Distinct experts N tokens touch under uniform routing (used only to size the rotation)."""
+    return E * (1.0 - (1.0 - k / E) ** n)
+
+
+def layers_needed(layer_bytes: float, touched_bytes: float, max_bytes: float, l2_bytes: float = L2_BYTES) -> int:
+    """Copies of the layer to rotate through one graph so that what the forwards touch
+    (the experts of the smallest N) is 4x the L2: at least 2, at most MAX_LAYERS and what
+    `max_bytes` of device memory holds (but 2 regardless)."""
+    want = max(2, math.ceil(4 * l2_bytes / max(touched_bytes, 1.0)), math.ceil(4 * l2_bytes / layer_bytes))
+    cap = max(2, min(MAX_LAYERS, int(max_bytes // layer_bytes)))
+    return min(want, cap)
+
+
+def cell_figures(cfg: MoeConfig, fmt: str, n: int, touched: int, *, copy_tbps: float = COPY_TBPS,
+                 bf16_tflops: float = BF16_TFLOPS, fp8_tflops: float = FP8_TFLOPS) -> dict:
+    """bytes, FLOPs and floors (µs) of one cell: `touched` = distinct routed experts the
+    routing chose. `floor_us` uses the bf16 rate (every format's GEMMs run on bf16 tensor
+    cores here); fp8_block also gets `floor_fp8_us`: the routed experts' FLOPs at the fp8
+    rate, the router's and shared expert's at the bf16 rate."""
+    H, I, k, R = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.router_width
+    Is = cfg.shared_expert_intermediate_size
+    bias = (2 * I + H) * 4 if cfg.has_expert_bias else 0
+    nbytes = touched * (expert_bytes(fmt, H, I) + bias) + (R * H + 3 * H * Is + 2 * n * H) * 2
+    routed_flops = 2 * n * k * 3 * H * I
+    other_flops = 2 * n * (H * R + 3 * H * Is)
+    flops = routed_flops + other_flops
+    mem_us = nbytes / copy_tbps / 1e6
+    fig = dict(bytes=nbytes, flops=flops, floor_us=max(mem_us, flops / bf16_tflops / 1e6))
+    if fmt == "fp8_block":
+        fig["floor_fp8_us"] = max(mem_us, routed_flops / fp8_tflops / 1e6 + other_flops / bf16_tflops / 1e6)
+    return fig
+
+
+def bench_row(cfg: MoeConfig, shape: str, fmt: str, n: int, touched: int, times_us: list[float],
+              ceilings: dict, baselines: dict, *, path: str, layers: int,
+              stage_us: Optional[dict] = None) -> dict:
+    """One result row: the median of `times_us` next to this format's floor and the peers'
+    figures from the baseline files."""
+    us = statistics.median(times_us)
+    fig = cell_figures(cfg, fmt, n, touched, copy_tbps=ceilings["copy_TBps"], bf16_tflops=ceilings["bf16_TFLOPs"],
+                       fp8_tflops=ceilings["fp8_TFLOPs"])
+    row = dict(shape=shape, format=fmt, N=n, path=path, routed_only=not cfg.has_shared_expert, layers=layers,
+               us=round(us, 2), floor_us=round(fig["floor_us"], 2), pct_of_floor=round(100 * fig["floor_us"] / us, 1))
+    if "floor_fp8_us" in fig:
+        row.update(floor_fp8_us=round(fig["floor_fp8_us"], 2), pct_of_fp8_floor=round(100 * fig["floor_fp8_us"] / us, 1))
+    row.update(touched=touched, bytes=fig["bytes"], TBps=round(fig["bytes"] / us / 1e6, 3),
+               TFLOPs=round(fig["flops"] / us / 1e6, 2), spread_us=round(max(times_us) - min(times_us), 2))
+    row.update(baseline_columns(baselines, shape, fmt, n))
+    row["stages_us"] = {st: round(t, 2) for st, t in (stage_us or {}).items()} or None
+    return row
+
+
+def format_row(row: dict) -> str:
+    """The terminal line of one row: format, N, time, floor(s), rates, peers' ratios (> 1: we are faster)."""
+    us = row["us"]
+    line = (f"  {row['format']:<9} N={row['N']:<6} {us:9.1f} us  floor {row['floor_us']:8.1f} us "
+            f"({row['pct_of_floor']:5.1f}% of floor)")
+    if row.get("floor_fp8_us") is not None:
+        line += f"  fp8 floor {row['floor_fp8_us']:.1f} us ({row['pct_of_fp8_floor']:.1f}%)"
+    line += f"  {row['TBps']:.2f} TB/s  {row['TFLOPs']:.1f} TFLOP/s  touched {row['touched']}"
+    peers = [("vllm_compute_only", "vLLM" if row["format"] == "bf16" else "vLLM-bf16"),
+             ("vllm_fp8_gemms_only", "vLLM-fp8-GEMMs"), ("grouped_mm_us", "grouped_mm"), ("eager_us", "eager")]
+    vs = [f"{row[key] / us:.2f}x {label}" for key, label in peers if row.get(key)]
+    return line + ("  " + "  ".join(vs) if vs else "")
+
+
+# ----------------------------------------------------------------------------------
+# random weights, drawn on the device (pure array code: `xp` is cupy, or numpy in tests)
+# ----------------------------------------------------------------------------------
+
+_E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # uniform random codes
+FP8_SIGMA = 448.0 / 8  # std of the values encoded to e4m3: 8 sigma to the e4m3 max, no clipping in practice
+NVFP4_SCALE_CODES = (0x30, 0x40)  # e4m3 codes 0.5 .. 1.875: finite, positive
+
+
+def _e4m3_value(code: int) -> float:
+    e, m = (code >> 3) & 0xF, code & 7
+    v = m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    return -v if code & 0x80 else v
+
+
+def e4m3_bits(xp, v):
+    """float -> e4m3fn bit patterns (uint8), round to nearest even, saturating at +-448:
+    never the NaN codes 0x7F / 0xFF. Pure array arithmetic, for numpy and CuPy alike."""
+    v = xp.asarray(v, dtype=xp.float32)
+    a = xp.minimum(xp.abs(v), xp.float32(448.0))
+    _, ex = xp.frexp(xp.maximum(a, xp.float32(2.0 ** -10)))  # a = m 2^ex, m in [0.5, 1)
+    e = xp.maximum(ex.astype(xp.int32) - 1, -6)  # floor(log2 a); -6 = the subnormals' exponent
+    n = xp.rint(xp.ldexp(a, (3 - e).astype(xp.int32))).astype(xp.int32)  # a / 2^(e-3): 8..16 (0..8 subnormal)
+    bits = ((e + 6) * 8 + n).astype(xp.uint8)  # n = 16 carries into the exponent field exactly
+    return (bits | (xp.signbit(v).astype(xp.uint8) << 7)).astype(xp.uint8, copy=False)
+
+
+def _random_bytes(xp, rng, shape) -> Any:
+    """Uniform random uint8 of `shape`, drawn as 16-bit words (CuPy's integers() takes a
+    32-bit signed range, and draws 32-bit words under any dtype: 2 bytes of temporary per byte)."""
+    size = math.prod(shape)
+    words = rng.integers(0, 1 << 16, size=_ceil_div(size, 2), dtype=xp.uint16)
+    return words.view(xp.uint8)[:size].reshape(shape)
+
+
+def _quantized_random(xp, rng, fmt: str, shape: tuple[int, ...]) -> dict[str, Any]:
+    """Random weights of logical shape [..., out, in] in `fmt`, as the raw arrays of that
+    format (names as in cupymoe.formats), dequantized std about 1/sqrt(in) so activations
+    stay O(1). `xp`: cupy (the benchmark) or numpy (tests); `rng`: its Generator.
+
+        bf16       bits  u16 [..., out, in]
+        fp8_block  q     u8 (e4m3 bits) [..., out, in]; scale_inv f32 [..., ceil(out/128), ceil(in/128)]
+        nvfp4      packed u8 [..., out, in/2]; scale u8 (e4m3 bits) [..., out, in/16]; scale_2 f32 [...]
+        mxfp4      blocks u8 [..., out, in/32, 16]; scales u8 (e8m0) [..., out, in/32]
+    """
+    shape = tuple(int(d) for d in shape)
+    lead, (out, inn) = shape[:-2], shape[-2:]
+    std = 1.0 / math.sqrt(inn)
+    if fmt == "bf16":
+        w = rng.standard_normal(shape, dtype=xp.float32) * xp.float32(std)
+        return {"bits": (w.view(xp.uint32) >> 16).astype(xp.uint16)}
+    if fmt == "fp8_block":
+        q = e4m3_bits(xp, rng.standard_normal(shape, dtype=xp.float32) * xp.float32(FP8_SIGMA))
+        sshape = lead + (_ceil_div(out, 128), _ceil_div(inn, 128))
+        jitter = xp.exp2(rng.random(sshape, dtype=xp.float32) - xp.float32(0.5))  # a factor in [0.71, 1.41)
+        return {"q": q, "scale_inv": (jitter * xp.float32(std / FP8_SIGMA)).astype(xp.float32)}
+    if fmt == "nvfp4":
+        if inn % 16:
+            raise ValueError(f"nvfp4: in={inn} is not a multiple of 16")
+        lo, hi = NVFP4_SCALE_CODES
+        scale_rms = math.sqrt(sum(_e4m3_value(c) ** 2 for c in range(lo, hi)) / (hi - lo))
+        scale = rng.integers(lo, hi, size=lead + (out, inn // 16), dtype=xp.int32).astype(xp.uint8)
+        s2 = xp.full(lead, std / (_E2M1_RMS * scale_rms), dtype=xp.float32)
+        return {"packed": _random_bytes(xp, rng, lead + (out, inn // 2)), "scale": scale, "scale_2": s2}
+    if fmt == "mxfp4":
+        if inn % 32:
+            raise ValueError(f"mxfp4: in={inn} is not a multiple of 32")
+        # each group's exponent is e_lo or e_lo + 1, the upper with the probability that
+        # makes the mean square exactly std^2: p 4 + (1 - p) = (std / (rms 2^e_lo))^2
+        x = math.log2(std / _E2M1_RMS)
+        e_lo = math.floor(x)
+        p = (4.0 ** (x - e_lo) - 1.0) / 3.0
+        up = rng.random(lead + (out, inn // 32), dtype=xp.float32) < xp.float32(p)
+        scales = (up.astype(xp.int32) + (127 + e_lo)).astype(xp.uint8)  # far from the NaN exponent 255
+        return {"blocks": _random_bytes(xp, rng, lead + (out, inn // 32, 16)), "scales": scales}
+    raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+
+
+def _random_stack(xp, rng, fmt: str, shape: tuple[int, ...], chunk_elems: int = 1 << 28) -> dict[str, Any]:
+    """`_quantized_random` of an [E, out, in] stack, drawn a few experts at a time so the
+    float32 temporaries stay near `chunk_elems` elements (a layer's experts are GBs)."""
+    E, out, inn = shape
+    step = max(1, chunk_elems // (out * inn))
+    res: dict[str, Any] = {}
+    for e0 in range(0, E, step):
+        part = _quantized_random(xp, rng, fmt, (min(step, E - e0), out, inn))
+        for key, a in part.items():
+            if key not in res:
+                res[key] = xp.empty((E,) + a.shape[1:], dtype=a.dtype)
+            res[key][e0:e0 + a.shape[0]] = a
+        del part
+    return res
+
+
+def _host(a) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def _container(fmt: str, raw: dict[str, Any]):
+    """The raw arrays of one projection as cupymoe.formats' container (CuPy arrays kept on
+    the device; nvfp4's per-matrix scale_2 on the host)."""
+    from . import formats
+
+    if fmt == "bf16":
+        return raw["bits"]
+    if fmt == "fp8_block":
+        return formats.Fp8BlockWeight(q=raw["q"], scale_inv=raw["scale_inv"])
+    if fmt == "nvfp4":
+        return formats.Nvfp4Weight(packed=raw["packed"], scale=raw["scale"],
+                                   scale_2=_host(raw["scale_2"]).astype(np.float32))
+    if fmt == "mxfp4":
+        return formats.Mxfp4Weight(blocks=raw["blocks"], scales=raw["scales"])
+    raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+
+
+def random_device_weights(cfg: MoeConfig, seed: int, fmt: str = "bf16"):
+    """Random weights drawn on the GPU (a layer is GBs: numpy would take minutes).
+
+    Routed experts (gate, up, down) in `fmt`, as cupymoe.formats containers holding CuPy
+    arrays (bf16: CuPy uint16 bits); router and shared expert bf16 bits; biases float32 on
+    the host. Dequantized std about 1/sqrt(fan_in) keeps activations O(1). The router and
+    its biases are drawn first, so one seed routes alike in every format.
+    """
+    import cupy
+
+    from .host_weights import HostWeights
+
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    g = cupy.random.default_rng(seed)
+    E, H, I, R = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.router_width
+    Is = cfg.shared_expert_intermediate_size
+
+    def bf16(*shape):
+        return _quantized_random(cupy, g, "bf16", shape)["bits"]
+
+    def v(n, scale=0.1):
+        return (g.standard_normal(n, dtype=cupy.float32) * scale).get()
+
+    router = bf16(R, H)
+    router_bias = v(R) if cfg.has_router_bias else None
+    correction_bias = v(R) if cfg.has_correction_bias else None
+    experts = {name: _container(fmt, _random_stack(cupy, g, fmt, shape))
+               for name, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I)))}
+    return HostWeights(
+        router=router, **experts,
+        router_bias=router_bias, correction_bias=correction_bias,
+        gate_bias=v((E, I)) if cfg.has_expert_bias else None,
+        up_bias=v((E, I)) if cfg.has_expert_bias else None,
+        down_bias=v((E, H)) if cfg.has_expert_bias else None,
+        shared_gate=bf16(Is, H) if Is else None, shared_up=bf16(Is, H) if Is else None,
+        shared_down=bf16(H, Is) if Is else None,
+        shared_expert_gate=v(H) if cfg.has_shared_expert_gate else None,
+    )
+
+
+# ----------------------------------------------------------------------------------
+# ceilings
+# ----------------------------------------------------------------------------------
+
+def measure_ceilings() -> dict[str, Optional[float]]:
+    """copy TB/s (bytes read + written), bf16 8192^3 TFLOP/s and fp8 e4m3 8192^3 TFLOP/s
+    (torch._scaled_mm, per-tensor float32 scales, bf16 out; None where this GPU or torch
+    build has no fp8 matrix product). Needs torch with CUDA."""
     import torch
 
-    a = torch.empty(2**31 // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-
     def timed(fn, reps=10):
-        fn()
+        for _ in range(3):
+            fn()
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
@@ -111,42 +440,51 @@ def measure_ceilings() -> tuple[float, float]:
         torch.cuda.synchronize()
         return e0.elapsed_time(e1) / 1e3 / reps
 
-    t_copy = timed(lambda: b.copy_(a))
-    t_mm = timed(lambda: m @ m)
-    return 2 * a.numel() * 2 / t_copy / 1e12, 2 * 8192**3 / t_mm / 1e12
+    n = 8192
+
+    def copy_tbps():
+        a = torch.empty(2**31 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+        b = torch.empty_like(a)
+        return 2 * a.numel() * a.element_size() / timed(lambda: b.copy_(a)) / 1e12
+
+    def bf16_tflops():
+        m = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        return 2 * n**3 / timed(lambda: m @ m) / 1e12
+
+    def fp8_tflops():
+        a8 = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)  # row-major
+        b8 = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+        one = torch.ones((), dtype=torch.float32, device="cuda")
+        return 2 * n**3 / timed(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
+                                                         out_dtype=torch.bfloat16)) / 1e12
+
+    res: dict[str, Optional[float]] = dict(copy_TBps=copy_tbps(), bf16_TFLOPs=bf16_tflops(), fp8_TFLOPs=None)
+    try:
+        res["fp8_TFLOPs"] = fp8_tflops()
+    except (RuntimeError, AttributeError, TypeError) as e:  # no fp8 on this GPU / torch build
+        print(f"ceilings: fp8 matrix rate not measured ({type(e).__name__}: {str(e)[:200]})", file=sys.stderr)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # give the GBs back before CuPy draws the weights
+    return res
 
 
-def random_device_weights(cfg: MoeConfig, seed: int):
-    """Random bf16 weights drawn on the GPU (a layer is GBs: numpy would take minutes).
-
-    std 1/sqrt(fan_in) keeps activations O(1); bf16 bits are the top half of float32.
-    """
-    import cupy
-
-    from .host_weights import HostWeights
-
-    g = cupy.random.default_rng(seed)
-    E, H, I, R = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.router_width
-    Is = cfg.shared_expert_intermediate_size
-
-    def w(*shape):
-        a = g.standard_normal(shape, dtype=cupy.float32) * (1.0 / math.sqrt(shape[-1]))
-        return (a.view(cupy.uint32) >> 16).astype(cupy.uint16)
-
-    def v(n, scale=0.1):
-        return (g.standard_normal(n, dtype=cupy.float32) * scale).get()
-
-    return HostWeights(
-        router=w(R, H), gate=w(E, I, H), up=w(E, I, H), down=w(E, H, I),
-        router_bias=v(R) if cfg.has_router_bias else None,
-        correction_bias=v(R) if cfg.has_correction_bias else None,
-        gate_bias=v((E, I)) if cfg.has_expert_bias else None,
-        up_bias=v((E, I)) if cfg.has_expert_bias else None,
-        down_bias=v((E, H)) if cfg.has_expert_bias else None,
-        shared_gate=w(Is, H) if Is else None, shared_up=w(Is, H) if Is else None,
-        shared_down=w(H, Is) if Is else None,
-        shared_expert_gate=v(H) if cfg.has_shared_expert_gate else None,
-    )
+def resolve_ceilings(measure: bool) -> tuple[dict[str, float], dict[str, bool]]:
+    """The ceilings this run uses, and which of them were measured (the rest: defaults)."""
+    ceilings = dict(copy_TBps=COPY_TBPS, bf16_TFLOPs=BF16_TFLOPS, fp8_TFLOPs=FP8_TFLOPS)
+    measured = dict.fromkeys(ceilings, False)
+    if measure:
+        try:
+            got = measure_ceilings()
+        except ImportError as e:
+            print(f"ceilings: torch is not importable ({e}); using the defaults", file=sys.stderr)
+            got = {}
+        for key, val in got.items():
+            if val is not None:
+                ceilings[key], measured[key] = float(val), True
+    print("ceilings: copy {:.2f} TB/s, bf16 mm {:.0f} TFLOP/s, fp8 mm {:.0f} TFLOP/s ({})".format(
+        ceilings["copy_TBps"], ceilings["bf16_TFLOPs"], ceilings["fp8_TFLOPs"],
+        ", ".join(f"{k} {'measured' if v else 'default'}" for k, v in measured.items())), flush=True)
+    return ceilings, measured
 
 
 def _git_commit() -> str:
@@ -159,98 +497,136 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def run_bench(args) -> int:
+# ----------------------------------------------------------------------------------
+# the run
+# ----------------------------------------------------------------------------------
+
+def _time_cell(layers, x, out, n: int, args) -> tuple[list[float], dict[str, float], int]:
+    """Eager once (warm, and the routing for the floor), then the graph of every layer's
+    forward: per-layer µs of each repetition, per-stage µs (--stages), touched experts."""
+    import cupy
+
+    cfg = layers[0].cfg
+    k, E = cfg.num_experts_per_tok, cfg.num_experts
+    s = cupy.cuda.Stream(non_blocking=True)
+    for L in layers:
+        L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
+    s.synchronize()
+    # every copy holds the same weights, so the last layer's routing is every layer's
+    ids = cupy.ndarray((n, k), cupy.int32, cupy.cuda.MemoryPointer(
+        cupy.cuda.UnownedMemory(layers[-1].arena.ptr("topk_ids"), n * k * 4, None), 0)).get()
+    touched = len(np.unique(ids[ids < E]))
+    stage_events: list = []
+    s.begin_capture()
+    with record_stage_events(stage_events) if args.stages else contextlib.nullcontext():
+        for L in layers:
+            L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
+    g = s.end_capture()
+    g.upload(s)
+    for _ in range(3):
+        g.launch(s)
+    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(args.repeats):
+        e0.record(s)
+        for _ in range(args.replays):
+            g.launch(s)
+        e1.record(s)
+        e1.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / args.replays / len(layers))
+    stage_us: dict[str, float] = {}
+    for st, a, z in stage_events:  # after the last replay: each stage's time, averaged over the layers
+        stage_us[st] = stage_us.get(st, 0.0) + cupy.cuda.get_elapsed_time(a, z) * 1e3 / len(layers)
+    del g
+    return times, stage_us, touched
+
+
+def _bench_format(shape: str, cfg: MoeConfig, fmt: str, args, ceilings: dict, baselines: dict,
+                  skipped: list) -> list[dict]:
+    """Every N of one preset in one format: draw, build the layer copies, time, free."""
     import cupy
 
     from .layer import MoeLayer
     from .verify import bf16_bits
 
-    rng = np.random.default_rng(args.seed)
-    copy_tbps, mm_tflops = COPY_TBPS, BF16_TFLOPS
-    if args.measure_ceilings:
-        copy_tbps, mm_tflops = measure_ceilings()
-        print(f"ceilings measured: copy {copy_tbps:.2f} TB/s, bf16 mm {mm_tflops:.0f} TFLOP/s", flush=True)
-    peers = _peers()
-    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    results = []
-    max_n = max(args.tokens)
-    for name in args.preset:
-        cfg = preset_config(name, routed_only=not args.full_layer)
-        H, I, E, k, R = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.router_width
-        Is = cfg.shared_expert_intermediate_size
-        layer_bytes = (E * 3 * H * I + 3 * H * Is + R * H) * 2
-        n_layers = max(2, math.ceil(4 * L2_BYTES / layer_bytes))
-        print(f"[{name}] drawing weights ({layer_bytes / 1e9:.2f} GB/layer), building {n_layers} layers ...",
+    tag = f"[{shape} {fmt}]"
+    H, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    layer_bytes = layer_weight_bytes(cfg, fmt)
+    touched_bytes = expected_touched(E, k, min(args.tokens)) * expert_bytes(fmt, H, I)
+    total_mem = cupy.cuda.runtime.memGetInfo()[1]
+    n_layers = layers_needed(layer_bytes, touched_bytes, 0.6 * total_mem - layer_bytes)
+    t0 = time.perf_counter()
+    layers: list = []
+    hw = torch_peers = None
+    rows: list[dict] = []
+    try:
+        print(f"{tag} drawing random {fmt} expert weights on the GPU ({layer_bytes / 1e9:.2f} GB/layer) ...",
               flush=True)
-        t0 = time.perf_counter()
-        hw = random_device_weights(cfg, args.seed)
-        opts = {} if args.decode_max_tokens is None else {"decode_max_tokens": args.decode_max_tokens}
-        layers = [MoeLayer(cfg, hw, max_tokens=max_n, path=args.path, **opts) for _ in range(n_layers)]
-        del hw
-        for L in layers:
-            L.warmup()
-        peers = None if args.no_peers else _torch_peers(layers)
-        print(f"[{name}] ready in {time.perf_counter() - t0:.1f} s"
-              f"{'' if peers else ' (no torch peers)'}", flush=True)
+        try:
+            hw = random_device_weights(cfg, args.seed, fmt)
+            cupy.cuda.runtime.deviceSynchronize()
+            print(f"{tag} {fmt} weights drawn in {time.perf_counter() - t0:.1f} s; building {n_layers} layers "
+                  f"from them ...", flush=True)
+            opts = {} if args.decode_max_tokens is None else {"decode_max_tokens": args.decode_max_tokens}
+            layers = [MoeLayer(cfg, hw, max_tokens=max(args.tokens), path=args.path, **opts)
+                      for _ in range(n_layers)]
+            hw = None  # each layer holds its own copy
+            for L in layers:
+                L.warmup()
+        except (NotImplementedError, TypeError, ValueError) as e:  # a format the layer does not serve (yet)
+            reason = f"{type(e).__name__}: {e}"
+            print(f"{tag} skipped: {reason}", flush=True)
+            skipped.append(dict(shape=shape, format=fmt, reason=reason))
+            return []
+        if fmt == "bf16" and not args.no_peers:
+            torch_peers = _torch_peers(layers)
+        note = "" if torch_peers else (" (torch peers: bf16 only)" if fmt != "bf16" else " (no torch peers)")
+        print(f"{tag} ready in {time.perf_counter() - t0:.1f} s{note}", flush=True)
         for n in args.tokens:
-            x = cupy.asarray(bf16_bits(rng.standard_normal((n, H), dtype=np.float32)))
+            # one input per N, the same in every format (and the router too: same routing)
+            x_host = np.random.default_rng([args.seed, n]).standard_normal((n, H), dtype=np.float32)
+            x = cupy.asarray(bf16_bits(x_host))
             out = cupy.empty_like(x)
-            s = cupy.cuda.Stream(non_blocking=True)
-            for L in layers:  # eager once: warm, and the routing for the floor
-                L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
-            s.synchronize()
-            ids = cupy.ndarray((n, k), cupy.int32, cupy.cuda.MemoryPointer(
-                cupy.cuda.UnownedMemory(layers[-1].arena.ptr("topk_ids"), n * k * 4, None), 0)).get()
-            touched = len(np.unique(ids[ids < E]))
-            stage_events: list = []
-            s.begin_capture()
-            with record_stage_events(stage_events) if args.stages else contextlib.nullcontext():
-                for L in layers:
-                    L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
-            g = s.end_capture()
-            g.upload(s)
-            for _ in range(3):
-                g.launch(s)
-            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-            times = []
-            for _ in range(args.repeats):
-                e0.record(s)
-                for _ in range(args.replays):
-                    g.launch(s)
-                e1.record(s)
-                e1.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / args.replays / n_layers)
-            us = statistics.median(times)
-            stage_us: dict[str, float] = {}
-            if stage_events:  # after the last replay: each stage's time, averaged over the layers
-                for st, a, z in stage_events:
-                    stage_us[st] = stage_us.get(st, 0.0) + cupy.cuda.get_elapsed_time(a, z) * 1e3 / n_layers
-            nbytes = (touched * 3 * H * I + 3 * H * Is + R * H + 2 * n * H) * 2
-            flops = 2 * n * (k * 3 * H * I + H * R + 3 * H * Is)
-            floor = max(nbytes / copy_tbps / 1e6, flops / mm_tflops / 1e6)
-            peer = peers.get((name, n), {})
-            row = dict(shape=name, N=n, path=args.path, us=round(us, 2), floor_us=round(floor, 2),
-                       pct_of_floor=round(100 * floor / us, 1), touched=touched,
-                       TBps=round(nbytes / us / 1e6, 3), TFLOPs=round(flops / us / 1e6, 2),
-                       spread_us=round(max(times) - min(times), 2),
-                       vllm_compute_only=peer.get("vllm_compute_only"), grouped_mm=peer.get("grouped_mm"),
-                       stages_us={k: round(v, 2) for k, v in stage_us.items()} or None)
-            if peers:
-                row.update(time_peers(peers, cfg, x, out, n, args))
-            results.append(row)
-            vs = f"{peer['vllm_compute_only'] / us:.2f}x vLLM" if peer.get("vllm_compute_only") else ""
-            for name in ("grouped_mm", "eager"):
-                if row.get(f"{name}_us"):
-                    vs += f"  {row[f'{name}_us'] / us:.2f}x {name}"
-            print(f"  N={n:<6} {us:9.1f} us  floor {floor:8.1f} us ({row['pct_of_floor']:5.1f}% of floor)  "
-                  f"{row['TBps']:.2f} TB/s  {row['TFLOPs']:.1f} TFLOP/s  touched {touched}  {vs}", flush=True)
+            cupy.cuda.runtime.deviceSynchronize()  # the copy ran on the null stream; the layer reads x on its own
+            times, stage_us, touched = _time_cell(layers, x, out, n, args)
+            row = bench_row(cfg, shape, fmt, n, touched, times, ceilings, baselines, path=args.path,
+                            layers=n_layers, stage_us=stage_us)
+            if torch_peers:
+                row.update(time_peers(torch_peers, cfg, x, out, n, args))
+            rows.append(row)
+            print(format_row(row), flush=True)
             if stage_us:
-                print("           stages: " + "  ".join(f"{k} {v:.1f}" for k, v in stage_us.items()), flush=True)
-        del layers
+                print("           stages: " + "  ".join(f"{st} {t:.1f}" for st, t in stage_us.items()), flush=True)
+        return rows
+    finally:
+        # the torch peers hold views of the layers' weights: drop both before the next GBs
+        del torch_peers, layers, hw
         cupy.get_default_memory_pool().free_all_blocks()
+        if "torch" in sys.modules:
+            sys.modules["torch"].cuda.empty_cache()
+
+
+def run_bench(args) -> int:
+    import cupy
+
+    ceilings, measured = resolve_ceilings(args.measure_ceilings)
+    baselines = load_baselines()
+    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    fmts = list(dict.fromkeys(getattr(args, "formats", None) or ["bf16"]))
+    results: list[dict] = []
+    skipped: list[dict] = []
+    for shape in args.preset:
+        cfg = preset_config(shape, routed_only=not args.full_layer)
+        for fmt in fmts:
+            results += _bench_format(shape, cfg, fmt, args, ceilings, baselines, skipped)
     meta = dict(gpu=gpu, commit=_git_commit(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                python=platform.python_version(), cupy=cupy.__version__, copy_TBps=copy_tbps,
-                bf16_TFLOPs=mm_tflops, method="CUDA-graph replays over several layers, median of repeats")
+                python=platform.python_version(), cupy=cupy.__version__, formats=fmts,
+                full_layer=bool(args.full_layer), **ceilings, ceilings_measured=measured,
+                floors="floor_us: bytes of the format actually touched / copy_TBps vs FLOPs / bf16_TFLOPs "
+                       "(every format's GEMMs on bf16 tensor cores); floor_fp8_us (fp8_block): the routed "
+                       "experts' FLOPs / fp8_TFLOPs",
+                baselines={f: str(baseline_path(f)) for f in BASELINE_FILES if baseline_path(f)},
+                method="CUDA-graph replays over several layers, median of repeats", skipped=skipped or None)
     path = Path(args.json) if args.json else (
         Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-{gpu.replace(' ', '_')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -259,7 +635,7 @@ def run_bench(args) -> int:
     if args.plots:
         for png in plot_results(results, Path(args.plots), stem=path.stem):
             print(f"plot written to {png}", file=sys.stderr)
-    return 0
+    return 0 if results else 1
 
 
 def _torch_peers(layers):
@@ -295,15 +671,16 @@ def time_peers(peers, cfg, x, out, n: int, args) -> dict:
     if same_function(cfg):
         res["grouped_mm_vs_cupymoe"] = round(float((o.float() - ours).norm() / ours.norm()), 5)
 
-    def timed(fn, reps):
+    def timed(fn, reps, stream):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t = []
-        for _ in range(reps):
-            e0.record(s)
-            fn()
-            e1.record(s)
-            e1.synchronize()
-            t.append(e0.elapsed_time(e1) * 1e3)
+        with torch.cuda.stream(stream):
+            for _ in range(reps):
+                e0.record(stream)
+                fn()
+                e1.record(stream)
+                e1.synchronize()
+                t.append(e0.elapsed_time(e1) * 1e3)
         return statistics.median(t)
 
     try:
@@ -317,21 +694,21 @@ def time_peers(peers, cfg, x, out, n: int, args) -> dict:
             for _ in range(args.replays):
                 g.replay()
 
-        with torch.cuda.stream(s):
-            res["grouped_mm_us"] = round(timed(replays, args.repeats) / args.replays / len(peers), 2)
+        res["grouped_mm_us"] = round(timed(replays, args.repeats, s) / args.replays / len(peers), 2)
     except RuntimeError as e:  # a torch build whose grouped_mm cannot be captured: time it eagerly
         res["grouped_mm_note"] = f"not capturable ({e.__class__.__name__}); timed eagerly"
-        with torch.cuda.stream(s):
-            res["grouped_mm_us"] = round(timed(lambda: [p.grouped_mm(xt, o) for p in peers], args.repeats)
-                                         / len(peers), 2)
+        s = torch.cuda.Stream()  # a failed capture can leave its stream unusable
+        torch.cuda.synchronize()
+        res["grouped_mm_us"] = round(timed(lambda: [p.grouped_mm(xt, o) for p in peers], args.repeats, s)
+                                     / len(peers), 2)
     if n <= args.eager_max_tokens:
-        with torch.cuda.stream(s):
-            res["eager_us"] = round(timed(lambda: [p.eager(xt, o) for p in peers], 3) / len(peers), 2)
+        res["eager_us"] = round(timed(lambda: [p.eager(xt, o) for p in peers], 3, s) / len(peers), 2)
     return res
 
 
 def plot_results(rows: list[dict], folder: Path, stem: str = "bench") -> list[Path]:
-    """One PNG per preset: time against N (log-log), the floor, every implementation."""
+    """One PNG per preset and format: time against N (log-log), the floor(s), every
+    implementation. bf16: <stem>-<preset>.png; other formats: <stem>-<preset>-<format>.png."""
     try:
         import matplotlib
 
@@ -344,22 +721,28 @@ def plot_results(rows: list[dict], folder: Path, stem: str = "bench") -> list[Pa
     written = []
     series = [("us", "cupymoe", "-o"), ("grouped_mm_us", "torch._grouped_mm (same run)", "--s"),
               ("eager_us", "per-expert eager loop (same run)", ":^"),
-              ("vllm_compute_only", "vLLM compute-only (baseline file)", "-.d"), ("floor_us", "floor", "k-")]
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        mine = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["N"])
+              ("vllm_compute_only", "vLLM bf16 compute-only (baseline file)", "-.d"),
+              ("vllm_fp8_gemms_only", "vLLM fp8 GEMMs only (baseline file)", "-.v"),
+              ("floor_us", "floor (bf16 rate)", "k-"), ("floor_fp8_us", "floor (fp8 rate)", "k--")]
+    for shape, fmt in dict.fromkeys((r["shape"], r.get("format", "bf16")) for r in rows):
+        mine = sorted((r for r in rows if r["shape"] == shape and r.get("format", "bf16") == fmt),
+                      key=lambda r: r["N"])
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for key, label, style in series:
             pts = [(r["N"], r[key]) for r in mine if r.get(key)]
             if pts:
-                ax.plot(*zip(*pts), style, label=label, linewidth=1.5 if key != "floor_us" else 1.0)
+                if key == "floor_us" and fmt != "fp8_block":
+                    label = "floor"
+                ax.plot(*zip(*pts), style, label=label, linewidth=1.0 if key.startswith("floor") else 1.5)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens N")
         ax.set_ylabel("µs per layer")
-        ax.set_title(f"{shape}: bf16 MoE layer (routed experts)")
+        what = "routed experts" if mine[0].get("routed_only", True) else "full layer"
+        ax.set_title(f"{shape}: {fmt} experts, MoE layer ({what})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-        png = folder / f"{stem}-{shape}.png"
+        png = folder / (f"{stem}-{shape}.png" if fmt == "bf16" else f"{stem}-{shape}-{fmt}.png")
         fig.tight_layout()
         fig.savefig(png, dpi=110)
         plt.close(fig)

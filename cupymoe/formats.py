@@ -72,6 +72,17 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def on_device(a: Any) -> bool:
+    """A CuPy array: the containers accept device arrays as they are (no dequantize then)."""
+    return type(a).__module__.startswith("cupy")
+
+
+def _check_device(a: Any, dtype, what: str) -> None:
+    if not on_device(a) or a.dtype != dtype:
+        raise ValueError(f"{what}: a container built from CuPy arrays needs every array on the device as "
+                         f"{np.dtype(dtype).name}, found {type(a).__name__} {getattr(a, 'dtype', '')}")
+
+
 @dataclass
 class Fp8BlockWeight:
     """DeepSeek-V3 fp8: W[i, j] = q[i, j] * scale_inv[i // 128, j // 128]."""
@@ -81,6 +92,10 @@ class Fp8BlockWeight:
     format = "fp8_block"
 
     def __post_init__(self) -> None:
+        if on_device(self.q):  # CuPy arrays (the benchmark's weights) stay on the device
+            _check_device(self.q, np.uint8, "Fp8BlockWeight.q (e4m3 bits)")
+            _check_device(self.scale_inv, np.float32, "Fp8BlockWeight.scale_inv")
+            return
         self.q = np.asarray(self.q)
         if self.q.dtype != E4M3:
             if self.q.dtype == np.uint8:
@@ -124,6 +139,11 @@ class Nvfp4Weight:
     format = "nvfp4"
 
     def __post_init__(self) -> None:
+        if on_device(self.packed):
+            _check_device(self.packed, np.uint8, "Nvfp4Weight.packed")
+            _check_device(self.scale, np.uint8, "Nvfp4Weight.scale (e4m3 bits)")
+            self.scale_2 = np.broadcast_to(np.asarray(self.scale_2, dtype=np.float32), self.packed.shape[:-2]).copy()
+            return
         self.packed = np.asarray(self.packed, dtype=np.uint8)
         self.scale = np.asarray(self.scale)
         if self.scale.dtype == np.uint8:
@@ -169,6 +189,10 @@ class Mxfp4Weight:
     format = "mxfp4"
 
     def __post_init__(self) -> None:
+        if on_device(self.blocks):
+            _check_device(self.blocks, np.uint8, "Mxfp4Weight.blocks")
+            _check_device(self.scales, np.uint8, "Mxfp4Weight.scales")
+            return
         self.blocks = np.asarray(self.blocks, dtype=np.uint8)
         sc = np.asarray(self.scales)
         self.scales = sc.view(np.uint8) if sc.dtype.itemsize == 1 else sc.astype(np.uint8)

@@ -30,6 +30,14 @@ log = logging.getLogger(__name__)
 # Codes shared with cuda/common.cuh and cuda/topk.cu.
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swiglu_oai": 3}
 SCORING_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+# Expert weight formats the kernels read (cuda/quant.cuh FMT_*): every decode and grouped
+# expert kernel is built once per format. Quantized weights are dequantized in registers
+# (W8A16 / W4A16) and multiplied on bf16 tensor cores / in fp32.
+FORMAT_CODES = {"bf16": 0, "fp8_block": 1, "nvfp4": 2, "mxfp4": 3}
+# the bits of one weight, and the K multiple a quantized matrix needs: the GEMM reads raw
+# codes in whole 16-byte chunks (16 fp8 or 32 fp4 weights)
+FORMAT_BITS = {"bf16": 16, "fp8_block": 8, "nvfp4": 4, "mxfp4": 4}
+FORMAT_K_MULTIPLE = {"bf16": 8, "fp8_block": 16, "nvfp4": 32, "mxfp4": 32}
 
 # Rows per weight pass (RT) in the router and decode kernels, and columns per warp (CW) in
 # the decode kernels. Register use grows with RT * CW: both kernels stay at RT * CW <= 4
@@ -46,9 +54,13 @@ GROUPED_CONFIGS = {"stream": (64, 64, 4), "math": (128, 32, 3)}
 GROUPED_BN = 128  # cuda/grouped.cu GG_BN
 
 
-def grouped_smem_bytes(bm: int, bk: int, stages: int) -> int:
-    """Dynamic shared memory of grouped_gemm<mode, bm, bk, stages>: the pipeline's stages."""
-    return stages * (bm + GROUPED_BN) * bk * 2
+def grouped_smem_bytes(bm: int, bk: int, stages: int, fmt: int = 0) -> int:
+    """Dynamic shared memory of grouped_gemm<mode, bm, bk, stages, fmt>: the pipeline's
+    stages; quantized formats keep two bf16 B tiles plus the raw code stages."""
+    if fmt == 0:
+        return stages * (bm + GROUPED_BN) * bk * 2
+    bits = {1: 8, 2: 4, 3: 4}[fmt]
+    return stages * bm * bk * 2 + 2 * GROUPED_BN * bk * 2 + stages * GROUPED_BN * bk * bits // 8
 
 
 SM90_TILE = (128, 64, 6)  # BM, BK, stages of grouped_gemm_sm90 (cuda/grouped_sm90.cu)
@@ -60,10 +72,10 @@ def sm90_smem_bytes() -> int:
     return grouped_smem_bytes(bm, bk, st) + 1024
 
 
-def grouped_kernel(mode: int, config: str) -> tuple[str, int, int]:
+def grouped_kernel(mode: int, config: str, fmt: int = 0) -> tuple[str, int, int]:
     """(name expression, threads, dynamic smem bytes) of a grouped GEMM configuration."""
     bm, bk, st = GROUPED_CONFIGS[config]
-    return f"grouped_gemm<{mode}, {bm}, {bk}, {st}>", 2 * bm, grouped_smem_bytes(bm, bk, st)
+    return f"grouped_gemm<{mode}, {bm}, {bk}, {st}, {fmt}>", 2 * bm, grouped_smem_bytes(bm, bk, st, fmt)
 
 
 @dataclass(frozen=True)
@@ -86,15 +98,17 @@ MODULES: dict[str, ModuleSpec] = {
     "grouped": ModuleSpec(
         "grouped.cu",
         ("sort_count", "sort_scan", "sort_place", "make_tiles", "grouped_reduce")
-        + tuple(grouped_kernel(mode, c)[0] for mode in (0, 1, 2) for c in GROUPED_CONFIGS),
+        + tuple(grouped_kernel(2, c)[0] for c in GROUPED_CONFIGS)  # the router: bf16
+        + tuple(grouped_kernel(mode, c, f)[0] for mode in (0, 1) for c in GROUPED_CONFIGS
+                for f in FORMAT_CODES.values()),
     ),
     "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(f"grouped_gemm_sm90<{m}>" for m in (0, 1, 2)),
                                archs=("sm_90a",)),
     "decode": ModuleSpec(
         "decode.cu",
         ("decode_build_lists", "decode_reduce")
-        + tuple(f"decode_gate_up<{r}, {c}>" for r, c in GATE_UP_VARIANTS)
-        + tuple(f"decode_down<{r}, {c}>" for r, c in DOWN_VARIANTS),
+        + tuple(f"decode_gate_up<{r}, {c}, {f}>" for f in FORMAT_CODES.values() for r, c in GATE_UP_VARIANTS)
+        + tuple(f"decode_down<{r}, {c}, {f}>" for f in FORMAT_CODES.values() for r, c in DOWN_VARIANTS),
     ),
 }
 
@@ -386,7 +400,7 @@ class KernelLibrary:
                 self._modules.append(mod)  # keep the module alive as long as its functions
                 for expr, mangled in cm.lowered.items():
                     fn = mod.get_function(mangled)
-                    m = re.fullmatch(r"grouped_gemm<\d+, (\d+), (\d+), (\d+)>", expr)
+                    m = re.fullmatch(r"grouped_gemm<\d+, (\d+), (\d+), (\d+), (\d+)>", expr)
                     smem = (grouped_smem_bytes(*(int(g) for g in m.groups())) if m
                             else sm90_smem_bytes() if expr.startswith("grouped_gemm_sm90") else 0)
                     if smem:  # opt in to more than 48 KB of dynamic shared memory, once

@@ -195,6 +195,10 @@ class MoeLayer:
         with cupy.cuda.Device(self.device_id):
             self.lib = kernels.library(self.device_id)
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
+            # the weight formats present (routed experts, then a shared expert of another
+            # format): the expert kernels run once per format
+            fmts = [self.weights.format] + ([self.weights.shared_format] if self.weights.shared_format else [])
+            self._format_codes = tuple(dict.fromkeys(kernels.FORMAT_CODES[f] for f in fmts))
             self.arena = Arena(plan_layer_arena(cfg, self.max_tokens, self.weights.n_local, self.weights.i_max,
                                                 self.decode_max_tokens), self.device_id)
             cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
@@ -316,7 +320,8 @@ class MoeLayer:
                 lib[name](
                     (-(-R // 128), -(-N // bm)), (threads,),
                     (_u64(x), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(W.ptr("router")),
-                     _u64(0), _u64(W.ptr("router_bias")), _u64(0), _u64(0), _u64(0), _i32(0), _i32(H), _i32(R),
+                     _u64(0), _u64(W.ptr("router_bias")), _u64(0), *(_u64(0),) * 5,
+                     _u64(0), _u64(0), _i32(0), _i32(H), _i32(R),
                      _i32(N), _u64(A.ptr("logits")), _i32(0), _f32(0.0), _f32(0.0)),
                     stream=s, shared_mem=smem)
             else:
@@ -360,35 +365,41 @@ class MoeLayer:
         with timer.stage("gate_up"):
             rt = _row_tile(rows_per_expert, kernels.GATE_UP_ROW_TILES)
             cw = _cols_per_warp(max_active * W.i_max, rt, kernels.GATE_UP_VARIANTS)
-            lib[f"decode_gate_up<{rt}, {cw}>"](
-                (-(-W.i_max // (8 * cw)), max_active), (256,),
-                (_u64(x), _u64(xe), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
-                 _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_row")),
-                 _u64(W.ptr("gate")), _u64(W.ptr("up")), _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")),
-                 _u64(W.ptr("inter")), _i32(W.shared_slot), _u64(A.ptr("act")), _i32(H), _i32(W.i_max),
-                 _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit)),
-                stream=s)
+            for fmt in self._format_codes:  # one launch per weight format; each skips the others' experts
+                lib[f"decode_gate_up<{rt}, {cw}, {fmt}>"](
+                    (-(-W.i_max // (8 * cw)), max_active), (256,),
+                    (_u64(x), _u64(xe), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
+                     _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_row")),
+                     _u64(W.ptr("gate")), _u64(W.ptr("up")), _u64(W.ptr("gate_scale")), _u64(W.ptr("up_scale")),
+                     _u64(W.ptr("gate_gscale")), _u64(W.ptr("up_gscale")), _u64(W.ptr("slot_fmt")),
+                     _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")),
+                     _u64(W.ptr("inter")), _i32(W.shared_slot), _u64(A.ptr("act")), _i32(H), _i32(W.i_max),
+                     _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit)),
+                    stream=s)
         with timer.stage("down"):
             rt = _row_tile(rows_per_expert, kernels.ROW_TILES)
             cw = _cols_per_warp(max_active * H, rt, kernels.DOWN_VARIANTS)
-            lib[f"decode_down<{rt}, {cw}>"](
-                (-(-H // (8 * cw)), max_active), (256,),
-                (_u64(A.ptr("act")), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
-                 _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_pair")),
-                 _u64(W.ptr("down")), _u64(W.ptr("down_bias")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
-                 _u64(A.ptr("y")), _u64(A.ptr("acc")), _i32(H), _i32(W.i_max), _i32(k), _i32(N * k),
-                 _i32(int(atomic))),
-                stream=s)
+            for fmt in self._format_codes:
+                lib[f"decode_down<{rt}, {cw}, {fmt}>"](
+                    (-(-H // (8 * cw)), max_active), (256,),
+                    (_u64(A.ptr("act")), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
+                     _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_pair")),
+                     _u64(W.ptr("down")), _u64(W.ptr("down_scale")), _u64(W.ptr("down_gscale")),
+                     _u64(W.ptr("slot_fmt")), _u64(W.ptr("down_bias")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
+                     _u64(A.ptr("y")), _u64(A.ptr("acc")), _i32(H), _i32(W.i_max), _i32(k), _i32(N * k),
+                     _i32(int(atomic))),
+                    stream=s)
         with timer.stage("reduce"):
             self._launch_reduce(x, xe, out, N, s, atomic, has_shared)
 
-    def _grouped_kernel(self, mode: int, config: str) -> tuple[str, int, int]:
+    def _grouped_kernel(self, mode: int, config: str, fmt: int = 0) -> tuple[str, int, int]:
         """(kernel, threads, dynamic smem) of a grouped GEMM: wgmma on Hopper where the math
-        decides, except for row-invariant layers, whose every N must run the same
-        instructions (the mma.sync configurations agree bit for bit; wgmma need not)."""
-        if config == "math" and self.lib.arch == "sm_90a" and not self.row_invariant:
+        decides and the weights are bf16, except for row-invariant layers, whose every N must
+        run the same instructions (the mma.sync configurations agree bit for bit; wgmma
+        need not). Quantized weights take the mma.sync kernel with in-register dequant."""
+        if config == "math" and fmt == 0 and self.lib.arch == "sm_90a" and not self.row_invariant:
             return f"grouped_gemm_sm90<{mode}>", 256, kernels.sm90_smem_bytes()
-        return kernels.grouped_kernel(mode, config)
+        return kernels.grouped_kernel(mode, config, fmt)
 
     def _launch_sort(self, N: int, s, has_shared: int) -> None:
         """(row, slot) pairs grouped by expert, stable: one block for few pairs, else three passes."""
@@ -427,31 +438,37 @@ class MoeLayer:
         # the math-bound configuration once the average expert run fills its 128-row tiles
         config = "math" if N * k >= 96 * W.n_local else "stream"
         bm = kernels.GROUPED_CONFIGS[config][0]  # the sm90 kernel's tiles are 128 rows too
-        gate_up, threads, smem = self._grouped_kernel(0, config)
-        down = self._grouped_kernel(1, config)[0]
         tiles = max(1, max_tiles(N, k, W.n_local, bool(has_shared)))  # a bound for either tile height
         with timer.stage("gate_up"):
             lib["make_tiles"]((1,), (1024,),
                               (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
                                _u64(A.ptr("active_len")), _i32(bm), _u64(A.ptr("num_tiles")),
                                _u64(A.ptr("tile_info"))), stream=s)
-            lib[gate_up](
-                (-(-W.i_max // 64), tiles), (threads,),
-                (_u64(x), _u64(xe), _u64(0), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
-                 _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("gate")), _u64(W.ptr("up")),
-                 _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
-                 _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("act")),
-                 _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit)),
-                stream=s, shared_mem=smem)
+            for fmt in self._format_codes:  # one launch per weight format; each skips the others' tiles
+                gate_up, threads, smem = self._grouped_kernel(0, config, fmt)
+                lib[gate_up](
+                    (-(-W.i_max // 64), tiles), (threads,),
+                    (_u64(x), _u64(xe), _u64(0), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
+                     _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("gate")), _u64(W.ptr("up")),
+                     _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")), _u64(W.ptr("gate_scale")),
+                     _u64(W.ptr("up_scale")), _u64(W.ptr("gate_gscale")), _u64(W.ptr("up_gscale")),
+                     _u64(W.ptr("slot_fmt")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
+                     _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("act")),
+                     _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit)),
+                    stream=s, shared_mem=smem)
         with timer.stage("down"):
-            lib[down](
-                (-(-H // 128), tiles), (threads,),
-                (_u64(x), _u64(xe), _u64(A.ptr("act")), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
-                 _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("down")), _u64(0),
-                 _u64(W.ptr("down_bias")), _u64(0), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
-                 _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("yw")),
-                 _i32(0), _f32(0.0), _f32(0.0)),
-                stream=s, shared_mem=smem)
+            for fmt in self._format_codes:
+                down, threads, smem = self._grouped_kernel(1, config, fmt)
+                lib[down](
+                    (-(-H // 128), tiles), (threads,),
+                    (_u64(x), _u64(xe), _u64(A.ptr("act")), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
+                     _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("down")), _u64(0),
+                     _u64(W.ptr("down_bias")), _u64(0), _u64(W.ptr("down_scale")), _u64(0),
+                     _u64(W.ptr("down_gscale")), _u64(0), _u64(W.ptr("slot_fmt")),
+                     _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
+                     _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("yw")),
+                     _i32(0), _f32(0.0), _f32(0.0)),
+                    stream=s, shared_mem=smem)
         with timer.stage("reduce"):
             lib["grouped_reduce"](
                 (N,), (256,),

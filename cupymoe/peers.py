@@ -42,6 +42,9 @@ class TorchPeers:
             raise ValueError("the torch peers run the whole layer on one GPU (ep_world_size must be 1)")
         self.k, self.E = cfg.num_experts_per_tok, cfg.num_experts
         W = layer.weights
+        fmt = getattr(W, "format", "bf16")
+        if fmt != "bf16":  # the stacked arrays would be codes, not bf16 bits
+            raise ValueError(f"the torch peers read bf16 routed experts; this layer's are {fmt}")
         self.router = _bf16(torch, W.router)[: cfg.num_experts]  # [E, H]
         self.gate = _bf16(torch, W.experts["gate"])  # [E, I, H]
         self.up = _bf16(torch, W.experts["up"])

@@ -273,6 +273,36 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32).astype(formats.BF16).astype(a.dtype)
 
 
+def _fp8_as_gemm_reads(t: Any) -> Any:
+    """An fp8-block matrix as the grouped GEMM's tile builder makes it: bf16(fp32(q) * s),
+    each weight rounded once (cuda/quant.cuh). Other formats are returned as they are: the
+    fp4 formats' code * scale is exact in bf16, and the decode reader keeps fp8 exact."""
+    if formats.weight_format(t) != "fp8_block":
+        return t
+    out, inn = t.q.shape[-2:]
+    s = np.repeat(np.repeat(t.scale_inv, formats.FP8_BLOCK, axis=-2), formats.FP8_BLOCK, axis=-1)[..., :out, :inn]
+    return (t.q.astype(np.float32) * s.astype(np.float32)).astype(formats.BF16)
+
+
+def kernel_weights(host_weights: HostWeights, rounding: Optional[str]) -> HostWeights:
+    """The weights as the GPU path `rounding` computes with: a quantized router rounded once
+    to bf16 (both paths; cupymoe.weights.router_bf16), and for "grouped" the fp8 experts as
+    the tile builder rounds them. Exact (None): the weights themselves."""
+    if rounding is None:
+        return host_weights
+    from dataclasses import replace
+
+    from .weights import router_bf16
+
+    changes: dict[str, Any] = {"router": router_bf16(host_weights.router)}
+    if rounding == "grouped":
+        for name in ("gate", "up", "down", "shared_gate", "shared_up", "shared_down"):
+            t = getattr(host_weights, name)
+            if t is not None:
+                changes[name] = _fp8_as_gemm_reads(t)
+    return replace(host_weights, **changes)
+
+
 def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
          biases: tuple[Optional[np.ndarray], ...] = (None, None, None), rounding: Optional[str] = None) -> np.ndarray:
     """One GLU feed-forward on rows `x`: down(act(gate(x), up(x))), weights dequantized here."""
@@ -360,8 +390,10 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     `owned_experts` replaces the contiguous block with an explicit set (cupymoe.parallel).
 
     `rounding` ("decode" or "grouped", see ROUNDINGS) also rounds to bf16 the intermediates
-    that GPU path stores as bf16, everything else staying in `dtype`: the kernel-faithful
-    reference that GPU tests compare against with a tight tolerance. None: exact.
+    that GPU path stores as bf16, and the weights it rounds (`kernel_weights`: a quantized
+    router, fp8 experts in the grouped GEMM), everything else staying in `dtype`: the
+    kernel-faithful reference that GPU tests compare against with a tight tolerance.
+    None: exact.
     """
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r}: must be one of {ROUNDINGS}")
@@ -369,6 +401,7 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     if dtype not in (np.float32, np.float64):
         raise ValueError(f"dtype={dtype}: the reference computes in float32 or float64")
     host_weights.validate(cfg)
+    host_weights = kernel_weights(host_weights, rounding)
     rank = cfg.ep_rank if ep_rank is None else int(ep_rank)
     owned = cfg.replace(ep_rank=rank).owned_experts()  # validates the rank
     if owned_experts is not None:  # an explicit expert -> rank map's share for this rank

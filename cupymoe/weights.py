@@ -1,10 +1,22 @@
 """Device weights and the per-expert pointer tables the kernels read.
 
 Made once at load. The routed experts this rank owns are uploaded as stacked arrays
-([n_local, I, H] for gate and up, [n_local, H, I] for down, bf16); the kernels reach them
+([n_local, I, H] for gate and up, [n_local, H, I] for down); the kernels reach them
 through pointer tables indexed by table slot: slots 0 .. n_local-1 are the owned experts
 in order, slot n_local is the shared expert (its own intermediate size, its own arrays),
 so the shared expert rides through the same expert kernels as one more expert.
+
+Quantized experts (fp8_block, nvfp4, mxfp4) are uploaded as the checkpoint stores them,
+codes and scales, nothing repacked (cuda/quant.cuh has the layout the kernels read and
+why): per slot the tables hold the weight pointer, the scale pointer, the matrix's global
+scale (nvfp4's scale_2; 1 otherwise) and the slot's format code. All routed experts share
+one format; the shared expert may have another (a bf16 shared expert next to quantized
+routed experts is the common case), and the kernels run once per format present.
+
+A quantized router (fp8_block, nvfp4) is dequantized once here to bf16, rounding each
+weight once (relative error <= 2^-9; the router is E x H, a few MB at most, so its bytes do
+not matter); its logits are fp32 as for a bf16 router. `reference.moe_forward(...,
+rounding=...)` models that rounding.
 """
 
 from __future__ import annotations
@@ -13,9 +25,13 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import formats
+from . import formats, kernels
 from .config import MoeConfig
 from .host_weights import HostWeights
+
+
+FORMAT_CODES = kernels.FORMAT_CODES
+FORMAT_K_MULTIPLE = kernels.FORMAT_K_MULTIPLE
 
 
 class UnsupportedFormatError(NotImplementedError):
@@ -42,6 +58,16 @@ def _bf16_bits(t: Any, name: str):
     if a.dtype != formats.BF16:
         a = a.astype(np.float32).astype(formats.BF16)
     return np.ascontiguousarray(a).view(np.uint16)
+
+
+def router_bf16(t: Any) -> Any:
+    """The router as the kernels hold it: bf16 as given, or a quantized router dequantized
+    (exactly, in float64) and rounded once to bf16."""
+    if formats.weight_format(t) == "bf16":
+        return t
+    if formats.on_device(getattr(t, "q", getattr(t, "packed", None))):
+        raise UnsupportedFormatError("router: a quantized router must be given as host (numpy) arrays")
+    return formats.dequantize(t, np.float64).astype(np.float32).astype(formats.BF16)
 
 
 def _f32(t: Optional[np.ndarray]) -> Optional[np.ndarray]:
@@ -75,43 +101,49 @@ class DeviceWeights:
 
         with cupy.cuda.Device(device_id):
             self.slot_of = up(slot_of)
-            self.router = up(_bf16_bits(hw.router, "router"))
+            self.router = up(_bf16_bits(router_bf16(hw.router), "router"))
             self.router_bias = up(_f32(hw.router_bias))
             self.correction_bias = up(_f32(hw.correction_bias))
             self.norm_weight = up(_f32(hw.norm_weight))
             self.shared_expert_gate = up(_f32(hw.shared_expert_gate))
             self.tid2eid = up(None if hw.tid2eid is None else np.ascontiguousarray(hw.tid2eid, dtype=np.int32))
 
-            gate = up(_bf16_bits(hw.gate[sl], "gate"))
-            upw = up(_bf16_bits(hw.up[sl], "up"))
-            down = up(_bf16_bits(hw.down[sl], "down"))
-            # the stacked routed experts ([n_local, I, H], [n_local, H, I], bf16 bits), kept
-            # by name for code that reads them whole (the benchmark's torch peers)
-            self.experts = {"gate": gate, "up": upw, "down": down}
+            self.format = _one_format({p: getattr(hw, p) for p in PROJECTIONS}, "routed experts")
+            mats = {p: _DeviceMatrix(getattr(hw, p)[sl], p, p, up) for p in PROJECTIONS}
+            # the stacked routed experts ([n_local, I, H], [n_local, H, I]; bf16 bits, or the
+            # quantized codes), kept by name for code that reads them whole (the torch peers)
+            self.experts = {p: m.w for p, m in mats.items()}
             gb = up(_f32(None if hw.gate_bias is None else hw.gate_bias[sl]))
             ub = up(_f32(None if hw.up_bias is None else hw.up_bias[sl]))
             db = up(_f32(None if hw.down_bias is None else hw.down_bias[sl]))
 
-            H, I = cfg.hidden_size, cfg.moe_intermediate_size
+            I = cfg.moe_intermediate_size
             n = self.n_local
             slots = n + 1  # + the shared expert's slot (zeros when there is none)
-            tables = {k: np.zeros(slots, np.uint64) for k in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")}
+            tables = {k: np.zeros(slots, np.uint64) for k in
+                      ("gate_bias", "up_bias", "down_bias") + PROJECTIONS + tuple(p + "_scale" for p in PROJECTIONS)}
+            gscale = {p + "_gscale": np.ones(slots, np.float32) for p in PROJECTIONS}
+            slot_fmt = np.zeros(slots, np.int32)
             inter = np.zeros(slots, np.int32)
+            for p, m in mats.items():
+                m.fill(tables, gscale, range(n))
             for e in range(n):
-                tables["gate"][e] = ptr(gate) + e * I * H * 2
-                tables["up"][e] = ptr(upw) + e * I * H * 2
-                tables["down"][e] = ptr(down) + e * H * I * 2
                 if gb is not None:
                     tables["gate_bias"][e] = ptr(gb) + e * I * 4
                     tables["up_bias"][e] = ptr(ub) + e * I * 4
-                    tables["down_bias"][e] = ptr(db) + e * H * 4
+                    tables["down_bias"][e] = ptr(db) + e * cfg.hidden_size * 4
                 inter[e] = I
+                slot_fmt[e] = FORMAT_CODES[self.format]
+            self.shared_format = None
             if cfg.has_shared_expert:
-                tables["gate"][n] = ptr(up(_bf16_bits(hw.shared_gate, "shared_gate")))
-                tables["up"][n] = ptr(up(_bf16_bits(hw.shared_up, "shared_up")))
-                tables["down"][n] = ptr(up(_bf16_bits(hw.shared_down, "shared_down")))
+                shared = {p: getattr(hw, "shared_" + p) for p in PROJECTIONS}
+                self.shared_format = _one_format(shared, "the shared expert")
+                for p, t in shared.items():
+                    _DeviceMatrix(t, p, "shared_" + p, up, stacked=False).fill(tables, gscale, [n])
                 inter[n] = cfg.shared_expert_intermediate_size
-            self.tables = {k: up(v) for k, v in tables.items()}
+                slot_fmt[n] = FORMAT_CODES[self.shared_format]
+            self.tables = {k: up(v) for k, v in {**tables, **gscale}.items()}
+            self.slot_fmt = up(slot_fmt)
             self.inter = up(inter)
         self.shared_slot = n
         self.i_max = int(inter.max())
@@ -121,6 +153,69 @@ class DeviceWeights:
         """Raw pointer of a named device tensor (0 when the layer has none)."""
         d = self.tables[name] if name in self.tables else getattr(self, name)
         return 0 if d is None else int(d.data.ptr)
+
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+def _one_format(mats: dict, what: str) -> str:
+    fmts = {p: formats.weight_format(t) for p, t in mats.items()}
+    if len(set(fmts.values())) > 1:
+        raise UnsupportedFormatError(f"{what}: gate, up and down must share one weight format, found {fmts}")
+    return next(iter(fmts.values()))
+
+
+class _DeviceMatrix:
+    """One projection's weights on the device, stacked over experts (or one matrix), in its
+    format: `w` the bf16 bits or the codes, `s` the scales, `g` the global scales."""
+
+    def __init__(self, t: Any, proj: str, name: str, upload, stacked: bool = True):
+        self.proj = proj  # gate / up / down: the tables it fills
+        self.format = fmt = formats.weight_format(t)
+        if fmt not in FORMAT_CODES:
+            raise UnsupportedFormatError(f"{name}: format {fmt!r} is not one the kernels read {sorted(FORMAT_CODES)}")
+        shape = tuple(int(d) for d in t.shape)
+        self.out, self.K = shape[-2], shape[-1]
+        self.count = shape[0] if stacked else 1
+        need = FORMAT_K_MULTIPLE[fmt]
+        if self.K % need:
+            raise UnsupportedFormatError(f"{name}: {fmt} weights need the input width to be a multiple of {need} "
+                                         f"(the kernels read whole 16-byte chunks of codes), found {shape}")
+        self.g = np.ones(self.count, np.float32)
+        self.s = None
+        if fmt == "bf16":
+            self.w = upload(_bf16_bits(t, name))
+        elif fmt == "fp8_block":
+            self.w = upload(_codes(t.q))
+            self.s = upload(t.scale_inv if formats.on_device(t.scale_inv)
+                            else np.ascontiguousarray(t.scale_inv, dtype=np.float32))
+        elif fmt == "nvfp4":
+            self.w = upload(_codes(t.packed))
+            self.s = upload(_codes(t.scale))
+            self.g = np.asarray(t.scale_2, np.float32).reshape(self.count)
+        else:  # mxfp4: [.., out, K/32, 16] blocks are the [.., out, K/2] packed bytes
+            self.w = upload(_codes(t.blocks))
+            self.s = upload(_codes(t.scales))
+        self.w_stride = self.out * self.K * kernels.FORMAT_BITS[fmt] // 8
+        self.s_stride = 0 if self.s is None else int(self.s.nbytes) // self.count
+
+    def fill(self, tables: dict, gscale: dict, slots) -> None:
+        """Write this matrix's pointers and global scales into the per-slot tables."""
+        p = self.proj
+        for i, slot in enumerate(slots):
+            tables[p][slot] = int(self.w.data.ptr) + i * self.w_stride
+            if self.s is not None:
+                tables[p + "_scale"][slot] = int(self.s.data.ptr) + i * self.s_stride
+            gscale[p + "_gscale"][slot] = self.g[i]
+
+
+def _codes(a: Any):
+    """Quantized codes / scales as raw uint8 (host e4m3 arrays viewed as bytes), or a
+    CuPy array as it is."""
+    if formats.on_device(a):
+        return a
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
 
 
 def _selector(owned: list[int]):

@@ -1,14 +1,18 @@
-"""The benchmark: its CLI without a GPU, its plots, and (GPU) the torch peers' agreement."""
+"""The benchmark: its CLI without a GPU, its plots, floors, rows and random quantized
+weights (drawn with numpy here, CuPy in the benchmark), and (GPU) the torch peers' agreement."""
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 
-from cupymoe import bench, testing
+from cupymoe import bench, formats, testing
 
 
 def test_bench_help_runs_without_a_gpu_and_says_what_it_needs():
@@ -17,6 +21,7 @@ def test_bench_help_runs_without_a_gpu_and_says_what_it_needs():
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())  # argparse wraps the description
     assert "Needs an NVIDIA GPU" in text and "--preset" in text and "--plots" in text
+    assert "--format" in text and all(f in text for f in bench.FORMATS)
 
 
 def test_presets_are_the_performance_grid():
@@ -35,6 +40,187 @@ def test_plots_one_png_per_preset(tmp_path):
     assert sorted(p.name for p in written) == ["t-mixtral-8x7b.png", "t-qwen3-30b-a3b.png"]
     for p in written:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_plots_one_png_per_preset_and_format(tmp_path):
+    rows = [dict(shape="qwen3-30b-a3b", format=f, N=n, us=10.0 * n ** 0.5, floor_us=5.0 * n ** 0.5,
+                 floor_fp8_us=4.0 * n ** 0.5 if f == "fp8_block" else None,
+                 vllm_fp8_gemms_only=8.0 * n ** 0.5 if f == "fp8_block" else None)
+            for f in ("bf16", "fp8_block", "nvfp4") for n in (1, 64, 4096)]
+    written = bench.plot_results(rows, tmp_path, stem="t")
+    assert sorted(p.name for p in written) == ["t-qwen3-30b-a3b-fp8_block.png", "t-qwen3-30b-a3b-nvfp4.png",
+                                               "t-qwen3-30b-a3b.png"]
+
+
+# --- e4m3 bits and the random quantized weights ---------------------------------------
+
+E4M3_FINITE = np.array([c for c in range(256) if c not in (0x7F, 0xFF)], np.uint8)
+
+
+def test_e4m3_bits_round_to_nearest_even_like_ml_dtypes_and_never_nan():
+    vals = E4M3_FINITE.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert (bench.e4m3_bits(np, vals) == E4M3_FINITE).all()  # every finite code round-trips
+    pos = np.sort(vals[vals > 0])
+    mids = ((pos[:-1].astype(np.float64) + pos[1:]) / 2).astype(np.float32)  # ties: to the even code
+    rng = np.random.default_rng(0)
+    v = np.concatenate([mids, -mids, np.float32([0.0, -0.0, 2.0 ** -10, 2.0 ** -12])]
+                       + [rng.standard_normal(50_000).astype(np.float32) * s for s in (1e-3, 0.05, 1, 60, 300)])
+    v = np.clip(v, -448, 448)
+    assert (bench.e4m3_bits(np, v) == v.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)).all()
+    sat = bench.e4m3_bits(np, np.float32([449, 1e4, -1e4, 3e38]))  # saturates: never the NaN codes
+    assert sat.tolist() == [0x7E, 0x7E, 0xFE, 0x7E]
+
+
+# the contract the layer takes (cupymoe.formats' containers), per format: array -> (shape, dtype)
+def _expected(fmt, E, out, inn):
+    c = -(-out // 128), -(-inn // 128)
+    return {
+        "bf16": {"bits": ((E, out, inn), np.uint16)},
+        "fp8_block": {"q": ((E, out, inn), np.uint8), "scale_inv": ((E,) + c, np.float32)},
+        "nvfp4": {"packed": ((E, out, inn // 2), np.uint8), "scale": ((E, out, inn // 16), np.uint8),
+                  "scale_2": ((E,), np.float32)},
+        "mxfp4": {"blocks": ((E, out, inn // 32, 16), np.uint8), "scales": ((E, out, inn // 32), np.uint8)},
+    }[fmt]
+
+
+def _dequantized(fmt, raw):
+    if fmt == "bf16":
+        return (raw["bits"].astype(np.uint32) << 16).view(np.float32)
+    return formats.dequantize(bench._container(fmt, raw))
+
+
+@pytest.mark.parametrize("fmt", bench.FORMATS)
+@pytest.mark.parametrize("shape", [(3, 256, 2048), (2, 2880, 2880), (2, 2048, 768)])
+def test_random_quantized_weights_follow_the_containers_contract(fmt, shape):
+    raw = bench._quantized_random(np, np.random.default_rng(1), fmt, shape)
+    want = _expected(fmt, *shape)
+    assert {k: (a.shape, a.dtype) for k, a in raw.items()} == {k: (s, np.dtype(d)) for k, (s, d) in want.items()}
+    if fmt == "fp8_block":
+        assert not np.isin(raw["q"], [0x7F, 0xFF]).any()
+        assert (raw["scale_inv"] > 0).all() and np.isfinite(raw["scale_inv"]).all()
+    if fmt == "nvfp4":  # e4m3 block scales: finite, positive
+        sc = raw["scale"].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        assert np.isfinite(sc).all() and (sc > 0).all() and (raw["scale_2"] > 0).all()
+    if fmt == "mxfp4":
+        assert raw["scales"].max() < 255 and raw["scales"].min() > 0
+    w = _dequantized(fmt, raw)
+    assert w.shape == shape and np.isfinite(w).all()
+    std = float(w.std()) * math.sqrt(shape[-1])  # about 1/sqrt(fan_in): activations stay O(1)
+    assert 0.85 < std < 1.2, f"{fmt} {shape}: std x sqrt(fan_in) = {std:.3f}"
+
+
+@pytest.mark.parametrize("fmt", bench.FORMATS)
+def test_random_stack_drawn_in_chunks_fills_every_expert(fmt):
+    shape = (7, 256, 512)
+    res = bench._random_stack(np, np.random.default_rng(2), fmt, shape, chunk_elems=2 * 256 * 512)  # 2 experts a chunk
+    assert {k: (a.shape, a.dtype) for k, a in res.items()} == {
+        k: (s, np.dtype(d)) for k, (s, d) in _expected(fmt, *shape).items()}
+    w = _dequantized(fmt, res)
+    per_expert = w.reshape(7, -1).std(axis=1) * math.sqrt(512)
+    assert (per_expert > 0.8).all() and (per_expert < 1.25).all()  # no expert left uninitialised
+
+
+def test_random_weights_reject_unknown_formats_and_bad_groups():
+    with pytest.raises(ValueError, match="unknown format"):
+        bench._quantized_random(np, np.random.default_rng(0), "int4", (1, 32, 32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        bench._quantized_random(np, np.random.default_rng(0), "mxfp4", (1, 32, 48))
+
+
+# --- bytes, floors, rows ---------------------------------------------------------------
+
+def test_expert_bytes_per_format():
+    H, I = 2048, 768
+    assert bench.expert_bytes("bf16", H, I) == 3 * H * I * 2
+    assert bench.expert_bytes("fp8_block", H, I) == 3 * H * I + 3 * (6 * 16) * 4
+    assert bench.expert_bytes("nvfp4", H, I) == 3 * H * I // 2 + 3 * H * I // 16 + 3 * 4
+    assert bench.expert_bytes("mxfp4", H, I) == 3 * H * I // 2 + 3 * H * I // 32
+    # gpt-oss: 2880 is not a multiple of 128, partial blocks have scales too
+    assert bench.matrix_bytes("fp8_block", 2880, 2880) == 2880 * 2880 + 23 * 23 * 4
+    with pytest.raises(ValueError):
+        bench.matrix_bytes("nvfp4", 16, 24)
+
+
+def test_floors_count_the_formats_bytes_and_the_right_matrix_rate():
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    H, I, E, k = 2048, 768, 128, 8
+    b16 = bench.cell_figures(cfg, "bf16", 1, 8)  # PERFORMANCE.md: 18 µs
+    assert b16["bytes"] == 8 * 3 * H * I * 2 + E * H * 2 + 2 * H * 2
+    assert b16["floor_us"] == pytest.approx(b16["bytes"] / 4.26e6) and 17.5 < b16["floor_us"] < 18.5
+    f8 = bench.cell_figures(cfg, "fp8_block", 1, 8)
+    assert f8["floor_us"] == pytest.approx(f8["bytes"] / 4.26e6) and 8.8 < f8["floor_us"] < 9.2  # baseline: 8.9
+    assert f8["floor_fp8_us"] == f8["floor_us"]  # memory bound at N = 1
+    nv = bench.cell_figures(cfg, "nvfp4", 1, 8)
+    assert nv["bytes"] == 8 * bench.expert_bytes("nvfp4", H, I) + E * H * 2 + 2 * H * 2
+    # prefill: the routed experts' FLOPs at the bf16 rate (floor_us) and at the fp8 rate (floor_fp8_us)
+    n = 16384
+    big = bench.cell_figures(cfg, "fp8_block", n, E, fp8_tflops=1462.0)
+    routed, router = 2 * n * k * 3 * H * I, 2 * n * H * E
+    assert big["floor_us"] == pytest.approx((routed + router) / 777e6)
+    assert big["floor_fp8_us"] == pytest.approx(routed / 1462e6 + router / 777e6)  # baseline: 846 + router
+    assert bench.cell_figures(cfg, "mxfp4", n, E)["floor_us"] == pytest.approx(big["floor_us"])
+    oss = bench.preset_config("gpt-oss-120b")  # expert biases are bytes of the touched experts too
+    assert (bench.cell_figures(oss, "bf16", 1, 4)["bytes"] - bench.cell_figures(oss, "bf16", 1, 0)["bytes"]
+            == 4 * (3 * 2880 * 2880 * 2 + 3 * 2880 * 4))
+
+
+def test_baselines_are_found_for_bf16_and_fp8(tmp_path, monkeypatch):
+    b = bench.load_baselines()
+    assert b[("bf16", "qwen3-30b-a3b", 1)]["vllm_compute_only"] == pytest.approx(36.1)
+    assert b[("fp8_block", "qwen3-30b-a3b", 1)]["vllm_fp8_gemms_only"] == pytest.approx(18.5)
+    assert not any(f in ("nvfp4", "mxfp4") for f, _, _ in b)
+    (tmp_path / "h200-bf16-peers.json").write_text(json.dumps(
+        {"rows": [{"shape": "qwen3-30b-a3b", "N": 1, "vllm_compute_only": 1.0}]}))
+    monkeypatch.setenv("CUPYMOE_BASELINES", str(tmp_path))  # first in the search order
+    b = bench.load_baselines()
+    assert b[("bf16", "qwen3-30b-a3b", 1)]["vllm_compute_only"] == 1.0 and ("fp8_block", "qwen3-30b-a3b", 1) in b
+
+
+CEIL = dict(copy_TBps=4.26, bf16_TFLOPs=777.0, fp8_TFLOPs=1462.0)
+
+
+def test_rows_keep_their_shape_and_format_and_carry_their_formats_baselines():
+    baselines = bench.load_baselines()
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    rows = [bench.bench_row(cfg, "qwen3-30b-a3b", fmt, n, 8, [30.0, 31.0, 29.0], CEIL, baselines, path="auto",
+                            layers=3) for fmt in bench.FORMATS for n in (1, 4, 16)]
+    assert {(r["shape"], r["format"]) for r in rows} == {("qwen3-30b-a3b", f) for f in bench.FORMATS}
+    by = {(r["format"], r["N"]): r for r in rows}
+    r = by[("bf16", 1)]
+    assert r["us"] == 30.0 and r["spread_us"] == 2.0 and r["layers"] == 3 and r["routed_only"]
+    assert r["vllm_compute_only"] == pytest.approx(36.1) and r["grouped_mm"] == pytest.approx(117.8)
+    assert r["pct_of_floor"] == pytest.approx(100 * r["floor_us"] / 30.0, abs=0.05)
+    assert "floor_fp8_us" not in r and "vllm_fp8_gemms_only" not in r
+    r = by[("fp8_block", 1)]
+    assert r["vllm_fp8_gemms_only"] == pytest.approx(18.5) and r["vllm_compute_only"] == pytest.approx(36.1)
+    assert r["floor_fp8_us"] <= r["floor_us"] < by[("bf16", 1)]["floor_us"] and "grouped_mm" not in r
+    assert by[("fp8_block", 4)]["vllm_fp8_gemms_only"] is None  # the fp8 file has no N = 4
+    r = by[("nvfp4", 16)]
+    assert r["vllm_compute_only"] == pytest.approx(203, abs=1) and "vllm_fp8_gemms_only" not in r
+    assert by[("mxfp4", 1)]["floor_us"] < by[("fp8_block", 1)]["floor_us"]
+    json.dumps(rows)  # plain JSON
+
+
+def test_terminal_line_names_the_format_and_the_peers():
+    baselines = bench.load_baselines()
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    row = bench.bench_row(cfg, "qwen3-30b-a3b", "fp8_block", 1, 8, [20.0], CEIL, baselines, path="auto", layers=2)
+    line = bench.format_row(row)
+    assert "fp8_block" in line and "fp8 floor" in line and "0.93x vLLM-fp8-GEMMs" in line and "1.81x vLLM-bf16" in line
+    row = bench.bench_row(cfg, "qwen3-30b-a3b", "bf16", 1, 8, [40.0], CEIL, baselines, path="auto", layers=2)
+    row.update(grouped_mm_us=80.0)
+    line = bench.format_row(row)
+    assert line.lstrip().startswith("bf16") and "0.90x vLLM" in line and "2.00x grouped_mm" in line
+
+
+def test_layer_copies_keep_the_touched_experts_out_of_l2():
+    gb = 1e9
+    assert bench.layers_needed(22.5 * gb, 0.7 * gb, 80 * gb) == 2  # deepseek-v3 bf16
+    assert bench.layers_needed(1.2 * gb, 75e6, 80 * gb) == 3  # qwen3-30b bf16, N = 1: 8 experts
+    assert bench.layers_needed(0.9 * gb, 17.7e6, 80 * gb) == 12  # qwen3-next nvfp4, N = 1
+    assert bench.layers_needed(0.9 * gb, 1e3, 80 * gb) == bench.MAX_LAYERS
+    assert bench.layers_needed(30 * gb, 1e6, 50 * gb) == 2  # memory caps it, never below 2
+    assert bench.expected_touched(128, 8, 1) == pytest.approx(8) and bench.expected_touched(8, 2, 4096) == pytest.approx(8)
 
 
 @pytest.mark.gpu

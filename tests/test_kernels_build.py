@@ -48,7 +48,7 @@ def test_cli_prints_the_table_for_both_archs(cache):
     r = subprocess.run([sys.executable, "-m", "cupymoe", "kernels", "--arch", "sm_80", "sm_90a"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "== sm_90a" in r.stdout and "decode_gate_up<4, 1>" in r.stdout and "grouped_gemm<0, 128, 32, 3>" in r.stdout and "SPILLS" not in r.stdout
+    assert "== sm_90a" in r.stdout and "decode_gate_up<4, 1, 0>" in r.stdout and "grouped_gemm<0, 128, 32, 3, 0>" in r.stdout and "SPILLS" not in r.stdout
 
 
 def test_concurrent_processes_share_one_cache_safely(tmp_path):

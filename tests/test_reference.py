@@ -609,3 +609,30 @@ def test_kernel_faithful_rounding_modes():
     assert compare(dec.astype(np.float32), exact, grp).faithful_normwise < 2.0 ** -7
     with pytest.raises(ValueError, match="rounding='fp8'"):
         reference.moe_forward(cfg, hw, x, rounding="fp8")
+
+
+def test_kernel_weights_model_what_the_kernels_round():
+    """The faithful reference's weights: a quantized router rounded once to bf16 on both
+    paths; fp8 experts rounded once to bf16(fp32(q) * s) on the grouped path only; the
+    fp4 formats and bf16 untouched (code x scale is exact in bf16)."""
+    import ml_dtypes
+
+    from cupymoe import formats
+
+    rng = np.random.default_rng(7)
+    cfg = testing.tiny_config("deepseek_v3")
+    hw = testing.random_host_weights(cfg, rng, "fp8_block", router_fmt="nvfp4", shared_fmt="mxfp4")
+    assert reference.kernel_weights(hw, None) is hw
+    dec = reference.kernel_weights(hw, "decode")
+    grp = reference.kernel_weights(hw, "grouped")
+    want_router = formats.dequantize(hw.router, np.float64).astype(np.float32).astype(ml_dtypes.bfloat16)
+    for w in (dec, grp):
+        assert w.router.dtype == ml_dtypes.bfloat16 and np.array_equal(w.router, want_router)
+        assert w.shared_gate is hw.shared_gate  # mxfp4: exact
+    assert dec.gate is hw.gate  # decode keeps fp8 exact
+    q, s = hw.gate.q, hw.gate.scale_inv
+    e, i, j = 3, 5, 150  # column 150: the second, partial 128-block of H = 160
+    want = ml_dtypes.bfloat16(np.float32(q[e, i, j].astype(np.float32)) * np.float32(s[e, i // 128, j // 128]))
+    assert grp.gate[e, i, j] == want
+    d = np.abs(grp.gate.astype(np.float64) - formats.dequantize(hw.gate))
+    assert 0 < d.max() <= 2.0 ** -9 * np.abs(formats.dequantize(hw.gate)).max()

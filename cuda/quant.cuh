@@ -1,0 +1,181 @@
+// Quantized expert weights, dequantized in registers (W8A16 / W4A16): the formats of
+// docs/FORMATS.md as the kernels see them, and the two ways the kernels read them.
+//
+// Device layout (cupymoe/weights.py uploads each matrix as the checkpoint stores it, one
+// expert after another; nothing is repacked, so the bytes read are the bytes on disk):
+//   FMT_BF16   W bf16 [out, K]
+//   FMT_FP8    q e4m3 [out, K] bytes; block scales f32 [ceil(out/128), ceil(K/128)]
+//   FMT_NVFP4  packed [out, K/2] (element 2j in the low nibble); group scales e4m3 [out, K/16];
+//              the matrix's global scale (scale_2) is applied to the dot products in fp32
+//   FMT_MXFP4  packed [out, K/2] (same nibbles; gpt-oss's [out, K/32, 16] blocks are this);
+//              group scales e8m0 [out, K/32]
+//
+// What a kernel computes with (so what the faithful reference models):
+//   - fp4 formats: code * group scale is exact in bf16 and in fp32 (a 2-bit mantissa times
+//     a 4-bit one, or times a power of two), so both readers use the exact weight.
+//   - fp8: the decode reader applies the block scale to the fp32 dot product of 8 codes
+//     (exact weights); the GEMM tile builder stores bf16(q * s), rounding each weight once
+//     (relative error <= 2^-9), because its tensor-core operands are bf16.
+#pragma once
+#include "common.cuh"
+
+// Format codes shared with cupymoe/kernels.py (FORMAT_CODES).
+#define FMT_BF16 0
+#define FMT_FP8 1
+#define FMT_NVFP4 2
+#define FMT_MXFP4 3
+
+typedef unsigned char u8;
+
+// e4m3 (fn) bits -> float, exactly: the 7 magnitude bits placed at fp32's bits 26..20 read
+// as 2^(e-127) * 1.m (or a denormal 0.m * 2^-126 for e = 0), which is the e4m3 value
+// times 2^-120. Needs denormals kept (no -ftz). The NaN code (S.1111.111) reads as 480.
+__device__ __forceinline__ float e4m3_to_f32(unsigned b) {
+    return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7Fu) << 20)) * 0x1p120f;
+}
+
+// e2m1 code (4 bits) -> float, the same trick: value * 2^-126 sits at fp32's bits 24..22.
+__device__ __forceinline__ float e2m1_to_f32(unsigned c) {
+    return __uint_as_float(((c & 0x8u) << 28) | ((c & 0x7u) << 22)) * 0x1p126f;
+}
+
+// e8m0 biased exponent -> 2^(e - 127); e = 0 is the denormal 2^-127.
+__device__ __forceinline__ float e8m0_to_f32(unsigned e) {
+    return e ? __uint_as_float(e << 23) : __uint_as_float(0x00400000u);
+}
+
+template <int FMT>
+struct QFormat;
+template <>
+struct QFormat<FMT_BF16> {
+    static constexpr int BITS = 16;
+};
+template <>
+struct QFormat<FMT_FP8> {
+    static constexpr int BITS = 8;
+};
+template <>
+struct QFormat<FMT_NVFP4> {
+    static constexpr int BITS = 4;
+    static constexpr int GROUP = 16;
+};
+template <>
+struct QFormat<FMT_MXFP4> {
+    static constexpr int BITS = 4;
+    static constexpr int GROUP = 32;
+};
+
+// Row n of a [out, K] matrix: its first weight byte and its scales' first byte.
+struct QRow {
+    const u8* w;
+    const u8* s;
+};
+
+template <int FMT>
+__device__ __forceinline__ QRow q_row(const void* wbase, const void* sbase, int n, int K) {
+    QRow r;
+    r.w = reinterpret_cast<const u8*>(wbase) + (size_t)n * K * QFormat<FMT>::BITS / 8;
+    const u8* s = reinterpret_cast<const u8*>(sbase);
+    if (FMT == FMT_FP8)
+        r.s = s + (size_t)(n >> 7) * ((K + 127) >> 7) * 4;
+    else if (FMT == FMT_NVFP4)
+        r.s = s + (size_t)n * (K / 16);
+    else if (FMT == FMT_MXFP4)
+        r.s = s + (size_t)n * (K / 32);
+    else
+        r.s = s;
+    return r;
+}
+
+// The scale of the weights at [row, k .. k + 7] (k a multiple of 8).
+template <int FMT>
+__device__ __forceinline__ float q_scale(const u8* s, int k) {
+    if (FMT == FMT_FP8) return __ldg(reinterpret_cast<const float*>(s) + (k >> 7));
+    if (FMT == FMT_NVFP4) return e4m3_to_f32(__ldg(s + (k >> 4)));
+    if (FMT == FMT_MXFP4) return e8m0_to_f32(__ldg(s + (k >> 5)));
+    return 1.0f;
+}
+
+// ---------------------------------------------------------------------------------------
+// Decode reader: 8 weights of one row at k .. k + 7, streamed from HBM past L1, and their
+// dot product with 8 fp32 activations. A warp reads 8 consecutive weights per lane, so one
+// step covers 256 weights of the row (512 bytes of bf16, 256 of fp8, 128 of fp4).
+// ---------------------------------------------------------------------------------------
+template <int FMT>
+struct WChunk;
+
+template <>
+struct WChunk<FMT_BF16> {
+    bf16x8 v;
+    __device__ __forceinline__ void load(const QRow& r, int k) {
+        v = load_bf16x8_stream(reinterpret_cast<const bf16*>(r.w) + k);
+    }
+    __device__ __forceinline__ float dot(const float x[8], float acc) const { return dot_bf16x8(v, x, acc); }
+};
+
+template <>
+struct WChunk<FMT_FP8> {
+    uint2 v;
+    float s;
+    __device__ __forceinline__ void load(const QRow& r, int k) {
+        asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(r.w + k));
+        s = q_scale<FMT_FP8>(r.s, k);
+    }
+    __device__ __forceinline__ float dot(const float x[8], float acc) const {
+        float t = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) t = fmaf(e4m3_to_f32((v.x >> (8 * i)) & 0xFF), x[i], t);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) t = fmaf(e4m3_to_f32((v.y >> (8 * i)) & 0xFF), x[4 + i], t);
+        return fmaf(s, t, acc);
+    }
+};
+
+template <int FMT>
+struct WChunkFp4 {
+    unsigned v;
+    float s;
+    __device__ __forceinline__ void load(const QRow& r, int k) {
+        asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(r.w + (k >> 1)));
+        s = q_scale<FMT>(r.s, k);
+    }
+    __device__ __forceinline__ float dot(const float x[8], float acc) const {
+        float t = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) t = fmaf(e2m1_to_f32((v >> (4 * i)) & 0xF), x[i], t);
+        return fmaf(s, t, acc);
+    }
+};
+template <>
+struct WChunk<FMT_NVFP4> : WChunkFp4<FMT_NVFP4> {};
+template <>
+struct WChunk<FMT_MXFP4> : WChunkFp4<FMT_MXFP4> {};
+
+// ---------------------------------------------------------------------------------------
+// GEMM tile builder: 16 bytes of a row's raw codes (16 fp8 or 32 fp4 weights, all under
+// one scale group unless noted) -> bf16 chunks of 8 weights, for the tensor-core operand.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned pack_bf16x2(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+// 8 fp8 codes (two words) times s -> 8 bf16, each rounded once.
+__device__ __forceinline__ uint4 fp8x8_to_bf16(unsigned lo, unsigned hi, float s) {
+    uint4 o;
+    o.x = pack_bf16x2(e4m3_to_f32(lo & 0xFF) * s, e4m3_to_f32((lo >> 8) & 0xFF) * s);
+    o.y = pack_bf16x2(e4m3_to_f32((lo >> 16) & 0xFF) * s, e4m3_to_f32(lo >> 24) * s);
+    o.z = pack_bf16x2(e4m3_to_f32(hi & 0xFF) * s, e4m3_to_f32((hi >> 8) & 0xFF) * s);
+    o.w = pack_bf16x2(e4m3_to_f32((hi >> 16) & 0xFF) * s, e4m3_to_f32(hi >> 24) * s);
+    return o;
+}
+
+// 8 e2m1 codes (one word, element 2j in the low nibble of byte j) times s -> 8 bf16, exact.
+__device__ __forceinline__ uint4 fp4x8_to_bf16(unsigned v, float s) {
+    uint4 o;
+    o.x = pack_bf16x2(e2m1_to_f32(v & 0xF) * s, e2m1_to_f32((v >> 4) & 0xF) * s);
+    o.y = pack_bf16x2(e2m1_to_f32((v >> 8) & 0xF) * s, e2m1_to_f32((v >> 12) & 0xF) * s);
+    o.z = pack_bf16x2(e2m1_to_f32((v >> 16) & 0xF) * s, e2m1_to_f32((v >> 20) & 0xF) * s);
+    o.w = pack_bf16x2(e2m1_to_f32((v >> 24) & 0xF) * s, e2m1_to_f32(v >> 28) * s);
+    return o;
+}

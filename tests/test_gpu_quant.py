@@ -1,0 +1,135 @@
+"""GPU: quantized experts and routers (fp8_block, nvfp4, mxfp4) on every path.
+
+Each case's layer is fed random weights quantized on the host (cupymoe.formats); the two
+references get the very same quantized weights (dequantized exactly in float64; the
+faithful one also rounds what the kernels round: reference.kernel_weights). Tolerances are
+the bf16 ones, unchanged: cupymoe/verify.py explains why each format adds nothing beyond
+them. Outputs are poisoned with NaN first; inputs are fresh random draws.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from cupymoe import reference, testing
+from cupymoe.verify import bf16_bits, bits_to_f32, compare, references, run_layer, well_separated_input
+
+pytestmark = pytest.mark.gpu
+
+# (family, routed experts' format, router format, shared expert format or None = same)
+CASES = {
+    "qwen3_moe-fp8": ("qwen3_moe", "fp8_block", "bf16", None),
+    # fp8 router, fp8 routed experts, bf16 shared expert: DeepSeek-V3 as shipped
+    "deepseek_v3-fp8-fp8router-bf16shared": ("deepseek_v3", "fp8_block", "fp8_block", "bf16"),
+    "longcat_flash-fp8": ("longcat_flash", "fp8_block", "bf16", None),
+    # nvfp4 router and experts, bf16 shared expert and its sigmoid gate
+    "qwen2_moe-nvfp4-nvfp4router-bf16shared": ("qwen2_moe", "nvfp4", "nvfp4", "bf16"),
+    "qwen3_next-nvfp4": ("qwen3_next", "nvfp4", "bf16", None),
+    # two quantized formats in one layer: each kernel runs once per format
+    "deepseek_v3-nvfp4-fp8shared": ("deepseek_v3", "nvfp4", "bf16", "fp8_block"),
+    # gpt-oss as shipped: mxfp4 experts with biases and swiglu_oai, bf16 router with bias
+    "gpt_oss-mxfp4": ("gpt_oss", "mxfp4", "bf16", None),
+    "mixtral-mxfp4": ("mixtral", "mxfp4", "bf16", None),
+    # an fp8 router in front of bf16 experts
+    "qwen3_moe-bf16-fp8router": ("qwen3_moe", "bf16", "fp8_block", None),
+}
+SMALL = (1, 3, 17, 64)
+LARGE = (100, 1000)  # 1000: the "math" GEMM configuration (N k >= 96 experts' worth)
+
+
+@pytest.fixture(scope="module")
+def rng():
+    seed = time.time_ns() % 2**31
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def _case(name, rng, **layer_kw):
+    from cupymoe import MoeLayer
+
+    family, fmt, router_fmt, shared_fmt = CASES[name]
+    cfg = testing.tiny_config(family)
+    hw = testing.random_host_weights(cfg, rng, fmt, router_fmt=router_fmt, shared_fmt=shared_fmt)
+    layer_kw.setdefault("max_tokens", max(LARGE))
+    layer_kw.setdefault("decode_max_tokens", max(SMALL))
+    layer_kw.setdefault("atomic_max_tokens", max(SMALL))
+    return cfg, hw, MoeLayer(cfg, hw, **layer_kw)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_quantized_layers_against_reference_on_every_path(name, rng):
+    cfg, hw, layer = _case(name, rng)
+    for path, tokens in (("decode", SMALL), ("atomic", SMALL), ("prefill", SMALL + LARGE)):
+        for n in tokens:
+            x = well_separated_input(cfg, hw, rng, n)
+            c = compare(run_layer(layer, x, path), *references(cfg, hw, x, path))
+            assert c.ok, f"{name} N={n} {path}: {c}"
+
+
+def test_fp8_prefill_rounds_weights_once_and_decode_keeps_them_exact(rng):
+    """The faithful references differ exactly where the kernels do: the grouped GEMM's
+    bf16(q * s) tiles vs the decode reader's exact scaling. Each path matches its own
+    model tightly (the outlier rule of verify.compare), proving which one it computes."""
+    cfg, hw, layer = _case("qwen3_moe-fp8", rng)
+    x = well_separated_input(cfg, hw, rng, 64)
+    pre = run_layer(layer, x, "prefill")
+    dec = run_layer(layer, x, "decode")
+    grouped_ref = reference.moe_forward(cfg, hw, x, rounding="grouped")
+    decode_ref = reference.moe_forward(cfg, hw, x, rounding="decode")
+    assert not np.array_equal(grouped_ref, reference.moe_forward(cfg, hw, x)), "rounding changed nothing"
+    assert compare(pre, reference.moe_forward(cfg, hw, x), grouped_ref).ok
+    assert compare(dec, reference.moe_forward(cfg, hw, x), decode_ref).ok
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3-fp8-fp8router-bf16shared", "gpt_oss-mxfp4",
+                                  "qwen2_moe-nvfp4-nvfp4router-bf16shared"])
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_quantized_graph_replay_is_bitwise_eager(name, path, rng):
+    import cupy
+
+    cfg, hw, layer = _case(name, rng)
+    n = 17 if path == "decode" else 300
+    xh = well_separated_input(cfg, hw, rng, n)
+    x = cupy.asarray(bf16_bits(xh))
+    s = cupy.cuda.Stream(non_blocking=True)
+    eager = cupy.full(x.shape, 0x7FC0, cupy.uint16)
+    layer.forward(int(x.data.ptr), n, int(eager.data.ptr), s.ptr, path=path)
+    replay = cupy.full(x.shape, 0x7FC0, cupy.uint16)
+    s.begin_capture()
+    layer.forward(int(x.data.ptr), n, int(replay.data.ptr), s.ptr, path=path)
+    g = s.end_capture()
+    g.launch(s)
+    s.synchronize()
+    assert np.array_equal(eager.get(), replay.get())
+    c = compare(bits_to_f32(replay.get()), *references(cfg, hw, xh, path))
+    assert c.ok, f"{name} {path}: {c}"
+
+
+def test_quantized_row_invariance(rng):
+    """row_invariant=True holds for quantized experts too: every row's bits equal the row
+    run alone, whatever N."""
+    cfg, hw, layer = _case("gpt_oss-mxfp4", rng, row_invariant=True)
+    x = well_separated_input(cfg, hw, rng, 300)
+    full = run_layer(layer, x)
+    for i in rng.choice(300, size=6, replace=False):
+        assert np.array_equal(run_layer(layer, x[i:i + 1])[0], full[i]), f"row {i}"
+
+
+def test_quantized_refusals_name_the_values(rng):
+    from cupymoe import MoeLayer, formats
+    from cupymoe.weights import UnsupportedFormatError
+
+    # nvfp4 needs the input width to be a multiple of 32 (16-byte chunks of codes): H = 80
+    cfg = testing.tiny_config("qwen3_moe", hidden_size=80)
+    hw = testing.random_host_weights(cfg, rng, "nvfp4")
+    with pytest.raises(UnsupportedFormatError, match=r"multiple of 32.*\(15, 64, 80\)"):
+        MoeLayer(cfg, hw, max_tokens=4)
+    # routed experts must share one format
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng, "fp8_block")
+    hw.down = formats.quantize(formats.dequantize(hw.down, np.float32), "mxfp4")
+    with pytest.raises(UnsupportedFormatError, match="share one weight format"):
+        MoeLayer(cfg, hw, max_tokens=4)
