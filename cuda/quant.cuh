@@ -15,7 +15,7 @@
 //     a 4-bit one, or times a power of two), so both readers use the exact weight.
 //   - fp8: the decode reader applies the block scale to the fp32 dot product of 8 codes
 //     (exact weights); the GEMM tile builder stores bf16(q * s), rounding each weight once
-//     (relative error <= 2^-9), because its tensor-core operands are bf16.
+//     (relative error <= 2^-8, bf16's unit roundoff), because its tensor-core operands are bf16.
 #pragma once
 #include "common.cuh"
 

@@ -32,8 +32,9 @@ part of any comparison; what the kernels add on top of the bf16 budget above:
 - fp8_block on the decode and atomic paths: nothing (the block scale multiplies the fp32
   dot product of each 8 codes).
 - fp8_block on the grouped path: each weight is rounded once to bf16 for the tensor cores,
-  relative <= 2^-9, ~2^-9 / sqrt(3) rms; over the gate, up and down projections that moves
-  the output by ~2^-9 ~ 2e-3 normwise, which with the ~3.2e-3 above stays inside 2^-7; the
+  relative <= 2^-8, ~2^-8 / sqrt(3) = 2.3e-3 rms. Independent errors under a K-term dot
+  product move it by the same relative rms, so each projection adds ~2.3e-3 normwise, the
+  three ~3.9e-3 together, and with the ~3.2e-3 above ~5.0e-3: inside 2^-7 = 7.8e-3. The
   faithful reference rounds the same weights the same way (reference.kernel_weights).
 - a quantized router is dequantized once at load to bf16 (the same single rounding, on the
   logits' inputs), modelled by the faithful reference; rows are redrawn until the

@@ -14,7 +14,7 @@ one format; the shared expert may have another (a bf16 shared expert next to qua
 routed experts is the common case), and the kernels run once per format present.
 
 A quantized router (fp8_block, nvfp4) is dequantized once here to bf16, rounding each
-weight once (relative error <= 2^-9; the router is E x H, a few MB at most, so its bytes do
+weight once (relative error <= 2^-8; the router is E x H, a few MB at most, so its bytes do
 not matter); its logits are fp32 as for a bf16 router. `reference.moe_forward(...,
 rounding=...)` models that rounding.
 """
