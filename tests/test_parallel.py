@@ -9,7 +9,7 @@ import pytest
 
 from cupymoe import reference, testing
 from cupymoe.parallel import check_communicator, owned_experts
-from cupymoe.verify import bf16_bits, bits_to_f32, compare, run_layer, well_separated_input
+from cupymoe.verify import PATH_ROUNDING, bf16_bits, bits_to_f32, compare, run_layer, well_separated_input
 
 
 def test_owned_experts_contiguous_by_default_or_from_a_map():
@@ -144,5 +144,12 @@ def test_two_ranks_over_nccl_equal_the_single_gpu_layer():
             _, eager1, graph1 = outs[1][key]
             assert np.array_equal(eager0, eager1), f"{family} {key}: ranks disagree"
             assert np.array_equal(eager0, graph0) and np.array_equal(eager1, graph1), f"{family} {key}: graph != eager"
-            c = compare(eager0, reference.moe_forward(cfg, hw, x))
+            # each rank's partial is rounded to bf16 before the sum (cupymoe.verify)
+            path = key[1]
+            ep = cfg.replace(ep_world_size=2)
+            partials = [reference.moe_forward(ep, hw, x, ep_rank=r) for r in (0, 1)]
+            faithful = sum(bits_to_f32(bf16_bits(reference.moe_forward(ep, hw, x, ep_rank=r,
+                                                                      rounding=PATH_ROUNDING[path])))
+                           for r in (0, 1))
+            c = compare(eager0, reference.moe_forward(cfg, hw, x), faithful, partials=partials)
             assert c.ok, f"{family} {key} (seed {seed}): {c}"
