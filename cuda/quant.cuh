@@ -44,6 +44,35 @@ __device__ __forceinline__ float e8m0_to_f32(unsigned e) {
     return e ? __uint_as_float(e << 23) : __uint_as_float(0x00400000u);
 }
 
+// Two e4m3 codes (a 16-bit pair, element 0 in the low byte) -> two floats, exactly. sm_89+
+// converts a pair in one instruction (to f16, which holds every e4m3 value), elsewhere the
+// bit trick above.
+__device__ __forceinline__ float2 e4m3x2_to_f32x2(unsigned pair) {
+#if CUPYMOE_SM >= 89
+    unsigned h;
+    float2 r;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)pair));
+    asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.f32.f16 %0, lo;\n cvt.f32.f16 %1, hi;}"
+        : "=f"(r.x), "=f"(r.y) : "r"(h));
+    return r;
+#else
+    return make_float2(e4m3_to_f32(pair & 0xFF), e4m3_to_f32((pair >> 8) & 0xFF));
+#endif
+}
+
+// Four e2m1 codes (the low 16 bits of v, element i in nibble i) -> four bf16, exactly, as two
+// bf16x2 words, by table lookup in registers: prmt picks each magnitude's high and low bf16
+// byte from two 8-entry byte tables (0, .5, 1, 1.5, 2, 3, 4, 6 = 0x0000, 0x3F00, 0x3F80,
+// 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0), two more interleave them, the sign bits move
+// into place. About 3 instructions a weight where decoding each bit field costs 6.
+__device__ __forceinline__ void e2m1x4_to_bf16x4(unsigned v, unsigned& w0, unsigned& w1) {
+    const unsigned sel = v & 0x7777u;  // the magnitudes; a selector's bit 3 would mean sign mode
+    const unsigned hi = __byte_perm(0x3F3F3F00u, 0x40404040u, sel);
+    const unsigned lo = __byte_perm(0xC0800000u, 0xC0804000u, sel);
+    w0 = __byte_perm(lo, hi, 0x5140) | ((v << 12) & 0x8000u) | ((v << 24) & 0x80000000u);
+    w1 = __byte_perm(lo, hi, 0x7362) | ((v << 4) & 0x8000u) | ((v << 16) & 0x80000000u);
+}
+
 template <int FMT>
 struct QFormat;
 template <>
@@ -122,11 +151,14 @@ struct WChunk<FMT_FP8> {
         s = q_scale<FMT_FP8>(r.s, k);
     }
     __device__ __forceinline__ float dot(const float x[8], float acc) const {
+        const unsigned w[2] = {v.x, v.y};
         float t = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) t = fmaf(e4m3_to_f32((v.x >> (8 * i)) & 0xFF), x[i], t);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) t = fmaf(e4m3_to_f32((v.y >> (8 * i)) & 0xFF), x[4 + i], t);
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = e4m3x2_to_f32x2(w[i >> 1] >> (16 * (i & 1)));
+            t = fmaf(f.x, x[2 * i], t);
+            t = fmaf(f.y, x[2 * i + 1], t);
+        }
         return fmaf(s, t, acc);
     }
 };
@@ -140,9 +172,15 @@ struct WChunkFp4 {
         s = q_scale<FMT>(r.s, k);
     }
     __device__ __forceinline__ float dot(const float x[8], float acc) const {
+        unsigned w[4];
+        e2m1x4_to_bf16x4(v, w[0], w[1]);
+        e2m1x4_to_bf16x4(v >> 16, w[2], w[3]);
         float t = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) t = fmaf(e2m1_to_f32((v >> (4 * i)) & 0xF), x[i], t);
+        for (int i = 0; i < 4; ++i) {  // bf16 -> fp32 is a shift
+            t = fmaf(__uint_as_float(w[i] << 16), x[2 * i], t);
+            t = fmaf(__uint_as_float(w[i] & 0xFFFF0000u), x[2 * i + 1], t);
+        }
         return fmaf(s, t, acc);
     }
 };
@@ -160,22 +198,29 @@ __device__ __forceinline__ unsigned pack_bf16x2(float a, float b) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 
-// 8 fp8 codes (two words) times s -> 8 bf16, each rounded once.
-__device__ __forceinline__ uint4 fp8x8_to_bf16(unsigned lo, unsigned hi, float s) {
-    uint4 o;
-    o.x = pack_bf16x2(e4m3_to_f32(lo & 0xFF) * s, e4m3_to_f32((lo >> 8) & 0xFF) * s);
-    o.y = pack_bf16x2(e4m3_to_f32((lo >> 16) & 0xFF) * s, e4m3_to_f32(lo >> 24) * s);
-    o.z = pack_bf16x2(e4m3_to_f32(hi & 0xFF) * s, e4m3_to_f32((hi >> 8) & 0xFF) * s);
-    o.w = pack_bf16x2(e4m3_to_f32((hi >> 16) & 0xFF) * s, e4m3_to_f32(hi >> 24) * s);
-    return o;
+__device__ __forceinline__ unsigned fp8x2_scaled(unsigned pair, float s) {
+    const float2 f = e4m3x2_to_f32x2(pair);
+    return pack_bf16x2(f.x * s, f.y * s);
 }
 
-// 8 e2m1 codes (one word, element 2j in the low nibble of byte j) times s -> 8 bf16, exact.
+// 8 fp8 codes (two words) times s -> 8 bf16, each rounded once: bf16(fp32(q) * s).
+__device__ __forceinline__ uint4 fp8x8_to_bf16(unsigned lo, unsigned hi, float s) {
+    return make_uint4(fp8x2_scaled(lo, s), fp8x2_scaled(lo >> 16, s), fp8x2_scaled(hi, s), fp8x2_scaled(hi >> 16, s));
+}
+
+// 8 e2m1 codes (one word, element 2j in the low nibble of byte j) times s -> 8 bf16, exact:
+// the table lookup, then one bf16x2 multiply per pair (a 2-bit mantissa times an e4m3 or
+// a power-of-two scale fits bf16's 8 bits, so the product is not rounded).
 __device__ __forceinline__ uint4 fp4x8_to_bf16(unsigned v, float s) {
     uint4 o;
-    o.x = pack_bf16x2(e2m1_to_f32(v & 0xF) * s, e2m1_to_f32((v >> 4) & 0xF) * s);
-    o.y = pack_bf16x2(e2m1_to_f32((v >> 8) & 0xF) * s, e2m1_to_f32((v >> 12) & 0xF) * s);
-    o.z = pack_bf16x2(e2m1_to_f32((v >> 16) & 0xF) * s, e2m1_to_f32((v >> 20) & 0xF) * s);
-    o.w = pack_bf16x2(e2m1_to_f32((v >> 24) & 0xF) * s, e2m1_to_f32(v >> 28) * s);
+    e2m1x4_to_bf16x4(v, o.x, o.y);
+    e2m1x4_to_bf16x4(v >> 16, o.z, o.w);
+    const __nv_bfloat162 s2 = __float2bfloat162_rn(s);
+    unsigned* w = reinterpret_cast<unsigned*>(&o);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        __nv_bfloat162 p = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&w[i]), s2);
+        w[i] = *reinterpret_cast<unsigned*>(&p);
+    }
     return o;
 }
