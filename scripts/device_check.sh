@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The whole GPU check of a session in one command (the lent machine's time is scarce):
+# the GPU tests, then the benchmark grid with the torch peers, one process per preset
+# (a failure in one preset cannot take the others down), then the quantized formats and
+# the decode path forced at N = 16, 64 for them (the dispatch data). Logs and JSON go to $OUT.
+#
+#   OUT=/tmp/out bash scripts/device_check.sh
+set -u
+OUT=${OUT:?set OUT to a folder for the logs}
+mkdir -p "$OUT/plots"
+timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+echo "gpu tests rc $?: $(tail -1 "$OUT/gpu_tests.log")"
+grep FAILED "$OUT/gpu_tests.log" | head -5
+for p in qwen3-30b-a3b qwen3-235b-a22b deepseek-v3 mixtral-8x7b qwen3-next-80b gpt-oss-120b; do
+  timeout 100 python3 -m cupymoe bench --preset "$p" --tokens 1 16 64 1024 4096 16384 --repeats 5 --replays 10 \
+    --eager-max-tokens 64 --plots "$OUT/plots" --json "$OUT/grid-$p.json" > "$OUT/grid-$p.log" 2>&1
+  echo "grid $p rc $?"
+  grep "N=" "$OUT/grid-$p.log"
+done
+timeout 100 python3 -m cupymoe bench --preset qwen3-30b-a3b deepseek-v3 --format fp8_block nvfp4 mxfp4 \
+  --tokens 16 64 --path decode --decode-max-tokens 64 --repeats 5 --replays 10 --no-peers \
+  --json "$OUT/quant-decode.json" > "$OUT/quant-decode.log" 2>&1
+echo "quant decode rc $?"
+grep "N=" "$OUT/quant-decode.log"
