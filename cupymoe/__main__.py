@@ -2,7 +2,7 @@
 
     python -m cupymoe kernels --arch sm_90a   compile cuda/ through NVRTC, print resources
     python -m cupymoe info                    versions, device, the arch we compile for
-    python -m cupymoe verify                  every family on the GPU against the reference
+    python -m cupymoe verify                  every family and format on the GPU against the reference
     python -m cupymoe bench --help            decode timings against the floor
 """
 
@@ -83,7 +83,7 @@ def cmd_verify(args) -> int:
     require_gpu("verify")
     from .verify import verify_families
 
-    return verify_families(args.family, args.tokens, args.path, seed=args.seed)
+    return verify_families(args.family, args.tokens, args.path, formats_=args.format, seed=args.seed)
 
 
 def cmd_bench(args) -> int:
@@ -111,8 +111,12 @@ def main(argv=None) -> int:
 
     v = sub.add_parser("verify", help="run every family's layer on the GPU against cupymoe.reference")
     v.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    v.add_argument("--tokens", nargs="+", type=int, default=[1, 3, 17, 64])
-    v.add_argument("--path", nargs="+", default=["decode", "atomic"], choices=["decode", "atomic"])
+    v.add_argument("--tokens", nargs="+", type=int, default=[1, 3, 17, 64, 1000])
+    v.add_argument("--path", nargs="+", default=["decode", "atomic", "prefill"],
+                   choices=["decode", "atomic", "prefill"],
+                   help="paths to force (decode and atomic only up to 64 rows)")
+    v.add_argument("--format", nargs="+", default=["bf16", "fp8_block", "nvfp4", "mxfp4"],
+                   choices=["bf16", "fp8_block", "nvfp4", "mxfp4"], help="expert weight formats")
     v.add_argument("--seed", type=int, default=None, help="random seed (default: fresh each run)")
     v.set_defaults(fn=cmd_verify)
 

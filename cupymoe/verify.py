@@ -189,26 +189,35 @@ def run_layer(layer, x: np.ndarray, path: Optional[str] = None, token_ids: Optio
     return bits_to_f32(out.get())
 
 
-def verify_families(families, tokens, paths, *, seed: Optional[int] = None) -> int:
-    """The main job: every family's layer on this GPU against the float64 reference."""
+DECODE_LIMIT = 64  # the decode and atomic paths are checked up to this many rows
+
+
+def verify_families(families, tokens, paths, *, formats_=("bf16",), seed: Optional[int] = None) -> int:
+    """The main job: every family's layer, in every weight format, on this GPU against the
+    float64 reference, on every path (decode and atomic up to DECODE_LIMIT rows)."""
     from .layer import MoeLayer
 
     seed = int(time.time_ns() % 2**31) if seed is None else seed
     rng = np.random.default_rng(seed)
-    print(f"cupymoe verify: seed {seed}, tokens {tokens}, paths {paths}")
-    failures = 0
+    print(f"cupymoe verify: seed {seed}, tokens {tokens}, paths {paths}, formats {list(formats_)}")
+    failures = checked = 0
+    small = min(DECODE_LIMIT, max(tokens))
     for fam in families:
         cfg = testing.tiny_config(fam)
-        hw = testing.random_host_weights(cfg, rng)
-        t0 = time.perf_counter()
-        layer = MoeLayer(cfg, hw, max_tokens=max(tokens))
-        print(f"  {fam}: layer built in {time.perf_counter() - t0:.2f} s", flush=True)
-        for n in tokens:
-            tids = testing.random_token_ids(rng, n, cfg.hash_vocab_size) if cfg.hash_routing else None
-            x = well_separated_input(cfg, hw, rng, n, tids)
-            for p in paths:
-                c = check(run_layer(layer, x, p, tids), cfg, hw, x, layer.select_path(n, p), tids)
-                failures += not c.ok
-                print(f"    N={n:<5} {p:<7} {'ok  ' if c.ok else 'FAIL'} {c}", flush=True)
-    print(f"cupymoe verify: {'all passed' if not failures else f'{failures} FAILED'}")
+        for fmt in formats_:
+            hw = testing.random_host_weights(cfg, rng, fmt)
+            t0 = time.perf_counter()
+            layer = MoeLayer(cfg, hw, max_tokens=max(tokens), decode_max_tokens=small, atomic_max_tokens=small)
+            print(f"  {fam} {fmt}: layer built in {time.perf_counter() - t0:.2f} s", flush=True)
+            for n in tokens:
+                tids = testing.random_token_ids(rng, n, cfg.hash_vocab_size) if cfg.hash_routing else None
+                x = well_separated_input(cfg, hw, rng, n, tids)
+                for p in paths:
+                    if p != "prefill" and n > small:
+                        continue
+                    c = check(run_layer(layer, x, p, tids), cfg, hw, x, layer.select_path(n, p), tids)
+                    failures += not c.ok
+                    checked += 1
+                    print(f"    N={n:<5} {p:<7} {'ok  ' if c.ok else 'FAIL'} {c}", flush=True)
+    print(f"cupymoe verify: {checked} checks, {'all passed' if not failures else f'{failures} FAILED'}")
     return 1 if failures else 0

@@ -11,8 +11,10 @@ mkdir -p "$OUT/plots"
 timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc $?: $(tail -1 "$OUT/gpu_tests.log")"
 grep FAILED "$OUT/gpu_tests.log" | head -5
+timeout 150 python3 -m cupymoe verify > "$OUT/verify.log" 2>&1
+echo "verify (the main job) rc $?: $(tail -1 "$OUT/verify.log")"
 for p in qwen3-30b-a3b qwen3-235b-a22b deepseek-v3 mixtral-8x7b qwen3-next-80b gpt-oss-120b; do
-  timeout 100 python3 -m cupymoe bench --preset "$p" --tokens 1 16 64 1024 4096 16384 --repeats 5 --replays 10 \
+  timeout 80 python3 -m cupymoe bench --preset "$p" --tokens 1 16 64 1024 4096 16384 --repeats 5 --replays 10 \
     --eager-max-tokens 64 --plots "$OUT/plots" --json "$OUT/grid-$p.json" > "$OUT/grid-$p.log" 2>&1
   echo "grid $p rc $?"
   grep "N=" "$OUT/grid-$p.log"

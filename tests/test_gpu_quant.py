@@ -3,8 +3,9 @@
 Each case's layer is fed random weights quantized on the host (cupymoe.formats); the two
 references get the very same quantized weights (dequantized exactly in float64; the
 faithful one also rounds what the kernels round: reference.kernel_weights). Tolerances are
-the bf16 ones, unchanged: cupymoe/verify.py explains why each format adds nothing beyond
-them. Outputs are poisoned with NaN first; inputs are fresh random draws.
+the bf16 ones; cupymoe/verify.py derives what each format adds (nothing, except fp8 experts
+on the grouped path: three more bf16 roundings, which scale the envelope's rms term by
+sqrt(7/4)). Outputs are poisoned with NaN first; inputs are fresh random draws.
 """
 
 from __future__ import annotations
@@ -136,3 +137,11 @@ def test_quantized_refusals_name_the_values(rng):
     hw.down = formats.quantize(formats.dequantize(hw.down, np.float32), "mxfp4")
     with pytest.raises(UnsupportedFormatError, match="share one weight format"):
         MoeLayer(cfg, hw, max_tokens=4)
+
+
+def test_the_main_job_verify_command_passes():
+    """`python -m cupymoe verify`'s body on two families, every format and path."""
+    from cupymoe.verify import verify_families
+
+    assert verify_families(["qwen2_moe", "gpt_oss"], [1, 17, 100], ["decode", "atomic", "prefill"],
+                           formats_=("bf16", "fp8_block", "nvfp4", "mxfp4")) == 0
