@@ -50,7 +50,11 @@ DOWN_VARIANTS = tuple((rt, cw) for rt in ROW_TILES for cw in DECODE_COLS if rt *
 # (BM, BK, STAGES) of the tensor-core grouped GEMMs: "stream" for few rows per expert
 # (weights streaming: deep 64-wide K steps keep more bytes in flight), "math" for many
 # (128-row tiles, shallow stages, fewer registers: two blocks per SM). NOTES.md has the data.
-GROUPED_CONFIGS = {"stream": (64, 64, 4), "math": (128, 32, 3)}
+GROUPED_CONFIGS = {"stream": (64, 64, 4), "math": (128, 32, 3), "stream_q": (64, 32, 4)}
+# quantized weights stream through "stream_q" instead of "stream": 32-wide K steps halve the
+# shared memory (raw codes + bf16 tiles) and the registers, so more blocks per SM hide the
+# conversion's latency (NOTES.md)
+QUANT_CONFIG = {"stream": "stream_q", "math": "math"}
 GROUPED_BN = 128  # cuda/grouped.cu GG_BN
 
 
@@ -98,9 +102,10 @@ MODULES: dict[str, ModuleSpec] = {
     "grouped": ModuleSpec(
         "grouped.cu",
         ("sort_count", "sort_scan", "sort_place", "make_tiles", "grouped_reduce")
-        + tuple(grouped_kernel(2, c)[0] for c in GROUPED_CONFIGS)  # the router: bf16
-        + tuple(grouped_kernel(mode, c, f)[0] for mode in (0, 1) for c in GROUPED_CONFIGS
-                for f in FORMAT_CODES.values()),
+        + tuple(grouped_kernel(2, c)[0] for c in ("stream", "math"))  # the router: bf16
+        + tuple(grouped_kernel(mode, c, 0)[0] for mode in (0, 1) for c in ("stream", "math"))
+        + tuple(grouped_kernel(mode, c, f)[0] for mode in (0, 1) for c in ("stream_q", "math")
+                for f in FORMAT_CODES.values() if f),
     ),
     "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(f"grouped_gemm_sm90<{m}>" for m in (0, 1, 2)),
                                archs=("sm_90a",)),

@@ -396,10 +396,11 @@ class MoeLayer:
         """(kernel, threads, dynamic smem) of a grouped GEMM: wgmma on Hopper where the math
         decides and the weights are bf16, except for row-invariant layers, whose every N must
         run the same instructions (the mma.sync configurations agree bit for bit; wgmma
-        need not). Quantized weights take the mma.sync kernel with in-register dequant."""
+        need not). Quantized weights take the mma.sync kernel with in-register dequant, in
+        its quantized streaming configuration where bf16 takes "stream"."""
         if config == "math" and fmt == 0 and self.lib.arch == "sm_90a" and not self.row_invariant:
             return f"grouped_gemm_sm90<{mode}>", 256, kernels.sm90_smem_bytes()
-        return kernels.grouped_kernel(mode, config, fmt)
+        return kernels.grouped_kernel(mode, kernels.QUANT_CONFIG[config] if fmt else config, fmt)
 
     def _launch_sort(self, N: int, s, has_shared: int) -> None:
         """(row, slot) pairs grouped by expert, stable: one block for few pairs, else three passes."""
