@@ -95,3 +95,50 @@ __device__ __forceinline__ float apply_activation(int act, float g, float u, flo
             return g * sigmoidf_(g) * u;
     }
 }
+
+// The reduce kernels' row prologue (decode_reduce, grouped_reduce: one block of THREADS
+// threads per row). Puts the row's k slot positions (and, when `s_w` is given, their
+// weights) in shared memory, so the loads of the k expert outputs that follow are
+// independent; sums the weights of the zero (identity) experts the row chose into
+// `zero_w` (primary rank only: they belong to no rank); returns the shared expert's scale,
+// sigmoid(x[row] . shared_gate_w), or 1 without a gate. `hide_routed` (the atomic path,
+// whose routed terms are already summed) stores -1 positions. Ends with a barrier.
+struct RowPrologue {
+    float shared_scale, zero_w;
+};
+template <int THREADS>
+__device__ __forceinline__ RowPrologue reduce_row_prologue(int row, int k, int E, int H, const int* __restrict__ pair_pos,
+                                                     const int* __restrict__ ids, const float* __restrict__ topk_w,
+                                                     const bf16* __restrict__ x, const float* __restrict__ shared_gate_w,
+                                                     int has_shared, int primary, bool hide_routed, int* s_pos,
+                                                     float* s_w) {
+    __shared__ float partial[THREADS / 32];
+    __shared__ float s_zero_w;
+    if (threadIdx.x < 32) {
+        float zw = 0.0f;
+        for (int s = threadIdx.x; s < k; s += 32) {
+            const int p = row * k + s;
+            const int pos = pair_pos[p];
+            s_pos[s] = hide_routed ? -1 : pos;
+            if (s_w) s_w[s] = topk_w[p];
+            if (pos < 0 && primary && ids[p] >= E) zw += topk_w[p];
+        }
+        zw = warp_sum(zw);
+        if (threadIdx.x == 0) s_zero_w = zw;
+    }
+    float scale = 1.0f;
+    if (has_shared && primary && shared_gate_w) {
+        const size_t rbase = (size_t)row * H;
+        float d = 0.0f;
+        for (int h = threadIdx.x; h < H; h += THREADS) d = fmaf(__bfloat162float(x[rbase + h]), shared_gate_w[h], d);
+        d = warp_sum(d);
+        if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = d;
+        __syncthreads();
+        float t = 0.0f;
+#pragma unroll
+        for (int i = 0; i < THREADS / 32; ++i) t += partial[i];
+        scale = sigmoidf_(t);
+    }
+    __syncthreads();
+    return RowPrologue{scale, s_zero_w};
+}

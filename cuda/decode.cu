@@ -25,6 +25,15 @@
 // (with no minimum it capped some variants at 64 and spilled; with 2, gate_up<1, 4> spilled
 // on sm_80). kernels --arch checks every variant for spills.
 #define DECODE_MIN_BLOCKS 1
+
+// Steps of the K loop unrolled: enough that a lane keeps ~8 weight loads in flight (16
+// for the 8- and 4-byte quantized loads), since at few rows the kernels are bound by
+// the latency of too few bytes in flight (Nsight Compute: 46-56 % of DRAM bandwidth at N = 1
+// with 2 steps). `loads` = weight loads per step, times the rows each is used for (more
+// rows per tile already give each load more work and take registers).
+__host__ __device__ constexpr int decode_unroll(int fmt, int loads) {
+    return (fmt == FMT_BF16 ? 8 : 16) / loads > 2 ? (fmt == FMT_BF16 ? 8 : 16) / loads : 2;
+}
 #define LISTS_THREADS 1024
 
 // Block-wide exclusive scan of one int per thread (blockDim.x == LISTS_THREADS).
@@ -175,7 +184,7 @@ decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
 #pragma unroll
             for (int c = 0; c < CW; ++c) ag[i][c] = au[i][c] = 0.0f;
         }
-#pragma unroll 2
+#pragma unroll(decode_unroll(FMT, 2 * CW * RT))
         for (int kk = lane * 8; kk < H; kk += 256) {
             WChunk<FMT> vg[CW], vu[CW];
 #pragma unroll
@@ -247,7 +256,7 @@ decode_down(const bf16* __restrict__ act, const int* __restrict__ num_active, co
         for (int i = 0; i < RT; ++i)
 #pragma unroll
             for (int c = 0; c < CW; ++c) a[i][c] = 0.0f;
-#pragma unroll 2
+#pragma unroll(decode_unroll(FMT, CW * RT))
         for (int kk = lane * 8; kk < I; kk += 256) {
             WChunk<FMT> vw[CW];
 #pragma unroll
@@ -285,45 +294,19 @@ decode_down(const bf16* __restrict__ act, const int* __restrict__ num_active, co
 // The row's slot table (position, weight) goes to shared memory first, so the loads of the
 // k expert outputs are independent and all in flight at once.
 #define REDUCE_THREADS 256
-__global__ void __launch_bounds__(REDUCE_THREADS)
+__global__ void __launch_bounds__(REDUCE_THREADS, 4)  // 4: up to 64 registers (ptxas chose 32 and spilled)
 decode_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ ids,
               const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const float* __restrict__ y,
               const float* __restrict__ acc, const float* __restrict__ shared_gate_w, bf16* __restrict__ out,
               int N, int H, int k, int E, int has_shared, int primary, int atomic) {
-    __shared__ float partial[REDUCE_THREADS / 32];
     __shared__ int s_pos[64];
     __shared__ float s_w[64];
-    __shared__ float s_zero_w;
     const int row = blockIdx.x;
     const size_t rbase = (size_t)row * H;
-    if (threadIdx.x < 32) {
-        float zw = 0.0f;
-        for (int s = threadIdx.x; s < k; s += 32) {
-            const int p = row * k + s;
-            const int pos = pair_pos[p];
-            const float w = topk_w[p];
-            s_pos[s] = atomic ? -1 : pos;  // atomic: routed terms are already in acc
-            s_w[s] = w;
-            if (pos < 0 && primary && ids[p] >= E) zw += w;  // identity expert: w * x
-        }
-        zw = warp_sum(zw);
-        if (threadIdx.x == 0) s_zero_w = zw;
-    }
-    float scale = 1.0f;
-    if (has_shared && primary && shared_gate_w) {
-        float d = 0.0f;
-        for (int h = threadIdx.x; h < H; h += REDUCE_THREADS) d = fmaf(__bfloat162float(x[rbase + h]), shared_gate_w[h], d);
-        d = warp_sum(d);
-        if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = d;
-        __syncthreads();
-        float t = 0.0f;
-#pragma unroll
-        for (int i = 0; i < REDUCE_THREADS / 32; ++i) t += partial[i];
-        scale = sigmoidf_(t);
-    }
-    __syncthreads();
+    const RowPrologue pro = reduce_row_prologue<REDUCE_THREADS>(row, k, E, H, pair_pos, ids, topk_w, x, shared_gate_w,
+                                                                has_shared, primary, atomic, s_pos, s_w);
+    const float scale = pro.shared_scale, zw = pro.zero_w;
     const int shared_pos = has_shared && primary ? pair_pos[N * k + row] : -1;
-    const float zw = s_zero_w;
     for (int h = threadIdx.x * 4; h < H; h += REDUCE_THREADS * 4) {
         float4 o = atomic ? *reinterpret_cast<const float4*>(acc + rbase + h) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8

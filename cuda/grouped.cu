@@ -309,37 +309,13 @@ grouped_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
                const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const bf16* __restrict__ yw,
                const float* __restrict__ shared_gate_w, bf16* __restrict__ out, int N, int H, int k, int E,
                int has_shared, int primary) {
-    __shared__ float partial[GREDUCE_THREADS / 32];
     __shared__ int s_pos[64];
-    __shared__ float s_zero_w;
     const int row = blockIdx.x;
     const size_t rbase = (size_t)row * H;
-    if (threadIdx.x < 32) {
-        float zw = 0.0f;
-        for (int s = threadIdx.x; s < k; s += 32) {
-            const int p = row * k + s;
-            const int pos = pair_pos[p];
-            s_pos[s] = pos;
-            if (pos < 0 && primary && ids[p] >= E) zw += topk_w[p];
-        }
-        zw = warp_sum(zw);
-        if (threadIdx.x == 0) s_zero_w = zw;
-    }
-    float scale = 1.0f;
-    if (has_shared && primary && shared_gate_w) {
-        float d = 0.0f;
-        for (int h = threadIdx.x; h < H; h += GREDUCE_THREADS) d = fmaf(__bfloat162float(x[rbase + h]), shared_gate_w[h], d);
-        d = warp_sum(d);
-        if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = d;
-        __syncthreads();
-        float t = 0.0f;
-#pragma unroll
-        for (int i = 0; i < GREDUCE_THREADS / 32; ++i) t += partial[i];
-        scale = sigmoidf_(t);
-    }
-    __syncthreads();
+    const RowPrologue pro = reduce_row_prologue<GREDUCE_THREADS>(row, k, E, H, pair_pos, ids, topk_w, x, shared_gate_w,
+                                                                 has_shared, primary, false, s_pos, nullptr);
+    const float scale = pro.shared_scale, zw = pro.zero_w;
     const int shared_pos = has_shared && primary ? pair_pos[N * k + row] : -1;
-    const float zw = s_zero_w;
     for (int h = threadIdx.x * 8; h < H; h += GREDUCE_THREADS * 8) {
         float o[8];
 #pragma unroll
