@@ -26,13 +26,15 @@
 // on sm_80). kernels --arch checks every variant for spills.
 #define DECODE_MIN_BLOCKS 1
 
-// Steps of the K loop unrolled: enough that a lane keeps ~8 weight loads in flight (16
-// for the 8- and 4-byte quantized loads), since at few rows the kernels are bound by
-// the latency of too few bytes in flight (Nsight Compute: 46-56 % of DRAM bandwidth at N = 1
-// with 2 steps). `loads` = weight loads per step, times the rows each is used for (more
-// rows per tile already give each load more work and take registers).
+// Steps of the K loop unrolled: enough that a lane keeps ~8 bf16 weight loads in flight
+// (16 of the 4-byte fp4 loads), since at few rows the kernels are bound by the latency of too
+// few bytes in flight (Nsight Compute: 46-56 % of DRAM bandwidth at N = 1 with 2 steps).
+// `loads` = weight loads per step, times the rows each is used for (more rows per tile
+// already give each load more work and take registers). Measured at N = 1 (NOTES.md):
+// bf16 42.4 -> 40.4 us and nvfp4 40.2 -> 37.3 on qwen3-30b-a3b; fp8 got slower with 16
+// (36.5 -> 41.2), so it keeps the 2 steps it was measured with.
 __host__ __device__ constexpr int decode_unroll(int fmt, int loads) {
-    return (fmt == FMT_BF16 ? 8 : 16) / loads > 2 ? (fmt == FMT_BF16 ? 8 : 16) / loads : 2;
+    return fmt == FMT_FP8 ? 2 : ((fmt == FMT_BF16 ? 8 : 16) / loads > 2 ? (fmt == FMT_BF16 ? 8 : 16) / loads : 2);
 }
 #define LISTS_THREADS 1024
 
