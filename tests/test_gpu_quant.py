@@ -145,3 +145,23 @@ def test_the_main_job_verify_command_passes():
 
     assert verify_families(["qwen2_moe", "gpt_oss"], [1, 17, 100], ["decode", "atomic", "prefill"],
                            formats_=("bf16", "fp8_block", "nvfp4", "mxfp4")) == 0
+
+
+@pytest.mark.parametrize("family,fmt", [("deepseek_v3", "fp8_block"), ("qwen3_moe", "nvfp4"), ("gpt_oss", "mxfp4")])
+def test_from_pretrained_quantized_checkpoint(tmp_path, rng, family, fmt):
+    """A checkpoint in the format's hub layout (DeepSeek-V3 weight_scale_inv, ModelOpt
+    weight_scale / weight_scale_2, gpt-oss _blocks / _scales; written by save_layer, whose
+    round trips are bit-exact on the CPU) runs through MoeLayer.from_pretrained."""
+    from cupymoe import MoeLayer, checkpoint
+
+    cfg = testing.tiny_config(family)
+    hw = testing.random_host_weights(cfg, rng, fmt)
+    checkpoint.save_layer(tmp_path, testing.hf_config_dict(family), 1, hw)
+    want_cfg, loaded = checkpoint.load_layer(tmp_path, 1)
+    layer = MoeLayer.from_pretrained(tmp_path, 1, max_tokens=300)
+    assert layer.cfg == want_cfg and layer.weights.format == fmt
+    for n in (3, 300):
+        x = well_separated_input(want_cfg, loaded, rng, n)
+        path = layer.select_path(n)
+        c = check(run_layer(layer, x), want_cfg, loaded, x, path)
+        assert c.ok, f"{family} {fmt} N={n} {path}: {c}"
