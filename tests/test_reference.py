@@ -636,3 +636,50 @@ def test_kernel_weights_model_what_the_kernels_round():
     assert grp.gate[e, i, j] == want
     d = np.abs(grp.gate.astype(np.float64) - formats.dequantize(hw.gate))
     assert 0 < d.max() and np.all(d <= 2.0 ** -8 * np.abs(formats.dequantize(hw.gate)))  # bf16's unit roundoff
+
+
+def test_w8a8_activation_quantization_and_how_far_it_moves_the_output():
+    """w8a8 (`activations="fp8_block"`, DeepSeek-V3's fp8 inference) quantizes the input of
+    every fp8-block projection per row and 128-column group. e4m3 keeps 4 significant bits:
+    one rounding moves a value by at most 2^-4 of itself (normal range), ~0.42 * 2^-4 = 2.6e-2
+    rms over values spread across binades (measured 2.65e-2 here). Two roundings per expert
+    (the gate/up input, the down input), independent: ~3.7e-2 normwise expected (measured
+    3.3e-2 .. 4.3e-2 over five families); the bound is 2^-4 = 6.25e-2, and the move is not
+    vacuously small (> 1e-2): that is what a w8a8 kernel's exact-reference tolerance must
+    absorb, on top of the bf16 roundings (cupymoe/verify.py)."""
+    from cupymoe import formats, testing
+
+    rng = np.random.default_rng(11)
+    # the quantizer: amax kept exactly, normal-range elements within 2^-4, zero groups zero,
+    # a partial last group (300 = 2 * 128 + 44) handled
+    a = rng.standard_normal((40, 300))
+    a[3, 128:256] = 0.0
+    q = reference.quantize_activations_fp8(a)
+    for c0 in (0, 128, 256):
+        g, gq = a[:, c0:c0 + 128], q[:, c0:c0 + 128]
+        amax = np.abs(g).max(axis=1)
+        assert np.allclose(np.abs(gq).max(axis=1), amax, rtol=1e-6)
+        s = amax / 448.0
+        normal = (np.abs(g) >= 2.0 ** -6 * s[:, None]) & (g != 0)
+        rel = np.abs(gq - g)[normal] / np.abs(g)[normal]
+        assert rel.max() <= 2.0 ** -4 * (1 + 1e-6)
+    assert not q[3, 128:256].any()
+    nz = a != 0
+    rms = np.sqrt(np.mean(((q[nz] - a[nz]) / a[nz]) ** 2))
+    assert 0.5 * 0.42 * 2.0 ** -4 < rms < 2 * 0.42 * 2.0 ** -4
+
+    for fam in ("deepseek_v3", "qwen3_moe", "gpt_oss"):
+        cfg = testing.tiny_config(fam)
+        hw = testing.random_host_weights(cfg, rng, "fp8_block")
+        x = testing.random_input(rng, 64, cfg.hidden_size)
+        exact = reference.moe_forward(cfg, hw, x)
+        w8a8 = reference.moe_forward(cfg, hw, x, activations="fp8_block")
+        err = np.linalg.norm(w8a8 - exact) / np.linalg.norm(exact)
+        assert 1e-2 < err <= 2.0 ** -4, f"{fam}: {err:.3e}"
+        # bf16 experts are untouched by the activation format
+        hb = testing.random_host_weights(cfg, rng, "bf16")
+        assert np.array_equal(reference.moe_forward(cfg, hb, x, activations="fp8_block"),
+                              reference.moe_forward(cfg, hb, x))
+    with pytest.raises(ValueError, match="activations="):
+        reference.moe_forward(cfg, hw, x, activations="fp4")
+    assert formats.E4M3_MAX == 448.0
