@@ -165,3 +165,34 @@ def test_from_pretrained_quantized_checkpoint(tmp_path, rng, family, fmt):
         path = layer.select_path(n)
         c = check(run_layer(layer, x), want_cfg, loaded, x, path)
         assert c.ok, f"{family} {fmt} N={n} {path}: {c}"
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "nvfp4", "mxfp4"])
+def test_quantized_expert_parallel_partials_sum_to_full_layer(rng, fmt):
+    """Expert parallelism with quantized experts: each rank keeps its experts' codes and
+    scales (an interleaved expert -> rank map, so the selection is an index array, not a
+    slice), its partial matches the reference's partial, and the partials sum to the full
+    layer (each partial's bf16 rounding in the envelope, cupymoe/verify.py)."""
+    from cupymoe import MoeLayer
+    from cupymoe.parallel import owned_experts
+    from cupymoe.verify import PATH_ROUNDING
+
+    cfg = testing.tiny_config("deepseek_v3")
+    hw = testing.random_host_weights(cfg, rng, fmt, shared_fmt="bf16")
+    owner = [e % 2 for e in range(cfg.num_experts)]
+    for path, n in (("decode", 17), ("prefill", 300)):
+        x = well_separated_input(cfg, hw, rng, n)
+        parts = []
+        for rank in range(2):
+            rcfg = cfg.replace(ep_world_size=2, ep_rank=rank)
+            owned = owned_experts(rcfg, owner)
+            layer = MoeLayer(rcfg, hw, max_tokens=300, decode_max_tokens=64, expert_owner=owner)
+            out = run_layer(layer, x, path)
+            exact = reference.moe_forward(rcfg, hw, x, owned_experts=owned)
+            faithful = reference.moe_forward(rcfg, hw, x, owned_experts=owned, rounding=PATH_ROUNDING[path])
+            c = compare(out, exact, faithful, roundings=path_roundings(hw, path))
+            assert c.ok, f"{fmt} {path} rank {rank}: {c}"
+            parts.append((out, exact))
+        c = compare(parts[0][0] + parts[1][0], reference.moe_forward(cfg, hw, x), roundings=path_roundings(hw, path),
+                    partials=[p[1] for p in parts])
+        assert c.ok, f"{fmt} {path} sum of partials: {c}"
