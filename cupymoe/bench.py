@@ -615,6 +615,10 @@ def run_bench(args) -> int:
     fmts = list(dict.fromkeys(getattr(args, "formats", None) or ["bf16"]))
     results: list[dict] = []
     skipped: list[dict] = []
+    from . import kernels
+
+    print(f"compiling or loading the kernels for {gpu} (cache: {kernels.cache_dir()}) ...", flush=True)
+    kernels.library(cupy.cuda.runtime.getDevice(), progress=lambda line: print("  " + line, flush=True))
     for shape in args.preset:
         cfg = preset_config(shape, routed_only=not args.full_layer)
         for fmt in fmts:

@@ -389,7 +389,11 @@ class KernelLibrary:
     compiled inside a forward or during graph capture.
     """
 
-    def __init__(self, device_id: int, modules: Optional[Iterable[str]] = None):
+    def __init__(self, device_id: int, modules: Optional[Iterable[str]] = None, progress=None):
+        """`progress(line)`, when given, hears about each module as it is compiled or read
+        from the cache (the first build takes tens of seconds)."""
+        import time
+
         import cupy
 
         self.device_id = device_id
@@ -399,7 +403,11 @@ class KernelLibrary:
             self._functions: dict[str, object] = {}
             self._modules = []
             for name in modules_for(self.arch) if modules is None else modules:
+                t0 = time.perf_counter()
                 cm = compile_module(name, self.arch)
+                if progress:
+                    how = "from the cache" if cm.from_cache else f"compiled in {time.perf_counter() - t0:.1f} s"
+                    progress(f"kernels: {name} for {self.arch} {how}")
                 mod = cupy.cuda.function.Module()
                 mod.load(cm.cubin)
                 self._modules.append(mod)  # keep the module alive as long as its functions
@@ -423,9 +431,9 @@ class KernelLibrary:
 _LIBRARIES: dict[int, KernelLibrary] = {}
 
 
-def library(device_id: int) -> KernelLibrary:
+def library(device_id: int, progress=None) -> KernelLibrary:
     """The process-wide KernelLibrary of a device (compiled once, shared by every layer)."""
     lib = _LIBRARIES.get(device_id)
     if lib is None:
-        lib = _LIBRARIES[device_id] = KernelLibrary(device_id)
+        lib = _LIBRARIES[device_id] = KernelLibrary(device_id, progress=progress)
     return lib
