@@ -72,6 +72,15 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _check_scales(name: str, field: str, values: np.ndarray, bad: np.ndarray) -> None:
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        v = values[idx]
+        shown = f"byte 0x{int(v):02X}" if values.dtype == np.uint8 else repr(float(v))
+        raise ValueError(f"{name}.{field}[{', '.join(map(str, idx))}] = {shown}: not a usable scale "
+                         f"({int(bad.sum())} such in {values.size}); the checkpoint is corrupt or mis-read")
+
+
 def on_device(a: Any) -> bool:
     """A CuPy array: the containers accept device arrays as they are (no dequantize then)."""
     return type(a).__module__.startswith("cupy")
@@ -120,6 +129,11 @@ class Fp8BlockWeight:
     def __getitem__(self, idx) -> "Fp8BlockWeight":
         """Index the leading (expert) axes only; rows of one matrix share block scales."""
         return Fp8BlockWeight(self.q[idx], self.scale_inv[idx])
+
+    def check_scales(self, name: str) -> None:
+        """Raise ValueError naming the first non-finite block scale (a corrupt or mis-read
+        checkpoint would otherwise give NaN outputs, silently)."""
+        _check_scales(name, "scale_inv", self.scale_inv, ~np.isfinite(self.scale_inv))
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
         out, inn = self.q.shape[-2:]
@@ -174,6 +188,12 @@ class Nvfp4Weight:
         isc = None if self.input_scale is None else np.asarray(self.input_scale)[idx]
         return Nvfp4Weight(self.packed[idx], self.scale[idx], self.scale_2[idx], isc)
 
+    def check_scales(self, name: str) -> None:
+        """Raise ValueError naming the first NaN e4m3 group scale or non-finite scale_2."""
+        bits = self.scale.view(np.uint8)
+        _check_scales(name, "weight_scale", bits, (bits & 0x7F) == 0x7F)
+        _check_scales(name, "weight_scale_2", self.scale_2, ~np.isfinite(self.scale_2))
+
     def dequantize(self, dtype=np.float32) -> np.ndarray:
         vals = e2m1_decode(unpack_nibbles(self.packed)).astype(np.float64)
         s = np.repeat(self.scale.astype(np.float64), NVFP4_GROUP, axis=-1)
@@ -211,6 +231,10 @@ class Mxfp4Weight:
 
     def __getitem__(self, idx) -> "Mxfp4Weight":
         return Mxfp4Weight(self.blocks[idx], self.scales[idx])
+
+    def check_scales(self, name: str) -> None:
+        """Raise ValueError naming the first e8m0 scale 255 (the format's NaN)."""
+        _check_scales(name, "scales", self.scales, self.scales == 255)
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
         vals = e2m1_decode(unpack_nibbles(self.blocks))  # [..., out, in/32, 32]

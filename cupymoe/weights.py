@@ -181,6 +181,8 @@ class _DeviceMatrix:
         if self.K % need:
             raise UnsupportedFormatError(f"{name}: {fmt} weights need the input width to be a multiple of {need} "
                                          f"(the kernels read whole 16-byte chunks of codes), found {shape}")
+        if fmt != "bf16" and not formats.on_device(getattr(t, "q", getattr(t, "packed", getattr(t, "blocks", None)))):
+            t.check_scales(name)  # host arrays only: a CuPy container is the caller's own draw
         self.g = np.ones(self.count, np.float32)
         self.s = None
         if fmt == "bf16":

@@ -606,3 +606,29 @@ def test_weight_format_and_dequantize_on_plain_arrays():
     assert formats.weight_format(f32.astype(BF16)) == "bf16"
     got = formats.dequantize(f32.astype(BF16))
     assert got.dtype == np.float64 and np.array_equal(got, f32)  # 0..5 are exact in bf16
+
+
+def test_check_scales_names_the_first_unusable_scale():
+    """A corrupt or mis-read checkpoint must not reach the GPU as NaN scales: the device
+    upload calls check_scales, which names the tensor, the field, the index and the value."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((2, 130, 96)).astype(np.float32)
+    f8 = formats.quantize(w, "fp8_block")
+    f8.check_scales("gate")  # a clean one passes
+    f8.scale_inv[1, 1, 0] = np.nan
+    with pytest.raises(ValueError, match=r"gate\.scale_inv\[1, 1, 0\] = nan.*1 such in 4"):
+        f8.check_scales("gate")
+    nv = formats.quantize(w, "nvfp4")
+    nv.check_scales("up")
+    nv.scale.view(np.uint8)[0, 3, 2] = 0x7F  # e4m3's NaN
+    with pytest.raises(ValueError, match=r"up\.weight_scale\[0, 3, 2\] = byte 0x7F"):
+        nv.check_scales("up")
+    nv = formats.quantize(w, "nvfp4")
+    nv.scale_2[1] = np.inf
+    with pytest.raises(ValueError, match=r"up\.weight_scale_2\[1\] = inf"):
+        nv.check_scales("up")
+    mx = formats.quantize(w, "mxfp4")
+    mx.check_scales("down")
+    mx.scales[1, 0, 2] = 255  # e8m0's NaN
+    with pytest.raises(ValueError, match=r"down\.scales\[1, 0, 2\] = byte 0xFF"):
+        mx.check_scales("down")
