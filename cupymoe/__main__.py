@@ -2,6 +2,7 @@
 
     python -m cupymoe kernels --arch sm_90a   compile cuda/ through NVRTC, print resources
     python -m cupymoe info                    versions, device, the arch we compile for
+    python -m cupymoe inspect DIR             a checkpoint's MoE layers as cupymoe reads them
     python -m cupymoe verify                  every family and format on the GPU against the reference
     python -m cupymoe bench --help            decode timings against the floor
 """
@@ -79,6 +80,56 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_inspect(args) -> int:
+    """What cupymoe reads from a checkpoint (no GPU): the config mapping, which layers are
+    MoE, and for one layer every tensor's format and shape, the bytes, and whether the GPU
+    kernels serve it."""
+    from . import checkpoint, formats, kernels
+    from .config import DenseLayerError, MoeConfig
+
+    config = checkpoint.read_config(args.dir)
+    n_layers = int(config.get("num_hidden_layers", config.get("num_layers", 0)) or 0)
+    moe = []
+    for i in range(n_layers):
+        try:
+            MoeConfig.from_hf(config, i)
+            moe.append(i)
+        except DenseLayerError:
+            pass
+    print(f"{args.dir}: model_type {config.get('model_type')}, {n_layers} layers, MoE layers: "
+          f"{_ranges(moe) if moe else 'none'}")
+    layer = args.layer if args.layer is not None else (moe[0] if moe else 0)
+    cfg, hw = checkpoint.load_layer(args.dir, layer)
+    print(f"layer {layer}: {cfg}")
+    total = 0
+    for name in hw.names():
+        t = getattr(hw, name)
+        fmt = formats.weight_format(t)
+        label = fmt if fmt != "bf16" else str(getattr(t, "dtype", "bf16"))
+        nbytes = int(t.nbytes)
+        total += nbytes
+        note = ""
+        if fmt != "bf16" and name in ("gate", "up", "down", "shared_gate", "shared_up", "shared_down"):
+            need = kernels.FORMAT_K_MULTIPLE[fmt]
+            if t.shape[-1] % need:
+                note = f"  NOT served by the GPU kernels: input width {t.shape[-1]} is not a multiple of {need}"
+        elif fmt != "bf16" and name == "router":
+            note = "  (dequantized once to bf16 at load)"
+        print(f"  {name:<20} {label:<10} {str(tuple(t.shape)):<22} {nbytes / 1e6:10.2f} MB{note}")
+    print(f"  total {total / 1e9:.3f} GB for this layer")
+    return 0
+
+
+def _ranges(idx: list[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    out, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    return ", ".join(out)
+
+
 def cmd_verify(args) -> int:
     require_gpu("verify")
     from .verify import verify_families
@@ -106,6 +157,11 @@ def main(argv=None) -> int:
 
     i = sub.add_parser("info", help="versions, GPUs and the arch the kernels are compiled for")
     i.set_defaults(fn=cmd_info)
+
+    c = sub.add_parser("inspect", help="a checkpoint's MoE layers as cupymoe reads them (no GPU needed)")
+    c.add_argument("dir", help="a Hugging Face checkpoint directory (config.json + safetensors)")
+    c.add_argument("--layer", type=int, default=None, help="the layer to load (default: the first MoE layer)")
+    c.set_defaults(fn=cmd_inspect)
 
     from .testing import FAMILIES
 

@@ -650,3 +650,28 @@ def test_longcat_router_bias_round_trip(tmp_path):
     got_cfg, got = load_layer(tmp_path, LAYER)
     assert got_cfg == cfg
     np.testing.assert_array_equal(got.router_bias, hw.router_bias)
+
+
+def test_inspect_command_reports_the_layers_formats_and_refusals(tmp_path, capsys):
+    """`python -m cupymoe inspect DIR`: which layers are MoE, each tensor's format, shape and
+    bytes, and a tensor the GPU kernels cannot read named with the reason (no GPU needed)."""
+    from cupymoe import testing
+    from cupymoe.__main__ import main
+
+    rng = np.random.default_rng(3)
+    cfg = testing.tiny_config("deepseek_v3")
+    hw = random_host_weights(cfg, rng, "fp8_block", router_fmt="fp8_block", shared_fmt="bf16")
+    save_layer(tmp_path / "ds", testing.hf_config_dict("deepseek_v3"), 1, hw)
+    assert main(["inspect", str(tmp_path / "ds")]) == 0
+    out = capsys.readouterr().out
+    assert "3 layers, MoE layers: 1-2" in out  # first_k_dense_replace = 1
+    assert "router               fp8_block  (16, 160)" in out and "dequantized once to bf16" in out
+    assert "shared_gate          bfloat16   (128, 160)" in out and "NOT served" not in out
+    # nvfp4 with an input width the kernels cannot read in whole chunks (80 % 32 != 0)
+    cfg = testing.tiny_config("qwen3_moe", hidden_size=80)
+    hw = random_host_weights(cfg, rng, "nvfp4")
+    save_layer(tmp_path / "q", testing.hf_config_dict("qwen3_moe", hidden_size=80), 0, hw)
+    assert main(["inspect", str(tmp_path / "q"), "--layer", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "gate                 nvfp4      (15, 64, 80)" in out
+    assert "NOT served by the GPU kernels: input width 80 is not a multiple of 32" in out
