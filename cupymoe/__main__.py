@@ -117,6 +117,12 @@ def cmd_inspect(args) -> int:
             note = "  (dequantized once to bf16 at load)"
         print(f"  {name:<20} {label:<10} {str(tuple(t.shape)):<22} {nbytes / 1e6:10.2f} MB{note}")
     print(f"  total {total / 1e9:.3f} GB for this layer")
+    from .layer import DEFAULT_DECODE_MAX_TOKENS, plan_layer_arena
+
+    i_max = max(cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
+    for T in args.max_tokens:
+        plan = plan_layer_arena(cfg, T, cfg.num_experts, i_max, min(T, DEFAULT_DECODE_MAX_TOKENS))
+        print(f"  scratch (arena) at max_tokens={T}: {plan.total_bytes / 1e6:.1f} MB")
     return 0
 
 
@@ -161,6 +167,8 @@ def main(argv=None) -> int:
     c = sub.add_parser("inspect", help="a checkpoint's MoE layers as cupymoe reads them (no GPU needed)")
     c.add_argument("dir", help="a Hugging Face checkpoint directory (config.json + safetensors)")
     c.add_argument("--layer", type=int, default=None, help="the layer to load (default: the first MoE layer)")
+    c.add_argument("--max-tokens", type=int, nargs="+", default=[64, 4096],
+                   help="report the layer's scratch memory at these max_tokens")
     c.set_defaults(fn=cmd_inspect)
 
     from .testing import FAMILIES
