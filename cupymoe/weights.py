@@ -125,7 +125,7 @@ class DeviceWeights:
             gscale = {p + "_gscale": np.ones(slots, np.float32) for p in PROJECTIONS}
             slot_fmt = np.zeros(slots, np.int32)
             inter = np.zeros(slots, np.int32)
-            for p, m in mats.items():
+            for m in mats.values():
                 m.fill(tables, gscale, range(n))
             for e in range(n):
                 if gb is not None:
