@@ -2,12 +2,17 @@
 # The whole GPU check of a session in one command (the lent machine's time is scarce):
 # the GPU tests, then the benchmark grid with the torch peers, one process per preset
 # (a failure in one preset cannot take the others down), then the quantized formats and
-# the decode path forced at N = 16, 64 for them (the dispatch data). Logs and JSON go to $OUT.
+# the decode path forced at N = 16, 64 for them (the dispatch data). Logs, JSON and plots
+# come back as $OUT/check.tgz.
 #
 #   OUT=/tmp/out bash scripts/device_check.sh
 set -u
-OUT=${OUT:?set OUT to a folder for the logs}
+DEST=${OUT:?set OUT to a folder for the logs}
+# the device tool brings back a limited number of files: work in a scratch folder and hand
+# back one archive of it (check.tgz) at the end
+OUT=$(mktemp -d)
 mkdir -p "$OUT/plots"
+trap 'tar czf "$DEST/check.tgz" -C "$OUT" .' EXIT
 timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc $?: $(tail -1 "$OUT/gpu_tests.log")"
 grep FAILED "$OUT/gpu_tests.log" | head -5
