@@ -63,7 +63,7 @@ def grouped_smem_bytes(bm: int, bk: int, stages: int, fmt: int = 0) -> int:
     stages; quantized formats keep two bf16 B tiles plus the raw code stages."""
     if fmt == 0:
         return stages * (bm + GROUPED_BN) * bk * 2
-    bits = {1: 8, 2: 4, 3: 4}[fmt]
+    bits = FORMAT_BITS[next(name for name, code in FORMAT_CODES.items() if code == fmt)]
     return stages * bm * bk * 2 + 2 * GROUPED_BN * bk * 2 + stages * GROUPED_BN * bk * bits // 8
 
 

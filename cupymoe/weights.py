@@ -66,7 +66,8 @@ def router_bf16(t: Any) -> Any:
     if formats.weight_format(t) == "bf16":
         return t
     if formats.on_device(getattr(t, "q", getattr(t, "packed", None))):
-        raise UnsupportedFormatError("router: a quantized router must be given as host (numpy) arrays")
+        raise UnsupportedFormatError(f"router: a quantized router ({formats.weight_format(t)}) must hold host "
+                                     "(numpy) arrays, found CuPy arrays: it is dequantized on the host at load")
     return formats.dequantize(t, np.float64).astype(np.float32).astype(formats.BF16)
 
 
@@ -171,7 +172,7 @@ class _DeviceMatrix:
 
     def __init__(self, t: Any, proj: str, name: str, upload, stacked: bool = True):
         self.proj = proj  # gate / up / down: the tables it fills
-        self.format = fmt = formats.weight_format(t)
+        fmt = formats.weight_format(t)
         if fmt not in FORMAT_CODES:
             raise UnsupportedFormatError(f"{name}: format {fmt!r} is not one the kernels read {sorted(FORMAT_CODES)}")
         shape = tuple(int(d) for d in t.shape)
