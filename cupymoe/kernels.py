@@ -76,6 +76,15 @@ def sm90_smem_bytes() -> int:
     return grouped_smem_bytes(bm, bk, st) + 1024
 
 
+SM90_FP8_TILE = (128, 128, 4)  # BM, BK (bytes), stages of grouped_gemm_sm90_fp8
+
+
+def sm90_fp8_smem_bytes() -> int:
+    """grouped_gemm_sm90_fp8's stages of e4m3 A and B tiles, plus 1 KB to align them."""
+    bm, bk, st = SM90_FP8_TILE
+    return st * (bm + GROUPED_BN) * bk + 1024
+
+
 def grouped_kernel(mode: int, config: str, fmt: int = 0) -> tuple[str, int, int]:
     """(name expression, threads, dynamic smem bytes) of a grouped GEMM configuration."""
     bm, bk, st = GROUPED_CONFIGS[config]
@@ -109,6 +118,9 @@ MODULES: dict[str, ModuleSpec] = {
     ),
     "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(f"grouped_gemm_sm90<{m}>" for m in (0, 1, 2)),
                                archs=("sm_90a",)),
+    "grouped_sm90_fp8": ModuleSpec("grouped_sm90_fp8.cu",
+                                   ("quantize_rows_fp8",) + tuple(f"grouped_gemm_sm90_fp8<{m}>" for m in (0, 1)),
+                                   archs=("sm_90a",)),
     "decode": ModuleSpec(
         "decode.cu",
         ("decode_build_lists", "decode_reduce")
@@ -415,6 +427,7 @@ class KernelLibrary:
                     fn = mod.get_function(mangled)
                     m = re.fullmatch(r"grouped_gemm<\d+, (\d+), (\d+), (\d+), (\d+)>", expr)
                     smem = (grouped_smem_bytes(*(int(g) for g in m.groups())) if m
+                            else sm90_fp8_smem_bytes() if expr.startswith("grouped_gemm_sm90_fp8")
                             else sm90_smem_bytes() if expr.startswith("grouped_gemm_sm90") else 0)
                     if smem:  # opt in to more than 48 KB of dynamic shared memory, once
                         drv = cupy.cuda.driver

@@ -35,10 +35,11 @@ from .config import MoeConfig
 from .host_weights import HostWeights
 from .profiling import StageTimer, dump_dir, profile_enabled, write_dumps
 from .parallel import Communicator, check_communicator, owned_experts
-from .weights import DeviceWeights
+from .weights import DeviceWeights, UnsupportedFormatError
 
 log = logging.getLogger(__name__)
 
+FP8_COMPUTE = ("auto", "w8a8", "w8a16")
 PATHS = ("auto", "decode", "atomic", "prefill")
 STAGES = ("route", "norm", "sort", "gate_up", "down", "reduce")
 # auto: decode up to this many rows, grouped tensor-core GEMMs above: the measured
@@ -105,8 +106,10 @@ def _cols_per_warp(warp_columns: int, rt: int, variants) -> int:
 
 
 def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
-                     decode_max_tokens: int) -> ArenaPlan:
-    """The layer's buffers, their live stages and the ONE alias table."""
+                     decode_max_tokens: int, w8a8: bool = False, w8a8_shared_x: bool = False) -> ArenaPlan:
+    """The layer's buffers, their live stages and the ONE alias table. `w8a8`: the e4m3
+    copies of the expert input and of the activation, with their scales per 128 columns;
+    `w8a8_shared_x`: also x's, for an fp8 shared expert behind a pre-expert norm."""
     T, k, H, R = max_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.router_width
     sh = 1 if cfg.has_shared_expert else 0
     P = T * k + sh * T  # expert positions: every routed pair, plus one shared row per token
@@ -133,6 +136,13 @@ def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
         BufferSpec("y", Pd * H * 4, "down", "reduce"),  # decode: fp32 expert outputs
         BufferSpec("yw", P * H * 2, "down", "reduce"),  # grouped: weighted bf16 expert outputs
         BufferSpec("acc", Td * H * 4, "sort", "reduce"),  # atomic path: zeroed in 'sort'
+        # w8a8 (grouped path, fp8 experts on sm_90a): e4m3 codes and per-128-column scales
+        BufferSpec("qx", T * H if w8a8 else 0, "sort", "gate_up"),
+        BufferSpec("sx", T * -(-H // 128) * 4 if w8a8 else 0, "sort", "gate_up"),
+        BufferSpec("qx_shared", T * H if w8a8_shared_x else 0, "sort", "gate_up"),
+        BufferSpec("sx_shared", T * -(-H // 128) * 4 if w8a8_shared_x else 0, "sort", "gate_up"),
+        BufferSpec("qact", P * i_max if w8a8 else 0, "gate_up", "down"),
+        BufferSpec("sact", P * -(-i_max // 128) * 4 if w8a8 else 0, "gate_up", "down"),
     ]
     # logits die once top-k has read them; act is born at gate_up.
     aliases = [("logits", "act")]
@@ -156,11 +166,15 @@ class MoeLayer:
                  device: Optional[int] = None, path: str = "auto", row_invariant: bool = False,
                  atomic_max_tokens: int = DEFAULT_ATOMIC_MAX_TOKENS,
                  decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS,
-                 comm: Optional[Communicator] = None, expert_owner: Optional[Sequence[int]] = None):
+                 comm: Optional[Communicator] = None, expert_owner: Optional[Sequence[int]] = None,
+                 fp8_compute: str = "auto"):
         """Options: `path`, `row_invariant`, `decode_max_tokens`, `atomic_max_tokens` (module
         docstring); `comm` sums the expert-parallel partials (cupymoe.parallel; without it an
         EP layer writes its rank's partial); `expert_owner[e]` = the rank computing expert e
-        (default: contiguous blocks of E / ep_world_size)."""
+        (default: contiguous blocks of E / ep_world_size). `fp8_compute` for fp8-block
+        experts on the grouped path: "w8a8" (sm_90a: activations quantized per row and 128
+        columns, e4m3 tensor cores), "w8a16" (weights dequantized to bf16 in registers, any
+        GPU), "auto" (w8a8 where it runs). The decode and atomic paths read fp8 as w8a16."""
         import cupy
 
         if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens <= 0:
@@ -199,8 +213,12 @@ class MoeLayer:
             # format): the expert kernels run once per format
             fmts = [self.weights.format] + ([self.weights.shared_format] if self.weights.shared_format else [])
             self._format_codes = tuple(dict.fromkeys(kernels.FORMAT_CODES[f] for f in fmts))
+            self.fp8_compute = self._choose_fp8_compute(fp8_compute)
+            w8a8 = self.fp8_compute == "w8a8"
+            # an fp8 shared expert reads x, not the normed xe: then x needs its own e4m3 copy
+            self._w8a8_shared_x = w8a8 and self.weights.shared_format == "fp8_block" and cfg.pre_expert_norm
             self.arena = Arena(plan_layer_arena(cfg, self.max_tokens, self.weights.n_local, self.weights.i_max,
-                                                self.decode_max_tokens), self.device_id)
+                                                self.decode_max_tokens, w8a8, self._w8a8_shared_x), self.device_id)
             cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
         self._streams: dict[int, Any] = {}
@@ -392,12 +410,30 @@ class MoeLayer:
         with timer.stage("reduce"):
             self._launch_reduce(x, xe, out, N, s, atomic, has_shared)
 
+    def _choose_fp8_compute(self, wanted: str) -> str:
+        """'w8a8' or 'w8a16' for this layer's fp8-block experts (None when it has none)."""
+        if wanted not in FP8_COMPUTE:
+            raise ValueError(f"fp8_compute={wanted!r}: must be one of {FP8_COMPUTE}")
+        if kernels.FORMAT_CODES["fp8_block"] not in self._format_codes:
+            if wanted == "w8a8":
+                raise UnsupportedFormatError("fp8_compute='w8a8' needs fp8_block experts; this layer's are "
+                                             f"{self.weights.format} (shared: {self.weights.shared_format})")
+            return None
+        if self.lib.arch != "sm_90a":
+            if wanted == "w8a8":
+                raise UnsupportedFormatError(f"fp8_compute='w8a8' needs sm_90a (wgmma e4m3); this device is "
+                                             f"{self.lib.arch}: use fp8_compute='w8a16'")
+            return "w8a16"
+        return "w8a16" if wanted == "w8a16" else "w8a8"
+
     def _grouped_kernel(self, mode: int, config: str, fmt: int = 0) -> tuple[str, int, int]:
         """(kernel, threads, dynamic smem) of a grouped GEMM: wgmma on Hopper where the math
         decides and the weights are bf16, except for row-invariant layers, whose every N must
         run the same instructions (the mma.sync configurations agree bit for bit; wgmma
         need not). Quantized weights take the mma.sync kernel with in-register dequant, in
         its quantized streaming configuration where bf16 takes "stream"."""
+        if fmt == kernels.FORMAT_CODES["fp8_block"] and self.fp8_compute == "w8a8":
+            return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes()
         if config == "math" and fmt == 0 and self.lib.arch == "sm_90a" and not self.row_invariant:
             return f"grouped_gemm_sm90<{mode}>", 256, kernels.sm90_smem_bytes()
         return kernels.grouped_kernel(mode, kernels.QUANT_CONFIG[config] if fmt else config, fmt)
@@ -438,7 +474,18 @@ class MoeLayer:
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
         # the math-bound configuration once the average expert run fills its 128-row tiles
         config = "math" if N * k >= 96 * W.n_local else "stream"
-        bm = kernels.GROUPED_CONFIGS[config][0]  # the sm90 kernel's tiles are 128 rows too
+        w8a8 = self.fp8_compute == "w8a8"
+        if w8a8:  # the w8a8 kernel's tiles are 128 rows: every format of the layer takes them
+            config = "math"
+        bm = kernels.GROUPED_CONFIGS[config][0]  # the sm90 kernels' tiles are 128 rows too
+        fp8 = kernels.FORMAT_CODES["fp8_block"]
+        qx, sx = A.ptr("qx") if w8a8 else 0, A.ptr("sx") if w8a8 else 0
+        qxs, sxs = (A.ptr("qx_shared"), A.ptr("sx_shared")) if self._w8a8_shared_x else (qx, sx)
+        if w8a8:
+            with timer.stage("quantize"):
+                self._quantize_rows(xe, N, H, H, 0, 0, 0, qx, sx, s)
+                if self._w8a8_shared_x:
+                    self._quantize_rows(x, N, H, H, 0, 0, 0, qxs, sxs, s)
         tiles = max(1, max_tiles(N, k, W.n_local, bool(has_shared)))  # a bound for either tile height
         with timer.stage("gate_up"):
             lib["make_tiles"]((1,), (1024,),
@@ -447,6 +494,7 @@ class MoeLayer:
                                _u64(A.ptr("tile_info"))), stream=s)
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' tiles
                 gate_up, threads, smem = self._grouped_kernel(0, config, fmt)
+                extra = (_u64(qx), _u64(sx), _u64(qxs), _u64(sxs)) if w8a8 and fmt == fp8 else ()
                 lib[gate_up](
                     (-(-W.i_max // 64), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(0), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
@@ -455,11 +503,18 @@ class MoeLayer:
                      _u64(W.ptr("up_scale")), _u64(W.ptr("gate_gscale")), _u64(W.ptr("up_gscale")),
                      _u64(W.ptr("slot_fmt")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
                      _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("act")),
-                     _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit)),
+                     _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit),
+                     *extra),
                     stream=s, shared_mem=smem)
+            if w8a8:  # the activation's e4m3 copy for the fp8 down GEMM, each row at its width
+                P = N * k + has_shared * N
+                self._quantize_rows(A.ptr("act"), P, W.i_max, cfg.moe_intermediate_size, A.ptr("sorted_pair"), N * k,
+                                    cfg.shared_expert_intermediate_size or cfg.moe_intermediate_size,
+                                    A.ptr("qact"), A.ptr("sact"), s)
         with timer.stage("down"):
             for fmt in self._format_codes:
                 down, threads, smem = self._grouped_kernel(1, config, fmt)
+                extra = ((_u64(A.ptr("qact")), _u64(A.ptr("sact"))) * 2) if w8a8 and fmt == fp8 else ()
                 lib[down](
                     (-(-H // 128), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(A.ptr("act")), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
@@ -468,7 +523,7 @@ class MoeLayer:
                      _u64(W.ptr("down_gscale")), _u64(0), _u64(W.ptr("slot_fmt")),
                      _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
                      _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("yw")),
-                     _i32(0), _f32(0.0), _f32(0.0)),
+                     _i32(0), _f32(0.0), _f32(0.0), *extra),
                     stream=s, shared_mem=smem)
         with timer.stage("reduce"):
             lib["grouped_reduce"](
@@ -477,6 +532,15 @@ class MoeLayer:
                  _u64(A.ptr("yw")), _u64(W.ptr("shared_expert_gate")), _u64(out), _i32(N), _i32(H), _i32(k),
                  _i32(cfg.num_experts), _i32(has_shared), _i32(1 if cfg.ep_rank == 0 else 0)),
                 stream=s)
+
+    def _quantize_rows(self, src: int, rows: int, ld: int, K: int, sorted_pair: int, P: int, K_shared: int,
+                       q: int, scales: int, s) -> None:
+        """w8a8: `rows` rows of bf16 (ld apart) -> e4m3 codes + scales per 128 columns."""
+        groups = rows * -(-ld // 128)
+        self.lib["quantize_rows_fp8"](
+            (-(-groups // 8),), (256,),
+            (_u64(src), _i32(rows), _i32(ld), _i32(K), _u64(sorted_pair), _i32(P), _i32(K_shared),
+             _u64(q), _u64(scales)), stream=s)
 
     def _launch_router(self, x: int, N: int, logits: int, s) -> None:
         cfg, W = self.cfg, self.weights

@@ -284,10 +284,11 @@ def _fp8_as_gemm_reads(t: Any) -> Any:
     return (t.q.astype(np.float32) * s.astype(np.float32)).astype(formats.BF16)
 
 
-def kernel_weights(host_weights: HostWeights, rounding: Optional[str]) -> HostWeights:
+def kernel_weights(host_weights: HostWeights, rounding: Optional[str], w8a8: bool = False) -> HostWeights:
     """The weights as the GPU path `rounding` computes with: a quantized router rounded once
     to bf16 (both paths; cupymoe.weights.router_bf16), and for "grouped" the fp8 experts as
-    the tile builder rounds them. Exact (None): the weights themselves."""
+    the tile builder rounds them, unless `w8a8` (e4m3 tensor cores read the codes as they
+    are). Exact (None): the weights themselves."""
     if rounding is None:
         return host_weights
     from dataclasses import replace
@@ -295,7 +296,7 @@ def kernel_weights(host_weights: HostWeights, rounding: Optional[str]) -> HostWe
     from .weights import router_bf16
 
     changes: dict[str, Any] = {"router": router_bf16(host_weights.router)}
-    if rounding == "grouped":
+    if rounding == "grouped" and not w8a8:
         for name in ("gate", "up", "down", "shared_gate", "shared_up", "shared_down"):
             t = getattr(host_weights, name)
             if t is not None:
@@ -441,7 +442,7 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     if dtype not in (np.float32, np.float64):
         raise ValueError(f"dtype={dtype}: the reference computes in float32 or float64")
     host_weights.validate(cfg)
-    host_weights = kernel_weights(host_weights, rounding)
+    host_weights = kernel_weights(host_weights, rounding, w8a8=activations == "fp8_block")
     rank = cfg.ep_rank if ep_rank is None else int(ep_rank)
     owned = cfg.replace(ep_rank=rank).owned_experts()  # validates the rank
     if owned_experts is not None:  # an explicit expert -> rank map's share for this rank

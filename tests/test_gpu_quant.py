@@ -66,15 +66,15 @@ def test_quantized_layers_against_reference_on_every_path(name, rng):
     for path, tokens in (("decode", SMALL), ("atomic", SMALL), ("prefill", SMALL + LARGE)):
         for n in tokens:
             x = well_separated_input(cfg, hw, rng, n)
-            c = check(run_layer(layer, x, path), cfg, hw, x, path)
-            assert c.ok, f"{name} N={n} {path}: {c}"
+            c = check(run_layer(layer, x, path), cfg, hw, x, path, w8a8=layer.fp8_compute == "w8a8")
+            assert c.ok, f"{name} N={n} {path} ({layer.fp8_compute}): {c}"
 
 
 def test_fp8_prefill_rounds_weights_once_and_decode_keeps_them_exact(rng):
     """The faithful references differ exactly where the kernels do: the grouped GEMM's
     bf16(q * s) tiles vs the decode reader's exact scaling. Each path matches its own
     model tightly (the outlier rule of verify.compare), proving which one it computes."""
-    cfg, hw, layer = _case("qwen3_moe-fp8", rng)
+    cfg, hw, layer = _case("qwen3_moe-fp8", rng, fp8_compute="w8a16")
     x = well_separated_input(cfg, hw, rng, 64)
     pre = run_layer(layer, x, "prefill")
     dec = run_layer(layer, x, "decode")
@@ -108,7 +108,7 @@ def test_quantized_graph_replay_is_bitwise_eager(name, path, rng):
     g.launch(s)
     s.synchronize()
     assert np.array_equal(eager.get(), replay.get())
-    c = check(bits_to_f32(replay.get()), cfg, hw, xh, path)
+    c = check(bits_to_f32(replay.get()), cfg, hw, xh, path, w8a8=layer.fp8_compute == "w8a8")
     assert c.ok, f"{name} {path}: {c}"
 
 
@@ -163,7 +163,7 @@ def test_from_pretrained_quantized_checkpoint(tmp_path, rng, family, fmt):
     for n in (3, 300):
         x = well_separated_input(want_cfg, loaded, rng, n)
         path = layer.select_path(n)
-        c = check(run_layer(layer, x), want_cfg, loaded, x, path)
+        c = check(run_layer(layer, x), want_cfg, loaded, x, path, w8a8=layer.fp8_compute == "w8a8")
         assert c.ok, f"{family} {fmt} N={n} {path}: {c}"
 
 
@@ -186,7 +186,8 @@ def test_quantized_expert_parallel_partials_sum_to_full_layer(rng, fmt):
         for rank in range(2):
             rcfg = cfg.replace(ep_world_size=2, ep_rank=rank)
             owned = owned_experts(rcfg, owner)
-            layer = MoeLayer(rcfg, hw, max_tokens=300, decode_max_tokens=64, expert_owner=owner)
+            layer = MoeLayer(rcfg, hw, max_tokens=300, decode_max_tokens=64, expert_owner=owner,
+                             fp8_compute="w8a16")  # the hand-built references below are w8a16's
             out = run_layer(layer, x, path)
             exact = reference.moe_forward(rcfg, hw, x, owned_experts=owned)
             faithful = reference.moe_forward(rcfg, hw, x, owned_experts=owned, rounding=PATH_ROUNDING[path])
@@ -196,3 +197,36 @@ def test_quantized_expert_parallel_partials_sum_to_full_layer(rng, fmt):
         c = compare(parts[0][0] + parts[1][0], reference.moe_forward(cfg, hw, x), roundings=path_roundings(hw, path),
                     partials=[p[1] for p in parts])
         assert c.ok, f"{fmt} {path} sum of partials: {c}"
+
+
+def test_w8a8_on_hopper_against_the_reference(rng):
+    """fp8-block experts as w8a8 (sm_90a: e4m3 tensor cores, activations quantized per row
+    and 128 columns, promoted to fp32 every 128 products): tight against the reference that
+    quantizes the activations the same way, and within the derived w8a8 bound of the exact
+    one (cupymoe/verify.py). DeepSeek-V3's layout: fp8 router, fp8 routed experts, bf16
+    shared expert (which stays on the bf16 kernels)."""
+    import cupy
+
+    from cupymoe import kernels
+
+    major, minor = cupy.cuda.Device().compute_capability[:-1], cupy.cuda.Device().compute_capability[-1]
+    if kernels.arch_for_capability(int(major), int(minor)) != "sm_90a":
+        pytest.skip("w8a8 needs sm_90a")
+    for name in ("deepseek_v3-fp8-fp8router-bf16shared", "qwen3_moe-fp8", "longcat_flash-fp8"):
+        cfg, hw, layer = _case(name, rng, fp8_compute="w8a8")
+        assert layer.fp8_compute == "w8a8"
+        for n in (17, 65, 300, 1000):
+            x = well_separated_input(cfg, hw, rng, n)
+            c = check(run_layer(layer, x, "prefill"), cfg, hw, x, "prefill", w8a8=True)
+            assert c.ok, f"{name} N={n} w8a8: {c}"
+
+
+def test_fp8_compute_refusals(rng):
+    from cupymoe import MoeLayer
+    from cupymoe.weights import UnsupportedFormatError
+
+    cfg = testing.tiny_config("qwen3_moe")
+    with pytest.raises(UnsupportedFormatError, match="needs fp8_block experts"):
+        MoeLayer(cfg, testing.random_host_weights(cfg, rng, "nvfp4"), max_tokens=4, fp8_compute="w8a8")
+    with pytest.raises(ValueError, match="fp8_compute="):
+        MoeLayer(cfg, testing.random_host_weights(cfg, rng, "fp8_block"), max_tokens=4, fp8_compute="fp8")
