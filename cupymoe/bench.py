@@ -92,6 +92,8 @@ def add_bench_args(ap) -> None:
                     help="routed experts' weight format(s), each timed next to its own floor "
                          "(router and shared expert stay bf16; default bf16)")
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--fp8-compute", default="auto", choices=["auto", "w8a8", "w8a16"],
+                    help="fp8_block experts on the grouped path: w8a8 (sm_90a e4m3 tensor cores), w8a16, or auto")
     ap.add_argument("--path", default="auto", choices=["auto", "decode", "atomic", "prefill"])
     ap.add_argument("--decode-max-tokens", type=int, default=None,
                     help="the layer's decode_max_tokens (default: the layer's own)")
@@ -568,6 +570,8 @@ def _bench_format(shape: str, cfg: MoeConfig, fmt: str, args, ceilings: dict, ba
             print(f"{tag} {fmt} weights drawn in {time.perf_counter() - t0:.1f} s; building {n_layers} layers "
                   f"from them ...", flush=True)
             opts = {} if args.decode_max_tokens is None else {"decode_max_tokens": args.decode_max_tokens}
+            if fmt == "fp8_block":
+                opts["fp8_compute"] = getattr(args, "fp8_compute", "auto")
             layers = [MoeLayer(cfg, hw, max_tokens=max(args.tokens), path=args.path, **opts)
                       for _ in range(n_layers)]
             hw = None  # each layer holds its own copy
@@ -591,6 +595,8 @@ def _bench_format(shape: str, cfg: MoeConfig, fmt: str, args, ceilings: dict, ba
             times, stage_us, touched = _time_cell(layers, x, out, n, args)
             row = bench_row(cfg, shape, fmt, n, touched, times, ceilings, baselines, path=args.path,
                             layers=n_layers, stage_us=stage_us)
+            if fmt == "fp8_block":
+                row["fp8_compute"] = layers[0].fp8_compute
             if torch_peers:
                 row.update(time_peers(torch_peers, cfg, x, out, n, args))
             rows.append(row)

@@ -24,8 +24,10 @@ for p in qwen3-30b-a3b qwen3-235b-a22b deepseek-v3 mixtral-8x7b qwen3-next-80b g
   echo "grid $p rc $?"
   grep "N=" "$OUT/grid-$p.log"
 done
-timeout 100 python3 -m cupymoe bench --preset qwen3-30b-a3b deepseek-v3 --format fp8_block nvfp4 mxfp4 \
-  --tokens 16 64 --path decode --decode-max-tokens 64 --repeats 5 --replays 10 --no-peers \
-  --json "$OUT/quant-decode.json" > "$OUT/quant-decode.log" 2>&1
-echo "quant decode rc $?"
-grep "N=" "$OUT/quant-decode.log"
+for mode in w8a8 w8a16; do
+  timeout 100 python3 -m cupymoe bench --preset qwen3-30b-a3b deepseek-v3 --format fp8_block \
+    --fp8-compute $mode --tokens 1 64 4096 --measure-ceilings --repeats 5 --replays 10 --no-peers \
+    --json "$OUT/fp8-$mode.json" > "$OUT/fp8-$mode.log" 2>&1
+  echo "fp8 $mode rc $?"
+  grep "N=" "$OUT/fp8-$mode.log"
+done
