@@ -74,6 +74,36 @@ __device__ __forceinline__ float dot_bf16x8(const bf16x8& a, const float b[8], f
     return acc;
 }
 
+// Block-wide exclusive scan of one int per thread, for blocks of exactly 1024 threads (the
+// expert-list and sort kernels); `tmp` is 33 ints of shared memory; `total` gets the sum.
+__device__ __forceinline__ int block_exclusive_scan_1024(int v, int* tmp, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
+        if (lane >= o) incl += t;
+    }
+    if (lane == 31) tmp[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {  // the 32 warp totals, scanned by one warp
+        const int t = tmp[lane];
+        int ti = t;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int u = __shfl_up_sync(CUPYMOE_FULL_MASK, ti, o);
+            if (lane >= o) ti += u;
+        }
+        tmp[lane] = ti - t;  // exclusive warp offsets
+        if (lane == 31) tmp[32] = ti;
+    }
+    __syncthreads();
+    total = tmp[32];
+    const int r = tmp[warp] + incl - v;
+    __syncthreads();
+    return r;
+}
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // act(g, u) of DESIGN.md section 1; `act` is a launch-uniform code, so the switch costs

@@ -38,35 +38,6 @@ __host__ __device__ constexpr int decode_unroll(int fmt, int loads) {
 }
 #define LISTS_THREADS 1024
 
-// Block-wide exclusive scan of one int per thread (blockDim.x == LISTS_THREADS).
-__device__ int block_exclusive_scan(int v, int* warp_totals, int& total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
-        if (lane >= o) incl += t;
-    }
-    if (lane == 31) warp_totals[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        int t = lane < LISTS_THREADS / 32 ? warp_totals[lane] : 0;
-        int ti = t;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int u = __shfl_up_sync(CUPYMOE_FULL_MASK, ti, o);
-            if (lane >= o) ti += u;
-        }
-        if (lane < LISTS_THREADS / 32) warp_totals[lane] = ti - t;  // exclusive warp offsets
-        if (lane == 31) warp_totals[LISTS_THREADS / 32] = ti;
-    }
-    __syncthreads();
-    total = warp_totals[LISTS_THREADS / 32];
-    const int r = warp_totals[warp] + incl - v;
-    __syncthreads();
-    return r;
-}
-
 // One block. slot_of[e] is expert e's table slot on this rank (0 .. n_local-1), or -1 for
 // another rank's expert and for zero experts; ids outside 0..R-1 (-1 from a bad hash
 // token) are nobody's. Unowned pairs get pair_pos = -1.
@@ -96,8 +67,8 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restr
         const int e = e0 + threadIdx.x;
         const int c = e < n_local ? cnt[e] : 0;
         int tot_c, tot_a;
-        const int off = block_exclusive_scan(c, warp_totals, tot_c);
-        const int aidx = block_exclusive_scan(c > 0 ? 1 : 0, warp_totals, tot_a);
+        const int off = block_exclusive_scan_1024(c, warp_totals, tot_c);
+        const int aidx = block_exclusive_scan_1024(c > 0 ? 1 : 0, warp_totals, tot_a);
         if (c > 0) {
             start[e] = pos_base + off;
             active_slot[act_base + aidx] = e;

@@ -15,34 +15,6 @@
 
 #define SORT_THREADS 1024
 
-__device__ __forceinline__ int block_excl_scan_1024(int v, int* tmp /* 33 ints */, int& total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
-        if (lane >= o) incl += t;
-    }
-    if (lane == 31) tmp[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        const int t = tmp[lane];
-        int ti = t;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int u = __shfl_up_sync(CUPYMOE_FULL_MASK, ti, o);
-            if (lane >= o) ti += u;
-        }
-        tmp[lane] = ti - t;
-        if (lane == 31) tmp[32] = ti;
-    }
-    __syncthreads();
-    total = tmp[32];
-    const int r = tmp[warp] + incl - v;
-    __syncthreads();
-    return r;
-}
-
 // grid ceil(P / 1024), block 1024, dynamic smem n_local ints.
 __global__ void __launch_bounds__(SORT_THREADS)
 sort_count(const int* __restrict__ ids, int P, const int* __restrict__ slot_of, int R, int n_local,
@@ -74,8 +46,8 @@ sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, i
         if (e < n_local)
             for (int b = 0; b < nblk; ++b) total += block_counts[(size_t)b * n_local + e];
         int tot_c, tot_a;
-        const int start = pos_base + block_excl_scan_1024(total, tmp, tot_c);
-        const int aidx = act_base + block_excl_scan_1024(total > 0 ? 1 : 0, tmp, tot_a);
+        const int start = pos_base + block_exclusive_scan_1024(total, tmp, tot_c);
+        const int aidx = act_base + block_exclusive_scan_1024(total > 0 ? 1 : 0, tmp, tot_a);
         if (e < n_local) {
             int run = start;
             for (int b = 0; b < nblk; ++b) {
@@ -160,7 +132,7 @@ make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_sl
         const int len = j < na ? active_len[j] : 0;
         const int nt = (len + BM - 1) / BM;
         int tot;
-        const int t0 = base + block_excl_scan_1024(nt, tmp, tot);
+        const int t0 = base + block_exclusive_scan_1024(nt, tmp, tot);
         for (int i = 0; i < nt; ++i)
             tile_info[t0 + i] = make_int4(active_slot[j], active_start[j] + i * BM, min(BM, len - i * BM), 0);
         base += tot;
