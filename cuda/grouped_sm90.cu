@@ -3,7 +3,7 @@
 // Same tiles, modes, arguments and epilogues as grouped.cu's mma.sync kernel
 // (gemm_common.cuh); here 2 warpgroups each own 64 rows of a 128 x 128 tile and issue
 // m64n128k16 wgmmas from 128-byte-swizzled K-major tiles (64-wide K steps: one 128-byte
-// row per tile row, exactly the swizzle atom), fed by a 6-stage cp.async pipeline (192 KB: deep enough to cover the load latency at one block per SM). One
+// row per tile row, exactly the swizzle atom), fed by a cp.async pipeline of STAGES stages (kernels.SM90_VARIANTS). One
 // wgmma batch stays in flight while the next stage is loaded. cp.async writes through
 // the generic proxy and wgmma reads through the async proxy: each thread fences
 // (fence.proxy.async) after its copies land and before the barrier.
@@ -12,7 +12,6 @@
 
 #define SM90_BM 128
 #define SM90_BK 64
-#define SM90_STAGES 6
 #define SM90_THREADS 256
 
 // d[64] (m64 x n128, fp32) += A (64 x 16, bf16) * B (16 x 128, bf16), both from shared memory.
@@ -28,11 +27,12 @@ __device__ __forceinline__ void wgmma_m64n128k16(float* d, u64 da, u64 db) {
         : "l"(da), "l"(db));
 }
 
-// grid (column tiles, M-tiles of 128 rows), block 256, dynamic smem kernels.sm90_smem_bytes().
-template <int MODE>
-__global__ void __launch_bounds__(SM90_THREADS, 1)
+// grid (column tiles, M-tiles of 128 rows), block 256, dynamic smem kernels.sm90_smem_bytes(STAGES);
+// BLOCKS_PER_SM: 1 with a deep pipeline, 2 with a shallow one (kernels.SM90_VARIANTS).
+template <int MODE, int STAGES, int BLOCKS_PER_SM>
+__global__ void __launch_bounds__(SM90_THREADS, BLOCKS_PER_SM)
 grouped_gemm_sm90(GEMM_ARGS) {
-    constexpr int BM = SM90_BM, BK = SM90_BK, S = SM90_STAGES;
+    constexpr int BM = SM90_BM, BK = SM90_BK, S = STAGES;
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
     // the swizzle atoms must start on 1024-byte boundaries of the shared window
     const unsigned pad = (1024u - ((unsigned)__cvta_generic_to_shared(sm90_smem) & 1023u)) & 1023u;

@@ -67,13 +67,28 @@ def grouped_smem_bytes(bm: int, bk: int, stages: int, fmt: int = 0) -> int:
     return stages * bm * bk * 2 + 2 * GROUPED_BN * bk * 2 + stages * GROUPED_BN * bk * bits // 8
 
 
-SM90_TILE = (128, 64, 6)  # BM, BK, stages of grouped_gemm_sm90 (cuda/grouped_sm90.cu)
+SM90_BM, SM90_BK = 128, 64  # grouped_gemm_sm90's tile (cuda/grouped_sm90.cu)
+# (stages, blocks per SM) of grouped_gemm_sm90: "deep" 6 stages at one block per SM (192 KB),
+# "twin" 3 stages at two (one block's epilogue and prologue hide behind the other's math).
+# CUPYMOE_SM90_VARIANT picks one (both are compiled; NOTES.md has what each measured).
+SM90_VARIANTS = {"deep": (6, 1), "twin": (3, 2)}
 
 
-def sm90_smem_bytes() -> int:
-    """grouped_gemm_sm90's pipeline, plus 1 KB to align its swizzle atoms."""
-    bm, bk, st = SM90_TILE
-    return grouped_smem_bytes(bm, bk, st) + 1024
+def sm90_variant() -> str:
+    v = os.environ.get("CUPYMOE_SM90_VARIANT", "deep")
+    if v not in SM90_VARIANTS:
+        raise ValueError(f"CUPYMOE_SM90_VARIANT={v!r}: must be one of {sorted(SM90_VARIANTS)}")
+    return v
+
+
+def sm90_kernel(mode: int, variant: str) -> str:
+    stages, blocks = SM90_VARIANTS[variant]
+    return f"grouped_gemm_sm90<{mode}, {stages}, {blocks}>"
+
+
+def sm90_smem_bytes(stages: int) -> int:
+    """grouped_gemm_sm90's pipeline of `stages`, plus 1 KB to align its swizzle atoms."""
+    return grouped_smem_bytes(SM90_BM, SM90_BK, stages) + 1024
 
 
 SM90_FP8_TILE = (128, 128, 4)  # BM, BK (bytes), stages of grouped_gemm_sm90_fp8
@@ -116,7 +131,7 @@ MODULES: dict[str, ModuleSpec] = {
         + tuple(grouped_kernel(mode, c, f)[0] for mode in (0, 1) for c in ("stream_q", "math")
                 for f in FORMAT_CODES.values() if f),
     ),
-    "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(f"grouped_gemm_sm90<{m}>" for m in (0, 1, 2)),
+    "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(sm90_kernel(m, v) for m in (0, 1, 2) for v in SM90_VARIANTS),
                                archs=("sm_90a",)),
     "grouped_sm90_fp8": ModuleSpec("grouped_sm90_fp8.cu",
                                    ("quantize_rows_fp8",) + tuple(f"grouped_gemm_sm90_fp8<{m}>" for m in (0, 1)),
@@ -426,9 +441,10 @@ class KernelLibrary:
                 for expr, mangled in cm.lowered.items():
                     fn = mod.get_function(mangled)
                     m = re.fullmatch(r"grouped_gemm<\d+, (\d+), (\d+), (\d+), (\d+)>", expr)
+                    m90 = re.fullmatch(r"grouped_gemm_sm90<\d+, (\d+), \d+>", expr)
                     smem = (grouped_smem_bytes(*(int(g) for g in m.groups())) if m
                             else sm90_fp8_smem_bytes() if expr.startswith("grouped_gemm_sm90_fp8")
-                            else sm90_smem_bytes() if expr.startswith("grouped_gemm_sm90") else 0)
+                            else sm90_smem_bytes(int(m90.group(1))) if m90 else 0)
                     if smem:  # opt in to more than 48 KB of dynamic shared memory, once
                         drv = cupy.cuda.driver
                         drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)

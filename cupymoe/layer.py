@@ -435,7 +435,8 @@ class MoeLayer:
         if fmt == kernels.FORMAT_CODES["fp8_block"] and self.fp8_compute == "w8a8":
             return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes()
         if config == "math" and fmt == 0 and self.lib.arch == "sm_90a" and not self.row_invariant:
-            return f"grouped_gemm_sm90<{mode}>", 256, kernels.sm90_smem_bytes()
+            variant = kernels.sm90_variant()
+            return kernels.sm90_kernel(mode, variant), 256, kernels.sm90_smem_bytes(kernels.SM90_VARIANTS[variant][0])
         return kernels.grouped_kernel(mode, kernels.QUANT_CONFIG[config] if fmt else config, fmt)
 
     def _launch_sort(self, N: int, s, has_shared: int) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -328,16 +328,20 @@ def quantize_activations_fp8(a: np.ndarray) -> np.ndarray:
 
 def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
          biases: tuple[Optional[np.ndarray], ...] = (None, None, None), rounding: Optional[str] = None,
-         activations: str = "bf16") -> np.ndarray:
+         activations: str = "bf16", quantized: Optional[Callable[[str, np.ndarray], np.ndarray]] = None) -> np.ndarray:
     """One GLU feed-forward on rows `x`: down(act(gate(x), up(x))), weights dequantized here;
-    with activations="fp8_block", an fp8-block projection's input is quantized first (w8a8)."""
+    with activations="fp8_block", an fp8-block projection's input is quantized first (w8a8):
+    by quantize_activations_fp8, or by `quantized(stage, a)` ("gate_up" / "down") when given."""
     dt = x.dtype
 
     def w8a8(t):
         return activations == "fp8_block" and formats.weight_format(t) == "fp8_block"
 
+    def quantize(stage, a):
+        return quantize_activations_fp8(a) if quantized is None else quantized(stage, a)
+
     if w8a8(gate):
-        x = quantize_activations_fp8(x)
+        x = quantize("gate_up", x)
     g = x @ formats.dequantize(gate, dt).T
     u = x @ formats.dequantize(up, dt).T
     bg, bu, bd = biases
@@ -347,14 +351,14 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
     if rounding:
         a = _bf16(a)
     if w8a8(down):
-        a = quantize_activations_fp8(a)
+        a = quantize("down", a)
     y = a @ formats.dequantize(down, dt).T
     return y if bd is None else y + bd
 
 
 def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Routing,
                     owned: range, include_zero: bool, rounding: Optional[str] = None,
-                    activations: str = "bf16") -> np.ndarray:
+                    activations: str = "bf16", w8a8_inputs: Optional[Callable] = None) -> np.ndarray:
     """Sum over (row, slot) of w * expert(x_e[row]) for the owned experts (+ identity experts).
 
     Loops over experts, not rows: each chosen expert's weights are dequantized once and
@@ -377,7 +381,8 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
         biases = (None, None, None)
         if cfg.has_expert_bias:
             biases = tuple(_vector(b[e], dt) for b in (hw.gate_bias, hw.up_bias, hw.down_bias))
-        y = _ffn(cfg, xe[rows], hw.gate[e], hw.up[e], hw.down[e], biases, rounding, activations)
+        fed = None if w8a8_inputs is None else (lambda stage, a, e=e, rows=rows: w8a8_inputs(stage, e, rows, a))
+        y = _ffn(cfg, xe[rows], hw.gate[e], hw.up[e], hw.down[e], biases, rounding, activations, fed)
         if rounding == "grouped":  # the grouped GEMM stores bf16(w * y), weighted in fp32 first
             np.add.at(out, rows, _bf16(w * y))
             continue
@@ -392,9 +397,12 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
 # ----------------------------------------------------------------------------------
 
 def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Optional[str] = None,
-                   activations: str = "bf16") -> np.ndarray:
+                   activations: str = "bf16", w8a8_inputs: Optional[Callable] = None) -> np.ndarray:
     """`scale * down(act(gate(x), up(x)))` on the un-normed x; scale = sigmoid(x . w_gate) or 1."""
-    sh = _ffn(cfg, x, hw.shared_gate, hw.shared_up, hw.shared_down, rounding=rounding, activations=activations)
+    rows = np.arange(x.shape[0])
+    fed = None if w8a8_inputs is None else (lambda stage, a: w8a8_inputs(stage, "shared", rows, a))
+    sh = _ffn(cfg, x, hw.shared_gate, hw.shared_up, hw.shared_down, rounding=rounding, activations=activations,
+              quantized=fed)
     if rounding == "grouped":
         sh = _bf16(sh)
     if cfg.has_shared_expert_gate:
@@ -408,7 +416,8 @@ def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Opt
 
 def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: Any = None, *,
                 dtype=np.float64, ep_rank: Optional[int] = None, rounding: Optional[str] = None,
-                owned_experts: Optional[Any] = None, activations: str = "bf16") -> np.ndarray:
+                owned_experts: Optional[Any] = None, activations: str = "bf16",
+                w8a8_inputs: Optional[Callable] = None) -> np.ndarray:
     """The MoE layer's output [N, H] in `dtype` for input `x` [N, H] (bf16 or float).
 
     Every step runs in `dtype` (float64 by default: the oracle; float32 to estimate what
@@ -433,6 +442,10 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     `activations="fp8_block"` is w8a8 (DeepSeek-V3's fp8 inference): the input of every
     fp8-block expert projection is quantized per row and 128-column group first
     (quantize_activations_fp8). It moves the output by ~4 % normwise (test_reference).
+    `w8a8_inputs(stage, expert, rows, a)` replaces that quantization: `stage` "gate_up" or
+    "down", `expert` an expert id or "shared", `rows` the token rows of `a`; it returns the
+    dequantized values to multiply instead (verify.py feeds the kernels' own codes, so a
+    comparison is not thrown off by one re-quantization flip, see there).
     """
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r}: must be one of {ROUNDINGS}")
@@ -455,7 +468,7 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     if rounding and cfg.pre_expert_norm:
         xe = _bf16(xe)
     out = _routed_experts(cfg, host_weights, xe, routing, owned, include_zero=on_rank0, rounding=rounding,
-                          activations=activations)
+                          activations=activations, w8a8_inputs=w8a8_inputs)
     if cfg.has_shared_expert and on_rank0:
-        out = out + _shared_expert(cfg, host_weights, xf, rounding, activations)
+        out = out + _shared_expert(cfg, host_weights, xf, rounding, activations, w8a8_inputs)
     return out.astype(dtype, copy=False)

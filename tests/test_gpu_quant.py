@@ -66,7 +66,7 @@ def test_quantized_layers_against_reference_on_every_path(name, rng):
     for path, tokens in (("decode", SMALL), ("atomic", SMALL), ("prefill", SMALL + LARGE)):
         for n in tokens:
             x = well_separated_input(cfg, hw, rng, n)
-            c = check(run_layer(layer, x, path), cfg, hw, x, path, w8a8=layer.fp8_compute == "w8a8")
+            c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
             assert c.ok, f"{name} N={n} {path} ({layer.fp8_compute}): {c}"
 
 
@@ -108,7 +108,7 @@ def test_quantized_graph_replay_is_bitwise_eager(name, path, rng):
     g.launch(s)
     s.synchronize()
     assert np.array_equal(eager.get(), replay.get())
-    c = check(bits_to_f32(replay.get()), cfg, hw, xh, path, w8a8=layer.fp8_compute == "w8a8")
+    c = check(bits_to_f32(replay.get()), cfg, hw, xh, path, layer=layer)
     assert c.ok, f"{name} {path}: {c}"
 
 
@@ -163,7 +163,7 @@ def test_from_pretrained_quantized_checkpoint(tmp_path, rng, family, fmt):
     for n in (3, 300):
         x = well_separated_input(want_cfg, loaded, rng, n)
         path = layer.select_path(n)
-        c = check(run_layer(layer, x), want_cfg, loaded, x, path, w8a8=layer.fp8_compute == "w8a8")
+        c = check(run_layer(layer, x), want_cfg, loaded, x, path, layer=layer)
         assert c.ok, f"{family} {fmt} N={n} {path}: {c}"
 
 
@@ -217,7 +217,7 @@ def test_w8a8_on_hopper_against_the_reference(rng):
         assert layer.fp8_compute == "w8a8"
         for n in (17, 65, 300, 1000):
             x = well_separated_input(cfg, hw, rng, n)
-            c = check(run_layer(layer, x, "prefill"), cfg, hw, x, "prefill", w8a8=True)
+            c = check(run_layer(layer, x, "prefill"), cfg, hw, x, "prefill", layer=layer)
             assert c.ok, f"{name} N={n} w8a8: {c}"
 
 

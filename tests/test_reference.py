@@ -683,3 +683,43 @@ def test_w8a8_activation_quantization_and_how_far_it_moves_the_output():
     with pytest.raises(ValueError, match="activations="):
         reference.moe_forward(cfg, hw, x, activations="fp4")
     assert formats.E4M3_MAX == 448.0
+
+
+def test_w8a8_inputs_hook_sees_every_fp8_projection_input():
+    """reference.moe_forward(w8a8_inputs=...) is how verify.check_w8a8 feeds the kernels'
+    codes in: handing back the reference's own quantization reproduces activations="fp8_block"
+    bit for bit, the hook is called for the gate/up and down inputs of every fp8 expert (the
+    shared one under the key "shared", with its token rows), and the byte-level quantizer the
+    GPU check compares codes with (verify._quantize_rows_fp8) is the reference's rule."""
+    from cupymoe import testing
+    from cupymoe.verify import _dequantize_rows_fp8, _quantize_rows_fp8
+
+    rng = np.random.default_rng(5)
+    cfg = testing.tiny_config("deepseek_v3")
+    hw = testing.random_host_weights(cfg, rng, "fp8_block")
+    x = testing.random_input(rng, 9, cfg.hidden_size)
+    calls = []
+
+    def own(stage, expert, rows, a):
+        calls.append((stage, expert, tuple(rows), a.shape))
+        return reference.quantize_activations_fp8(a)
+
+    for rounding in (None, "grouped"):
+        calls.clear()
+        want = reference.moe_forward(cfg, hw, x, rounding=rounding, activations="fp8_block")
+        got = reference.moe_forward(cfg, hw, x, rounding=rounding, activations="fp8_block", w8a8_inputs=own)
+        assert np.array_equal(got, want)
+        routing = reference.route(cfg, hw, x)
+        chosen = sorted(set(int(e) for e in np.unique(routing.ids) if e < cfg.num_experts))
+        for stage, width in (("gate_up", cfg.hidden_size), ("down", cfg.moe_intermediate_size)):
+            routed = sorted(e for s, e, _, _ in calls if s == stage and e != "shared")
+            assert routed == chosen
+            for s, e, rows, shape in calls:
+                if s == stage and e != "shared":
+                    assert rows == tuple(np.nonzero(routing.ids == e)[0]) and shape == (len(rows), width)
+        shared = [(s, rows, shape) for s, e, rows, shape in calls if e == "shared"]
+        assert shared == [("gate_up", tuple(range(9)), (9, cfg.hidden_size)),
+                          ("down", tuple(range(9)), (9, cfg.shared_expert_intermediate_size))]
+    a = rng.standard_normal((7, 300)).astype(np.float32)
+    a[2, :128] = 0.0
+    assert np.array_equal(_dequantize_rows_fp8(*_quantize_rows_fp8(a)), reference.quantize_activations_fp8(a.astype(np.float64)))
