@@ -58,17 +58,18 @@ struct GemmTile {
     float g0, g1;          // their global scales, applied to the fp32 accumulators
 };
 
-// The block's tile; false when the block has nothing to do (past the tiles or the columns,
-// or a tile of another weight format than this kernel's FMT).
+// Tile (cx, ty): column tile cx of M-tile ty; false when there is nothing to do (past the
+// tiles or the columns, or a tile of another weight format than this kernel's FMT).
 template <int MODE, int BM, int BN, int FMT = FMT_BF16>
-__device__ __forceinline__ bool gemm_tile(GemmTile& t, GEMM_ARGS) {
+__device__ __forceinline__ bool gemm_tile_at(GemmTile& t, int cx, int ty, GEMM_ARGS) {
     if (MODE == MODE_ROUTER) {
         t.slot = 0;
-        t.pos0 = blockIdx.y * BM;
+        t.pos0 = ty * BM;
         t.rows = min(BM, P - t.pos0);
+        if (t.rows <= 0) return false;
     } else {
-        if ((int)blockIdx.y >= *num_tiles) return false;
-        const int4 ti = tile_info[blockIdx.y];
+        if (ty >= *num_tiles) return false;
+        const int4 ti = tile_info[ty];
         t.slot = ti.x;
         t.pos0 = ti.y;
         t.rows = ti.z;
@@ -76,7 +77,7 @@ __device__ __forceinline__ bool gemm_tile(GemmTile& t, GEMM_ARGS) {
     if (MODE != MODE_ROUTER && slot_fmt[t.slot] != FMT) return false;
     t.K = MODE == MODE_DOWN ? inter[t.slot] : H;
     t.ncols = MODE == MODE_GATE_UP ? inter[t.slot] : MODE == MODE_DOWN ? H : I_max;
-    t.n0 = blockIdx.x * (MODE == MODE_GATE_UP ? BN / 2 : BN);
+    t.n0 = cx * (MODE == MODE_GATE_UP ? BN / 2 : BN);
     if (t.n0 >= t.ncols) return false;
     t.W0 = MODE == MODE_ROUTER ? reinterpret_cast<const bf16*>(w0_ptrs) : reinterpret_cast<const bf16*>(w0_ptrs[t.slot]);
     t.W1 = MODE == MODE_GATE_UP ? reinterpret_cast<const bf16*>(w1_ptrs[t.slot]) : nullptr;
@@ -85,6 +86,12 @@ __device__ __forceinline__ bool gemm_tile(GemmTile& t, GEMM_ARGS) {
     t.g0 = MODE == MODE_ROUTER ? 1.0f : gs0[t.slot];
     t.g1 = MODE == MODE_GATE_UP ? gs1[t.slot] : 1.0f;
     return true;
+}
+
+// The block's tile: grid (column tiles, M-tiles).
+template <int MODE, int BM, int BN, int FMT = FMT_BF16>
+__device__ __forceinline__ bool gemm_tile(GemmTile& t, GEMM_ARGS) {
+    return gemm_tile_at<MODE, BM, BN, FMT>(t, blockIdx.x, blockIdx.y, GEMM_ARG_NAMES);
 }
 
 // Each thread copies a fixed set of 16-byte chunks per stage: its rows' sources are

@@ -27,8 +27,28 @@ __device__ __forceinline__ void wgmma_m64n128k16(float* d, u64 da, u64 db) {
         : "l"(da), "l"(db));
 }
 
-// grid (column tiles, M-tiles of 128 rows), block 256, dynamic smem kernels.sm90_smem_bytes(STAGES);
-// BLOCKS_PER_SM: 1 with a deep pipeline, 2 with a shallow one (kernels.SM90_VARIANTS).
+// Column tiles of a mode's output: 64 gate + 64 up columns, or 128 down / router columns.
+template <int MODE>
+__device__ __forceinline__ int sm90_column_tiles(int H, int I_max) {
+    return MODE == MODE_GATE_UP ? (I_max + GG_BN / 2 - 1) / (GG_BN / 2) : ((MODE == MODE_DOWN ? H : I_max) + GG_BN - 1) / GG_BN;
+}
+
+// The next tile with work at or after linear index L (column tile fastest), L advancing by
+// `stride`; false when none is left.
+template <int MODE>
+__device__ __forceinline__ bool sm90_next_tile(GemmTile& t, int& L, int stride, int cols, int total, GEMM_ARGS) {
+    for (; L < total; L += stride)
+        if (gemm_tile_at<MODE, SM90_BM, GG_BN>(t, L % cols, L / cols, GEMM_ARG_NAMES)) return true;
+    return false;
+}
+
+// Launch: either one block per tile, grid (column tiles, M-tile bound), or persistent, grid
+// (blocks, 1) with blocks <= resident blocks: each block then walks the tiles
+// blockIdx.x, + gridDim.x, ... The K steps of a block's tiles form one stream through the
+// pipeline: the loads run STAGES - 1 steps ahead across tile boundaries, so the next
+// tile's first stages arrive while this one's epilogue runs. Block 256, dynamic smem
+// kernels.sm90_smem_bytes(STAGES); BLOCKS_PER_SM: 1 with a deep pipeline, 2 with a
+// shallow one (kernels.SM90_VARIANTS).
 template <int MODE, int STAGES, int BLOCKS_PER_SM>
 __global__ void __launch_bounds__(SM90_THREADS, BLOCKS_PER_SM)
 grouped_gemm_sm90(GEMM_ARGS) {
@@ -38,60 +58,85 @@ grouped_gemm_sm90(GEMM_ARGS) {
     const unsigned pad = (1024u - ((unsigned)__cvta_generic_to_shared(sm90_smem) & 1023u)) & 1023u;
     bf16* sA = reinterpret_cast<bf16*>(sm90_smem + pad);
     bf16* sB = sA + S * BM * BK;
-    GemmTile t;
-    if (!gemm_tile<MODE, BM, GG_BN>(t, GEMM_ARG_NAMES)) return;
+
+    const int cols = sm90_column_tiles<MODE>(H, I_max);
+    const int total = cols * (MODE == MODE_ROUTER ? (P + BM - 1) / BM : *num_tiles);
+    const int stride = gridDim.x * gridDim.y;
+    GemmTile t;  // the tile being computed
+    int L = blockIdx.y * gridDim.x + blockIdx.x;
+    if (!sm90_next_tile<MODE>(t, L, stride, cols, total, GEMM_ARG_NAMES)) return;
+
+    // the load cursor: tile L_ld (its loader, K and steps), step kt_ld
     TileLoader<MODE, BM, BK, SM90_THREADS> ld;
     ld.init(t, GEMM_ARG_NAMES);
+    int L_ld = L, K_ld = t.K, KT_ld = (t.K + BK - 1) / BK, kt_ld = 0;
+    bool loading = true;
+    // copy the cursor's step into stage `slot` and advance it, into the next tile if need be
+    auto load_next = [&](int slot) {
+        if (loading) {
+            ld.load(sA + slot * BM * BK, sB + slot * GG_BN * BK, kt_ld * BK, K_ld);
+            if (++kt_ld == KT_ld) {
+                GemmTile n;
+                L_ld += stride;
+                loading = sm90_next_tile<MODE>(n, L_ld, stride, cols, total, GEMM_ARG_NAMES);
+                if (loading) {
+                    ld.init(n, GEMM_ARG_NAMES);
+                    K_ld = n.K, KT_ld = (n.K + BK - 1) / BK, kt_ld = 0;
+                }
+            }
+        }
+        cp_async_commit();  // one group per step, empty or not: the waits count steps
+    };
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) load_next(s);
+
     const int wg = threadIdx.x / 128;
-
-    float d[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) d[i] = 0.0f;
-
-    const int KT = (t.K + BK - 1) / BK;
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (s < KT) ld.load(sA + s * BM * BK, sB + s * GG_BN * BK, s * BK, t.K);
-        cp_async_commit();
-    }
-    for (int kt = 0; kt < KT; ++kt) {
-        cp_async_wait<S - 2>();  // this thread's copies of stage kt have landed
-        fence_proxy_async();     // ... and are visible to the tensor cores' (async) proxy
-        __syncthreads();         // everyone's copies of stage kt
-        const u64 da = wgmma_desc(sA + (kt % S) * BM * BK + wg * 64 * BK);
-        const u64 db = wgmma_desc(sB + (kt % S) * GG_BN * BK);
-        fence_acc(d);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n128k16(d, da + kk * 2, db + kk * 2);  // +32 bytes per k16
-        wgmma_commit();
-        fence_acc(d);
-        wgmma_wait<1>();  // this warpgroup's batch kt - 1 is done ...
-        __syncthreads();  // ... and the other's: its stage slot is free
-        const int kn = kt + S - 1;
-        if (kn < KT) ld.load(sA + (kn % S) * BM * BK, sB + (kn % S) * GG_BN * BK, kn * BK, t.K);
-        cp_async_commit();
-    }
-    wgmma_wait<0>();
-    fence_acc(d);
-    cp_async_wait<0>();
-
-    // Accumulator d[j * 4 + h * 2 + e]: row 16 * warp + g + 8 h of the warpgroup's 64,
-    // column 8 j + 2 t4 + e (the m16n8 fragment layout, one per 8-column block j).
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
     const int g = lane >> 2, t4 = lane & 3;
+    float d[64];
+    int step = 0;  // steps computed by this block, over all its tiles: the stage is step % S
+    for (;;) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = wg * 64 + warp * 16 + g + 8 * h;
-        if (MODE == MODE_GATE_UP) {
+        for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+        const int KT = (t.K + BK - 1) / BK;
+        for (int kt = 0; kt < KT; ++kt, ++step) {
+            cp_async_wait<S - 2>();  // this thread's copies of this step have landed
+            fence_proxy_async();     // ... and are visible to the tensor cores' (async) proxy
+            __syncthreads();         // everyone's copies of this step
+            const int slot = step % S;
+            const u64 da = wgmma_desc(sA + slot * BM * BK + wg * 64 * BK);
+            const u64 db = wgmma_desc(sB + slot * GG_BN * BK);
+            fence_acc(d);
+            wgmma_fence();
 #pragma unroll
-            for (int j = 0; j < 8; ++j)  // gate columns in blocks 0..7, up columns in 8..15
-                emit_gate_up(t, r, j * 8 + 2 * t4, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], d[(j + 8) * 4 + h * 2],
-                             d[(j + 8) * 4 + h * 2 + 1], GEMM_ARG_NAMES);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 16; ++j)
-                emit_out<MODE>(t, r, j * 8 + 2 * t4, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], GEMM_ARG_NAMES);
+            for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n128k16(d, da + kk * 2, db + kk * 2);  // +32 bytes per k16
+            wgmma_commit();
+            fence_acc(d);
+            wgmma_wait<1>();  // this warpgroup's previous step is done ...
+            __syncthreads();  // ... and the other's: its stage is free
+            load_next((step + S - 1) % S);
         }
+        wgmma_wait<0>();
+        fence_acc(d);
+
+        // Accumulator d[j * 4 + h * 2 + e]: row 16 * warp + g + 8 h of the warpgroup's 64,
+        // column 8 j + 2 t4 + e (the m16n8 fragment layout, one per 8-column block j).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = wg * 64 + warp * 16 + g + 8 * h;
+            if (MODE == MODE_GATE_UP) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j)  // gate columns in blocks 0..7, up columns in 8..15
+                    emit_gate_up(t, r, j * 8 + 2 * t4, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], d[(j + 8) * 4 + h * 2],
+                                 d[(j + 8) * 4 + h * 2 + 1], GEMM_ARG_NAMES);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+                    emit_out<MODE>(t, r, j * 8 + 2 * t4, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], GEMM_ARG_NAMES);
+            }
+        }
+        L += stride;
+        if (!sm90_next_tile<MODE>(t, L, stride, cols, total, GEMM_ARG_NAMES)) break;
     }
+    cp_async_wait<0>();
 }

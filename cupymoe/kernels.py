@@ -68,21 +68,23 @@ def grouped_smem_bytes(bm: int, bk: int, stages: int, fmt: int = 0) -> int:
 
 
 SM90_BM, SM90_BK = 128, 64  # grouped_gemm_sm90's tile (cuda/grouped_sm90.cu)
-# (stages, blocks per SM) of grouped_gemm_sm90: "deep" 6 stages at one block per SM (192 KB),
-# "twin" 3 stages at two (one block's epilogue and prologue hide behind the other's math).
-# CUPYMOE_SM90_VARIANT picks one (both are compiled; NOTES.md has what each measured).
-SM90_VARIANTS = {"deep": (6, 1), "twin": (3, 2)}
+# (stages, blocks per SM, persistent) of grouped_gemm_sm90: "deep" 6 stages at one block per
+# SM (192 KB), "twin" 3 stages at two (one block's epilogue and prologue hide behind the
+# other's math: 1.14-1.33x faster than deep at N = 4096 / 16384, NOTES.md v10), one block
+# per tile; "persistent" twin's kernel launched as resident blocks that walk the tiles, the
+# loads running ahead across tiles. CUPYMOE_SM90_VARIANT picks one.
+SM90_VARIANTS = {"deep": (6, 1, False), "twin": (3, 2, False), "persistent": (3, 2, True)}
 
 
 def sm90_variant() -> str:
-    v = os.environ.get("CUPYMOE_SM90_VARIANT", "deep")
+    v = os.environ.get("CUPYMOE_SM90_VARIANT", "twin")
     if v not in SM90_VARIANTS:
         raise ValueError(f"CUPYMOE_SM90_VARIANT={v!r}: must be one of {sorted(SM90_VARIANTS)}")
     return v
 
 
 def sm90_kernel(mode: int, variant: str) -> str:
-    stages, blocks = SM90_VARIANTS[variant]
+    stages, blocks, _ = SM90_VARIANTS[variant]
     return f"grouped_gemm_sm90<{mode}, {stages}, {blocks}>"
 
 
@@ -131,7 +133,8 @@ MODULES: dict[str, ModuleSpec] = {
         + tuple(grouped_kernel(mode, c, f)[0] for mode in (0, 1) for c in ("stream_q", "math")
                 for f in FORMAT_CODES.values() if f),
     ),
-    "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(sm90_kernel(m, v) for m in (0, 1, 2) for v in SM90_VARIANTS),
+    "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(dict.fromkeys(sm90_kernel(m, v) for m in (0, 1, 2)
+                                                                       for v in SM90_VARIANTS)),
                                archs=("sm_90a",)),
     "grouped_sm90_fp8": ModuleSpec("grouped_sm90_fp8.cu",
                                    ("quantize_rows_fp8",) + tuple(f"grouped_gemm_sm90_fp8<{m}>" for m in (0, 1)),

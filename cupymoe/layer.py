@@ -208,6 +208,7 @@ class MoeLayer:
         owned = owned_experts(cfg, expert_owner)
         with cupy.cuda.Device(self.device_id):
             self.lib = kernels.library(self.device_id)
+            self._sm_count = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             # the weight formats present (routed experts, then a shared expert of another
             # format): the expert kernels run once per format
@@ -334,9 +335,9 @@ class MoeLayer:
         with timer.stage("router"):
             if path == "prefill":  # tensor cores; the CUDA-core router only pays off at few rows
                 name, threads, smem = self._grouped_kernel(2, "math" if N >= 1024 else "stream")
-                bm = threads // 2  # every grouped GEMM runs two threads per tile row
+                bm = 128 if name.startswith("grouped_gemm_sm90") else threads // 2  # mma.sync: 2 threads a row
                 lib[name](
-                    (-(-R // 128), -(-N // bm)), (threads,),
+                    self._gemm_grid(name, -(-R // 128), -(-N // bm)), (threads,),
                     (_u64(x), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(W.ptr("router")),
                      _u64(0), _u64(W.ptr("router_bias")), _u64(0), *(_u64(0),) * 5,
                      _u64(0), _u64(0), _i32(0), _i32(H), _i32(R),
@@ -497,7 +498,7 @@ class MoeLayer:
                 gate_up, threads, smem = self._grouped_kernel(0, config, fmt)
                 extra = (_u64(qx), _u64(sx), _u64(qxs), _u64(sxs)) if w8a8 and fmt == fp8 else ()
                 lib[gate_up](
-                    (-(-W.i_max // 64), tiles), (threads,),
+                    self._gemm_grid(gate_up, -(-W.i_max // 64), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(0), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("gate")), _u64(W.ptr("up")),
                      _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")), _u64(W.ptr("gate_scale")),
@@ -517,7 +518,7 @@ class MoeLayer:
                 down, threads, smem = self._grouped_kernel(1, config, fmt)
                 extra = ((_u64(A.ptr("qact")), _u64(A.ptr("sact"))) * 2) if w8a8 and fmt == fp8 else ()
                 lib[down](
-                    (-(-H // 128), tiles), (threads,),
+                    self._gemm_grid(down, -(-H // 128), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(A.ptr("act")), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("down")), _u64(0),
                      _u64(W.ptr("down_bias")), _u64(0), _u64(W.ptr("down_scale")), _u64(0),
@@ -533,6 +534,15 @@ class MoeLayer:
                  _u64(A.ptr("yw")), _u64(W.ptr("shared_expert_gate")), _u64(out), _i32(N), _i32(H), _i32(k),
                  _i32(cfg.num_experts), _i32(has_shared), _i32(1 if cfg.ep_rank == 0 else 0)),
                 stream=s)
+
+    def _gemm_grid(self, kernel: str, column_tiles: int, row_tiles: int) -> tuple[int, int]:
+        """A grouped GEMM's grid: one block per (column tile, M-tile), or for the persistent
+        sm90 variant at most the resident blocks, which walk the tiles (grouped_sm90.cu)."""
+        if kernel.startswith("grouped_gemm_sm90<"):
+            _, blocks, persistent = kernels.SM90_VARIANTS[kernels.sm90_variant()]
+            if persistent:
+                return (min(column_tiles * row_tiles, blocks * self._sm_count), 1)
+        return (column_tiles, row_tiles)
 
     def _quantize_rows(self, src: int, rows: int, ld: int, K: int, sorted_pair: int, P: int, K_shared: int,
                        q: int, scales: int, s) -> None:

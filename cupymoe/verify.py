@@ -287,6 +287,9 @@ def check_w8a8(out: np.ndarray, layer, cfg: MoeConfig, hw: HostWeights, x: np.nd
     if stages.reference_acts:
         ref_act = np.concatenate([a.ravel() for a in stages.reference_acts])
         c.stages = compare(np.concatenate([a.ravel() for a in stages.kernel_acts]), ref_act, ref_act)
+        # both sides are bf16 values: a 1-ulp flip (up to 2^-7 of the value) is the faithful
+        # rule's to count, not an error against the exact envelope (2^-8: one rounding)
+        c.stages.envelope = 0.0
     return c
 
 

@@ -355,20 +355,25 @@ def test_row_invariance(rng):
                     np.testing.assert_array_equal(out[j], alone[int(r)], err_msg=f"{fam}: row {r} in a batch of {n}")
 
 
-def test_hopper_wgmma_kernels_are_used_and_agree(rng):
-    """On sm_90a the math-bound grouped GEMMs run on wgmma; the result matches the reference
-    and, to rounding, the mma.sync kernels of a row-invariant layer."""
-    from cupymoe import MoeLayer
+def test_hopper_wgmma_kernels_are_used_and_agree(rng, monkeypatch):
+    """On sm_90a the math-bound grouped GEMMs run on wgmma, in each pipeline variant
+    (kernels.SM90_VARIANTS); the result matches the reference and, to rounding, the
+    mma.sync kernels of a row-invariant layer."""
+    from cupymoe import MoeLayer, kernels
 
     cfg = testing.tiny_config("qwen3_next")
     hw = testing.random_host_weights(cfg, rng)
-    layer = MoeLayer(cfg, hw, max_tokens=2048)
-    if layer.lib.arch != "sm_90a":
-        pytest.skip(f"wgmma needs sm_90a, this GPU compiles for {layer.lib.arch}")
-    assert layer._grouped_kernel(0, "math")[0] == "grouped_gemm_sm90<0>"
     pinned = MoeLayer(cfg, hw, max_tokens=2048, row_invariant=True)
+    if pinned.lib.arch != "sm_90a":
+        pytest.skip(f"wgmma needs sm_90a, this GPU compiles for {pinned.lib.arch}")
     assert pinned._grouped_kernel(0, "math")[0].startswith("grouped_gemm<0, 128")
     x = well_separated_input(cfg, hw, rng, 2048)
-    a, b = run_layer(layer, x), run_layer(pinned, x)
     exact, faithful = references(cfg, hw, x, "prefill")
-    assert compare(a, exact, faithful).ok and compare(b, exact, faithful).ok
+    b = run_layer(pinned, x)
+    assert compare(b, exact, faithful).ok
+    for variant in kernels.SM90_VARIANTS:
+        monkeypatch.setenv("CUPYMOE_SM90_VARIANT", variant)
+        layer = MoeLayer(cfg, hw, max_tokens=2048)
+        assert layer._grouped_kernel(0, "math")[0] == kernels.sm90_kernel(0, variant)
+        c = compare(run_layer(layer, x), exact, faithful)
+        assert c.ok, f"{variant}: {c}"
