@@ -21,8 +21,8 @@ bf16 weights and input, both float64:
    concentrate there; with k + 1 rounded terms per output element (grouped path) they
    touch up to ~1% of the elements, each by one ulp of one term (measured: 0.43% on a
    LongCat case with pre-norm and identity experts). So: normwise <= 2^-8, and at most
-   1 element in 100 beyond 2^-8 |ref| + 2^-8 rms(ref), every element also inside the
-   exact reference's envelope above.
+   1 element in 100 (rounded up: one of fewer than 100) beyond 2^-8 |ref| + 2^-8 rms(ref),
+   every element also inside the exact reference's envelope above.
 
 Quantized experts and routers (fp8_block, nvfp4, mxfp4). Both references are fed the
 very same quantized weights, dequantized exactly in float64, so quantization error is not
@@ -55,6 +55,7 @@ could legitimately pick the other expert there, which is not an error of the lay
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -88,6 +89,7 @@ class Comparison:
     envelope: float  # worst |out - ref| / envelope, <= 1 passes
     faithful_normwise: float = 0.0  # against the kernel-faithful reference (0: not checked)
     outliers: float = 0.0  # fraction of elements beyond the tight bound
+    outliers_allowed: float = FAITHFUL_OUTLIERS  # 1 in 100, rounded up to whole elements
     exact_bound: float = EXACT_NORMWISE  # the normwise bound against the exact reference
     stages: Optional["Comparison"] = None  # w8a8: the activation stage (check_w8a8)
     codes_differ: int = 0  # w8a8: e4m3 codes or scales unlike quantizing the kernels' values
@@ -95,7 +97,7 @@ class Comparison:
     @property
     def ok(self) -> bool:
         return (self.unwritten == 0 and self.normwise <= self.exact_bound and self.envelope <= 1.0
-                and self.faithful_normwise <= FAITHFUL_NORMWISE and self.outliers <= FAITHFUL_OUTLIERS
+                and self.faithful_normwise <= FAITHFUL_NORMWISE and self.outliers <= self.outliers_allowed
                 and self.codes_differ == 0 and (self.stages is None or self.stages.ok))
 
     def __str__(self) -> str:
@@ -154,6 +156,8 @@ def compare(out: np.ndarray, ref: np.ndarray, faithful: Optional[np.ndarray] = N
         tight = FAITHFUL_TIGHT[0] * np.abs(f) + FAITHFUL_TIGHT[1] * frms
         c.faithful_normwise = _normwise(o, f)
         c.outliers = float(np.mean(np.abs(o - f) > tight))
+        # "1 in 100" of fewer than 100 elements (N = 1, H = 96) still allows one
+        c.outliers_allowed = math.ceil(FAITHFUL_OUTLIERS * o.size) / o.size
     return c
 
 

@@ -723,3 +723,17 @@ def test_w8a8_inputs_hook_sees_every_fp8_projection_input():
     a = rng.standard_normal((7, 300)).astype(np.float32)
     a[2, :128] = 0.0
     assert np.array_equal(_dequantize_rows_fp8(*_quantize_rows_fp8(a)), reference.quantize_activations_fp8(a.astype(np.float64)))
+
+
+def test_outlier_allowance_rounds_up_to_whole_elements():
+    """The faithful rule's "1 element in 100" admits one flip among the 96 elements of an
+    N = 1, H = 96 output, and not two; among 1000 elements, ten and not eleven."""
+    from cupymoe.verify import compare
+
+    for size, allowed in ((96, 1), (1000, 10)):
+        ref = np.linspace(1.0, 2.0, size)
+        for bad in (allowed, allowed + 1):
+            out = ref.copy()
+            out[:bad] *= 1 + 2.0 ** -6  # beyond the tight 2^-8 |f| + 2^-8 rms, inside the envelope
+            c = compare(out, ref, ref)
+            assert c.ok == (bad == allowed), (size, bad, c)
