@@ -96,13 +96,14 @@ __device__ __forceinline__ bool gemm_tile(GemmTile& t, GEMM_ARGS) {
 
 // Each thread copies a fixed set of 16-byte chunks per stage: its rows' sources are
 // resolved once (A gathered through sorted_row for gate/up), K advances per stage. Rows
-// past the tile and chunks past K are zero-filled, never read.
-template <int MODE, int BM, int BK, int THREADS>
+// past the tile and chunks past K are zero-filled, never read. B holds BN weight rows: for
+// gate/up BN / 2 gate rows, then as many up rows.
+template <int MODE, int BM, int BK, int THREADS, int BN = GG_BN>
 struct TileLoader {
     static constexpr int CHUNKS = BK / 8;
     static constexpr int A_PER = BM * CHUNKS / THREADS;
-    static constexpr int B_PER = GG_BN * CHUNKS / THREADS;
-    static_assert(A_PER * THREADS == BM * CHUNKS && B_PER * THREADS == GG_BN * CHUNKS, "tile / threads");
+    static constexpr int B_PER = BN * CHUNKS / THREADS;
+    static_assert(A_PER * THREADS == BM * CHUNKS && B_PER * THREADS == BN * CHUNKS, "tile / threads");
     const bf16* a_src[A_PER];
     const bf16* b_src[B_PER];
     bool a_ok[A_PER], b_ok[B_PER];
@@ -127,9 +128,9 @@ struct TileLoader {
         }
 #pragma unroll
         for (int i = 0; i < B_PER; ++i) {
-            const int r = (tid + i * THREADS) / CHUNKS;  // 0 .. GG_BN - 1
-            const int n = t.n0 + (MODE == MODE_GATE_UP ? (r & (GG_BN / 2 - 1)) : r);
-            const bf16* W = MODE == MODE_GATE_UP && r >= GG_BN / 2 ? t.W1 : t.W0;
+            const int r = (tid + i * THREADS) / CHUNKS;  // 0 .. BN - 1
+            const int n = t.n0 + (MODE == MODE_GATE_UP ? (r & (BN / 2 - 1)) : r);
+            const bf16* W = MODE == MODE_GATE_UP && r >= BN / 2 ? t.W1 : t.W0;
             b_ok[i] = n < t.ncols;
             b_src[i] = W + (size_t)min(n, t.ncols - 1) * t.K;
         }
@@ -225,7 +226,7 @@ struct QuantBLoader {
 };
 
 // Gate/up epilogue for one row r of the tile and two adjacent columns c, c + 1 (of the
-// tile's 64): bias, activation, bf16 store into act[pos, :].
+// tile's BN / 2 per matrix): bias, activation, bf16 store into act[pos, :].
 __device__ __forceinline__ void emit_gate_up(const GemmTile& t, int r, int c, float g0, float g1, float u0,
                                              float u1, GEMM_ARGS) {
     const int col = t.n0 + c;
@@ -249,7 +250,7 @@ __device__ __forceinline__ void emit_gate_up(const GemmTile& t, int r, int c, fl
                               apply_activation(act_code, g1, u1, alpha, limit));
 }
 
-// Down / router epilogue for row r and columns c, c + 1 of the tile's 128.
+// Down / router epilogue for row r and columns c, c + 1 of the tile's BN.
 template <int MODE>
 __device__ __forceinline__ void emit_out(const GemmTile& t, int r, int c, float v0, float v1, GEMM_ARGS) {
     const int col = t.n0 + c;

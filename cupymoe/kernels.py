@@ -68,12 +68,12 @@ def grouped_smem_bytes(bm: int, bk: int, stages: int, fmt: int = 0) -> int:
 
 
 SM90_BM, SM90_BK = 128, 64  # grouped_gemm_sm90's tile (cuda/grouped_sm90.cu)
-# (stages, blocks per SM, persistent) of grouped_gemm_sm90: "deep" 6 stages at one block per
-# SM (192 KB), "twin" 3 stages at two (one block's epilogue and prologue hide behind the
-# other's math: 1.14-1.33x faster than deep at N = 4096 / 16384, NOTES.md v10), one block
-# per tile; "persistent" twin's kernel launched as resident blocks that walk the tiles, the
-# loads running ahead across tiles. CUPYMOE_SM90_VARIANT picks one.
-SM90_VARIANTS = {"deep": (6, 1, False), "twin": (3, 2, False), "persistent": (3, 2, True)}
+# (stages, blocks per SM, BN) of grouped_gemm_sm90: "deep" 6 stages at one block per SM
+# (192 KB); "twin" 3 stages at two (one block's epilogue and prologue hide behind the
+# other's math: 1.14-1.33x faster than deep at N = 4096 / 16384, NOTES.md v10); "wide"
+# 128 x 256 tiles (twice the math per byte of A and of shared memory read; 128
+# accumulators a thread, so one block per SM), 4 stages. CUPYMOE_SM90_VARIANT picks one.
+SM90_VARIANTS = {"deep": (6, 1, 128), "twin": (3, 2, 128), "wide": (4, 1, 256)}
 
 
 def sm90_variant() -> str:
@@ -84,13 +84,14 @@ def sm90_variant() -> str:
 
 
 def sm90_kernel(mode: int, variant: str) -> str:
-    stages, blocks, _ = SM90_VARIANTS[variant]
-    return f"grouped_gemm_sm90<{mode}, {stages}, {blocks}>"
+    stages, blocks, bn = SM90_VARIANTS[variant]
+    return f"grouped_gemm_sm90<{mode}, {stages}, {blocks}, {bn}>"
 
 
-def sm90_smem_bytes(stages: int) -> int:
-    """grouped_gemm_sm90's pipeline of `stages`, plus 1 KB to align its swizzle atoms."""
-    return grouped_smem_bytes(SM90_BM, SM90_BK, stages) + 1024
+def sm90_smem_bytes(stages: int, bn: int = GROUPED_BN) -> int:
+    """grouped_gemm_sm90's pipeline of `stages` (128-row A tiles, `bn`-row B tiles, 64 wide),
+    plus 1 KB to align its swizzle atoms."""
+    return stages * (SM90_BM + bn) * SM90_BK * 2 + 1024
 
 
 SM90_FP8_TILE = (128, 128, 4)  # BM, BK (bytes), stages of grouped_gemm_sm90_fp8
@@ -444,10 +445,10 @@ class KernelLibrary:
                 for expr, mangled in cm.lowered.items():
                     fn = mod.get_function(mangled)
                     m = re.fullmatch(r"grouped_gemm<\d+, (\d+), (\d+), (\d+), (\d+)>", expr)
-                    m90 = re.fullmatch(r"grouped_gemm_sm90<\d+, (\d+), \d+>", expr)
+                    m90 = re.fullmatch(r"grouped_gemm_sm90<\d+, (\d+), \d+, (\d+)>", expr)
                     smem = (grouped_smem_bytes(*(int(g) for g in m.groups())) if m
                             else sm90_fp8_smem_bytes() if expr.startswith("grouped_gemm_sm90_fp8")
-                            else sm90_smem_bytes(int(m90.group(1))) if m90 else 0)
+                            else sm90_smem_bytes(int(m90.group(1)), int(m90.group(2))) if m90 else 0)
                     if smem:  # opt in to more than 48 KB of dynamic shared memory, once
                         drv = cupy.cuda.driver
                         drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)

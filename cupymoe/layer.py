@@ -92,6 +92,23 @@ def max_tiles(num_tokens: int, k: int, n_local: int, has_shared: bool) -> int:
     return t
 
 
+MATH_ROWS_PER_EXPERT = 96  # NOTES.md: v6 measured the crossover with mma.sync tiles
+
+
+def math_rows_per_expert() -> int:
+    """Average rows per local expert from which the grouped GEMMs take the "math"
+    configuration (128-row tiles, wgmma on Hopper) over "stream" (64-row tiles, deeper K
+    pipeline); CUPYMOE_MATH_ROWS overrides it for measurements."""
+    import os
+
+    v = os.environ.get("CUPYMOE_MATH_ROWS")
+    if v is None:
+        return MATH_ROWS_PER_EXPERT
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"CUPYMOE_MATH_ROWS={v!r}: must be a positive integer")
+    return int(v)
+
+
 RESIDENT_WARPS = 132 * 32  # H200: 132 SMs x 32 warps of the decode kernels (<= 64 registers)
 
 
@@ -208,7 +225,6 @@ class MoeLayer:
         owned = owned_experts(cfg, expert_owner)
         with cupy.cuda.Device(self.device_id):
             self.lib = kernels.library(self.device_id)
-            self._sm_count = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             # the weight formats present (routed experts, then a shared expert of another
             # format): the expert kernels run once per format
@@ -222,6 +238,12 @@ class MoeLayer:
                                                 self.decode_max_tokens, w8a8, self._w8a8_shared_x), self.device_id)
             cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
+            # The weights, their tables and that memset went through the legacy default
+            # stream (a pageable upload may even return before its DMA lands); callers launch
+            # on their own streams, often non-blocking ones that never wait for it: a first
+            # forward could read half-written tables (seen on the H200 as a misaligned
+            # address in the bench, gone under CUDA_LAUNCH_BLOCKING). Finish them here.
+            cupy.cuda.runtime.deviceSynchronize()
         self._streams: dict[int, Any] = {}
         log.info("MoeLayer ready on device %d (%s): %d local experts, weights %.1f MB, arena %.1f MB",
                  self.device_id, self.lib.arch, self.weights.n_local, self.weights.nbytes / 1e6,
@@ -334,10 +356,10 @@ class MoeLayer:
 
         with timer.stage("router"):
             if path == "prefill":  # tensor cores; the CUDA-core router only pays off at few rows
-                name, threads, smem = self._grouped_kernel(2, "math" if N >= 1024 else "stream")
+                name, threads, smem, bn = self._grouped_kernel(2, "math" if N >= 1024 else "stream")
                 bm = 128 if name.startswith("grouped_gemm_sm90") else threads // 2  # mma.sync: 2 threads a row
                 lib[name](
-                    self._gemm_grid(name, -(-R // 128), -(-N // bm)), (threads,),
+                    (-(-R // bn), -(-N // bm)), (threads,),
                     (_u64(x), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(W.ptr("router")),
                      _u64(0), _u64(W.ptr("router_bias")), _u64(0), *(_u64(0),) * 5,
                      _u64(0), _u64(0), _i32(0), _i32(H), _i32(R),
@@ -427,18 +449,21 @@ class MoeLayer:
             return "w8a16"
         return "w8a16" if wanted == "w8a16" else "w8a8"
 
-    def _grouped_kernel(self, mode: int, config: str, fmt: int = 0) -> tuple[str, int, int]:
-        """(kernel, threads, dynamic smem) of a grouped GEMM: wgmma on Hopper where the math
-        decides and the weights are bf16, except for row-invariant layers, whose every N must
-        run the same instructions (the mma.sync configurations agree bit for bit; wgmma
-        need not). Quantized weights take the mma.sync kernel with in-register dequant, in
-        its quantized streaming configuration where bf16 takes "stream"."""
+    def _grouped_kernel(self, mode: int, config: str, fmt: int = 0) -> tuple[str, int, int, int]:
+        """(kernel, threads, dynamic smem, weight rows per tile) of a grouped GEMM: wgmma on
+        Hopper where the math decides and the weights are bf16, except for row-invariant
+        layers, whose every N must run the same instructions (the mma.sync configurations
+        agree bit for bit; wgmma need not). Quantized weights take the mma.sync kernel with
+        in-register dequant, in its quantized streaming configuration where bf16 takes
+        "stream". A tile covers half its weight rows' columns of gate/up (gate and up rows),
+        all of them for down and the router."""
         if fmt == kernels.FORMAT_CODES["fp8_block"] and self.fp8_compute == "w8a8":
-            return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes()
+            return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), kernels.GROUPED_BN
         if config == "math" and fmt == 0 and self.lib.arch == "sm_90a" and not self.row_invariant:
             variant = kernels.sm90_variant()
-            return kernels.sm90_kernel(mode, variant), 256, kernels.sm90_smem_bytes(kernels.SM90_VARIANTS[variant][0])
-        return kernels.grouped_kernel(mode, kernels.QUANT_CONFIG[config] if fmt else config, fmt)
+            stages, _, bn = kernels.SM90_VARIANTS[variant]
+            return kernels.sm90_kernel(mode, variant), 256, kernels.sm90_smem_bytes(stages, bn), bn
+        return (*kernels.grouped_kernel(mode, kernels.QUANT_CONFIG[config] if fmt else config, fmt), kernels.GROUPED_BN)
 
     def _launch_sort(self, N: int, s, has_shared: int) -> None:
         """(row, slot) pairs grouped by expert, stable: one block for few pairs, else three passes."""
@@ -475,7 +500,7 @@ class MoeLayer:
         cfg, A, W, lib = self.cfg, self.arena, self.weights, self.lib
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
         # the math-bound configuration once the average expert run fills its 128-row tiles
-        config = "math" if N * k >= 96 * W.n_local else "stream"
+        config = "math" if N * k >= math_rows_per_expert() * W.n_local else "stream"
         w8a8 = self.fp8_compute == "w8a8"
         if w8a8:  # the w8a8 kernel's tiles are 128 rows: every format of the layer takes them
             config = "math"
@@ -495,10 +520,10 @@ class MoeLayer:
                                _u64(A.ptr("active_len")), _i32(bm), _u64(A.ptr("num_tiles")),
                                _u64(A.ptr("tile_info"))), stream=s)
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' tiles
-                gate_up, threads, smem = self._grouped_kernel(0, config, fmt)
+                gate_up, threads, smem, bn = self._grouped_kernel(0, config, fmt)
                 extra = (_u64(qx), _u64(sx), _u64(qxs), _u64(sxs)) if w8a8 and fmt == fp8 else ()
                 lib[gate_up](
-                    self._gemm_grid(gate_up, -(-W.i_max // 64), tiles), (threads,),
+                    (-(-W.i_max // (bn // 2)), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(0), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("gate")), _u64(W.ptr("up")),
                      _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")), _u64(W.ptr("gate_scale")),
@@ -515,10 +540,10 @@ class MoeLayer:
                                     A.ptr("qact"), A.ptr("sact"), s)
         with timer.stage("down"):
             for fmt in self._format_codes:
-                down, threads, smem = self._grouped_kernel(1, config, fmt)
+                down, threads, smem, bn = self._grouped_kernel(1, config, fmt)
                 extra = ((_u64(A.ptr("qact")), _u64(A.ptr("sact"))) * 2) if w8a8 and fmt == fp8 else ()
                 lib[down](
-                    self._gemm_grid(down, -(-H // 128), tiles), (threads,),
+                    (-(-H // bn), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(A.ptr("act")), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("down")), _u64(0),
                      _u64(W.ptr("down_bias")), _u64(0), _u64(W.ptr("down_scale")), _u64(0),
@@ -534,15 +559,6 @@ class MoeLayer:
                  _u64(A.ptr("yw")), _u64(W.ptr("shared_expert_gate")), _u64(out), _i32(N), _i32(H), _i32(k),
                  _i32(cfg.num_experts), _i32(has_shared), _i32(1 if cfg.ep_rank == 0 else 0)),
                 stream=s)
-
-    def _gemm_grid(self, kernel: str, column_tiles: int, row_tiles: int) -> tuple[int, int]:
-        """A grouped GEMM's grid: one block per (column tile, M-tile), or for the persistent
-        sm90 variant at most the resident blocks, which walk the tiles (grouped_sm90.cu)."""
-        if kernel.startswith("grouped_gemm_sm90<"):
-            _, blocks, persistent = kernels.SM90_VARIANTS[kernels.sm90_variant()]
-            if persistent:
-                return (min(column_tiles * row_tiles, blocks * self._sm_count), 1)
-        return (column_tiles, row_tiles)
 
     def _quantize_rows(self, src: int, rows: int, ld: int, K: int, sorted_pair: int, P: int, K_shared: int,
                        q: int, scales: int, s) -> None:
