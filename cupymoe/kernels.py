@@ -72,7 +72,8 @@ SM90_BM, SM90_BK = 128, 64  # grouped_gemm_sm90's tile (cuda/grouped_sm90.cu)
 # (192 KB); "twin" 3 stages at two (one block's epilogue and prologue hide behind the
 # other's math: 1.14-1.33x faster than deep at N = 4096 / 16384, NOTES.md v10); "wide"
 # 128 x 256 tiles (twice the math per byte of A and of shared memory read; 128
-# accumulators a thread, so one block per SM), 4 stages. CUPYMOE_SM90_VARIANT picks one.
+# accumulators a thread, so one block per SM), 4 stages: measured 5-20 % slower than twin
+# (v11), kept for the warp-specialized kernel to come. CUPYMOE_SM90_VARIANT picks one.
 SM90_VARIANTS = {"deep": (6, 1, 128), "twin": (3, 2, 128), "wide": (4, 1, 256)}
 
 

@@ -92,18 +92,22 @@ def max_tiles(num_tokens: int, k: int, n_local: int, has_shared: bool) -> int:
     return t
 
 
-MATH_ROWS_PER_EXPERT = 96  # NOTES.md: v6 measured the crossover with mma.sync tiles
+# Average rows per local expert from which the grouped GEMMs take the "math" configuration
+# (128-row tiles) over "stream" (64-row tiles, a deeper K pipeline). mma.sync: 96 (NOTES.md
+# v6). Hopper's twin wgmma kernel: 32 (v11: qwen3-next-80b N = 4096, 80 rows per expert,
+# 1828 -> 1261 us; at 16-20 rows the stream tiles stay ahead, gpt-oss-120b N = 512 1655 vs
+# 1889 us).
+MATH_ROWS_PER_EXPERT = {"mma": 96, "wgmma": 32}
 
 
-def math_rows_per_expert() -> int:
-    """Average rows per local expert from which the grouped GEMMs take the "math"
-    configuration (128-row tiles, wgmma on Hopper) over "stream" (64-row tiles, deeper K
-    pipeline); CUPYMOE_MATH_ROWS overrides it for measurements."""
+def math_rows_per_expert(kernel: str) -> int:
+    """MATH_ROWS_PER_EXPERT[kernel] ("mma" or "wgmma"); CUPYMOE_MATH_ROWS overrides both
+    for measurements."""
     import os
 
     v = os.environ.get("CUPYMOE_MATH_ROWS")
     if v is None:
-        return MATH_ROWS_PER_EXPERT
+        return MATH_ROWS_PER_EXPERT[kernel]
     if not v.isdigit() or int(v) < 1:
         raise ValueError(f"CUPYMOE_MATH_ROWS={v!r}: must be a positive integer")
     return int(v)
@@ -499,8 +503,10 @@ class MoeLayer:
         """gate/up and down as tensor-core grouped GEMMs over BM-row tiles of each expert's run."""
         cfg, A, W, lib = self.cfg, self.arena, self.weights, self.lib
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
-        # the math-bound configuration once the average expert run fills its 128-row tiles
-        config = "math" if N * k >= math_rows_per_expert() * W.n_local else "stream"
+        # the math-bound configuration once the average expert run fills enough of its
+        # 128-row tiles (bf16 on Hopper: the wgmma kernel, which pays off sooner)
+        wgmma = self.lib.arch == "sm_90a" and not self.row_invariant and self.weights.format == "bf16"
+        config = "math" if N * k >= math_rows_per_expert("wgmma" if wgmma else "mma") * W.n_local else "stream"
         w8a8 = self.fp8_compute == "w8a8"
         if w8a8:  # the w8a8 kernel's tiles are 128 rows: every format of the layer takes them
             config = "math"

@@ -358,8 +358,10 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
 
 def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Routing,
                     owned: range, include_zero: bool, rounding: Optional[str] = None,
-                    activations: str = "bf16", w8a8_inputs: Optional[Callable] = None) -> np.ndarray:
-    """Sum over (row, slot) of w * expert(x_e[row]) for the owned experts (+ identity experts).
+                    activations: str = "bf16", w8a8_inputs: Optional[Callable] = None,
+                    absolute: bool = False) -> np.ndarray:
+    """Sum over (row, slot) of w * expert(x_e[row]) for the owned experts (+ identity experts);
+    `absolute`: of |w * expert(x_e[row])|.
 
     Loops over experts, not rows: each chosen expert's weights are dequantized once and
     applied to all the rows that chose it. Experts nobody chose are never touched.
@@ -374,7 +376,7 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
         w = weights[rows, slots][:, None]
         if e >= E:
             if include_zero:  # zero (identity) expert: w * its input
-                np.add.at(out, rows, w * xe[rows])
+                np.add.at(out, rows, np.abs(w * xe[rows]) if absolute else w * xe[rows])
             continue
         if e not in owned:
             continue
@@ -383,12 +385,12 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
             biases = tuple(_vector(b[e], dt) for b in (hw.gate_bias, hw.up_bias, hw.down_bias))
         fed = None if w8a8_inputs is None else (lambda stage, a, e=e, rows=rows: w8a8_inputs(stage, e, rows, a))
         y = _ffn(cfg, xe[rows], hw.gate[e], hw.up[e], hw.down[e], biases, rounding, activations, fed)
+        term = w * y
         if rounding == "grouped":  # the grouped GEMM stores bf16(w * y), weighted in fp32 first
-            np.add.at(out, rows, _bf16(w * y))
-            continue
+            term = _bf16(term)
         # A row picks an expert at most once (top-k of distinct ids; tid2eid rows are
         # distinct by contract), but add.at stays right even if a table repeats one.
-        np.add.at(out, rows, w * y)
+        np.add.at(out, rows, np.abs(term) if absolute else term)
     return out
 
 
@@ -417,7 +419,7 @@ def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Opt
 def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: Any = None, *,
                 dtype=np.float64, ep_rank: Optional[int] = None, rounding: Optional[str] = None,
                 owned_experts: Optional[Any] = None, activations: str = "bf16",
-                w8a8_inputs: Optional[Callable] = None) -> np.ndarray:
+                w8a8_inputs: Optional[Callable] = None, absolute: bool = False) -> np.ndarray:
     """The MoE layer's output [N, H] in `dtype` for input `x` [N, H] (bf16 or float).
 
     Every step runs in `dtype` (float64 by default: the oracle; float32 to estimate what
@@ -446,6 +448,10 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     "down", `expert` an expert id or "shared", `rows` the token rows of `a`; it returns the
     dequantized values to multiply instead (verify.py feeds the kernels' own codes, so a
     comparison is not thrown off by one re-quantization flip, see there).
+
+    `absolute=True` sums the magnitudes of the output's terms instead (each (row, slot)'s
+    weighted expert output, identity term and shared expert output): what the grouped path
+    rounds term by term, for verify.py's envelope.
     """
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r}: must be one of {ROUNDINGS}")
@@ -468,7 +474,8 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     if rounding and cfg.pre_expert_norm:
         xe = _bf16(xe)
     out = _routed_experts(cfg, host_weights, xe, routing, owned, include_zero=on_rank0, rounding=rounding,
-                          activations=activations, w8a8_inputs=w8a8_inputs)
+                          activations=activations, w8a8_inputs=w8a8_inputs, absolute=absolute)
     if cfg.has_shared_expert and on_rank0:
-        out = out + _shared_expert(cfg, host_weights, xf, rounding, activations, w8a8_inputs)
+        shared = _shared_expert(cfg, host_weights, xf, rounding, activations, w8a8_inputs)
+        out = out + (np.abs(shared) if absolute else shared)
     return out.astype(dtype, copy=False)

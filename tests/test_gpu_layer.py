@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cupymoe import reference, testing
-from cupymoe.verify import bf16_bits, bits_to_f32, compare, references, run_layer, well_separated_input
+from cupymoe.verify import bf16_bits, bits_to_f32, check, compare, references, run_layer, well_separated_input
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +40,7 @@ def _layer(cfg, hw, **kw):
 def _check(layer, cfg, hw, rng, n, path, token_ids=None):
     x = well_separated_input(cfg, hw, rng, n, token_ids)
     taken = layer.select_path(n, path)
-    c = compare(run_layer(layer, x, path, token_ids), *references(cfg, hw, x, taken, token_ids))
+    c = check(run_layer(layer, x, path, token_ids), cfg, hw, x, taken, token_ids, layer)
     assert c.ok, f"{cfg.model_type} N={n} {path} ({taken}): {c}"
 
 
@@ -153,7 +153,7 @@ def test_cupy_graph_replay_is_bitwise_eager_and_follows_new_inputs(rng, path):
         out.fill(0x7FC0)
         g.launch(s)
         s.synchronize()
-        c = compare(bits_to_f32(out.get()), *references(cfg, hw, x2, path))
+        c = check(bits_to_f32(out.get()), cfg, hw, x2, layer.select_path(n, path), layer=layer)
         assert c.ok, f"N={n} after new input: {c}"
 
 
@@ -181,7 +181,7 @@ def test_torch_graph_capture(rng):
     g.replay()
     torch.cuda.synchronize()
     got = bits_to_f32(out.view(torch.int16).cpu().numpy().view(np.uint16))
-    assert compare(got, *references(cfg, hw, xh2, layer.select_path(n))).ok
+    assert check(got, cfg, hw, xh2, layer.select_path(n), layer=layer).ok
 
 
 def test_two_layers_on_two_streams_run_concurrently_without_interference(rng):
@@ -217,7 +217,7 @@ def test_from_pretrained_matches_reference(tmp_path, rng):
     layer = MoeLayer.from_pretrained(tmp_path, 1, max_tokens=16)
     assert layer.cfg == cfg
     x = well_separated_input(cfg, hw, rng, 7)
-    assert compare(run_layer(layer, x), *references(cfg, hw, x, layer.select_path(7))).ok
+    assert check(run_layer(layer, x), cfg, hw, x, layer.select_path(7), layer=layer).ok
 
 
 def test_from_hf_with_a_tensor_mapping_matches_reference(tmp_path, rng):
@@ -234,7 +234,7 @@ def test_from_hf_with_a_tensor_mapping_matches_reference(tmp_path, rng):
     layer = MoeLayer.from_hf(testing.hf_config_dict(fam), tensors, "model.layers.1.mlp.", max_tokens=16)
     assert layer.cfg == cfg
     x = well_separated_input(cfg, hw, rng, 5)
-    assert compare(run_layer(layer, x), *references(cfg, hw, x, layer.select_path(5))).ok
+    assert check(run_layer(layer, x), cfg, hw, x, layer.select_path(5), layer=layer).ok
 
 
 def test_refusals_name_the_values_and_write_nothing(rng):
@@ -331,7 +331,7 @@ def test_one_expert_receives_every_row(rng):
     for n, path in ((1000, "prefill"), (64, "prefill"), (64, "decode")):
         x = well_separated_input(cfg, hw, rng, n)
         assert (reference.route(cfg, hw, x).ids == 3).any(axis=1).all()
-        c = compare(run_layer(layer, x, path), *references(cfg, hw, x, path))
+        c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
         assert c.ok, f"N={n} {path}: {c}"
 
 
@@ -368,12 +368,10 @@ def test_hopper_wgmma_kernels_are_used_and_agree(rng, monkeypatch):
         pytest.skip(f"wgmma needs sm_90a, this GPU compiles for {pinned.lib.arch}")
     assert pinned._grouped_kernel(0, "math")[0].startswith("grouped_gemm<0, 128")
     x = well_separated_input(cfg, hw, rng, 2048)
-    exact, faithful = references(cfg, hw, x, "prefill")
-    b = run_layer(pinned, x)
-    assert compare(b, exact, faithful).ok
+    assert check(run_layer(pinned, x), cfg, hw, x, "prefill", layer=pinned).ok
     for variant in kernels.SM90_VARIANTS:
         monkeypatch.setenv("CUPYMOE_SM90_VARIANT", variant)
         layer = MoeLayer(cfg, hw, max_tokens=2048)
         assert layer._grouped_kernel(0, "math")[0] == kernels.sm90_kernel(0, variant)
-        c = compare(run_layer(layer, x), exact, faithful)
+        c = check(run_layer(layer, x), cfg, hw, x, "prefill", layer=layer)
         assert c.ok, f"{variant}: {c}"

@@ -38,7 +38,7 @@ CASES = {
     "qwen3_moe-bf16-fp8router": ("qwen3_moe", "bf16", "fp8_block", None),
 }
 SMALL = (1, 3, 17, 64)
-LARGE = (100, 1000)  # 1000: the "math" GEMM configuration (N k >= 96 experts' worth)
+LARGE = (100, 1000)  # 1000: the "math" GEMM configuration (layer.MATH_ROWS_PER_EXPERT)
 
 
 @pytest.fixture(scope="module")

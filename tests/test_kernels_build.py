@@ -66,3 +66,28 @@ def test_concurrent_processes_share_one_cache_safely(tmp_path):
 def test_bad_arch_is_refused(bad):
     with pytest.raises(ValueError, match=repr(bad)):
         kernels.parse_arch(bad)
+
+
+def test_measurement_knobs_are_validated(monkeypatch):
+    """CUPYMOE_SM90_VARIANT and CUPYMOE_MATH_ROWS (benchmark knobs) take only what they name,
+    and name the bad value otherwise; unset, the measured defaults apply."""
+    from cupymoe import kernels
+    from cupymoe.layer import MATH_ROWS_PER_EXPERT, math_rows_per_expert
+
+    monkeypatch.delenv("CUPYMOE_SM90_VARIANT", raising=False)
+    monkeypatch.delenv("CUPYMOE_MATH_ROWS", raising=False)
+    assert kernels.sm90_variant() == "twin"
+    assert math_rows_per_expert("wgmma") == MATH_ROWS_PER_EXPERT["wgmma"] == 32
+    assert math_rows_per_expert("mma") == 96
+    monkeypatch.setenv("CUPYMOE_SM90_VARIANT", "wide")
+    assert kernels.sm90_kernel(1, kernels.sm90_variant()) == "grouped_gemm_sm90<1, 4, 1, 256>"
+    monkeypatch.setenv("CUPYMOE_SM90_VARIANT", "fast")
+    with pytest.raises(ValueError, match="'fast'"):
+        kernels.sm90_variant()
+    monkeypatch.setenv("CUPYMOE_MATH_ROWS", "48")
+    assert math_rows_per_expert("mma") == math_rows_per_expert("wgmma") == 48
+    monkeypatch.setenv("CUPYMOE_MATH_ROWS", "0")
+    with pytest.raises(ValueError, match="'0'"):
+        math_rows_per_expert("mma")
+    for variant, (stages, _, bn) in kernels.SM90_VARIANTS.items():
+        assert kernels.sm90_smem_bytes(stages, bn) <= 227 * 1024, variant  # Hopper's opt-in maximum
