@@ -7,8 +7,10 @@
 #
 #   OUT=/tmp/out bash scripts/device_check.sh
 #   OUT=/tmp/out PARTS="tests verify fp8" bash scripts/device_check.sh   (a subset)
+#   GRID_FLAGS=--no-peers: the grid without the torch peers (vLLM's figures still come
+#   from benchmarks/baselines)
 set -u
-PARTS=${PARTS:-"tests verify grid fp8"}
+PARTS=${PARTS:-"tests verify grid quant fp8"}
 want() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 DEST=${OUT:?set OUT to a folder for the logs}
 # the device tool brings back a limited number of files: work in a scratch folder and hand
@@ -27,10 +29,17 @@ if want verify; then
 fi
 want grid && for p in qwen3-30b-a3b qwen3-235b-a22b deepseek-v3 mixtral-8x7b qwen3-next-80b gpt-oss-120b; do
   timeout 80 python3 -m cupymoe bench --preset "$p" --tokens 1 16 64 1024 4096 16384 --repeats 5 --replays 10 \
-    --eager-max-tokens 64 --plots "$OUT/plots" --json "$OUT/grid-$p.json" > "$OUT/grid-$p.log" 2>&1
+    --eager-max-tokens 64 --plots "$OUT/plots" --json "$OUT/grid-$p.json" ${GRID_FLAGS:-} > "$OUT/grid-$p.log" 2>&1
   echo "grid $p rc $?"
   grep "N=" "$OUT/grid-$p.log"
 done
+if want quant; then  # every quantized format (fp8 as the layer picks: w8a8 on sm_90a)
+  timeout 150 python3 -m cupymoe bench --preset qwen3-30b-a3b deepseek-v3 --format fp8_block nvfp4 mxfp4 \
+    --tokens 1 64 4096 --measure-ceilings --repeats 5 --replays 10 --no-peers \
+    --json "$OUT/quant.json" > "$OUT/quant.log" 2>&1
+  echo "quant rc $?"
+  grep "N=" "$OUT/quant.log"
+fi
 want fp8 && for mode in w8a8 w8a16; do
   timeout 100 python3 -m cupymoe bench --preset qwen3-30b-a3b deepseek-v3 --format fp8_block \
     --fp8-compute $mode --tokens 1 64 4096 --measure-ceilings --repeats 5 --replays 10 --no-peers \
