@@ -94,10 +94,10 @@ def max_tiles(num_tokens: int, k: int, n_local: int, has_shared: bool) -> int:
 
 # Average rows per local expert from which the grouped GEMMs take the "math" configuration
 # (128-row tiles) over "stream" (64-row tiles, a deeper K pipeline). mma.sync: 96 (NOTES.md
-# v6). Hopper's twin wgmma kernel: 32 (v11: qwen3-next-80b N = 4096, 80 rows per expert,
-# 1828 -> 1261 us; at 16-20 rows the stream tiles stay ahead, gpt-oss-120b N = 512 1655 vs
-# 1889 us).
-MATH_ROWS_PER_EXPERT = {"mma": 96, "wgmma": 32}
+# v6). Hopper's twin wgmma kernel: 40 (v11: from 64 rows up 128-row tiles win, qwen3-30b
+# N = 1024 544 -> 483 us, qwen3-next-80b N = 4096 1828 -> 1261; at 32 rows the shapes
+# disagree, deepseek-v3 5661 -> 5191 but gpt-oss-120b 1748 -> 1932; below, stream wins).
+MATH_ROWS_PER_EXPERT = {"mma": 96, "wgmma": 40}
 
 
 def math_rows_per_expert(kernel: str) -> int:
