@@ -68,13 +68,43 @@ def grouped_smem_bytes(bm: int, bk: int, stages: int, fmt: int = 0) -> int:
 
 
 SM90_BM, SM90_BK = 128, 64  # grouped_gemm_sm90's tile (cuda/grouped_sm90.cu)
-# (stages, blocks per SM, BN) of grouped_gemm_sm90: "deep" 6 stages at one block per SM
-# (192 KB); "twin" 3 stages at two (one block's epilogue and prologue hide behind the
-# other's math: 1.14-1.33x faster than deep at N = 4096 / 16384, NOTES.md v10); "wide"
-# 128 x 256 tiles (twice the math per byte of A and of shared memory read; 128
-# accumulators a thread, so one block per SM), 4 stages: measured 5-20 % slower than twin
-# (v11), kept for the warp-specialized kernel to come. CUPYMOE_SM90_VARIANT picks one.
-SM90_VARIANTS = {"deep": (6, 1, 128), "twin": (3, 2, 128), "wide": (4, 1, 256)}
+@dataclass(frozen=True)
+class Sm90Variant:
+    """One configuration of the Hopper bf16 grouped GEMM (cuda/grouped_sm90.cu, or
+    cuda/grouped_sm90_ws.cu when warp-specialized)."""
+    stages: int
+    blocks_per_sm: int
+    bn: int  # weight rows per tile (gate/up: half gate, half up)
+    warp_specialized: bool = False  # a producer warpgroup + 2 consumers, persistent blocks
+
+    @property
+    def threads(self) -> int:
+        return 384 if self.warp_specialized else 256
+
+    def kernel(self, mode: int) -> str:
+        if self.warp_specialized:
+            return f"grouped_gemm_sm90_ws<{mode}, {self.stages}, {self.bn}>"
+        return f"grouped_gemm_sm90<{mode}, {self.stages}, {self.blocks_per_sm}, {self.bn}>"
+
+    def smem_bytes(self) -> int:
+        """The pipeline's stages (128-row A tiles, `bn`-row B tiles, 64 wide), the
+        warp-specialized kernel's 2 mbarriers a stage, and 1 KB to align the swizzle atoms."""
+        return self.stages * (SM90_BM + self.bn) * SM90_BK * 2 + (16 * self.stages if self.warp_specialized else 0) + 1024
+
+
+# "deep": 6 stages at one block per SM (192 KB); "twin": 3 stages at two (one block's
+# epilogue and prologue hide behind the other's math: 1.14-1.33x faster than deep at
+# N = 4096 / 16384, NOTES.md v10); "wide": 128 x 256 tiles (twice the math per byte of A
+# and of shared memory read; 128 accumulators a thread, so one block per SM): 5-20 %
+# slower than twin (v11); "ws": warp-specialized and persistent (v12; its 128 x 256 form
+# spills at 168 registers a thread, and setmaxnreg made ptxas spill more). CUPYMOE_SM90_VARIANT
+# picks one.
+SM90_VARIANTS = {
+    "deep": Sm90Variant(6, 1, 128),
+    "twin": Sm90Variant(3, 2, 128),
+    "wide": Sm90Variant(4, 1, 256),
+    "ws": Sm90Variant(6, 1, 128, warp_specialized=True),
+}
 
 
 def sm90_variant() -> str:
@@ -85,14 +115,7 @@ def sm90_variant() -> str:
 
 
 def sm90_kernel(mode: int, variant: str) -> str:
-    stages, blocks, bn = SM90_VARIANTS[variant]
-    return f"grouped_gemm_sm90<{mode}, {stages}, {blocks}, {bn}>"
-
-
-def sm90_smem_bytes(stages: int, bn: int = GROUPED_BN) -> int:
-    """grouped_gemm_sm90's pipeline of `stages` (128-row A tiles, `bn`-row B tiles, 64 wide),
-    plus 1 KB to align its swizzle atoms."""
-    return stages * (SM90_BM + bn) * SM90_BK * 2 + 1024
+    return SM90_VARIANTS[variant].kernel(mode)
 
 
 SM90_FP8_TILE = (128, 128, 4)  # BM, BK (bytes), stages of grouped_gemm_sm90_fp8
@@ -135,9 +158,12 @@ MODULES: dict[str, ModuleSpec] = {
         + tuple(grouped_kernel(mode, c, f)[0] for mode in (0, 1) for c in ("stream_q", "math")
                 for f in FORMAT_CODES.values() if f),
     ),
-    "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(dict.fromkeys(sm90_kernel(m, v) for m in (0, 1, 2)
-                                                                       for v in SM90_VARIANTS)),
+    "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(dict.fromkeys(
+        v.kernel(m) for m in (0, 1, 2) for v in SM90_VARIANTS.values() if not v.warp_specialized)),
                                archs=("sm_90a",)),
+    "grouped_sm90_ws": ModuleSpec("grouped_sm90_ws.cu", tuple(dict.fromkeys(
+        v.kernel(m) for m in (0, 1, 2) for v in SM90_VARIANTS.values() if v.warp_specialized)),
+                                  archs=("sm_90a",)),
     "grouped_sm90_fp8": ModuleSpec("grouped_sm90_fp8.cu",
                                    ("quantize_rows_fp8",) + tuple(f"grouped_gemm_sm90_fp8<{m}>" for m in (0, 1)),
                                    archs=("sm_90a",)),
@@ -446,10 +472,11 @@ class KernelLibrary:
                 for expr, mangled in cm.lowered.items():
                     fn = mod.get_function(mangled)
                     m = re.fullmatch(r"grouped_gemm<\d+, (\d+), (\d+), (\d+), (\d+)>", expr)
-                    m90 = re.fullmatch(r"grouped_gemm_sm90<\d+, (\d+), \d+, (\d+)>", expr)
+                    sm90 = next((v for v in SM90_VARIANTS.values() for mode in (0, 1, 2) if v.kernel(mode) == expr),
+                                None)
                     smem = (grouped_smem_bytes(*(int(g) for g in m.groups())) if m
                             else sm90_fp8_smem_bytes() if expr.startswith("grouped_gemm_sm90_fp8")
-                            else sm90_smem_bytes(int(m90.group(1)), int(m90.group(2))) if m90 else 0)
+                            else sm90.smem_bytes() if sm90 else 0)
                     if smem:  # opt in to more than 48 KB of dynamic shared memory, once
                         drv = cupy.cuda.driver
                         drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)

@@ -229,6 +229,7 @@ class MoeLayer:
         owned = owned_experts(cfg, expert_owner)
         with cupy.cuda.Device(self.device_id):
             self.lib = kernels.library(self.device_id)
+            self._sm_count = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             # the weight formats present (routed experts, then a shared expert of another
             # format): the expert kernels run once per format
@@ -363,7 +364,7 @@ class MoeLayer:
                 name, threads, smem, bn = self._grouped_kernel(2, "math" if N >= 1024 else "stream")
                 bm = 128 if name.startswith("grouped_gemm_sm90") else threads // 2  # mma.sync: 2 threads a row
                 lib[name](
-                    (-(-R // bn), -(-N // bm)), (threads,),
+                    self._gemm_grid(name, -(-R // bn), -(-N // bm)), (threads,),
                     (_u64(x), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(W.ptr("router")),
                      _u64(0), _u64(W.ptr("router_bias")), _u64(0), *(_u64(0),) * 5,
                      _u64(0), _u64(0), _i32(0), _i32(H), _i32(R),
@@ -464,9 +465,8 @@ class MoeLayer:
         if fmt == kernels.FORMAT_CODES["fp8_block"] and self.fp8_compute == "w8a8":
             return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), kernels.GROUPED_BN
         if config == "math" and fmt == 0 and self.lib.arch == "sm_90a" and not self.row_invariant:
-            variant = kernels.sm90_variant()
-            stages, _, bn = kernels.SM90_VARIANTS[variant]
-            return kernels.sm90_kernel(mode, variant), 256, kernels.sm90_smem_bytes(stages, bn), bn
+            v = kernels.SM90_VARIANTS[kernels.sm90_variant()]
+            return v.kernel(mode), v.threads, v.smem_bytes(), v.bn
         return (*kernels.grouped_kernel(mode, kernels.QUANT_CONFIG[config] if fmt else config, fmt), kernels.GROUPED_BN)
 
     def _launch_sort(self, N: int, s, has_shared: int) -> None:
@@ -529,7 +529,7 @@ class MoeLayer:
                 gate_up, threads, smem, bn = self._grouped_kernel(0, config, fmt)
                 extra = (_u64(qx), _u64(sx), _u64(qxs), _u64(sxs)) if w8a8 and fmt == fp8 else ()
                 lib[gate_up](
-                    (-(-W.i_max // (bn // 2)), tiles), (threads,),
+                    self._gemm_grid(gate_up, -(-W.i_max // (bn // 2)), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(0), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("gate")), _u64(W.ptr("up")),
                      _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")), _u64(W.ptr("gate_scale")),
@@ -549,7 +549,7 @@ class MoeLayer:
                 down, threads, smem, bn = self._grouped_kernel(1, config, fmt)
                 extra = ((_u64(A.ptr("qact")), _u64(A.ptr("sact"))) * 2) if w8a8 and fmt == fp8 else ()
                 lib[down](
-                    (-(-H // bn), tiles), (threads,),
+                    self._gemm_grid(down, -(-H // bn), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(A.ptr("act")), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("down")), _u64(0),
                      _u64(W.ptr("down_bias")), _u64(0), _u64(W.ptr("down_scale")), _u64(0),
@@ -565,6 +565,13 @@ class MoeLayer:
                  _u64(A.ptr("yw")), _u64(W.ptr("shared_expert_gate")), _u64(out), _i32(N), _i32(H), _i32(k),
                  _i32(cfg.num_experts), _i32(has_shared), _i32(1 if cfg.ep_rank == 0 else 0)),
                 stream=s)
+
+    def _gemm_grid(self, kernel: str, column_tiles: int, row_tiles: int) -> tuple[int, int]:
+        """A grouped GEMM's grid: one block per (column tile, M-tile), or for the
+        warp-specialized kernel one persistent block per SM at most, walking the tiles."""
+        if kernel.startswith("grouped_gemm_sm90_ws<"):
+            return (min(column_tiles * row_tiles, self._sm_count), 1)
+        return (column_tiles, row_tiles)
 
     def _quantize_rows(self, src: int, rows: int, ld: int, K: int, sorted_pair: int, P: int, K_shared: int,
                        q: int, scales: int, s) -> None:

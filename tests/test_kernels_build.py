@@ -89,5 +89,6 @@ def test_measurement_knobs_are_validated(monkeypatch):
     monkeypatch.setenv("CUPYMOE_MATH_ROWS", "0")
     with pytest.raises(ValueError, match="'0'"):
         math_rows_per_expert("mma")
-    for variant, (stages, _, bn) in kernels.SM90_VARIANTS.items():
-        assert kernels.sm90_smem_bytes(stages, bn) <= 227 * 1024, variant  # Hopper's opt-in maximum
+    for name, variant in kernels.SM90_VARIANTS.items():
+        assert variant.smem_bytes() <= 227 * 1024, name  # Hopper's opt-in maximum
+        assert variant.blocks_per_sm * variant.threads <= 2048, name
