@@ -275,3 +275,28 @@ __device__ __forceinline__ void emit_out(const GemmTile& t, int r, int c, float 
         if (col + 1 < t.ncols) lg[1] = v1;
     }
 }
+
+// The epilogue of one warpgroup's 64 x BN wgmma accumulator (its rows row0 .. row0 + 63 of
+// the tile): d[j * 4 + h * 2 + e] is row 16 * warp + g + 8 h, column 8 j + 2 t4 + e (the
+// m16n8 fragment layout, one per 8-column block j). Gate/up tiles hold the gate columns in
+// blocks 0 .. BN/16 - 1 and the up columns after them.
+template <int MODE, int BN>
+__device__ __forceinline__ void emit_wgmma_rows(const GemmTile& t, const float* d, int row0, GEMM_ARGS) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    constexpr int JB = BN / 8;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row0 + warp * 16 + g + 8 * h;
+        if (MODE == MODE_GATE_UP) {
+#pragma unroll
+            for (int j = 0; j < JB / 2; ++j)
+                emit_gate_up(t, r, j * 8 + 2 * t4, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], d[(j + JB / 2) * 4 + h * 2],
+                             d[(j + JB / 2) * 4 + h * 2 + 1], GEMM_ARG_NAMES);
+        } else {
+#pragma unroll
+            for (int j = 0; j < JB; ++j)
+                emit_out<MODE>(t, r, j * 8 + 2 * t4, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], GEMM_ARG_NAMES);
+        }
+    }
+}

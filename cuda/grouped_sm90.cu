@@ -71,23 +71,5 @@ grouped_gemm_sm90(GEMM_ARGS) {
     fence_acc<NACC>(d);
     cp_async_wait<0>();
 
-    // Accumulator d[j * 4 + h * 2 + e]: row 16 * warp + g + 8 h of the warpgroup's 64,
-    // column 8 j + 2 t4 + e (the m16n8 fragment layout, one per 8-column block j).
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-    const int g = lane >> 2, t4 = lane & 3;
-    constexpr int JB = BN / 8;  // 8-column blocks
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = wg * 64 + warp * 16 + g + 8 * h;
-        if (MODE == MODE_GATE_UP) {
-#pragma unroll
-            for (int j = 0; j < JB / 2; ++j)  // gate columns in blocks 0 .. JB/2 - 1, up columns after
-                emit_gate_up(t, r, j * 8 + 2 * t4, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], d[(j + JB / 2) * 4 + h * 2],
-                             d[(j + JB / 2) * 4 + h * 2 + 1], GEMM_ARG_NAMES);
-        } else {
-#pragma unroll
-            for (int j = 0; j < JB; ++j)
-                emit_out<MODE>(t, r, j * 8 + 2 * t4, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], GEMM_ARG_NAMES);
-        }
-    }
+    emit_wgmma_rows<MODE, BN>(t, d, wg * 64, GEMM_ARG_NAMES);
 }

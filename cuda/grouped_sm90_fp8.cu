@@ -203,19 +203,5 @@ grouped_gemm_sm90_fp8(GEMM_ARGS, const u8* __restrict__ qa, const float* __restr
     }
     cp_async_wait<0>();
 
-    // acc[j * 4 + h * 2 + e]: row 16 * warp + g + 8 h of the warpgroup's 64, column 8 j + 2 t4 + e
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = wg * 64 + warp * 16 + g + 8 * h;
-        if (MODE == MODE_GATE_UP) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j)  // gate columns in blocks 0..7, up columns in 8..15
-                emit_gate_up(t, r, j * 8 + 2 * t4, acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1],
-                             acc[(j + 8) * 4 + h * 2], acc[(j + 8) * 4 + h * 2 + 1], GEMM_ARG_NAMES);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 16; ++j)
-                emit_out<MODE>(t, r, j * 8 + 2 * t4, acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1], GEMM_ARG_NAMES);
-        }
-    }
+    emit_wgmma_rows<MODE, GG_BN>(t, acc, wg * 64, GEMM_ARG_NAMES);
 }
