@@ -23,6 +23,7 @@ template <int MODE, int STAGES, int BLOCKS_PER_SM, int BN>
 __global__ void __launch_bounds__(SM90_THREADS, BLOCKS_PER_SM)
 grouped_gemm_sm90(GEMM_ARGS) {
     constexpr int BM = SM90_BM, BK = SM90_BK, S = STAGES, NACC = BN / 2;
+    static_assert(BK == 64, "wgmma_k64_bf16 takes 64-wide K steps");
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
     // the swizzle atoms must start on 1024-byte boundaries of the shared window
     const unsigned pad = (1024u - ((unsigned)__cvta_generic_to_shared(sm90_smem) & 1023u)) & 1023u;
@@ -50,17 +51,7 @@ grouped_gemm_sm90(GEMM_ARGS) {
         __syncthreads();         // everyone's copies of stage kt
         const u64 da = wgmma_desc(sA + (kt % S) * BM * BK + wg * 64 * BK);
         const u64 db = wgmma_desc(sB + (kt % S) * BN * BK);
-        fence_acc<NACC>(d);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {  // +32 bytes per k16
-            if (BN == 256)
-                wgmma_m64n256k16(d, da + kk * 2, db + kk * 2);
-            else
-                wgmma_m64n128k16(d, da + kk * 2, db + kk * 2);
-        }
-        wgmma_commit();
-        fence_acc<NACC>(d);
+        wgmma_k64_bf16<BN>(d, da, db);
         wgmma_wait<1>();  // this warpgroup's batch kt - 1 is done ...
         __syncthreads();  // ... and the other's: its stage slot is free
         const int kn = kt + S - 1;

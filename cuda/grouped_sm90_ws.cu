@@ -63,6 +63,7 @@ template <int MODE, int STAGES, int BN>
 __global__ void __launch_bounds__(WS_THREADS, 1)
 grouped_gemm_sm90_ws(GEMM_ARGS) {
     constexpr int BM = WS_BM, BK = WS_BK, S = STAGES, NACC = BN / 2;
+    static_assert(BK == 64, "wgmma_k64_bf16 takes 64-wide K steps");
     // a consumer frees step u's stage once step u + 1 is full, which the producer signals
     // after issuing step u + 1 + WS_LAG: that must not wait for step u's stage itself
     static_assert(S >= WS_LAG + 2, "too few stages for the producer's lag");
@@ -126,17 +127,7 @@ grouped_gemm_sm90_ws(GEMM_ARGS) {
             mbar_wait(&full[slot], (step / S) & 1);
             const u64 da = wgmma_desc(sA + slot * BM * BK + cw * 64 * BK);
             const u64 db = wgmma_desc(sB + slot * BN * BK);
-            fence_acc<NACC>(d);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk) {  // +32 bytes per k16
-                if (BN == 256)
-                    wgmma_m64n256k16(d, da + kk * 2, db + kk * 2);
-                else
-                    wgmma_m64n128k16(d, da + kk * 2, db + kk * 2);
-            }
-            wgmma_commit();
-            fence_acc<NACC>(d);
+            wgmma_k64_bf16<BN>(d, da, db);
             wgmma_wait<1>();  // this warpgroup's previous step is done: free its stage
             if (kt > 0 && lane == 0) mbar_arrive(&empty[(step - 1) % S]);
         }
