@@ -169,11 +169,12 @@ def compare(out: np.ndarray, ref: np.ndarray, faithful: Optional[np.ndarray] = N
 
 
 def references(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, path: str,
-               token_ids: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+               token_ids: Optional[np.ndarray] = None, owned_experts=None) -> tuple[np.ndarray, np.ndarray]:
     """(exact, kernel-faithful) reference outputs for a forward that took `path` (fp8
-    experts as w8a16: for w8a8, check_w8a8)."""
-    exact = reference.moe_forward(cfg, hw, x, token_ids)
-    faithful = reference.moe_forward(cfg, hw, x, token_ids, rounding=PATH_ROUNDING[path])
+    experts as w8a16: for w8a8, check_w8a8); `owned_experts`: an expert-parallel rank's
+    explicit share (reference.moe_forward)."""
+    exact = reference.moe_forward(cfg, hw, x, token_ids, owned_experts=owned_experts)
+    faithful = reference.moe_forward(cfg, hw, x, token_ids, rounding=PATH_ROUNDING[path], owned_experts=owned_experts)
     return exact, faithful
 
 
@@ -186,17 +187,19 @@ def path_roundings(hw: HostWeights, path: str) -> int:
 
 
 def check(out: np.ndarray, cfg: MoeConfig, hw: HostWeights, x: np.ndarray, path: str,
-          token_ids: Optional[np.ndarray] = None, layer=None) -> Comparison:
+          token_ids: Optional[np.ndarray] = None, layer=None, owned_experts=None) -> Comparison:
     """compare() against both references, with the rounding budget of `path` and `hw`.
     `layer`: the layer that computed `out`, read for how it ran fp8 experts: as w8a8 on the
     grouped path, the check is check_w8a8 (which reads the layer's intermediates, so call
     it before the layer runs again)."""
     if layer is not None and layer.fp8_compute == "w8a8" and PATH_ROUNDING[path] == "grouped":
-        return check_w8a8(out, layer, cfg, hw, x, token_ids)
+        return check_w8a8(out, layer, cfg, hw, x, token_ids, owned_experts)
     terms = None
     if PATH_ROUNDING[path] == "grouped":  # each term rounded before the sum (module docstring)
-        terms = [reference.moe_forward(cfg, hw, x, token_ids, rounding="grouped", absolute=True)]
-    return compare(out, *references(cfg, hw, x, path, token_ids), roundings=path_roundings(hw, path), partials=terms)
+        terms = [reference.moe_forward(cfg, hw, x, token_ids, rounding="grouped", absolute=True,
+                                       owned_experts=owned_experts)]
+    return compare(out, *references(cfg, hw, x, path, token_ids, owned_experts), roundings=path_roundings(hw, path),
+                   partials=terms)
 
 
 def _quantize_rows_fp8(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -288,14 +291,14 @@ class W8a8Stages:
 
 
 def check_w8a8(out: np.ndarray, layer, cfg: MoeConfig, hw: HostWeights, x: np.ndarray,
-               token_ids: Optional[np.ndarray] = None) -> Comparison:
+               token_ids: Optional[np.ndarray] = None, owned_experts=None) -> Comparison:
     """The w8a8 grouped path, stage by stage (the rules above the Comparison class): the
     kernels' codes, their activation against float64 fed their input codes, the output
     against the faithful reference fed their codes, and the output against the exact one."""
     stages = W8a8Stages(layer, cfg, x)
-    exact = reference.moe_forward(cfg, hw, x, token_ids)
+    exact = reference.moe_forward(cfg, hw, x, token_ids, owned_experts=owned_experts)
     faithful = reference.moe_forward(cfg, hw, x, token_ids, rounding="grouped", activations="fp8_block",
-                                     w8a8_inputs=stages.feed)
+                                     w8a8_inputs=stages.feed, owned_experts=owned_experts)
     c = compare(out, exact, faithful, w8a8=True)
     c.codes_differ = stages.codes_differ
     if stages.reference_acts:

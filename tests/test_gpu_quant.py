@@ -167,12 +167,14 @@ def test_from_pretrained_quantized_checkpoint(tmp_path, rng, family, fmt):
         assert c.ok, f"{family} {fmt} N={n} {path}: {c}"
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "nvfp4", "mxfp4"])
-def test_quantized_expert_parallel_partials_sum_to_full_layer(rng, fmt):
-    """Expert parallelism with quantized experts: each rank keeps its experts' codes and
-    scales (an interleaved expert -> rank map, so the selection is an index array, not a
-    slice), its partial matches the reference's partial, and the partials sum to the full
-    layer (each partial's bf16 rounding in the envelope, cupymoe/verify.py)."""
+@pytest.mark.parametrize("fmt,fp8_compute", [("fp8_block", "w8a16"), ("fp8_block", "auto"), ("nvfp4", "auto"),
+                                             ("mxfp4", "auto")])
+def test_quantized_expert_parallel_partials_sum_to_full_layer(rng, fmt, fp8_compute):
+    """Expert parallelism with quantized experts, on every path (fp8 also as w8a8 where the
+    GPU runs it): each rank keeps its experts' codes and scales (an interleaved expert ->
+    rank map, so the selection is an index array, not a slice), its partial matches the
+    reference's partial (verify.check with the rank's experts), and the partials sum to the
+    full layer (each partial's bf16 rounding in the envelope, cupymoe/verify.py)."""
     from cupymoe import MoeLayer
     from cupymoe.parallel import owned_experts
     from cupymoe.verify import PATH_ROUNDING
@@ -180,23 +182,24 @@ def test_quantized_expert_parallel_partials_sum_to_full_layer(rng, fmt):
     cfg = testing.tiny_config("deepseek_v3")
     hw = testing.random_host_weights(cfg, rng, fmt, shared_fmt="bf16")
     owner = [e % 2 for e in range(cfg.num_experts)]
-    for path, n in (("decode", 17), ("prefill", 300)):
+    layers = [MoeLayer(cfg.replace(ep_world_size=2, ep_rank=r), hw, max_tokens=300, decode_max_tokens=64,
+                       atomic_max_tokens=64, expert_owner=owner, fp8_compute=fp8_compute) for r in range(2)]
+    for path, n in (("decode", 17), ("atomic", 17), ("prefill", 300)):
         x = well_separated_input(cfg, hw, rng, n)
         parts = []
-        for rank in range(2):
-            rcfg = cfg.replace(ep_world_size=2, ep_rank=rank)
-            owned = owned_experts(rcfg, owner)
-            layer = MoeLayer(rcfg, hw, max_tokens=300, decode_max_tokens=64, expert_owner=owner,
-                             fp8_compute="w8a16")  # the hand-built references below are w8a16's
+        for rank, layer in enumerate(layers):
+            owned = owned_experts(layer.cfg, owner)
             out = run_layer(layer, x, path)
-            exact = reference.moe_forward(rcfg, hw, x, owned_experts=owned)
-            faithful = reference.moe_forward(rcfg, hw, x, owned_experts=owned, rounding=PATH_ROUNDING[path])
-            c = compare(out, exact, faithful, roundings=path_roundings(hw, path))
-            assert c.ok, f"{fmt} {path} rank {rank}: {c}"
-            parts.append((out, exact))
+            c = check(out, layer.cfg, hw, x, path, layer=layer, owned_experts=owned)
+            assert c.ok, f"{fmt} ({layer.fp8_compute}) {path} rank {rank}: {c}"
+            parts.append((out, reference.moe_forward(layer.cfg, hw, x, owned_experts=owned)))
+        grouped = PATH_ROUNDING[path] == "grouped"
+        rounded = [p[1] for p in parts]  # each partial rounded to bf16, and on the grouped path each term
+        if grouped:
+            rounded.append(reference.moe_forward(cfg, hw, x, rounding="grouped", absolute=True))
         c = compare(parts[0][0] + parts[1][0], reference.moe_forward(cfg, hw, x), roundings=path_roundings(hw, path),
-                    partials=[p[1] for p in parts])
-        assert c.ok, f"{fmt} {path} sum of partials: {c}"
+                    partials=rounded, w8a8=grouped and layers[0].fp8_compute == "w8a8")
+        assert c.ok, f"{fmt} ({layers[0].fp8_compute}) {path} sum of partials: {c}"
 
 
 def test_w8a8_on_hopper_against_the_reference(rng):
