@@ -25,6 +25,7 @@ expert-parallel config and a communicator, the partial outputs are all-reduced l
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -103,8 +104,6 @@ MATH_ROWS_PER_EXPERT = {"mma": 96, "wgmma": 40}
 def math_rows_per_expert(kernel: str) -> int:
     """MATH_ROWS_PER_EXPERT[kernel] ("mma" or "wgmma"); CUPYMOE_MATH_ROWS overrides both
     for measurements."""
-    import os
-
     v = os.environ.get("CUPYMOE_MATH_ROWS")
     if v is None:
         return MATH_ROWS_PER_EXPERT[kernel]
@@ -230,12 +229,17 @@ class MoeLayer:
         with cupy.cuda.Device(self.device_id):
             self.lib = kernels.library(self.device_id)
             self._sm_count = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
+            # the Hopper GEMM's configuration and the rows per expert from which the grouped
+            # GEMMs take 128-row tiles: resolved once here, not on every forward
+            self._sm90 = kernels.SM90_VARIANTS[kernels.sm90_variant()]
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             # the weight formats present (routed experts, then a shared expert of another
             # format): the expert kernels run once per format
             fmts = [self.weights.format] + ([self.weights.shared_format] if self.weights.shared_format else [])
             self._format_codes = tuple(dict.fromkeys(kernels.FORMAT_CODES[f] for f in fmts))
             self.fp8_compute = self._choose_fp8_compute(fp8_compute)
+            wgmma = self.lib.arch == "sm_90a" and not self.row_invariant and self.weights.format == "bf16"
+            self._math_rows = math_rows_per_expert("wgmma" if wgmma else "mma")
             w8a8 = self.fp8_compute == "w8a8"
             # an fp8 shared expert reads x, not the normed xe: then x needs its own e4m3 copy
             self._w8a8_shared_x = w8a8 and self.weights.shared_format == "fp8_block" and cfg.pre_expert_norm
@@ -465,7 +469,7 @@ class MoeLayer:
         if fmt == kernels.FORMAT_CODES["fp8_block"] and self.fp8_compute == "w8a8":
             return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), kernels.GROUPED_BN
         if config == "math" and fmt == 0 and self.lib.arch == "sm_90a" and not self.row_invariant:
-            v = kernels.SM90_VARIANTS[kernels.sm90_variant()]
+            v = self._sm90
             return v.kernel(mode), v.threads, v.smem_bytes(), v.bn
         return (*kernels.grouped_kernel(mode, kernels.QUANT_CONFIG[config] if fmt else config, fmt), kernels.GROUPED_BN)
 
@@ -505,8 +509,7 @@ class MoeLayer:
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
         # the math-bound configuration once the average expert run fills enough of its
         # 128-row tiles (bf16 on Hopper: the wgmma kernel, which pays off sooner)
-        wgmma = self.lib.arch == "sm_90a" and not self.row_invariant and self.weights.format == "bf16"
-        config = "math" if N * k >= math_rows_per_expert("wgmma" if wgmma else "mma") * W.n_local else "stream"
+        config = "math" if N * k >= self._math_rows * W.n_local else "stream"
         w8a8 = self.fp8_compute == "w8a8"
         if w8a8:  # the w8a8 kernel's tiles are 128 rows: every format of the layer takes them
             config = "math"

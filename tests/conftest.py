@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import time
 
+import numpy as np
 import pytest
 
 
@@ -29,3 +31,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def rng():
+    """A fresh random generator per test module, its seed printed (rerun a failure with it)."""
+    seed = time.time_ns() % 2**31
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)

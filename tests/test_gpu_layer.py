@@ -7,7 +7,6 @@ cupymoe/verify.py: per element 2^-8 |ref| + 2^-7 rms(ref), normwise 2^-8).
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -19,13 +18,6 @@ pytestmark = pytest.mark.gpu
 
 TOKENS = (1, 2, 3, 4, 7, 16, 33, 64)
 MAX_TOKENS = 64
-
-
-@pytest.fixture(scope="module")
-def rng():
-    seed = time.time_ns() % 2**31
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
 
 
 def _layer(cfg, hw, **kw):

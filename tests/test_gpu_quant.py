@@ -10,7 +10,6 @@ sqrt(7/4)). Outputs are poisoned with NaN first; inputs are fresh random draws.
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -39,13 +38,6 @@ CASES = {
 }
 SMALL = (1, 3, 17, 64)
 LARGE = (100, 1000)  # 1000: the "math" GEMM configuration (layer.MATH_ROWS_PER_EXPERT)
-
-
-@pytest.fixture(scope="module")
-def rng():
-    seed = time.time_ns() % 2**31
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
 
 
 def _case(name, rng, **layer_kw):

@@ -65,13 +65,6 @@ def test_spawn_ranks_collects_results_and_reports_failed_or_dead_ranks():
     assert time.monotonic() - t0 < 30, "a dead rank must fail the launch at once"
 
 
-@pytest.fixture(scope="module")
-def rng():
-    seed = time.time_ns() % 2**31
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["decode", "prefill"])
 def test_explicit_owner_map_partials_sum_to_the_full_layer(rng, path):
