@@ -135,9 +135,10 @@ __device__ __forceinline__ float apply_activation(int act, float g, float u, flo
 // whose routed terms are already summed) stores -1 positions. Ends with a barrier.
 struct RowPrologue {
     float shared_scale, zero_w;
+    int shared_pos;  // the shared expert's output row of this token, -1 without one (or off rank 0)
 };
 template <int THREADS>
-__device__ __forceinline__ RowPrologue reduce_row_prologue(int row, int k, int E, int H, const int* __restrict__ pair_pos,
+__device__ __forceinline__ RowPrologue reduce_row_prologue(int row, int N, int k, int E, int H, const int* __restrict__ pair_pos,
                                                      const int* __restrict__ ids, const float* __restrict__ topk_w,
                                                      const bf16* __restrict__ x, const float* __restrict__ shared_gate_w,
                                                      int has_shared, int primary, bool hide_routed, int* s_pos,
@@ -170,5 +171,5 @@ __device__ __forceinline__ RowPrologue reduce_row_prologue(int row, int k, int E
         scale = sigmoidf_(t);
     }
     __syncthreads();
-    return RowPrologue{scale, s_zero_w};
+    return RowPrologue{scale, s_zero_w, has_shared && primary ? pair_pos[N * k + row] : -1};
 }

@@ -107,6 +107,17 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restr
     if (threadIdx.x == 0) *num_active = act_base + (has_shared ? 1 : 0);
 }
 
+// The table slot of active expert j (a decode block's blockIdx.y), or -1 when the block has
+// nothing to do: past the active experts, or an expert of another weight format than FMT
+// (the launch for that format serves it).
+template <int FMT>
+__device__ __forceinline__ int decode_block_slot(int j, const int* __restrict__ num_active,
+                                                 const int* __restrict__ active_slot, const int* __restrict__ slot_fmt) {
+    if (j >= *num_active) return -1;
+    const int slot = active_slot[j];
+    return slot_fmt[slot] == FMT ? slot : -1;
+}
+
 // grid (ceil(I_max / (DECODE_WARPS * CW)), max_active), block DECODE_WARPS * 32.
 // Each warp owns CW intermediate columns: CW gate rows and CW up rows stream together, so a
 // warp keeps 4 * CW 16-byte loads in flight and few warps cover a small step in one wave.
@@ -123,10 +134,9 @@ decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
                const int* __restrict__ inter, int shared_slot, bf16* __restrict__ act, int H, int I_max,
                int act_code, float alpha, float limit) {
     const int j = blockIdx.y;
-    if (j >= *num_active) return;
+    const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
+    if (slot < 0) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int slot = active_slot[j];
-    if (slot_fmt[slot] != FMT) return;  // another launch serves this expert's format
     const int I = inter[slot];
     const int col0 = (blockIdx.x * DECODE_WARPS + warp) * CW;
     if (col0 >= I) return;
@@ -207,10 +217,9 @@ decode_down(const bf16* __restrict__ act, const int* __restrict__ num_active, co
             const float* __restrict__ topk_w, float* __restrict__ y, float* __restrict__ acc, int H, int I_max,
             int k, int P, int atomic) {
     const int j = blockIdx.y;
-    if (j >= *num_active) return;
+    const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
+    if (slot < 0) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int slot = active_slot[j];
-    if (slot_fmt[slot] != FMT) return;  // another launch serves this expert's format
     const int I = inter[slot];
     const int h0 = (blockIdx.x * DECODE_WARPS + warp) * CW;
     if (h0 >= H) return;
@@ -276,10 +285,10 @@ decode_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int
     __shared__ float s_w[64];
     const int row = blockIdx.x;
     const size_t rbase = (size_t)row * H;
-    const RowPrologue pro = reduce_row_prologue<REDUCE_THREADS>(row, k, E, H, pair_pos, ids, topk_w, x, shared_gate_w,
+    const RowPrologue pro = reduce_row_prologue<REDUCE_THREADS>(row, N, k, E, H, pair_pos, ids, topk_w, x, shared_gate_w,
                                                                 has_shared, primary, atomic, s_pos, s_w);
     const float scale = pro.shared_scale, zw = pro.zero_w;
-    const int shared_pos = has_shared && primary ? pair_pos[N * k + row] : -1;
+    const int shared_pos = pro.shared_pos;
     for (int h = threadIdx.x * 4; h < H; h += REDUCE_THREADS * 4) {
         float4 o = atomic ? *reinterpret_cast<const float4*>(acc + rbase + h) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8

@@ -136,23 +136,22 @@ struct TileLoader {
         }
     }
 
-    __device__ __forceinline__ void load_a(bf16* sA, int k0, int K) const {
+    // this thread's chunks of one operand's stage: row (tid + i * THREADS) / CHUNKS from src[i]
+    template <int PER>
+    __device__ __forceinline__ void copy(bf16* dst, const bf16* const (&src)[PER], const bool (&ok)[PER], int k0,
+                                         int K) const {
         const int kc = k0 + chunk * 8;
         const bool kin = kc < K;
-        const int tid = threadIdx.x;
 #pragma unroll
-        for (int i = 0; i < A_PER; ++i)
-            cp_async16(sA + swz<BK>((tid + i * THREADS) / CHUNKS, chunk), a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
+        for (int i = 0; i < PER; ++i)
+            cp_async16(dst + swz<BK>((threadIdx.x + i * THREADS) / CHUNKS, chunk), src[i] + (kin ? kc : 0), ok[i] && kin);
     }
+
+    __device__ __forceinline__ void load_a(bf16* sA, int k0, int K) const { copy<A_PER>(sA, a_src, a_ok, k0, K); }
 
     __device__ __forceinline__ void load(bf16* sA, bf16* sB, int k0, int K) const {
         load_a(sA, k0, K);
-        const int kc = k0 + chunk * 8;
-        const bool kin = kc < K;
-        const int tid = threadIdx.x;
-#pragma unroll
-        for (int i = 0; i < B_PER; ++i)
-            cp_async16(sB + swz<BK>((tid + i * THREADS) / CHUNKS, chunk), b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
+        copy<B_PER>(sB, b_src, b_ok, k0, K);
     }
 };
 

@@ -284,10 +284,10 @@ grouped_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
     __shared__ int s_pos[64];
     const int row = blockIdx.x;
     const size_t rbase = (size_t)row * H;
-    const RowPrologue pro = reduce_row_prologue<GREDUCE_THREADS>(row, k, E, H, pair_pos, ids, topk_w, x, shared_gate_w,
+    const RowPrologue pro = reduce_row_prologue<GREDUCE_THREADS>(row, N, k, E, H, pair_pos, ids, topk_w, x, shared_gate_w,
                                                                  has_shared, primary, false, s_pos, nullptr);
     const float scale = pro.shared_scale, zw = pro.zero_w;
-    const int shared_pos = has_shared && primary ? pair_pos[N * k + row] : -1;
+    const int shared_pos = pro.shared_pos;
     for (int h = threadIdx.x * 8; h < H; h += GREDUCE_THREADS * 8) {
         float o[8];
 #pragma unroll
