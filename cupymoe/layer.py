@@ -201,6 +201,8 @@ class MoeLayer:
             raise ValueError(f"max_tokens={max_tokens!r}: must be a positive integer")
         if path not in PATHS:
             raise ValueError(f"path={path!r}: must be one of {PATHS}")
+        if fp8_compute not in FP8_COMPUTE:  # before anything is uploaded
+            raise ValueError(f"fp8_compute={fp8_compute!r}: must be one of {FP8_COMPUTE}")
         H, I = cfg.hidden_size, cfg.moe_intermediate_size
         for name, v in (("hidden_size", H), ("moe_intermediate_size", I),
                         ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
@@ -444,8 +446,6 @@ class MoeLayer:
 
     def _choose_fp8_compute(self, wanted: str) -> str:
         """'w8a8' or 'w8a16' for this layer's fp8-block experts (None when it has none)."""
-        if wanted not in FP8_COMPUTE:
-            raise ValueError(f"fp8_compute={wanted!r}: must be one of {FP8_COMPUTE}")
         if kernels.FORMAT_CODES["fp8_block"] not in self._format_codes:
             if wanted == "w8a8":
                 raise UnsupportedFormatError("fp8_compute='w8a8' needs fp8_block experts; this layer's are "
