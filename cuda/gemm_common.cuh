@@ -224,12 +224,11 @@ struct QuantBLoader {
     }
 };
 
-// Gate/up epilogue for one row r of the tile and two adjacent columns c, c + 1 (of the
-// tile's BN / 2 per matrix): bias, activation, bf16 store into act[pos, :].
-__device__ __forceinline__ void emit_gate_up(const GemmTile& t, int r, int c, float g0, float g1, float u0,
-                                             float u1, GEMM_ARGS) {
+// The activations of two adjacent columns c, c + 1 (of the tile's BN / 2 per matrix) in fp32:
+// global scales, biases, the activation function. Needs t.n0 + c < t.ncols.
+__device__ __forceinline__ float2 gate_up_pair(const GemmTile& t, int c, float g0, float g1, float u0, float u1,
+                                               GEMM_ARGS) {
     const int col = t.n0 + c;
-    if (r >= t.rows || col >= t.ncols) return;
     g0 *= t.g0;  // the matrices' global scales (1 but for nvfp4), before the biases
     g1 *= t.g0;
     u0 *= t.g1;
@@ -244,9 +243,17 @@ __device__ __forceinline__ void emit_gate_up(const GemmTile& t, int r, int c, fl
         u0 += bu[col];
         u1 += bu[col + 1];
     }
-    *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)(t.pos0 + r) * I_max + col) =
-        __floats2bfloat162_rn(apply_activation(act_code, g0, u0, alpha, limit),
-                              apply_activation(act_code, g1, u1, alpha, limit));
+    return make_float2(apply_activation(act_code, g0, u0, alpha, limit), apply_activation(act_code, g1, u1, alpha, limit));
+}
+
+// Gate/up epilogue for one row r of the tile and two adjacent columns c, c + 1: the
+// activations, bf16 store into act[pos, :].
+__device__ __forceinline__ void emit_gate_up(const GemmTile& t, int r, int c, float g0, float g1, float u0,
+                                             float u1, GEMM_ARGS) {
+    if (r >= t.rows || t.n0 + c >= t.ncols) return;
+    const float2 a = gate_up_pair(t, c, g0, g1, u0, u1, GEMM_ARG_NAMES);
+    *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)(t.pos0 + r) * I_max + t.n0 + c) =
+        __floats2bfloat162_rn(a.x, a.y);
 }
 
 // Down / router epilogue for row r and columns c, c + 1 of the tile's BN.

@@ -1,66 +1,31 @@
 // Hopper (sm_90a) w8a8: fp8-block experts multiplied on fp8 tensor cores, DeepSeek-V3 style.
 //
-//   quantize_rows_fp8   activations -> e4m3 codes per row and 128-column group, with the
-//                       group's scale s = amax / 448 (fp32), q = e4m3(v / s) (nearest even,
-//                       saturating): what reference.quantize_activations_fp8 models.
 //   grouped_gemm_sm90_fp8<MODE>  the grouped GEMM of grouped_sm90.cu with e4m3 operands:
-//                       128 x 128 tiles, one 128-wide K step per stage (one weight scale
-//                       block), four m64n128k32 wgmmas into a block accumulator started
-//                       fresh, then promoted on the CUDA cores: acc += blk * s_a[row] * s_w.
-//                       That promotion every 128 products is DeepSeek-V3's answer to the
-//                       limited accumulation precision of Hopper's fp8 tensor cores.
+//                       64-row tiles of 256 weight rows, one 128-wide K step per stage (one
+//                       weight scale block); each warpgroup runs four m64n128k32 wgmmas on
+//                       its 128 weight rows into a block accumulator started fresh, then
+//                       promotes it on the CUDA cores: acc += blk * s_a[row] * s_w. That
+//                       promotion every 128 products is DeepSeek-V3's answer to the limited
+//                       accumulation precision of Hopper's fp8 tensor cores.
+//
+// Why 256 weight rows: a gate/up tile then covers 128 activation columns (warpgroup w the
+// gate and up rows of columns n0 + 64 w .. + 63), exactly one 128-column quantization group,
+// so the epilogue quantizes the activation it produces (amax per row across the two
+// warpgroups through shared memory) and the down GEMM reads e4m3 codes: no pass of its own.
+// The expert input's codes come from the routing stage or the norm (quant.cuh). A down tile
+// covers 256 output columns, warpgroup w the 128 of weight scale block n0 / 128 + w.
 //
 // Both operands are K-major e4m3 tiles of 128-byte rows (128 codes), 128-byte swizzled,
 // loaded by cp.async: the activations gathered through sorted_row (gate/up) or by position
-// (down), the weights as the checkpoint stores them. Epilogues: gemm_common.cuh's.
+// (down), the weights as the checkpoint stores them.
 #include "gemm_common.cuh"
 #include "wgmma.cuh"
 
-#define F8_BM 128
+#define F8_BM 64
+#define F8_BN 256  // weight rows per tile: 128 per warpgroup
 #define F8_BK 128  // codes (bytes) per stage row: one 128 x 128 weight scale block
 #define F8_STAGES 4
 #define F8_THREADS 256
-#define QUANT_THREADS 256
-
-// grid ceil(rows * ceil(ld / 128) / 8), block 256: one warp per (row, 128-column group),
-// 4 columns per lane. Rows are `ld` elements apart in and out (scales: ceil(ld / 128) per
-// row). A row holds K valid columns; with `sorted_pair` (the activation, by position), a
-// row whose pair is >= P is the shared expert's and holds K_shared: the columns past a
-// row's width are never quantized (they are stale, and must not move its last group's
-// scale). K and K_shared are multiples of 16 (fp8 layers need it), so a lane's 4 columns
-// are all inside a row's width or all past it.
-__global__ void __launch_bounds__(QUANT_THREADS)
-quantize_rows_fp8(const bf16* __restrict__ in, int rows, int ld, int K, const int* __restrict__ sorted_pair, int P,
-                  int K_shared, u8* __restrict__ q, float* __restrict__ s) {
-    const int KB = (ld + 127) >> 7;
-    const int w = blockIdx.x * (QUANT_THREADS / 32) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (w >= rows * KB) return;
-    const int row = w / KB, kb = w % KB;
-    const int width = sorted_pair && sorted_pair[row] >= P ? K_shared : K;
-    if (kb * 128 >= width) return;
-    const int col = kb * 128 + lane * 4;
-    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (col < width) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(in + (size_t)row * ld + col);
-        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-        v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
-    }
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-    amax = warp_max(amax);
-    const float sc = amax / 448.0f;  // IEEE division, as the reference's float32 one
-    if (col < width) {
-        float t[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) t[i] = sc > 0.0f ? v[i] / sc : 0.0f;
-        unsigned short lo, hi;  // cvt puts its first source in the upper byte
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(t[1]), "f"(t[0]));
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(t[3]), "f"(t[2]));
-        *reinterpret_cast<unsigned*>(q + (size_t)row * ld + col) = (unsigned)lo | ((unsigned)hi << 16);
-    }
-    if (lane == 0) s[(size_t)row * KB + kb] = sc;
-}
 
 // d[64] (m64 x n128, fp32) = (scale_d ? d : 0) + A (64 x 32, e4m3) * B (32 x 128, e4m3).
 __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, u64 da, u64 db, int scale_d) {
@@ -79,30 +44,39 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, u64 da, u64 db, 
 // swizzle (chunk XOR row mod 8) that the wgmma descriptors declare.
 __device__ __forceinline__ int f8_swz(int r, int c) { return r * F8_BK + ((c ^ (r & 7)) << 4); }
 
-// The operand loads of one stage: 128 A rows and 128 B rows of 8 chunks each, 4 + 4 chunks a
-// thread. Rows past the tile or the columns and chunks past K are zero-filled.
+// The operand loads of one stage: 64 A rows and 256 B rows of 8 chunks each, 2 + 8 chunks a
+// thread. Rows past the tile or the columns and chunks past K are zero-filled. B row r
+// belongs to warpgroup r / 128; for gate/up its rows are 64 gate then 64 up rows of the
+// warpgroup's activation columns.
 template <int MODE>
 struct Fp8TileLoader {
-    static constexpr int PER = F8_BM * (F8_BK / 16) / F8_THREADS;  // 4
-    const u8* a_src[PER];
-    const u8* b_src[PER];
-    bool a_ok[PER], b_ok[PER];
+    static constexpr int CHUNKS = F8_BK / 16;
+    static constexpr int A_PER = F8_BM * CHUNKS / F8_THREADS;  // 2
+    static constexpr int B_PER = F8_BN * CHUNKS / F8_THREADS;  // 8
+    const u8* a_src[A_PER];
+    const u8* b_src[B_PER];
+    bool a_ok[A_PER], b_ok[B_PER];
     int chunk;
 
     __device__ __forceinline__ void init(const GemmTile& t, const u8* qa, const u8* qa_shared,
                                          const int* __restrict__ sorted_row, int shared_slot, int H, int I_max) {
-        chunk = threadIdx.x % (F8_BK / 16);
+        chunk = threadIdx.x % CHUNKS;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const int r = (threadIdx.x + i * F8_THREADS) / (F8_BK / 16);
+        for (int i = 0; i < A_PER; ++i) {
+            const int r = (threadIdx.x + i * F8_THREADS) / CHUNKS;
             a_ok[i] = r < t.rows;
             const int pos = t.pos0 + min(r, t.rows - 1);
             if (MODE == MODE_GATE_UP)
                 a_src[i] = (t.slot == shared_slot ? qa_shared : qa) + (size_t)sorted_row[pos] * H;
             else
                 a_src[i] = qa + (size_t)pos * I_max;
-            const int n = t.n0 + (MODE == MODE_GATE_UP ? (r & (GG_BN / 2 - 1)) : r);
-            const u8* W = reinterpret_cast<const u8*>(MODE == MODE_GATE_UP && r >= GG_BN / 2 ? t.W1 : t.W0);
+        }
+#pragma unroll
+        for (int i = 0; i < B_PER; ++i) {
+            const int r = (threadIdx.x + i * F8_THREADS) / CHUNKS;  // 0 .. 255
+            const int wr = r & 127;                                  // the row within its warpgroup's 128
+            const int n = MODE == MODE_GATE_UP ? t.n0 + (r >> 7) * 64 + (wr & 63) : t.n0 + r;
+            const u8* W = reinterpret_cast<const u8*>(MODE == MODE_GATE_UP && wr >= 64 ? t.W1 : t.W0);
             b_ok[i] = n < t.ncols;
             b_src[i] = W + (size_t)min(n, t.ncols - 1) * t.K;
         }
@@ -112,55 +86,117 @@ struct Fp8TileLoader {
         const int kc = k0 + chunk * 16;
         const bool kin = kc < K;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const int r = (threadIdx.x + i * F8_THREADS) / (F8_BK / 16);
-            cp_async16(sA + f8_swz(r, chunk), a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
-            cp_async16(sB + f8_swz(r, chunk), b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
-        }
+        for (int i = 0; i < A_PER; ++i)
+            cp_async16(sA + f8_swz((threadIdx.x + i * F8_THREADS) / CHUNKS, chunk), a_src[i] + (kin ? kc : 0),
+                       a_ok[i] && kin);
+#pragma unroll
+        for (int i = 0; i < B_PER; ++i)
+            cp_async16(sB + f8_swz((threadIdx.x + i * F8_THREADS) / CHUNKS, chunk), b_src[i] + (kin ? kc : 0),
+                       b_ok[i] && kin);
     }
 };
 
-// grid (column tiles, M-tiles of 128 rows), block 256, dynamic smem kernels.sm90_fp8_smem_bytes().
-// Beyond GEMM_ARGS: the quantized activations and their scales [rows, ceil(K / 128)]: for
-// gate/up `qa` / `sa` are the expert input's (indexed by token row), `qa_shared` /
-// `sa_shared` x's for the shared expert (the same buffers unless a pre-expert norm makes
-// them differ); for down, the activation's (indexed by position, row stride I_max).
+// The gate/up epilogue with the activation quantized: warpgroup wg's accumulator holds, for
+// rows 16 warp + g + 8 h, gate columns 8 j + 2 t4 + e (j < 8) and the same up columns (j >= 8)
+// of activation columns n0 + 64 wg + ... . Each activation is rounded to bf16 (stored: the
+// bf16 activation stays inspectable, verify.W8a8Stages reads it) and quantized from that
+// bf16 value, its group's amax taken over the row's 128 columns of both warpgroups.
+__device__ __forceinline__ void emit_gate_up_fp8(const GemmTile& t, const float* d, int wg, float (*row_amax)[F8_BM],
+                                                 u8* __restrict__ qact, float* __restrict__ sact, GEMM_ARGS) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    GemmTile tw = t;
+    tw.n0 = t.n0 + wg * 64;
+    float v[2][16];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = warp * 16 + g + 8 * h;
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int c = j * 8 + 2 * t4;
+            float2 a = make_float2(0.0f, 0.0f);  // columns past the matrix stay out of the amax
+            if (tw.n0 + c < tw.ncols)
+                a = gate_up_pair(tw, c, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], d[(j + 8) * 4 + h * 2],
+                                 d[(j + 8) * 4 + h * 2 + 1], GEMM_ARG_NAMES);
+            const __nv_bfloat162 b = __floats2bfloat162_rn(a.x, a.y);
+            if (r < t.rows && tw.n0 + c < tw.ncols)
+                *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)(t.pos0 + r) * I_max + tw.n0 +
+                                                   c) = b;
+            v[h][2 * j] = __low2float(b);
+            v[h][2 * j + 1] = __high2float(b);
+            m = fmaxf(m, fmaxf(fabsf(v[h][2 * j]), fabsf(v[h][2 * j + 1])));
+        }
+        m = fmaxf(m, __shfl_xor_sync(CUPYMOE_FULL_MASK, m, 1));  // the quad holds the row's 64 columns
+        m = fmaxf(m, __shfl_xor_sync(CUPYMOE_FULL_MASK, m, 2));
+        if (t4 == 0) row_amax[wg][r] = m;
+    }
+    __syncthreads();
+    const int KB = (I_max + 127) >> 7;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = warp * 16 + g + 8 * h;
+        if (r >= t.rows) continue;
+        const float sc = fmaxf(row_amax[0][r], row_amax[1][r]) / 448.0f;
+        const size_t pos = t.pos0 + r;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int col = tw.n0 + j * 8 + 2 * t4;
+            if (col < tw.ncols)
+                *reinterpret_cast<unsigned short*>(qact + pos * I_max + col) =
+                    (unsigned short)e4m3x2_quantize(v[h][2 * j], v[h][2 * j + 1], sc);
+        }
+        if (wg == 0 && t4 == 0) sact[pos * KB + (t.n0 >> 7)] = sc;
+    }
+}
+
+// grid (column tiles, M-tiles of 64 rows), block 256, dynamic smem kernels.sm90_fp8_smem_bytes().
+// Beyond GEMM_ARGS: the quantized inputs and their scales [rows, ceil(K / 128)]: for gate/up
+// `qa` / `sa` are the expert input's (indexed by token row), `qa_shared` / `sa_shared` x's
+// for the shared expert (the same buffers unless a pre-expert norm makes them differ), and
+// `q_out` / `s_out` receive the activation's codes and scales ([P, I_max], [P, ceil(I_max /
+// 128)]) next to its bf16 values in `out`; for down, `qa` / `sa` are the activation's
+// (indexed by position, row stride I_max) and `q_out` / `s_out` are unused.
 template <int MODE>
 __global__ void __launch_bounds__(F8_THREADS, 1)
 grouped_gemm_sm90_fp8(GEMM_ARGS, const u8* __restrict__ qa, const float* __restrict__ sa,
-                      const u8* __restrict__ qa_shared, const float* __restrict__ sa_shared) {
-    constexpr int BM = F8_BM, BK = F8_BK, S = F8_STAGES;
+                      const u8* __restrict__ qa_shared, const float* __restrict__ sa_shared, u8* __restrict__ q_out,
+                      float* __restrict__ s_out) {
+    constexpr int BM = F8_BM, BN = F8_BN, BK = F8_BK, S = F8_STAGES;
     extern __shared__ __align__(1024) unsigned char f8_smem[];
+    __shared__ float row_amax[2][F8_BM];  // gate/up: each warpgroup's amax of a row's 64 columns
     const unsigned pad = (1024u - ((unsigned)__cvta_generic_to_shared(f8_smem) & 1023u)) & 1023u;
     u8* sA = f8_smem + pad;
     u8* sB = sA + S * BM * BK;
     GemmTile t;
-    if (!gemm_tile<MODE, BM, GG_BN, FMT_FP8>(t, GEMM_ARG_NAMES)) return;
+    if (!gemm_tile<MODE, BM, BN, FMT_FP8>(t, GEMM_ARG_NAMES)) return;
     Fp8TileLoader<MODE> ld;
     ld.init(t, qa, qa_shared, sorted_row, shared_slot, H, I_max);
     const int wg = threadIdx.x / 128;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-    const int g = lane >> 2, t4 = lane & 3;
+    const int g = lane >> 2;
 
-    // this thread's two accumulator rows (h = 0, 1) and where their activation scales live
+    // this thread's two accumulator rows (h = 0, 1; both warpgroups hold all 64 rows) and
+    // where their activation scales live
     const float* sa_row[2];
-    int KBA;  // activation scale blocks per row
     {
         const bool shared = t.slot == shared_slot;
-        KBA = MODE == MODE_GATE_UP ? (H + 127) >> 7 : (I_max + 127) >> 7;
+        const int KBA = MODE == MODE_GATE_UP ? (H + 127) >> 7 : (I_max + 127) >> 7;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int r = min(wg * 64 + warp * 16 + g + 8 * h, t.rows - 1);
+            const int r = min(warp * 16 + g + 8 * h, t.rows - 1);
             const int pos = t.pos0 + r;
             sa_row[h] = MODE == MODE_GATE_UP ? (shared ? sa_shared : sa) + (size_t)sorted_row[pos] * KBA
                                              : sa + (size_t)pos * KBA;
         }
     }
-    // the weight scale blocks: [ceil(ncols / 128), ceil(K / 128)]; one column block per
-    // matrix of the tile (gate/up tiles hold 64 columns of each, inside one block)
+    // the weight scale blocks: [ceil(ncols / 128), ceil(K / 128)]. Gate/up: the tile's 128
+    // columns of each matrix are one block (n0 is a multiple of 128); down: warpgroup wg's
+    // 128 columns are block n0 / 128 + wg (clamped: past the columns nothing is stored).
     const int KBW = (t.K + 127) >> 7;
-    const float* sw0 = reinterpret_cast<const float*>(t.S0) + (size_t)(t.n0 >> 7) * KBW;
-    const float* sw1 = MODE == MODE_GATE_UP ? reinterpret_cast<const float*>(t.S1) + (size_t)(t.n0 >> 7) * KBW : sw0;
+    const int nb = MODE == MODE_GATE_UP ? t.n0 >> 7 : min(t.n0 + wg * 128, t.ncols - 1) >> 7;
+    const float* sw0 = reinterpret_cast<const float*>(t.S0) + (size_t)nb * KBW;
+    const float* sw1 = MODE == MODE_GATE_UP ? reinterpret_cast<const float*>(t.S1) + (size_t)nb * KBW : sw0;
 
     float acc[64], blk[64];
 #pragma unroll
@@ -169,7 +205,7 @@ grouped_gemm_sm90_fp8(GEMM_ARGS, const u8* __restrict__ qa, const float* __restr
     const int KT = (t.K + BK - 1) / BK;
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
-        if (s < KT) ld.load(sA + s * BM * BK, sB + s * GG_BN * BK, s * BK, t.K);
+        if (s < KT) ld.load(sA + s * BM * BK, sB + s * BN * BK, s * BK, t.K);
         cp_async_commit();
     }
     for (int kt = 0; kt < KT; ++kt) {
@@ -177,10 +213,10 @@ grouped_gemm_sm90_fp8(GEMM_ARGS, const u8* __restrict__ qa, const float* __restr
         fence_proxy_async();     // ... visible to the tensor cores' (async) proxy
         __syncthreads();         // everyone's copies of stage kt; stage kt - 1 is free
         const int kn = kt + S - 1;
-        if (kn < KT) ld.load(sA + (kn % S) * BM * BK, sB + (kn % S) * GG_BN * BK, kn * BK, t.K);
+        if (kn < KT) ld.load(sA + (kn % S) * BM * BK, sB + (kn % S) * BN * BK, kn * BK, t.K);
         cp_async_commit();
-        const u64 da = wgmma_desc(sA + (kt % S) * BM * BK + wg * 64 * BK);
-        const u64 db = wgmma_desc(sB + (kt % S) * GG_BN * BK);
+        const u64 da = wgmma_desc(sA + (kt % S) * BM * BK);
+        const u64 db = wgmma_desc(sB + (kt % S) * BN * BK + wg * 128 * BK);
         fence_acc(blk);
         wgmma_fence();
 #pragma unroll
@@ -203,5 +239,11 @@ grouped_gemm_sm90_fp8(GEMM_ARGS, const u8* __restrict__ qa, const float* __restr
     }
     cp_async_wait<0>();
 
-    emit_wgmma_rows<MODE, GG_BN>(t, acc, wg * 64, GEMM_ARG_NAMES);
+    if (MODE == MODE_GATE_UP) {
+        emit_gate_up_fp8(t, acc, wg, row_amax, q_out, s_out, GEMM_ARG_NAMES);
+    } else {
+        GemmTile tw = t;
+        tw.n0 = t.n0 + wg * 128;
+        emit_wgmma_rows<MODE, GG_BN>(tw, acc, 0, GEMM_ARG_NAMES);
+    }
 }

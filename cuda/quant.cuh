@@ -224,3 +224,53 @@ __device__ __forceinline__ uint4 fp4x8_to_bf16(unsigned v, float s) {
     }
     return o;
 }
+
+// ---------------------------------------------------------------------------------------
+// w8a8's activation quantization (sm_89+: the e4m3 conversions), fused into the stages
+// that produce each activation (the routing stage for x, the norm for its output, the
+// gate/up epilogue for the down GEMM's input). The rule is reference.quantize_activations_fp8's:
+// per row and 128-column group, s = amax / 448 (IEEE float32 division), q = e4m3(v / s),
+// nearest even, saturating; a group of zeros has s = 0 and codes 0.
+// ---------------------------------------------------------------------------------------
+#if CUPYMOE_SM >= 89
+// Two values -> two e4m3 codes (a in the low byte) under scale sc.
+__device__ __forceinline__ unsigned e4m3x2_quantize(float a, float b, float sc) {
+    const float ta = sc > 0.0f ? a / sc : 0.0f, tb = sc > 0.0f ? b / sc : 0.0f;
+    unsigned short p;  // cvt puts its first source in the upper byte
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(p) : "f"(tb), "f"(ta));
+    return p;
+}
+
+// One 128-column group held by 16 consecutive lanes, 8 values a lane; every lane of the
+// warp calls it (the amax is a half-warp shuffle). Returns the group's scale and the lane's
+// 8 codes (element 0 in the low byte). Lanes past a row's width pass zeros, which leave
+// the amax as it is.
+__device__ __forceinline__ float e4m3_group_quantize16(const float v[8], uint2& codes) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(CUPYMOE_FULL_MASK, amax, o));
+    const float sc = amax / 448.0f;
+    codes.x = e4m3x2_quantize(v[0], v[1], sc) | (e4m3x2_quantize(v[2], v[3], sc) << 16);
+    codes.y = e4m3x2_quantize(v[4], v[5], sc) | (e4m3x2_quantize(v[6], v[7], sc) << 16);
+    return sc;
+}
+
+// A whole warp quantizes one bf16 row of n columns (n a multiple of 8): codes q[n], scales
+// s[ceil(n / 128)]. Every lane runs the same iterations.
+__device__ __forceinline__ void e4m3_quantize_row(const bf16* __restrict__ in, int n, u8* __restrict__ q,
+                                                  float* __restrict__ s, int lane) {
+    for (int c0 = 0; c0 < n; c0 += 256) {
+        const int col = c0 + lane * 8;
+        float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        if (col < n) unpack_bf16x8(load_bf16x8(in + col), v);
+        uint2 codes;
+        const float sc = e4m3_group_quantize16(v, codes);
+        if (col < n) {
+            *reinterpret_cast<uint2*>(q + col) = codes;
+            if ((lane & 15) == 0) s[col >> 7] = sc;
+        }
+    }
+}
+#endif

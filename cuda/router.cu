@@ -5,6 +5,7 @@
 // fixed 8-element slice pattern of H, so a row's logit has the same accumulation order
 // whatever N or ROWS is (row invariance: a row's bits never depend on its batch).
 #include "common.cuh"
+#include "quant.cuh"
 
 // A block is 8 warps: 2 router columns x 4 warps splitting H. The split is fixed by H
 // alone and the 4 partial sums are added in split order, so the bits stay N-independent.
@@ -56,10 +57,12 @@ router_logits_bf16(const bf16* __restrict__ x, const bf16* __restrict__ W, const
     }
 }
 
-// y[n, :] = bf16(x[n, :] * rsqrt(mean(x[n, :]^2) + eps) * w), one block per row.
+// y[n, :] = bf16(x[n, :] * rsqrt(mean(x[n, :]^2) + eps) * w), one block per row. w8a8
+// (qy set): also y's e4m3 codes and scales per 128 columns, from the bf16 values stored.
 #define NORM_THREADS 256
 __global__ void __launch_bounds__(NORM_THREADS)
-rmsnorm_bf16(const bf16* __restrict__ x, const float* __restrict__ w, bf16* __restrict__ y, int H, float eps) {
+rmsnorm_bf16(const bf16* __restrict__ x, const float* __restrict__ w, bf16* __restrict__ y, int H, float eps,
+             u8* __restrict__ qy, float* __restrict__ sy) {
     __shared__ float partial[NORM_THREADS / 32];
     const size_t base = (size_t)blockIdx.x * H;
     float ss = 0.0f;
@@ -76,12 +79,30 @@ rmsnorm_bf16(const bf16* __restrict__ x, const float* __restrict__ w, bf16* __re
 #pragma unroll
     for (int i = 0; i < NORM_THREADS / 32; ++i) total += partial[i];
     const float inv = rsqrtf(total / (float)H + eps);
-    for (int h = threadIdx.x * 8; h < H; h += NORM_THREADS * 8) {
-        float f[8];
-        unpack_bf16x8(load_bf16x8(x + base + h), f);
-        __align__(16) bf16 o[8];
+    // every lane runs every iteration: the quantization's amax is a half-warp shuffle
+    for (int h0 = 0; h0 < H; h0 += NORM_THREADS * 8) {
+        const int h = h0 + threadIdx.x * 8;
+        float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // past H: zeros, never stored
+        if (h < H) {
+            float f[8];
+            unpack_bf16x8(load_bf16x8(x + base + h), f);
+            __align__(16) bf16 o[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16(f[i] * inv * w[h + i]);
-        *reinterpret_cast<uint4*>(y + base + h) = *reinterpret_cast<const uint4*>(o);
+            for (int i = 0; i < 8; ++i) {
+                o[i] = __float2bfloat16(f[i] * inv * w[h + i]);
+                v[i] = __bfloat162float(o[i]);
+            }
+            *reinterpret_cast<uint4*>(y + base + h) = *reinterpret_cast<const uint4*>(o);
+        }
+#if CUPYMOE_SM >= 89
+        if (qy) {  // 16 lanes hold one 128-column group (h0 and the warp's 256 columns are 128-aligned)
+            uint2 codes;
+            const float sc = e4m3_group_quantize16(v, codes);
+            if (h < H) {
+                *reinterpret_cast<uint2*>(qy + base + h) = codes;
+                if ((threadIdx.x & 15) == 0) sy[(size_t)blockIdx.x * ((H + 127) >> 7) + (h >> 7)] = sc;
+            }
+        }
+#endif
     }
 }

@@ -5,6 +5,7 @@
 // Selection is k rounds of a warp arg-max; ties go to the lower expert id, the same rule
 // as cupymoe.reference. A taken entry is set to NaN, which no comparison selects.
 #include "common.cuh"
+#include "quant.cuh"
 
 // scoring codes shared with cupymoe/kernels.py (SCORING_CODES)
 #define SCORE_SOFTMAX 0
@@ -51,7 +52,10 @@ topk_route(const float* __restrict__ logits,     // [N, R] fp32 (router bias alr
            float* __restrict__ w_out,            // [N, k]
            int* __restrict__ err,                // error bits
            int N, int R, int E, int k, int scoring, int n_group, int topk_group,
-           int topk_then_softmax, int renorm, float scale, int vocab) {
+           int topk_then_softmax, int renorm, float scale, int vocab,
+           const bf16* __restrict__ x,           // [N, H]: quantized when qx is set
+           int H, u8* __restrict__ qx,           // w8a8 or null: x's e4m3 codes [N, H]
+           float* __restrict__ sx) {             // and their scales [N, ceil(H / 128)]
     extern __shared__ float smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * TOPK_WARPS + warp;
@@ -169,4 +173,9 @@ topk_route(const float* __restrict__ logits,     // [N, R] fp32 (router bias alr
         }
         for (int j = 0; j < k; ++j) ids[j] = sel[j];
     }
+#if CUPYMOE_SM >= 89
+    // w8a8: x's e4m3 codes for the fp8 gate/up GEMM. x is the caller's, so no stage of ours
+    // produces it; its quantization rides in this one-warp-per-row stage instead of a launch.
+    if (qx) e4m3_quantize_row(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7), lane);
+#endif
 }

@@ -118,13 +118,15 @@ def sm90_kernel(mode: int, variant: str) -> str:
     return SM90_VARIANTS[variant].kernel(mode)
 
 
-SM90_FP8_TILE = (128, 128, 4)  # BM, BK (bytes), stages of grouped_gemm_sm90_fp8
+# grouped_gemm_sm90_fp8's tile: BM rows, BN weight rows (a gate/up tile covers BN / 2 = 128
+# activation columns, one quantization group), BK bytes of K per stage, stages
+SM90_FP8_TILE = (64, 256, 128, 4)
 
 
 def sm90_fp8_smem_bytes() -> int:
     """grouped_gemm_sm90_fp8's stages of e4m3 A and B tiles, plus 1 KB to align them."""
-    bm, bk, st = SM90_FP8_TILE
-    return st * (bm + GROUPED_BN) * bk + 1024
+    bm, bn, bk, st = SM90_FP8_TILE
+    return st * (bm + bn) * bk + 1024
 
 
 def grouped_kernel(mode: int, config: str, fmt: int = 0) -> tuple[str, int, int]:
@@ -165,7 +167,7 @@ MODULES: dict[str, ModuleSpec] = {
         v.kernel(m) for m in (0, 1, 2) for v in SM90_VARIANTS.values() if v.warp_specialized)),
                                   archs=("sm_90a",)),
     "grouped_sm90_fp8": ModuleSpec("grouped_sm90_fp8.cu",
-                                   ("quantize_rows_fp8",) + tuple(f"grouped_gemm_sm90_fp8<{m}>" for m in (0, 1)),
+                                   tuple(f"grouped_gemm_sm90_fp8<{m}>" for m in (0, 1)),
                                    archs=("sm_90a",)),
     "decode": ModuleSpec(
         "decode.cu",

@@ -157,10 +157,12 @@ def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
         BufferSpec("yw", P * H * 2, "down", "reduce"),  # grouped: weighted bf16 expert outputs
         BufferSpec("acc", Td * H * 4, "sort", "reduce"),  # atomic path: zeroed in 'sort'
         # w8a8 (grouped path, fp8 experts on sm_90a): e4m3 codes and per-128-column scales
-        BufferSpec("qx", T * H if w8a8 else 0, "sort", "gate_up"),
-        BufferSpec("sx", T * -(-H // 128) * 4 if w8a8 else 0, "sort", "gate_up"),
-        BufferSpec("qx_shared", T * H if w8a8_shared_x else 0, "sort", "gate_up"),
-        BufferSpec("sx_shared", T * -(-H // 128) * 4 if w8a8_shared_x else 0, "sort", "gate_up"),
+        # (x's made in the routing stage, the norm's output's by the norm, the activation's by
+        # the gate/up epilogue)
+        BufferSpec("qx", T * H if w8a8 else 0, "route", "gate_up"),
+        BufferSpec("sx", T * -(-H // 128) * 4 if w8a8 else 0, "route", "gate_up"),
+        BufferSpec("qx_shared", T * H if w8a8_shared_x else 0, "route", "gate_up"),
+        BufferSpec("sx_shared", T * -(-H // 128) * 4 if w8a8_shared_x else 0, "route", "gate_up"),
         BufferSpec("qact", P * i_max if w8a8 else 0, "gate_up", "down"),
         BufferSpec("sact", P * -(-i_max // 128) * 4 if w8a8 else 0, "gate_up", "down"),
     ]
@@ -378,6 +380,15 @@ class MoeLayer:
                     stream=s, shared_mem=smem)
             else:
                 self._launch_router(x, N, A.ptr("logits"), s)
+        # w8a8 on the grouped path: the expert inputs' e4m3 codes are made by the stages below
+        # (x's by top-k, which reads nothing of x otherwise but costs no launch of its own;
+        # the norm's output's by the norm), the activation's by the gate/up GEMM
+        w8a8 = path == "prefill" and self.fp8_compute == "w8a8"
+        qx_of_x = (0, 0)
+        if w8a8 and not cfg.pre_expert_norm:
+            qx_of_x = (A.ptr("qx"), A.ptr("sx"))
+        elif w8a8 and self._w8a8_shared_x:
+            qx_of_x = (A.ptr("qx_shared"), A.ptr("sx_shared"))
         with timer.stage("topk"):
             warps = 4
             lib["topk_route"](
@@ -386,14 +397,16 @@ class MoeLayer:
                  _u64(A.ptr("topk_ids")), _u64(A.ptr("topk_w")), _u64(A.ptr("err")),
                  _i32(N), _i32(R), _i32(E), _i32(k), _i32(kernels.SCORING_CODES[cfg.scoring_func]),
                  _i32(cfg.n_group), _i32(cfg.topk_group), _i32(int(cfg.topk_then_softmax)),
-                 _i32(int(cfg.norm_topk_prob)), _f32(cfg.routed_scaling_factor), _i32(cfg.hash_vocab_size)),
+                 _i32(int(cfg.norm_topk_prob)), _f32(cfg.routed_scaling_factor), _i32(cfg.hash_vocab_size),
+                 _u64(x), _i32(H), _u64(qx_of_x[0]), _u64(qx_of_x[1])),
                 stream=s, shared_mem=warps * (2 * R + 64) * 4)
         xe = x
         if cfg.pre_expert_norm:
             with timer.stage("norm"):
                 xe = A.ptr("xe")
+                qxe = (A.ptr("qx"), A.ptr("sx")) if w8a8 else (0, 0)
                 lib["rmsnorm_bf16"]((N,), (256,), (_u64(x), _u64(W.ptr("norm_weight")), _u64(xe), _i32(H),
-                                                  _f32(cfg.rms_norm_eps)), stream=s)
+                                                  _f32(cfg.rms_norm_eps), _u64(qxe[0]), _u64(qxe[1])), stream=s)
         has_shared = 1 if cfg.has_shared_expert else 0
         with timer.stage("sort"):
             self._launch_sort(N, s, has_shared)
@@ -467,7 +480,7 @@ class MoeLayer:
         "stream". A tile covers half its weight rows' columns of gate/up (gate and up rows),
         all of them for down and the router."""
         if fmt == kernels.FORMAT_CODES["fp8_block"] and self.fp8_compute == "w8a8":
-            return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), kernels.GROUPED_BN
+            return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), kernels.SM90_FP8_TILE[1]
         if config == "math" and fmt == 0 and self.lib.arch == "sm_90a" and not self.row_invariant:
             v = self._sm90
             return v.kernel(mode), v.threads, v.smem_bytes(), v.bn
@@ -511,17 +524,13 @@ class MoeLayer:
         # 128-row tiles (bf16 on Hopper: the wgmma kernel, which pays off sooner)
         config = "math" if N * k >= self._math_rows * W.n_local else "stream"
         w8a8 = self.fp8_compute == "w8a8"
-        if w8a8:  # the w8a8 kernel's tiles are 128 rows: every format of the layer takes them
-            config = "math"
-        bm = kernels.GROUPED_CONFIGS[config][0]  # the sm90 kernels' tiles are 128 rows too
+        if w8a8:  # the w8a8 kernel's tiles are 64 rows: every format of the layer takes them
+            config = "stream"
+        bm = kernels.GROUPED_CONFIGS[config][0]  # the bf16 sm90 kernels' tiles are 128 rows, as "math"'s
         fp8 = kernels.FORMAT_CODES["fp8_block"]
         qx, sx = A.ptr("qx") if w8a8 else 0, A.ptr("sx") if w8a8 else 0
         qxs, sxs = (A.ptr("qx_shared"), A.ptr("sx_shared")) if self._w8a8_shared_x else (qx, sx)
-        if w8a8:
-            with timer.stage("quantize"):
-                self._quantize_rows(xe, N, H, H, 0, 0, 0, qx, sx, s)
-                if self._w8a8_shared_x:
-                    self._quantize_rows(x, N, H, H, 0, 0, 0, qxs, sxs, s)
+        qact, sact = (A.ptr("qact"), A.ptr("sact")) if w8a8 else (0, 0)
         tiles = max(1, max_tiles(N, k, W.n_local, bool(has_shared)))  # a bound for either tile height
         with timer.stage("gate_up"):
             lib["make_tiles"]((1,), (1024,),
@@ -530,7 +539,7 @@ class MoeLayer:
                                _u64(A.ptr("tile_info"))), stream=s)
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' tiles
                 gate_up, threads, smem, bn = self._grouped_kernel(0, config, fmt)
-                extra = (_u64(qx), _u64(sx), _u64(qxs), _u64(sxs)) if w8a8 and fmt == fp8 else ()
+                extra = tuple(map(_u64, (qx, sx, qxs, sxs, qact, sact))) if w8a8 and fmt == fp8 else ()
                 lib[gate_up](
                     self._gemm_grid(gate_up, -(-W.i_max // (bn // 2)), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(0), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
@@ -542,15 +551,10 @@ class MoeLayer:
                      _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit),
                      *extra),
                     stream=s, shared_mem=smem)
-            if w8a8:  # the activation's e4m3 copy for the fp8 down GEMM, each row at its width
-                P = N * k + has_shared * N
-                self._quantize_rows(A.ptr("act"), P, W.i_max, cfg.moe_intermediate_size, A.ptr("sorted_pair"), N * k,
-                                    cfg.shared_expert_intermediate_size or cfg.moe_intermediate_size,
-                                    A.ptr("qact"), A.ptr("sact"), s)
         with timer.stage("down"):
             for fmt in self._format_codes:
                 down, threads, smem, bn = self._grouped_kernel(1, config, fmt)
-                extra = ((_u64(A.ptr("qact")), _u64(A.ptr("sact"))) * 2) if w8a8 and fmt == fp8 else ()
+                extra = tuple(map(_u64, (qact, sact, qact, sact, 0, 0))) if w8a8 and fmt == fp8 else ()
                 lib[down](
                     self._gemm_grid(down, -(-H // bn), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(A.ptr("act")), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
@@ -575,15 +579,6 @@ class MoeLayer:
         if kernel.startswith("grouped_gemm_sm90_ws<"):
             return (min(column_tiles * row_tiles, self._sm_count), 1)
         return (column_tiles, row_tiles)
-
-    def _quantize_rows(self, src: int, rows: int, ld: int, K: int, sorted_pair: int, P: int, K_shared: int,
-                       q: int, scales: int, s) -> None:
-        """w8a8: `rows` rows of bf16 (ld apart) -> e4m3 codes + scales per 128 columns."""
-        groups = rows * -(-ld // 128)
-        self.lib["quantize_rows_fp8"](
-            (-(-groups // 8),), (256,),
-            (_u64(src), _i32(rows), _i32(ld), _i32(K), _u64(sorted_pair), _i32(P), _i32(K_shared),
-             _u64(q), _u64(scales)), stream=s)
 
     def _launch_router(self, x: int, N: int, logits: int, s) -> None:
         cfg, W = self.cfg, self.weights
