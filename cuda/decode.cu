@@ -18,9 +18,9 @@
 //   decode_reduce       out[row] = sum_slots w * y (+ zero-expert w * x) + scale * shared,
 //                       the sum in slot order, so the result is reproducible bit for bit.
 #include "common.cuh"
+#include "decode_common.cuh"
 #include "quant.cuh"
 
-#define DECODE_WARPS 8
 // One block per SM at minimum: ptxas may then give each variant the registers it needs
 // (with no minimum it capped some variants at 64 and spilled; with 2, gate_up<1, 4> spilled
 // on sm_80). kernels --arch checks every variant for spills.
@@ -105,17 +105,6 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restr
         }
     }
     if (threadIdx.x == 0) *num_active = act_base + (has_shared ? 1 : 0);
-}
-
-// The table slot of active expert j (a decode block's blockIdx.y), or -1 when the block has
-// nothing to do: past the active experts, or an expert of another weight format than FMT
-// (the launch for that format serves it).
-template <int FMT>
-__device__ __forceinline__ int decode_block_slot(int j, const int* __restrict__ num_active,
-                                                 const int* __restrict__ active_slot, const int* __restrict__ slot_fmt) {
-    if (j >= *num_active) return -1;
-    const int slot = active_slot[j];
-    return slot_fmt[slot] == FMT ? slot : -1;
 }
 
 // grid (ceil(I_max / (DECODE_WARPS * CW)), max_active), block DECODE_WARPS * 32.

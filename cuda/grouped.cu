@@ -143,21 +143,6 @@ make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_sl
 // ---------------------------------------------------------------------------------------
 // Tensor-core grouped GEMM, mma.sync (any sm_80+). Hopper's wgmma version: grouped_sm90.cu.
 // ---------------------------------------------------------------------------------------
-__device__ __forceinline__ void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(a));
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Block: BM rows x GG_BN columns, BM / 16 warps as (BM / 32) x 2, each 32 rows x 64 columns;
 // K in BK-wide steps through a STAGES-deep cp.async pipeline. Two configurations are built
 // (kernels.GROUPED_CONFIGS): deep 64-wide steps where the weights stream (few rows per

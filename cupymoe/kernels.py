@@ -47,6 +47,18 @@ GATE_UP_ROW_TILES = (1, 2, 4)
 DECODE_COLS = (1, 2, 4)
 GATE_UP_VARIANTS = tuple((rt, cw) for rt in GATE_UP_ROW_TILES for cw in DECODE_COLS if rt * cw <= 4)
 DOWN_VARIANTS = tuple((rt, cw) for rt in ROW_TILES for cw in DECODE_COLS if rt * cw <= 4 or cw == 1)
+# fp4 decode on tensor cores (cuda/decode_fp4.cu): warps of a block splitting K
+FP4_DECODE_K_SPLITS = (1, 2, 4, 8)
+FP4_DECODE_FORMATS = ("nvfp4", "mxfp4")
+
+
+def fp4_decode_mma_formats() -> tuple[int, ...]:
+    """Format codes the decode path runs on tensor cores: both fp4 formats, or none with
+    CUPYMOE_FP4_DECODE=cores (a measurement knob: decode.cu's CUDA-core streams)."""
+    v = os.environ.get("CUPYMOE_FP4_DECODE", "mma")
+    if v not in ("mma", "cores"):
+        raise ValueError(f"CUPYMOE_FP4_DECODE={v!r}: must be 'mma' or 'cores'")
+    return tuple(FORMAT_CODES[f] for f in FP4_DECODE_FORMATS) if v == "mma" else ()
 # (BM, BK, STAGES) of the tensor-core grouped GEMMs: "stream" for few rows per expert
 # (weights streaming: deep 64-wide K steps keep more bytes in flight), "math" for many
 # (128-row tiles, shallow stages, fewer registers: two blocks per SM). NOTES.md has the data.
@@ -174,6 +186,11 @@ MODULES: dict[str, ModuleSpec] = {
         ("decode_build_lists", "decode_reduce")
         + tuple(f"decode_gate_up<{r}, {c}, {f}>" for f in FORMAT_CODES.values() for r, c in GATE_UP_VARIANTS)
         + tuple(f"decode_down<{r}, {c}, {f}>" for f in FORMAT_CODES.values() for r, c in DOWN_VARIANTS),
+    ),
+    "decode_fp4": ModuleSpec(
+        "decode_fp4.cu",
+        tuple(f"decode_fp4_{m}<{FORMAT_CODES[f]}, {ks}>" for m in ("gate_up", "down") for f in FP4_DECODE_FORMATS
+              for ks in FP4_DECODE_K_SPLITS),
     ),
 }
 

@@ -236,6 +236,9 @@ class MoeLayer:
             # the Hopper GEMM's configuration and the rows per expert from which the grouped
             # GEMMs take 128-row tiles: resolved once here, not on every forward
             self._sm90 = kernels.SM90_VARIANTS[kernels.sm90_variant()]
+            # fp4 weights on the decode path: tensor cores (decode_fp4.cu), or the CUDA-core
+            # streams of decode.cu (CUPYMOE_FP4_DECODE=cores, for measurements)
+            self._fp4_mma_formats = kernels.fp4_decode_mma_formats()
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             # the weight formats present (routed experts, then a shared expert of another
             # format): the expert kernels run once per format
@@ -431,8 +434,9 @@ class MoeLayer:
             rt = _row_tile(rows_per_expert, kernels.GATE_UP_ROW_TILES)
             cw = _cols_per_warp(max_active * W.i_max, rt, kernels.GATE_UP_VARIANTS)
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' experts
-                lib[f"decode_gate_up<{rt}, {cw}, {fmt}>"](
-                    (-(-W.i_max // (8 * cw)), max_active), (256,),
+                name, blocks = self._decode_kernel("gate_up", fmt, rt, cw, W.i_max, max_active)
+                lib[name](
+                    (blocks, max_active), (256,),
                     (_u64(x), _u64(xe), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
                      _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_row")),
                      _u64(W.ptr("gate")), _u64(W.ptr("up")), _u64(W.ptr("gate_scale")), _u64(W.ptr("up_scale")),
@@ -445,8 +449,9 @@ class MoeLayer:
             rt = _row_tile(rows_per_expert, kernels.ROW_TILES)
             cw = _cols_per_warp(max_active * H, rt, kernels.DOWN_VARIANTS)
             for fmt in self._format_codes:
-                lib[f"decode_down<{rt}, {cw}, {fmt}>"](
-                    (-(-H // (8 * cw)), max_active), (256,),
+                name, blocks = self._decode_kernel("down", fmt, rt, cw, H, max_active)
+                lib[name](
+                    (blocks, max_active), (256,),
                     (_u64(A.ptr("act")), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
                      _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_pair")),
                      _u64(W.ptr("down")), _u64(W.ptr("down_scale")), _u64(W.ptr("down_gscale")),
@@ -456,6 +461,18 @@ class MoeLayer:
                     stream=s)
         with timer.stage("reduce"):
             self._launch_reduce(x, xe, out, N, s, atomic, has_shared)
+
+    def _decode_kernel(self, stage: str, fmt: int, rt: int, cw: int, columns: int, max_active: int) -> tuple[str, int]:
+        """(kernel, column blocks) of a decode stage for weights of format `fmt`: fp4 on tensor
+        cores (decode_fp4.cu) with the fewest K splits that still put about two blocks on
+        every SM, else the CUDA-core stream with rt rows and cw columns a warp."""
+        if fmt in self._fp4_mma_formats:
+            for ks in kernels.FP4_DECODE_K_SPLITS:
+                blocks = -(-columns // (16 * 8 // ks))
+                if blocks * max_active >= 2 * self._sm_count:
+                    break
+            return f"decode_fp4_{stage}<{fmt}, {ks}>", blocks
+        return f"decode_{stage}<{rt}, {cw}, {fmt}>", -(-columns // (8 * cw))
 
     def _choose_fp8_compute(self, wanted: str) -> str:
         """'w8a8' or 'w8a16' for this layer's fp8-block experts (None when it has none)."""

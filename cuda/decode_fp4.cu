@@ -1,0 +1,233 @@
+// Decode path for fp4 experts (nvfp4, mxfp4) on tensor cores: W4A16 with the GEMM's roles
+// swapped. The weights are the MMA's A operand (16 output columns x 16 k), loaded from HBM
+// straight into registers and dequantized there; an expert's few rows are its B operand
+// (8 tokens a fragment). The CUDA-core readers of decode.cu spend ~5.6 instructions a
+// weight on fp4 (table lookup, bf16 -> fp32, one FMA per weight and row); here the MMA
+// does the products and a weight costs its table lookup and a scale multiply (~3.4).
+//
+//   decode_fp4_gate_up<FMT, KS>  act[pos, col] = act(x W_gate^T, x W_up^T) for 16 columns a
+//                       warp-column group (gate and up rows side by side), the rows of an
+//                       expert's run 8 at a time
+//   decode_fp4_down<FMT, KS>     y[pos, h] = act[pos] . W_down[h] (or, atomic, w * y added into
+//                       acc[row, h]) for 16 hidden columns a warp-column group
+// KS warps of a block split K (k128 steps dealt round-robin) and add their partial sums
+// through shared memory in warp order, so the result is the same for every launch;
+// DECODE_WARPS / KS column groups share the block. Few active experts want a large KS
+// (enough blocks in flight), many want KS = 1.
+//
+// No repacking: the checkpoint's [out, K / 2] layout becomes a fragment layout by permuting
+// k, identically on both operands (a dot product does not care in which order its terms
+// are summed by the tensor core's K slots). Lane (g = lane / 4, t4 = lane % 4) reads, per
+// k128 step at k0, the 16 bytes of weight rows g and g + 8 holding codes k0 + 32 t4 .. + 31;
+// MMA j (j < 8) of the step takes codes 4 j .. 4 j + 3 of each row as its K slots 2 t4,
+// 2 t4 + 1, 2 t4 + 8, 2 t4 + 9, so its B fragment is token g's activations at the same four
+// k: 8 contiguous bytes. A warp's weight loads are 64 contiguous bytes per row.
+#include "common.cuh"
+#include "decode_common.cuh"
+#include "gemm_common.cuh"
+
+#define FP4_KSTEP 128  // k per step: 32 codes a lane
+
+// 32 codes of one weight row at k (a multiple of 32) and their scale bytes: nvfp4 two groups
+// of 16 (two e4m3 bytes), mxfp4 one group of 32 (one e8m0 byte). Past K: zeros (code 0 is
+// +0 under any scale, and the activations there are zeros too).
+template <int FMT>
+struct Fp4Row32 {
+    uint4 q;
+    unsigned s;
+
+    __device__ __forceinline__ void load(const QRow& r, int k, bool ok) {
+        q = make_uint4(0, 0, 0, 0);
+        s = 0;
+        if (ok) {
+            asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w)
+                         : "l"(r.w + (k >> 1)));
+            s = FMT == FMT_NVFP4 ? (unsigned)__ldg(reinterpret_cast<const unsigned short*>(r.s + (k >> 4)))
+                                 : (unsigned)__ldg(r.s + (k >> 5));
+        }
+    }
+
+    // codes 8 w .. 8 w + 7 as 4 bf16 pairs times their group scale (exact: quant.cuh)
+    __device__ __forceinline__ uint4 word(int w) const {
+        const unsigned v = w == 0 ? q.x : w == 1 ? q.y : w == 2 ? q.z : q.w;
+        const float sc = FMT == FMT_NVFP4 ? e4m3_to_f32((s >> (8 * (w >> 1))) & 0xFFu) : e8m0_to_f32(s & 0xFFu);
+        return fp4x8_to_bf16(v, sc);
+    }
+};
+
+// The 8 MMAs of one k128 step for one 16-row weight fragment (rows g and g + 8: lo, hi)
+// against one 8-token B fragment (xv: token g's 32 activations at the lane's k).
+template <int FMT>
+__device__ __forceinline__ void mma_fp4_step(float* c, const Fp4Row32<FMT>& lo, const Fp4Row32<FMT>& hi,
+                                             const uint4 (&xv)[4]) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        const uint4 a = lo.word(w), b = hi.word(w);
+        const unsigned f0[4] = {a.x, b.x, a.y, b.y};  // codes 0-3 of the word: MMA 2 w
+        const unsigned f1[4] = {a.z, b.z, a.w, b.w};  // codes 4-7: MMA 2 w + 1
+        mma_bf16(c, f0, xv[w].x, xv[w].y);
+        mma_bf16(c, f1, xv[w].z, xv[w].w);
+    }
+}
+
+// Token g's 32 bf16 activations at k (zeros past K).
+__device__ __forceinline__ void load_x32(uint4 (&xv)[4], const bf16* row, int k, bool ok) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        xv[i] = ok ? __ldg(reinterpret_cast<const uint4*>(row + k) + i) : make_uint4(0, 0, 0, 0);
+}
+
+// Adds the KS warps' partial accumulators of each column group in warp order; warp ks == 0
+// of a group ends with the sums. `part` holds DECODE_WARPS * 32 * N floats.
+template <int KS, int N>
+__device__ __forceinline__ void reduce_k_splits(float (&c)[N], float* part, int cg, int ks, int lane) {
+    if (KS == 1) return;
+    float* mine = part + ((cg * KS + ks) * 32 + lane) * N;
+#pragma unroll
+    for (int i = 0; i < N; ++i) mine[i] = c[i];
+    __syncthreads();
+    if (ks == 0) {
+#pragma unroll
+        for (int s = 1; s < KS; ++s) {
+            const float* o = part + ((cg * KS + s) * 32 + lane) * N;
+#pragma unroll
+            for (int i = 0; i < N; ++i) c[i] += o[i];
+        }
+    }
+    __syncthreads();
+}
+
+// grid (ceil(I_max / (16 * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
+// Arguments as decode_gate_up's (decode.cu).
+template <int FMT, int KS>
+__global__ void __launch_bounds__(DECODE_WARPS * 32, 2)  // 2: two blocks an SM (<= 128 registers) keep more bytes in flight
+decode_fp4_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ num_active,
+                   const int* __restrict__ active_slot, const int* __restrict__ active_start,
+                   const int* __restrict__ active_len, const int* __restrict__ sorted_row,
+                   const u64* __restrict__ gate_ptrs, const u64* __restrict__ up_ptrs,
+                   const u64* __restrict__ gate_scale_ptrs, const u64* __restrict__ up_scale_ptrs,
+                   const float* __restrict__ gate_gscale, const float* __restrict__ up_gscale,
+                   const int* __restrict__ slot_fmt, const u64* __restrict__ gate_bias_ptrs,
+                   const u64* __restrict__ up_bias_ptrs, const int* __restrict__ inter, int shared_slot,
+                   bf16* __restrict__ act, int H, int I_max, int act_code, float alpha, float limit) {
+    constexpr int GROUPS = DECODE_WARPS / KS;
+    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 8 : 1];
+    const int j = blockIdx.y;
+    const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
+    if (slot < 0) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int cg = warp / KS, ks = warp % KS;
+    const int I = inter[slot];
+    const int col0 = (blockIdx.x * GROUPS + cg) * 16;
+    if (blockIdx.x * GROUPS * 16 >= I) return;  // the whole block is past the columns
+    const bf16* in = slot == shared_slot ? x : xe;  // the shared expert reads x
+    // rows past I recompute row I - 1 and write nothing
+    const QRow g_lo = q_row<FMT>(reinterpret_cast<const void*>(gate_ptrs[slot]),
+                                 reinterpret_cast<const void*>(gate_scale_ptrs[slot]), min(col0 + g, I - 1), H);
+    const QRow g_hi = q_row<FMT>(reinterpret_cast<const void*>(gate_ptrs[slot]),
+                                 reinterpret_cast<const void*>(gate_scale_ptrs[slot]), min(col0 + g + 8, I - 1), H);
+    const QRow u_lo = q_row<FMT>(reinterpret_cast<const void*>(up_ptrs[slot]),
+                                 reinterpret_cast<const void*>(up_scale_ptrs[slot]), min(col0 + g, I - 1), H);
+    const QRow u_hi = q_row<FMT>(reinterpret_cast<const void*>(up_ptrs[slot]),
+                                 reinterpret_cast<const void*>(up_scale_ptrs[slot]), min(col0 + g + 8, I - 1), H);
+    const float gsg = gate_gscale[slot], gsu = up_gscale[slot];  // nvfp4's scale_2, else 1
+    const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
+    const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
+    const int start = active_start[j], len = active_len[j];
+
+    for (int r0 = 0; r0 < len; r0 += 8) {
+        // token g of this tile (past the run: its last row again, never stored)
+        const bf16* xr = in + (size_t)sorted_row[start + min(r0 + g, len - 1)] * H;
+        float c[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // gate c[0..3], up c[4..7]
+#pragma unroll 2
+        for (int k0 = ks * FP4_KSTEP; k0 < H; k0 += KS * FP4_KSTEP) {
+            const int k = k0 + 32 * t4;
+            const bool ok = k < H;
+            Fp4Row32<FMT> a0, a1, b0, b1;
+            a0.load(g_lo, k, ok);
+            a1.load(g_hi, k, ok);
+            b0.load(u_lo, k, ok);
+            b1.load(u_hi, k, ok);
+            uint4 xv[4];
+            load_x32(xv, xr, k, ok);
+            mma_fp4_step<FMT>(c, a0, a1, xv);
+            mma_fp4_step<FMT>(c + 4, b0, b1, xv);
+        }
+        reduce_k_splits<KS>(c, part, cg, ks, lane);
+        if (ks != 0) continue;
+        // c[e]: column col0 + g + 8 (e / 2), token 2 t4 + e % 2 (gate e, up e + 4)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = col0 + g + 8 * (e >> 1), tok = r0 + 2 * t4 + (e & 1);
+            if (col < I && tok < len) {
+                const float gv = c[e] * gsg + (bg ? bg[col] : 0.0f);
+                const float uv = c[e + 4] * gsu + (bu ? bu[col] : 0.0f);
+                act[(size_t)(start + tok) * I_max + col] = __float2bfloat16(apply_activation(act_code, gv, uv, alpha, limit));
+            }
+        }
+    }
+}
+
+// grid (ceil(H / (16 * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
+// Arguments and outputs as decode_down's (decode.cu): y[pos, h], or with `atomic` the
+// routed pairs' w * y added into acc[row, h] (the shared expert still stores y).
+template <int FMT, int KS>
+__global__ void __launch_bounds__(DECODE_WARPS * 32, 2)  // 2: two blocks an SM (<= 128 registers) keep more bytes in flight
+decode_fp4_down(const bf16* __restrict__ act, const int* __restrict__ num_active,
+                const int* __restrict__ active_slot, const int* __restrict__ active_start,
+                const int* __restrict__ active_len, const int* __restrict__ sorted_pair,
+                const u64* __restrict__ down_ptrs, const u64* __restrict__ down_scale_ptrs,
+                const float* __restrict__ down_gscale, const int* __restrict__ slot_fmt,
+                const u64* __restrict__ down_bias_ptrs, const int* __restrict__ inter,
+                const float* __restrict__ topk_w, float* __restrict__ y, float* __restrict__ acc, int H, int I_max,
+                int k, int P, int atomic) {
+    constexpr int GROUPS = DECODE_WARPS / KS;
+    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 : 1];
+    const int j = blockIdx.y;
+    const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
+    if (slot < 0) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int cg = warp / KS, ks = warp % KS;
+    const int I = inter[slot];
+    const int h0 = (blockIdx.x * GROUPS + cg) * 16;
+    if (blockIdx.x * GROUPS * 16 >= H) return;
+    const QRow w_lo = q_row<FMT>(reinterpret_cast<const void*>(down_ptrs[slot]),
+                                 reinterpret_cast<const void*>(down_scale_ptrs[slot]), min(h0 + g, H - 1), I);
+    const QRow w_hi = q_row<FMT>(reinterpret_cast<const void*>(down_ptrs[slot]),
+                                 reinterpret_cast<const void*>(down_scale_ptrs[slot]), min(h0 + g + 8, H - 1), I);
+    const float gsd = down_gscale[slot];  // nvfp4's scale_2, else 1
+    const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
+    const int start = active_start[j], len = active_len[j];
+
+    for (int r0 = 0; r0 < len; r0 += 8) {
+        const bf16* ar = act + (size_t)(start + min(r0 + g, len - 1)) * I_max;
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 2
+        for (int k0 = ks * FP4_KSTEP; k0 < I; k0 += KS * FP4_KSTEP) {
+            const int kk = k0 + 32 * t4;
+            const bool ok = kk < I;
+            Fp4Row32<FMT> a0, a1;
+            a0.load(w_lo, kk, ok);
+            a1.load(w_hi, kk, ok);
+            uint4 xv[4];
+            load_x32(xv, ar, kk, ok);
+            mma_fp4_step<FMT>(c, a0, a1, xv);
+        }
+        reduce_k_splits<KS>(c, part, cg, ks, lane);
+        if (ks != 0) continue;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int h = h0 + g + 8 * (e >> 1), tok = r0 + 2 * t4 + (e & 1);
+            if (h < H && tok < len) {
+                const float v = c[e] * gsd + (bd ? bd[h] : 0.0f);
+                const int pos = start + tok;
+                const int pair = sorted_pair[pos];
+                if (atomic && pair < P)
+                    atomicAdd(acc + (size_t)(pair / k) * H + h, topk_w[pair] * v);
+                else
+                    y[(size_t)pos * H + h] = v;
+            }
+        }
+    }
+}
