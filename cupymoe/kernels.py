@@ -52,6 +52,15 @@ FP4_DECODE_K_SPLITS = (1, 2, 4, 8)
 FP4_DECODE_FORMATS = ("nvfp4", "mxfp4")
 
 
+def fp4_decode_blocks_per_sm() -> int:
+    """Blocks per SM the fp4 decode kernels' K split aims for (the fewest splits reaching
+    it); CUPYMOE_FP4_BLOCKS_PER_SM overrides it for measurements."""
+    v = os.environ.get("CUPYMOE_FP4_BLOCKS_PER_SM", "2")
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"CUPYMOE_FP4_BLOCKS_PER_SM={v!r}: must be a positive integer")
+    return int(v)
+
+
 def fp4_decode_mma_formats() -> tuple[int, ...]:
     """Format codes the decode path runs on tensor cores: both fp4 formats, or none with
     CUPYMOE_FP4_DECODE=cores (a measurement knob: decode.cu's CUDA-core streams)."""

@@ -239,6 +239,7 @@ class MoeLayer:
             # fp4 weights on the decode path: tensor cores (decode_fp4.cu), or the CUDA-core
             # streams of decode.cu (CUPYMOE_FP4_DECODE=cores, for measurements)
             self._fp4_mma_formats = kernels.fp4_decode_mma_formats()
+            self._fp4_blocks_per_sm = kernels.fp4_decode_blocks_per_sm()
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             # the weight formats present (routed experts, then a shared expert of another
             # format): the expert kernels run once per format
@@ -464,12 +465,12 @@ class MoeLayer:
 
     def _decode_kernel(self, stage: str, fmt: int, rt: int, cw: int, columns: int, max_active: int) -> tuple[str, int]:
         """(kernel, column blocks) of a decode stage for weights of format `fmt`: fp4 on tensor
-        cores (decode_fp4.cu) with the fewest K splits that still put about two blocks on
+        cores (decode_fp4.cu) with the fewest K splits that still put enough blocks on
         every SM, else the CUDA-core stream with rt rows and cw columns a warp."""
         if fmt in self._fp4_mma_formats:
             for ks in kernels.FP4_DECODE_K_SPLITS:
                 blocks = -(-columns // (16 * 8 // ks))
-                if blocks * max_active >= 2 * self._sm_count:
+                if blocks * max_active >= self._fp4_blocks_per_sm * self._sm_count:
                     break
             return f"decode_fp4_{stage}<{fmt}, {ks}>", blocks
         return f"decode_{stage}<{rt}, {cw}, {fmt}>", -(-columns // (8 * cw))
