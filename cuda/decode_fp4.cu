@@ -5,10 +5,10 @@
 // weight on fp4 (table lookup, bf16 -> fp32, one FMA per weight and row); here the MMA
 // does the products and a weight costs its table lookup and a scale multiply (~3.4).
 //
-//   decode_fp4_gate_up<FMT, KS>  act[pos, col] = act(x W_gate^T, x W_up^T) for 16 columns a
-//                       warp-column group (gate and up rows side by side), the rows of an
-//                       expert's run 8 at a time
-//   decode_fp4_down<FMT, KS>     y[pos, h] = act[pos] . W_down[h] (or, atomic, w * y added into
+//   decode_fp4_gate_up<FMT, KS, NT>  act[pos, col] = act(x W_gate^T, x W_up^T) for 16 columns
+//                       a warp-column group (gate and up rows side by side), the rows of an
+//                       expert's run 8 NT at a time (each pass streams the weights once)
+//   decode_fp4_down<FMT, KS, NT>     y[pos, h] = act[pos] . W_down[h] (or, atomic, w * y added into
 //                       acc[row, h]) for 16 hidden columns a warp-column group
 // KS warps of a block split K (k128 steps dealt round-robin) and add their partial sums
 // through shared memory in warp order, so the result is the same for every launch;
@@ -57,21 +57,25 @@ struct Fp4Row32 {
 };
 
 // The 8 MMAs of one k128 step for one 16-row weight fragment (rows g and g + 8: lo, hi)
-// against one 8-token B fragment (xv: token g's 32 activations at the lane's k).
-template <int FMT>
+// against NT 8-token B fragments (xv[t]: token 8 t + g's 32 activations at the lane's k),
+// each weight dequantized once for all of them. c[4 t ..]: token tile t's accumulators.
+template <int FMT, int NT>
 __device__ __forceinline__ void mma_fp4_step(float* c, const Fp4Row32<FMT>& lo, const Fp4Row32<FMT>& hi,
-                                             const uint4 (&xv)[4]) {
+                                             const uint4 (&xv)[NT][4]) {
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
         const uint4 a = lo.word(w), b = hi.word(w);
         const unsigned f0[4] = {a.x, b.x, a.y, b.y};  // codes 0-3 of the word: MMA 2 w
         const unsigned f1[4] = {a.z, b.z, a.w, b.w};  // codes 4-7: MMA 2 w + 1
-        mma_bf16(c, f0, xv[w].x, xv[w].y);
-        mma_bf16(c, f1, xv[w].z, xv[w].w);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            mma_bf16(c + 4 * t, f0, xv[t][w].x, xv[t][w].y);
+            mma_bf16(c + 4 * t, f1, xv[t][w].z, xv[t][w].w);
+        }
     }
 }
 
-// Token g's 32 bf16 activations at k (zeros past K).
+// A token's 32 bf16 activations at k (zeros past K).
 __device__ __forceinline__ void load_x32(uint4 (&xv)[4], const bf16* row, int k, bool ok) {
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -100,8 +104,10 @@ __device__ __forceinline__ void reduce_k_splits(float (&c)[N], float* part, int 
 
 // grid (ceil(I_max / (16 * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
 // Arguments as decode_gate_up's (decode.cu).
-template <int FMT, int KS>
-__global__ void __launch_bounds__(DECODE_WARPS * 32, 2)  // 2: two blocks an SM (<= 128 registers) keep more bytes in flight
+template <int FMT, int KS, int NT>
+// two blocks an SM (<= 128 registers) keep more bytes in flight; 16-token passes need more
+// registers (they spill at 128) and do twice the work per byte
+__global__ void __launch_bounds__(DECODE_WARPS * 32, NT == 1 ? 2 : 1)
 decode_fp4_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ num_active,
                    const int* __restrict__ active_slot, const int* __restrict__ active_start,
                    const int* __restrict__ active_len, const int* __restrict__ sorted_row,
@@ -112,7 +118,7 @@ decode_fp4_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, cons
                    const u64* __restrict__ up_bias_ptrs, const int* __restrict__ inter, int shared_slot,
                    bf16* __restrict__ act, int H, int I_max, int act_code, float alpha, float limit) {
     constexpr int GROUPS = DECODE_WARPS / KS;
-    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 8 : 1];
+    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 8 * NT : 1];
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;
@@ -136,10 +142,14 @@ decode_fp4_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, cons
     const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
 
-    for (int r0 = 0; r0 < len; r0 += 8) {
-        // token g of this tile (past the run: its last row again, never stored)
-        const bf16* xr = in + (size_t)sorted_row[start + min(r0 + g, len - 1)] * H;
-        float c[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // gate c[0..3], up c[4..7]
+    for (int r0 = 0; r0 < len; r0 += 8 * NT) {
+        // token 8 t + g of this pass (past the run: its last row again, never stored)
+        const bf16* xr[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) xr[t] = in + (size_t)sorted_row[start + min(r0 + 8 * t + g, len - 1)] * H;
+        float c[8 * NT];  // gate c[4 t ..], up c[4 NT + 4 t ..]
+#pragma unroll
+        for (int i = 0; i < 8 * NT; ++i) c[i] = 0.0f;
 #pragma unroll 2
         for (int k0 = ks * FP4_KSTEP; k0 < H; k0 += KS * FP4_KSTEP) {
             const int k = k0 + 32 * t4;
@@ -149,20 +159,22 @@ decode_fp4_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, cons
             a1.load(g_hi, k, ok);
             b0.load(u_lo, k, ok);
             b1.load(u_hi, k, ok);
-            uint4 xv[4];
-            load_x32(xv, xr, k, ok);
-            mma_fp4_step<FMT>(c, a0, a1, xv);
-            mma_fp4_step<FMT>(c + 4, b0, b1, xv);
+            uint4 xv[NT][4];
+#pragma unroll
+            for (int t = 0; t < NT; ++t) load_x32(xv[t], xr[t], k, ok);
+            mma_fp4_step<FMT, NT>(c, a0, a1, xv);
+            mma_fp4_step<FMT, NT>(c + 4 * NT, b0, b1, xv);
         }
         reduce_k_splits<KS>(c, part, cg, ks, lane);
         if (ks != 0) continue;
-        // c[e]: column col0 + g + 8 (e / 2), token 2 t4 + e % 2 (gate e, up e + 4)
+        // c[4 t + e]: column col0 + g + 8 (e / 2), token 8 t + 2 t4 + e % 2 (gate; up 4 NT further)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int col = col0 + g + 8 * (e >> 1), tok = r0 + 2 * t4 + (e & 1);
+        for (int i = 0; i < 4 * NT; ++i) {
+            const int e = i & 3;
+            const int col = col0 + g + 8 * (e >> 1), tok = r0 + 8 * (i >> 2) + 2 * t4 + (e & 1);
             if (col < I && tok < len) {
-                const float gv = c[e] * gsg + (bg ? bg[col] : 0.0f);
-                const float uv = c[e + 4] * gsu + (bu ? bu[col] : 0.0f);
+                const float gv = c[i] * gsg + (bg ? bg[col] : 0.0f);
+                const float uv = c[i + 4 * NT] * gsu + (bu ? bu[col] : 0.0f);
                 act[(size_t)(start + tok) * I_max + col] = __float2bfloat16(apply_activation(act_code, gv, uv, alpha, limit));
             }
         }
@@ -172,8 +184,10 @@ decode_fp4_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, cons
 // grid (ceil(H / (16 * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
 // Arguments and outputs as decode_down's (decode.cu): y[pos, h], or with `atomic` the
 // routed pairs' w * y added into acc[row, h] (the shared expert still stores y).
-template <int FMT, int KS>
-__global__ void __launch_bounds__(DECODE_WARPS * 32, 2)  // 2: two blocks an SM (<= 128 registers) keep more bytes in flight
+template <int FMT, int KS, int NT>
+// two blocks an SM (<= 128 registers) keep more bytes in flight; 16-token passes need more
+// registers (they spill at 128) and do twice the work per byte
+__global__ void __launch_bounds__(DECODE_WARPS * 32, NT == 1 ? 2 : 1)
 decode_fp4_down(const bf16* __restrict__ act, const int* __restrict__ num_active,
                 const int* __restrict__ active_slot, const int* __restrict__ active_start,
                 const int* __restrict__ active_len, const int* __restrict__ sorted_pair,
@@ -183,7 +197,7 @@ decode_fp4_down(const bf16* __restrict__ act, const int* __restrict__ num_active
                 const float* __restrict__ topk_w, float* __restrict__ y, float* __restrict__ acc, int H, int I_max,
                 int k, int P, int atomic) {
     constexpr int GROUPS = DECODE_WARPS / KS;
-    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 : 1];
+    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 * NT : 1];
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;
@@ -200,9 +214,13 @@ decode_fp4_down(const bf16* __restrict__ act, const int* __restrict__ num_active
     const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
 
-    for (int r0 = 0; r0 < len; r0 += 8) {
-        const bf16* ar = act + (size_t)(start + min(r0 + g, len - 1)) * I_max;
-        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r0 = 0; r0 < len; r0 += 8 * NT) {
+        const bf16* ar[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) ar[t] = act + (size_t)(start + min(r0 + 8 * t + g, len - 1)) * I_max;
+        float c[4 * NT];
+#pragma unroll
+        for (int i = 0; i < 4 * NT; ++i) c[i] = 0.0f;
 #pragma unroll 2
         for (int k0 = ks * FP4_KSTEP; k0 < I; k0 += KS * FP4_KSTEP) {
             const int kk = k0 + 32 * t4;
@@ -210,17 +228,19 @@ decode_fp4_down(const bf16* __restrict__ act, const int* __restrict__ num_active
             Fp4Row32<FMT> a0, a1;
             a0.load(w_lo, kk, ok);
             a1.load(w_hi, kk, ok);
-            uint4 xv[4];
-            load_x32(xv, ar, kk, ok);
-            mma_fp4_step<FMT>(c, a0, a1, xv);
+            uint4 xv[NT][4];
+#pragma unroll
+            for (int t = 0; t < NT; ++t) load_x32(xv[t], ar[t], kk, ok);
+            mma_fp4_step<FMT, NT>(c, a0, a1, xv);
         }
         reduce_k_splits<KS>(c, part, cg, ks, lane);
         if (ks != 0) continue;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int h = h0 + g + 8 * (e >> 1), tok = r0 + 2 * t4 + (e & 1);
+        for (int i = 0; i < 4 * NT; ++i) {
+            const int e = i & 3;
+            const int h = h0 + g + 8 * (e >> 1), tok = r0 + 8 * (i >> 2) + 2 * t4 + (e & 1);
             if (h < H && tok < len) {
-                const float v = c[e] * gsd + (bd ? bd[h] : 0.0f);
+                const float v = c[i] * gsd + (bd ? bd[h] : 0.0f);
                 const int pos = start + tok;
                 const int pair = sorted_pair[pos];
                 if (atomic && pair < P)

@@ -50,6 +50,9 @@ DOWN_VARIANTS = tuple((rt, cw) for rt in ROW_TILES for cw in DECODE_COLS if rt *
 # fp4 decode on tensor cores (cuda/decode_fp4.cu): warps of a block splitting K
 FP4_DECODE_K_SPLITS = (1, 2, 4, 8)
 FP4_DECODE_FORMATS = ("nvfp4", "mxfp4")
+# ... and 8-token B fragments per weight pass: 16 tokens halve the passes over the weights
+# of an expert with more than 8 rows
+FP4_DECODE_TOKEN_TILES = (1, 2)
 
 
 def fp4_decode_blocks_per_sm() -> int:
@@ -198,8 +201,8 @@ MODULES: dict[str, ModuleSpec] = {
     ),
     "decode_fp4": ModuleSpec(
         "decode_fp4.cu",
-        tuple(f"decode_fp4_{m}<{FORMAT_CODES[f]}, {ks}>" for m in ("gate_up", "down") for f in FP4_DECODE_FORMATS
-              for ks in FP4_DECODE_K_SPLITS),
+        tuple(f"decode_fp4_{m}<{FORMAT_CODES[f]}, {ks}, {nt}>" for m in ("gate_up", "down")
+              for f in FP4_DECODE_FORMATS for ks in FP4_DECODE_K_SPLITS for nt in FP4_DECODE_TOKEN_TILES),
     ),
 }
 

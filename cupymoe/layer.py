@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from . import kernels
+from . import formats, kernels
 from .arena import Arena, ArenaPlan, BufferSpec, plan_arena
 from .config import MoeConfig
 from .host_weights import HostWeights
@@ -44,8 +44,12 @@ FP8_COMPUTE = ("auto", "w8a8", "w8a16")
 PATHS = ("auto", "decode", "atomic", "prefill")
 STAGES = ("route", "norm", "sort", "gate_up", "down", "reduce")
 # auto: decode up to this many rows, grouped tensor-core GEMMs above: the measured
-# crossover on the H200 lies between 8 and 16 rows (benchmarks/NOTES.md)
+# crossover on the H200 lies between 8 and 16 rows (benchmarks/NOTES.md). fp4 experts' decode
+# kernels run on tensor cores (cuda/decode_fp4.cu) and beat the grouped path up to 192 rows
+# on both measured shapes (qwen3-30b-a3b: 482 vs 530 us at 192, 571 vs 536 at 256;
+# deepseek-v3: 3843 vs 4903 at 192, 4902 vs 5145 at 256; NOTES.md)
 DEFAULT_DECODE_MAX_TOKENS = 8
+DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT = {"nvfp4": 192, "mxfp4": 192}
 # the atomic path measured no faster than decode; it serves the decode range at most
 DEFAULT_ATOMIC_MAX_TOKENS = 8
 
@@ -187,11 +191,12 @@ class MoeLayer:
     def __init__(self, cfg: MoeConfig, host_weights: HostWeights, *, max_tokens: int,
                  device: Optional[int] = None, path: str = "auto", row_invariant: bool = False,
                  atomic_max_tokens: int = DEFAULT_ATOMIC_MAX_TOKENS,
-                 decode_max_tokens: int = DEFAULT_DECODE_MAX_TOKENS,
+                 decode_max_tokens: Optional[int] = None,
                  comm: Optional[Communicator] = None, expert_owner: Optional[Sequence[int]] = None,
                  fp8_compute: str = "auto"):
-        """Options: `path`, `row_invariant`, `decode_max_tokens`, `atomic_max_tokens` (module
-        docstring); `comm` sums the expert-parallel partials (cupymoe.parallel; without it an
+        """Options: `path`, `row_invariant`, `decode_max_tokens` (default: the measured
+        crossover for the routed experts' format, DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT, else
+        DEFAULT_DECODE_MAX_TOKENS), `atomic_max_tokens` (module docstring); `comm` sums the expert-parallel partials (cupymoe.parallel; without it an
         EP layer writes its rank's partial); `expert_owner[e]` = the rank computing expert e
         (default: contiguous blocks of E / ep_world_size). `fp8_compute` for fp8-block
         experts on the grouped path: "w8a8" (sm_90a: activations quantized per row and 128
@@ -220,6 +225,9 @@ class MoeLayer:
         self.device_id = cupy.cuda.runtime.getDevice() if device is None else int(device)
         self.default_path = path
         self.row_invariant = bool(row_invariant)
+        if decode_max_tokens is None:
+            decode_max_tokens = DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT.get(formats.weight_format(host_weights.down),
+                                                                        DEFAULT_DECODE_MAX_TOKENS)
         self.decode_max_tokens = max(1, int(decode_max_tokens))
         self.atomic_max_tokens = min(int(atomic_max_tokens), self.decode_max_tokens)
         if path in ("decode", "atomic") and row_invariant:
@@ -432,10 +440,8 @@ class MoeLayer:
         max_active = max(1, min(W.n_local, N * k) + has_shared)
         rows_per_expert = max(1.0, 2.0 * N * k / max(W.n_local, 1))
         with timer.stage("gate_up"):
-            rt = _row_tile(rows_per_expert, kernels.GATE_UP_ROW_TILES)
-            cw = _cols_per_warp(max_active * W.i_max, rt, kernels.GATE_UP_VARIANTS)
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' experts
-                name, blocks = self._decode_kernel("gate_up", fmt, rt, cw, W.i_max, max_active)
+                name, blocks = self._decode_kernel("gate_up", fmt, rows_per_expert, W.i_max, max_active)
                 lib[name](
                     (blocks, max_active), (256,),
                     (_u64(x), _u64(xe), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
@@ -447,10 +453,8 @@ class MoeLayer:
                      _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit)),
                     stream=s)
         with timer.stage("down"):
-            rt = _row_tile(rows_per_expert, kernels.ROW_TILES)
-            cw = _cols_per_warp(max_active * H, rt, kernels.DOWN_VARIANTS)
             for fmt in self._format_codes:
-                name, blocks = self._decode_kernel("down", fmt, rt, cw, H, max_active)
+                name, blocks = self._decode_kernel("down", fmt, rows_per_expert, H, max_active)
                 lib[name](
                     (blocks, max_active), (256,),
                     (_u64(A.ptr("act")), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
@@ -463,16 +467,23 @@ class MoeLayer:
         with timer.stage("reduce"):
             self._launch_reduce(x, xe, out, N, s, atomic, has_shared)
 
-    def _decode_kernel(self, stage: str, fmt: int, rt: int, cw: int, columns: int, max_active: int) -> tuple[str, int]:
-        """(kernel, column blocks) of a decode stage for weights of format `fmt`: fp4 on tensor
-        cores (decode_fp4.cu) with the fewest K splits that still put enough blocks on
-        every SM, else the CUDA-core stream with rt rows and cw columns a warp."""
+    def _decode_kernel(self, stage: str, fmt: int, rows_per_expert: float, columns: int,
+                       max_active: int) -> tuple[str, int]:
+        """(kernel, column blocks) of a decode stage ("gate_up": `columns` = I_max, "down": H)
+        for weights of format `fmt`, `rows_per_expert` the rows a busy expert is expected to
+        get. fp4 on tensor cores (decode_fp4.cu): the fewest K splits that still put enough
+        blocks on every SM, 16-token passes past 8 rows. Else the CUDA-core stream: the
+        row tile holding those rows, the fewest columns a warp that fill one wave."""
         if fmt in self._fp4_mma_formats:
             for ks in kernels.FP4_DECODE_K_SPLITS:
                 blocks = -(-columns // (16 * 8 // ks))
                 if blocks * max_active >= self._fp4_blocks_per_sm * self._sm_count:
                     break
-            return f"decode_fp4_{stage}<{fmt}, {ks}>", blocks
+            nt = 2 if rows_per_expert > 8 else 1
+            return f"decode_fp4_{stage}<{fmt}, {ks}, {nt}>", blocks
+        rt = _row_tile(rows_per_expert, kernels.GATE_UP_ROW_TILES if stage == "gate_up" else kernels.ROW_TILES)
+        cw = _cols_per_warp(max_active * columns, rt, kernels.GATE_UP_VARIANTS if stage == "gate_up"
+                            else kernels.DOWN_VARIANTS)
         return f"decode_{stage}<{rt}, {cw}, {fmt}>", -(-columns // (8 * cw))
 
     def _choose_fp8_compute(self, wanted: str) -> str:

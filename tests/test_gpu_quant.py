@@ -62,6 +62,43 @@ def test_quantized_layers_against_reference_on_every_path(name, rng):
             assert c.ok, f"{name} N={n} {path} ({layer.fp8_compute}): {c}"
 
 
+@pytest.mark.parametrize("k_splits", [1, 2, 4, 8])
+def test_fp4_tensor_core_decode_with_every_k_split(k_splits, rng, monkeypatch):
+    """decode_fp4.cu's kernels with each K split (the layer picks the fewest that fill the
+    GPU, so the tiny configs alone would only ever run 8) and both token passes (8 rows up
+    to N = 3 here, 16 from N = 17), with a bias-carrying gpt-oss layer and a layer whose
+    shared expert is fp8 next to nvfp4 routed experts (two formats, one launch each)."""
+    from cupymoe import kernels
+
+    monkeypatch.setattr(kernels, "FP4_DECODE_K_SPLITS", (k_splits,))
+    for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared"):
+        cfg, hw, layer = _case(name, rng)
+        for path in ("decode", "atomic"):
+            for n in SMALL:
+                x = well_separated_input(cfg, hw, rng, n)
+                c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
+                assert c.ok, f"{name} KS={k_splits} N={n} {path}: {c}"
+
+
+def test_fp4_layers_decode_up_to_their_measured_crossover(rng):
+    """Without decode_max_tokens, an fp4 layer takes the decode path up to 192 rows (its
+    tensor-core decode beats the grouped GEMMs that far on the H200) and prefill above;
+    other formats keep 8. The auto path is checked at a size only fp4 decodes."""
+    from cupymoe import MoeLayer
+    from cupymoe.layer import DEFAULT_DECODE_MAX_TOKENS, DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT
+
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng, "nvfp4")
+    layer = MoeLayer(cfg, hw, max_tokens=256)
+    assert layer.decode_max_tokens == DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT["nvfp4"] == 192
+    assert layer.select_path(192) == "decode" and layer.select_path(193) == "prefill"
+    x = well_separated_input(cfg, hw, rng, 150)
+    c = check(run_layer(layer, x), cfg, hw, x, "decode", layer=layer)
+    assert c.ok, f"N=150 auto (decode): {c}"
+    fp8 = MoeLayer(cfg, testing.random_host_weights(cfg, rng, "fp8_block"), max_tokens=16)
+    assert fp8.decode_max_tokens == DEFAULT_DECODE_MAX_TOKENS == 8
+
+
 def test_fp8_prefill_rounds_weights_once_and_decode_keeps_them_exact(rng):
     """The faithful references differ exactly where the kernels do: the grouped GEMM's
     bf16(q * s) tiles vs the decode reader's exact scaling. Each path matches its own
