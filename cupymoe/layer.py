@@ -45,11 +45,11 @@ PATHS = ("auto", "decode", "atomic", "prefill")
 STAGES = ("route", "norm", "sort", "gate_up", "down", "reduce")
 # auto: decode up to this many rows, grouped tensor-core GEMMs above: the measured
 # crossover on the H200 lies between 8 and 16 rows (benchmarks/NOTES.md). fp4 experts' decode
-# kernels run on tensor cores (cuda/decode_fp4.cu) and beat the grouped path up to 192 rows
-# on both measured shapes (qwen3-30b-a3b: 482 vs 530 us at 192, 571 vs 536 at 256;
-# deepseek-v3: 3843 vs 4903 at 192, 4902 vs 5145 at 256; NOTES.md)
+# kernels run on tensor cores (cuda/decode_fp4.cu) and beat the grouped path up to 256 rows
+# on both measured shapes (nvfp4 at 256: qwen3-30b-a3b 502 vs 536 us, deepseek-v3 4436 vs
+# 5146; NOTES.md v14)
 DEFAULT_DECODE_MAX_TOKENS = 8
-DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT = {"nvfp4": 192, "mxfp4": 192}
+DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT = {"nvfp4": 256, "mxfp4": 256}
 # the atomic path measured no faster than decode; it serves the decode range at most
 DEFAULT_ATOMIC_MAX_TOKENS = 8
 

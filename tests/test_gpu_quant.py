@@ -81,7 +81,7 @@ def test_fp4_tensor_core_decode_with_every_k_split(k_splits, rng, monkeypatch):
 
 
 def test_fp4_layers_decode_up_to_their_measured_crossover(rng):
-    """Without decode_max_tokens, an fp4 layer takes the decode path up to 192 rows (its
+    """Without decode_max_tokens, an fp4 layer takes the decode path up to 256 rows (its
     tensor-core decode beats the grouped GEMMs that far on the H200) and prefill above;
     other formats keep 8. The auto path is checked at a size only fp4 decodes."""
     from cupymoe import MoeLayer
@@ -89,9 +89,9 @@ def test_fp4_layers_decode_up_to_their_measured_crossover(rng):
 
     cfg = testing.tiny_config("qwen3_moe")
     hw = testing.random_host_weights(cfg, rng, "nvfp4")
-    layer = MoeLayer(cfg, hw, max_tokens=256)
-    assert layer.decode_max_tokens == DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT["nvfp4"] == 192
-    assert layer.select_path(192) == "decode" and layer.select_path(193) == "prefill"
+    layer = MoeLayer(cfg, hw, max_tokens=300)
+    assert layer.decode_max_tokens == DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT["nvfp4"] == 256
+    assert layer.select_path(256) == "decode" and layer.select_path(257) == "prefill"
     x = well_separated_input(cfg, hw, rng, 150)
     c = check(run_layer(layer, x), cfg, hw, x, "decode", layer=layer)
     assert c.ok, f"N=150 auto (decode): {c}"
