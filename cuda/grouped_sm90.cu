@@ -5,7 +5,9 @@
 // m64nBNk16 wgmmas from 128-byte-swizzled K-major tiles (64-wide K steps: one 128-byte
 // row per tile row, exactly the swizzle atom), fed by a cp.async pipeline of STAGES
 // stages (kernels.SM90_VARIANTS). One wgmma batch stays in flight while the next stage is
-// loaded. cp.async writes through
+// loaded. fp4 weights (FMT nvfp4 / mxfp4, 128-wide tiles) arrive raw in a ring of their own
+// (QuantBLoader) and the thread that copied a chunk turns it into the stage's bf16 B tile
+// (exact: quant.cuh) right before the step that reads it. cp.async writes through
 // the generic proxy and wgmma reads through the async proxy: each thread fences
 // (fence.proxy.async) after its copies land and before the barrier.
 #include "gemm_common.cuh"
@@ -18,21 +20,36 @@
 // grid (column tiles, M-tiles of 128 rows), block 256, dynamic smem kernels.sm90_smem_bytes().
 // Template: kernels.SM90_VARIANTS. BN: weight rows per tile (128, or 256: twice the math
 // per byte of A and of shared memory read, 128 accumulators a thread, one block per SM);
-// BLOCKS_PER_SM 1 with a deep pipeline, 2 with a shallow one.
-template <int MODE, int STAGES, int BLOCKS_PER_SM, int BN>
+// BLOCKS_PER_SM 1 with a deep pipeline, 2 with a shallow one. FMT: the weights' format.
+template <int MODE, int STAGES, int BLOCKS_PER_SM, int BN, int FMT = FMT_BF16>
 __global__ void __launch_bounds__(SM90_THREADS, BLOCKS_PER_SM)
 grouped_gemm_sm90(GEMM_ARGS) {
     constexpr int BM = SM90_BM, BK = SM90_BK, S = STAGES, NACC = BN / 2;
+    constexpr bool QUANT = FMT != FMT_BF16;
     static_assert(BK == 64, "wgmma_k64_bf16 takes 64-wide K steps");
+    static_assert(!QUANT || BN == GG_BN, "QuantBLoader fills GG_BN-row tiles");
     extern __shared__ __align__(1024) unsigned char sm90_smem[];
     // the swizzle atoms must start on 1024-byte boundaries of the shared window
     const unsigned pad = (1024u - ((unsigned)__cvta_generic_to_shared(sm90_smem) & 1023u)) & 1023u;
     bf16* sA = reinterpret_cast<bf16*>(sm90_smem + pad);
     bf16* sB = sA + S * BM * BK;
+    u8* sRaw = reinterpret_cast<u8*>(sB + S * BN * BK);  // quantized: the raw code stages
     GemmTile t;
-    if (!gemm_tile<MODE, BM, BN>(t, GEMM_ARG_NAMES)) return;
+    if (!gemm_tile<MODE, BM, BN, FMT>(t, GEMM_ARG_NAMES)) return;
     TileLoader<MODE, BM, BK, SM90_THREADS, BN> ld;
     ld.init(t, GEMM_ARG_NAMES);
+    typedef QuantBLoader<MODE, BK, SM90_THREADS, QUANT ? FMT : FMT_NVFP4> QB;
+    constexpr int RAW_STAGE = GG_BN * QB::ROW_BYTES;
+    QB qb;
+    if (QUANT) qb.init(t);
+    auto load_stage = [&](int s, int k0) {
+        if (QUANT) {
+            ld.load_a(sA + s * BM * BK, k0, t.K);
+            qb.load(sRaw + s * RAW_STAGE, k0, t.K);
+        } else {
+            ld.load(sA + s * BM * BK, sB + s * BN * BK, k0, t.K);
+        }
+    };
     const int wg = threadIdx.x / 128;
 
     float d[NACC];
@@ -42,11 +59,14 @@ grouped_gemm_sm90(GEMM_ARGS) {
     const int KT = (t.K + BK - 1) / BK;
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
-        if (s < KT) ld.load(sA + s * BM * BK, sB + s * BN * BK, s * BK, t.K);
+        if (s < KT) load_stage(s, s * BK);
         cp_async_commit();
     }
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<S - 2>();  // this thread's copies of stage kt have landed
+        // quantized: its raw chunks become the stage's bf16 B tile, last read by the wgmmas
+        // of step kt - S, which the wait of step kt - 1 saw done
+        if (QUANT) qb.convert(sRaw + (kt % S) * RAW_STAGE, sB + (kt % S) * BN * BK, kt * BK, t.K);
         fence_proxy_async();     // ... and are visible to the tensor cores' (async) proxy
         __syncthreads();         // everyone's copies of stage kt
         const u64 da = wgmma_desc(sA + (kt % S) * BM * BK + wg * 64 * BK);
@@ -55,7 +75,7 @@ grouped_gemm_sm90(GEMM_ARGS) {
         wgmma_wait<1>();  // this warpgroup's batch kt - 1 is done ...
         __syncthreads();  // ... and the other's: its stage slot is free
         const int kn = kt + S - 1;
-        if (kn < KT) ld.load(sA + (kn % S) * BM * BK, sB + (kn % S) * BN * BK, kn * BK, t.K);
+        if (kn < KT) load_stage(kn % S, kn * BK);
         cp_async_commit();
     }
     wgmma_wait<0>();

@@ -71,6 +71,8 @@ def fp4_decode_mma_formats() -> tuple[int, ...]:
     if v not in ("mma", "cores"):
         raise ValueError(f"CUPYMOE_FP4_DECODE={v!r}: must be 'mma' or 'cores'")
     return tuple(FORMAT_CODES[f] for f in FP4_DECODE_FORMATS) if v == "mma" else ()
+
+
 # (BM, BK, STAGES) of the tensor-core grouped GEMMs: "stream" for few rows per expert
 # (weights streaming: deep 64-wide K steps keep more bytes in flight), "math" for many
 # (128-row tiles, shallow stages, fewer registers: two blocks per SM). NOTES.md has the data.
@@ -92,6 +94,9 @@ def grouped_smem_bytes(bm: int, bk: int, stages: int, fmt: int = 0) -> int:
 
 
 SM90_BM, SM90_BK = 128, 64  # grouped_gemm_sm90's tile (cuda/grouped_sm90.cu)
+# weight formats the Hopper kernel also takes, dequantized into its B tiles: the fp4 ones
+# (fp8 has the w8a8 kernel; its raw stages would not fit two blocks per SM)
+SM90_QUANT_FORMATS = (FORMAT_CODES["nvfp4"], FORMAT_CODES["mxfp4"])
 @dataclass(frozen=True)
 class Sm90Variant:
     """One configuration of the Hopper bf16 grouped GEMM (cuda/grouped_sm90.cu, or
@@ -105,15 +110,24 @@ class Sm90Variant:
     def threads(self) -> int:
         return 384 if self.warp_specialized else 256
 
-    def kernel(self, mode: int) -> str:
+    def serves(self, fmt: int) -> bool:
+        """bf16 weights, or fp4 ones dequantized into its B tiles (128-wide, not the
+        warp-specialized kernel)."""
+        return fmt == 0 or (fmt in SM90_QUANT_FORMATS and self.bn == GROUPED_BN and not self.warp_specialized)
+
+    def kernel(self, mode: int, fmt: int = 0) -> str:
         if self.warp_specialized:
             return f"grouped_gemm_sm90_ws<{mode}, {self.stages}, {self.bn}>"
-        return f"grouped_gemm_sm90<{mode}, {self.stages}, {self.blocks_per_sm}, {self.bn}>"
+        tail = f", {fmt}" if fmt else ""
+        return f"grouped_gemm_sm90<{mode}, {self.stages}, {self.blocks_per_sm}, {self.bn}{tail}>"
 
-    def smem_bytes(self) -> int:
-        """The pipeline's stages (128-row A tiles, `bn`-row B tiles, 64 wide), the
-        warp-specialized kernel's 2 mbarriers a stage, and 1 KB to align the swizzle atoms."""
-        return self.stages * (SM90_BM + self.bn) * SM90_BK * 2 + (16 * self.stages if self.warp_specialized else 0) + 1024
+    def smem_bytes(self, fmt: int = 0) -> int:
+        """The pipeline's stages (128-row A tiles, `bn`-row B tiles, 64 wide), fp4's raw
+        code stages, the warp-specialized kernel's 2 mbarriers a stage, and 1 KB to align the
+        swizzle atoms."""
+        raw = self.stages * self.bn * SM90_BK * 4 // 8 if fmt else 0
+        return (self.stages * (SM90_BM + self.bn) * SM90_BK * 2 + raw + (16 * self.stages if self.warp_specialized else 0)
+                + 1024)
 
 
 # "deep": 6 stages at one block per SM (192 KB); "twin": 3 stages at two (one block's
@@ -185,7 +199,8 @@ MODULES: dict[str, ModuleSpec] = {
                 for f in FORMAT_CODES.values() if f),
     ),
     "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(dict.fromkeys(
-        v.kernel(m) for m in (0, 1, 2) for v in SM90_VARIANTS.values() if not v.warp_specialized)),
+        [v.kernel(m) for m in (0, 1, 2) for v in SM90_VARIANTS.values() if not v.warp_specialized]
+        + [v.kernel(m, f) for m in (0, 1) for f in SM90_QUANT_FORMATS for v in SM90_VARIANTS.values() if v.serves(f)])),
                                archs=("sm_90a",)),
     "grouped_sm90_ws": ModuleSpec("grouped_sm90_ws.cu", tuple(dict.fromkeys(
         v.kernel(m) for m in (0, 1, 2) for v in SM90_VARIANTS.values() if v.warp_specialized)),
@@ -503,11 +518,11 @@ class KernelLibrary:
                 for expr, mangled in cm.lowered.items():
                     fn = mod.get_function(mangled)
                     m = re.fullmatch(r"grouped_gemm<\d+, (\d+), (\d+), (\d+), (\d+)>", expr)
-                    sm90 = next((v for v in SM90_VARIANTS.values() for mode in (0, 1, 2) if v.kernel(mode) == expr),
-                                None)
+                    sm90 = next(((v, f) for v in SM90_VARIANTS.values() for mode in (0, 1, 2)
+                                 for f in (0,) + SM90_QUANT_FORMATS if v.kernel(mode, f) == expr), None)
                     smem = (grouped_smem_bytes(*(int(g) for g in m.groups())) if m
                             else sm90_fp8_smem_bytes() if expr.startswith("grouped_gemm_sm90_fp8")
-                            else sm90.smem_bytes() if sm90 else 0)
+                            else sm90[0].smem_bytes(sm90[1]) if sm90 else 0)
                     if smem:  # opt in to more than 48 KB of dynamic shared memory, once
                         drv = cupy.cuda.driver
                         drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)

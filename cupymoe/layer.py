@@ -501,18 +501,19 @@ class MoeLayer:
         return "w8a16" if wanted == "w8a16" else "w8a8"
 
     def _grouped_kernel(self, mode: int, config: str, fmt: int = 0) -> tuple[str, int, int, int]:
-        """(kernel, threads, dynamic smem, weight rows per tile) of a grouped GEMM: wgmma on
-        Hopper where the math decides and the weights are bf16, except for row-invariant
-        layers, whose every N must run the same instructions (the mma.sync configurations
-        agree bit for bit; wgmma need not). Quantized weights take the mma.sync kernel with
-        in-register dequant, in its quantized streaming configuration where bf16 takes
-        "stream". A tile covers half its weight rows' columns of gate/up (gate and up rows),
-        all of them for down and the router."""
+        """(kernel, threads, dynamic smem, weight rows per tile) of a grouped GEMM: fp8 as w8a8
+        on its own Hopper kernel; wgmma on Hopper where the math decides and the weights are
+        bf16 or fp4 (dequantized into the B tiles), except for row-invariant layers, whose
+        every N must run the same instructions (the mma.sync configurations agree bit for
+        bit; wgmma need not). Otherwise the mma.sync kernel, quantized weights dequantized
+        in it, in its quantized streaming configuration where bf16 takes "stream". A tile
+        covers half its weight rows' columns of gate/up (gate and up rows), all of them for
+        down and the router."""
         if fmt == kernels.FORMAT_CODES["fp8_block"] and self.fp8_compute == "w8a8":
             return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), kernels.SM90_FP8_TILE[1]
-        if config == "math" and fmt == 0 and self.lib.arch == "sm_90a" and not self.row_invariant:
-            v = self._sm90
-            return v.kernel(mode), v.threads, v.smem_bytes(), v.bn
+        v = self._sm90
+        if config == "math" and v.serves(fmt) and self.lib.arch == "sm_90a" and not self.row_invariant:
+            return v.kernel(mode, fmt), v.threads, v.smem_bytes(fmt), v.bn
         return (*kernels.grouped_kernel(mode, kernels.QUANT_CONFIG[config] if fmt else config, fmt), kernels.GROUPED_BN)
 
     def _launch_sort(self, N: int, s, has_shared: int) -> None:
