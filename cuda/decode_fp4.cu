@@ -102,12 +102,70 @@ __device__ __forceinline__ void reduce_k_splits(float (&c)[N], float* part, int 
     __syncthreads();
 }
 
+// The 16 weight rows a warp streams from one matrix: output columns c0 + g (lo) and c0 + g + 8
+// (hi); columns past `cols` read column cols - 1 again (never stored).
+template <int FMT>
+struct Fp4Frag {
+    QRow lo, hi;
+    __device__ __forceinline__ void init(u64 w, u64 s, int c0, int g, int cols, int K) {
+        lo = q_row<FMT>(reinterpret_cast<const void*>(w), reinterpret_cast<const void*>(s), min(c0 + g, cols - 1), K);
+        hi = q_row<FMT>(reinterpret_cast<const void*>(w), reinterpret_cast<const void*>(s), min(c0 + g + 8, cols - 1), K);
+    }
+};
+
+// A warp's place: column group cg of the block (16 output columns from c0) and K split ks.
+template <int KS>
+struct Fp4Warp {
+    int lane, g, t4, cg, ks, c0;
+    __device__ __forceinline__ Fp4Warp() {
+        const int warp = threadIdx.x >> 5;
+        lane = threadIdx.x & 31;
+        g = lane >> 2;
+        t4 = lane & 3;
+        cg = warp / KS;
+        ks = warp % KS;
+        c0 = (blockIdx.x * (DECODE_WARPS / KS) + cg) * 16;
+    }
+    // accumulator i (of one matrix's 4 NT): its output column and its token in the pass
+    __device__ __forceinline__ int col(int i) const { return c0 + g + 8 * ((i & 3) >> 1); }
+    __device__ __forceinline__ int token(int i) const { return 8 * (i >> 2) + 2 * t4 + (i & 1); }
+};
+
+// One pass: M matrices' fragments against NT 8-token B fragments (rows[t]: token 8 t + g's
+// activations), over this warp's k128 steps of K. c[4 NT m + 4 t + e]: matrix m, token
+// tile t, the m16n8 accumulator element e (Fp4Warp::col / token place it).
+template <int FMT, int KS, int NT, int M>
+__device__ __forceinline__ void fp4_pass(float (&c)[4 * NT * M], const Fp4Frag<FMT> (&f)[M],
+                                         const bf16* const (&rows)[NT], int K, const Fp4Warp<KS>& w) {
+#pragma unroll
+    for (int i = 0; i < 4 * NT * M; ++i) c[i] = 0.0f;
+#pragma unroll 2
+    for (int k0 = w.ks * FP4_KSTEP; k0 < K; k0 += KS * FP4_KSTEP) {
+        const int k = k0 + 32 * w.t4;
+        const bool ok = k < K;
+        Fp4Row32<FMT> lo[M], hi[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            lo[m].load(f[m].lo, k, ok);
+            hi[m].load(f[m].hi, k, ok);
+        }
+        uint4 xv[NT][4];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) load_x32(xv[t], rows[t], k, ok);
+#pragma unroll
+        for (int m = 0; m < M; ++m) mma_fp4_step<FMT, NT>(c + 4 * NT * m, lo[m], hi[m], xv);
+    }
+}
+
+// Two blocks an SM (<= 128 registers) keep more bytes in flight; gate/up's 16-token passes
+// (two matrices, twice the accumulators) spill at 128 registers and do twice the work per
+// byte, so they take one.
+#define FP4_MIN_BLOCKS(M, NT) ((M) == 2 && (NT) == 2 ? 1 : 2)
+
 // grid (ceil(I_max / (16 * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
 // Arguments as decode_gate_up's (decode.cu).
 template <int FMT, int KS, int NT>
-// two blocks an SM (<= 128 registers) keep more bytes in flight; 16-token passes need more
-// registers (they spill at 128) and do twice the work per byte
-__global__ void __launch_bounds__(DECODE_WARPS * 32, NT == 1 ? 2 : 1)
+__global__ void __launch_bounds__(DECODE_WARPS * 32, FP4_MIN_BLOCKS(2, NT))
 decode_fp4_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ num_active,
                    const int* __restrict__ active_slot, const int* __restrict__ active_start,
                    const int* __restrict__ active_len, const int* __restrict__ sorted_row,
@@ -117,26 +175,17 @@ decode_fp4_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, cons
                    const int* __restrict__ slot_fmt, const u64* __restrict__ gate_bias_ptrs,
                    const u64* __restrict__ up_bias_ptrs, const int* __restrict__ inter, int shared_slot,
                    bf16* __restrict__ act, int H, int I_max, int act_code, float alpha, float limit) {
-    constexpr int GROUPS = DECODE_WARPS / KS;
     __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 8 * NT : 1];
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    const int cg = warp / KS, ks = warp % KS;
     const int I = inter[slot];
-    const int col0 = (blockIdx.x * GROUPS + cg) * 16;
-    if (blockIdx.x * GROUPS * 16 >= I) return;  // the whole block is past the columns
+    if (blockIdx.x * (DECODE_WARPS / KS) * 16 >= I) return;  // the whole block is past the columns
+    const Fp4Warp<KS> w;
+    Fp4Frag<FMT> f[2];  // gate, up
+    f[0].init(gate_ptrs[slot], gate_scale_ptrs[slot], w.c0, w.g, I, H);
+    f[1].init(up_ptrs[slot], up_scale_ptrs[slot], w.c0, w.g, I, H);
     const bf16* in = slot == shared_slot ? x : xe;  // the shared expert reads x
-    // rows past I recompute row I - 1 and write nothing
-    const QRow g_lo = q_row<FMT>(reinterpret_cast<const void*>(gate_ptrs[slot]),
-                                 reinterpret_cast<const void*>(gate_scale_ptrs[slot]), min(col0 + g, I - 1), H);
-    const QRow g_hi = q_row<FMT>(reinterpret_cast<const void*>(gate_ptrs[slot]),
-                                 reinterpret_cast<const void*>(gate_scale_ptrs[slot]), min(col0 + g + 8, I - 1), H);
-    const QRow u_lo = q_row<FMT>(reinterpret_cast<const void*>(up_ptrs[slot]),
-                                 reinterpret_cast<const void*>(up_scale_ptrs[slot]), min(col0 + g, I - 1), H);
-    const QRow u_hi = q_row<FMT>(reinterpret_cast<const void*>(up_ptrs[slot]),
-                                 reinterpret_cast<const void*>(up_scale_ptrs[slot]), min(col0 + g + 8, I - 1), H);
     const float gsg = gate_gscale[slot], gsu = up_gscale[slot];  // nvfp4's scale_2, else 1
     const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
     const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
@@ -144,34 +193,16 @@ decode_fp4_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, cons
 
     for (int r0 = 0; r0 < len; r0 += 8 * NT) {
         // token 8 t + g of this pass (past the run: its last row again, never stored)
-        const bf16* xr[NT];
+        const bf16* rows[NT];
 #pragma unroll
-        for (int t = 0; t < NT; ++t) xr[t] = in + (size_t)sorted_row[start + min(r0 + 8 * t + g, len - 1)] * H;
-        float c[8 * NT];  // gate c[4 t ..], up c[4 NT + 4 t ..]
-#pragma unroll
-        for (int i = 0; i < 8 * NT; ++i) c[i] = 0.0f;
-#pragma unroll 2
-        for (int k0 = ks * FP4_KSTEP; k0 < H; k0 += KS * FP4_KSTEP) {
-            const int k = k0 + 32 * t4;
-            const bool ok = k < H;
-            Fp4Row32<FMT> a0, a1, b0, b1;
-            a0.load(g_lo, k, ok);
-            a1.load(g_hi, k, ok);
-            b0.load(u_lo, k, ok);
-            b1.load(u_hi, k, ok);
-            uint4 xv[NT][4];
-#pragma unroll
-            for (int t = 0; t < NT; ++t) load_x32(xv[t], xr[t], k, ok);
-            mma_fp4_step<FMT, NT>(c, a0, a1, xv);
-            mma_fp4_step<FMT, NT>(c + 4 * NT, b0, b1, xv);
-        }
-        reduce_k_splits<KS>(c, part, cg, ks, lane);
-        if (ks != 0) continue;
-        // c[4 t + e]: column col0 + g + 8 (e / 2), token 8 t + 2 t4 + e % 2 (gate; up 4 NT further)
+        for (int t = 0; t < NT; ++t) rows[t] = in + (size_t)sorted_row[start + min(r0 + 8 * t + w.g, len - 1)] * H;
+        float c[8 * NT];  // gate c[i], up c[4 NT + i]
+        fp4_pass<FMT, KS, NT, 2>(c, f, rows, H, w);
+        reduce_k_splits<KS>(c, part, w.cg, w.ks, w.lane);
+        if (w.ks != 0) continue;
 #pragma unroll
         for (int i = 0; i < 4 * NT; ++i) {
-            const int e = i & 3;
-            const int col = col0 + g + 8 * (e >> 1), tok = r0 + 8 * (i >> 2) + 2 * t4 + (e & 1);
+            const int col = w.col(i), tok = r0 + w.token(i);
             if (col < I && tok < len) {
                 const float gv = c[i] * gsg + (bg ? bg[col] : 0.0f);
                 const float uv = c[i + 4 * NT] * gsu + (bu ? bu[col] : 0.0f);
@@ -185,9 +216,7 @@ decode_fp4_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, cons
 // Arguments and outputs as decode_down's (decode.cu): y[pos, h], or with `atomic` the
 // routed pairs' w * y added into acc[row, h] (the shared expert still stores y).
 template <int FMT, int KS, int NT>
-// two blocks an SM (<= 128 registers) keep more bytes in flight; 16-token passes need more
-// registers (they spill at 128) and do twice the work per byte
-__global__ void __launch_bounds__(DECODE_WARPS * 32, NT == 1 ? 2 : 1)
+__global__ void __launch_bounds__(DECODE_WARPS * 32, FP4_MIN_BLOCKS(1, NT))
 decode_fp4_down(const bf16* __restrict__ act, const int* __restrict__ num_active,
                 const int* __restrict__ active_slot, const int* __restrict__ active_start,
                 const int* __restrict__ active_len, const int* __restrict__ sorted_pair,
@@ -196,49 +225,30 @@ decode_fp4_down(const bf16* __restrict__ act, const int* __restrict__ num_active
                 const u64* __restrict__ down_bias_ptrs, const int* __restrict__ inter,
                 const float* __restrict__ topk_w, float* __restrict__ y, float* __restrict__ acc, int H, int I_max,
                 int k, int P, int atomic) {
-    constexpr int GROUPS = DECODE_WARPS / KS;
     __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 * NT : 1];
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    const int cg = warp / KS, ks = warp % KS;
+    if (blockIdx.x * (DECODE_WARPS / KS) * 16 >= H) return;
     const int I = inter[slot];
-    const int h0 = (blockIdx.x * GROUPS + cg) * 16;
-    if (blockIdx.x * GROUPS * 16 >= H) return;
-    const QRow w_lo = q_row<FMT>(reinterpret_cast<const void*>(down_ptrs[slot]),
-                                 reinterpret_cast<const void*>(down_scale_ptrs[slot]), min(h0 + g, H - 1), I);
-    const QRow w_hi = q_row<FMT>(reinterpret_cast<const void*>(down_ptrs[slot]),
-                                 reinterpret_cast<const void*>(down_scale_ptrs[slot]), min(h0 + g + 8, H - 1), I);
+    const Fp4Warp<KS> w;
+    Fp4Frag<FMT> f[1];
+    f[0].init(down_ptrs[slot], down_scale_ptrs[slot], w.c0, w.g, H, I);
     const float gsd = down_gscale[slot];  // nvfp4's scale_2, else 1
     const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
 
     for (int r0 = 0; r0 < len; r0 += 8 * NT) {
-        const bf16* ar[NT];
+        const bf16* rows[NT];
 #pragma unroll
-        for (int t = 0; t < NT; ++t) ar[t] = act + (size_t)(start + min(r0 + 8 * t + g, len - 1)) * I_max;
+        for (int t = 0; t < NT; ++t) rows[t] = act + (size_t)(start + min(r0 + 8 * t + w.g, len - 1)) * I_max;
         float c[4 * NT];
-#pragma unroll
-        for (int i = 0; i < 4 * NT; ++i) c[i] = 0.0f;
-#pragma unroll 2
-        for (int k0 = ks * FP4_KSTEP; k0 < I; k0 += KS * FP4_KSTEP) {
-            const int kk = k0 + 32 * t4;
-            const bool ok = kk < I;
-            Fp4Row32<FMT> a0, a1;
-            a0.load(w_lo, kk, ok);
-            a1.load(w_hi, kk, ok);
-            uint4 xv[NT][4];
-#pragma unroll
-            for (int t = 0; t < NT; ++t) load_x32(xv[t], ar[t], kk, ok);
-            mma_fp4_step<FMT, NT>(c, a0, a1, xv);
-        }
-        reduce_k_splits<KS>(c, part, cg, ks, lane);
-        if (ks != 0) continue;
+        fp4_pass<FMT, KS, NT, 1>(c, f, rows, I, w);
+        reduce_k_splits<KS>(c, part, w.cg, w.ks, w.lane);
+        if (w.ks != 0) continue;
 #pragma unroll
         for (int i = 0; i < 4 * NT; ++i) {
-            const int e = i & 3;
-            const int h = h0 + g + 8 * (e >> 1), tok = r0 + 8 * (i >> 2) + 2 * t4 + (e & 1);
+            const int h = w.col(i), tok = r0 + w.token(i);
             if (h < H && tok < len) {
                 const float v = c[i] * gsd + (bd ? bd[h] : 0.0f);
                 const int pos = start + tok;

@@ -241,6 +241,34 @@ struct QuantBLoader {
     }
 };
 
+// One pipeline stage's operands: A (and bf16 B) by cp.async straight into their tiles;
+// quantized B raw into `raw`, turned into the bf16 B tile by convert() once the same
+// thread's copies have landed (QuantBLoader).
+template <int MODE, int BM, int BK, int THREADS, int BN, int FMT>
+struct StageLoader {
+    static constexpr bool QUANT = FMT != FMT_BF16;
+    typedef QuantBLoader<MODE, BK, THREADS, QUANT ? FMT : FMT_FP8> QB;  // a stand-in type for bf16
+    static constexpr int RAW_STAGE = GG_BN * QB::ROW_BYTES;            // bytes of one raw stage
+    TileLoader<MODE, BM, BK, THREADS, BN> ld;
+    QB qb;
+
+    __device__ __forceinline__ void init(const GemmTile& t, GEMM_ARGS) {
+        ld.init(t, GEMM_ARG_NAMES);
+        if (QUANT) qb.init(t);
+    }
+    __device__ __forceinline__ void load(bf16* sA, bf16* sB, u8* raw, int k0, int K) const {
+        if (QUANT) {
+            ld.load_a(sA, k0, K);
+            qb.load(raw, k0, K);
+        } else {
+            ld.load(sA, sB, k0, K);
+        }
+    }
+    __device__ __forceinline__ void convert(const u8* raw, bf16* sB, int k0, int K) const {
+        if (QUANT) qb.convert(raw, sB, k0, K);
+    }
+};
+
 // The activations of two adjacent columns c, c + 1 (of the tile's BN / 2 per matrix) in fp32:
 // global scales, biases, the activation function. Needs t.n0 + c < t.ncols.
 __device__ __forceinline__ float2 gate_up_pair(const GemmTile& t, int c, float g0, float g1, float u0, float u1,

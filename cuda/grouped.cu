@@ -167,19 +167,11 @@ grouped_gemm(GEMM_ARGS) {
     if (!gemm_tile<MODE, BM, GG_BN, FMT>(t, GEMM_ARG_NAMES)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 1, wn = warp & 1;
-    TileLoader<MODE, BM, BK, THREADS> ld;
+    typedef StageLoader<MODE, BM, BK, THREADS, GG_BN, FMT> Loader;
+    Loader ld;
     ld.init(t, GEMM_ARG_NAMES);
-    typedef QuantBLoader<MODE, BK, THREADS, QUANT ? FMT : FMT_FP8> QB;
-    constexpr int RAW_STAGE = GG_BN * QB::ROW_BYTES;
-    QB qb;
-    if (QUANT) qb.init(t);
-    auto load_stage = [&](int s, int k0) {
-        if (QUANT) {
-            ld.load_a(sA + s * BM * BK, k0, t.K);
-            qb.load(sRaw + s * RAW_STAGE, k0, t.K);
-        } else {
-            ld.load(sA + s * BM * BK, sB + s * GG_BN * BK, k0, t.K);
-        }
+    auto load_stage = [&](int s, int k0) {  // quantized: sB is not a stage ring (two tiles, below)
+        ld.load(sA + s * BM * BK, sB + s * GG_BN * BK, sRaw + s * Loader::RAW_STAGE, k0, t.K);
     };
 
     float acc[2][8][4];
@@ -206,7 +198,7 @@ grouped_gemm(GEMM_ARGS) {
         cp_async_wait<STAGES - 2>();
         // quantized: this thread's raw chunks of step kt have landed; make them bf16. The
         // buffer written here was last read in step kt - 2, before the barrier of kt - 1.
-        if (QUANT) qb.convert(sRaw + (kt % STAGES) * RAW_STAGE, sB + (kt & 1) * GG_BN * BK, kt * BK, t.K);
+        ld.convert(sRaw + (kt % STAGES) * Loader::RAW_STAGE, sB + (kt & 1) * GG_BN * BK, kt * BK, t.K);
         __syncthreads();
         // the stage refilled here was read (and, raw, converted by its own thread) in kt - 1
         const int kn = kt + STAGES - 1;

@@ -36,19 +36,11 @@ grouped_gemm_sm90(GEMM_ARGS) {
     u8* sRaw = reinterpret_cast<u8*>(sB + S * BN * BK);  // quantized: the raw code stages
     GemmTile t;
     if (!gemm_tile<MODE, BM, BN, FMT>(t, GEMM_ARG_NAMES)) return;
-    TileLoader<MODE, BM, BK, SM90_THREADS, BN> ld;
+    typedef StageLoader<MODE, BM, BK, SM90_THREADS, BN, FMT> Loader;
+    Loader ld;
     ld.init(t, GEMM_ARG_NAMES);
-    typedef QuantBLoader<MODE, BK, SM90_THREADS, QUANT ? FMT : FMT_NVFP4> QB;
-    constexpr int RAW_STAGE = GG_BN * QB::ROW_BYTES;
-    QB qb;
-    if (QUANT) qb.init(t);
     auto load_stage = [&](int s, int k0) {
-        if (QUANT) {
-            ld.load_a(sA + s * BM * BK, k0, t.K);
-            qb.load(sRaw + s * RAW_STAGE, k0, t.K);
-        } else {
-            ld.load(sA + s * BM * BK, sB + s * BN * BK, k0, t.K);
-        }
+        ld.load(sA + s * BM * BK, sB + s * BN * BK, sRaw + s * Loader::RAW_STAGE, k0, t.K);
     };
     const int wg = threadIdx.x / 128;
 
@@ -66,7 +58,7 @@ grouped_gemm_sm90(GEMM_ARGS) {
         cp_async_wait<S - 2>();  // this thread's copies of stage kt have landed
         // quantized: its raw chunks become the stage's bf16 B tile, last read by the wgmmas
         // of step kt - S, which the wait of step kt - 1 saw done
-        if (QUANT) qb.convert(sRaw + (kt % S) * RAW_STAGE, sB + (kt % S) * BN * BK, kt * BK, t.K);
+        ld.convert(sRaw + (kt % S) * Loader::RAW_STAGE, sB + (kt % S) * BN * BK, kt * BK, t.K);
         fence_proxy_async();     // ... and are visible to the tensor cores' (async) proxy
         __syncthreads();         // everyone's copies of stage kt
         const u64 da = wgmma_desc(sA + (kt % S) * BM * BK + wg * 64 * BK);
