@@ -254,7 +254,11 @@ class MoeLayer:
             fmts = [self.weights.format] + ([self.weights.shared_format] if self.weights.shared_format else [])
             self._format_codes = tuple(dict.fromkeys(kernels.FORMAT_CODES[f] for f in fmts))
             self.fp8_compute = self._choose_fp8_compute(fp8_compute)
-            wgmma = self.lib.arch == "sm_90a" and not self.row_invariant and self.weights.format == "bf16"
+            # the routed experts' math config runs on wgmma: bf16, and fp4 since v15 (at 64 rows
+            # per expert 128-row tiles win for fp4 too: qwen3-30b-a3b N = 1024 720 -> 660 us,
+            # deepseek-v3 N = 2048 11574 -> 10415; NOTES.md v15)
+            wgmma = (self.lib.arch == "sm_90a" and not self.row_invariant
+                     and self._sm90.serves(kernels.FORMAT_CODES[self.weights.format]))
             self._math_rows = math_rows_per_expert("wgmma" if wgmma else "mma")
             w8a8 = self.fp8_compute == "w8a8"
             # an fp8 shared expert reads x, not the normed xe: then x needs its own e4m3 copy
