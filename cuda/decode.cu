@@ -5,6 +5,8 @@
 //                       run of positions, the row of each position, and pair -> position.
 //                       The shared expert is one more "expert" (table slot `n_local`)
 //                       that every row chose, so it rides through the same two kernels.
+//   decode_route_lists  the routing stage (topk.cu's) and the lists in one launch, for
+//                       a few rows.
 //   decode_gate_up<RT, CW, FMT>  one warp per CW intermediate columns of one active expert:
 //                       streams the gate and up rows once per RT-row tile, act(g, u) fused,
 //                       bf16 out.
@@ -20,6 +22,7 @@
 #include "common.cuh"
 #include "decode_common.cuh"
 #include "quant.cuh"
+#include "routing.cuh"
 
 // One block per SM at minimum: ptxas may then give each variant the registers it needs
 // (with no minimum it capped some variants at 64 and spilled; with 2, gate_up<1, 4> spilled
@@ -36,12 +39,7 @@
 __host__ __device__ constexpr int decode_unroll(int fmt, int loads) {
     return fmt == FMT_FP8 ? 2 : ((fmt == FMT_BF16 ? 8 : 16) / loads > 2 ? (fmt == FMT_BF16 ? 8 : 16) / loads : 2);
 }
-#define LISTS_THREADS 1024
-
-// One block. slot_of[e] is expert e's table slot on this rank (0 .. n_local-1), or -1 for
-// another rank's expert and for zero experts; ids outside 0..R-1 (-1 from a bad hash
-// token) are nobody's. Unowned pairs get pair_pos = -1.
-// Stable: positions within an expert follow pair order, so the layout is deterministic.
+// grid 1, block LISTS_THREADS, dynamic smem (2 n_local + 33) ints: build_expert_lists.
 __global__ void __launch_bounds__(LISTS_THREADS)
 decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restrict__ slot_of, int R,
                    int n_local, int has_shared,
@@ -49,62 +47,32 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restr
                    int* __restrict__ active_len, int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
                    int* __restrict__ pair_pos) {
     extern __shared__ int sm[];
-    int* cnt = sm;                      // [n_local]
-    int* start = cnt + n_local;         // [n_local]
-    int* warp_totals = start + n_local;  // [LISTS_THREADS / 32 + 1]
-    const int P = N * k;
-    for (int i = threadIdx.x; i < n_local; i += LISTS_THREADS) cnt[i] = 0;
-    __syncthreads();
-    for (int p = threadIdx.x; p < P; p += LISTS_THREADS) {
-        const int e = ids[p];
-        const int sl = e >= 0 && e < R ? slot_of[e] : -1;
-        if (sl >= 0) atomicAdd(&cnt[sl], 1);
-    }
-    __syncthreads();
-    // exclusive scans over experts, LISTS_THREADS experts per round
-    int pos_base = 0, act_base = 0;
-    for (int e0 = 0; e0 < n_local; e0 += LISTS_THREADS) {
-        const int e = e0 + threadIdx.x;
-        const int c = e < n_local ? cnt[e] : 0;
-        int tot_c, tot_a;
-        const int off = block_exclusive_scan_1024(c, warp_totals, tot_c);
-        const int aidx = block_exclusive_scan_1024(c > 0 ? 1 : 0, warp_totals, tot_a);
-        if (c > 0) {
-            start[e] = pos_base + off;
-            active_slot[act_base + aidx] = e;
-            active_start[act_base + aidx] = pos_base + off;
-            active_len[act_base + aidx] = c;
-        }
-        pos_base += tot_c;
-        act_base += tot_a;
-    }
-    __syncthreads();
-    for (int p = threadIdx.x; p < P; p += LISTS_THREADS) {
-        const int e = ids[p];
-        const int sl = e >= 0 && e < R ? slot_of[e] : -1;
-        int pos = -1;
-        if (sl >= 0) {
-            int rank = 0;
-            for (int q = 0; q < p; ++q) rank += ids[q] == e;
-            pos = start[sl] + rank;
-            sorted_row[pos] = p / k;
-            sorted_pair[pos] = p;
-        }
-        pair_pos[p] = pos;
-    }
-    if (has_shared) {
-        for (int r = threadIdx.x; r < N; r += LISTS_THREADS) {
-            sorted_row[pos_base + r] = r;
-            sorted_pair[pos_base + r] = P + r;
-            pair_pos[P + r] = pos_base + r;
-        }
-        if (threadIdx.x == 0) {
-            active_slot[act_base] = n_local;
-            active_start[act_base] = pos_base;
-            active_len[act_base] = N;
-        }
-    }
-    if (threadIdx.x == 0) *num_active = act_base + (has_shared ? 1 : 0);
+    build_expert_lists(sm, ids, N, k, slot_of, R, n_local, has_shared, num_active, active_slot, active_start,
+                       active_len, sorted_row, sorted_pair, pair_pos);
+}
+
+// The routing stage and the expert lists in one launch, for a few rows (the decode path's
+// N = 1 .. ROUTE_LISTS_MAX_ROWS: one launch fewer in its chain): warp w routes row w as
+// topk_route does (routing.cuh), then the block builds the lists from the ids it wrote.
+// grid 1, block LISTS_THREADS, dynamic smem N (2 R + TOPK_MAX_K) floats + (2 n_local + 33) ints.
+__global__ void __launch_bounds__(LISTS_THREADS)
+decode_route_lists(const float* __restrict__ logits, const float* __restrict__ corr_bias,
+                   const int* __restrict__ tid2eid, const int* __restrict__ token_ids, int* __restrict__ ids_out,
+                   float* __restrict__ w_out, int* __restrict__ err, int N, int R, int E, int k, int scoring,
+                   int n_group, int topk_group, int topk_then_softmax, int renorm, float scale, int vocab,
+                   const int* __restrict__ slot_of, int n_local, int has_shared, int* __restrict__ num_active,
+                   int* __restrict__ active_slot, int* __restrict__ active_start, int* __restrict__ active_len,
+                   int* __restrict__ sorted_row, int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
+    extern __shared__ float route_smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp < N)
+        route_row(warp, route_smem + (size_t)warp * (2 * R + TOPK_MAX_K), logits, corr_bias, tid2eid, token_ids,
+                  ids_out, w_out, err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab,
+                  lane);
+    __syncthreads();  // the block's writes of ids_out are visible to all of it
+    build_expert_lists(reinterpret_cast<int*>(route_smem + (size_t)N * (2 * R + TOPK_MAX_K)), ids_out, N, k, slot_of,
+                       R, n_local, has_shared, num_active, active_slot, active_start, active_len, sorted_row,
+                       sorted_pair, pair_pos);
 }
 
 // grid (ceil(I_max / (DECODE_WARPS * CW)), max_active), block DECODE_WARPS * 32.

@@ -27,7 +27,7 @@ from typing import Iterable, Optional
 
 log = logging.getLogger(__name__)
 
-# Codes shared with cuda/common.cuh and cuda/topk.cu.
+# Codes shared with cuda/common.cuh and cuda/routing.cuh.
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swiglu_oai": 3}
 SCORING_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 # Expert weight formats the kernels read (cuda/quant.cuh FMT_*): every decode and grouped
@@ -210,7 +210,7 @@ MODULES: dict[str, ModuleSpec] = {
                                    archs=("sm_90a",)),
     "decode": ModuleSpec(
         "decode.cu",
-        ("decode_build_lists", "decode_reduce")
+        ("decode_build_lists", "decode_route_lists", "decode_reduce")
         + tuple(f"decode_gate_up<{r}, {c}, {f}>" for f in FORMAT_CODES.values() for r, c in GATE_UP_VARIANTS)
         + tuple(f"decode_down<{r}, {c}, {f}>" for f in FORMAT_CODES.values() for r, c in DOWN_VARIANTS),
     ),

@@ -85,6 +85,7 @@ def _row_tile(rows: float, tiles: tuple[int, ...]) -> int:
 GROUPED_BM = 64  # the smallest M-tile height of the grouped GEMMs (kernels.GROUPED_CONFIGS)
 SORT_BLOCK = 1024  # pairs per block of the multi-block sort (cuda/grouped.cu SORT_THREADS)
 SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_build_lists)
+ROUTE_LISTS_MAX_ROWS = 8  # decode rows up to which routing and the lists are one launch (decode_route_lists)
 
 
 def max_tiles(num_tokens: int, k: int, n_local: int, has_shared: bool) -> int:
@@ -405,17 +406,27 @@ class MoeLayer:
             qx_of_x = (A.ptr("qx"), A.ptr("sx"))
         elif w8a8 and self._w8a8_shared_x:
             qx_of_x = (A.ptr("qx_shared"), A.ptr("sx_shared"))
+        has_shared = 1 if cfg.has_shared_expert else 0
+        routing = (_u64(A.ptr("logits")), _u64(W.ptr("correction_bias")), _u64(W.ptr("tid2eid")), _u64(token_ids),
+                   _u64(A.ptr("topk_ids")), _u64(A.ptr("topk_w")), _u64(A.ptr("err")),
+                   _i32(N), _i32(R), _i32(E), _i32(k), _i32(kernels.SCORING_CODES[cfg.scoring_func]),
+                   _i32(cfg.n_group), _i32(cfg.topk_group), _i32(int(cfg.topk_then_softmax)),
+                   _i32(int(cfg.norm_topk_prob)), _f32(cfg.routed_scaling_factor), _i32(cfg.hash_vocab_size))
+        # a few decode rows: routing and the expert lists in one launch (one fewer in the chain)
+        route_lists_smem = (N * (2 * R + 64) + 2 * W.n_local + 33) * 4
+        route_lists = path != "prefill" and N <= ROUTE_LISTS_MAX_ROWS and route_lists_smem <= 48 * 1024
         with timer.stage("topk"):
-            warps = 4
-            lib["topk_route"](
-                ((N + warps - 1) // warps,), (warps * 32,),
-                (_u64(A.ptr("logits")), _u64(W.ptr("correction_bias")), _u64(W.ptr("tid2eid")), _u64(token_ids),
-                 _u64(A.ptr("topk_ids")), _u64(A.ptr("topk_w")), _u64(A.ptr("err")),
-                 _i32(N), _i32(R), _i32(E), _i32(k), _i32(kernels.SCORING_CODES[cfg.scoring_func]),
-                 _i32(cfg.n_group), _i32(cfg.topk_group), _i32(int(cfg.topk_then_softmax)),
-                 _i32(int(cfg.norm_topk_prob)), _f32(cfg.routed_scaling_factor), _i32(cfg.hash_vocab_size),
-                 _u64(x), _i32(H), _u64(qx_of_x[0]), _u64(qx_of_x[1])),
-                stream=s, shared_mem=warps * (2 * R + 64) * 4)
+            if route_lists:
+                lib["decode_route_lists"](
+                    (1,), (1024,),
+                    (*routing, _u64(W.ptr("slot_of")), _i32(W.n_local), _i32(has_shared),
+                     *self._list_outputs()), stream=s, shared_mem=route_lists_smem)
+            else:
+                warps = 4
+                lib["topk_route"](
+                    ((N + warps - 1) // warps,), (warps * 32,),
+                    (*routing, _u64(x), _i32(H), _u64(qx_of_x[0]), _u64(qx_of_x[1])),
+                    stream=s, shared_mem=warps * (2 * R + 64) * 4)
         xe = x
         if cfg.pre_expert_norm:
             with timer.stage("norm"):
@@ -423,9 +434,9 @@ class MoeLayer:
                 qxe = (A.ptr("qx"), A.ptr("sx")) if w8a8 else (0, 0)
                 lib["rmsnorm_bf16"]((N,), (256,), (_u64(x), _u64(W.ptr("norm_weight")), _u64(xe), _i32(H),
                                                   _f32(cfg.rms_norm_eps), _u64(qxe[0]), _u64(qxe[1])), stream=s)
-        has_shared = 1 if cfg.has_shared_expert else 0
         with timer.stage("sort"):
-            self._launch_sort(N, s, has_shared)
+            if not route_lists:
+                self._launch_sort(N, s, has_shared)
             if atomic:
                 import cupy
 
@@ -520,6 +531,12 @@ class MoeLayer:
             return v.kernel(mode, fmt), v.threads, v.smem_bytes(fmt), v.bn
         return (*kernels.grouped_kernel(mode, kernels.QUANT_CONFIG[config] if fmt else config, fmt), kernels.GROUPED_BN)
 
+    def _list_outputs(self) -> tuple:
+        """The expert lists' buffers, as decode_build_lists writes them."""
+        A = self.arena
+        return tuple(_u64(A.ptr(n)) for n in ("num_active", "active_slot", "active_start", "active_len",
+                                               "sorted_row", "sorted_pair", "pair_pos"))
+
     def _launch_sort(self, N: int, s, has_shared: int) -> None:
         """(row, slot) pairs grouped by expert, stable: one block for few pairs, else three passes."""
         cfg, A, W, lib = self.cfg, self.arena, self.weights, self.lib
@@ -531,8 +548,7 @@ class MoeLayer:
             lib["decode_build_lists"](
                 (1,), (1024,),
                 (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
-                 _i32(W.n_local), _i32(has_shared),
-                 *lists, _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(A.ptr("pair_pos"))),
+                 _i32(W.n_local), _i32(has_shared), *self._list_outputs()),
                 stream=s, shared_mem=(2 * W.n_local + 33) * 4)
             return
         nblk = -(-P // SORT_BLOCK)
