@@ -35,7 +35,7 @@
 // `loads` = weight loads per step, times the rows each is used for (more rows per tile
 // already give each load more work and take registers). Measured at N = 1 (NOTES.md):
 // bf16 42.4 -> 40.4 us and nvfp4 40.2 -> 37.3 on qwen3-30b-a3b; fp8 got slower with 16
-// (36.5 -> 41.2), so it keeps the 2 steps it was measured with.
+// (36.5 -> 41.2), and with 3 or 4 (33.9 -> 40.0 / 41.2), so it keeps 2.
 __host__ __device__ constexpr int decode_unroll(int fmt, int loads) {
     return fmt == FMT_FP8 ? 2 : ((fmt == FMT_BF16 ? 8 : 16) / loads > 2 ? (fmt == FMT_BF16 ? 8 : 16) / loads : 2);
 }
