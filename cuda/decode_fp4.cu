@@ -18,10 +18,18 @@
 // No repacking: the checkpoint's [out, K / 2] layout becomes a fragment layout by permuting
 // k, identically on both operands (a dot product does not care in which order its terms
 // are summed by the tensor core's K slots). Lane (g = lane / 4, t4 = lane % 4) reads, per
-// k128 step at k0, the 16 bytes of weight rows g and g + 8 holding codes k0 + 32 t4 .. + 31;
-// MMA j (j < 8) of the step takes codes 4 j .. 4 j + 3 of each row as its K slots 2 t4,
-// 2 t4 + 1, 2 t4 + 8, 2 t4 + 9, so its B fragment is token g's activations at the same four
-// k: 8 contiguous bytes. A warp's weight loads are 64 contiguous bytes per row.
+// k128 step at k0, the 16 bytes of weight rows g and g + 8 holding codes k0 + 32 t4 .. + 31
+// (a warp's weight loads are 64 contiguous bytes a row). Word w of them (codes 8 w .. + 7)
+// feeds MMAs 2 w and 2 w + 1: the dequantization pairs code i with code i + 4
+// (quant.cuh fp4x8_to_bf16_pairs), so MMA 2 w takes codes (0, 4) and (1, 5) as its K slots
+// (2 t4, 2 t4 + 1) and (2 t4 + 8, 2 t4 + 9), MMA 2 w + 1 codes (2, 6) and (3, 7); the B
+// fragment pairs token g's activations the same way (one byte permute a register).
+//
+// Scales: the pairs come out as code * 2^-126; they are multiplied by scale * 2^62 (exact:
+// e4m3 or e8m0 times a power of two, a 2-bit mantissa times a 4-bit one), giving the exact
+// weight times 2^-64, a normal bf16 for every nvfp4 scale and for mxfp4 scales 2^-61 ..
+// 2^65 (the layer runs other mxfp4 weights on decode.cu's readers:
+// FP4_MMA_MXFP4_SCALE_BYTES); the epilogue multiplies by 2^64.
 #include "common.cuh"
 #include "decode_common.cuh"
 #include "gemm_common.cuh"
@@ -48,11 +56,18 @@ struct Fp4Row32 {
         }
     }
 
-    // codes 8 w .. 8 w + 7 as 4 bf16 pairs times their group scale (exact: quant.cuh)
+    // codes 8 w .. 8 w + 7 as the pairs (i, i + 4), each code times its group scale times
+    // 2^-64 (exact; the file's comment)
     __device__ __forceinline__ uint4 word(int w) const {
         const unsigned v = w == 0 ? q.x : w == 1 ? q.y : w == 2 ? q.z : q.w;
-        const float sc = FMT == FMT_NVFP4 ? e4m3_to_f32((s >> (8 * (w >> 1))) & 0xFFu) : e8m0_to_f32(s & 0xFFu);
-        return fp4x8_to_bf16(v, sc);
+        __nv_bfloat162 s2;
+        if (FMT == FMT_NVFP4) {
+            s2 = __float2bfloat162_rn(e4m3_to_f32((s >> (8 * (w >> 1))) & 0xFFu) * 0x1p62f);
+        } else {  // 2^(e - 127) * 2^62: bf16 exponent field e + 62 (e <= 192, the layer checks)
+            const unsigned short b = (unsigned short)(((s & 0xFFu) + 62u) << 7);
+            s2 = __halves2bfloat162(__ushort_as_bfloat16(b), __ushort_as_bfloat16(b));
+        }
+        return fp4x8_to_bf16_pairs(v, s2);
     }
 };
 
@@ -75,11 +90,15 @@ __device__ __forceinline__ void mma_fp4_step(float* c, const Fp4Row32<FMT>& lo, 
     }
 }
 
-// A token's 32 bf16 activations at k (zeros past K).
+// A token's 32 bf16 activations at k (zeros past K), each group of 8 paired as the weights
+// are (i, i + 4): .x = (0, 4), .y = (1, 5), .z = (2, 6), .w = (3, 7).
 __device__ __forceinline__ void load_x32(uint4 (&xv)[4], const bf16* row, int k, bool ok) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-        xv[i] = ok ? __ldg(reinterpret_cast<const uint4*>(row + k) + i) : make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < 4; ++i) {
+        const uint4 a = ok ? __ldg(reinterpret_cast<const uint4*>(row + k) + i) : make_uint4(0, 0, 0, 0);
+        xv[i] = make_uint4(__byte_perm(a.x, a.z, 0x5410), __byte_perm(a.x, a.z, 0x7632), __byte_perm(a.y, a.w, 0x5410),
+                           __byte_perm(a.y, a.w, 0x7632));
+    }
 }
 
 // Adds the KS warps' partial accumulators of each column group in warp order; warp ks == 0
@@ -186,7 +205,8 @@ decode_fp4_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, cons
     f[0].init(gate_ptrs[slot], gate_scale_ptrs[slot], w.c0, w.g, I, H);
     f[1].init(up_ptrs[slot], up_scale_ptrs[slot], w.c0, w.g, I, H);
     const bf16* in = slot == shared_slot ? x : xe;  // the shared expert reads x
-    const float gsg = gate_gscale[slot], gsu = up_gscale[slot];  // nvfp4's scale_2, else 1
+    // nvfp4's scale_2 (else 1), and the 2^64 the weights were scaled down by
+    const float gsg = gate_gscale[slot] * 0x1p64f, gsu = up_gscale[slot] * 0x1p64f;
     const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
     const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
@@ -234,7 +254,7 @@ decode_fp4_down(const bf16* __restrict__ act, const int* __restrict__ num_active
     const Fp4Warp<KS> w;
     Fp4Frag<FMT> f[1];
     f[0].init(down_ptrs[slot], down_scale_ptrs[slot], w.c0, w.g, H, I);
-    const float gsd = down_gscale[slot];  // nvfp4's scale_2, else 1
+    const float gsd = down_gscale[slot] * 0x1p64f;  // nvfp4's scale_2 (else 1) and the weights' 2^64
     const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
 

@@ -225,6 +225,28 @@ __device__ __forceinline__ uint4 fp4x8_to_bf16(unsigned v, float s) {
     return o;
 }
 
+// 8 e2m1 codes (one word, code i in nibble i) -> 4 bf16 pairs (code i, code i + 4), each
+// times 2^-126 exactly, by placing bits instead of looking them up: a code's 3 magnitude
+// bits at bf16 bits 8..6 (the exponent field's low 2 bits and the top mantissa bit) and its
+// sign at bit 15 read as 2^(E - 127) * 1.m, or for E = 0 the subnormal 2^-126 * 0.m, which
+// is the e2m1 value times 2^-126 in both cases. Codes i and i + 4 sit 16 bits apart, so one
+// shift places both halves: 4 instructions a pair where the table takes ~11 for two.
+// `s2` (both halves the same) multiplies each pair: it must bring the value back into bf16's
+// normal range (the tensor cores' input), and the caller undoes its extra power of two.
+__device__ __forceinline__ uint4 fp4x8_to_bf16_pairs(unsigned v, __nv_bfloat162 s2) {
+    unsigned p[4];
+    p[0] = ((v << 6) & 0x01C001C0u) | ((v << 12) & 0x80008000u);
+    p[1] = ((v << 2) & 0x01C001C0u) | ((v << 8) & 0x80008000u);
+    p[2] = ((v >> 2) & 0x01C001C0u) | ((v << 4) & 0x80008000u);
+    p[3] = ((v >> 6) & 0x01C001C0u) | (v & 0x80008000u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        __nv_bfloat162 h = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&p[i]), s2);
+        p[i] = *reinterpret_cast<unsigned*>(&h);
+    }
+    return make_uint4(p[0], p[1], p[2], p[3]);
+}
+
 // ---------------------------------------------------------------------------------------
 // w8a8's activation quantization (sm_89+: the e4m3 conversions), fused into the stages
 // that produce each activation (the routing stage for x, the norm for its output, the

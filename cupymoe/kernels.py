@@ -50,6 +50,10 @@ DOWN_VARIANTS = tuple((rt, cw) for rt in ROW_TILES for cw in DECODE_COLS if rt *
 # fp4 decode on tensor cores (cuda/decode_fp4.cu): warps of a block splitting K
 FP4_DECODE_K_SPLITS = (1, 2, 4, 8)
 FP4_DECODE_FORMATS = ("nvfp4", "mxfp4")
+# mxfp4 scale bytes (2^(e - 127)) the tensor-core decode serves: it scales the weights by
+# 2^-64 on the way, and they must stay normal bf16 numbers (cuda/decode_fp4.cu); outside,
+# the CUDA-core readers take the layer's mxfp4 weights
+FP4_MMA_MXFP4_SCALE_BYTES = (66, 192)
 # ... and 8-token B fragments per weight pass: 16 tokens halve the passes over the weights
 # of an expert with more than 8 rows
 FP4_DECODE_TOKEN_TILES = (1, 2)
@@ -64,13 +68,18 @@ def fp4_decode_blocks_per_sm() -> int:
     return int(v)
 
 
-def fp4_decode_mma_formats() -> tuple[int, ...]:
-    """Format codes the decode path runs on tensor cores: both fp4 formats, or none with
+def fp4_decode_mma_formats(mxfp4_scale_bytes: Optional[tuple[int, int]] = None) -> tuple[int, ...]:
+    """Format codes the decode path runs on tensor cores: both fp4 formats, mxfp4 only when
+    its scale bytes (smallest, largest) lie in FP4_MMA_MXFP4_SCALE_BYTES; none with
     CUPYMOE_FP4_DECODE=cores (a measurement knob: decode.cu's CUDA-core streams)."""
     v = os.environ.get("CUPYMOE_FP4_DECODE", "mma")
     if v not in ("mma", "cores"):
         raise ValueError(f"CUPYMOE_FP4_DECODE={v!r}: must be 'mma' or 'cores'")
-    return tuple(FORMAT_CODES[f] for f in FP4_DECODE_FORMATS) if v == "mma" else ()
+    if v == "cores":
+        return ()
+    lo, hi = FP4_MMA_MXFP4_SCALE_BYTES
+    mx_ok = mxfp4_scale_bytes is None or (lo <= mxfp4_scale_bytes[0] and mxfp4_scale_bytes[1] <= hi)
+    return tuple(FORMAT_CODES[f] for f in FP4_DECODE_FORMATS if f != "mxfp4" or mx_ok)
 
 
 # (BM, BK, STAGES) of the tensor-core grouped GEMMs: "stream" for few rows per expert

@@ -111,6 +111,10 @@ class DeviceWeights:
 
             self.format = _one_format({p: getattr(hw, p) for p in PROJECTIONS}, "routed experts")
             mats = {p: _DeviceMatrix(getattr(hw, p)[sl], p, p, up) for p in PROJECTIONS}
+            # the smallest and largest mxfp4 scale byte of every mxfp4 matrix (None: none):
+            # the tensor-core decode serves a range of them (kernels.FP4_MMA_MXFP4_SCALE_BYTES)
+            self.mxfp4_scale_bytes = None
+            ranges = [m.scale_bytes for m in mats.values() if m.scale_bytes is not None]
             # the stacked routed experts ([n_local, I, H], [n_local, H, I]; bf16 bits, or the
             # quantized codes), kept by name for code that reads them whole (the torch peers)
             self.experts = {p: m.w for p, m in mats.items()}
@@ -140,9 +144,14 @@ class DeviceWeights:
                 shared = {p: getattr(hw, "shared_" + p) for p in PROJECTIONS}
                 self.shared_format = _one_format(shared, "the shared expert")
                 for p, t in shared.items():
-                    _DeviceMatrix(t, p, "shared_" + p, up, stacked=False).fill(tables, gscale, [n])
+                    m = _DeviceMatrix(t, p, "shared_" + p, up, stacked=False)
+                    m.fill(tables, gscale, [n])
+                    if m.scale_bytes is not None:
+                        ranges.append(m.scale_bytes)
                 inter[n] = cfg.shared_expert_intermediate_size
                 slot_fmt[n] = FORMAT_CODES[self.shared_format]
+            if ranges:
+                self.mxfp4_scale_bytes = (min(r[0] for r in ranges), max(r[1] for r in ranges))
             self.tables = {k: up(v) for k, v in {**tables, **gscale}.items()}
             self.slot_fmt = up(slot_fmt)
             self.inter = up(inter)
@@ -186,6 +195,7 @@ class _DeviceMatrix:
             t.check_scales(name)  # host arrays only: a CuPy container is the caller's own draw
         self.g = np.ones(self.count, np.float32)
         self.s = None
+        self.scale_bytes = None  # mxfp4: (smallest, largest) scale byte
         if fmt == "bf16":
             self.w = upload(_bf16_bits(t, name))
         elif fmt == "fp8_block":
@@ -199,6 +209,7 @@ class _DeviceMatrix:
         else:  # mxfp4: [.., out, K/32, 16] blocks are the [.., out, K/2] packed bytes
             self.w = upload(_codes(t.blocks))
             self.s = upload(_codes(t.scales))
+            self.scale_bytes = (int(self.s.min()), int(self.s.max())) if self.s.size else (127, 127)
         self.w_stride = self.out * self.K * kernels.FORMAT_BITS[fmt] // 8
         self.s_stride = 0 if self.s is None else int(self.s.nbytes) // self.count
 

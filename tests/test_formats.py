@@ -632,3 +632,38 @@ def test_check_scales_names_the_first_unusable_scale():
     mx.scales[1, 0, 2] = 255  # e8m0's NaN
     with pytest.raises(ValueError, match=r"down\.scales\[1, 0, 2\] = byte 0xFF"):
         mx.check_scales("down")
+
+
+def test_fp4_bit_placement_of_the_tensor_core_decode():
+    """cuda/quant.cuh fp4x8_to_bf16_pairs, replayed in numpy: a code's magnitude bits at
+    bf16 bits 8..6 and its sign at bit 15 read as the e2m1 value times 2^-126 (the E = 0
+    codes as bf16 subnormals), codes i and i + 4 of a word in one shift; the scales the
+    decode multiplies by (nvfp4: e4m3 * 2^62; mxfp4: exponent field e + 62) are exact bf16
+    numbers, and code * scale * 2^-64 is an exact, normal bf16 for every nvfp4 scale and for
+    the mxfp4 scale bytes kernels.FP4_MMA_MXFP4_SCALE_BYTES admits."""
+    from cupymoe import kernels
+
+    def bf16(bits):
+        return float(np.array([bits], dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)[0])
+
+    values = formats.e2m1_decode(np.arange(16, dtype=np.uint8)).astype(np.float64)
+    rng = np.random.default_rng()
+    for _ in range(2000):
+        nib = rng.integers(0, 16, 8)
+        v = int(sum(int(n) << (4 * j) for j, n in enumerate(nib)))
+        for i in range(4):
+            mag = (v << (6 - 4 * i)) if i < 2 else (v >> (4 * i - 6))
+            p = ((mag & 0x01C001C0) | ((v << (12 - 4 * i)) & 0x80008000)) & 0xFFFFFFFF
+            assert bf16(p & 0xFFFF) * 2.0 ** 126 == values[nib[i]]
+            assert bf16(p >> 16) * 2.0 ** 126 == values[nib[i + 4]]
+    e4m3 = np.arange(0x7F, dtype=np.uint8).view(formats.E4M3).astype(np.float64)  # every finite positive scale
+    lo, hi = kernels.FP4_MMA_MXFP4_SCALE_BYTES
+    mx = 2.0 ** (np.arange(lo, hi + 1) - 127)
+    for scales, what in ((e4m3[e4m3 > 0], "nvfp4"), (mx, "mxfp4")):
+        for s in scales:
+            assert float(np.float64(s * 2.0 ** 62).astype(ml_dtypes.bfloat16)) == s * 2.0 ** 62, (what, s)
+            w = values[values != 0] * s * 2.0 ** -64
+            assert np.array_equal(w.astype(ml_dtypes.bfloat16).astype(np.float64), w), (what, s)
+            assert np.abs(w).min() >= 2.0 ** -126, (what, s)  # normal: what the tensor cores take
+    assert all(bf16((e + 62) << 7) == 2.0 ** (e - 127 + 62) for e in range(lo, hi + 1))
+    assert bf16((hi + 1 + 62) << 7) == np.inf  # one past: why the range stops there

@@ -80,6 +80,29 @@ def test_fp4_tensor_core_decode_with_every_k_split(k_splits, rng, monkeypatch):
                 assert c.ok, f"{name} KS={k_splits} N={n} {path}: {c}"
 
 
+def test_fp4_tensor_core_decode_takes_mxfp4_scales_in_its_range_only(rng):
+    """The tensor-core decode scales fp4 weights by 2^-64 on the way (decode_fp4.cu), which
+    keeps mxfp4 weights exact for scale bytes 66 .. 192 (2^-61 .. 2^65). Weights at both ends
+    of that range run there and match the reference; one scale byte past it sends the
+    layer's mxfp4 weights to the CUDA-core readers, which match it too."""
+    from cupymoe import MoeLayer, kernels
+
+    lo, hi = kernels.FP4_MMA_MXFP4_SCALE_BYTES
+    mx = kernels.FORMAT_CODES["mxfp4"]
+    cfg = testing.tiny_config("gpt_oss")
+    for edge, expect_mma in ((hi, True), (hi + 1, False)):
+        hw = testing.random_host_weights(cfg, rng, "mxfp4")
+        hw.gate.scales[...] = rng.integers(lo, lo + 8, hw.gate.scales.shape)  # tiny gate rows ...
+        hw.down.scales[...] = rng.integers(edge - 8, edge + 1, hw.down.scales.shape)  # ... huge down rows
+        layer = MoeLayer(cfg, hw, max_tokens=64, decode_max_tokens=64)
+        assert (mx in layer._fp4_mma_formats) == expect_mma, (edge, layer.weights.mxfp4_scale_bytes)
+        for path in ("decode", "atomic"):
+            for n in (1, 17):
+                x = well_separated_input(cfg, hw, rng, n)
+                c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
+                assert c.ok, f"scale bytes up to {edge} N={n} {path}: {c}"
+
+
 def test_fp4_layers_decode_up_to_their_measured_crossover(rng):
     """Without decode_max_tokens, an fp4 layer takes the decode path up to 256 rows (its
     tensor-core decode beats the grouped GEMMs that far on the H200) and prefill above;
