@@ -94,7 +94,7 @@ def test_fp4_tensor_core_decode_takes_mxfp4_scales_in_its_range_only(rng):
         hw = testing.random_host_weights(cfg, rng, "mxfp4")
         hw.gate.scales[...] = rng.integers(lo, lo + 8, hw.gate.scales.shape)  # tiny gate rows ...
         hw.down.scales[...] = rng.integers(edge - 8, edge + 1, hw.down.scales.shape)  # ... huge down rows
-        layer = MoeLayer(cfg, hw, max_tokens=64, decode_max_tokens=64)
+        layer = MoeLayer(cfg, hw, max_tokens=64, decode_max_tokens=64, atomic_max_tokens=64)
         assert (mx in layer._fp4_mma_formats) == expect_mma, (edge, layer.weights.mxfp4_scale_bytes)
         for path in ("decode", "atomic"):
             for n in (1, 17):
