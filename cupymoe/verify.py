@@ -214,8 +214,9 @@ def check(out: np.ndarray, cfg: MoeConfig, hw: HostWeights, x: np.ndarray, path:
 
 
 def _quantize_rows_fp8(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(e4m3 codes as bytes, fp32 scales) of rows `a`, per 128 columns: what the kernel's
-    quantize_rows_fp8 must produce bit for bit (reference.quantize_activations_fp8's rule)."""
+    """(e4m3 codes as bytes, fp32 scales) of rows `a`, per 128 columns: what the kernels'
+    quantizers (quant.cuh: in top-k, the norm and the gate/up epilogue) must produce bit
+    for bit (reference.quantize_activations_fp8's rule)."""
     n, k = a.shape
     kb = -(-k // formats.FP8_BLOCK)
     q = np.zeros((n, k), dtype=np.uint8)
