@@ -104,6 +104,20 @@ __device__ __forceinline__ int block_exclusive_scan_1024(int v, int* tmp, int& t
     return r;
 }
 
+// The sum of one float per thread over a block of THREADS threads, in warp order (the same
+// bits every launch), returned to every thread; `partial` holds THREADS / 32 floats of
+// shared memory. One call per `partial` between barriers.
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float v, float* partial) {
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = 0.0f;
+#pragma unroll
+    for (int i = 0; i < THREADS / 32; ++i) t += partial[i];
+    return t;
+}
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // act(g, u) of DESIGN.md section 1; `act` is a launch-uniform code, so the switch costs
@@ -162,13 +176,7 @@ __device__ __forceinline__ RowPrologue reduce_row_prologue(int row, int N, int k
         const size_t rbase = (size_t)row * H;
         float d = 0.0f;
         for (int h = threadIdx.x; h < H; h += THREADS) d = fmaf(__bfloat162float(x[rbase + h]), shared_gate_w[h], d);
-        d = warp_sum(d);
-        if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = d;
-        __syncthreads();
-        float t = 0.0f;
-#pragma unroll
-        for (int i = 0; i < THREADS / 32; ++i) t += partial[i];
-        scale = sigmoidf_(t);
+        scale = sigmoidf_(block_sum<THREADS>(d, partial));
     }
     __syncthreads();
     return RowPrologue{scale, s_zero_w, has_shared && primary ? pair_pos[N * k + row] : -1};

@@ -80,16 +80,7 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
 // warp keeps 4 * CW 16-byte loads in flight and few warps cover a small step in one wave.
 template <int RT, int CW, int FMT>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, DECODE_MIN_BLOCKS)
-decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ num_active,
-               const int* __restrict__ active_slot, const int* __restrict__ active_start,
-               const int* __restrict__ active_len, const int* __restrict__ sorted_row,
-               const u64* __restrict__ gate_ptrs, const u64* __restrict__ up_ptrs,
-               const u64* __restrict__ gate_scale_ptrs, const u64* __restrict__ up_scale_ptrs,
-               const float* __restrict__ gate_gscale, const float* __restrict__ up_gscale,
-               const int* __restrict__ slot_fmt,
-               const u64* __restrict__ gate_bias_ptrs, const u64* __restrict__ up_bias_ptrs,
-               const int* __restrict__ inter, int shared_slot, bf16* __restrict__ act, int H, int I_max,
-               int act_code, float alpha, float limit) {
+decode_gate_up(DECODE_GATE_UP_ARGS) {
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;
@@ -165,14 +156,7 @@ decode_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
 // atomic == 1: routed pairs add w * y into acc[row, h]; the shared expert still stores y.
 template <int RT, int CW, int FMT>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, DECODE_MIN_BLOCKS)
-decode_down(const bf16* __restrict__ act, const int* __restrict__ num_active, const int* __restrict__ active_slot,
-            const int* __restrict__ active_start, const int* __restrict__ active_len,
-            const int* __restrict__ sorted_pair, const u64* __restrict__ down_ptrs,
-            const u64* __restrict__ down_scale_ptrs, const float* __restrict__ down_gscale,
-            const int* __restrict__ slot_fmt,
-            const u64* __restrict__ down_bias_ptrs, const int* __restrict__ inter,
-            const float* __restrict__ topk_w, float* __restrict__ y, float* __restrict__ acc, int H, int I_max,
-            int k, int P, int atomic) {
+decode_down(DECODE_DOWN_ARGS) {
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;

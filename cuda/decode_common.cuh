@@ -1,11 +1,36 @@
 // What the decode kernels share (decode.cu: CUDA-core streams of every format;
-// decode_fp4.cu: fp4 weights on tensor cores): the block size, the active-expert lookup,
-// and the expert lists' construction.
+// decode_fp4.cu: fp4 weights on tensor cores): the block size, the kernels' argument
+// lists, the active-expert lookup, and the expert lists' construction.
 #pragma once
 #include "common.cuh"
 
 #define DECODE_WARPS 8
 #define LISTS_THREADS 1024
+
+// The decode expert kernels' argument lists: the layer launches the CUDA-core and the
+// tensor-core kernels of a stage with one argument tuple, so they share one list.
+// gate/up: x (the shared expert's input) and xe (the routed experts'), the active lists,
+// per-slot weight / scale / global-scale / bias tables, each slot's format and width, and
+// act [positions, I_max] out. down: act in, the same tables, the routing weights, and y
+// [positions, H] (or, atomic, acc [rows, H]) out.
+#define DECODE_GATE_UP_ARGS                                                                                     \
+    const bf16 *__restrict__ x, const bf16 *__restrict__ xe, const int *__restrict__ num_active,                \
+        const int *__restrict__ active_slot, const int *__restrict__ active_start,                              \
+        const int *__restrict__ active_len, const int *__restrict__ sorted_row, const u64 *__restrict__ gate_ptrs, \
+        const u64 *__restrict__ up_ptrs, const u64 *__restrict__ gate_scale_ptrs,                               \
+        const u64 *__restrict__ up_scale_ptrs, const float *__restrict__ gate_gscale,                           \
+        const float *__restrict__ up_gscale, const int *__restrict__ slot_fmt,                                  \
+        const u64 *__restrict__ gate_bias_ptrs, const u64 *__restrict__ up_bias_ptrs,                           \
+        const int *__restrict__ inter, int shared_slot, bf16 *__restrict__ act, int H, int I_max, int act_code, \
+        float alpha, float limit
+#define DECODE_DOWN_ARGS                                                                                         \
+    const bf16 *__restrict__ act, const int *__restrict__ num_active, const int *__restrict__ active_slot,        \
+        const int *__restrict__ active_start, const int *__restrict__ active_len,                                \
+        const int *__restrict__ sorted_pair, const u64 *__restrict__ down_ptrs,                                  \
+        const u64 *__restrict__ down_scale_ptrs, const float *__restrict__ down_gscale,                          \
+        const int *__restrict__ slot_fmt, const u64 *__restrict__ down_bias_ptrs, const int *__restrict__ inter, \
+        const float *__restrict__ topk_w, float *__restrict__ y, float *__restrict__ acc, int H, int I_max, int k, \
+        int P, int atomic
 
 // The table slot of active expert j (a decode block's blockIdx.y), or -1 when the block has
 // nothing to do: past the active experts, or an expert of another weight format than FMT

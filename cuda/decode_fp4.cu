@@ -182,18 +182,10 @@ __device__ __forceinline__ void fp4_pass(float (&c)[4 * NT * M], const Fp4Frag<F
 #define FP4_MIN_BLOCKS(M, NT) ((M) == 2 && (NT) == 2 ? 1 : 2)
 
 // grid (ceil(I_max / (16 * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
-// Arguments as decode_gate_up's (decode.cu).
+// Arguments: DECODE_GATE_UP_ARGS (decode_common.cuh).
 template <int FMT, int KS, int NT>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, FP4_MIN_BLOCKS(2, NT))
-decode_fp4_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ num_active,
-                   const int* __restrict__ active_slot, const int* __restrict__ active_start,
-                   const int* __restrict__ active_len, const int* __restrict__ sorted_row,
-                   const u64* __restrict__ gate_ptrs, const u64* __restrict__ up_ptrs,
-                   const u64* __restrict__ gate_scale_ptrs, const u64* __restrict__ up_scale_ptrs,
-                   const float* __restrict__ gate_gscale, const float* __restrict__ up_gscale,
-                   const int* __restrict__ slot_fmt, const u64* __restrict__ gate_bias_ptrs,
-                   const u64* __restrict__ up_bias_ptrs, const int* __restrict__ inter, int shared_slot,
-                   bf16* __restrict__ act, int H, int I_max, int act_code, float alpha, float limit) {
+decode_fp4_gate_up(DECODE_GATE_UP_ARGS) {
     __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 8 * NT : 1];
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
@@ -233,18 +225,11 @@ decode_fp4_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, cons
 }
 
 // grid (ceil(H / (16 * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
-// Arguments and outputs as decode_down's (decode.cu): y[pos, h], or with `atomic` the
+// Arguments: DECODE_DOWN_ARGS (decode_common.cuh); outputs as decode_down's: y[pos, h], or with `atomic` the
 // routed pairs' w * y added into acc[row, h] (the shared expert still stores y).
 template <int FMT, int KS, int NT>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, FP4_MIN_BLOCKS(1, NT))
-decode_fp4_down(const bf16* __restrict__ act, const int* __restrict__ num_active,
-                const int* __restrict__ active_slot, const int* __restrict__ active_start,
-                const int* __restrict__ active_len, const int* __restrict__ sorted_pair,
-                const u64* __restrict__ down_ptrs, const u64* __restrict__ down_scale_ptrs,
-                const float* __restrict__ down_gscale, const int* __restrict__ slot_fmt,
-                const u64* __restrict__ down_bias_ptrs, const int* __restrict__ inter,
-                const float* __restrict__ topk_w, float* __restrict__ y, float* __restrict__ acc, int H, int I_max,
-                int k, int P, int atomic) {
+decode_fp4_down(DECODE_DOWN_ARGS) {
     __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 * NT : 1];
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);

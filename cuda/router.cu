@@ -72,13 +72,7 @@ rmsnorm_bf16(const bf16* __restrict__ x, const float* __restrict__ w, bf16* __re
 #pragma unroll
         for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
     }
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    float total = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NORM_THREADS / 32; ++i) total += partial[i];
-    const float inv = rsqrtf(total / (float)H + eps);
+    const float inv = rsqrtf(block_sum<NORM_THREADS>(ss, partial) / (float)H + eps);
     // every lane runs every iteration: the quantization's amax is a half-warp shuffle
     for (int h0 = 0; h0 < H; h0 += NORM_THREADS * 8) {
         const int h = h0 + threadIdx.x * 8;

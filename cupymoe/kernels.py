@@ -68,14 +68,20 @@ def fp4_decode_blocks_per_sm() -> int:
     return int(v)
 
 
-def fp4_decode_mma_formats(mxfp4_scale_bytes: Optional[tuple[int, int]] = None) -> tuple[int, ...]:
-    """Format codes the decode path runs on tensor cores: both fp4 formats, mxfp4 only when
-    its scale bytes (smallest, largest) lie in FP4_MMA_MXFP4_SCALE_BYTES; none with
+def fp4_decode_mode() -> str:
+    """Where fp4 decodes: "mma" (tensor cores, decode_fp4.cu), or "cores" with
     CUPYMOE_FP4_DECODE=cores (a measurement knob: decode.cu's CUDA-core streams)."""
     v = os.environ.get("CUPYMOE_FP4_DECODE", "mma")
     if v not in ("mma", "cores"):
         raise ValueError(f"CUPYMOE_FP4_DECODE={v!r}: must be 'mma' or 'cores'")
-    if v == "cores":
+    return v
+
+
+def fp4_decode_mma_formats(mode: str, mxfp4_scale_bytes: Optional[tuple[int, int]] = None) -> tuple[int, ...]:
+    """Format codes the decode path runs on tensor cores in `mode` (fp4_decode_mode): both
+    fp4 formats, mxfp4 only when its scale bytes (smallest, largest) lie in
+    FP4_MMA_MXFP4_SCALE_BYTES; none in "cores"."""
+    if mode == "cores":
         return ()
     lo, hi = FP4_MMA_MXFP4_SCALE_BYTES
     mx_ok = mxfp4_scale_bytes is None or (lo <= mxfp4_scale_bytes[0] and mxfp4_scale_bytes[1] <= hi)
@@ -106,6 +112,8 @@ SM90_BM, SM90_BK = 128, 64  # grouped_gemm_sm90's tile (cuda/grouped_sm90.cu)
 # weight formats the Hopper kernel also takes, dequantized into its B tiles: the fp4 ones
 # (fp8 has the w8a8 kernel; its raw stages would not fit two blocks per SM)
 SM90_QUANT_FORMATS = (FORMAT_CODES["nvfp4"], FORMAT_CODES["mxfp4"])
+
+
 @dataclass(frozen=True)
 class Sm90Variant:
     """One configuration of the Hopper bf16 grouped GEMM (cuda/grouped_sm90.cu, or

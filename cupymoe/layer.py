@@ -246,10 +246,12 @@ class MoeLayer:
             # GEMMs take 128-row tiles: resolved once here, not on every forward
             self._sm90 = kernels.SM90_VARIANTS[kernels.sm90_variant()]
             # fp4 weights on the decode path: tensor cores (decode_fp4.cu), or the CUDA-core
-            # streams of decode.cu (CUPYMOE_FP4_DECODE=cores, for measurements)
+            # streams of decode.cu (CUPYMOE_FP4_DECODE=cores, for measurements); the knobs are
+            # read before anything is uploaded
+            fp4_mode = kernels.fp4_decode_mode()
             self._fp4_blocks_per_sm = kernels.fp4_decode_blocks_per_sm()
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
-            self._fp4_mma_formats = kernels.fp4_decode_mma_formats(self.weights.mxfp4_scale_bytes)
+            self._fp4_mma_formats = kernels.fp4_decode_mma_formats(fp4_mode, self.weights.mxfp4_scale_bytes)
             # the weight formats present (routed experts, then a shared expert of another
             # format): the expert kernels run once per format
             fmts = [self.weights.format] + ([self.weights.shared_format] if self.weights.shared_format else [])

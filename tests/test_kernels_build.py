@@ -92,3 +92,26 @@ def test_measurement_knobs_are_validated(monkeypatch):
     for name, variant in kernels.SM90_VARIANTS.items():
         assert variant.smem_bytes() <= 227 * 1024, name  # Hopper's opt-in maximum
         assert variant.blocks_per_sm * variant.threads <= 2048, name
+
+
+def test_fp4_tensor_core_decode_formats_and_knobs(monkeypatch):
+    """Which fp4 formats decode on tensor cores: both, mxfp4 only while its scale bytes lie in
+    FP4_MMA_MXFP4_SCALE_BYTES (the kernels scale weights by 2^-64 on the way), none with the
+    measurement knob CUPYMOE_FP4_DECODE=cores; bad knob values are refused naming the value."""
+    nv, mx = kernels.FORMAT_CODES["nvfp4"], kernels.FORMAT_CODES["mxfp4"]
+    lo, hi = kernels.FP4_MMA_MXFP4_SCALE_BYTES
+    assert kernels.fp4_decode_mma_formats("mma") == (nv, mx)  # no mxfp4 weights in the layer
+    assert kernels.fp4_decode_mma_formats("mma", (lo, hi)) == (nv, mx)
+    assert kernels.fp4_decode_mma_formats("mma", (lo - 1, hi)) == (nv,)
+    assert kernels.fp4_decode_mma_formats("mma", (lo, hi + 1)) == (nv,)
+    assert kernels.fp4_decode_mma_formats("cores", (lo, hi)) == ()
+    monkeypatch.delenv("CUPYMOE_FP4_DECODE", raising=False)
+    assert kernels.fp4_decode_mode() == "mma"
+    monkeypatch.setenv("CUPYMOE_FP4_DECODE", "cores")
+    assert kernels.fp4_decode_mode() == "cores"
+    monkeypatch.setenv("CUPYMOE_FP4_DECODE", "tensor")
+    with pytest.raises(ValueError, match="CUPYMOE_FP4_DECODE='tensor'"):
+        kernels.fp4_decode_mode()
+    monkeypatch.setenv("CUPYMOE_FP4_BLOCKS_PER_SM", "0")
+    with pytest.raises(ValueError, match="CUPYMOE_FP4_BLOCKS_PER_SM='0'"):
+        kernels.fp4_decode_blocks_per_sm()
