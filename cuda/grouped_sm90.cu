@@ -43,6 +43,9 @@ grouped_gemm_sm90(GEMM_ARGS) {
         ld.load(sA + s * BM * BK, sB + s * BN * BK, sRaw + s * Loader::RAW_STAGE, k0, t.K);
     };
     const int wg = threadIdx.x / 128;
+    // a run's last tile often holds fewer than 64 rows: the second warpgroup then issues no
+    // wgmmas (the tensor cores go to the other block on the SM) but keeps the barriers
+    const bool has_rows = wg * 64 < t.rows;
 
     float d[NACC];
 #pragma unroll
@@ -63,7 +66,7 @@ grouped_gemm_sm90(GEMM_ARGS) {
         __syncthreads();         // everyone's copies of stage kt
         const u64 da = wgmma_desc(sA + (kt % S) * BM * BK + wg * 64 * BK);
         const u64 db = wgmma_desc(sB + (kt % S) * BN * BK);
-        wgmma_k64_bf16<BN>(d, da, db);
+        if (has_rows) wgmma_k64_bf16<BN>(d, da, db);
         wgmma_wait<1>();  // this warpgroup's batch kt - 1 is done ...
         __syncthreads();  // ... and the other's: its stage slot is free
         const int kn = kt + S - 1;
@@ -74,5 +77,5 @@ grouped_gemm_sm90(GEMM_ARGS) {
     fence_acc<NACC>(d);
     cp_async_wait<0>();
 
-    emit_wgmma_rows<MODE, BN>(t, d, wg * 64, GEMM_ARG_NAMES);
+    if (has_rows) emit_wgmma_rows<MODE, BN>(t, d, wg * 64, GEMM_ARG_NAMES);
 }

@@ -117,55 +117,72 @@ SM90_QUANT_FORMATS = (FORMAT_CODES["nvfp4"], FORMAT_CODES["mxfp4"])
 @dataclass(frozen=True)
 class Sm90Variant:
     """One configuration of the Hopper bf16 grouped GEMM (cuda/grouped_sm90.cu, or
-    cuda/grouped_sm90_ws.cu when warp-specialized)."""
+    cuda/grouped_sm90_tma.cu with TMA)."""
     stages: int
     blocks_per_sm: int
     bn: int  # weight rows per tile (gate/up: half gate, half up)
-    warp_specialized: bool = False  # a producer warpgroup + 2 consumers, persistent blocks
+    tma: bool = False  # TMA copies from a producer warp; gate/up and down of bf16 weights only
 
     @property
     def threads(self) -> int:
-        return 384 if self.warp_specialized else 256
+        return 288 if self.tma else 256
 
-    def serves(self, fmt: int) -> bool:
-        """bf16 weights, or fp4 ones dequantized into its B tiles (128-wide, not the
-        warp-specialized kernel)."""
-        return fmt == 0 or (fmt in SM90_QUANT_FORMATS and self.bn == GROUPED_BN and not self.warp_specialized)
+    def serves(self, fmt: int, mode: int = 0) -> bool:
+        """bf16 weights, or fp4 ones dequantized into its B tiles (128-wide, cp.async);
+        the TMA kernel serves bf16 gate/up and down, not the router."""
+        if self.tma:
+            return fmt == 0 and mode in (0, 1)
+        return fmt == 0 or (fmt in SM90_QUANT_FORMATS and self.bn == GROUPED_BN)
 
     def kernel(self, mode: int, fmt: int = 0) -> str:
-        if self.warp_specialized:
-            return f"grouped_gemm_sm90_ws<{mode}, {self.stages}, {self.bn}>"
+        if self.tma:
+            return f"grouped_gemm_sm90_tma<{mode}, {self.stages}, {self.bn}, {self.blocks_per_sm}>"
         tail = f", {fmt}" if fmt else ""
         return f"grouped_gemm_sm90<{mode}, {self.stages}, {self.blocks_per_sm}, {self.bn}{tail}>"
 
     def smem_bytes(self, fmt: int = 0) -> int:
         """The pipeline's stages (128-row A tiles, `bn`-row B tiles, 64 wide), fp4's raw
-        code stages, the warp-specialized kernel's 2 mbarriers a stage, and 1 KB to align the
-        swizzle atoms."""
+        code stages, the TMA kernel's 2 mbarriers a stage, and 1 KB to align the swizzle
+        atoms."""
         raw = self.stages * self.bn * SM90_BK * 4 // 8 if fmt else 0
-        return (self.stages * (SM90_BM + self.bn) * SM90_BK * 2 + raw + (16 * self.stages if self.warp_specialized else 0)
-                + 1024)
+        bars = 16 * self.stages if self.tma else 0
+        return self.stages * (SM90_BM + self.bn) * SM90_BK * 2 + raw + bars + 1024
 
 
 # "deep": 6 stages at one block per SM (192 KB); "twin": 3 stages at two (one block's
 # epilogue and prologue hide behind the other's math: 1.14-1.33x faster than deep at
 # N = 4096 / 16384, NOTES.md v10); "wide": 128 x 256 tiles (twice the math per byte of A
 # and of shared memory read; 128 accumulators a thread, so one block per SM): 5-20 %
-# slower than twin (v11); "ws": warp-specialized and persistent (v12; its 128 x 256 form
-# spills at 168 registers a thread, and setmaxnreg made ptxas spill more). CUPYMOE_SM90_VARIANT
-# picks one.
+# slower than twin (v11); "tma": twin's tiles and stages, loaded by TMA from a producer
+# warp (v18: 1.07-1.19x twin where I >= 1536, slower at I = 512). A warp-specialized
+# persistent cp.async kernel (v12) was slower than twin and is gone.
 SM90_VARIANTS = {
     "deep": Sm90Variant(6, 1, 128),
     "twin": Sm90Variant(3, 2, 128),
     "wide": Sm90Variant(4, 1, 256),
-    "ws": Sm90Variant(6, 1, 128, warp_specialized=True),
+    "tma": Sm90Variant(3, 2, 128, tma=True),
 }
+# "auto" (the default): "tma" for layers whose routed experts' intermediate size is at least
+# this, "twin" below. Measured at N = 1024 / 4096 / 16384 on the six shapes (NOTES.md v18):
+# tma wins at I = 1536 (qwen3-235b-a22b), 2048, 2880 and 14336, is even at 768
+# (qwen3-30b-a3b: 2 % slower at 4096, 3 % faster at 16384) and loses at 512
+# (qwen3-next-80b: 6-9 %): its gather pass costs P x H bytes, the GEMMs P x H x I FLOPs.
+TMA_MIN_INTERMEDIATE = 1024
 
 
 def sm90_variant() -> str:
-    v = os.environ.get("CUPYMOE_SM90_VARIANT", "twin")
-    if v not in SM90_VARIANTS:
-        raise ValueError(f"CUPYMOE_SM90_VARIANT={v!r}: must be one of {sorted(SM90_VARIANTS)}")
+    """CUPYMOE_SM90_VARIANT: a name of SM90_VARIANTS, or "auto" (the default)."""
+    v = os.environ.get("CUPYMOE_SM90_VARIANT", "auto")
+    if v != "auto" and v not in SM90_VARIANTS:
+        raise ValueError(f"CUPYMOE_SM90_VARIANT={v!r}: must be 'auto' or one of {sorted(SM90_VARIANTS)}")
+    return v
+
+
+def sm90_variant_for(intermediate: int) -> str:
+    """The Hopper GEMM variant a layer with this routed intermediate size takes."""
+    v = sm90_variant()
+    if v == "auto":
+        return "tma" if intermediate >= TMA_MIN_INTERMEDIATE else "twin"
     return v
 
 
@@ -216,12 +233,12 @@ MODULES: dict[str, ModuleSpec] = {
                 for f in FORMAT_CODES.values() if f),
     ),
     "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(dict.fromkeys(
-        [v.kernel(m) for m in (0, 1, 2) for v in SM90_VARIANTS.values() if not v.warp_specialized]
+        [v.kernel(m) for m in (0, 1, 2) for v in SM90_VARIANTS.values() if not v.tma]
         + [v.kernel(m, f) for m in (0, 1) for f in SM90_QUANT_FORMATS for v in SM90_VARIANTS.values() if v.serves(f)])),
                                archs=("sm_90a",)),
-    "grouped_sm90_ws": ModuleSpec("grouped_sm90_ws.cu", tuple(dict.fromkeys(
-        v.kernel(m) for m in (0, 1, 2) for v in SM90_VARIANTS.values() if v.warp_specialized)),
-                                  archs=("sm_90a",)),
+    "grouped_sm90_tma": ModuleSpec("grouped_sm90_tma.cu", tuple(dict.fromkeys(
+        v.kernel(m) for m in (0, 1) for v in SM90_VARIANTS.values() if v.tma)) + ("gather_rows",),
+                                   archs=("sm_90a",)),
     "grouped_sm90_fp8": ModuleSpec("grouped_sm90_fp8.cu",
                                    tuple(f"grouped_gemm_sm90_fp8<{m}>" for m in (0, 1)),
                                    archs=("sm_90a",)),

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from . import formats, kernels
+from . import formats, kernels, tma
 from .arena import Arena, ArenaPlan, BufferSpec, plan_arena
 from .config import MoeConfig
 from .host_weights import HostWeights
@@ -131,10 +131,12 @@ def _cols_per_warp(warp_columns: int, rt: int, variants) -> int:
 
 
 def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
-                     decode_max_tokens: int, w8a8: bool = False, w8a8_shared_x: bool = False) -> ArenaPlan:
+                     decode_max_tokens: int, w8a8: bool = False, w8a8_shared_x: bool = False,
+                     gathered_inputs: bool = False) -> ArenaPlan:
     """The layer's buffers, their live stages and the ONE alias table. `w8a8`: the e4m3
     copies of the expert input and of the activation, with their scales per 128 columns;
-    `w8a8_shared_x`: also x's, for an fp8 shared expert behind a pre-expert norm."""
+    `w8a8_shared_x`: also x's, for an fp8 shared expert behind a pre-expert norm;
+    `gathered_inputs`: xg, the expert inputs in sorted order (the TMA GEMM's gate/up A)."""
     T, k, H, R = max_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.router_width
     sh = 1 if cfg.has_shared_expert else 0
     P = T * k + sh * T  # expert positions: every routed pair, plus one shared row per token
@@ -157,6 +159,7 @@ def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
         BufferSpec("sorted_row", P * 4, "sort", "gate_up"),
         BufferSpec("sorted_pair", P * 4, "sort", "down"),
         BufferSpec("pair_pos", (T * k + T) * 4, "sort", "reduce"),
+        BufferSpec("xg", P * H * 2 if gathered_inputs else 0, "gate_up", "gate_up"),
         BufferSpec("act", P * i_max * 2, "gate_up", "down"),
         BufferSpec("y", Pd * H * 4, "down", "reduce"),  # decode: fp32 expert outputs
         BufferSpec("yw", P * H * 2, "down", "reduce"),  # grouped: weighted bf16 expert outputs
@@ -171,8 +174,9 @@ def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
         BufferSpec("qact", P * i_max if w8a8 else 0, "gate_up", "down"),
         BufferSpec("sact", P * -(-i_max // 128) * 4 if w8a8 else 0, "gate_up", "down"),
     ]
-    # logits die once top-k has read them; act is born at gate_up.
-    aliases = [("logits", "act")]
+    # logits die once top-k has read them; act is born at gate_up. xg dies in gate_up, yw
+    # is born in down.
+    aliases = [("logits", "act"), ("xg", "yw")]
     return plan_arena(STAGES, buffers, aliases)
 
 
@@ -244,7 +248,7 @@ class MoeLayer:
             self._sm_count = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
             # the Hopper GEMM's configuration and the rows per expert from which the grouped
             # GEMMs take 128-row tiles: resolved once here, not on every forward
-            self._sm90 = kernels.SM90_VARIANTS[kernels.sm90_variant()]
+            self._sm90 = kernels.SM90_VARIANTS[kernels.sm90_variant_for(cfg.moe_intermediate_size)]
             # fp4 weights on the decode path: tensor cores (decode_fp4.cu), or the CUDA-core
             # streams of decode.cu (CUPYMOE_FP4_DECODE=cores, for measurements); the knobs are
             # read before anything is uploaded
@@ -260,14 +264,22 @@ class MoeLayer:
             # the routed experts' math config runs on wgmma: bf16, and fp4 since v15 (at 64 rows
             # per expert 128-row tiles win for fp4 too: qwen3-30b-a3b N = 1024 720 -> 660 us,
             # deepseek-v3 N = 2048 11574 -> 10415; NOTES.md v15)
-            wgmma = (self.lib.arch == "sm_90a" and not self.row_invariant
-                     and self._sm90.serves(kernels.FORMAT_CODES[self.weights.format]))
+            hopper = self.lib.arch == "sm_90a" and not self.row_invariant
+            # the TMA kernel serves bf16 experts' gate/up and down; a layer it cannot serve
+            # (quantized experts) takes the cp.async kernel of the same tiles
+            self._tma = hopper and self._sm90.tma and all(self._sm90.serves(f, 0) for f in self._format_codes)
+            if self._sm90.tma and not self._tma:
+                self._sm90 = kernels.SM90_VARIANTS["twin"]
+
+            wgmma = hopper and self._sm90.serves(kernels.FORMAT_CODES[self.weights.format])
             self._math_rows = math_rows_per_expert("wgmma" if wgmma else "mma")
             w8a8 = self.fp8_compute == "w8a8"
             # an fp8 shared expert reads x, not the normed xe: then x needs its own e4m3 copy
             self._w8a8_shared_x = w8a8 and self.weights.shared_format == "fp8_block" and cfg.pre_expert_norm
             self.arena = Arena(plan_layer_arena(cfg, self.max_tokens, self.weights.n_local, self.weights.i_max,
-                                                self.decode_max_tokens, w8a8, self._w8a8_shared_x), self.device_id)
+                                                self.decode_max_tokens, w8a8, self._w8a8_shared_x, self._tma),
+                               self.device_id)
+            self._tma_maps = self._upload_tma_maps() if self._tma else None
             cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             # The weights, their tables and that memset went through the legacy default
@@ -298,6 +310,34 @@ class MoeLayer:
 
         cfg, hw = load_layer(checkpoint_dir, layer_idx)
         return cls(cfg, hw, max_tokens=max_tokens, **options)
+
+    def _upload_tma_maps(self):
+        """The TMA kernel's tensor maps (cupymoe/tma.py), in device memory: A of gate/up (xg)
+        and of down (act, through the routed and the shared expert's K), the stacked routed
+        weights and the shared expert's."""
+        import cupy
+
+        cfg, W, A = self.cfg, self.weights, self.arena
+        H, I, n = cfg.hidden_size, cfg.moe_intermediate_size, W.n_local
+        bm, bn = kernels.SM90_BM, self._sm90.bn
+        P = self.max_tokens * cfg.num_experts_per_tok + (self.max_tokens if cfg.has_shared_expert else 0)
+        ptrs = {p: W.tables[p].get() for p in ("gate", "up", "down")}  # per-slot weight addresses
+        Is = cfg.shared_expert_intermediate_size if cfg.has_shared_expert else 0
+
+        def routed(p, rows, cols, box):
+            return (tma.Matrix2D(int(ptrs[p][0]), n * rows, cols), box) if n else None
+
+        def shared(p, rows, cols, box):
+            return (tma.Matrix2D(int(ptrs[p][n]), rows, cols), box) if Is else None
+
+        table = tma.encode_table([
+            (tma.Matrix2D(A.ptr("xg"), P, H), bm),
+            (tma.Matrix2D(A.ptr("act"), P, I, W.i_max), bm),
+            (tma.Matrix2D(A.ptr("act"), P, Is, W.i_max), bm) if Is else None,
+            routed("gate", I, H, bn // 2), routed("up", I, H, bn // 2), routed("down", H, I, bn),
+            shared("gate", Is, H, bn // 2), shared("up", Is, H, bn // 2), shared("down", H, Is, bn),
+        ])
+        return cupy.asarray(np.frombuffer(table, np.uint8))
 
     # --- dispatch ------------------------------------------------------------------------
     def _check_path(self, path: str, num_tokens: int, cfg: MoeConfig) -> None:
@@ -391,7 +431,7 @@ class MoeLayer:
                 name, threads, smem, bn = self._grouped_kernel(2, "math" if N >= 1024 else "stream")
                 bm = 128 if name.startswith("grouped_gemm_sm90") else threads // 2  # mma.sync: 2 threads a row
                 lib[name](
-                    self._gemm_grid(name, -(-R // bn), -(-N // bm)), (threads,),
+                    (-(-R // bn), -(-N // bm)), (threads,),
                     (_u64(x), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(W.ptr("router")),
                      _u64(0), _u64(W.ptr("router_bias")), _u64(0), *(_u64(0),) * 5,
                      _u64(0), _u64(0), _i32(0), _i32(H), _i32(R),
@@ -529,7 +569,9 @@ class MoeLayer:
         if fmt == kernels.FORMAT_CODES["fp8_block"] and self.fp8_compute == "w8a8":
             return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), kernels.SM90_FP8_TILE[1]
         v = self._sm90
-        if config == "math" and v.serves(fmt) and self.lib.arch == "sm_90a" and not self.row_invariant:
+        if v.tma and mode == 2:  # the router's GEMM keeps the cp.async kernel
+            v = kernels.SM90_VARIANTS["twin"]
+        if config == "math" and v.serves(fmt, mode) and self.lib.arch == "sm_90a" and not self.row_invariant:
             return v.kernel(mode, fmt), v.threads, v.smem_bytes(fmt), v.bn
         return (*kernels.grouped_kernel(mode, kernels.QUANT_CONFIG[config] if fmt else config, fmt), kernels.GROUPED_BN)
 
@@ -592,8 +634,14 @@ class MoeLayer:
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' tiles
                 gate_up, threads, smem, bn = self._grouped_kernel(0, config, fmt)
                 extra = tuple(map(_u64, (qx, sx, qxs, sxs, qact, sact))) if w8a8 and fmt == fp8 else ()
+                if gate_up.startswith("grouped_gemm_sm90_tma<"):  # TMA reads the inputs in sorted order
+                    lib["gather_rows"]((tiles,), (256,),
+                                       (_u64(x), _u64(xe), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
+                                        _u64(A.ptr("sorted_row")), _i32(W.shared_slot), _i32(H), _u64(A.ptr("xg"))),
+                                       stream=s)
+                    extra = (_u64(int(self._tma_maps.data.ptr)),)
                 lib[gate_up](
-                    self._gemm_grid(gate_up, -(-W.i_max // (bn // 2)), tiles), (threads,),
+                    (-(-W.i_max // (bn // 2)), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(0), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("gate")), _u64(W.ptr("up")),
                      _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")), _u64(W.ptr("gate_scale")),
@@ -607,8 +655,10 @@ class MoeLayer:
             for fmt in self._format_codes:
                 down, threads, smem, bn = self._grouped_kernel(1, config, fmt)
                 extra = tuple(map(_u64, (qact, sact, qact, sact, 0, 0))) if w8a8 and fmt == fp8 else ()
+                if down.startswith("grouped_gemm_sm90_tma<"):
+                    extra = (_u64(int(self._tma_maps.data.ptr)),)
                 lib[down](
-                    self._gemm_grid(down, -(-H // bn), tiles), (threads,),
+                    (-(-H // bn), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(A.ptr("act")), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("down")), _u64(0),
                      _u64(W.ptr("down_bias")), _u64(0), _u64(W.ptr("down_scale")), _u64(0),
@@ -624,13 +674,6 @@ class MoeLayer:
                  _u64(A.ptr("yw")), _u64(W.ptr("shared_expert_gate")), _u64(out), _i32(N), _i32(H), _i32(k),
                  _i32(cfg.num_experts), _i32(has_shared), _i32(1 if cfg.ep_rank == 0 else 0)),
                 stream=s)
-
-    def _gemm_grid(self, kernel: str, column_tiles: int, row_tiles: int) -> tuple[int, int]:
-        """A grouped GEMM's grid: one block per (column tile, M-tile), or for the
-        warp-specialized kernel one persistent block per SM at most, walking the tiles."""
-        if kernel.startswith("grouped_gemm_sm90_ws<"):
-            return (min(column_tiles * row_tiles, self._sm_count), 1)
-        return (column_tiles, row_tiles)
 
     def _launch_router(self, x: int, N: int, logits: int, s) -> None:
         cfg, W = self.cfg, self.weights

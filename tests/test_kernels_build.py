@@ -76,11 +76,14 @@ def test_measurement_knobs_are_validated(monkeypatch):
 
     monkeypatch.delenv("CUPYMOE_SM90_VARIANT", raising=False)
     monkeypatch.delenv("CUPYMOE_MATH_ROWS", raising=False)
-    assert kernels.sm90_variant() == "twin"
+    assert kernels.sm90_variant() == "auto"
+    assert kernels.sm90_variant_for(768) == "twin" and kernels.sm90_variant_for(1536) == "tma"
+    assert kernels.sm90_variant_for(kernels.TMA_MIN_INTERMEDIATE) == "tma"
     assert math_rows_per_expert("wgmma") == MATH_ROWS_PER_EXPERT["wgmma"] == 40
     assert math_rows_per_expert("mma") == 96
     monkeypatch.setenv("CUPYMOE_SM90_VARIANT", "wide")
     assert kernels.sm90_kernel(1, kernels.sm90_variant()) == "grouped_gemm_sm90<1, 4, 1, 256>"
+    assert kernels.sm90_variant_for(4096) == "wide"  # a named variant holds at every size
     monkeypatch.setenv("CUPYMOE_SM90_VARIANT", "fast")
     with pytest.raises(ValueError, match="'fast'"):
         kernels.sm90_variant()

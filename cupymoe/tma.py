@@ -1,0 +1,105 @@
+"""TMA tensor maps for the Hopper grouped GEMM (cuda/grouped_sm90_tma.cu).
+
+A tensor map is the 128-byte descriptor the TMA unit reads to copy a box of a 2-D tensor
+into shared memory. Neither CuPy nor NVRTC makes one, so this module calls the driver's
+`cuTensorMapEncodeTiled` through ctypes (libcuda is where every CUDA process already is).
+The maps of a layer point at its weights and its arena, whose addresses never change, so
+they are encoded once at construction and kept in device memory in the order of
+TMA_MAPS, which is the kernel's TMA_MAP_* numbering.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+# the kernel's TMA_MAP_* indices, in order
+TMA_MAPS = ("a_gate_up", "a_down", "shared_a_down", "gate", "up", "down", "shared_gate", "shared_up", "shared_down")
+MAP_BYTES = 128
+BOX_K = 64  # bf16 elements of K per box row: 128 bytes, one 128-byte swizzle row
+
+# CUtensorMap enums (cuda.h)
+_DTYPE_UINT16 = 1  # bf16 bits; the zero fill is 0 either way
+_INTERLEAVE_NONE = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+_OOB_FILL_ZERO = 0
+
+
+class TmaError(RuntimeError):
+    """The driver refused a tensor map (its arguments are in the message)."""
+
+
+@dataclass(frozen=True)
+class Matrix2D:
+    """A row-major bf16 matrix in device memory: `rows` rows of `cols` elements, rows
+    `pitch` elements apart (default `cols`; more where a matrix reads the leading columns
+    of a wider buffer, so the zero fill starts at its own K)."""
+
+    ptr: int
+    rows: int
+    cols: int
+    pitch: int = 0
+
+    @property
+    def row_bytes(self) -> int:
+        return 2 * (self.pitch or self.cols)
+
+
+_encode = None
+
+
+def _driver_encode():
+    global _encode
+    if _encode is None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise TmaError(f"libcuda.so.1 could not be loaded for cuTensorMapEncodeTiled: {e}") from e
+        f = lib.cuTensorMapEncodeTiled
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                      ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                      ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        _encode = f
+    return _encode
+
+
+def check_matrix(m: Matrix2D, box_rows: int, what: str) -> None:
+    """What TMA needs of a matrix and a box: 16-byte aligned base and row pitch, extents
+    below 2^32, boxes of at most 256 rows; a 128-byte swizzled box row of 64 elements."""
+    if m.ptr % 16:
+        raise TmaError(f"{what}: base address {m.ptr:#x} is not 16-byte aligned")
+    if m.row_bytes % 16 or m.row_bytes < 2 * m.cols:
+        raise TmaError(f"{what}: row pitch {m.row_bytes} bytes is not a multiple of 16 of at least {2 * m.cols}")
+    if not (0 < m.rows < 2**32 and 0 < m.cols < 2**32):
+        raise TmaError(f"{what}: extents {m.rows} x {m.cols} outside 1 .. 2^32 - 1")
+    if not 0 < box_rows <= 256:
+        raise TmaError(f"{what}: box of {box_rows} rows; TMA boxes hold 1 .. 256")
+
+
+def encode(m: Matrix2D, box_rows: int, what: str = "matrix") -> bytes:
+    """The tensor map of `m` read in boxes of `box_rows` rows x 64 columns, 128-byte
+    swizzled (the layout wgmma_desc describes), zeros past the extents."""
+    check_matrix(m, box_rows, what)
+    out = (ctypes.c_uint8 * MAP_BYTES)()
+    dims = (ctypes.c_uint64 * 2)(m.cols, m.rows)
+    strides = (ctypes.c_uint64 * 1)(m.row_bytes)
+    box = (ctypes.c_uint32 * 2)(BOX_K, box_rows)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    rc = _driver_encode()(ctypes.addressof(out), _DTYPE_UINT16, 2, ctypes.c_void_p(m.ptr), dims, strides, box, elem,
+                          _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO)
+    if rc != 0:
+        raise TmaError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for {what}: {m}, box {box_rows} x {BOX_K}")
+    return bytes(out)
+
+
+def encode_table(maps: Sequence[Optional[tuple[Matrix2D, int]]]) -> bytes:
+    """The maps in TMA_MAPS order ((matrix, box rows), or None for a map the layer never
+    reads, left zero), back to back: 128-byte aligned in a 256-byte aligned buffer."""
+    if len(maps) != len(TMA_MAPS):
+        raise ValueError(f"{len(maps)} maps given, the kernel reads {len(TMA_MAPS)}: {TMA_MAPS}")
+    return b"".join(bytes(MAP_BYTES) if spec is None else encode(spec[0], spec[1], name)
+                    for name, spec in zip(TMA_MAPS, maps))

@@ -1,0 +1,45 @@
+"""CPU: the TMA tensor-map table's checks (cupymoe/tma.py); encoding itself needs the driver
+and is exercised by the GPU tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from cupymoe import tma
+
+
+def test_matrix_requirements_name_the_values():
+    ok = tma.Matrix2D(0x10000, 1000, 96)
+    tma.check_matrix(ok, 128, "ok")
+    with pytest.raises(tma.TmaError, match="0x10008"):
+        tma.check_matrix(tma.Matrix2D(0x10008, 10, 64), 128, "a")
+    with pytest.raises(tma.TmaError, match="pitch 20 bytes"):
+        tma.check_matrix(tma.Matrix2D(0x10000, 10, 10), 128, "b")
+    with pytest.raises(tma.TmaError, match="of at least 192"):
+        tma.check_matrix(tma.Matrix2D(0x10000, 10, 96, pitch=64), 128, "c")
+    with pytest.raises(tma.TmaError, match="300 rows"):
+        tma.check_matrix(ok, 300, "d")
+    with pytest.raises(tma.TmaError, match="0 x 64"):
+        tma.check_matrix(tma.Matrix2D(0x10000, 0, 64), 128, "e")
+    # a matrix reading the leading columns of a wider buffer: the pitch is the buffer's
+    assert tma.Matrix2D(0x10000, 10, 64, pitch=96).row_bytes == 192
+
+
+def test_table_holds_every_kernel_map_in_order():
+    assert len(tma.TMA_MAPS) == 9 and tma.TMA_MAPS[0] == "a_gate_up"
+    table = tma.encode_table([None] * len(tma.TMA_MAPS))  # maps the layer never reads stay zero
+    assert table == bytes(tma.MAP_BYTES * len(tma.TMA_MAPS))
+    with pytest.raises(ValueError, match="the kernel reads 9"):
+        tma.encode_table([None] * 8)
+
+
+def test_kernel_and_python_agree_on_the_map_order():
+    """cuda/grouped_sm90_tma.cu's TMA_MAP_* indices are TMA_MAPS' positions."""
+    import re
+
+    from cupymoe import kernels
+
+    src = (kernels.kernel_dir() / "grouped_sm90_tma.cu").read_text()
+    found = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(r"#define TMA_MAP_(\w+) (\d+)", src)
+             if m.group(1) != "BYTES"}
+    assert found == {name: i for i, name in enumerate(tma.TMA_MAPS)}
