@@ -167,6 +167,7 @@ SM90_VARIANTS = {
 # tma wins at I = 1536 (qwen3-235b-a22b), 2048, 2880 and 14336, is even at 768
 # (qwen3-30b-a3b: 2 % slower at 4096, 3 % faster at 16384) and loses at 512
 # (qwen3-next-80b: 6-9 %): its gather pass costs P x H bytes, the GEMMs P x H x I FLOPs.
+# The measurement: scripts/sm90_variants.sh (results/20261130-h200-sm90-tma-fe1556d.json).
 TMA_MIN_INTERMEDIATE = 1024
 
 

@@ -201,6 +201,29 @@ def random_token_ids(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray
 
 
 # ----------------------------------------------------------------------------------
+# CUDA graphs
+# ----------------------------------------------------------------------------------
+
+def eager_and_graph(layer, x, n: int, path, stream):
+    """`layer` run on the device input `x` (bf16 bits) once eagerly and once captured into a
+    CUDA graph and replayed, each into an output poisoned with NaN first. Returns (eager,
+    replayed, graph): the outputs as uint16 device arrays, and the graph, which a caller may
+    replay after writing new contents into `x` (and must drop before a communicator it
+    captured closes)."""
+    import cupy
+
+    eager = cupy.full(x.shape, 0x7FC0, cupy.uint16)
+    layer.forward(int(x.data.ptr), n, int(eager.data.ptr), stream.ptr, path=path)
+    replayed = cupy.full(x.shape, 0x7FC0, cupy.uint16)
+    stream.begin_capture()
+    layer.forward(int(x.data.ptr), n, int(replayed.data.ptr), stream.ptr, path=path)
+    graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    return eager, replayed, graph
+
+
+# ----------------------------------------------------------------------------------
 # expert parallelism: one rank's part of the multi-GPU test (cupymoe.parallel.spawn_ranks)
 # ----------------------------------------------------------------------------------
 
@@ -228,14 +251,7 @@ def ep_rank_check(rank: int, world_size: int, unique_id, family: str, seed: int,
         for path in paths:
             if path != "prefill" and n > 64:
                 continue
-            eager = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
-            layer.forward(int(xd.data.ptr), n, int(eager.data.ptr), s.ptr, path=path)
-            graph_out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
-            s.begin_capture()
-            layer.forward(int(xd.data.ptr), n, int(graph_out.data.ptr), s.ptr, path=path)
-            g = s.end_capture()
-            g.launch(s)
-            s.synchronize()
+            eager, graph_out, g = eager_and_graph(layer, xd, n, path, s)
             del g  # graphs that captured NCCL calls go before the communicator (cupymoe.parallel)
             out[(n, path)] = (x, bits_to_f32(eager.get()), bits_to_f32(graph_out.get()))
     comm.close()

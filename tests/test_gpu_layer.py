@@ -128,15 +128,8 @@ def test_cupy_graph_replay_is_bitwise_eager_and_follows_new_inputs(rng, path):
     cupy, cfg, hw, layer = _graph_case(rng)
     for n in (1, 4, 33):
         x = cupy.asarray(bf16_bits(well_separated_input(cfg, hw, rng, n)))
-        eager = cupy.full_like(x, 0x7FC0)
         s = cupy.cuda.Stream(non_blocking=True)
-        layer.forward(int(x.data.ptr), n, int(eager.data.ptr), s.ptr, path=path)
-        out = cupy.full_like(x, 0x7FC0)
-        s.begin_capture()
-        layer.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr, path=path)
-        g = s.end_capture()
-        g.launch(s)
-        s.synchronize()
+        eager, out, g = testing.eager_and_graph(layer, x, n, path, s)
         if path != "atomic":
             assert cupy.array_equal(out, eager), f"N={n}: graph replay differs from eager"
         # new contents written into the same input buffer before a replay
@@ -167,14 +160,7 @@ def test_tma_grouped_gemm_graph_replay_is_bitwise_eager(rng, monkeypatch):
     n = 1000
     x = cupy.asarray(bf16_bits(well_separated_input(cfg, hw, rng, n)))
     s = cupy.cuda.Stream(non_blocking=True)
-    eager = cupy.full_like(x, 0x7FC0)
-    layer.forward(int(x.data.ptr), n, int(eager.data.ptr), s.ptr, path="prefill")
-    out = cupy.full_like(x, 0x7FC0)
-    s.begin_capture()
-    layer.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr, path="prefill")
-    g = s.end_capture()
-    g.launch(s)
-    s.synchronize()
+    eager, out, g = testing.eager_and_graph(layer, x, n, "prefill", s)
     assert cupy.array_equal(out, eager), "graph replay differs from eager"
     x2 = well_separated_input(cfg, hw, rng, n)
     x[...] = cupy.asarray(bf16_bits(x2))

@@ -150,15 +150,7 @@ def test_quantized_graph_replay_is_bitwise_eager(name, path, rng):
     n = 17 if path == "decode" else 300
     xh = well_separated_input(cfg, hw, rng, n)
     x = cupy.asarray(bf16_bits(xh))
-    s = cupy.cuda.Stream(non_blocking=True)
-    eager = cupy.full(x.shape, 0x7FC0, cupy.uint16)
-    layer.forward(int(x.data.ptr), n, int(eager.data.ptr), s.ptr, path=path)
-    replay = cupy.full(x.shape, 0x7FC0, cupy.uint16)
-    s.begin_capture()
-    layer.forward(int(x.data.ptr), n, int(replay.data.ptr), s.ptr, path=path)
-    g = s.end_capture()
-    g.launch(s)
-    s.synchronize()
+    eager, replay, _ = testing.eager_and_graph(layer, x, n, path, cupy.cuda.Stream(non_blocking=True))
     assert np.array_equal(eager.get(), replay.get())
     c = check(bits_to_f32(replay.get()), cfg, hw, xh, path, layer=layer)
     assert c.ok, f"{name} {path}: {c}"
