@@ -43,3 +43,19 @@ def test_kernel_and_python_agree_on_the_map_order():
     found = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(r"#define TMA_MAP_(\w+) (\d+)", src)
              if m.group(1) != "BYTES"}
     assert found == {name: i for i, name in enumerate(tma.TMA_MAPS)}
+
+
+def test_encoding_without_a_driver_says_so():
+    """Where libcuda is missing (CI), encoding a map is a TmaError naming the library; the
+    checks above run before it, so a bad matrix is reported as such even there."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("libcuda.so.1 is present: the GPU tests encode real maps")
+    except OSError:
+        pass
+    with pytest.raises(tma.TmaError, match="libcuda.so.1"):
+        tma.encode(tma.Matrix2D(0x10000, 100, 64), 128, "x")
+    with pytest.raises(tma.TmaError, match="not 16-byte aligned"):
+        tma.encode(tma.Matrix2D(0x10001, 100, 64), 128, "x")
