@@ -271,7 +271,6 @@ class MoeLayer:
             self._tma = hopper and self._sm90.tma and all(self._sm90.serves(f, 0) for f in self._format_codes)
             if self._sm90.tma and not self._tma:
                 self._sm90 = kernels.SM90_VARIANTS["twin"]
-
             wgmma = hopper and self._sm90.serves(kernels.FORMAT_CODES[self.weights.format])
             self._math_rows = math_rows_per_expert("wgmma" if wgmma else "mma")
             w8a8 = self.fp8_compute == "w8a8"
