@@ -320,7 +320,8 @@ class MoeLayer:
         cfg, W, A = self.cfg, self.weights, self.arena
         H, I, n = cfg.hidden_size, cfg.moe_intermediate_size, W.n_local
         bm, bn = kernels.SM90_BM, self._sm90.bn
-        P = self.max_tokens * cfg.num_experts_per_tok + (self.max_tokens if cfg.has_shared_expert else 0)
+        # the A maps span their arena buffers exactly: TMA never reads past them
+        xg_rows, act_rows = A.nbytes("xg") // (2 * H), A.nbytes("act") // (2 * W.i_max)
         ptrs = {p: W.tables[p].get() for p in ("gate", "up", "down")}  # per-slot weight addresses
         Is = cfg.shared_expert_intermediate_size if cfg.has_shared_expert else 0
 
@@ -331,9 +332,9 @@ class MoeLayer:
             return (tma.Matrix2D(int(ptrs[p][n]), rows, cols), box) if Is else None
 
         table = tma.encode_table([
-            (tma.Matrix2D(A.ptr("xg"), P, H), bm),
-            (tma.Matrix2D(A.ptr("act"), P, I, W.i_max), bm),
-            (tma.Matrix2D(A.ptr("act"), P, Is, W.i_max), bm) if Is else None,
+            (tma.Matrix2D(A.ptr("xg"), xg_rows, H), bm),
+            (tma.Matrix2D(A.ptr("act"), act_rows, I, W.i_max), bm),
+            (tma.Matrix2D(A.ptr("act"), act_rows, Is, W.i_max), bm) if Is else None,
             routed("gate", I, H, bn // 2), routed("up", I, H, bn // 2), routed("down", H, I, bn),
             shared("gate", Is, H, bn // 2), shared("up", Is, H, bn // 2), shared("down", H, Is, bn),
         ])
