@@ -51,11 +51,88 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restr
                        active_len, sorted_row, sorted_pair, pair_pos);
 }
 
+// The expert lists of a few pairs (decode_route_lists), the same lists as
+// build_expert_lists but without its scans over every expert: each thread takes pairs and
+// counts, over all P pairs, those sorting before its own (by slot, then pair order),
+// those of its slot, and (second pass) the distinct slots before its own. O(P^2 / threads)
+// shared-memory reads, fewer than the scans' barriers and the ids' round trips for the
+// P <= 8 k of the fused routing launch. `ids` (shared memory): pair p's expert id at
+// ids[(p / k) * ids_stride + p % k]; `sm` 2 P ints of shared scratch.
+__device__ __forceinline__ void build_few_expert_lists(int* sm, const int* ids, int ids_stride, int N, int k,
+                                                       const int* __restrict__ slot_of, int R, int n_local,
+                                                       int has_shared, int* __restrict__ num_active,
+                                                       int* __restrict__ active_slot, int* __restrict__ active_start,
+                                                       int* __restrict__ active_len, int* __restrict__ sorted_row,
+                                                       int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
+    const int P = N * k;
+    int* slot = sm;       // [P]: pair p's table slot, -1 when nobody's here
+    int* first = sm + P;  // [P]: 1 where p is its slot's first pair
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int e = ids[(p / k) * ids_stride + p % k];
+        slot[p] = e >= 0 && e < R ? slot_of[e] : -1;
+    }
+    __syncthreads();
+    int owned = 0;  // pairs on this rank: the shared expert's rows follow them
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int sl = slot[p];
+        int before = 0, same_before = 0;
+        owned = 0;
+        for (int q = 0; q < P; ++q) {
+            const int sq = slot[q];
+            owned += sq >= 0;
+            before += sq >= 0 && sq < sl;
+            same_before += q < p && sq == sl;
+        }
+        const int pos = sl >= 0 ? before + same_before : -1;
+        first[p] = sl >= 0 && same_before == 0;
+        if (pos >= 0) {
+            sorted_row[pos] = p / k;
+            sorted_pair[pos] = p;
+        }
+        pair_pos[p] = pos;
+    }
+    __syncthreads();
+    int active = 0;
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int sl = slot[p];
+        int a = 0, start = 0, len = 0;
+        active = 0;
+        for (int q = 0; q < P; ++q) {
+            const int sq = slot[q];
+            active += first[q];
+            a += first[q] && sq < sl;
+            start += sq >= 0 && sq < sl;
+            len += sq == sl;
+        }
+        if (first[p]) {
+            active_slot[a] = sl;
+            active_start[a] = start;
+            active_len[a] = len;
+        }
+    }
+    if (threadIdx.x == 0 && P > 0) {  // thread 0 took pair 0, so its counts cover every pair
+        if (has_shared) {
+            active_slot[active] = n_local;
+            active_start[active] = owned;
+            active_len[active] = N;
+        }
+        *num_active = active + (has_shared ? 1 : 0);
+    }
+    if (has_shared)
+        for (int r = threadIdx.x; r < N; r += blockDim.x) {
+            sorted_row[owned + r] = r;
+            sorted_pair[owned + r] = P + r;
+            pair_pos[P + r] = owned + r;
+        }
+}
+
 // The routing stage and the expert lists in one launch, for a few rows (the decode path's
 // N = 1 .. ROUTE_LISTS_MAX_ROWS: one launch fewer in its chain): warp w routes row w as
-// topk_route does (routing.cuh), then the block builds the lists from the ids it wrote.
-// grid 1, block LISTS_THREADS, dynamic smem N (2 R + TOPK_MAX_K) floats + (2 n_local + 33) ints.
-__global__ void __launch_bounds__(LISTS_THREADS)
+// topk_route does (routing.cuh), then the block builds the lists from the ids the warps
+// left in shared memory (build_few_expert_lists).
+// grid 1, block ROUTE_LISTS_THREADS (>= 32 N), dynamic smem N (2 R + TOPK_MAX_K) floats + 2 N k ints.
+#define ROUTE_LISTS_THREADS 256
+__global__ void __launch_bounds__(ROUTE_LISTS_THREADS)
 decode_route_lists(const float* __restrict__ logits, const float* __restrict__ corr_bias,
                    const int* __restrict__ tid2eid, const int* __restrict__ token_ids, int* __restrict__ ids_out,
                    float* __restrict__ w_out, int* __restrict__ err, int N, int R, int E, int k, int scoring,
@@ -65,14 +142,15 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
                    int* __restrict__ sorted_row, int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
     extern __shared__ float route_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int stride = 2 * R + TOPK_MAX_K;  // a row's scratch; its ids at 2 R (route_row)
     if (warp < N)
-        route_row(warp, route_smem + (size_t)warp * (2 * R + TOPK_MAX_K), logits, corr_bias, tid2eid, token_ids,
-                  ids_out, w_out, err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab,
-                  lane);
-    __syncthreads();  // the block's writes of ids_out are visible to all of it
-    build_expert_lists(reinterpret_cast<int*>(route_smem + (size_t)N * (2 * R + TOPK_MAX_K)), ids_out, N, k, slot_of,
-                       R, n_local, has_shared, num_active, active_slot, active_start, active_len, sorted_row,
-                       sorted_pair, pair_pos);
+        route_row(warp, route_smem + (size_t)warp * stride, logits, corr_bias, tid2eid, token_ids, ids_out, w_out,
+                  err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane, true);
+    __syncthreads();
+    build_few_expert_lists(reinterpret_cast<int*>(route_smem + (size_t)N * stride),
+                           reinterpret_cast<const int*>(route_smem) + 2 * R, stride, N, k, slot_of, R, n_local,
+                           has_shared, num_active, active_slot, active_start, active_len, sorted_row, sorted_pair,
+                           pair_pos);
 }
 
 // grid (ceil(I_max / (DECODE_WARPS * CW)), max_active), block DECODE_WARPS * 32.
@@ -211,7 +289,9 @@ decode_down(DECODE_DOWN_ARGS) {
     }
 }
 
-// grid N, block 256. out[row] = routed terms + zero-expert terms + shared term, in bf16.
+// grid (N, column blocks), block 256. out[row] = routed terms + zero-expert terms + shared
+// term, in bf16. A few rows split H over blocks (the layer's REDUCE_SPLIT_ROWS): one row's
+// 4 H bytes of y per slot are then read by many SMs at once instead of one block's loop.
 // `primary` (EP rank 0, or no EP) adds the zero-expert and shared terms, which belong to
 // no rank's experts and must be counted once across the ranks' partial outputs.
 // The row's slot table (position, weight) goes to shared memory first, so the loads of the
@@ -230,7 +310,7 @@ decode_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int
                                                                 has_shared, primary, atomic, s_pos, s_w);
     const float scale = pro.shared_scale, zw = pro.zero_w;
     const int shared_pos = pro.shared_pos;
-    for (int h = threadIdx.x * 4; h < H; h += REDUCE_THREADS * 4) {
+    for (int h = (blockIdx.y * REDUCE_THREADS + threadIdx.x) * 4; h < H; h += gridDim.y * REDUCE_THREADS * 4) {
         float4 o = atomic ? *reinterpret_cast<const float4*>(acc + rbase + h) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
         for (int s = 0; s < k; ++s) {

@@ -43,16 +43,245 @@ __device__ __forceinline__ int warp_select(const float* v, int lo, int hi, int l
     return bi;
 }
 
+// The selection order of a score as an unsigned key: a larger score has a larger key; NaN
+// (and a taken entry) is 0, never chosen; -0.0 keys as +0.0, the two being equal scores.
+__device__ __forceinline__ unsigned select_key(float v) {
+    if (v != v) return 0u;
+    const unsigned u = __float_as_uint(v + 0.0f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// A lane's best entry of its V keys: the largest, the lowest register (so the lowest expert
+// id, entry lane + 32 j) among equals; key 0 when none is left.
+template <int V>
+__device__ __forceinline__ void lane_best(const unsigned (&key)[V], unsigned& bk, int& bj) {
+    bk = 0u;
+    bj = 0;
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+        if (key[j] > bk) {
+            bk = key[j];
+            bj = j;
+        }
+}
+
+// Whether route_row_regs<V> serves a row of this router: no hash table, at most 32 V
+// scores, and groups (if any) made of whole registers (E / n_group a multiple of 32).
+__device__ __forceinline__ bool regs_route_fits(int V, int R, int E, int n_group, const int* tid2eid) {
+    if (tid2eid || R > 32 * V) return false;
+    return n_group <= 1 || (n_group <= 32 && E % n_group == 0 && (E / n_group) % 32 == 0);
+}
+
+// route_row with the row's scores in registers (entry lane + 32 j in register j): each of
+// the k rounds of selection is a warp max of the lanes' best keys and a warp min of the
+// tied ids (REDUX), where the shared-memory path re-reads R scores and runs a shuffle
+// arg-max; the group scores are warp top-2 merges of whole registers. Same choices as the
+// shared-memory path (ties to the lower id, NaN never chosen), so the ids agree; the
+// weights' renormalising sum runs as a warp tree. The ids also go to sel_out (shared
+// memory, k ints) for the expert lists of decode_route_lists.
+template <int V>
+__device__ __forceinline__ void route_row_regs(int row, int* sel_out, const float* __restrict__ logits,
+                                               const float* __restrict__ corr_bias, int* __restrict__ ids_out,
+                                               float* __restrict__ w_out, int R, int E, int k, int scoring,
+                                               int n_group, int topk_group, int topk_then_softmax, int renorm,
+                                               float scale, int lane) {
+    const float* l = logits + (size_t)row * R;
+    float s[V], c[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const int i = lane + 32 * j;
+        c[j] = i < R ? l[i] : NAN;  // past R: NaN, never chosen
+        s[j] = i < R && corr_bias ? corr_bias[i] : 0.0f;  // the correction bias, for now
+    }
+    // 1. scores s and selection scores c
+    if (topk_then_softmax) {
+        // c are the logits; the weights come from the chosen ones
+    } else if (scoring == SCORE_SOFTMAX) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            if (lane + 32 * j < R) m = fmaxf(m, c[j]);
+        m = warp_max(m);
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float e = lane + 32 * j < R ? expf(c[j] - m) : 0.0f;
+            c[j] = e;
+            sum += e;
+        }
+        const float inv = 1.0f / warp_sum(sum);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float b = s[j];
+            s[j] = c[j] * inv;
+            c[j] = lane + 32 * j < R ? s[j] + b : NAN;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float x = c[j];
+            float v;
+            if (scoring == SCORE_SIGMOID) {
+                v = sigmoidf_(x);
+            } else {
+                const float sp = x > 20.0f ? x : log1pf(expf(x));
+                v = sqrtf(sp);
+            }
+            const float b = s[j];
+            s[j] = v;
+            c[j] = lane + 32 * j < R ? v + b : NAN;
+        }
+    }
+
+    // 2. groups: a group's score is the sum of its two largest c (NaN ignored); entries of
+    // groups outside the topk_group best (ties: lower group) are set to -inf
+    if (n_group > 1) {
+        const int per = E / n_group / 32;  // registers a group
+        float gs[32 > V ? V : 32];         // n_group <= E / 32 <= V
+        float best_g[32 > V ? V : 32];
+#pragma unroll
+        for (int g = 0; g < (32 > V ? V : 32); ++g) gs[g] = best_g[g] = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {  // each lane's top two of each group
+            const int g = j / per;
+            const float v = c[j] == c[j] ? c[j] : -INFINITY;
+            if (lane + 32 * j < E) {
+#pragma unroll
+                for (int h = 0; h < (32 > V ? V : 32); ++h)
+                    if (h == g) {
+                        const float lo = fminf(best_g[h], v);
+                        best_g[h] = fmaxf(best_g[h], v);
+                        gs[h] = fmaxf(gs[h], lo);
+                    }
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {  // merge the lanes' top twos (every group at once)
+#pragma unroll
+            for (int h = 0; h < (32 > V ? V : 32); ++h) {
+                const float b1 = __shfl_xor_sync(CUPYMOE_FULL_MASK, best_g[h], o);
+                const float b2 = __shfl_xor_sync(CUPYMOE_FULL_MASK, gs[h], o);
+                const float lo = fminf(best_g[h], b1);
+                best_g[h] = fmaxf(best_g[h], b1);
+                gs[h] = fmaxf(lo, fmaxf(gs[h], b2));
+            }
+        }
+        unsigned kept = 0u;  // every lane has every group's score: select on each lane alike
+        for (int t = 0; t < topk_group; ++t) {
+            float bv = -INFINITY;
+            int bg = -1;
+#pragma unroll
+            for (int h = 0; h < (32 > V ? V : 32); ++h) {
+                const float v = best_g[h] + gs[h];
+                if (h < n_group && !((kept >> h) & 1u) && (bg < 0 || v > bv)) {
+                    bv = v;
+                    bg = h;
+                }
+            }
+            if (bg >= 0) kept |= 1u << bg;
+        }
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            if (lane + 32 * j < E && !((kept >> (j / per)) & 1u)) c[j] = -INFINITY;
+    }
+
+    // 3. k rounds: the warp's largest key, then the lowest id holding it
+    unsigned key[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) key[j] = select_key(c[j]);
+    unsigned bk;
+    int bj;
+    lane_best(key, bk, bj);
+    int my_id[2] = {0x7fffffff, 0x7fffffff};  // round lane and lane + 32 (k <= TOPK_MAX_K)
+    float my_v[2] = {0.0f, 0.0f};
+    for (int t = 0; t < k; ++t) {
+        const unsigned m = __reduce_max_sync(CUPYMOE_FULL_MASK, bk);
+        const int win = __reduce_min_sync(CUPYMOE_FULL_MASK, m != 0u && bk == m ? lane + 32 * bj : 0x7fffffff);
+        float v = 0.0f;  // the winner's weight source: its logit (topk_then_softmax) or score
+        const int wj = win >> 5;
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            if (j == wj) v = topk_then_softmax ? c[j] : s[j];
+        v = __shfl_sync(CUPYMOE_FULL_MASK, v, win & 31);
+        if (win != 0x7fffffff && lane == (win & 31)) {
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                if (j == wj) key[j] = 0u;
+            lane_best(key, bk, bj);
+        }
+        if (lane == (t & 31)) {  // (two named registers: an index would put them in local memory)
+            const float mv = win != 0x7fffffff ? v : 0.0f;
+            if (t < 32) {
+                my_id[0] = win;
+                my_v[0] = mv;
+            } else {
+                my_id[1] = win;
+                my_v[1] = mv;
+            }
+        }
+    }
+
+    // 4. routing weights (lanes t, t + 32 hold round t's)
+    float w[2];
+    float part = 0.0f;
+    if (topk_then_softmax) {
+        const float m = __shfl_sync(CUPYMOE_FULL_MASK, my_v[0], 0);  // the first pick is the largest logit
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            w[h] = lane + 32 * h < k ? expf(my_v[h] - m) : 0.0f;
+            part += w[h];
+        }
+        const float sum = warp_sum(part);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) w[h] = w[h] / sum * scale;
+    } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            w[h] = lane + 32 * h < k ? my_v[h] : 0.0f;
+            part += w[h];
+        }
+        const float sum = warp_sum(part);
+        const float inv = renorm ? 1.0f / (sum + 1e-20f) : 1.0f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) w[h] = w[h] * inv * scale;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int t = lane + 32 * h;
+        if (t < k) {
+            ids_out[(size_t)row * k + t] = my_id[h];
+            w_out[(size_t)row * k + t] = w[h];
+            if (sel_out) sel_out[t] = my_id[h];
+        }
+    }
+}
+
 // Routes one row with one warp: its k expert ids and weights into ids_out / w_out[row, :].
-// `s` is the warp's shared scratch of 2 R + TOPK_MAX_K floats.
+// `s` is the warp's shared scratch of 2 R + TOPK_MAX_K floats; its last TOPK_MAX_K hold
+// the row's ids afterwards (decode_route_lists builds the expert lists from them).
+// `regs`: route_row_regs where it fits. The fused decode launch, one row a warp and bound
+// by the row's latency, takes it (qwen3-30b-a3b / deepseek-v3 N = 1: 3 / 7 us less with
+// the expert lists and the split reduce); topk_route over thousands of rows is bound by
+// throughput instead and measured the same or slower with it (qwen3-next-80b, R = 512,
+// N = 16384: 82 vs 70 us), so it keeps the shared-memory path.
 __device__ __forceinline__ void route_row(int row, float* s, const float* __restrict__ logits,
                                           const float* __restrict__ corr_bias, const int* __restrict__ tid2eid,
                                           const int* __restrict__ token_ids, int* __restrict__ ids_out,
                                           float* __restrict__ w_out, int* __restrict__ err, int R, int E, int k,
                                           int scoring, int n_group, int topk_group, int topk_then_softmax, int renorm,
-                                          float scale, int vocab, int lane) {
+                                          float scale, int vocab, int lane, bool regs) {
     float* c = s + R;
     int* sel = reinterpret_cast<int*>(c + R);
+    if (regs && regs_route_fits(8, R, E, n_group, tid2eid)) {
+        route_row_regs<8>(row, sel, logits, corr_bias, ids_out, w_out, R, E, k, scoring, n_group, topk_group,
+                          topk_then_softmax, renorm, scale, lane);
+        return;
+    }
+    if (regs && regs_route_fits(16, R, E, n_group, tid2eid)) {
+        route_row_regs<16>(row, sel, logits, corr_bias, ids_out, w_out, R, E, k, scoring, n_group, topk_group,
+                           topk_then_softmax, renorm, scale, lane);
+        return;
+    }
     const float* l = logits + (size_t)row * R;
 
     // 1. scores s and selection scores c

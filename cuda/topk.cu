@@ -23,7 +23,7 @@ topk_route(const float* __restrict__ logits,     // [N, R] fp32 (router bias alr
     const int row = blockIdx.x * TOPK_WARPS + warp;
     if (row >= N) return;
     route_row(row, smem + (size_t)warp * (2 * R + TOPK_MAX_K), logits, corr_bias, tid2eid, token_ids, ids_out, w_out,
-              err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane);
+              err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane, false);
 #if CUPYMOE_SM >= 89
     // w8a8: x's e4m3 codes for the fp8 gate/up GEMM. x is the caller's, so no stage of ours
     // produces it; its quantization rides in this one-warp-per-row stage instead of a launch.

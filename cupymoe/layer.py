@@ -87,6 +87,8 @@ GROUPED_BM = 64  # the smallest M-tile height of the grouped GEMMs (kernels.GROU
 SORT_BLOCK = 1024  # pairs per block of the multi-block sort (cuda/grouped.cu SORT_THREADS)
 SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_build_lists)
 ROUTE_LISTS_MAX_ROWS = 8  # decode rows up to which routing and the lists are one launch (decode_route_lists)
+ROUTE_LISTS_THREADS = 256  # decode.cu: its block (one routing warp a row, so >= 32 ROUTE_LISTS_MAX_ROWS)
+REDUCE_THREADS = 256  # decode.cu decode_reduce's block; a thread writes 4 columns a step
 
 
 def max_tiles(num_tokens: int, k: int, n_local: int, has_shared: bool) -> int:
@@ -456,12 +458,12 @@ class MoeLayer:
                    _i32(cfg.n_group), _i32(cfg.topk_group), _i32(int(cfg.topk_then_softmax)),
                    _i32(int(cfg.norm_topk_prob)), _f32(cfg.routed_scaling_factor), _i32(cfg.hash_vocab_size))
         # a few decode rows: routing and the expert lists in one launch (one fewer in the chain)
-        route_lists_smem = (N * (2 * R + 64) + 2 * W.n_local + 33) * 4
+        route_lists_smem = (N * (2 * R + 64) + 2 * N * k) * 4
         route_lists = path != "prefill" and N <= ROUTE_LISTS_MAX_ROWS and route_lists_smem <= 48 * 1024
         with timer.stage("topk"):
             if route_lists:
                 lib["decode_route_lists"](
-                    (1,), (1024,),
+                    (1,), (ROUTE_LISTS_THREADS,),
                     (*routing, _u64(W.ptr("slot_of")), _i32(W.n_local), _i32(has_shared),
                      *self._list_outputs()), stream=s, shared_mem=route_lists_smem)
             else:
@@ -688,8 +690,12 @@ class MoeLayer:
     def _launch_reduce(self, x: int, xe: int, out: int, N: int, s, atomic: bool, has_shared: int) -> None:
         cfg, A, W = self.cfg, self.arena, self.weights
         primary = 1 if cfg.ep_rank == 0 else 0
+        H = cfg.hidden_size
+        # few rows: H split over blocks until about two blocks an SM (a row alone in one
+        # block is a latency chain of H / 1024 steps)
+        splits = max(1, min(-(-H // (4 * REDUCE_THREADS)), 2 * self._sm_count // N))
         self.lib["decode_reduce"](
-            (N,), (256,),
+            (N, splits), (REDUCE_THREADS,),
             (_u64(x), _u64(xe), _u64(A.ptr("topk_ids")), _u64(A.ptr("topk_w")), _u64(A.ptr("pair_pos")),
              _u64(A.ptr("y")), _u64(A.ptr("acc")), _u64(W.ptr("shared_expert_gate")), _u64(out),
              _i32(N), _i32(cfg.hidden_size), _i32(cfg.num_experts_per_tok), _i32(cfg.num_experts),

@@ -60,6 +60,13 @@ VARIANTS = {
     "topk_softmax_scaled": dict(family="gpt_oss", routed_scaling_factor=1.5),
     "wide_k": dict(family="qwen3_next", num_experts_per_tok=12),
     "ungated_shared": dict(family="qwen2_moe", has_shared_expert_gate=False),
+    # the fused decode routing's register path (routing.cuh route_row_regs), which the tiny
+    # families (R <= 20, deepseek's groups of 4) do not reach: groups of one and of two
+    # registers, a router of 16 registers a lane, more than 32 picks
+    "register_groups": dict(family="deepseek_v3", num_experts=128, n_group=4, topk_group=2),
+    "register_group_pairs": dict(family="deepseek_v3", num_experts=128, n_group=2, topk_group=1),
+    "wide_router": dict(family="qwen3_next", num_experts=300),
+    "k_over_32": dict(family="qwen3_moe", num_experts=80, num_experts_per_tok=40),
 }
 
 
