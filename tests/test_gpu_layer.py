@@ -81,6 +81,18 @@ def test_routing_and_expert_variants(name, path, rng):
         _check(layer, cfg, hw, rng, n, path)
 
 
+def test_router_tiles_by_rows_and_width(rng):
+    """The prefill router GEMM takes 128 x 128 tiles ("math") only when they fill at least
+    half the SMs (layer._router_config); both configurations against the reference."""
+    cfg = testing.tiny_config("qwen3_next", num_experts=300)
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _layer(cfg, hw, max_tokens=4099, decode_max_tokens=8, atomic_max_tokens=8)
+    for n in (1024, 4099):
+        tiles = -(-cfg.router_width // 128) * -(-n // 128)
+        assert layer._router_config(n) == ("math" if 2 * tiles >= layer._sm_count else "stream")
+        _check(layer, cfg, hw, rng, n, "prefill")
+
+
 def test_hash_routing_with_token_ids(rng):
     from cupymoe.layer import MoeCallError
 
