@@ -193,9 +193,8 @@ decode_gate_up(DECODE_GATE_UP_ARGS) {
 #pragma unroll
             for (int c = 0; c < CW; ++c) ag[i][c] = au[i][c] = 0.0f;
         }
-        constexpr int CH = WChunk<FMT>::W;  // weights a lane reads per step
 #pragma unroll(decode_unroll(FMT, 2 * CW * RT))
-        for (int kk = lane * CH; kk < H; kk += 32 * CH) {
+        for (int kk = lane * 8; kk < H; kk += 256) {
             WChunk<FMT> vg[CW], vu[CW];
 #pragma unroll
             for (int c = 0; c < CW; ++c) {
@@ -204,9 +203,8 @@ decode_gate_up(DECODE_GATE_UP_ARGS) {
             }
 #pragma unroll
             for (int i = 0; i < RT; ++i) {
-                float fx[CH];
-#pragma unroll
-                for (int q = 0; q < CH / 8; ++q) unpack_bf16x8(load_bf16x8(xr[i] + kk + 8 * q), fx + 8 * q);
+                float fx[8];
+                unpack_bf16x8(load_bf16x8(xr[i] + kk), fx);
 #pragma unroll
                 for (int c = 0; c < CW; ++c) {
                     ag[i][c] = vg[c].dot(fx, ag[i][c]);
@@ -259,18 +257,16 @@ decode_down(DECODE_DOWN_ARGS) {
         for (int i = 0; i < RT; ++i)
 #pragma unroll
             for (int c = 0; c < CW; ++c) a[i][c] = 0.0f;
-        constexpr int CH = WChunk<FMT>::W;
 #pragma unroll(decode_unroll(FMT, CW * RT))
-        for (int kk = lane * CH; kk < I; kk += 32 * CH) {
+        for (int kk = lane * 8; kk < I; kk += 256) {
             WChunk<FMT> vw[CW];
 #pragma unroll
             for (int c = 0; c < CW; ++c) vw[c].load(wd[c], kk);
 #pragma unroll
             for (int i = 0; i < RT; ++i) {
                 const size_t pos = start + min(r0 + i, len - 1);  // past the end: recompute, don't write
-                float fa[CH];
-#pragma unroll
-                for (int q = 0; q < CH / 8; ++q) unpack_bf16x8(load_bf16x8(act + pos * I_max + kk + 8 * q), fa + 8 * q);
+                float fa[8];
+                unpack_bf16x8(load_bf16x8(act + pos * I_max + kk), fa);
 #pragma unroll
                 for (int c = 0; c < CW; ++c) a[i][c] = vw[c].dot(fa, a[i][c]);
             }

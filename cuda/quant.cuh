@@ -126,17 +126,15 @@ __device__ __forceinline__ float q_scale(const u8* s, int k) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Decode reader: W weights of one row at k .. k + W - 1, streamed from HBM past L1, and
-// their dot product with W fp32 activations. A warp reads W consecutive weights per lane, so
-// one step covers 32 W weights of the row (W = 8: 512 bytes of bf16, 128 of fp4; fp8 takes
-// W = 16, 512 bytes).
+// Decode reader: 8 weights of one row at k .. k + 7, streamed from HBM past L1, and their
+// dot product with 8 fp32 activations. A warp reads 8 consecutive weights per lane, so one
+// step covers 256 weights of the row (512 bytes of bf16, 256 of fp8, 128 of fp4).
 // ---------------------------------------------------------------------------------------
 template <int FMT>
 struct WChunk;
 
 template <>
 struct WChunk<FMT_BF16> {
-    static constexpr int W = 8;  // weights a lane reads per step
     bf16x8 v;
     __device__ __forceinline__ void load(const QRow& r, int k) {
         v = load_bf16x8_stream(reinterpret_cast<const bf16*>(r.w) + k);
@@ -144,32 +142,20 @@ struct WChunk<FMT_BF16> {
     __device__ __forceinline__ float dot(const float x[8], float acc) const { return dot_bf16x8(v, x, acc); }
 };
 
-// fp8 lanes read CUPYMOE_FP8_DECODE_CHUNK codes a step (kernels.py passes it): 16, one
-// 16-byte load, twice the bytes in flight of 8 (the reader up to v19, which Nsight Compute
-// found at 63 % of DRAM bandwidth with one 8-warp block an SM at N = 1). fp8 rows are a
-// whole number of 16-byte chunks (kernels.FORMAT_K_MULTIPLE), and a chunk lies in one
-// 128-column scale block.
-#ifndef CUPYMOE_FP8_DECODE_CHUNK
-#define CUPYMOE_FP8_DECODE_CHUNK 16
-#endif
 template <>
 struct WChunk<FMT_FP8> {
-    static constexpr int W = CUPYMOE_FP8_DECODE_CHUNK;
-    unsigned v[W / 4];
+    uint2 v;
     float s;
     __device__ __forceinline__ void load(const QRow& r, int k) {
-        if constexpr (W == 16)
-            asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(r.w + k));
-        else
-            asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v[0]), "=r"(v[1]) : "l"(r.w + k));
+        asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(r.w + k));
         s = q_scale<FMT_FP8>(r.s, k);
     }
-    __device__ __forceinline__ float dot(const float* x, float acc) const {
+    __device__ __forceinline__ float dot(const float x[8], float acc) const {
+        const unsigned w[2] = {v.x, v.y};
         float t = 0.0f;
 #pragma unroll
-        for (int i = 0; i < W / 2; ++i) {
-            const float2 f = e4m3x2_to_f32x2(v[i >> 1] >> (16 * (i & 1)));
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = e4m3x2_to_f32x2(w[i >> 1] >> (16 * (i & 1)));
             t = fmaf(f.x, x[2 * i], t);
             t = fmaf(f.y, x[2 * i + 1], t);
         }
@@ -179,7 +165,6 @@ struct WChunk<FMT_FP8> {
 
 template <int FMT>
 struct WChunkFp4 {
-    static constexpr int W = 8;
     unsigned v;
     float s;
     __device__ __forceinline__ void load(const QRow& r, int k) {

@@ -339,18 +339,6 @@ def arch_for_capability(major: int, minor: int) -> str:
     return "sm_90a" if cc == 90 else f"sm_{cc}"
 
 
-# fp8 codes a decode lane reads per step (cuda/quant.cuh WChunk<FMT_FP8>): 16 or 8;
-# CUPYMOE_FP8_DECODE_CHUNK overrides it for measurements.
-FP8_DECODE_CHUNK = 16
-
-
-def fp8_decode_chunk() -> int:
-    v = os.environ.get("CUPYMOE_FP8_DECODE_CHUNK", str(FP8_DECODE_CHUNK))
-    if v not in ("8", "16"):
-        raise ValueError(f"CUPYMOE_FP8_DECODE_CHUNK={v!r}: must be 8 or 16")
-    return int(v)
-
-
 def compile_options(arch: str) -> tuple[str, ...]:
     cc, arch = parse_arch(arch)
     return (
@@ -358,7 +346,6 @@ def compile_options(arch: str) -> tuple[str, ...]:
         "--std=c++17",
         "-lineinfo",
         f"-DCUPYMOE_SM={cc}",
-        f"-DCUPYMOE_FP8_DECODE_CHUNK={fp8_decode_chunk()}",
         f"-I{kernel_dir()}",
         *(f"-I{d}" for d in cuda_include_dirs()),
         "-Xptxas=-v",  # resource report in the program log (registers, spills, smem)

@@ -97,19 +97,6 @@ def test_measurement_knobs_are_validated(monkeypatch):
         assert variant.blocks_per_sm * variant.threads <= 2048, name
 
 
-def test_fp8_decode_chunk_knob(monkeypatch):
-    """CUPYMOE_FP8_DECODE_CHUNK (fp8 codes a decode lane reads a step) reaches the compiler
-    as a define, so each value is its own cached module; only 8 and 16 are taken."""
-    monkeypatch.delenv("CUPYMOE_FP8_DECODE_CHUNK", raising=False)
-    assert kernels.fp8_decode_chunk() == kernels.FP8_DECODE_CHUNK
-    assert f"-DCUPYMOE_FP8_DECODE_CHUNK={kernels.FP8_DECODE_CHUNK}" in kernels.compile_options("sm_90a")
-    monkeypatch.setenv("CUPYMOE_FP8_DECODE_CHUNK", "8")
-    assert "-DCUPYMOE_FP8_DECODE_CHUNK=8" in kernels.compile_options("sm_80")
-    monkeypatch.setenv("CUPYMOE_FP8_DECODE_CHUNK", "32")
-    with pytest.raises(ValueError, match="'32'"):
-        kernels.fp8_decode_chunk()
-
-
 def test_fp4_tensor_core_decode_formats_and_knobs(monkeypatch):
     """Which fp4 formats decode on tensor cores: both, mxfp4 only while its scale bytes lie in
     FP4_MMA_MXFP4_SCALE_BYTES (the kernels scale weights by 2^-64 on the way), none with the
