@@ -328,10 +328,13 @@ def quantize_activations_fp8(a: np.ndarray) -> np.ndarray:
 
 def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
          biases: tuple[Optional[np.ndarray], ...] = (None, None, None), rounding: Optional[str] = None,
-         activations: str = "bf16", quantized: Optional[Callable[[str, np.ndarray], np.ndarray]] = None) -> np.ndarray:
+         activations: str = "bf16", quantized: Optional[Callable[[str, np.ndarray], np.ndarray]] = None,
+         kernel_act: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> np.ndarray:
     """One GLU feed-forward on rows `x`: down(act(gate(x), up(x))), weights dequantized here;
     with activations="fp8_block", an fp8-block projection's input is quantized first (w8a8):
-    by quantize_activations_fp8, or by `quantized(stage, a)` ("gate_up" / "down") when given."""
+    by quantize_activations_fp8, or by `quantized(stage, a)` ("gate_up" / "down") when given.
+    `kernel_act(a)`: the activation the down projection multiplies instead of `a` (unless
+    that input is quantized: then `quantized` decides)."""
     dt = x.dtype
 
     def w8a8(t):
@@ -352,6 +355,8 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
         a = _bf16(a)
     if w8a8(down):
         a = quantize("down", a)
+    elif kernel_act is not None:
+        a = kernel_act(a)
     y = a @ formats.dequantize(down, dt).T
     return y if bd is None else y + bd
 
@@ -359,7 +364,7 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
 def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Routing,
                     owned: range, include_zero: bool, rounding: Optional[str] = None,
                     activations: str = "bf16", w8a8_inputs: Optional[Callable] = None,
-                    absolute: bool = False) -> np.ndarray:
+                    absolute: bool = False, kernel_acts: Optional[Callable] = None) -> np.ndarray:
     """Sum over (row, slot) of w * expert(x_e[row]) for the owned experts (+ identity experts);
     `absolute`: of |w * expert(x_e[row])|.
 
@@ -384,7 +389,8 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
         if cfg.has_expert_bias:
             biases = tuple(_vector(b[e], dt) for b in (hw.gate_bias, hw.up_bias, hw.down_bias))
         fed = None if w8a8_inputs is None else (lambda stage, a, e=e, rows=rows: w8a8_inputs(stage, e, rows, a))
-        y = _ffn(cfg, xe[rows], hw.gate[e], hw.up[e], hw.down[e], biases, rounding, activations, fed)
+        acts = None if kernel_acts is None else (lambda a, e=e, rows=rows: kernel_acts(e, rows, a))
+        y = _ffn(cfg, xe[rows], hw.gate[e], hw.up[e], hw.down[e], biases, rounding, activations, fed, acts)
         term = w * y
         if rounding == "grouped":  # the grouped GEMM stores bf16(w * y), weighted in fp32 first
             term = _bf16(term)
@@ -399,12 +405,14 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
 # ----------------------------------------------------------------------------------
 
 def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Optional[str] = None,
-                   activations: str = "bf16", w8a8_inputs: Optional[Callable] = None) -> np.ndarray:
+                   activations: str = "bf16", w8a8_inputs: Optional[Callable] = None,
+                   kernel_acts: Optional[Callable] = None) -> np.ndarray:
     """`scale * down(act(gate(x), up(x)))` on the un-normed x; scale = sigmoid(x . w_gate) or 1."""
     rows = np.arange(x.shape[0])
     fed = None if w8a8_inputs is None else (lambda stage, a: w8a8_inputs(stage, "shared", rows, a))
+    acts = None if kernel_acts is None else (lambda a: kernel_acts("shared", rows, a))
     sh = _ffn(cfg, x, hw.shared_gate, hw.shared_up, hw.shared_down, rounding=rounding, activations=activations,
-              quantized=fed)
+              quantized=fed, kernel_act=acts)
     if rounding == "grouped":
         sh = _bf16(sh)
     if cfg.has_shared_expert_gate:
@@ -419,7 +427,8 @@ def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Opt
 def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: Any = None, *,
                 dtype=np.float64, ep_rank: Optional[int] = None, rounding: Optional[str] = None,
                 owned_experts: Optional[Any] = None, activations: str = "bf16",
-                w8a8_inputs: Optional[Callable] = None, absolute: bool = False) -> np.ndarray:
+                w8a8_inputs: Optional[Callable] = None, absolute: bool = False,
+                kernel_acts: Optional[Callable] = None) -> np.ndarray:
     """The MoE layer's output [N, H] in `dtype` for input `x` [N, H] (bf16 or float).
 
     Every step runs in `dtype` (float64 by default: the oracle; float32 to estimate what
@@ -449,6 +458,12 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     dequantized values to multiply instead (verify.py feeds the kernels' own codes, so a
     comparison is not thrown off by one re-quantization flip, see there).
 
+    `kernel_acts(expert, rows, a)` returns the activation rows the down projection of
+    `expert` (an id or "shared") multiplies instead of the reference's own `a` (its bf16
+    rounding included), where that input is not quantized: verify.check feeds the grouped
+    path's stored activation, so a flip of that rounding upstream is not counted again in
+    every output element the term reaches (see there).
+
     `absolute=True` sums the magnitudes of the output's terms instead (each (row, slot)'s
     weighted expert output, identity term and shared expert output): what the grouped path
     rounds term by term, for verify.py's envelope.
@@ -474,8 +489,9 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     if rounding and cfg.pre_expert_norm:
         xe = _bf16(xe)
     out = _routed_experts(cfg, host_weights, xe, routing, owned, include_zero=on_rank0, rounding=rounding,
-                          activations=activations, w8a8_inputs=w8a8_inputs, absolute=absolute)
+                          activations=activations, w8a8_inputs=w8a8_inputs, absolute=absolute,
+                          kernel_acts=kernel_acts)
     if cfg.has_shared_expert and on_rank0:
-        shared = _shared_expert(cfg, host_weights, xf, rounding, activations, w8a8_inputs)
+        shared = _shared_expert(cfg, host_weights, xf, rounding, activations, w8a8_inputs, kernel_acts)
         out = out + (np.abs(shared) if absolute else shared)
     return out.astype(dtype, copy=False)

@@ -753,6 +753,45 @@ def test_w8a8_inputs_hook_sees_every_fp8_projection_input():
     assert np.array_equal(_dequantize_rows_fp8(*_quantize_rows_fp8(a)), reference.quantize_activations_fp8(a.astype(np.float64)))
 
 
+def test_kernel_acts_hook_replaces_each_down_projection_input():
+    """reference.moe_forward(kernel_acts=...) is how verify.check feeds the grouped path's
+    stored activation in: handing back the reference's own rows changes nothing, the hook sees
+    every expert that runs (the shared one as "shared", all token rows) after the bf16
+    rounding, and a row it changes moves only the output rows of that expert's tokens."""
+    from cupymoe import testing
+
+    rng = np.random.default_rng(11)
+    cfg = testing.tiny_config("qwen2_moe")  # a shared expert too
+    hw = testing.random_host_weights(cfg, rng)
+    x = testing.random_input(rng, 6, cfg.hidden_size)
+    calls = []
+
+    def own(expert, rows, a):
+        calls.append((expert, tuple(rows), a.shape))
+        assert np.array_equal(a, reference._bf16(a))  # the rounded activation
+        return a
+
+    want = reference.moe_forward(cfg, hw, x, rounding="grouped")
+    assert np.array_equal(reference.moe_forward(cfg, hw, x, rounding="grouped", kernel_acts=own), want)
+    routing = reference.route(cfg, hw, x)
+    chosen = sorted(set(int(e) for e in np.unique(routing.ids) if e < cfg.num_experts))
+    assert sorted(e for e, _, _ in calls if e != "shared") == chosen
+    for e, rows, shape in calls:
+        if e != "shared":
+            assert rows == tuple(np.nonzero(routing.ids == e)[0]) and shape == (len(rows), cfg.moe_intermediate_size)
+    assert [c for c in calls if c[0] == "shared"] == [("shared", tuple(range(6)), (6, cfg.shared_expert_intermediate_size))]
+    e0 = chosen[0]
+
+    def bumped(expert, rows, a):
+        a = a.copy()
+        if expert == e0:
+            a[0, 0] += 1.0  # the first token of expert e0
+        return a
+
+    moved = np.flatnonzero(np.any(reference.moe_forward(cfg, hw, x, rounding="grouped", kernel_acts=bumped) != want, axis=1))
+    assert moved.tolist() == [int(np.nonzero(routing.ids == e0)[0][0])]
+
+
 def test_outlier_allowance_rounds_up_to_whole_elements():
     """The faithful rule's "1 element in 100" admits one flip among the 96 elements of an
     N = 1, H = 96 output, and not two; among 1000 elements, ten and not eleven."""
