@@ -172,15 +172,15 @@ def main(argv=None) -> int:
     c.set_defaults(fn=cmd_inspect)
 
     from .testing import FAMILIES
+    from .verify import VERIFY_FORMATS, VERIFY_PATHS, VERIFY_TOKENS
 
     v = sub.add_parser("verify", help="run every family's layer on the GPU against cupymoe.reference")
     v.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    v.add_argument("--tokens", nargs="+", type=int, default=[1, 3, 17, 64, 1000])
-    v.add_argument("--path", nargs="+", default=["decode", "atomic", "prefill"],
-                   choices=["decode", "atomic", "prefill"],
+    v.add_argument("--tokens", nargs="+", type=int, default=list(VERIFY_TOKENS))
+    v.add_argument("--path", nargs="+", default=list(VERIFY_PATHS), choices=VERIFY_PATHS,
                    help="paths to force (decode and atomic only up to 64 rows)")
-    v.add_argument("--format", nargs="+", default=["bf16", "fp8_block", "nvfp4", "mxfp4"],
-                   choices=["bf16", "fp8_block", "nvfp4", "mxfp4"], help="expert weight formats")
+    v.add_argument("--format", nargs="+", default=list(VERIFY_FORMATS), choices=VERIFY_FORMATS,
+                   help="expert weight formats")
     v.add_argument("--seed", type=int, default=None, help="random seed (default: fresh each run)")
     v.set_defaults(fn=cmd_verify)
 

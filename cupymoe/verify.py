@@ -450,6 +450,10 @@ def run_layer(layer, x: np.ndarray, path: Optional[str] = None, token_ids: Optio
 
 
 DECODE_LIMIT = 64  # the decode and atomic paths are checked up to this many rows
+# `python -m cupymoe verify`'s defaults (scripts/verify_replay.py replays them)
+VERIFY_TOKENS = (1, 3, 17, 64, 1000)
+VERIFY_PATHS = ("decode", "atomic", "prefill")
+VERIFY_FORMATS = ("bf16", "fp8_block", "nvfp4", "mxfp4")
 
 
 def verify_families(families, tokens, paths, *, formats_=("bf16",), seed: Optional[int] = None) -> int:
