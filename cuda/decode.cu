@@ -118,7 +118,7 @@ __device__ __forceinline__ void build_few_expert_lists(int* sm, const int* ids, 
         }
         *num_active = active + (has_shared ? 1 : 0);
     }
-    if (has_shared)
+    if (has_shared)  // thread r < N took pair r (P = N k >= N), so its `owned` is counted
         for (int r = threadIdx.x; r < N; r += blockDim.x) {
             sorted_row[owned + r] = r;
             sorted_pair[owned + r] = P + r;

@@ -277,7 +277,7 @@ class KernelActivations:
 
     def __init__(self, layer, cfg: MoeConfig, n: int):
         rows, act = _stored_activations(layer, cfg, n)
-        self.act = {(key, token): act[pos, :width].astype(np.float64) for key, token, pos, width in rows}
+        self.rows = {(key, token): act[pos, :width].astype(np.float64) for key, token, pos, width in rows}
         self.kernel: list[np.ndarray] = []
         self.reference: list[np.ndarray] = []
         self.missing = 0
@@ -286,7 +286,7 @@ class KernelActivations:
         a = np.asarray(a, dtype=np.float64)
         got = []
         for i, t in enumerate(rows):
-            row = self.act.get((expert, int(t)))
+            row = self.rows.get((expert, int(t)))
             if row is None or row.shape != a[i].shape:
                 self.missing += 1
                 row = a[i]
@@ -338,30 +338,27 @@ class W8a8Stages:
     the kernels' codes and keeps the reference's activation rows next to the kernels'."""
 
     def __init__(self, layer, cfg: MoeConfig, hw: HostWeights, x: np.ndarray):
-        def read(name, dtype, shape):
-            return _read_arena(layer, name, dtype, shape)
-
         n, H, k = x.shape[0], cfg.hidden_size, cfg.num_experts_per_tok
         i_max, kb_h, kb_i = layer.weights.i_max, -(-H // formats.FP8_BLOCK), -(-layer.weights.i_max // formats.FP8_BLOCK)
         x_bf16 = bits_to_f32(bf16_bits(x))
         self.codes_differ = 0
         # the gate/up inputs: the expert input (the pre-expert norm's output, or x), and x for
         # an fp8 shared expert behind a norm
-        expert_input = bits_to_f32(read("xe", np.uint16, (n, H))) if cfg.pre_expert_norm else x_bf16
+        expert_input = bits_to_f32(_read_arena(layer, "xe", np.uint16, (n, H))) if cfg.pre_expert_norm else x_bf16
         self.inputs = {}
         for key, qname, sname, src in (("routed", "qx", "sx", expert_input),
                                        ("shared", "qx_shared", "sx_shared", x_bf16)):
             if key == "shared" and not layer._w8a8_shared_x:
                 self.inputs[key] = self.inputs["routed"]  # no norm: the same rows
                 continue
-            q, sc = read(qname, np.uint8, (n, H)), read(sname, np.float32, (n, kb_h))
+            q, sc = _read_arena(layer, qname, np.uint8, (n, H)), _read_arena(layer, sname, np.float32, (n, kb_h))
             want_q, want_s = _quantize_rows_fp8(src)
             self.codes_differ += int(np.count_nonzero(q != want_q) + np.count_nonzero(sc != want_s))
             self.inputs[key] = _dequantize_rows_fp8(q, sc)
         # the activations (and their codes), by position (_stored_activations)
         P = n * k + (n if cfg.has_shared_expert else 0)
         rows, act = _stored_activations(layer, cfg, n)
-        qact, sact = read("qact", np.uint8, (P, i_max)), read("sact", np.float32, (P, kb_i))
+        qact, sact = _read_arena(layer, "qact", np.uint8, (P, i_max)), _read_arena(layer, "sact", np.float32, (P, kb_i))
         fp8 = {"routed": formats.weight_format(hw.down) == "fp8_block",
                "shared": formats.weight_format(hw.shared_down) == "fp8_block"}
         self.act, self.act_codes = {}, {}
