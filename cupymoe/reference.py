@@ -364,7 +364,8 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
 def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Routing,
                     owned: range, include_zero: bool, rounding: Optional[str] = None,
                     activations: str = "bf16", w8a8_inputs: Optional[Callable] = None,
-                    absolute: bool = False, kernel_acts: Optional[Callable] = None) -> np.ndarray:
+                    absolute: bool = False, kernel_acts: Optional[Callable] = None,
+                    kernel_terms: Optional[Callable] = None) -> np.ndarray:
     """Sum over (row, slot) of w * expert(x_e[row]) for the owned experts (+ identity experts);
     `absolute`: of |w * expert(x_e[row])|.
 
@@ -394,6 +395,8 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
         term = w * y
         if rounding == "grouped":  # the grouped GEMM stores bf16(w * y), weighted in fp32 first
             term = _bf16(term)
+            if kernel_terms is not None:
+                term = kernel_terms(e, rows, term)
         # A row picks an expert at most once (top-k of distinct ids; tid2eid rows are
         # distinct by contract), but add.at stays right even if a table repeats one.
         np.add.at(out, rows, np.abs(term) if absolute else term)
@@ -406,7 +409,7 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
 
 def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Optional[str] = None,
                    activations: str = "bf16", w8a8_inputs: Optional[Callable] = None,
-                   kernel_acts: Optional[Callable] = None) -> np.ndarray:
+                   kernel_acts: Optional[Callable] = None, kernel_terms: Optional[Callable] = None) -> np.ndarray:
     """`scale * down(act(gate(x), up(x)))` on the un-normed x; scale = sigmoid(x . w_gate) or 1."""
     rows = np.arange(x.shape[0])
     fed = None if w8a8_inputs is None else (lambda stage, a: w8a8_inputs(stage, "shared", rows, a))
@@ -415,6 +418,8 @@ def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Opt
               quantized=fed, kernel_act=acts)
     if rounding == "grouped":
         sh = _bf16(sh)
+        if kernel_terms is not None:
+            sh = kernel_terms("shared", rows, sh)
     if cfg.has_shared_expert_gate:
         sh = sh * _sigmoid(x @ _vector(hw.shared_expert_gate, x.dtype))[:, None]
     return sh
@@ -428,7 +433,7 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
                 dtype=np.float64, ep_rank: Optional[int] = None, rounding: Optional[str] = None,
                 owned_experts: Optional[Any] = None, activations: str = "bf16",
                 w8a8_inputs: Optional[Callable] = None, absolute: bool = False,
-                kernel_acts: Optional[Callable] = None) -> np.ndarray:
+                kernel_acts: Optional[Callable] = None, kernel_terms: Optional[Callable] = None) -> np.ndarray:
     """The MoE layer's output [N, H] in `dtype` for input `x` [N, H] (bf16 or float).
 
     Every step runs in `dtype` (float64 by default: the oracle; float32 to estimate what
@@ -462,7 +467,9 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     `expert` (an id or "shared") multiplies instead of the reference's own `a` (its bf16
     rounding included), where that input is not quantized: verify.check feeds the grouped
     path's stored activation, so a flip of that rounding upstream is not counted again in
-    every output element the term reaches (see there).
+    every output element the term reaches (see there). `kernel_terms(expert, rows, t)`
+    likewise replaces the grouped path's bf16 terms (bf16(w * y) of a routed expert, the
+    shared expert's bf16 output) with the ones the kernels stored.
 
     `absolute=True` sums the magnitudes of the output's terms instead (each (row, slot)'s
     weighted expert output, identity term and shared expert output): what the grouped path
@@ -490,8 +497,8 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
         xe = _bf16(xe)
     out = _routed_experts(cfg, host_weights, xe, routing, owned, include_zero=on_rank0, rounding=rounding,
                           activations=activations, w8a8_inputs=w8a8_inputs, absolute=absolute,
-                          kernel_acts=kernel_acts)
+                          kernel_acts=kernel_acts, kernel_terms=kernel_terms)
     if cfg.has_shared_expert and on_rank0:
-        shared = _shared_expert(cfg, host_weights, xf, rounding, activations, w8a8_inputs, kernel_acts)
+        shared = _shared_expert(cfg, host_weights, xf, rounding, activations, w8a8_inputs, kernel_acts, kernel_terms)
         out = out + (np.abs(shared) if absolute else shared)
     return out.astype(dtype, copy=False)

@@ -89,6 +89,10 @@ EXACT_NORMWISE = 2.0 ** -7
 EXACT_ENVELOPE = (2.0 ** -8, 2.0 ** -5)  # (x |ref|, x rms(ref))
 FAITHFUL_NORMWISE = 2.0 ** -8
 FAITHFUL_TIGHT = (2.0 ** -8, 2.0 ** -8)
+# the w8a8 path's stored terms against the reference's (check_w8a8): one ulp of the term
+# (<= 2^-7 of it) on top of the absolute part, since the fp8 tensor cores' accumulation may
+# round a term to the other bf16 neighbour of the exact value
+TERM_TIGHT = (2.0 ** -7, 2.0 ** -8)
 FAITHFUL_OUTLIERS = 1e-2
 
 # Which intermediates each path rounds to bf16 (reference.moe_forward's `rounding`).
@@ -109,6 +113,7 @@ class Comparison:
     outliers_allowed: float = FAITHFUL_OUTLIERS  # 1 in 100, rounded up to whole elements
     exact_bound: float = EXACT_NORMWISE  # the normwise bound against the exact reference
     stages: Optional["Comparison"] = None  # grouped path: the activation stage (check, check_w8a8)
+    terms: Optional["Comparison"] = None  # w8a8: the stored weighted terms (check_w8a8)
     codes_differ: int = 0  # w8a8: e4m3 codes or scales unlike quantizing the kernels' values
     w8a8: bool = False  # checked by check_w8a8
 
@@ -116,7 +121,8 @@ class Comparison:
     def ok(self) -> bool:
         return (self.unwritten == 0 and self.normwise <= self.exact_bound and self.envelope <= 1.0
                 and self.faithful_normwise <= FAITHFUL_NORMWISE and self.outliers <= self.outliers_allowed
-                and self.codes_differ == 0 and (self.stages is None or self.stages.ok))
+                and self.codes_differ == 0 and (self.stages is None or self.stages.ok)
+                and (self.terms is None or self.terms.ok))
 
     def __str__(self) -> str:
         text = (f"normwise {self.normwise:.2e} (faithful {self.faithful_normwise:.2e}), "
@@ -126,6 +132,8 @@ class Comparison:
                      f"outliers {self.stages.outliers:.1e}")
             if self.stages.unwritten:
                 text += f", {self.stages.unwritten} rows the kernels did not compute"
+            if self.terms is not None:
+                text += f"; terms: faithful {self.terms.faithful_normwise:.2e}, outliers {self.terms.outliers:.1e}"
             if self.w8a8:
                 text += f"; codes differing {self.codes_differ}"
         return text
@@ -157,8 +165,12 @@ BF16_ROUNDINGS = 4  # the bf16 budget above: output, activation, pre-normed inpu
 #      bitwise those of quantizing the kernels' own bf16 values (the quantizer is exact);
 #   2. activation: the kernels' bf16 activation against float64 fed the kernels' input
 #      codes: the faithful rule (one bf16 rounding, fp32 accumulation);
-#   3. output: against the faithful reference fed the kernels' codes at both quantization
-#      points: the faithful rule;
+#   3. terms: the bf16 weighted terms the down GEMM stored, against float64 fed the kernels'
+#      codes, each within one ulp (TERM_TIGHT): the fp8 tensor cores accumulate in less than
+#      fp32 (promoted to fp32 every 128 k), far enough from float64 to round a term to its
+#      other bf16 neighbour now and then, and each such flip would otherwise land in the
+#      output check (`verify --seed 105763336`: 2 of 96 output elements);
+#   3b. output: against the faithful reference summing the kernels' terms: the faithful rule;
 #   4. against the exact reference: normwise <= w8a8_normwise_bound(elements).
 W8A8_NORMWISE = 2.0 ** -4
 
@@ -169,7 +181,8 @@ def w8a8_normwise_bound(elements: int) -> float:
 
 
 def compare(out: np.ndarray, ref: np.ndarray, faithful: Optional[np.ndarray] = None, *,
-            roundings: int = BF16_ROUNDINGS, partials: Optional[list] = None, w8a8: bool = False) -> Comparison:
+            roundings: int = BF16_ROUNDINGS, partials: Optional[list] = None, w8a8: bool = False,
+            tight: tuple = FAITHFUL_TIGHT) -> Comparison:
     """Judge `out` against the exact reference `ref` (and the faithful one). `roundings`:
     how many bf16 roundings the path makes (`path_roundings`); `partials`: the exact
     expert-parallel partial outputs whose bf16 roundings the output carries."""
@@ -186,9 +199,9 @@ def compare(out: np.ndarray, ref: np.ndarray, faithful: Optional[np.ndarray] = N
     if faithful is not None:
         f = np.asarray(faithful, dtype=np.float64)
         frms = float(np.sqrt(np.mean(f ** 2))) or 1.0
-        tight = FAITHFUL_TIGHT[0] * np.abs(f) + FAITHFUL_TIGHT[1] * frms
+        bound = tight[0] * np.abs(f) + tight[1] * frms
         c.faithful_normwise = _normwise(o, f)
-        c.outliers = float(np.mean(np.abs(o - f) > tight))
+        c.outliers = float(np.mean(np.abs(o - f) > bound))
         # "1 in 100" of fewer than 100 elements (N = 1, H = 96) still allows one
         c.outliers_allowed = math.ceil(FAITHFUL_OUTLIERS * o.size) / o.size
     return c
@@ -267,17 +280,17 @@ def _stored_activations(layer, cfg: MoeConfig, n: int):
     return rows, act
 
 
-class KernelActivations:
-    """The grouped path's bf16 activations of the layer's last forward, by (expert, token),
-    for reference.moe_forward's `kernel_acts` (module docstring: the faithful reference fed
-    the kernels' activation). `feed` keeps the reference's own rows next to the kernels',
-    and `comparison()` judges those by the faithful rule (both are bf16 values: a 1-ulp flip
-    is the rule's to count, so no envelope). A row the reference asks for that the kernels
-    did not compute (a different expert chosen) is counted as unwritten: the check fails."""
+class StoredRows:
+    """Rows the kernels stored in the layer's last forward, by (expert, token), for a
+    reference.moe_forward hook (`kernel_acts`, `kernel_terms`) to take in place of its own.
+    `feed` keeps the reference's rows next to the kernels', and `comparison()` judges those
+    by the faithful rule with `tight` (both are bf16 values: a flip is the rule's to count,
+    so no envelope). A row the reference asks for that the kernels did not compute (a
+    different expert chosen) is counted as unwritten: the check fails."""
 
-    def __init__(self, layer, cfg: MoeConfig, n: int):
-        rows, act = _stored_activations(layer, cfg, n)
-        self.rows = {(key, token): act[pos, :width].astype(np.float64) for key, token, pos, width in rows}
+    def __init__(self, rows: dict, tight: tuple = FAITHFUL_TIGHT):
+        self.rows = rows
+        self.tight = tight
         self.kernel: list[np.ndarray] = []
         self.reference: list[np.ndarray] = []
         self.missing = 0
@@ -300,10 +313,31 @@ class KernelActivations:
         if not self.reference:
             return None
         ref = np.concatenate([a.ravel() for a in self.reference])
-        c = compare(np.concatenate([a.ravel() for a in self.kernel]), ref, ref)
+        c = compare(np.concatenate([a.ravel() for a in self.kernel]), ref, ref, tight=self.tight)
         c.envelope = 0.0
         c.unwritten += self.missing
         return c
+
+
+class KernelActivations(StoredRows):
+    """The grouped path's bf16 activations of the layer's last forward (module docstring:
+    the faithful reference fed the kernels' activation), for `kernel_acts`."""
+
+    def __init__(self, layer, cfg: MoeConfig, n: int):
+        rows, act = _stored_activations(layer, cfg, n)
+        super().__init__({(key, token): act[pos, :width].astype(np.float64) for key, token, pos, width in rows})
+
+
+class KernelTerms(StoredRows):
+    """The w8a8 path's stored terms (`yw`: bf16(w * y) of each routed pair, the shared
+    expert's bf16 output) of the layer's last forward, for `kernel_terms`, judged within one
+    ulp of the reference's (TERM_TIGHT)."""
+
+    def __init__(self, layer, cfg: MoeConfig, n: int):
+        rows, _ = _stored_activations(layer, cfg, n)
+        P, H = n * cfg.num_experts_per_tok + (n if cfg.has_shared_expert else 0), cfg.hidden_size
+        yw = bits_to_f32(_read_arena(layer, "yw", np.uint16, (P, H)))
+        super().__init__({(key, token): yw[pos].astype(np.float64) for key, token, pos, _ in rows}, TERM_TIGHT)
 
 
 def _quantize_rows_fp8(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -386,13 +420,16 @@ class W8a8Stages:
 def check_w8a8(out: np.ndarray, layer, cfg: MoeConfig, hw: HostWeights, x: np.ndarray,
                token_ids: Optional[np.ndarray] = None, owned_experts=None) -> Comparison:
     """The w8a8 grouped path, stage by stage (the rules above the Comparison class): the
-    kernels' codes, their activation against float64 fed their input codes, the output
-    against the faithful reference fed their codes, and the output against the exact one."""
+    kernels' codes, their activation against float64 fed their input codes, their stored
+    terms against float64 fed their codes (within one ulp: TERM_TIGHT), the output against
+    the faithful reference summing their terms, and the output against the exact one."""
     stages = W8a8Stages(layer, cfg, hw, x)
+    terms = KernelTerms(layer, cfg, x.shape[0])
     exact = reference.moe_forward(cfg, hw, x, token_ids, owned_experts=owned_experts)
     faithful = reference.moe_forward(cfg, hw, x, token_ids, rounding="grouped", activations="fp8_block",
-                                     w8a8_inputs=stages.feed, owned_experts=owned_experts)
+                                     w8a8_inputs=stages.feed, kernel_terms=terms.feed, owned_experts=owned_experts)
     c = compare(out, exact, faithful, w8a8=True)
+    c.terms = terms.comparison()
     c.w8a8 = True
     c.codes_differ = stages.codes_differ
     if stages.reference_acts:

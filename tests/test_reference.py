@@ -792,6 +792,35 @@ def test_kernel_acts_hook_replaces_each_down_projection_input():
     assert moved.tolist() == [int(np.nonzero(routing.ids == e0)[0][0])]
 
 
+def test_kernel_terms_hook_replaces_each_grouped_term():
+    """reference.moe_forward(kernel_terms=...) is how verify.check_w8a8 feeds the stored
+    weighted terms in: handing back the reference's own changes nothing, it is called with
+    every routed expert's bf16(w * y) rows and the shared expert's bf16 output, and only on
+    the grouped rounding."""
+    from cupymoe import testing
+
+    rng = np.random.default_rng(13)
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    x = testing.random_input(rng, 5, cfg.hidden_size)
+    calls = []
+
+    def own(expert, rows, t):
+        calls.append((expert, tuple(rows), t.shape))
+        assert np.array_equal(t, reference._bf16(t))
+        return t
+
+    want = reference.moe_forward(cfg, hw, x, rounding="grouped")
+    assert np.array_equal(reference.moe_forward(cfg, hw, x, rounding="grouped", kernel_terms=own), want)
+    routing = reference.route(cfg, hw, x)
+    chosen = sorted(set(int(e) for e in np.unique(routing.ids) if e < cfg.num_experts))
+    assert sorted(e for e, _, _ in calls if e != "shared") == chosen
+    assert [c for c in calls if c[0] == "shared"] == [("shared", tuple(range(5)), (5, cfg.hidden_size))]
+    calls.clear()
+    reference.moe_forward(cfg, hw, x, rounding="decode", kernel_terms=own)
+    assert calls == []  # the decode path stores no terms
+
+
 def test_outlier_allowance_rounds_up_to_whole_elements():
     """The faithful rule's "1 element in 100" admits one flip among the 96 elements of an
     N = 1, H = 96 output, and not two; among 1000 elements, ten and not eleven."""
