@@ -1,6 +1,7 @@
 // Decode path for fp4 experts (nvfp4, mxfp4) and fp8-block ones on tensor cores: W4A16 and
-// W8A16 with the GEMM's roles swapped. The weights are the MMA's A operand (16 output columns x 16 k), loaded from HBM
-// straight into registers and dequantized there; an expert's few rows are its B operand
+// W8A16 with the GEMM's roles swapped. The weights are the MMA's A operand (16 output
+// columns x 16 k), loaded from HBM straight into registers and dequantized there; an
+// expert's few rows are its B operand
 // (8 tokens a fragment). The CUDA-core readers of decode.cu spend ~5.6 instructions a
 // weight on fp4 (table lookup, bf16 -> fp32, one FMA per weight and row); here the MMA
 // does the products and a weight costs its table lookup and a scale multiply (~3.4).
