@@ -1,5 +1,5 @@
 // What the decode kernels share (decode.cu: CUDA-core streams of every format;
-// decode_fp4.cu: fp4 weights on tensor cores): the block size, the kernels' argument
+// decode_mma.cu: fp4 and fp8 weights on tensor cores): the block size, the kernels' argument
 // lists, the active-expert lookup, and the expert lists' construction.
 #pragma once
 #include "common.cuh"

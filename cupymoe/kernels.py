@@ -47,11 +47,12 @@ GATE_UP_ROW_TILES = (1, 2, 4)
 DECODE_COLS = (1, 2, 4)
 GATE_UP_VARIANTS = tuple((rt, cw) for rt in GATE_UP_ROW_TILES for cw in DECODE_COLS if rt * cw <= 4)
 DOWN_VARIANTS = tuple((rt, cw) for rt in ROW_TILES for cw in DECODE_COLS if rt * cw <= 4 or cw == 1)
-# fp4 decode on tensor cores (cuda/decode_fp4.cu): warps of a block splitting K
+# fp4 and fp8 decode on tensor cores (cuda/decode_mma.cu): warps of a block splitting K
 FP4_DECODE_K_SPLITS = (1, 2, 4, 8)
 FP4_DECODE_FORMATS = ("nvfp4", "mxfp4")
+MMA_DECODE_FORMATS = FP4_DECODE_FORMATS + ("fp8_block",)
 # mxfp4 scale bytes (2^(e - 127)) the tensor-core decode serves: it scales the weights by
-# 2^-64 on the way, and they must stay normal bf16 numbers (cuda/decode_fp4.cu); outside,
+# 2^-64 on the way, and they must stay normal bf16 numbers (cuda/decode_mma.cu); outside,
 # the CUDA-core readers take the layer's mxfp4 weights
 FP4_MMA_MXFP4_SCALE_BYTES = (66, 192)
 # ... and 8-token B fragments per weight pass: 16 tokens halve the passes over the weights
@@ -69,11 +70,20 @@ def fp4_decode_blocks_per_sm() -> int:
 
 
 def fp4_decode_mode() -> str:
-    """Where fp4 decodes: "mma" (tensor cores, decode_fp4.cu), or "cores" with
+    """Where fp4 decodes: "mma" (tensor cores, decode_mma.cu), or "cores" with
     CUPYMOE_FP4_DECODE=cores (a measurement knob: decode.cu's CUDA-core streams)."""
     v = os.environ.get("CUPYMOE_FP4_DECODE", "mma")
     if v not in ("mma", "cores"):
         raise ValueError(f"CUPYMOE_FP4_DECODE={v!r}: must be 'mma' or 'cores'")
+    return v
+
+
+def fp8_decode_mode() -> str:
+    """Where fp8-block experts decode: "mma" (tensor cores, w8a16, decode_mma.cu), or
+    "cores" with CUPYMOE_FP8_DECODE=cores (decode.cu's CUDA-core readers)."""
+    v = os.environ.get("CUPYMOE_FP8_DECODE", "mma")
+    if v not in ("mma", "cores"):
+        raise ValueError(f"CUPYMOE_FP8_DECODE={v!r}: must be 'mma' or 'cores'")
     return v
 
 
@@ -249,10 +259,10 @@ MODULES: dict[str, ModuleSpec] = {
         + tuple(f"decode_gate_up<{r}, {c}, {f}>" for f in FORMAT_CODES.values() for r, c in GATE_UP_VARIANTS)
         + tuple(f"decode_down<{r}, {c}, {f}>" for f in FORMAT_CODES.values() for r, c in DOWN_VARIANTS),
     ),
-    "decode_fp4": ModuleSpec(
-        "decode_fp4.cu",
-        tuple(f"decode_fp4_{m}<{FORMAT_CODES[f]}, {ks}, {nt}>" for m in ("gate_up", "down")
-              for f in FP4_DECODE_FORMATS for ks in FP4_DECODE_K_SPLITS for nt in FP4_DECODE_TOKEN_TILES),
+    "decode_mma": ModuleSpec(
+        "decode_mma.cu",
+        tuple(f"decode_mma_{m}<{FORMAT_CODES[f]}, {ks}, {nt}>" for m in ("gate_up", "down")
+              for f in MMA_DECODE_FORMATS for ks in FP4_DECODE_K_SPLITS for nt in FP4_DECODE_TOKEN_TILES),
     ),
 }
 

@@ -46,7 +46,7 @@ PATHS = ("auto", "decode", "atomic", "prefill")
 STAGES = ("route", "norm", "sort", "gate_up", "down", "reduce")
 # auto: decode up to this many rows, grouped tensor-core GEMMs above: the measured
 # crossover on the H200 lies between 8 and 16 rows (benchmarks/NOTES.md). fp4 experts' decode
-# kernels run on tensor cores (cuda/decode_fp4.cu) and beat the grouped path up to 256 rows
+# kernels run on tensor cores (cuda/decode_mma.cu) and beat the grouped path up to 256 rows
 # on both measured shapes (nvfp4 at 256: qwen3-30b-a3b 502 vs 536 us, deepseek-v3 4436 vs
 # 5146; NOTES.md v14)
 DEFAULT_DECODE_MAX_TOKENS = 8
@@ -252,13 +252,14 @@ class MoeLayer:
             # the Hopper GEMM's configuration and the rows per expert from which the grouped
             # GEMMs take 128-row tiles: resolved once here, not on every forward
             self._sm90 = kernels.SM90_VARIANTS[kernels.sm90_variant_for(cfg.moe_intermediate_size)]
-            # fp4 weights on the decode path: tensor cores (decode_fp4.cu), or the CUDA-core
-            # streams of decode.cu (CUPYMOE_FP4_DECODE=cores, for measurements); the knobs are
-            # read before anything is uploaded
-            fp4_mode = kernels.fp4_decode_mode()
+            # fp4 and fp8 weights on the decode path: tensor cores (decode_mma.cu), or the
+            # CUDA-core streams of decode.cu (CUPYMOE_FP4_DECODE=cores, CUPYMOE_FP8_DECODE=cores,
+            # for measurements); the knobs are read before anything is uploaded
+            fp4_mode, fp8_mode = kernels.fp4_decode_mode(), kernels.fp8_decode_mode()
             self._fp4_blocks_per_sm = kernels.fp4_decode_blocks_per_sm()
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
-            self._fp4_mma_formats = kernels.fp4_decode_mma_formats(fp4_mode, self.weights.mxfp4_scale_bytes)
+            self._mma_decode_formats = (kernels.fp4_decode_mma_formats(fp4_mode, self.weights.mxfp4_scale_bytes)
+                                        + ((kernels.FORMAT_CODES["fp8_block"],) if fp8_mode == "mma" else ()))
             # the weight formats present (routed experts, then a shared expert of another
             # format): the expert kernels run once per format
             fmts = [self.weights.format] + ([self.weights.shared_format] if self.weights.shared_format else [])
@@ -531,16 +532,16 @@ class MoeLayer:
                        max_active: int) -> tuple[str, int]:
         """(kernel, column blocks) of a decode stage ("gate_up": `columns` = I_max, "down": H)
         for weights of format `fmt`, `rows_per_expert` the rows a busy expert is expected to
-        get. fp4 on tensor cores (decode_fp4.cu): the fewest K splits that still put enough
+        get. fp4 and fp8 on tensor cores (decode_mma.cu): the fewest K splits that still put enough
         blocks on every SM, 16-token passes past 8 rows. Else the CUDA-core stream: the
         row tile holding those rows, the fewest columns a warp that fill one wave."""
-        if fmt in self._fp4_mma_formats:
+        if fmt in self._mma_decode_formats:
             for ks in kernels.FP4_DECODE_K_SPLITS:
                 blocks = -(-columns // (16 * 8 // ks))
                 if blocks * max_active >= self._fp4_blocks_per_sm * self._sm_count:
                     break
             nt = 2 if rows_per_expert > 8 else 1
-            return f"decode_fp4_{stage}<{fmt}, {ks}, {nt}>", blocks
+            return f"decode_mma_{stage}<{fmt}, {ks}, {nt}>", blocks
         rt = _row_tile(rows_per_expert, kernels.GATE_UP_ROW_TILES if stage == "gate_up" else kernels.ROW_TILES)
         cw = _cols_per_warp(max_active * columns, rt, kernels.GATE_UP_VARIANTS if stage == "gate_up"
                             else kernels.DOWN_VARIANTS)

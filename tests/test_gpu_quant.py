@@ -63,15 +63,16 @@ def test_quantized_layers_against_reference_on_every_path(name, rng):
 
 
 @pytest.mark.parametrize("k_splits", [1, 2, 4, 8])
-def test_fp4_tensor_core_decode_with_every_k_split(k_splits, rng, monkeypatch):
-    """decode_fp4.cu's kernels with each K split (the layer picks the fewest that fill the
+def test_tensor_core_decode_with_every_k_split(k_splits, rng, monkeypatch):
+    """decode_mma.cu's kernels with each K split (the layer picks the fewest that fill the
     GPU, so the tiny configs alone would only ever run 8) and both token passes (8 rows up
-    to N = 3 here, 16 from N = 17), with a bias-carrying gpt-oss layer and a layer whose
-    shared expert is fp8 next to nvfp4 routed experts (two formats, one launch each)."""
+    to N = 3 here, 16 from N = 17): a bias-carrying gpt-oss mxfp4 layer, a layer whose
+    shared expert is fp8 next to nvfp4 routed experts (two formats, one launch each), and
+    fp8 experts (H = 96 and 160: k128 steps past K read zeros) with a bf16 shared expert."""
     from cupymoe import kernels
 
     monkeypatch.setattr(kernels, "FP4_DECODE_K_SPLITS", (k_splits,))
-    for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared"):
+    for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared", "qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared"):
         cfg, hw, layer = _case(name, rng)
         for path in ("decode", "atomic"):
             for n in SMALL:
@@ -80,8 +81,25 @@ def test_fp4_tensor_core_decode_with_every_k_split(k_splits, rng, monkeypatch):
                 assert c.ok, f"{name} KS={k_splits} N={n} {path}: {c}"
 
 
+def test_fp8_decode_on_cuda_cores_by_knob(rng, monkeypatch):
+    """CUPYMOE_FP8_DECODE=cores sends fp8 experts back to decode.cu's CUDA-core readers (the
+    measurement baseline for the tensor-core ones), which match the reference too."""
+    from cupymoe import kernels
+
+    fp8 = kernels.FORMAT_CODES["fp8_block"]
+    for mode in ("mma", "cores"):
+        monkeypatch.setenv("CUPYMOE_FP8_DECODE", mode)
+        cfg, hw, layer = _case("qwen3_moe-fp8", rng)
+        assert (fp8 in layer._mma_decode_formats) == (mode == "mma")
+        for path in ("decode", "atomic"):
+            for n in (1, 17):
+                x = well_separated_input(cfg, hw, rng, n)
+                c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
+                assert c.ok, f"{mode} N={n} {path}: {c}"
+
+
 def test_fp4_tensor_core_decode_takes_mxfp4_scales_in_its_range_only(rng):
-    """The tensor-core decode scales fp4 weights by 2^-64 on the way (decode_fp4.cu), which
+    """The tensor-core decode scales fp4 weights by 2^-64 on the way (decode_mma.cu), which
     keeps mxfp4 weights exact for scale bytes 66 .. 192 (2^-61 .. 2^65). Weights at both ends
     of that range run there and match the reference; one scale byte past it sends the
     layer's mxfp4 weights to the CUDA-core readers, which match it too."""
@@ -95,7 +113,7 @@ def test_fp4_tensor_core_decode_takes_mxfp4_scales_in_its_range_only(rng):
         hw.gate.scales[...] = rng.integers(lo, lo + 8, hw.gate.scales.shape)  # tiny gate rows ...
         hw.down.scales[...] = rng.integers(edge - 8, edge + 1, hw.down.scales.shape)  # ... huge down rows
         layer = MoeLayer(cfg, hw, max_tokens=64, decode_max_tokens=64, atomic_max_tokens=64)
-        assert (mx in layer._fp4_mma_formats) == expect_mma, (edge, layer.weights.mxfp4_scale_bytes)
+        assert (mx in layer._mma_decode_formats) == expect_mma, (edge, layer.weights.mxfp4_scale_bytes)
         for path in ("decode", "atomic"):
             for n in (1, 17):
                 x = well_separated_input(cfg, hw, rng, n)

@@ -112,6 +112,11 @@ def test_fp4_tensor_core_decode_formats_and_knobs(monkeypatch):
     assert kernels.fp4_decode_mode() == "mma"
     monkeypatch.setenv("CUPYMOE_FP4_DECODE", "cores")
     assert kernels.fp4_decode_mode() == "cores"
+    monkeypatch.delenv("CUPYMOE_FP8_DECODE", raising=False)
+    assert kernels.fp8_decode_mode() == "mma"
+    monkeypatch.setenv("CUPYMOE_FP8_DECODE", "cuda")
+    with pytest.raises(ValueError, match="CUPYMOE_FP8_DECODE='cuda'"):
+        kernels.fp8_decode_mode()
     monkeypatch.setenv("CUPYMOE_FP4_DECODE", "tensor")
     with pytest.raises(ValueError, match="CUPYMOE_FP4_DECODE='tensor'"):
         kernels.fp4_decode_mode()

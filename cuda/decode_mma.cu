@@ -1,14 +1,15 @@
-// Decode path for fp4 experts (nvfp4, mxfp4) on tensor cores: W4A16 with the GEMM's roles
-// swapped. The weights are the MMA's A operand (16 output columns x 16 k), loaded from HBM
-// straight into registers and dequantized there; an expert's few rows are its B operand
+// Decode path for fp4 experts (nvfp4, mxfp4) and fp8-block ones on tensor cores: W4A16 and
+// W8A16 with the GEMM's roles swapped. The weights are the MMA's A operand (16 output
+// columns x 16 k), loaded from HBM straight into registers and dequantized there; an
+// expert's few rows are its B operand
 // (8 tokens a fragment). The CUDA-core readers of decode.cu spend ~5.6 instructions a
 // weight on fp4 (table lookup, bf16 -> fp32, one FMA per weight and row); here the MMA
 // does the products and a weight costs its table lookup and a scale multiply (~3.4).
 //
-//   decode_fp4_gate_up<FMT, KS, NT>  act[pos, col] = act(x W_gate^T, x W_up^T) for 16 columns
+//   decode_mma_gate_up<FMT, KS, NT>  act[pos, col] = act(x W_gate^T, x W_up^T) for 16 columns
 //                       a warp-column group (gate and up rows side by side), the rows of an
 //                       expert's run 8 NT at a time (each pass streams the weights once)
-//   decode_fp4_down<FMT, KS, NT>     y[pos, h] = act[pos] . W_down[h] (or, atomic, w * y added into
+//   decode_mma_down<FMT, KS, NT>     y[pos, h] = act[pos] . W_down[h] (or, atomic, w * y added into
 //                       acc[row, h]) for 16 hidden columns a warp-column group
 // KS warps of a block split K (k128 steps dealt round-robin) and add their partial sums
 // through shared memory in warp order, so the result is the same for every launch;
@@ -30,6 +31,14 @@
 // weight times 2^-64, a normal bf16 for every nvfp4 scale and for mxfp4 scales 2^-61 ..
 // 2^65 (the layer runs other mxfp4 weights on decode.cu's readers:
 // FP4_MMA_MXFP4_SCALE_BYTES); the epilogue multiplies by 2^64.
+//
+// fp8-block (Fp8Row32, fp8_step): a lane reads 32 codes of rows g and g + 8 a k128 step
+// (two 16-byte loads a row), turned into bf16 pairs exactly (every e4m3 value is a bf16
+// one); MMA j takes codes 4 j .. 4 j + 3 in its K slots and the B fragment the token's
+// activations 4 j .. 4 j + 3 in their natural order. The step lies in one 128 x 128 scale
+// block, so its fp32 sums are multiplied by the block's scale once. Against decode.cu's
+// readers (one FMA per weight and row) the products move to the tensor cores: the same
+// conversion cost at one row, eight or sixteen rows for it from 8 on.
 #include "common.cuh"
 #include "decode_common.cuh"
 #include "gemm_common.cuh"
@@ -88,6 +97,71 @@ __device__ __forceinline__ void mma_fp4_step(float* c, const Fp4Row32<FMT>& lo, 
             mma_bf16(c + 4 * t, f1, xv[t][w].z, xv[t][w].w);
         }
     }
+}
+
+// fp8-block weights (w8a16): 32 e4m3 codes of one weight row at k (a multiple of 32; the
+// row's K a multiple of 16, kernels.FORMAT_K_MULTIPLE, so past K whole 16-code halves read
+// as zeros) and the fp32 scale of its 128 x 128 block. A k128 step lies in one scale block,
+// so the scale multiplies the step's fp32 sums (fp8_step), as decode.cu's readers apply it
+// to their 8-code dot products.
+struct Fp8Row32 {
+    uint4 q[2];
+    float s;
+
+    __device__ __forceinline__ void load(const QRow& r, int k, int K) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            q[h] = make_uint4(0, 0, 0, 0);
+            if (k + 16 * h < K)
+                asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                             : "=r"(q[h].x), "=r"(q[h].y), "=r"(q[h].z), "=r"(q[h].w)
+                             : "l"(r.w + k + 16 * h));
+        }
+        s = k < K ? q_scale<FMT_FP8>(r.s, k) : 0.0f;
+    }
+
+    // codes 4 j .. 4 j + 3 as two bf16 pairs (exact: every e4m3 value is a bf16 value)
+    __device__ __forceinline__ void pairs(int j, unsigned& p01, unsigned& p23) const {
+        const uint4& h = q[j >> 2];
+        const unsigned v = (j & 3) == 0 ? h.x : (j & 3) == 1 ? h.y : (j & 3) == 2 ? h.z : h.w;
+        const float2 a = e4m3x2_to_f32x2(v), b = e4m3x2_to_f32x2(v >> 16);
+        p01 = pack_bf16x2(a.x, a.y);
+        p23 = pack_bf16x2(b.x, b.y);
+    }
+};
+
+// A token's 32 bf16 activations at k (zeros past K) in their natural order, as fp8_step's
+// K slots take them: MMA j's pairs (4 j, 4 j + 1) and (4 j + 2, 4 j + 3) are words 2 j, 2 j + 1.
+__device__ __forceinline__ void load_x32_natural(uint4 (&xv)[4], const bf16* row, int k, int K) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        xv[i] = k + 8 * i < K ? __ldg(reinterpret_cast<const uint4*>(row + k) + i) : make_uint4(0, 0, 0, 0);
+}
+
+// The 8 MMAs of one k128 step for one 16-row fp8 fragment (rows g, g + 8: lo, hi) against
+// NT 8-token B fragments: lane t4's K slots (2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9) of MMA j
+// hold its codes 4 j .. 4 j + 3, and the B fragment's its activations 4 j .. 4 j + 3. The
+// step's sums are scaled once (both rows share a 128-row scale block) into c.
+template <int NT>
+__device__ __forceinline__ void fp8_step(float* c, const Fp8Row32& lo, const Fp8Row32& hi,
+                                         const uint4 (&xv)[NT][4]) {
+    float t[4 * NT];
+#pragma unroll
+    for (int i = 0; i < 4 * NT; ++i) t[i] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        unsigned a[4];
+        lo.pairs(j, a[0], a[2]);
+        hi.pairs(j, a[1], a[3]);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const uint4& x = xv[n][j >> 1];
+            const unsigned b0 = (j & 1) ? x.z : x.x, b1 = (j & 1) ? x.w : x.y;
+            mma_bf16(t + 4 * n, a, b0, b1);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4 * NT; ++i) c[i] = fmaf(t[i], lo.s, c[i]);
 }
 
 // A token's 32 bf16 activations at k (zeros past K), each group of 8 paired as the weights
@@ -158,34 +232,54 @@ __device__ __forceinline__ void fp4_pass(float (&c)[4 * NT * M], const Fp4Frag<F
                                          const bf16* const (&rows)[NT], int K, const Fp4Warp<KS>& w) {
 #pragma unroll
     for (int i = 0; i < 4 * NT * M; ++i) c[i] = 0.0f;
-#pragma unroll 2
+    // two steps in flight; an fp8 step's weights are twice an fp4 one's (32 bytes a row and
+    // lane), so one fp8 step keeps as many bytes in flight in as many registers
+#pragma unroll(FMT == FMT_FP8 ? 1 : 2)
     for (int k0 = w.ks * FP4_KSTEP; k0 < K; k0 += KS * FP4_KSTEP) {
         const int k = k0 + 32 * w.t4;
-        const bool ok = k < K;
-        Fp4Row32<FMT> lo[M], hi[M];
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            lo[m].load(f[m].lo, k, ok);
-            hi[m].load(f[m].hi, k, ok);
-        }
         uint4 xv[NT][4];
+        if constexpr (FMT == FMT_FP8) {
+            Fp8Row32 lo[M], hi[M];
 #pragma unroll
-        for (int t = 0; t < NT; ++t) load_x32(xv[t], rows[t], k, ok);
+            for (int m = 0; m < M; ++m) {
+                lo[m].load(f[m].lo, k, K);
+                hi[m].load(f[m].hi, k, K);
+            }
 #pragma unroll
-        for (int m = 0; m < M; ++m) mma_fp4_step<FMT, NT>(c + 4 * NT * m, lo[m], hi[m], xv);
+            for (int t = 0; t < NT; ++t) load_x32_natural(xv[t], rows[t], k, K);
+#pragma unroll
+            for (int m = 0; m < M; ++m) fp8_step<NT>(c + 4 * NT * m, lo[m], hi[m], xv);
+        } else {
+            const bool ok = k < K;
+            Fp4Row32<FMT> lo[M], hi[M];
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                lo[m].load(f[m].lo, k, ok);
+                hi[m].load(f[m].hi, k, ok);
+            }
+#pragma unroll
+            for (int t = 0; t < NT; ++t) load_x32(xv[t], rows[t], k, ok);
+#pragma unroll
+            for (int m = 0; m < M; ++m) mma_fp4_step<FMT, NT>(c + 4 * NT * m, lo[m], hi[m], xv);
+        }
     }
 }
 
+// What the epilogue multiplies the sums by besides nvfp4's global scale: fp4 weights went
+// into the MMAs as code * scale * 2^-64 (the file's comment), fp8 ones as their codes.
+template <int FMT>
+__device__ __forceinline__ constexpr float mma_weight_unscale() { return FMT == FMT_FP8 ? 1.0f : 0x1p64f; }
+
 // Two blocks an SM (<= 128 registers) keep more bytes in flight; gate/up's 16-token passes
 // (two matrices, twice the accumulators) spill at 128 registers and do twice the work per
-// byte, so they take one.
-#define FP4_MIN_BLOCKS(M, NT) ((M) == 2 && (NT) == 2 ? 1 : 2)
+// byte, so they take one, as fp8 gate/up does below sm_89 (no e4m3 conversion instruction).
+#define MMA_MIN_BLOCKS(FMT, M, NT) ((M) == 2 && ((NT) == 2 || ((FMT) == FMT_FP8 && CUPYMOE_SM < 89)) ? 1 : 2)
 
 // grid (ceil(I_max / (16 * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
 // Arguments: DECODE_GATE_UP_ARGS (decode_common.cuh).
 template <int FMT, int KS, int NT>
-__global__ void __launch_bounds__(DECODE_WARPS * 32, FP4_MIN_BLOCKS(2, NT))
-decode_fp4_gate_up(DECODE_GATE_UP_ARGS) {
+__global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT, 2, NT))
+decode_mma_gate_up(DECODE_GATE_UP_ARGS) {
     __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 8 * NT : 1];
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
@@ -197,8 +291,8 @@ decode_fp4_gate_up(DECODE_GATE_UP_ARGS) {
     f[0].init(gate_ptrs[slot], gate_scale_ptrs[slot], w.c0, w.g, I, H);
     f[1].init(up_ptrs[slot], up_scale_ptrs[slot], w.c0, w.g, I, H);
     const bf16* in = slot == shared_slot ? x : xe;  // the shared expert reads x
-    // nvfp4's scale_2 (else 1), and the 2^64 the weights were scaled down by
-    const float gsg = gate_gscale[slot] * 0x1p64f, gsu = up_gscale[slot] * 0x1p64f;
+    // nvfp4's scale_2 (else 1), and the 2^64 fp4 weights were scaled down by
+    const float gsg = gate_gscale[slot] * mma_weight_unscale<FMT>(), gsu = up_gscale[slot] * mma_weight_unscale<FMT>();
     const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
     const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
@@ -228,8 +322,8 @@ decode_fp4_gate_up(DECODE_GATE_UP_ARGS) {
 // Arguments: DECODE_DOWN_ARGS (decode_common.cuh); outputs as decode_down's: y[pos, h], or with `atomic` the
 // routed pairs' w * y added into acc[row, h] (the shared expert still stores y).
 template <int FMT, int KS, int NT>
-__global__ void __launch_bounds__(DECODE_WARPS * 32, FP4_MIN_BLOCKS(1, NT))
-decode_fp4_down(DECODE_DOWN_ARGS) {
+__global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT, 1, NT))
+decode_mma_down(DECODE_DOWN_ARGS) {
     __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 * NT : 1];
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
@@ -239,7 +333,7 @@ decode_fp4_down(DECODE_DOWN_ARGS) {
     const Fp4Warp<KS> w;
     Fp4Frag<FMT> f[1];
     f[0].init(down_ptrs[slot], down_scale_ptrs[slot], w.c0, w.g, H, I);
-    const float gsd = down_gscale[slot] * 0x1p64f;  // nvfp4's scale_2 (else 1) and the weights' 2^64
+    const float gsd = down_gscale[slot] * mma_weight_unscale<FMT>();  // nvfp4's scale_2 (else 1), fp4's 2^64
     const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
 
