@@ -117,7 +117,9 @@ struct Fp8Row32 {
                              : "=r"(q[h].x), "=r"(q[h].y), "=r"(q[h].z), "=r"(q[h].w)
                              : "l"(r.w + k + 16 * h));
         }
-        s = k < K ? q_scale<FMT_FP8>(r.s, k) : 0.0f;
+        // the step's block scale even where this lane's codes lie past K: it multiplies the
+        // step's sums, which hold every lane's codes (k >> 7 is the step's block, below K)
+        s = q_scale<FMT_FP8>(r.s, k);
     }
 
     // codes 4 j .. 4 j + 3 as two bf16 pairs (exact: every e4m3 value is a bf16 value)
