@@ -226,44 +226,92 @@ struct Fp4Warp {
     __device__ __forceinline__ int token(int i) const { return 8 * (i >> 2) + 2 * t4 + (i & 1); }
 };
 
+// One k128 step's operands of a warp: M matrices' weight fragments (rows lo, hi: Fp4Row32 or
+// Fp8Row32) and NT token fragments (xv[t]: token 8 t + g's 32 activations at the lane's k),
+// all zeros past K (no memory touched there).
+template <int FMT>
+struct MmaRow {
+    using T = Fp4Row32<FMT>;
+};
+template <>
+struct MmaRow<FMT_FP8> {
+    using T = Fp8Row32;
+};
+
+template <int FMT, int NT, int M>
+struct MmaStep {
+    typename MmaRow<FMT>::T lo[M], hi[M];
+    uint4 xv[NT][4];
+
+    __device__ __forceinline__ void load(const Fp4Frag<FMT> (&f)[M], const bf16* const (&rows)[NT], int k, int K) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            if constexpr (FMT == FMT_FP8) {
+                lo[m].load(f[m].lo, k, K);
+                hi[m].load(f[m].hi, k, K);
+            } else {
+                lo[m].load(f[m].lo, k, k < K);
+                hi[m].load(f[m].hi, k, k < K);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if constexpr (FMT == FMT_FP8)
+                load_x32_natural(xv[t], rows[t], k, K);
+            else
+                load_x32(xv[t], rows[t], k, k < K);
+        }
+    }
+
+    // c[4 NT m + 4 t + e]: matrix m, token tile t, the m16n8 accumulator element e
+    __device__ __forceinline__ void mma(float (&c)[4 * NT * M]) const {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            if constexpr (FMT == FMT_FP8)
+                fp8_step<NT>(c + 4 * NT * m, lo[m], hi[m], xv);
+            else
+                mma_fp4_step<FMT, NT>(c + 4 * NT * m, lo[m], hi[m], xv);
+        }
+    }
+};
+
 // One pass: M matrices' fragments against NT 8-token B fragments (rows[t]: token 8 t + g's
-// activations), over this warp's k128 steps of K. c[4 NT m + 4 t + e]: matrix m, token
-// tile t, the m16n8 accumulator element e (Fp4Warp::col / token place it).
+// activations), over this warp's k128 steps of K (Fp4Warp::col / token place the sums).
+// Software-pipelined: the next step's loads are issued before this step's dequantization
+// and MMAs, so a warp always has a step's bytes in flight while it computes (with the two
+// steps' loads issued together and then both computed, nothing was in flight at each
+// loop turn). Two step buffers, used in turn, so no registers are copied. fp8's steps are
+// twice fp4's registers: its gate/up and 16-token passes would spill with two buffers at
+// the 128 registers of two blocks an SM, so they load and compute one step at a time.
 template <int FMT, int KS, int NT, int M>
 __device__ __forceinline__ void fp4_pass(float (&c)[4 * NT * M], const Fp4Frag<FMT> (&f)[M],
                                          const bf16* const (&rows)[NT], int K, const Fp4Warp<KS>& w) {
 #pragma unroll
     for (int i = 0; i < 4 * NT * M; ++i) c[i] = 0.0f;
-    // two steps in flight; an fp8 step's weights are twice an fp4 one's (32 bytes a row and
-    // lane), so one fp8 step keeps as many bytes in flight in as many registers
-#pragma unroll(FMT == FMT_FP8 ? 1 : 2)
-    for (int k0 = w.ks * FP4_KSTEP; k0 < K; k0 += KS * FP4_KSTEP) {
-        const int k = k0 + 32 * w.t4;
-        uint4 xv[NT][4];
-        if constexpr (FMT == FMT_FP8) {
-            Fp8Row32 lo[M], hi[M];
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                lo[m].load(f[m].lo, k, K);
-                hi[m].load(f[m].hi, k, K);
-            }
-#pragma unroll
-            for (int t = 0; t < NT; ++t) load_x32_natural(xv[t], rows[t], k, K);
-#pragma unroll
-            for (int m = 0; m < M; ++m) fp8_step<NT>(c + 4 * NT * m, lo[m], hi[m], xv);
-        } else {
-            const bool ok = k < K;
-            Fp4Row32<FMT> lo[M], hi[M];
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                lo[m].load(f[m].lo, k, ok);
-                hi[m].load(f[m].hi, k, ok);
-            }
-#pragma unroll
-            for (int t = 0; t < NT; ++t) load_x32(xv[t], rows[t], k, ok);
-#pragma unroll
-            for (int m = 0; m < M; ++m) mma_fp4_step<FMT, NT>(c + 4 * NT * m, lo[m], hi[m], xv);
+    constexpr int stride = KS * FP4_KSTEP;
+    const int lane_k = 32 * w.t4;
+    MmaStep<FMT, NT, M> a, b;
+    int k0 = w.ks * FP4_KSTEP;
+    if constexpr (FMT == FMT_FP8 && (M > 1 || NT > 1)) {
+#pragma unroll 1
+        for (; k0 < K; k0 += stride) {
+            a.load(f, rows, k0 + lane_k, K);
+            a.mma(c);
         }
+        return;
+    }
+    if (k0 >= K) return;
+    a.load(f, rows, k0 + lane_k, K);
+#pragma unroll 1
+    while (true) {
+        b.load(f, rows, k0 + stride + lane_k, K);
+        a.mma(c);
+        k0 += stride;
+        if (k0 >= K) break;
+        a.load(f, rows, k0 + stride + lane_k, K);
+        b.mma(c);
+        k0 += stride;
+        if (k0 >= K) break;
     }
 }
 
