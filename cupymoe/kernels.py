@@ -48,7 +48,7 @@ DECODE_COLS = (1, 2, 4)
 GATE_UP_VARIANTS = tuple((rt, cw) for rt in GATE_UP_ROW_TILES for cw in DECODE_COLS if rt * cw <= 4)
 DOWN_VARIANTS = tuple((rt, cw) for rt in ROW_TILES for cw in DECODE_COLS if rt * cw <= 4 or cw == 1)
 # fp4 and fp8 decode on tensor cores (cuda/decode_mma.cu): warps of a block splitting K
-FP4_DECODE_K_SPLITS = (1, 2, 4, 8)
+MMA_DECODE_K_SPLITS = (1, 2, 4, 8)
 FP4_DECODE_FORMATS = ("nvfp4", "mxfp4")
 MMA_DECODE_FORMATS = FP4_DECODE_FORMATS + ("fp8_block",)
 # mxfp4 scale bytes (2^(e - 127)) the tensor-core decode serves: it scales the weights by
@@ -57,15 +57,18 @@ MMA_DECODE_FORMATS = FP4_DECODE_FORMATS + ("fp8_block",)
 FP4_MMA_MXFP4_SCALE_BYTES = (66, 192)
 # ... and 8-token B fragments per weight pass: 16 tokens halve the passes over the weights
 # of an expert with more than 8 rows
-FP4_DECODE_TOKEN_TILES = (1, 2)
+MMA_DECODE_TOKEN_TILES = (1, 2)
 
 
-def fp4_decode_blocks_per_sm() -> int:
-    """Blocks per SM the fp4 decode kernels' K split aims for (the fewest splits reaching
-    it); CUPYMOE_FP4_BLOCKS_PER_SM overrides it for measurements."""
-    v = os.environ.get("CUPYMOE_FP4_BLOCKS_PER_SM", "2")
+def mma_decode_blocks_per_sm() -> int:
+    """Blocks per SM the tensor-core decode kernels' K split aims for (the fewest splits
+    reaching it); CUPYMOE_MMA_DECODE_BLOCKS_PER_SM overrides it for measurements. One: at
+    two, few experts (N = 1) took twice the splits and 1.45 waves of blocks, and ran slower
+    (qwen3-30b-a3b fp8 N = 1 33.9 against 30.0 us, nvfp4 31.6 against 28.4); from 8 rows on
+    both chose alike (benchmarks/NOTES.md v20)."""
+    v = os.environ.get("CUPYMOE_MMA_DECODE_BLOCKS_PER_SM", "1")
     if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"CUPYMOE_FP4_BLOCKS_PER_SM={v!r}: must be a positive integer")
+        raise ValueError(f"CUPYMOE_MMA_DECODE_BLOCKS_PER_SM={v!r}: must be a positive integer")
     return int(v)
 
 
@@ -262,7 +265,7 @@ MODULES: dict[str, ModuleSpec] = {
     "decode_mma": ModuleSpec(
         "decode_mma.cu",
         tuple(f"decode_mma_{m}<{FORMAT_CODES[f]}, {ks}, {nt}>" for m in ("gate_up", "down")
-              for f in MMA_DECODE_FORMATS for ks in FP4_DECODE_K_SPLITS for nt in FP4_DECODE_TOKEN_TILES),
+              for f in MMA_DECODE_FORMATS for ks in MMA_DECODE_K_SPLITS for nt in MMA_DECODE_TOKEN_TILES),
     ),
 }
 

@@ -48,9 +48,11 @@ STAGES = ("route", "norm", "sort", "gate_up", "down", "reduce")
 # crossover on the H200 lies between 8 and 16 rows (benchmarks/NOTES.md). fp4 experts' decode
 # kernels run on tensor cores (cuda/decode_mma.cu) and beat the grouped path up to 256 rows
 # on both measured shapes (nvfp4 at 256: qwen3-30b-a3b 502 vs 536 us, deepseek-v3 4436 vs
-# 5146; NOTES.md v14)
+# 5146; NOTES.md v14); fp8-block experts' (tensor cores too) up to 64 rows (N = 64:
+# qwen3-30b-a3b 197.5 vs w8a8's 301.2 us, deepseek-v3 1754 vs 1730; at 128 deepseek-v3 2711
+# vs 1962; NOTES.md v20)
 DEFAULT_DECODE_MAX_TOKENS = 8
-DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT = {"nvfp4": 256, "mxfp4": 256}
+DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT = {"nvfp4": 256, "mxfp4": 256, "fp8_block": 64}
 # the atomic path measured no faster than decode; it serves the decode range at most
 DEFAULT_ATOMIC_MAX_TOKENS = 8
 
@@ -256,7 +258,7 @@ class MoeLayer:
             # CUDA-core streams of decode.cu (CUPYMOE_FP4_DECODE=cores, CUPYMOE_FP8_DECODE=cores,
             # for measurements); the knobs are read before anything is uploaded
             fp4_mode, fp8_mode = kernels.fp4_decode_mode(), kernels.fp8_decode_mode()
-            self._fp4_blocks_per_sm = kernels.fp4_decode_blocks_per_sm()
+            self._mma_blocks_per_sm = kernels.mma_decode_blocks_per_sm()
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             self._mma_decode_formats = (kernels.fp4_decode_mma_formats(fp4_mode, self.weights.mxfp4_scale_bytes)
                                         + ((kernels.FORMAT_CODES["fp8_block"],) if fp8_mode == "mma" else ()))
@@ -536,9 +538,9 @@ class MoeLayer:
         blocks on every SM, 16-token passes past 8 rows. Else the CUDA-core stream: the
         row tile holding those rows, the fewest columns a warp that fill one wave."""
         if fmt in self._mma_decode_formats:
-            for ks in kernels.FP4_DECODE_K_SPLITS:
+            for ks in kernels.MMA_DECODE_K_SPLITS:
                 blocks = -(-columns // (16 * 8 // ks))
-                if blocks * max_active >= self._fp4_blocks_per_sm * self._sm_count:
+                if blocks * max_active >= self._mma_blocks_per_sm * self._sm_count:
                     break
             nt = 2 if rows_per_expert > 8 else 1
             return f"decode_mma_{stage}<{fmt}, {ks}, {nt}>", blocks

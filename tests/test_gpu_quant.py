@@ -71,7 +71,7 @@ def test_tensor_core_decode_with_every_k_split(k_splits, rng, monkeypatch):
     fp8 experts (H = 96 and 160: k128 steps past K read zeros) with a bf16 shared expert."""
     from cupymoe import kernels
 
-    monkeypatch.setattr(kernels, "FP4_DECODE_K_SPLITS", (k_splits,))
+    monkeypatch.setattr(kernels, "MMA_DECODE_K_SPLITS", (k_splits,))
     for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared", "qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared"):
         cfg, hw, layer = _case(name, rng)
         for path in ("decode", "atomic"):
@@ -121,10 +121,11 @@ def test_fp4_tensor_core_decode_takes_mxfp4_scales_in_its_range_only(rng):
                 assert c.ok, f"scale bytes up to {edge} N={n} {path}: {c}"
 
 
-def test_fp4_layers_decode_up_to_their_measured_crossover(rng):
-    """Without decode_max_tokens, an fp4 layer takes the decode path up to 256 rows (its
-    tensor-core decode beats the grouped GEMMs that far on the H200) and prefill above;
-    other formats keep 8. The auto path is checked at a size only fp4 decodes."""
+def test_quantized_layers_decode_up_to_their_measured_crossover(rng):
+    """Without decode_max_tokens, an fp4 layer takes the decode path up to 256 rows and an
+    fp8 one up to 64 (their tensor-core decode beats the grouped GEMMs that far on the
+    H200) and prefill above; bf16 keeps 8. The auto path is checked at a size only fp4
+    decodes."""
     from cupymoe import MoeLayer
     from cupymoe.layer import DEFAULT_DECODE_MAX_TOKENS, DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT
 
@@ -136,8 +137,11 @@ def test_fp4_layers_decode_up_to_their_measured_crossover(rng):
     x = well_separated_input(cfg, hw, rng, 150)
     c = check(run_layer(layer, x), cfg, hw, x, "decode", layer=layer)
     assert c.ok, f"N=150 auto (decode): {c}"
-    fp8 = MoeLayer(cfg, testing.random_host_weights(cfg, rng, "fp8_block"), max_tokens=16)
-    assert fp8.decode_max_tokens == DEFAULT_DECODE_MAX_TOKENS == 8
+    fp8 = MoeLayer(cfg, testing.random_host_weights(cfg, rng, "fp8_block"), max_tokens=100)
+    assert fp8.decode_max_tokens == DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT["fp8_block"] == 64
+    assert fp8.select_path(64) == "decode" and fp8.select_path(65) == "prefill"
+    bf16 = MoeLayer(cfg, testing.random_host_weights(cfg, rng, "bf16"), max_tokens=16)
+    assert bf16.decode_max_tokens == DEFAULT_DECODE_MAX_TOKENS == 8
 
 
 def test_fp8_prefill_rounds_weights_once_and_decode_keeps_them_exact(rng):

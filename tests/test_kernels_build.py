@@ -120,6 +120,6 @@ def test_fp4_tensor_core_decode_formats_and_knobs(monkeypatch):
     monkeypatch.setenv("CUPYMOE_FP4_DECODE", "tensor")
     with pytest.raises(ValueError, match="CUPYMOE_FP4_DECODE='tensor'"):
         kernels.fp4_decode_mode()
-    monkeypatch.setenv("CUPYMOE_FP4_BLOCKS_PER_SM", "0")
-    with pytest.raises(ValueError, match="CUPYMOE_FP4_BLOCKS_PER_SM='0'"):
-        kernels.fp4_decode_blocks_per_sm()
+    monkeypatch.setenv("CUPYMOE_MMA_DECODE_BLOCKS_PER_SM", "0")
+    with pytest.raises(ValueError, match="CUPYMOE_MMA_DECODE_BLOCKS_PER_SM='0'"):
+        kernels.mma_decode_blocks_per_sm()
