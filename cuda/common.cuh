@@ -17,6 +17,19 @@ typedef unsigned long long u64;
 #define CUPYMOE_WARP 32
 #define CUPYMOE_FULL_MASK 0xffffffffu
 
+// Programmatic dependent launch (sm_90+; cupymoe/kernels.py launch_pdl): a kernel of the
+// decode chain launched with it may start while the kernel before it in the stream still
+// runs, so it waits here, at its top and in every block, until that kernel has finished
+// and its writes are visible (a chain whose every kernel waits is ordered transitively),
+// then lets the next kernel of the chain be scheduled: its blocks take the SMs this one's
+// last blocks leave idle and wait in turn. Launched without the attribute both are no-ops.
+__device__ __forceinline__ void pdl_wait_then_release_next() {
+#if CUPYMOE_SM >= 90
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Activation codes shared with cupymoe/kernels.py (ACTIVATION_CODES).
 #define ACT_SILU 0
 #define ACT_GELU 1

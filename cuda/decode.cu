@@ -141,6 +141,7 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
                    int* __restrict__ active_slot, int* __restrict__ active_start, int* __restrict__ active_len,
                    int* __restrict__ sorted_row, int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
     extern __shared__ float route_smem[];
+    pdl_wait_then_release_next();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int stride = 2 * R + TOPK_MAX_K;  // a row's scratch; its ids at 2 R (route_row)
     if (warp < N)
@@ -159,6 +160,7 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
 template <int RT, int CW, int FMT>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, DECODE_MIN_BLOCKS)
 decode_gate_up(DECODE_GATE_UP_ARGS) {
+    pdl_wait_then_release_next();
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;
@@ -235,6 +237,7 @@ decode_gate_up(DECODE_GATE_UP_ARGS) {
 template <int RT, int CW, int FMT>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, DECODE_MIN_BLOCKS)
 decode_down(DECODE_DOWN_ARGS) {
+    pdl_wait_then_release_next();
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;
@@ -304,6 +307,7 @@ decode_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int
               int N, int H, int k, int E, int has_shared, int primary, int atomic) {
     __shared__ int s_pos[64];
     __shared__ float s_w[64];
+    pdl_wait_then_release_next();
     const int row = blockIdx.x;
     const size_t rbase = (size_t)row * H;
     const RowPrologue pro = reduce_row_prologue<REDUCE_THREADS>(row, N, k, E, H, pair_pos, ids, topk_w, x, shared_gate_w,

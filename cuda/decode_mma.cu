@@ -331,6 +331,7 @@ template <int FMT, int KS, int NT>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT, 2, NT))
 decode_mma_gate_up(DECODE_GATE_UP_ARGS) {
     __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 8 * NT : 1];
+    pdl_wait_then_release_next();
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;
@@ -375,6 +376,7 @@ template <int FMT, int KS, int NT>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT, 1, NT))
 decode_mma_down(DECODE_DOWN_ARGS) {
     __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 * NT : 1];
+    pdl_wait_then_release_next();
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;

@@ -18,6 +18,7 @@ __global__ void __launch_bounds__(ROUTER_COLS * ROUTER_SPLIT * 32)
 router_logits_bf16(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
                    float* __restrict__ logits, int N, int R, int H) {
     __shared__ float part[ROUTER_COLS * ROUTER_SPLIT][ROWS];
+    pdl_wait_then_release_next();  // (the chain's first kernel: only the release does anything)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r = blockIdx.x * ROUTER_COLS + warp / ROUTER_SPLIT;
     const int split = warp % ROUTER_SPLIT;
@@ -64,6 +65,7 @@ __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_bf16(const bf16* __restrict__ x, const float* __restrict__ w, bf16* __restrict__ y, int H, float eps,
              u8* __restrict__ qy, float* __restrict__ sy) {
     __shared__ float partial[NORM_THREADS / 32];
+    pdl_wait_then_release_next();
     const size_t base = (size_t)blockIdx.x * H;
     float ss = 0.0f;
     for (int h = threadIdx.x * 8; h < H; h += NORM_THREADS * 8) {

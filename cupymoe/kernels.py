@@ -81,6 +81,80 @@ def fp4_decode_mode() -> str:
     return v
 
 
+def pdl_mode() -> bool:
+    """Whether the decode chain's kernels are launched with programmatic dependent launch
+    (sm_90+, launch_pdl): CUPYMOE_PDL=0 turns it off, for measurements."""
+    v = os.environ.get("CUPYMOE_PDL", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"CUPYMOE_PDL={v!r}: must be '0' or '1'")
+    return v == "1"
+
+
+# cuLaunchKernelEx's configuration (cuda.h): CUlaunchAttribute is an id padded to 8 bytes
+# and a 64-byte value union; CUlaunchConfig the grid, block, dynamic shared memory, stream
+# and the attribute array.
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+def _launch_structs():
+    import ctypes
+
+    class LaunchAttributeValue(ctypes.Union):  # 64 bytes; the int member this layer sets
+        _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int)]
+
+    class LaunchAttribute(ctypes.Structure):
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", LaunchAttributeValue)]
+
+    class LaunchConfig(ctypes.Structure):
+        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                    ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)),
+                    ("num_attrs", ctypes.c_uint)]
+
+    return LaunchAttribute, LaunchConfig
+
+
+_LIBCUDA = None
+
+
+def pack_launch(grid: tuple, block: tuple, args: tuple, stream_ptr: int, shared_mem: int = 0):
+    """(config, params, keep-alive) for cuLaunchKernelEx with programmatic stream
+    serialization: `args` numpy scalars (the layer's _u64 / _i32 / _f32), each passed by
+    address as the driver API takes kernel parameters."""
+    import ctypes
+
+    import numpy as np
+
+    LaunchAttribute, LaunchConfig = _launch_structs()
+    attr = LaunchAttribute()
+    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmatic_stream_serialization_allowed = 1
+    dims = lambda d: (ctypes.c_uint * 3)(*(tuple(int(v) for v in d) + (1, 1))[:3])
+    cfg = LaunchConfig(dims(grid), dims(block), int(shared_mem), ctypes.c_void_p(int(stream_ptr)),
+                       ctypes.pointer(attr), 1)
+    held = [np.array(a) for a in args]  # numpy scalars keep their dtype: the kernel's C types
+    params = (ctypes.c_void_p * len(held))(*[h.ctypes.data for h in held])
+    return cfg, params, (attr, held)
+
+
+def launch_pdl(fn, grid: tuple, block: tuple, args: tuple, stream_ptr: int, shared_mem: int = 0) -> None:
+    """Launch `fn` (a CuPy module function) with programmatic stream serialization: it may
+    start while the stream's previous kernel still runs, and must wait for it itself
+    (cuda/common.cuh pdl_wait_then_release_next). Stream capture records the edge."""
+    import ctypes
+
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        _LIBCUDA = ctypes.CDLL("libcuda.so.1")
+        _LIBCUDA.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    cfg, params, keep = pack_launch(grid, block, args, stream_ptr, shared_mem)
+    err = _LIBCUDA.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(int(fn.ptr)), params, None)
+    if err != 0:
+        msg = ctypes.c_char_p()
+        _LIBCUDA.cuGetErrorString(err, ctypes.byref(msg))
+        raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {err} ({(msg.value or b'?').decode()})")
+    del keep  # the driver copied the parameters during the call
+
+
 def fp8_decode_mode() -> str:
     """Where fp8-block experts decode: "mma" (tensor cores, w8a16, decode_mma.cu), or
     "cores" with CUPYMOE_FP8_DECODE=cores (decode.cu's CUDA-core readers)."""

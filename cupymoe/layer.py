@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -259,6 +260,9 @@ class MoeLayer:
             # for measurements); the knobs are read before anything is uploaded
             fp4_mode, fp8_mode = kernels.fp4_decode_mode(), kernels.fp8_decode_mode()
             self._mma_blocks_per_sm = kernels.mma_decode_blocks_per_sm()
+            # the decode chain's kernels by programmatic dependent launch (sm_90+): each may
+            # start under the previous one's last blocks (kernels.launch_pdl)
+            self._pdl = kernels.pdl_mode() and int(re.search(r"\d+", self.lib.arch).group()) >= 90
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             self._mma_decode_formats = (kernels.fp4_decode_mma_formats(fp4_mode, self.weights.mxfp4_scale_bytes)
                                         + ((kernels.FORMAT_CODES["fp8_block"],) if fp8_mode == "mma" else ()))
@@ -463,12 +467,15 @@ class MoeLayer:
         # a few decode rows: routing and the expert lists in one launch (one fewer in the chain)
         route_lists_smem = (N * (2 * R + 64) + 2 * N * k) * 4
         route_lists = path != "prefill" and N <= ROUTE_LISTS_MAX_ROWS and route_lists_smem <= 48 * 1024
+        # the decode chain by programmatic dependent launch (router -> route_lists -> norm ->
+        # gate/up -> down -> reduce, each kernel waiting for the one before it); not on the
+        # atomic path, whose memset stands between the lists and gate/up
+        pdl = path == "decode" and route_lists and not timer.separates_kernels
         with timer.stage("topk"):
             if route_lists:
-                lib["decode_route_lists"](
-                    (1,), (ROUTE_LISTS_THREADS,),
-                    (*routing, _u64(W.ptr("slot_of")), _i32(W.n_local), _i32(has_shared),
-                     *self._list_outputs()), stream=s, shared_mem=route_lists_smem)
+                self._launch("decode_route_lists", (1,), (ROUTE_LISTS_THREADS,),
+                             (*routing, _u64(W.ptr("slot_of")), _i32(W.n_local), _i32(has_shared),
+                              *self._list_outputs()), s, route_lists_smem, pdl=pdl)
             else:
                 warps = 4
                 lib["topk_route"](
@@ -480,8 +487,9 @@ class MoeLayer:
             with timer.stage("norm"):
                 xe = A.ptr("xe")
                 qxe = (A.ptr("qx"), A.ptr("sx")) if w8a8 else (0, 0)
-                lib["rmsnorm_bf16"]((N,), (256,), (_u64(x), _u64(W.ptr("norm_weight")), _u64(xe), _i32(H),
-                                                  _f32(cfg.rms_norm_eps), _u64(qxe[0]), _u64(qxe[1])), stream=s)
+                self._launch("rmsnorm_bf16", (N,), (256,), (_u64(x), _u64(W.ptr("norm_weight")), _u64(xe), _i32(H),
+                                                            _f32(cfg.rms_norm_eps), _u64(qxe[0]), _u64(qxe[1])),
+                             s, pdl=pdl)
         with timer.stage("sort"):
             if not route_lists:
                 self._launch_sort(N, s, has_shared)
@@ -492,21 +500,22 @@ class MoeLayer:
         if path == "prefill":
             self._enqueue_grouped(x, xe, N, out, s, timer, has_shared)
         else:
-            self._enqueue_decode(x, xe, N, out, s, timer, has_shared, atomic)
+            self._enqueue_decode(x, xe, N, out, s, timer, has_shared, atomic, pdl)
         if self.comm is not None:  # partials -> the full layer, on the caller's stream
             with timer.stage("all_reduce"):
                 self.comm.all_reduce(out, N * H * 2, "bf16", s.ptr)
 
-    def _enqueue_decode(self, x: int, xe: int, N: int, out: int, s, timer, has_shared: int, atomic: bool) -> None:
-        cfg, A, W, lib = self.cfg, self.arena, self.weights, self.lib
+    def _enqueue_decode(self, x: int, xe: int, N: int, out: int, s, timer, has_shared: int, atomic: bool,
+                        pdl: bool = False) -> None:
+        cfg, A, W = self.cfg, self.arena, self.weights
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
         max_active = max(1, min(W.n_local, N * k) + has_shared)
         rows_per_expert = max(1.0, 2.0 * N * k / max(W.n_local, 1))
         with timer.stage("gate_up"):
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' experts
                 name, blocks = self._decode_kernel("gate_up", fmt, rows_per_expert, W.i_max, max_active)
-                lib[name](
-                    (blocks, max_active), (256,),
+                self._launch(
+                    name, (blocks, max_active), (256,),
                     (_u64(x), _u64(xe), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
                      _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_row")),
                      _u64(W.ptr("gate")), _u64(W.ptr("up")), _u64(W.ptr("gate_scale")), _u64(W.ptr("up_scale")),
@@ -514,21 +523,31 @@ class MoeLayer:
                      _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")),
                      _u64(W.ptr("inter")), _i32(W.shared_slot), _u64(A.ptr("act")), _i32(H), _i32(W.i_max),
                      _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit)),
-                    stream=s)
+                    s, pdl=pdl)
         with timer.stage("down"):
             for fmt in self._format_codes:
                 name, blocks = self._decode_kernel("down", fmt, rows_per_expert, H, max_active)
-                lib[name](
-                    (blocks, max_active), (256,),
+                self._launch(
+                    name, (blocks, max_active), (256,),
                     (_u64(A.ptr("act")), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
                      _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_pair")),
                      _u64(W.ptr("down")), _u64(W.ptr("down_scale")), _u64(W.ptr("down_gscale")),
                      _u64(W.ptr("slot_fmt")), _u64(W.ptr("down_bias")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
                      _u64(A.ptr("y")), _u64(A.ptr("acc")), _i32(H), _i32(W.i_max), _i32(k), _i32(N * k),
                      _i32(int(atomic))),
-                    stream=s)
+                    s, pdl=pdl)
         with timer.stage("reduce"):
-            self._launch_reduce(x, xe, out, N, s, atomic, has_shared)
+            self._launch_reduce(x, xe, out, N, s, atomic, has_shared, pdl)
+
+    def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, s, shared_mem: int = 0,
+                pdl: bool = False) -> None:
+        """Launch kernel `name` on stream `s`; `pdl`: by programmatic dependent launch where the
+        layer uses it (the kernel must begin with pdl_wait_then_release_next)."""
+        fn = self.lib[name]
+        if pdl and self._pdl:
+            kernels.launch_pdl(fn, grid, block, args, s.ptr, shared_mem)
+        else:
+            fn(grid, block, args, stream=s, shared_mem=shared_mem)
 
     def _decode_kernel(self, stage: str, fmt: int, rows_per_expert: float, columns: int,
                        max_active: int) -> tuple[str, int]:
@@ -703,20 +722,21 @@ class MoeLayer:
             (_u64(x), _u64(W.ptr("router")), _u64(W.ptr("router_bias")), _u64(logits),
              _i32(N), _i32(R), _i32(cfg.hidden_size)), stream=s)
 
-    def _launch_reduce(self, x: int, xe: int, out: int, N: int, s, atomic: bool, has_shared: int) -> None:
+    def _launch_reduce(self, x: int, xe: int, out: int, N: int, s, atomic: bool, has_shared: int,
+                       pdl: bool = False) -> None:
         cfg, A, W = self.cfg, self.arena, self.weights
         primary = 1 if cfg.ep_rank == 0 else 0
         H = cfg.hidden_size
         # few rows: H split over blocks until about two blocks an SM (a row alone in one
         # block is a latency chain of H / 1024 steps)
         splits = max(1, min(-(-H // (4 * REDUCE_THREADS)), 2 * self._sm_count // N))
-        self.lib["decode_reduce"](
-            (N, splits), (REDUCE_THREADS,),
+        self._launch(
+            "decode_reduce", (N, splits), (REDUCE_THREADS,),
             (_u64(x), _u64(xe), _u64(A.ptr("topk_ids")), _u64(A.ptr("topk_w")), _u64(A.ptr("pair_pos")),
              _u64(A.ptr("y")), _u64(A.ptr("acc")), _u64(W.ptr("shared_expert_gate")), _u64(out),
              _i32(N), _i32(cfg.hidden_size), _i32(cfg.num_experts_per_tok), _i32(cfg.num_experts),
              _i32(has_shared), _i32(primary), _i32(int(atomic))),
-            stream=s)
+            s, pdl=pdl)
 
     def _dump(self, x: int, N: int, out: int, s, path: str) -> None:
         """The seed's debug dumps (CUPYMOE_DUMP_DIR); a debug aid with host syncs and copies."""

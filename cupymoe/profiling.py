@@ -79,6 +79,9 @@ class StageTimer:
         self.num_tokens = num_tokens
         self.path = path
         self.profile = profile_enabled()
+        # stage events (bench --stages) or profile syncs stand between the kernels: the
+        # layer then launches them without programmatic dependent launch
+        self.separates_kernels = self.profile or _stage_events is not None
 
     @contextmanager
     def stage(self, name: str):

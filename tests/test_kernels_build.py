@@ -123,3 +123,34 @@ def test_fp4_tensor_core_decode_formats_and_knobs(monkeypatch):
     monkeypatch.setenv("CUPYMOE_MMA_DECODE_BLOCKS_PER_SM", "0")
     with pytest.raises(ValueError, match="CUPYMOE_MMA_DECODE_BLOCKS_PER_SM='0'"):
         kernels.mma_decode_blocks_per_sm()
+
+
+def test_pdl_launch_packs_the_driver_structures():
+    """kernels.pack_launch builds cuLaunchKernelEx's CUlaunchConfig as cuda.h lays it out (the
+    attribute an id padded to 8 bytes and a 64-byte value; the config 56 bytes) with the
+    programmatic-stream-serialization attribute set, and passes each argument by address
+    with its own C type."""
+    import ctypes
+
+    import numpy as np
+
+    attr_t, cfg_t = kernels._launch_structs()
+    assert ctypes.sizeof(attr_t) == 72 and ctypes.sizeof(cfg_t) == 56
+    assert cfg_t.stream.offset == 32 and cfg_t.attrs.offset == 40 and cfg_t.num_attrs.offset == 48
+    args = (np.uint64(0x1234_5678_9ABC), np.int32(-7), np.float32(1.5))
+    cfg, params, keep = kernels.pack_launch((3, 2), (256,), args, stream_ptr=0xBEEF, shared_mem=4096)
+    assert tuple(cfg.grid) == (3, 2, 1) and tuple(cfg.block) == (256, 1, 1)
+    assert cfg.shared_mem == 4096 and cfg.stream == 0xBEEF and cfg.num_attrs == 1
+    assert cfg.attrs[0].id == kernels.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert cfg.attrs[0].value.programmatic_stream_serialization_allowed == 1
+    assert ctypes.c_uint64.from_address(params[0]).value == 0x1234_5678_9ABC
+    assert ctypes.c_int32.from_address(params[1]).value == -7
+    assert ctypes.c_float.from_address(params[2]).value == 1.5
+
+
+def test_pdl_knob(monkeypatch):
+    monkeypatch.setenv("CUPYMOE_PDL", "0")
+    assert kernels.pdl_mode() is False
+    monkeypatch.setenv("CUPYMOE_PDL", "yes")
+    with pytest.raises(ValueError, match="CUPYMOE_PDL='yes'"):
+        kernels.pdl_mode()
