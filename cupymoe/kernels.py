@@ -15,6 +15,7 @@ at once at worst compile the same thing twice and never read a torn file.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -96,63 +97,64 @@ def pdl_mode() -> bool:
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
+class _LaunchAttributeValue(ctypes.Union):  # 64 bytes; the int member this layer sets
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
 def _launch_structs():
-    import ctypes
+    """(CUlaunchAttribute, CUlaunchConfig) as ctypes structures (defined once, above)."""
+    return _LaunchAttribute, _LaunchConfig
 
-    class LaunchAttributeValue(ctypes.Union):  # 64 bytes; the int member this layer sets
-        _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int)]
 
-    class LaunchAttribute(ctypes.Structure):
-        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", LaunchAttributeValue)]
-
-    class LaunchConfig(ctypes.Structure):
-        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
-                    ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)),
-                    ("num_attrs", ctypes.c_uint)]
-
-    return LaunchAttribute, LaunchConfig
-
+# the one attribute every programmatic launch passes (the driver reads it during the call)
+_PDL_ATTRIBUTE = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+_PDL_ATTRIBUTE.value.programmatic_stream_serialization_allowed = 1
 
 _LIBCUDA = None
+
+
+def _dims(d: tuple):
+    return (ctypes.c_uint * 3)(*(tuple(int(v) for v in d) + (1, 1))[:3])
 
 
 def pack_launch(grid: tuple, block: tuple, args: tuple, stream_ptr: int, shared_mem: int = 0):
     """(config, params, keep-alive) for cuLaunchKernelEx with programmatic stream
     serialization: `args` numpy scalars (the layer's _u64 / _i32 / _f32), each passed by
     address as the driver API takes kernel parameters."""
-    import ctypes
-
     import numpy as np
 
-    LaunchAttribute, LaunchConfig = _launch_structs()
-    attr = LaunchAttribute()
-    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmatic_stream_serialization_allowed = 1
-    dims = lambda d: (ctypes.c_uint * 3)(*(tuple(int(v) for v in d) + (1, 1))[:3])
-    cfg = LaunchConfig(dims(grid), dims(block), int(shared_mem), ctypes.c_void_p(int(stream_ptr)),
-                       ctypes.pointer(attr), 1)
+    cfg = _LaunchConfig(_dims(grid), _dims(block), int(shared_mem), ctypes.c_void_p(int(stream_ptr)),
+                        ctypes.pointer(_PDL_ATTRIBUTE), 1)
     held = [np.array(a) for a in args]  # numpy scalars keep their dtype: the kernel's C types
     params = (ctypes.c_void_p * len(held))(*[h.ctypes.data for h in held])
-    return cfg, params, (attr, held)
+    return cfg, params, held
 
 
 def launch_pdl(fn, grid: tuple, block: tuple, args: tuple, stream_ptr: int, shared_mem: int = 0) -> None:
     """Launch `fn` (a CuPy module function) with programmatic stream serialization: it may
     start while the stream's previous kernel still runs, and must wait for it itself
     (cuda/common.cuh pdl_wait_then_release_next). Stream capture records the edge."""
-    import ctypes
-
     global _LIBCUDA
     if _LIBCUDA is None:
         _LIBCUDA = ctypes.CDLL("libcuda.so.1")
         _LIBCUDA.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    cfg, params, keep = pack_launch(grid, block, args, stream_ptr, shared_mem)
+    cfg, params, held = pack_launch(grid, block, args, stream_ptr, shared_mem)
     err = _LIBCUDA.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(int(fn.ptr)), params, None)
     if err != 0:
         msg = ctypes.c_char_p()
         _LIBCUDA.cuGetErrorString(err, ctypes.byref(msg))
         raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {err} ({(msg.value or b'?').decode()})")
-    del keep  # the driver copied the parameters during the call
+    del held  # the driver copied the parameters during the call
 
 
 def fp8_decode_mode() -> str:

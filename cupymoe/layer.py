@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -262,7 +261,7 @@ class MoeLayer:
             self._mma_blocks_per_sm = kernels.mma_decode_blocks_per_sm()
             # the decode chain's kernels by programmatic dependent launch (sm_90+): each may
             # start under the previous one's last blocks (kernels.launch_pdl)
-            self._pdl = kernels.pdl_mode() and int(re.search(r"\d+", self.lib.arch).group()) >= 90
+            self._pdl = kernels.pdl_mode() and kernels.parse_arch(self.lib.arch)[0] >= 90
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             self._mma_decode_formats = (kernels.fp4_decode_mma_formats(fp4_mode, self.weights.mxfp4_scale_bytes)
                                         + ((kernels.FORMAT_CODES["fp8_block"],) if fp8_mode == "mma" else ()))
@@ -470,7 +469,7 @@ class MoeLayer:
         # the decode chain by programmatic dependent launch (router -> route_lists -> norm ->
         # gate/up -> down -> reduce, each kernel waiting for the one before it); not on the
         # atomic path, whose memset stands between the lists and gate/up
-        pdl = path == "decode" and route_lists and not timer.separates_kernels
+        pdl = self._pdl and path == "decode" and route_lists and not timer.separates_kernels
         with timer.stage("topk"):
             if route_lists:
                 self._launch("decode_route_lists", (1,), (ROUTE_LISTS_THREADS,),
@@ -541,10 +540,10 @@ class MoeLayer:
 
     def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, s, shared_mem: int = 0,
                 pdl: bool = False) -> None:
-        """Launch kernel `name` on stream `s`; `pdl`: by programmatic dependent launch where the
-        layer uses it (the kernel must begin with pdl_wait_then_release_next)."""
+        """Launch kernel `name` on stream `s`; `pdl`: by programmatic dependent launch (the
+        kernel must begin with pdl_wait_then_release_next)."""
         fn = self.lib[name]
-        if pdl and self._pdl:
+        if pdl:
             kernels.launch_pdl(fn, grid, block, args, s.ptr, shared_mem)
         else:
             fn(grid, block, args, stream=s, shared_mem=shared_mem)

@@ -52,6 +52,15 @@ def _case(name, rng, **layer_kw):
     return cfg, hw, MoeLayer(cfg, hw, **layer_kw)
 
 
+def _check_decode_paths(layer, cfg, hw, rng, tokens, label: str) -> None:
+    """The layer on the decode and atomic paths at each N of `tokens`, against the reference."""
+    for path in ("decode", "atomic"):
+        for n in tokens:
+            x = well_separated_input(cfg, hw, rng, n)
+            c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
+            assert c.ok, f"{label} N={n} {path}: {c}"
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_quantized_layers_against_reference_on_every_path(name, rng):
     cfg, hw, layer = _case(name, rng)
@@ -74,11 +83,7 @@ def test_tensor_core_decode_with_every_k_split(k_splits, rng, monkeypatch):
     monkeypatch.setattr(kernels, "MMA_DECODE_K_SPLITS", (k_splits,))
     for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared", "qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared"):
         cfg, hw, layer = _case(name, rng)
-        for path in ("decode", "atomic"):
-            for n in SMALL:
-                x = well_separated_input(cfg, hw, rng, n)
-                c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
-                assert c.ok, f"{name} KS={k_splits} N={n} {path}: {c}"
+        _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} KS={k_splits}")
 
 
 def test_fp8_decode_on_cuda_cores_by_knob(rng, monkeypatch):
@@ -91,11 +96,7 @@ def test_fp8_decode_on_cuda_cores_by_knob(rng, monkeypatch):
         monkeypatch.setenv("CUPYMOE_FP8_DECODE", mode)
         cfg, hw, layer = _case("qwen3_moe-fp8", rng)
         assert (fp8 in layer._mma_decode_formats) == (mode == "mma")
-        for path in ("decode", "atomic"):
-            for n in (1, 17):
-                x = well_separated_input(cfg, hw, rng, n)
-                c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
-                assert c.ok, f"{mode} N={n} {path}: {c}"
+        _check_decode_paths(layer, cfg, hw, rng, (1, 17), mode)
 
 
 def test_fp4_tensor_core_decode_takes_mxfp4_scales_in_its_range_only(rng):
@@ -114,11 +115,7 @@ def test_fp4_tensor_core_decode_takes_mxfp4_scales_in_its_range_only(rng):
         hw.down.scales[...] = rng.integers(edge - 8, edge + 1, hw.down.scales.shape)  # ... huge down rows
         layer = MoeLayer(cfg, hw, max_tokens=64, decode_max_tokens=64, atomic_max_tokens=64)
         assert (mx in layer._mma_decode_formats) == expect_mma, (edge, layer.weights.mxfp4_scale_bytes)
-        for path in ("decode", "atomic"):
-            for n in (1, 17):
-                x = well_separated_input(cfg, hw, rng, n)
-                c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
-                assert c.ok, f"scale bytes up to {edge} N={n} {path}: {c}"
+        _check_decode_paths(layer, cfg, hw, rng, (1, 17), f"scale bytes up to {edge}")
 
 
 def test_quantized_layers_decode_up_to_their_measured_crossover(rng):
