@@ -105,10 +105,33 @@ __device__ __forceinline__ bool gemm_tile_at(GemmTile& t, int cx, int ty, GEMM_A
     return true;
 }
 
-// The block's tile: grid (column tiles, M-tiles).
+// The order tiles start in. Blocks start in launch order, blockIdx.x fastest. Were x the
+// column tile, every column tile of one M-tile would start before the next M-tile's: an
+// expert's next M-tile then finds its weights evicted from L2 once the expert's weights
+// outgrow what the resident blocks keep there (mixtral-8x7b gate/up: 235 MB an expert over
+// 224 column tiles, so its weights came from DRAM once per M-tile, ~17 GB at N = 4096).
+// So the launch order is cut into bands of GEMM_BAND_COLS column tiles (the last band
+// narrower): within a band a block's neighbours share its M-tile (A from L2) and the next
+// M-tiles reuse the band's weights (B from L2). Only the order changes: every tile is
+// still computed by one block, so results are bitwise those of any other order.
+// CUPYMOE_GEMM_BAND_COLS overrides it (kernels.compile_options) for measurements.
+#ifndef GEMM_BAND_COLS
+#define GEMM_BAND_COLS 16
+#endif
+
+// (column tile, M-tile) of launch-order block L in a grid of ncol x mt.
+__device__ __forceinline__ int2 banded_tile(int L, int ncol, int mt) {
+    const int c0 = L / (GEMM_BAND_COLS * mt) * GEMM_BAND_COLS;  // the band's first column tile
+    const int w = min(GEMM_BAND_COLS, ncol - c0);                // its width
+    const int r = L - c0 * mt;                                    // rank inside the band
+    return make_int2(c0 + r % w, r / w);
+}
+
+// The block's tile: grid (column tiles, M-tiles), started in banded order.
 template <int MODE, int BM, int BN, int FMT = FMT_BF16>
 __device__ __forceinline__ bool gemm_tile(GemmTile& t, GEMM_ARGS) {
-    return gemm_tile_at<MODE, BM, BN, FMT>(t, blockIdx.x, blockIdx.y, GEMM_ARG_NAMES);
+    const int2 ct = banded_tile(blockIdx.y * gridDim.x + blockIdx.x, gridDim.x, gridDim.y);
+    return gemm_tile_at<MODE, BM, BN, FMT>(t, ct.x, ct.y, GEMM_ARG_NAMES);
 }
 
 // Each thread copies a fixed set of 16-byte chunks per stage: its rows' sources are

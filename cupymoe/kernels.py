@@ -243,13 +243,15 @@ class Sm90Variant:
 # N = 4096 / 16384, NOTES.md v10); "wide": 128 x 256 tiles (twice the math per byte of A
 # and of shared memory read; 128 accumulators a thread, so one block per SM): 5-20 %
 # slower than twin (v11); "tma": twin's tiles and stages, loaded by TMA from a producer
-# warp (v18: 1.07-1.19x twin where I >= 1536, slower at I = 512). A warp-specialized
-# persistent cp.async kernel (v12) was slower than twin and is gone.
+# warp (v18: 1.07-1.19x twin where I >= 1536, slower at I = 512); "tma_wide": wide's tiles
+# and stages loaded by TMA. A warp-specialized persistent cp.async kernel (v12) was slower
+# than twin and is gone.
 SM90_VARIANTS = {
     "deep": Sm90Variant(6, 1, 128),
     "twin": Sm90Variant(3, 2, 128),
     "wide": Sm90Variant(4, 1, 256),
     "tma": Sm90Variant(3, 2, 128, tma=True),
+    "tma_wide": Sm90Variant(4, 1, 256, tma=True),
 }
 # "auto" (the default): "tma" for layers whose routed experts' intermediate size is at least
 # this, "twin" below. Measured at N = 1024 / 4096 / 16384 on the six shapes (NOTES.md v18):
@@ -258,21 +260,38 @@ SM90_VARIANTS = {
 # (qwen3-next-80b: 6-9 %): its gather pass costs P x H bytes, the GEMMs P x H x I FLOPs.
 # The measurement: scripts/sm90_variants.sh (results/20261130-h200-sm90-tma-fe1556d.json).
 TMA_MIN_INTERMEDIATE = 1024
+# ... and where gate/up takes "tma", down takes "tma_wide" when its 256-column tiles cover
+# H whole (NOTES.md v22: mixtral-8x7b down 1869 -> 1614 us at N = 4096, deepseek-v3 3301 ->
+# 3228, qwen3-235b-a22b 1232 -> 1196; gpt-oss-120b's H = 2880 leaves a quarter-used last
+# tile, and its down ran 979 against 960).
+WIDE_DOWN_BN = 256
+
+
+def _variant_env(name: str) -> str:
+    v = os.environ.get(name, "auto")
+    if v != "auto" and v not in SM90_VARIANTS:
+        raise ValueError(f"{name}={v!r}: must be 'auto' or one of {sorted(SM90_VARIANTS)}")
+    return v
 
 
 def sm90_variant() -> str:
     """CUPYMOE_SM90_VARIANT: a name of SM90_VARIANTS, or "auto" (the default)."""
-    v = os.environ.get("CUPYMOE_SM90_VARIANT", "auto")
-    if v != "auto" and v not in SM90_VARIANTS:
-        raise ValueError(f"CUPYMOE_SM90_VARIANT={v!r}: must be 'auto' or one of {sorted(SM90_VARIANTS)}")
-    return v
+    return _variant_env("CUPYMOE_SM90_VARIANT")
 
 
-def sm90_variant_for(intermediate: int) -> str:
-    """The Hopper GEMM variant a layer with this routed intermediate size takes."""
+def sm90_variant_for(intermediate: int, mode: int = 0, hidden: int = 0) -> str:
+    """The Hopper GEMM variant a layer with this routed intermediate size (and hidden size,
+    for down) takes for gate/up (mode 0) or down (mode 1). CUPYMOE_SM90_VARIANT names one
+    for both; CUPYMOE_SM90_DOWN_VARIANT one for down alone (measurements)."""
     v = sm90_variant()
     if v == "auto":
-        return "tma" if intermediate >= TMA_MIN_INTERMEDIATE else "twin"
+        v = "tma" if intermediate >= TMA_MIN_INTERMEDIATE else "twin"
+        if mode == 1 and v == "tma" and hidden > 0 and hidden % WIDE_DOWN_BN == 0:
+            v = "tma_wide"
+    if mode == 1:
+        d = _variant_env("CUPYMOE_SM90_DOWN_VARIANT")
+        if d != "auto":
+            v = d
     return v
 
 
@@ -428,13 +447,26 @@ def arch_for_capability(major: int, minor: int) -> str:
     return "sm_90a" if cc == 90 else f"sm_{cc}"
 
 
+def gemm_band_cols() -> Optional[int]:
+    """CUPYMOE_GEMM_BAND_COLS: the grouped GEMMs' tile order in bands of this many column
+    tiles (cuda/gemm_common.cuh, GEMM_BAND_COLS), a measurement knob; None: the default."""
+    v = os.environ.get("CUPYMOE_GEMM_BAND_COLS")
+    if v is None:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"CUPYMOE_GEMM_BAND_COLS={v!r}: must be a positive integer")
+    return int(v)
+
+
 def compile_options(arch: str) -> tuple[str, ...]:
     cc, arch = parse_arch(arch)
+    band = gemm_band_cols()
     return (
         f"--gpu-architecture={arch}",
         "--std=c++17",
         "-lineinfo",
         f"-DCUPYMOE_SM={cc}",
+        *((f"-DGEMM_BAND_COLS={band}",) if band else ()),
         f"-I{kernel_dir()}",
         *(f"-I{d}" for d in cuda_include_dirs()),
         "-Xptxas=-v",  # resource report in the program log (registers, spills, smem)

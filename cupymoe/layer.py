@@ -253,7 +253,9 @@ class MoeLayer:
             self._sm_count = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
             # the Hopper GEMM's configuration and the rows per expert from which the grouped
             # GEMMs take 128-row tiles: resolved once here, not on every forward
-            self._sm90 = kernels.SM90_VARIANTS[kernels.sm90_variant_for(cfg.moe_intermediate_size)]
+            self._sm90 = {m: kernels.SM90_VARIANTS[kernels.sm90_variant_for(cfg.moe_intermediate_size, m,
+                                                                              cfg.hidden_size)]
+                          for m in (0, 1)}  # gate/up's variant, down's
             # fp4 and fp8 weights on the decode path: tensor cores (decode_mma.cu), or the
             # CUDA-core streams of decode.cu (CUPYMOE_FP4_DECODE=cores, CUPYMOE_FP8_DECODE=cores,
             # for measurements); the knobs are read before anything is uploaded
@@ -275,17 +277,21 @@ class MoeLayer:
             # deepseek-v3 N = 2048 11574 -> 10415; NOTES.md v15)
             hopper = self.lib.arch == "sm_90a" and not self.row_invariant
             # the TMA kernel serves bf16 experts' gate/up and down; a layer it cannot serve
-            # (quantized experts) takes the cp.async kernel of the same tiles
-            self._tma = hopper and self._sm90.tma and all(self._sm90.serves(f, 0) for f in self._format_codes)
-            if self._sm90.tma and not self._tma:
-                self._sm90 = kernels.SM90_VARIANTS["twin"]
-            wgmma = hopper and self._sm90.serves(kernels.FORMAT_CODES[self.weights.format])
+            # (quantized experts) takes the cp.async kernel of twin's tiles; the router's
+            # GEMM (mode 2) keeps the cp.async kernel
+            twin = kernels.SM90_VARIANTS["twin"]
+            tma_ok = hopper and all(kernels.SM90_VARIANTS["tma"].serves(f, 0) for f in self._format_codes)
+            self._sm90 = {m: twin if v.tma and not tma_ok else v for m, v in self._sm90.items()}
+            self._sm90[2] = twin if self._sm90[0].tma else self._sm90[0]
+            self._tma = self._sm90[0].tma or self._sm90[1].tma  # the layer has tensor maps
+            wgmma = hopper and self._sm90[0].serves(kernels.FORMAT_CODES[self.weights.format])
             self._math_rows = math_rows_per_expert("wgmma" if wgmma else "mma")
             w8a8 = self.fp8_compute == "w8a8"
             # an fp8 shared expert reads x, not the normed xe: then x needs its own e4m3 copy
             self._w8a8_shared_x = w8a8 and self.weights.shared_format == "fp8_block" and cfg.pre_expert_norm
             self.arena = Arena(plan_layer_arena(cfg, self.max_tokens, self.weights.n_local, self.weights.i_max,
-                                                self.decode_max_tokens, w8a8, self._w8a8_shared_x, self._tma),
+                                                self.decode_max_tokens, w8a8, self._w8a8_shared_x,
+                                                self._sm90[0].tma),
                                self.device_id)
             self._tma_maps = self._upload_tma_maps() if self._tma else None
             cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
@@ -327,24 +333,28 @@ class MoeLayer:
 
         cfg, W, A = self.cfg, self.weights, self.arena
         H, I, n = cfg.hidden_size, cfg.moe_intermediate_size, W.n_local
-        bm, bn = kernels.SM90_BM, self._sm90.bn
+        bm, bn, bn_down = kernels.SM90_BM, self._sm90[0].bn, self._sm90[1].bn
+        gate_up, down = self._sm90[0].tma, self._sm90[1].tma
         # the A maps span their arena buffers exactly: TMA never reads past them
         xg_rows, act_rows = A.nbytes("xg") // (2 * H), A.nbytes("act") // (2 * W.i_max)
         ptrs = {p: W.tables[p].get() for p in ("gate", "up", "down")}  # per-slot weight addresses
         Is = cfg.shared_expert_intermediate_size if cfg.has_shared_expert else 0
 
-        def routed(p, rows, cols, box):
-            return (tma.Matrix2D(int(ptrs[p][0]), n * rows, cols), box) if n else None
+        def routed(p, rows, cols, box, used):
+            return (tma.Matrix2D(int(ptrs[p][0]), n * rows, cols), box) if n and used else None
 
-        def shared(p, rows, cols, box):
-            return (tma.Matrix2D(int(ptrs[p][n]), rows, cols), box) if Is else None
+        def shared(p, rows, cols, box, used):
+            return (tma.Matrix2D(int(ptrs[p][n]), rows, cols), box) if Is and used else None
 
+        # the maps of the GEMMs that run on the TMA kernel (gate/up, down, or both)
         table = tma.encode_table([
-            (tma.Matrix2D(A.ptr("xg"), xg_rows, H), bm),
-            (tma.Matrix2D(A.ptr("act"), act_rows, I, W.i_max), bm),
-            (tma.Matrix2D(A.ptr("act"), act_rows, Is, W.i_max), bm) if Is else None,
-            routed("gate", I, H, bn // 2), routed("up", I, H, bn // 2), routed("down", H, I, bn),
-            shared("gate", Is, H, bn // 2), shared("up", Is, H, bn // 2), shared("down", H, Is, bn),
+            (tma.Matrix2D(A.ptr("xg"), xg_rows, H), bm) if gate_up else None,
+            (tma.Matrix2D(A.ptr("act"), act_rows, I, W.i_max), bm) if down else None,
+            (tma.Matrix2D(A.ptr("act"), act_rows, Is, W.i_max), bm) if Is and down else None,
+            routed("gate", I, H, bn // 2, gate_up), routed("up", I, H, bn // 2, gate_up),
+            routed("down", H, I, bn_down, down),
+            shared("gate", Is, H, bn // 2, gate_up), shared("up", Is, H, bn // 2, gate_up),
+            shared("down", H, Is, bn_down, down),
         ])
         return cupy.asarray(np.frombuffer(table, np.uint8))
 
@@ -592,9 +602,7 @@ class MoeLayer:
         down and the router."""
         if fmt == kernels.FORMAT_CODES["fp8_block"] and self.fp8_compute == "w8a8":
             return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), kernels.SM90_FP8_TILE[1]
-        v = self._sm90
-        if v.tma and mode == 2:  # the router's GEMM keeps the cp.async kernel
-            v = kernels.SM90_VARIANTS["twin"]
+        v = self._sm90[mode]
         if config == "math" and v.serves(fmt, mode) and self.lib.arch == "sm_90a" and not self.row_invariant:
             return v.kernel(mode, fmt), v.threads, v.smem_bytes(fmt), v.bn
         return (*kernels.grouped_kernel(mode, kernels.QUANT_CONFIG[config] if fmt else config, fmt), kernels.GROUPED_BN)

@@ -69,21 +69,43 @@ def test_bad_arch_is_refused(bad):
 
 
 def test_measurement_knobs_are_validated(monkeypatch):
-    """CUPYMOE_SM90_VARIANT and CUPYMOE_MATH_ROWS (benchmark knobs) take only what they name,
-    and name the bad value otherwise; unset, the measured defaults apply."""
+    """CUPYMOE_SM90_VARIANT, CUPYMOE_SM90_DOWN_VARIANT, CUPYMOE_GEMM_BAND_COLS and
+    CUPYMOE_MATH_ROWS (benchmark knobs) take only what they name, and name the bad value
+    otherwise; unset, the measured defaults apply."""
     from cupymoe import kernels
     from cupymoe.layer import MATH_ROWS_PER_EXPERT, math_rows_per_expert
 
-    monkeypatch.delenv("CUPYMOE_SM90_VARIANT", raising=False)
-    monkeypatch.delenv("CUPYMOE_MATH_ROWS", raising=False)
+    for knob in ("CUPYMOE_SM90_VARIANT", "CUPYMOE_SM90_DOWN_VARIANT", "CUPYMOE_MATH_ROWS", "CUPYMOE_GEMM_BAND_COLS"):
+        monkeypatch.delenv(knob, raising=False)
     assert kernels.sm90_variant() == "auto"
     assert kernels.sm90_variant_for(768) == "twin" and kernels.sm90_variant_for(1536) == "tma"
     assert kernels.sm90_variant_for(kernels.TMA_MIN_INTERMEDIATE) == "tma"
+    # down (mode 1) in "auto": 128 x 256 TMA tiles where they cover H whole
+    assert kernels.sm90_variant_for(768, 1, 2048) == "twin"
+    assert kernels.sm90_variant_for(1536, 1, 4096) == "tma_wide"
+    assert kernels.sm90_variant_for(2880, 1, 2880) == "tma"  # gpt-oss-120b: 2880 = 11.25 x 256
+    assert kernels.SM90_VARIANTS["tma_wide"].bn == kernels.WIDE_DOWN_BN
+    monkeypatch.setenv("CUPYMOE_SM90_DOWN_VARIANT", "tma")
+    assert kernels.sm90_variant_for(768, 1) == "tma" and kernels.sm90_variant_for(768, 0) == "twin"
+    monkeypatch.setenv("CUPYMOE_SM90_DOWN_VARIANT", "slim")
+    with pytest.raises(ValueError, match="CUPYMOE_SM90_DOWN_VARIANT='slim'"):
+        kernels.sm90_variant_for(768, 1)
+    monkeypatch.delenv("CUPYMOE_SM90_DOWN_VARIANT")
+    # the tile-order band: absent from the build options unless set, then a -D of its value
+    assert kernels.gemm_band_cols() is None
+    assert not any("GEMM_BAND_COLS" in o for o in kernels.compile_options("sm_90a"))
+    monkeypatch.setenv("CUPYMOE_GEMM_BAND_COLS", "8")
+    assert "-DGEMM_BAND_COLS=8" in kernels.compile_options("sm_90a")
+    monkeypatch.setenv("CUPYMOE_GEMM_BAND_COLS", "0")
+    with pytest.raises(ValueError, match="'0'"):
+        kernels.gemm_band_cols()
+    monkeypatch.delenv("CUPYMOE_GEMM_BAND_COLS")
     assert math_rows_per_expert("wgmma") == MATH_ROWS_PER_EXPERT["wgmma"] == 40
     assert math_rows_per_expert("mma") == 96
     monkeypatch.setenv("CUPYMOE_SM90_VARIANT", "wide")
     assert kernels.sm90_kernel(1, kernels.sm90_variant()) == "grouped_gemm_sm90<1, 4, 1, 256>"
     assert kernels.sm90_variant_for(4096) == "wide"  # a named variant holds at every size
+    assert kernels.sm90_variant_for(4096, 1) == "wide"  # and for down too
     monkeypatch.setenv("CUPYMOE_SM90_VARIANT", "fast")
     with pytest.raises(ValueError, match="'fast'"):
         kernels.sm90_variant()
