@@ -133,23 +133,36 @@ __device__ __forceinline__ float block_sum(float v, float* partial) {
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// act(g, u) of DESIGN.md section 1; `act` is a launch-uniform code, so the switch costs
-// one predictable branch per element.
+// act(g, u) of DESIGN.md section 1, for one activation ACT.
+template <int ACT>
+__device__ __forceinline__ float activation(float g, float u, float alpha, float limit) {
+    if (ACT == ACT_GELU) return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
+    if (ACT == ACT_GELU_TANH) {
+        const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+        return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * u;
+    }
+    if (ACT == ACT_SWIGLU_OAI) {
+        g = fminf(g, limit);
+        u = fminf(fmaxf(u, -limit), limit);
+        return g * sigmoidf_(alpha * g) * (u + 1.0f);
+    }
+    return g * sigmoidf_(g) * u;  // ACT_SILU
+}
+
+// The same for a launch-uniform code `act`: one predictable branch per element. Where a
+// kernel applies it to many elements in unrolled code, it switches once instead and runs
+// activation<ACT> (emit_wgmma_rows): every element's switch inlines every activation, and
+// the code that runs becomes sparse in a large body.
 __device__ __forceinline__ float apply_activation(int act, float g, float u, float alpha, float limit) {
     switch (act) {
         case ACT_GELU:
-            return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
-        case ACT_GELU_TANH: {
-            const float c = 0.7978845608028654f;  // sqrt(2 / pi)
-            return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * u;
-        }
-        case ACT_SWIGLU_OAI: {
-            g = fminf(g, limit);
-            u = fminf(fmaxf(u, -limit), limit);
-            return g * sigmoidf_(alpha * g) * (u + 1.0f);
-        }
-        default:  // ACT_SILU
-            return g * sigmoidf_(g) * u;
+            return activation<ACT_GELU>(g, u, alpha, limit);
+        case ACT_GELU_TANH:
+            return activation<ACT_GELU_TANH>(g, u, alpha, limit);
+        case ACT_SWIGLU_OAI:
+            return activation<ACT_SWIGLU_OAI>(g, u, alpha, limit);
+        default:
+            return activation<ACT_SILU>(g, u, alpha, limit);
     }
 }
 

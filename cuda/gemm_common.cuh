@@ -350,27 +350,117 @@ __device__ __forceinline__ void emit_out(const GemmTile& t, int r, int c, float 
     }
 }
 
-// The epilogue of one warpgroup's 64 x BN wgmma accumulator (its rows row0 .. row0 + 63 of
+// The epilogues of one warpgroup's 64 x BN wgmma accumulator (its rows row0 .. row0 + 63 of
 // the tile): d[j * 4 + h * 2 + e] is row 16 * warp + g + 8 h, column 8 j + 2 t4 + e (the
 // m16n8 fragment layout, one per 8-column block j). Gate/up tiles hold the gate columns in
-// blocks 0 .. BN/16 - 1 and the up columns after them.
-template <int MODE, int BN>
-__device__ __forceinline__ void emit_wgmma_rows(const GemmTile& t, const float* d, int row0, GEMM_ARGS) {
+// blocks 0 .. BN/16 - 1 and the up columns after them. What is per row (its place, its
+// routing weight) or per column (biases) is read once, not per element; the arithmetic is
+// emit_gate_up's and emit_out's, in the same order.
+template <int ACT, int BN>
+__device__ __forceinline__ void emit_wgmma_gate_up(const GemmTile& t, const float* d, int row0, GEMM_ARGS) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
     const int g = lane >> 2, t4 = lane & 3;
     constexpr int JB = BN / 8;
+    const int r = row0 + warp * 16 + g;
+    const bool ok[2] = {r < t.rows, r + 8 < t.rows};
+    bf16* dst = reinterpret_cast<bf16*>(out) + (size_t)(t.pos0 + r) * I_max + t.n0;
+    const float* bg = reinterpret_cast<const float*>(b0_ptrs[t.slot]);
+    const float* bu = reinterpret_cast<const float*>(b1_ptrs[t.slot]);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = row0 + warp * 16 + g + 8 * h;
-        if (MODE == MODE_GATE_UP) {
+    for (int j = 0; j < JB / 2; ++j) {
+        const int c = j * 8 + 2 * t4;
+        if (t.n0 + c >= t.ncols) break;  // I is even: both columns of the pair lie inside
+        float2 b = make_float2(0.0f, 0.0f), e = b;
+        if (bg) b = make_float2(bg[t.n0 + c], bg[t.n0 + c + 1]);
+        if (bu) e = make_float2(bu[t.n0 + c], bu[t.n0 + c + 1]);
 #pragma unroll
-            for (int j = 0; j < JB / 2; ++j)
-                emit_gate_up(t, r, j * 8 + 2 * t4, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], d[(j + JB / 2) * 4 + h * 2],
-                             d[(j + JB / 2) * 4 + h * 2 + 1], GEMM_ARG_NAMES);
-        } else {
-#pragma unroll
-            for (int j = 0; j < JB; ++j)
-                emit_out<MODE>(t, r, j * 8 + 2 * t4, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], GEMM_ARG_NAMES);
+        for (int h = 0; h < 2; ++h) {
+            if (!ok[h]) continue;
+            float g0 = d[j * 4 + h * 2] * t.g0, g1 = d[j * 4 + h * 2 + 1] * t.g0;
+            float u0 = d[(j + JB / 2) * 4 + h * 2] * t.g1, u1 = d[(j + JB / 2) * 4 + h * 2 + 1] * t.g1;
+            if (bg) {
+                g0 += b.x;
+                g1 += b.y;
+            }
+            if (bu) {
+                u0 += e.x;
+                u1 += e.y;
+            }
+            *reinterpret_cast<__nv_bfloat162*>(dst + (size_t)h * 8 * I_max + c) = __floats2bfloat162_rn(
+                activation<ACT>(g0, u0, alpha, limit), activation<ACT>(g1, u1, alpha, limit));
         }
+    }
+}
+
+template <int MODE, int BN>
+__device__ __forceinline__ void emit_wgmma_out(const GemmTile& t, const float* d, int row0, GEMM_ARGS) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    constexpr int JB = BN / 8;
+    const int r = row0 + warp * 16 + g;
+    const bool ok[2] = {r < t.rows, r + 8 < t.rows};
+    float w[2] = {1.0f, 1.0f};  // the pairs' routing weights (the shared expert is scaled in the reduce)
+    if (MODE == MODE_DOWN) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (!ok[h]) continue;
+            const int pair = sorted_pair[t.pos0 + r + 8 * h];
+            w[h] = pair < P ? topk_w[pair] : 1.0f;
+        }
+    }
+    const float* bias = MODE == MODE_ROUTER ? reinterpret_cast<const float*>(b0_ptrs)
+                                            : reinterpret_cast<const float*>(b0_ptrs[t.slot]);
+#pragma unroll
+    for (int j = 0; j < JB; ++j) {
+        const int col = t.n0 + j * 8 + 2 * t4;
+        if (col >= t.ncols) break;
+        float b0 = 0.0f, b1 = 0.0f;
+        if (bias) {
+            b0 = bias[col];
+            b1 = col + 1 < t.ncols ? bias[col + 1] : 0.0f;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (!ok[h]) continue;
+            const int pos = t.pos0 + r + 8 * h;
+            float v0 = d[j * 4 + h * 2] * t.g0, v1 = d[j * 4 + h * 2 + 1] * t.g0;
+            if (bias) {
+                v0 += b0;
+                v1 += b1;
+            }
+            if (MODE == MODE_DOWN) {
+                *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)pos * H + col) =
+                    __floats2bfloat162_rn(w[h] * v0, w[h] * v1);
+            } else {  // router logits, fp32; R may be odd, so store one by one
+                float* lg = reinterpret_cast<float*>(out) + (size_t)pos * t.ncols + col;
+                lg[0] = v0;
+                if (col + 1 < t.ncols) lg[1] = v1;
+            }
+        }
+    }
+}
+
+// A warpgroup's epilogue: gate/up switches on the activation once, so each activation's
+// epilogue is straight code (one switch per element inlined every activation 32-128 times
+// and left the code that runs scattered in ~10k instructions: Nsight Compute put the
+// 128 x 256 gate/up tile's epilogue at 44 % "no instruction" stalls, NOTES.md v22).
+template <int MODE, int BN>
+__device__ __forceinline__ void emit_wgmma_rows(const GemmTile& t, const float* d, int row0, GEMM_ARGS) {
+    if (MODE == MODE_GATE_UP) {
+        switch (act_code) {
+            case ACT_GELU:
+                emit_wgmma_gate_up<ACT_GELU, BN>(t, d, row0, GEMM_ARG_NAMES);
+                break;
+            case ACT_GELU_TANH:
+                emit_wgmma_gate_up<ACT_GELU_TANH, BN>(t, d, row0, GEMM_ARG_NAMES);
+                break;
+            case ACT_SWIGLU_OAI:
+                emit_wgmma_gate_up<ACT_SWIGLU_OAI, BN>(t, d, row0, GEMM_ARG_NAMES);
+                break;
+            default:
+                emit_wgmma_gate_up<ACT_SILU, BN>(t, d, row0, GEMM_ARG_NAMES);
+        }
+    } else {
+        emit_wgmma_out<MODE, BN>(t, d, row0, GEMM_ARG_NAMES);
     }
 }

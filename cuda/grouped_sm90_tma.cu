@@ -29,8 +29,8 @@
 #include "gemm_common.cuh"
 #include "wgmma.cuh"
 
-#define TMA_BM 128
 #define TMA_BK 64
+#define TMA_SUB 64       // rows of an A box and of one m64 wgmma: a tile is BM / 64 sub-blocks
 #define TMA_THREADS 288  // 2 consumer warpgroups + 1 producer warp
 #define TMA_MAP_BYTES 128
 
@@ -45,15 +45,41 @@
 #define TMA_MAP_SHARED_UP 7
 #define TMA_MAP_SHARED_DOWN 8
 
+// One 64-wide K step of a warpgroup's MB sub-blocks of 64 rows (accumulators d[i], A at
+// descriptor da + i sub-blocks, all against one B): the first `live` sub-blocks (those
+// holding rows; uniform in the warpgroup) issue their four k16 wgmmas, one commit group.
+template <int BN, int MB>
+__device__ __forceinline__ void wgmma_k64_subblocks(float (&d)[MB][BN / 2], u64 da, u64 db, int live) {
+    constexpr u64 SUB = (TMA_SUB * TMA_BK * 2) >> 4;  // a sub-block's bytes, in descriptor units
+#pragma unroll
+    for (int i = 0; i < MB; ++i) fence_acc<BN / 2>(d[i]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int i = 0; i < MB; ++i) {
+            if (i >= live) continue;
+            if (BN == 256)
+                wgmma_m64n256k16(d[i], da + i * SUB + kk * 2, db + kk * 2);
+            else
+                wgmma_m64n128k16(d[i], da + i * SUB + kk * 2, db + kk * 2);
+        }
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int i = 0; i < MB; ++i) fence_acc<BN / 2>(d[i]);
+}
+
 // grid (column tiles, M-tiles), block 288, dynamic smem kernels.Sm90Variant.smem_bytes().
-// BN: weight rows per tile. maps: the layer's tensor maps.
-template <int MODE, int STAGES, int BN, int BLOCKS_PER_SM>
+// BN: weight rows per tile; MB: 64-row sub-blocks per consumer warpgroup, so BM = 128 MB
+// rows a tile (make_tiles' BM). maps: the layer's tensor maps.
+template <int MODE, int STAGES, int BN, int BLOCKS_PER_SM, int MB>
 __global__ void __launch_bounds__(TMA_THREADS, BLOCKS_PER_SM)
 grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
-    constexpr int BM = TMA_BM, BK = TMA_BK, S = STAGES, NACC = BN / 2;
+    constexpr int BM = 2 * MB * TMA_SUB, BK = TMA_BK, S = STAGES, NACC = BN / 2;
     static_assert(MODE == MODE_GATE_UP || MODE == MODE_DOWN, "the router keeps grouped_sm90.cu");
     static_assert(BK == 64, "one 128-byte swizzle row per tile row: TMA box and wgmma descriptor agree");
-    constexpr unsigned STAGE_BYTES = (BM + BN) * BK * 2;  // whole boxes: zero-filled parts count too
+    static_assert(MB == 1 || MB == 2, "a warpgroup holds one or two 64-row accumulators");
     extern __shared__ __align__(1024) unsigned char tma_smem[];
     // the swizzle atoms must start on 1024-byte boundaries of the shared window
     const unsigned pad = (1024u - (smem_u32(tma_smem) & 1023u)) & 1023u;
@@ -65,6 +91,10 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
     GemmTile t;
     if (!gemm_tile<MODE, BM, BN>(t, GEMM_ARG_NAMES)) return;
     const int KT = (t.K + BK - 1) / BK;
+    // A arrives in 64-row boxes, only those holding rows: a run's short last tile reads and
+    // multiplies no more than its rows round up to (whole boxes count, zero-filled or not)
+    const int subs = (t.rows + TMA_SUB - 1) / TMA_SUB;
+    const unsigned stage_bytes = (subs * TMA_SUB + BN) * BK * 2;
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; ++s) {
             mbar_init(&full[s], 1);   // the producer's arrive.expect_tx, then the bytes
@@ -87,8 +117,9 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
         for (int kt = 0; kt < KT; ++kt) {
             const int s = kt % S;
             if (kt >= S) mbar_wait(&empty[s], ((kt / S) - 1) & 1);  // its previous use is read
-            mbar_arrive_expect_tx(&full[s], STAGE_BYTES);
-            tma_load_2d(sA + s * BM * BK, mapA, kt * BK, t.pos0, &full[s]);
+            mbar_arrive_expect_tx(&full[s], stage_bytes);
+            for (int j = 0; j < subs; ++j)
+                tma_load_2d(sA + (s * BM + j * TMA_SUB) * BK, mapA, kt * BK, t.pos0 + j * TMA_SUB, &full[s]);
             if (MODE == MODE_GATE_UP) {  // BN / 2 gate rows, then as many up rows
                 tma_load_2d(sB + s * BN * BK, mapB0, kt * BK, brow, &full[s]);
                 tma_load_2d(sB + s * BN * BK + (BN / 2) * BK, mapB1, kt * BK, brow, &full[s]);
@@ -99,27 +130,32 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
         return;
     }
 
-    // ---- consumers: warpgroup 0 rows 0..63, warpgroup 1 rows 64..127 ----
+    // ---- consumers: warpgroup w the sub-blocks w MB .. w MB + MB - 1 (64 rows each) ----
     const int wg = threadIdx.x / 128, lane = threadIdx.x & 31;
-    // a run's last tile often holds fewer than 64 rows: the second warpgroup then issues no
-    // wgmmas (the tensor cores go to the SM's other warpgroups) but keeps the handshakes
-    const bool has_rows = wg * 64 < t.rows;
-    float d[NACC];
+    // a run's last tile often holds fewer rows: a warpgroup's sub-blocks past them issue no
+    // wgmmas (the tensor cores go to the SM's other warpgroups), the handshakes stay
+    const int live = min(MB, max(0, subs - wg * MB));
+    float d[MB][NACC];
 #pragma unroll
-    for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
+    for (int i = 0; i < MB; ++i)
+#pragma unroll
+        for (int j = 0; j < NACC; ++j) d[i][j] = 0.0f;
     for (int kt = 0; kt < KT; ++kt) {
         const int s = kt % S;
         mbar_wait(&full[s], (kt / S) & 1);
-        const u64 da = wgmma_desc(sA + s * BM * BK + wg * 64 * BK);
+        const u64 da = wgmma_desc(sA + (s * BM + wg * MB * TMA_SUB) * BK);
         const u64 db = wgmma_desc(sB + s * BN * BK);
-        if (has_rows) wgmma_k64_bf16<BN>(d, da, db);
+        if (live > 0) wgmma_k64_subblocks<BN, MB>(d, da, db, live);
         wgmma_wait<1>();  // this warp's wgmmas of step kt - 1 are done: free their stage for
         // the producer, when it refills it (step kt - 1 + S exists)
         if (kt > 0 && kt - 1 + S < KT && lane == 0) mbar_arrive(&empty[(kt - 1) % S]);
     }
     wgmma_wait<0>();
-    fence_acc<NACC>(d);
-    if (has_rows) emit_wgmma_rows<MODE, BN>(t, d, wg * 64, GEMM_ARG_NAMES);
+#pragma unroll
+    for (int i = 0; i < MB; ++i) {
+        fence_acc<NACC>(d[i]);
+        if (i < live) emit_wgmma_rows<MODE, BN>(t, d[i], (wg * MB + i) * TMA_SUB, GEMM_ARG_NAMES);
+    }
 }
 
 // xg[pos] = the expert input of sorted position pos (x for the shared expert's rows, else

@@ -198,6 +198,7 @@ def grouped_smem_bytes(bm: int, bk: int, stages: int, fmt: int = 0) -> int:
 
 
 SM90_BM, SM90_BK = 128, 64  # grouped_gemm_sm90's tile (cuda/grouped_sm90.cu)
+TMA_SUB_ROWS = 64  # the TMA kernel's A boxes and wgmma sub-blocks (cuda/grouped_sm90_tma.cu TMA_SUB)
 # weight formats the Hopper kernel also takes, dequantized into its B tiles: the fp4 ones
 # (fp8 has the w8a8 kernel; its raw stages would not fit two blocks per SM)
 SM90_QUANT_FORMATS = (FORMAT_CODES["nvfp4"], FORMAT_CODES["mxfp4"])
@@ -211,6 +212,8 @@ class Sm90Variant:
     blocks_per_sm: int
     bn: int  # weight rows per tile (gate/up: half gate, half up)
     tma: bool = False  # TMA copies from a producer warp; gate/up and down of bf16 weights only
+    bm: int = SM90_BM  # rows per tile (make_tiles' BM): 256 only with TMA (two 64-row
+    # accumulators a consumer warpgroup)
 
     @property
     def threads(self) -> int:
@@ -225,17 +228,18 @@ class Sm90Variant:
 
     def kernel(self, mode: int, fmt: int = 0) -> str:
         if self.tma:
-            return f"grouped_gemm_sm90_tma<{mode}, {self.stages}, {self.bn}, {self.blocks_per_sm}>"
+            mb = self.bm // (2 * TMA_SUB_ROWS)
+            return f"grouped_gemm_sm90_tma<{mode}, {self.stages}, {self.bn}, {self.blocks_per_sm}, {mb}>"
         tail = f", {fmt}" if fmt else ""
         return f"grouped_gemm_sm90<{mode}, {self.stages}, {self.blocks_per_sm}, {self.bn}{tail}>"
 
     def smem_bytes(self, fmt: int = 0) -> int:
-        """The pipeline's stages (128-row A tiles, `bn`-row B tiles, 64 wide), fp4's raw
+        """The pipeline's stages (`bm`-row A tiles, `bn`-row B tiles, 64 wide), fp4's raw
         code stages, the TMA kernel's 2 mbarriers a stage, and 1 KB to align the swizzle
         atoms."""
         raw = self.stages * self.bn * SM90_BK * 4 // 8 if fmt else 0
         bars = 16 * self.stages if self.tma else 0
-        return self.stages * (SM90_BM + self.bn) * SM90_BK * 2 + raw + bars + 1024
+        return self.stages * (self.bm + self.bn) * SM90_BK * 2 + raw + bars + 1024
 
 
 # "deep": 6 stages at one block per SM (192 KB); "twin": 3 stages at two (one block's
@@ -244,14 +248,16 @@ class Sm90Variant:
 # and of shared memory read; 128 accumulators a thread, so one block per SM): 5-20 %
 # slower than twin (v11); "tma": twin's tiles and stages, loaded by TMA from a producer
 # warp (v18: 1.07-1.19x twin where I >= 1536, slower at I = 512); "tma_wide": wide's tiles
-# and stages loaded by TMA. A warp-specialized persistent cp.async kernel (v12) was slower
-# than twin and is gone.
+# and stages loaded by TMA; "tma_tall": 256 x 128 tiles by TMA (an expert's rows in fewer
+# tiles, so its weights are read fewer times). A warp-specialized persistent cp.async
+# kernel (v12) was slower than twin and is gone.
 SM90_VARIANTS = {
     "deep": Sm90Variant(6, 1, 128),
     "twin": Sm90Variant(3, 2, 128),
     "wide": Sm90Variant(4, 1, 256),
     "tma": Sm90Variant(3, 2, 128, tma=True),
     "tma_wide": Sm90Variant(4, 1, 256, tma=True),
+    "tma_tall": Sm90Variant(4, 1, 128, tma=True, bm=256),
 }
 # "auto" (the default): "tma" for layers whose routed experts' intermediate size is at least
 # this, "twin" below. Measured at N = 1024 / 4096 / 16384 on the six shapes (NOTES.md v18):

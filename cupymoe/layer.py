@@ -333,7 +333,7 @@ class MoeLayer:
 
         cfg, W, A = self.cfg, self.weights, self.arena
         H, I, n = cfg.hidden_size, cfg.moe_intermediate_size, W.n_local
-        bm, bn, bn_down = kernels.SM90_BM, self._sm90[0].bn, self._sm90[1].bn
+        bm, bn, bn_down = kernels.TMA_SUB_ROWS, self._sm90[0].bn, self._sm90[1].bn  # A: 64-row boxes
         gate_up, down = self._sm90[0].tma, self._sm90[1].tma
         # the A maps span their arena buffers exactly: TMA never reads past them
         xg_rows, act_rows = A.nbytes("xg") // (2 * H), A.nbytes("act") // (2 * W.i_max)
@@ -447,8 +447,7 @@ class MoeLayer:
 
         with timer.stage("router"):
             if path == "prefill":  # tensor cores; the CUDA-core router only pays off at few rows
-                name, threads, smem, bn = self._grouped_kernel(2, self._router_config(N))
-                bm = 128 if name.startswith("grouped_gemm_sm90") else threads // 2  # mma.sync: 2 threads a row
+                name, threads, smem, bn, bm = self._grouped_kernel(2, self._router_config(N))
                 lib[name](
                     (-(-R // bn), -(-N // bm)), (threads,),
                     (_u64(x), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(W.ptr("router")),
@@ -591,8 +590,9 @@ class MoeLayer:
             return "w8a16"
         return "w8a16" if wanted == "w8a16" else "w8a8"
 
-    def _grouped_kernel(self, mode: int, config: str, fmt: int = 0) -> tuple[str, int, int, int]:
-        """(kernel, threads, dynamic smem, weight rows per tile) of a grouped GEMM: fp8 as w8a8
+    def _grouped_kernel(self, mode: int, config: str, fmt: int = 0) -> tuple[str, int, int, int, int]:
+        """(kernel, threads, dynamic smem, weight rows per tile, rows per tile) of a grouped
+        GEMM: fp8 as w8a8
         on its own Hopper kernel; wgmma on Hopper where the math decides and the weights are
         bf16 or fp4 (dequantized into the B tiles), except for row-invariant layers, whose
         every N must run the same instructions (the mma.sync configurations agree bit for
@@ -601,11 +601,13 @@ class MoeLayer:
         covers half its weight rows' columns of gate/up (gate and up rows), all of them for
         down and the router."""
         if fmt == kernels.FORMAT_CODES["fp8_block"] and self.fp8_compute == "w8a8":
-            return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), kernels.SM90_FP8_TILE[1]
+            bm, bn = kernels.SM90_FP8_TILE[:2]
+            return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), bn, bm
         v = self._sm90[mode]
         if config == "math" and v.serves(fmt, mode) and self.lib.arch == "sm_90a" and not self.row_invariant:
-            return v.kernel(mode, fmt), v.threads, v.smem_bytes(fmt), v.bn
-        return (*kernels.grouped_kernel(mode, kernels.QUANT_CONFIG[config] if fmt else config, fmt), kernels.GROUPED_BN)
+            return v.kernel(mode, fmt), v.threads, v.smem_bytes(fmt), v.bn, v.bm
+        config = kernels.QUANT_CONFIG[config] if fmt else config
+        return (*kernels.grouped_kernel(mode, config, fmt), kernels.GROUPED_BN, kernels.GROUPED_CONFIGS[config][0])
 
     def _list_outputs(self) -> tuple:
         """The expert lists' buffers, as decode_build_lists writes them."""
@@ -652,19 +654,27 @@ class MoeLayer:
         w8a8 = self.fp8_compute == "w8a8"
         if w8a8:  # the w8a8 kernel's tiles are 64 rows: every format of the layer takes them
             config = "stream"
-        bm = kernels.GROUPED_CONFIGS[config][0]  # the bf16 sm90 kernels' tiles are 128 rows, as "math"'s
         fp8 = kernels.FORMAT_CODES["fp8_block"]
         qx, sx = A.ptr("qx") if w8a8 else 0, A.ptr("sx") if w8a8 else 0
         qxs, sxs = (A.ptr("qx_shared"), A.ptr("sx_shared")) if self._w8a8_shared_x else (qx, sx)
         qact, sact = (A.ptr("qact"), A.ptr("sact")) if w8a8 else (0, 0)
         tiles = max(1, max_tiles(N, k, W.n_local, bool(has_shared)))  # a bound for either tile height
+        tiles_bm = [0]  # the tile height tile_info holds now
+
+        def make_tiles(bm: int) -> None:
+            """tile_info in `bm`-row tiles, unless it holds them already (a kernel of other
+            tiles may follow: stream order lets the one before finish reading first)."""
+            if bm != tiles_bm[0]:
+                lib["make_tiles"]((1,), (1024,),
+                                  (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
+                                   _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _i32(bm),
+                                   _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info"))), stream=s)
+                tiles_bm[0] = bm
+
         with timer.stage("gate_up"):
-            lib["make_tiles"]((1,), (1024,),
-                              (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
-                               _u64(A.ptr("active_len")), _i32(bm), _u64(A.ptr("num_tiles")),
-                               _u64(A.ptr("tile_info"))), stream=s)
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' tiles
-                gate_up, threads, smem, bn = self._grouped_kernel(0, config, fmt)
+                gate_up, threads, smem, bn, bm = self._grouped_kernel(0, config, fmt)
+                make_tiles(bm)
                 extra = tuple(map(_u64, (qx, sx, qxs, sxs, qact, sact))) if w8a8 and fmt == fp8 else ()
                 if gate_up.startswith("grouped_gemm_sm90_tma<"):  # TMA reads the inputs in sorted order
                     lib["gather_rows"]((tiles,), (256,),
@@ -685,7 +695,8 @@ class MoeLayer:
                     stream=s, shared_mem=smem)
         with timer.stage("down"):
             for fmt in self._format_codes:
-                down, threads, smem, bn = self._grouped_kernel(1, config, fmt)
+                down, threads, smem, bn, bm = self._grouped_kernel(1, config, fmt)
+                make_tiles(bm)
                 extra = tuple(map(_u64, (qact, sact, qact, sact, 0, 0))) if w8a8 and fmt == fp8 else ()
                 if down.startswith("grouped_gemm_sm90_tma<"):
                     extra = (_u64(int(self._tma_maps.data.ptr)),)

@@ -416,13 +416,14 @@ def test_hopper_wgmma_kernels_are_used_and_agree(rng, monkeypatch):
         assert c.ok, f"{variant}: {c}"
 
 
-@pytest.mark.parametrize("sm90", ["auto", "twin", "tma", "pinned"])
+@pytest.mark.parametrize("sm90", ["auto", "twin", "tma", "tma_tall", "pinned"])
 def test_grouped_gemm_tile_bands_cover_every_tile(rng, monkeypatch, sm90):
     """The grouped GEMMs start their tiles in bands of GEMM_BAND_COLS (16) column tiles
     (cuda/gemm_common.cuh): with H = 2304 and I = 1152, gate/up and down have 18 column
     tiles of 128 (a full band and one of 2) over the M-tiles of 5 experts; every output
     element must still be written, right. "pinned": the mma.sync kernels of a
-    row-invariant layer; "auto": TMA gate/up and 128 x 256 TMA tiles for down."""
+    row-invariant layer; "auto": TMA gate/up and 128 x 256 TMA tiles for down;
+    "tma_tall": 256-row tiles, each run's last one partly filled (~280 rows an expert)."""
     from cupymoe import MoeLayer
 
     monkeypatch.delenv("CUPYMOE_GEMM_BAND_COLS", raising=False)
