@@ -3,8 +3,9 @@
 // The tiles, modes, arguments and epilogues of grouped_sm90.cu (gemm_common.cuh); what
 // differs is how a stage arrives. There every thread issues cp.async copies (A rows
 // gathered through sorted_row) and the block meets at two barriers a K step. Here:
-//   warp 8 (one lane)  the producer: one TMA copy of the A tile and one or two of the B
-//                      tile per stage, counted on the stage's `full` mbarrier;
+//   warp 8 (one lane)  the producer: a TMA copy of each 64-row half of the A tile that
+//                      holds rows and one or two of the B tile per stage, counted on the
+//                      stage's `full` mbarrier;
 //   warps 0 .. 7       two consumer warpgroups, 64 rows each: wait for `full`, issue the
 //                      m64nBNk16 wgmmas, and once a step's wgmmas are done mark its stage
 //                      `empty` (one arrival per warp); then the tile's epilogue.
@@ -22,7 +23,9 @@
 //
 // Measured (benchmarks/NOTES.md v18): 1.07-1.19x the cp.async kernel on the shapes with
 // I >= 1536, about even at I = 768 and slower at I = 512, where gather_rows' extra pass over
-// the inputs weighs most (kernels.sm90_variant_for picks by I). Tried and dropped: the A rows
+// the inputs weighs most (kernels.sm90_variant_for picks by I). v22: 128 x 256 tiles at one
+// block an SM ("tma_wide") once the epilogue stopped stalling on instruction fetch
+// (gemm_common.cuh emit_wgmma_rows); 256 x 128 tiles were slower. Tried and dropped: the A rows
 // copied by 128 one-row TMA boxes a stage instead of xg (the swizzle lands right, but the
 // copies' issue made gate/up 4x slower), pairs of blocks multicasting one A tile (1.2x
 // slower: each pair waits on its slower half), 128 x 256 tiles at one block per SM.
@@ -30,7 +33,7 @@
 #include "wgmma.cuh"
 
 #define TMA_BK 64
-#define TMA_SUB 64       // rows of an A box and of one m64 wgmma: a tile is BM / 64 sub-blocks
+#define TMA_SUB 64       // rows of an A box and of one warpgroup's m64 wgmmas
 #define TMA_THREADS 288  // 2 consumer warpgroups + 1 producer warp
 #define TMA_MAP_BYTES 128
 
@@ -45,41 +48,14 @@
 #define TMA_MAP_SHARED_UP 7
 #define TMA_MAP_SHARED_DOWN 8
 
-// One 64-wide K step of a warpgroup's MB sub-blocks of 64 rows (accumulators d[i], A at
-// descriptor da + i sub-blocks, all against one B): the first `live` sub-blocks (those
-// holding rows; uniform in the warpgroup) issue their four k16 wgmmas, one commit group.
-template <int BN, int MB>
-__device__ __forceinline__ void wgmma_k64_subblocks(float (&d)[MB][BN / 2], u64 da, u64 db, int live) {
-    constexpr u64 SUB = (TMA_SUB * TMA_BK * 2) >> 4;  // a sub-block's bytes, in descriptor units
-#pragma unroll
-    for (int i = 0; i < MB; ++i) fence_acc<BN / 2>(d[i]);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-        for (int i = 0; i < MB; ++i) {
-            if (i >= live) continue;
-            if (BN == 256)
-                wgmma_m64n256k16(d[i], da + i * SUB + kk * 2, db + kk * 2);
-            else
-                wgmma_m64n128k16(d[i], da + i * SUB + kk * 2, db + kk * 2);
-        }
-    }
-    wgmma_commit();
-#pragma unroll
-    for (int i = 0; i < MB; ++i) fence_acc<BN / 2>(d[i]);
-}
-
 // grid (column tiles, M-tiles), block 288, dynamic smem kernels.Sm90Variant.smem_bytes().
-// BN: weight rows per tile; MB: 64-row sub-blocks per consumer warpgroup, so BM = 128 MB
-// rows a tile (make_tiles' BM). maps: the layer's tensor maps.
-template <int MODE, int STAGES, int BN, int BLOCKS_PER_SM, int MB>
+// BN: weight rows per tile. maps: the layer's tensor maps.
+template <int MODE, int STAGES, int BN, int BLOCKS_PER_SM>
 __global__ void __launch_bounds__(TMA_THREADS, BLOCKS_PER_SM)
 grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
-    constexpr int BM = 2 * MB * TMA_SUB, BK = TMA_BK, S = STAGES, NACC = BN / 2;
+    constexpr int BM = 2 * TMA_SUB, BK = TMA_BK, S = STAGES, NACC = BN / 2;
     static_assert(MODE == MODE_GATE_UP || MODE == MODE_DOWN, "the router keeps grouped_sm90.cu");
     static_assert(BK == 64, "one 128-byte swizzle row per tile row: TMA box and wgmma descriptor agree");
-    static_assert(MB == 1 || MB == 2, "a warpgroup holds one or two 64-row accumulators");
     extern __shared__ __align__(1024) unsigned char tma_smem[];
     // the swizzle atoms must start on 1024-byte boundaries of the shared window
     const unsigned pad = (1024u - (smem_u32(tma_smem) & 1023u)) & 1023u;
@@ -130,32 +106,27 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
         return;
     }
 
-    // ---- consumers: warpgroup w the sub-blocks w MB .. w MB + MB - 1 (64 rows each) ----
+    // ---- consumers: warpgroup 0 rows 0..63, warpgroup 1 rows 64..127 ----
     const int wg = threadIdx.x / 128, lane = threadIdx.x & 31;
-    // a run's last tile often holds fewer rows: a warpgroup's sub-blocks past them issue no
-    // wgmmas (the tensor cores go to the SM's other warpgroups), the handshakes stay
-    const int live = min(MB, max(0, subs - wg * MB));
-    float d[MB][NACC];
+    // a run's last tile often holds fewer than 64 rows: the second warpgroup then issues no
+    // wgmmas (the tensor cores go to the SM's other warpgroups) but keeps the handshakes
+    const bool has_rows = wg < subs;
+    float d[NACC];
 #pragma unroll
-    for (int i = 0; i < MB; ++i)
-#pragma unroll
-        for (int j = 0; j < NACC; ++j) d[i][j] = 0.0f;
+    for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
     for (int kt = 0; kt < KT; ++kt) {
         const int s = kt % S;
         mbar_wait(&full[s], (kt / S) & 1);
-        const u64 da = wgmma_desc(sA + (s * BM + wg * MB * TMA_SUB) * BK);
+        const u64 da = wgmma_desc(sA + (s * BM + wg * TMA_SUB) * BK);
         const u64 db = wgmma_desc(sB + s * BN * BK);
-        if (live > 0) wgmma_k64_subblocks<BN, MB>(d, da, db, live);
+        if (has_rows) wgmma_k64_bf16<BN>(d, da, db);
         wgmma_wait<1>();  // this warp's wgmmas of step kt - 1 are done: free their stage for
         // the producer, when it refills it (step kt - 1 + S exists)
         if (kt > 0 && kt - 1 + S < KT && lane == 0) mbar_arrive(&empty[(kt - 1) % S]);
     }
     wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < MB; ++i) {
-        fence_acc<NACC>(d[i]);
-        if (i < live) emit_wgmma_rows<MODE, BN>(t, d[i], (wg * MB + i) * TMA_SUB, GEMM_ARG_NAMES);
-    }
+    fence_acc<NACC>(d);
+    if (has_rows) emit_wgmma_rows<MODE, BN>(t, d, wg * TMA_SUB, GEMM_ARG_NAMES);
 }
 
 // xg[pos] = the expert input of sorted position pos (x for the shared expert's rows, else

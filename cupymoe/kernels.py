@@ -198,7 +198,7 @@ def grouped_smem_bytes(bm: int, bk: int, stages: int, fmt: int = 0) -> int:
 
 
 SM90_BM, SM90_BK = 128, 64  # grouped_gemm_sm90's tile (cuda/grouped_sm90.cu)
-TMA_SUB_ROWS = 64  # the TMA kernel's A boxes and wgmma sub-blocks (cuda/grouped_sm90_tma.cu TMA_SUB)
+TMA_A_BOX_ROWS = 64  # the TMA kernel's A boxes: one a warpgroup's rows (cuda/grouped_sm90_tma.cu TMA_SUB)
 # weight formats the Hopper kernel also takes, dequantized into its B tiles: the fp4 ones
 # (fp8 has the w8a8 kernel; its raw stages would not fit two blocks per SM)
 SM90_QUANT_FORMATS = (FORMAT_CODES["nvfp4"], FORMAT_CODES["mxfp4"])
@@ -212,8 +212,6 @@ class Sm90Variant:
     blocks_per_sm: int
     bn: int  # weight rows per tile (gate/up: half gate, half up)
     tma: bool = False  # TMA copies from a producer warp; gate/up and down of bf16 weights only
-    bm: int = SM90_BM  # rows per tile (make_tiles' BM): 256 only with TMA (two 64-row
-    # accumulators a consumer warpgroup)
 
     @property
     def threads(self) -> int:
@@ -228,18 +226,17 @@ class Sm90Variant:
 
     def kernel(self, mode: int, fmt: int = 0) -> str:
         if self.tma:
-            mb = self.bm // (2 * TMA_SUB_ROWS)
-            return f"grouped_gemm_sm90_tma<{mode}, {self.stages}, {self.bn}, {self.blocks_per_sm}, {mb}>"
+            return f"grouped_gemm_sm90_tma<{mode}, {self.stages}, {self.bn}, {self.blocks_per_sm}>"
         tail = f", {fmt}" if fmt else ""
         return f"grouped_gemm_sm90<{mode}, {self.stages}, {self.blocks_per_sm}, {self.bn}{tail}>"
 
     def smem_bytes(self, fmt: int = 0) -> int:
-        """The pipeline's stages (`bm`-row A tiles, `bn`-row B tiles, 64 wide), fp4's raw
+        """The pipeline's stages (128-row A tiles, `bn`-row B tiles, 64 wide), fp4's raw
         code stages, the TMA kernel's 2 mbarriers a stage, and 1 KB to align the swizzle
         atoms."""
         raw = self.stages * self.bn * SM90_BK * 4 // 8 if fmt else 0
         bars = 16 * self.stages if self.tma else 0
-        return self.stages * (self.bm + self.bn) * SM90_BK * 2 + raw + bars + 1024
+        return self.stages * (SM90_BM + self.bn) * SM90_BK * 2 + raw + bars + 1024
 
 
 # "deep": 6 stages at one block per SM (192 KB); "twin": 3 stages at two (one block's
@@ -248,29 +245,24 @@ class Sm90Variant:
 # and of shared memory read; 128 accumulators a thread, so one block per SM): 5-20 %
 # slower than twin (v11); "tma": twin's tiles and stages, loaded by TMA from a producer
 # warp (v18: 1.07-1.19x twin where I >= 1536, slower at I = 512); "tma_wide": wide's tiles
-# and stages loaded by TMA; "tma_tall": 256 x 128 tiles by TMA (an expert's rows in fewer
-# tiles, so its weights are read fewer times). A warp-specialized persistent cp.async
-# kernel (v12) was slower than twin and is gone.
+# and stages loaded by TMA. A warp-specialized persistent cp.async kernel (v12) was slower
+# than twin and is gone; so are 256 x 128 TMA tiles (v22: 1.1-1.6x slower on gate/up).
 SM90_VARIANTS = {
     "deep": Sm90Variant(6, 1, 128),
     "twin": Sm90Variant(3, 2, 128),
     "wide": Sm90Variant(4, 1, 256),
     "tma": Sm90Variant(3, 2, 128, tma=True),
     "tma_wide": Sm90Variant(4, 1, 256, tma=True),
-    "tma_tall": Sm90Variant(4, 1, 128, tma=True, bm=256),
 }
-# "auto" (the default): "tma" for layers whose routed experts' intermediate size is at least
-# this, "twin" below. Measured at N = 1024 / 4096 / 16384 on the six shapes (NOTES.md v18):
-# tma wins at I = 1536 (qwen3-235b-a22b), 2048, 2880 and 14336, is even at 768
-# (qwen3-30b-a3b: 2 % slower at 4096, 3 % faster at 16384) and loses at 512
-# (qwen3-next-80b: 6-9 %): its gather pass costs P x H bytes, the GEMMs P x H x I FLOPs.
-# The measurement: scripts/sm90_variants.sh (results/20261130-h200-sm90-tma-fe1556d.json).
-TMA_MIN_INTERMEDIATE = 1024
-# ... and where gate/up takes "tma", down takes "tma_wide" when its 256-column tiles cover
-# H whole (NOTES.md v22: mixtral-8x7b down 1869 -> 1614 us at N = 4096, deepseek-v3 3301 ->
-# 3228, qwen3-235b-a22b 1232 -> 1196; gpt-oss-120b's H = 2880 leaves a quarter-used last
-# tile, and its down ran 979 against 960).
-WIDE_DOWN_BN = 256
+# "auto" (the default): "tma_wide" for layers whose routed experts' intermediate size is at
+# least this, "twin" below, for gate/up and down alike. Measured at N = 4096 / 16384 on the
+# six shapes once the epilogues stopped stalling on instruction fetch (NOTES.md v22,
+# results/20261130-h200-gemm-variants-d2e8721.txt): tma_wide is the fastest or within 1 %
+# from I = 768 up (mixtral-8x7b 5035 / 19882 us against tma's 5758 / 21769, qwen3-235b-a22b
+# 3006 / 10074 against 3075 / 10905); at I = 512 (qwen3-next-80b) twin wins at 4096 (1202
+# against 1256 us) and loses 2 % at 16384: the gather pass weighs most where I is small.
+TMA_MIN_INTERMEDIATE = 768
+AUTO_TMA_VARIANT = "tma_wide"
 
 
 def _variant_env(name: str) -> str:
@@ -285,15 +277,13 @@ def sm90_variant() -> str:
     return _variant_env("CUPYMOE_SM90_VARIANT")
 
 
-def sm90_variant_for(intermediate: int, mode: int = 0, hidden: int = 0) -> str:
-    """The Hopper GEMM variant a layer with this routed intermediate size (and hidden size,
-    for down) takes for gate/up (mode 0) or down (mode 1). CUPYMOE_SM90_VARIANT names one
-    for both; CUPYMOE_SM90_DOWN_VARIANT one for down alone (measurements)."""
+def sm90_variant_for(intermediate: int, mode: int = 0) -> str:
+    """The Hopper GEMM variant a layer with this routed intermediate size takes for gate/up
+    (mode 0) or down (mode 1). CUPYMOE_SM90_VARIANT names one for both;
+    CUPYMOE_SM90_DOWN_VARIANT one for down alone (measurements)."""
     v = sm90_variant()
     if v == "auto":
-        v = "tma" if intermediate >= TMA_MIN_INTERMEDIATE else "twin"
-        if mode == 1 and v == "tma" and hidden > 0 and hidden % WIDE_DOWN_BN == 0:
-            v = "tma_wide"
+        v = AUTO_TMA_VARIANT if intermediate >= TMA_MIN_INTERMEDIATE else "twin"
     if mode == 1:
         d = _variant_env("CUPYMOE_SM90_DOWN_VARIANT")
         if d != "auto":

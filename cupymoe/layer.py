@@ -253,8 +253,7 @@ class MoeLayer:
             self._sm_count = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
             # the Hopper GEMM's configuration and the rows per expert from which the grouped
             # GEMMs take 128-row tiles: resolved once here, not on every forward
-            self._sm90 = {m: kernels.SM90_VARIANTS[kernels.sm90_variant_for(cfg.moe_intermediate_size, m,
-                                                                              cfg.hidden_size)]
+            self._sm90 = {m: kernels.SM90_VARIANTS[kernels.sm90_variant_for(cfg.moe_intermediate_size, m)]
                           for m in (0, 1)}  # gate/up's variant, down's
             # fp4 and fp8 weights on the decode path: tensor cores (decode_mma.cu), or the
             # CUDA-core streams of decode.cu (CUPYMOE_FP4_DECODE=cores, CUPYMOE_FP8_DECODE=cores,
@@ -333,7 +332,7 @@ class MoeLayer:
 
         cfg, W, A = self.cfg, self.weights, self.arena
         H, I, n = cfg.hidden_size, cfg.moe_intermediate_size, W.n_local
-        bm, bn, bn_down = kernels.TMA_SUB_ROWS, self._sm90[0].bn, self._sm90[1].bn  # A: 64-row boxes
+        bm, bn, bn_down = kernels.TMA_A_BOX_ROWS, self._sm90[0].bn, self._sm90[1].bn
         gate_up, down = self._sm90[0].tma, self._sm90[1].tma
         # the A maps span their arena buffers exactly: TMA never reads past them
         xg_rows, act_rows = A.nbytes("xg") // (2 * H), A.nbytes("act") // (2 * W.i_max)
@@ -605,7 +604,7 @@ class MoeLayer:
             return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), bn, bm
         v = self._sm90[mode]
         if config == "math" and v.serves(fmt, mode) and self.lib.arch == "sm_90a" and not self.row_invariant:
-            return v.kernel(mode, fmt), v.threads, v.smem_bytes(fmt), v.bn, v.bm
+            return v.kernel(mode, fmt), v.threads, v.smem_bytes(fmt), v.bn, kernels.SM90_BM
         config = kernels.QUANT_CONFIG[config] if fmt else config
         return (*kernels.grouped_kernel(mode, config, fmt), kernels.GROUPED_BN, kernels.GROUPED_CONFIGS[config][0])
 

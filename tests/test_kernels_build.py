@@ -78,18 +78,15 @@ def test_measurement_knobs_are_validated(monkeypatch):
     for knob in ("CUPYMOE_SM90_VARIANT", "CUPYMOE_SM90_DOWN_VARIANT", "CUPYMOE_MATH_ROWS", "CUPYMOE_GEMM_BAND_COLS"):
         monkeypatch.delenv(knob, raising=False)
     assert kernels.sm90_variant() == "auto"
-    assert kernels.sm90_variant_for(768) == "twin" and kernels.sm90_variant_for(1536) == "tma"
-    assert kernels.sm90_variant_for(kernels.TMA_MIN_INTERMEDIATE) == "tma"
-    # down (mode 1) in "auto": 128 x 256 TMA tiles where they cover H whole
-    assert kernels.sm90_variant_for(768, 1, 2048) == "twin"
-    assert kernels.sm90_variant_for(1536, 1, 4096) == "tma_wide"
-    assert kernels.sm90_variant_for(2880, 1, 2880) == "tma"  # gpt-oss-120b: 2880 = 11.25 x 256
-    assert kernels.SM90_VARIANTS["tma_wide"].bn == kernels.WIDE_DOWN_BN
+    assert kernels.sm90_variant_for(512) == "twin" and kernels.sm90_variant_for(768) == "tma_wide"
+    assert kernels.sm90_variant_for(kernels.TMA_MIN_INTERMEDIATE - 1) == "twin"
+    assert kernels.sm90_variant_for(kernels.TMA_MIN_INTERMEDIATE, 1) == kernels.AUTO_TMA_VARIANT == "tma_wide"
+    assert kernels.SM90_VARIANTS[kernels.AUTO_TMA_VARIANT].tma
     monkeypatch.setenv("CUPYMOE_SM90_DOWN_VARIANT", "tma")
-    assert kernels.sm90_variant_for(768, 1) == "tma" and kernels.sm90_variant_for(768, 0) == "twin"
+    assert kernels.sm90_variant_for(512, 1) == "tma" and kernels.sm90_variant_for(512, 0) == "twin"
     monkeypatch.setenv("CUPYMOE_SM90_DOWN_VARIANT", "slim")
     with pytest.raises(ValueError, match="CUPYMOE_SM90_DOWN_VARIANT='slim'"):
-        kernels.sm90_variant_for(768, 1)
+        kernels.sm90_variant_for(512, 1)
     monkeypatch.delenv("CUPYMOE_SM90_DOWN_VARIANT")
     # the tile-order band: absent from the build options unless set, then a -D of its value
     assert kernels.gemm_band_cols() is None
