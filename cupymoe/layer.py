@@ -16,8 +16,9 @@ Paths (DESIGN.md section 3):
   prefill tensor-core router -> top-k -> [pre-norm] -> stable sort by expert -> grouped
           GEMMs (gate/up with the activation fused; down with the routing weight applied
           in fp32) -> unpermute + weighted reduce. mma.sync everywhere, wgmma on Hopper
-          where the math decides (bf16 experts with I >= 1024: the TMA kernel, whose gate/up
-          reads the inputs gathered into sorted order by one more launch).
+          where the math decides (bf16 experts with I >= 768: the TMA kernel's 128 x 256
+          tiles, whose gate/up reads the inputs gathered into sorted order by one more
+          launch).
 `auto` takes decode up to `decode_max_tokens` rows, prefill above; `row_invariant=True`
 takes prefill at every N (a row's bits then never depend on N or the batch). With an
 expert-parallel config and a communicator, the partial outputs are all-reduced last.
