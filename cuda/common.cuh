@@ -150,9 +150,10 @@ __device__ __forceinline__ float activation(float g, float u, float alpha, float
 }
 
 // The same for a launch-uniform code `act`: one predictable branch per element. Where a
-// kernel applies it to many elements in unrolled code, it switches once instead and runs
-// activation<ACT> (emit_wgmma_rows): every element's switch inlines every activation, and
-// the code that runs becomes sparse in a large body.
+// kernel applies it to many elements in unrolled code, it switches once instead
+// (with_activation) and runs activation<ACT>: every element's switch inlines every
+// activation, and the code that runs becomes sparse in a large body (the GEMM epilogues'
+// instruction-fetch stalls, benchmarks/NOTES.md v22).
 __device__ __forceinline__ float apply_activation(int act, float g, float u, float alpha, float limit) {
     switch (act) {
         case ACT_GELU:
@@ -163,6 +164,30 @@ __device__ __forceinline__ float apply_activation(int act, float g, float u, flo
             return activation<ACT_SWIGLU_OAI>(g, u, alpha, limit);
         default:
             return activation<ACT_SILU>(g, u, alpha, limit);
+    }
+}
+
+// Calls f(ActTag<ACT>{}) for the activation ACT that the launch-uniform code `act` names:
+// one switch, then f's body as straight code for that activation (f reads ACT as
+// decltype(tag)::value).
+template <int A>
+struct ActTag {
+    static constexpr int value = A;
+};
+template <class F>
+__device__ __forceinline__ void with_activation(int act, F&& f) {
+    switch (act) {
+        case ACT_GELU:
+            f(ActTag<ACT_GELU>{});
+            return;
+        case ACT_GELU_TANH:
+            f(ActTag<ACT_GELU_TANH>{});
+            return;
+        case ACT_SWIGLU_OAI:
+            f(ActTag<ACT_SWIGLU_OAI>{});
+            return;
+        default:
+            f(ActTag<ACT_SILU>{});
     }
 }
 

@@ -292,8 +292,9 @@ struct StageLoader {
     }
 };
 
-// The activations of two adjacent columns c, c + 1 (of the tile's BN / 2 per matrix) in fp32:
-// global scales, biases, the activation function. Needs t.n0 + c < t.ncols.
+// The activations ACT of two adjacent columns c, c + 1 (of the tile's BN / 2 per matrix) in
+// fp32: global scales, biases, the activation function. Needs t.n0 + c < t.ncols.
+template <int ACT>
 __device__ __forceinline__ float2 gate_up_pair(const GemmTile& t, int c, float g0, float g1, float u0, float u1,
                                                GEMM_ARGS) {
     const int col = t.n0 + c;
@@ -311,15 +312,16 @@ __device__ __forceinline__ float2 gate_up_pair(const GemmTile& t, int c, float g
         u0 += bu[col];
         u1 += bu[col + 1];
     }
-    return make_float2(apply_activation(act_code, g0, u0, alpha, limit), apply_activation(act_code, g1, u1, alpha, limit));
+    return make_float2(activation<ACT>(g0, u0, alpha, limit), activation<ACT>(g1, u1, alpha, limit));
 }
 
 // Gate/up epilogue for one row r of the tile and two adjacent columns c, c + 1: the
-// activations, bf16 store into act[pos, :].
+// activations ACT, bf16 store into act[pos, :].
+template <int ACT>
 __device__ __forceinline__ void emit_gate_up(const GemmTile& t, int r, int c, float g0, float g1, float u0,
                                              float u1, GEMM_ARGS) {
     if (r >= t.rows || t.n0 + c >= t.ncols) return;
-    const float2 a = gate_up_pair(t, c, g0, g1, u0, u1, GEMM_ARG_NAMES);
+    const float2 a = gate_up_pair<ACT>(t, c, g0, g1, u0, u1, GEMM_ARG_NAMES);
     *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)(t.pos0 + r) * I_max + t.n0 + c) =
         __floats2bfloat162_rn(a.x, a.y);
 }
@@ -440,6 +442,67 @@ __device__ __forceinline__ void emit_wgmma_out(const GemmTile& t, const float* d
     }
 }
 
+// The down epilogue of one warpgroup, through shared memory: the 64 x BN weighted bf16
+// outputs (emit_wgmma_out's arithmetic) are written into the warpgroup's own 64-row A blocks
+// of the pipeline's S stages (8 KB each, read only by its own wgmmas, all done here), then
+// read back and stored to yw in 16-byte pieces, a warp covering whole row segments. The
+// fragments' own 4-byte stores touched 16 bytes of each of 8 rows a warp instruction.
+// a0: the warpgroup's A block in stage 0; stage_elems: bf16 elements from one stage's to
+// the next. A row's BN * 2 bytes hold its 16-byte chunks c at c ^ (row & 7) (no bank
+// conflicts when the 8 rows of a fragment write).
+template <int BN, int S>
+__device__ __forceinline__ void emit_wgmma_down_staged(const GemmTile& t, const float* d, int row0, bf16* a0,
+                                                       int stage_elems, GEMM_ARGS) {
+    static_assert(64 * BN * 2 <= S * 8192, "the warpgroup's A blocks hold its output tile");
+    constexpr int JB = BN / 8, ROW_BYTES = BN * 2;
+    const int wt = threadIdx.x & 127, wg_bar = 1 + (threadIdx.x >> 7);  // barrier 0 is __syncthreads
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    auto at = [&](int r, int c) -> unsigned char* {  // byte address of row r's chunk c
+        const int o = r * ROW_BYTES + ((c ^ (r & 7)) << 4);
+        return reinterpret_cast<unsigned char*>(a0 + (size_t)(o >> 13) * stage_elems) + (o & 8191);
+    };
+    const int r = warp * 16 + g;
+    const bool ok[2] = {row0 + r < t.rows, row0 + r + 8 < t.rows};
+    float w[2] = {1.0f, 1.0f};  // the pairs' routing weights (the shared expert is scaled in the reduce)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (!ok[h]) continue;
+        const int pair = sorted_pair[t.pos0 + row0 + r + 8 * h];
+        w[h] = pair < P ? topk_w[pair] : 1.0f;
+    }
+    const float* bias = reinterpret_cast<const float*>(b0_ptrs[t.slot]);
+    asm volatile("bar.sync %0, 128;\n" ::"r"(wg_bar) : "memory");  // every warp's wgmmas have read A
+#pragma unroll
+    for (int j = 0; j < JB; ++j) {
+        const int col = t.n0 + j * 8 + 2 * t4;
+        float b0 = 0.0f, b1 = 0.0f;
+        if (bias && col < t.ncols) {
+            b0 = bias[col];
+            b1 = col + 1 < t.ncols ? bias[col + 1] : 0.0f;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float v0 = d[j * 4 + h * 2] * t.g0, v1 = d[j * 4 + h * 2 + 1] * t.g0;
+            if (bias) {
+                v0 += b0;
+                v1 += b1;
+            }
+            *reinterpret_cast<__nv_bfloat162*>(at(r + 8 * h, j) + t4 * 4) = __floats2bfloat162_rn(w[h] * v0, w[h] * v1);
+        }
+    }
+    asm volatile("bar.sync %0, 128;\n" ::"r"(wg_bar) : "memory");
+    constexpr int CPR = BN / 8, RPP = 128 / CPR;  // 16-byte chunks a row, rows a pass
+    const int c = wt % CPR, col = t.n0 + c * 8;
+    if (col >= t.ncols) return;  // H is a multiple of 8: a chunk lies wholly inside or outside
+#pragma unroll 4
+    for (int rr = wt / CPR; rr < 64; rr += RPP) {
+        if (row0 + rr >= t.rows) break;
+        *reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(out) + (size_t)(t.pos0 + row0 + rr) * H + col) =
+            *reinterpret_cast<const uint4*>(at(rr, c));
+    }
+}
+
 // A warpgroup's epilogue: gate/up switches on the activation once, so each activation's
 // epilogue is straight code (one switch per element inlined every activation 32-128 times
 // and left the code that runs scattered in ~10k instructions: Nsight Compute put the
@@ -447,19 +510,9 @@ __device__ __forceinline__ void emit_wgmma_out(const GemmTile& t, const float* d
 template <int MODE, int BN>
 __device__ __forceinline__ void emit_wgmma_rows(const GemmTile& t, const float* d, int row0, GEMM_ARGS) {
     if (MODE == MODE_GATE_UP) {
-        switch (act_code) {
-            case ACT_GELU:
-                emit_wgmma_gate_up<ACT_GELU, BN>(t, d, row0, GEMM_ARG_NAMES);
-                break;
-            case ACT_GELU_TANH:
-                emit_wgmma_gate_up<ACT_GELU_TANH, BN>(t, d, row0, GEMM_ARG_NAMES);
-                break;
-            case ACT_SWIGLU_OAI:
-                emit_wgmma_gate_up<ACT_SWIGLU_OAI, BN>(t, d, row0, GEMM_ARG_NAMES);
-                break;
-            default:
-                emit_wgmma_gate_up<ACT_SILU, BN>(t, d, row0, GEMM_ARG_NAMES);
-        }
+        with_activation(act_code, [&](auto act) {
+            emit_wgmma_gate_up<decltype(act)::value, BN>(t, d, row0, GEMM_ARG_NAMES);
+        });
     } else {
         emit_wgmma_out<MODE, BN>(t, d, row0, GEMM_ARG_NAMES);
     }

@@ -230,25 +230,31 @@ grouped_gemm(GEMM_ARGS) {
     cp_async_wait<0>();
 
     // Epilogue: accumulator (mt, j, h * 2 + e) is row wm*32 + mt*16 + g + 8h, column
-    // (wn's 64 or gate/up 32 + 32) + j*8 + 2*t4 + e.
+    // (wn's 64 or gate/up 32 + 32) + j*8 + 2*t4 + e. Gate/up switches on the activation
+    // once (with_activation), not per element.
     const int g = lane >> 2, t4 = lane & 3;
+    if (MODE == MODE_GATE_UP) {
+        with_activation(act_code, [&](auto act) {
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = wm * 32 + mt * 16 + g + h * 8;
-            if (MODE == MODE_GATE_UP) {
+                for (int h = 0; h < 2; ++h)
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    emit_gate_up(t, r, wn * 32 + j * 8 + t4 * 2, acc[mt][j][h * 2], acc[mt][j][h * 2 + 1],
-                                 acc[mt][j + 4][h * 2], acc[mt][j + 4][h * 2 + 1], GEMM_ARG_NAMES);
-            } else {
+                    for (int j = 0; j < 4; ++j)
+                        emit_gate_up<decltype(act)::value>(t, wm * 32 + mt * 16 + g + h * 8, wn * 32 + j * 8 + t4 * 2,
+                                                           acc[mt][j][h * 2], acc[mt][j][h * 2 + 1], acc[mt][j + 4][h * 2],
+                                                           acc[mt][j + 4][h * 2 + 1], GEMM_ARG_NAMES);
+        });
+    } else {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
-                    emit_out<MODE>(t, r, wn * 64 + j * 8 + t4 * 2, acc[mt][j][h * 2], acc[mt][j][h * 2 + 1],
-                                   GEMM_ARG_NAMES);
-            }
-        }
+                    emit_out<MODE>(t, wm * 32 + mt * 16 + g + h * 8, wn * 64 + j * 8 + t4 * 2, acc[mt][j][h * 2],
+                                   acc[mt][j][h * 2 + 1], GEMM_ARG_NAMES);
+    }
 }
 
 // grid N, block 256: out[row] = sum_s yw[pos(row, s)] + identity terms + scale * shared.

@@ -101,6 +101,7 @@ struct Fp8TileLoader {
 // of activation columns n0 + 64 wg + ... . Each activation is rounded to bf16 (stored: the
 // bf16 activation stays inspectable, verify.W8a8Stages reads it) and quantized from that
 // bf16 value, its group's amax taken over the row's 128 columns of both warpgroups.
+template <int ACT>
 __device__ __forceinline__ void emit_gate_up_fp8(const GemmTile& t, const float* d, int wg, float (*row_amax)[F8_BM],
                                                  u8* __restrict__ qact, float* __restrict__ sact, GEMM_ARGS) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
@@ -117,7 +118,7 @@ __device__ __forceinline__ void emit_gate_up_fp8(const GemmTile& t, const float*
             const int c = j * 8 + 2 * t4;
             float2 a = make_float2(0.0f, 0.0f);  // columns past the matrix stay out of the amax
             if (tw.n0 + c < tw.ncols)
-                a = gate_up_pair(tw, c, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], d[(j + 8) * 4 + h * 2],
+                a = gate_up_pair<ACT>(tw, c, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], d[(j + 8) * 4 + h * 2],
                                  d[(j + 8) * 4 + h * 2 + 1], GEMM_ARG_NAMES);
             const __nv_bfloat162 b = __floats2bfloat162_rn(a.x, a.y);
             if (r < t.rows && tw.n0 + c < tw.ncols)
@@ -240,7 +241,9 @@ grouped_gemm_sm90_fp8(GEMM_ARGS, const u8* __restrict__ qa, const float* __restr
     cp_async_wait<0>();
 
     if (MODE == MODE_GATE_UP) {
-        emit_gate_up_fp8(t, acc, wg, row_amax, q_out, s_out, GEMM_ARG_NAMES);
+        with_activation(act_code, [&](auto act) {  // one switch, not one per element
+            emit_gate_up_fp8<decltype(act)::value>(t, acc, wg, row_amax, q_out, s_out, GEMM_ARG_NAMES);
+        });
     } else {
         GemmTile tw = t;
         tw.n0 = t.n0 + wg * 128;

@@ -126,7 +126,11 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
     }
     wgmma_wait<0>();
     fence_acc<NACC>(d);
-    if (has_rows) emit_wgmma_rows<MODE, BN>(t, d, wg * TMA_SUB, GEMM_ARG_NAMES);
+    if (!has_rows) return;
+    if (MODE == MODE_DOWN)  // the output through this warpgroup's A blocks, 16-byte stores
+        emit_wgmma_down_staged<BN, S>(t, d, wg * TMA_SUB, sA + wg * TMA_SUB * BK, BM * BK, GEMM_ARG_NAMES);
+    else
+        emit_wgmma_rows<MODE, BN>(t, d, wg * TMA_SUB, GEMM_ARG_NAMES);
 }
 
 // xg[pos] = the expert input of sorted position pos (x for the shared expert's rows, else

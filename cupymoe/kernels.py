@@ -460,6 +460,7 @@ def compile_options(arch: str) -> tuple[str, ...]:
     return (
         f"--gpu-architecture={arch}",
         "--std=c++17",
+        "-default-device",  # unannotated functions (the epilogues' lambdas) are device code
         "-lineinfo",
         f"-DCUPYMOE_SM={cc}",
         *((f"-DGEMM_BAND_COLS={band}",) if band else ()),
