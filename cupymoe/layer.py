@@ -592,14 +592,13 @@ class MoeLayer:
 
     def _grouped_kernel(self, mode: int, config: str, fmt: int = 0) -> tuple[str, int, int, int, int]:
         """(kernel, threads, dynamic smem, weight rows per tile, rows per tile) of a grouped
-        GEMM: fp8 as w8a8
-        on its own Hopper kernel; wgmma on Hopper where the math decides and the weights are
-        bf16 or fp4 (dequantized into the B tiles), except for row-invariant layers, whose
-        every N must run the same instructions (the mma.sync configurations agree bit for
-        bit; wgmma need not). Otherwise the mma.sync kernel, quantized weights dequantized
-        in it, in its quantized streaming configuration where bf16 takes "stream". A tile
-        covers half its weight rows' columns of gate/up (gate and up rows), all of them for
-        down and the router."""
+        GEMM: fp8 as w8a8 on its own Hopper kernel; wgmma on Hopper where the math decides and
+        the weights are bf16 or fp4 (dequantized into the B tiles), except for row-invariant
+        layers, whose every N must run the same instructions (the mma.sync configurations
+        agree bit for bit; wgmma need not). Otherwise the mma.sync kernel, quantized weights
+        dequantized in it, in its quantized streaming configuration where bf16 takes
+        "stream". A tile covers half its weight rows' columns of gate/up (gate and up rows),
+        all of them for down and the router."""
         if fmt == kernels.FORMAT_CODES["fp8_block"] and self.fp8_compute == "w8a8":
             bm, bn = kernels.SM90_FP8_TILE[:2]
             return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), bn, bm

@@ -753,24 +753,32 @@ def test_w8a8_inputs_hook_sees_every_fp8_projection_input():
     assert np.array_equal(_dequantize_rows_fp8(*_quantize_rows_fp8(a)), reference.quantize_activations_fp8(a.astype(np.float64)))
 
 
+def _hook_case(seed, n):
+    """A qwen2_moe case (a shared expert too) of n tokens for the kernel_acts / kernel_terms
+    hooks, and a hook that records each call's (expert, rows, shape), checks that it is
+    handed bf16-rounded values and gives them back unchanged."""
+    from cupymoe import testing
+
+    rng = np.random.default_rng(seed)
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    x = testing.random_input(rng, n, cfg.hidden_size)
+    calls = []
+
+    def own(expert, rows, a):
+        calls.append((expert, tuple(rows), a.shape))
+        assert np.array_equal(a, reference._bf16(a))  # rounded to bf16
+        return a
+
+    return cfg, hw, x, calls, own
+
+
 def test_kernel_acts_hook_replaces_each_down_projection_input():
     """reference.moe_forward(kernel_acts=...) is how verify.check feeds the grouped path's
     stored activation in: handing back the reference's own rows changes nothing, the hook sees
     every expert that runs (the shared one as "shared", all token rows) after the bf16
     rounding, and a row it changes moves only the output rows of that expert's tokens."""
-    from cupymoe import testing
-
-    rng = np.random.default_rng(11)
-    cfg = testing.tiny_config("qwen2_moe")  # a shared expert too
-    hw = testing.random_host_weights(cfg, rng)
-    x = testing.random_input(rng, 6, cfg.hidden_size)
-    calls = []
-
-    def own(expert, rows, a):
-        calls.append((expert, tuple(rows), a.shape))
-        assert np.array_equal(a, reference._bf16(a))  # the rounded activation
-        return a
-
+    cfg, hw, x, calls, own = _hook_case(11, 6)
     want = reference.moe_forward(cfg, hw, x, rounding="grouped")
     assert np.array_equal(reference.moe_forward(cfg, hw, x, rounding="grouped", kernel_acts=own), want)
     routing = reference.route(cfg, hw, x)
@@ -797,19 +805,7 @@ def test_kernel_terms_hook_replaces_each_grouped_term():
     weighted terms in: handing back the reference's own changes nothing, it is called with
     every routed expert's bf16(w * y) rows and the shared expert's bf16 output, and only on
     the grouped rounding."""
-    from cupymoe import testing
-
-    rng = np.random.default_rng(13)
-    cfg = testing.tiny_config("qwen2_moe")
-    hw = testing.random_host_weights(cfg, rng)
-    x = testing.random_input(rng, 5, cfg.hidden_size)
-    calls = []
-
-    def own(expert, rows, t):
-        calls.append((expert, tuple(rows), t.shape))
-        assert np.array_equal(t, reference._bf16(t))
-        return t
-
+    cfg, hw, x, calls, own = _hook_case(13, 5)
     want = reference.moe_forward(cfg, hw, x, rounding="grouped")
     assert np.array_equal(reference.moe_forward(cfg, hw, x, rounding="grouped", kernel_terms=own), want)
     routing = reference.route(cfg, hw, x)

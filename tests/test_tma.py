@@ -45,6 +45,17 @@ def test_kernel_and_python_agree_on_the_map_order():
     assert found == {name: i for i, name in enumerate(tma.TMA_MAPS)}
 
 
+def test_kernel_and_python_agree_on_the_a_box_rows():
+    """The layer encodes A's maps in boxes of kernels.TMA_A_BOX_ROWS rows, and the kernel
+    counts TMA_SUB rows a box in the bytes its stages expect: the two must be one number."""
+    import re
+
+    from cupymoe import kernels
+
+    src = (kernels.kernel_dir() / "grouped_sm90_tma.cu").read_text()
+    assert int(re.search(r"#define TMA_SUB (\d+)", src).group(1)) == kernels.TMA_A_BOX_ROWS
+
+
 def test_encoding_without_a_driver_says_so():
     """Where libcuda is missing (CI), encoding a map is a TmaError naming the library; the
     checks above run before it, so a bad matrix is reported as such even there."""
