@@ -34,28 +34,61 @@ sort_count(const int* __restrict__ ids, int P, const int* __restrict__ slot_of, 
 
 // One block. block_counts[b, e] becomes the position where block b's first pair of expert e
 // goes. Also the active lists (as decode_build_lists makes them) and the shared expert's run.
+// Where experts are fewer than threads, G adjacent lanes share an expert, each summing a
+// contiguous range of the blocks (one thread walking all of qwen3-30b-a3b's 32 blocks, or
+// qwen3-next-80b's 160, is a chain of dependent L2 round trips).
 __global__ void __launch_bounds__(SORT_THREADS)
 sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, int has_shared,
           int* __restrict__ num_active, int* __restrict__ active_slot, int* __restrict__ active_start,
           int* __restrict__ active_len) {
     __shared__ int tmp[33];
+    int G = 1;
+    while (G < 32 && G * 2 * n_local <= SORT_THREADS) G *= 2;
+    const int g = threadIdx.x % G, L = (nblk + G - 1) / G, b0 = min(nblk, g * L), b1 = min(nblk, b0 + L);
     int pos_base = 0, act_base = 0;
-    for (int e0 = 0; e0 < n_local; e0 += SORT_THREADS) {
-        const int e = e0 + threadIdx.x;
-        int total = 0;
-        if (e < n_local)
-            for (int b = 0; b < nblk; ++b) total += block_counts[(size_t)b * n_local + e];
+    for (int e0 = 0; e0 < n_local; e0 += SORT_THREADS / G) {
+        const int e = e0 + threadIdx.x / G;
+        int* col = block_counts + e;  // expert e's count in block b: col[b * n_local]
+        int part = 0;
+        if (e < n_local) {  // four loads in flight at a time
+            int b = b0;
+            for (; b + 4 <= b1; b += 4)
+                part += col[(size_t)b * n_local] + col[(size_t)(b + 1) * n_local] + col[(size_t)(b + 2) * n_local] +
+                        col[(size_t)(b + 3) * n_local];
+            for (; b < b1; ++b) part += col[(size_t)b * n_local];
+        }
+        int incl = part;  // the expert's blocks before this thread's range: a scan over its G lanes
+        for (int o = 1; o < G; o <<= 1) {
+            const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o, G);
+            if (g >= o) incl += t;
+        }
+        const int total = __shfl_sync(CUPYMOE_FULL_MASK, incl, G - 1, G);
+        // the expert's start and active index: the scans' values at its first lane (the
+        // other lanes' values come after the whole expert's)
         int tot_c, tot_a;
-        const int start = pos_base + block_exclusive_scan_1024(total, tmp, tot_c);
-        const int aidx = act_base + block_exclusive_scan_1024(total > 0 ? 1 : 0, tmp, tot_a);
+        const int sc = block_exclusive_scan_1024(g == 0 ? total : 0, tmp, tot_c);
+        const int sa = block_exclusive_scan_1024(g == 0 && total > 0 ? 1 : 0, tmp, tot_a);
+        const int start = pos_base + __shfl_sync(CUPYMOE_FULL_MASK, sc, 0, G);
+        const int aidx = act_base + __shfl_sync(CUPYMOE_FULL_MASK, sa, 0, G);
         if (e < n_local) {
-            int run = start;
-            for (int b = 0; b < nblk; ++b) {
-                const int c = block_counts[(size_t)b * n_local + e];
-                block_counts[(size_t)b * n_local + e] = run;
+            int run = start + incl - part;
+            int b = b0;
+            for (; b + 4 <= b1; b += 4) {
+                int c[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) c[j] = col[(size_t)(b + j) * n_local];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    col[(size_t)(b + j) * n_local] = run;
+                    run += c[j];
+                }
+            }
+            for (; b < b1; ++b) {
+                const int c = col[(size_t)b * n_local];
+                col[(size_t)b * n_local] = run;
                 run += c;
             }
-            if (total > 0) {
+            if (g == 0 && total > 0) {
                 active_slot[aidx] = e;
                 active_start[aidx] = start;
                 active_len[aidx] = total;
@@ -74,40 +107,52 @@ sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, i
     }
 }
 
-// grid ceil(P / 1024), block 1024. Warps place their pairs one warp after another, so ranks
-// follow pair order (stable); __match_any_sync ranks equal experts inside a warp.
+// grid ceil(P / 1024), block 1024, dynamic smem kernels.sort_place_smem_bytes(n_local).
+// Stable: a pair's place in its expert's run within the block is the count of that
+// expert's pairs in the warps before its warp (a per-warp count table, scanned over the
+// warps) plus its rank among its warp's lanes (__match_any_sync). Three barriers; placing
+// warp after warp took 32 (qwen3-next-80b N = 16384: 160 blocks of 32 rounds).
 __global__ void __launch_bounds__(SORT_THREADS)
 sort_place(const int* __restrict__ ids, int P, int N, const int* __restrict__ slot_of, int R, int n_local,
            int has_shared,
            const int* __restrict__ block_counts, const int* __restrict__ active_start,
            const int* __restrict__ num_active, int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
            int* __restrict__ pair_pos, int k) {
-    extern __shared__ int next[];  // [n_local]: next free position of each expert in this block
+    constexpr int WARPS = SORT_THREADS / 32;
+    extern __shared__ int next[];  // [n_local]: this block's first position of each expert
+    // [WARPS][n_local]: each warp's count of each expert, then the warps' exclusive prefix
+    // (at most SORT_THREADS: 16 bits)
+    unsigned short* before = reinterpret_cast<unsigned short*>(next + n_local);
     for (int i = threadIdx.x; i < n_local; i += SORT_THREADS)
         next[i] = block_counts[(size_t)blockIdx.x * n_local + i];
+    for (int i = threadIdx.x; i < WARPS * n_local / 2; i += SORT_THREADS) reinterpret_cast<int*>(before)[i] = 0;
     __syncthreads();
     const int p = blockIdx.x * SORT_THREADS + threadIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = p < P ? ids[p] : -1;
     const int sl = e >= 0 && e < R ? slot_of[e] : -1;
     const bool mine = sl >= 0;
-    const int key = mine ? sl : -1 - (threadIdx.x & 31);  // non-local lanes never match others
-    for (int w = 0; w < SORT_THREADS / 32; ++w) {
-        if (warp == w) {
-            const unsigned peers = __match_any_sync(CUPYMOE_FULL_MASK, key);
-            if (mine) {
-                const int rank = __popc(peers & ((1u << lane) - 1u));
-                const int pos = next[key] + rank;
-                sorted_row[pos] = p / k;
-                sorted_pair[pos] = p;
-                pair_pos[p] = pos;
-                __syncwarp(peers);
-                if (lane == 31 - __clz(peers)) next[key] += __popc(peers);  // the group's last lane
-            } else if (p < P) {
-                pair_pos[p] = -1;
-            }
+    const int key = mine ? sl : -1 - lane;  // non-local lanes never match others
+    const unsigned peers = __match_any_sync(CUPYMOE_FULL_MASK, key);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    if (mine && rank == 0) before[warp * n_local + key] = (unsigned short)__popc(peers);
+    __syncthreads();
+    for (int i = threadIdx.x; i < n_local; i += SORT_THREADS) {
+        int run = 0;
+        for (int w = 0; w < WARPS; ++w) {
+            const int c = before[w * n_local + i];
+            before[w * n_local + i] = (unsigned short)run;
+            run += c;
         }
-        __syncthreads();
+    }
+    __syncthreads();
+    if (mine) {
+        const int pos = next[key] + before[warp * n_local + key] + rank;
+        sorted_row[pos] = p / k;
+        sorted_pair[pos] = p;
+        pair_pos[p] = pos;
+    } else if (p < P) {
+        pair_pos[p] = -1;
     }
     if (has_shared) {  // the shared expert's run follows the routed positions
         const int base = active_start[*num_active - 1];
@@ -275,7 +320,7 @@ grouped_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
         float o[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) o[i] = 0.0f;
-#pragma unroll 4
+#pragma unroll 1
         for (int s = 0; s < k; ++s) {
             const int pos = s_pos[s];
             if (pos < 0) continue;

@@ -35,6 +35,7 @@
 #define TMA_BK 64
 #define TMA_SUB 64       // rows of an A box and of one warpgroup's m64 wgmmas
 #define TMA_THREADS 288  // 2 consumer warpgroups + 1 producer warp
+#define GATHER_WARPS 4   // the gathering producer's warps (GATHER): 384 threads
 #define TMA_MAP_BYTES 128
 
 // tensor-map indices (cupymoe/tma.py: TMA_MAPS)
@@ -48,13 +49,81 @@
 #define TMA_MAP_SHARED_UP 7
 #define TMA_MAP_SHARED_DOWN 8
 
+// The gathering producer (GATHER): the whole producer warp copies the A rows of gate/up
+// straight from x / xe through sorted_row by cp.async, 16 bytes a lane, into the layout
+// the TMA box would have left (128-byte swizzle), while lane 0 still brings B by TMA: no
+// gather_rows pass, whose P x H bytes written and read back cost qwen3-next-80b ~200 us at
+// N = 16384. cp.async writes through the generic proxy and wgmma reads through the async
+// one, so a lane marks a stage full only once its own copies of it have landed and it has
+// fenced (fence.proxy.async, as grouped_sm90.cu's threads do before their barrier): it
+// waits for them GatherLag stages later, keeping that many stages of copies in flight.
+// Lag <= S - 2: a consumer frees stage kt - 1 only after stage kt is full, and the
+// producer's wait for that free slot (at step kt - 1 + S) must come after it marked kt full
+// (at step kt + LAG).
+template <int S>
+struct GatherLag {
+    static constexpr int value = S - 2;
+    static_assert(S >= 3, "the gathering producer keeps at least one stage of copies in flight");
+};
+
+// The gathering producer's main loop (GATHER_WARPS warps): thread T copies 16-byte chunk
+// T % 8 of the tile's rows T / 8 + 4 GATHER_WARPS i, skipping rows past the tile's
+// (their outputs are masked; a row's products never mix with another's) and zero-filling
+// chunks past K (B's are zeros there, and garbage times zero could be NaN). Its thread 0
+// also brings the stage's B tile by TMA, as the plain producer does. One warp alone
+// (32 copies a lane a stage) left gate/up 1.2-1.3x slower than TMA boxes from xg.
+template <int S, int BN>
+__device__ __forceinline__ void gather_producer(const GemmTile& t, bf16* sA, bf16* sB, u64* full, u64* empty, int KT,
+                                                unsigned b_bytes, const u8* maps, GEMM_ARGS) {
+    constexpr int BM = 2 * TMA_SUB, BK = TMA_BK, LAG = GatherLag<S>::value;
+    constexpr int PASS = GATHER_WARPS * 32 / 8, RPL = BM / PASS;  // rows a pass, rows a thread
+    const int pt = threadIdx.x - 256, c = pt & 7;
+    const bool sh = t.slot == shared_slot;
+    const bf16* in = sh ? x : xe;  // the shared expert reads x
+    int src[RPL];                   // the thread's rows' input rows, -1 past the tile
+#pragma unroll
+    for (int i = 0; i < RPL; ++i) {
+        const int r = pt / 8 + PASS * i;
+        src[i] = r < t.rows ? sorted_row[t.pos0 + r] : -1;
+    }
+    const u8* mapB0 = maps + TMA_MAP_BYTES * (sh ? TMA_MAP_SHARED_GATE : TMA_MAP_GATE);
+    const u8* mapB1 = maps + TMA_MAP_BYTES * (sh ? TMA_MAP_SHARED_UP : TMA_MAP_UP);
+    const int brow = (sh ? 0 : t.slot * t.ncols) + t.n0;
+    for (int kt = 0; kt < KT; ++kt) {
+        const int s = kt % S;
+        if (kt >= S) mbar_wait(&empty[s], ((kt / S) - 1) & 1);  // its previous use is read
+        if (pt == 0) {
+            mbar_arrive_expect_tx(&full[s], b_bytes);
+            tma_load_2d(sB + s * BN * BK, mapB0, kt * BK, brow, &full[s]);
+            tma_load_2d(sB + s * BN * BK + (BN / 2) * BK, mapB1, kt * BK, brow, &full[s]);
+        }
+        const int kc = kt * BK + c * 8;
+        const bool kin = kc < t.K;
+        bf16* a = sA + s * BM * BK;
+#pragma unroll
+        for (int i = 0; i < RPL; ++i)
+            if (src[i] >= 0) cp_async16(a + swz<BK>(pt / 8 + PASS * i, c), in + (size_t)src[i] * H + (kin ? kc : 0), kin);
+        cp_async_commit();
+        if (kt >= LAG) {  // stage kt - LAG: this thread's copies have landed
+            cp_async_wait<LAG>();
+            fence_proxy_async();
+            mbar_arrive(&full[(kt - LAG) % S]);
+        }
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();
+    for (int kt = max(0, KT - LAG); kt < KT; ++kt) mbar_arrive(&full[kt % S]);
+}
+
 // grid (column tiles, M-tiles), block 288, dynamic smem kernels.Sm90Variant.smem_bytes().
-// BN: weight rows per tile. maps: the layer's tensor maps.
-template <int MODE, int STAGES, int BN, int BLOCKS_PER_SM>
-__global__ void __launch_bounds__(TMA_THREADS, BLOCKS_PER_SM)
+// BN: weight rows per tile. maps: the layer's tensor maps. GATHER (gate/up only): A rows
+// gathered by the producer warp's cp.async instead of read from xg by TMA.
+template <int MODE, int STAGES, int BN, int BLOCKS_PER_SM, int GATHER = 0>
+__global__ void __launch_bounds__(GATHER ? 256 + 32 * GATHER_WARPS : TMA_THREADS, BLOCKS_PER_SM)
 grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
     constexpr int BM = 2 * TMA_SUB, BK = TMA_BK, S = STAGES, NACC = BN / 2;
     static_assert(MODE == MODE_GATE_UP || MODE == MODE_DOWN, "the router keeps grouped_sm90.cu");
+    static_assert(!GATHER || MODE == MODE_GATE_UP, "down reads act in sorted order already");
     static_assert(BK == 64, "one 128-byte swizzle row per tile row: TMA box and wgmma descriptor agree");
     extern __shared__ __align__(1024) unsigned char tma_smem[];
     // the swizzle atoms must start on 1024-byte boundaries of the shared window
@@ -70,16 +139,23 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
     // A arrives in 64-row boxes, only those holding rows: a run's short last tile reads and
     // multiplies no more than its rows round up to (whole boxes count, zero-filled or not)
     const int subs = (t.rows + TMA_SUB - 1) / TMA_SUB;
-    const unsigned stage_bytes = (subs * TMA_SUB + BN) * BK * 2;
+    // the bytes TMA brings a stage (with GATHER, B's alone)
+    const unsigned stage_bytes = ((GATHER ? 0 : subs * TMA_SUB) + BN) * BK * 2;
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; ++s) {
-            mbar_init(&full[s], 1);   // the producer's arrive.expect_tx, then the bytes
+            // the producer's arrive.expect_tx, then the bytes (and with GATHER each producer
+            // lane's arrival once its copies have landed)
+            mbar_init(&full[s], GATHER ? 1 + 32 * GATHER_WARPS : 1);
             mbar_init(&empty[s], 8);  // every consumer warp, once its wgmmas have read the stage
         }
         mbar_init_fence();
     }
     __syncthreads();
 
+    if (GATHER && threadIdx.x >= 256) {  // ---- the gathering producer ----
+        gather_producer<S, BN>(t, sA, sB, full, empty, KT, stage_bytes, maps, GEMM_ARG_NAMES);
+        return;
+    }
     if (threadIdx.x >= 256) {  // ---- the producer ----
         if (threadIdx.x != 256) return;
         const bool sh = t.slot == shared_slot;

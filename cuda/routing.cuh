@@ -256,6 +256,58 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
     }
 }
 
+// The k (<= 32) best entries of c[0, R) into sel[0, k), exactly as k rounds of warp_select
+// pick them (largest first, ties to the lower id, NaN never): the k-th largest of the
+// lanes' maxima bounds the k-th largest entry from below, so only entries at or above it
+// can be chosen; when at most 32 are (nearly always), they go one a lane through sel's 64
+// ints (keys, then ids) and each round is two warp reductions. A round of warp_select
+// re-reads all R entries and runs a 5-step shuffle arg-max (qwen3-next-80b: R = 512, k =
+// 10). false, sel used as scratch only: more than 32 candidates, or fewer than k
+// choosable lane maxima; the caller then runs the k rounds.
+__device__ __forceinline__ bool warp_topk_by_threshold(const float* c, int R, int k, int* sel, int lane) {
+    unsigned best = 0u;
+    for (int i = lane; i < R; i += 32) best = max(best, select_key(c[i]));
+    unsigned v = best, T = 0u;
+    for (int t = 0; t < k; ++t) {  // T: the k-th largest lane maximum
+        T = __reduce_max_sync(CUPYMOE_FULL_MASK, v);
+        const unsigned holders = __ballot_sync(CUPYMOE_FULL_MASK, v == T);
+        if (lane == __ffs(holders) - 1) v = 0u;
+    }
+    if (T == 0u) return false;
+    int n = 0;  // this lane's candidates, then where they go
+    for (int i = lane; i < R; i += 32) n += select_key(c[i]) >= T ? 1 : 0;
+    int incl = n;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
+        if (lane >= o) incl += t;
+    }
+    const int C = __shfl_sync(CUPYMOE_FULL_MASK, incl, 31);
+    if (C > 32) return false;
+    unsigned* ck = reinterpret_cast<unsigned*>(sel);
+    int* ci = sel + 32;
+    int at = incl - n;
+    for (int i = lane; i < R; i += 32) {
+        const unsigned key = select_key(c[i]);
+        if (key >= T) {
+            ck[at] = key;
+            ci[at++] = i;
+        }
+    }
+    __syncwarp();
+    unsigned mk = lane < C ? ck[lane] : 0u;
+    const int mi = lane < C ? ci[lane] : 0x7fffffff;
+    __syncwarp();
+    for (int t = 0; t < k; ++t) {  // C >= k candidates: every round finds one
+        const unsigned m = __reduce_max_sync(CUPYMOE_FULL_MASK, mk);
+        const int win = __reduce_min_sync(CUPYMOE_FULL_MASK, mk == m ? mi : 0x7fffffff);
+        if (mi == win) mk = 0u;
+        if (lane == 0) sel[t] = win;
+    }
+    __syncwarp();
+    return true;
+}
+
 // Routes one row with one warp: its k expert ids and weights into ids_out / w_out[row, :].
 // `s` is the warp's shared scratch of 2 R + TOPK_MAX_K floats; its last TOPK_MAX_K hold
 // the row's ids afterwards (decode_route_lists builds the expert lists from them).
@@ -357,13 +409,15 @@ __device__ __forceinline__ void route_row(int row, float* s, const float* __rest
                 if (!((kept >> (i / G)) & 1u)) c[i] = -INFINITY;
             __syncwarp();
         }
-        for (int j = 0; j < k; ++j) {
-            const int bi = warp_select(c, 0, R, lane);
-            if (lane == 0) {
-                sel[j] = bi;
-                c[bi] = NAN;
+        if (!(k <= 32 && warp_topk_by_threshold(c, R, k, sel, lane))) {
+            for (int j = 0; j < k; ++j) {
+                const int bi = warp_select(c, 0, R, lane);
+                if (lane == 0) {
+                    sel[j] = bi;
+                    c[bi] = NAN;
+                }
+                __syncwarp();
             }
-            __syncwarp();
         }
     }
     __syncwarp();

@@ -197,7 +197,17 @@ def grouped_smem_bytes(bm: int, bk: int, stages: int, fmt: int = 0) -> int:
     return stages * bm * bk * 2 + 2 * GROUPED_BN * bk * 2 + stages * GROUPED_BN * bk * bits // 8
 
 
+# sort_place (cuda/grouped.cu): its block's first position of each local expert (int) and
+# each warp's count of each (16 bits), for 32 warps
+SORT_WARPS = 32
+
+
+def sort_place_smem_bytes(n_local: int) -> int:
+    return n_local * 4 + SORT_WARPS * n_local * 2
+
+
 SM90_BM, SM90_BK = 128, 64  # grouped_gemm_sm90's tile (cuda/grouped_sm90.cu)
+GATHER_WARPS = 4  # the TMA kernel's gathering producer warps (cuda/grouped_sm90_tma.cu GATHER_WARPS)
 TMA_A_BOX_ROWS = 64  # the TMA kernel's A boxes: one a warpgroup's rows (cuda/grouped_sm90_tma.cu TMA_SUB)
 # weight formats the Hopper kernel also takes, dequantized into its B tiles: the fp4 ones
 # (fp8 has the w8a8 kernel; its raw stages would not fit two blocks per SM)
@@ -212,10 +222,13 @@ class Sm90Variant:
     blocks_per_sm: int
     bn: int  # weight rows per tile (gate/up: half gate, half up)
     tma: bool = False  # TMA copies from a producer warp; gate/up and down of bf16 weights only
+    gather: bool = False  # (tma) gate/up's A rows gathered by the producer warp's cp.async, no xg
 
-    @property
-    def threads(self) -> int:
-        return 288 if self.tma else 256
+    def threads(self, mode: int = 0) -> int:
+        """Two consumer warpgroups, and with TMA a producer warp (gate/up's gathering one: 4)."""
+        if not self.tma:
+            return 256
+        return 256 + 32 * (GATHER_WARPS if self.gather and mode == 0 else 1)
 
     def serves(self, fmt: int, mode: int = 0) -> bool:
         """bf16 weights, or fp4 ones dequantized into its B tiles (128-wide, cp.async);
@@ -226,7 +239,8 @@ class Sm90Variant:
 
     def kernel(self, mode: int, fmt: int = 0) -> str:
         if self.tma:
-            return f"grouped_gemm_sm90_tma<{mode}, {self.stages}, {self.bn}, {self.blocks_per_sm}>"
+            gather = ", 1" if self.gather and mode == 0 else ""  # down reads act in order either way
+            return f"grouped_gemm_sm90_tma<{mode}, {self.stages}, {self.bn}, {self.blocks_per_sm}{gather}>"
         tail = f", {fmt}" if fmt else ""
         return f"grouped_gemm_sm90<{mode}, {self.stages}, {self.blocks_per_sm}, {self.bn}{tail}>"
 
@@ -245,23 +259,29 @@ class Sm90Variant:
 # and of shared memory read; 128 accumulators a thread, so one block per SM): 5-20 %
 # slower than twin (v11); "tma": twin's tiles and stages, loaded by TMA from a producer
 # warp (v18: 1.07-1.19x twin where I >= 1536, slower at I = 512); "tma_wide": wide's tiles
-# and stages loaded by TMA. A warp-specialized persistent cp.async kernel (v12) was slower
-# than twin and is gone; so are 256 x 128 TMA tiles (v22: 1.1-1.6x slower on gate/up).
+# and stages loaded by TMA; "gather_wide": tma_wide whose gate/up producer (4 warps)
+# gathers the A rows by cp.async instead of TMA reading them from xg (v24). A
+# warp-specialized persistent cp.async kernel (v12) was slower than twin and is gone; so
+# are 256 x 128 TMA tiles (v22: 1.1-1.6x slower on gate/up) and a gathering producer of
+# one warp (v24: gate/up 1.2-1.3x slower than tma_wide).
 SM90_VARIANTS = {
     "deep": Sm90Variant(6, 1, 128),
     "twin": Sm90Variant(3, 2, 128),
     "wide": Sm90Variant(4, 1, 256),
     "tma": Sm90Variant(3, 2, 128, tma=True),
     "tma_wide": Sm90Variant(4, 1, 256, tma=True),
+    "gather_wide": Sm90Variant(4, 1, 256, tma=True, gather=True),
 }
-# "auto" (the default): "tma_wide" for layers whose routed experts' intermediate size is at
-# least this, "twin" below, for gate/up and down alike. Measured at N = 4096 / 16384 on the
-# six shapes once the epilogues stopped stalling on instruction fetch (NOTES.md v22,
-# results/20261130-h200-gemm-variants-d2e8721.txt): tma_wide is the fastest or within 1 %
-# from I = 768 up (mixtral-8x7b 5035 / 19882 us against tma's 5758 / 21769, qwen3-235b-a22b
-# 3006 / 10074 against 3075 / 10905); at I = 512 (qwen3-next-80b) twin wins at 4096 (1202
-# against 1256 us) and loses 2 % at 16384: the gather pass weighs most where I is small.
-TMA_MIN_INTERMEDIATE = 768
+# "auto" (the default), for gate/up and down alike: "gather_wide" for layers whose routed
+# experts' intermediate size is below this, "tma_wide" from it. Measured at N = 4096 /
+# 16384 (NOTES.md v24, results/20261130-h200-gather-s9c.txt): gather_wide's gate/up is
+# 8 % faster at I = 768 and 512 (qwen3-30b-a3b 513.7 -> 472.6 us at 4096, qwen3-next-80b
+# 1752 -> 1633 at 16384, where it also beats twin's 1831-1904): gather_rows' pass over
+# P x H bytes weighs most where each gathered row feeds the fewest columns. From I = 1536
+# it ties or loses (qwen3-235b-a22b 2859 / 9878 against 2920 / 9798 us, gpt-oss-120b
+# 2501 / 7384 against 2530 / 7621).
+GATHER_MAX_INTERMEDIATE = 1024
+AUTO_GATHER_VARIANT = "gather_wide"
 AUTO_TMA_VARIANT = "tma_wide"
 
 
@@ -283,7 +303,7 @@ def sm90_variant_for(intermediate: int, mode: int = 0) -> str:
     CUPYMOE_SM90_DOWN_VARIANT one for down alone (measurements)."""
     v = sm90_variant()
     if v == "auto":
-        v = AUTO_TMA_VARIANT if intermediate >= TMA_MIN_INTERMEDIATE else "twin"
+        v = AUTO_GATHER_VARIANT if intermediate < GATHER_MAX_INTERMEDIATE else AUTO_TMA_VARIANT
     if mode == 1:
         d = _variant_env("CUPYMOE_SM90_DOWN_VARIANT")
         if d != "auto":
@@ -657,6 +677,8 @@ class KernelLibrary:
         with cupy.cuda.Device(device_id):
             cc = cupy.cuda.Device(device_id).compute_capability  # e.g. "90"
             self.arch = arch_for_capability(int(cc[:-1]), int(cc[-1]))
+            # the most dynamic shared memory a block may opt in to
+            self.max_smem = int(cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
             self._functions: dict[str, object] = {}
             self._modules = []
             for name in modules_for(self.arch) if modules is None else modules:
@@ -675,7 +697,8 @@ class KernelLibrary:
                                  for f in (0,) + SM90_QUANT_FORMATS if v.kernel(mode, f) == expr), None)
                     smem = (grouped_smem_bytes(*(int(g) for g in m.groups())) if m
                             else sm90_fp8_smem_bytes() if expr.startswith("grouped_gemm_sm90_fp8")
-                            else sm90[0].smem_bytes(sm90[1]) if sm90 else 0)
+                            else sm90[0].smem_bytes(sm90[1]) if sm90
+                            else self.max_smem if expr == "sort_place" else 0)  # its size: the layer's experts
                     if smem:  # opt in to more than 48 KB of dynamic shared memory, once
                         drv = cupy.cuda.driver
                         drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)

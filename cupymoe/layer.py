@@ -34,7 +34,7 @@ import numpy as np
 
 from . import formats, kernels, tma
 from .arena import Arena, ArenaPlan, BufferSpec, plan_arena
-from .config import MoeConfig
+from .config import MoeConfig, UnsupportedModelError
 from .host_weights import HostWeights
 from .profiling import StageTimer, dump_dir, profile_enabled, write_dumps
 from .parallel import Communicator, check_communicator, owned_experts
@@ -251,6 +251,12 @@ class MoeLayer:
         owned = owned_experts(cfg, expert_owner)
         with cupy.cuda.Device(self.device_id):
             self.lib = kernels.library(self.device_id)
+            sort_smem = kernels.sort_place_smem_bytes(len(owned))
+            if sort_smem > self.lib.max_smem:
+                raise UnsupportedModelError(
+                    f"{len(owned)} routed experts on one GPU: the grouped path's sort needs {sort_smem} bytes of "
+                    f"shared memory a block, this GPU allows {self.lib.max_smem}; spread the experts over more "
+                    "ranks (ep_world_size)")
             self._sm_count = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
             # the Hopper GEMM's configuration and the rows per expert from which the grouped
             # GEMMs take 128-row tiles: resolved once here, not on every forward
@@ -284,6 +290,9 @@ class MoeLayer:
             self._sm90 = {m: twin if v.tma and not tma_ok else v for m, v in self._sm90.items()}
             self._sm90[2] = twin if self._sm90[0].tma else self._sm90[0]
             self._tma = self._sm90[0].tma or self._sm90[1].tma  # the layer has tensor maps
+            # gate/up on TMA reads its inputs in sorted order from xg (gather_rows), unless
+            # its producer gathers the rows itself
+            self._gathers_rows = self._sm90[0].tma and not self._sm90[0].gather
             wgmma = hopper and self._sm90[0].serves(kernels.FORMAT_CODES[self.weights.format])
             self._math_rows = math_rows_per_expert("wgmma" if wgmma else "mma")
             w8a8 = self.fp8_compute == "w8a8"
@@ -291,7 +300,7 @@ class MoeLayer:
             self._w8a8_shared_x = w8a8 and self.weights.shared_format == "fp8_block" and cfg.pre_expert_norm
             self.arena = Arena(plan_layer_arena(cfg, self.max_tokens, self.weights.n_local, self.weights.i_max,
                                                 self.decode_max_tokens, w8a8, self._w8a8_shared_x,
-                                                self._sm90[0].tma),
+                                                self._gathers_rows),
                                self.device_id)
             self._tma_maps = self._upload_tma_maps() if self._tma else None
             cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
@@ -336,7 +345,7 @@ class MoeLayer:
         bm, bn, bn_down = kernels.TMA_A_BOX_ROWS, self._sm90[0].bn, self._sm90[1].bn
         gate_up, down = self._sm90[0].tma, self._sm90[1].tma
         # the A maps span their arena buffers exactly: TMA never reads past them
-        xg_rows, act_rows = A.nbytes("xg") // (2 * H), A.nbytes("act") // (2 * W.i_max)
+        xg_rows, act_rows = A.nbytes("xg") // (2 * H), A.nbytes("act") // (2 * W.i_max)  # xg: 0 unless gathered
         ptrs = {p: W.tables[p].get() for p in ("gate", "up", "down")}  # per-slot weight addresses
         Is = cfg.shared_expert_intermediate_size if cfg.has_shared_expert else 0
 
@@ -348,7 +357,7 @@ class MoeLayer:
 
         # the maps of the GEMMs that run on the TMA kernel (gate/up, down, or both)
         table = tma.encode_table([
-            (tma.Matrix2D(A.ptr("xg"), xg_rows, H), bm) if gate_up else None,
+            (tma.Matrix2D(A.ptr("xg"), xg_rows, H), bm) if self._gathers_rows else None,
             (tma.Matrix2D(A.ptr("act"), act_rows, I, W.i_max), bm) if down else None,
             (tma.Matrix2D(A.ptr("act"), act_rows, Is, W.i_max), bm) if Is and down else None,
             routed("gate", I, H, bn // 2, gate_up), routed("up", I, H, bn // 2, gate_up),
@@ -604,7 +613,7 @@ class MoeLayer:
             return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), bn, bm
         v = self._sm90[mode]
         if config == "math" and v.serves(fmt, mode) and self.lib.arch == "sm_90a" and not self.row_invariant:
-            return v.kernel(mode, fmt), v.threads, v.smem_bytes(fmt), v.bn, kernels.SM90_BM
+            return v.kernel(mode, fmt), v.threads(mode), v.smem_bytes(fmt), v.bn, kernels.SM90_BM
         config = kernels.QUANT_CONFIG[config] if fmt else config
         return (*kernels.grouped_kernel(mode, config, fmt), kernels.GROUPED_BN, kernels.GROUPED_CONFIGS[config][0])
 
@@ -641,7 +650,7 @@ class MoeLayer:
                            _i32(W.n_local), _i32(has_shared),
                            _u64(A.ptr("block_counts")), _u64(A.ptr("active_start")), _u64(A.ptr("num_active")),
                            _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(A.ptr("pair_pos")), _i32(k)),
-                          stream=s, shared_mem=W.n_local * 4)
+                          stream=s, shared_mem=kernels.sort_place_smem_bytes(W.n_local))
 
     def _enqueue_grouped(self, x: int, xe: int, N: int, out: int, s, timer, has_shared: int) -> None:
         """gate/up and down as tensor-core grouped GEMMs over BM-row tiles of each expert's run."""
@@ -675,11 +684,13 @@ class MoeLayer:
                 gate_up, threads, smem, bn, bm = self._grouped_kernel(0, config, fmt)
                 make_tiles(bm)
                 extra = tuple(map(_u64, (qx, sx, qxs, sxs, qact, sact))) if w8a8 and fmt == fp8 else ()
-                if gate_up.startswith("grouped_gemm_sm90_tma<"):  # TMA reads the inputs in sorted order
-                    lib["gather_rows"]((tiles,), (256,),
-                                       (_u64(x), _u64(xe), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
-                                        _u64(A.ptr("sorted_row")), _i32(W.shared_slot), _i32(H), _u64(A.ptr("xg"))),
-                                       stream=s)
+                if gate_up.startswith("grouped_gemm_sm90_tma<"):
+                    if self._gathers_rows:  # TMA reads the inputs in sorted order
+                        lib["gather_rows"]((tiles,), (256,),
+                                           (_u64(x), _u64(xe), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
+                                            _u64(A.ptr("sorted_row")), _i32(W.shared_slot), _i32(H),
+                                            _u64(A.ptr("xg"))),
+                                           stream=s)
                     extra = (_u64(int(self._tma_maps.data.ptr)),)
                 lib[gate_up](
                     (-(-W.i_max // (bn // 2)), tiles), (threads,),

@@ -161,15 +161,16 @@ def test_cupy_graph_replay_is_bitwise_eager_and_follows_new_inputs(rng, path):
         assert c.ok, f"N={n} after new input: {c}"
 
 
-def test_tma_grouped_gemm_graph_replay_is_bitwise_eager(rng, monkeypatch):
-    """The TMA GEMM (Hopper) inside a captured graph: replay equals eager bit for bit and
-    follows new input; qwen2_moe's shared expert (I 96 beside the routed 64) reads act
-    through its own tensor map."""
+@pytest.mark.parametrize("sm90", ["tma", "gather_wide"])
+def test_tma_grouped_gemm_graph_replay_is_bitwise_eager(sm90, rng, monkeypatch):
+    """The TMA GEMM (Hopper) inside a captured graph, reading xg or gathering its rows:
+    replay equals eager bit for bit and follows new input; qwen2_moe's shared expert (I 96
+    beside the routed 64) reads x and act through its own tensor maps."""
     import cupy
 
     from cupymoe import MoeLayer
 
-    monkeypatch.setenv("CUPYMOE_SM90_VARIANT", "tma")
+    monkeypatch.setenv("CUPYMOE_SM90_VARIANT", sm90)
     cfg = testing.tiny_config("qwen2_moe")
     hw = testing.random_host_weights(cfg, rng)
     layer = MoeLayer(cfg, hw, max_tokens=1000)
@@ -341,12 +342,14 @@ def test_profile_mode_and_debug_dumps(tmp_path, rng, monkeypatch, caplog):
 LARGE_TOKENS = (65, 100, 1000, 4099)
 
 
-@pytest.mark.parametrize("sm90", ["auto", "tma"])
+@pytest.mark.parametrize("sm90", ["auto", "tma", "twin"])
 @pytest.mark.parametrize("family", testing.FAMILIES)
 def test_grouped_path_at_prefill_sizes(family, sm90, rng, monkeypatch):
-    """The multi-block sort and the tensor-core GEMMs at prefill sizes, auto dispatch; on
-    Hopper also with the TMA GEMM forced (the tiny shapes' auto choice is the cp.async one,
-    and their K of 96 or 160 leaves partial boxes that TMA must fill with zeros)."""
+    """The multi-block sort and the tensor-core GEMMs at prefill sizes, auto dispatch (on
+    Hopper the tiny shapes' choice is gather_wide: its gathering producer zero-fills chunks
+    past K by cp.async and leaves rows past a tile's unwritten); also with the TMA GEMM
+    reading xg (their K of 96 or 160 leaves partial boxes that TMA must fill with zeros) and
+    the cp.async one forced."""
     from cupymoe import MoeLayer
 
     monkeypatch.setenv("CUPYMOE_SM90_VARIANT", sm90)
@@ -358,7 +361,7 @@ def test_grouped_path_at_prefill_sizes(family, sm90, rng, monkeypatch):
         _check(layer, cfg, hw, rng, n, None)
 
 
-@pytest.mark.parametrize("sm90", ["auto", "tma"])
+@pytest.mark.parametrize("sm90", ["auto", "tma", "twin"])
 def test_one_expert_receives_every_row(sm90, rng, monkeypatch):
     """A router bias that puts expert 3 in every row's top-k: one run of N rows, others empty."""
     monkeypatch.setenv("CUPYMOE_SM90_VARIANT", sm90)
@@ -416,7 +419,7 @@ def test_hopper_wgmma_kernels_are_used_and_agree(rng, monkeypatch):
         assert c.ok, f"{variant}: {c}"
 
 
-@pytest.mark.parametrize("sm90", ["auto", "twin", "tma", "pinned"])
+@pytest.mark.parametrize("sm90", ["auto", "twin", "tma", "gather_wide", "pinned"])
 def test_grouped_gemm_tile_bands_cover_every_tile(rng, monkeypatch, sm90):
     """The grouped GEMMs start their tiles in bands of GEMM_BAND_COLS (16) column tiles
     (cuda/gemm_common.cuh): with H = 4352 and I = 1088, down has 34 column tiles of 128 or

@@ -78,12 +78,18 @@ def test_measurement_knobs_are_validated(monkeypatch):
     for knob in ("CUPYMOE_SM90_VARIANT", "CUPYMOE_SM90_DOWN_VARIANT", "CUPYMOE_MATH_ROWS", "CUPYMOE_GEMM_BAND_COLS"):
         monkeypatch.delenv(knob, raising=False)
     assert kernels.sm90_variant() == "auto"
-    assert kernels.sm90_variant_for(512) == "twin" and kernels.sm90_variant_for(768) == "tma_wide"
-    assert kernels.sm90_variant_for(kernels.TMA_MIN_INTERMEDIATE - 1) == "twin"
-    assert kernels.sm90_variant_for(kernels.TMA_MIN_INTERMEDIATE, 1) == kernels.AUTO_TMA_VARIANT == "tma_wide"
-    assert kernels.SM90_VARIANTS[kernels.AUTO_TMA_VARIANT].tma
+    assert kernels.sm90_variant_for(512) == kernels.sm90_variant_for(768) == "gather_wide"
+    assert kernels.sm90_variant_for(1536) == kernels.sm90_variant_for(2880) == "tma_wide"
+    assert kernels.sm90_variant_for(kernels.GATHER_MAX_INTERMEDIATE - 1, 1) == kernels.AUTO_GATHER_VARIANT
+    assert kernels.sm90_variant_for(kernels.GATHER_MAX_INTERMEDIATE, 1) == kernels.AUTO_TMA_VARIANT == "tma_wide"
+    assert kernels.SM90_VARIANTS[kernels.AUTO_TMA_VARIANT].tma and kernels.SM90_VARIANTS["gather_wide"].gather
+    # the gathering variants differ from their TMA twins in gate/up alone
+    for g, t in (("gather_wide", "tma_wide"),):
+        gv, tv = kernels.SM90_VARIANTS[g], kernels.SM90_VARIANTS[t]
+        assert gv.gather and gv.tma and not tv.gather
+        assert gv.kernel(1) == tv.kernel(1) and gv.kernel(0) == tv.kernel(0)[:-1] + ", 1>"
     monkeypatch.setenv("CUPYMOE_SM90_DOWN_VARIANT", "tma")
-    assert kernels.sm90_variant_for(512, 1) == "tma" and kernels.sm90_variant_for(512, 0) == "twin"
+    assert kernels.sm90_variant_for(512, 1) == "tma" and kernels.sm90_variant_for(512, 0) == "gather_wide"
     monkeypatch.setenv("CUPYMOE_SM90_DOWN_VARIANT", "slim")
     with pytest.raises(ValueError, match="CUPYMOE_SM90_DOWN_VARIANT='slim'"):
         kernels.sm90_variant_for(512, 1)
@@ -113,7 +119,7 @@ def test_measurement_knobs_are_validated(monkeypatch):
         math_rows_per_expert("mma")
     for name, variant in kernels.SM90_VARIANTS.items():
         assert variant.smem_bytes() <= 227 * 1024, name  # Hopper's opt-in maximum
-        assert variant.blocks_per_sm * variant.threads <= 2048, name
+        assert all(variant.blocks_per_sm * variant.threads(m) <= 2048 for m in (0, 1, 2)), name
 
 
 def test_fp4_tensor_core_decode_formats_and_knobs(monkeypatch):

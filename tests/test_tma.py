@@ -45,15 +45,20 @@ def test_kernel_and_python_agree_on_the_map_order():
     assert found == {name: i for i, name in enumerate(tma.TMA_MAPS)}
 
 
-def test_kernel_and_python_agree_on_the_a_box_rows():
+def test_kernel_and_python_agree_on_the_a_box_rows_and_the_producer_warps():
     """The layer encodes A's maps in boxes of kernels.TMA_A_BOX_ROWS rows, and the kernel
-    counts TMA_SUB rows a box in the bytes its stages expect: the two must be one number."""
+    counts TMA_SUB rows a box in the bytes its stages expect: the two must be one number.
+    The layer launches the gathering gate/up with kernels.GATHER_WARPS producer warps, the
+    kernel's launch bounds and barrier counts take GATHER_WARPS: one number too."""
     import re
 
     from cupymoe import kernels
 
     src = (kernels.kernel_dir() / "grouped_sm90_tma.cu").read_text()
     assert int(re.search(r"#define TMA_SUB (\d+)", src).group(1)) == kernels.TMA_A_BOX_ROWS
+    assert int(re.search(r"#define GATHER_WARPS (\d+)", src).group(1)) == kernels.GATHER_WARPS
+    v = kernels.SM90_VARIANTS["gather_wide"]
+    assert v.threads(0) == 256 + 32 * kernels.GATHER_WARPS and v.threads(1) == 288
 
 
 def test_encoding_without_a_driver_says_so():
