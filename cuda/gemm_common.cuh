@@ -67,7 +67,8 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 
 struct GemmTile {
     int slot, pos0, rows;  // expert table slot, first sorted position, rows in this tile
-    int K, ncols, n0;      // reduction length, output columns of the problem, first column
+    int k_lo, K;           // the reduction over K columns k_lo .. K - 1 (k_lo 0 but for a split router)
+    int ncols, n0;         // output columns of the problem, first column
     const bf16* W0;        // gate / down / router weights [ncols, K] (bytes of any format)
     const bf16* W1;        // up weights (MODE_GATE_UP)
     const void* S0;        // their scales (quantized formats)
@@ -93,6 +94,14 @@ __device__ __forceinline__ bool gemm_tile_at(GemmTile& t, int cx, int ty, GEMM_A
     }
     if (MODE != MODE_ROUTER && slot_fmt[t.slot] != FMT) return false;
     t.K = MODE == MODE_DOWN ? inter[t.slot] : H;
+    t.k_lo = 0;
+    if (MODE == MODE_ROUTER && gridDim.z > 1) {
+        // a narrow router's few tiles would leave SMs idle: split z sums its share of the
+        // 64-wide K steps into logits copy z (topk_route adds the copies, in z order)
+        const int per = ((H + 63) / 64 + gridDim.z - 1) / gridDim.z;
+        t.k_lo = min(H, (int)blockIdx.z * per * 64);
+        t.K = min(H, t.k_lo + per * 64);
+    }
     t.ncols = MODE == MODE_GATE_UP ? inter[t.slot] : MODE == MODE_DOWN ? H : I_max;
     t.n0 = cx * (MODE == MODE_GATE_UP ? BN / 2 : BN);
     if (t.n0 >= t.ncols) return false;
@@ -172,7 +181,7 @@ struct TileLoader {
             const int n = t.n0 + (MODE == MODE_GATE_UP ? (r & (BN / 2 - 1)) : r);
             const bf16* W = MODE == MODE_GATE_UP && r >= BN / 2 ? t.W1 : t.W0;
             b_ok[i] = n < t.ncols;
-            b_src[i] = W + (size_t)min(n, t.ncols - 1) * t.K;
+            b_src[i] = W + (size_t)min(n, t.ncols - 1) * (MODE == MODE_ROUTER ? H : t.K);  // a split router's t.K ends its share
         }
     }
 
@@ -326,6 +335,27 @@ __device__ __forceinline__ void emit_gate_up(const GemmTile& t, int r, int c, fl
         __floats2bfloat162_rn(a.x, a.y);
 }
 
+// The bias a down / router tile adds: the slot's, or the router's (split 0 alone: the
+// splits' logits are summed).
+template <int MODE>
+__device__ __forceinline__ const float* router_or_slot_bias(const GemmTile& t, const u64* __restrict__ b0_ptrs) {
+    if (MODE == MODE_ROUTER) return blockIdx.z == 0 ? reinterpret_cast<const float*>(b0_ptrs) : nullptr;
+    return reinterpret_cast<const float*>(b0_ptrs[t.slot]);
+}
+
+// Router logits, fp32, of row pos and columns col (even), col + 1 into split z's own copy:
+// one 8-byte store where R is even, else one by one (R may be odd).
+__device__ __forceinline__ void store_logit_pair(const GemmTile& t, int pos, int col, float v0, float v1, int P,
+                                                 void* out) {
+    float* lg = reinterpret_cast<float*>(out) + ((size_t)blockIdx.z * P + pos) * t.ncols + col;
+    if ((t.ncols & 1) == 0) {
+        *reinterpret_cast<float2*>(lg) = make_float2(v0, v1);
+    } else {
+        lg[0] = v0;
+        if (col + 1 < t.ncols) lg[1] = v1;
+    }
+}
+
 // Down / router epilogue for row r and columns c, c + 1 of the tile's BN.
 template <int MODE>
 __device__ __forceinline__ void emit_out(const GemmTile& t, int r, int c, float v0, float v1, GEMM_ARGS) {
@@ -334,8 +364,7 @@ __device__ __forceinline__ void emit_out(const GemmTile& t, int r, int c, float 
     const int pos = t.pos0 + r;
     v0 *= t.g0;  // the matrix's global scale (1 but for nvfp4), before the bias
     v1 *= t.g0;
-    const float* bias = MODE == MODE_ROUTER ? reinterpret_cast<const float*>(b0_ptrs)
-                                            : reinterpret_cast<const float*>(b0_ptrs[t.slot]);
+    const float* bias = router_or_slot_bias<MODE>(t, b0_ptrs);
     if (bias) {
         v0 += bias[col];
         v1 += col + 1 < t.ncols ? bias[col + 1] : 0.0f;
@@ -345,10 +374,8 @@ __device__ __forceinline__ void emit_out(const GemmTile& t, int r, int c, float 
         const float w = pair < P ? topk_w[pair] : 1.0f;  // the shared expert is scaled in the reduce
         *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)pos * H + col) =
             __floats2bfloat162_rn(w * v0, w * v1);
-    } else {  // router logits, fp32; R may be odd, so store one by one
-        float* lg = reinterpret_cast<float*>(out) + (size_t)pos * t.ncols + col;
-        lg[0] = v0;
-        if (col + 1 < t.ncols) lg[1] = v1;
+    } else {
+        store_logit_pair(t, pos, col, v0, v1, P, out);
     }
 }
 
@@ -410,8 +437,7 @@ __device__ __forceinline__ void emit_wgmma_out(const GemmTile& t, const float* d
             w[h] = pair < P ? topk_w[pair] : 1.0f;
         }
     }
-    const float* bias = MODE == MODE_ROUTER ? reinterpret_cast<const float*>(b0_ptrs)
-                                            : reinterpret_cast<const float*>(b0_ptrs[t.slot]);
+    const float* bias = router_or_slot_bias<MODE>(t, b0_ptrs);
 #pragma unroll
     for (int j = 0; j < JB; ++j) {
         const int col = t.n0 + j * 8 + 2 * t4;
@@ -433,10 +459,8 @@ __device__ __forceinline__ void emit_wgmma_out(const GemmTile& t, const float* d
             if (MODE == MODE_DOWN) {
                 *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)pos * H + col) =
                     __floats2bfloat162_rn(w[h] * v0, w[h] * v1);
-            } else {  // router logits, fp32; R may be odd, so store one by one
-                float* lg = reinterpret_cast<float*>(out) + (size_t)pos * t.ncols + col;
-                lg[0] = v0;
-                if (col + 1 < t.ncols) lg[1] = v1;
+            } else {
+                store_logit_pair(t, pos, col, v0, v1, P, out);
             }
         }
     }

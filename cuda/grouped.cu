@@ -3,9 +3,10 @@
 // 3-stage pipeline; any sm_80+), and the unpermute + weighted reduce.
 //
 //   sort_count     per block of 1024 pairs: how many pairs chose each local expert
-//   sort_scan      one block: expert totals -> expert starts, active lists, per-block offsets
+//   sort_scan      one block: expert totals -> expert starts, active lists, per-block offsets,
+//                  and the M-tiles (build_tiles) when the grouped GEMMs follow
 //   sort_place     per block: stable positions (pair order within an expert), shared rows
-//   make_tiles     one block: BM-row tiles over the active experts' runs
+//   make_tiles     one block: BM-row tiles over the active experts' runs (after a one-block sort)
 //   grouped_gemm<MODE_GATE_UP>  act[pos, :I] = act(x[row] W_gate^T + b, x[row] W_up^T + b), bf16
 //   grouped_gemm<MODE_DOWN>     yw[pos, :H] = bf16(w_pair * (act[pos] W_down^T + b)): the routing
 //                               weight applied in fp32 before the only rounding
@@ -15,10 +16,34 @@
 
 #define SORT_THREADS 1024
 
+// One block of SORT_THREADS: split each active run into BM-row tiles. tile_info[t] =
+// (slot, pos0, rows). The lists were written by this block (before a __syncthreads) or a
+// kernel before it.
+// (No __restrict__ on the lists: sort_scan reads what it wrote, never through the
+// read-only path.)
+__device__ __forceinline__ void build_tiles(const int* num_active, const int* active_slot, const int* active_start,
+                                            const int* active_len, int BM, int* num_tiles, int4* tile_info,
+                                            int* tmp) {
+    const int na = *num_active;
+    int base = 0;
+    for (int j0 = 0; j0 < na; j0 += SORT_THREADS) {
+        const int j = j0 + threadIdx.x;
+        const int len = j < na ? active_len[j] : 0;
+        const int nt = (len + BM - 1) / BM;
+        int tot;
+        const int t0 = base + block_exclusive_scan_1024(nt, tmp, tot);
+        for (int i = 0; i < nt; ++i)
+            tile_info[t0 + i] = make_int4(active_slot[j], active_start[j] + i * BM, min(BM, len - i * BM), 0);
+        base += tot;
+    }
+    if (threadIdx.x == 0) *num_tiles = base;
+}
+
 // grid ceil(P / 1024), block 1024, dynamic smem n_local ints.
 __global__ void __launch_bounds__(SORT_THREADS)
 sort_count(const int* __restrict__ ids, int P, const int* __restrict__ slot_of, int R, int n_local,
            int* __restrict__ block_counts) {
+    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     extern __shared__ int cnt[];
     for (int i = threadIdx.x; i < n_local; i += SORT_THREADS) cnt[i] = 0;
     __syncthreads();
@@ -40,7 +65,8 @@ sort_count(const int* __restrict__ ids, int P, const int* __restrict__ slot_of, 
 __global__ void __launch_bounds__(SORT_THREADS)
 sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, int has_shared,
           int* __restrict__ num_active, int* __restrict__ active_slot, int* __restrict__ active_start,
-          int* __restrict__ active_len) {
+          int* __restrict__ active_len, int BM, int* __restrict__ num_tiles, int4* __restrict__ tile_info) {
+    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     __shared__ int tmp[33];
     int G = 1;
     while (G < 32 && G * 2 * n_local <= SORT_THREADS) G *= 2;
@@ -50,11 +76,15 @@ sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, i
         const int e = e0 + threadIdx.x / G;
         int* col = block_counts + e;  // expert e's count in block b: col[b * n_local]
         int part = 0;
-        if (e < n_local) {  // four loads in flight at a time
+        if (e < n_local) {  // eight loads in flight at a time
             int b = b0;
-            for (; b + 4 <= b1; b += 4)
-                part += col[(size_t)b * n_local] + col[(size_t)(b + 1) * n_local] + col[(size_t)(b + 2) * n_local] +
-                        col[(size_t)(b + 3) * n_local];
+            for (; b + 8 <= b1; b += 8) {
+                int c[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) c[j] = col[(size_t)(b + j) * n_local];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) part += c[j];
+            }
             for (; b < b1; ++b) part += col[(size_t)b * n_local];
         }
         int incl = part;  // the expert's blocks before this thread's range: a scan over its G lanes
@@ -73,12 +103,12 @@ sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, i
         if (e < n_local) {
             int run = start + incl - part;
             int b = b0;
-            for (; b + 4 <= b1; b += 4) {
-                int c[4];
+            for (; b + 8 <= b1; b += 8) {
+                int c[8];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) c[j] = col[(size_t)(b + j) * n_local];
+                for (int j = 0; j < 8; ++j) c[j] = col[(size_t)(b + j) * n_local];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
+                for (int j = 0; j < 8; ++j) {
                     col[(size_t)(b + j) * n_local] = run;
                     run += c[j];
                 }
@@ -105,6 +135,10 @@ sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, i
         }
         *num_active = act_base + (has_shared ? 1 : 0);
     }
+    if (BM > 0) {  // the grouped GEMMs' tiles too (one launch fewer than make_tiles)
+        __syncthreads();
+        build_tiles(num_active, active_slot, active_start, active_len, BM, num_tiles, tile_info, tmp);
+    }
 }
 
 // grid ceil(P / 1024), block 1024, dynamic smem kernels.sort_place_smem_bytes(n_local).
@@ -118,6 +152,7 @@ sort_place(const int* __restrict__ ids, int P, int N, const int* __restrict__ sl
            const int* __restrict__ block_counts, const int* __restrict__ active_start,
            const int* __restrict__ num_active, int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
            int* __restrict__ pair_pos, int k) {
+    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     constexpr int WARPS = SORT_THREADS / 32;
     extern __shared__ int next[];  // [n_local]: this block's first position of each expert
     // [WARPS][n_local]: each warp's count of each expert, then the warps' exclusive prefix
@@ -164,25 +199,15 @@ sort_place(const int* __restrict__ ids, int P, int N, const int* __restrict__ sl
     }
 }
 
-// One block: split each active run into BM-row tiles. tile_info[t] = (slot, pos0, rows).
+// One block: build_tiles, after a sort that did not (decode_build_lists), or for a kernel
+// of another tile height.
 __global__ void __launch_bounds__(SORT_THREADS)
 make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_slot,
            const int* __restrict__ active_start, const int* __restrict__ active_len, int BM,
            int* __restrict__ num_tiles, int4* __restrict__ tile_info) {
+    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     __shared__ int tmp[33];
-    const int na = *num_active;
-    int base = 0;
-    for (int j0 = 0; j0 < na; j0 += SORT_THREADS) {
-        const int j = j0 + threadIdx.x;
-        const int len = j < na ? active_len[j] : 0;
-        const int nt = (len + BM - 1) / BM;
-        int tot;
-        const int t0 = base + block_exclusive_scan_1024(nt, tmp, tot);
-        for (int i = 0; i < nt; ++i)
-            tile_info[t0 + i] = make_int4(active_slot[j], active_start[j] + i * BM, min(BM, len - i * BM), 0);
-        base += tot;
-    }
-    if (threadIdx.x == 0) *num_tiles = base;
+    build_tiles(num_active, active_slot, active_start, active_len, BM, num_tiles, tile_info, tmp);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -200,6 +225,7 @@ make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_sl
 template <int MODE, int BM, int BK, int STAGES, int FMT>
 __global__ void __launch_bounds__(BM * 2)
 grouped_gemm(GEMM_ARGS) {
+    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     constexpr int THREADS = BM * 2;
     constexpr bool QUANT = FMT != FMT_BF16;
     // dynamic (kernels.grouped_smem_bytes): A stages, then bf16 B stages (2 when quantized),
@@ -216,7 +242,7 @@ grouped_gemm(GEMM_ARGS) {
     Loader ld;
     ld.init(t, GEMM_ARG_NAMES);
     auto load_stage = [&](int s, int k0) {  // quantized: sB is not a stage ring (two tiles, below)
-        ld.load(sA + s * BM * BK, sB + s * GG_BN * BK, sRaw + s * Loader::RAW_STAGE, k0, t.K);
+        ld.load(sA + s * BM * BK, sB + s * GG_BN * BK, sRaw + s * Loader::RAW_STAGE, t.k_lo + k0, t.K);
     };
 
     float acc[2][8][4];
@@ -233,7 +259,7 @@ grouped_gemm(GEMM_ARGS) {
         return wn * 64 + j * 8;
     };
 
-    const int KT = (t.K + BK - 1) / BK;
+    const int KT = (t.K - t.k_lo + BK - 1) / BK;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < KT) load_stage(s, s * BK);
@@ -243,7 +269,7 @@ grouped_gemm(GEMM_ARGS) {
         cp_async_wait<STAGES - 2>();
         // quantized: this thread's raw chunks of step kt have landed; make them bf16. The
         // buffer written here was last read in step kt - 2, before the barrier of kt - 1.
-        ld.convert(sRaw + (kt % STAGES) * Loader::RAW_STAGE, sB + (kt & 1) * GG_BN * BK, kt * BK, t.K);
+        ld.convert(sRaw + (kt % STAGES) * Loader::RAW_STAGE, sB + (kt & 1) * GG_BN * BK, t.k_lo + kt * BK, t.K);
         __syncthreads();
         // the stage refilled here was read (and, raw, converted by its own thread) in kt - 1
         const int kn = kt + STAGES - 1;
@@ -309,6 +335,7 @@ grouped_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
                const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const bf16* __restrict__ yw,
                const float* __restrict__ shared_gate_w, bf16* __restrict__ out, int N, int H, int k, int E,
                int has_shared, int primary) {
+    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     __shared__ int s_pos[64];
     const int row = blockIdx.x;
     const size_t rbase = (size_t)row * H;

@@ -24,6 +24,7 @@
 template <int MODE, int STAGES, int BLOCKS_PER_SM, int BN, int FMT = FMT_BF16>
 __global__ void __launch_bounds__(SM90_THREADS, BLOCKS_PER_SM)
 grouped_gemm_sm90(GEMM_ARGS) {
+    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     constexpr int BM = SM90_BM, BK = SM90_BK, S = STAGES, NACC = BN / 2;
     constexpr bool QUANT = FMT != FMT_BF16;
     static_assert(BK == 64, "wgmma_k64_bf16 takes 64-wide K steps");
@@ -40,7 +41,7 @@ grouped_gemm_sm90(GEMM_ARGS) {
     Loader ld;
     ld.init(t, GEMM_ARG_NAMES);
     auto load_stage = [&](int s, int k0) {
-        ld.load(sA + s * BM * BK, sB + s * BN * BK, sRaw + s * Loader::RAW_STAGE, k0, t.K);
+        ld.load(sA + s * BM * BK, sB + s * BN * BK, sRaw + s * Loader::RAW_STAGE, t.k_lo + k0, t.K);
     };
     const int wg = threadIdx.x / 128;
     // a run's last tile often holds fewer than 64 rows: the second warpgroup then issues no
@@ -51,7 +52,7 @@ grouped_gemm_sm90(GEMM_ARGS) {
 #pragma unroll
     for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
 
-    const int KT = (t.K + BK - 1) / BK;
+    const int KT = (t.K - t.k_lo + BK - 1) / BK;
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
         if (s < KT) load_stage(s, s * BK);
@@ -61,7 +62,7 @@ grouped_gemm_sm90(GEMM_ARGS) {
         cp_async_wait<S - 2>();  // this thread's copies of stage kt have landed
         // quantized: its raw chunks become the stage's bf16 B tile, last read by the wgmmas
         // of step kt - S, which the wait of step kt - 1 saw done
-        ld.convert(sRaw + (kt % S) * Loader::RAW_STAGE, sB + (kt % S) * BN * BK, kt * BK, t.K);
+        ld.convert(sRaw + (kt % S) * Loader::RAW_STAGE, sB + (kt % S) * BN * BK, t.k_lo + kt * BK, t.K);
         fence_proxy_async();     // ... and are visible to the tensor cores' (async) proxy
         __syncthreads();         // everyone's copies of stage kt
         const u64 da = wgmma_desc(sA + (kt % S) * BM * BK + wg * 64 * BK);

@@ -80,7 +80,7 @@ __device__ __forceinline__ bool regs_route_fits(int V, int R, int E, int n_group
 // weights' renormalising sum runs as a warp tree. The ids also go to sel_out (shared
 // memory, k ints) for the expert lists of decode_route_lists.
 template <int V>
-__device__ __forceinline__ void route_row_regs(int row, int* sel_out, const float* __restrict__ logits,
+__device__ __forceinline__ void route_row_regs(int row, int* sel_out, const float* logits,
                                                const float* __restrict__ corr_bias, int* __restrict__ ids_out,
                                                float* __restrict__ w_out, int R, int E, int k, int scoring,
                                                int n_group, int topk_group, int topk_then_softmax, int renorm,
@@ -315,8 +315,10 @@ __device__ __forceinline__ bool warp_topk_by_threshold(const float* c, int R, in
 // by the row's latency, takes it (qwen3-30b-a3b / deepseek-v3 N = 1: 3 / 7 us less with
 // the expert lists and the split reduce); topk_route over thousands of rows is bound by
 // throughput instead and measured the same or slower with it (qwen3-next-80b, R = 512,
-// N = 16384: 82 vs 70 us), so it keeps the shared-memory path.
-__device__ __forceinline__ void route_row(int row, float* s, const float* __restrict__ logits,
+// N = 16384: 82 vs 70 us), so it keeps the shared-memory path. `logits` is not __restrict__:
+// topk_route writes a split router's sum into it first, so it must not be read through the
+// read-only (non-coherent) path.
+__device__ __forceinline__ void route_row(int row, float* s, const float* logits,
                                           const float* __restrict__ corr_bias, const int* __restrict__ tid2eid,
                                           const int* __restrict__ token_ids, int* __restrict__ ids_out,
                                           float* __restrict__ w_out, int* __restrict__ err, int R, int E, int k,

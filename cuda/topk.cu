@@ -6,7 +6,7 @@
 #define TOPK_WARPS 4
 
 __global__ void __launch_bounds__(TOPK_WARPS * 32)
-topk_route(const float* __restrict__ logits,     // [N, R] fp32 (router bias already added)
+topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router bias already added)
            const float* __restrict__ corr_bias,  // [R] or null: selection-only correction bias
            const int* __restrict__ tid2eid,      // [V, k] or null: hash routing table
            const int* __restrict__ token_ids,    // [N] (hash routing only)
@@ -17,11 +17,22 @@ topk_route(const float* __restrict__ logits,     // [N, R] fp32 (router bias alr
            int topk_then_softmax, int renorm, float scale, int vocab,
            const bf16* __restrict__ x,           // [N, H]: quantized when qx is set
            int H, u8* __restrict__ qx,           // w8a8 or null: x's e4m3 codes [N, H]
-           float* __restrict__ sx) {             // and their scales [N, ceil(H / 128)]
+           float* __restrict__ sx,               // and their scales [N, ceil(H / 128)]
+           int splits) {                         // the split router's logits copies
+    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     extern __shared__ float smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * TOPK_WARPS + warp;
     if (row >= N) return;
+    if (splits > 1) {  // the row's logits: its copies' sum, in split order, into copy 0
+        float* l = logits + (size_t)row * R;
+        for (int i = lane; i < R; i += 32) {
+            float v = l[i];
+            for (int z = 1; z < splits; ++z) v += l[(size_t)z * N * R + i];
+            l[i] = v;
+        }
+        __syncwarp();
+    }
     route_row(row, smem + (size_t)warp * (2 * R + TOPK_MAX_K), logits, corr_bias, tid2eid, token_ids, ids_out, w_out,
               err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane, false);
 #if CUPYMOE_SM >= 89

@@ -87,6 +87,9 @@ def _row_tile(rows: float, tiles: tuple[int, ...]) -> int:
 
 
 GROUPED_BM = 64  # the smallest M-tile height of the grouped GEMMs (kernels.GROUPED_CONFIGS)
+# the prefill router's K splits at most (gemm_common.cuh gemm_tile_at): each writes its own
+# logits copy, which topk_route sums
+ROUTER_MAX_SPLITS = 4
 SORT_BLOCK = 1024  # pairs per block of the multi-block sort (cuda/grouped.cu SORT_THREADS)
 SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_build_lists)
 ROUTE_LISTS_MAX_ROWS = 8  # decode rows up to which routing and the lists are one launch (decode_route_lists)
@@ -151,7 +154,7 @@ def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
     nblk = -(-T * k // SORT_BLOCK)
     buffers = [
         BufferSpec("err", 4, "route", "reduce"),  # sticky error bits, read by check_errors()
-        BufferSpec("logits", T * R * 4, "route", "route"),
+        BufferSpec("logits", T * R * 4 * ROUTER_MAX_SPLITS, "route", "route"),  # a split router's copies
         BufferSpec("topk_ids", T * k * 4, "route", "reduce"),
         BufferSpec("topk_w", T * k * 4, "route", "reduce"),
         BufferSpec("xe", T * H * 2 if cfg.pre_expert_norm else 0, "norm", "reduce"),
@@ -454,11 +457,13 @@ class MoeLayer:
         atomic = path == "atomic"
         timer = StageTimer(s, N, path)
 
+        splits = 1
         with timer.stage("router"):
             if path == "prefill":  # tensor cores; the CUDA-core router only pays off at few rows
                 name, threads, smem, bn, bm = self._grouped_kernel(2, self._router_config(N))
+                splits = self._router_splits(-(-R // bn) * -(-N // bm))
                 lib[name](
-                    (-(-R // bn), -(-N // bm)), (threads,),
+                    (-(-R // bn), -(-N // bm), splits), (threads,),
                     (_u64(x), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(W.ptr("router")),
                      _u64(0), _u64(W.ptr("router_bias")), _u64(0), *(_u64(0),) * 5,
                      _u64(0), _u64(0), _i32(0), _i32(H), _i32(R),
@@ -484,10 +489,12 @@ class MoeLayer:
         # a few decode rows: routing and the expert lists in one launch (one fewer in the chain)
         route_lists_smem = (N * (2 * R + 64) + 2 * N * k) * 4
         route_lists = path != "prefill" and N <= ROUTE_LISTS_MAX_ROWS and route_lists_smem <= 48 * 1024
-        # the decode chain by programmatic dependent launch (router -> route_lists -> norm ->
-        # gate/up -> down -> reduce, each kernel waiting for the one before it); not on the
-        # atomic path, whose memset stands between the lists and gate/up
-        pdl = self._pdl and path == "decode" and route_lists and not timer.separates_kernels
+        # the decode chain (router -> route_lists -> norm -> gate/up -> down -> reduce) and the
+        # prefill one after its router by programmatic dependent launch, each kernel waiting
+        # for the one before it; not on the atomic path, whose memset stands between the
+        # lists and gate/up
+        pdl = (self._pdl and not timer.separates_kernels
+               and (path == "prefill" or (path == "decode" and route_lists)))
         with timer.stage("topk"):
             if route_lists:
                 self._launch("decode_route_lists", (1,), (ROUTE_LISTS_THREADS,),
@@ -495,10 +502,9 @@ class MoeLayer:
                               *self._list_outputs()), s, route_lists_smem, pdl=pdl)
             else:
                 warps = 4
-                lib["topk_route"](
-                    ((N + warps - 1) // warps,), (warps * 32,),
-                    (*routing, _u64(x), _i32(H), _u64(qx_of_x[0]), _u64(qx_of_x[1])),
-                    stream=s, shared_mem=warps * (2 * R + 64) * 4)
+                self._launch("topk_route", ((N + warps - 1) // warps,), (warps * 32,),
+                             (*routing, _u64(x), _i32(H), _u64(qx_of_x[0]), _u64(qx_of_x[1]), _i32(splits)),
+                             s, warps * (2 * R + 64) * 4, pdl=pdl)
         xe = x
         if cfg.pre_expert_norm:
             with timer.stage("norm"):
@@ -507,15 +513,18 @@ class MoeLayer:
                 self._launch("rmsnorm_bf16", (N,), (256,), (_u64(x), _u64(W.ptr("norm_weight")), _u64(xe), _i32(H),
                                                             _f32(cfg.rms_norm_eps), _u64(qxe[0]), _u64(qxe[1])),
                              s, pdl=pdl)
+        tiles_bm = 0  # the tile height the sort built the grouped GEMMs' tiles for
         with timer.stage("sort"):
             if not route_lists:
-                self._launch_sort(N, s, has_shared)
+                gate_up_bm = (self._grouped_kernel(0, self._grouped_config(N), self._format_codes[0])[4]
+                              if path == "prefill" else 0)
+                tiles_bm = self._launch_sort(N, s, has_shared, gate_up_bm, pdl)
             if atomic:
                 import cupy
 
                 cupy.cuda.runtime.memsetAsync(A.ptr("acc"), 0, N * H * 4, s.ptr)
         if path == "prefill":
-            self._enqueue_grouped(x, xe, N, out, s, timer, has_shared)
+            self._enqueue_grouped(x, xe, N, out, s, timer, has_shared, tiles_bm, pdl)
         else:
             self._enqueue_decode(x, xe, N, out, s, timer, has_shared, atomic, pdl)
         if self.comm is not None:  # partials -> the full layer, on the caller's stream
@@ -623,60 +632,70 @@ class MoeLayer:
         return tuple(_u64(A.ptr(n)) for n in ("num_active", "active_slot", "active_start", "active_len",
                                                "sorted_row", "sorted_pair", "pair_pos"))
 
-    def _launch_sort(self, N: int, s, has_shared: int) -> None:
-        """(row, slot) pairs grouped by expert, stable: one block for few pairs, else three passes."""
-        cfg, A, W, lib = self.cfg, self.arena, self.weights, self.lib
+    def _launch_sort(self, N: int, s, has_shared: int, tile_bm: int = 0, pdl: bool = False) -> int:
+        """(row, slot) pairs grouped by expert, stable: one block for few pairs, else three
+        passes, whose scan also builds `tile_bm`-row tiles where tile_bm > 0. Returns the
+        tile height it built tiles for (0: none)."""
+        cfg, A, W = self.cfg, self.arena, self.weights
         k = cfg.num_experts_per_tok
         P = N * k
         lists = (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
                  _u64(A.ptr("active_len")))
         if P <= SMALL_SORT_PAIRS:
-            lib["decode_build_lists"](
-                (1,), (1024,),
-                (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
-                 _i32(W.n_local), _i32(has_shared), *self._list_outputs()),
-                stream=s, shared_mem=(2 * W.n_local + 33) * 4)
-            return
+            self._launch("decode_build_lists", (1,), (1024,),
+                         (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
+                          _i32(W.n_local), _i32(has_shared), *self._list_outputs()),
+                         s, (2 * W.n_local + 33) * 4, pdl=pdl)
+            return 0
         nblk = -(-P // SORT_BLOCK)
-        lib["sort_count"]((nblk,), (SORT_BLOCK,),
-                          (_u64(A.ptr("topk_ids")), _i32(P), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
-                           _i32(W.n_local), _u64(A.ptr("block_counts"))),
-                          stream=s, shared_mem=W.n_local * 4)
-        lib["sort_scan"]((1,), (SORT_BLOCK,),
-                         (_u64(A.ptr("block_counts")), _i32(nblk), _i32(W.n_local), _i32(N), _i32(k),
-                          _i32(has_shared), *lists), stream=s)
-        lib["sort_place"]((nblk,), (SORT_BLOCK,),
-                          (_u64(A.ptr("topk_ids")), _i32(P), _i32(N), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
-                           _i32(W.n_local), _i32(has_shared),
-                           _u64(A.ptr("block_counts")), _u64(A.ptr("active_start")), _u64(A.ptr("num_active")),
-                           _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(A.ptr("pair_pos")), _i32(k)),
-                          stream=s, shared_mem=kernels.sort_place_smem_bytes(W.n_local))
+        self._launch("sort_count", (nblk,), (SORT_BLOCK,),
+                     (_u64(A.ptr("topk_ids")), _i32(P), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
+                      _i32(W.n_local), _u64(A.ptr("block_counts"))),
+                     s, W.n_local * 4, pdl=pdl)
+        self._launch("sort_scan", (1,), (SORT_BLOCK,),
+                     (_u64(A.ptr("block_counts")), _i32(nblk), _i32(W.n_local), _i32(N), _i32(k),
+                      _i32(has_shared), *lists, _i32(tile_bm), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info"))),
+                     s, pdl=pdl)
+        self._launch("sort_place", (nblk,), (SORT_BLOCK,),
+                     (_u64(A.ptr("topk_ids")), _i32(P), _i32(N), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
+                      _i32(W.n_local), _i32(has_shared),
+                      _u64(A.ptr("block_counts")), _u64(A.ptr("active_start")), _u64(A.ptr("num_active")),
+                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(A.ptr("pair_pos")), _i32(k)),
+                     s, kernels.sort_place_smem_bytes(W.n_local), pdl=pdl)
+        return tile_bm
 
-    def _enqueue_grouped(self, x: int, xe: int, N: int, out: int, s, timer, has_shared: int) -> None:
-        """gate/up and down as tensor-core grouped GEMMs over BM-row tiles of each expert's run."""
-        cfg, A, W, lib = self.cfg, self.arena, self.weights, self.lib
+    def _grouped_config(self, N: int) -> str:
+        """The grouped GEMMs' configuration: the math-bound one once the average expert run
+        fills enough of its 128-row tiles (bf16 on Hopper: the wgmma kernel, which pays off
+        sooner); w8a8's tiles are 64 rows, and every format of the layer takes them."""
+        if self.fp8_compute == "w8a8":
+            return "stream"
+        return "math" if N * self.cfg.num_experts_per_tok >= self._math_rows * self.weights.n_local else "stream"
+
+    def _enqueue_grouped(self, x: int, xe: int, N: int, out: int, s, timer, has_shared: int,
+                         tiles_bm: int = 0, pdl: bool = False) -> None:
+        """gate/up and down as tensor-core grouped GEMMs over BM-row tiles of each expert's
+        run (tile_info holds `tiles_bm`-row tiles already, where the sort built them); `pdl`:
+        each kernel by programmatic dependent launch."""
+        cfg, A, W = self.cfg, self.arena, self.weights
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
-        # the math-bound configuration once the average expert run fills enough of its
-        # 128-row tiles (bf16 on Hopper: the wgmma kernel, which pays off sooner)
-        config = "math" if N * k >= self._math_rows * W.n_local else "stream"
+        config = self._grouped_config(N)
         w8a8 = self.fp8_compute == "w8a8"
-        if w8a8:  # the w8a8 kernel's tiles are 64 rows: every format of the layer takes them
-            config = "stream"
         fp8 = kernels.FORMAT_CODES["fp8_block"]
         qx, sx = A.ptr("qx") if w8a8 else 0, A.ptr("sx") if w8a8 else 0
         qxs, sxs = (A.ptr("qx_shared"), A.ptr("sx_shared")) if self._w8a8_shared_x else (qx, sx)
         qact, sact = (A.ptr("qact"), A.ptr("sact")) if w8a8 else (0, 0)
         tiles = max(1, max_tiles(N, k, W.n_local, bool(has_shared)))  # a bound for either tile height
-        tiles_bm = [0]  # the tile height tile_info holds now
+        tiles_bm = [tiles_bm]  # the tile height tile_info holds now
 
         def make_tiles(bm: int) -> None:
             """tile_info in `bm`-row tiles, unless it holds them already (a kernel of other
             tiles may follow: stream order lets the one before finish reading first)."""
             if bm != tiles_bm[0]:
-                lib["make_tiles"]((1,), (1024,),
-                                  (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
-                                   _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _i32(bm),
-                                   _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info"))), stream=s)
+                self._launch("make_tiles", (1,), (1024,),
+                             (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
+                              _u64(A.ptr("active_len")), _i32(bm), _u64(A.ptr("num_tiles")),
+                              _u64(A.ptr("tile_info"))), s, pdl=pdl)
                 tiles_bm[0] = bm
 
         with timer.stage("gate_up"):
@@ -686,14 +705,13 @@ class MoeLayer:
                 extra = tuple(map(_u64, (qx, sx, qxs, sxs, qact, sact))) if w8a8 and fmt == fp8 else ()
                 if gate_up.startswith("grouped_gemm_sm90_tma<"):
                     if self._gathers_rows:  # TMA reads the inputs in sorted order
-                        lib["gather_rows"]((tiles,), (256,),
-                                           (_u64(x), _u64(xe), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
-                                            _u64(A.ptr("sorted_row")), _i32(W.shared_slot), _i32(H),
-                                            _u64(A.ptr("xg"))),
-                                           stream=s)
+                        self._launch("gather_rows", (tiles,), (256,),
+                                     (_u64(x), _u64(xe), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
+                                      _u64(A.ptr("sorted_row")), _i32(W.shared_slot), _i32(H), _u64(A.ptr("xg"))),
+                                     s, pdl=pdl)
                     extra = (_u64(int(self._tma_maps.data.ptr)),)
-                lib[gate_up](
-                    (-(-W.i_max // (bn // 2)), tiles), (threads,),
+                self._launch(
+                    gate_up, (-(-W.i_max // (bn // 2)), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(0), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("gate")), _u64(W.ptr("up")),
                      _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")), _u64(W.ptr("gate_scale")),
@@ -702,7 +720,7 @@ class MoeLayer:
                      _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("act")),
                      _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit),
                      *extra),
-                    stream=s, shared_mem=smem)
+                    s, smem, pdl=pdl)
         with timer.stage("down"):
             for fmt in self._format_codes:
                 down, threads, smem, bn, bm = self._grouped_kernel(1, config, fmt)
@@ -710,8 +728,8 @@ class MoeLayer:
                 extra = tuple(map(_u64, (qact, sact, qact, sact, 0, 0))) if w8a8 and fmt == fp8 else ()
                 if down.startswith("grouped_gemm_sm90_tma<"):
                     extra = (_u64(int(self._tma_maps.data.ptr)),)
-                lib[down](
-                    (-(-H // bn), tiles), (threads,),
+                self._launch(
+                    down, (-(-H // bn), tiles), (threads,),
                     (_u64(x), _u64(xe), _u64(A.ptr("act")), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("down")), _u64(0),
                      _u64(W.ptr("down_bias")), _u64(0), _u64(W.ptr("down_scale")), _u64(0),
@@ -719,14 +737,14 @@ class MoeLayer:
                      _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
                      _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("yw")),
                      _i32(0), _f32(0.0), _f32(0.0), *extra),
-                    stream=s, shared_mem=smem)
+                    s, smem, pdl=pdl)
         with timer.stage("reduce"):
-            lib["grouped_reduce"](
-                (N,), (256,),
+            self._launch(
+                "grouped_reduce", (N,), (256,),
                 (_u64(x), _u64(xe), _u64(A.ptr("topk_ids")), _u64(A.ptr("topk_w")), _u64(A.ptr("pair_pos")),
                  _u64(A.ptr("yw")), _u64(W.ptr("shared_expert_gate")), _u64(out), _i32(N), _i32(H), _i32(k),
                  _i32(cfg.num_experts), _i32(has_shared), _i32(1 if cfg.ep_rank == 0 else 0)),
-                stream=s)
+                s, pdl=pdl)
 
     def _router_config(self, N: int) -> str:
         """The router GEMM's grouped configuration on the prefill path: "math" (128 x 128
@@ -740,6 +758,16 @@ class MoeLayer:
         if -(-self.cfg.router_width // 128) * -(-N // 128) * 2 < self._sm_count:
             return "stream"
         return "math"
+
+    def _router_splits(self, tiles: int) -> int:
+        """K splits of the prefill router's GEMM: enough for two blocks an SM where its
+        tiles are few (qwen3-30b-a3b at N = 4096: 64 tiles of 64 x 128), each split at
+        least 4 steps of 64; none for row-invariant layers, whose logits must not depend on
+        N (a split sums in another order)."""
+        if self.row_invariant:
+            return 1
+        steps = -(-self.cfg.hidden_size // 64)
+        return max(1, min(ROUTER_MAX_SPLITS, 2 * self._sm_count // max(1, tiles), steps // 4))
 
     def _launch_router(self, x: int, N: int, logits: int, s) -> None:
         cfg, W = self.cfg, self.weights

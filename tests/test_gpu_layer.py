@@ -440,3 +440,24 @@ def test_grouped_gemm_tile_bands_cover_every_tile(rng, monkeypatch, sm90):
         x = well_separated_input(cfg, hw, rng, n)
         c = check(run_layer(layer, x, "prefill"), cfg, hw, x, "prefill", layer=layer)
         assert c.ok, f"{sm90} N={n}: {c}"
+
+
+def test_split_router_sums_its_copies(rng, monkeypatch):
+    """A narrow router's GEMM splits K over blocks (gridDim.z), each writing its own logits
+    copy that top-k sums: on the mma.sync "stream" tiles (N = 1000) and the wgmma "math"
+    ones (N = 9000); the routing and the output must match the reference. Row-invariant
+    layers never split (their logits must not depend on N)."""
+    from cupymoe import MoeLayer
+    from cupymoe.layer import ROUTER_MAX_SPLITS
+
+    cfg = testing.tiny_config("deepseek_v3", hidden_size=1024)  # 16 K steps of 64: room for 4 splits
+    hw = testing.random_host_weights(cfg, rng)
+    layer = MoeLayer(cfg, hw, max_tokens=9000)
+    for n in (1000, 9000):
+        config = layer._router_config(n)
+        _, _, _, bn, bm = layer._grouped_kernel(2, config)
+        splits = layer._router_splits(-(-cfg.router_width // bn) * -(-n // bm))
+        assert 1 < splits <= ROUTER_MAX_SPLITS, (n, config, splits)
+        _check(layer, cfg, hw, rng, n, "prefill")
+    pinned = MoeLayer(cfg, hw, max_tokens=1000, row_invariant=True)
+    assert pinned._router_splits(1) == 1
