@@ -46,7 +46,6 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restr
                    int* __restrict__ num_active, int* __restrict__ active_slot, int* __restrict__ active_start,
                    int* __restrict__ active_len, int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
                    int* __restrict__ pair_pos) {
-    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     extern __shared__ int sm[];
     build_expert_lists(sm, ids, N, k, slot_of, R, n_local, has_shared, num_active, active_slot, active_start,
                        active_len, sorted_row, sorted_pair, pair_pos);

@@ -43,7 +43,6 @@ __device__ __forceinline__ void build_tiles(const int* num_active, const int* ac
 __global__ void __launch_bounds__(SORT_THREADS)
 sort_count(const int* __restrict__ ids, int P, const int* __restrict__ slot_of, int R, int n_local,
            int* __restrict__ block_counts) {
-    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     extern __shared__ int cnt[];
     for (int i = threadIdx.x; i < n_local; i += SORT_THREADS) cnt[i] = 0;
     __syncthreads();
@@ -66,7 +65,6 @@ __global__ void __launch_bounds__(SORT_THREADS)
 sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, int has_shared,
           int* __restrict__ num_active, int* __restrict__ active_slot, int* __restrict__ active_start,
           int* __restrict__ active_len, int BM, int* __restrict__ num_tiles, int4* __restrict__ tile_info) {
-    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     __shared__ int tmp[33];
     int G = 1;
     while (G < 32 && G * 2 * n_local <= SORT_THREADS) G *= 2;
@@ -152,7 +150,6 @@ sort_place(const int* __restrict__ ids, int P, int N, const int* __restrict__ sl
            const int* __restrict__ block_counts, const int* __restrict__ active_start,
            const int* __restrict__ num_active, int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
            int* __restrict__ pair_pos, int k) {
-    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     constexpr int WARPS = SORT_THREADS / 32;
     extern __shared__ int next[];  // [n_local]: this block's first position of each expert
     // [WARPS][n_local]: each warp's count of each expert, then the warps' exclusive prefix
@@ -205,7 +202,6 @@ __global__ void __launch_bounds__(SORT_THREADS)
 make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_slot,
            const int* __restrict__ active_start, const int* __restrict__ active_len, int BM,
            int* __restrict__ num_tiles, int4* __restrict__ tile_info) {
-    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     __shared__ int tmp[33];
     build_tiles(num_active, active_slot, active_start, active_len, BM, num_tiles, tile_info, tmp);
 }
@@ -225,7 +221,6 @@ make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_sl
 template <int MODE, int BM, int BK, int STAGES, int FMT>
 __global__ void __launch_bounds__(BM * 2)
 grouped_gemm(GEMM_ARGS) {
-    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     constexpr int THREADS = BM * 2;
     constexpr bool QUANT = FMT != FMT_BF16;
     // dynamic (kernels.grouped_smem_bytes): A stages, then bf16 B stages (2 when quantized),
@@ -335,7 +330,6 @@ grouped_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
                const float* __restrict__ topk_w, const int* __restrict__ pair_pos, const bf16* __restrict__ yw,
                const float* __restrict__ shared_gate_w, bf16* __restrict__ out, int N, int H, int k, int E,
                int has_shared, int primary) {
-    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     __shared__ int s_pos[64];
     const int row = blockIdx.x;
     const size_t rbase = (size_t)row * H;

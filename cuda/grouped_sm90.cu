@@ -24,7 +24,6 @@
 template <int MODE, int STAGES, int BLOCKS_PER_SM, int BN, int FMT = FMT_BF16>
 __global__ void __launch_bounds__(SM90_THREADS, BLOCKS_PER_SM)
 grouped_gemm_sm90(GEMM_ARGS) {
-    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     constexpr int BM = SM90_BM, BK = SM90_BK, S = STAGES, NACC = BN / 2;
     constexpr bool QUANT = FMT != FMT_BF16;
     static_assert(BK == 64, "wgmma_k64_bf16 takes 64-wide K steps");

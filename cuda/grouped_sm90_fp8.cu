@@ -163,7 +163,6 @@ __global__ void __launch_bounds__(F8_THREADS, 1)
 grouped_gemm_sm90_fp8(GEMM_ARGS, const u8* __restrict__ qa, const float* __restrict__ sa,
                       const u8* __restrict__ qa_shared, const float* __restrict__ sa_shared, u8* __restrict__ q_out,
                       float* __restrict__ s_out) {
-    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     constexpr int BM = F8_BM, BN = F8_BN, BK = F8_BK, S = F8_STAGES;
     extern __shared__ __align__(1024) unsigned char f8_smem[];
     __shared__ float row_amax[2][F8_BM];  // gate/up: each warpgroup's amax of a row's 64 columns

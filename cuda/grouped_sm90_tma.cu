@@ -126,7 +126,6 @@ __device__ __forceinline__ void gather_producer(const GemmTile& t, bf16* sA, bf1
 template <int MODE, int STAGES, int BN, int BLOCKS_PER_SM, int GATHER = 0>
 __global__ void __launch_bounds__(GATHER ? 256 + 32 * GATHER_WARPS : TMA_THREADS, BLOCKS_PER_SM)
 grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
-    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     constexpr int BM = 2 * TMA_SUB, BK = TMA_BK, S = STAGES, NACC = BN / 2;
     static_assert(MODE == MODE_GATE_UP || MODE == MODE_DOWN, "the router keeps grouped_sm90.cu");
     static_assert(!GATHER || MODE == MODE_GATE_UP, "down reads act in sorted order already");
@@ -222,7 +221,6 @@ __global__ void __launch_bounds__(256)
 gather_rows(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ num_tiles,
             const int4* __restrict__ tile_info, const int* __restrict__ sorted_row, int shared_slot, int H,
             bf16* __restrict__ xg) {
-    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     if ((int)blockIdx.x >= *num_tiles) return;
     const int4 ti = tile_info[blockIdx.x];
     const bf16* in = ti.x == shared_slot ? x : xe;

@@ -19,7 +19,6 @@ topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router 
            int H, u8* __restrict__ qx,           // w8a8 or null: x's e4m3 codes [N, H]
            float* __restrict__ sx,               // and their scales [N, ceil(H / 128)]
            int splits) {                         // the split router's logits copies
-    pdl_wait_then_release_next();  // the prefill chain by programmatic dependent launch
     extern __shared__ float smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * TOPK_WARPS + warp;

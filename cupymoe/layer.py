@@ -489,12 +489,11 @@ class MoeLayer:
         # a few decode rows: routing and the expert lists in one launch (one fewer in the chain)
         route_lists_smem = (N * (2 * R + 64) + 2 * N * k) * 4
         route_lists = path != "prefill" and N <= ROUTE_LISTS_MAX_ROWS and route_lists_smem <= 48 * 1024
-        # the decode chain (router -> route_lists -> norm -> gate/up -> down -> reduce) and the
-        # prefill one after its router by programmatic dependent launch, each kernel waiting
-        # for the one before it; not on the atomic path, whose memset stands between the
-        # lists and gate/up
-        pdl = (self._pdl and not timer.separates_kernels
-               and (path == "prefill" or (path == "decode" and route_lists)))
+        # the decode chain by programmatic dependent launch (router -> route_lists -> norm ->
+        # gate/up -> down -> reduce, each kernel waiting for the one before it); not on the
+        # atomic path, whose memset stands between the lists and gate/up. (The prefill chain's
+        # measured the same with it and without, NOTES.md v25.)
+        pdl = self._pdl and path == "decode" and route_lists and not timer.separates_kernels
         with timer.stage("topk"):
             if route_lists:
                 self._launch("decode_route_lists", (1,), (ROUTE_LISTS_THREADS,),
@@ -504,7 +503,7 @@ class MoeLayer:
                 warps = 4
                 self._launch("topk_route", ((N + warps - 1) // warps,), (warps * 32,),
                              (*routing, _u64(x), _i32(H), _u64(qx_of_x[0]), _u64(qx_of_x[1]), _i32(splits)),
-                             s, warps * (2 * R + 64) * 4, pdl=pdl)
+                             s, warps * (2 * R + 64) * 4)
         xe = x
         if cfg.pre_expert_norm:
             with timer.stage("norm"):
@@ -518,13 +517,13 @@ class MoeLayer:
             if not route_lists:
                 gate_up_bm = (self._grouped_kernel(0, self._grouped_config(N), self._format_codes[0])[4]
                               if path == "prefill" else 0)
-                tiles_bm = self._launch_sort(N, s, has_shared, gate_up_bm, pdl)
+                tiles_bm = self._launch_sort(N, s, has_shared, gate_up_bm)
             if atomic:
                 import cupy
 
                 cupy.cuda.runtime.memsetAsync(A.ptr("acc"), 0, N * H * 4, s.ptr)
         if path == "prefill":
-            self._enqueue_grouped(x, xe, N, out, s, timer, has_shared, tiles_bm, pdl)
+            self._enqueue_grouped(x, xe, N, out, s, timer, has_shared, tiles_bm)
         else:
             self._enqueue_decode(x, xe, N, out, s, timer, has_shared, atomic, pdl)
         if self.comm is not None:  # partials -> the full layer, on the caller's stream
@@ -632,7 +631,7 @@ class MoeLayer:
         return tuple(_u64(A.ptr(n)) for n in ("num_active", "active_slot", "active_start", "active_len",
                                                "sorted_row", "sorted_pair", "pair_pos"))
 
-    def _launch_sort(self, N: int, s, has_shared: int, tile_bm: int = 0, pdl: bool = False) -> int:
+    def _launch_sort(self, N: int, s, has_shared: int, tile_bm: int = 0) -> int:
         """(row, slot) pairs grouped by expert, stable: one block for few pairs, else three
         passes, whose scan also builds `tile_bm`-row tiles where tile_bm > 0. Returns the
         tile height it built tiles for (0: none)."""
@@ -645,23 +644,23 @@ class MoeLayer:
             self._launch("decode_build_lists", (1,), (1024,),
                          (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
                           _i32(W.n_local), _i32(has_shared), *self._list_outputs()),
-                         s, (2 * W.n_local + 33) * 4, pdl=pdl)
+                         s, (2 * W.n_local + 33) * 4)
             return 0
         nblk = -(-P // SORT_BLOCK)
         self._launch("sort_count", (nblk,), (SORT_BLOCK,),
                      (_u64(A.ptr("topk_ids")), _i32(P), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
                       _i32(W.n_local), _u64(A.ptr("block_counts"))),
-                     s, W.n_local * 4, pdl=pdl)
+                     s, W.n_local * 4)
         self._launch("sort_scan", (1,), (SORT_BLOCK,),
                      (_u64(A.ptr("block_counts")), _i32(nblk), _i32(W.n_local), _i32(N), _i32(k),
                       _i32(has_shared), *lists, _i32(tile_bm), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info"))),
-                     s, pdl=pdl)
+                     s)
         self._launch("sort_place", (nblk,), (SORT_BLOCK,),
                      (_u64(A.ptr("topk_ids")), _i32(P), _i32(N), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
                       _i32(W.n_local), _i32(has_shared),
                       _u64(A.ptr("block_counts")), _u64(A.ptr("active_start")), _u64(A.ptr("num_active")),
                       _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(A.ptr("pair_pos")), _i32(k)),
-                     s, kernels.sort_place_smem_bytes(W.n_local), pdl=pdl)
+                     s, kernels.sort_place_smem_bytes(W.n_local))
         return tile_bm
 
     def _grouped_config(self, N: int) -> str:
@@ -673,10 +672,9 @@ class MoeLayer:
         return "math" if N * self.cfg.num_experts_per_tok >= self._math_rows * self.weights.n_local else "stream"
 
     def _enqueue_grouped(self, x: int, xe: int, N: int, out: int, s, timer, has_shared: int,
-                         tiles_bm: int = 0, pdl: bool = False) -> None:
+                         tiles_bm: int = 0) -> None:
         """gate/up and down as tensor-core grouped GEMMs over BM-row tiles of each expert's
-        run (tile_info holds `tiles_bm`-row tiles already, where the sort built them); `pdl`:
-        each kernel by programmatic dependent launch."""
+        run (tile_info holds `tiles_bm`-row tiles already, where the sort built them)."""
         cfg, A, W = self.cfg, self.arena, self.weights
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
         config = self._grouped_config(N)
@@ -695,7 +693,7 @@ class MoeLayer:
                 self._launch("make_tiles", (1,), (1024,),
                              (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
                               _u64(A.ptr("active_len")), _i32(bm), _u64(A.ptr("num_tiles")),
-                              _u64(A.ptr("tile_info"))), s, pdl=pdl)
+                              _u64(A.ptr("tile_info"))), s)
                 tiles_bm[0] = bm
 
         with timer.stage("gate_up"):
@@ -708,7 +706,7 @@ class MoeLayer:
                         self._launch("gather_rows", (tiles,), (256,),
                                      (_u64(x), _u64(xe), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
                                       _u64(A.ptr("sorted_row")), _i32(W.shared_slot), _i32(H), _u64(A.ptr("xg"))),
-                                     s, pdl=pdl)
+                                     s)
                     extra = (_u64(int(self._tma_maps.data.ptr)),)
                 self._launch(
                     gate_up, (-(-W.i_max // (bn // 2)), tiles), (threads,),
@@ -720,7 +718,7 @@ class MoeLayer:
                      _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("act")),
                      _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit),
                      *extra),
-                    s, smem, pdl=pdl)
+                    s, smem)
         with timer.stage("down"):
             for fmt in self._format_codes:
                 down, threads, smem, bn, bm = self._grouped_kernel(1, config, fmt)
@@ -737,14 +735,14 @@ class MoeLayer:
                      _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
                      _i32(W.shared_slot), _i32(H), _i32(W.i_max), _i32(N * k), _u64(A.ptr("yw")),
                      _i32(0), _f32(0.0), _f32(0.0), *extra),
-                    s, smem, pdl=pdl)
+                    s, smem)
         with timer.stage("reduce"):
             self._launch(
                 "grouped_reduce", (N,), (256,),
                 (_u64(x), _u64(xe), _u64(A.ptr("topk_ids")), _u64(A.ptr("topk_w")), _u64(A.ptr("pair_pos")),
                  _u64(A.ptr("yw")), _u64(W.ptr("shared_expert_gate")), _u64(out), _i32(N), _i32(H), _i32(k),
                  _i32(cfg.num_experts), _i32(has_shared), _i32(1 if cfg.ep_rank == 0 else 0)),
-                s, pdl=pdl)
+                s)
 
     def _router_config(self, N: int) -> str:
         """The router GEMM's grouped configuration on the prefill path: "math" (128 x 128
