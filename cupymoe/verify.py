@@ -164,12 +164,13 @@ BF16_ROUNDINGS = 4  # the bf16 budget above: output, activation, pre-normed inpu
 #   1. codes: the e4m3 codes and scales of the expert input and of the activation are
 #      bitwise those of quantizing the kernels' own bf16 values (the quantizer is exact);
 #   2. activation: the kernels' bf16 activation against float64 fed the kernels' input
-#      codes: the faithful rule (one bf16 rounding, fp32 accumulation);
+#      codes: the faithful rule (one bf16 rounding, fp32 accumulation), a one-ulp flip an
+#      outlier, not part of the normwise (discount_flips);
 #   3. terms: the bf16 weighted terms the down GEMM stored, against float64 fed the kernels'
 #      codes, each within one ulp (TERM_TIGHT): the fp8 tensor cores accumulate in less than
 #      fp32 (promoted to fp32 every 128 k), far enough from float64 to round a term to its
 #      other bf16 neighbour now and then, and each such flip would otherwise land in the
-#      output check (`verify --seed 105763336`: 2 of 96 output elements);
+#      output check (`verify --seed 105763336`: 2 of 96 output elements); flips as in 2;
 #   3b. output: against the faithful reference summing the kernels' terms: the faithful rule;
 #   4. against the exact reference: normwise <= w8a8_normwise_bound(elements).
 W8A8_NORMWISE = 2.0 ** -4
@@ -313,9 +314,12 @@ class StoredRows:
         if not self.reference:
             return None
         ref = np.concatenate([a.ravel() for a in self.reference])
-        c = compare(np.concatenate([a.ravel() for a in self.kernel]), ref, ref, tight=self.tight)
+        got = np.concatenate([a.ravel() for a in self.kernel])
+        c = compare(got, ref, ref, tight=self.tight)
         c.envelope = 0.0
         c.unwritten += self.missing
+        if self.tight == TERM_TIGHT:  # the w8a8 terms: out of the fp8 tensor cores too
+            discount_flips(c, got, ref, self.tight)
         return c
 
 
@@ -417,6 +421,24 @@ class W8a8Stages:
         return np.stack([self.act_codes[expert, int(t)] for t in rows])
 
 
+def discount_flips(c: Comparison, out: np.ndarray, ref: np.ndarray, tight: tuple = FAITHFUL_TIGHT) -> None:
+    """For the stages the fp8 tensor cores produce (w8a8's activation and stored terms),
+    whose accumulation is not fp32's, so a bf16 value may round to its other neighbour: an
+    element beyond the tight bound but within one bf16 ulp of the reference is such a flip,
+    the outlier rule's to count (at most 1 in 100), and left out of the faithful normwise.
+    At N = 1 one flip on an element holding 63 % of the activation's norm measured 4.9e-3
+    normwise, above 2^-8, with every element within one ulp (`verify --seed 129993660`,
+    qwen2_moe fp8_block). An element off by more than one ulp still counts in full."""
+    o = np.asarray(out, dtype=np.float64).ravel()
+    r = np.asarray(ref, dtype=np.float64).ravel()
+    err = np.abs(np.where(np.isfinite(o), o, 0.0) - r)
+    rms = float(np.sqrt(np.mean(r ** 2))) or 1.0
+    mag = np.where(r != 0, np.abs(r), np.finfo(np.float32).tiny)
+    ulp = 2.0 ** (np.floor(np.log2(mag)) - 7)  # bf16: 8 significant bits
+    flip = (err > tight[0] * np.abs(r) + tight[1] * rms) & (err <= ulp)
+    c.faithful_normwise = _normwise(np.where(flip, r, o), r)
+
+
 def check_w8a8(out: np.ndarray, layer, cfg: MoeConfig, hw: HostWeights, x: np.ndarray,
                token_ids: Optional[np.ndarray] = None, owned_experts=None) -> Comparison:
     """The w8a8 grouped path, stage by stage (the rules above the Comparison class): the
@@ -434,10 +456,13 @@ def check_w8a8(out: np.ndarray, layer, cfg: MoeConfig, hw: HostWeights, x: np.nd
     c.codes_differ = stages.codes_differ
     if stages.reference_acts:
         ref_act = np.concatenate([a.ravel() for a in stages.reference_acts])
-        c.stages = compare(np.concatenate([a.ravel() for a in stages.kernel_acts]), ref_act, ref_act)
-        # both sides are bf16 values: a 1-ulp flip (up to 2^-7 of the value) is the faithful
-        # rule's to count, not an error against the exact envelope (2^-8: one rounding)
+        kernel_act = np.concatenate([a.ravel() for a in stages.kernel_acts])
+        c.stages = compare(kernel_act, ref_act, ref_act)
+        # both sides are bf16 values out of the fp8 tensor cores: a 1-ulp flip (up to 2^-7 of
+        # the value) is the faithful rule's to count as an outlier (discount_flips), not an
+        # error against the exact envelope (2^-8: one rounding)
         c.stages.envelope = 0.0
+        discount_flips(c.stages, kernel_act, ref_act)
     return c
 
 
