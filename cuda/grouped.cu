@@ -341,7 +341,7 @@ grouped_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
         float o[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) o[i] = 0.0f;
-#pragma unroll 1
+#pragma unroll 4
         for (int s = 0; s < k; ++s) {
             const int pos = s_pos[s];
             if (pos < 0) continue;

@@ -222,7 +222,7 @@ class Sm90Variant:
     blocks_per_sm: int
     bn: int  # weight rows per tile (gate/up: half gate, half up)
     tma: bool = False  # TMA copies from a producer warp; gate/up and down of bf16 weights only
-    gather: bool = False  # (tma) gate/up's A rows gathered by the producer warp's cp.async, no xg
+    gather: bool = False  # (tma) gate/up's A rows gathered by the producer warps' cp.async, no xg
 
     def threads(self, mode: int = 0) -> int:
         """Two consumer warpgroups, and with TMA a producer warp (gate/up's gathering one: 4)."""
