@@ -806,17 +806,24 @@ def _hook_case(seed, n):
     return cfg, hw, x, calls, own
 
 
+def _check_identity_hook(cfg, hw, x, calls, own, hook: str):
+    """Handing the reference its own values back through `hook` changes nothing, and the
+    hook saw every routed expert that runs. Returns (the output, the routing, those experts)."""
+    want = reference.moe_forward(cfg, hw, x, rounding="grouped")
+    assert np.array_equal(reference.moe_forward(cfg, hw, x, rounding="grouped", **{hook: own}), want)
+    routing = reference.route(cfg, hw, x)
+    chosen = sorted(set(int(e) for e in np.unique(routing.ids) if e < cfg.num_experts))
+    assert sorted(e for e, _, _ in calls if e != "shared") == chosen
+    return want, routing, chosen
+
+
 def test_kernel_acts_hook_replaces_each_down_projection_input():
     """reference.moe_forward(kernel_acts=...) is how verify.check feeds the grouped path's
     stored activation in: handing back the reference's own rows changes nothing, the hook sees
     every expert that runs (the shared one as "shared", all token rows) after the bf16
     rounding, and a row it changes moves only the output rows of that expert's tokens."""
     cfg, hw, x, calls, own = _hook_case(11, 6)
-    want = reference.moe_forward(cfg, hw, x, rounding="grouped")
-    assert np.array_equal(reference.moe_forward(cfg, hw, x, rounding="grouped", kernel_acts=own), want)
-    routing = reference.route(cfg, hw, x)
-    chosen = sorted(set(int(e) for e in np.unique(routing.ids) if e < cfg.num_experts))
-    assert sorted(e for e, _, _ in calls if e != "shared") == chosen
+    want, routing, chosen = _check_identity_hook(cfg, hw, x, calls, own, "kernel_acts")
     for e, rows, shape in calls:
         if e != "shared":
             assert rows == tuple(np.nonzero(routing.ids == e)[0]) and shape == (len(rows), cfg.moe_intermediate_size)
@@ -839,11 +846,7 @@ def test_kernel_terms_hook_replaces_each_grouped_term():
     every routed expert's bf16(w * y) rows and the shared expert's bf16 output, and only on
     the grouped rounding."""
     cfg, hw, x, calls, own = _hook_case(13, 5)
-    want = reference.moe_forward(cfg, hw, x, rounding="grouped")
-    assert np.array_equal(reference.moe_forward(cfg, hw, x, rounding="grouped", kernel_terms=own), want)
-    routing = reference.route(cfg, hw, x)
-    chosen = sorted(set(int(e) for e in np.unique(routing.ids) if e < cfg.num_experts))
-    assert sorted(e for e, _, _ in calls if e != "shared") == chosen
+    _check_identity_hook(cfg, hw, x, calls, own, "kernel_terms")
     assert [c for c in calls if c[0] == "shared"] == [("shared", tuple(range(5)), (5, cfg.hidden_size))]
     calls.clear()
     reference.moe_forward(cfg, hw, x, rounding="decode", kernel_terms=own)
