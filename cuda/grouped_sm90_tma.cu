@@ -39,7 +39,6 @@
 
 #define TMA_BK 64
 #define TMA_SUB 64       // rows of an A box and of one warpgroup's m64 wgmmas
-#define TMA_THREADS 288  // 2 consumer warpgroups + 1 producer warp
 #define GATHER_WARPS 4   // the gathering producer's warps (GATHER): 384 threads
 #define TMA_MAP_BYTES 128
 
@@ -77,12 +76,12 @@ struct GatherLag {
 // chunks past K (B's are zeros there, and garbage times zero could be NaN). Its thread 0
 // also brings the stage's B tile by TMA, as the plain producer does. One warp alone
 // (32 copies a lane a stage) left gate/up 1.2-1.3x slower than TMA boxes from xg.
-template <int S, int BN>
+template <int S, int BN, int WGS>
 __device__ __forceinline__ void gather_producer(const GemmTile& t, bf16* sA, bf16* sB, u64* full, u64* empty, int KT,
                                                 unsigned b_bytes, const u8* maps, GEMM_ARGS) {
-    constexpr int BM = 2 * TMA_SUB, BK = TMA_BK, LAG = GatherLag<S>::value;
+    constexpr int BM = WGS * TMA_SUB, BK = TMA_BK, LAG = GatherLag<S>::value;
     constexpr int PASS = GATHER_WARPS * 32 / 8, RPL = BM / PASS;  // rows a pass, rows a thread
-    const int pt = threadIdx.x - 256, c = pt & 7;
+    const int pt = threadIdx.x - WGS * 128, c = pt & 7;
     const bool sh = t.slot == shared_slot;
     const bf16* in = sh ? x : xe;  // the shared expert reads x
     int src[RPL];                   // the thread's rows' input rows, -1 past the tile
@@ -120,16 +119,48 @@ __device__ __forceinline__ void gather_producer(const GemmTile& t, bf16* sA, bf1
     for (int kt = max(0, KT - LAG); kt < KT; ++kt) mbar_arrive(&full[kt % S]);
 }
 
-// grid (column tiles, M-tiles), block 288, dynamic smem kernels.Sm90Variant.smem_bytes().
-// BN: weight rows per tile. maps: the layer's tensor maps. GATHER (gate/up only): A rows
-// gathered by the producer warp's cp.async instead of read from xg by TMA.
-template <int MODE, int STAGES, int BN, int BLOCKS_PER_SM, int GATHER = 0>
-__global__ void __launch_bounds__(GATHER ? 256 + 32 * GATHER_WARPS : TMA_THREADS, BLOCKS_PER_SM)
+// The TMA copies of one stage (step kt): A's 64-row boxes that hold rows (`subs` of them),
+// then B (gate/up: BN / 2 gate rows and as many up rows; down: BN rows), all counted on
+// the stage's `full` barrier after one arrival announcing `bytes`.
+template <int MODE, int BM, int BN>
+__device__ __forceinline__ void tma_copy_stage(bf16* sA, bf16* sB, u64* full, int kt, int S, int subs, unsigned bytes,
+                                               const u8* mapA, const u8* mapB0, const u8* mapB1, int arow, int brow) {
+    constexpr int BK = TMA_BK;
+    const int s = kt % S;
+    mbar_arrive_expect_tx(&full[s], bytes);
+    for (int j = 0; j < subs; ++j)
+        tma_load_2d(sA + (s * BM + j * TMA_SUB) * BK, mapA, kt * BK, arow + j * TMA_SUB, &full[s]);
+    if (MODE == MODE_GATE_UP) {  // BN / 2 gate rows, then as many up rows
+        tma_load_2d(sB + s * BN * BK, mapB0, kt * BK, brow, &full[s]);
+        tma_load_2d(sB + s * BN * BK + (BN / 2) * BK, mapB1, kt * BK, brow, &full[s]);
+    } else {
+        tma_load_2d(sB + s * BN * BK, mapB0, kt * BK, brow, &full[s]);
+    }
+}
+
+// grid (column tiles, M-tiles), block kernels.Sm90Variant.threads(), dynamic smem
+// kernels.Sm90Variant.smem_bytes(). BN: weight rows per tile. maps: the layer's tensor
+// maps. GATHER (gate/up only): A rows gathered by the producer warps' cp.async instead of
+// read from xg by TMA. WGS: consumer warpgroups, 64 rows each: 2 (128-row tiles, and a
+// producer warp, or GATHER_WARPS gathering ones), or 3 (192-row tiles, no producer warp:
+// thread 0 also issues the copies, refilling a stage once every warp has freed it). A
+// thirteenth warp would put four warps on one of the SM's four register files, capping a
+// thread at 128 registers, and the m64n256 wgmma's accumulators alone are 128.
+//
+// Why 192 rows: the GEMMs run at L2's throughput (Nsight Compute: 82-87 % "L2 Cache
+// Throughput" for gate/up at qwen3-30b-a3b N = 4096 and qwen3-next-80b N = 16384, NOTES.md
+// v26), and a tile's L2 bytes a stage are (BM + BN) rows: 192 x 256 tiles read 23 % fewer
+// bytes per product than 128 x 256, and an expert of 257-384 rows takes 2 tiles, not 3.
+template <int MODE, int STAGES, int BN, int BLOCKS_PER_SM, int GATHER = 0, int WGS = 2>
+__global__ void __launch_bounds__(WGS * 128 + (WGS == 3 ? 0 : GATHER ? 32 * GATHER_WARPS : 32), BLOCKS_PER_SM)
 grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
-    constexpr int BM = 2 * TMA_SUB, BK = TMA_BK, S = STAGES, NACC = BN / 2;
+    constexpr int BM = WGS * TMA_SUB, BK = TMA_BK, S = STAGES, NACC = BN / 2, CONSUMERS = WGS * 128;
     static_assert(MODE == MODE_GATE_UP || MODE == MODE_DOWN, "the router keeps grouped_sm90.cu");
     static_assert(!GATHER || MODE == MODE_GATE_UP, "down reads act in sorted order already");
     static_assert(BK == 64, "one 128-byte swizzle row per tile row: TMA box and wgmma descriptor agree");
+    static_assert(WGS == 2 || WGS == 3, "128- or 192-row tiles");
+    static_assert(!GATHER || WGS == 2, "the gathering producer's warps would cap the registers (see above)");
+    constexpr bool INLINE = WGS == 3;  // thread 0 copies; no producer warp
     extern __shared__ __align__(1024) unsigned char tma_smem[];
     // the swizzle atoms must start on 1024-byte boundaries of the shared window
     const unsigned pad = (1024u - (smem_u32(tma_smem) & 1023u)) & 1023u;
@@ -151,46 +182,40 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
             // the producer's arrive.expect_tx, then the bytes (and with GATHER each producer
             // lane's arrival once its copies have landed)
             mbar_init(&full[s], GATHER ? 1 + 32 * GATHER_WARPS : 1);
-            mbar_init(&empty[s], 8);  // every consumer warp, once its wgmmas have read the stage
+            mbar_init(&empty[s], 4 * WGS);  // every consumer warp, once its wgmmas have read the stage
         }
         mbar_init_fence();
     }
     __syncthreads();
 
-    if (GATHER && threadIdx.x >= 256) {  // ---- the gathering producer ----
-        gather_producer<S, BN>(t, sA, sB, full, empty, KT, stage_bytes, maps, GEMM_ARG_NAMES);
+    if (GATHER && threadIdx.x >= CONSUMERS) {  // ---- the gathering producer ----
+        gather_producer<S, BN, WGS>(t, sA, sB, full, empty, KT, stage_bytes, maps, GEMM_ARG_NAMES);
         return;
     }
-    if (threadIdx.x >= 256) {  // ---- the producer ----
-        if (threadIdx.x != 256) return;
-        const bool sh = t.slot == shared_slot;
-        const u8* mapA = maps + TMA_MAP_BYTES * (MODE == MODE_GATE_UP ? TMA_MAP_A_GATE_UP
-                                                                       : (sh ? TMA_MAP_SHARED_A_DOWN : TMA_MAP_A_DOWN));
-        const u8* mapB0 = maps + TMA_MAP_BYTES * (MODE == MODE_GATE_UP ? (sh ? TMA_MAP_SHARED_GATE : TMA_MAP_GATE)
-                                                                        : (sh ? TMA_MAP_SHARED_DOWN : TMA_MAP_DOWN));
-        const u8* mapB1 = maps + TMA_MAP_BYTES * (sh ? TMA_MAP_SHARED_UP : TMA_MAP_UP);
-        // the slot's first weight row in its map: routed experts are stacked, t.ncols rows each
-        const int brow = (sh ? 0 : t.slot * t.ncols) + t.n0;
+    if (!INLINE && threadIdx.x > CONSUMERS) return;
+    const bool sh = t.slot == shared_slot;
+    const u8* mapA = maps + TMA_MAP_BYTES * (MODE == MODE_GATE_UP ? TMA_MAP_A_GATE_UP
+                                                                   : (sh ? TMA_MAP_SHARED_A_DOWN : TMA_MAP_A_DOWN));
+    const u8* mapB0 = maps + TMA_MAP_BYTES * (MODE == MODE_GATE_UP ? (sh ? TMA_MAP_SHARED_GATE : TMA_MAP_GATE)
+                                                                    : (sh ? TMA_MAP_SHARED_DOWN : TMA_MAP_DOWN));
+    const u8* mapB1 = maps + TMA_MAP_BYTES * (sh ? TMA_MAP_SHARED_UP : TMA_MAP_UP);
+    // the slot's first weight row in its map: routed experts are stacked, t.ncols rows each
+    const int brow = (sh ? 0 : t.slot * t.ncols) + t.n0;
+    if (!INLINE && threadIdx.x == CONSUMERS) {  // ---- the producer ----
         for (int kt = 0; kt < KT; ++kt) {
-            const int s = kt % S;
-            if (kt >= S) mbar_wait(&empty[s], ((kt / S) - 1) & 1);  // its previous use is read
-            mbar_arrive_expect_tx(&full[s], stage_bytes);
-            for (int j = 0; j < subs; ++j)
-                tma_load_2d(sA + (s * BM + j * TMA_SUB) * BK, mapA, kt * BK, t.pos0 + j * TMA_SUB, &full[s]);
-            if (MODE == MODE_GATE_UP) {  // BN / 2 gate rows, then as many up rows
-                tma_load_2d(sB + s * BN * BK, mapB0, kt * BK, brow, &full[s]);
-                tma_load_2d(sB + s * BN * BK + (BN / 2) * BK, mapB1, kt * BK, brow, &full[s]);
-            } else {
-                tma_load_2d(sB + s * BN * BK, mapB0, kt * BK, brow, &full[s]);
-            }
+            if (kt >= S) mbar_wait(&empty[kt % S], ((kt / S) - 1) & 1);  // its previous use is read
+            tma_copy_stage<MODE, BM, BN>(sA, sB, full, kt, S, subs, stage_bytes, mapA, mapB0, mapB1, t.pos0, brow);
         }
         return;
     }
+    if (INLINE && threadIdx.x == 0)  // the first stages
+        for (int kt = 0; kt < min(S, KT); ++kt)
+            tma_copy_stage<MODE, BM, BN>(sA, sB, full, kt, S, subs, stage_bytes, mapA, mapB0, mapB1, t.pos0, brow);
 
-    // ---- consumers: warpgroup 0 rows 0..63, warpgroup 1 rows 64..127 ----
+    // ---- consumers: warpgroup w rows 64 w .. 64 w + 63 ----
     const int wg = threadIdx.x / 128, lane = threadIdx.x & 31;
-    // a run's last tile often holds fewer than 64 rows: the second warpgroup then issues no
-    // wgmmas (the tensor cores go to the SM's other warpgroups) but keeps the handshakes
+    // a run's last tile often holds fewer rows: a warpgroup past them issues no wgmmas
+    // (the tensor cores go to the SM's other warpgroups) but keeps the handshakes
     const bool has_rows = wg < subs;
     float d[NACC];
 #pragma unroll
@@ -203,7 +228,14 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
         if (has_rows) wgmma_k64_bf16<BN>(d, da, db);
         wgmma_wait<1>();  // this warp's wgmmas of step kt - 1 are done: free their stage for
         // the producer, when it refills it (step kt - 1 + S exists)
-        if (kt > 0 && kt - 1 + S < KT && lane == 0) mbar_arrive(&empty[(kt - 1) % S]);
+        if (kt > 0 && kt - 1 + S < KT && lane == 0) {
+            mbar_arrive(&empty[(kt - 1) % S]);
+            if (INLINE && threadIdx.x == 0) {  // every warp freed it: refill for step kt - 1 + S
+                mbar_wait(&empty[(kt - 1) % S], ((kt - 1) / S) & 1);
+                tma_copy_stage<MODE, BM, BN>(sA, sB, full, kt - 1 + S, S, subs, stage_bytes, mapA, mapB0, mapB1,
+                                             t.pos0, brow);
+            }
+        }
     }
     wgmma_wait<0>();
     fence_acc<NACC>(d);

@@ -223,11 +223,20 @@ class Sm90Variant:
     bn: int  # weight rows per tile (gate/up: half gate, half up)
     tma: bool = False  # TMA copies from a producer warp; gate/up and down of bf16 weights only
     gather: bool = False  # (tma) gate/up's A rows gathered by the producer warps' cp.async, no xg
+    wgs: int = 2  # (tma) consumer warpgroups, 64 rows each: 128- or 192-row tiles
+
+    @property
+    def bm(self) -> int:
+        """Rows of a tile (the sort builds tiles of this height for it)."""
+        return 64 * self.wgs if self.tma else SM90_BM
 
     def threads(self, mode: int = 0) -> int:
-        """Two consumer warpgroups, and with TMA a producer warp (gate/up's gathering one: 4)."""
+        """Two consumer warpgroups, and with TMA a producer warp (gate/up's gathering one: 4);
+        three and no producer warp (one of theirs copies: cuda/grouped_sm90_tma.cu)."""
         if not self.tma:
             return 256
+        if self.wgs == 3:
+            return 384
         return 256 + 32 * (GATHER_WARPS if self.gather and mode == 0 else 1)
 
     def serves(self, fmt: int, mode: int = 0) -> bool:
@@ -239,8 +248,9 @@ class Sm90Variant:
 
     def kernel(self, mode: int, fmt: int = 0) -> str:
         if self.tma:
-            gather = ", 1" if self.gather and mode == 0 else ""  # down reads act in order either way
-            return f"grouped_gemm_sm90_tma<{mode}, {self.stages}, {self.bn}, {self.blocks_per_sm}{gather}>"
+            gather = 1 if self.gather and mode == 0 else 0  # down reads act in order either way
+            tail = f", {gather}, {self.wgs}" if self.wgs != 2 else f", {gather}" if gather else ""
+            return f"grouped_gemm_sm90_tma<{mode}, {self.stages}, {self.bn}, {self.blocks_per_sm}{tail}>"
         tail = f", {fmt}" if fmt else ""
         return f"grouped_gemm_sm90<{mode}, {self.stages}, {self.blocks_per_sm}, {self.bn}{tail}>"
 
@@ -250,7 +260,7 @@ class Sm90Variant:
         atoms."""
         raw = self.stages * self.bn * SM90_BK * 4 // 8 if fmt else 0
         bars = 16 * self.stages if self.tma else 0
-        return self.stages * (SM90_BM + self.bn) * SM90_BK * 2 + raw + bars + 1024
+        return self.stages * (self.bm + self.bn) * SM90_BK * 2 + raw + bars + 1024
 
 
 # "deep": 6 stages at one block per SM (192 KB); "twin": 3 stages at two (one block's
@@ -263,7 +273,11 @@ class Sm90Variant:
 # gathers the A rows by cp.async instead of TMA reading them from xg (v24). A
 # warp-specialized persistent cp.async kernel (v12) was slower than twin and is gone; so
 # are 256 x 128 TMA tiles (v22: 1.1-1.6x slower on gate/up) and a gathering producer of
-# one warp (v24: gate/up 1.2-1.3x slower than tma_wide).
+# one warp (v24: gate/up 1.2-1.3x slower than tma_wide). "tma_192": 192 x 256 tiles on
+# three consumer warpgroups, one of whose threads issues the TMA copies (v26: the GEMMs
+# run at L2's throughput, and 192-row tiles read 23 % fewer bytes a product); pairs of
+# blocks sharing B by TMA multicast in 2-block clusters were 20-35 % slower (v26, branch
+# exp/tma-pair-multicast).
 SM90_VARIANTS = {
     "deep": Sm90Variant(6, 1, 128),
     "twin": Sm90Variant(3, 2, 128),
@@ -271,18 +285,28 @@ SM90_VARIANTS = {
     "tma": Sm90Variant(3, 2, 128, tma=True),
     "tma_wide": Sm90Variant(4, 1, 256, tma=True),
     "gather_wide": Sm90Variant(4, 1, 256, tma=True, gather=True),
+    "tma_192": Sm90Variant(4, 1, 256, tma=True, wgs=3),
 }
-# "auto" (the default), for gate/up and down alike: "gather_wide" for layers whose routed
-# experts' intermediate size is below this, "tma_wide" from it. Measured at N = 4096 /
-# 16384 (NOTES.md v24, results/20261130-h200-gather-s9c.txt): gather_wide's gate/up is
-# 8 % faster at I = 768 and 512 (qwen3-30b-a3b 513.7 -> 472.6 us at 4096, qwen3-next-80b
-# 1752 -> 1633 at 16384, where it also beats twin's 1831-1904): gather_rows' pass over
-# P x H bytes weighs most where each gathered row feeds the fewest columns. From I = 1536
-# it ties or loses (qwen3-235b-a22b 2859 / 9878 against 2920 / 9798 us, gpt-oss-120b
-# 2501 / 7384 against 2530 / 7621).
+# "auto" (the default). gate/up: "gather_wide" for layers whose routed experts'
+# intermediate size is below GATHER_MAX_INTERMEDIATE, "tma_192" from it. Measured at N = 4096
+# / 16384 (NOTES.md v24, results/20261130-h200-gather-s9c.txt): gather_wide's gate/up is
+# 8 % faster than reading xg at I = 768 and 512 (qwen3-30b-a3b 513.7 -> 472.6 us at 4096,
+# qwen3-next-80b 1752 -> 1633 at 16384): gather_rows' pass over P x H bytes weighs most
+# where each gathered row feeds the fewest columns, and it outweighs what 192-row tiles save
+# there (v26: qwen3-30b-a3b 470 -> 497 us at 4096). From I = 1536 192-row tiles (three
+# warpgroups, 23 % fewer L2 bytes a product) are 2-14 % faster than tma_wide's 128 rows
+# (v26, results/20261130-h200-tall-tiles-s10c.txt: deepseek-v3 gate/up 5591 -> 5209 us at
+# 4096, 19569 -> 16744 at 16384; gpt-oss-120b 1667 -> 1508, 4923 -> 4559), within 1.5 %
+# where they lose (qwen3-235b-a22b and mixtral-8x7b at 4096).
+# down: "tma_192" below DOWN_192_MAX_INTERMEDIATE (8-14 % faster from N = 4096: qwen3-next-80b
+# 1061-1069 -> 917-937 us at 16384, qwen3-30b-a3b 252 -> 242 at 4096), "tma_wide" from it:
+# mixtral-8x7b's down (K = 14336, 16 column tiles) at N = 4096 makes 768 tiles of 192 rows,
+# 5.8 waves of 132, against 1024 of 128 rows, and measured 1448 -> 1623 us.
 GATHER_MAX_INTERMEDIATE = 1024
+DOWN_192_MAX_INTERMEDIATE = 8192
 AUTO_GATHER_VARIANT = "gather_wide"
-AUTO_TMA_VARIANT = "tma_wide"
+AUTO_TMA_VARIANT = "tma_192"
+AUTO_LONG_K_VARIANT = "tma_wide"
 
 
 def _variant_env(name: str) -> str:
@@ -302,7 +326,9 @@ def sm90_variant_for(intermediate: int, mode: int = 0) -> str:
     (mode 0) or down (mode 1). CUPYMOE_SM90_VARIANT names one for both;
     CUPYMOE_SM90_DOWN_VARIANT one for down alone (measurements)."""
     v = sm90_variant()
-    if v == "auto":
+    if v == "auto" and mode == 1:
+        v = AUTO_TMA_VARIANT if intermediate < DOWN_192_MAX_INTERMEDIATE else AUTO_LONG_K_VARIANT
+    elif v == "auto":
         v = AUTO_GATHER_VARIANT if intermediate < GATHER_MAX_INTERMEDIATE else AUTO_TMA_VARIANT
     if mode == 1:
         d = _variant_env("CUPYMOE_SM90_DOWN_VARIANT")

@@ -621,7 +621,7 @@ class MoeLayer:
             return f"grouped_gemm_sm90_fp8<{mode}>", 256, kernels.sm90_fp8_smem_bytes(), bn, bm
         v = self._sm90[mode]
         if config == "math" and v.serves(fmt, mode) and self.lib.arch == "sm_90a" and not self.row_invariant:
-            return v.kernel(mode, fmt), v.threads(mode), v.smem_bytes(fmt), v.bn, kernels.SM90_BM
+            return v.kernel(mode, fmt), v.threads(mode), v.smem_bytes(fmt), v.bn, v.bm
         config = kernels.QUANT_CONFIG[config] if fmt else config
         return (*kernels.grouped_kernel(mode, config, fmt), kernels.GROUPED_BN, kernels.GROUPED_CONFIGS[config][0])
 

@@ -161,11 +161,12 @@ def test_cupy_graph_replay_is_bitwise_eager_and_follows_new_inputs(rng, path):
         assert c.ok, f"N={n} after new input: {c}"
 
 
-@pytest.mark.parametrize("sm90", ["tma", "gather_wide"])
+@pytest.mark.parametrize("sm90", ["tma", "gather_wide", "tma_192"])
 def test_tma_grouped_gemm_graph_replay_is_bitwise_eager(sm90, rng, monkeypatch):
-    """The TMA GEMM (Hopper) inside a captured graph, reading xg or gathering its rows:
-    replay equals eager bit for bit and follows new input; qwen2_moe's shared expert (I 96
-    beside the routed 64) reads x and act through its own tensor maps."""
+    """The TMA GEMM (Hopper) inside a captured graph, reading xg or gathering its rows, on
+    128- or 192-row tiles: replay equals eager bit for bit and follows new input;
+    qwen2_moe's shared expert (I 96 beside the routed 64) reads x and act through its own
+    tensor maps."""
     import cupy
 
     from cupymoe import MoeLayer
@@ -342,14 +343,15 @@ def test_profile_mode_and_debug_dumps(tmp_path, rng, monkeypatch, caplog):
 LARGE_TOKENS = (65, 100, 1000, 4099)
 
 
-@pytest.mark.parametrize("sm90", ["auto", "tma", "twin"])
+@pytest.mark.parametrize("sm90", ["auto", "tma", "twin", "tma_192"])
 @pytest.mark.parametrize("family", testing.FAMILIES)
 def test_grouped_path_at_prefill_sizes(family, sm90, rng, monkeypatch):
     """The multi-block sort and the tensor-core GEMMs at prefill sizes, auto dispatch (on
     Hopper the tiny shapes' choice is gather_wide: its gathering producer zero-fills chunks
     past K by cp.async and leaves rows past a tile's unwritten); also with the TMA GEMM
-    reading xg (their K of 96 or 160 leaves partial boxes that TMA must fill with zeros) and
-    the cp.async one forced."""
+    reading xg (their K of 96 or 160 leaves partial boxes that TMA must fill with zeros), on
+    192-row tiles (three warpgroups, one of whose threads copies), and the cp.async one
+    forced."""
     from cupymoe import MoeLayer
 
     monkeypatch.setenv("CUPYMOE_SM90_VARIANT", sm90)
@@ -361,7 +363,7 @@ def test_grouped_path_at_prefill_sizes(family, sm90, rng, monkeypatch):
         _check(layer, cfg, hw, rng, n, None)
 
 
-@pytest.mark.parametrize("sm90", ["auto", "tma", "twin"])
+@pytest.mark.parametrize("sm90", ["auto", "tma", "twin", "tma_192"])
 def test_one_expert_receives_every_row(sm90, rng, monkeypatch):
     """A router bias that puts expert 3 in every row's top-k: one run of N rows, others empty."""
     monkeypatch.setenv("CUPYMOE_SM90_VARIANT", sm90)
@@ -419,14 +421,14 @@ def test_hopper_wgmma_kernels_are_used_and_agree(rng, monkeypatch):
         assert c.ok, f"{variant}: {c}"
 
 
-@pytest.mark.parametrize("sm90", ["auto", "twin", "tma", "gather_wide", "pinned"])
+@pytest.mark.parametrize("sm90", ["auto", "twin", "tma", "gather_wide", "tma_192", "pinned"])
 def test_grouped_gemm_tile_bands_cover_every_tile(rng, monkeypatch, sm90):
     """The grouped GEMMs start their tiles in bands of GEMM_BAND_COLS (16) column tiles
     (cuda/gemm_common.cuh): with H = 4352 and I = 1088, down has 34 column tiles of 128 or
     17 of 256 and gate/up 17 of 128 (64 gate + 64 up columns), so full bands and a last
     one of 1 or 2, over the M-tiles of 5 experts; every output element must still be
     written, right. "pinned": the mma.sync kernels of a row-invariant layer; "auto":
-    128 x 256 TMA tiles."""
+    192 x 256 TMA tiles (I >= 1024)."""
     from cupymoe import MoeLayer
 
     monkeypatch.delenv("CUPYMOE_GEMM_BAND_COLS", raising=False)

@@ -78,10 +78,15 @@ def test_measurement_knobs_are_validated(monkeypatch):
     for knob in ("CUPYMOE_SM90_VARIANT", "CUPYMOE_SM90_DOWN_VARIANT", "CUPYMOE_MATH_ROWS", "CUPYMOE_GEMM_BAND_COLS"):
         monkeypatch.delenv(knob, raising=False)
     assert kernels.sm90_variant() == "auto"
+    # gate/up: gathering 128-row tiles below I = 1024, 192-row tiles from it
     assert kernels.sm90_variant_for(512) == kernels.sm90_variant_for(768) == "gather_wide"
-    assert kernels.sm90_variant_for(1536) == kernels.sm90_variant_for(2880) == "tma_wide"
-    assert kernels.sm90_variant_for(kernels.GATHER_MAX_INTERMEDIATE - 1, 1) == kernels.AUTO_GATHER_VARIANT
-    assert kernels.sm90_variant_for(kernels.GATHER_MAX_INTERMEDIATE, 1) == kernels.AUTO_TMA_VARIANT == "tma_wide"
+    assert kernels.sm90_variant_for(1536) == kernels.sm90_variant_for(14336) == "tma_192"
+    assert kernels.sm90_variant_for(kernels.GATHER_MAX_INTERMEDIATE - 1) == kernels.AUTO_GATHER_VARIANT
+    assert kernels.sm90_variant_for(kernels.GATHER_MAX_INTERMEDIATE) == kernels.AUTO_TMA_VARIANT == "tma_192"
+    # down: 192-row tiles but for long K (mixtral-8x7b's few long tiles)
+    assert kernels.sm90_variant_for(512, 1) == kernels.sm90_variant_for(2880, 1) == "tma_192"
+    assert kernels.sm90_variant_for(kernels.DOWN_192_MAX_INTERMEDIATE - 1, 1) == "tma_192"
+    assert kernels.sm90_variant_for(kernels.DOWN_192_MAX_INTERMEDIATE, 1) == kernels.AUTO_LONG_K_VARIANT == "tma_wide"
     assert kernels.SM90_VARIANTS[kernels.AUTO_TMA_VARIANT].tma and kernels.SM90_VARIANTS["gather_wide"].gather
     # the gathering variants differ from their TMA twins in gate/up alone
     for g, t in (("gather_wide", "tma_wide"),):

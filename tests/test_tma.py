@@ -61,6 +61,25 @@ def test_kernel_and_python_agree_on_the_a_box_rows_and_the_producer_warps():
     assert v.threads(0) == 256 + 32 * kernels.GATHER_WARPS and v.threads(1) == 288
 
 
+def test_192_row_tiles_run_three_warpgroups_and_no_producer_warp():
+    """tma_192: 192-row tiles (the sort builds them at v.bm), three consumer warpgroups and
+    no producer warp (a thirteenth warp would cap a thread at 128 registers), its stages
+    within Hopper's 227 KB; the kernel's launch bounds give WGS = 3 those 384 threads."""
+    import re
+
+    from cupymoe import kernels
+
+    v, wide = kernels.SM90_VARIANTS["tma_192"], kernels.SM90_VARIANTS["tma_wide"]
+    assert (v.bm, wide.bm, kernels.SM90_VARIANTS["twin"].bm) == (192, 128, kernels.SM90_BM)
+    assert v.threads(0) == v.threads(1) == 384
+    assert v.kernel(0) == "grouped_gemm_sm90_tma<0, 4, 256, 1, 0, 3>"
+    assert v.kernel(1) == "grouped_gemm_sm90_tma<1, 4, 256, 1, 0, 3>"
+    assert wide.kernel(1) == "grouped_gemm_sm90_tma<1, 4, 256, 1>"
+    assert v.smem_bytes() == 4 * (192 + 256) * 64 * 2 + 16 * 4 + 1024 <= 227 * 1024
+    src = (kernels.kernel_dir() / "grouped_sm90_tma.cu").read_text()
+    assert re.search(r"__launch_bounds__\(WGS \* 128 \+ \(WGS == 3 \? 0 :", src)
+
+
 def test_encoding_without_a_driver_says_so():
     """Where libcuda is missing (CI), encoding a map is a TmaError naming the library; the
     checks above run before it, so a bad matrix is reported as such even there."""
