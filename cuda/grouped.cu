@@ -4,7 +4,8 @@
 //
 //   sort_count     per block of 1024 pairs: how many pairs chose each local expert
 //   sort_scan      one block: expert totals -> expert starts, active lists, per-block offsets,
-//                  and the M-tiles (build_tiles) when the grouped GEMMs follow
+//                  and the M-tiles (build_tiles) when the grouped GEMMs follow (down's own
+//                  too where its tile height differs from gate/up's)
 //   sort_place     per block: stable positions (pair order within an expert), shared rows
 //   make_tiles     one block: BM-row tiles over the active experts' runs (after a one-block sort)
 //   grouped_gemm<MODE_GATE_UP>  act[pos, :I] = act(x[row] W_gate^T + b, x[row] W_up^T + b), bf16
@@ -64,7 +65,8 @@ sort_count(const int* __restrict__ ids, int P, const int* __restrict__ slot_of, 
 __global__ void __launch_bounds__(SORT_THREADS)
 sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, int has_shared,
           int* __restrict__ num_active, int* __restrict__ active_slot, int* __restrict__ active_start,
-          int* __restrict__ active_len, int BM, int* __restrict__ num_tiles, int4* __restrict__ tile_info) {
+          int* __restrict__ active_len, int BM, int* __restrict__ num_tiles, int4* __restrict__ tile_info,
+          int BM2, int* __restrict__ num_tiles2, int4* __restrict__ tile_info2) {
     __shared__ int tmp[33];
     int G = 1;
     while (G < 32 && G * 2 * n_local <= SORT_THREADS) G *= 2;
@@ -136,6 +138,10 @@ sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, i
     if (BM > 0) {  // the grouped GEMMs' tiles too (one launch fewer than make_tiles)
         __syncthreads();
         build_tiles(num_active, active_slot, active_start, active_len, BM, num_tiles, tile_info, tmp);
+    }
+    if (BM2 > 0) {  // and down's, where its tiles have another height than gate/up's
+        __syncthreads();
+        build_tiles(num_active, active_slot, active_start, active_len, BM2, num_tiles2, tile_info2, tmp);
     }
 }
 

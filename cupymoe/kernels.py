@@ -277,7 +277,8 @@ class Sm90Variant:
 # three consumer warpgroups, one of whose threads issues the TMA copies (v26: the GEMMs
 # run at L2's throughput, and 192-row tiles read 23 % fewer bytes a product); pairs of
 # blocks sharing B by TMA multicast in 2-block clusters were 20-35 % slower (v26, branch
-# exp/tma-pair-multicast).
+# exp/tma-pair-multicast); 192-row gate/up tiles whose consumers gather their A rows
+# themselves were slower than gather_wide (v26, branch exp/gather-192).
 SM90_VARIANTS = {
     "deep": Sm90Variant(6, 1, 128),
     "twin": Sm90Variant(3, 2, 128),

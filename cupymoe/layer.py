@@ -165,6 +165,9 @@ def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
         BufferSpec("active_len", (n_local + 1) * 4, "sort", "down"),
         BufferSpec("num_tiles", 4, "sort", "down"),  # grouped path: M-tiles
         BufferSpec("tile_info", max_tiles(T, k, n_local, bool(sh)) * 16, "sort", "down"),
+        # down's tiles where their height differs from gate/up's (built by the sort too)
+        BufferSpec("num_tiles_down", 4, "sort", "down"),
+        BufferSpec("tile_info_down", max_tiles(T, k, n_local, bool(sh)) * 16, "sort", "down"),
         BufferSpec("sorted_row", P * 4, "sort", "gate_up"),
         BufferSpec("sorted_pair", P * 4, "sort", "down"),
         BufferSpec("pair_pos", (T * k + T) * 4, "sort", "reduce"),
@@ -512,18 +515,21 @@ class MoeLayer:
                 self._launch("rmsnorm_bf16", (N,), (256,), (_u64(x), _u64(W.ptr("norm_weight")), _u64(xe), _i32(H),
                                                             _f32(cfg.rms_norm_eps), _u64(qxe[0]), _u64(qxe[1])),
                              s, pdl=pdl)
-        tiles_bm = 0  # the tile height the sort built the grouped GEMMs' tiles for
+        tiles_bm = (0, 0)  # the tile heights the sort built the grouped GEMMs' tiles for
         with timer.stage("sort"):
             if not route_lists:
-                gate_up_bm = (self._grouped_kernel(0, self._grouped_config(N), self._format_codes[0])[4]
-                              if path == "prefill" else 0)
-                tiles_bm = self._launch_sort(N, s, has_shared, gate_up_bm)
+                gate_up_bm = down_bm = 0
+                if path == "prefill":
+                    config, fmt0 = self._grouped_config(N), self._format_codes[0]
+                    gate_up_bm = self._grouped_kernel(0, config, fmt0)[4]
+                    down_bm = self._grouped_kernel(1, config, fmt0)[4]
+                tiles_bm = self._launch_sort(N, s, has_shared, gate_up_bm, down_bm if down_bm != gate_up_bm else 0)
             if atomic:
                 import cupy
 
                 cupy.cuda.runtime.memsetAsync(A.ptr("acc"), 0, N * H * 4, s.ptr)
         if path == "prefill":
-            self._enqueue_grouped(x, xe, N, out, s, timer, has_shared, tiles_bm)
+            self._enqueue_grouped(x, xe, N, out, s, timer, has_shared, *tiles_bm)
         else:
             self._enqueue_decode(x, xe, N, out, s, timer, has_shared, atomic, pdl)
         if self.comm is not None:  # partials -> the full layer, on the caller's stream
@@ -631,10 +637,11 @@ class MoeLayer:
         return tuple(_u64(A.ptr(n)) for n in ("num_active", "active_slot", "active_start", "active_len",
                                                "sorted_row", "sorted_pair", "pair_pos"))
 
-    def _launch_sort(self, N: int, s, has_shared: int, tile_bm: int = 0) -> int:
+    def _launch_sort(self, N: int, s, has_shared: int, tile_bm: int = 0, down_bm: int = 0) -> tuple[int, int]:
         """(row, slot) pairs grouped by expert, stable: one block for few pairs, else three
-        passes, whose scan also builds `tile_bm`-row tiles where tile_bm > 0. Returns the
-        tile height it built tiles for (0: none)."""
+        passes, whose scan also builds `tile_bm`-row tiles where tile_bm > 0 (tile_info),
+        and `down_bm`-row ones where down_bm > 0 (tile_info_down). Returns the tile heights
+        it built (0: none)."""
         cfg, A, W = self.cfg, self.arena, self.weights
         k = cfg.num_experts_per_tok
         P = N * k
@@ -645,7 +652,7 @@ class MoeLayer:
                          (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
                           _i32(W.n_local), _i32(has_shared), *self._list_outputs()),
                          s, (2 * W.n_local + 33) * 4)
-            return 0
+            return 0, 0
         nblk = -(-P // SORT_BLOCK)
         self._launch("sort_count", (nblk,), (SORT_BLOCK,),
                      (_u64(A.ptr("topk_ids")), _i32(P), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
@@ -653,7 +660,8 @@ class MoeLayer:
                      s, W.n_local * 4)
         self._launch("sort_scan", (1,), (SORT_BLOCK,),
                      (_u64(A.ptr("block_counts")), _i32(nblk), _i32(W.n_local), _i32(N), _i32(k),
-                      _i32(has_shared), *lists, _i32(tile_bm), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info"))),
+                      _i32(has_shared), *lists, _i32(tile_bm), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
+                      _i32(down_bm), _u64(A.ptr("num_tiles_down")), _u64(A.ptr("tile_info_down"))),
                      s)
         self._launch("sort_place", (nblk,), (SORT_BLOCK,),
                      (_u64(A.ptr("topk_ids")), _i32(P), _i32(N), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
@@ -661,7 +669,7 @@ class MoeLayer:
                       _u64(A.ptr("block_counts")), _u64(A.ptr("active_start")), _u64(A.ptr("num_active")),
                       _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(A.ptr("pair_pos")), _i32(k)),
                      s, kernels.sort_place_smem_bytes(W.n_local))
-        return tile_bm
+        return tile_bm, down_bm
 
     def _grouped_config(self, N: int) -> str:
         """The grouped GEMMs' configuration: the math-bound one once the average expert run
@@ -672,9 +680,10 @@ class MoeLayer:
         return "math" if N * self.cfg.num_experts_per_tok >= self._math_rows * self.weights.n_local else "stream"
 
     def _enqueue_grouped(self, x: int, xe: int, N: int, out: int, s, timer, has_shared: int,
-                         tiles_bm: int = 0) -> None:
+                         tiles_bm: int = 0, down_tiles_bm: int = 0) -> None:
         """gate/up and down as tensor-core grouped GEMMs over BM-row tiles of each expert's
-        run (tile_info holds `tiles_bm`-row tiles already, where the sort built them)."""
+        run (tile_info holds `tiles_bm`-row tiles already, where the sort built them, and
+        tile_info_down `down_tiles_bm`-row ones for down)."""
         cfg, A, W = self.cfg, self.arena, self.weights
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
         config = self._grouped_config(N)
@@ -686,31 +695,35 @@ class MoeLayer:
         tiles = max(1, max_tiles(N, k, W.n_local, bool(has_shared)))  # a bound for either tile height
         tiles_bm = [tiles_bm]  # the tile height tile_info holds now
 
-        def make_tiles(bm: int) -> None:
-            """tile_info in `bm`-row tiles, unless it holds them already (a kernel of other
-            tiles may follow: stream order lets the one before finish reading first)."""
+        def tile_list(bm: int, down: bool = False) -> tuple:
+            """(num_tiles, tile_info) of `bm`-row tiles: down's own list where the sort built
+            it; else tile_info, rebuilt unless it holds them already (a kernel of other tiles
+            may follow: stream order lets the one before finish reading first)."""
+            if down and bm == down_tiles_bm:
+                return _u64(A.ptr("num_tiles_down")), _u64(A.ptr("tile_info_down"))
             if bm != tiles_bm[0]:
                 self._launch("make_tiles", (1,), (1024,),
                              (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
                               _u64(A.ptr("active_len")), _i32(bm), _u64(A.ptr("num_tiles")),
                               _u64(A.ptr("tile_info"))), s)
                 tiles_bm[0] = bm
+            return _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info"))
 
         with timer.stage("gate_up"):
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' tiles
                 gate_up, threads, smem, bn, bm = self._grouped_kernel(0, config, fmt)
-                make_tiles(bm)
+                num_tiles, tile_info = tile_list(bm)
                 extra = tuple(map(_u64, (qx, sx, qxs, sxs, qact, sact))) if w8a8 and fmt == fp8 else ()
                 if gate_up.startswith("grouped_gemm_sm90_tma<"):
                     if self._gathers_rows:  # TMA reads the inputs in sorted order
                         self._launch("gather_rows", (tiles,), (256,),
-                                     (_u64(x), _u64(xe), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
+                                     (_u64(x), _u64(xe), num_tiles, tile_info,
                                       _u64(A.ptr("sorted_row")), _i32(W.shared_slot), _i32(H), _u64(A.ptr("xg"))),
                                      s)
                     extra = (_u64(int(self._tma_maps.data.ptr)),)
                 self._launch(
                     gate_up, (-(-W.i_max // (bn // 2)), tiles), (threads,),
-                    (_u64(x), _u64(xe), _u64(0), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
+                    (_u64(x), _u64(xe), _u64(0), num_tiles, tile_info,
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("gate")), _u64(W.ptr("up")),
                      _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")), _u64(W.ptr("gate_scale")),
                      _u64(W.ptr("up_scale")), _u64(W.ptr("gate_gscale")), _u64(W.ptr("up_gscale")),
@@ -722,13 +735,13 @@ class MoeLayer:
         with timer.stage("down"):
             for fmt in self._format_codes:
                 down, threads, smem, bn, bm = self._grouped_kernel(1, config, fmt)
-                make_tiles(bm)
+                num_tiles, tile_info = tile_list(bm, down=True)
                 extra = tuple(map(_u64, (qact, sact, qact, sact, 0, 0))) if w8a8 and fmt == fp8 else ()
                 if down.startswith("grouped_gemm_sm90_tma<"):
                     extra = (_u64(int(self._tma_maps.data.ptr)),)
                 self._launch(
                     down, (-(-H // bn), tiles), (threads,),
-                    (_u64(x), _u64(xe), _u64(A.ptr("act")), _u64(A.ptr("num_tiles")), _u64(A.ptr("tile_info")),
+                    (_u64(x), _u64(xe), _u64(A.ptr("act")), num_tiles, tile_info,
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("down")), _u64(0),
                      _u64(W.ptr("down_bias")), _u64(0), _u64(W.ptr("down_scale")), _u64(0),
                      _u64(W.ptr("down_gscale")), _u64(0), _u64(W.ptr("slot_fmt")),
