@@ -385,13 +385,43 @@ __device__ __forceinline__ void emit_out(const GemmTile& t, int r, int c, float 
 // blocks 0 .. BN/16 - 1 and the up columns after them. What is per row (its place, its
 // routing weight) or per column (biases) is read once, not per element; the arithmetic is
 // emit_gate_up's and emit_out's, in the same order.
+//
+// FragRows: a thread's place in that layout: its lane group g and thread t4 in the group,
+// its first row r (row0 + 16 * warp + g; the second is r + 8) and whether each lies inside
+// the tile's `rows`.
+struct FragRows {
+    int g, t4, r;
+    bool ok[2];
+    __device__ __forceinline__ FragRows(int row0, int rows) {
+        const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+        g = lane >> 2;
+        t4 = lane & 3;
+        r = row0 + warp * 16 + g;
+        ok[0] = r < rows;
+        ok[1] = r + 8 < rows;
+    }
+};
+
+// The routing weights of a down tile's rows pos and pos + 8 (those inside the tile): the
+// pair's weight, 1 for the shared expert's rows (scaled in the reduce).
+__device__ __forceinline__ void frag_row_weights(float (&w)[2], const bool (&ok)[2], int pos,
+                                                 const int* __restrict__ sorted_pair, const float* __restrict__ topk_w,
+                                                 int P) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        w[h] = 1.0f;
+        if (!ok[h]) continue;
+        const int pair = sorted_pair[pos + 8 * h];
+        w[h] = pair < P ? topk_w[pair] : 1.0f;
+    }
+}
+
 template <int ACT, int BN>
 __device__ __forceinline__ void emit_wgmma_gate_up(const GemmTile& t, const float* d, int row0, GEMM_ARGS) {
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-    const int g = lane >> 2, t4 = lane & 3;
+    const FragRows fr(row0, t.rows);
+    const int t4 = fr.t4, r = fr.r;
+    const bool(&ok)[2] = fr.ok;
     constexpr int JB = BN / 8;
-    const int r = row0 + warp * 16 + g;
-    const bool ok[2] = {r < t.rows, r + 8 < t.rows};
     bf16* dst = reinterpret_cast<bf16*>(out) + (size_t)(t.pos0 + r) * I_max + t.n0;
     const float* bg = reinterpret_cast<const float*>(b0_ptrs[t.slot]);
     const float* bu = reinterpret_cast<const float*>(b1_ptrs[t.slot]);
@@ -423,20 +453,12 @@ __device__ __forceinline__ void emit_wgmma_gate_up(const GemmTile& t, const floa
 
 template <int MODE, int BN>
 __device__ __forceinline__ void emit_wgmma_out(const GemmTile& t, const float* d, int row0, GEMM_ARGS) {
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-    const int g = lane >> 2, t4 = lane & 3;
+    const FragRows fr(row0, t.rows);
+    const int t4 = fr.t4, r = fr.r;
+    const bool(&ok)[2] = fr.ok;
     constexpr int JB = BN / 8;
-    const int r = row0 + warp * 16 + g;
-    const bool ok[2] = {r < t.rows, r + 8 < t.rows};
     float w[2] = {1.0f, 1.0f};  // the pairs' routing weights (the shared expert is scaled in the reduce)
-    if (MODE == MODE_DOWN) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if (!ok[h]) continue;
-            const int pair = sorted_pair[t.pos0 + r + 8 * h];
-            w[h] = pair < P ? topk_w[pair] : 1.0f;
-        }
-    }
+    if (MODE == MODE_DOWN) frag_row_weights(w, ok, t.pos0 + r, sorted_pair, topk_w, P);
     const float* bias = router_or_slot_bias<MODE>(t, b0_ptrs);
 #pragma unroll
     for (int j = 0; j < JB; ++j) {
@@ -480,21 +502,14 @@ __device__ __forceinline__ void emit_wgmma_down_staged(const GemmTile& t, const 
     static_assert(64 * BN * 2 <= S * 8192, "the warpgroup's A blocks hold its output tile");
     constexpr int JB = BN / 8, ROW_BYTES = BN * 2;
     const int wt = threadIdx.x & 127, wg_bar = 1 + (threadIdx.x >> 7);  // barrier 0 is __syncthreads
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-    const int g = lane >> 2, t4 = lane & 3;
+    const FragRows fr(0, t.rows - row0);  // rows relative to the warpgroup's first
+    const int t4 = fr.t4, r = fr.r;
     auto at = [&](int r, int c) -> unsigned char* {  // byte address of row r's chunk c
         const int o = r * ROW_BYTES + ((c ^ (r & 7)) << 4);
         return reinterpret_cast<unsigned char*>(a0 + (size_t)(o >> 13) * stage_elems) + (o & 8191);
     };
-    const int r = warp * 16 + g;
-    const bool ok[2] = {row0 + r < t.rows, row0 + r + 8 < t.rows};
-    float w[2] = {1.0f, 1.0f};  // the pairs' routing weights (the shared expert is scaled in the reduce)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        if (!ok[h]) continue;
-        const int pair = sorted_pair[t.pos0 + row0 + r + 8 * h];
-        w[h] = pair < P ? topk_w[pair] : 1.0f;
-    }
+    float w[2];  // the pairs' routing weights (the shared expert is scaled in the reduce)
+    frag_row_weights(w, fr.ok, t.pos0 + row0 + r, sorted_pair, topk_w, P);
     const float* bias = reinterpret_cast<const float*>(b0_ptrs[t.slot]);
     asm volatile("bar.sync %0, 128;\n" ::"r"(wg_bar) : "memory");  // every warp's wgmmas have read A
 #pragma unroll

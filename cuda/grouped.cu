@@ -57,6 +57,30 @@ sort_count(const int* __restrict__ ids, int P, const int* __restrict__ slot_of, 
     for (int i = threadIdx.x; i < n_local; i += SORT_THREADS) block_counts[(size_t)blockIdx.x * n_local + i] = cnt[i];
 }
 
+// Walks an expert's column of block counts (`col[b * stride]`, blocks b0 .. b1 - 1) with
+// eight loads in flight: returns `run` plus their sum; with OFFSETS it also replaces each
+// count by the running total before it (that block's first position of the expert).
+template <bool OFFSETS>
+__device__ __forceinline__ int walk_counts(int* col, size_t stride, int b0, int b1, int run) {
+    int b = b0;
+    for (; b + 8 <= b1; b += 8) {
+        int c[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) c[j] = col[(b + j) * stride];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (OFFSETS) col[(b + j) * stride] = run;
+            run += c[j];
+        }
+    }
+    for (; b < b1; ++b) {
+        const int c = col[b * stride];
+        if (OFFSETS) col[b * stride] = run;
+        run += c;
+    }
+    return run;
+}
+
 // One block. block_counts[b, e] becomes the position where block b's first pair of expert e
 // goes. Also the active lists (as decode_build_lists makes them) and the shared expert's run.
 // Where experts are fewer than threads, G adjacent lanes share an expert, each summing a
@@ -75,18 +99,7 @@ sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, i
     for (int e0 = 0; e0 < n_local; e0 += SORT_THREADS / G) {
         const int e = e0 + threadIdx.x / G;
         int* col = block_counts + e;  // expert e's count in block b: col[b * n_local]
-        int part = 0;
-        if (e < n_local) {  // eight loads in flight at a time
-            int b = b0;
-            for (; b + 8 <= b1; b += 8) {
-                int c[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) c[j] = col[(size_t)(b + j) * n_local];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) part += c[j];
-            }
-            for (; b < b1; ++b) part += col[(size_t)b * n_local];
-        }
+        const int part = e < n_local ? walk_counts<false>(col, n_local, b0, b1, 0) : 0;
         int incl = part;  // the expert's blocks before this thread's range: a scan over its G lanes
         for (int o = 1; o < G; o <<= 1) {
             const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o, G);
@@ -101,23 +114,7 @@ sort_scan(int* __restrict__ block_counts, int nblk, int n_local, int N, int k, i
         const int start = pos_base + __shfl_sync(CUPYMOE_FULL_MASK, sc, 0, G);
         const int aidx = act_base + __shfl_sync(CUPYMOE_FULL_MASK, sa, 0, G);
         if (e < n_local) {
-            int run = start + incl - part;
-            int b = b0;
-            for (; b + 8 <= b1; b += 8) {
-                int c[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) c[j] = col[(size_t)(b + j) * n_local];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    col[(size_t)(b + j) * n_local] = run;
-                    run += c[j];
-                }
-            }
-            for (; b < b1; ++b) {
-                const int c = col[(size_t)b * n_local];
-                col[(size_t)b * n_local] = run;
-                run += c;
-            }
+            walk_counts<true>(col, n_local, b0, b1, start + incl - part);
             if (g == 0 && total > 0) {
                 active_slot[aidx] = e;
                 active_start[aidx] = start;
