@@ -344,14 +344,23 @@ grouped_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const in
         float o[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) o[i] = 0.0f;
-#pragma unroll 4
-        for (int s = 0; s < k; ++s) {
-            const int pos = s_pos[s];
-            if (pos < 0) continue;
-            float f[8];
-            unpack_bf16x8(load_bf16x8(yw + (size_t)pos * H + h), f);
+        // the slots' rows 8 at a time, every load of a batch issued before the first sum
+        // (yw is read once: past L1); the same sums in the same slot order
+        for (int s0 = 0; s0 < k; s0 += 8) {
+            bf16x8 v[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) o[i] += f[i];
+            for (int j = 0; j < 8; ++j) {
+                const int pos = s0 + j < k ? s_pos[s0 + j] : -1;
+                if (pos >= 0) v[j] = load_bf16x8_stream(yw + (size_t)pos * H + h);
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (s0 + j >= k || s_pos[s0 + j] < 0) continue;
+                float f[8];
+                unpack_bf16x8(v[j], f);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) o[i] += f[i];
+            }
         }
         if (zw != 0.0f) {
             float f[8];
