@@ -80,12 +80,12 @@ struct GatherLag {
 // chunks past K (B's are zeros there, and garbage times zero could be NaN). Its thread 0
 // also brings the stage's B tile by TMA, as the plain producer does. One warp alone
 // (32 copies a lane a stage) left gate/up 1.2-1.3x slower than TMA boxes from xg.
-template <int S, int BN, int WGS>
+template <int S, int BN>
 __device__ __forceinline__ void gather_producer(const GemmTile& t, bf16* sA, bf16* sB, u64* full, u64* empty, int KT,
                                                 unsigned b_bytes, const u8* maps, GEMM_ARGS) {
-    constexpr int BM = WGS * TMA_SUB, BK = TMA_BK, LAG = GatherLag<S>::value;
+    constexpr int BM = 2 * TMA_SUB, BK = TMA_BK, LAG = GatherLag<S>::value;  // beside two consumer warpgroups
     constexpr int PASS = GATHER_WARPS * 32 / 8, RPL = BM / PASS;  // rows a pass, rows a thread
-    const int pt = threadIdx.x - WGS * 128, c = pt & 7;
+    const int pt = threadIdx.x - 256, c = pt & 7;
     const bool sh = t.slot == shared_slot;
     const bf16* in = sh ? x : xe;  // the shared expert reads x
     int src[RPL];                   // the thread's rows' input rows, -1 past the tile
@@ -193,7 +193,7 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
     __syncthreads();
 
     if (GATHER && threadIdx.x >= CONSUMERS) {  // ---- the gathering producer ----
-        gather_producer<S, BN, WGS>(t, sA, sB, full, empty, KT, stage_bytes, maps, GEMM_ARG_NAMES);
+        gather_producer<S, BN>(t, sA, sB, full, empty, KT, stage_bytes, maps, GEMM_ARG_NAMES);
         return;
     }
     if (!INLINE && threadIdx.x > CONSUMERS) return;
