@@ -97,13 +97,18 @@ ROUTE_LISTS_THREADS = 256  # decode.cu: its block (one routing warp a row, so >=
 REDUCE_THREADS = 256  # decode.cu decode_reduce's block; a thread writes 4 columns a step
 
 
-def max_tiles(num_tokens: int, k: int, n_local: int, has_shared: bool) -> int:
-    """Upper bound of the grouped GEMMs' M-tiles: each active run wastes < one tile."""
+def max_tiles(num_tokens: int, k: int, n_local: int, has_shared: bool, bm: int = GROUPED_BM) -> int:
+    """Upper bound of the grouped GEMMs' `bm`-row M-tiles (the grids' y extent): a run of r
+    rows takes ceil(r / bm) <= (r + bm - 1) / bm tiles, so the routed runs (at most
+    min(n_local, P) of them, P rows in all) take at most (P + runs (bm - 1)) / bm; the shared
+    expert's run of N rows its own ceil(N / bm). Each bound block past the sort's tile count
+    still starts and exits: a bound counted in 64-row tiles left two thirds of the blocks of
+    qwen3-next-80b's 192-row down GEMM empty at N = 16384 (NOTES.md v27)."""
     P = num_tokens * k
     runs = min(n_local, P)
-    t = -(-P // GROUPED_BM) + runs
+    t = (P + runs * (bm - 1)) // bm
     if has_shared:
-        t += -(-num_tokens // GROUPED_BM)
+        t += -(-num_tokens // bm)
     return t
 
 
@@ -692,7 +697,9 @@ class MoeLayer:
         qx, sx = A.ptr("qx") if w8a8 else 0, A.ptr("sx") if w8a8 else 0
         qxs, sxs = (A.ptr("qx_shared"), A.ptr("sx_shared")) if self._w8a8_shared_x else (qx, sx)
         qact, sact = (A.ptr("qact"), A.ptr("sact")) if w8a8 else (0, 0)
-        tiles = max(1, max_tiles(N, k, W.n_local, bool(has_shared)))  # a bound for either tile height
+        def bound(bm: int) -> int:  # the grid's M-tiles for `bm`-row tiles
+            return max(1, max_tiles(N, k, W.n_local, bool(has_shared), bm))
+
         tiles_bm = [tiles_bm]  # the tile height tile_info holds now
 
         def tile_list(bm: int, down: bool = False) -> tuple:
@@ -716,13 +723,13 @@ class MoeLayer:
                 extra = tuple(map(_u64, (qx, sx, qxs, sxs, qact, sact))) if w8a8 and fmt == fp8 else ()
                 if gate_up.startswith("grouped_gemm_sm90_tma<"):
                     if self._gathers_rows:  # TMA reads the inputs in sorted order
-                        self._launch("gather_rows", (tiles,), (256,),
+                        self._launch("gather_rows", (bound(bm),), (256,),
                                      (_u64(x), _u64(xe), num_tiles, tile_info,
                                       _u64(A.ptr("sorted_row")), _i32(W.shared_slot), _i32(H), _u64(A.ptr("xg"))),
                                      s)
                     extra = (_u64(int(self._tma_maps.data.ptr)),)
                 self._launch(
-                    gate_up, (-(-W.i_max // (bn // 2)), tiles), (threads,),
+                    gate_up, (-(-W.i_max // (bn // 2)), bound(bm)), (threads,),
                     (_u64(x), _u64(xe), _u64(0), num_tiles, tile_info,
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("gate")), _u64(W.ptr("up")),
                      _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")), _u64(W.ptr("gate_scale")),
@@ -740,7 +747,7 @@ class MoeLayer:
                 if down.startswith("grouped_gemm_sm90_tma<"):
                     extra = (_u64(int(self._tma_maps.data.ptr)),)
                 self._launch(
-                    down, (-(-H // bn), tiles), (threads,),
+                    down, (-(-H // bn), bound(bm)), (threads,),
                     (_u64(x), _u64(xe), _u64(A.ptr("act")), num_tiles, tile_info,
                      _u64(A.ptr("sorted_row")), _u64(A.ptr("sorted_pair")), _u64(W.ptr("down")), _u64(0),
                      _u64(W.ptr("down_bias")), _u64(0), _u64(W.ptr("down_scale")), _u64(0),
