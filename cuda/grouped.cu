@@ -58,25 +58,25 @@ sort_count(const int* __restrict__ ids, int P, const int* __restrict__ slot_of, 
 }
 
 // Walks an expert's column of block counts (`col[b * stride]`, blocks b0 .. b1 - 1) with
-// WALK_BATCH loads in flight: returns `run` plus their sum; with OFFSETS it also replaces
-// each count by the running total before it (that block's first position of the expert).
-// A batch is one L2 round trip: qwen3-next-80b at N = 16384 walks 80 blocks a lane, 10
-// round trips a walk at 8 loads, 7 at 12 (sort_scan 18.7 us in Nsight Compute at 8, NOTES.md
-// v27).
-#define WALK_BATCH 12  // 16 spill at the 64 registers of a 1024-thread block
+// eight loads in flight: returns `run` plus their sum; with OFFSETS it also replaces each
+// count by the running total before it (that block's first position of the expert).
 template <bool OFFSETS>
-__device__ __forceinline__ int walk_counts(int* col, int stride, int b0, int b1, int run) {
-    for (int b = b0; b < b1; b += WALK_BATCH) {  // the last batch predicated
-        int* q = col + b * stride;
-        const int n = min(WALK_BATCH, b1 - b);
-        int c[WALK_BATCH];
+__device__ __forceinline__ int walk_counts(int* col, size_t stride, int b0, int b1, int run) {
+    int b = b0;
+    for (; b + 8 <= b1; b += 8) {
+        int c[8];
 #pragma unroll
-        for (int j = 0; j < WALK_BATCH; ++j) c[j] = j < n ? q[j * stride] : 0;
+        for (int j = 0; j < 8; ++j) c[j] = col[(b + j) * stride];
 #pragma unroll
-        for (int j = 0; j < WALK_BATCH; ++j) {
-            if (OFFSETS && j < n) q[j * stride] = run;
+        for (int j = 0; j < 8; ++j) {
+            if (OFFSETS) col[(b + j) * stride] = run;
             run += c[j];
         }
+    }
+    for (; b < b1; ++b) {
+        const int c = col[b * stride];
+        if (OFFSETS) col[b * stride] = run;
+        run += c;
     }
     return run;
 }
