@@ -308,6 +308,165 @@ __device__ __forceinline__ bool warp_topk_by_threshold(const float* c, int R, in
     return true;
 }
 
+// Whether route_row_vec<Q> serves a row of this router (topk_route's common case): no
+// hash table, no groups, k <= 32, R a multiple of 4 from 16 up to 128 Q (Q float4 loads a
+// lane; its 96-float candidate scratch fits the warp's 2 R + TOPK_MAX_K).
+__device__ __forceinline__ bool vec_route_fits(int Q, int R, int k, int n_group, const int* tid2eid) {
+    return !tid2eid && n_group <= 1 && k <= 32 && (R & 3) == 0 && R >= 16 && R <= 128 * Q;
+}
+
+// route_row for topk_route's many rows, from registers: lane L holds entries 128 q + 4 L
+// + c (one float4 load per q), and selection is warp_topk_by_threshold's with the scan
+// over registers: the k-th largest lane maximum T bounds the k-th largest score from
+// below, so only entries at or above it are candidates; at most 32 go one a lane through
+// `cand` (shared: keys, ids, scores) and each of the k rounds is two warp reductions. Same
+// choices (the largest selection score, ties to the lower id, NaN never). The shared-memory
+// path spent ~1900 warp instructions a row (qwen3-next-80b, R = 512, k = 10: 46 us for
+// 16384 rows, issue-bound, NOTES.md v27): it loops over R three times per step and its
+// lane 0 computes the weights alone. Returns false, having written nothing, where more than
+// 32 entries tie at the threshold or fewer than k are choosable: the caller routes the row
+// by route_row. Softmax sums its row in another order than route_row (per-lane sums over
+// other entries), so a weight may differ from route_row's in its last bits.
+template <int Q>
+__device__ __forceinline__ bool route_row_vec(int row, float* cand, const float* logits,
+                                              const float* __restrict__ corr_bias, int* __restrict__ ids_out,
+                                              float* __restrict__ w_out, int R, int k, int scoring,
+                                              int topk_then_softmax, int renorm, float scale, int lane) {
+    constexpr int V = 4 * Q;
+    const float* l = logits + (size_t)row * R;
+    float c[V], s[V];  // selection scores, weight sources (entry 128 (j / 4) + 4 lane + j % 4)
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+        const int i = 128 * q + 4 * lane;
+        float4 v = make_float4(NAN, NAN, NAN, NAN);  // past R: NaN, never chosen
+        if (i < R) v = *reinterpret_cast<const float4*>(l + i);
+        c[4 * q] = v.x;
+        c[4 * q + 1] = v.y;
+        c[4 * q + 2] = v.z;
+        c[4 * q + 3] = v.w;
+    }
+    auto valid = [&](int j) { return 128 * (j >> 2) + 4 * lane + (j & 3) < R; };
+    // 1. scores s and selection scores c (route_row's arithmetic, element by element)
+    if (topk_then_softmax) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) s[j] = c[j];  // the weights come from the chosen logits
+    } else if (scoring == SCORE_SOFTMAX) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            if (valid(j)) m = fmaxf(m, c[j]);
+        m = warp_max(m);
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            s[j] = valid(j) ? expf(c[j] - m) : 0.0f;
+            sum += s[j];
+        }
+        const float inv = 1.0f / warp_sum(sum);
+#pragma unroll
+        for (int j = 0; j < V; ++j) s[j] *= inv;
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float x = c[j];
+            if (scoring == SCORE_SIGMOID) {
+                s[j] = sigmoidf_(x);
+            } else {  // sqrt(softplus(x)), softplus = log(1 + e^x) computed without overflow
+                const float sp = x > 20.0f ? x : log1pf(expf(x));
+                s[j] = sqrtf(sp);
+            }
+        }
+    }
+    if (!topk_then_softmax) {
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+            const int i = 128 * q + 4 * lane;
+            float4 b = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (corr_bias && i < R) b = *reinterpret_cast<const float4*>(corr_bias + i);
+            c[4 * q] = valid(4 * q) ? s[4 * q] + b.x : NAN;
+            c[4 * q + 1] = valid(4 * q + 1) ? s[4 * q + 1] + b.y : NAN;
+            c[4 * q + 2] = valid(4 * q + 2) ? s[4 * q + 2] + b.z : NAN;
+            c[4 * q + 3] = valid(4 * q + 3) ? s[4 * q + 3] + b.w : NAN;
+        }
+    }
+
+    // 2. the threshold: the k-th largest of the lanes' maxima
+    unsigned key[V], best = 0u;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        key[j] = select_key(c[j]);
+        best = max(best, key[j]);
+    }
+    unsigned v = best, T = 0u;
+    for (int t = 0; t < k; ++t) {
+        T = __reduce_max_sync(CUPYMOE_FULL_MASK, v);
+        const unsigned holders = __ballot_sync(CUPYMOE_FULL_MASK, v == T);
+        if (lane == __ffs(holders) - 1) v = 0u;
+    }
+    if (T == 0u) return false;
+    int n = 0;  // this lane's candidates, then where they go
+#pragma unroll
+    for (int j = 0; j < V; ++j) n += key[j] >= T ? 1 : 0;
+    int incl = n;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
+        if (lane >= o) incl += t;
+    }
+    const int C = __shfl_sync(CUPYMOE_FULL_MASK, incl, 31);
+    if (C > 32) return false;
+    unsigned* ck = reinterpret_cast<unsigned*>(cand);
+    int* ci = reinterpret_cast<int*>(cand + 32);
+    float* cs = cand + 64;
+    int at = incl - n;
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+        if (key[j] >= T) {
+            ck[at] = key[j];
+            ci[at] = 128 * (j >> 2) + 4 * lane + (j & 3);
+            cs[at++] = s[j];
+        }
+    __syncwarp();
+    unsigned mk = lane < C ? ck[lane] : 0u;
+    const int mi = lane < C ? ci[lane] : 0x7fffffff;
+    const float ms = lane < C ? cs[lane] : 0.0f;
+    __syncwarp();
+
+    // 3. k rounds over the candidates, one a lane: lane t keeps round t's id and source
+    int my_id = 0x7fffffff;
+    float my_v = 0.0f;
+    for (int t = 0; t < k; ++t) {  // C >= k candidates: every round finds one
+        const unsigned m = __reduce_max_sync(CUPYMOE_FULL_MASK, mk);
+        const int win = __reduce_min_sync(CUPYMOE_FULL_MASK, mk == m ? mi : 0x7fffffff);
+        const unsigned holder = __ballot_sync(CUPYMOE_FULL_MASK, mi == win);
+        const float wv = __shfl_sync(CUPYMOE_FULL_MASK, ms, __ffs(holder) - 1);
+        if (mi == win) mk = 0u;
+        if (lane == t) {
+            my_id = win;
+            my_v = wv;
+        }
+    }
+
+    // 4. routing weights, as route_row_regs makes them (a warp sum over the k lanes)
+    float w;
+    if (topk_then_softmax) {
+        const float m = __shfl_sync(CUPYMOE_FULL_MASK, my_v, 0);  // the first pick is the largest logit
+        w = lane < k ? expf(my_v - m) : 0.0f;
+        const float sum = warp_sum(w);
+        w = w / sum * scale;
+    } else {
+        w = lane < k ? my_v : 0.0f;
+        const float sum = warp_sum(w);
+        const float inv = renorm ? 1.0f / (sum + 1e-20f) : 1.0f;
+        w = w * inv * scale;
+    }
+    if (lane < k) {
+        ids_out[(size_t)row * k + lane] = my_id;
+        w_out[(size_t)row * k + lane] = w;
+    }
+    return true;
+}
+
 // Routes one row with one warp: its k expert ids and weights into ids_out / w_out[row, :].
 // `s` is the warp's shared scratch of 2 R + TOPK_MAX_K floats; its last TOPK_MAX_K hold
 // the row's ids afterwards (decode_route_lists builds the expert lists from them).

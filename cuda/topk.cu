@@ -5,7 +5,7 @@
 
 #define TOPK_WARPS 4
 
-__global__ void __launch_bounds__(TOPK_WARPS * 32)
+__global__ void __launch_bounds__(TOPK_WARPS * 32, 8)  // 8: 64 registers (ptxas chose 56 and spilled)
 topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router bias already added)
            const float* __restrict__ corr_bias,  // [R] or null: selection-only correction bias
            const int* __restrict__ tid2eid,      // [V, k] or null: hash routing table
@@ -32,8 +32,22 @@ topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router 
         }
         __syncwarp();
     }
-    route_row(row, smem + (size_t)warp * (2 * R + TOPK_MAX_K), logits, corr_bias, tid2eid, token_ids, ids_out, w_out,
-              err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane, false);
+    float* scratch = smem + (size_t)warp * (2 * R + TOPK_MAX_K);
+    bool done = false;  // the register path where it serves the router (route_row_vec), else route_row
+    if (vec_route_fits(4, R, k, n_group, tid2eid)) {
+        if (R <= 128)
+            done = route_row_vec<1>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring, topk_then_softmax,
+                                    renorm, scale, lane);
+        else if (R <= 256)
+            done = route_row_vec<2>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring, topk_then_softmax,
+                                    renorm, scale, lane);
+        else
+            done = route_row_vec<4>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring, topk_then_softmax,
+                                    renorm, scale, lane);
+    }
+    if (!done)
+        route_row(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k, scoring, n_group,
+                  topk_group, topk_then_softmax, renorm, scale, vocab, lane, false);
 #if CUPYMOE_SM >= 89
     // w8a8: x's e4m3 codes for the fp8 gate/up GEMM. x is the caller's, so no stage of ours
     // produces it; its quantization rides in this one-warp-per-row stage instead of a launch.

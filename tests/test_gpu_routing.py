@@ -1,0 +1,108 @@
+"""GPU: topk_route (cuda/topk.cu) on planted logits against cupymoe.reference's selection.
+
+topk_route routes a row from registers (routing.cuh route_row_vec) where the router fits
+(no hash table, no groups, k <= 32, R a multiple of 4 in 16..512), and by route_row's
+shared-memory rounds otherwise or where more than 32 entries tie at its threshold. Both
+must pick what the reference picks: the k largest selection scores, ties to the lower id.
+The logits are random but for planted rows: every entry equal (the fallback), 40 tied at
+the top (the fallback), k + 2 tied at the top (ties broken in registers), the best entries
+in the last columns (the lanes past R's last float4). Weights: float32 arithmetic against
+float64, within 1e-5 relative (a softmax over R <= 512 terms and a sum of k <= 32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupymoe import reference
+
+pytestmark = pytest.mark.gpu
+
+TOPK_WARPS = 4  # cuda/topk.cu
+TOPK_MAX_K = 64  # cuda/routing.cuh
+
+# (R, k, scoring, topk_then_softmax, correction bias, renormalise, scale)
+CASES = [
+    (512, 10, "softmax", False, False, True, 1.0),  # qwen3-next-80b
+    (128, 8, "softmax", False, False, True, 1.0),  # qwen3-30b-a3b
+    (128, 4, "softmax", True, False, False, 1.0),  # gpt-oss: top-k, then softmax over the k
+    (300, 6, "sigmoid", False, True, True, 2.5),  # a partial last float4 group of lanes
+    (256, 8, "sqrtsoftplus", False, True, False, 1.5),
+    (100, 3, "softmax", False, False, False, 1.0),
+    (512, 32, "softmax", False, True, True, 1.0),  # the most picks the register path takes
+    (18, 2, "softmax", False, False, True, 1.0),  # R % 4 != 0: route_row only
+    (512, 40, "sigmoid", False, False, True, 1.0),  # k > 32: route_row only
+]
+SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}  # kernels.SCORING_CODES
+
+
+def _planted_logits(rng, n: int, R: int, k: int) -> np.ndarray:
+    logits = (rng.standard_normal((n, R)) * 2.0).astype(np.float32)
+    logits[0] = 0.5  # every entry ties
+    tie = min(40, R)
+    top = rng.choice(R, size=tie, replace=False)
+    logits[1, top] = logits[1].max() + 1.0  # 40 tied at the top
+    top = rng.choice(R, size=min(k + 2, R), replace=False)
+    logits[2, top] = logits[2].max() + 1.0  # k + 2 tied at the top
+    logits[3, R - k:] = logits[3].max() + np.arange(1, k + 1, dtype=np.float32)  # the last columns
+    return logits
+
+
+def _expected(logits: np.ndarray, k: int, scoring: str, tts: bool, bias, renorm: bool, scale: float):
+    l = logits.astype(np.float64)
+    rows = np.arange(l.shape[0])[:, None]
+    if tts:
+        ids = np.argsort(-l, axis=-1, kind="stable")[:, :k]
+        e = np.exp(l[rows, ids] - l[rows, ids].max(axis=-1, keepdims=True))
+        w = e / e.sum(axis=-1, keepdims=True)
+    else:
+        if scoring == "softmax":
+            e = np.exp(l - l.max(axis=-1, keepdims=True))
+            s = e / e.sum(axis=-1, keepdims=True)
+        elif scoring == "sigmoid":
+            s = 1.0 / (1.0 + np.exp(-l))
+        else:
+            s = np.sqrt(np.logaddexp(0.0, l))
+        c = s + bias if bias is not None else s
+        ids = np.argsort(-c, axis=-1, kind="stable")[:, :k]
+        w = s[rows, ids]
+        if renorm:
+            w = w / (w.sum(axis=-1, keepdims=True) + reference.NORM_EPS)
+    return ids, w * scale
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"R{c[0]}-k{c[1]}-{c[2]}{'-tts' if c[3] else ''}" for c in CASES])
+def test_topk_route_picks_what_the_reference_picks(case, rng):
+    import cupy
+
+    from cupymoe import kernels
+
+    R, k, scoring, tts, has_bias, renorm, scale = case
+    n = 203  # not a multiple of the block's 4 rows
+    logits = _planted_logits(rng, n, R, k)
+    # a bias of exact multiples of 2^-6 steers the choice without breaking the planted ties
+    bias = (rng.integers(-8, 9, size=R) / 64.0).astype(np.float32) if has_bias else None
+    ids_exp, w_exp = _expected(logits, k, scoring, tts, bias.astype(np.float64) if bias is not None else None,
+                               renorm, scale)
+
+    lib = kernels.library(0)
+    d_logits = cupy.asarray(logits)
+    d_bias = cupy.asarray(bias) if bias is not None else None
+    ids = cupy.full((n, k), -7, dtype=cupy.int32)  # poisoned: an unwritten entry fails
+    w = cupy.full((n, k), cupy.nan, dtype=cupy.float32)
+    err = cupy.zeros(1, dtype=cupy.int32)
+    null = np.uint64(0)
+    lib["topk_route"](
+        ((n + TOPK_WARPS - 1) // TOPK_WARPS,), (TOPK_WARPS * 32,),
+        (d_logits, d_bias if d_bias is not None else null, null, null, ids, w, err,
+         np.int32(n), np.int32(R), np.int32(R), np.int32(k), np.int32(SCORING[scoring]), np.int32(1), np.int32(1),
+         np.int32(int(tts)), np.int32(int(renorm)), np.float32(scale), np.int32(0),
+         null, np.int32(0), null, null, np.int32(1)),
+        shared_mem=TOPK_WARPS * (2 * R + TOPK_MAX_K) * 4)
+    cupy.cuda.runtime.deviceSynchronize()
+    got_ids, got_w = cupy.asnumpy(ids), cupy.asnumpy(w)
+    bad = np.nonzero((got_ids != ids_exp).any(axis=1))[0]
+    assert bad.size == 0, f"rows {bad[:8].tolist()}: ids {got_ids[bad[0]].tolist()} vs {ids_exp[bad[0]].tolist()}"
+    np.testing.assert_allclose(got_w, w_exp, rtol=1e-5, atol=1e-7)
+    assert int(err[0]) == 0
