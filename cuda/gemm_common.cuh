@@ -496,9 +496,19 @@ __device__ __forceinline__ void emit_wgmma_out(const GemmTile& t, const float* d
 // a0: the warpgroup's A block in stage 0; stage_elems: bf16 elements from one stage's to
 // the next. A row's BN * 2 bytes hold its 16-byte chunks c at c ^ (row & 7) (no bank
 // conflicts when the 8 rows of a fragment write).
+// The routing weights emit_wgmma_down_staged applies to a thread's two rows of the
+// warpgroup at row0: a kernel reads them before its main loop, so their two dependent loads
+// (sorted_pair, then topk_w) land under the wgmmas instead of after the last one (Nsight
+// Compute: 5 % of tma_192's down warp samples at qwen3-next-80b N = 16384 waited on them
+// there, NOTES.md v27).
+__device__ __forceinline__ void down_row_weights(float (&w)[2], const GemmTile& t, int row0, GEMM_ARGS) {
+    const FragRows fr(0, t.rows - row0);
+    frag_row_weights(w, fr.ok, t.pos0 + row0 + fr.r, sorted_pair, topk_w, P);
+}
+
 template <int BN, int S>
-__device__ __forceinline__ void emit_wgmma_down_staged(const GemmTile& t, const float* d, int row0, bf16* a0,
-                                                       int stage_elems, GEMM_ARGS) {
+__device__ __forceinline__ void emit_wgmma_down_staged(const GemmTile& t, const float* d, const float (&w)[2],
+                                                       int row0, bf16* a0, int stage_elems, GEMM_ARGS) {
     static_assert(64 * BN * 2 <= S * 8192, "the warpgroup's A blocks hold its output tile");
     constexpr int JB = BN / 8, ROW_BYTES = BN * 2;
     const int wt = threadIdx.x & 127, wg_bar = 1 + (threadIdx.x >> 7);  // barrier 0 is __syncthreads
@@ -508,8 +518,7 @@ __device__ __forceinline__ void emit_wgmma_down_staged(const GemmTile& t, const 
         const int o = r * ROW_BYTES + ((c ^ (r & 7)) << 4);
         return reinterpret_cast<unsigned char*>(a0 + (size_t)(o >> 13) * stage_elems) + (o & 8191);
     };
-    float w[2];  // the pairs' routing weights (the shared expert is scaled in the reduce)
-    frag_row_weights(w, fr.ok, t.pos0 + row0 + r, sorted_pair, topk_w, P);
+    // w: the pairs' routing weights, down_row_weights' (the shared expert is scaled in the reduce)
     const float* bias = reinterpret_cast<const float*>(b0_ptrs[t.slot]);
     asm volatile("bar.sync %0, 128;\n" ::"r"(wg_bar) : "memory");  // every warp's wgmmas have read A
 #pragma unroll

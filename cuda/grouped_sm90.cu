@@ -78,8 +78,11 @@ grouped_gemm_sm90(GEMM_ARGS) {
     cp_async_wait<0>();
 
     if (!has_rows) return;
-    if (MODE == MODE_DOWN)  // the output through this warpgroup's A blocks, 16-byte stores
-        emit_wgmma_down_staged<BN, S>(t, d, wg * 64, sA + wg * 64 * BK, BM * BK, GEMM_ARG_NAMES);
+    if (MODE == MODE_DOWN) {  // the output through this warpgroup's A blocks, 16-byte stores
+        float w[2];
+        down_row_weights(w, t, wg * 64, GEMM_ARG_NAMES);
+        emit_wgmma_down_staged<BN, S>(t, d, w, wg * 64, sA + wg * 64 * BK, BM * BK, GEMM_ARG_NAMES);
+    }
     else
         emit_wgmma_rows<MODE, BN>(t, d, wg * 64, GEMM_ARG_NAMES);
 }

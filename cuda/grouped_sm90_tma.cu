@@ -221,6 +221,8 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
     // a run's last tile often holds fewer rows: a warpgroup past them issues no wgmmas
     // (the tensor cores go to the SM's other warpgroups) but keeps the handshakes
     const bool has_rows = wg < subs;
+    float w[2];  // down: the rows' routing weights, read before the main loop (down_row_weights)
+    if (MODE == MODE_DOWN && has_rows) down_row_weights(w, t, wg * TMA_SUB, GEMM_ARG_NAMES);
     float d[NACC];
 #pragma unroll
     for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
@@ -245,7 +247,7 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
     fence_acc<NACC>(d);
     if (!has_rows) return;
     if (MODE == MODE_DOWN)  // the output through this warpgroup's A blocks, 16-byte stores
-        emit_wgmma_down_staged<BN, S>(t, d, wg * TMA_SUB, sA + wg * TMA_SUB * BK, BM * BK, GEMM_ARG_NAMES);
+        emit_wgmma_down_staged<BN, S>(t, d, w, wg * TMA_SUB, sA + wg * TMA_SUB * BK, BM * BK, GEMM_ARG_NAMES);
     else
         emit_wgmma_rows<MODE, BN>(t, d, wg * TMA_SUB, GEMM_ARG_NAMES);
 }
