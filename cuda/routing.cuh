@@ -256,6 +256,30 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
     }
 }
 
+// The k-th largest of the lanes' keys v (0 when fewer than k lanes hold a nonzero one): k
+// rounds of a warp max, each taking out the lowest lane that holds it.
+__device__ __forceinline__ unsigned kth_largest_lane_key(unsigned v, int k, int lane) {
+    unsigned T = 0u;
+    for (int t = 0; t < k; ++t) {
+        T = __reduce_max_sync(CUPYMOE_FULL_MASK, v);
+        const unsigned holders = __ballot_sync(CUPYMOE_FULL_MASK, v == T);
+        if (lane == __ffs(holders) - 1) v = 0u;
+    }
+    return T;
+}
+
+// The warp's inclusive scan of n at each lane; the whole warp's sum in `total`.
+__device__ __forceinline__ int warp_inclusive_scan(int n, int lane, int& total) {
+    int incl = n;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
+        if (lane >= o) incl += t;
+    }
+    total = __shfl_sync(CUPYMOE_FULL_MASK, incl, 31);
+    return incl;
+}
+
 // The k (<= 32) best entries of c[0, R) into sel[0, k), exactly as k rounds of warp_select
 // pick them (largest first, ties to the lower id, NaN never): the k-th largest of the
 // lanes' maxima bounds the k-th largest entry from below, so only entries at or above it
@@ -267,22 +291,12 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
 __device__ __forceinline__ bool warp_topk_by_threshold(const float* c, int R, int k, int* sel, int lane) {
     unsigned best = 0u;
     for (int i = lane; i < R; i += 32) best = max(best, select_key(c[i]));
-    unsigned v = best, T = 0u;
-    for (int t = 0; t < k; ++t) {  // T: the k-th largest lane maximum
-        T = __reduce_max_sync(CUPYMOE_FULL_MASK, v);
-        const unsigned holders = __ballot_sync(CUPYMOE_FULL_MASK, v == T);
-        if (lane == __ffs(holders) - 1) v = 0u;
-    }
+    const unsigned T = kth_largest_lane_key(best, k, lane);  // the k-th largest lane maximum
     if (T == 0u) return false;
     int n = 0;  // this lane's candidates, then where they go
     for (int i = lane; i < R; i += 32) n += select_key(c[i]) >= T ? 1 : 0;
-    int incl = n;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
-        if (lane >= o) incl += t;
-    }
-    const int C = __shfl_sync(CUPYMOE_FULL_MASK, incl, 31);
+    int C;
+    const int incl = warp_inclusive_scan(n, lane, C);
     if (C > 32) return false;
     unsigned* ck = reinterpret_cast<unsigned*>(sel);
     int* ci = sel + 32;
@@ -397,23 +411,13 @@ __device__ __forceinline__ bool route_row_vec(int row, float* cand, const float*
         key[j] = select_key(c[j]);
         best = max(best, key[j]);
     }
-    unsigned v = best, T = 0u;
-    for (int t = 0; t < k; ++t) {
-        T = __reduce_max_sync(CUPYMOE_FULL_MASK, v);
-        const unsigned holders = __ballot_sync(CUPYMOE_FULL_MASK, v == T);
-        if (lane == __ffs(holders) - 1) v = 0u;
-    }
+    const unsigned T = kth_largest_lane_key(best, k, lane);
     if (T == 0u) return false;
     int n = 0;  // this lane's candidates, then where they go
 #pragma unroll
     for (int j = 0; j < V; ++j) n += key[j] >= T ? 1 : 0;
-    int incl = n;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
-        if (lane >= o) incl += t;
-    }
-    const int C = __shfl_sync(CUPYMOE_FULL_MASK, incl, 31);
+    int C;
+    const int incl = warp_inclusive_scan(n, lane, C);
     if (C > 32) return false;
     unsigned* ck = reinterpret_cast<unsigned*>(cand);
     int* ci = reinterpret_cast<int*>(cand + 32);
