@@ -173,13 +173,6 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
     u64* full = reinterpret_cast<u64*>(sB + S * BN * BK);
     u64* empty = full + S;
 
-    // the routed experts' tensor maps, fetched while the tile's own loads (tile_info, then its
-    // slot's tables) are in flight; a block's first copies would otherwise wait for them too
-    if (threadIdx.x == 0) {
-        if (!GATHER) prefetch_tensormap(maps + TMA_MAP_BYTES * (MODE == MODE_GATE_UP ? TMA_MAP_A_GATE_UP : TMA_MAP_A_DOWN));
-        prefetch_tensormap(maps + TMA_MAP_BYTES * (MODE == MODE_GATE_UP ? TMA_MAP_GATE : TMA_MAP_DOWN));
-        if (MODE == MODE_GATE_UP) prefetch_tensormap(maps + TMA_MAP_BYTES * TMA_MAP_UP);
-    }
     GemmTile t;
     if (!gemm_tile<MODE, BM, BN>(t, GEMM_ARG_NAMES)) return;
     const int KT = (t.K + BK - 1) / BK;

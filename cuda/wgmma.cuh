@@ -54,11 +54,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* tmap, int c0,
         ::"r"(smem_u32(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(smem_u32(bar))
         : "memory");
 }
-// Brings the 128-byte tensor map at generic address `tmap` into the SM's cache of them ahead
-// of the first TMA copy through it (a hint: any address may be named).
-__device__ __forceinline__ void prefetch_tensormap(const void* tmap) {
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(tmap) : "memory");
-}
 // setmaxnreg: a warpgroup gives up registers (the producer) or takes them (the consumers)
 template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() {
