@@ -18,6 +18,13 @@
 // Error bits written to `err` (read by MoeLayer.check_errors()).
 #define ERR_TOKEN_ID_RANGE 1
 
+// The score of a logit x where it is element-wise (scoring sigmoid or sqrtsoftplus):
+// sigmoid(x), or sqrt(softplus(x)) with softplus = log(1 + e^x) computed without overflow.
+__device__ __forceinline__ float elementwise_score(float x, int scoring) {
+    if (scoring == SCORE_SIGMOID) return sigmoidf_(x);
+    return sqrtf(x > 20.0f ? x : log1pf(expf(x)));
+}
+
 __device__ __forceinline__ void argmax_merge(float& best, int& bi, float ov, int oi) {
     if (ov > best || (ov == best && oi < bi)) {
         best = ov;
@@ -119,14 +126,7 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
     } else {
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-            const float x = c[j];
-            float v;
-            if (scoring == SCORE_SIGMOID) {
-                v = sigmoidf_(x);
-            } else {
-                const float sp = x > 20.0f ? x : log1pf(expf(x));
-                v = sqrtf(sp);
-            }
+            const float v = elementwise_score(c[j], scoring);
             const float b = s[j];
             s[j] = v;
             c[j] = lane + 32 * j < R ? v + b : NAN;
@@ -381,15 +381,7 @@ __device__ __forceinline__ bool route_row_vec(int row, float* cand, const float*
         for (int j = 0; j < V; ++j) s[j] *= inv;
     } else {
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const float x = c[j];
-            if (scoring == SCORE_SIGMOID) {
-                s[j] = sigmoidf_(x);
-            } else {  // sqrt(softplus(x)), softplus = log(1 + e^x) computed without overflow
-                const float sp = x > 20.0f ? x : log1pf(expf(x));
-                s[j] = sqrtf(sp);
-            }
-        }
+        for (int j = 0; j < V; ++j) s[j] = elementwise_score(c[j], scoring);
     }
     if (!topk_then_softmax) {
 #pragma unroll
@@ -521,14 +513,7 @@ __device__ __forceinline__ void route_row(int row, float* s, const float* logits
         }
     } else {
         for (int i = lane; i < R; i += 32) {
-            const float x = l[i];
-            float v;
-            if (scoring == SCORE_SIGMOID) {
-                v = sigmoidf_(x);
-            } else {  // sqrt(softplus(x)), softplus = log(1 + e^x) computed without overflow
-                const float sp = x > 20.0f ? x : log1pf(expf(x));
-                v = sqrtf(sp);
-            }
+            const float v = elementwise_score(l[i], scoring);
             s[i] = v;
             c[i] = v + (corr_bias ? corr_bias[i] : 0.0f);
         }

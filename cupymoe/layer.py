@@ -697,6 +697,7 @@ class MoeLayer:
         qx, sx = A.ptr("qx") if w8a8 else 0, A.ptr("sx") if w8a8 else 0
         qxs, sxs = (A.ptr("qx_shared"), A.ptr("sx_shared")) if self._w8a8_shared_x else (qx, sx)
         qact, sact = (A.ptr("qact"), A.ptr("sact")) if w8a8 else (0, 0)
+
         def bound(bm: int) -> int:  # the grid's M-tiles for `bm`-row tiles
             return max(1, max_tiles(N, k, W.n_local, bool(has_shared), bm))
 
