@@ -56,6 +56,7 @@
 #define TMA_MAP_SHARED_GATE 6
 #define TMA_MAP_SHARED_UP 7
 #define TMA_MAP_SHARED_DOWN 8
+#define TMA_MAP_YW 9             // down's output (TMA stores of full 64-row blocks)
 
 // The gathering producer (GATHER): the whole producer warp copies the A rows of gate/up
 // straight from x / xe through sorted_row by cp.async, 16 bytes a lane, into the layout
@@ -139,6 +140,58 @@ __device__ __forceinline__ void tma_copy_stage(bf16* sA, bf16* sB, u64* full, in
         tma_load_2d(sB + s * BN * BK + (BN / 2) * BK, mapB1, kt * BK, brow, &full[s]);
     } else {
         tma_load_2d(sB + s * BN * BK, mapB0, kt * BK, brow, &full[s]);
+    }
+}
+
+// The down epilogue of a warpgroup whose 64 rows all lie in the tile, by TMA store: the
+// weighted bf16 outputs (emit_wgmma_down_staged's arithmetic, in its order) written into the
+// warpgroup's A blocks as BN / 64 boxes of 64 x 64 in TMA's 128-byte swizzle (box b in
+// stage b's block), then one thread stores them to yw and waits only until they are read
+// out of shared memory: the warpgroup's threads issue no 16-byte loads and stores of their
+// own (13 % of down's warp samples at qwen3-next-80b N = 16384, NOTES.md v27). Columns past
+// H are not written (the map's extent). A warpgroup of fewer rows keeps
+// emit_wgmma_down_staged: a box would write the next tile's rows. Measured (NOTES.md v28):
+// down 229-230 -> 225 us at qwen3-30b-a3b N = 4096, 343-347 -> 339 at qwen3-next-80b 4096.
+template <int BN, int S>
+__device__ __forceinline__ void emit_wgmma_down_tma(const GemmTile& t, const float* d, const float (&w)[2], int row0,
+                                                    bf16* a0, int stage_elems, const u8* map_yw, GEMM_ARGS) {
+    static_assert(BN / 64 <= S, "a box in each stage's block");
+    constexpr int JB = BN / 8;
+    const int wt = threadIdx.x & 127, wg_bar = 1 + (threadIdx.x >> 7);  // barrier 0 is __syncthreads
+    const FragRows fr(0, TMA_SUB);
+    const int t4 = fr.t4, r = fr.r;
+    auto at = [&](int r, int c) -> unsigned char* {  // row r's 16-byte chunk c: box c / 8, swizzled by row
+        return reinterpret_cast<unsigned char*>(a0 + (size_t)(c >> 3) * stage_elems) + r * 128 +
+               (((c & 7) ^ (r & 7)) << 4);
+    };
+    const float* bias = reinterpret_cast<const float*>(b0_ptrs[t.slot]);
+    asm volatile("bar.sync %0, 128;\n" ::"r"(wg_bar) : "memory");  // every warp's wgmmas have read A
+#pragma unroll
+    for (int j = 0; j < JB; ++j) {
+        const int col = t.n0 + j * 8 + 2 * t4;
+        float b0 = 0.0f, b1 = 0.0f;
+        if (bias && col < t.ncols) {
+            b0 = bias[col];
+            b1 = col + 1 < t.ncols ? bias[col + 1] : 0.0f;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float v0 = d[j * 4 + h * 2] * t.g0, v1 = d[j * 4 + h * 2 + 1] * t.g0;
+            if (bias) {
+                v0 += b0;
+                v1 += b1;
+            }
+            *reinterpret_cast<__nv_bfloat162*>(at(r + 8 * h, j) + t4 * 4) = __floats2bfloat162_rn(w[h] * v0, w[h] * v1);
+        }
+    }
+    fence_proxy_async();  // the generic proxy's writes, before the async proxy reads them
+    asm volatile("bar.sync %0, 128;\n" ::"r"(wg_bar) : "memory");
+    if (wt == 0) {
+#pragma unroll
+        for (int b = 0; b < BN / 64; ++b)
+            if (t.n0 + 64 * b < t.ncols) tma_store_2d(map_yw, t.n0 + 64 * b, t.pos0 + row0, a0 + (size_t)b * stage_elems);
+        tma_store_commit();
+        tma_store_wait_read<0>();  // the block's shared memory stays until the boxes are read
     }
 }
 
@@ -246,7 +299,10 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
     wgmma_wait<0>();
     fence_acc<NACC>(d);
     if (!has_rows) return;
-    if (MODE == MODE_DOWN)  // the output through this warpgroup's A blocks, 16-byte stores
+    if (MODE == MODE_DOWN && t.rows - wg * TMA_SUB >= TMA_SUB)  // a full warpgroup: TMA stores
+        emit_wgmma_down_tma<BN, S>(t, d, w, wg * TMA_SUB, sA + wg * TMA_SUB * BK, BM * BK,
+                                   maps + TMA_MAP_BYTES * TMA_MAP_YW, GEMM_ARG_NAMES);
+    else if (MODE == MODE_DOWN)  // the output through this warpgroup's A blocks, 16-byte stores
         emit_wgmma_down_staged<BN, S>(t, d, w, wg * TMA_SUB, sA + wg * TMA_SUB * BK, BM * BK, GEMM_ARG_NAMES);
     else
         emit_wgmma_rows<MODE, BN>(t, d, wg * TMA_SUB, GEMM_ARG_NAMES);

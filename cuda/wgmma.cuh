@@ -54,6 +54,18 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* tmap, int c0,
         ::"r"(smem_u32(dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(smem_u32(bar))
         : "memory");
 }
+// A 2-D TMA store of one box from shared memory at `src` to the tensor of `tmap` at
+// (c0 innermost, c1); parts of the box outside the tensor are not written. Its reads of
+// `src` are tracked by the issuing thread's bulk groups (commit, then wait_group.read).
+__device__ __forceinline__ void tma_store_2d(const void* tmap, int c0, int c1, const void* src) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+                 ::"l"(tmap), "r"(c0), "r"(c1), "r"(smem_u32(src)) : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void tma_store_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
 // setmaxnreg: a warpgroup gives up registers (the producer) or takes them (the consumers)
 template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() {

@@ -375,6 +375,8 @@ class MoeLayer:
             routed("down", H, I, bn_down, down),
             shared("gate", Is, H, bn // 2, gate_up), shared("up", Is, H, bn // 2, gate_up),
             shared("down", H, Is, bn_down, down),
+            # down's output, stored by TMA from the staged tile (64-row, 64-column boxes)
+            (tma.Matrix2D(A.ptr("yw"), A.nbytes("yw") // (2 * H), H), bm) if down else None,
         ])
         return cupy.asarray(np.frombuffer(table, np.uint8))
 

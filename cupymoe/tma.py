@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 # the kernel's TMA_MAP_* indices, in order
-TMA_MAPS = ("a_gate_up", "a_down", "shared_a_down", "gate", "up", "down", "shared_gate", "shared_up", "shared_down")
+TMA_MAPS = ("a_gate_up", "a_down", "shared_a_down", "gate", "up", "down", "shared_gate", "shared_up", "shared_down",
+            "yw")
 MAP_BYTES = 128
 BOX_K = 64  # bf16 elements of K per box row: 128 bytes, one 128-byte swizzle row
 
