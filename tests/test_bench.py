@@ -245,3 +245,24 @@ def test_torch_peers_compute_cupymoes_function():
             fn(xt, o)
             err = float((o.float() - ours).norm() / ours.norm())
             assert err < 2.0 ** -6, f"{name} N={n}: normwise {err:.2e} from cupymoe"
+
+
+def test_measured_ceilings_floor_the_steady_state_and_keep_the_burst_beside_it(monkeypatch, capsys):
+    # the figures of NOTES.md v28's probe: 8192^3 bf16 at 795 TFLOP/s in a burst, 688 sustained
+    got = dict(copy_TBps=4.24, copy_TBps_burst=4.25, bf16_TFLOPs=688.0, bf16_TFLOPs_burst=795.0,
+               fp8_TFLOPs=None, fp8_TFLOPs_burst=None)
+    monkeypatch.setattr(bench, "measure_ceilings", lambda: got)
+    ceilings, measured = bench.resolve_ceilings(True)
+    assert ceilings["bf16_TFLOPs"] == 688.0 and ceilings["bf16_TFLOPs_burst"] == 795.0
+    assert measured == dict(copy_TBps=True, bf16_TFLOPs=True, fp8_TFLOPs=False)
+    assert ceilings["fp8_TFLOPs"] == bench.FP8_TFLOPS and "fp8_TFLOPs_burst" not in ceilings  # default, no burst
+    assert "795" in capsys.readouterr().out
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    row = bench.bench_row(cfg, "qwen3-30b-a3b", "bf16", 4096, 128, [800.0], ceilings, {}, path="auto", layers=2)
+    flops = 2 * 4096 * 8 * 3 * 2048 * 768 + 2 * 4096 * 2048 * 128  # FLOP-bound at N = 4096
+    assert row["floor_us"] == pytest.approx(flops / 688e6, abs=0.01)
+    assert row["floor_burst_us"] == pytest.approx(flops / 795e6, abs=0.01)
+    assert row["pct_of_floor"] > row["pct_of_burst_floor"] == pytest.approx(100 * flops / 795e6 / 800.0, abs=0.05)
+    assert "of the burst floor" in bench.format_row(row)
+    plain = bench.bench_row(cfg, "qwen3-30b-a3b", "bf16", 4096, 128, [800.0], CEIL, {}, path="auto", layers=2)
+    assert "pct_of_burst_floor" not in plain and "burst" not in bench.format_row(plain)
