@@ -506,23 +506,15 @@ __device__ __forceinline__ void down_row_weights(float (&w)[2], const GemmTile& 
     frag_row_weights(w, fr.ok, t.pos0 + row0 + fr.r, sorted_pair, topk_w, P);
 }
 
-template <int BN, int S>
-__device__ __forceinline__ void emit_wgmma_down_staged(const GemmTile& t, const float* d, const float (&w)[2],
-                                                       int row0, bf16* a0, int stage_elems, GEMM_ARGS) {
-    static_assert(64 * BN * 2 <= S * 8192, "the warpgroup's A blocks hold its output tile");
-    constexpr int JB = BN / 8, ROW_BYTES = BN * 2;
-    const int wt = threadIdx.x & 127, wg_bar = 1 + (threadIdx.x >> 7);  // barrier 0 is __syncthreads
-    const FragRows fr(0, t.rows - row0);  // rows relative to the warpgroup's first
-    const int t4 = fr.t4, r = fr.r;
-    auto at = [&](int r, int c) -> unsigned char* {  // byte address of row r's chunk c
-        const int o = r * ROW_BYTES + ((c ^ (r & 7)) << 4);
-        return reinterpret_cast<unsigned char*>(a0 + (size_t)(o >> 13) * stage_elems) + (o & 8191);
-    };
-    // w: the pairs' routing weights, down_row_weights' (the shared expert is scaled in the reduce)
-    const float* bias = reinterpret_cast<const float*>(b0_ptrs[t.slot]);
-    asm volatile("bar.sync %0, 128;\n" ::"r"(wg_bar) : "memory");  // every warp's wgmmas have read A
+// The weighted bf16 outputs of a thread's down fragments (emit_wgmma_out's arithmetic: the
+// slot's scale, the bias, then the routing weight in fp32 and one rounding) written into
+// shared memory where the caller's `at(row, chunk)` puts row r + 8 h's 16-byte chunk j:
+// emit_wgmma_down_staged's row-major swizzle or emit_wgmma_down_tma's 64 x 64 TMA boxes.
+template <int BN, class At>
+__device__ __forceinline__ void stage_down_outputs(const GemmTile& t, const float* d, const float (&w)[2], int r,
+                                                   int t4, const float* bias, At at) {
 #pragma unroll
-    for (int j = 0; j < JB; ++j) {
+    for (int j = 0; j < BN / 8; ++j) {
         const int col = t.n0 + j * 8 + 2 * t4;
         float b0 = 0.0f, b1 = 0.0f;
         if (bias && col < t.ncols) {
@@ -539,6 +531,24 @@ __device__ __forceinline__ void emit_wgmma_down_staged(const GemmTile& t, const 
             *reinterpret_cast<__nv_bfloat162*>(at(r + 8 * h, j) + t4 * 4) = __floats2bfloat162_rn(w[h] * v0, w[h] * v1);
         }
     }
+}
+
+template <int BN, int S>
+__device__ __forceinline__ void emit_wgmma_down_staged(const GemmTile& t, const float* d, const float (&w)[2],
+                                                       int row0, bf16* a0, int stage_elems, GEMM_ARGS) {
+    static_assert(64 * BN * 2 <= S * 8192, "the warpgroup's A blocks hold its output tile");
+    constexpr int ROW_BYTES = BN * 2;
+    const int wt = threadIdx.x & 127, wg_bar = 1 + (threadIdx.x >> 7);  // barrier 0 is __syncthreads
+    const FragRows fr(0, t.rows - row0);  // rows relative to the warpgroup's first
+    const int t4 = fr.t4, r = fr.r;
+    auto at = [&](int r, int c) -> unsigned char* {  // byte address of row r's chunk c
+        const int o = r * ROW_BYTES + ((c ^ (r & 7)) << 4);
+        return reinterpret_cast<unsigned char*>(a0 + (size_t)(o >> 13) * stage_elems) + (o & 8191);
+    };
+    // w: the pairs' routing weights, down_row_weights' (the shared expert is scaled in the reduce)
+    const float* bias = reinterpret_cast<const float*>(b0_ptrs[t.slot]);
+    asm volatile("bar.sync %0, 128;\n" ::"r"(wg_bar) : "memory");  // every warp's wgmmas have read A
+    stage_down_outputs<BN>(t, d, w, r, t4, bias, at);
     asm volatile("bar.sync %0, 128;\n" ::"r"(wg_bar) : "memory");
     constexpr int CPR = BN / 8, RPP = 128 / CPR;  // 16-byte chunks a row, rows a pass
     const int c = wt % CPR, col = t.n0 + c * 8;

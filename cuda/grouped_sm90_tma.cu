@@ -144,7 +144,7 @@ __device__ __forceinline__ void tma_copy_stage(bf16* sA, bf16* sB, u64* full, in
 }
 
 // The down epilogue of a warpgroup whose 64 rows all lie in the tile, by TMA store: the
-// weighted bf16 outputs (emit_wgmma_down_staged's arithmetic, in its order) written into the
+// weighted bf16 outputs (stage_down_outputs, as emit_wgmma_down_staged's) written into the
 // warpgroup's A blocks as BN / 64 boxes of 64 x 64 in TMA's 128-byte swizzle (box b in
 // stage b's block), then one thread stores them to yw and waits only until they are read
 // out of shared memory: the warpgroup's threads issue no 16-byte loads and stores of their
@@ -156,7 +156,6 @@ template <int BN, int S>
 __device__ __forceinline__ void emit_wgmma_down_tma(const GemmTile& t, const float* d, const float (&w)[2], int row0,
                                                     bf16* a0, int stage_elems, const u8* map_yw, GEMM_ARGS) {
     static_assert(BN / 64 <= S, "a box in each stage's block");
-    constexpr int JB = BN / 8;
     const int wt = threadIdx.x & 127, wg_bar = 1 + (threadIdx.x >> 7);  // barrier 0 is __syncthreads
     const FragRows fr(0, TMA_SUB);
     const int t4 = fr.t4, r = fr.r;
@@ -166,24 +165,7 @@ __device__ __forceinline__ void emit_wgmma_down_tma(const GemmTile& t, const flo
     };
     const float* bias = reinterpret_cast<const float*>(b0_ptrs[t.slot]);
     asm volatile("bar.sync %0, 128;\n" ::"r"(wg_bar) : "memory");  // every warp's wgmmas have read A
-#pragma unroll
-    for (int j = 0; j < JB; ++j) {
-        const int col = t.n0 + j * 8 + 2 * t4;
-        float b0 = 0.0f, b1 = 0.0f;
-        if (bias && col < t.ncols) {
-            b0 = bias[col];
-            b1 = col + 1 < t.ncols ? bias[col + 1] : 0.0f;
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float v0 = d[j * 4 + h * 2] * t.g0, v1 = d[j * 4 + h * 2 + 1] * t.g0;
-            if (bias) {
-                v0 += b0;
-                v1 += b1;
-            }
-            *reinterpret_cast<__nv_bfloat162*>(at(r + 8 * h, j) + t4 * 4) = __floats2bfloat162_rn(w[h] * v0, w[h] * v1);
-        }
-    }
+    stage_down_outputs<BN>(t, d, w, r, t4, bias, at);
     fence_proxy_async();  // the generic proxy's writes, before the async proxy reads them
     asm volatile("bar.sync %0, 128;\n" ::"r"(wg_bar) : "memory");
     if (wt == 0) {
