@@ -208,8 +208,9 @@ struct Fp4Frag {
     }
 };
 
-// A warp's place: column group cg of the block (16 output columns from c0) and K split ks.
-template <int KS>
+// A warp's place: column group cg of the block (16 CF output columns from c0: CF 16-row
+// fragments of one matrix side by side, or of gate and up at the same columns) and K split ks.
+template <int KS, int CF = 1>
 struct Fp4Warp {
     int lane, g, t4, cg, ks, c0;
     __device__ __forceinline__ Fp4Warp() {
@@ -219,7 +220,7 @@ struct Fp4Warp {
         t4 = lane & 3;
         cg = warp / KS;
         ks = warp % KS;
-        c0 = (blockIdx.x * (DECODE_WARPS / KS) + cg) * 16;
+        c0 = (blockIdx.x * (DECODE_WARPS / KS) + cg) * 16 * CF;
     }
     // accumulator i (of one matrix's 4 NT): its output column and its token in the pass
     __device__ __forceinline__ int col(int i) const { return c0 + g + 8 * ((i & 3) >> 1); }
@@ -283,9 +284,9 @@ struct MmaStep {
 // loop turn). Two step buffers, used in turn, so no registers are copied. fp8's steps are
 // twice fp4's registers: its gate/up and 16-token passes would spill with two buffers at
 // the 128 registers of two blocks an SM, so they load and compute one step at a time.
-template <int FMT, int KS, int NT, int M>
+template <int FMT, int KS, int NT, int M, int CF>
 __device__ __forceinline__ void fp4_pass(float (&c)[4 * NT * M], const Fp4Frag<FMT> (&f)[M],
-                                         const bf16* const (&rows)[NT], int K, const Fp4Warp<KS>& w) {
+                                         const bf16* const (&rows)[NT], int K, const Fp4Warp<KS, CF>& w) {
 #pragma unroll
     for (int i = 0; i < 4 * NT * M; ++i) c[i] = 0.0f;
     constexpr int stride = KS * FP4_KSTEP;
@@ -369,22 +370,27 @@ decode_mma_gate_up(DECODE_GATE_UP_ARGS) {
     }
 }
 
-// grid (ceil(H / (16 * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
+// grid (ceil(H / (16 CF * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
 // Arguments: DECODE_DOWN_ARGS (decode_common.cuh); outputs as decode_down's: y[pos, h], or with `atomic` the
 // routed pairs' w * y added into acc[row, h] (the shared expert still stores y).
-template <int FMT, int KS, int NT>
-__global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT, 1, NT))
+// CF: 16-row fragments a warp streams side by side (32 columns at 2), as gate/up streams its
+// gate and up rows: at 2 the blocks are half as many, each warp's a step's bytes twice, so
+// a layer whose down had 1.7 waves of blocks (deepseek-v3 at N = 1: 448 for 264 places)
+// takes one (layer._decode_kernel picks it where it still fills every SM without a K split).
+template <int FMT, int KS, int NT, int CF = 1>
+__global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT, CF, NT))
 decode_mma_down(DECODE_DOWN_ARGS) {
-    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 * NT : 1];
+    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 * NT * CF : 1];
     pdl_wait_then_release_next();
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;
-    if (blockIdx.x * (DECODE_WARPS / KS) * 16 >= H) return;
+    if (blockIdx.x * (DECODE_WARPS / KS) * 16 * CF >= H) return;
     const int I = inter[slot];
-    const Fp4Warp<KS> w;
-    Fp4Frag<FMT> f[1];
-    f[0].init(down_ptrs[slot], down_scale_ptrs[slot], w.c0, w.g, H, I);
+    const Fp4Warp<KS, CF> w;
+    Fp4Frag<FMT> f[CF];
+#pragma unroll
+    for (int m = 0; m < CF; ++m) f[m].init(down_ptrs[slot], down_scale_ptrs[slot], w.c0 + 16 * m, w.g, H, I);
     const float gsd = down_gscale[slot] * mma_weight_unscale<FMT>();  // nvfp4's scale_2 (else 1), fp4's 2^64
     const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
@@ -393,13 +399,13 @@ decode_mma_down(DECODE_DOWN_ARGS) {
         const bf16* rows[NT];
 #pragma unroll
         for (int t = 0; t < NT; ++t) rows[t] = act + (size_t)(start + min(r0 + 8 * t + w.g, len - 1)) * I_max;
-        float c[4 * NT];
-        fp4_pass<FMT, KS, NT, 1>(c, f, rows, I, w);
+        float c[4 * NT * CF];  // fragment m's c[4 NT m + i]
+        fp4_pass<FMT, KS, NT, CF>(c, f, rows, I, w);
         reduce_k_splits<KS>(c, part, w.cg, w.ks, w.lane);
         if (w.ks != 0) continue;
 #pragma unroll
-        for (int i = 0; i < 4 * NT; ++i) {
-            const int h = w.col(i), tok = r0 + w.token(i);
+        for (int i = 0; i < 4 * NT * CF; ++i) {
+            const int h = w.col(i % (4 * NT)) + 16 * (i / (4 * NT)), tok = r0 + w.token(i % (4 * NT));
             if (h < H && tok < len) {
                 const float v = c[i] * gsd + (bd ? bd[h] : 0.0f);
                 const int pos = start + tok;

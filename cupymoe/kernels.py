@@ -61,6 +61,16 @@ FP4_MMA_MXFP4_SCALE_BYTES = (66, 192)
 MMA_DECODE_TOKEN_TILES = (1, 2)
 
 
+def mma_decode_down_pairs() -> bool:
+    """Whether the tensor-core decode's down kernel may stream two 16-row fragments a warp
+    (decode_mma_down<..., CF = 2>: half the blocks, where they still fill every SM without a
+    K split; cuda/decode_mma.cu). CUPYMOE_MMA_DECODE_DOWN_PAIRS=0 keeps one, for measurements."""
+    v = os.environ.get("CUPYMOE_MMA_DECODE_DOWN_PAIRS", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"CUPYMOE_MMA_DECODE_DOWN_PAIRS={v!r}: must be 0 or 1")
+    return v == "1"
+
+
 def mma_decode_blocks_per_sm() -> int:
     """Blocks per SM the tensor-core decode kernels' K split aims for (the fewest splits
     reaching it); CUPYMOE_MMA_DECODE_BLOCKS_PER_SM overrides it for measurements. One: at
@@ -403,7 +413,10 @@ MODULES: dict[str, ModuleSpec] = {
     "decode_mma": ModuleSpec(
         "decode_mma.cu",
         tuple(f"decode_mma_{m}<{FORMAT_CODES[f]}, {ks}, {nt}>" for m in ("gate_up", "down")
-              for f in MMA_DECODE_FORMATS for ks in MMA_DECODE_K_SPLITS for nt in MMA_DECODE_TOKEN_TILES),
+              for f in MMA_DECODE_FORMATS for ks in MMA_DECODE_K_SPLITS for nt in MMA_DECODE_TOKEN_TILES)
+        # down with two fragments a warp: only without a K split (layer._decode_kernel)
+        + tuple(f"decode_mma_down<{FORMAT_CODES[f]}, 1, {nt}, 2>" for f in MMA_DECODE_FORMATS
+                for nt in MMA_DECODE_TOKEN_TILES),
     ),
 }
 

@@ -278,6 +278,7 @@ class MoeLayer:
             # for measurements); the knobs are read before anything is uploaded
             fp4_mode, fp8_mode = kernels.fp4_decode_mode(), kernels.fp8_decode_mode()
             self._mma_blocks_per_sm = kernels.mma_decode_blocks_per_sm()
+            self._mma_down_pairs = kernels.mma_decode_down_pairs()
             # the decode chain's kernels by programmatic dependent launch (sm_90+): each may
             # start under the previous one's last blocks (kernels.launch_pdl)
             self._pdl = kernels.pdl_mode() and kernels.parse_arch(self.lib.arch)[0] >= 90
@@ -595,11 +596,17 @@ class MoeLayer:
         blocks on every SM, 16-token passes past 8 rows. Else the CUDA-core stream: the
         row tile holding those rows, the fewest columns a warp that fill one wave."""
         if fmt in self._mma_decode_formats:
+            nt = 2 if rows_per_expert > 8 else 1
+            want = self._mma_blocks_per_sm * self._sm_count
+            # down: two fragments a warp where half the blocks still fill every SM unsplit
+            # (deepseek-v3 at N = 1: 224 blocks instead of 448, one wave instead of 1.7)
+            pairs = -(-columns // (32 * 8))
+            if stage == "down" and self._mma_down_pairs and pairs * max_active >= want:
+                return f"decode_mma_down<{fmt}, 1, {nt}, 2>", pairs
             for ks in kernels.MMA_DECODE_K_SPLITS:
                 blocks = -(-columns // (16 * 8 // ks))
-                if blocks * max_active >= self._mma_blocks_per_sm * self._sm_count:
+                if blocks * max_active >= want:
                     break
-            nt = 2 if rows_per_expert > 8 else 1
             return f"decode_mma_{stage}<{fmt}, {ks}, {nt}>", blocks
         rt = _row_tile(rows_per_expert, kernels.GATE_UP_ROW_TILES if stage == "gate_up" else kernels.ROW_TILES)
         cw = _cols_per_warp(max_active * columns, rt, kernels.GATE_UP_VARIANTS if stage == "gate_up"

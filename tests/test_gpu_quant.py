@@ -86,6 +86,25 @@ def test_tensor_core_decode_with_every_k_split(k_splits, rng, monkeypatch):
         _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} KS={k_splits}")
 
 
+def test_tensor_core_decode_down_with_two_fragments_a_warp(rng, monkeypatch):
+    """decode_mma_down<..., CF = 2> (each warp streams two 16-row fragments, 32 columns),
+    which the layer takes only where half the blocks still fill every SM unsplit, so never
+    on the tiny configs by itself: here the layer is told its GPU has one SM. Every format,
+    both token passes, H = 96 and 160 (a fragment whose rows lie past H reads row H - 1
+    again and stores nothing). CUPYMOE_MMA_DECODE_DOWN_PAIRS=0 keeps one fragment."""
+    for pairs in ("1", "0"):
+        monkeypatch.setenv("CUPYMOE_MMA_DECODE_DOWN_PAIRS", pairs)
+        for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared", "qwen3_moe-fp8",
+                     "deepseek_v3-fp8-fp8router-bf16shared"):
+            cfg, hw, layer = _case(name, rng)
+            layer._sm_count = 1  # one block fills this "GPU": down takes two fragments a warp
+            fmt = layer._format_codes[0]
+            kernel, blocks = layer._decode_kernel("down", fmt, 1.0, cfg.hidden_size, 1)
+            assert kernel.endswith(", 2>") == (pairs == "1"), kernel
+            assert blocks == -(-cfg.hidden_size // (32 * 8 if pairs == "1" else 16 * 8))
+            _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} down pairs={pairs}")
+
+
 def test_fp8_decode_on_cuda_cores_by_knob(rng, monkeypatch):
     """CUPYMOE_FP8_DECODE=cores sends fp8 experts back to decode.cu's CUDA-core readers (the
     measurement baseline for the tensor-core ones), which match the reference too."""

@@ -153,6 +153,13 @@ def test_fp4_tensor_core_decode_formats_and_knobs(monkeypatch):
     monkeypatch.setenv("CUPYMOE_MMA_DECODE_BLOCKS_PER_SM", "0")
     with pytest.raises(ValueError, match="CUPYMOE_MMA_DECODE_BLOCKS_PER_SM='0'"):
         kernels.mma_decode_blocks_per_sm()
+    monkeypatch.delenv("CUPYMOE_MMA_DECODE_DOWN_PAIRS", raising=False)
+    assert kernels.mma_decode_down_pairs()
+    monkeypatch.setenv("CUPYMOE_MMA_DECODE_DOWN_PAIRS", "0")
+    assert not kernels.mma_decode_down_pairs()
+    monkeypatch.setenv("CUPYMOE_MMA_DECODE_DOWN_PAIRS", "yes")
+    with pytest.raises(ValueError, match="CUPYMOE_MMA_DECODE_DOWN_PAIRS='yes'"):
+        kernels.mma_decode_down_pairs()
 
 
 def test_pdl_launch_packs_the_driver_structures():
