@@ -130,17 +130,6 @@ __device__ __forceinline__ void build_few_expert_lists(int* sm, const int* ids, 
 // N = 1 .. ROUTE_LISTS_MAX_ROWS: one launch fewer in its chain): warp w routes row w as
 // topk_route does (routing.cuh), then the block builds the lists from the ids the warps
 // left in shared memory (build_few_expert_lists).
-//
-// `warm_logits` (non-null when launched by programmatic dependent launch, so the block is
-// resident while the router still runs): the block first does all of it once before its
-// griddepcontrol.wait, on N rows of fixed random logits (the arena's route_warm_logits,
-// written once at load; never the router's buffer, whose lines an early read could leave
-// stale in this SM's L1), then again on the router's. The first pass only warms this SM's
-// instruction caches: one warp a row walks ~1900 distinct instructions once each, and cold,
-// Nsight Compute put most of the kernel's stalls on instruction fetch (NOTES.md v20). Its
-// writes are harmless: the routing and list buffers are read only by the kernels after
-// this one, which wait for it to finish, by when the second pass (same N, k) has rewritten
-// every entry they read; the router reads none of them.
 // grid 1, block ROUTE_LISTS_THREADS (>= 32 N), dynamic smem N (2 R + TOPK_MAX_K) floats + 2 N k ints.
 #define ROUTE_LISTS_THREADS 256
 __global__ void __launch_bounds__(ROUTE_LISTS_THREADS)
@@ -150,26 +139,19 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
                    int n_group, int topk_group, int topk_then_softmax, int renorm, float scale, int vocab,
                    const int* __restrict__ slot_of, int n_local, int has_shared, int* __restrict__ num_active,
                    int* __restrict__ active_slot, int* __restrict__ active_start, int* __restrict__ active_len,
-                   int* __restrict__ sorted_row, int* __restrict__ sorted_pair, int* __restrict__ pair_pos,
-                   const float* __restrict__ warm_logits) {
+                   int* __restrict__ sorted_row, int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
     extern __shared__ float route_smem[];
+    pdl_wait_then_release_next();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int stride = 2 * R + TOPK_MAX_K;  // a row's scratch; its ids at 2 R (route_row)
-#pragma unroll 1  // one copy of the code: the first pass must warm the instructions the second runs
-    for (int pass = warm_logits ? 0 : 1; pass < 2; ++pass) {
-        if (pass == 1) pdl_wait_then_release_next();
-        if (warp < N)
-            route_row(warp, route_smem + (size_t)warp * stride, pass ? logits : warm_logits, corr_bias, tid2eid,
-                      token_ids, ids_out,
-                      w_out, err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab,
-                      lane, true);
-        __syncthreads();
-        build_few_expert_lists(reinterpret_cast<int*>(route_smem + (size_t)N * stride),
-                               reinterpret_cast<const int*>(route_smem) + 2 * R, stride, N, k, slot_of, R, n_local,
-                               has_shared, num_active, active_slot, active_start, active_len, sorted_row, sorted_pair,
-                               pair_pos);
-        __syncthreads();
-    }
+    if (warp < N)
+        route_row(warp, route_smem + (size_t)warp * stride, logits, corr_bias, tid2eid, token_ids, ids_out, w_out,
+                  err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane, true);
+    __syncthreads();
+    build_few_expert_lists(reinterpret_cast<int*>(route_smem + (size_t)N * stride),
+                           reinterpret_cast<const int*>(route_smem) + 2 * R, stride, N, k, slot_of, R, n_local,
+                           has_shared, num_active, active_slot, active_start, active_len, sorted_row, sorted_pair,
+                           pair_pos);
 }
 
 // grid (ceil(I_max / (DECODE_WARPS * CW)), max_active), block DECODE_WARPS * 32.

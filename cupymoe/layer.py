@@ -160,9 +160,6 @@ def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
     buffers = [
         BufferSpec("err", 4, "route", "reduce"),  # sticky error bits, read by check_errors()
         BufferSpec("logits", T * R * 4 * ROUTER_MAX_SPLITS, "route", "route"),  # a split router's copies
-        # fixed random logits the decode routing kernel routes once while the router runs, to
-        # warm its instruction caches (decode.cu decode_route_lists); written once at load
-        BufferSpec("route_warm_logits", ROUTE_LISTS_MAX_ROWS * R * 4, "route", "route"),
         BufferSpec("topk_ids", T * k * 4, "route", "reduce"),
         BufferSpec("topk_w", T * k * 4, "route", "reduce"),
         BufferSpec("xe", T * H * 2 if cfg.pre_expert_norm else 0, "norm", "reduce"),
@@ -319,9 +316,6 @@ class MoeLayer:
                                self.device_id)
             self._tma_maps = self._upload_tma_maps() if self._tma else None
             cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
-            warm = np.random.default_rng(0).standard_normal((ROUTE_LISTS_MAX_ROWS, cfg.router_width), np.float32)
-            cupy.cuda.runtime.memcpy(self.arena.ptr("route_warm_logits"), warm.ctypes.data, warm.nbytes,
-                                     cupy.cuda.runtime.memcpyHostToDevice)
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             # The weights, their tables and that memset went through the legacy default
             # stream (a pageable upload may even return before its DMA lands); callers launch
@@ -513,12 +507,9 @@ class MoeLayer:
         pdl = self._pdl and path == "decode" and route_lists and not timer.separates_kernels
         with timer.stage("topk"):
             if route_lists:
-                # under PDL its block routes fixed logits once while the router runs (warming
-                # its instruction caches), then the router's
                 self._launch("decode_route_lists", (1,), (ROUTE_LISTS_THREADS,),
                              (*routing, _u64(W.ptr("slot_of")), _i32(W.n_local), _i32(has_shared),
-                              *self._list_outputs(), _u64(A.ptr("route_warm_logits") if pdl else 0)),
-                             s, route_lists_smem, pdl=pdl)
+                              *self._list_outputs()), s, route_lists_smem, pdl=pdl)
             else:
                 warps = 4
                 self._launch("topk_route", ((N + warps - 1) // warps,), (warps * 32,),
