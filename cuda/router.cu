@@ -7,11 +7,14 @@
 #include "common.cuh"
 #include "quant.cuh"
 
-// A block is 8 warps: 2 router columns x 4 warps splitting H. The split is fixed by H
-// alone and the 4 partial sums are added in split order, so the bits stay N-independent.
-// The split quadruples the warps streaming the router at small N (N = 1: R / 2 blocks).
+// A block is 16 warps: 2 router columns x 8 warps splitting H. The split is fixed by H
+// alone and the 8 partial sums are added in split order, so the bits stay N-independent.
+// The split puts 8 warps on each router row at small N (N = 1: R / 2 blocks), and a lane
+// issues all its loads of a row at once up to H = 8192 at 1-2 rows (ROUTER_UNROLL): at N = 1
+// the router is one latency round trip, not H / 1024 of them (was 4 warps, 2 in flight).
 #define ROUTER_COLS 2
-#define ROUTER_SPLIT 4
+#define ROUTER_SPLIT 8
+#define ROUTER_UNROLL(ROWS) ((ROWS) <= 2 ? 4 : 2)  // steps of 256 columns whose loads a lane issues together
 
 template <int ROWS>
 __global__ void __launch_bounds__(ROUTER_COLS * ROUTER_SPLIT * 32)
@@ -30,14 +33,30 @@ router_logits_bf16(const bf16* __restrict__ x, const bf16* __restrict__ W, const
     for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
     if (r < R) {
         const bf16* w = W + (size_t)r * H;
-#pragma unroll 2
-        for (int k = k0 + lane * 8; k < k1; k += 256) {
-            float wf[8];
-            unpack_bf16x8(load_bf16x8_stream(w + k), wf);
+        constexpr int U = ROUTER_UNROLL(ROWS);
+        // U steps of 256 columns a round: every load of the round issued before the first
+        // product (the same order of products per lane as one step at a time)
+#pragma unroll 1
+        for (int kb = k0 + lane * 8; kb < k1; kb += 256 * U) {
+            bf16x8 wv[U], xv[U][ROWS];
 #pragma unroll
-            for (int i = 0; i < ROWS; ++i) {
-                const int row = min(row0 + i, N - 1);  // past N: recompute a valid row, never stored
-                acc[i] = dot_bf16x8(load_bf16x8(x + (size_t)row * H + k), wf, acc[i]);
+            for (int u = 0; u < U; ++u) {
+                const int k = kb + 256 * u;
+                if (k < k1) {
+                    wv[u] = load_bf16x8_stream(w + k);
+#pragma unroll
+                    for (int i = 0; i < ROWS; ++i)  // past N: recompute a valid row, never stored
+                        xv[u][i] = load_bf16x8(x + (size_t)min(row0 + i, N - 1) * H + k);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (kb + 256 * u < k1) {
+                    float wf[8];
+                    unpack_bf16x8(wv[u], wf);
+#pragma unroll
+                    for (int i = 0; i < ROWS; ++i) acc[i] = dot_bf16x8(xv[u][i], wf, acc[i]);
+                }
             }
         }
     }
