@@ -1,22 +1,23 @@
 // Router stage: fp32 router logits (bf16 weights) and the pre-expert RMSNorm.
 //
-// router_logits_bf16<ROWS>: logits[n, r] = x[n, :] . W[r, :] (+ bias[r]), fp32 accumulation.
+// router_logits_bf16<ROWS, SPLIT>: logits[n, r] = x[n, :] . W[r, :] (+ bias[r]), fp32 accumulation.
 // One warp per router column r streams W[r, :] once per ROWS-row tile; each lane owns a
 // fixed 8-element slice pattern of H, so a row's logit has the same accumulation order
 // whatever N or ROWS is (row invariance: a row's bits never depend on its batch).
 #include "common.cuh"
 #include "quant.cuh"
 
-// A block is 16 warps: 2 router columns x 8 warps splitting H. The split is fixed by H
-// alone and the 8 partial sums are added in split order, so the bits stay N-independent.
-// The split puts 8 warps on each router row at small N (N = 1: R / 2 blocks), and a lane
-// issues all its loads of a row at once up to H = 8192 at 1-2 rows (ROUTER_UNROLL): at N = 1
-// the router is one latency round trip, not H / 1024 of them (was 4 warps, 2 in flight).
+// A block is 2 router columns x SPLIT warps splitting H. The split is fixed by H alone
+// (layer._launch_router: 4 up to H = 4096, else 8, so a lane's share of a row is at most
+// 1024 columns) and the SPLIT partial sums are added in split order, so the bits stay
+// N-independent. A lane issues a round of ROUTER_UNROLL steps' loads before its first
+// product: at 1-2 rows and H <= 8192 the router is one latency round trip, not H / 1024 of
+// them. Measured (NOTES.md v28): deepseek-v3 (H = 7168, split 8) N = 1 111.3 -> 109.5 us;
+// 8 warps a row at H = 2048 cost qwen3-30b-a3b's N = 64 ~1 %, hence 4 there.
 #define ROUTER_COLS 2
-#define ROUTER_SPLIT 8
 #define ROUTER_UNROLL(ROWS) ((ROWS) <= 2 ? 4 : 2)  // steps of 256 columns whose loads a lane issues together
 
-template <int ROWS>
+template <int ROWS, int ROUTER_SPLIT>
 __global__ void __launch_bounds__(ROUTER_COLS * ROUTER_SPLIT * 32)
 router_logits_bf16(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
                    float* __restrict__ logits, int N, int R, int H) {

@@ -59,6 +59,15 @@ FP4_MMA_MXFP4_SCALE_BYTES = (66, 192)
 # ... and 8-token B fragments per weight pass: 16 tokens halve the passes over the weights
 # of an expert with more than 8 rows
 MMA_DECODE_TOKEN_TILES = (1, 2)
+# the CUDA-core router's warps per router row (router.cu), chosen by H alone
+ROUTER_SPLITS = (4, 8)
+
+
+def router_split(hidden_size: int) -> int:
+    """Warps splitting H per router row (router.cu router_logits_bf16): 4 up to H = 4096,
+    else 8, so a lane's share is at most 1024 columns (one round of loads up to H = 8192).
+    A function of H alone: the split fixes the order of a logit's sums (row invariance)."""
+    return 4 if hidden_size <= 4096 else 8
 
 
 def mma_decode_down_pairs() -> bool:
@@ -383,7 +392,8 @@ class ModuleSpec:
 
 MODULES: dict[str, ModuleSpec] = {
     "router": ModuleSpec(
-        "router.cu", tuple(f"router_logits_bf16<{r}>" for r in ROW_TILES) + ("rmsnorm_bf16",)
+        "router.cu", tuple(f"router_logits_bf16<{r}, {sp}>" for r in ROW_TILES for sp in ROUTER_SPLITS)
+        + ("rmsnorm_bf16",)
     ),
     "topk": ModuleSpec("topk.cu", ("topk_route",)),
     "grouped": ModuleSpec(

@@ -95,7 +95,6 @@ SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_bu
 ROUTE_LISTS_MAX_ROWS = 8  # decode rows up to which routing and the lists are one launch (decode_route_lists)
 ROUTE_LISTS_THREADS = 256  # decode.cu: its block (one routing warp a row, so >= 32 ROUTE_LISTS_MAX_ROWS)
 REDUCE_THREADS = 256  # decode.cu decode_reduce's block; a thread writes 4 columns a step
-ROUTER_THREADS = 512  # router.cu router_logits_bf16's block: ROUTER_COLS x ROUTER_SPLIT warps
 
 
 def max_tiles(num_tokens: int, k: int, n_local: int, has_shared: bool, bm: int = GROUPED_BM) -> int:
@@ -802,8 +801,9 @@ class MoeLayer:
         cfg, W = self.cfg, self.weights
         R = cfg.router_width
         rt = _row_tile(N, kernels.ROW_TILES)
-        self.lib[f"router_logits_bf16<{rt}>"](
-            ((R + 1) // 2, (N + rt - 1) // rt), (ROUTER_THREADS,),  # 2 columns per block (router.cu)
+        split = kernels.router_split(cfg.hidden_size)
+        self.lib[f"router_logits_bf16<{rt}, {split}>"](
+            ((R + 1) // 2, (N + rt - 1) // rt), (2 * split * 32,),  # 2 columns x `split` warps a block
             (_u64(x), _u64(W.ptr("router")), _u64(W.ptr("router_bias")), _u64(logits),
              _i32(N), _i32(R), _i32(cfg.hidden_size)), stream=s)
 

@@ -162,6 +162,16 @@ def test_fp4_tensor_core_decode_formats_and_knobs(monkeypatch):
         kernels.mma_decode_down_pairs()
 
 
+def test_router_split_depends_on_the_hidden_size_alone():
+    """The CUDA-core router's warps per router row (router.cu) fix the order of a logit's
+    sums, so they come from H alone (row invariance), and keep a lane's share of a row at
+    1024 columns or fewer up to H = 8192 (one round of loads)."""
+    for H in (64, 2048, 2880, 4096, 7168, 8192):
+        split = kernels.router_split(H)
+        assert split in kernels.ROUTER_SPLITS and -(-H // split) <= 1024
+    assert kernels.router_split(2048) == 4 and kernels.router_split(7168) == 8
+
+
 def test_pdl_launch_packs_the_driver_structures():
     """kernels.pack_launch builds cuLaunchKernelEx's CUlaunchConfig as cuda.h lays it out (the
     attribute an id padded to 8 bytes and a 64-byte value; the config 56 bytes) with the
