@@ -1,14 +1,14 @@
 // Router stage: fp32 router logits (bf16 weights) and the pre-expert RMSNorm.
 //
 // router_logits_bf16<ROWS, SPLIT>: logits[n, r] = x[n, :] . W[r, :] (+ bias[r]), fp32 accumulation.
-// One warp per router column r streams W[r, :] once per ROWS-row tile; each lane owns a
+// SPLIT warps per router column r stream W[r, :] once per ROWS-row tile; each lane owns a
 // fixed 8-element slice pattern of H, so a row's logit has the same accumulation order
 // whatever N or ROWS is (row invariance: a row's bits never depend on its batch).
 #include "common.cuh"
 #include "quant.cuh"
 
 // A block is 2 router columns x SPLIT warps splitting H. The split is fixed by H alone
-// (layer._launch_router: 4 up to H = 4096, else 8, so a lane's share of a row is at most
+// (kernels.router_split: 4 up to H = 4096, else 8, so a lane's share of a row is at most
 // 1024 columns) and the SPLIT partial sums are added in split order, so the bits stay
 // N-independent. A lane issues a round of ROUTER_UNROLL steps' loads before its first
 // product: at 1-2 rows and H <= 8192 the router is one latency round trip, not H / 1024 of

@@ -24,13 +24,15 @@ The ceilings default to the ones measured on the lent H200 (4.26 TB/s, 777 TFLOP
 
 Steady state. Under sustained load the H200 reaches its 700 W power cap within about 0.1 s
 and lowers its clocks (nvidia-smi: 1980 MHz boost, 1350-1600 MHz capped, reason "software
-power cap"; NOTES.md v28): an 8192^3 bf16 product that runs 795-803 TFLOP/s in a burst (three
-warm-ups, the mean of ten: PERFORMANCE.md's method) runs 685-693 TFLOP/s sustained, and a
+power cap"; NOTES.md v28): an 8192^3 bf16 product that runs 795-811 TFLOP/s in a burst (three
+warm-ups, the mean of ten: PERFORMANCE.md's method) runs 685-697 TFLOP/s sustained, and a
 cell's repetitions, 140 graph replays, run in that capped state. So both are timed the same
 way: after STEADY_WARM_S seconds of the same work, the median of repetitions (the cells:
 --repeats of --replays replays; the ceilings: CEILING_REPEATS of CEILING_CALLS calls). The
 floors use the steady ceilings; the burst ones are kept beside them (`*_burst`, and each
-row's `pct_of_burst_floor`) to compare with figures measured the burst way. The peers' figures come from benchmarks/baselines/h200-bf16-peers.json
+row's `pct_of_burst_floor`) to compare with figures measured the burst way.
+
+The peers' figures come from benchmarks/baselines/h200-bf16-peers.json
 (every row: vLLM's bf16 compute-only time; bf16 rows: also torch._grouped_mm) and
 h200-fp8-peers.json (fp8_block rows: vLLM's fp8 GEMMs only), measured on the same kind of
 GPU. The torch peers timed in the same run read bf16 weights, so they run on bf16 rows only.
