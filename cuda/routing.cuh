@@ -72,6 +72,27 @@ __device__ __forceinline__ void lane_best(const unsigned (&key)[V], unsigned& bk
         }
 }
 
+// p = softmax(x) over a warp's register entries, those where valid(j) holds (the others
+// 0): the max and the sum across the warp, each lane's terms summed in j order. In place
+// (p the same array as x) is fine: entry j is read before it is written.
+template <int V, class Valid>
+__device__ __forceinline__ void warp_softmax_regs(const float (&x)[V], float (&p)[V], Valid valid) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+        if (valid(j)) m = fmaxf(m, x[j]);
+    m = warp_max(m);
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        p[j] = valid(j) ? expf(x[j] - m) : 0.0f;
+        sum += p[j];
+    }
+    const float inv = 1.0f / warp_sum(sum);
+#pragma unroll
+    for (int j = 0; j < V; ++j) p[j] *= inv;
+}
+
 // Whether route_row_regs<V> serves a row of this router: no hash table, at most 32 V
 // scores, and groups (if any) made of whole registers (E / n_group a multiple of 32).
 __device__ __forceinline__ bool regs_route_fits(int V, int R, int E, int n_group, const int* tid2eid) {
@@ -104,23 +125,11 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
     if (topk_then_softmax) {
         // c are the logits; the weights come from the chosen ones
     } else if (scoring == SCORE_SOFTMAX) {
-        float m = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < V; ++j)
-            if (lane + 32 * j < R) m = fmaxf(m, c[j]);
-        m = warp_max(m);
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const float e = lane + 32 * j < R ? expf(c[j] - m) : 0.0f;
-            c[j] = e;
-            sum += e;
-        }
-        const float inv = 1.0f / warp_sum(sum);
+        warp_softmax_regs(c, c, [&](int j) { return lane + 32 * j < R; });
 #pragma unroll
         for (int j = 0; j < V; ++j) {
             const float b = s[j];
-            s[j] = c[j] * inv;
+            s[j] = c[j];
             c[j] = lane + 32 * j < R ? s[j] + b : NAN;
         }
     } else {
@@ -365,20 +374,7 @@ __device__ __forceinline__ bool route_row_vec(int row, float* cand, const float*
 #pragma unroll
         for (int j = 0; j < V; ++j) s[j] = c[j];  // the weights come from the chosen logits
     } else if (scoring == SCORE_SOFTMAX) {
-        float m = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < V; ++j)
-            if (valid(j)) m = fmaxf(m, c[j]);
-        m = warp_max(m);
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-            s[j] = valid(j) ? expf(c[j] - m) : 0.0f;
-            sum += s[j];
-        }
-        const float inv = 1.0f / warp_sum(sum);
-#pragma unroll
-        for (int j = 0; j < V; ++j) s[j] *= inv;
+        warp_softmax_regs(c, s, valid);
     } else {
 #pragma unroll
         for (int j = 0; j < V; ++j) s[j] = elementwise_score(c[j], scoring);
