@@ -129,7 +129,8 @@ __device__ __forceinline__ void build_few_expert_lists(int* sm, const int* ids, 
 // The routing stage and the expert lists in one launch, for a few rows (the decode path's
 // N = 1 .. ROUTE_LISTS_MAX_ROWS: one launch fewer in its chain): warp w routes row w as
 // topk_route does (routing.cuh), then the block builds the lists from the ids the warps
-// left in shared memory (build_few_expert_lists).
+// left in shared memory (build_few_expert_lists). With `qx` (w8a8), the warps also quantize
+// x into qx / sx (quant.cuh's rule), as topk_route does on the grouped path.
 // grid 1, block ROUTE_LISTS_THREADS (>= 32 N), dynamic smem N (2 R + TOPK_MAX_K) floats + 2 N k ints.
 #define ROUTE_LISTS_THREADS 256
 __global__ void __launch_bounds__(ROUTE_LISTS_THREADS)
@@ -139,7 +140,8 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
                    int n_group, int topk_group, int topk_then_softmax, int renorm, float scale, int vocab,
                    const int* __restrict__ slot_of, int n_local, int has_shared, int* __restrict__ num_active,
                    int* __restrict__ active_slot, int* __restrict__ active_start, int* __restrict__ active_len,
-                   int* __restrict__ sorted_row, int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
+                   int* __restrict__ sorted_row, int* __restrict__ sorted_pair, int* __restrict__ pair_pos,
+                   const bf16* __restrict__ x, int H, u8* __restrict__ qx, float* __restrict__ sx) {
     extern __shared__ float route_smem[];
     pdl_wait_then_release_next();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -147,6 +149,23 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
     if (warp < N)
         route_row(warp, route_smem + (size_t)warp * stride, logits, corr_bias, tid2eid, token_ids, ids_out, w_out,
                   err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane, true);
+#if CUPYMOE_SM >= 89
+    // w8a8 (qx set): x's e4m3 codes, 256 columns of a row a unit, taken first by the warps that
+    // route no row (so at few rows the quantization runs beside the routing), by every warp
+    // from 5 rows on
+    if (qx) {
+        constexpr int warps = ROUTE_LISTS_THREADS / 32;
+        const int workers = N <= warps / 2 ? warps - N : warps;
+        const int worker = warp >= N ? warp - N : warp + warps - N;
+        const int chunks = (H + 255) >> 8;
+        if (worker < workers)
+            for (int u = worker; u < N * chunks; u += workers) {
+                const int row = u / chunks;
+                e4m3_quantize_chunk(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7),
+                                    (u % chunks) << 8, lane);
+            }
+    }
+#endif
     __syncthreads();
     build_few_expert_lists(reinterpret_cast<int*>(route_smem + (size_t)N * stride),
                            reinterpret_cast<const int*>(route_smem) + 2 * R, stride, N, k, slot_of, R, n_local,

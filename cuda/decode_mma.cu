@@ -1,5 +1,6 @@
 // Decode path for fp4 experts (nvfp4, mxfp4) and fp8-block ones on tensor cores: W4A16 and
-// W8A16 with the GEMM's roles swapped. The weights are the MMA's A operand (16 output
+// W8A16 with the GEMM's roles swapped (and, sm_89+, fp8 as W8A8: the _a8 kernels at the
+// end of the file). The weights are the MMA's A operand (16 output
 // columns x 16 k), loaded from HBM straight into registers and dequantized there; an
 // expert's few rows are its B operand
 // (8 tokens a fragment). The CUDA-core readers of decode.cu spend ~5.6 instructions a
@@ -11,6 +12,9 @@
 //                       expert's run 8 NT at a time (each pass streams the weights once)
 //   decode_mma_down<FMT, KS, NT>     y[pos, h] = act[pos] . W_down[h] (or, atomic, w * y added into
 //                       acc[row, h]) for 16 hidden columns a warp-column group
+//   decode_mma_gate_up_a8<KS, NT>, decode_mma_down_a8<KS, NT>  the same for fp8-block weights
+//                       as w8a8, on the inputs' e4m3 codes (gate/up also quantizes the
+//                       activation it writes)
 // KS warps of a block split K (k128 steps dealt round-robin) and add their partial sums
 // through shared memory in warp order, so the result is the same for every launch;
 // DECODE_WARPS / KS column groups share the block. Few active experts want a large KS
@@ -241,6 +245,9 @@ struct MmaRow<FMT_FP8> {
 
 template <int FMT, int NT, int M>
 struct MmaStep {
+    // fp8's steps are twice fp4's registers: its gate/up and 16-token passes would spill
+    // with two step buffers at the 128 registers of two blocks an SM (mma_pass)
+    static constexpr bool kOneAtATime = FMT == FMT_FP8 && (M > 1 || NT > 1);
     typename MmaRow<FMT>::T lo[M], hi[M];
     uint4 xv[NT][4];
 
@@ -276,24 +283,24 @@ struct MmaStep {
     }
 };
 
-// One pass: M matrices' fragments against NT 8-token B fragments (rows[t]: token 8 t + g's
-// activations), over this warp's k128 steps of K (Fp4Warp::col / token place the sums).
-// Software-pipelined: the next step's loads are issued before this step's dequantization
-// and MMAs, so a warp always has a step's bytes in flight while it computes (with the two
-// steps' loads issued together and then both computed, nothing was in flight at each
-// loop turn). Two step buffers, used in turn, so no registers are copied. fp8's steps are
-// twice fp4's registers: its gate/up and 16-token passes would spill with two buffers at
-// the 128 registers of two blocks an SM, so they load and compute one step at a time.
-template <int FMT, int KS, int NT, int M, int CF>
-__device__ __forceinline__ void fp4_pass(float (&c)[4 * NT * M], const Fp4Frag<FMT> (&f)[M],
-                                         const bf16* const (&rows)[NT], int K, const Fp4Warp<KS, CF>& w) {
+// One pass of a Step (MmaStep, A8Step): its M matrices' fragments against NT 8-token B
+// fragments (`rows`: what Step::load reads the tokens from), over this warp's k128 steps of K
+// (Fp4Warp::col / token place the sums). Software-pipelined: the next step's loads are
+// issued before this step's dequantization and MMAs, so a warp always has a step's bytes
+// in flight while it computes (with the two steps' loads issued together and then both
+// computed, nothing was in flight at each loop turn). Two step buffers, used in turn, so no
+// registers are copied; a Step whose two buffers would spill (Step::kOneAtATime) loads and
+// computes one step at a time.
+template <class Step, int KS, int CF, int NC, class Frags, class Rows>
+__device__ __forceinline__ void mma_pass(float (&c)[NC], const Frags& f, const Rows& rows, int K,
+                                         const Fp4Warp<KS, CF>& w) {
 #pragma unroll
-    for (int i = 0; i < 4 * NT * M; ++i) c[i] = 0.0f;
+    for (int i = 0; i < NC; ++i) c[i] = 0.0f;
     constexpr int stride = KS * FP4_KSTEP;
     const int lane_k = 32 * w.t4;
-    MmaStep<FMT, NT, M> a, b;
+    Step a, b;
     int k0 = w.ks * FP4_KSTEP;
-    if constexpr (FMT == FMT_FP8 && (M > 1 || NT > 1)) {
+    if constexpr (Step::kOneAtATime) {
 #pragma unroll 1
         for (; k0 < K; k0 += stride) {
             a.load(f, rows, k0 + lane_k, K);
@@ -313,6 +320,55 @@ __device__ __forceinline__ void fp4_pass(float (&c)[4 * NT * M], const Fp4Frag<F
         b.mma(c);
         k0 += stride;
         if (k0 >= K) break;
+    }
+}
+
+// w8a16 and w4a16: M matrices' fragments against the bf16 activations of NT 8-token
+// fragments (rows[t]: token 8 t + g's row).
+template <int FMT, int KS, int NT, int M, int CF>
+__device__ __forceinline__ void fp4_pass(float (&c)[4 * NT * M], const Fp4Frag<FMT> (&f)[M],
+                                         const bf16* const (&rows)[NT], int K, const Fp4Warp<KS, CF>& w) {
+    mma_pass<MmaStep<FMT, NT, M>, KS, CF>(c, f, rows, K, w);
+}
+
+// The gate/up epilogue of warp w's (ks == 0) sums c of pass r0 (gate c[i], up c[4 NT + i]):
+// act(gate, up) of each column and token in the run, bf16 into act[position, column].
+template <int NT, int KS>
+__device__ __forceinline__ void store_gate_up_act(const float (&c)[8 * NT], const Fp4Warp<KS>& w, int r0, int start,
+                                                  int len, int I, int I_max, float gsg, float gsu, const float* bg,
+                                                  const float* bu, bf16* __restrict__ act, int act_code, float alpha,
+                                                  float limit) {
+#pragma unroll
+    for (int i = 0; i < 4 * NT; ++i) {
+        const int col = w.col(i), tok = r0 + w.token(i);
+        if (col < I && tok < len) {
+            const float gv = c[i] * gsg + (bg ? bg[col] : 0.0f);
+            const float uv = c[i + 4 * NT] * gsu + (bu ? bu[col] : 0.0f);
+            act[(size_t)(start + tok) * I_max + col] = __float2bfloat16(apply_activation(act_code, gv, uv, alpha, limit));
+        }
+    }
+}
+
+// The down epilogue of warp w's (ks == 0) sums c of pass r0 (fragment m's c[4 NT m + i]):
+// y[position, h], or (atomic) a routed pair's w * y added into acc[row, h].
+template <int NT, int CF, int KS>
+__device__ __forceinline__ void store_down_outputs(const float (&c)[4 * NT * CF], const Fp4Warp<KS, CF>& w, int r0,
+                                                   int start, int len, int H, float gsd, const float* bd,
+                                                   const int* __restrict__ sorted_pair, const float* __restrict__ topk_w,
+                                                   float* __restrict__ y, float* __restrict__ acc, int k, int P,
+                                                   int atomic) {
+#pragma unroll
+    for (int i = 0; i < 4 * NT * CF; ++i) {
+        const int h = w.col(i % (4 * NT)) + 16 * (i / (4 * NT)), tok = r0 + w.token(i % (4 * NT));
+        if (h < H && tok < len) {
+            const float v = c[i] * gsd + (bd ? bd[h] : 0.0f);
+            const int pos = start + tok;
+            const int pair = sorted_pair[pos];
+            if (atomic && pair < P)
+                atomicAdd(acc + (size_t)(pair / k) * H + h, topk_w[pair] * v);
+            else
+                y[(size_t)pos * H + h] = v;
+        }
     }
 }
 
@@ -357,16 +413,7 @@ decode_mma_gate_up(DECODE_GATE_UP_ARGS) {
         float c[8 * NT];  // gate c[i], up c[4 NT + i]
         fp4_pass<FMT, KS, NT, 2>(c, f, rows, H, w);
         reduce_k_splits<KS>(c, part, w.cg, w.ks, w.lane);
-        if (w.ks != 0) continue;
-#pragma unroll
-        for (int i = 0; i < 4 * NT; ++i) {
-            const int col = w.col(i), tok = r0 + w.token(i);
-            if (col < I && tok < len) {
-                const float gv = c[i] * gsg + (bg ? bg[col] : 0.0f);
-                const float uv = c[i + 4 * NT] * gsu + (bu ? bu[col] : 0.0f);
-                act[(size_t)(start + tok) * I_max + col] = __float2bfloat16(apply_activation(act_code, gv, uv, alpha, limit));
-            }
-        }
+        if (w.ks == 0) store_gate_up_act<NT>(c, w, r0, start, len, I, I_max, gsg, gsu, bg, bu, act, act_code, alpha, limit);
     }
 }
 
@@ -402,19 +449,240 @@ decode_mma_down(DECODE_DOWN_ARGS) {
         float c[4 * NT * CF];  // fragment m's c[4 NT m + i]
         fp4_pass<FMT, KS, NT, CF>(c, f, rows, I, w);
         reduce_k_splits<KS>(c, part, w.cg, w.ks, w.lane);
-        if (w.ks != 0) continue;
+        if (w.ks == 0) store_down_outputs<NT, CF>(c, w, r0, start, len, H, gsd, bd, sorted_pair, topk_w, y, acc, k, P, atomic);
+    }
+}
+
+#if CUPYMOE_SM >= 89
+// ---------------------------------------------------------------------------------------
+// w8a8 (fp8-block experts, layer fp8_compute "w8a8"): the weights' e4m3 codes and the
+// activations' go into e4m3 MMAs (m16n8k32) as they are, with nothing to convert. The
+// activations come quantized per row and 128-column group (quant.cuh's rule): x by the
+// routing stage (or the norm), the activation by decode_mma_gate_up_a8's own epilogue.
+//
+// Fragments: lane (g, t4) holds, per k128 step at k0, codes k0 + 32 t4 .. + 31 of weight
+// rows g and g + 8 (Fp8Row32) and of token g (A8Tokens). MMA j (0..3) takes words 2 j and
+// 2 j + 1 of them (codes 8 j .. 8 j + 7) as its K slots 4 t4 .. 4 t4 + 3 and 16 + 4 t4 ..
+// 16 + 4 t4 + 3, on both operands, so the slots hold the same k on both sides. A step lies
+// in one weight scale block and one activation group: its sums (started from zero, so the
+// tensor cores' fp8 accumulation spans 128 k at most, as the w8a8 GEMM promotes every 128)
+// are multiplied by the weight block's scale and the token's group scale into fp32 c.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ void mma_e4m3(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned word_of(const uint4 (&q)[2], int i) {
+    const uint4& h = q[i >> 2];
+    return (i & 3) == 0 ? h.x : (i & 3) == 1 ? h.y : (i & 3) == 2 ? h.z : h.w;
+}
+
+// Where NT 8-token fragments' codes and scales are: token 8 t + g's e4m3 row q[t] and its
+// group scales s[t] (one per 128 columns).
+template <int NT>
+struct A8Rows {
+    const u8* q[NT];
+    const float* s[NT];
+};
+
+template <int NT, int M>
+struct A8Step {
+    // as fp8's MmaStep: two step buffers of two matrices (or of 16 tokens) would spill at the
+    // 128 registers of two blocks an SM
+    static constexpr bool kOneAtATime = M > 1 || NT > 1;
+    Fp8Row32 lo[M], hi[M];
+    uint4 xq[NT][2];  // token 8 t + g's 32 codes at the lane's k (zeros past K)
+    float xs[NT];     // and its group's scale (0 for a step past K)
+
+    __device__ __forceinline__ void load(const Fp4Frag<FMT_FP8> (&f)[M], const A8Rows<NT>& rows, int k, int K) {
 #pragma unroll
-        for (int i = 0; i < 4 * NT * CF; ++i) {
-            const int h = w.col(i % (4 * NT)) + 16 * (i / (4 * NT)), tok = r0 + w.token(i % (4 * NT));
-            if (h < H && tok < len) {
-                const float v = c[i] * gsd + (bd ? bd[h] : 0.0f);
-                const int pos = start + tok;
-                const int pair = sorted_pair[pos];
-                if (atomic && pair < P)
-                    atomicAdd(acc + (size_t)(pair / k) * H + h, topk_w[pair] * v);
-                else
-                    y[(size_t)pos * H + h] = v;
+        for (int m = 0; m < M; ++m) {
+            lo[m].load(f[m].lo, k, K);
+            hi[m].load(f[m].hi, k, K);
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                xq[t][h] = k + 16 * h < K ? __ldg(reinterpret_cast<const uint4*>(rows.q[t] + k + 16 * h))
+                                          : make_uint4(0, 0, 0, 0);
+            // the step's group scale even where this lane's codes lie past K: it scales the
+            // step's sums, which hold every lane's codes (k >> 7 is the step's group)
+            xs[t] = (k & ~127) < K ? __ldg(rows.s[t] + (k >> 7)) : 0.0f;
+        }
+    }
+
+    // c[4 NT m + 4 t + e]: matrix m, token tile t, the m16n8 accumulator element e (tokens
+    // 8 t + 2 t4 and + 1: their scales from the lanes that loaded them, g = 2 t4, 2 t4 + 1)
+    __device__ __forceinline__ void mma(float (&c)[4 * NT * M]) const {
+        const int t4 = threadIdx.x & 3;
+        float s0[NT], s1[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            s0[t] = __shfl_sync(CUPYMOE_FULL_MASK, xs[t], 8 * t4);
+            s1[t] = __shfl_sync(CUPYMOE_FULL_MASK, xs[t], 8 * t4 + 4);
+        }
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float d[4 * NT];
+#pragma unroll
+            for (int i = 0; i < 4 * NT; ++i) d[i] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const unsigned a[4] = {word_of(lo[m].q, 2 * j), word_of(hi[m].q, 2 * j), word_of(lo[m].q, 2 * j + 1),
+                                       word_of(hi[m].q, 2 * j + 1)};
+#pragma unroll
+                for (int t = 0; t < NT; ++t) mma_e4m3(d + 4 * t, a, word_of(xq[t], 2 * j), word_of(xq[t], 2 * j + 1));
+            }
+            const float sw = lo[m].s;  // rows g and g + 8 share a 128-row scale block
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                float* o = c + 4 * NT * m + 4 * t;
+                o[0] = fmaf(d[4 * t + 0], sw * s0[t], o[0]);
+                o[1] = fmaf(d[4 * t + 1], sw * s1[t], o[1]);
+                o[2] = fmaf(d[4 * t + 2], sw * s0[t], o[2]);
+                o[3] = fmaf(d[4 * t + 3], sw * s1[t], o[3]);
             }
         }
     }
+};
+
+// The w8a8 kernels' arguments beyond the decode ones: x's codes and group scales (the
+// routed experts' input: the norm's output's where there is a pre-expert norm), those of x
+// for the shared expert (the same buffers unless that norm makes them differ), and the
+// activation's codes [positions, I_max] and scales [positions, ceil(I_max / 128)];
+// gate/up's `act_tickets` [max_active, ceil(I_max / 128)] (zeros between launches).
+#define DECODE_A8_GATE_UP_ARGS                                                                              \
+    DECODE_GATE_UP_ARGS, const u8 *__restrict__ qx, const float *__restrict__ sx,                           \
+        const u8 *__restrict__ qx_shared, const float *__restrict__ sx_shared, u8 *__restrict__ qact,      \
+        float *__restrict__ sact, int *__restrict__ act_tickets
+#define DECODE_A8_DOWN_ARGS DECODE_DOWN_ARGS, const u8 *__restrict__ qact, const float *__restrict__ sact
+
+// The activation's quantization, in the kernel that produces it: a 128-column group of an
+// expert's activation is written by up to KS blocks (a block holds 128 / KS columns), so
+// the last of them to finish (a ticket counter per expert and group, which it resets for
+// the next launch) quantizes the group for every position of the expert, from the bf16
+// values stored (as the w8a8 GEMM's epilogue does: grouped_sm90_fp8.cu).
+__device__ __forceinline__ void quantize_act_group_if_last(const bf16* act, u8* __restrict__ qact,
+                                                           float* __restrict__ sact, int* __restrict__ tickets,
+                                                           int j, int col0, int cols_per_block, int I, int I_max,
+                                                           int start, int len) {
+    __shared__ int last;
+    const int G = col0 >> 7, KB = (I_max + 127) >> 7;
+    __threadfence();  // this block's activation stores, before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int blocks = (min(128, I - 128 * G) + cols_per_block - 1) / cols_per_block;
+        int* t = tickets + j * KB + G;
+        last = atomicAdd(t, 1) == blocks - 1;
+        if (last) *t = 0;  // every block of the group has taken its ticket
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int col = 128 * G + 4 * lane;
+    for (int r = warp; r < len; r += blockDim.x >> 5) {
+        const size_t at = (size_t)(start + r) * I_max + col;
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (col < I) {  // written by other blocks: read through L2 (ld.global.cg), not the nc path
+            const uint2 u = __ldcg(reinterpret_cast<const uint2*>(act + at));
+            v[0] = __uint_as_float(u.x << 16);
+            v[1] = __uint_as_float(u.x & 0xFFFF0000u);
+            v[2] = __uint_as_float(u.y << 16);
+            v[3] = __uint_as_float(u.y & 0xFFFF0000u);
+        }
+        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(CUPYMOE_FULL_MASK, amax, o));
+        const float sc = amax / 448.0f;
+        if (col < I)
+            *reinterpret_cast<unsigned*>(qact + at) =
+                e4m3x2_quantize(v[0], v[1], sc) | (e4m3x2_quantize(v[2], v[3], sc) << 16);
+        if (lane == 0) sact[(size_t)(start + r) * KB + G] = sc;
+    }
 }
+
+// grid (ceil(I_max / (16 * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32: as
+// decode_mma_gate_up, on the inputs' e4m3 codes; writes the bf16 activation and its codes.
+template <int KS, int NT>
+__global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT_FP8, 2, NT))
+decode_mma_gate_up_a8(DECODE_A8_GATE_UP_ARGS) {
+    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 8 * NT : 1];
+    pdl_wait_then_release_next();
+    const int j = blockIdx.y;
+    const int slot = decode_block_slot<FMT_FP8>(j, num_active, active_slot, slot_fmt);
+    if (slot < 0) return;
+    const int I = inter[slot];
+    constexpr int cols_per_block = (DECODE_WARPS / KS) * 16;
+    if (blockIdx.x * cols_per_block >= I) return;  // the whole block is past the columns
+    const Fp4Warp<KS> w;
+    Fp4Frag<FMT_FP8> f[2];  // gate, up
+    f[0].init(gate_ptrs[slot], gate_scale_ptrs[slot], w.c0, w.g, I, H);
+    f[1].init(up_ptrs[slot], up_scale_ptrs[slot], w.c0, w.g, I, H);
+    const bool shared = slot == shared_slot;  // the shared expert reads x
+    const u8* q_in = shared ? qx_shared : qx;
+    const float* s_in = shared ? sx_shared : sx;
+    const int KBH = (H + 127) >> 7;
+    const float gsg = gate_gscale[slot], gsu = up_gscale[slot];
+    const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
+    const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
+    const int start = active_start[j], len = active_len[j];
+
+    for (int r0 = 0; r0 < len; r0 += 8 * NT) {
+        A8Rows<NT> rows;  // token 8 t + g of this pass (past the run: its last row again, never stored)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            const size_t row = sorted_row[start + min(r0 + 8 * t + w.g, len - 1)];
+            rows.q[t] = q_in + row * H;
+            rows.s[t] = s_in + row * KBH;
+        }
+        float c[8 * NT];  // gate c[i], up c[4 NT + i]
+        mma_pass<A8Step<NT, 2>, KS, 1>(c, f, rows, H, w);
+        reduce_k_splits<KS>(c, part, w.cg, w.ks, w.lane);
+        if (w.ks == 0) store_gate_up_act<NT>(c, w, r0, start, len, I, I_max, gsg, gsu, bg, bu, act, act_code, alpha, limit);
+    }
+    quantize_act_group_if_last(act, qact, sact, act_tickets, j, blockIdx.x * cols_per_block, cols_per_block, I,
+                               I_max, start, len);
+}
+
+// grid (ceil(H / (16 CF * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32: as
+// decode_mma_down, on the activation's e4m3 codes.
+template <int KS, int NT, int CF = 1>
+__global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT_FP8, CF, NT))
+decode_mma_down_a8(DECODE_A8_DOWN_ARGS) {
+    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 * NT * CF : 1];
+    pdl_wait_then_release_next();
+    const int j = blockIdx.y;
+    const int slot = decode_block_slot<FMT_FP8>(j, num_active, active_slot, slot_fmt);
+    if (slot < 0) return;
+    if (blockIdx.x * (DECODE_WARPS / KS) * 16 * CF >= H) return;
+    const int I = inter[slot];
+    const Fp4Warp<KS, CF> w;
+    Fp4Frag<FMT_FP8> f[CF];
+#pragma unroll
+    for (int m = 0; m < CF; ++m) f[m].init(down_ptrs[slot], down_scale_ptrs[slot], w.c0 + 16 * m, w.g, H, I);
+    const float gsd = down_gscale[slot];
+    const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
+    const int KBI = (I_max + 127) >> 7;
+    const int start = active_start[j], len = active_len[j];
+
+    for (int r0 = 0; r0 < len; r0 += 8 * NT) {
+        A8Rows<NT> rows;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            const size_t pos = start + min(r0 + 8 * t + w.g, len - 1);
+            rows.q[t] = qact + pos * I_max;
+            rows.s[t] = sact + pos * KBI;
+        }
+        float c[4 * NT * CF];  // fragment m's c[4 NT m + i]
+        mma_pass<A8Step<NT, CF>, KS, CF>(c, f, rows, I, w);
+        reduce_k_splits<KS>(c, part, w.cg, w.ks, w.lane);
+        if (w.ks == 0) store_down_outputs<NT, CF>(c, w, r0, start, len, H, gsd, bd, sorted_pair, topk_w, y, acc, k, P, atomic);
+    }
+}
+#endif

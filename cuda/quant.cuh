@@ -279,20 +279,25 @@ __device__ __forceinline__ float e4m3_group_quantize16(const float v[8], uint2& 
     return sc;
 }
 
+// A whole warp quantizes columns c0 .. c0 + 255 (c0 a multiple of 256; two groups) of one
+// bf16 row of n columns (n a multiple of 8): codes q[n], scales s[ceil(n / 128)].
+__device__ __forceinline__ void e4m3_quantize_chunk(const bf16* __restrict__ in, int n, u8* __restrict__ q,
+                                                    float* __restrict__ s, int c0, int lane) {
+    const int col = c0 + lane * 8;
+    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (col < n) unpack_bf16x8(load_bf16x8(in + col), v);
+    uint2 codes;
+    const float sc = e4m3_group_quantize16(v, codes);
+    if (col < n) {
+        *reinterpret_cast<uint2*>(q + col) = codes;
+        if ((lane & 15) == 0) s[col >> 7] = sc;
+    }
+}
+
 // A whole warp quantizes one bf16 row of n columns (n a multiple of 8): codes q[n], scales
 // s[ceil(n / 128)]. Every lane runs the same iterations.
 __device__ __forceinline__ void e4m3_quantize_row(const bf16* __restrict__ in, int n, u8* __restrict__ q,
                                                   float* __restrict__ s, int lane) {
-    for (int c0 = 0; c0 < n; c0 += 256) {
-        const int col = c0 + lane * 8;
-        float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        if (col < n) unpack_bf16x8(load_bf16x8(in + col), v);
-        uint2 codes;
-        const float sc = e4m3_group_quantize16(v, codes);
-        if (col < n) {
-            *reinterpret_cast<uint2*>(q + col) = codes;
-            if ((lane & 15) == 0) s[col >> 7] = sc;
-        }
-    }
+    for (int c0 = 0; c0 < n; c0 += 256) e4m3_quantize_chunk(in, n, q, s, c0, lane);
 }
 #endif

@@ -107,7 +107,7 @@ def add_bench_args(ap) -> None:
                          "(router and shared expert stay bf16; default bf16)")
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--fp8-compute", default="auto", choices=["auto", "w8a8", "w8a16"],
-                    help="fp8_block experts on the grouped path: w8a8 (sm_90a e4m3 tensor cores), w8a16, or auto")
+                    help="fp8_block experts (every path): w8a8 (sm_90a e4m3 tensor cores), w8a16, or auto")
     ap.add_argument("--path", default="auto", choices=["auto", "decode", "atomic", "prefill"])
     ap.add_argument("--decode-max-tokens", type=int, default=None,
                     help="the layer's decode_max_tokens (default: the layer's own)")

@@ -177,8 +177,9 @@ def launch_pdl(fn, grid: tuple, block: tuple, args: tuple, stream_ptr: int, shar
 
 
 def fp8_decode_mode() -> str:
-    """Where fp8-block experts decode: "mma" (tensor cores, w8a16, decode_mma.cu), or
-    "cores" with CUPYMOE_FP8_DECODE=cores (decode.cu's CUDA-core readers)."""
+    """Where fp8-block experts decode as w8a16 (a layer computing fp8 as w8a8 always takes
+    decode_mma.cu's _a8 kernels): "mma" (tensor cores, decode_mma.cu), or "cores" with
+    CUPYMOE_FP8_DECODE=cores (decode.cu's CUDA-core readers)."""
     v = os.environ.get("CUPYMOE_FP8_DECODE", "mma")
     if v not in ("mma", "cores"):
         raise ValueError(f"CUPYMOE_FP8_DECODE={v!r}: must be 'mma' or 'cores'")
@@ -427,6 +428,15 @@ MODULES: dict[str, ModuleSpec] = {
         # down with two fragments a warp: only without a K split (layer._decode_kernel)
         + tuple(f"decode_mma_down<{FORMAT_CODES[f]}, 1, {nt}, 2>" for f in MMA_DECODE_FORMATS
                 for nt in MMA_DECODE_TOKEN_TILES),
+    ),
+    # fp8-block decode as w8a8 (e4m3 MMAs, the layer's fp8_compute "w8a8", which it takes on
+    # sm_90a): the same file's kernels on the activations' e4m3 codes
+    "decode_mma_a8": ModuleSpec(
+        "decode_mma.cu",
+        tuple(f"decode_mma_{m}_a8<{ks}, {nt}>" for m in ("gate_up", "down")
+              for ks in MMA_DECODE_K_SPLITS for nt in MMA_DECODE_TOKEN_TILES)
+        + tuple(f"decode_mma_down_a8<1, {nt}, 2>" for nt in MMA_DECODE_TOKEN_TILES),
+        archs=("sm_90a",),
     ),
 }
 

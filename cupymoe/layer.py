@@ -181,15 +181,17 @@ def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
         BufferSpec("y", Pd * H * 4, "down", "reduce"),  # decode: fp32 expert outputs
         BufferSpec("yw", P * H * 2, "down", "reduce"),  # grouped: weighted bf16 expert outputs
         BufferSpec("acc", Td * H * 4, "sort", "reduce"),  # atomic path: zeroed in 'sort'
-        # w8a8 (grouped path, fp8 experts on sm_90a): e4m3 codes and per-128-column scales
-        # (x's made in the routing stage, the norm's output's by the norm, the activation's by
-        # the gate/up epilogue)
+        # w8a8 (fp8 experts on sm_90a, every path): e4m3 codes and per-128-column scales (x's
+        # made in the routing stage, the norm's output's by the norm, the activation's by the
+        # gate/up GEMM's epilogue or, on the decode path, by the last block of its group:
+        # act_tickets counts them, and is zeros between forwards)
         BufferSpec("qx", T * H if w8a8 else 0, "route", "gate_up"),
         BufferSpec("sx", T * -(-H // 128) * 4 if w8a8 else 0, "route", "gate_up"),
         BufferSpec("qx_shared", T * H if w8a8_shared_x else 0, "route", "gate_up"),
         BufferSpec("sx_shared", T * -(-H // 128) * 4 if w8a8_shared_x else 0, "route", "gate_up"),
         BufferSpec("qact", P * i_max if w8a8 else 0, "gate_up", "down"),
         BufferSpec("sact", P * -(-i_max // 128) * 4 if w8a8 else 0, "gate_up", "down"),
+        BufferSpec("act_tickets", (n_local + 1) * -(-i_max // 128) * 4 if w8a8 else 0, "gate_up", "gate_up"),
     ]
     # logits die once top-k has read them; act is born at gate_up. xg dies in gate_up, yw
     # is born in down.
@@ -221,9 +223,9 @@ class MoeLayer:
         DEFAULT_DECODE_MAX_TOKENS), `atomic_max_tokens` (module docstring); `comm` sums the expert-parallel partials (cupymoe.parallel; without it an
         EP layer writes its rank's partial); `expert_owner[e]` = the rank computing expert e
         (default: contiguous blocks of E / ep_world_size). `fp8_compute` for fp8-block
-        experts on the grouped path: "w8a8" (sm_90a: activations quantized per row and 128
-        columns, e4m3 tensor cores), "w8a16" (weights dequantized to bf16 in registers, any
-        GPU), "auto" (w8a8 where it runs). The decode and atomic paths read fp8 as w8a16."""
+        experts on every path: "w8a8" (sm_90a: activations quantized per row and 128 columns,
+        e4m3 tensor cores), "w8a16" (weights dequantized to bf16 in registers, any GPU),
+        "auto" (w8a8 where it runs)."""
         import cupy
 
         if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens <= 0:
@@ -316,6 +318,8 @@ class MoeLayer:
                                self.device_id)
             self._tma_maps = self._upload_tma_maps() if self._tma else None
             cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
+            if w8a8:  # the decode gate/up's tickets start at zero; its last blocks reset them
+                cupy.cuda.runtime.memset(self.arena.ptr("act_tickets"), 0, self.arena.nbytes("act_tickets"))
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             # The weights, their tables and that memset went through the legacy default
             # stream (a pageable upload may even return before its DMA lands); callers launch
@@ -482,10 +486,10 @@ class MoeLayer:
                     stream=s, shared_mem=smem)
             else:
                 self._launch_router(x, N, A.ptr("logits"), s)
-        # w8a8 on the grouped path: the expert inputs' e4m3 codes are made by the stages below
-        # (x's by top-k, which reads nothing of x otherwise but costs no launch of its own;
-        # the norm's output's by the norm), the activation's by the gate/up GEMM
-        w8a8 = path == "prefill" and self.fp8_compute == "w8a8"
+        # w8a8: the expert inputs' e4m3 codes are made by the stages below (x's by the routing
+        # stage, which reads nothing of x otherwise but costs no launch of its own; the norm's
+        # output's by the norm), the activation's by the gate/up kernels
+        w8a8 = self.fp8_compute == "w8a8"
         qx_of_x = (0, 0)
         if w8a8 and not cfg.pre_expert_norm:
             qx_of_x = (A.ptr("qx"), A.ptr("sx"))
@@ -509,7 +513,8 @@ class MoeLayer:
             if route_lists:
                 self._launch("decode_route_lists", (1,), (ROUTE_LISTS_THREADS,),
                              (*routing, _u64(W.ptr("slot_of")), _i32(W.n_local), _i32(has_shared),
-                              *self._list_outputs()), s, route_lists_smem, pdl=pdl)
+                              *self._list_outputs(), _u64(x), _i32(H), _u64(qx_of_x[0]), _u64(qx_of_x[1])),
+                             s, route_lists_smem, pdl=pdl)
             else:
                 warps = 4
                 self._launch("topk_route", ((N + warps - 1) // warps,), (warps * 32,),
@@ -550,9 +555,17 @@ class MoeLayer:
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
         max_active = max(1, min(W.n_local, N * k) + has_shared)
         rows_per_expert = max(1.0, 2.0 * N * k / max(W.n_local, 1))
+        # w8a8: the fp8 experts' kernels read the inputs' e4m3 codes (made by the routing stage
+        # or the norm), and gate/up writes the activation's next to its bf16 values
+        fp8 = kernels.FORMAT_CODES["fp8_block"]
+        qx, sx = A.ptr("qx"), A.ptr("sx")
+        qxs, sxs = (A.ptr("qx_shared"), A.ptr("sx_shared")) if self._w8a8_shared_x else (qx, sx)
+        a8_gate_up = tuple(map(_u64, (qx, sx, qxs, sxs, A.ptr("qact"), A.ptr("sact"), A.ptr("act_tickets"))))
+        a8_down = tuple(map(_u64, (A.ptr("qact"), A.ptr("sact"))))
         with timer.stage("gate_up"):
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' experts
                 name, blocks = self._decode_kernel("gate_up", fmt, rows_per_expert, W.i_max, max_active)
+                a8 = a8_gate_up if fmt == fp8 and self.fp8_compute == "w8a8" else ()
                 self._launch(
                     name, (blocks, max_active), (256,),
                     (_u64(x), _u64(xe), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
@@ -561,11 +574,13 @@ class MoeLayer:
                      _u64(W.ptr("gate_gscale")), _u64(W.ptr("up_gscale")), _u64(W.ptr("slot_fmt")),
                      _u64(W.ptr("gate_bias")), _u64(W.ptr("up_bias")),
                      _u64(W.ptr("inter")), _i32(W.shared_slot), _u64(A.ptr("act")), _i32(H), _i32(W.i_max),
-                     _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit)),
+                     _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit),
+                     *a8),
                     s, pdl=pdl)
         with timer.stage("down"):
             for fmt in self._format_codes:
                 name, blocks = self._decode_kernel("down", fmt, rows_per_expert, H, max_active)
+                a8 = a8_down if fmt == fp8 and self.fp8_compute == "w8a8" else ()
                 self._launch(
                     name, (blocks, max_active), (256,),
                     (_u64(A.ptr("act")), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
@@ -573,7 +588,7 @@ class MoeLayer:
                      _u64(W.ptr("down")), _u64(W.ptr("down_scale")), _u64(W.ptr("down_gscale")),
                      _u64(W.ptr("slot_fmt")), _u64(W.ptr("down_bias")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
                      _u64(A.ptr("y")), _u64(A.ptr("acc")), _i32(H), _i32(W.i_max), _i32(k), _i32(N * k),
-                     _i32(int(atomic))),
+                     _i32(int(atomic)), *a8),
                     s, pdl=pdl)
         with timer.stage("reduce"):
             self._launch_reduce(x, xe, out, N, s, atomic, has_shared, pdl)
@@ -592,22 +607,24 @@ class MoeLayer:
                        max_active: int) -> tuple[str, int]:
         """(kernel, column blocks) of a decode stage ("gate_up": `columns` = I_max, "down": H)
         for weights of format `fmt`, `rows_per_expert` the rows a busy expert is expected to
-        get. fp4 and fp8 on tensor cores (decode_mma.cu): the fewest K splits that still put enough
-        blocks on every SM, 16-token passes past 8 rows. Else the CUDA-core stream: the
-        row tile holding those rows, the fewest columns a warp that fill one wave."""
-        if fmt in self._mma_decode_formats:
+        get. fp4 and fp8 on tensor cores (decode_mma.cu; fp8 as w8a8 on its `_a8` kernels
+        where the layer computes fp8 so): the fewest K splits that still put enough blocks on
+        every SM, 16-token passes past 8 rows. Else the CUDA-core stream: the row tile holding
+        those rows, the fewest columns a warp that fill one wave."""
+        a8 = fmt == kernels.FORMAT_CODES["fp8_block"] and self.fp8_compute == "w8a8"
+        if a8 or fmt in self._mma_decode_formats:
             nt = 2 if rows_per_expert > 8 else 1
             want = self._mma_blocks_per_sm * self._sm_count
             # down: two fragments a warp where half the blocks still fill every SM unsplit
             # (deepseek-v3 at N = 1: 224 blocks instead of 448, one wave instead of 1.7)
             pairs = -(-columns // (32 * 8))
             if stage == "down" and self._mma_down_pairs and pairs * max_active >= want:
-                return f"decode_mma_down<{fmt}, 1, {nt}, 2>", pairs
+                return (f"decode_mma_down_a8<1, {nt}, 2>" if a8 else f"decode_mma_down<{fmt}, 1, {nt}, 2>"), pairs
             for ks in kernels.MMA_DECODE_K_SPLITS:
                 blocks = -(-columns // (16 * 8 // ks))
                 if blocks * max_active >= want:
                     break
-            return f"decode_mma_{stage}<{fmt}, {ks}, {nt}>", blocks
+            return (f"decode_mma_{stage}_a8<{ks}, {nt}>" if a8 else f"decode_mma_{stage}<{fmt}, {ks}, {nt}>"), blocks
         rt = _row_tile(rows_per_expert, kernels.GATE_UP_ROW_TILES if stage == "gate_up" else kernels.ROW_TILES)
         cw = _cols_per_warp(max_active * columns, rt, kernels.GATE_UP_VARIANTS if stage == "gate_up"
                             else kernels.DOWN_VARIANTS)

@@ -392,6 +392,8 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
         fed = None if w8a8_inputs is None else (lambda stage, a, e=e, rows=rows: w8a8_inputs(stage, e, rows, a))
         acts = None if kernel_acts is None else (lambda a, e=e, rows=rows: kernel_acts(e, rows, a))
         y = _ffn(cfg, xe[rows], hw.gate[e], hw.up[e], hw.down[e], biases, rounding, activations, fed, acts)
+        if rounding == "decode" and kernel_terms is not None:  # the decode path's fp32 outputs
+            y = kernel_terms(e, rows, y)
         term = w * y
         if rounding == "grouped":  # the grouped GEMM stores bf16(w * y), weighted in fp32 first
             term = _bf16(term)
@@ -418,8 +420,8 @@ def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Opt
               quantized=fed, kernel_act=acts)
     if rounding == "grouped":
         sh = _bf16(sh)
-        if kernel_terms is not None:
-            sh = kernel_terms("shared", rows, sh)
+    if kernel_terms is not None:
+        sh = kernel_terms("shared", rows, sh)
     if cfg.has_shared_expert_gate:
         sh = sh * _sigmoid(x @ _vector(hw.shared_expert_gate, x.dtype))[:, None]
     return sh
@@ -469,7 +471,8 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     path's stored activation, so a flip of that rounding upstream is not counted again in
     every output element the term reaches (see there). `kernel_terms(expert, rows, t)`
     likewise replaces the grouped path's bf16 terms (bf16(w * y) of a routed expert, the
-    shared expert's bf16 output) with the ones the kernels stored.
+    shared expert's bf16 output) with the ones the kernels stored; under rounding "decode",
+    each expert's output y (before its routing weight, as the decode path stores it in fp32).
 
     `absolute=True` sums the magnitudes of the output's terms instead (each (row, slot)'s
     weighted expert output, identity term and shared expert output): what the grouped path

@@ -229,11 +229,11 @@ def path_roundings(hw: HostWeights, path: str) -> int:
 def check(out: np.ndarray, cfg: MoeConfig, hw: HostWeights, x: np.ndarray, path: str,
           token_ids: Optional[np.ndarray] = None, layer=None, owned_experts=None) -> Comparison:
     """compare() against both references, with the rounding budget of `path` and `hw`.
-    `layer`: the layer that computed `out`, read for how it ran fp8 experts: as w8a8 on the
-    grouped path, the check is check_w8a8 (which reads the layer's intermediates, so call
+    `layer`: the layer that computed `out`, read for how it ran fp8 experts: as w8a8 (on
+    every path), the check is check_w8a8 (which reads the layer's intermediates, so call
     it before the layer runs again)."""
-    if layer is not None and layer.fp8_compute == "w8a8" and PATH_ROUNDING[path] == "grouped":
-        return check_w8a8(out, layer, cfg, hw, x, token_ids, owned_experts)
+    if layer is not None and layer.fp8_compute == "w8a8":
+        return check_w8a8(out, layer, cfg, hw, x, token_ids, owned_experts, path)
     terms = None
     if PATH_ROUNDING[path] == "grouped":  # each term rounded before the sum (module docstring)
         terms = [reference.moe_forward(cfg, hw, x, token_ids, rounding="grouped", absolute=True,
@@ -367,6 +367,19 @@ def _dequantize_rows_fp8(q: np.ndarray, s: np.ndarray) -> np.ndarray:
     return out * np.repeat(s.astype(np.float64), formats.FP8_BLOCK, axis=1)[:, :q.shape[1]]
 
 
+class KernelOutputs(StoredRows):
+    """The decode path's expert outputs of the layer's last forward (`y`: fp32, unweighted,
+    by position), for `kernel_terms` under rounding "decode". fp32 values, so the faithful
+    rule judges them (FAITHFUL_TIGHT) and a w8a8 forward's fp8 accumulation (promoted to
+    fp32 every 128 k) must stay within it."""
+
+    def __init__(self, layer, cfg: MoeConfig, n: int):
+        rows, _ = _stored_activations(layer, cfg, n)
+        P, H = n * cfg.num_experts_per_tok + (n if cfg.has_shared_expert else 0), cfg.hidden_size
+        y = _read_arena(layer, "y", np.float32, (P, H))
+        super().__init__({(key, token): y[pos].astype(np.float64) for key, token, pos, _ in rows})
+
+
 class W8a8Stages:
     """The w8a8 grouped path's intermediates of the layer's last forward (on input `x`),
     read from its arena: the e4m3 codes of the expert input (by token) and of the
@@ -440,18 +453,29 @@ def discount_flips(c: Comparison, out: np.ndarray, ref: np.ndarray, tight: tuple
 
 
 def check_w8a8(out: np.ndarray, layer, cfg: MoeConfig, hw: HostWeights, x: np.ndarray,
-               token_ids: Optional[np.ndarray] = None, owned_experts=None) -> Comparison:
-    """The w8a8 grouped path, stage by stage (the rules above the Comparison class): the
-    kernels' codes, their activation against float64 fed their input codes, their stored
-    terms against float64 fed their codes (within one ulp: TERM_TIGHT), the output against
-    the faithful reference summing their terms, and the output against the exact one."""
+               token_ids: Optional[np.ndarray] = None, owned_experts=None, path: str = "prefill") -> Comparison:
+    """A w8a8 forward that took `path`, stage by stage (the rules above the Comparison
+    class): the kernels' codes, their activation against float64 fed their input codes,
+    their stored terms against float64 fed their codes (grouped: the bf16 weighted terms,
+    within one ulp, TERM_TIGHT; decode: the fp32 expert outputs, by the faithful rule), the
+    output against the faithful reference summing their terms, and the output against the
+    exact one. The atomic path stores no routed outputs (it adds them into fp32 atomics):
+    its output is judged against the faithful reference fed the codes, a one-ulp flip an
+    outlier (discount_flips: the fp8 accumulation may round an output to its other
+    neighbour)."""
+    rounding = PATH_ROUNDING[path]
     stages = W8a8Stages(layer, cfg, hw, x)
-    terms = KernelTerms(layer, cfg, x.shape[0])
+    terms = (KernelTerms(layer, cfg, x.shape[0]) if rounding == "grouped"
+             else KernelOutputs(layer, cfg, x.shape[0]) if path == "decode" else None)
     exact = reference.moe_forward(cfg, hw, x, token_ids, owned_experts=owned_experts)
-    faithful = reference.moe_forward(cfg, hw, x, token_ids, rounding="grouped", activations="fp8_block",
-                                     w8a8_inputs=stages.feed, kernel_terms=terms.feed, owned_experts=owned_experts)
+    faithful = reference.moe_forward(cfg, hw, x, token_ids, rounding=rounding, activations="fp8_block",
+                                     w8a8_inputs=stages.feed, kernel_terms=terms.feed if terms else None,
+                                     owned_experts=owned_experts)
     c = compare(out, exact, faithful, w8a8=True)
-    c.terms = terms.comparison()
+    if terms is None:
+        discount_flips(c, out, faithful)
+    else:
+        c.terms = terms.comparison()
     c.w8a8 = True
     c.codes_differ = stages.codes_differ
     if stages.reference_acts:

@@ -71,19 +71,22 @@ def test_quantized_layers_against_reference_on_every_path(name, rng):
             assert c.ok, f"{name} N={n} {path} ({layer.fp8_compute}): {c}"
 
 
+@pytest.mark.parametrize("fp8_compute", ["auto", "w8a16"])
 @pytest.mark.parametrize("k_splits", [1, 2, 4, 8])
-def test_tensor_core_decode_with_every_k_split(k_splits, rng, monkeypatch):
+def test_tensor_core_decode_with_every_k_split(k_splits, fp8_compute, rng, monkeypatch):
     """decode_mma.cu's kernels with each K split (the layer picks the fewest that fill the
     GPU, so the tiny configs alone would only ever run 8) and both token passes (8 rows up
     to N = 3 here, 16 from N = 17): a bias-carrying gpt-oss mxfp4 layer, a layer whose
     shared expert is fp8 next to nvfp4 routed experts (two formats, one launch each), and
-    fp8 experts (H = 96 and 160: k128 steps past K read zeros) with a bf16 shared expert."""
+    fp8 experts (H = 96 and 160: k128 steps past K read zeros) with a bf16 shared expert.
+    fp8 both as w8a8 ("auto" on sm_90a: with KS blocks writing each 128-column group of the
+    activation, the last one quantizes it) and as w8a16."""
     from cupymoe import kernels
 
     monkeypatch.setattr(kernels, "MMA_DECODE_K_SPLITS", (k_splits,))
     for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared", "qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared"):
-        cfg, hw, layer = _case(name, rng)
-        _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} KS={k_splits}")
+        cfg, hw, layer = _case(name, rng, fp8_compute=fp8_compute)
+        _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} KS={k_splits} ({layer.fp8_compute})")
 
 
 def test_tensor_core_decode_down_with_two_fragments_a_warp(rng, monkeypatch):
@@ -92,28 +95,28 @@ def test_tensor_core_decode_down_with_two_fragments_a_warp(rng, monkeypatch):
     on the tiny configs by itself: here the layer is told its GPU has one SM. Every format,
     both token passes, H = 96 and 160 (a fragment whose rows lie past H reads row H - 1
     again and stores nothing). CUPYMOE_MMA_DECODE_DOWN_PAIRS=0 keeps one fragment."""
-    for pairs in ("1", "0"):
+    for pairs, fp8_compute in (("1", "auto"), ("0", "auto"), ("1", "w8a16")):
         monkeypatch.setenv("CUPYMOE_MMA_DECODE_DOWN_PAIRS", pairs)
         for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared", "qwen3_moe-fp8",
                      "deepseek_v3-fp8-fp8router-bf16shared"):
-            cfg, hw, layer = _case(name, rng)
+            cfg, hw, layer = _case(name, rng, fp8_compute=fp8_compute)
             layer._sm_count = 1  # one block fills this "GPU": down takes two fragments a warp
             fmt = layer._format_codes[0]
             kernel, blocks = layer._decode_kernel("down", fmt, 1.0, cfg.hidden_size, 1)
             assert kernel.endswith(", 2>") == (pairs == "1"), kernel
             assert blocks == -(-cfg.hidden_size // (32 * 8 if pairs == "1" else 16 * 8))
-            _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} down pairs={pairs}")
+            _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} down pairs={pairs} ({layer.fp8_compute})")
 
 
 def test_fp8_decode_on_cuda_cores_by_knob(rng, monkeypatch):
-    """CUPYMOE_FP8_DECODE=cores sends fp8 experts back to decode.cu's CUDA-core readers (the
-    measurement baseline for the tensor-core ones), which match the reference too."""
+    """CUPYMOE_FP8_DECODE=cores sends w8a16 fp8 experts back to decode.cu's CUDA-core readers
+    (the measurement baseline for the tensor-core ones), which match the reference too."""
     from cupymoe import kernels
 
     fp8 = kernels.FORMAT_CODES["fp8_block"]
     for mode in ("mma", "cores"):
         monkeypatch.setenv("CUPYMOE_FP8_DECODE", mode)
-        cfg, hw, layer = _case("qwen3_moe-fp8", rng)
+        cfg, hw, layer = _case("qwen3_moe-fp8", rng, fp8_compute="w8a16")
         assert (fp8 in layer._mma_decode_formats) == (mode == "mma")
         _check_decode_paths(layer, cfg, hw, rng, (1, 17), mode)
 
@@ -280,16 +283,17 @@ def test_quantized_expert_parallel_partials_sum_to_full_layer(rng, fmt, fp8_comp
         if grouped:
             rounded.append(reference.moe_forward(cfg, hw, x, rounding="grouped", absolute=True))
         c = compare(parts[0][0] + parts[1][0], reference.moe_forward(cfg, hw, x), roundings=path_roundings(hw, path),
-                    partials=rounded, w8a8=grouped and layers[0].fp8_compute == "w8a8")
+                    partials=rounded, w8a8=layers[0].fp8_compute == "w8a8")
         assert c.ok, f"{fmt} ({layers[0].fp8_compute}) {path} sum of partials: {c}"
 
 
 def test_w8a8_on_hopper_against_the_reference(rng):
     """fp8-block experts as w8a8 (sm_90a: e4m3 tensor cores, activations quantized per row
-    and 128 columns, promoted to fp32 every 128 products): tight against the reference that
-    quantizes the activations the same way, and within the derived w8a8 bound of the exact
-    one (cupymoe/verify.py). DeepSeek-V3's layout: fp8 router, fp8 routed experts, bf16
-    shared expert (which stays on the bf16 kernels)."""
+    and 128 columns, promoted to fp32 every 128 products) on every path: tight against the
+    reference that quantizes the activations the same way, stage by stage, and within the
+    derived w8a8 bound of the exact one (cupymoe/verify.py check_w8a8). DeepSeek-V3's
+    layout: fp8 router, fp8 routed experts, bf16 shared expert (which stays on the bf16
+    kernels)."""
     import cupy
 
     from cupymoe import kernels
@@ -300,10 +304,11 @@ def test_w8a8_on_hopper_against_the_reference(rng):
     for name in ("deepseek_v3-fp8-fp8router-bf16shared", "qwen3_moe-fp8", "longcat_flash-fp8"):
         cfg, hw, layer = _case(name, rng, fp8_compute="w8a8")
         assert layer.fp8_compute == "w8a8"
-        for n in (17, 65, 300, 1000):
-            x = well_separated_input(cfg, hw, rng, n)
-            c = check(run_layer(layer, x, "prefill"), cfg, hw, x, "prefill", layer=layer)
-            assert c.ok, f"{name} N={n} w8a8: {c}"
+        for path, tokens in (("decode", SMALL), ("atomic", SMALL), ("prefill", (17, 65, 300, 1000))):
+            for n in tokens:
+                x = well_separated_input(cfg, hw, rng, n)
+                c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
+                assert c.ok, f"{name} N={n} {path} w8a8: {c}"
 
 
 def test_fp8_compute_refusals(rng):

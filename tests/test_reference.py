@@ -843,14 +843,37 @@ def test_kernel_acts_hook_replaces_each_down_projection_input():
 def test_kernel_terms_hook_replaces_each_grouped_term():
     """reference.moe_forward(kernel_terms=...) is how verify.check_w8a8 feeds the stored
     weighted terms in: handing back the reference's own changes nothing, it is called with
-    every routed expert's bf16(w * y) rows and the shared expert's bf16 output, and only on
-    the grouped rounding."""
+    every routed expert's bf16(w * y) rows and the shared expert's bf16 output on the
+    grouped rounding; on the decode rounding (verify.KernelOutputs) with each expert's
+    unweighted output y, as the decode path stores it in fp32, where a changed row moves
+    only its token's output, by its routing weight."""
     cfg, hw, x, calls, own = _hook_case(13, 5)
     _check_identity_hook(cfg, hw, x, calls, own, "kernel_terms")
     assert [c for c in calls if c[0] == "shared"] == [("shared", tuple(range(5)), (5, cfg.hidden_size))]
-    calls.clear()
-    reference.moe_forward(cfg, hw, x, rounding="decode", kernel_terms=own)
-    assert calls == []  # the decode path stores no terms
+    seen = []
+
+    def same(expert, rows, y):
+        seen.append((expert, tuple(rows), y.shape))
+        return y
+
+    want = reference.moe_forward(cfg, hw, x, rounding="decode")
+    assert np.array_equal(reference.moe_forward(cfg, hw, x, rounding="decode", kernel_terms=same), want)
+    routing = reference.route(cfg, hw, x)
+    chosen = sorted(set(int(e) for e in np.unique(routing.ids) if e < cfg.num_experts))
+    assert sorted(e for e, _, _ in seen if e != "shared") == chosen
+    assert ("shared", tuple(range(5)), (5, cfg.hidden_size)) in seen
+    e = chosen[0]
+    rows, slots = np.nonzero(routing.ids == e)
+
+    def bump(expert, r, y):  # expert e's first row's output + 1 everywhere
+        if expert == e:
+            y = y.copy()
+            y[0] += 1.0
+        return y
+
+    moved = reference.moe_forward(cfg, hw, x, rounding="decode", kernel_terms=bump) - want
+    assert np.allclose(moved[rows[0]], routing.weights[rows[0], slots[0]])
+    assert np.count_nonzero(np.delete(moved, rows[0], axis=0)) == 0
 
 
 def test_outlier_allowance_rounds_up_to_whole_elements():
