@@ -47,6 +47,7 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restr
                    int* __restrict__ active_len, int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
                    int* __restrict__ pair_pos) {
     extern __shared__ int sm[];
+    pdl_wait_then_release_next();
     build_expert_lists(sm, ids, N, k, slot_of, R, n_local, has_shared, num_active, active_slot, active_start,
                        active_len, sorted_row, sorted_pair, pair_pos);
 }
@@ -129,8 +130,8 @@ __device__ __forceinline__ void build_few_expert_lists(int* sm, const int* ids, 
 // The routing stage and the expert lists in one launch, for a few rows (the decode path's
 // N = 1 .. ROUTE_LISTS_MAX_ROWS: one launch fewer in its chain): warp w routes row w as
 // topk_route does (routing.cuh), then the block builds the lists from the ids the warps
-// left in shared memory (build_few_expert_lists). With `qx` (w8a8), the warps also quantize
-// x into qx / sx (quant.cuh's rule), as topk_route does on the grouped path.
+// left in shared memory (build_few_expert_lists). With `qx` (w8a8, few rows), the warps
+// that route no row quantize x meanwhile (else the router does: router.cu).
 // grid 1, block ROUTE_LISTS_THREADS (>= 32 N), dynamic smem N (2 R + TOPK_MAX_K) floats + 2 N k ints.
 #define ROUTE_LISTS_THREADS 256
 __global__ void __launch_bounds__(ROUTE_LISTS_THREADS)
@@ -150,20 +151,15 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
         route_row(warp, route_smem + (size_t)warp * stride, logits, corr_bias, tid2eid, token_ids, ids_out, w_out,
                   err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane, true);
 #if CUPYMOE_SM >= 89
-    // w8a8 (qx set): x's e4m3 codes, 256 columns of a row a unit, taken first by the warps that
-    // route no row (so at few rows the quantization runs beside the routing), by every warp
-    // from 5 rows on
-    if (qx) {
-        constexpr int warps = ROUTE_LISTS_THREADS / 32;
-        const int workers = N <= warps / 2 ? warps - N : warps;
-        const int worker = warp >= N ? warp - N : warp + warps - N;
-        const int chunks = (H + 255) >> 8;
-        if (worker < workers)
-            for (int u = worker; u < N * chunks; u += workers) {
-                const int row = u / chunks;
-                e4m3_quantize_chunk(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7),
-                                    (u % chunks) << 8, lane);
-            }
+    // w8a8 at very few rows (qx set: layer.route_lists_quantizes): the warps
+    // that route no row quantize x beside the routing, 256 columns of a row a unit
+    else if (qx) {
+        const int chunks = (H + 255) >> 8, workers = ROUTE_LISTS_THREADS / 32 - N;
+        for (int u = warp - N; u < N * chunks; u += workers) {
+            const int row = u / chunks;
+            e4m3_quantize_chunk(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7),
+                                (u % chunks) << 8, lane);
+        }
     }
 #endif
     __syncthreads();

@@ -17,10 +17,17 @@
 #define ROUTER_COLS 2
 #define ROUTER_UNROLL(ROWS) ((ROWS) <= 2 ? 4 : 2)  // steps of 256 columns whose loads a lane issues together
 
+//
+// w8a8 (qx set): the launch also quantizes x into qx / sx (quant.cuh's rule) for the experts,
+// since it reads x anyway: 256 columns of a row are a warp's unit, dealt over the grid's
+// warps block by block (unit u to block u % blocks), so no block takes more than its share
+// and the chain gains no launch. (In the routing stage that followed, one warp quantized a
+// whole row after routing it: +5-6 us at N = 8 .. 64, NOTES.md v29. At one or two rows
+// decode_route_lists' idle warps do it instead, hidden behind the routing.)
 template <int ROWS, int ROUTER_SPLIT>
 __global__ void __launch_bounds__(ROUTER_COLS * ROUTER_SPLIT * 32)
 router_logits_bf16(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
-                   float* __restrict__ logits, int N, int R, int H) {
+                   float* __restrict__ logits, int N, int R, int H, u8* __restrict__ qx, float* __restrict__ sx) {
     __shared__ float part[ROUTER_COLS * ROUTER_SPLIT][ROWS];
     pdl_wait_then_release_next();  // (the chain's first kernel: only the release does anything)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -76,6 +83,17 @@ router_logits_bf16(const bf16* __restrict__ x, const bf16* __restrict__ W, const
         for (int s = 0; s < ROUTER_SPLIT; ++s) v += part[c * ROUTER_SPLIT + s][i];
         logits[(size_t)row * R + rc] = v + (bias ? bias[rc] : 0.0f);
     }
+#if CUPYMOE_SM >= 89
+    if (qx) {
+        const int blocks = gridDim.x * gridDim.y, block = blockIdx.y * gridDim.x + blockIdx.x;
+        const int chunks = (H + 255) >> 8;
+        for (int u = block + blocks * warp; u < N * chunks; u += blocks * (ROUTER_COLS * ROUTER_SPLIT)) {
+            const int row = u / chunks;
+            e4m3_quantize_chunk(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7),
+                                (u % chunks) << 8, lane);
+        }
+    }
+#endif
 }
 
 // y[n, :] = bf16(x[n, :] * rsqrt(mean(x[n, :]^2) + eps) * w), one block per row. w8a8

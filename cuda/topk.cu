@@ -20,6 +20,7 @@ topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router 
            float* __restrict__ sx,               // and their scales [N, ceil(H / 128)]
            int splits) {                         // the split router's logits copies
     extern __shared__ float smem[];
+    pdl_wait_then_release_next();  // the decode chain past ROUTE_LISTS_MAX_ROWS launches it by PDL
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * TOPK_WARPS + warp;
     if (row >= N) return;

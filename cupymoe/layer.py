@@ -94,6 +94,16 @@ SORT_BLOCK = 1024  # pairs per block of the multi-block sort (cuda/grouped.cu SO
 SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_build_lists)
 ROUTE_LISTS_MAX_ROWS = 8  # decode rows up to which routing and the lists are one launch (decode_route_lists)
 ROUTE_LISTS_THREADS = 256  # decode.cu: its block (one routing warp a row, so >= 32 ROUTE_LISTS_MAX_ROWS)
+# w8a8 on the decode path: x's e4m3 codes come from decode_route_lists' idle warps (one per
+# row not routed, beside the routing) where each takes at most this many 256-column units,
+# else from the router, whose warps share them (a unit there adds ~1 us to N = 1: NOTES.md v29)
+ROUTE_LISTS_QUANT_UNITS = 4
+
+
+def route_lists_quantizes(num_tokens: int, hidden_size: int) -> bool:
+    """Whether decode_route_lists quantizes x (w8a8) for `num_tokens` rows, rather than the router."""
+    idle = ROUTE_LISTS_THREADS // 32 - num_tokens
+    return idle > 0 and num_tokens * -(-hidden_size // 256) <= ROUTE_LISTS_QUANT_UNITS * idle
 REDUCE_THREADS = 256  # decode.cu decode_reduce's block; a thread writes 4 columns a step
 
 
@@ -472,6 +482,20 @@ class MoeLayer:
         atomic = path == "atomic"
         timer = StageTimer(s, N, path)
 
+        # a few decode rows: routing and the expert lists in one launch (one fewer in the chain)
+        route_lists_smem = (N * (2 * R + 64) + 2 * N * k) * 4
+        route_lists = path != "prefill" and N <= ROUTE_LISTS_MAX_ROWS and route_lists_smem <= 48 * 1024
+        # w8a8: the expert inputs' e4m3 codes are made by stages that run anyway: x's by the
+        # router on the decode path (it reads x; its warps share the rows' 256-column chunks)
+        # but at a row or two by route_lists' idle warps (route_lists_quantizes), by the
+        # routing stage on the grouped path (which reads nothing of x otherwise); the norm's
+        # output's by the norm; the activation's by the gate/up kernels
+        w8a8 = self.fp8_compute == "w8a8"
+        qx_of_x = (0, 0)
+        if w8a8 and not cfg.pre_expert_norm:
+            qx_of_x = (A.ptr("qx"), A.ptr("sx"))
+        elif w8a8 and self._w8a8_shared_x:
+            qx_of_x = (A.ptr("qx_shared"), A.ptr("sx_shared"))
         splits = 1
         with timer.stage("router"):
             if path == "prefill":  # tensor cores; the CUDA-core router only pays off at few rows
@@ -484,31 +508,22 @@ class MoeLayer:
                      _u64(0), _u64(0), _i32(0), _i32(H), _i32(R),
                      _i32(N), _u64(A.ptr("logits")), _i32(0), _f32(0.0), _f32(0.0)),
                     stream=s, shared_mem=smem)
-            else:
+            elif route_lists and route_lists_quantizes(N, H):  # beside the routing
                 self._launch_router(x, N, A.ptr("logits"), s)
-        # w8a8: the expert inputs' e4m3 codes are made by the stages below (x's by the routing
-        # stage, which reads nothing of x otherwise but costs no launch of its own; the norm's
-        # output's by the norm), the activation's by the gate/up kernels
-        w8a8 = self.fp8_compute == "w8a8"
-        qx_of_x = (0, 0)
-        if w8a8 and not cfg.pre_expert_norm:
-            qx_of_x = (A.ptr("qx"), A.ptr("sx"))
-        elif w8a8 and self._w8a8_shared_x:
-            qx_of_x = (A.ptr("qx_shared"), A.ptr("sx_shared"))
+            else:
+                self._launch_router(x, N, A.ptr("logits"), s, *qx_of_x)
+                qx_of_x = (0, 0)  # made: the routing stage leaves x alone
         has_shared = 1 if cfg.has_shared_expert else 0
         routing = (_u64(A.ptr("logits")), _u64(W.ptr("correction_bias")), _u64(W.ptr("tid2eid")), _u64(token_ids),
                    _u64(A.ptr("topk_ids")), _u64(A.ptr("topk_w")), _u64(A.ptr("err")),
                    _i32(N), _i32(R), _i32(E), _i32(k), _i32(kernels.SCORING_CODES[cfg.scoring_func]),
                    _i32(cfg.n_group), _i32(cfg.topk_group), _i32(int(cfg.topk_then_softmax)),
                    _i32(int(cfg.norm_topk_prob)), _f32(cfg.routed_scaling_factor), _i32(cfg.hash_vocab_size))
-        # a few decode rows: routing and the expert lists in one launch (one fewer in the chain)
-        route_lists_smem = (N * (2 * R + 64) + 2 * N * k) * 4
-        route_lists = path != "prefill" and N <= ROUTE_LISTS_MAX_ROWS and route_lists_smem <= 48 * 1024
-        # the decode chain by programmatic dependent launch (router -> route_lists -> norm ->
-        # gate/up -> down -> reduce, each kernel waiting for the one before it); not on the
-        # atomic path, whose memset stands between the lists and gate/up. (The prefill chain's
-        # measured the same with it and without, NOTES.md v25.)
-        pdl = self._pdl and path == "decode" and route_lists and not timer.separates_kernels
+        # the decode chain by programmatic dependent launch (router -> route_lists, or top-k ->
+        # lists, -> norm -> gate/up -> down -> reduce, each kernel waiting for the one before
+        # it); not on the atomic path, whose memset stands between the lists and gate/up. (The
+        # prefill chain's measured the same with it and without, NOTES.md v25.)
+        pdl = self._pdl and path == "decode" and not timer.separates_kernels
         with timer.stage("topk"):
             if route_lists:
                 self._launch("decode_route_lists", (1,), (ROUTE_LISTS_THREADS,),
@@ -519,7 +534,7 @@ class MoeLayer:
                 warps = 4
                 self._launch("topk_route", ((N + warps - 1) // warps,), (warps * 32,),
                              (*routing, _u64(x), _i32(H), _u64(qx_of_x[0]), _u64(qx_of_x[1]), _i32(splits)),
-                             s, warps * (2 * R + 64) * 4)
+                             s, warps * (2 * R + 64) * 4, pdl=pdl)
         xe = x
         if cfg.pre_expert_norm:
             with timer.stage("norm"):
@@ -536,7 +551,8 @@ class MoeLayer:
                     config, fmt0 = self._grouped_config(N), self._format_codes[0]
                     gate_up_bm = self._grouped_kernel(0, config, fmt0)[4]
                     down_bm = self._grouped_kernel(1, config, fmt0)[4]
-                tiles_bm = self._launch_sort(N, s, has_shared, gate_up_bm, down_bm if down_bm != gate_up_bm else 0)
+                tiles_bm = self._launch_sort(N, s, has_shared, gate_up_bm, down_bm if down_bm != gate_up_bm else 0,
+                                             pdl=pdl)
             if atomic:
                 import cupy
 
@@ -668,7 +684,8 @@ class MoeLayer:
         return tuple(_u64(A.ptr(n)) for n in ("num_active", "active_slot", "active_start", "active_len",
                                                "sorted_row", "sorted_pair", "pair_pos"))
 
-    def _launch_sort(self, N: int, s, has_shared: int, tile_bm: int = 0, down_bm: int = 0) -> tuple[int, int]:
+    def _launch_sort(self, N: int, s, has_shared: int, tile_bm: int = 0, down_bm: int = 0,
+                     pdl: bool = False) -> tuple[int, int]:
         """(row, slot) pairs grouped by expert, stable: one block for few pairs, else three
         passes, whose scan also builds `tile_bm`-row tiles where tile_bm > 0 (tile_info),
         and `down_bm`-row ones where down_bm > 0 (tile_info_down). Returns the tile heights
@@ -682,7 +699,7 @@ class MoeLayer:
             self._launch("decode_build_lists", (1,), (1024,),
                          (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
                           _i32(W.n_local), _i32(has_shared), *self._list_outputs()),
-                         s, (2 * W.n_local + 33) * 4)
+                         s, (2 * W.n_local + 33) * 4, pdl=pdl)
             return 0, 0
         nblk = -(-P // SORT_BLOCK)
         self._launch("sort_count", (nblk,), (SORT_BLOCK,),
@@ -814,7 +831,8 @@ class MoeLayer:
         steps = -(-self.cfg.hidden_size // 64)
         return max(1, min(ROUTER_MAX_SPLITS, 2 * self._sm_count // max(1, tiles), steps // 4))
 
-    def _launch_router(self, x: int, N: int, logits: int, s) -> None:
+    def _launch_router(self, x: int, N: int, logits: int, s, qx: int = 0, sx: int = 0) -> None:
+        """The CUDA-core router's logits; with `qx`, x's e4m3 codes and scales too (w8a8)."""
         cfg, W = self.cfg, self.weights
         R = cfg.router_width
         rt = _row_tile(N, kernels.ROW_TILES)
@@ -822,7 +840,7 @@ class MoeLayer:
         self.lib[f"router_logits_bf16<{rt}, {split}>"](
             ((R + 1) // 2, (N + rt - 1) // rt), (2 * split * 32,),  # 2 columns x `split` warps a block
             (_u64(x), _u64(W.ptr("router")), _u64(W.ptr("router_bias")), _u64(logits),
-             _i32(N), _i32(R), _i32(cfg.hidden_size)), stream=s)
+             _i32(N), _i32(R), _i32(cfg.hidden_size), _u64(qx), _u64(sx)), stream=s)
 
     def _launch_reduce(self, x: int, xe: int, out: int, N: int, s, atomic: bool, has_shared: int,
                        pdl: bool = False) -> None:
