@@ -243,15 +243,22 @@ struct MmaRow<FMT_FP8> {
     using T = Fp8Row32;
 };
 
+// Where NT 8-token fragments' bf16 activations are (MmaStep): token 8 t + g's row p[t].
+template <int NT>
+struct BfRows {
+    const bf16* p[NT];
+};
+
 template <int FMT, int NT, int M>
 struct MmaStep {
+    using Rows = BfRows<NT>;
     // fp8's steps are twice fp4's registers: its gate/up and 16-token passes would spill
     // with two step buffers at the 128 registers of two blocks an SM (mma_pass)
     static constexpr bool kOneAtATime = FMT == FMT_FP8 && (M > 1 || NT > 1);
     typename MmaRow<FMT>::T lo[M], hi[M];
     uint4 xv[NT][4];
 
-    __device__ __forceinline__ void load(const Fp4Frag<FMT> (&f)[M], const bf16* const (&rows)[NT], int k, int K) {
+    __device__ __forceinline__ void load(const Fp4Frag<FMT> (&f)[M], const Rows& rows, int k, int K) {
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             if constexpr (FMT == FMT_FP8) {
@@ -265,9 +272,9 @@ struct MmaStep {
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if constexpr (FMT == FMT_FP8)
-                load_x32_natural(xv[t], rows[t], k, K);
+                load_x32_natural(xv[t], rows.p[t], k, K);
             else
-                load_x32(xv[t], rows[t], k, k < K);
+                load_x32(xv[t], rows.p[t], k, k < K);
         }
     }
 
@@ -323,14 +330,6 @@ __device__ __forceinline__ void mma_pass(float (&c)[NC], const Frags& f, const R
     }
 }
 
-// w8a16 and w4a16: M matrices' fragments against the bf16 activations of NT 8-token
-// fragments (rows[t]: token 8 t + g's row).
-template <int FMT, int KS, int NT, int M, int CF>
-__device__ __forceinline__ void fp4_pass(float (&c)[4 * NT * M], const Fp4Frag<FMT> (&f)[M],
-                                         const bf16* const (&rows)[NT], int K, const Fp4Warp<KS, CF>& w) {
-    mma_pass<MmaStep<FMT, NT, M>, KS, CF>(c, f, rows, K, w);
-}
-
 // The gate/up epilogue of warp w's (ks == 0) sums c of pass r0 (gate c[i], up c[4 NT + i]):
 // act(gate, up) of each column and token in the run, bf16 into act[position, column].
 template <int NT, int KS>
@@ -382,53 +381,48 @@ __device__ __forceinline__ constexpr float mma_weight_unscale() { return FMT == 
 // byte, so they take one, as fp8 gate/up does below sm_89 (no e4m3 conversion instruction).
 #define MMA_MIN_BLOCKS(FMT, M, NT) ((M) == 2 && ((NT) == 2 || ((FMT) == FMT_FP8 && CUPYMOE_SM < 89)) ? 1 : 2)
 
-// grid (ceil(I_max / (16 * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
-// Arguments: DECODE_GATE_UP_ARGS (decode_common.cuh).
-template <int FMT, int KS, int NT>
-__global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT, 2, NT))
-decode_mma_gate_up(DECODE_GATE_UP_ARGS) {
-    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 8 * NT : 1];
-    pdl_wait_then_release_next();
+// The block of a gate/up kernel (decode_mma_gate_up, decode_mma_gate_up_a8): active expert
+// j = blockIdx.y if its weights are of format FMT, its columns 16 DECODE_WARPS / KS from
+// blockIdx.x (none left: false), passes of 8 NT tokens over the expert's run, each Step
+// reading the rows fill_row(rows, t, slot, token row) gives it, and the bf16 activation
+// stored. `start`, `len`, `I`: the run and the expert's width, for what the kernel does next.
+template <int FMT, int KS, int NT, class Step, class FillRow>
+__device__ __forceinline__ bool gate_up_block(float* part, FillRow fill_row, int& start, int& len, int& I,
+                                              DECODE_GATE_UP_ARGS) {
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
-    if (slot < 0) return;
-    const int I = inter[slot];
-    if (blockIdx.x * (DECODE_WARPS / KS) * 16 >= I) return;  // the whole block is past the columns
+    if (slot < 0) return false;
+    I = inter[slot];
+    if (blockIdx.x * (DECODE_WARPS / KS) * 16 >= I) return false;  // the whole block is past the columns
     const Fp4Warp<KS> w;
     Fp4Frag<FMT> f[2];  // gate, up
     f[0].init(gate_ptrs[slot], gate_scale_ptrs[slot], w.c0, w.g, I, H);
     f[1].init(up_ptrs[slot], up_scale_ptrs[slot], w.c0, w.g, I, H);
-    const bf16* in = slot == shared_slot ? x : xe;  // the shared expert reads x
     // nvfp4's scale_2 (else 1), and the 2^64 fp4 weights were scaled down by
     const float gsg = gate_gscale[slot] * mma_weight_unscale<FMT>(), gsu = up_gscale[slot] * mma_weight_unscale<FMT>();
     const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
     const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
-    const int start = active_start[j], len = active_len[j];
+    start = active_start[j];
+    len = active_len[j];
 
     for (int r0 = 0; r0 < len; r0 += 8 * NT) {
         // token 8 t + g of this pass (past the run: its last row again, never stored)
-        const bf16* rows[NT];
+        typename Step::Rows rows;
 #pragma unroll
-        for (int t = 0; t < NT; ++t) rows[t] = in + (size_t)sorted_row[start + min(r0 + 8 * t + w.g, len - 1)] * H;
+        for (int t = 0; t < NT; ++t) fill_row(rows, t, slot, (size_t)sorted_row[start + min(r0 + 8 * t + w.g, len - 1)]);
         float c[8 * NT];  // gate c[i], up c[4 NT + i]
-        fp4_pass<FMT, KS, NT, 2>(c, f, rows, H, w);
+        mma_pass<Step, KS, 1>(c, f, rows, H, w);
         reduce_k_splits<KS>(c, part, w.cg, w.ks, w.lane);
         if (w.ks == 0) store_gate_up_act<NT>(c, w, r0, start, len, I, I_max, gsg, gsu, bg, bu, act, act_code, alpha, limit);
     }
+    return true;
 }
 
-// grid (ceil(H / (16 CF * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
-// Arguments: DECODE_DOWN_ARGS (decode_common.cuh); outputs as decode_down's: y[pos, h], or with `atomic` the
-// routed pairs' w * y added into acc[row, h] (the shared expert still stores y).
-// CF: 16-row fragments a warp streams side by side (32 columns at 2), as gate/up streams its
-// gate and up rows: at 2 the blocks are half as many, each warp's a step's bytes twice, so
-// a layer whose down had 1.7 waves of blocks (deepseek-v3 at N = 1: 448 for 264 places)
-// takes one (layer._decode_kernel picks it where it still fills every SM without a K split).
-template <int FMT, int KS, int NT, int CF = 1>
-__global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT, CF, NT))
-decode_mma_down(DECODE_DOWN_ARGS) {
-    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 * NT * CF : 1];
-    pdl_wait_then_release_next();
+// The block of a down kernel (decode_mma_down, decode_mma_down_a8): active expert j =
+// blockIdx.y if of format FMT, its hidden columns 16 CF DECODE_WARPS / KS from blockIdx.x,
+// passes of 8 NT positions over its run (fill_row(rows, t, position)), the outputs stored.
+template <int FMT, int KS, int NT, int CF, class Step, class FillRow>
+__device__ __forceinline__ void down_block(float* part, FillRow fill_row, DECODE_DOWN_ARGS) {
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;
@@ -443,14 +437,54 @@ decode_mma_down(DECODE_DOWN_ARGS) {
     const int start = active_start[j], len = active_len[j];
 
     for (int r0 = 0; r0 < len; r0 += 8 * NT) {
-        const bf16* rows[NT];
+        typename Step::Rows rows;
 #pragma unroll
-        for (int t = 0; t < NT; ++t) rows[t] = act + (size_t)(start + min(r0 + 8 * t + w.g, len - 1)) * I_max;
+        for (int t = 0; t < NT; ++t) fill_row(rows, t, (size_t)(start + min(r0 + 8 * t + w.g, len - 1)));
         float c[4 * NT * CF];  // fragment m's c[4 NT m + i]
-        fp4_pass<FMT, KS, NT, CF>(c, f, rows, I, w);
+        mma_pass<Step, KS, CF>(c, f, rows, I, w);
         reduce_k_splits<KS>(c, part, w.cg, w.ks, w.lane);
         if (w.ks == 0) store_down_outputs<NT, CF>(c, w, r0, start, len, H, gsd, bd, sorted_pair, topk_w, y, acc, k, P, atomic);
     }
+}
+
+#define DECODE_GATE_UP_ARG_NAMES                                                                                \
+    x, xe, num_active, active_slot, active_start, active_len, sorted_row, gate_ptrs, up_ptrs, gate_scale_ptrs, \
+        up_scale_ptrs, gate_gscale, up_gscale, slot_fmt, gate_bias_ptrs, up_bias_ptrs, inter, shared_slot, act, H, \
+        I_max, act_code, alpha, limit
+#define DECODE_DOWN_ARG_NAMES                                                                                    \
+    act, num_active, active_slot, active_start, active_len, sorted_pair, down_ptrs, down_scale_ptrs, down_gscale, \
+        slot_fmt, down_bias_ptrs, inter, topk_w, y, acc, H, I_max, k, P, atomic
+
+// grid (ceil(I_max / (16 * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
+// Arguments: DECODE_GATE_UP_ARGS (decode_common.cuh).
+template <int FMT, int KS, int NT>
+__global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT, 2, NT))
+decode_mma_gate_up(DECODE_GATE_UP_ARGS) {
+    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 8 * NT : 1];
+    pdl_wait_then_release_next();
+    int start, len, I;
+    gate_up_block<FMT, KS, NT, MmaStep<FMT, NT, 2>>(
+        part,
+        [&](BfRows<NT>& rows, int t, int slot, size_t row) {
+            rows.p[t] = (slot == shared_slot ? x : xe) + row * H;  // the shared expert reads x
+        },
+        start, len, I, DECODE_GATE_UP_ARG_NAMES);
+}
+
+// grid (ceil(H / (16 CF * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32.
+// Arguments: DECODE_DOWN_ARGS (decode_common.cuh); outputs as decode_down's: y[pos, h], or with `atomic` the
+// routed pairs' w * y added into acc[row, h] (the shared expert still stores y).
+// CF: 16-row fragments a warp streams side by side (32 columns at 2), as gate/up streams its
+// gate and up rows: at 2 the blocks are half as many, each warp's a step's bytes twice, so
+// a layer whose down had 1.7 waves of blocks (deepseek-v3 at N = 1: 448 for 264 places)
+// takes one (layer._decode_kernel picks it where it still fills every SM without a K split).
+template <int FMT, int KS, int NT, int CF = 1>
+__global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT, CF, NT))
+decode_mma_down(DECODE_DOWN_ARGS) {
+    __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 * NT * CF : 1];
+    pdl_wait_then_release_next();
+    down_block<FMT, KS, NT, CF, MmaStep<FMT, NT, CF>>(
+        part, [&](BfRows<NT>& rows, int t, size_t pos) { rows.p[t] = act + pos * I_max; }, DECODE_DOWN_ARG_NAMES);
 }
 
 #if CUPYMOE_SM >= 89
@@ -494,6 +528,7 @@ struct A8Step {
     // as fp8's MmaStep: two step buffers of two matrices (or of 16 tokens) would spill at the
     // 128 registers of two blocks an SM
     static constexpr bool kOneAtATime = M > 1 || NT > 1;
+    using Rows = A8Rows<NT>;
     Fp8Row32 lo[M], hi[M];
     uint4 xq[NT][2];  // token 8 t + g's 32 codes at the lane's k (zeros past K)
     float xs[NT];     // and its group's scale (0 for a step past K)
@@ -614,40 +649,20 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT_FP8, 2, 
 decode_mma_gate_up_a8(DECODE_A8_GATE_UP_ARGS) {
     __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 8 * NT : 1];
     pdl_wait_then_release_next();
-    const int j = blockIdx.y;
-    const int slot = decode_block_slot<FMT_FP8>(j, num_active, active_slot, slot_fmt);
-    if (slot < 0) return;
-    const int I = inter[slot];
-    constexpr int cols_per_block = (DECODE_WARPS / KS) * 16;
-    if (blockIdx.x * cols_per_block >= I) return;  // the whole block is past the columns
-    const Fp4Warp<KS> w;
-    Fp4Frag<FMT_FP8> f[2];  // gate, up
-    f[0].init(gate_ptrs[slot], gate_scale_ptrs[slot], w.c0, w.g, I, H);
-    f[1].init(up_ptrs[slot], up_scale_ptrs[slot], w.c0, w.g, I, H);
-    const bool shared = slot == shared_slot;  // the shared expert reads x
-    const u8* q_in = shared ? qx_shared : qx;
-    const float* s_in = shared ? sx_shared : sx;
     const int KBH = (H + 127) >> 7;
-    const float gsg = gate_gscale[slot], gsu = up_gscale[slot];
-    const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
-    const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
-    const int start = active_start[j], len = active_len[j];
-
-    for (int r0 = 0; r0 < len; r0 += 8 * NT) {
-        A8Rows<NT> rows;  // token 8 t + g of this pass (past the run: its last row again, never stored)
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            const size_t row = sorted_row[start + min(r0 + 8 * t + w.g, len - 1)];
-            rows.q[t] = q_in + row * H;
-            rows.s[t] = s_in + row * KBH;
-        }
-        float c[8 * NT];  // gate c[i], up c[4 NT + i]
-        mma_pass<A8Step<NT, 2>, KS, 1>(c, f, rows, H, w);
-        reduce_k_splits<KS>(c, part, w.cg, w.ks, w.lane);
-        if (w.ks == 0) store_gate_up_act<NT>(c, w, r0, start, len, I, I_max, gsg, gsu, bg, bu, act, act_code, alpha, limit);
-    }
-    quantize_act_group_if_last(act, qact, sact, act_tickets, j, blockIdx.x * cols_per_block, cols_per_block, I,
-                               I_max, start, len);
+    int start, len, I;
+    if (!gate_up_block<FMT_FP8, KS, NT, A8Step<NT, 2>>(
+            part,
+            [&](A8Rows<NT>& rows, int t, int slot, size_t row) {
+                const bool shared = slot == shared_slot;  // the shared expert reads x
+                rows.q[t] = (shared ? qx_shared : qx) + row * H;
+                rows.s[t] = (shared ? sx_shared : sx) + row * KBH;
+            },
+            start, len, I, DECODE_GATE_UP_ARG_NAMES))
+        return;
+    constexpr int cols_per_block = (DECODE_WARPS / KS) * 16;
+    quantize_act_group_if_last(act, qact, sact, act_tickets, blockIdx.y, blockIdx.x * cols_per_block, cols_per_block,
+                               I, I_max, start, len);
 }
 
 // grid (ceil(H / (16 CF * DECODE_WARPS / KS)), max_active), block DECODE_WARPS * 32: as
@@ -657,32 +672,13 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT_FP8, CF,
 decode_mma_down_a8(DECODE_A8_DOWN_ARGS) {
     __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 * NT * CF : 1];
     pdl_wait_then_release_next();
-    const int j = blockIdx.y;
-    const int slot = decode_block_slot<FMT_FP8>(j, num_active, active_slot, slot_fmt);
-    if (slot < 0) return;
-    if (blockIdx.x * (DECODE_WARPS / KS) * 16 * CF >= H) return;
-    const int I = inter[slot];
-    const Fp4Warp<KS, CF> w;
-    Fp4Frag<FMT_FP8> f[CF];
-#pragma unroll
-    for (int m = 0; m < CF; ++m) f[m].init(down_ptrs[slot], down_scale_ptrs[slot], w.c0 + 16 * m, w.g, H, I);
-    const float gsd = down_gscale[slot];
-    const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
     const int KBI = (I_max + 127) >> 7;
-    const int start = active_start[j], len = active_len[j];
-
-    for (int r0 = 0; r0 < len; r0 += 8 * NT) {
-        A8Rows<NT> rows;
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            const size_t pos = start + min(r0 + 8 * t + w.g, len - 1);
+    down_block<FMT_FP8, KS, NT, CF, A8Step<NT, CF>>(
+        part,
+        [&](A8Rows<NT>& rows, int t, size_t pos) {
             rows.q[t] = qact + pos * I_max;
             rows.s[t] = sact + pos * KBI;
-        }
-        float c[4 * NT * CF];  // fragment m's c[4 NT m + i]
-        mma_pass<A8Step<NT, CF>, KS, CF>(c, f, rows, I, w);
-        reduce_k_splits<KS>(c, part, w.cg, w.ks, w.lane);
-        if (w.ks == 0) store_down_outputs<NT, CF>(c, w, r0, start, len, H, gsd, bd, sorted_pair, topk_w, y, acc, k, P, atomic);
-    }
+        },
+        DECODE_DOWN_ARG_NAMES);
 }
 #endif
