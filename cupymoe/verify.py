@@ -172,6 +172,10 @@ BF16_ROUNDINGS = 4  # the bf16 budget above: output, activation, pre-normed inpu
 #      other bf16 neighbour now and then, and each such flip would otherwise land in the
 #      output check (`verify --seed 105763336`: 2 of 96 output elements); flips as in 2;
 #   3b. output: against the faithful reference summing the kernels' terms: the faithful rule;
+#      on the decode path the terms are the fp32 expert outputs y it stores (by the faithful
+#      rule, FAITHFUL_TIGHT: fp32 values, the fp8 accumulation promoted every 128 k), and the
+#      atomic path stores no routed y (it adds w * y in atomics), so its output is judged
+#      against the reference fed the codes, a one-ulp flip an outlier (discount_flips);
 #   4. against the exact reference: normwise <= w8a8_normwise_bound(elements).
 W8A8_NORMWISE = 2.0 ** -4
 
