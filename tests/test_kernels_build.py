@@ -201,3 +201,17 @@ def test_pdl_knob(monkeypatch):
     monkeypatch.setenv("CUPYMOE_PDL", "yes")
     with pytest.raises(ValueError, match="CUPYMOE_PDL='yes'"):
         kernels.pdl_mode()
+
+
+def test_w8a8_decode_quantizes_x_beside_the_routing_only_at_a_row_or_two():
+    """layer.route_lists_quantizes: decode_route_lists' idle warps (8 - N of them) quantize x
+    where each takes at most ROUTE_LISTS_QUANT_UNITS 256-column units, else the router does
+    (NOTES.md v29). The GPU tests' tiny configs (H = 96, 160) take route_lists' way at N = 1
+    and 3 and the router's at 17 and 64."""
+    from cupymoe.layer import ROUTE_LISTS_MAX_ROWS, route_lists_quantizes
+
+    assert route_lists_quantizes(1, 2048) and route_lists_quantizes(2, 2048)  # qwen3-30b-a3b
+    assert not route_lists_quantizes(3, 2048)
+    assert route_lists_quantizes(1, 7168) and not route_lists_quantizes(2, 7168)  # deepseek-v3
+    assert route_lists_quantizes(3, 96) and not route_lists_quantizes(7, 96)
+    assert not route_lists_quantizes(ROUTE_LISTS_MAX_ROWS, 96)  # no idle warp
