@@ -103,6 +103,12 @@ __device__ __forceinline__ void mma_fp4_step(float* c, const Fp4Row32<FMT>& lo, 
     }
 }
 
+// Word i (codes 4 i .. 4 i + 3) of a lane's 32 byte codes held as two uint4.
+__device__ __forceinline__ unsigned word_of(const uint4 (&q)[2], int i) {
+    const uint4& h = q[i >> 2];
+    return (i & 3) == 0 ? h.x : (i & 3) == 1 ? h.y : (i & 3) == 2 ? h.z : h.w;
+}
+
 // fp8-block weights (w8a16): 32 e4m3 codes of one weight row at k (a multiple of 32; the
 // row's K a multiple of 16, kernels.FORMAT_K_MULTIPLE, so past K whole 16-code halves read
 // as zeros) and the fp32 scale of its 128 x 128 block. A k128 step lies in one scale block,
@@ -128,8 +134,7 @@ struct Fp8Row32 {
 
     // codes 4 j .. 4 j + 3 as two bf16 pairs (exact: every e4m3 value is a bf16 value)
     __device__ __forceinline__ void pairs(int j, unsigned& p01, unsigned& p23) const {
-        const uint4& h = q[j >> 2];
-        const unsigned v = (j & 3) == 0 ? h.x : (j & 3) == 1 ? h.y : (j & 3) == 2 ? h.z : h.w;
+        const unsigned v = word_of(q, j);
         const float2 a = e4m3x2_to_f32x2(v), b = e4m3x2_to_f32x2(v >> 16);
         p01 = pack_bf16x2(a.x, a.y);
         p23 = pack_bf16x2(b.x, b.y);
@@ -508,11 +513,6 @@ __device__ __forceinline__ void mma_e4m3(float* c, const unsigned* a, unsigned b
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ unsigned word_of(const uint4 (&q)[2], int i) {
-    const uint4& h = q[i >> 2];
-    return (i & 3) == 0 ? h.x : (i & 3) == 1 ? h.y : (i & 3) == 2 ? h.z : h.w;
 }
 
 // Where NT 8-token fragments' codes and scales are: token 8 t + g's e4m3 row q[t] and its

@@ -330,6 +330,12 @@ class MoeLayer:
             cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
             if w8a8:  # the decode gate/up's tickets start at zero; its last blocks reset them
                 cupy.cuda.runtime.memset(self.arena.ptr("act_tickets"), 0, self.arena.nbytes("act_tickets"))
+            # the fp8 experts' w8a8 arguments (both paths' kernels), fixed with the arena: the
+            # inputs' codes and scales (x's own for a shared expert behind a norm), the
+            # activation's; empty for a layer that does not run w8a8
+            A = self.arena
+            qx_shared = ("qx_shared", "sx_shared") if self._w8a8_shared_x else ("qx", "sx")
+            self._w8a8_args = tuple(_u64(A.ptr(n)) for n in ("qx", "sx", *qx_shared, "qact", "sact")) if w8a8 else ()
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             # The weights, their tables and that memset went through the legacy default
             # stream (a pageable upload may even return before its DMA lands); callers launch
@@ -574,14 +580,13 @@ class MoeLayer:
         # w8a8: the fp8 experts' kernels read the inputs' e4m3 codes (made by the routing stage
         # or the norm), and gate/up writes the activation's next to its bf16 values
         fp8 = kernels.FORMAT_CODES["fp8_block"]
-        qx, sx = A.ptr("qx"), A.ptr("sx")
-        qxs, sxs = (A.ptr("qx_shared"), A.ptr("sx_shared")) if self._w8a8_shared_x else (qx, sx)
-        a8_gate_up = tuple(map(_u64, (qx, sx, qxs, sxs, A.ptr("qact"), A.ptr("sact"), A.ptr("act_tickets"))))
-        a8_down = tuple(map(_u64, (A.ptr("qact"), A.ptr("sact"))))
+        if self._w8a8_args:
+            a8_gate_up = (*self._w8a8_args, _u64(A.ptr("act_tickets")))
+            a8_down = self._w8a8_args[4:]  # the activation's codes and scales
         with timer.stage("gate_up"):
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' experts
                 name, blocks = self._decode_kernel("gate_up", fmt, rows_per_expert, W.i_max, max_active)
-                a8 = a8_gate_up if fmt == fp8 and self.fp8_compute == "w8a8" else ()
+                a8 = a8_gate_up if fmt == fp8 and self._w8a8_args else ()
                 self._launch(
                     name, (blocks, max_active), (256,),
                     (_u64(x), _u64(xe), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
@@ -596,7 +601,7 @@ class MoeLayer:
         with timer.stage("down"):
             for fmt in self._format_codes:
                 name, blocks = self._decode_kernel("down", fmt, rows_per_expert, H, max_active)
-                a8 = a8_down if fmt == fp8 and self.fp8_compute == "w8a8" else ()
+                a8 = a8_down if fmt == fp8 and self._w8a8_args else ()
                 self._launch(
                     name, (blocks, max_active), (256,),
                     (_u64(A.ptr("act")), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
@@ -735,11 +740,7 @@ class MoeLayer:
         cfg, A, W = self.cfg, self.arena, self.weights
         H, k = cfg.hidden_size, cfg.num_experts_per_tok
         config = self._grouped_config(N)
-        w8a8 = self.fp8_compute == "w8a8"
         fp8 = kernels.FORMAT_CODES["fp8_block"]
-        qx, sx = A.ptr("qx") if w8a8 else 0, A.ptr("sx") if w8a8 else 0
-        qxs, sxs = (A.ptr("qx_shared"), A.ptr("sx_shared")) if self._w8a8_shared_x else (qx, sx)
-        qact, sact = (A.ptr("qact"), A.ptr("sact")) if w8a8 else (0, 0)
 
         def bound(bm: int) -> int:  # the grid's M-tiles for `bm`-row tiles
             return max(1, max_tiles(N, k, W.n_local, bool(has_shared), bm))
@@ -764,7 +765,7 @@ class MoeLayer:
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' tiles
                 gate_up, threads, smem, bn, bm = self._grouped_kernel(0, config, fmt)
                 num_tiles, tile_info = tile_list(bm)
-                extra = tuple(map(_u64, (qx, sx, qxs, sxs, qact, sact))) if w8a8 and fmt == fp8 else ()
+                extra = self._w8a8_args if fmt == fp8 else ()
                 if gate_up.startswith("grouped_gemm_sm90_tma<"):
                     if self._gathers_rows:  # TMA reads the inputs in sorted order
                         self._launch("gather_rows", (bound(bm),), (256,),
@@ -787,7 +788,8 @@ class MoeLayer:
             for fmt in self._format_codes:
                 down, threads, smem, bn, bm = self._grouped_kernel(1, config, fmt)
                 num_tiles, tile_info = tile_list(bm, down=True)
-                extra = tuple(map(_u64, (qact, sact, qact, sact, 0, 0))) if w8a8 and fmt == fp8 else ()
+                qact = self._w8a8_args[4:]  # down reads the activation's codes; no q_out / s_out
+                extra = (*qact, *qact, _u64(0), _u64(0)) if fmt == fp8 and self._w8a8_args else ()
                 if down.startswith("grouped_gemm_sm90_tma<"):
                     extra = (_u64(int(self._tma_maps.data.ptr)),)
                 self._launch(
