@@ -8,11 +8,18 @@
 //   mode 1 tiled:   the step's 4 KB contiguous (weights stored [R/16][K/128][16][128])
 //   mode 2 8x256:   8 rows x 256 B of each matrix a step, k inner (row-major)
 //   mode 3 4x512:   4 rows x 512 B of each matrix a step, k inner (row-major)
+// What a decode block does besides streaming, optionally: `hops` dependent loads through
+// `chain` (an identity table, as the kernels' active_slot -> pointers -> rows) before its
+// first weight load, and with `epilogue` a fence, a barrier and a ticket (as the w8a8 gate/up's
+// activation quantization) after its last.
 // Measured: benchmarks/results/20261130-h200-stream-pattern-probe.txt, NOTES.md v30.
 template <int unroll>
-__device__ void probe(const unsigned char* __restrict__ w, unsigned* __restrict__ out, int K, int rows_per_mat, int mode) {
+__device__ void probe(const unsigned char* __restrict__ w, unsigned* __restrict__ out, int K, int rows_per_mat, int mode,
+                      const int* __restrict__ chain, int hops, int epilogue, int* __restrict__ tickets) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    const int wid = blockIdx.x * 8 + warp;               // 16 rows of each of 2 matrices a warp
+    int block = blockIdx.x;
+    for (int h = 0; h < hops; ++h) block = chain[block];  // dependent: each load waits for the one before
+    const int wid = block * 8 + warp;                     // 16 rows of each of 2 matrices a warp
     const size_t mat_bytes = (size_t)rows_per_mat * K;
     unsigned acc = 0;
     const int steps = K / 128;
@@ -53,7 +60,17 @@ __device__ void probe(const unsigned char* __restrict__ w, unsigned* __restrict_
         }
     }
     if (acc == 0x12345678u) out[0] = acc;
+    if (epilogue) {
+        __shared__ int last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) last = atomicAdd(tickets + blockIdx.x, 1);
+        __syncthreads();
+        if (last == -1) out[1] = last;  // never: keeps the ticket's round trip
+    }
 }
-extern "C" __global__ void __launch_bounds__(256, 2) probe1(const unsigned char* w, unsigned* out, int K, int r, int mode) { probe<1>(w, out, K, r, mode); }
-extern "C" __global__ void __launch_bounds__(256, 2) probe2(const unsigned char* w, unsigned* out, int K, int r, int mode) { probe<2>(w, out, K, r, mode); }
-extern "C" __global__ void __launch_bounds__(256, 2) probe4(const unsigned char* w, unsigned* out, int K, int r, int mode) { probe<4>(w, out, K, r, mode); }
+#define PROBE_ARGS const unsigned char *w, unsigned *out, int K, int r, int mode, const int *chain, int hops, int epilogue, int *tickets
+#define PROBE_NAMES w, out, K, r, mode, chain, hops, epilogue, tickets
+extern "C" __global__ void __launch_bounds__(256, 2) probe1(PROBE_ARGS) { probe<1>(PROBE_NAMES); }
+extern "C" __global__ void __launch_bounds__(256, 2) probe2(PROBE_ARGS) { probe<2>(PROBE_NAMES); }
+extern "C" __global__ void __launch_bounds__(256, 2) probe4(PROBE_ARGS) { probe<4>(PROBE_NAMES); }
