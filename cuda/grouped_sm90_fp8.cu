@@ -40,10 +40,6 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, u64 da, u64 db, 
         : "l"(da), "l"(db), "r"(scale_d));
 }
 
-// Byte offset of 16-byte chunk c of row r in a stage tile of 128-byte rows: the 128-byte
-// swizzle (chunk XOR row mod 8) that the wgmma descriptors declare.
-__device__ __forceinline__ int f8_swz(int r, int c) { return r * F8_BK + ((c ^ (r & 7)) << 4); }
-
 // The operand loads of one stage: 64 A rows and 256 B rows of 8 chunks each, 2 + 8 chunks a
 // thread. Rows past the tile or the columns and chunks past K are zero-filled. B row r
 // belongs to warpgroup r / 128; for gate/up its rows are 64 gate then 64 up rows of the
@@ -87,11 +83,11 @@ struct Fp8TileLoader {
         const bool kin = kc < K;
 #pragma unroll
         for (int i = 0; i < A_PER; ++i)
-            cp_async16(sA + f8_swz((threadIdx.x + i * F8_THREADS) / CHUNKS, chunk), a_src[i] + (kin ? kc : 0),
+            cp_async16(sA + swz128((threadIdx.x + i * F8_THREADS) / CHUNKS, chunk), a_src[i] + (kin ? kc : 0),
                        a_ok[i] && kin);
 #pragma unroll
         for (int i = 0; i < B_PER; ++i)
-            cp_async16(sB + f8_swz((threadIdx.x + i * F8_THREADS) / CHUNKS, chunk), b_src[i] + (kin ? kc : 0),
+            cp_async16(sB + swz128((threadIdx.x + i * F8_THREADS) / CHUNKS, chunk), b_src[i] + (kin ? kc : 0),
                        b_ok[i] && kin);
     }
 };

@@ -14,6 +14,10 @@ __device__ __forceinline__ u64 wgmma_desc(const void* p) {
     return d;
 }
 
+// Byte offset of 16-byte chunk c of row r in a tile of 128-byte rows (128 e4m3 codes or 64
+// bf16 values a row): the 128-byte swizzle (chunk XOR row mod 8) wgmma_desc declares.
+__device__ __forceinline__ int swz128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>

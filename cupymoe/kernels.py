@@ -59,6 +59,17 @@ FP4_MMA_MXFP4_SCALE_BYTES = (66, 192)
 # ... and 8-token B fragments per weight pass: 16 tokens halve the passes over the weights
 # of an expert with more than 8 rows
 MMA_DECODE_TOKEN_TILES = (1, 2)
+# w8a8 decode on wgmma (cuda/decode_wgmma_a8.cu, sm_90a): rows of an expert's run a pass
+# (the wgmmas' n), the ring's stages, the k128 steps a stage and the weight rows a block
+# streams, as the file's WG_STAGES / WG_KSUB / WG_ROWS / WG_THREADS say
+# (tests/test_kernels_build.py checks they agree)
+WGMMA_DECODE_TOKEN_TILES = (8, 16, 32)
+WGMMA_DECODE_STAGES = 3
+WGMMA_DECODE_KSUB = 2
+WGMMA_DECODE_ROWS = 128
+WGMMA_DECODE_THREADS = 128
+# gate/up's columns a block: its 128 rows are 64 gate rows and the same 64 up rows
+WGMMA_DECODE_GATE_UP_COLUMNS = WGMMA_DECODE_ROWS // 2
 # the CUDA-core router's warps per router row (router.cu), chosen by H alone
 ROUTER_SPLITS = (4, 8)
 
@@ -184,6 +195,26 @@ def fp8_decode_mode() -> str:
     if v not in ("mma", "cores"):
         raise ValueError(f"CUPYMOE_FP8_DECODE={v!r}: must be 'mma' or 'cores'")
     return v
+
+
+def w8a8_decode_mode() -> str:
+    """Which kernels decode fp8-block experts as w8a8: "auto" (layer._w8a8_decode_kernel:
+    decode_wgmma_a8.cu's where their grid holds layer.WGMMA_DECODE_MIN_WAVES waves,
+    decode_mma.cu's _a8 below), or "mma" / "wgmma" (CUPYMOE_W8A8_DECODE, for tests and
+    measurements: one of them at every N)."""
+    v = os.environ.get("CUPYMOE_W8A8_DECODE", "auto")
+    if v not in ("auto", "mma", "wgmma"):
+        raise ValueError(f"CUPYMOE_W8A8_DECODE={v!r}: must be 'auto', 'mma' or 'wgmma'")
+    return v
+
+
+def wgmma_decode_smem_bytes(token_tile: int, k_steps: int) -> int:
+    """Dynamic shared memory of a decode_wgmma_*_a8<token_tile> launch whose K has `k_steps`
+    k128 steps (the .cu's wg_smem_bytes): 1024 to align the ring, its stages (the weight
+    rows and the pass's rows, 128 codes each a k step), and every step's scales (two weight
+    tiles', each row's)."""
+    stage = (WGMMA_DECODE_ROWS + token_tile) * 128 * WGMMA_DECODE_KSUB
+    return 1024 + WGMMA_DECODE_STAGES * stage + (2 + token_tile) * k_steps * 4
 
 
 def fp4_decode_mma_formats(mode: str, mxfp4_scale_bytes: Optional[tuple[int, int]] = None) -> tuple[int, ...]:
@@ -436,6 +467,13 @@ MODULES: dict[str, ModuleSpec] = {
         tuple(f"decode_mma_{m}_a8<{ks}, {nt}>" for m in ("gate_up", "down")
               for ks in MMA_DECODE_K_SPLITS for nt in MMA_DECODE_TOKEN_TILES)
         + tuple(f"decode_mma_down_a8<1, {nt}, 2>" for nt in MMA_DECODE_TOKEN_TILES),
+        archs=("sm_90a",),
+    ),
+    # ... and on wgmma e4m3 with the weights staged through shared memory (from a few rows
+    # an expert on: layer._w8a8_decode_kernel)
+    "decode_wgmma_a8": ModuleSpec(
+        "decode_wgmma_a8.cu",
+        tuple(f"decode_wgmma_{m}_a8<{nt}>" for m in ("gate_up", "down") for nt in WGMMA_DECODE_TOKEN_TILES),
         archs=("sm_90a",),
     ),
 }
@@ -758,7 +796,12 @@ class KernelLibrary:
                     smem = (grouped_smem_bytes(*(int(g) for g in m.groups())) if m
                             else sm90_fp8_smem_bytes() if expr.startswith("grouped_gemm_sm90_fp8")
                             else sm90[0].smem_bytes(sm90[1]) if sm90
-                            else self.max_smem if expr == "sort_place" else 0)  # its size: the layer's experts
+                            # sizes set per launch: sort_place's by the layer's experts, the
+                            # wgmma decode's by its K (less 1 KB: its static shared memory
+                            # counts against the opt-in maximum too)
+                            else self.max_smem if expr == "sort_place"
+                            else self.max_smem - 1024 if expr.startswith("decode_wgmma_")
+                            else 0)
                     if smem:  # opt in to more than 48 KB of dynamic shared memory, once
                         drv = cupy.cuda.driver
                         drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)

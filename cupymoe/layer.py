@@ -56,6 +56,13 @@ DEFAULT_DECODE_MAX_TOKENS = 8
 DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT = {"nvfp4": 256, "mxfp4": 256, "fp8_block": 64}
 # the atomic path measured no faster than decode; it serves the decode range at most
 DEFAULT_ATOMIC_MAX_TOKENS = 8
+# w8a8 decode (fp8-block experts on sm_90a): decode_wgmma_a8.cu's kernels (weights through
+# a shared-memory ring, wgmma e4m3; two blocks an SM) where their gate/up grid holds at least
+# this many waves of blocks, the register-direct mma.sync ones of decode_mma.cu (which split
+# K to fill the GPU) below (kernels.w8a8_decode_mode). Measured (benchmarks/NOTES.md v31, µs,
+# mma -> wgmma): qwen3-30b-a3b N = 4 (1.5 waves) 55.0 -> 60.9, N = 8 (2.9) 97.0 -> 91.0;
+# deepseek-v3 N = 1 (1.0) 105.9 -> 108.3, N = 4 (3.9) 350.5 -> 326.5
+WGMMA_DECODE_MIN_WAVES = 2.0
 
 
 class MoeCallError(ValueError):
@@ -291,6 +298,7 @@ class MoeLayer:
             fp4_mode, fp8_mode = kernels.fp4_decode_mode(), kernels.fp8_decode_mode()
             self._mma_blocks_per_sm = kernels.mma_decode_blocks_per_sm()
             self._mma_down_pairs = kernels.mma_decode_down_pairs()
+            self._w8a8_decode_mode = kernels.w8a8_decode_mode()
             # the decode chain's kernels by programmatic dependent launch (sm_90+): each may
             # start under the previous one's last blocks (kernels.launch_pdl)
             self._pdl = kernels.pdl_mode() and kernels.parse_arch(self.lib.arch)[0] >= 90
@@ -585,10 +593,10 @@ class MoeLayer:
             a8_down = self._w8a8_args[4:]  # the activation's codes and scales
         with timer.stage("gate_up"):
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' experts
-                name, blocks = self._decode_kernel("gate_up", fmt, rows_per_expert, W.i_max, max_active)
                 a8 = a8_gate_up if fmt == fp8 and self._w8a8_args else ()
+                name, blocks, threads, smem = self._decode_launch("gate_up", fmt, rows_per_expert, max_active)
                 self._launch(
-                    name, (blocks, max_active), (256,),
+                    name, (blocks, max_active), (threads,),
                     (_u64(x), _u64(xe), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
                      _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_row")),
                      _u64(W.ptr("gate")), _u64(W.ptr("up")), _u64(W.ptr("gate_scale")), _u64(W.ptr("up_scale")),
@@ -597,20 +605,20 @@ class MoeLayer:
                      _u64(W.ptr("inter")), _i32(W.shared_slot), _u64(A.ptr("act")), _i32(H), _i32(W.i_max),
                      _i32(kernels.ACTIVATION_CODES[cfg.hidden_act]), _f32(cfg.swiglu_alpha), _f32(cfg.swiglu_limit),
                      *a8),
-                    s, pdl=pdl)
+                    s, smem, pdl=pdl)
         with timer.stage("down"):
             for fmt in self._format_codes:
-                name, blocks = self._decode_kernel("down", fmt, rows_per_expert, H, max_active)
                 a8 = a8_down if fmt == fp8 and self._w8a8_args else ()
+                name, blocks, threads, smem = self._decode_launch("down", fmt, rows_per_expert, max_active)
                 self._launch(
-                    name, (blocks, max_active), (256,),
+                    name, (blocks, max_active), (threads,),
                     (_u64(A.ptr("act")), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
                      _u64(A.ptr("active_start")), _u64(A.ptr("active_len")), _u64(A.ptr("sorted_pair")),
                      _u64(W.ptr("down")), _u64(W.ptr("down_scale")), _u64(W.ptr("down_gscale")),
                      _u64(W.ptr("slot_fmt")), _u64(W.ptr("down_bias")), _u64(W.ptr("inter")), _u64(A.ptr("topk_w")),
                      _u64(A.ptr("y")), _u64(A.ptr("acc")), _i32(H), _i32(W.i_max), _i32(k), _i32(N * k),
                      _i32(int(atomic)), *a8),
-                    s, pdl=pdl)
+                    s, smem, pdl=pdl)
         with timer.stage("reduce"):
             self._launch_reduce(x, xe, out, N, s, atomic, has_shared, pdl)
 
@@ -623,6 +631,40 @@ class MoeLayer:
             kernels.launch_pdl(fn, grid, block, args, s.ptr, shared_mem)
         else:
             fn(grid, block, args, stream=s, shared_mem=shared_mem)
+
+    def _decode_launch(self, stage: str, fmt: int, rows_per_expert: float,
+                       max_active: int) -> tuple[str, int, int, int]:
+        """(kernel, column blocks, threads a block, dynamic shared memory) of a decode stage
+        for the experts of format `fmt`: the wgmma w8a8 kernels where _w8a8_decode_kernel
+        takes them, else _decode_kernel's (256 threads, static shared memory only)."""
+        wg = (self._w8a8_decode_kernel(stage, rows_per_expert, max_active)
+              if fmt == kernels.FORMAT_CODES["fp8_block"] else None)
+        if wg is not None:
+            return wg
+        columns = self.weights.i_max if stage == "gate_up" else self.cfg.hidden_size
+        return (*self._decode_kernel(stage, fmt, rows_per_expert, columns, max_active), 256, 0)
+
+    def _w8a8_decode_kernel(self, stage: str, rows_per_expert: float,
+                            max_active: int) -> Optional[tuple[str, int, int, int]]:
+        """decode_wgmma_a8.cu's launch of a stage for this layer's fp8-block experts as
+        (kernel, column blocks, threads, dynamic shared memory), or None where decode_mma.cu's
+        _a8 kernels serve: w8a16, or in "auto" a gate/up grid of `max_active` experts under
+        WGMMA_DECODE_MIN_WAVES waves. A pass takes 8 rows up to 8 rows a busy expert (rarer
+        longer runs take two passes), 16 up to 16, else 32."""
+        mode = self._w8a8_decode_mode
+        if self.fp8_compute != "w8a8" or mode == "mma":
+            return None
+        H, i_max = self.cfg.hidden_size, self.weights.i_max
+        gate_up_blocks = -(-i_max // kernels.WGMMA_DECODE_GATE_UP_COLUMNS)
+        if mode == "auto" and gate_up_blocks * max_active < WGMMA_DECODE_MIN_WAVES * 2 * self._sm_count:
+            return None
+        nt = 8 if rows_per_expert <= 8 else 16 if rows_per_expert <= 16 else 32
+        if stage == "gate_up":
+            blocks, k = gate_up_blocks, H
+        else:
+            blocks, k = -(-H // kernels.WGMMA_DECODE_ROWS), i_max
+        return (f"decode_wgmma_{stage}_a8<{nt}>", blocks, kernels.WGMMA_DECODE_THREADS,
+                kernels.wgmma_decode_smem_bytes(nt, -(-k // 128)))
 
     def _decode_kernel(self, stage: str, fmt: int, rows_per_expert: float, columns: int,
                        max_active: int) -> tuple[str, int]:

@@ -80,10 +80,13 @@ def test_tensor_core_decode_with_every_k_split(k_splits, fp8_compute, rng, monke
     shared expert is fp8 next to nvfp4 routed experts (two formats, one launch each), and
     fp8 experts (H = 96 and 160: k128 steps past K read zeros) with a bf16 shared expert.
     fp8 both as w8a8 ("auto" on sm_90a: with KS blocks writing each 128-column group of the
-    activation, the last one quantizes it) and as w8a16."""
+    activation, the last one quantizes it) and as w8a16. (w8a8 on decode_mma.cu at every N:
+    where their grid fills two waves "auto" takes decode_wgmma_a8.cu's kernels, which
+    test_w8a8_decode_kernels_by_knob covers.)"""
     from cupymoe import kernels
 
     monkeypatch.setattr(kernels, "MMA_DECODE_K_SPLITS", (k_splits,))
+    monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "mma")
     for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared", "qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared"):
         cfg, hw, layer = _case(name, rng, fp8_compute=fp8_compute)
         _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} KS={k_splits} ({layer.fp8_compute})")
@@ -94,7 +97,9 @@ def test_tensor_core_decode_down_with_two_fragments_a_warp(rng, monkeypatch):
     which the layer takes only where half the blocks still fill every SM unsplit, so never
     on the tiny configs by itself: here the layer is told its GPU has one SM. Every format,
     both token passes, H = 96 and 160 (a fragment whose rows lie past H reads row H - 1
-    again and stores nothing). CUPYMOE_MMA_DECODE_DOWN_PAIRS=0 keeps one fragment."""
+    again and stores nothing). CUPYMOE_MMA_DECODE_DOWN_PAIRS=0 keeps one fragment. (w8a8
+    on decode_mma.cu at every N, as above.)"""
+    monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "mma")
     for pairs, fp8_compute in (("1", "auto"), ("0", "auto"), ("1", "w8a16")):
         monkeypatch.setenv("CUPYMOE_MMA_DECODE_DOWN_PAIRS", pairs)
         for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared", "qwen3_moe-fp8",
@@ -309,6 +314,50 @@ def test_w8a8_on_hopper_against_the_reference(rng):
                 x = well_separated_input(cfg, hw, rng, n)
                 c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
                 assert c.ok, f"{name} N={n} {path} w8a8: {c}"
+
+
+@pytest.mark.parametrize("mode", ["wgmma", "mma", "auto"])
+def test_w8a8_decode_kernels_by_knob(mode, rng, monkeypatch):
+    """CUPYMOE_W8A8_DECODE picks the w8a8 decode kernels at every N: decode_wgmma_a8.cu's
+    (weights through a shared-memory ring, wgmma e4m3) or decode_mma.cu's _a8 ones; "auto"
+    takes the wgmma ones where their gate/up grid holds WGMMA_DECODE_MIN_WAVES waves of two
+    blocks an SM (here on a "GPU" of two SMs: from 8 blocks). The wgmma kernels' pass
+    heights all run: 8 rows at N = 1 and 3, 16 at 17, 32 at 64, and runs longer than a pass
+    (the shared experts' N rows). fp8 experts with H = 96 and 160 (k128 steps past K read
+    zeros, down's 128-row tiles reach past H), a bf16 shared expert beside them, an fp8 one
+    beside nvfp4 routed experts; decode and atomic paths."""
+    import cupy
+
+    from cupymoe import kernels
+    from cupymoe.layer import WGMMA_DECODE_MIN_WAVES
+
+    cc = cupy.cuda.Device().compute_capability
+    if kernels.arch_for_capability(int(cc[:-1]), int(cc[-1])) != "sm_90a":
+        pytest.skip("w8a8 needs sm_90a")
+    monkeypatch.setenv("CUPYMOE_W8A8_DECODE", mode)
+    fp8 = kernels.FORMAT_CODES["fp8_block"]
+    heights, chosen = set(), set()
+    for name in ("qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared", "longcat_flash-fp8",
+                 "deepseek_v3-nvfp4-fp8shared"):
+        cfg, hw, layer = _case(name, rng, fp8_compute="w8a8")
+        assert layer.fp8_compute == "w8a8"
+        layer._sm_count = 2
+        for n in SMALL:
+            has_shared = 1 if cfg.has_shared_expert else 0
+            max_active = max(1, min(layer.weights.n_local, n * cfg.num_experts_per_tok) + has_shared)
+            rows = max(1.0, 2.0 * n * cfg.num_experts_per_tok / layer.weights.n_local)
+            blocks = -(-layer.weights.i_max // kernels.WGMMA_DECODE_GATE_UP_COLUMNS) * max_active
+            wg = mode == "wgmma" or (mode == "auto" and blocks >= WGMMA_DECODE_MIN_WAVES * 2 * 2)
+            for stage in ("gate_up", "down"):
+                kernel = layer._decode_launch(stage, fp8, rows, max_active)[0]
+                assert kernel.startswith("decode_wgmma_" if wg else "decode_mma_"), (name, n, kernel)
+                chosen.add(kernel.split("_")[1])
+                if wg:
+                    heights.add(int(kernel.split("<")[1].rstrip(">")))
+        _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} w8a8 decode on {mode}")
+    if mode == "wgmma":
+        assert heights == set(kernels.WGMMA_DECODE_TOKEN_TILES), heights
+    assert chosen == {"wgmma", "mma"} if mode == "auto" else {mode}, chosen
 
 
 def test_fp8_compute_refusals(rng):

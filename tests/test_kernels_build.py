@@ -31,7 +31,8 @@ def test_every_kernel_compiles_without_spills(arch, cache):
             assert r.registers > 0, f"{arch} {r.name}: no ptxas report"
             assert (r.spill_stores, r.spill_loads) == (0, 0), f"{arch} {r.name} spills: {r}"
             assert r.stack_bytes == 0, f"{arch} {r.name} uses a stack frame (local memory): {r}"
-            assert r.uses_wgmma == r.name.startswith("grouped_gemm_sm90"), f"{arch} {r.name}: wgmma {r.uses_wgmma}"
+            assert r.uses_wgmma == r.name.startswith(("grouped_gemm_sm90", "decode_wgmma_")), \
+                f"{arch} {r.name}: wgmma {r.uses_wgmma}"
     print(f"\n{arch}\n" + kernels.format_report(mods))
 
 
@@ -215,3 +216,36 @@ def test_w8a8_decode_quantizes_x_beside_the_routing_only_at_a_row_or_two():
     assert route_lists_quantizes(1, 7168) and not route_lists_quantizes(2, 7168)  # deepseek-v3
     assert route_lists_quantizes(3, 96) and not route_lists_quantizes(7, 96)
     assert not route_lists_quantizes(ROUTE_LISTS_MAX_ROWS, 96)  # no idle warp
+
+
+def test_wgmma_decode_constants_match_the_kernel_file(monkeypatch):
+    """kernels.py sizes decode_wgmma_a8.cu's launches (threads, blocks, the ring's shared
+    memory) from constants that must be the file's #defines; 8- and 16-row passes fit two
+    blocks an SM up to H = 7168 (228 KB an SM, 1 KB of it reserved a block), as the file's
+    register cap assumes, 32-row ones one. CUPYMOE_W8A8_DECODE takes only what it names."""
+    import re
+
+    src = (kernels.kernel_dir() / "decode_wgmma_a8.cu").read_text()
+    defined = {m.group(1): int(m.group(2)) for m in re.finditer(r"^#define (WG_\w+) (\d+)", src, re.M)}
+    assert defined["WG_ROWS"] == kernels.WGMMA_DECODE_ROWS == 2 * kernels.WGMMA_DECODE_GATE_UP_COLUMNS
+    assert defined["WG_STAGES"] == kernels.WGMMA_DECODE_STAGES
+    assert defined["WG_KSUB"] == kernels.WGMMA_DECODE_KSUB
+    assert defined["WG_THREADS"] == kernels.WGMMA_DECODE_THREADS
+    assert defined["WG_BK"] == 128
+    names = set(kernels.MODULES["decode_wgmma_a8"].names)
+    assert names == {f"decode_wgmma_{m}_a8<{nt}>" for m in ("gate_up", "down") for nt in kernels.WGMMA_DECODE_TOKEN_TILES}
+    sm_bytes = 228 * 1024
+    for nt, blocks in ((8, 2), (16, 2), (32, 1)):
+        for hidden in (2048, 7168):
+            need = kernels.wgmma_decode_smem_bytes(nt, hidden // 128) + 1024
+            assert blocks * need <= sm_bytes < (blocks + 1) * need, (nt, hidden, need)
+    # 1024 to align, 3 stages of (128 + 16) rows of 2 x 128 codes, 18 scales a k128 step
+    assert kernels.wgmma_decode_smem_bytes(16, 16) == 1024 + 3 * 144 * 256 + 18 * 16 * 4
+    monkeypatch.delenv("CUPYMOE_W8A8_DECODE", raising=False)
+    assert kernels.w8a8_decode_mode() == "auto"
+    for v in ("mma", "wgmma"):
+        monkeypatch.setenv("CUPYMOE_W8A8_DECODE", v)
+        assert kernels.w8a8_decode_mode() == v
+    monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "tma")
+    with pytest.raises(ValueError, match="CUPYMOE_W8A8_DECODE='tma'"):
+        kernels.w8a8_decode_mode()

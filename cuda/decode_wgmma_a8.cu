@@ -1,0 +1,318 @@
+// w8a8 decode on Hopper's fp8 tensor cores (sm_90a): fp8-block experts' weights staged
+// through shared memory by a deep cp.async ring and multiplied by wgmma e4m3 against the
+// few rows an expert got, with the GEMM's roles swapped (the weights are the M side).
+//
+//   decode_wgmma_gate_up_a8<NTOK>  act[pos, col] = act(x W_gate^T, x W_up^T) for 64 columns a
+//                       block (its stage: 64 gate rows, then the same 64 up rows), the
+//                       expert's run NTOK rows a pass; writes the bf16 activation and, the
+//                       last block of each 128-column group, its e4m3 codes (decode_a8.cuh)
+//   decode_wgmma_down_a8<NTOK>     y[pos, h] = act[pos] . W_down[h] (or, atomic, w * y added
+//                       into acc[row, h]) for 128 hidden columns a block
+//
+// Why: decode_mma.cu's _a8 kernels load the weights into registers and keep one k128 step a
+// warp in flight; on qwen3-30b-a3b at N = 64 they stream 3.3 TB/s where their own read
+// pattern alone streams 3.8-3.9 (NOTES.md v30), and sm_90 runs their mma.sync e4m3 as a
+// conversion plus an f16 MMA. Here the copies of WG_STAGES - 1 stages are in flight while a
+// stage computes, the copying threads do nothing else with them, and the products are
+// native e4m3 wgmmas: a block's 128 weight rows are two m64 tiles, its NTOK rows the n side.
+//
+// Per k128 step (one weight scale block, one activation group): the wgmmas start from zero
+// (the tensor cores' fp8 accumulation spans 128 k, as the w8a8 GEMM's) and the step's sums
+// are promoted in fp32 with the weight block's scale times each row's group scale.
+// Arguments: the decode_mma _a8 kernels' (decode_a8.cuh), so the layer launches either.
+#include "decode_a8.cuh"
+#include "gemm_common.cuh"
+#include "wgmma.cuh"
+
+#define WG_ROWS 128    // weight rows a block streams: two m64 tiles
+#define WG_BK 128      // codes of a k step: one weight scale block, one activation group
+#define WG_KSUB 2      // k steps a stage: 256 contiguous bytes of each weight row a copy
+#define WG_STAGES 3    // 2 stages (64 KB of weights) in flight a block
+#define WG_THREADS 128 // one warpgroup: it copies, multiplies and stores
+// blocks an SM the registers are capped for: the ring's shared memory leaves room for 2
+// with passes of 8 and 16 rows, 1 with 32 (kernels.wgmma_decode_smem_bytes)
+#define WG_MIN_BLOCKS(NTOK) ((NTOK) <= 16 ? 2 : 1)
+
+// d[N / 2] (m64 x nN, fp32) = (scale_d ? d : 0) + A (64 x 32, e4m3) * B (32 x N, e4m3), both
+// K-major from shared memory.
+template <int N>
+__device__ __forceinline__ void wgmma_m64k32_e4m3(float* d, u64 da, u64 db, int scale_d);
+
+template <>
+__device__ __forceinline__ void wgmma_m64k32_e4m3<8>(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_m64k32_e4m3<16>(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_m64k32_e4m3<32>(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+        "%12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// A stage: WG_KSUB k steps of the 128 weight rows (each step's 128 x 128 codes a tile,
+// 128-byte swizzled: wgmma_desc), then the same steps of the pass's NTOK rows; after the
+// WG_STAGES stages the scales of every k step of K: the two weight tiles' (gate, up;
+// down's two tiles share one block, both point at it) and each row's.
+template <int NTOK>
+__host__ __device__ constexpr int wg_stage_bytes() { return (WG_ROWS + NTOK) * WG_BK * WG_KSUB; }
+
+// Everything a block needs besides the stages' bytes: its weight rows, its pass's rows and
+// the scales of both.
+template <int NTOK>
+struct WgA8Block {
+    static constexpr int CHUNKS = WG_BK * WG_KSUB / 16;                          // 16-byte chunks a row and stage
+    static constexpr int ROWS_PER = WG_THREADS / CHUNKS;                         // rows a round of copies covers
+    static constexpr int A_PER = WG_ROWS / ROWS_PER;                             // a thread's weight rows
+    static constexpr int B_PER = (NTOK + ROWS_PER - 1) / ROWS_PER;              // and pass rows
+    const u8* a_src[A_PER];
+    bool a_ok[A_PER];
+    const u8* b_src[B_PER];
+    bool b_ok[B_PER];
+    int chunk, K, KT, KS;  // this thread's chunk of a row; K, its k steps, its stages
+    u8* stages;
+    float* sw;  // [2][KT]: the two tiles' weight scales
+    float* sx;  // [NTOK][KT]: the pass's rows' group scales (0 past the run)
+
+    // a warp's copies: ROWS_PER / 4 whole rows of a stage, 256 contiguous bytes each
+    __device__ __forceinline__ int a_row(int i) const { return threadIdx.x / CHUNKS + ROWS_PER * i; }
+    __device__ __forceinline__ int b_row(int i) const { return threadIdx.x / CHUNKS + ROWS_PER * i; }
+    __device__ __forceinline__ u8* stage(int s) const { return stages + (s % WG_STAGES) * wg_stage_bytes<NTOK>(); }
+
+    // The 16-byte copies of stage s; chunks past K and rows past the matrix or the run
+    // arrive as zeros (nothing read). Chunk c of a row lands in k step c / 8's tile.
+    __device__ __forceinline__ void copy_stage(int s) const {
+        u8* st = stage(s);
+        const int kc = s * WG_BK * WG_KSUB + chunk * 16;
+        const bool kin = kc < K;
+        const int sub = chunk / 8, c = chunk % 8;
+        u8* a_dst = st + sub * WG_ROWS * WG_BK;
+        u8* b_dst = st + WG_KSUB * WG_ROWS * WG_BK + sub * NTOK * WG_BK;
+#pragma unroll
+        for (int i = 0; i < A_PER; ++i) cp_async16(a_dst + swz128(a_row(i), c), a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
+#pragma unroll
+        for (int i = 0; i < B_PER; ++i)
+            if (b_row(i) < NTOK) cp_async16(b_dst + swz128(b_row(i), c), b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
+    }
+
+    // One pass: acc[m] (tile m's m64 x NTOK sums, fp32) over all of K. Every thread copies
+    // its chunks WG_STAGES - 1 stages ahead; a stage's barrier makes everyone's copies of it
+    // visible and frees the stage read before it. The caller has filled sw / sx (the
+    // first barrier orders them too).
+    __device__ __forceinline__ void pass(float (&acc)[2][NTOK / 2]) const {
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int i = 0; i < NTOK / 2; ++i) acc[m][i] = 0.0f;
+        const int t4 = threadIdx.x & 3;
+#pragma unroll
+        for (int s = 0; s < WG_STAGES - 1; ++s) {
+            if (s < KS) copy_stage(s);
+            cp_async_commit();
+        }
+#pragma unroll 1
+        for (int s = 0; s < KS; ++s) {
+            cp_async_wait<WG_STAGES - 2>();  // this thread's copies of stage s have landed
+            fence_proxy_async();             // ... visible to the tensor cores (async proxy)
+            __syncthreads();                 // everyone's; the stage of s - 1 is free
+            if (s + WG_STAGES - 1 < KS) copy_stage(s + WG_STAGES - 1);
+            cp_async_commit();
+            const u8* st = stage(s);
+#pragma unroll
+            for (int sub = 0; sub < WG_KSUB; ++sub) {
+                const int kt = s * WG_KSUB + sub;
+                if (kt >= KT) break;
+                const u8* a = st + sub * WG_ROWS * WG_BK;
+                const u64 da0 = wgmma_desc(a), da1 = wgmma_desc(a + 64 * WG_BK);
+                const u64 db = wgmma_desc(st + WG_KSUB * WG_ROWS * WG_BK + sub * NTOK * WG_BK);
+                float blk[2][NTOK / 2] = {};  // overwritten (scale_d = 0 at kk = 0); zeroed so no value is undefined
+                fence_acc<NTOK / 2>(blk[0]);
+                fence_acc<NTOK / 2>(blk[1]);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < WG_BK / 32; ++kk) {  // +32 bytes of K each
+                    wgmma_m64k32_e4m3<NTOK>(blk[0], da0 + 2 * kk, db + 2 * kk, kk);
+                    wgmma_m64k32_e4m3<NTOK>(blk[1], da1 + 2 * kk, db + 2 * kk, kk);
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_acc<NTOK / 2>(blk[0]);
+                fence_acc<NTOK / 2>(blk[1]);
+                // promote: element j * 4 + h * 2 + e holds column (row of the pass) 8 j + 2 t4 + e
+#pragma unroll
+                for (int j = 0; j < NTOK / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float x = sx[(8 * j + 2 * t4 + e) * KT + kt];
+#pragma unroll
+                        for (int m = 0; m < 2; ++m) {
+                            const float f = x * sw[m * KT + kt];
+                            acc[m][j * 4 + e] = fmaf(blk[m][j * 4 + e], f, acc[m][j * 4 + e]);
+                            acc[m][j * 4 + 2 + e] = fmaf(blk[m][j * 4 + 2 + e], f, acc[m][j * 4 + 2 + e]);
+                        }
+                    }
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // the stages and sx are free for the next pass
+    }
+};
+
+// The dynamic shared memory a launch needs: the stages, the scales of a K of `k_steps` k
+// steps, and room to align the stages to 1024 bytes (the swizzle's atom).
+template <int NTOK>
+__host__ __device__ constexpr int wg_smem_bytes(int k_steps) {
+    return 1024 + WG_STAGES * wg_stage_bytes<NTOK>() + (2 + NTOK) * k_steps * 4;
+}
+
+template <int NTOK>
+__device__ __forceinline__ WgA8Block<NTOK> wg_block(unsigned char* smem, int K) {
+    WgA8Block<NTOK> b;
+    const unsigned pad = (1024u - ((unsigned)__cvta_generic_to_shared(smem) & 1023u)) & 1023u;
+    b.stages = smem + pad;
+    b.K = K;
+    b.KT = (K + WG_BK - 1) / WG_BK;
+    b.KS = (b.KT + WG_KSUB - 1) / WG_KSUB;
+    b.sw = reinterpret_cast<float*>(b.stages + WG_STAGES * wg_stage_bytes<NTOK>());
+    b.sx = b.sw + 2 * b.KT;
+    b.chunk = threadIdx.x % b.CHUNKS;
+    return b;
+}
+
+// grid (ceil(I_max / 64), max_active), block WG_THREADS, dynamic shared memory
+// wg_smem_bytes<NTOK>(ceil(H / 128)). Arguments: DECODE_A8_GATE_UP_ARGS.
+template <int NTOK>
+__global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_gate_up_a8(DECODE_A8_GATE_UP_ARGS) {
+    extern __shared__ unsigned char wg_smem[];
+    pdl_wait_then_release_next();
+    const int j = blockIdx.y;
+    const int slot = decode_block_slot<FMT_FP8>(j, num_active, active_slot, slot_fmt);
+    if (slot < 0) return;
+    const int I = inter[slot], c0 = blockIdx.x * 64;
+    if (c0 >= I) return;  // past the columns: no ticket to take either
+    WgA8Block<NTOK> b = wg_block<NTOK>(wg_smem, H);
+    const u8* gate = reinterpret_cast<const u8*>(gate_ptrs[slot]);
+    const u8* up = reinterpret_cast<const u8*>(up_ptrs[slot]);
+#pragma unroll
+    for (int i = 0; i < b.A_PER; ++i) {  // rows 0-63: gate columns c0 + r, 64-127: up's
+        const int r = b.a_row(i), col = c0 + (r & 63);
+        b.a_ok[i] = col < I;
+        b.a_src[i] = (r < 64 ? gate : up) + (size_t)min(col, I - 1) * H;
+    }
+    // the tiles' weight scale rows: columns c0 .. c0 + 63 lie in block c0 / 128 of each matrix
+    const int KT = b.KT;
+    for (int i = threadIdx.x; i < 2 * KT; i += WG_THREADS) {
+        const u64 sp = i < KT ? gate_scale_ptrs[slot] : up_scale_ptrs[slot];
+        b.sw[i] = reinterpret_cast<const float*>(sp)[(size_t)(c0 >> 7) * KT + i % KT];
+    }
+    const bool shared = slot == shared_slot;  // the shared expert reads x's codes
+    const u8* q_in = shared ? qx_shared : qx;
+    const float* s_in = shared ? sx_shared : sx;
+    const float gsg = gate_gscale[slot], gsu = up_gscale[slot];
+    const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
+    const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
+    const int start = active_start[j], len = active_len[j];
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
+
+    for (int r0 = 0; r0 < len; r0 += NTOK) {
+#pragma unroll
+        for (int i = 0; i < b.B_PER; ++i) {
+            const int t = r0 + b.b_row(i);
+            b.b_ok[i] = t < len;
+            b.b_src[i] = q_in + (size_t)sorted_row[start + min(t, len - 1)] * H;
+        }
+        for (int i = threadIdx.x; i < NTOK * KT; i += WG_THREADS) {
+            const int t = r0 + i / KT;
+            b.sx[i] = t < len ? s_in[(size_t)sorted_row[start + t] * KT + i % KT] : 0.0f;
+        }
+        float acc[2][NTOK / 2];  // gate, up
+        b.pass(acc);
+#pragma unroll
+        for (int i = 0; i < NTOK / 2; ++i) {  // element (j, h, e) = 4 j + 2 h + e
+            const int col = c0 + 16 * warp + g + 8 * ((i >> 1) & 1), t = r0 + 8 * (i >> 2) + 2 * t4 + (i & 1);
+            if (col < I && t < len) {
+                const float gv = acc[0][i] * gsg + (bg ? bg[col] : 0.0f);
+                const float uv = acc[1][i] * gsu + (bu ? bu[col] : 0.0f);
+                act[(size_t)(start + t) * I_max + col] = __float2bfloat16(apply_activation(act_code, gv, uv, alpha, limit));
+            }
+        }
+    }
+    quantize_act_group_if_last(act, qact, sact, act_tickets, j, c0, 64, I, I_max, start, len);
+}
+
+// grid (ceil(H / 128), max_active), block WG_THREADS, dynamic shared memory
+// wg_smem_bytes<NTOK>(ceil(I_max / 128)). Arguments: DECODE_A8_DOWN_ARGS; outputs as
+// decode_mma_down_a8's: y[pos, h], or with `atomic` the routed pairs' w * y added into
+// acc[row, h] (the shared expert still stores y).
+template <int NTOK>
+__global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_down_a8(DECODE_A8_DOWN_ARGS) {
+    extern __shared__ unsigned char wg_smem[];
+    pdl_wait_then_release_next();
+    const int j = blockIdx.y;
+    const int slot = decode_block_slot<FMT_FP8>(j, num_active, active_slot, slot_fmt);
+    if (slot < 0) return;
+    const int h0 = blockIdx.x * WG_ROWS;
+    if (h0 >= H) return;
+    const int I = inter[slot];
+    WgA8Block<NTOK> b = wg_block<NTOK>(wg_smem, I);
+    const u8* down = reinterpret_cast<const u8*>(down_ptrs[slot]);
+#pragma unroll
+    for (int i = 0; i < b.A_PER; ++i) {
+        const int h = h0 + b.a_row(i);
+        b.a_ok[i] = h < H;
+        b.a_src[i] = down + (size_t)min(h, H - 1) * I;
+    }
+    // rows h0 .. h0 + 127 are one weight scale block: both tiles take its scales
+    const int KT = b.KT, KBI = (I_max + 127) >> 7;
+    for (int i = threadIdx.x; i < 2 * KT; i += WG_THREADS)
+        b.sw[i] = reinterpret_cast<const float*>(down_scale_ptrs[slot])[(size_t)(h0 >> 7) * KT + i % KT];
+    const float gsd = down_gscale[slot];
+    const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
+    const int start = active_start[j], len = active_len[j];
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
+
+    for (int r0 = 0; r0 < len; r0 += NTOK) {
+#pragma unroll
+        for (int i = 0; i < b.B_PER; ++i) {
+            const int t = r0 + b.b_row(i);
+            b.b_ok[i] = t < len;
+            b.b_src[i] = qact + (size_t)(start + min(t, len - 1)) * I_max;
+        }
+        for (int i = threadIdx.x; i < NTOK * KT; i += WG_THREADS) {
+            const int t = r0 + i / KT;
+            b.sx[i] = t < len ? sact[(size_t)(start + t) * KBI + i % KT] : 0.0f;
+        }
+        float c[2][NTOK / 2];  // hidden columns h0 + 0..63, h0 + 64..127
+        b.pass(c);
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int i = 0; i < NTOK / 2; ++i) {
+                const int h = h0 + 64 * m + 16 * warp + g + 8 * ((i >> 1) & 1), t = r0 + 8 * (i >> 2) + 2 * t4 + (i & 1);
+                if (h < H && t < len) {
+                    const float v = c[m][i] * gsd + (bd ? bd[h] : 0.0f);
+                    const int pos = start + t;
+                    const int pair = sorted_pair[pos];
+                    if (atomic && pair < P)
+                        atomicAdd(acc + (size_t)(pair / k) * H + h, topk_w[pair] * v);
+                    else
+                        y[(size_t)pos * H + h] = v;
+                }
+            }
+    }
+}
