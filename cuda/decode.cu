@@ -169,6 +169,55 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
                            pair_pos);
 }
 
+// The routing stage and the expert lists in one launch past decode_route_lists' rows (up to
+// the one-block sort's pairs): TOPK_LISTS_WARPS warps route the rows as topk_route does
+// (the register path where it serves, routing.cuh: the same choices and weights), then the
+// block builds the lists from the ids they wrote (build_expert_lists). One kernel boundary
+// fewer than topk_route + decode_build_lists (qwen3-30b-a3b N = 64: 6.7 and 10.6 us in
+// Nsight Compute, NOTES.md v31). Not for a split router (its copies' sum is topk_route's),
+// nor past R = 256: topk_route's register path for wider routers (route_row_vec<4>) does
+// not fit 64 registers beside the lists, and the shared-memory path's weights may differ
+// from it in their last bits.
+// grid 1, block LISTS_THREADS, dynamic smem TOPK_LISTS_WARPS (2 R + TOPK_MAX_K) floats +
+// (2 n_local + 33) ints; R <= TOPK_LISTS_MAX_R.
+#define TOPK_LISTS_MAX_R 256
+#define TOPK_LISTS_WARPS 16
+__global__ void __launch_bounds__(LISTS_THREADS)
+decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ corr_bias,
+                  const int* __restrict__ tid2eid, const int* __restrict__ token_ids, int* ids_out,
+                  float* __restrict__ w_out, int* __restrict__ err, int N, int R, int E, int k, int scoring,
+                  int n_group, int topk_group, int topk_then_softmax, int renorm, float scale, int vocab,
+                  const int* __restrict__ slot_of, int n_local, int has_shared, int* __restrict__ num_active,
+                  int* __restrict__ active_slot, int* __restrict__ active_start, int* __restrict__ active_len,
+                  int* __restrict__ sorted_row, int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
+    extern __shared__ float topk_lists_smem[];
+    pdl_wait_then_release_next();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp < TOPK_LISTS_WARPS) {
+        float* scratch = topk_lists_smem + (size_t)warp * (2 * R + TOPK_MAX_K);
+        const bool vec = vec_route_fits(4, R, k, n_group, tid2eid);
+        for (int row = warp; row < N; row += TOPK_LISTS_WARPS) {
+            bool done = false;
+            if (vec) {
+                if (R <= 128)
+                    done = route_row_vec<1>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring,
+                                            topk_then_softmax, renorm, scale, lane);
+                else if (R <= 256)
+                    done = route_row_vec<2>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring,
+                                            topk_then_softmax, renorm, scale, lane);
+            }
+            if (!done)
+                route_row(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k, scoring,
+                          n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane, false);
+            __syncwarp();  // the scratch is the next row's
+        }
+    }
+    __syncthreads();  // every row's ids, written above, are visible to the whole block
+    build_expert_lists(reinterpret_cast<int*>(topk_lists_smem + (size_t)TOPK_LISTS_WARPS * (2 * R + TOPK_MAX_K)),
+                       ids_out, N, k, slot_of, R, n_local, has_shared, num_active, active_slot, active_start,
+                       active_len, sorted_row, sorted_pair, pair_pos);
+}
+
 // grid (ceil(I_max / (DECODE_WARPS * CW)), max_active), block DECODE_WARPS * 32.
 // Each warp owns CW intermediate columns: CW gate rows and CW up rows stream together, so a
 // warp keeps 4 * CW 16-byte loads in flight and few warps cover a small step in one wave.

@@ -121,6 +121,16 @@ def pdl_mode() -> bool:
     return v == "1"
 
 
+def topk_lists_mode() -> bool:
+    """Whether the decode path past decode_route_lists' rows routes and builds the expert
+    lists in one launch (decode.cu decode_topk_lists) where one block sorts the pairs:
+    CUPYMOE_TOPK_LISTS=0 launches topk_route and decode_build_lists instead, for measurements."""
+    v = os.environ.get("CUPYMOE_TOPK_LISTS", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"CUPYMOE_TOPK_LISTS={v!r}: must be '0' or '1'")
+    return v == "1"
+
+
 # cuLaunchKernelEx's configuration (cuda.h): CUlaunchAttribute is an id padded to 8 bytes
 # and a 64-byte value union; CUlaunchConfig the grid, block, dynamic shared memory, stream
 # and the attribute array.
@@ -448,7 +458,7 @@ MODULES: dict[str, ModuleSpec] = {
                                    archs=("sm_90a",)),
     "decode": ModuleSpec(
         "decode.cu",
-        ("decode_build_lists", "decode_route_lists", "decode_reduce")
+        ("decode_build_lists", "decode_route_lists", "decode_topk_lists", "decode_reduce")
         + tuple(f"decode_gate_up<{r}, {c}, {f}>" for f in FORMAT_CODES.values() for r, c in GATE_UP_VARIANTS)
         + tuple(f"decode_down<{r}, {c}, {f}>" for f in FORMAT_CODES.values() for r, c in DOWN_VARIANTS),
     ),

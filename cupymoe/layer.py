@@ -101,6 +101,9 @@ SORT_BLOCK = 1024  # pairs per block of the multi-block sort (cuda/grouped.cu SO
 SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_build_lists)
 ROUTE_LISTS_MAX_ROWS = 8  # decode rows up to which routing and the lists are one launch (decode_route_lists)
 ROUTE_LISTS_THREADS = 256  # decode.cu: its block (one routing warp a row, so >= 32 ROUTE_LISTS_MAX_ROWS)
+LISTS_THREADS = 1024  # decode_common.cuh: the one-block list builders' block
+TOPK_LISTS_WARPS = 16  # decode.cu decode_topk_lists: its routing warps (of LISTS_THREADS)
+TOPK_LISTS_MAX_R = 256  # ... and the widest router it routes as topk_route does
 # w8a8 on the decode path: x's e4m3 codes come from decode_route_lists' idle warps (one per
 # row not routed, beside the routing) where each takes at most this many 256-column units,
 # else from the router, whose warps share them (a unit there adds ~1 us to N = 1: NOTES.md v29)
@@ -299,6 +302,7 @@ class MoeLayer:
             self._mma_blocks_per_sm = kernels.mma_decode_blocks_per_sm()
             self._mma_down_pairs = kernels.mma_decode_down_pairs()
             self._w8a8_decode_mode = kernels.w8a8_decode_mode()
+            self._topk_lists = kernels.topk_lists_mode()
             # the decode chain's kernels by programmatic dependent launch (sm_90+): each may
             # start under the previous one's last blocks (kernels.launch_pdl)
             self._pdl = kernels.pdl_mode() and kernels.parse_arch(self.lib.arch)[0] >= 90
@@ -538,12 +542,24 @@ class MoeLayer:
         # it); not on the atomic path, whose memset stands between the lists and gate/up. (The
         # prefill chain's measured the same with it and without, NOTES.md v25.)
         pdl = self._pdl and path == "decode" and not timer.separates_kernels
+        # past those rows, up to the one-block sort's pairs: top-k and the lists in one launch
+        # (x's codes made by the router then; not after a split router, whose copies top-k
+        # sums, nor for routers wider than decode_topk_lists routes as topk_route does)
+        topk_lists_smem = (TOPK_LISTS_WARPS * (2 * R + 64) + 2 * W.n_local + 33) * 4
+        topk_lists = (self._topk_lists and path != "prefill" and not route_lists and N * k <= SMALL_SORT_PAIRS
+                      and splits == 1 and R <= TOPK_LISTS_MAX_R and topk_lists_smem <= 48 * 1024)
         with timer.stage("topk"):
             if route_lists:
                 self._launch("decode_route_lists", (1,), (ROUTE_LISTS_THREADS,),
                              (*routing, _u64(W.ptr("slot_of")), _i32(W.n_local), _i32(has_shared),
                               *self._list_outputs(), _u64(x), _i32(H), _u64(qx_of_x[0]), _u64(qx_of_x[1])),
                              s, route_lists_smem, pdl=pdl)
+            elif topk_lists:
+                assert qx_of_x == (0, 0), "x's codes are the router's past decode_route_lists' rows"
+                self._launch("decode_topk_lists", (1,), (LISTS_THREADS,),
+                             (*routing, _u64(W.ptr("slot_of")), _i32(W.n_local), _i32(has_shared),
+                              *self._list_outputs()),
+                             s, topk_lists_smem, pdl=pdl)
             else:
                 warps = 4
                 self._launch("topk_route", ((N + warps - 1) // warps,), (warps * 32,),
@@ -559,7 +575,7 @@ class MoeLayer:
                              s, pdl=pdl)
         tiles_bm = (0, 0)  # the tile heights the sort built the grouped GEMMs' tiles for
         with timer.stage("sort"):
-            if not route_lists:
+            if not (route_lists or topk_lists):
                 gate_up_bm = down_bm = 0
                 if path == "prefill":
                     config, fmt0 = self._grouped_config(N), self._format_codes[0]
@@ -743,7 +759,7 @@ class MoeLayer:
         lists = (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
                  _u64(A.ptr("active_len")))
         if P <= SMALL_SORT_PAIRS:
-            self._launch("decode_build_lists", (1,), (1024,),
+            self._launch("decode_build_lists", (1,), (LISTS_THREADS,),
                          (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
                           _i32(W.n_local), _i32(has_shared), *self._list_outputs()),
                          s, (2 * W.n_local + 33) * 4, pdl=pdl)

@@ -249,3 +249,25 @@ def test_wgmma_decode_constants_match_the_kernel_file(monkeypatch):
     monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "tma")
     with pytest.raises(ValueError, match="CUPYMOE_W8A8_DECODE='tma'"):
         kernels.w8a8_decode_mode()
+
+
+def test_decode_list_builders_constants_match_the_kernel_files(monkeypatch):
+    """The layer sizes decode_topk_lists' and decode_build_lists' launches (block, routing
+    warps' scratch) from the .cu files' #defines; CUPYMOE_TOPK_LISTS takes only 0 or 1."""
+    import re
+
+    from cupymoe import layer
+
+    common = (kernels.kernel_dir() / "decode_common.cuh").read_text()
+    decode = (kernels.kernel_dir() / "decode.cu").read_text()
+    assert int(re.search(r"^#define LISTS_THREADS (\d+)", common, re.M).group(1)) == layer.LISTS_THREADS
+    assert int(re.search(r"^#define TOPK_LISTS_WARPS (\d+)", decode, re.M).group(1)) == layer.TOPK_LISTS_WARPS
+    assert int(re.search(r"^#define TOPK_LISTS_MAX_R (\d+)", decode, re.M).group(1)) == layer.TOPK_LISTS_MAX_R
+    assert layer.TOPK_LISTS_WARPS * 32 <= layer.LISTS_THREADS and layer.SMALL_SORT_PAIRS <= layer.LISTS_THREADS
+    monkeypatch.delenv("CUPYMOE_TOPK_LISTS", raising=False)
+    assert kernels.topk_lists_mode()
+    monkeypatch.setenv("CUPYMOE_TOPK_LISTS", "0")
+    assert not kernels.topk_lists_mode()
+    monkeypatch.setenv("CUPYMOE_TOPK_LISTS", "yes")
+    with pytest.raises(ValueError, match="CUPYMOE_TOPK_LISTS='yes'"):
+        kernels.topk_lists_mode()
