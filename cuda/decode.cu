@@ -170,11 +170,12 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
 }
 
 // The routing stage and the expert lists in one launch past decode_route_lists' rows (up to
-// the one-block sort's pairs): TOPK_LISTS_WARPS warps route the rows as topk_route does
+// TOPK_LISTS_WARPS rows, one a warp: at 64 rows, four a warp, it measured slower than the
+// two launches): its warps route the rows as topk_route does
 // (the register path where it serves, routing.cuh: the same choices and weights), then the
 // block builds the lists from the ids they wrote (build_expert_lists). One kernel boundary
-// fewer than topk_route + decode_build_lists (qwen3-30b-a3b N = 64: 6.7 and 10.6 us in
-// Nsight Compute, NOTES.md v31). Not for a split router (its copies' sum is topk_route's),
+// fewer than topk_route + decode_build_lists (qwen3-30b-a3b N = 16: 1.6-2 us less a layer,
+// NOTES.md v31). Not for a split router (its copies' sum is topk_route's),
 // nor past R = 256: topk_route's register path for wider routers (route_row_vec<4>) does
 // not fit 64 registers beside the lists, and the shared-memory path's weights may differ
 // from it in their last bits.

@@ -542,12 +542,15 @@ class MoeLayer:
         # it); not on the atomic path, whose memset stands between the lists and gate/up. (The
         # prefill chain's measured the same with it and without, NOTES.md v25.)
         pdl = self._pdl and path == "decode" and not timer.separates_kernels
-        # past those rows, up to the one-block sort's pairs: top-k and the lists in one launch
-        # (x's codes made by the router then; not after a split router, whose copies top-k
-        # sums, nor for routers wider than decode_topk_lists routes as topk_route does)
+        # past those rows, up to a row a routing warp: top-k and the lists in one launch (x's
+        # codes made by the router then; not after a split router, whose copies top-k sums,
+        # nor for routers wider than decode_topk_lists routes as topk_route does). Measured
+        # (NOTES.md v31): qwen3-30b-a3b N = 16 fp8 126.2 -> 124.6 us, nvfp4 116.7 -> 115.1; at
+        # N = 64, four rows a warp, slower than topk_route's 16 blocks (fp8 188.3 -> 193.5)
         topk_lists_smem = (TOPK_LISTS_WARPS * (2 * R + 64) + 2 * W.n_local + 33) * 4
-        topk_lists = (self._topk_lists and path != "prefill" and not route_lists and N * k <= SMALL_SORT_PAIRS
-                      and splits == 1 and R <= TOPK_LISTS_MAX_R and topk_lists_smem <= 48 * 1024)
+        topk_lists = (self._topk_lists and path != "prefill" and not route_lists and N <= TOPK_LISTS_WARPS
+                      and N * k <= SMALL_SORT_PAIRS and splits == 1 and R <= TOPK_LISTS_MAX_R
+                      and topk_lists_smem <= 48 * 1024)
         with timer.stage("topk"):
             if route_lists:
                 self._launch("decode_route_lists", (1,), (ROUTE_LISTS_THREADS,),

@@ -364,16 +364,16 @@ def test_w8a8_decode_kernels_by_knob(mode, rng, monkeypatch):
                                   "gpt_oss-mxfp4", "qwen3_next-nvfp4"])
 def test_topk_and_lists_in_one_launch_match_the_two(name, rng, monkeypatch):
     """decode_topk_lists (top-k and the expert lists in one launch, past decode_route_lists'
-    8 rows) gives the very bits of topk_route + decode_build_lists on the decode and atomic
-    paths: the register and the shared-memory routing (deepseek-v3's groups), zero experts
-    (longcat), a shared expert and its gate, softmax after top-k (gpt-oss)."""
+    8 rows up to 16) gives the very bits of topk_route + decode_build_lists on the decode and
+    atomic paths: the register and the shared-memory routing (deepseek-v3's groups), zero
+    experts (longcat), a shared expert and its gate, softmax after top-k (gpt-oss)."""
     outs = {}
     for knob in ("1", "0"):
         monkeypatch.setenv("CUPYMOE_TOPK_LISTS", knob)
         cfg, hw, layer = _case(name, np.random.default_rng(7))
         assert layer._topk_lists == (knob == "1")
         for path in ("decode", "atomic"):
-            for n in (9, 17, 64):
+            for n in (9, 12, 16):
                 x = well_separated_input(cfg, hw, np.random.default_rng(n), n)
                 outs[knob, path, n] = run_layer(layer, x, path)
                 if knob == "1":
