@@ -72,6 +72,12 @@ __device__ __forceinline__ void wgmma_m64k32_e4m3<32>(float* d, u64 da, u64 db, 
 template <int NTOK>
 __host__ __device__ constexpr int wg_stage_bytes() { return (WG_ROWS + NTOK) * WG_BK * WG_KSUB; }
 
+// A row of the pass: its e4m3 codes and its group scales (one per k128 step).
+struct WgRow {
+    const u8* codes;
+    const float* scales;
+};
+
 // Everything a block needs besides the stages' bytes: its weight rows, its pass's rows and
 // the scales of both.
 template <int NTOK>
@@ -93,6 +99,22 @@ struct WgA8Block {
     __device__ __forceinline__ int a_row(int i) const { return threadIdx.x / CHUNKS + ROWS_PER * i; }
     __device__ __forceinline__ int b_row(int i) const { return threadIdx.x / CHUNKS + ROWS_PER * i; }
     __device__ __forceinline__ u8* stage(int s) const { return stages + (s % WG_STAGES) * wg_stage_bytes<NTOK>(); }
+
+    // The pass's rows from run row r0 (rows past the run read its last row, as zeros) and
+    // their group scales (0 past the run): row_of(t) gives run row t's codes and scales.
+    template <class RowOf>
+    __device__ __forceinline__ void set_rows(int r0, int len, RowOf row_of) {
+#pragma unroll
+        for (int i = 0; i < B_PER; ++i) {
+            const int t = r0 + b_row(i);
+            b_ok[i] = t < len;
+            b_src[i] = row_of(min(t, len - 1)).codes;
+        }
+        for (int i = threadIdx.x; i < NTOK * KT; i += WG_THREADS) {
+            const int t = r0 + i / KT;
+            sx[i] = t < len ? row_of(t).scales[i % KT] : 0.0f;
+        }
+    }
 
     // The 16-byte copies of stage s; chunks past K and rows past the matrix or the run
     // arrive as zeros (nothing read). Chunk c of a row lands in k step c / 8's tile.
@@ -230,16 +252,10 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
 
     for (int r0 = 0; r0 < len; r0 += NTOK) {
-#pragma unroll
-        for (int i = 0; i < b.B_PER; ++i) {
-            const int t = r0 + b.b_row(i);
-            b.b_ok[i] = t < len;
-            b.b_src[i] = q_in + (size_t)sorted_row[start + min(t, len - 1)] * H;
-        }
-        for (int i = threadIdx.x; i < NTOK * KT; i += WG_THREADS) {
-            const int t = r0 + i / KT;
-            b.sx[i] = t < len ? s_in[(size_t)sorted_row[start + t] * KT + i % KT] : 0.0f;
-        }
+        b.set_rows(r0, len, [&](int t) {  // the token rows of the expert's run
+            const size_t row = sorted_row[start + t];
+            return WgRow{q_in + row * H, s_in + row * KT};
+        });
         float acc[2][NTOK / 2];  // gate, up
         b.pass(acc);
 #pragma unroll
@@ -287,16 +303,10 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
 
     for (int r0 = 0; r0 < len; r0 += NTOK) {
-#pragma unroll
-        for (int i = 0; i < b.B_PER; ++i) {
-            const int t = r0 + b.b_row(i);
-            b.b_ok[i] = t < len;
-            b.b_src[i] = qact + (size_t)(start + min(t, len - 1)) * I_max;
-        }
-        for (int i = threadIdx.x; i < NTOK * KT; i += WG_THREADS) {
-            const int t = r0 + i / KT;
-            b.sx[i] = t < len ? sact[(size_t)(start + t) * KBI + i % KT] : 0.0f;
-        }
+        b.set_rows(r0, len, [&](int t) {  // the activation's rows, by position
+            const size_t pos = start + t;
+            return WgRow{qact + pos * I_max, sact + pos * KBI};
+        });
         float c[2][NTOK / 2];  // hidden columns h0 + 0..63, h0 + 64..127
         b.pass(c);
 #pragma unroll
