@@ -95,9 +95,9 @@ struct WgA8Block {
     float* sw;  // [2][KT]: the two tiles' weight scales
     float* sx;  // [NTOK][KT]: the pass's rows' group scales (0 past the run)
 
-    // a warp's copies: ROWS_PER / 4 whole rows of a stage, 256 contiguous bytes each
-    __device__ __forceinline__ int a_row(int i) const { return threadIdx.x / CHUNKS + ROWS_PER * i; }
-    __device__ __forceinline__ int b_row(int i) const { return threadIdx.x / CHUNKS + ROWS_PER * i; }
+    // the i-th row (of the weight tile, or of the pass) whose chunk this thread copies: a
+    // warp's copies are ROWS_PER / 4 whole rows of a stage, 256 contiguous bytes each
+    __device__ __forceinline__ int row(int i) const { return threadIdx.x / CHUNKS + ROWS_PER * i; }
     __device__ __forceinline__ u8* stage(int s) const { return stages + (s % WG_STAGES) * wg_stage_bytes<NTOK>(); }
 
     // The pass's rows from run row r0 (rows past the run read its last row, as zeros) and
@@ -106,7 +106,7 @@ struct WgA8Block {
     __device__ __forceinline__ void set_rows(int r0, int len, RowOf row_of) {
 #pragma unroll
         for (int i = 0; i < B_PER; ++i) {
-            const int t = r0 + b_row(i);
+            const int t = r0 + row(i);
             b_ok[i] = t < len;
             b_src[i] = row_of(min(t, len - 1)).codes;
         }
@@ -126,10 +126,10 @@ struct WgA8Block {
         u8* a_dst = st + sub * WG_ROWS * WG_BK;
         u8* b_dst = st + WG_KSUB * WG_ROWS * WG_BK + sub * NTOK * WG_BK;
 #pragma unroll
-        for (int i = 0; i < A_PER; ++i) cp_async16(a_dst + swz128(a_row(i), c), a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
+        for (int i = 0; i < A_PER; ++i) cp_async16(a_dst + swz128(row(i), c), a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
 #pragma unroll
         for (int i = 0; i < B_PER; ++i)
-            if (b_row(i) < NTOK) cp_async16(b_dst + swz128(b_row(i), c), b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
+            if (row(i) < NTOK) cp_async16(b_dst + swz128(row(i), c), b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
     }
 
     // One pass: acc[m] (tile m's m64 x NTOK sums, fp32) over all of K. Every thread copies
@@ -195,13 +195,6 @@ struct WgA8Block {
     }
 };
 
-// The dynamic shared memory a launch needs: the stages, the scales of a K of `k_steps` k
-// steps, and room to align the stages to 1024 bytes (the swizzle's atom).
-template <int NTOK>
-__host__ __device__ constexpr int wg_smem_bytes(int k_steps) {
-    return 1024 + WG_STAGES * wg_stage_bytes<NTOK>() + (2 + NTOK) * k_steps * 4;
-}
-
 template <int NTOK>
 __device__ __forceinline__ WgA8Block<NTOK> wg_block(unsigned char* smem, int K) {
     WgA8Block<NTOK> b;
@@ -217,7 +210,7 @@ __device__ __forceinline__ WgA8Block<NTOK> wg_block(unsigned char* smem, int K) 
 }
 
 // grid (ceil(I_max / 64), max_active), block WG_THREADS, dynamic shared memory
-// wg_smem_bytes<NTOK>(ceil(H / 128)). Arguments: DECODE_A8_GATE_UP_ARGS.
+// kernels.wgmma_decode_smem_bytes(NTOK, ceil(H / 128)). Arguments: DECODE_A8_GATE_UP_ARGS.
 template <int NTOK>
 __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_gate_up_a8(DECODE_A8_GATE_UP_ARGS) {
     extern __shared__ unsigned char wg_smem[];
@@ -232,7 +225,7 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
     const u8* up = reinterpret_cast<const u8*>(up_ptrs[slot]);
 #pragma unroll
     for (int i = 0; i < b.A_PER; ++i) {  // rows 0-63: gate columns c0 + r, 64-127: up's
-        const int r = b.a_row(i), col = c0 + (r & 63);
+        const int r = b.row(i), col = c0 + (r & 63);
         b.a_ok[i] = col < I;
         b.a_src[i] = (r < 64 ? gate : up) + (size_t)min(col, I - 1) * H;
     }
@@ -272,7 +265,8 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
 }
 
 // grid (ceil(H / 128), max_active), block WG_THREADS, dynamic shared memory
-// wg_smem_bytes<NTOK>(ceil(I_max / 128)). Arguments: DECODE_A8_DOWN_ARGS; outputs as
+// kernels.wgmma_decode_smem_bytes(NTOK, ceil(I_max / 128)): the stages, aligned to 1024 bytes
+// (the swizzle's atom), and every k step's scales. Arguments: DECODE_A8_DOWN_ARGS; outputs as
 // decode_mma_down_a8's: y[pos, h], or with `atomic` the routed pairs' w * y added into
 // acc[row, h] (the shared expert still stores y).
 template <int NTOK>
@@ -289,7 +283,7 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
     const u8* down = reinterpret_cast<const u8*>(down_ptrs[slot]);
 #pragma unroll
     for (int i = 0; i < b.A_PER; ++i) {
-        const int h = h0 + b.a_row(i);
+        const int h = h0 + b.row(i);
         b.a_ok[i] = h < H;
         b.a_src[i] = down + (size_t)min(h, H - 1) * I;
     }

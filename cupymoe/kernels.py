@@ -220,7 +220,7 @@ def w8a8_decode_mode() -> str:
 
 def wgmma_decode_smem_bytes(token_tile: int, k_steps: int) -> int:
     """Dynamic shared memory of a decode_wgmma_*_a8<token_tile> launch whose K has `k_steps`
-    k128 steps (the .cu's wg_smem_bytes): 1024 to align the ring, its stages (the weight
+    k128 steps (the layout of decode_wgmma_a8.cu's wg_block): 1024 to align the ring, its stages (the weight
     rows and the pass's rows, 128 codes each a k step), and every step's scales (two weight
     tiles', each row's)."""
     stage = (WGMMA_DECODE_ROWS + token_tile) * 128 * WGMMA_DECODE_KSUB
