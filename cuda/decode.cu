@@ -196,20 +196,11 @@ decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ co
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp < TOPK_LISTS_WARPS) {
         float* scratch = topk_lists_smem + (size_t)warp * (2 * R + TOPK_MAX_K);
-        const bool vec = vec_route_fits(4, R, k, n_group, tid2eid);
         for (int row = warp; row < N; row += TOPK_LISTS_WARPS) {
-            bool done = false;
-            if (vec) {
-                if (R <= 128)
-                    done = route_row_vec<1>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring,
-                                            topk_then_softmax, renorm, scale, lane);
-                else if (R <= 256)
-                    done = route_row_vec<2>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring,
-                                            topk_then_softmax, renorm, scale, lane);
-            }
-            if (!done)
-                route_row(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k, scoring,
-                          n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane, false);
+            // R <= TOPK_LISTS_MAX_R: topk_route's register path for wider routers (4
+            // registers a lane) does not fit beside the lists
+            route_row_topk<2>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k,
+                              scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane);
             __syncwarp();  // the scratch is the next row's
         }
     }

@@ -593,3 +593,31 @@ __device__ __forceinline__ void route_row(int row, float* s, const float* logits
         for (int j = 0; j < k; ++j) ids[j] = sel[j];
     }
 }
+
+// One row's routing as topk_route does it (and decode_topk_lists, which must give its very
+// bits): the register path route_row_vec<Q> where it serves the router (Q = 1, 2 or, when
+// MAX_Q allows, 4 registers of 128 logits a lane), else the shared-memory route_row.
+// `scratch`: the warp's 2 R + TOPK_MAX_K floats.
+template <int MAX_Q>
+__device__ __forceinline__ void route_row_topk(int row, float* scratch, const float* logits,
+                                               const float* __restrict__ corr_bias, const int* __restrict__ tid2eid,
+                                               const int* __restrict__ token_ids, int* __restrict__ ids_out,
+                                               float* __restrict__ w_out, int* __restrict__ err, int R, int E, int k,
+                                               int scoring, int n_group, int topk_group, int topk_then_softmax,
+                                               int renorm, float scale, int vocab, int lane) {
+    bool done = false;
+    if (vec_route_fits(4, R, k, n_group, tid2eid)) {
+        if (R <= 128)
+            done = route_row_vec<1>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring, topk_then_softmax,
+                                    renorm, scale, lane);
+        else if (R <= 256)
+            done = route_row_vec<2>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring, topk_then_softmax,
+                                    renorm, scale, lane);
+        else if (MAX_Q >= 4)  // (the instantiation without it names route_row_vec<2> here, never run)
+            done = route_row_vec<(MAX_Q >= 4 ? 4 : 2)>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring,
+                                                      topk_then_softmax, renorm, scale, lane);
+    }
+    if (!done)
+        route_row(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k, scoring, n_group,
+                  topk_group, topk_then_softmax, renorm, scale, vocab, lane, false);
+}

@@ -34,21 +34,8 @@ topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router 
         __syncwarp();
     }
     float* scratch = smem + (size_t)warp * (2 * R + TOPK_MAX_K);
-    bool done = false;  // the register path where it serves the router (route_row_vec), else route_row
-    if (vec_route_fits(4, R, k, n_group, tid2eid)) {
-        if (R <= 128)
-            done = route_row_vec<1>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring, topk_then_softmax,
-                                    renorm, scale, lane);
-        else if (R <= 256)
-            done = route_row_vec<2>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring, topk_then_softmax,
-                                    renorm, scale, lane);
-        else
-            done = route_row_vec<4>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring, topk_then_softmax,
-                                    renorm, scale, lane);
-    }
-    if (!done)
-        route_row(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k, scoring, n_group,
-                  topk_group, topk_then_softmax, renorm, scale, vocab, lane, false);
+    route_row_topk<4>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k, scoring,
+                      n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane);
 #if CUPYMOE_SM >= 89
     // w8a8: x's e4m3 codes for the fp8 gate/up GEMM. x is the caller's, so no stage of ours
     // produces it; its quantization rides in this one-warp-per-row stage instead of a launch.
