@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import numpy as np
@@ -33,9 +34,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+pytest_plugins = ["pytester"]  # tests/test_conftest.py runs this file's hooks on a test of its own
+
+_SEEDS: dict[str, int] = {}  # module name -> the seed of its rng
+
+
 @pytest.fixture(scope="module")
-def rng():
-    """A fresh random generator per test module, its seed printed (rerun a failure with it)."""
-    seed = time.time_ns() % 2**31
+def rng(request):
+    """A fresh random generator per test module: seeded from CUPYMOE_TEST_SEED where set, else
+    from the clock. A failing test's report names the seed (its module's tests draw from one
+    generator in order, so rerunning the module with CUPYMOE_TEST_SEED replays the draws)."""
+    env = os.environ.get("CUPYMOE_TEST_SEED")
+    seed = int(env) if env else time.time_ns() % 2**31
+    _SEEDS[request.module.__name__] = seed
     print(f"seed {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = _SEEDS.get(getattr(item.module, "__name__", ""))
+    if report.failed and seed is not None and "rng" in item.fixturenames:
+        report.sections.append(("rng seed", f"this module's rng seed {seed}: rerun the module with "
+                                            f"CUPYMOE_TEST_SEED={seed} to replay its draws"))
