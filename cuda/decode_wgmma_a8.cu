@@ -116,8 +116,10 @@ struct WgA8Block {
         }
     }
 
-    // The 16-byte copies of stage s; chunks past K and rows past the matrix or the run
-    // arrive as zeros (nothing read). Chunk c of a row lands in k step c / 8's tile.
+    // The 16-byte copies of stage s, its weight rows' (WEIGHTS) and its pass rows' (ROWS);
+    // chunks past K and rows past the matrix or the run arrive as zeros (nothing read).
+    // Chunk c of a row lands in k step c / 8's tile.
+    template <bool WEIGHTS, bool ROWS>
     __device__ __forceinline__ void copy_stage(int s) const {
         u8* st = stage(s);
         const int kc = s * WG_BK * WG_KSUB + chunk * 16;
@@ -125,18 +127,32 @@ struct WgA8Block {
         const int sub = chunk / 8, c = chunk % 8;
         u8* a_dst = st + sub * WG_ROWS * WG_BK;
         u8* b_dst = st + WG_KSUB * WG_ROWS * WG_BK + sub * NTOK * WG_BK;
+        if (WEIGHTS)
 #pragma unroll
-        for (int i = 0; i < A_PER; ++i) cp_async16(a_dst + swz128(row(i), c), a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
+            for (int i = 0; i < A_PER; ++i)
+                cp_async16(a_dst + swz128(row(i), c), a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
+        if (ROWS)
 #pragma unroll
-        for (int i = 0; i < B_PER; ++i)
-            if (row(i) < NTOK) cp_async16(b_dst + swz128(row(i), c), b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
+            for (int i = 0; i < B_PER; ++i)
+                if (row(i) < NTOK) cp_async16(b_dst + swz128(row(i), c), b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
+    }
+
+    // The weight rows of the first WG_STAGES - 1 stages, as one group of copies ahead of a
+    // first pass that takes `weights_ahead` (down: issued before the block waits for gate/up).
+    __device__ __forceinline__ void copy_weights_ahead() const {
+#pragma unroll
+        for (int s = 0; s < WG_STAGES - 1; ++s)
+            if (s < KS) copy_stage<true, false>(s);
+        cp_async_commit();
     }
 
     // One pass: acc[m] (tile m's m64 x NTOK sums, fp32) over all of K. Every thread copies
     // its chunks WG_STAGES - 1 stages ahead; a stage's barrier makes everyone's copies of it
     // visible and frees the stage read before it. The caller has filled sw / sx (the
-    // first barrier orders them too).
-    __device__ __forceinline__ void pass(float (&acc)[2][NTOK / 2]) const {
+    // first barrier orders them too). `weights_ahead`: copy_weights_ahead issued the first
+    // stages' weight rows (an older group than these stages' own, so every wait below that
+    // covers a stage's group covers its weights too).
+    __device__ __forceinline__ void pass(float (&acc)[2][NTOK / 2], bool weights_ahead = false) const {
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -144,7 +160,12 @@ struct WgA8Block {
         const int t4 = threadIdx.x & 3;
 #pragma unroll
         for (int s = 0; s < WG_STAGES - 1; ++s) {
-            if (s < KS) copy_stage(s);
+            if (s < KS) {
+                if (weights_ahead)
+                    copy_stage<false, true>(s);
+                else
+                    copy_stage<true, true>(s);
+            }
             cp_async_commit();
         }
 #pragma unroll 1
@@ -152,7 +173,7 @@ struct WgA8Block {
             cp_async_wait<WG_STAGES - 2>();  // this thread's copies of stage s have landed
             fence_proxy_async();             // ... visible to the tensor cores (async proxy)
             __syncthreads();                 // everyone's; the stage of s - 1 is free
-            if (s + WG_STAGES - 1 < KS) copy_stage(s + WG_STAGES - 1);
+            if (s + WG_STAGES - 1 < KS) copy_stage<true, true>(s + WG_STAGES - 1);
             cp_async_commit();
             const u8* st = stage(s);
 #pragma unroll
@@ -272,7 +293,10 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
 template <int NTOK>
 __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_down_a8(DECODE_A8_DOWN_ARGS) {
     extern __shared__ unsigned char wg_smem[];
-    pdl_wait_then_release_next();
+    // Before the wait for gate/up (PDL), what does not come from it: the expert's run (the
+    // lists, made by a launch before gate/up, which passed its own wait for them before this
+    // grid could launch), its weight rows and their scales, and the first stages' weights,
+    // so the stream is in flight when gate/up ends.
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT_FP8>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;
@@ -295,6 +319,8 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
     const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
+    b.copy_weights_ahead();
+    pdl_wait_then_release_next();  // gate/up's activation codes and scales from here on
 
     for (int r0 = 0; r0 < len; r0 += NTOK) {
         b.set_rows(r0, len, [&](int t) {  // the activation's rows, by position
@@ -302,7 +328,7 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
             return WgRow{qact + pos * I_max, sact + pos * KBI};
         });
         float c[2][NTOK / 2];  // hidden columns h0 + 0..63, h0 + 64..127
-        b.pass(c);
+        b.pass(c, r0 == 0);
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
