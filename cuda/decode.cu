@@ -45,11 +45,11 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restr
                    int n_local, int has_shared,
                    int* __restrict__ num_active, int* __restrict__ active_slot, int* __restrict__ active_start,
                    int* __restrict__ active_len, int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
-                   int* __restrict__ pair_pos) {
+                   int* __restrict__ pair_pos, int* __restrict__ slot_active) {
     extern __shared__ int sm[];
     pdl_wait_then_release_next();
     build_expert_lists(sm, ids, N, k, slot_of, R, n_local, has_shared, num_active, active_slot, active_start,
-                       active_len, sorted_row, sorted_pair, pair_pos);
+                       active_len, sorted_row, sorted_pair, pair_pos, slot_active);
 }
 
 // The expert lists of a few pairs (decode_route_lists), the same lists as
@@ -64,7 +64,8 @@ __device__ __forceinline__ void build_few_expert_lists(int* sm, const int* ids, 
                                                        int has_shared, int* __restrict__ num_active,
                                                        int* __restrict__ active_slot, int* __restrict__ active_start,
                                                        int* __restrict__ active_len, int* __restrict__ sorted_row,
-                                                       int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
+                                                       int* __restrict__ sorted_pair, int* __restrict__ pair_pos,
+                                                       int* __restrict__ slot_active) {
     const int P = N * k;
     int* slot = sm;       // [P]: pair p's table slot, -1 when nobody's here
     int* first = sm + P;  // [P]: 1 where p is its slot's first pair
@@ -72,6 +73,7 @@ __device__ __forceinline__ void build_few_expert_lists(int* sm, const int* ids, 
         const int e = ids[(p / k) * ids_stride + p % k];
         slot[p] = e >= 0 && e < R ? slot_of[e] : -1;
     }
+    for (int e = threadIdx.x; e <= n_local; e += blockDim.x) slot_active[e] = -1;  // the active ones below
     __syncthreads();
     int owned = 0;  // pairs on this rank: the shared expert's rows follow them
     for (int p = threadIdx.x; p < P; p += blockDim.x) {
@@ -109,6 +111,7 @@ __device__ __forceinline__ void build_few_expert_lists(int* sm, const int* ids, 
             active_slot[a] = sl;
             active_start[a] = start;
             active_len[a] = len;
+            slot_active[sl] = a;
         }
     }
     if (threadIdx.x == 0 && P > 0) {  // thread 0 took pair 0, so its counts cover every pair
@@ -116,6 +119,7 @@ __device__ __forceinline__ void build_few_expert_lists(int* sm, const int* ids, 
             active_slot[active] = n_local;
             active_start[active] = owned;
             active_len[active] = N;
+            slot_active[n_local] = active;
         }
         *num_active = active + (has_shared ? 1 : 0);
     }
@@ -142,7 +146,8 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
                    const int* __restrict__ slot_of, int n_local, int has_shared, int* __restrict__ num_active,
                    int* __restrict__ active_slot, int* __restrict__ active_start, int* __restrict__ active_len,
                    int* __restrict__ sorted_row, int* __restrict__ sorted_pair, int* __restrict__ pair_pos,
-                   const bf16* __restrict__ x, int H, u8* __restrict__ qx, float* __restrict__ sx) {
+                   int* __restrict__ slot_active, const bf16* __restrict__ x, int H, u8* __restrict__ qx,
+                   float* __restrict__ sx) {
     extern __shared__ float route_smem[];
     pdl_wait_then_release_next();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -166,7 +171,7 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
     build_few_expert_lists(reinterpret_cast<int*>(route_smem + (size_t)N * stride),
                            reinterpret_cast<const int*>(route_smem) + 2 * R, stride, N, k, slot_of, R, n_local,
                            has_shared, num_active, active_slot, active_start, active_len, sorted_row, sorted_pair,
-                           pair_pos);
+                           pair_pos, slot_active);
 }
 
 // The routing stage and the expert lists in one launch past decode_route_lists' rows (up to
@@ -190,7 +195,8 @@ decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ co
                   int n_group, int topk_group, int topk_then_softmax, int renorm, float scale, int vocab,
                   const int* __restrict__ slot_of, int n_local, int has_shared, int* __restrict__ num_active,
                   int* __restrict__ active_slot, int* __restrict__ active_start, int* __restrict__ active_len,
-                  int* __restrict__ sorted_row, int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
+                  int* __restrict__ sorted_row, int* __restrict__ sorted_pair, int* __restrict__ pair_pos,
+                  int* __restrict__ slot_active) {
     extern __shared__ float topk_lists_smem[];
     pdl_wait_then_release_next();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -207,7 +213,7 @@ decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ co
     __syncthreads();  // every row's ids, written above, are visible to the whole block
     build_expert_lists(reinterpret_cast<int*>(topk_lists_smem + (size_t)TOPK_LISTS_WARPS * (2 * R + TOPK_MAX_K)),
                        ids_out, N, k, slot_of, R, n_local, has_shared, num_active, active_slot, active_start,
-                       active_len, sorted_row, sorted_pair, pair_pos);
+                       active_len, sorted_row, sorted_pair, pair_pos, slot_active);
 }
 
 // grid (ceil(I_max / (DECODE_WARPS * CW)), max_active), block DECODE_WARPS * 32.

@@ -11,11 +11,13 @@
 // routed experts' input: the norm's output's where there is a pre-expert norm), those of x
 // for the shared expert (the same buffers unless that norm makes them differ), and the
 // activation's codes [positions, I_max] and scales [positions, ceil(I_max / 128)];
-// gate/up's `act_tickets` [max_active, ceil(I_max / 128)] (zeros between launches).
+// gate/up's `act_tickets` [max_active, ceil(I_max / 128)] (zeros between launches), and
+// `slot_active` (the lists' slot -> active index) where the wgmma gate/up's grid is by table
+// slot (null: by active index, as every other decode kernel's; decode_mma.cu's ignore it).
 #define DECODE_A8_GATE_UP_ARGS                                                                              \
     DECODE_GATE_UP_ARGS, const u8 *__restrict__ qx, const float *__restrict__ sx,                           \
         const u8 *__restrict__ qx_shared, const float *__restrict__ sx_shared, u8 *__restrict__ qact,      \
-        float *__restrict__ sact, int *__restrict__ act_tickets
+        float *__restrict__ sact, int *__restrict__ act_tickets, const int *__restrict__ slot_active
 #define DECODE_A8_DOWN_ARGS DECODE_DOWN_ARGS, const u8 *__restrict__ qact, const float *__restrict__ sact
 
 // The activation's quantization, in the kernel that produces it: a 128-column group of an

@@ -49,6 +49,8 @@ __device__ __forceinline__ int decode_block_slot(int j, const int* __restrict__ 
 // another rank's expert and for zero experts; ids outside 0..R-1 (-1 from a bad hash
 // token) are nobody's. Unowned pairs get pair_pos = -1.
 // Stable: positions within an expert follow pair order, so the layout is deterministic.
+// slot_active[slot] (n_local + 1 of them): the slot's active index, -1 where nobody chose
+// it (the wgmma gate/up's blocks by slot look theirs up: decode_wgmma_a8.cu).
 // `ids` is not __restrict__: decode_route_lists wrote it in the same launch, so its loads
 // must not take the read-only (non-coherent) path.
 __device__ __forceinline__ void build_expert_lists(int* sm, const int* ids, int N, int k,
@@ -56,7 +58,7 @@ __device__ __forceinline__ void build_expert_lists(int* sm, const int* ids, int 
                                                    int* __restrict__ num_active, int* __restrict__ active_slot,
                                                    int* __restrict__ active_start, int* __restrict__ active_len,
                                                    int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
-                                                   int* __restrict__ pair_pos) {
+                                                   int* __restrict__ pair_pos, int* __restrict__ slot_active) {
     int* cnt = sm;                      // [n_local]
     int* start = cnt + n_local;         // [n_local]
     int* warp_totals = start + n_local;  // [LISTS_THREADS / 32 + 1]
@@ -77,6 +79,7 @@ __device__ __forceinline__ void build_expert_lists(int* sm, const int* ids, int 
         int tot_c, tot_a;
         const int off = block_exclusive_scan_1024(c, warp_totals, tot_c);
         const int aidx = block_exclusive_scan_1024(c > 0 ? 1 : 0, warp_totals, tot_a);
+        if (e < n_local) slot_active[e] = c > 0 ? act_base + aidx : -1;
         if (c > 0) {
             start[e] = pos_base + off;
             active_slot[act_base + aidx] = e;
@@ -110,6 +113,7 @@ __device__ __forceinline__ void build_expert_lists(int* sm, const int* ids, int 
             active_slot[act_base] = n_local;
             active_start[act_base] = pos_base;
             active_len[act_base] = N;
+            slot_active[n_local] = act_base;
         }
     }
     if (threadIdx.x == 0) *num_active = act_base + (has_shared ? 1 : 0);

@@ -230,15 +230,25 @@ __device__ __forceinline__ WgA8Block<NTOK> wg_block(unsigned char* smem, int K) 
     return b;
 }
 
-// grid (ceil(I_max / 64), max_active), block WG_THREADS, dynamic shared memory
+// grid (ceil(I_max / 64), max_active), or with `slot_active` (ceil(I_max / 64), n_local + 1
+// with a shared expert, else n_local), block WG_THREADS, dynamic shared memory
 // kernels.wgmma_decode_smem_bytes(NTOK, ceil(H / 128)). Arguments: DECODE_A8_GATE_UP_ARGS.
+// With `slot_active` a block is a table slot's: its weight rows, their scales and the first
+// stages' weight copies go out before it waits for the lists (PDL; the launch right before
+// makes them), so the stream is in flight as they land; a slot nobody chose wastes that
+// (the layer takes this where nearly every expert is chosen). Else a block is an active
+// expert's and it waits first.
 template <int NTOK>
 __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_gate_up_a8(DECODE_A8_GATE_UP_ARGS) {
     extern __shared__ unsigned char wg_smem[];
-    pdl_wait_then_release_next();
-    const int j = blockIdx.y;
-    const int slot = decode_block_slot<FMT_FP8>(j, num_active, active_slot, slot_fmt);
-    if (slot < 0) return;
+    int j = blockIdx.y, slot = blockIdx.y;
+    if (slot_active) {
+        if (slot_fmt[slot] != FMT_FP8) return;  // another format's launch serves it
+    } else {
+        pdl_wait_then_release_next();
+        slot = decode_block_slot<FMT_FP8>(j, num_active, active_slot, slot_fmt);
+        if (slot < 0) return;
+    }
     const int I = inter[slot], c0 = blockIdx.x * 64;
     if (c0 >= I) return;  // past the columns: no ticket to take either
     WgA8Block<NTOK> b = wg_block<NTOK>(wg_smem, H);
@@ -262,6 +272,15 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
     const float gsg = gate_gscale[slot], gsu = up_gscale[slot];
     const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
     const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
+    if (slot_active) {
+        b.copy_weights_ahead();
+        pdl_wait_then_release_next();  // the lists from here on
+        j = slot_active[slot];
+        if (j < 0) {  // nobody chose the expert: the copies were for nothing
+            cp_async_wait<0>();
+            return;
+        }
+    }
     const int start = active_start[j], len = active_len[j];
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
 
@@ -271,7 +290,7 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
             return WgRow{q_in + row * H, s_in + row * KT};
         });
         float acc[2][NTOK / 2];  // gate, up
-        b.pass(acc);
+        b.pass(acc, r0 == 0 && slot_active);
 #pragma unroll
         for (int i = 0; i < NTOK / 2; ++i) {  // element (j, h, e) = 4 j + 2 h + e
             const int col = c0 + 16 * warp + g + 8 * ((i >> 1) & 1), t = r0 + 8 * (i >> 2) + 2 * t4 + (i & 1);

@@ -63,6 +63,24 @@ DEFAULT_ATOMIC_MAX_TOKENS = 8
 # mma -> wgmma): qwen3-30b-a3b N = 4 (1.5 waves) 55.0 -> 60.9, N = 8 (2.9) 97.0 -> 91.0;
 # deepseek-v3 N = 1 (1.0) 105.9 -> 108.3, N = 4 (3.9) 350.5 -> 326.5
 WGMMA_DECODE_MIN_WAVES = 2.0
+# ... and their gate/up's grid by table slot, each block's first weight stages copied before
+# it waits for the lists, where the blocks of experts nobody chose are expected to copy at
+# most this many bytes for nothing (n_local (1 - k/E)^N experts, each its gate/up blocks'
+# first stages: gate_up_ahead_waste). Measured (NOTES.md v32, µs, by active expert -> by
+# slot): qwen3-30b-a3b N = 32 157.5-157.9 -> 152.2-152.5 (12 MiB expected for nothing),
+# N = 64 181.9-182.3 -> 175.1-175.3 (1.5 MiB); deepseek-v3 N = 64 1449.7-1450.0 -> 1499.5-1499.8
+# (67 MiB)
+WGMMA_GATE_UP_AHEAD_MAX_WASTE = 16 << 20
+
+
+def gate_up_ahead_waste(n_local: int, num_experts: int, k: int, num_tokens: int, i_max: int) -> float:
+    """Bytes the wgmma gate/up's blocks by slot are expected to copy for nothing at
+    `num_tokens` rows: the experts nobody chose (each with chance (1 - k/E)^N, rows choosing
+    independently), each its gate/up blocks' first WGMMA_DECODE_STAGES - 1 stages of weights."""
+    E = max(num_experts, 1)
+    idle = n_local * (1.0 - min(k, E) / E) ** num_tokens
+    ahead = (kernels.WGMMA_DECODE_STAGES - 1) * kernels.WGMMA_DECODE_ROWS * 128 * kernels.WGMMA_DECODE_KSUB
+    return idle * -(-i_max // kernels.WGMMA_DECODE_GATE_UP_COLUMNS) * ahead
 
 
 class MoeCallError(ValueError):
@@ -196,6 +214,7 @@ def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
         BufferSpec("sorted_row", P * 4, "sort", "gate_up"),
         BufferSpec("sorted_pair", P * 4, "sort", "down"),
         BufferSpec("pair_pos", (T * k + T) * 4, "sort", "reduce"),
+        BufferSpec("slot_active", (n_local + 1) * 4, "sort", "gate_up"),  # decode lists: slot -> active index
         BufferSpec("xg", P * H * 2 if gathered_inputs else 0, "gate_up", "gate_up"),
         BufferSpec("act", P * i_max * 2, "gate_up", "down"),
         BufferSpec("y", Pd * H * 4, "down", "reduce"),  # decode: fp32 expert outputs
@@ -607,13 +626,19 @@ class MoeLayer:
         # w8a8: the fp8 experts' kernels read the inputs' e4m3 codes (made by the routing stage
         # or the norm), and gate/up writes the activation's next to its bf16 values
         fp8 = kernels.FORMAT_CODES["fp8_block"]
-        if self._w8a8_args:
-            a8_gate_up = (*self._w8a8_args, _u64(A.ptr("act_tickets")))
-            a8_down = self._w8a8_args[4:]  # the activation's codes and scales
+        # the wgmma gate/up's blocks by table slot, their weights in flight before the lists
+        # land, where one list builder made them (with slot_active) and the blocks of experts
+        # nobody chose would copy few bytes for nothing (WGMMA_GATE_UP_AHEAD_MAX_WASTE)
+        waste = gate_up_ahead_waste(W.n_local, cfg.num_experts, k, N, W.i_max)
+        by_slot = (N * k <= SMALL_SORT_PAIRS and waste <= WGMMA_GATE_UP_AHEAD_MAX_WASTE
+                   and max_active == W.n_local + has_shared)
         with timer.stage("gate_up"):
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' experts
-                a8 = a8_gate_up if fmt == fp8 and self._w8a8_args else ()
                 name, blocks, threads, smem = self._decode_launch("gate_up", fmt, rows_per_expert, max_active)
+                slot_grid = by_slot and name.startswith("decode_wgmma_")
+                a8 = ()
+                if fmt == fp8 and self._w8a8_args:
+                    a8 = (*self._w8a8_args, _u64(A.ptr("act_tickets")), _u64(A.ptr("slot_active") if slot_grid else 0))
                 self._launch(
                     name, (blocks, max_active), (threads,),
                     (_u64(x), _u64(xe), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
@@ -627,7 +652,7 @@ class MoeLayer:
                     s, smem, pdl=pdl)
         with timer.stage("down"):
             for fmt in self._format_codes:
-                a8 = a8_down if fmt == fp8 and self._w8a8_args else ()
+                a8 = self._w8a8_args[4:] if fmt == fp8 and self._w8a8_args else ()  # the activation's codes, scales
                 name, blocks, threads, smem = self._decode_launch("down", fmt, rows_per_expert, max_active)
                 self._launch(
                     name, (blocks, max_active), (threads,),
@@ -748,7 +773,7 @@ class MoeLayer:
         """The expert lists' buffers, as decode_build_lists writes them."""
         A = self.arena
         return tuple(_u64(A.ptr(n)) for n in ("num_active", "active_slot", "active_start", "active_len",
-                                               "sorted_row", "sorted_pair", "pair_pos"))
+                                               "sorted_row", "sorted_pair", "pair_pos", "slot_active"))
 
     def _launch_sort(self, N: int, s, has_shared: int, tile_bm: int = 0, down_bm: int = 0,
                      pdl: bool = False) -> tuple[int, int]:

@@ -361,6 +361,40 @@ def test_w8a8_decode_kernels_by_knob(mode, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared", "longcat_flash-fp8",
+                                  "deepseek_v3-nvfp4-fp8shared"])
+def test_wgmma_gate_up_by_slot_matches_by_active_expert(name, monkeypatch):
+    """decode_wgmma_gate_up_a8's grid by table slot (each block's first weight stages copied
+    before it waits for the lists, its active index looked up in slot_active after) gives
+    the very bits of its grid by active expert, on the decode path, and matches the
+    reference on the decode and atomic paths; forced at every N where the grid covers every
+    slot (layer.WGMMA_GATE_UP_AHEAD_MAX_WASTE unbounded), so N = 4 and 5 leave experts nobody
+    chose (their blocks copy and leave), with a bf16 shared expert beside (its slot's block
+    leaves the fp8 launch), zero experts, and an fp8 shared expert beside nvfp4 routed ones
+    (the fp8 launch's only slot)."""
+    import cupy
+
+    from cupymoe import kernels, layer as layer_mod
+
+    cc = cupy.cuda.Device().compute_capability
+    if kernels.arch_for_capability(int(cc[:-1]), int(cc[-1])) != "sm_90a":
+        pytest.skip("w8a8 needs sm_90a")
+    monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "wgmma")
+    outs = {}
+    for chosen in (float("inf"), -1.0):  # every slot's block where the grid covers them all; never
+        monkeypatch.setattr(layer_mod, "WGMMA_GATE_UP_AHEAD_MAX_WASTE", chosen)
+        cfg, hw, layer = _case(name, np.random.default_rng(3), fp8_compute="w8a8")
+        for path in ("decode", "atomic"):
+            for n in (1, 4, 5, 17, 64):
+                x = well_separated_input(cfg, hw, np.random.default_rng(n), n)
+                outs[chosen, path, n] = run_layer(layer, x, path)
+                c = check(outs[chosen, path, n], cfg, hw, x, path, layer=layer)
+                assert c.ok, f"{name} N={n} {path} waste <= {chosen}: {c}"
+    for (chosen, path, n), out in outs.items():
+        if path == "decode":  # the atomic path's float atomics may sum in any order
+            assert np.array_equal(out, outs[-1.0, path, n]), f"{name} N={n}: by slot, bits differ"
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared", "longcat_flash-fp8",
                                   "gpt_oss-mxfp4", "qwen3_next-nvfp4"])
 def test_topk_and_lists_in_one_launch_match_the_two(name, rng, monkeypatch):
     """decode_topk_lists (top-k and the expert lists in one launch, past decode_route_lists'

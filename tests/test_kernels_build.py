@@ -271,3 +271,21 @@ def test_decode_list_builders_constants_match_the_kernel_files(monkeypatch):
     monkeypatch.setenv("CUPYMOE_TOPK_LISTS", "yes")
     with pytest.raises(ValueError, match="CUPYMOE_TOPK_LISTS='yes'"):
         kernels.topk_lists_mode()
+
+
+def test_wgmma_gate_up_by_slot_where_little_is_copied_for_nothing():
+    """The wgmma gate/up's grid by slot (first stages copied before the lists land) is taken
+    where the measured gains were (qwen3-30b-a3b N = 32, 64) and not where it lost
+    (deepseek-v3 N = 64) or where most experts sit idle (qwen3-30b-a3b N = 16)."""
+    from cupymoe import bench, layer
+
+    def waste(preset, n):
+        cfg = bench.preset_config(preset)
+        return layer.gate_up_ahead_waste(cfg.num_experts, cfg.num_experts, cfg.num_experts_per_tok, n,
+                                         cfg.moe_intermediate_size)
+
+    cap = layer.WGMMA_GATE_UP_AHEAD_MAX_WASTE
+    assert waste("qwen3-30b-a3b", 64) < waste("qwen3-30b-a3b", 32) <= cap
+    assert waste("qwen3-30b-a3b", 16) > cap and waste("deepseek-v3", 64) > cap
+    # 128 experts, 8 a row, 64 rows: 128 (15/16)^64 idle, 12 blocks of 2 stages of 128 x 256 bytes
+    assert waste("qwen3-30b-a3b", 64) == pytest.approx(128 * (15 / 16) ** 64 * 12 * 2 * 128 * 256)
