@@ -81,14 +81,20 @@ def router_split(hidden_size: int) -> int:
     return 4 if hidden_size <= 4096 else 8
 
 
+def _on_off(name: str) -> bool:
+    """A measurement knob that is on unless the environment sets it to 0 (anything but 0 or 1
+    is refused, naming the value)."""
+    v = os.environ.get(name, "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"{name}={v!r}: must be '0' or '1'")
+    return v == "1"
+
+
 def mma_decode_down_pairs() -> bool:
     """Whether the tensor-core decode's down kernel may stream two 16-row fragments a warp
     (decode_mma_down<..., CF = 2>: half the blocks, where they still fill every SM without a
     K split; cuda/decode_mma.cu). CUPYMOE_MMA_DECODE_DOWN_PAIRS=0 keeps one, for measurements."""
-    v = os.environ.get("CUPYMOE_MMA_DECODE_DOWN_PAIRS", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"CUPYMOE_MMA_DECODE_DOWN_PAIRS={v!r}: must be 0 or 1")
-    return v == "1"
+    return _on_off("CUPYMOE_MMA_DECODE_DOWN_PAIRS")
 
 
 def mma_decode_blocks_per_sm() -> int:
@@ -115,20 +121,14 @@ def fp4_decode_mode() -> str:
 def pdl_mode() -> bool:
     """Whether the decode chain's kernels are launched with programmatic dependent launch
     (sm_90+, launch_pdl): CUPYMOE_PDL=0 turns it off, for measurements."""
-    v = os.environ.get("CUPYMOE_PDL", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"CUPYMOE_PDL={v!r}: must be '0' or '1'")
-    return v == "1"
+    return _on_off("CUPYMOE_PDL")
 
 
 def topk_lists_mode() -> bool:
     """Whether the decode path past decode_route_lists' rows routes and builds the expert
     lists in one launch (decode.cu decode_topk_lists) where one block sorts the pairs:
     CUPYMOE_TOPK_LISTS=0 launches topk_route and decode_build_lists instead, for measurements."""
-    v = os.environ.get("CUPYMOE_TOPK_LISTS", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"CUPYMOE_TOPK_LISTS={v!r}: must be '0' or '1'")
-    return v == "1"
+    return _on_off("CUPYMOE_TOPK_LISTS")
 
 
 # cuLaunchKernelEx's configuration (cuda.h): CUlaunchAttribute is an id padded to 8 bytes

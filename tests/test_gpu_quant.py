@@ -380,16 +380,16 @@ def test_wgmma_gate_up_by_slot_matches_by_active_expert(name, monkeypatch):
         pytest.skip("w8a8 needs sm_90a")
     monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "wgmma")
     outs = {}
-    for chosen in (float("inf"), -1.0):  # every slot's block where the grid covers them all; never
-        monkeypatch.setattr(layer_mod, "WGMMA_GATE_UP_AHEAD_MAX_WASTE", chosen)
+    for cap in (float("inf"), -1.0):  # every slot's block where the grid covers them all; never
+        monkeypatch.setattr(layer_mod, "WGMMA_GATE_UP_AHEAD_MAX_WASTE", cap)
         cfg, hw, layer = _case(name, np.random.default_rng(3), fp8_compute="w8a8")
         for path in ("decode", "atomic"):
             for n in (1, 4, 5, 17, 64):
                 x = well_separated_input(cfg, hw, np.random.default_rng(n), n)
-                outs[chosen, path, n] = run_layer(layer, x, path)
-                c = check(outs[chosen, path, n], cfg, hw, x, path, layer=layer)
-                assert c.ok, f"{name} N={n} {path} waste <= {chosen}: {c}"
-    for (chosen, path, n), out in outs.items():
+                outs[cap, path, n] = run_layer(layer, x, path)
+                c = check(outs[cap, path, n], cfg, hw, x, path, layer=layer)
+                assert c.ok, f"{name} N={n} {path} waste <= {cap}: {c}"
+    for (cap, path, n), out in outs.items():
         if path == "decode":  # the atomic path's float atomics may sum in any order
             assert np.array_equal(out, outs[-1.0, path, n]), f"{name} N={n}: by slot, bits differ"
 

@@ -154,13 +154,7 @@ def test_fp4_tensor_core_decode_formats_and_knobs(monkeypatch):
     monkeypatch.setenv("CUPYMOE_MMA_DECODE_BLOCKS_PER_SM", "0")
     with pytest.raises(ValueError, match="CUPYMOE_MMA_DECODE_BLOCKS_PER_SM='0'"):
         kernels.mma_decode_blocks_per_sm()
-    monkeypatch.delenv("CUPYMOE_MMA_DECODE_DOWN_PAIRS", raising=False)
-    assert kernels.mma_decode_down_pairs()
-    monkeypatch.setenv("CUPYMOE_MMA_DECODE_DOWN_PAIRS", "0")
-    assert not kernels.mma_decode_down_pairs()
-    monkeypatch.setenv("CUPYMOE_MMA_DECODE_DOWN_PAIRS", "yes")
-    with pytest.raises(ValueError, match="CUPYMOE_MMA_DECODE_DOWN_PAIRS='yes'"):
-        kernels.mma_decode_down_pairs()
+    _check_on_off_knob(monkeypatch, "CUPYMOE_MMA_DECODE_DOWN_PAIRS", kernels.mma_decode_down_pairs)
 
 
 def test_router_split_depends_on_the_hidden_size_alone():
@@ -196,12 +190,19 @@ def test_pdl_launch_packs_the_driver_structures():
     assert ctypes.c_float.from_address(params[2]).value == 1.5
 
 
+def _check_on_off_knob(monkeypatch, name: str, read) -> None:
+    """An on/off measurement knob: on unset, off at 0, and any other value refused by name."""
+    monkeypatch.delenv(name, raising=False)
+    assert read() is True
+    monkeypatch.setenv(name, "0")
+    assert read() is False
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError, match=f"{name}='yes'"):
+        read()
+
+
 def test_pdl_knob(monkeypatch):
-    monkeypatch.setenv("CUPYMOE_PDL", "0")
-    assert kernels.pdl_mode() is False
-    monkeypatch.setenv("CUPYMOE_PDL", "yes")
-    with pytest.raises(ValueError, match="CUPYMOE_PDL='yes'"):
-        kernels.pdl_mode()
+    _check_on_off_knob(monkeypatch, "CUPYMOE_PDL", kernels.pdl_mode)
 
 
 def test_w8a8_decode_quantizes_x_beside_the_routing_only_at_a_row_or_two():
@@ -264,13 +265,7 @@ def test_decode_list_builders_constants_match_the_kernel_files(monkeypatch):
     assert int(re.search(r"^#define TOPK_LISTS_WARPS (\d+)", decode, re.M).group(1)) == layer.TOPK_LISTS_WARPS
     assert int(re.search(r"^#define TOPK_LISTS_MAX_R (\d+)", decode, re.M).group(1)) == layer.TOPK_LISTS_MAX_R
     assert layer.TOPK_LISTS_WARPS * 32 <= layer.LISTS_THREADS and layer.SMALL_SORT_PAIRS <= layer.LISTS_THREADS
-    monkeypatch.delenv("CUPYMOE_TOPK_LISTS", raising=False)
-    assert kernels.topk_lists_mode()
-    monkeypatch.setenv("CUPYMOE_TOPK_LISTS", "0")
-    assert not kernels.topk_lists_mode()
-    monkeypatch.setenv("CUPYMOE_TOPK_LISTS", "yes")
-    with pytest.raises(ValueError, match="CUPYMOE_TOPK_LISTS='yes'"):
-        kernels.topk_lists_mode()
+    _check_on_off_knob(monkeypatch, "CUPYMOE_TOPK_LISTS", kernels.topk_lists_mode)
 
 
 def test_wgmma_gate_up_by_slot_where_little_is_copied_for_nothing():
