@@ -568,7 +568,7 @@ class MoeLayer:
         # N = 64, four rows a warp, slower than topk_route's 16 blocks (fp8 188.3 -> 193.5)
         topk_lists_smem = (TOPK_LISTS_WARPS * (2 * R + 64) + 2 * W.n_local + 33) * 4
         topk_lists = (self._topk_lists and path != "prefill" and not route_lists and N <= TOPK_LISTS_WARPS
-                      and self._lists_in_one_block(N) and splits == 1 and R <= TOPK_LISTS_MAX_R
+                      and N * k <= SMALL_SORT_PAIRS and splits == 1 and R <= TOPK_LISTS_MAX_R
                       and topk_lists_smem <= 48 * 1024)
         with timer.stage("topk"):
             if route_lists:
@@ -630,7 +630,7 @@ class MoeLayer:
         # land, where one list builder made them (with slot_active) and the blocks of experts
         # nobody chose would copy few bytes for nothing (WGMMA_GATE_UP_AHEAD_MAX_WASTE)
         waste = gate_up_ahead_waste(W.n_local, cfg.num_experts, k, N, W.i_max)
-        by_slot = (self._lists_in_one_block(N) and waste <= WGMMA_GATE_UP_AHEAD_MAX_WASTE
+        by_slot = (N * k <= SMALL_SORT_PAIRS and waste <= WGMMA_GATE_UP_AHEAD_MAX_WASTE
                    and max_active == W.n_local + has_shared)
         with timer.stage("gate_up"):
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' experts
@@ -775,12 +775,6 @@ class MoeLayer:
         return tuple(_u64(A.ptr(n)) for n in ("num_active", "active_slot", "active_start", "active_len",
                                                "sorted_row", "sorted_pair", "pair_pos", "slot_active"))
 
-    def _lists_in_one_block(self, N: int) -> bool:
-        """Whether one block builds the decode lists of N rows (decode_build_lists or the
-        routing launches that fold it in, which also write slot_active), not the three-pass
-        sort."""
-        return N * self.cfg.num_experts_per_tok <= SMALL_SORT_PAIRS
-
     def _launch_sort(self, N: int, s, has_shared: int, tile_bm: int = 0, down_bm: int = 0,
                      pdl: bool = False) -> tuple[int, int]:
         """(row, slot) pairs grouped by expert, stable: one block for few pairs, else three
@@ -792,7 +786,7 @@ class MoeLayer:
         P = N * k
         lists = (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
                  _u64(A.ptr("active_len")))
-        if self._lists_in_one_block(N):
+        if P <= SMALL_SORT_PAIRS:
             self._launch("decode_build_lists", (1,), (LISTS_THREADS,),
                          (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
                           _i32(W.n_local), _i32(has_shared), *self._list_outputs()),
