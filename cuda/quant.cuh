@@ -198,6 +198,16 @@ __device__ __forceinline__ unsigned pack_bf16x2(float a, float b) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 
+#if CUPYMOE_SM >= 89
+// Two e4m3 scale bytes (the low one first) -> the bf16 pair (s0 * 2^62, s1 * 2^62), exactly
+// (4 significant bits; every e4m3 value times 2^62 is a normal bf16): one conversion of the
+// pair to f16, the power of two in fp32. No integer operation (the fp4 decode's bound).
+__device__ __forceinline__ unsigned e4m3x2_to_bf16x2_times_2p62(unsigned pair) {
+    const float2 f = e4m3x2_to_f32x2(pair);
+    return pack_bf16x2(f.x * 0x1p62f, f.y * 0x1p62f);
+}
+#endif
+
 __device__ __forceinline__ unsigned fp8x2_scaled(unsigned pair, float s) {
     const float2 f = e4m3x2_to_f32x2(pair);
     return pack_bf16x2(f.x * s, f.y * s);
@@ -230,15 +240,22 @@ __device__ __forceinline__ uint4 fp4x8_to_bf16(unsigned v, float s) {
 // bits at bf16 bits 8..6 (the exponent field's low 2 bits and the top mantissa bit) and its
 // sign at bit 15 read as 2^(E - 127) * 1.m, or for E = 0 the subnormal 2^-126 * 0.m, which
 // is the e2m1 value times 2^-126 in both cases. Codes i and i + 4 sit 16 bits apart, so one
-// shift places both halves: 4 instructions a pair where the table takes ~11 for two.
+// operation places both halves. The integer pipe (64 operations a cycle an SM, half the
+// issue rate) bounds the fp4 decode, so a pair takes three integer operations: the two
+// codes masked out (x), x * (2^a + 2^(a + 6)) = (x << a) + (x << (a + 6)), whose two copies
+// cannot overlap or carry (each code's 4 bits, 6 apart, in a 16-bit half), so it puts the
+// magnitude bits of one copy at 8..6 and the sign of the other at 15, and a mask keeps
+// those (pairs 2 and 3 shift the word right by 8 first). The shifts and two masks a pair
+// took four.
 // `s2` (both halves the same) multiplies each pair: it must bring the value back into bf16's
 // normal range (the tensor cores' input), and the caller undoes its extra power of two.
 __device__ __forceinline__ uint4 fp4x8_to_bf16_pairs(unsigned v, __nv_bfloat162 s2) {
+    const unsigned w = v >> 8;  // codes 2, 3, 6, 7 where v has 0, 1, 4, 5
     unsigned p[4];
-    p[0] = ((v << 6) & 0x01C001C0u) | ((v << 12) & 0x80008000u);
-    p[1] = ((v << 2) & 0x01C001C0u) | ((v << 8) & 0x80008000u);
-    p[2] = ((v >> 2) & 0x01C001C0u) | ((v << 4) & 0x80008000u);
-    p[3] = ((v >> 6) & 0x01C001C0u) | (v & 0x80008000u);
+    p[0] = ((v & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;  // (x << 6) + (x << 12)
+    p[1] = ((v & 0x00F000F0u) * 0x104u) & 0x81C081C0u;   // (x << 2) + (x << 8)
+    p[2] = ((w & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;
+    p[3] = ((w & 0x00F000F0u) * 0x104u) & 0x81C081C0u;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         __nv_bfloat162 h = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&p[i]), s2);

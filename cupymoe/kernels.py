@@ -70,6 +70,12 @@ WGMMA_DECODE_ROWS = 128
 WGMMA_DECODE_THREADS = 128
 # gate/up's columns a block: its 128 rows are 64 gate rows and the same 64 up rows
 WGMMA_DECODE_GATE_UP_COLUMNS = WGMMA_DECODE_ROWS // 2
+# fp4 decode on wgmma (cuda/decode_wgmma_fp4.cu, sm_90a): rows of an expert's run a pass,
+# the ring's stages and its k128 steps a stage, as the file's WF_STAGES / WF_KSUB say (its
+# blocks are WGMMA_DECODE_ROWS weight rows, WGMMA_DECODE_THREADS threads, as the w8a8 ones)
+WGMMA_FP4_DECODE_TOKEN_TILES = (8, 16)
+WGMMA_FP4_DECODE_STAGES = 3
+WGMMA_FP4_DECODE_KSUB = 2
 # the CUDA-core router's warps per router row (router.cu), chosen by H alone
 ROUTER_SPLITS = (4, 8)
 
@@ -110,11 +116,13 @@ def mma_decode_blocks_per_sm() -> int:
 
 
 def fp4_decode_mode() -> str:
-    """Where fp4 decodes: "mma" (tensor cores, decode_mma.cu), or "cores" with
-    CUPYMOE_FP4_DECODE=cores (a measurement knob: decode.cu's CUDA-core streams)."""
-    v = os.environ.get("CUPYMOE_FP4_DECODE", "mma")
-    if v not in ("mma", "cores"):
-        raise ValueError(f"CUPYMOE_FP4_DECODE={v!r}: must be 'mma' or 'cores'")
+    """Where fp4 decodes (CUPYMOE_FP4_DECODE): "auto" (tensor cores: decode_wgmma_fp4.cu's
+    kernels where layer._fp4_wgmma_decode_kernel takes them, decode_mma.cu's elsewhere), or,
+    for tests and measurements, "mma" / "wgmma" (one of them wherever it can run) or "cores"
+    (decode.cu's CUDA-core streams)."""
+    v = os.environ.get("CUPYMOE_FP4_DECODE", "auto")
+    if v not in ("auto", "mma", "wgmma", "cores"):
+        raise ValueError(f"CUPYMOE_FP4_DECODE={v!r}: must be 'auto', 'mma', 'wgmma' or 'cores'")
     return v
 
 
@@ -225,6 +233,17 @@ def wgmma_decode_smem_bytes(token_tile: int, k_steps: int) -> int:
     tiles', each row's)."""
     stage = (WGMMA_DECODE_ROWS + token_tile) * 128 * WGMMA_DECODE_KSUB
     return 1024 + WGMMA_DECODE_STAGES * stage + (2 + token_tile) * k_steps * 4
+
+
+def wgmma_fp4_decode_smem_bytes(fmt: int, token_tile: int) -> int:
+    """Dynamic shared memory of a decode_wgmma_*_fp4<fmt, token_tile> launch (the layout of
+    decode_wgmma_fp4.cu's stages): 1024 to align the ring, then its stages, each the pass's
+    rows (bf16, 128 k a k step), the weight rows' codes (64 bytes a k step) and their scale
+    bytes (nvfp4 one a 16-code group, mxfp4 one a 32-code group)."""
+    group = 16 if fmt == FORMAT_CODES["nvfp4"] else 32
+    ksub = WGMMA_FP4_DECODE_KSUB
+    stage = ksub * (token_tile * 128 * 2 + WGMMA_DECODE_ROWS * 64 + WGMMA_DECODE_ROWS * 128 // group)
+    return 1024 + WGMMA_FP4_DECODE_STAGES * stage
 
 
 def fp4_decode_mma_formats(mode: str, mxfp4_scale_bytes: Optional[tuple[int, int]] = None) -> tuple[int, ...]:
@@ -484,6 +503,14 @@ MODULES: dict[str, ModuleSpec] = {
     "decode_wgmma_a8": ModuleSpec(
         "decode_wgmma_a8.cu",
         tuple(f"decode_wgmma_{m}_a8<{nt}>" for m in ("gate_up", "down") for nt in WGMMA_DECODE_TOKEN_TILES),
+        archs=("sm_90a",),
+    ),
+    # fp4 decode (W4A16) with the codes staged through shared memory and wgmma's A operand
+    # dequantized in registers (layer._fp4_decode_kernel)
+    "decode_wgmma_fp4": ModuleSpec(
+        "decode_wgmma_fp4.cu",
+        tuple(f"decode_wgmma_{m}_fp4<{FORMAT_CODES[f]}, {nt}>" for m in ("gate_up", "down")
+              for f in FP4_DECODE_FORMATS for nt in WGMMA_FP4_DECODE_TOKEN_TILES),
         archs=("sm_90a",),
     ),
 }

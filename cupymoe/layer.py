@@ -328,6 +328,14 @@ class MoeLayer:
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             self._mma_decode_formats = (kernels.fp4_decode_mma_formats(fp4_mode, self.weights.mxfp4_scale_bytes)
                                         + ((kernels.FORMAT_CODES["fp8_block"],) if fp8_mode == "mma" else ()))
+            # fp4 experts on decode_wgmma_fp4.cu (sm_90a): its k steps are whole 128-code steps,
+            # so every K it reads (H, and each fp4 expert's I) must be a multiple of 128
+            fp4_ks = [cfg.hidden_size] + [i for f, i in ((self.weights.format, cfg.moe_intermediate_size),
+                                                         (self.weights.shared_format,
+                                                          cfg.shared_expert_intermediate_size))
+                                          if f in kernels.FP4_DECODE_FORMATS]
+            self._fp4_decode_mode = fp4_mode
+            self._fp4_wgmma_ok = self.lib.arch == "sm_90a" and all(K % 128 == 0 for K in fp4_ks)
             # the weight formats present (routed experts, then a shared expert of another
             # format): the expert kernels run once per format
             fmts = [self.weights.format] + ([self.weights.shared_format] if self.weights.shared_format else [])
@@ -682,7 +690,9 @@ class MoeLayer:
         for the experts of format `fmt`: the wgmma w8a8 kernels where _w8a8_decode_kernel
         takes them, else _decode_kernel's (256 threads, static shared memory only)."""
         wg = (self._w8a8_decode_kernel(stage, rows_per_expert, max_active)
-              if fmt == kernels.FORMAT_CODES["fp8_block"] else None)
+              if fmt == kernels.FORMAT_CODES["fp8_block"]
+              else self._fp4_wgmma_decode_kernel(stage, fmt, rows_per_expert, max_active)
+              if fmt in self._mma_decode_formats else None)
         if wg is not None:
             return wg
         columns = self.weights.i_max if stage == "gate_up" else self.cfg.hidden_size
@@ -709,6 +719,25 @@ class MoeLayer:
             blocks, k = -(-H // kernels.WGMMA_DECODE_ROWS), i_max
         return (f"decode_wgmma_{stage}_a8<{nt}>", blocks, kernels.WGMMA_DECODE_THREADS,
                 kernels.wgmma_decode_smem_bytes(nt, -(-k // 128)))
+
+    def _fp4_wgmma_decode_kernel(self, stage: str, fmt: int, rows_per_expert: float,
+                                 max_active: int) -> Optional[tuple[str, int, int, int]]:
+        """decode_wgmma_fp4.cu's launch of a stage for this layer's experts of fp4 format
+        `fmt` as (kernel, column blocks, threads, dynamic shared memory), or None where
+        decode_mma.cu's fp4 kernels serve: mode "mma", a K the kernels cannot read
+        (_fp4_wgmma_ok), or in "auto" a gate/up grid under WGMMA_DECODE_MIN_WAVES waves.
+        A pass takes 8 rows up to 8 rows a busy expert, else 16."""
+        mode = self._fp4_decode_mode
+        if mode == "mma" or not self._fp4_wgmma_ok:
+            return None
+        H, i_max = self.cfg.hidden_size, self.weights.i_max
+        gate_up_blocks = -(-i_max // kernels.WGMMA_DECODE_GATE_UP_COLUMNS)
+        if mode == "auto" and gate_up_blocks * max_active < WGMMA_DECODE_MIN_WAVES * 2 * self._sm_count:
+            return None
+        nt = 8 if rows_per_expert <= 8 else 16
+        blocks = gate_up_blocks if stage == "gate_up" else -(-H // kernels.WGMMA_DECODE_ROWS)
+        return (f"decode_wgmma_{stage}_fp4<{fmt}, {nt}>", blocks, kernels.WGMMA_DECODE_THREADS,
+                kernels.wgmma_fp4_decode_smem_bytes(fmt, nt))
 
     def _decode_kernel(self, stage: str, fmt: int, rows_per_expert: float, columns: int,
                        max_active: int) -> tuple[str, int]:

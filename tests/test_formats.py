@@ -637,7 +637,8 @@ def test_check_scales_names_the_first_unusable_scale():
 def test_fp4_bit_placement_of_the_tensor_core_decode():
     """cuda/quant.cuh fp4x8_to_bf16_pairs, replayed in numpy: a code's magnitude bits at
     bf16 bits 8..6 and its sign at bit 15 read as the e2m1 value times 2^-126 (the E = 0
-    codes as bf16 subnormals), codes i and i + 4 of a word in one shift; the scales the
+    codes as bf16 subnormals), codes i and i + 4 of a word placed together by one multiply
+    of the two masked codes (two copies, 6 bits apart, that cannot carry); the scales the
     decode multiplies by (nvfp4: e4m3 * 2^62; mxfp4: exponent field e + 62) are exact bf16
     numbers, and code * scale * 2^-64 is an exact, normal bf16 for every nvfp4 scale and for
     the mxfp4 scale bytes kernels.FP4_MMA_MXFP4_SCALE_BYTES admits."""
@@ -651,9 +652,13 @@ def test_fp4_bit_placement_of_the_tensor_core_decode():
     for _ in range(2000):
         nib = rng.integers(0, 16, 8)
         v = int(sum(int(n) << (4 * j) for j, n in enumerate(nib)))
+        w = v >> 8
         for i in range(4):
+            src, mask, mul = ((v, w)[i >> 1], (0x000F000F, 0x00F000F0)[i & 1], (0x1040, 0x104)[i & 1])
+            p = (((src & mask) * mul) & 0xFFFFFFFF) & 0x81C081C0
+            # the shifts and masks it replaced give the same bits
             mag = (v << (6 - 4 * i)) if i < 2 else (v >> (4 * i - 6))
-            p = ((mag & 0x01C001C0) | ((v << (12 - 4 * i)) & 0x80008000)) & 0xFFFFFFFF
+            assert p == ((mag & 0x01C001C0) | ((v << (12 - 4 * i)) & 0x80008000)) & 0xFFFFFFFF
             assert bf16(p & 0xFFFF) * 2.0 ** 126 == values[nib[i]]
             assert bf16(p >> 16) * 2.0 ** 126 == values[nib[i + 4]]
     e4m3 = np.arange(0x7F, dtype=np.uint8).view(formats.E4M3).astype(np.float64)  # every finite positive scale

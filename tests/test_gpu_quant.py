@@ -87,6 +87,7 @@ def test_tensor_core_decode_with_every_k_split(k_splits, fp8_compute, rng, monke
 
     monkeypatch.setattr(kernels, "MMA_DECODE_K_SPLITS", (k_splits,))
     monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "mma")
+    monkeypatch.setenv("CUPYMOE_FP4_DECODE", "mma")
     for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared", "qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared"):
         cfg, hw, layer = _case(name, rng, fp8_compute=fp8_compute)
         _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} KS={k_splits} ({layer.fp8_compute})")
@@ -100,6 +101,7 @@ def test_tensor_core_decode_down_with_two_fragments_a_warp(rng, monkeypatch):
     again and stores nothing). CUPYMOE_MMA_DECODE_DOWN_PAIRS=0 keeps one fragment. (w8a8
     on decode_mma.cu at every N, as above.)"""
     monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "mma")
+    monkeypatch.setenv("CUPYMOE_FP4_DECODE", "mma")
     for pairs, fp8_compute in (("1", "auto"), ("0", "auto"), ("1", "w8a16")):
         monkeypatch.setenv("CUPYMOE_MMA_DECODE_DOWN_PAIRS", pairs)
         for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared", "qwen3_moe-fp8",
@@ -358,6 +360,63 @@ def test_w8a8_decode_kernels_by_knob(mode, rng, monkeypatch):
     if mode == "wgmma":
         assert heights == set(kernels.WGMMA_DECODE_TOKEN_TILES), heights
     assert chosen == {"wgmma", "mma"} if mode == "auto" else {mode}, chosen
+
+
+# fp4 layers whose every K is a multiple of 128, as decode_wgmma_fp4.cu reads them:
+# (case, hidden_size, moe_intermediate_size, shared_expert_intermediate_size or None)
+WGMMA_FP4_CASES = (
+    ("qwen3_next-nvfp4", 384, 128, 256),                   # nvfp4 shared expert: the fp4 launch reads x for it
+    ("gpt_oss-mxfp4", 256, 384, None),                     # biases, swiglu_oai; I = 384: a stage half past K
+    ("deepseek_v3-nvfp4-fp8shared", 128, 256, 128),        # an fp8 shared expert in its own launch
+    ("qwen2_moe-nvfp4-nvfp4router-bf16shared", 256, 128, 128),
+)
+
+
+@pytest.mark.parametrize("mode", ["wgmma", "mma"])
+def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
+    """CUPYMOE_FP4_DECODE picks the fp4 decode kernels at every N: decode_wgmma_fp4.cu's
+    (codes through a shared-memory ring, dequantized into wgmma's A operand) or
+    decode_mma.cu's; both match the reference on the decode and atomic paths. Layers whose
+    every K is a multiple of 128 (the tiny configs' are not: there the layer keeps
+    decode_mma.cu's kernels), both fp4 formats, 8-row passes (N = 1, 3) and 16-row ones
+    (N = 17, 64; the shared experts' N rows take several passes), K of one to three k128
+    steps (a ring stage's second step past K), down's 128-row tiles over H = 128 .. 384,
+    shared experts of an fp4, fp8 and bf16 format beside fp4 routed ones."""
+    import cupy
+
+    from cupymoe import kernels
+
+    cc = cupy.cuda.Device().compute_capability
+    if kernels.arch_for_capability(int(cc[:-1]), int(cc[-1])) != "sm_90a":
+        pytest.skip("decode_wgmma_fp4.cu needs sm_90a")
+    monkeypatch.setenv("CUPYMOE_FP4_DECODE", mode)
+    heights = set()
+    for name, H, I, Is in WGMMA_FP4_CASES:
+        from cupymoe import MoeLayer
+
+        family, fmt, router_fmt, shared_fmt = CASES[name]
+        over = dict(hidden_size=H, moe_intermediate_size=I)
+        if Is is not None:
+            over["shared_expert_intermediate_size"] = Is
+        cfg = testing.tiny_config(family, **over)
+        hw = testing.random_host_weights(cfg, rng, fmt, router_fmt=router_fmt, shared_fmt=shared_fmt)
+        layer = MoeLayer(cfg, hw, max_tokens=max(SMALL), decode_max_tokens=max(SMALL),
+                         atomic_max_tokens=max(SMALL))
+        code = kernels.FORMAT_CODES[fmt]
+        assert layer._fp4_wgmma_ok and code in layer._mma_decode_formats, name
+        for n in SMALL:
+            has_shared = 1 if cfg.has_shared_expert else 0
+            max_active = max(1, min(layer.weights.n_local, n * cfg.num_experts_per_tok) + has_shared)
+            rows = max(1.0, 2.0 * n * cfg.num_experts_per_tok / layer.weights.n_local)
+            for stage in ("gate_up", "down"):
+                kernel = layer._decode_launch(stage, code, rows, max_active)[0]
+                assert kernel.startswith(f"decode_wgmma_{stage}_fp4<{code}," if mode == "wgmma"
+                                         else f"decode_mma_{stage}<{code},"), (name, n, kernel)
+                if mode == "wgmma":
+                    heights.add(int(kernel.split(", ")[1].rstrip(">")))
+        _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} H={H} I={I} fp4 decode on {mode}")
+    if mode == "wgmma":
+        assert heights == set(kernels.WGMMA_FP4_DECODE_TOKEN_TILES), heights
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared", "longcat_flash-fp8",

@@ -139,10 +139,16 @@ def test_fp4_tensor_core_decode_formats_and_knobs(monkeypatch):
     assert kernels.fp4_decode_mma_formats("mma", (lo - 1, hi)) == (nv,)
     assert kernels.fp4_decode_mma_formats("mma", (lo, hi + 1)) == (nv,)
     assert kernels.fp4_decode_mma_formats("cores", (lo, hi)) == ()
+    for mode in ("auto", "wgmma"):  # every mode but "cores" decodes fp4 on tensor cores
+        assert kernels.fp4_decode_mma_formats(mode, (lo, hi)) == (nv, mx)
     monkeypatch.delenv("CUPYMOE_FP4_DECODE", raising=False)
-    assert kernels.fp4_decode_mode() == "mma"
-    monkeypatch.setenv("CUPYMOE_FP4_DECODE", "cores")
-    assert kernels.fp4_decode_mode() == "cores"
+    assert kernels.fp4_decode_mode() == "auto"
+    for v in ("mma", "wgmma", "cores"):
+        monkeypatch.setenv("CUPYMOE_FP4_DECODE", v)
+        assert kernels.fp4_decode_mode() == v
+    monkeypatch.setenv("CUPYMOE_FP4_DECODE", "tensor")
+    with pytest.raises(ValueError, match="CUPYMOE_FP4_DECODE='tensor'"):
+        kernels.fp4_decode_mode()
     monkeypatch.delenv("CUPYMOE_FP8_DECODE", raising=False)
     assert kernels.fp8_decode_mode() == "mma"
     monkeypatch.setenv("CUPYMOE_FP8_DECODE", "cuda")
