@@ -54,6 +54,10 @@ template <int FMT, int NTOK>
 __host__ __device__ constexpr int wf_stage_bytes() {
     return wf_rows_bytes<NTOK>() + wf_codes_bytes() + WF_ROWS * wf_scale_bytes<FMT>();
 }
+// every stage's B tiles start a 1024-byte swizzle atom (the ring itself is aligned so)
+static_assert(wf_stage_bytes<FMT_NVFP4, 8>() % 1024 == 0 && wf_stage_bytes<FMT_MXFP4, 8>() % 1024 == 0 &&
+                  wf_stage_bytes<FMT_NVFP4, 16>() % 1024 == 0 && wf_stage_bytes<FMT_MXFP4, 16>() % 1024 == 0,
+              "a stage's size keeps the next stage's B tiles on a swizzle atom");
 
 // d[N / 2] (m64 x nN, fp32) += A (64 x 16, bf16, this thread's fragment a) * B (16 x N, bf16,
 // K-major in shared memory).

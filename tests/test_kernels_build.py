@@ -274,6 +274,35 @@ def test_decode_list_builders_constants_match_the_kernel_files(monkeypatch):
     _check_on_off_knob(monkeypatch, "CUPYMOE_TOPK_LISTS", kernels.topk_lists_mode)
 
 
+def test_wgmma_fp4_decode_constants_match_the_kernel_file():
+    """kernels.py sizes decode_wgmma_fp4.cu's launches from constants that must be the
+    file's #defines (its blocks: WGMMA_DECODE_ROWS weight rows, WGMMA_DECODE_THREADS threads,
+    as the w8a8 ones); 8-row passes fit three blocks an SM (228 KB, 1 KB of it reserved a
+    block), as the file's register cap assumes, 16-row ones two."""
+    import re
+
+    src = (kernels.kernel_dir() / "decode_wgmma_fp4.cu").read_text()
+    defined = {m.group(1): int(m.group(2)) for m in re.finditer(r"^#define (WF_\w+) (\d+)", src, re.M)}
+    assert defined["WF_ROWS"] == kernels.WGMMA_DECODE_ROWS
+    assert defined["WF_THREADS"] == kernels.WGMMA_DECODE_THREADS
+    assert defined["WF_STAGES"] == kernels.WGMMA_FP4_DECODE_STAGES
+    assert defined["WF_KSUB"] == kernels.WGMMA_FP4_DECODE_KSUB
+    assert defined["WF_BK"] == 128
+    assert "#define WF_MIN_BLOCKS(NTOK) ((NTOK) <= 8 ? 3 : 2)" in src
+    names = set(kernels.MODULES["decode_wgmma_fp4"].names)
+    codes = [kernels.FORMAT_CODES[f] for f in kernels.FP4_DECODE_FORMATS]
+    assert names == {f"decode_wgmma_{m}_fp4<{c}, {nt}>" for m in ("gate_up", "down") for c in codes
+                     for nt in kernels.WGMMA_FP4_DECODE_TOKEN_TILES}
+    sm_bytes = 228 * 1024
+    for c in codes:
+        for nt, blocks in ((8, 3), (16, 2)):
+            need = kernels.wgmma_fp4_decode_smem_bytes(c, nt) + 1024
+            assert blocks * need <= sm_bytes < (blocks + 1) * need, (c, nt, need)
+    # nvfp4, 8 rows: 1024 to align, 3 stages of 2 k steps of (8 rows x 256 bytes of bf16,
+    # 128 rows x 64 bytes of codes, 128 rows x 8 scale bytes)
+    assert kernels.wgmma_fp4_decode_smem_bytes(kernels.FORMAT_CODES["nvfp4"], 8) == 1024 + 3 * 2 * (2048 + 8192 + 1024)
+
+
 def test_wgmma_gate_up_by_slot_where_little_is_copied_for_nothing():
     """The wgmma gate/up's grid by slot (first stages copied before the lists land) is taken
     where the measured gains were (qwen3-30b-a3b N = 32, 64) and not where it lost
