@@ -63,6 +63,15 @@ DEFAULT_ATOMIC_MAX_TOKENS = 8
 # mma -> wgmma): qwen3-30b-a3b N = 4 (1.5 waves) 55.0 -> 60.9, N = 8 (2.9) 97.0 -> 91.0;
 # deepseek-v3 N = 1 (1.0) 105.9 -> 108.3, N = 4 (3.9) 350.5 -> 326.5
 WGMMA_DECODE_MIN_WAVES = 2.0
+# fp4 decode (sm_90a): decode_wgmma_fp4.cu's kernels (codes through a shared-memory ring,
+# dequantized into wgmma's A operand; three blocks an SM) where their gate/up grid holds at
+# least this much of a wave of blocks, decode_mma.cu's fp4 kernels below (kernels.fp4_decode_mode).
+# Measured (benchmarks/NOTES.md v33, µs, nvfp4 / mxfp4, mma -> wgmma): deepseek-v3 N = 1 (288
+# blocks, 0.73 waves) 97.1 -> 108.9 / 88.2 -> 96.7, qwen3-30b-a3b N = 2 (192) 35.0 -> 39.8 /
+# 34.4 -> 37.5; qwen3-30b-a3b N = 4 (348, 0.88) 56.7 -> 52.7 / 53.1 -> 50.0, deepseek-v3 N = 2
+# (512) 190.4 -> 183.3 / 175.5 -> 158.0, and from 8 rows on 4-36 % less
+WGMMA_FP4_DECODE_MIN_WAVES = 0.8
+WGMMA_FP4_DECODE_BLOCKS_PER_SM = 3
 # ... and their gate/up's grid by table slot, each block's first weight stages copied before
 # it waits for the lists, where the blocks of experts nobody chose are expected to copy at
 # most this many bytes for nothing (n_local (1 - k/E)^N experts, each its gate/up blocks'
@@ -725,14 +734,16 @@ class MoeLayer:
         """decode_wgmma_fp4.cu's launch of a stage for this layer's experts of fp4 format
         `fmt` as (kernel, column blocks, threads, dynamic shared memory), or None where
         decode_mma.cu's fp4 kernels serve: mode "mma", a K the kernels cannot read
-        (_fp4_wgmma_ok), or in "auto" a gate/up grid under WGMMA_DECODE_MIN_WAVES waves.
+        (_fp4_wgmma_ok), or in "auto" a gate/up grid under WGMMA_FP4_DECODE_MIN_WAVES waves
+        (of WGMMA_FP4_DECODE_BLOCKS_PER_SM blocks an SM).
         A pass takes 8 rows up to 8 rows a busy expert, else 16."""
         mode = self._fp4_decode_mode
         if mode == "mma" or not self._fp4_wgmma_ok:
             return None
         H, i_max = self.cfg.hidden_size, self.weights.i_max
         gate_up_blocks = -(-i_max // kernels.WGMMA_DECODE_GATE_UP_COLUMNS)
-        if mode == "auto" and gate_up_blocks * max_active < WGMMA_DECODE_MIN_WAVES * 2 * self._sm_count:
+        wave = WGMMA_FP4_DECODE_BLOCKS_PER_SM * self._sm_count
+        if mode == "auto" and gate_up_blocks * max_active < WGMMA_FP4_DECODE_MIN_WAVES * wave:
             return None
         nt = 8 if rows_per_expert <= 8 else 16
         blocks = gate_up_blocks if stage == "gate_up" else -(-H // kernels.WGMMA_DECODE_ROWS)

@@ -372,11 +372,14 @@ WGMMA_FP4_CASES = (
 )
 
 
-@pytest.mark.parametrize("mode", ["wgmma", "mma"])
+@pytest.mark.parametrize("mode", ["wgmma", "mma", "auto"])
 def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
     """CUPYMOE_FP4_DECODE picks the fp4 decode kernels at every N: decode_wgmma_fp4.cu's
     (codes through a shared-memory ring, dequantized into wgmma's A operand) or
-    decode_mma.cu's; both match the reference on the decode and atomic paths. Layers whose
+    decode_mma.cu's; "auto" takes the wgmma ones where their gate/up grid holds
+    WGMMA_FP4_DECODE_MIN_WAVES waves of WGMMA_FP4_DECODE_BLOCKS_PER_SM blocks an SM (here on
+    a "GPU" of 8 SMs, so both kernels run); all match the reference on the decode and
+    atomic paths. Layers whose
     every K is a multiple of 128 (the tiny configs' are not: there the layer keeps
     decode_mma.cu's kernels), both fp4 formats, 8-row passes (N = 1, 3) and 16-row ones
     (N = 17, 64; the shared experts' N rows take several passes), K of one to three k128
@@ -389,8 +392,10 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
     cc = cupy.cuda.Device().compute_capability
     if kernels.arch_for_capability(int(cc[:-1]), int(cc[-1])) != "sm_90a":
         pytest.skip("decode_wgmma_fp4.cu needs sm_90a")
+    from cupymoe.layer import WGMMA_FP4_DECODE_BLOCKS_PER_SM, WGMMA_FP4_DECODE_MIN_WAVES
+
     monkeypatch.setenv("CUPYMOE_FP4_DECODE", mode)
-    heights = set()
+    heights, chosen = set(), set()
     for name, H, I, Is in WGMMA_FP4_CASES:
         from cupymoe import MoeLayer
 
@@ -404,19 +409,25 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
                          atomic_max_tokens=max(SMALL))
         code = kernels.FORMAT_CODES[fmt]
         assert layer._fp4_wgmma_ok and code in layer._mma_decode_formats, name
+        layer._sm_count = 8
         for n in SMALL:
             has_shared = 1 if cfg.has_shared_expert else 0
             max_active = max(1, min(layer.weights.n_local, n * cfg.num_experts_per_tok) + has_shared)
             rows = max(1.0, 2.0 * n * cfg.num_experts_per_tok / layer.weights.n_local)
+            blocks = -(-layer.weights.i_max // kernels.WGMMA_DECODE_GATE_UP_COLUMNS) * max_active
+            wg = mode == "wgmma" or (mode == "auto" and blocks >= WGMMA_FP4_DECODE_MIN_WAVES
+                                     * WGMMA_FP4_DECODE_BLOCKS_PER_SM * 8)
             for stage in ("gate_up", "down"):
                 kernel = layer._decode_launch(stage, code, rows, max_active)[0]
-                assert kernel.startswith(f"decode_wgmma_{stage}_fp4<{code}," if mode == "wgmma"
+                assert kernel.startswith(f"decode_wgmma_{stage}_fp4<{code}," if wg
                                          else f"decode_mma_{stage}<{code},"), (name, n, kernel)
-                if mode == "wgmma":
+                chosen.add(kernel.split("_")[1])
+                if wg:
                     heights.add(int(kernel.split(", ")[1].rstrip(">")))
         _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} H={H} I={I} fp4 decode on {mode}")
     if mode == "wgmma":
         assert heights == set(kernels.WGMMA_FP4_DECODE_TOKEN_TILES), heights
+    assert chosen == ({"wgmma", "mma"} if mode == "auto" else {mode}), chosen
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared", "longcat_flash-fp8",
