@@ -69,7 +69,7 @@ WGMMA_DECODE_MIN_WAVES = 2.0
 # Measured (benchmarks/NOTES.md v33, µs, nvfp4 / mxfp4, mma -> wgmma): deepseek-v3 N = 1 (288
 # blocks, 0.73 waves) 97.1 -> 108.9 / 88.2 -> 96.7, qwen3-30b-a3b N = 2 (192) 35.0 -> 39.8 /
 # 34.4 -> 37.5; qwen3-30b-a3b N = 4 (348, 0.88) 56.7 -> 52.7 / 53.1 -> 50.0, deepseek-v3 N = 2
-# (512) 190.4 -> 183.3 / 175.5 -> 158.0, and from 8 rows on 4-36 % less
+# (512) 190.4 -> 183.3 / 175.5 -> 158.0, and from 8 rows on 3-27 % less time
 WGMMA_FP4_DECODE_MIN_WAVES = 0.8
 WGMMA_FP4_DECODE_BLOCKS_PER_SM = 3
 # ... and their gate/up's grid by table slot, each block's first weight stages copied before
