@@ -342,14 +342,8 @@ decode_down(DECODE_DOWN_ARGS) {
             for (int c = 0; c < CW; ++c) {
                 const int h = h0 + c;
                 const float v = warp_sum(a[i][c]) * gsd + (bd ? bd[min(h, H - 1)] : 0.0f);
-                if (lane == 0 && r0 + i < len && h < H) {
-                    const int pos = start + r0 + i;
-                    const int pair = sorted_pair[pos];
-                    if (atomic && pair < P)
-                        atomicAdd(acc + (size_t)(pair / k) * H + h, topk_w[pair] * v);
-                    else
-                        y[(size_t)pos * H + h] = v;
-                }
+                if (lane == 0 && r0 + i < len && h < H)
+                    store_down_value(v, start + r0 + i, h, sorted_pair, topk_w, y, acc, H, k, P, atomic);
             }
     }
 }

@@ -43,6 +43,19 @@ __device__ __forceinline__ int decode_block_slot(int j, const int* __restrict__ 
     return slot_fmt[slot] == FMT ? slot : -1;
 }
 
+// A down kernel's output: position pos's value v at hidden column h, stored as y[pos, h],
+// or (atomic) a routed pair's w * v added into acc[row, h] (the shared expert's positions,
+// pair >= P, still store y).
+__device__ __forceinline__ void store_down_value(float v, int pos, int h, const int* __restrict__ sorted_pair,
+                                                 const float* __restrict__ topk_w, float* __restrict__ y,
+                                                 float* __restrict__ acc, int H, int k, int P, int atomic) {
+    const int pair = sorted_pair[pos];
+    if (atomic && pair < P)
+        atomicAdd(acc + (size_t)(pair / k) * H + h, topk_w[pair] * v);
+    else
+        y[(size_t)pos * H + h] = v;
+}
+
 #define LISTS_THREADS 1024
 
 // One block of LISTS_THREADS threads, `sm` 2 n_local + 33 ints of its shared memory. slot_of[e] is expert e's table slot on this rank (0 .. n_local-1), or -1 for

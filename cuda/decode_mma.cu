@@ -365,15 +365,9 @@ __device__ __forceinline__ void store_down_outputs(const float (&c)[4 * NT * CF]
 #pragma unroll
     for (int i = 0; i < 4 * NT * CF; ++i) {
         const int h = w.col(i % (4 * NT)) + 16 * (i / (4 * NT)), tok = r0 + w.token(i % (4 * NT));
-        if (h < H && tok < len) {
-            const float v = c[i] * gsd + (bd ? bd[h] : 0.0f);
-            const int pos = start + tok;
-            const int pair = sorted_pair[pos];
-            if (atomic && pair < P)
-                atomicAdd(acc + (size_t)(pair / k) * H + h, topk_w[pair] * v);
-            else
-                y[(size_t)pos * H + h] = v;
-        }
+        if (h < H && tok < len)
+            store_down_value(c[i] * gsd + (bd ? bd[h] : 0.0f), start + tok, h, sorted_pair, topk_w, y, acc, H, k, P,
+                             atomic);
     }
 }
 

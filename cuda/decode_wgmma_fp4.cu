@@ -409,15 +409,9 @@ __global__ void __launch_bounds__(WF_THREADS, WF_MIN_BLOCKS(NTOK)) decode_wgmma_
 #pragma unroll
             for (int i = 0; i < NTOK / 2; ++i) {
                 const int h = h0 + 64 * m + 16 * warp + g + 8 * ((i >> 1) & 1), t = r0 + 8 * (i >> 2) + 2 * t4 + (i & 1);
-                if (t < len) {  // h < H: H is a multiple of 128
-                    const float v = c[m][i] * gsd + (bd ? bd[h] : 0.0f);
-                    const int pos = start + t;
-                    const int pair = sorted_pair[pos];
-                    if (atomic && pair < P)
-                        atomicAdd(acc + (size_t)(pair / k) * H + h, topk_w[pair] * v);
-                    else
-                        y[(size_t)pos * H + h] = v;
-                }
+                if (t < len)  // h < H: H is a multiple of 128
+                    store_down_value(c[m][i] * gsd + (bd ? bd[h] : 0.0f), start + t, h, sorted_pair, topk_w, y, acc,
+                                     H, k, P, atomic);
             }
     }
 }

@@ -61,6 +61,17 @@ def _check_decode_paths(layer, cfg, hw, rng, tokens, label: str) -> None:
             assert c.ok, f"{label} N={n} {path}: {c}"
 
 
+def _decode_grid(layer, cfg, n):
+    """(max_active, rows a busy expert is expected to get, wgmma gate/up blocks) of the
+    layer's decode launch at n rows, as layer._enqueue_decode works them out."""
+    from cupymoe import kernels
+
+    has_shared = 1 if cfg.has_shared_expert else 0
+    max_active = max(1, min(layer.weights.n_local, n * cfg.num_experts_per_tok) + has_shared)
+    rows = max(1.0, 2.0 * n * cfg.num_experts_per_tok / layer.weights.n_local)
+    return max_active, rows, -(-layer.weights.i_max // kernels.WGMMA_DECODE_GATE_UP_COLUMNS) * max_active
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_quantized_layers_against_reference_on_every_path(name, rng):
     cfg, hw, layer = _case(name, rng)
@@ -345,10 +356,7 @@ def test_w8a8_decode_kernels_by_knob(mode, rng, monkeypatch):
         assert layer.fp8_compute == "w8a8"
         layer._sm_count = 2
         for n in SMALL:
-            has_shared = 1 if cfg.has_shared_expert else 0
-            max_active = max(1, min(layer.weights.n_local, n * cfg.num_experts_per_tok) + has_shared)
-            rows = max(1.0, 2.0 * n * cfg.num_experts_per_tok / layer.weights.n_local)
-            blocks = -(-layer.weights.i_max // kernels.WGMMA_DECODE_GATE_UP_COLUMNS) * max_active
+            max_active, rows, blocks = _decode_grid(layer, cfg, n)
             wg = mode == "wgmma" or (mode == "auto" and blocks >= WGMMA_DECODE_MIN_WAVES * 2 * 2)
             for stage in ("gate_up", "down"):
                 kernel = layer._decode_launch(stage, fp8, rows, max_active)[0]
@@ -411,10 +419,7 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
         assert layer._fp4_wgmma_ok and code in layer._mma_decode_formats, name
         layer._sm_count = 8
         for n in SMALL:
-            has_shared = 1 if cfg.has_shared_expert else 0
-            max_active = max(1, min(layer.weights.n_local, n * cfg.num_experts_per_tok) + has_shared)
-            rows = max(1.0, 2.0 * n * cfg.num_experts_per_tok / layer.weights.n_local)
-            blocks = -(-layer.weights.i_max // kernels.WGMMA_DECODE_GATE_UP_COLUMNS) * max_active
+            max_active, rows, blocks = _decode_grid(layer, cfg, n)
             wg = mode == "wgmma" or (mode == "auto" and blocks >= WGMMA_FP4_DECODE_MIN_WAVES
                                      * WGMMA_FP4_DECODE_BLOCKS_PER_SM * 8)
             for stage in ("gate_up", "down"):
