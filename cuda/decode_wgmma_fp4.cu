@@ -16,6 +16,11 @@
 // ring keeps WF_STAGES - 1 stages of codes in flight whatever the registers, a warp's loads
 // of its codes are shared-memory loads, and the B operand is read by the tensor cores, so
 // the K loop is the dequantization (quant.cuh fp4x8_to_bf16_pairs) and one wgmma a word.
+// Measured (NOTES.md v33): ~26 instructions a word, 3-27 % less time than decode_mma.cu's
+// from 8 rows on; Nsight Compute puts it at 62 % issue and 56 % of the (half-rate) integer
+// pipe with 12 warps an SM, so latency bound. Two warpgroups a block, finer or deeper rings
+// and overlapped wgmma groups measured slower: the per-stage barrier and the blocks an SM
+// (shared memory) set the pace.
 //
 // K order: as decode_mma.cu's. Lane (g, t4) of warp w dequantizes, per k128 step, the 16
 // bytes of weight rows 16 w + g and 16 w + g + 8 of each tile holding codes 32 t4 .. + 31;
