@@ -696,8 +696,9 @@ class MoeLayer:
     def _decode_launch(self, stage: str, fmt: int, rows_per_expert: float,
                        max_active: int) -> tuple[str, int, int, int]:
         """(kernel, column blocks, threads a block, dynamic shared memory) of a decode stage
-        for the experts of format `fmt`: the wgmma w8a8 kernels where _w8a8_decode_kernel
-        takes them, else _decode_kernel's (256 threads, static shared memory only)."""
+        for the experts of format `fmt`: the wgmma kernels where _w8a8_decode_kernel (fp8-block
+        as w8a8) or _fp4_wgmma_decode_kernel (nvfp4, mxfp4) takes them, else _decode_kernel's
+        (256 threads, static shared memory only)."""
         wg = (self._w8a8_decode_kernel(stage, rows_per_expert, max_active)
               if fmt == kernels.FORMAT_CODES["fp8_block"]
               else self._fp4_wgmma_decode_kernel(stage, fmt, rows_per_expert, max_active)
