@@ -77,8 +77,8 @@ struct Fp4Row32 {
         __nv_bfloat162 s2;
         if (FMT == FMT_NVFP4) {
             s2 = __float2bfloat162_rn(e4m3_to_f32((s >> (8 * (w >> 1))) & 0xFFu) * 0x1p62f);
-        } else {  // 2^(e - 127) * 2^62: bf16 exponent field e + 62 (e <= 192, the layer checks)
-            const unsigned short b = (unsigned short)(((s & 0xFFu) + 62u) << 7);
+        } else {  // the scale in both halves
+            const unsigned short b = (unsigned short)e8m0_to_bf16x2_times_2p62(s);
             s2 = __halves2bfloat162(__ushort_as_bfloat16(b), __ushort_as_bfloat16(b));
         }
         return fp4x8_to_bf16_pairs(v, s2);

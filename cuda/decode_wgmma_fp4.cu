@@ -99,13 +99,7 @@ template <int FMT>
 struct WfScales {
     __nv_bfloat162 s2;
     __device__ __forceinline__ explicit WfScales(unsigned s) {
-        unsigned b;
-        if (FMT == FMT_NVFP4) {
-            b = e4m3x2_to_bf16x2_times_2p62(s);
-        } else {  // 2^(e - 127) * 2^62: bf16 exponent field e + 62 (e <= 192, the layer checks)
-            b = ((s & 0xFFu) + 62u) << 7;
-            b |= b << 16;
-        }
+        const unsigned b = FMT == FMT_NVFP4 ? e4m3x2_to_bf16x2_times_2p62(s) : e8m0_to_bf16x2_times_2p62(s);
         s2 = *reinterpret_cast<const __nv_bfloat162*>(&b);
     }
     __device__ __forceinline__ __nv_bfloat162 scale2(int j) const {

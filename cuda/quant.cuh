@@ -198,6 +198,13 @@ __device__ __forceinline__ unsigned pack_bf16x2(float a, float b) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 
+// An mxfp4 scale byte e (e8m0) -> the bf16 pair (2^(e - 127) * 2^62, the same): bf16
+// exponent field e + 62, exact while e <= 192 (the layer checks: FP4_MMA_MXFP4_SCALE_BYTES).
+__device__ __forceinline__ unsigned e8m0_to_bf16x2_times_2p62(unsigned e) {
+    const unsigned b = ((e & 0xFFu) + 62u) << 7;
+    return b | (b << 16);
+}
+
 #if CUPYMOE_SM >= 89
 // Two e4m3 scale bytes (the low one first) -> the bf16 pair (s0 * 2^62, s1 * 2^62), exactly
 // (4 significant bits; every e4m3 value times 2^62 is a normal bf16): one conversion of the

@@ -506,7 +506,7 @@ MODULES: dict[str, ModuleSpec] = {
         archs=("sm_90a",),
     ),
     # fp4 decode (W4A16) with the codes staged through shared memory and wgmma's A operand
-    # dequantized in registers (layer._fp4_decode_kernel)
+    # dequantized in registers (layer._fp4_wgmma_decode_kernel)
     "decode_wgmma_fp4": ModuleSpec(
         "decode_wgmma_fp4.cu",
         tuple(f"decode_wgmma_{m}_fp4<{FORMAT_CODES[f]}, {nt}>" for m in ("gate_up", "down")

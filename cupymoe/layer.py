@@ -652,7 +652,7 @@ class MoeLayer:
         with timer.stage("gate_up"):
             for fmt in self._format_codes:  # one launch per weight format; each skips the others' experts
                 name, blocks, threads, smem = self._decode_launch("gate_up", fmt, rows_per_expert, max_active)
-                slot_grid = by_slot and name.startswith("decode_wgmma_")
+                slot_grid = by_slot and name.startswith("decode_wgmma_gate_up_a8")
                 a8 = ()
                 if fmt == fp8 and self._w8a8_args:
                     a8 = (*self._w8a8_args, _u64(A.ptr("act_tickets")), _u64(A.ptr("slot_active") if slot_grid else 0))
