@@ -109,8 +109,9 @@ __device__ __forceinline__ bool gemm_tile_at(GemmTile& t, int cx, int ty, GEMM_A
     t.W1 = MODE == MODE_GATE_UP ? reinterpret_cast<const bf16*>(w1_ptrs[t.slot]) : nullptr;
     t.S0 = MODE == MODE_ROUTER ? nullptr : reinterpret_cast<const void*>(s0_ptrs[t.slot]);
     t.S1 = MODE == MODE_GATE_UP ? reinterpret_cast<const void*>(s1_ptrs[t.slot]) : nullptr;
-    t.g0 = MODE == MODE_ROUTER ? 1.0f : gs0[t.slot];
-    t.g1 = MODE == MODE_GATE_UP ? gs1[t.slot] : 1.0f;
+    // nvfp4's weights reach the tensor cores times 2^-64 (quant.cuh gemm_weight_unscale)
+    t.g0 = MODE == MODE_ROUTER ? 1.0f : gs0[t.slot] * gemm_weight_unscale<FMT>();
+    t.g1 = MODE == MODE_GATE_UP ? gs1[t.slot] * gemm_weight_unscale<FMT>() : 1.0f;
     return true;
 }
 
@@ -209,6 +210,9 @@ struct TileLoader {
 // raw chunk later turns it into bf16 chunks of the swizzled tile the MMA reads (quant.cuh),
 // so only its own cp.async groups need to have landed, no barrier. Rows past the columns
 // and chunks past K come out as zeros. Needs K % (128 / BITS) == 0 (whole raw chunks).
+// fp4 chunks by bit placement (quant.cuh fp4x8_to_bf16_in_order): nvfp4's two scale bytes
+// as one pair times 2^62, so its weights arrive times 2^-64 (gemm_tile_at's global scales
+// carry the 2^64); mxfp4's one byte e as the exact multiplier 2^(e - 1) up to byte 128.
 template <int MODE, int BK, int THREADS, int FMT>
 struct QuantBLoader {
     static constexpr int BITS = QFormat<FMT>::BITS;
@@ -263,8 +267,25 @@ struct QuantBLoader {
                 o[EPC / 8 - 1] = fp8x8_to_bf16(q.z, q.w, s);
             } else {  // 32 weights: 2 nvfp4 groups of 16, or 1 mxfp4 group of 32
                 const unsigned w[4] = {q.x, q.y, q.z, q.w};
+                if (FMT == FMT_NVFP4) {  // the two scale bytes as one pair
+                    const unsigned pair = __ldg(reinterpret_cast<const unsigned short*>(src[i].s + (kc >> 4)));
+                    const unsigned b = e4m3x2_to_bf16x2_times_2p62(pair);
+                    const __nv_bfloat162 s2 = *reinterpret_cast<const __nv_bfloat162*>(&b);
 #pragma unroll
-                for (int j = 0; j < EPC / 8; ++j) o[j] = fp4x8_to_bf16(w[j & 3], q_scale<FMT>(src[i].s, kc + 8 * j));
+                    for (int j = 0; j < EPC / 8; ++j)
+                        o[j] = fp4x8_to_bf16_in_order(w[j & 3], j < 2 ? __low2bfloat162(s2) : __high2bfloat162(s2));
+                } else {
+                    const unsigned e = __ldg(src[i].s + (kc >> 5));
+                    if (e <= FP4_PAIRS_MXFP4_MAX_SCALE_BYTE) {
+                        const unsigned m = ((e + 126u) << 7) * 0x10001u;  // bf16 2^(e - 1) = s * 2^126, twice
+                        const __nv_bfloat162 s2 = *reinterpret_cast<const __nv_bfloat162*>(&m);
+#pragma unroll
+                        for (int j = 0; j < EPC / 8; ++j) o[j] = fp4x8_to_bf16_in_order(w[j & 3], s2);
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < EPC / 8; ++j) o[j] = fp4x8_to_bf16(w[j & 3], e8m0_to_f32(e));
+                    }
+                }
             }
 #pragma unroll
             for (int j = 0; j < EPC / 8; ++j)

@@ -205,15 +205,14 @@ __device__ __forceinline__ unsigned e8m0_to_bf16x2_times_2p62(unsigned e) {
     return b | (b << 16);
 }
 
-#if CUPYMOE_SM >= 89
 // Two e4m3 scale bytes (the low one first) -> the bf16 pair (s0 * 2^62, s1 * 2^62), exactly
-// (4 significant bits; every e4m3 value times 2^62 is a normal bf16): one conversion of the
-// pair to f16, the power of two in fp32. No integer operation (the fp4 decode's bound).
+// (4 significant bits; every e4m3 value times 2^62 is a normal bf16): on sm_89+ one
+// conversion of the pair to f16 and the power of two in fp32, no integer operation (the
+// fp4 decode's bound); before, e4m3x2_to_f32x2's bit trick.
 __device__ __forceinline__ unsigned e4m3x2_to_bf16x2_times_2p62(unsigned pair) {
     const float2 f = e4m3x2_to_f32x2(pair);
     return pack_bf16x2(f.x * 0x1p62f, f.y * 0x1p62f);
 }
-#endif
 
 __device__ __forceinline__ unsigned fp8x2_scaled(unsigned pair, float s) {
     const float2 f = e4m3x2_to_f32x2(pair);
@@ -227,7 +226,8 @@ __device__ __forceinline__ uint4 fp8x8_to_bf16(unsigned lo, unsigned hi, float s
 
 // 8 e2m1 codes (one word, element 2j in the low nibble of byte j) times s -> 8 bf16, exact:
 // the table lookup, then one bf16x2 multiply per pair (a 2-bit mantissa times an e4m3 or
-// a power-of-two scale fits bf16's 8 bits, so the product is not rounded).
+// a power-of-two scale fits bf16's 8 bits, so the product is not rounded). The grouped
+// GEMM's mxfp4 chunks with scale bytes past FP4_PAIRS_MXFP4_MAX_SCALE_BYTE take it.
 __device__ __forceinline__ uint4 fp4x8_to_bf16(unsigned v, float s) {
     uint4 o;
     e2m1x4_to_bf16x4(v, o.x, o.y);
@@ -270,6 +270,27 @@ __device__ __forceinline__ uint4 fp4x8_to_bf16_pairs(unsigned v, __nv_bfloat162 
     }
     return make_uint4(p[0], p[1], p[2], p[3]);
 }
+
+// The same 8 codes in k order (a GEMM tile's bf16 chunk: element 2 i in the low half of
+// word i): fp4x8_to_bf16_pairs, then four byte permutes to undo its (i, i + 4) pairing.
+// The grouped GEMM's conversion was bound by instructions (NOTES.md v34: without it the
+// fp4 GEMMs ran ~30 % faster); with this and its scale pairs (gemm_common.cuh) the K loop
+// of grouped_gemm_sm90's nvfp4 gate/up went from 365 to 259 instructions, the table lookup
+// (fp4x8_to_bf16) staying for mxfp4 scale bytes whose 2^(e - 1) is no bf16.
+__device__ __forceinline__ uint4 fp4x8_to_bf16_in_order(unsigned v, __nv_bfloat162 s2) {
+    const uint4 p = fp4x8_to_bf16_pairs(v, s2);
+    return make_uint4(__byte_perm(p.x, p.y, 0x5410), __byte_perm(p.z, p.w, 0x5410), __byte_perm(p.x, p.y, 0x7632),
+                      __byte_perm(p.z, p.w, 0x7632));
+}
+
+// The GEMM tile's weights come out of fp4x8_to_bf16_in_order times 2^-64 for nvfp4 (each
+// pair times its scale times 2^62: every e4m3 scale times 2^62 is a normal bf16, and so is
+// every product), so its epilogue multiplies by 2^64 with the matrix's global scale
+// (gemm_common.cuh gemm_tile_at). mxfp4 takes the pair multiplier 2^(e - 1) = s * 2^126,
+// exact values, while that is a bf16 (scale byte e <= 128), else the table lookup.
+template <int FMT>
+__device__ __forceinline__ constexpr float gemm_weight_unscale() { return FMT == FMT_NVFP4 ? 0x1p64f : 1.0f; }
+#define FP4_PAIRS_MXFP4_MAX_SCALE_BYTE 128u
 
 // ---------------------------------------------------------------------------------------
 // w8a8's activation quantization (sm_89+: the e4m3 conversions), fused into the stages

@@ -672,3 +672,48 @@ def test_fp4_bit_placement_of_the_tensor_core_decode():
             assert np.abs(w).min() >= 2.0 ** -126, (what, s)  # normal: what the tensor cores take
     assert all(bf16((e + 62) << 7) == 2.0 ** (e - 127 + 62) for e in range(lo, hi + 1))
     assert bf16((hi + 1 + 62) << 7) == np.inf  # one past: why the range stops there
+
+
+def test_fp4_bit_placement_of_the_grouped_gemm_tiles():
+    """cuda/quant.cuh fp4x8_to_bf16_in_order, replayed in numpy: the four byte permutes put
+    the pairs (i, i + 4) back in k order (element 2 i in the low half of word i); and
+    gemm_common.cuh's multipliers keep every product exact: nvfp4 pairs times e4m3 * 2^62 give
+    code * scale * 2^-64 (the epilogue's 2^64, quant.cuh gemm_weight_unscale), mxfp4 pairs
+    times 2^(e - 1), bf16 exponent field e + 126, give code * 2^(e - 127) itself while the
+    field is finite (FP4_PAIRS_MXFP4_MAX_SCALE_BYTE; past it the table lookup runs)."""
+    import re
+    from pathlib import Path
+
+    def prmt(a, b, sel):  # __byte_perm without sign mode
+        src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+        return sum(src[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+    def bf16(bits):
+        return float(np.array([bits], dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)[0])
+
+    values = formats.e2m1_decode(np.arange(16, dtype=np.uint8)).astype(np.float64)
+    rng = np.random.default_rng()
+    for _ in range(500):
+        nib = rng.integers(0, 16, 8)
+        v = int(sum(int(n) << (4 * j) for j, n in enumerate(nib)))
+        w = v >> 8
+        p = [((((v, w)[i >> 1] & (0x000F000F, 0x00F000F0)[i & 1]) * (0x1040, 0x104)[i & 1]) & 0xFFFFFFFF) & 0x81C081C0
+             for i in range(4)]
+        o = [prmt(p[0], p[1], 0x5410), prmt(p[2], p[3], 0x5410), prmt(p[0], p[1], 0x7632), prmt(p[2], p[3], 0x7632)]
+        got = [bf16((o[k // 2] >> (16 * (k % 2))) & 0xFFFF) * 2.0 ** 126 for k in range(8)]
+        assert got == [values[n] for n in nib]
+    src = (Path(formats.__file__).parent.parent / "cuda" / "quant.cuh").read_text()
+    assert "0x5410), __byte_perm(p.z, p.w, 0x5410), __byte_perm(p.x, p.y, 0x7632)" in src
+    top = int(re.search(r"#define FP4_PAIRS_MXFP4_MAX_SCALE_BYTE (\d+)u", src).group(1))
+    for e in range(0, 256):
+        field = e + 126
+        if e <= top:
+            assert field <= 254 and bf16(field << 7) == 2.0 ** (e - 1)
+            for c in values[values != 0]:  # the pair (c * 2^-126) times 2^(e - 1): exact, as the table's
+                exact = c * 2.0 ** (e - 127)
+                assert float(np.float64(exact).astype(ml_dtypes.bfloat16)) == exact or exact < 2.0 ** -126
+        else:
+            assert field > 254  # 2^(e - 1) is no bf16 number
+    for s in np.arange(1, 0x7F, dtype=np.uint8).view(formats.E4M3).astype(np.float64):
+        w = values[values != 0] * s * 2.0 ** -64
+        assert np.abs(w).min() >= 2.0 ** -126 and np.abs(w).max() < 2.0 ** 127

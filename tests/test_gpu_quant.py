@@ -158,6 +158,31 @@ def test_fp4_tensor_core_decode_takes_mxfp4_scales_in_its_range_only(rng):
         _check_decode_paths(layer, cfg, hw, rng, (1, 17), f"scale bytes up to {edge}")
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
+def test_fp4_prefill_takes_mxfp4_scale_bytes_on_both_sides_of_the_bit_placement(family, rng):
+    """The grouped GEMM turns an mxfp4 chunk into bf16 by bit placement times 2^(e - 1) while
+    that is a bf16 (scale byte e <= 128, quant.cuh FP4_PAIRS_MXFP4_MAX_SCALE_BYTE), else by
+    table lookup; both are exact. Even weight rows take bytes 121 .. 128, odd ones 129 .. 136,
+    in every matrix, so each branch makes whole output columns; the prefill path matches the
+    reference, and an nvfp4 layer (its weights times 2^-64 into the tensor cores, the epilogue
+    multiplying back) does too."""
+    from cupymoe import MoeLayer
+
+    cfg = testing.tiny_config(family)
+    hw = testing.random_host_weights(cfg, rng, "mxfp4")
+    for m in (hw.gate, hw.up, hw.down):
+        m.scales[..., 0::2, :] = rng.integers(121, 129, m.scales[..., 0::2, :].shape)
+        m.scales[..., 1::2, :] = rng.integers(129, 137, m.scales[..., 1::2, :].shape)
+    assert hw.gate.scales.max() == 136 and (hw.gate.scales == 128).any()
+    nv = testing.random_host_weights(cfg, rng, "nvfp4")
+    for what, weights in (("mxfp4 bytes 121 .. 136", hw), ("nvfp4", nv)):
+        layer = MoeLayer(cfg, weights, max_tokens=300)
+        for n in (3, 64, 300):
+            x = well_separated_input(cfg, weights, rng, n)
+            c = check(run_layer(layer, x, "prefill"), cfg, weights, x, "prefill", layer=layer)
+            assert c.ok, f"{family} {what} N={n} prefill: {c}"
+
+
 def test_quantized_layers_decode_up_to_their_measured_crossover(rng):
     """Without decode_max_tokens, an fp4 layer takes the decode path up to 256 rows and an
     fp8 one up to 64 (their tensor-core decode beats the grouped GEMMs that far on the
