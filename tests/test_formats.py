@@ -634,6 +634,24 @@ def test_check_scales_names_the_first_unusable_scale():
         mx.check_scales("down")
 
 
+def _bf16_value(bits: int) -> float:
+    return float(np.array([bits], dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)[0])
+
+
+def _random_fp4_word(rng):
+    """8 random e2m1 codes and the 32-bit word holding them (code i in nibble i)."""
+    nib = rng.integers(0, 16, 8)
+    return nib, int(sum(int(n) << (4 * j) for j, n in enumerate(nib)))
+
+
+def _fp4_pairs(v: int) -> list:
+    """cuda/quant.cuh fp4x8_to_bf16_pairs before its scale multiply: pair i holds codes i and
+    i + 4 of word v, each times 2^-126 as bf16 bits."""
+    w = v >> 8
+    return [((((v, w)[i >> 1] & (0x000F000F, 0x00F000F0)[i & 1]) * (0x1040, 0x104)[i & 1]) & 0xFFFFFFFF) & 0x81C081C0
+            for i in range(4)]
+
+
 def test_fp4_bit_placement_of_the_tensor_core_decode():
     """cuda/quant.cuh fp4x8_to_bf16_pairs, replayed in numpy: a code's magnitude bits at
     bf16 bits 8..6 and its sign at bit 15 read as the e2m1 value times 2^-126 (the E = 0
@@ -644,19 +662,13 @@ def test_fp4_bit_placement_of_the_tensor_core_decode():
     the mxfp4 scale bytes kernels.FP4_MMA_MXFP4_SCALE_BYTES admits."""
     from cupymoe import kernels
 
-    def bf16(bits):
-        return float(np.array([bits], dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)[0])
-
+    bf16 = _bf16_value
     values = formats.e2m1_decode(np.arange(16, dtype=np.uint8)).astype(np.float64)
     rng = np.random.default_rng()
     for _ in range(2000):
-        nib = rng.integers(0, 16, 8)
-        v = int(sum(int(n) << (4 * j) for j, n in enumerate(nib)))
-        w = v >> 8
-        for i in range(4):
-            src, mask, mul = ((v, w)[i >> 1], (0x000F000F, 0x00F000F0)[i & 1], (0x1040, 0x104)[i & 1])
-            p = (((src & mask) * mul) & 0xFFFFFFFF) & 0x81C081C0
-            # the shifts and masks it replaced give the same bits
+        nib, v = _random_fp4_word(rng)
+        for i, p in enumerate(_fp4_pairs(v)):
+            # the shifts and masks the multiply replaced give the same bits
             mag = (v << (6 - 4 * i)) if i < 2 else (v >> (4 * i - 6))
             assert p == ((mag & 0x01C001C0) | ((v << (12 - 4 * i)) & 0x80008000)) & 0xFFFFFFFF
             assert bf16(p & 0xFFFF) * 2.0 ** 126 == values[nib[i]]
@@ -688,17 +700,12 @@ def test_fp4_bit_placement_of_the_grouped_gemm_tiles():
         src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
         return sum(src[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
 
-    def bf16(bits):
-        return float(np.array([bits], dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)[0])
-
+    bf16 = _bf16_value
     values = formats.e2m1_decode(np.arange(16, dtype=np.uint8)).astype(np.float64)
     rng = np.random.default_rng()
     for _ in range(500):
-        nib = rng.integers(0, 16, 8)
-        v = int(sum(int(n) << (4 * j) for j, n in enumerate(nib)))
-        w = v >> 8
-        p = [((((v, w)[i >> 1] & (0x000F000F, 0x00F000F0)[i & 1]) * (0x1040, 0x104)[i & 1]) & 0xFFFFFFFF) & 0x81C081C0
-             for i in range(4)]
+        nib, v = _random_fp4_word(rng)
+        p = _fp4_pairs(v)
         o = [prmt(p[0], p[1], 0x5410), prmt(p[2], p[3], 0x5410), prmt(p[0], p[1], 0x7632), prmt(p[2], p[3], 0x7632)]
         got = [bf16((o[k // 2] >> (16 * (k % 2))) & 0xFFFF) * 2.0 ** 126 for k in range(8)]
         assert got == [values[n] for n in nib]
