@@ -374,7 +374,7 @@ __device__ __forceinline__ void store_down_outputs(const float (&c)[4 * NT * CF]
 // What the epilogue multiplies the sums by besides nvfp4's global scale: fp4 weights went
 // into the MMAs as code * scale * 2^-64 (the file's comment), fp8 ones as their codes.
 template <int FMT>
-__device__ __forceinline__ constexpr float mma_weight_unscale() { return FMT == FMT_FP8 ? 1.0f : 0x1p64f; }
+__device__ __forceinline__ constexpr float mma_weight_unscale() { return FMT == FMT_FP8 ? 1.0f : FP4_PAIRS_UNSCALE; }
 
 // Two blocks an SM (<= 128 registers) keep more bytes in flight; gate/up's 16-token passes
 // (two matrices, twice the accumulators) spill at 128 registers and do twice the work per

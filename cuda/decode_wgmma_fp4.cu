@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(WF_THREADS, WF_MIN_BLOCKS(NTOK)) decode_wgmma_
         return codes ? (r < 64 ? gate : up) + col * (H / 2) : (r < 64 ? gate_s : up_s) + col * wf_scale_row_bytes<FMT>(H);
     });
     const bf16* in = slot == shared_slot ? x : xe;  // the shared expert reads x
-    const float gsg = gate_gscale[slot] * 0x1p64f, gsu = up_gscale[slot] * 0x1p64f;
+    const float gsg = gate_gscale[slot] * FP4_PAIRS_UNSCALE, gsu = up_gscale[slot] * FP4_PAIRS_UNSCALE;
     const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
     const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(WF_THREADS, WF_MIN_BLOCKS(NTOK)) decode_wgmma_
         const size_t h = h0 + r;
         return codes ? down + h * (I / 2) : down_s + h * wf_scale_row_bytes<FMT>(I);
     });
-    const float gsd = down_gscale[slot] * 0x1p64f;
+    const float gsd = down_gscale[slot] * FP4_PAIRS_UNSCALE;
     const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;

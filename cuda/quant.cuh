@@ -256,6 +256,9 @@ __device__ __forceinline__ uint4 fp4x8_to_bf16(unsigned v, float s) {
 // took four.
 // `s2` (both halves the same) multiplies each pair: it must bring the value back into bf16's
 // normal range (the tensor cores' input), and the caller undoes its extra power of two.
+// Scale times 2^62 (e4m3x2_to_bf16x2_times_2p62, e8m0_to_bf16x2_times_2p62) leaves each
+// weight times 2^-64: the fp32 sums are multiplied by FP4_PAIRS_UNSCALE with the global scale.
+#define FP4_PAIRS_UNSCALE 0x1p64f
 __device__ __forceinline__ uint4 fp4x8_to_bf16_pairs(unsigned v, __nv_bfloat162 s2) {
     const unsigned w = v >> 8;  // codes 2, 3, 6, 7 where v has 0, 1, 4, 5
     unsigned p[4];
@@ -289,7 +292,7 @@ __device__ __forceinline__ uint4 fp4x8_to_bf16_in_order(unsigned v, __nv_bfloat1
 // (gemm_common.cuh gemm_tile_at). mxfp4 takes the pair multiplier 2^(e - 1) = s * 2^126,
 // exact values, while that is a bf16 (scale byte e <= 128), else the table lookup.
 template <int FMT>
-__device__ __forceinline__ constexpr float gemm_weight_unscale() { return FMT == FMT_NVFP4 ? 0x1p64f : 1.0f; }
+__device__ __forceinline__ constexpr float gemm_weight_unscale() { return FMT == FMT_NVFP4 ? FP4_PAIRS_UNSCALE : 1.0f; }
 #define FP4_PAIRS_MXFP4_MAX_SCALE_BYTE 128u
 
 // ---------------------------------------------------------------------------------------
