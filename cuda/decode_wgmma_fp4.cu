@@ -18,7 +18,10 @@
 // the K loop is the dequantization (quant.cuh fp4x8_to_bf16_pairs) and one wgmma a word.
 // Measured (NOTES.md v33): ~26 instructions a word, 3-27 % less time than decode_mma.cu's
 // from 8 rows on; Nsight Compute puts it at 62 % issue and 56 % of the (half-rate) integer
-// pipe with 12 warps an SM, so latency bound. Two warpgroups a block, finer or deeper rings
+// pipe with 12 warps an SM, so latency bound. v35: with whole-row scale copies, gate/up on
+// deepseek-v3 nvfp4 N = 64 issues 0.66 a scheduler and cycle, its stalls a issued
+// instruction led by other warps issuing (0.82), fixed latencies (0.56), global loads
+// (0.45), the stage barrier (0.39) and the integer pipe (0.38). Two warpgroups a block, finer or deeper rings
 // and overlapped wgmma groups measured slower: the per-stage barrier and the blocks an SM
 // (shared memory) set the pace.
 //
@@ -91,6 +94,10 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool val
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
 }
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
+}
 
 // The bf16x2 multipliers of a lane's 32 codes of a k step (decode_mma.cu Fp4Row32::word's
 // values): its group scales times 2^62, from its scale bytes `s` (nvfp4: two, groups 2 t4
@@ -123,10 +130,17 @@ struct WfBlock {
     static constexpr int X_ROWS = WF_THREADS / XCH;
     static constexpr int X_PER = NTOK / X_ROWS;               // a thread's pass rows
     static_assert(NTOK % X_ROWS == 0, "whole rows a round of activation copies");
-    const u8* a_src[A_PER];  // this thread's code chunk of each of its rows (stage 0)
-    const u8* s_src[S_PER];  // and its scale chunk
+    static_assert(A_ROWS * A_PER / 2 == 64 && S_ROWS * S_PER / 2 == 64,
+                  "a thread's first half of rows lies in weight rows 0-63, its second in 64-127");
+    // this thread's code chunk (stage 0) of its first row in weight rows 0-63 and 64-127;
+    // its next rows of each half lie a_step bytes apart (gate/up's halves are two matrices)
+    const u8* a_src[2];
+    const u8* s_src[2];      // and its scale chunk, s_step apart
+    size_t a_step, s_step;
+    const u8* row_scales;    // weight row tid's scale bytes (whole_stages)
     const bf16* x_src[X_PER];  // null past the run
     int K, KT, KS;             // K, its k steps, its stages
+    bool whole_stages;         // K a multiple of a stage's WF_KSUB * WF_BK codes
     u8* stages;
 
     __device__ __forceinline__ int a_row(int i) const { return threadIdx.x / CHUNKS + A_ROWS * i; }
@@ -146,10 +160,18 @@ struct WfBlock {
     template <class RowOf>
     __device__ __forceinline__ void set_weights(RowOf row_of) {
         const int c = threadIdx.x % CHUNKS, sc = threadIdx.x % SCH;
-#pragma unroll
-        for (int i = 0; i < A_PER; ++i) a_src[i] = row_of(a_row(i), true) + c * 16;
-#pragma unroll
-        for (int i = 0; i < S_PER; ++i) s_src[i] = row_of(s_row(i), false) + sc * 4;
+        a_src[0] = row_of(a_row(0), true) + c * 16;
+        a_src[1] = row_of(a_row(0) + 64, true) + c * 16;
+        a_step = row_of(a_row(1), true) - row_of(a_row(0), true);
+        s_src[0] = row_of(s_row(0), false) + sc * 4;
+        s_src[1] = row_of(s_row(0) + 64, false) + sc * 4;
+        s_step = row_of(s_row(1), false) - row_of(s_row(0), false);
+        row_scales = row_of(threadIdx.x, false);
+        // with whole stages every row's stage of scale bytes lies a multiple of SB bytes
+        // from its matrix's first row of the block (gate/up: rows 0 and 64), which must be
+        // SB-aligned too (a caller's scale array may start anywhere)
+        whole_stages = whole_stages && (reinterpret_cast<size_t>(row_of(0, false)) % SB) == 0 &&
+                       (reinterpret_cast<size_t>(row_of(64, false)) % SB) == 0;
     }
 
     // The stage's codes and scale bytes (k steps past K arrive as zeros, nothing read).
@@ -161,13 +183,28 @@ struct WfBlock {
         u8* dst = codes_of(st, sub) + a_row(0) * (WF_BK / 2) + (c % (CHUNKS / WF_KSUB)) * 16;
         const int off = kin ? s * (WF_KSUB * WF_BK / 2) : 0;
 #pragma unroll
-        for (int i = 0; i < A_PER; ++i) cp_async16(dst + i * A_ROWS * (WF_BK / 2), a_src[i] + off, kin);
+        for (int i = 0; i < A_PER; ++i)
+            cp_async16(dst + i * A_ROWS * (WF_BK / 2), a_src[i / (A_PER / 2)] + (i % (A_PER / 2)) * a_step + off, kin);
+        // Scale bytes. K in whole stages: a row's stage of them is one aligned SB-byte chunk,
+        // one copy a thread (row tid). Why: as SB / 4 four-byte copies a row (512 a stage
+        // for nvfp4) they took ~18 % of the copies' time on deepseek-v3 nvfp4 N = 64; one
+        // a row took 5-9 % off the nvfp4 layer (NOTES.md v35). Else (K an odd number of
+        // k steps) four-byte chunks, zeros past K.
+        static_assert(SB == 16 || SB == 8, "a row's stage of scale bytes: one 16- or 8-byte copy");
+        if (whole_stages) {
+            if (SB == 16)
+                cp_async16(scales_of(st) + threadIdx.x * SB, row_scales + s * SB, true);
+            else
+                cp_async8(scales_of(st) + threadIdx.x * SB, row_scales + s * SB);
+            return;
+        }
         const int sc = threadIdx.x % SCH, ssub = sc / (SCH / WF_KSUB);
         const bool skin = (s * WF_KSUB + ssub) * WF_BK < K;
         u8* sdst = scales_of(st) + s_row(0) * SB + sc * 4;
         const int soff = skin ? s * SB : 0;
 #pragma unroll
-        for (int i = 0; i < S_PER; ++i) cp_async4(sdst + i * S_ROWS * SB, s_src[i] + soff, skin);
+        for (int i = 0; i < S_PER; ++i)
+            cp_async4(sdst + i * S_ROWS * SB, s_src[i / (S_PER / 2)] + (i % (S_PER / 2)) * s_step + soff, skin);
     }
 
     // The pass's rows' chunks of stage s: loaded into registers (zeros past K or the run) ...
@@ -312,6 +349,7 @@ __device__ __forceinline__ WfBlock<FMT, NTOK> wf_block(unsigned char* smem, int 
     b.K = K;
     b.KT = K / WF_BK;
     b.KS = (b.KT + WF_KSUB - 1) / WF_KSUB;
+    b.whole_stages = K % (WF_KSUB * WF_BK) == 0;
     return b;
 }
 

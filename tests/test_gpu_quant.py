@@ -416,7 +416,9 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
     every K is a multiple of 128 (the tiny configs' are not: there the layer keeps
     decode_mma.cu's kernels), both fp4 formats, 8-row passes (N = 1, 3) and 16-row ones
     (N = 17, 64; the shared experts' N rows take several passes), K of one to three k128
-    steps (a ring stage's second step past K), down's 128-row tiles over H = 128 .. 384,
+    steps (a ring stage's second step past K: the scale bytes as four-byte chunks, zeros
+    past K; K = 256: whole stages, a row's scale bytes of a stage one 16- or 8-byte copy),
+    down's 128-row tiles over H = 128 .. 384,
     shared experts of an fp4, fp8 and bf16 format beside fp4 routed ones."""
     import cupy
 
