@@ -18,12 +18,13 @@
 // the K loop is the dequantization (quant.cuh fp4x8_to_bf16_pairs) and one wgmma a word.
 // Measured (NOTES.md v33): ~26 instructions a word, 3-27 % less time than decode_mma.cu's
 // from 8 rows on; Nsight Compute puts it at 62 % issue and 56 % of the (half-rate) integer
-// pipe with 12 warps an SM, so latency bound. v35: with whole-row scale copies, gate/up on
-// deepseek-v3 nvfp4 N = 64 issues 0.66 a scheduler and cycle, its stalls a issued
-// instruction led by other warps issuing (0.82), fixed latencies (0.56), global loads
-// (0.45), the stage barrier (0.39) and the integer pipe (0.38). Two warpgroups a block, finer or deeper rings
+// pipe with 12 warps an SM, so latency bound. Two warpgroups a block, finer or deeper rings
 // and overlapped wgmma groups measured slower: the per-stage barrier and the blocks an SM
-// (shared memory) set the pace.
+// (shared memory) set the pace. v35: with a row's scale bytes one copy a stage, gate/up at
+// deepseek-v3 nvfp4 N = 64 issues 0.66 instructions a scheduler and cycle; its stalls a
+// issued instruction: other warps issuing (0.82), fixed latencies (0.56), global loads
+// (0.45), the stage barrier (0.39), the integer pipe (0.38). A persistent walk, finer
+// stages, small bulk copies and grouped scale copies measured slower (NOTES.md v35).
 //
 // K order: as decode_mma.cu's. Lane (g, t4) of warp w dequantizes, per k128 step, the 16
 // bytes of weight rows 16 w + g and 16 w + g + 8 of each tile holding codes 32 t4 .. + 31;
