@@ -188,6 +188,7 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
 // (2 n_local + 33) ints; R <= TOPK_LISTS_MAX_R.
 #define TOPK_LISTS_MAX_R 256
 #define TOPK_LISTS_WARPS 16
+template <int GROUP_REGS>  // as topk_route's
 __global__ void __launch_bounds__(LISTS_THREADS)
 decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ corr_bias,
                   const int* __restrict__ tid2eid, const int* __restrict__ token_ids, int* ids_out,
@@ -205,7 +206,7 @@ decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ co
         for (int row = warp; row < N; row += TOPK_LISTS_WARPS) {
             // R <= TOPK_LISTS_MAX_R: topk_route's register path for wider routers (4
             // registers a lane) does not fit beside the lists
-            route_row_topk<2>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k,
+            route_row_topk<2, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k,
                               scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane);
             __syncwarp();  // the scratch is the next row's
         }

@@ -596,9 +596,12 @@ __device__ __forceinline__ void route_row(int row, float* s, const float* logits
 
 // One row's routing as topk_route does it (and decode_topk_lists, which must give its very
 // bits): the register path route_row_vec<Q> where it serves the router (Q = 1, 2 or, when
-// MAX_Q allows, 4 registers of 128 logits a lane), else the shared-memory route_row.
-// `scratch`: the warp's 2 R + TOPK_MAX_K floats.
-template <int MAX_Q>
+// MAX_Q allows, 4 registers of 128 logits a lane); with GROUP_REGS (on sm_90+), group-limited
+// routers whose groups are whole registers and R <= 256 (deepseek-v3) by route_row_regs<8>, as
+// decode_route_lists routes them (the kernels instantiate it for group-limited routers only:
+// its code made the ungrouped instances ~1 us slower, NOTES.md v36); else the shared-memory
+// route_row. `scratch`: the warp's 2 R + TOPK_MAX_K floats.
+template <int MAX_Q, bool GROUP_REGS>
 __device__ __forceinline__ void route_row_topk(int row, float* scratch, const float* logits,
                                                const float* __restrict__ corr_bias, const int* __restrict__ tid2eid,
                                                const int* __restrict__ token_ids, int* __restrict__ ids_out,
@@ -616,6 +619,13 @@ __device__ __forceinline__ void route_row_topk(int row, float* scratch, const fl
         else if (MAX_Q >= 4)  // (the instantiation without it names route_row_vec<2> here, never run)
             done = route_row_vec<(MAX_Q >= 4 ? 4 : 2)>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring,
                                                       topk_then_softmax, renorm, scale, lane);
+    }
+    // (sm_90+ only: on sm_80 decode_topk_lists' 64 registers spilled with it, and both kernels
+    // must route alike)
+    if (GROUP_REGS && CUPYMOE_SM >= 90 && !done && n_group > 1 && regs_route_fits(8, R, E, n_group, tid2eid)) {
+        route_row_regs<8>(row, reinterpret_cast<int*>(scratch + 2 * R), logits, corr_bias, ids_out, w_out, R, E, k,
+                          scoring, n_group, topk_group, topk_then_softmax, renorm, scale, lane);
+        done = true;
     }
     if (!done)
         route_row(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k, scoring, n_group,

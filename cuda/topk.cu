@@ -1,10 +1,13 @@
-// Routing stage: one warp per row (routing.cuh), TOPK_WARPS rows a block.
+// Routing stage: one warp per row (routing.cuh), TOPK_WARPS rows a block. GROUP_REGS (1 for
+// group-limited routers): their rows from registers where the groups are whole registers
+// (routing.cuh route_row_topk).
 #include "common.cuh"
 #include "quant.cuh"
 #include "routing.cuh"
 
 #define TOPK_WARPS 4
 
+template <int GROUP_REGS>
 __global__ void __launch_bounds__(TOPK_WARPS * 32, 8)  // 8: 64 registers (ptxas chose 56 and spilled)
 topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router bias already added)
            const float* __restrict__ corr_bias,  // [R] or null: selection-only correction bias
@@ -34,7 +37,7 @@ topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router 
         __syncwarp();
     }
     float* scratch = smem + (size_t)warp * (2 * R + TOPK_MAX_K);
-    route_row_topk<4>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k, scoring,
+    route_row_topk<4, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k, scoring,
                       n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane);
 #if CUPYMOE_SM >= 89
     // w8a8: x's e4m3 codes for the fp8 gate/up GEMM. x is the caller's, so no stage of ours

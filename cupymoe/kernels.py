@@ -44,6 +44,12 @@ FORMAT_K_MULTIPLE = {"bf16": 8, "fp8_block": 16, "nvfp4": 32, "mxfp4": 32}
 # the decode kernels. Register use grows with RT * CW: both kernels stay at RT * CW <= 4
 # (down<4, 2> spilled on sm_80), and down also has one-column tiles of 8 rows.
 ROW_TILES = (1, 2, 4, 8)
+# router_mma.cu router_logits_mma<NT>: n8 tiles of x rows a block (8 NT rows), its cluster
+# (blocks a K split) and its block's router columns
+ROUTER_MMA_TILES = (1, 2, 4, 8)
+ROUTER_MMA_CLUSTER = 8
+ROUTER_MMA_COLS = 32
+ROUTER_MMA_THREADS = 512
 GATE_UP_ROW_TILES = (1, 2, 4)
 DECODE_COLS = (1, 2, 4)
 GATE_UP_VARIANTS = tuple((rt, cw) for rt in GATE_UP_ROW_TILES for cw in DECODE_COLS if rt * cw <= 4)
@@ -123,6 +129,17 @@ def fp4_decode_mode() -> str:
     v = os.environ.get("CUPYMOE_FP4_DECODE", "auto")
     if v not in ("auto", "mma", "wgmma", "cores"):
         raise ValueError(f"CUPYMOE_FP4_DECODE={v!r}: must be 'auto', 'mma', 'wgmma' or 'cores'")
+    return v
+
+
+def decode_router_mode() -> str:
+    """The decode path's router (CUPYMOE_DECODE_ROUTER): "auto" (router_mma.cu's tensor-core
+    kernel on sm_90a from layer.DECODE_ROUTER_MMA_MIN_MACS multiply-adds, else router.cu's
+    CUDA-core one), or, for tests and measurements, "mma" (the tensor-core one wherever it
+    can run) or "cores"."""
+    v = os.environ.get("CUPYMOE_DECODE_ROUTER", "auto")
+    if v not in ("auto", "mma", "cores"):
+        raise ValueError(f"CUPYMOE_DECODE_ROUTER={v!r}: must be 'auto', 'mma' or 'cores'")
     return v
 
 
@@ -456,7 +473,11 @@ MODULES: dict[str, ModuleSpec] = {
         "router.cu", tuple(f"router_logits_bf16<{r}, {sp}>" for r in ROW_TILES for sp in ROUTER_SPLITS)
         + ("rmsnorm_bf16",)
     ),
-    "topk": ModuleSpec("topk.cu", ("topk_route",)),
+    # the decode router on tensor cores, K split over a cluster (sm_90a: clusters)
+    "router_mma": ModuleSpec("router_mma.cu", tuple(f"router_logits_mma<{nt}>" for nt in ROUTER_MMA_TILES),
+                             archs=("sm_90a",)),
+    # <1>: group-limited routers' rows from registers (routing.cuh route_row_topk)
+    "topk": ModuleSpec("topk.cu", ("topk_route<0>", "topk_route<1>")),
     "grouped": ModuleSpec(
         "grouped.cu",
         ("sort_count", "sort_scan", "sort_place", "make_tiles", "grouped_reduce")
@@ -477,7 +498,8 @@ MODULES: dict[str, ModuleSpec] = {
                                    archs=("sm_90a",)),
     "decode": ModuleSpec(
         "decode.cu",
-        ("decode_build_lists", "decode_route_lists", "decode_topk_lists", "decode_reduce")
+        ("decode_build_lists", "decode_route_lists", "decode_topk_lists<0>", "decode_topk_lists<1>",
+         "decode_reduce")
         + tuple(f"decode_gate_up<{r}, {c}, {f}>" for f in FORMAT_CODES.values() for r, c in GATE_UP_VARIANTS)
         + tuple(f"decode_down<{r}, {c}, {f}>" for f in FORMAT_CODES.values() for r, c in DOWN_VARIANTS),
     ),

@@ -124,6 +124,11 @@ GROUPED_BM = 64  # the smallest M-tile height of the grouped GEMMs (kernels.GROU
 # the prefill router's K splits at most (gemm_common.cuh gemm_tile_at): each writes its own
 # logits copy, which topk_route sums
 ROUTER_MAX_SPLITS = 4
+# the decode router runs on tensor cores (router_mma.cu; CUPYMOE_DECODE_ROUTER) from this
+# many multiply-adds (R N H): below it the CUDA-core router, which reads x once per two router
+# columns, is as fast or faster (NOTES.md v36: deepseek-v3 fp8 N = 16 / 64 -10 / -30 us,
+# qwen3-30b-a3b N = 64 -0.5; N = 1-4 and qwen3-30b-a3b N = 16 0.5-2 us slower)
+DECODE_ROUTER_MMA_MIN_MACS = 1 << 24
 SORT_BLOCK = 1024  # pairs per block of the multi-block sort (cuda/grouped.cu SORT_THREADS)
 SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_build_lists)
 ROUTE_LISTS_MAX_ROWS = 8  # decode rows up to which routing and the lists are one launch (decode_route_lists)
@@ -331,6 +336,9 @@ class MoeLayer:
             self._mma_down_pairs = kernels.mma_decode_down_pairs()
             self._w8a8_decode_mode = kernels.w8a8_decode_mode()
             self._topk_lists = kernels.topk_lists_mode()
+            # the decode router: router_mma.cu's tensor-core kernel needs clusters (sm_90a)
+            self._decode_router = kernels.decode_router_mode()
+            self._router_mma_ok = self.lib.arch == "sm_90a"
             # the decode chain's kernels by programmatic dependent launch (sm_90+): each may
             # start under the previous one's last blocks (kernels.launch_pdl)
             self._pdl = kernels.pdl_mode() and kernels.parse_arch(self.lib.arch)[0] >= 90
@@ -587,6 +595,7 @@ class MoeLayer:
         topk_lists = (self._topk_lists and path != "prefill" and not route_lists and N <= TOPK_LISTS_WARPS
                       and N * k <= SMALL_SORT_PAIRS and splits == 1 and R <= TOPK_LISTS_MAX_R
                       and topk_lists_smem <= 48 * 1024)
+        group_regs = 1 if cfg.n_group > 1 else 0  # the top-k kernels' instance for group-limited routers
         with timer.stage("topk"):
             if route_lists:
                 self._launch("decode_route_lists", (1,), (ROUTE_LISTS_THREADS,),
@@ -595,13 +604,13 @@ class MoeLayer:
                              s, route_lists_smem, pdl=pdl)
             elif topk_lists:
                 assert qx_of_x == (0, 0), "x's codes are the router's past decode_route_lists' rows"
-                self._launch("decode_topk_lists", (1,), (LISTS_THREADS,),
+                self._launch(f"decode_topk_lists<{group_regs}>", (1,), (LISTS_THREADS,),
                              (*routing, _u64(W.ptr("slot_of")), _i32(W.n_local), _i32(has_shared),
                               *self._list_outputs()),
                              s, topk_lists_smem, pdl=pdl)
             else:
                 warps = 4
-                self._launch("topk_route", ((N + warps - 1) // warps,), (warps * 32,),
+                self._launch(f"topk_route<{group_regs}>", ((N + warps - 1) // warps,), (warps * 32,),
                              (*routing, _u64(x), _i32(H), _u64(qx_of_x[0]), _u64(qx_of_x[1]), _i32(splits)),
                              s, warps * (2 * R + 64) * 4, pdl=pdl)
         xe = x
@@ -960,10 +969,26 @@ class MoeLayer:
         steps = -(-self.cfg.hidden_size // 64)
         return max(1, min(ROUTER_MAX_SPLITS, 2 * self._sm_count // max(1, tiles), steps // 4))
 
+    def _router_on_tensor_cores(self, N: int) -> bool:
+        """Whether the decode path's router for `N` rows is router_mma.cu's (tensor cores, K
+        split over a cluster) rather than router.cu's CUDA-core kernel."""
+        mode = self._decode_router
+        if mode == "cores" or not self._router_mma_ok:
+            return False
+        return mode == "mma" or self.cfg.router_width * N * self.cfg.hidden_size >= DECODE_ROUTER_MMA_MIN_MACS
+
     def _launch_router(self, x: int, N: int, logits: int, s, qx: int = 0, sx: int = 0) -> None:
-        """The CUDA-core router's logits; with `qx`, x's e4m3 codes and scales too (w8a8)."""
+        """The decode path's router logits; with `qx`, x's e4m3 codes and scales too (w8a8)."""
         cfg, W = self.cfg, self.weights
         R = cfg.router_width
+        if self._router_on_tensor_cores(N):
+            nt = _row_tile(-(-N // 8), kernels.ROUTER_MMA_TILES)
+            self.lib[f"router_logits_mma<{nt}>"](
+                (-(-R // kernels.ROUTER_MMA_COLS), kernels.ROUTER_MMA_CLUSTER, -(-N // (8 * nt))),
+                (kernels.ROUTER_MMA_THREADS,),
+                (_u64(x), _u64(W.ptr("router")), _u64(W.ptr("router_bias")), _u64(logits),
+                 _i32(N), _i32(R), _i32(cfg.hidden_size), _u64(qx), _u64(sx)), stream=s)
+            return
         rt = _row_tile(N, kernels.ROW_TILES)
         split = kernels.router_split(cfg.hidden_size)
         self.lib[f"router_logits_bf16<{rt}, {split}>"](

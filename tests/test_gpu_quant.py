@@ -520,6 +520,19 @@ def test_topk_and_lists_in_one_launch_match_the_two(name, rng, monkeypatch):
             assert np.array_equal(out, outs["0", path, n]), f"{name} N={n} {path}: bits differ"
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3-fp8-fp8router-bf16shared", "gpt_oss-mxfp4", "qwen3_moe-bf16-fp8router"])
+def test_decode_router_on_tensor_cores_and_on_cuda_cores(name, rng, monkeypatch):
+    """The decode path with either router (CUPYMOE_DECODE_ROUTER): router_mma.cu's tensor-core
+    kernel (sm_90a; with w8a8 it also makes x's e4m3 codes past decode_route_lists' rows) and
+    router.cu's CUDA-core one, each against the reference on the decode and atomic paths: a
+    quantized (fp8) router, a router bias (gpt-oss), groups and a shared expert (deepseek-v3)."""
+    for knob in ("mma", "cores"):
+        monkeypatch.setenv("CUPYMOE_DECODE_ROUTER", knob)
+        cfg, hw, layer = _case(name, rng)
+        assert layer._router_on_tensor_cores(64) == (knob == "mma" and layer.lib.arch == "sm_90a")
+        _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} router {knob}")
+
+
 def test_fp8_compute_refusals(rng):
     from cupymoe import MoeLayer
     from cupymoe.weights import UnsupportedFormatError

@@ -1,4 +1,6 @@
 """GPU: topk_route (cuda/topk.cu) on planted logits against cupymoe.reference's selection.
+Group-limited routers (DeepSeek-V3's) route from registers in topk_route<1> where the groups
+are whole registers (route_row_regs<8>), else by route_row; test_topk_route_groups_as_the_reference.
 
 topk_route routes a row from registers (routing.cuh route_row_vec) where the router fits
 (no hash table, no groups, k <= 32, R a multiple of 4 in 16..512), and by route_row's
@@ -111,7 +113,7 @@ def test_topk_route_picks_what_the_reference_picks(case, rng):
     w = cupy.full((n, k), cupy.nan, dtype=cupy.float32)
     err = cupy.zeros(1, dtype=cupy.int32)
     null = np.uint64(0)
-    lib["topk_route"](
+    lib["topk_route<0>"](
         ((n + TOPK_WARPS - 1) // TOPK_WARPS,), (TOPK_WARPS * 32,),
         (d_logits, d_bias if d_bias is not None else null, null, null, ids, w, err,
          np.int32(n), np.int32(R), np.int32(R), np.int32(k), np.int32(SCORING[scoring]), np.int32(1), np.int32(1),
@@ -123,6 +125,74 @@ def test_topk_route_picks_what_the_reference_picks(case, rng):
     assert (got_ids >= 0).all() and np.isfinite(got_w).all(), "an unwritten or non-finite output"
     judged = _separated(c, k)
     judged[:PLANTED] = True  # exact ties, or planted apart: both orders agree
+    assert judged[PLANTED:].mean() > 0.8, f"only {judged[PLANTED:].sum()} of {n - PLANTED} random rows separated"
+    bad = np.nonzero(judged & (got_ids != ids_exp).any(axis=1))[0]
+    assert bad.size == 0, f"rows {bad[:8].tolist()}: ids {got_ids[bad[0]].tolist()} vs {ids_exp[bad[0]].tolist()}"
+    np.testing.assert_allclose(got_w[judged], w_exp[judged], rtol=1e-5, atol=1e-7)
+    assert int(err[0]) == 0
+
+
+# group-limited routing (DeepSeek-V3's): (R, n_group, topk_group, k, scoring, bias, renorm,
+# scale). Groups of 32 experts (whole registers) route from registers (route_row_regs<8>, R <=
+# 256); groups of 16 and R = 512 by route_row's shared-memory rounds.
+GROUPED_CASES = [
+    (256, 8, 4, 8, "sigmoid", True, True, 2.5),  # deepseek-v3
+    (64, 2, 1, 6, "softmax", False, False, 1.0),
+    (128, 8, 3, 4, "sigmoid", True, True, 1.0),  # groups of 16: shared memory
+    (512, 16, 4, 8, "sigmoid", True, True, 1.0),  # past 256: shared memory
+]
+
+
+@pytest.mark.parametrize("variant", [1, 0])
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=[f"R{c[0]}-g{c[1]}of{c[2]}-k{c[3]}" for c in GROUPED_CASES])
+def test_topk_route_groups_as_the_reference(case, variant, rng):
+    """topk_route (<1>: groups of whole registers from registers, <0>: by route_row's shared
+    memory) keeps the topk_group groups of the best two-score sums and picks the k best inside
+    them, as reference._select_grouped (ties to the lower group and id); the weights
+    within 1e-5 relative. Rows whose group or expert choice lies closer than float32
+    resolves (the reference's margin) are not judged; without a correction bias the planted
+    exact ties (every entry tied; k + 2 tied at the top) always are."""
+    import types
+
+    import cupy
+
+    from cupymoe import kernels, reference
+
+    R, n_group, topk_group, k, scoring, has_bias, renorm, scale = case
+    n = 131
+    logits = _planted_logits(rng, n, R, k)
+    bias = (rng.integers(-8, 9, size=R) / 64.0).astype(np.float32) if has_bias else None
+    _, _, c = _expected(logits, k, scoring, False, bias.astype(np.float64) if bias is not None else None,
+                        renorm, scale)
+    cfg = types.SimpleNamespace(n_group=n_group, topk_group=topk_group, num_experts_per_tok=k)
+    ids_exp, margin = reference._select_grouped(cfg, c)
+    l = logits.astype(np.float64)
+    s = (np.exp(l - l.max(axis=-1, keepdims=True)) / np.exp(l - l.max(axis=-1, keepdims=True)).sum(-1, keepdims=True)
+         if scoring == "softmax" else 1.0 / (1.0 + np.exp(-l)))
+    w_exp = s[np.arange(n)[:, None], ids_exp]
+    if renorm:
+        w_exp = w_exp / (w_exp.sum(axis=-1, keepdims=True) + reference.NORM_EPS)
+    w_exp *= scale
+
+    d_logits = cupy.asarray(logits)
+    d_bias = cupy.asarray(bias) if bias is not None else None
+    ids = cupy.full((n, k), -7, dtype=cupy.int32)  # poisoned: an unwritten entry fails
+    w = cupy.full((n, k), cupy.nan, dtype=cupy.float32)
+    err = cupy.zeros(1, dtype=cupy.int32)
+    null = np.uint64(0)
+    kernels.library(0)[f"topk_route<{variant}>"](
+        ((n + TOPK_WARPS - 1) // TOPK_WARPS,), (TOPK_WARPS * 32,),
+        (d_logits, d_bias if d_bias is not None else null, null, null, ids, w, err,
+         np.int32(n), np.int32(R), np.int32(R), np.int32(k), np.int32(SCORING[scoring]), np.int32(n_group),
+         np.int32(topk_group), np.int32(0), np.int32(int(renorm)), np.float32(scale), np.int32(0),
+         null, np.int32(0), null, null, np.int32(1)),
+        shared_mem=TOPK_WARPS * (2 * R + TOPK_MAX_K) * 4)
+    cupy.cuda.runtime.deviceSynchronize()
+    got_ids, got_w = cupy.asnumpy(ids), cupy.asnumpy(w)
+    assert (got_ids >= 0).all() and np.isfinite(got_w).all(), "an unwritten or non-finite output"
+    judged = margin > 2e-6 * (1.0 + np.abs(c).max(axis=-1))
+    if not has_bias:  # every entry tied; k + 2 tied at the top: exact ties in float32 too
+        judged[[0, 2]] = True
     assert judged[PLANTED:].mean() > 0.8, f"only {judged[PLANTED:].sum()} of {n - PLANTED} random rows separated"
     bad = np.nonzero(judged & (got_ids != ids_exp).any(axis=1))[0]
     assert bad.size == 0, f"rows {bad[:8].tolist()}: ids {got_ids[bad[0]].tolist()} vs {ids_exp[bad[0]].tolist()}"

@@ -128,6 +128,31 @@ def test_measurement_knobs_are_validated(monkeypatch):
         assert all(variant.blocks_per_sm * variant.threads(m) <= 2048 for m in (0, 1, 2)), name
 
 
+def test_decode_router_constants_and_knob(monkeypatch):
+    """router_mma.cu's block shape is what the layer launches (its #defines against kernels'
+    constants); CUPYMOE_DECODE_ROUTER takes auto, mma or cores and refuses anything else,
+    naming the value."""
+    import re
+
+    src = (kernels.kernel_dir() / "router_mma.cu").read_text()
+
+    def define(name):
+        return int(re.search(rf"^#define {name} (\d+)", src, re.M).group(1))
+
+    assert define("RM_COLS") == kernels.ROUTER_MMA_COLS
+    assert define("RM_CLUSTER") == kernels.ROUTER_MMA_CLUSTER
+    assert 2 * define("RM_KWARPS") * 32 == kernels.ROUTER_MMA_THREADS  # two column warps a K share
+    assert kernels.ROUTER_MMA_COLS == 2 * 16 and kernels.ROUTER_MMA_TILES[-1] * 8 <= 64
+    monkeypatch.delenv("CUPYMOE_DECODE_ROUTER", raising=False)
+    assert kernels.decode_router_mode() == "auto"
+    for v in ("mma", "cores"):
+        monkeypatch.setenv("CUPYMOE_DECODE_ROUTER", v)
+        assert kernels.decode_router_mode() == v
+    monkeypatch.setenv("CUPYMOE_DECODE_ROUTER", "tensor")
+    with pytest.raises(ValueError, match="CUPYMOE_DECODE_ROUTER='tensor'"):
+        kernels.decode_router_mode()
+
+
 def test_fp4_tensor_core_decode_formats_and_knobs(monkeypatch):
     """Which fp4 formats decode on tensor cores: both, mxfp4 only while its scale bytes lie in
     FP4_MMA_MXFP4_SCALE_BYTES (the kernels scale weights by 2^-64 on the way), none with the
