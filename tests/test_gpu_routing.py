@@ -92,12 +92,37 @@ def _expected(logits: np.ndarray, k: int, scoring: str, tts: bool, bias, renorm:
     return ids, w * scale, c
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"R{c[0]}-k{c[1]}-{c[2]}{'-tts' if c[3] else ''}" for c in CASES])
-def test_topk_route_picks_what_the_reference_picks(case, rng):
+def _run_topk_route(group_regs: int, logits, bias, k: int, scoring: int, n_group: int, topk_group: int, tts: bool,
+                    renorm: bool, scale: float):
+    """topk_route<group_regs> on planted logits, its outputs poisoned first: (ids, weights),
+    after checking that every output was written and no error raised."""
     import cupy
 
     from cupymoe import kernels
 
+    n, R = logits.shape
+    d_logits = cupy.asarray(logits)
+    d_bias = cupy.asarray(bias) if bias is not None else None
+    null = np.uint64(0)
+    ids = cupy.full((n, k), -7, dtype=cupy.int32)  # poisoned: an unwritten entry fails
+    w = cupy.full((n, k), cupy.nan, dtype=cupy.float32)
+    err = cupy.zeros(1, dtype=cupy.int32)
+    kernels.library(0)[f"topk_route<{group_regs}>"](
+        ((n + TOPK_WARPS - 1) // TOPK_WARPS,), (TOPK_WARPS * 32,),
+        (d_logits, d_bias if d_bias is not None else null, null, null, ids, w, err,
+         np.int32(n), np.int32(R), np.int32(R), np.int32(k), np.int32(scoring), np.int32(n_group),
+         np.int32(topk_group), np.int32(int(tts)), np.int32(int(renorm)), np.float32(scale), np.int32(0),
+         null, np.int32(0), null, null, np.int32(1)),
+        shared_mem=TOPK_WARPS * (2 * R + TOPK_MAX_K) * 4)
+    cupy.cuda.runtime.deviceSynchronize()
+    got_ids, got_w = cupy.asnumpy(ids), cupy.asnumpy(w)
+    assert (got_ids >= 0).all() and np.isfinite(got_w).all(), "an unwritten or non-finite output"
+    assert int(err[0]) == 0
+    return got_ids, got_w
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"R{c[0]}-k{c[1]}-{c[2]}{'-tts' if c[3] else ''}" for c in CASES])
+def test_topk_route_picks_what_the_reference_picks(case, rng):
     R, k, scoring, tts, has_bias, renorm, scale = case
     n = 203  # not a multiple of the block's 4 rows
     logits = _planted_logits(rng, n, R, k)
@@ -106,30 +131,13 @@ def test_topk_route_picks_what_the_reference_picks(case, rng):
     ids_exp, w_exp, c = _expected(logits, k, scoring, tts, bias.astype(np.float64) if bias is not None else None,
                                renorm, scale)
 
-    lib = kernels.library(0)
-    d_logits = cupy.asarray(logits)
-    d_bias = cupy.asarray(bias) if bias is not None else None
-    ids = cupy.full((n, k), -7, dtype=cupy.int32)  # poisoned: an unwritten entry fails
-    w = cupy.full((n, k), cupy.nan, dtype=cupy.float32)
-    err = cupy.zeros(1, dtype=cupy.int32)
-    null = np.uint64(0)
-    lib["topk_route<0>"](
-        ((n + TOPK_WARPS - 1) // TOPK_WARPS,), (TOPK_WARPS * 32,),
-        (d_logits, d_bias if d_bias is not None else null, null, null, ids, w, err,
-         np.int32(n), np.int32(R), np.int32(R), np.int32(k), np.int32(SCORING[scoring]), np.int32(1), np.int32(1),
-         np.int32(int(tts)), np.int32(int(renorm)), np.float32(scale), np.int32(0),
-         null, np.int32(0), null, null, np.int32(1)),
-        shared_mem=TOPK_WARPS * (2 * R + TOPK_MAX_K) * 4)
-    cupy.cuda.runtime.deviceSynchronize()
-    got_ids, got_w = cupy.asnumpy(ids), cupy.asnumpy(w)
-    assert (got_ids >= 0).all() and np.isfinite(got_w).all(), "an unwritten or non-finite output"
+    got_ids, got_w = _run_topk_route(0, logits, bias, k, SCORING[scoring], 1, 1, tts, renorm, scale)
     judged = _separated(c, k)
     judged[:PLANTED] = True  # exact ties, or planted apart: both orders agree
     assert judged[PLANTED:].mean() > 0.8, f"only {judged[PLANTED:].sum()} of {n - PLANTED} random rows separated"
     bad = np.nonzero(judged & (got_ids != ids_exp).any(axis=1))[0]
     assert bad.size == 0, f"rows {bad[:8].tolist()}: ids {got_ids[bad[0]].tolist()} vs {ids_exp[bad[0]].tolist()}"
     np.testing.assert_allclose(got_w[judged], w_exp[judged], rtol=1e-5, atol=1e-7)
-    assert int(err[0]) == 0
 
 
 # group-limited routing (DeepSeek-V3's): (R, n_group, topk_group, k, scoring, bias, renorm,
@@ -154,9 +162,7 @@ def test_topk_route_groups_as_the_reference(case, variant, rng):
     exact ties (every entry tied; k + 2 tied at the top) always are."""
     import types
 
-    import cupy
-
-    from cupymoe import kernels, reference
+    from cupymoe import reference
 
     R, n_group, topk_group, k, scoring, has_bias, renorm, scale = case
     n = 131
@@ -174,22 +180,8 @@ def test_topk_route_groups_as_the_reference(case, variant, rng):
         w_exp = w_exp / (w_exp.sum(axis=-1, keepdims=True) + reference.NORM_EPS)
     w_exp *= scale
 
-    d_logits = cupy.asarray(logits)
-    d_bias = cupy.asarray(bias) if bias is not None else None
-    ids = cupy.full((n, k), -7, dtype=cupy.int32)  # poisoned: an unwritten entry fails
-    w = cupy.full((n, k), cupy.nan, dtype=cupy.float32)
-    err = cupy.zeros(1, dtype=cupy.int32)
-    null = np.uint64(0)
-    kernels.library(0)[f"topk_route<{variant}>"](
-        ((n + TOPK_WARPS - 1) // TOPK_WARPS,), (TOPK_WARPS * 32,),
-        (d_logits, d_bias if d_bias is not None else null, null, null, ids, w, err,
-         np.int32(n), np.int32(R), np.int32(R), np.int32(k), np.int32(SCORING[scoring]), np.int32(n_group),
-         np.int32(topk_group), np.int32(0), np.int32(int(renorm)), np.float32(scale), np.int32(0),
-         null, np.int32(0), null, null, np.int32(1)),
-        shared_mem=TOPK_WARPS * (2 * R + TOPK_MAX_K) * 4)
-    cupy.cuda.runtime.deviceSynchronize()
-    got_ids, got_w = cupy.asnumpy(ids), cupy.asnumpy(w)
-    assert (got_ids >= 0).all() and np.isfinite(got_w).all(), "an unwritten or non-finite output"
+    got_ids, got_w = _run_topk_route(variant, logits, bias, k, SCORING[scoring], n_group, topk_group, False, renorm,
+                                     scale)
     judged = margin > 2e-6 * (1.0 + np.abs(c).max(axis=-1))
     if not has_bias:  # every entry tied; k + 2 tied at the top: exact ties in float32 too
         judged[[0, 2]] = True
@@ -197,4 +189,3 @@ def test_topk_route_groups_as_the_reference(case, variant, rng):
     bad = np.nonzero(judged & (got_ids != ids_exp).any(axis=1))[0]
     assert bad.size == 0, f"rows {bad[:8].tolist()}: ids {got_ids[bad[0]].tolist()} vs {ids_exp[bad[0]].tolist()}"
     np.testing.assert_allclose(got_w[judged], w_exp[judged], rtol=1e-5, atol=1e-7)
-    assert int(err[0]) == 0
