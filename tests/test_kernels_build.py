@@ -143,14 +143,7 @@ def test_decode_router_constants_and_knob(monkeypatch):
     assert define("RM_CLUSTER") == kernels.ROUTER_MMA_CLUSTER
     assert 2 * define("RM_KWARPS") * 32 == kernels.ROUTER_MMA_THREADS  # two column warps a K share
     assert kernels.ROUTER_MMA_COLS == 2 * 16 and kernels.ROUTER_MMA_TILES[-1] * 8 <= 64
-    monkeypatch.delenv("CUPYMOE_DECODE_ROUTER", raising=False)
-    assert kernels.decode_router_mode() == "auto"
-    for v in ("mma", "cores"):
-        monkeypatch.setenv("CUPYMOE_DECODE_ROUTER", v)
-        assert kernels.decode_router_mode() == v
-    monkeypatch.setenv("CUPYMOE_DECODE_ROUTER", "tensor")
-    with pytest.raises(ValueError, match="CUPYMOE_DECODE_ROUTER='tensor'"):
-        kernels.decode_router_mode()
+    _check_choice_knob(monkeypatch, "CUPYMOE_DECODE_ROUTER", kernels.decode_router_mode, ("mma", "cores"), "tensor")
 
 
 def test_fp4_tensor_core_decode_formats_and_knobs(monkeypatch):
@@ -232,6 +225,18 @@ def _check_on_off_knob(monkeypatch, name: str, read) -> None:
         read()
 
 
+def _check_choice_knob(monkeypatch, name: str, read, choices: tuple[str, ...], bad: str) -> None:
+    """A knob naming one of `choices`: "auto" unset, each choice read back, `bad` refused by name."""
+    monkeypatch.delenv(name, raising=False)
+    assert read() == "auto"
+    for v in choices:
+        monkeypatch.setenv(name, v)
+        assert read() == v
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=f"{name}='{bad}'"):
+        read()
+
+
 def test_pdl_knob(monkeypatch):
     _check_on_off_knob(monkeypatch, "CUPYMOE_PDL", kernels.pdl_mode)
 
@@ -273,14 +278,7 @@ def test_wgmma_decode_constants_match_the_kernel_file(monkeypatch):
             assert blocks * need <= sm_bytes < (blocks + 1) * need, (nt, hidden, need)
     # 1024 to align, 3 stages of (128 + 16) rows of 2 x 128 codes, 18 scales a k128 step
     assert kernels.wgmma_decode_smem_bytes(16, 16) == 1024 + 3 * 144 * 256 + 18 * 16 * 4
-    monkeypatch.delenv("CUPYMOE_W8A8_DECODE", raising=False)
-    assert kernels.w8a8_decode_mode() == "auto"
-    for v in ("mma", "wgmma"):
-        monkeypatch.setenv("CUPYMOE_W8A8_DECODE", v)
-        assert kernels.w8a8_decode_mode() == v
-    monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "tma")
-    with pytest.raises(ValueError, match="CUPYMOE_W8A8_DECODE='tma'"):
-        kernels.w8a8_decode_mode()
+    _check_choice_knob(monkeypatch, "CUPYMOE_W8A8_DECODE", kernels.w8a8_decode_mode, ("mma", "wgmma"), "tma")
 
 
 def test_decode_list_builders_constants_match_the_kernel_files(monkeypatch):
