@@ -206,8 +206,9 @@ decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ co
         for (int row = warp; row < N; row += TOPK_LISTS_WARPS) {
             // R <= TOPK_LISTS_MAX_R: topk_route's register path for wider routers (4
             // registers a lane) does not fit beside the lists
-            route_row_topk<2, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k,
-                              scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane);
+            route_row_topk<2, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out,
+                                               err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm,
+                                               scale, vocab, lane);
             __syncwarp();  // the scratch is the next row's
         }
     }

@@ -37,8 +37,9 @@ topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router 
         __syncwarp();
     }
     float* scratch = smem + (size_t)warp * (2 * R + TOPK_MAX_K);
-    route_row_topk<4, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R, E, k, scoring,
-                      n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane);
+    route_row_topk<4, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R,
+                                       E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab,
+                                       lane);
 #if CUPYMOE_SM >= 89
     // w8a8: x's e4m3 codes for the fp8 gate/up GEMM. x is the caller's, so no stage of ours
     // produces it; its quantization rides in this one-warp-per-row stage instead of a launch.
