@@ -8,7 +8,7 @@
 // Why: the CUDA-core router (router.cu) reads x once per two router columns: at deepseek-v3
 // N = 64 its 1024 blocks read 117 MB of x from L2 for a 3.7 MB matrix, 36.8 us (NOTES.md v35).
 // Here a warp takes 16 router columns and all the block's rows, so x is read once per 32
-// columns, and K is split over a cluster's blocks and a block's warps so most of the matrix
+// columns, and K is split over a cluster's blocks and a block's warps so much of the matrix
 // is in flight at once. The partial sums meet in a fixed order (warps by a tree in shared
 // memory, then the cluster's blocks through distributed shared memory, rank 0 first), and
 // every element's sum runs over the same K split whatever the row tile, so a row's logits
