@@ -159,12 +159,7 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
     // w8a8 at very few rows (qx set: layer.route_lists_quantizes): the warps
     // that route no row quantize x beside the routing, 256 columns of a row a unit
     else if (qx) {
-        const int chunks = (H + 255) >> 8, workers = ROUTE_LISTS_THREADS / 32 - N;
-        for (int u = warp - N; u < N * chunks; u += workers) {
-            const int row = u / chunks;
-            e4m3_quantize_chunk(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7),
-                                (u % chunks) << 8, lane);
-        }
+        e4m3_quantize_units(x, N, H, qx, sx, warp - N, ROUTE_LISTS_THREADS / 32 - N, lane);
     }
 #endif
     __syncthreads();

@@ -342,6 +342,19 @@ __device__ __forceinline__ void e4m3_quantize_chunk(const bf16* __restrict__ in,
     }
 }
 
+// A whole warp quantizes units u, u + stride, ... of x's N rows of H columns (a unit: 256
+// columns of a row, ceil(H / 256) a row): codes qx[N, H], scales sx[N, ceil(H / 128)]. For
+// warps that deal a launch's units among them (the routers; decode_route_lists' idle warps).
+__device__ __forceinline__ void e4m3_quantize_units(const bf16* __restrict__ x, int N, int H, u8* __restrict__ qx,
+                                                    float* __restrict__ sx, int u, int stride, int lane) {
+    const int chunks = (H + 255) >> 8;
+    for (; u < N * chunks; u += stride) {
+        const int row = u / chunks;
+        e4m3_quantize_chunk(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7),
+                            (u % chunks) << 8, lane);
+    }
+}
+
 // A whole warp quantizes one bf16 row of n columns (n a multiple of 8): codes q[n], scales
 // s[ceil(n / 128)]. Every lane runs the same iterations.
 __device__ __forceinline__ void e4m3_quantize_row(const bf16* __restrict__ in, int n, u8* __restrict__ q,

@@ -86,12 +86,7 @@ router_logits_bf16(const bf16* __restrict__ x, const bf16* __restrict__ W, const
 #if CUPYMOE_SM >= 89
     if (qx) {
         const int blocks = gridDim.x * gridDim.y, block = blockIdx.y * gridDim.x + blockIdx.x;
-        const int chunks = (H + 255) >> 8;
-        for (int u = block + blocks * warp; u < N * chunks; u += blocks * (ROUTER_COLS * ROUTER_SPLIT)) {
-            const int row = u / chunks;
-            e4m3_quantize_chunk(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7),
-                                (u % chunks) << 8, lane);
-        }
+        e4m3_quantize_units(x, N, H, qx, sx, block + blocks * warp, blocks * (ROUTER_COLS * ROUTER_SPLIT), lane);
     }
 #endif
 }

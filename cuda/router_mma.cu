@@ -147,12 +147,7 @@ router_logits_mma(const bf16* __restrict__ x, const bf16* __restrict__ W, const 
     if (qx) {
         const int blocks = gridDim.x * gridDim.y * gridDim.z;
         const int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-        const int chunks = (H + 255) >> 8;
-        for (int u = block + blocks * warp; u < N * chunks; u += blocks * (RM_THREADS / 32)) {
-            const int row = u / chunks;
-            e4m3_quantize_chunk(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7),
-                                (u % chunks) << 8, lane);
-        }
+        e4m3_quantize_units(x, N, H, qx, sx, block + blocks * warp, blocks * (RM_THREADS / 32), lane);
     }
 }
 #endif

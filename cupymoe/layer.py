@@ -337,8 +337,7 @@ class MoeLayer:
             self._w8a8_decode_mode = kernels.w8a8_decode_mode()
             self._topk_lists = kernels.topk_lists_mode()
             # the decode router: router_mma.cu's tensor-core kernel needs clusters (sm_90a)
-            self._decode_router = kernels.decode_router_mode()
-            self._router_mma_ok = self.lib.arch == "sm_90a"
+            self._decode_router = kernels.decode_router_mode() if self.lib.arch == "sm_90a" else "cores"
             # the decode chain's kernels by programmatic dependent launch (sm_90+): each may
             # start under the previous one's last blocks (kernels.launch_pdl)
             self._pdl = kernels.pdl_mode() and kernels.parse_arch(self.lib.arch)[0] >= 90
@@ -973,9 +972,9 @@ class MoeLayer:
         """Whether the decode path's router for `N` rows is router_mma.cu's (tensor cores, K
         split over a cluster) rather than router.cu's CUDA-core kernel."""
         mode = self._decode_router
-        if mode == "cores" or not self._router_mma_ok:
-            return False
-        return mode == "mma" or self.cfg.router_width * N * self.cfg.hidden_size >= DECODE_ROUTER_MMA_MIN_MACS
+        if mode == "auto":
+            return self.cfg.router_width * N * self.cfg.hidden_size >= DECODE_ROUTER_MMA_MIN_MACS
+        return mode == "mma"
 
     def _launch_router(self, x: int, N: int, logits: int, s, qx: int = 0, sx: int = 0) -> None:
         """The decode path's router logits; with `qx`, x's e4m3 codes and scales too (w8a8)."""

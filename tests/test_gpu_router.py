@@ -15,6 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from cupymoe.layer import _row_tile
+
 pytestmark = pytest.mark.gpu
 
 # (N, R, H, bias): deepseek-v3 and qwen3-30b-a3b's routers, a router width no multiple of a
@@ -49,7 +51,7 @@ def _draw(rng, N: int, R: int, H: int, bias: bool):
 def _run_mma(lib, kernels, x, w, b, N: int, R: int, H: int, qx=None, sx=None):
     import cupy
 
-    nt = next((t for t in kernels.ROUTER_MMA_TILES if 8 * t >= N), kernels.ROUTER_MMA_TILES[-1])
+    nt = _row_tile(-(-N // 8), kernels.ROUTER_MMA_TILES)  # as the layer picks it
     d_x, d_w = cupy.asarray(x.view(np.uint16)), cupy.asarray(w.view(np.uint16))
     d_b = cupy.asarray(b) if b is not None else None
     out = cupy.full((N + 1, R), cupy.nan, dtype=cupy.float32)  # poisoned, a guard row past N
@@ -110,7 +112,7 @@ def test_tensor_core_router_quantizes_x_as_the_cuda_core_router(N, rng):
 
     d_x, d_w, d_b = cupy.asarray(x.view(np.uint16)), cupy.asarray(w.view(np.uint16)), cupy.asarray(b)
     got_cores = cupy.full((N, R), cupy.nan, dtype=cupy.float32)
-    rt = next((t for t in kernels.ROW_TILES if t >= N), kernels.ROW_TILES[-1])
+    rt = _row_tile(N, kernels.ROW_TILES)
     split = kernels.router_split(H)
     lib[f"router_logits_bf16<{rt}, {split}>"](
         ((R + 1) // 2, -(-N // rt)), (2 * split * 32,),
