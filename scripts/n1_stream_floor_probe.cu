@@ -7,7 +7,10 @@
 //                thread of each chunk and refills its slot
 //   reg_stream   grid-strided 16-byte register loads, eight in flight a thread
 //
-// Neither computes anything: the sink's store (never taken) keeps the loads alive.
+// Neither computes anything: the sink's store (never taken) keeps the loads alive. The two
+// bulk-copy issues (the ring's first chunks, a slot's next) are written out twice on purpose:
+// this is the machine code NOTES.md v37's figures came from, and a shared helper compiled to
+// other code.
 extern "C" __global__ void __launch_bounds__(128)
     bulk_stream(const char* __restrict__ w, long long total, int chunk, int stages, unsigned* sink) {
     extern __shared__ __align__(128) char smem[];
