@@ -21,6 +21,10 @@ ap.add_argument("--mb", type=float, nargs="+", default=[12.6, 25.2, 37.7, 117.0,
 ap.add_argument("--reps", type=int, default=20, help="graph replays timed (the median is printed)")
 ap.add_argument("--copy-tbs", type=float, default=4.28, help="the copy rate the floor column divides by")
 args = ap.parse_args()
+WINDOW = 1 << 28  # ten launches read eight windows of a 2 GiB buffer in turn: none stays in L2
+too_big = [mb for mb in args.mb if mb * 1e6 > WINDOW]
+if too_big:
+    raise SystemExit(f"n1_stream_floor_probe: --mb {too_big} exceeds a read window ({WINDOW / 1e6:.1f} MB)")
 try:
     cp.cuda.runtime.getDeviceCount()
 except cp.cuda.runtime.CUDARuntimeError as e:
@@ -29,7 +33,6 @@ except cp.cuda.runtime.CUDARuntimeError as e:
 # (chunk bytes, ring slots, blocks an SM) of the bulk copies
 BULK = ((16384, 4, 1), (16384, 6, 1), (32768, 4, 1), (8192, 8, 2), (16384, 3, 2), (4096, 8, 3))
 REG_BLOCKS_PER_SM = (2, 4, 8)  # 256-thread blocks of register loads
-WINDOW = 1 << 28  # ten launches read eight windows of a 2 GiB buffer in turn: none stays in L2
 
 module = cp.RawModule(code=Path(__file__).with_suffix(".cu").read_text(), options=("-arch=sm_90a", "-std=c++17"))
 bulk, reg = module.get_function("bulk_stream"), module.get_function("reg_stream")
