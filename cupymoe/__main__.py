@@ -85,10 +85,10 @@ def cmd_inspect(args) -> int:
     MoE, and for one layer every tensor's format and shape, the bytes, and whether the GPU
     kernels serve it."""
     from . import checkpoint, formats, kernels
-    from .config import DenseLayerError, MoeConfig
+    from .config import DenseLayerError, MoeConfig, layer_count
 
     config = checkpoint.read_config(args.dir)
-    n_layers = int(config.get("num_hidden_layers", config.get("num_layers", 0)) or 0)
+    n_layers = layer_count(config) or 0
     moe = []
     for i in range(n_layers):
         try:

@@ -121,6 +121,8 @@ _TORCH_VIEWS = {
 }
 if "F8_E8M0" in _ST_DTYPES:
     _TORCH_VIEWS["float8_e8m0fnu"] = ("uint8", _ST_DTYPES["F8_E8M0"])
+# what an mxfp4 `_scales` tensor may be stored as
+E8M0_DTYPES = (U8,) + ((_ST_DTYPES["F8_E8M0"],) if "F8_E8M0" in _ST_DTYPES else ())
 
 
 # ----------------------------------------------------------------------------------
@@ -295,9 +297,16 @@ class _FileSource(_Source):
         elif (root / INDEX_FILE).is_file():
             self._index = root / INDEX_FILE
             try:
-                self._map = dict(json.loads(self._index.read_text())["weight_map"])
+                weight_map = json.loads(self._index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{self._index}: not a valid safetensors index ({e!r})") from e
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{self._index}: weight_map must map tensor names to file names, "
+                                      f"found a {type(weight_map).__name__}")
+            for name, file in weight_map.items():
+                if not isinstance(file, str) or not file:
+                    raise CheckpointError(f"{self._index}: weight_map maps {name!r} to {file!r}, not a file name")
+            self._map = weight_map
         else:
             raise CheckpointFileError(f"{root} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
 
@@ -309,7 +318,10 @@ class _FileSource(_Source):
             if not path.is_file():
                 raise CheckpointFileError(f"{self._index} maps tensors to {path.name}, but {path} does not exist")
             logger.debug("opening %s", path)
-            h = self._stack.enter_context(safe_open(str(path), framework="numpy"))
+            try:
+                h = self._stack.enter_context(safe_open(str(path), framework="numpy"))
+            except Exception as e:  # safetensors' own error (a truncated or corrupt file) names no file
+                raise CheckpointFileError(f"{path}: not a readable safetensors file ({e})") from e
             self._handles[path] = h
             self._keys[path] = set(h.keys())
         return self._handles[path]
@@ -571,9 +583,9 @@ def _plan_fused_experts(P: _Planner, cfg: MoeConfig, base: str) -> dict[str, Rea
         P.check_shape(blocks, (E, out, inn // MXFP4_GROUP, MXFP4_GROUP // 2))
         P.check_shape(scales, (E, out, inn // MXFP4_GROUP))
         P.check_dtype(blocks, (U8,), "uint8 packed e2m1 codes")
-        if src.dtype(scales).itemsize != 1:
-            raise CheckpointError(f"{scales}: expected 1-byte e8m0 exponents, found {src.dtype(scales)} "
-                                  f"in {src.where(scales)}")
+        # uint8 or F8_E8M0: other 1-byte dtypes (I8, BOOL, the e4m3 / e5m2 floats) would be
+        # read as biased exponents all the same, silently giving other weights
+        P.check_dtype(scales, E8M0_DTYPES, "uint8 (or F8_E8M0) e8m0 exponents")
         return blocks, scales
 
     def plain(name: str, shape: tuple[int, ...]) -> str:
@@ -585,8 +597,15 @@ def _plan_fused_experts(P: _Planner, cfg: MoeConfig, base: str) -> dict[str, Rea
     def as_weight(a: np.ndarray) -> np.ndarray:
         return a if a.dtype in (BF16, F32) else a.astype(np.float32)
 
+    def is_mxfp4(name: str) -> bool:
+        # mxfp4 when its _blocks are there; a lone _scales is half an mxfp4 tensor (a partial
+        # download, a renamed file), not a reason to look for the bf16 tensor instead
+        if not src.has(name + "_blocks") and src.has(name + "_scales"):
+            P.need(name + "_blocks")
+        return src.has(name + "_blocks")
+
     gate_up = base + _GATE_UP
-    if src.has(gate_up + "_blocks"):
+    if is_mxfp4(gate_up):
         blocks, scales = mxfp4(gate_up, 2 * I, H)
 
         def read_gate_up() -> tuple[Any, Any]:
@@ -605,7 +624,7 @@ def _plan_fused_experts(P: _Planner, cfg: MoeConfig, base: str) -> dict[str, Rea
     readers["up"] = lambda: pair()[1]
 
     down = base + _DOWN
-    if src.has(down + "_blocks"):
+    if is_mxfp4(down):
         d_blocks, d_scales = mxfp4(down, H, I)
         readers["down"] = lambda: Mxfp4Weight(src.read(d_blocks), src.read(d_scales))
     else:
@@ -744,10 +763,11 @@ def load_layer_from_tensors(cfg_or_config_dict: Union[MoeConfig, Mapping[str, An
 
     `tensors` maps hub names to numpy / ml_dtypes arrays, torch tensors (bf16 and fp8 are
     converted through same-width integer views) or CuPy arrays (uint16 means bf16 bits).
-    `prefix` is the layer's MLP prefix, e.g. `model.layers.3.mlp.`. A config dict is mapped
+    `prefix` is the layer's MLP prefix, e.g. `model.layers.3.mlp.`, or "" for names relative to
+    the MLP module (its `state_dict()`'s). A config dict is mapped
     with MoeConfig.from_hf, checked against the layer index read from the prefix when it has one.
     """
-    if not prefix.endswith("."):
+    if prefix and not prefix.endswith("."):  # "" : names relative to the MLP module (its state_dict())
         prefix += "."
     if isinstance(cfg_or_config_dict, MoeConfig):
         cfg = cfg_or_config_dict

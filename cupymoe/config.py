@@ -207,7 +207,9 @@ def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
         excl = q.get("modules_to_not_convert") or ()
         return "fp8_block", tuple(excl)
     if method == "modelopt":
-        algo = str(q.get("quant_algo", "")).upper()
+        if q.get("quant_algo") is None:  # an export that quantizes only the KV cache: weights as stored
+            return "bf16", ()
+        algo = str(q.get("quant_algo")).upper()
         if algo != "NVFP4":
             raise ValueError(f"quantization_config.quant_algo={algo!r}: only NVFP4 ModelOpt checkpoints are supported")
         gs = q.get("group_size", 16)
@@ -220,14 +222,21 @@ def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
     raise ValueError(f"quantization_config.quant_method={method!r}: supported are fp8, modelopt (NVFP4), mxfp4")
 
 
+def layer_count(config: Mapping[str, Any]) -> int | None:
+    """The layers a `config.json` dict numbers its MoE layers by (layer_idx runs below it),
+    None where it gives none. LongCat counts blocks in num_layers (each holds two attention
+    sub-layers and one MoE); its num_hidden_layers counts the sub-layers, twice as many."""
+    keys = (("num_layers", "num_hidden_layers") if config.get("model_type") == "longcat_flash"
+            else ("num_hidden_layers", "num_layers"))
+    n_layers = _get(config, *keys, default=None)
+    return None if n_layers is None else int(n_layers)
+
+
 def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None) -> None:
     if layer_idx is None:
         return
-    # LongCat counts blocks in num_layers (each holds two attention sub-layers and one MoE);
-    # its num_hidden_layers counts the sub-layers, twice as many.
-    keys = ("num_layers", "num_hidden_layers") if model_type == "longcat_flash" else ("num_hidden_layers", "num_layers")
-    n_layers = _get(cfg, *keys, default=None)
-    if n_layers is not None and not 0 <= layer_idx < int(n_layers):
+    n_layers = layer_count(cfg)
+    if n_layers is not None and not 0 <= layer_idx < n_layers:
         raise ValueError(f"layer_idx={layer_idx} is outside 0..{int(n_layers) - 1} for {model_type}")
     dense = False
     if model_type == "deepseek_v3":

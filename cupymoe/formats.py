@@ -215,6 +215,9 @@ class Mxfp4Weight:
             return
         self.blocks = np.asarray(self.blocks, dtype=np.uint8)
         sc = np.asarray(self.scales)
+        if sc.dtype.itemsize == 1 and sc.dtype != np.uint8 and sc.dtype.name != "float8_e8m0fnu":
+            # another 1-byte dtype's bits (int8, bool, e4m3 / e5m2) are no e8m0 exponents
+            raise ValueError(f"Mxfp4Weight.scales: expected uint8 or float8_e8m0fnu e8m0 exponents, found {sc.dtype}")
         self.scales = sc.view(np.uint8) if sc.dtype.itemsize == 1 else sc.astype(np.uint8)
         if self.blocks.ndim < 3 or self.blocks.shape[-1] != MXFP4_GROUP // 2:
             raise ValueError(f"Mxfp4Weight.blocks: expected [..., out, in/32, 16], found {self.blocks.shape}")

@@ -676,3 +676,113 @@ def test_inspect_command_reports_the_layers_formats_and_refusals(tmp_path, capsy
     out = capsys.readouterr().out
     assert "gate                 nvfp4      (15, 64, 80)" in out
     assert "NOT served by the GPU kernels: input width 80 is not a multiple of 32" in out
+
+
+def test_corrupt_or_truncated_shard_names_the_file(tmp_path):
+    """A shard cut short (a partial download) or not safetensors at all: safetensors' own error
+    names no file, the loader's does."""
+    config, t = small_qwen3(np.random.default_rng(40))
+    root = write_checkpoint(tmp_path, config, t, shards=[list(t)[:10], list(t)[10:]])
+    shard = root / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointFileError, match=r"model-00002-of-00002\.safetensors: not a readable safetensors file"):
+        load_layer(root, LAYER)
+    shard.write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointFileError, match=r"model-00002-of-00002\.safetensors: not a readable safetensors file"):
+        load_layer(root, LAYER)
+
+
+def test_malformed_index_weight_map_is_refused_naming_the_entry(tmp_path):
+    config, t = small_qwen3(np.random.default_rng(41))
+    root = write_checkpoint(tmp_path, config, t, shards=[list(t)[:10], list(t)[10:]])
+    index_path = root / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.layers.1.mlp.experts.3.up_proj.weight"] = None
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"index\.json: weight_map maps "
+                                              r"'model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight' to None"):
+        load_layer(root, LAYER)
+    index_path.write_text(json.dumps({"weight_map": ["model.layers.1.mlp.gate.weight"]}))
+    with pytest.raises(CheckpointError, match=r"index\.json: weight_map must map tensor names to file names, found a list"):
+        load_layer(root, LAYER)
+
+
+def test_mxfp4_scales_of_another_one_byte_dtype_are_refused(tmp_path):
+    """mxfp4 `_scales` are uint8 (or F8_E8M0) exponents; an int8, bool or fp8 tensor of the same
+    shape would be read as exponents all the same (an e4m3 1.0 is byte 56: 2^-71), so it is
+    refused, naming the tensor, its dtype and the file. Mxfp4Weight refuses them too."""
+    rng = np.random.default_rng(42)
+    config = config_for("gpt_oss", "mxfp4")
+    hw = random_host_weights(MoeConfig.from_hf(config, LAYER), rng, "mxfp4")
+    save_layer(tmp_path / "ok", config, LAYER, hw)
+    from safetensors.numpy import load_file
+    t = load_file(str(tmp_path / "ok" / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    assert t[name].dtype == np.uint8
+    for bad in (np.int8, np.dtype(ml_dtypes.float8_e4m3fn)):
+        t2 = dict(t)
+        t2[name] = t[name].view(bad)
+        root = write_checkpoint(tmp_path / np.dtype(bad).name, config, t2)
+        with pytest.raises(CheckpointError, match=rf"{name}: expected uint8 \(or F8_E8M0\) e8m0 exponents, found dtype "
+                                                  rf"{np.dtype(bad).name} in .*model\.safetensors"):
+            load_layer(root, LAYER)
+        with pytest.raises(ValueError, match=f"Mxfp4Weight.scales: expected uint8 or float8_e8m0fnu e8m0 exponents, "
+                                             f"found {np.dtype(bad).name}"):
+            Mxfp4Weight(hw.down.blocks, hw.down.scales.view(bad))
+    # e8m0 as its own ml_dtypes type is the same bytes
+    e8m0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+    assert_bits_equal(Mxfp4Weight(hw.down.blocks, hw.down.scales.view(e8m0)).scales, hw.down.scales, "e8m0 view")
+
+
+def test_mxfp4_scales_without_their_blocks_name_the_blocks(tmp_path):
+    """gpt-oss: a `_scales` whose `_blocks` is missing is refused naming the `_blocks` tensor,
+    not read as a request for the bf16 `gate_up_proj` / `down_proj`."""
+    rng = np.random.default_rng(46)
+    config = config_for("gpt_oss", "mxfp4")
+    save_layer(tmp_path / "ok", config, LAYER, random_host_weights(MoeConfig.from_hf(config, LAYER), rng, "mxfp4"))
+    from safetensors.numpy import load_file
+    t = load_file(str(tmp_path / "ok" / "model.safetensors"))
+    for proj in ("gate_up_proj", "down_proj"):
+        name = f"model.layers.1.mlp.experts.{proj}_blocks"
+        root = write_checkpoint(tmp_path / proj, config, {n: a for n, a in t.items() if n != name})
+        with pytest.raises(MissingTensorError, match=rf"tensor '{name}' not found in .*model\.safetensors"):
+            load_layer(root, LAYER)
+
+
+def test_mapping_form_names_relative_to_the_mlp_module():
+    """prefix "": the tensors keyed as an MLP module's state_dict() gives them (gate.weight,
+    experts.0.gate_proj.weight, ...)."""
+    rng = np.random.default_rng(43)
+    config, t = small_qwen3(rng)
+    relative = {n[len("model.layers.1.mlp."):]: a for n, a in t.items()}
+    cfg, want = load_layer_from_tensors(config, t, "model.layers.1.mlp.")
+    cfg2, got = load_layer_from_tensors(cfg, relative, "")
+    assert cfg2 == cfg
+    assert_same_weights(got, want)
+
+
+def test_modelopt_export_quantizing_only_the_kv_cache_loads_its_bf16_weights(tmp_path):
+    """An hf_quant_config.json (or quantization_config) with quant_algo null and only
+    kv_cache_quant_algo set leaves the weights as stored: bf16 here, not a refusal."""
+    config, t = small_qwen3(np.random.default_rng(44))
+    root = write_checkpoint(tmp_path, config, t,
+                            extra_files={"hf_quant_config.json": {"quantization": {"quant_algo": None,
+                                                                                   "kv_cache_quant_algo": "FP8"}}})
+    cfg, hw = load_layer(root, LAYER)
+    assert cfg == MoeConfig.from_hf(config, LAYER)
+    np.testing.assert_array_equal(hw.router.view(np.uint16), t["model.layers.1.mlp.gate.weight"].view(np.uint16))
+
+
+def test_inspect_counts_longcat_layers_in_blocks(tmp_path, capsys):
+    """LongCat's config carries num_layers (blocks, each with one MoE) and num_hidden_layers
+    (twice as many sub-layers, as transformers writes it): inspect counts the blocks, as
+    MoeConfig.from_hf checks layer_idx against."""
+    from cupymoe.__main__ import main
+
+    config = hf_config_dict("longcat_flash")
+    config["num_hidden_layers"] = 2 * config["num_layers"]
+    save_layer(tmp_path, config, LAYER, random_host_weights(MoeConfig.from_hf(config, LAYER),
+                                                            np.random.default_rng(45)))
+    assert main(["inspect", str(tmp_path), "--layer", str(LAYER)]) == 0
+    n = config["num_layers"]
+    assert f"{n} layers, MoE layers: 0-{n - 1}" in capsys.readouterr().out
