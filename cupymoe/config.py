@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -86,6 +86,21 @@ class MoeConfig:
         def bad(field: str, value: Any, why: str) -> ValueError:
             return ValueError(f"MoeConfig.{field}={value!r}: {why}")
 
+        # types first: a float where a count belongs, a string where a flag does, or a NaN,
+        # would pass the range checks below (or fail them with an error naming nothing)
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("int", int) and (not isinstance(v, int) or isinstance(v, bool)):
+                raise bad(f.name, v, "must be an integer")
+            if f.type in ("bool", bool) and not isinstance(v, bool):
+                raise bad(f.name, v, "must be True or False")
+            if f.type in ("float", float) and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                               or not math.isfinite(v)):
+                raise bad(f.name, v, "must be a finite number")
+            if f.type in ("str", str) and not isinstance(v, str):
+                raise bad(f.name, v, "must be a string")
+        if isinstance(self.quant_exclude, str):
+            raise bad("quant_exclude", self.quant_exclude, "must be a sequence of module-name patterns, not one string")
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -126,8 +141,9 @@ class MoeConfig:
                 raise bad("hash_vocab_size", self.hash_vocab_size, "hash routing needs the tid2eid table's row count")
             if self.n_group > 1:
                 raise bad("hash_routing", True, "the static table replaces group-limited selection")
-        if self.swiglu_limit <= 0 or self.swiglu_alpha <= 0:
-            raise bad("swiglu_limit", (self.swiglu_alpha, self.swiglu_limit), "alpha and limit must be positive")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            if getattr(self, name) <= 0:
+                raise bad(name, getattr(self, name), "must be positive")
         if self.shared_expert_intermediate_size < 0:
             raise bad("shared_expert_intermediate_size", self.shared_expert_intermediate_size, "must be >= 0")
         if self.has_shared_expert_gate and not self.shared_expert_intermediate_size:
@@ -195,17 +211,51 @@ def _get(cfg: Mapping[str, Any], *names: str, default: Any = _MISSING) -> Any:
     return default
 
 
+def _whole(value: Any, key: str) -> int:
+    """A config.json count: an integer (or a float with no fraction), else an error naming the key."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ValueError(f"config.json {key}={value!r}: expected a whole number")
+
+
+def _flag(value: Any, key: str) -> bool:
+    """A config.json flag: JSON true / false only (a string "false" is not False)."""
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"config.json {key}={value!r}: expected true or false")
+
+
+def _number(value: Any, key: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise ValueError(f"config.json {key}={value!r}: expected a finite number")
+
+
+def _patterns(value: Any, key: str) -> tuple[str, ...]:
+    """An exclude list: a list of module-name patterns (one string is one pattern)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
+        return tuple(value)
+    raise ValueError(f"quantization_config.{key}={value!r}: expected a list of module-name patterns")
+
+
 def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
     q = cfg.get("quantization_config")
     if not q:
         return "bf16", ()
+    if not isinstance(q, Mapping):
+        raise ValueError(f"quantization_config={q!r}: expected an object")
     method = str(q.get("quant_method", "")).lower()
     if method == "fp8":
         block = list(q.get("weight_block_size") or [])
         if block != [128, 128]:
             raise ValueError(f"quantization_config.weight_block_size={block!r}: only [128, 128] fp8 blocks are supported")
-        excl = q.get("modules_to_not_convert") or ()
-        return "fp8_block", tuple(excl)
+        return "fp8_block", _patterns(q.get("modules_to_not_convert"), "modules_to_not_convert")
     if method == "modelopt":
         if q.get("quant_algo") is None:  # an export that quantizes only the KV cache: weights as stored
             return "bf16", ()
@@ -215,10 +265,10 @@ def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
         gs = q.get("group_size", 16)
         if gs != 16:
             raise ValueError(f"quantization_config.group_size={gs!r}: NVFP4 uses groups of 16")
-        excl = q.get("exclude_modules") or q.get("ignore") or ()
-        return "nvfp4", tuple(excl)
+        key = "exclude_modules" if q.get("exclude_modules") else "ignore"
+        return "nvfp4", _patterns(q.get(key), key)
     if method == "mxfp4":
-        return "mxfp4", tuple(q.get("modules_to_not_convert") or ())
+        return "mxfp4", _patterns(q.get("modules_to_not_convert"), "modules_to_not_convert")
     raise ValueError(f"quantization_config.quant_method={method!r}: supported are fp8, modelopt (NVFP4), mxfp4")
 
 
@@ -229,7 +279,7 @@ def layer_count(config: Mapping[str, Any]) -> int | None:
     keys = (("num_layers", "num_hidden_layers") if config.get("model_type") == "longcat_flash"
             else ("num_hidden_layers", "num_layers"))
     n_layers = _get(config, *keys, default=None)
-    return None if n_layers is None else int(n_layers)
+    return None if n_layers is None else _whole(n_layers, keys[0])
 
 
 def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None) -> None:
@@ -240,12 +290,12 @@ def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None)
         raise ValueError(f"layer_idx={layer_idx} is outside 0..{int(n_layers) - 1} for {model_type}")
     dense = False
     if model_type == "deepseek_v3":
-        first = int(cfg.get("first_k_dense_replace", 0) or 0)
-        freq = int(cfg.get("moe_layer_freq", 1) or 1)
+        first = _whole(cfg.get("first_k_dense_replace") or 0, "first_k_dense_replace")
+        freq = _whole(cfg.get("moe_layer_freq") or 1, "moe_layer_freq")
         dense = layer_idx < first or layer_idx % freq != 0
     elif model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         mlp_only = cfg.get("mlp_only_layers") or []
-        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        step = _whole(cfg.get("decoder_sparse_step") or 1, "decoder_sparse_step")
         dense = layer_idx in mlp_only or (layer_idx + 1) % step != 0
     if dense:
         raise DenseLayerError(f"layer {layer_idx} of this {model_type} model is a dense MLP layer, not MoE")
@@ -260,72 +310,89 @@ def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: d
     _check_layer(model_type, config, layer_idx)
     fmt, exclude = _weight_format(config)
     g = lambda *names, default=_MISSING: _get(config, *names, default=default)  # noqa: E731
-    H = int(g("hidden_size"))
-    eps = float(g("rms_norm_eps", default=1e-6))
+
+    def n(*names: str, default: Any = _MISSING) -> int:  # a count, under its first present spelling
+        return _whole(g(*names, default=default), next((k for k in names if config.get(k) is not None), names[0]))
+
+    def flag(name: str, default: bool) -> bool:
+        return _flag(g(name, default=default), name)
+
+    def num(name: str, default: float) -> float:
+        return _number(g(name, default=default), name)
+
+    H = n("hidden_size")
+    eps = num("rms_norm_eps", 1e-6)
     kw: dict[str, Any] = dict(model_type=model_type, hidden_size=H, rms_norm_eps=eps, weight_format=fmt,
                               quant_exclude=exclude)
 
     if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         kw.update(
-            num_experts=int(g("num_experts", "num_local_experts")),
-            num_experts_per_tok=int(g("num_experts_per_tok")),
-            moe_intermediate_size=int(g("moe_intermediate_size")),
-            norm_topk_prob=bool(g("norm_topk_prob", default=model_type == "qwen3_next")),
+            num_experts=n("num_experts", "num_local_experts"),
+            num_experts_per_tok=n("num_experts_per_tok"),
+            moe_intermediate_size=n("moe_intermediate_size"),
+            norm_topk_prob=flag("norm_topk_prob", model_type == "qwen3_next"),
             hidden_act=_act(g("hidden_act", default="silu")),
             scoring_func="softmax",
         )
         if model_type != "qwen3_moe":
-            sh = int(g("shared_expert_intermediate_size", default=0))
+            sh = n("shared_expert_intermediate_size", default=0)
             kw.update(shared_expert_intermediate_size=sh, has_shared_expert_gate=sh > 0)
     elif model_type == "deepseek_v3":
-        E = int(g("n_routed_experts", "num_local_experts"))
-        I = int(g("moe_intermediate_size"))
+        E = n("n_routed_experts", "num_local_experts")
+        I = n("moe_intermediate_size")
+        # DeepSeek's MoEGate: noaux_tc selects by score + e_score_correction_bias within the
+        # best groups; greedy takes the top k scores over all experts, no bias, no groups.
+        # Anything else (group_limited_greedy's max-per-group scores, a misspelling) would be
+        # routed as neither, so it is refused
         topk_method = g("topk_method", default="noaux_tc")
+        if topk_method not in ("noaux_tc", "greedy"):
+            raise ValueError(f"config.json topk_method={topk_method!r}: supported are 'noaux_tc' and 'greedy'")
+        greedy = topk_method == "greedy"
         kw.update(
             num_experts=E,
-            num_experts_per_tok=int(g("num_experts_per_tok")),
+            num_experts_per_tok=n("num_experts_per_tok"),
             moe_intermediate_size=I,
             scoring_func=str(g("scoring_func", default="sigmoid")),
-            has_correction_bias=topk_method == "noaux_tc",
+            has_correction_bias=not greedy,
             # defaults are transformers' DeepseekV3Config's
-            n_group=int(g("n_group", default=8) or 1),
-            topk_group=int(g("topk_group", default=4) or 1),
-            norm_topk_prob=bool(g("norm_topk_prob", default=True)),
-            routed_scaling_factor=float(g("routed_scaling_factor", default=2.5)),
+            n_group=1 if greedy else _whole(g("n_group", default=8) or 1, "n_group"),
+            topk_group=1 if greedy else _whole(g("topk_group", default=4) or 1, "topk_group"),
+            norm_topk_prob=flag("norm_topk_prob", True),
+            routed_scaling_factor=num("routed_scaling_factor", 2.5),
             # an explicit null means no shared expert (DeepSeek's modelling code)
-            shared_expert_intermediate_size=I * int(config.get("n_shared_experts", 1) or 0),
+            shared_expert_intermediate_size=I * _whole(config.get("n_shared_experts", 1) or 0, "n_shared_experts"),
             hidden_act=_act(g("hidden_act", default="silu")),
         )
     elif model_type == "mixtral":
         kw.update(
-            num_experts=int(g("num_local_experts", "num_experts")),
-            num_experts_per_tok=int(g("num_experts_per_tok")),
-            moe_intermediate_size=int(g("intermediate_size")),
+            num_experts=n("num_local_experts", "num_experts"),
+            num_experts_per_tok=n("num_experts_per_tok"),
+            moe_intermediate_size=n("intermediate_size"),
             norm_topk_prob=True,  # softmax over all, top-k, renormalise over the k
             hidden_act=_act(g("hidden_act", default="silu")),
         )
     elif model_type == "gpt_oss":
         kw.update(
-            num_experts=int(g("num_local_experts", "num_experts")),
-            num_experts_per_tok=int(g("num_experts_per_tok", "experts_per_token")),
-            moe_intermediate_size=int(g("intermediate_size")),
+            num_experts=n("num_local_experts", "num_experts"),
+            num_experts_per_tok=n("num_experts_per_tok", "experts_per_token"),
+            moe_intermediate_size=n("intermediate_size"),
             topk_then_softmax=True,
             has_router_bias=True,
             has_expert_bias=True,
             hidden_act="swiglu_oai",
             swiglu_alpha=1.702,
-            swiglu_limit=float(g("swiglu_limit", default=7.0)),
+            swiglu_limit=num("swiglu_limit", 7.0),
         )
     elif model_type == "longcat_flash":
         kw.update(
-            num_experts=int(g("n_routed_experts", "num_experts", "num_local_experts")),
-            num_experts_per_tok=int(g("moe_topk", "num_experts_per_tok")),
-            moe_intermediate_size=int(g("expert_ffn_hidden_size", "moe_intermediate_size")),
-            zero_expert_num=int(g("zero_expert_num", default=0) or 0),
+            num_experts=n("n_routed_experts", "num_experts", "num_local_experts"),
+            num_experts_per_tok=n("moe_topk", "num_experts_per_tok"),
+            moe_intermediate_size=n("expert_ffn_hidden_size", "moe_intermediate_size"),
+            zero_expert_num=_whole(g("zero_expert_num", default=0) or 0, "zero_expert_num"),
             has_correction_bias=True,
-            has_router_bias=bool(config.get("router_bias", False)),  # router.classifier.bias
-            norm_topk_prob=bool(g("norm_topk_prob", default=False)),
-            routed_scaling_factor=float(g("routed_scaling_factor", default=1.0)),
+            has_router_bias=flag("router_bias", False),  # router.classifier.bias
+            norm_topk_prob=flag("norm_topk_prob", False),
+            routed_scaling_factor=num("routed_scaling_factor", 1.0),
             hidden_act=_act(g("hidden_act", default="silu")),
         )
         ztype = config.get("zero_expert_type", "identity")

@@ -118,8 +118,30 @@ def test_shared_expert_rules():
 
 
 def test_swiglu_parameters_positive():
-    refused("swiglu_limit", (1.702, 0.0), swiglu_limit=0.0)
-    refused("swiglu_limit", (-1.0, 7.0), swiglu_alpha=-1.0)
+    """Each parameter refused under its own name (a bad alpha was once reported as the limit)."""
+    refused("swiglu_limit", 0.0, swiglu_limit=0.0)
+    refused("swiglu_alpha", -1.0, swiglu_alpha=-1.0)
+    refused("swiglu_limit", float("nan"), swiglu_limit=float("nan"))  # NaN <= 0 is False
+    refused("swiglu_limit", float("inf"), swiglu_limit=float("inf"))
+
+
+def test_field_types_are_checked_naming_the_field():
+    """A float where a count belongs, a string where a flag does, a NaN or an infinity, would
+    slip past the range checks (1.5 zero experts give a router width of 9.5) or fail later
+    with errors naming nothing: each is refused naming the field and value."""
+    refused("zero_expert_num", 1.5, zero_expert_num=1.5)
+    refused("n_group", 2.0, n_group=2.0)
+    refused("ep_world_size", 2.0, ep_world_size=2.0)
+    refused("num_experts_per_tok", True, num_experts_per_tok=True)
+    refused("norm_topk_prob", "no", norm_topk_prob="no")
+    refused("routed_scaling_factor", "2", routed_scaling_factor="2")
+    refused("routed_scaling_factor", True, routed_scaling_factor=True)
+    refused("rms_norm_eps", None, rms_norm_eps=None)
+    refused("rms_norm_eps", float("inf"), rms_norm_eps=float("inf"))
+    refused("scoring_func", 3, scoring_func=3)
+    refused("quant_exclude", "lm_head", quant_exclude="lm_head")
+    assert cfg(routed_scaling_factor=2).routed_scaling_factor == 2  # an int is a number
+    assert cfg(quant_exclude=["lm_head"]).quant_exclude == ("lm_head",)
 
 
 def test_expert_parallel_rules():
@@ -304,9 +326,49 @@ def test_from_hf_deepseek_shared_experts_and_topk_method():
     assert two.shared_expert_intermediate_size == 4096  # 2048 * 2
     none = MoeConfig.from_hf({**DEEPSEEK_V3, "n_shared_experts": 0})
     assert not none.has_shared_expert
-    # only noaux_tc has the e_score_correction_bias
+    # only noaux_tc has the e_score_correction_bias; greedy takes the top k over all experts,
+    # whatever n_group the config also carries (DeepSeek's MoEGate ignores it there)
     greedy = MoeConfig.from_hf({**DEEPSEEK_V3, "topk_method": "greedy", "n_group": 1, "topk_group": 1})
     assert not greedy.has_correction_bias and greedy.n_group == 1
+    greedy = MoeConfig.from_hf({**DEEPSEEK_V3, "topk_method": "greedy"})  # n_group 8 in the dict
+    assert not greedy.has_correction_bias and (greedy.n_group, greedy.topk_group) == (1, 1)
+    # group_limited_greedy (max-per-group scores) or a misspelling would be routed as neither
+    for method in ("group_limited_greedy", "noaux-tc"):
+        with pytest.raises(ValueError, match=f"topk_method='{method}': supported are 'noaux_tc' and 'greedy'"):
+            MoeConfig.from_hf({**DEEPSEEK_V3, "topk_method": method})
+
+
+def test_from_hf_refuses_mistyped_values_naming_the_key():
+    """config.json values of the wrong kind are refused naming the key, not truncated (128.9
+    experts), read as truthy ("false" -> True) or failed on in int() with no key named."""
+    cases = [
+        ({**QWEN3_30B_A3B, "norm_topk_prob": "false"}, "norm_topk_prob='false': expected true or false"),
+        ({**DEEPSEEK_V3, "norm_topk_prob": "false"}, "norm_topk_prob='false': expected true or false"),
+        ({**LONGCAT_FLASH, "router_bias": "false"}, "router_bias='false': expected true or false"),
+        ({**QWEN3_30B_A3B, "num_experts": 128.9}, "num_experts=128.9: expected a whole number"),
+        ({**QWEN3_30B_A3B, "num_experts": "eight"}, "num_experts='eight': expected a whole number"),
+        ({**QWEN3_30B_A3B, "moe_intermediate_size": 767.5}, "moe_intermediate_size=767.5: expected a whole number"),
+        ({**QWEN3_30B_A3B, "hidden_size": [2048]}, r"hidden_size=\[2048\]: expected a whole number"),
+        ({**QWEN3_30B_A3B, "decoder_sparse_step": 2.5}, "decoder_sparse_step=2.5: expected a whole number"),
+        ({**DEEPSEEK_V3, "n_shared_experts": 1.5}, "n_shared_experts=1.5: expected a whole number"),
+        ({**DEEPSEEK_V3, "routed_scaling_factor": "x"}, "routed_scaling_factor='x': expected a finite number"),
+        ({**LONGCAT_FLASH, "zero_expert_num": 255.7}, "zero_expert_num=255.7: expected a whole number"),
+        ({**GPT_OSS_120B, "swiglu_limit": float("nan")}, "swiglu_limit=nan: expected a finite number"),
+        ({**QWEN3_30B_A3B, "quantization_config": "fp8"}, "quantization_config='fp8': expected an object"),
+    ]
+    for config, message in cases:
+        with pytest.raises(ValueError, match=message):
+            MoeConfig.from_hf(config, 3)  # an MoE layer of each (deepseek-v3's first)
+    # a whole number written as a float is that number
+    assert MoeConfig.from_hf({**QWEN3_30B_A3B, "num_experts": 128.0}, 3).num_experts == 128
+
+
+def test_from_hf_exclude_list_given_as_one_string_is_one_pattern():
+    q = {"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": "lm_head"}
+    assert MoeConfig.from_hf({**DEEPSEEK_V3, "quantization_config": q}, 3).quant_exclude == ("lm_head",)
+    q = {**q, "modules_to_not_convert": ["lm_head", 7]}
+    with pytest.raises(ValueError, match=r"modules_to_not_convert=\['lm_head', 7\]: expected a list"):
+        MoeConfig.from_hf({**DEEPSEEK_V3, "quantization_config": q}, 3)
 
 
 def test_from_hf_mixtral_8x7b():
