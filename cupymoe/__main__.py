@@ -150,6 +150,17 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a layer's max_tokens)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} is not >= 1")
+    return v
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cupymoe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,7 +178,7 @@ def main(argv=None) -> int:
     c = sub.add_parser("inspect", help="a checkpoint's MoE layers as cupymoe reads them (no GPU needed)")
     c.add_argument("dir", help="a Hugging Face checkpoint directory (config.json + safetensors)")
     c.add_argument("--layer", type=int, default=None, help="the layer to load (default: the first MoE layer)")
-    c.add_argument("--max-tokens", type=int, nargs="+", default=[64, 4096],
+    c.add_argument("--max-tokens", type=_positive_int, nargs="+", default=[64, 4096],
                    help="report the layer's scratch memory at these max_tokens")
     c.set_defaults(fn=cmd_inspect)
 
@@ -199,6 +210,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.cmd == "inspect":
+        # what a checkpoint or an option is refused for, as one line naming it, not a traceback
+        from .checkpoint import CheckpointError
+        from .config import DenseLayerError, UnsupportedModelError
+
+        try:
+            return args.fn(args)
+        except (CheckpointError, DenseLayerError, UnsupportedModelError, ValueError, KeyError) as e:
+            print(f"cupymoe inspect: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
     return args.fn(args)
 
 

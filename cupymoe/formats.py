@@ -92,6 +92,31 @@ def _check_device(a: Any, dtype, what: str) -> None:
                          f"{np.dtype(dtype).name}, found {type(a).__name__} {getattr(a, 'dtype', '')}")
 
 
+def _bytes(a: Any, what: str) -> np.ndarray:
+    """`a` as uint8: uint8 as it is, another integer dtype whose values all fit a byte; else
+    (floats, or integers a cast would wrap, 256 -> 0, -1 -> 255) a ValueError naming it."""
+    a = np.asarray(a)
+    if a.dtype == np.uint8:
+        return a
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{what}: expected uint8 bytes, found dtype {a.dtype}")
+    outside = (a < 0) | (a > 255)
+    if outside.any():
+        i = tuple(int(v) for v in np.argwhere(outside)[0])
+        raise ValueError(f"{what}: expected byte values 0..255, found {a[i]} at {i}")
+    return a.astype(np.uint8)
+
+
+def _per_matrix(v: Any, lead: tuple[int, ...], what: str) -> np.ndarray:
+    """A per-matrix float32 scalar broadcast over the leading (expert) dimensions `lead`."""
+    a = np.asarray(v, dtype=np.float32)
+    try:
+        return np.broadcast_to(a, lead).copy()
+    except ValueError:
+        raise ValueError(f"{what}: expected one value per matrix, shape {lead} (or a scalar), "
+                         f"found shape {a.shape}") from None
+
+
 @dataclass
 class Fp8BlockWeight:
     """DeepSeek-V3 fp8: W[i, j] = q[i, j] * scale_inv[i // 128, j // 128]."""
@@ -112,6 +137,8 @@ class Fp8BlockWeight:
             else:
                 raise ValueError(f"Fp8BlockWeight.q: expected float8_e4m3fn, found {self.q.dtype}")
         self.scale_inv = np.asarray(self.scale_inv, dtype=np.float32)
+        if self.q.ndim < 2:
+            raise ValueError(f"Fp8BlockWeight.q: expected [..., out, in], found shape {self.q.shape}")
         out, inn = self.q.shape[-2:]
         want = self.q.shape[:-2] + (_ceil_div(out, FP8_BLOCK), _ceil_div(inn, FP8_BLOCK))
         if self.scale_inv.shape != want:
@@ -158,16 +185,16 @@ class Nvfp4Weight:
             _check_device(self.scale, np.uint8, "Nvfp4Weight.scale (e4m3 bits)")
             self.scale_2 = np.broadcast_to(np.asarray(self.scale_2, dtype=np.float32), self.packed.shape[:-2]).copy()
             return
-        self.packed = np.asarray(self.packed, dtype=np.uint8)
+        self.packed = _bytes(self.packed, "Nvfp4Weight.packed")
         self.scale = np.asarray(self.scale)
         if self.scale.dtype == np.uint8:
             self.scale = self.scale.view(E4M3)
         if self.scale.dtype != E4M3:
             raise ValueError(f"Nvfp4Weight.scale: expected float8_e4m3fn, found {self.scale.dtype}")
         lead = self.packed.shape[:-2]
-        self.scale_2 = np.broadcast_to(np.asarray(self.scale_2, dtype=np.float32), lead).copy()
+        self.scale_2 = _per_matrix(self.scale_2, lead, "Nvfp4Weight.scale_2")
         if self.input_scale is not None:
-            self.input_scale = np.broadcast_to(np.asarray(self.input_scale, dtype=np.float32), lead).copy()
+            self.input_scale = _per_matrix(self.input_scale, lead, "Nvfp4Weight.input_scale")
         inn = self.packed.shape[-1] * 2
         if inn % NVFP4_GROUP:
             raise ValueError(f"Nvfp4Weight: in={inn} is not a multiple of {NVFP4_GROUP}")
@@ -213,12 +240,15 @@ class Mxfp4Weight:
             _check_device(self.blocks, np.uint8, "Mxfp4Weight.blocks")
             _check_device(self.scales, np.uint8, "Mxfp4Weight.scales")
             return
-        self.blocks = np.asarray(self.blocks, dtype=np.uint8)
+        self.blocks = _bytes(self.blocks, "Mxfp4Weight.blocks")
         sc = np.asarray(self.scales)
-        if sc.dtype.itemsize == 1 and sc.dtype != np.uint8 and sc.dtype.name != "float8_e8m0fnu":
+        if sc.dtype.name == "float8_e8m0fnu":  # the same bytes
+            self.scales = sc.view(np.uint8)
+        elif sc.dtype.itemsize == 1 and sc.dtype != np.uint8:
             # another 1-byte dtype's bits (int8, bool, e4m3 / e5m2) are no e8m0 exponents
             raise ValueError(f"Mxfp4Weight.scales: expected uint8 or float8_e8m0fnu e8m0 exponents, found {sc.dtype}")
-        self.scales = sc.view(np.uint8) if sc.dtype.itemsize == 1 else sc.astype(np.uint8)
+        else:  # biased exponents as integers of any width, each 0..255 (2^(e - 127) values are not)
+            self.scales = _bytes(sc, "Mxfp4Weight.scales (e8m0 biased exponents)")
         if self.blocks.ndim < 3 or self.blocks.shape[-1] != MXFP4_GROUP // 2:
             raise ValueError(f"Mxfp4Weight.blocks: expected [..., out, in/32, 16], found {self.blocks.shape}")
         if self.scales.shape != self.blocks.shape[:-1]:

@@ -786,3 +786,22 @@ def test_inspect_counts_longcat_layers_in_blocks(tmp_path, capsys):
     assert main(["inspect", str(tmp_path), "--layer", str(LAYER)]) == 0
     n = config["num_layers"]
     assert f"{n} layers, MoE layers: 0-{n - 1}" in capsys.readouterr().out
+
+
+def test_inspect_refusals_are_one_line_naming_the_problem(tmp_path, capsys):
+    """inspect on a dense layer, a layer out of range or a bad --max-tokens: exit status 2 and
+    one line naming it (an ArenaError about 'logits' for --max-tokens -5 named neither the
+    option nor the value), not a traceback."""
+    from cupymoe.__main__ import main
+
+    config = hf_config_dict("deepseek_v3")
+    save_layer(tmp_path, config, LAYER, random_host_weights(MoeConfig.from_hf(config, LAYER),
+                                                            np.random.default_rng(47)))
+    assert main(["inspect", str(tmp_path), "--layer", "0"]) == 2
+    assert "cupymoe inspect: DenseLayerError: layer 0 of this deepseek_v3 model is a dense MLP layer" in \
+        capsys.readouterr().err
+    assert main(["inspect", str(tmp_path), "--layer", "7"]) == 2
+    assert "layer_idx=7 is outside 0..2 for deepseek_v3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["inspect", str(tmp_path), "--max-tokens", "-5"])
+    assert "argument --max-tokens: -5 is not >= 1" in capsys.readouterr().err

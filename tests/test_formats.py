@@ -577,6 +577,30 @@ def test_mxfp4_validation_names_shapes():
         formats.quantize_mxfp4(np.zeros((2, 48), np.float32))
 
 
+def test_containers_refuse_arrays_a_byte_cast_would_change():
+    """Codes and exponents held in wider arrays are taken when every value is a byte; a cast of
+    anything else would wrap (256 -> 0, -1 -> 255) or truncate (2^(e - 127) as float32 -> 0),
+    silently giving other weights, so it is refused, naming the container, the value and where."""
+    blocks = np.zeros((2, 1, 16), np.uint8)
+    ok = Mxfp4Weight(blocks, np.array([[127], [130]], np.int32))
+    assert ok.scales.dtype == np.uint8 and ok.scales.tolist() == [[127], [130]]
+    with pytest.raises(ValueError, match=r"Mxfp4Weight.scales \(e8m0 biased exponents\): expected byte values "
+                                         r"0\.\.255, found 383 at \(1, 0\)"):
+        Mxfp4Weight(blocks, np.array([[127], [383]], np.int32))
+    with pytest.raises(ValueError, match=r"Mxfp4Weight.scales \(e8m0 biased exponents\): expected uint8 bytes, "
+                                         r"found dtype float32"):
+        Mxfp4Weight(blocks, np.array([[2.0 ** -1], [2.0 ** 3]], np.float32))
+    with pytest.raises(ValueError, match="Mxfp4Weight.blocks: expected uint8 bytes, found dtype float64"):
+        Mxfp4Weight(blocks.astype(np.float64) + 0.7, np.zeros((2, 1), np.uint8))
+    with pytest.raises(ValueError, match=r"Nvfp4Weight.packed: expected byte values 0\.\.255, found -1 at \(0, 0\)"):
+        Nvfp4Weight(np.full((2, 8), -1, np.int16), np.zeros((2, 1), np.uint8), np.float32(1))
+    with pytest.raises(ValueError, match=r"Nvfp4Weight.scale_2: expected one value per matrix, shape \(3,\) "
+                                         r"\(or a scalar\), found shape \(2,\)"):
+        Nvfp4Weight(np.zeros((3, 2, 8), np.uint8), np.zeros((3, 2, 1), np.uint8), np.ones(2, np.float32))
+    with pytest.raises(ValueError, match=r"Fp8BlockWeight.q: expected \[\.\.\., out, in\], found shape \(4,\)"):
+        Fp8BlockWeight(np.zeros(4, np.uint8), np.ones((1, 1), np.float32))
+
+
 # ==================================================================================
 # dispatch and format names
 # ==================================================================================
