@@ -402,6 +402,14 @@ def _container(fmt: str, raw: dict[str, Any]):
     raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
 
 
+# The random e_score_correction_bias's spread. A trained one balances the experts' loads; a
+# random one of std 0.1 (the sigmoid scores' spread is ~0.2 here) steered every token to the
+# same high-bias experts instead: deepseek-v3's uniform-random input touched ~128 experts at
+# N = 64 and ~210 at 4096 (uniform routing: 222 and 256, as the peers' runs touched). At 0.01
+# the reference routing touches 214-225 and 256 (benchmarks/NOTES.md v38).
+CORRECTION_BIAS_STD = 0.01
+
+
 def random_device_weights(cfg: MoeConfig, seed: int, fmt: str = "bf16"):
     """Random weights drawn on the GPU (a layer is GBs: numpy would take minutes).
 
@@ -428,7 +436,7 @@ def random_device_weights(cfg: MoeConfig, seed: int, fmt: str = "bf16"):
 
     router = bf16(R, H)
     router_bias = v(R) if cfg.has_router_bias else None
-    correction_bias = v(R) if cfg.has_correction_bias else None
+    correction_bias = v(R, CORRECTION_BIAS_STD) if cfg.has_correction_bias else None
     experts = {name: _container(fmt, _random_stack(cupy, g, fmt, shape))
                for name, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I)))}
     return HostWeights(

@@ -266,3 +266,31 @@ def test_measured_ceilings_floor_the_steady_state_and_keep_the_burst_beside_it(m
     assert "of the burst floor" in bench.format_row(row)
     plain = bench.bench_row(cfg, "qwen3-30b-a3b", "bf16", 4096, 128, [800.0], CEIL, {}, path="auto", layers=2)
     assert "pct_of_burst_floor" not in plain and "burst" not in bench.format_row(plain)
+
+
+def test_random_correction_bias_leaves_deepseek_routing_balanced():
+    """The bench's deepseek-v3 layer routes its uniform-random input as a trained, load-balanced
+    router would: near the uniform count of distinct experts (the peers' runs touched 220 at
+    N = 64). A random bias of std 0.1 steered the tokens to the same few high-bias experts (~128
+    at N = 64), so every floor and peer comparison at N >= 16 read far fewer bytes. Drawn here
+    with numpy as random_device_weights draws on the GPU: router std 1/sqrt(H), inputs N(0, 1)."""
+    import numpy as np
+
+    from cupymoe import bench
+    from cupymoe.reference import _select_grouped, _sigmoid
+
+    cfg = bench.preset_config("deepseek-v3")
+    H, E, k = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
+    rng = np.random.default_rng(7)
+    router = rng.standard_normal((E, H)) / np.sqrt(H)
+    x = rng.standard_normal((64, H))
+    scores = _sigmoid(x @ router.T)
+    uniform = bench.expected_touched(E, k, 64)  # 222
+    noise = rng.standard_normal(E)
+
+    def touched(std: float) -> int:
+        ids, _ = _select_grouped(cfg, scores + noise * std)
+        return len(np.unique(ids))
+
+    assert touched(bench.CORRECTION_BIAS_STD) >= 0.9 * uniform
+    assert touched(0.1) < 0.7 * uniform  # what the bench drew before
