@@ -212,12 +212,11 @@ def main(argv=None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     if args.cmd == "inspect":
         # what a checkpoint or an option is refused for, as one line naming it, not a traceback
-        from .checkpoint import CheckpointError
-        from .config import DenseLayerError, UnsupportedModelError
-
+        # (CheckpointError, DenseLayerError, UnsupportedModelError are ValueErrors; a missing
+        # tensor is also a KeyError)
         try:
             return args.fn(args)
-        except (CheckpointError, DenseLayerError, UnsupportedModelError, ValueError, KeyError) as e:
+        except (ValueError, KeyError) as e:
             print(f"cupymoe inspect: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
     return args.fn(args)

@@ -103,7 +103,7 @@ class MoeConfig:
             raise bad("quant_exclude", self.quant_exclude, "must be a sequence of module-name patterns, not one string")
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            if v <= 0:  # an integer: the type loop above
                 raise bad(name, v, "must be a positive integer")
         E, k = self.num_experts, self.num_experts_per_tok
         R = E + self.zero_expert_num
@@ -200,11 +200,16 @@ class MoeConfig:
 _MISSING = object()
 
 
+def _key(cfg: Mapping[str, Any], *names: str) -> str:
+    """The first spelling of a key that cfg sets (else the first name): what _get reads."""
+    return next((n for n in names if cfg.get(n) is not None), names[0])
+
+
 def _get(cfg: Mapping[str, Any], *names: str, default: Any = _MISSING) -> Any:
     """First present spelling of a key; the names are every alias transformers allows."""
-    for n in names:
-        if n in cfg and cfg[n] is not None:
-            return cfg[n]
+    value = cfg.get(_key(cfg, *names))
+    if value is not None:
+        return value
     if default is _MISSING:
         mt = cfg.get("model_type", "?")
         raise KeyError(f"config.json of model_type={mt!r} lacks {' / '.join(names)}")
@@ -279,7 +284,7 @@ def layer_count(config: Mapping[str, Any]) -> int | None:
     keys = (("num_layers", "num_hidden_layers") if config.get("model_type") == "longcat_flash"
             else ("num_hidden_layers", "num_layers"))
     n_layers = _get(config, *keys, default=None)
-    return None if n_layers is None else _whole(n_layers, keys[0])
+    return None if n_layers is None else _whole(n_layers, _key(config, *keys))
 
 
 def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None) -> None:
@@ -312,7 +317,7 @@ def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: d
     g = lambda *names, default=_MISSING: _get(config, *names, default=default)  # noqa: E731
 
     def n(*names: str, default: Any = _MISSING) -> int:  # a count, under its first present spelling
-        return _whole(g(*names, default=default), next((k for k in names if config.get(k) is not None), names[0]))
+        return _whole(g(*names, default=default), _key(config, *names))
 
     def flag(name: str, default: bool) -> bool:
         return _flag(g(name, default=default), name)
