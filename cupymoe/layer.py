@@ -938,12 +938,18 @@ class MoeLayer:
                      _i32(0), _f32(0.0), _f32(0.0), *extra),
                     s, smem)
         with timer.stage("reduce"):
-            self._launch(
-                "grouped_reduce", (N,), (256,),
-                (_u64(x), _u64(xe), _u64(A.ptr("topk_ids")), _u64(A.ptr("topk_w")), _u64(A.ptr("pair_pos")),
-                 _u64(A.ptr("yw")), _u64(W.ptr("shared_expert_gate")), _u64(out), _i32(N), _i32(H), _i32(k),
-                 _i32(cfg.num_experts), _i32(has_shared), _i32(1 if cfg.ep_rank == 0 else 0)),
-                s)
+            self._launch_grouped_reduce(x, xe, out, N, s, has_shared)
+
+    def _launch_grouped_reduce(self, x: int, xe: int, out: int, N: int, s, has_shared: int) -> None:
+        """The prefill path's unpermute + weighted reduce of `yw` (and the shared expert's rows)."""
+        cfg, A, W = self.cfg, self.arena, self.weights
+        self._launch(
+            "grouped_reduce", (N,), (256,),
+            (_u64(x), _u64(xe), _u64(A.ptr("topk_ids")), _u64(A.ptr("topk_w")), _u64(A.ptr("pair_pos")),
+             _u64(A.ptr("yw")), _u64(W.ptr("shared_expert_gate")), _u64(out), _i32(N), _i32(cfg.hidden_size),
+             _i32(cfg.num_experts_per_tok), _i32(cfg.num_experts), _i32(has_shared),
+             _i32(1 if cfg.ep_rank == 0 else 0)),
+            s)
 
     def _router_config(self, N: int) -> str:
         """The router GEMM's grouped configuration on the prefill path: "math" (128 x 128
@@ -1021,10 +1027,14 @@ class MoeLayer:
             # `logits` shares bytes with `act`, so recompute them for the dump
             logits = cupy.empty((N, R), dtype=cupy.float32)
             self._launch_router(x, N, int(logits.data.ptr), s)
-            # the routed-only output: the reduce again, without the shared expert
+            # the routed-only output: the path's reduce again, without the shared expert (the
+            # prefill path's reads yw; decode_reduce's y holds decode_max_tokens rows at most)
             routed = cupy.empty((N, H), dtype=cupy.uint16)
             xe = A.ptr("xe") if cfg.pre_expert_norm else x
-            self._launch_reduce(x, xe, int(routed.data.ptr), N, s, path == "atomic", 0)
+            if path == "prefill":
+                self._launch_grouped_reduce(x, xe, int(routed.data.ptr), N, s, 0)
+            else:
+                self._launch_reduce(x, xe, int(routed.data.ptr), N, s, path == "atomic", 0)
             arrays = {
                 "gate_input": (x, (N, H), "bf16"),
                 "gate_logits": (int(logits.data.ptr), (N, R), "float32"),
@@ -1033,7 +1043,10 @@ class MoeLayer:
                 "routed_only": (int(routed.data.ptr), (N, H), "bf16"),
                 "moe_out": (out, (N, H), "bf16"),
             }
-            if cfg.has_shared_expert:  # the shared expert's rows sit contiguously in y
+            if cfg.has_shared_expert and path == "prefill":
+                # the grouped path keeps no fp32 copy of the shared expert's output
+                log.info("CUPYMOE_DUMP_DIR: shared_out is dumped on the decode and atomic paths only")
+            elif cfg.has_shared_expert:  # the shared expert's rows sit contiguously in y
                 s.synchronize()
                 pos = np.empty(1, np.int32)
                 cupy.cuda.runtime.memcpy(pos.ctypes.data, A.ptr("pair_pos") + N * k * 4, 4,
@@ -1099,8 +1112,21 @@ class MoeLayer:
                 raise MoeCallError(f"a kernel flagged bad input (error bits 0x{int(flags[0]):x}: "
                                    "bit 0 = a token id outside 0..hash_vocab_size-1; those rows got no routed experts)")
 
+    def _warmup_paths(self) -> list[str]:
+        """The paths a one-row forward may take on this layer (select_path accepts them):
+        row-invariant layers serve prefill alone, atomic_max_tokens 0 leaves atomic out."""
+        paths = []
+        for p in ("decode", "atomic", "prefill"):
+            try:
+                self.select_path(1, p)
+            except PathUnavailableError:
+                continue
+            paths.append(p)
+        return paths
+
     def warmup(self) -> None:
-        """Launch every path once on a scratch input, so first-launch costs stay out of capture."""
+        """Launch every path this layer serves once on a scratch input, so first-launch costs
+        stay out of capture."""
         import cupy
 
         with cupy.cuda.Device(self.device_id):
@@ -1110,8 +1136,6 @@ class MoeLayer:
             tids = cupy.zeros(1, cupy.int32)
             out = cupy.empty_like(x)
             s = cupy.cuda.Stream(non_blocking=True)
-            for p in ("decode", "atomic"):
-                if p == "atomic" and self.row_invariant:
-                    continue
+            for p in self._warmup_paths():
                 self.forward(int(x.data.ptr), 1, int(out.data.ptr), s.ptr, token_ids_ptr=int(tids.data.ptr), path=p)
             s.synchronize()

@@ -338,6 +338,17 @@ def test_profile_mode_and_debug_dumps(tmp_path, rng, monkeypatch, caplog):
     assert (np.sort(files["expert_ids"], axis=1) == np.sort(routing.ids, axis=1)).all()
     np.testing.assert_array_equal(files["moe_out"], out)
     assert files["shared_out"].shape == (n, cfg.hidden_size)
+    # the prefill path's dump: its routed-only output from its own reduce (it once re-ran the
+    # decode reduce over y, which the grouped path never writes), no shared_out (the grouped
+    # path keeps no fp32 copy of it); the same routed-only sum as the decode path's
+    for p in tmp_path.glob("*.npy"):
+        p.unlink()
+    monkeypatch.delenv("CUPYMOE_PROFILE")
+    out_prefill = run_layer(layer, x, "prefill")
+    pre = {p.name.split("_", 1)[1][:-4]: np.load(p) for p in tmp_path.glob("*.npy")}
+    assert set(pre) == {"gate_input", "gate_logits", "expert_ids", "expert_weights", "routed_only", "moe_out"}
+    np.testing.assert_array_equal(pre["moe_out"], out_prefill)
+    assert compare(pre["routed_only"], files["routed_only"]).ok
 
 
 LARGE_TOKENS = (65, 100, 1000, 4099)
@@ -387,6 +398,7 @@ def test_row_invariance(rng):
         cfg = testing.tiny_config(fam)
         hw = testing.random_host_weights(cfg, rng)
         layer = MoeLayer(cfg, hw, max_tokens=1000, row_invariant=True)
+        layer.warmup()  # prefill alone (it once forced the decode path, which such a layer refuses)
         pool = testing.random_input(rng, 1000, cfg.hidden_size)
         tracked = rng.choice(1000, size=12, replace=False)
         alone = {int(r): run_layer(layer, pool[r:r + 1])[0] for r in tracked}
