@@ -87,6 +87,7 @@ def cmd_inspect(args) -> int:
     from . import checkpoint, formats, kernels
     from .config import DenseLayerError, MoeConfig, layer_count
 
+    kernels.parse_arch(args.arch)  # refused before anything is read
     config = checkpoint.read_config(args.dir)
     n_layers = layer_count(config) or 0
     moe = []
@@ -117,12 +118,21 @@ def cmd_inspect(args) -> int:
             note = "  (dequantized once to bf16 at load)"
         print(f"  {name:<20} {label:<10} {str(tuple(t.shape)):<22} {nbytes / 1e6:10.2f} MB{note}")
     print(f"  total {total / 1e9:.3f} GB for this layer")
-    from .layer import DEFAULT_DECODE_MAX_TOKENS, plan_layer_arena
+    from .layer import plan_layer
 
+    # the scratch MoeLayer would allocate on a GPU of args.arch with every expert local: the
+    # same plan (decode rows by format, w8a8 buffers, gathered inputs) as its constructor
+    routed = formats.weight_format(hw.down)
+    shared = formats.weight_format(hw.shared_down) if cfg.has_shared_expert else None
+    plan = plan_layer(cfg, routed, shared, args.arch, fp8_compute=args.fp8_compute)
     i_max = max(cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
+    notes = [f"decode path up to {plan.decode_max_tokens} rows"]
+    if plan.fp8_compute:
+        notes.append(f"fp8 experts as {plan.fp8_compute}")
     for T in args.max_tokens:
-        plan = plan_layer_arena(cfg, T, cfg.num_experts, i_max, min(T, DEFAULT_DECODE_MAX_TOKENS))
-        print(f"  scratch (arena) at max_tokens={T}: {plan.total_bytes / 1e6:.1f} MB")
+        arena = plan.arena(cfg, T, cfg.num_experts, i_max)
+        print(f"  scratch (arena) at max_tokens={T} on {args.arch}: {arena.total_bytes / 1e6:.1f} MB "
+              f"({arena.total_bytes} bytes; {', '.join(notes)})")
     return 0
 
 
@@ -180,6 +190,13 @@ def main(argv=None) -> int:
     c.add_argument("--layer", type=int, default=None, help="the layer to load (default: the first MoE layer)")
     c.add_argument("--max-tokens", type=_positive_int, nargs="+", default=[64, 4096],
                    help="report the layer's scratch memory at these max_tokens")
+    c.add_argument("--arch", default="sm_90a",
+                   help="the GPU architecture the scratch is planned for, as the layer would compile for it "
+                        "(sm_90a: Hopper; sm_80, sm_89, ...)")
+    from .layer import FP8_COMPUTE
+
+    c.add_argument("--fp8-compute", choices=FP8_COMPUTE, default="auto",
+                   help="fp8-block experts' compute, as MoeLayer's fp8_compute (w8a8 adds scratch)")
     c.set_defaults(fn=cmd_inspect)
 
     from .testing import FAMILIES
@@ -213,10 +230,11 @@ def main(argv=None) -> int:
     if args.cmd == "inspect":
         # what a checkpoint or an option is refused for, as one line naming it, not a traceback
         # (CheckpointError, DenseLayerError, UnsupportedModelError are ValueErrors; a missing
-        # tensor is also a KeyError)
+        # tensor is also a KeyError; UnsupportedFormatError, an option the layer could not run,
+        # a NotImplementedError)
         try:
             return args.fn(args)
-        except (ValueError, KeyError) as e:
+        except (ValueError, KeyError, NotImplementedError) as e:
             print(f"cupymoe inspect: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
     return args.fn(args)

@@ -26,6 +26,7 @@ expert-parallel config and a communicator, the partial outputs are all-reduced l
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any, Mapping, Optional, Sequence
@@ -252,6 +253,94 @@ def plan_layer_arena(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int,
     return plan_arena(STAGES, buffers, aliases)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What MoeLayer.__init__ decides from the config, the weights' formats and the GPU's
+    arch alone, before anything is uploaded: shared with `python -m cupymoe inspect`, which
+    reports the scratch a layer would allocate on a GPU it does not have.
+
+    decode_max_tokens: rows the decode and atomic paths serve (their scratch is sized for it);
+    format_codes: the expert weight formats present (routed, then a shared expert of another
+    format); fp8_compute: "w8a8" / "w8a16" for fp8-block experts, else None; sm90: the Hopper
+    GEMM variant of gate/up (0), down (1) and the router (2); gathers_rows: gate/up reads its
+    inputs from xg in sorted order; math_rows: rows per expert from which the grouped path
+    takes its math configuration; w8a8_shared_x: x gets its own e4m3 copy (an fp8 shared
+    expert behind a pre-expert norm)."""
+
+    decode_max_tokens: int
+    format_codes: tuple
+    fp8_compute: Optional[str]
+    sm90: Mapping[int, Any]
+    gathers_rows: bool
+    math_rows: int
+    w8a8_shared_x: bool
+
+    @property
+    def tma(self) -> bool:
+        """Whether gate/up or down runs on the TMA kernel (the layer uploads tensor maps)."""
+        return bool(self.sm90[0].tma or self.sm90[1].tma)
+
+    def arena(self, cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int) -> ArenaPlan:
+        """The layer's scratch: plan_layer_arena with this plan's choices."""
+        return plan_layer_arena(cfg, max_tokens, n_local, i_max, self.decode_max_tokens,
+                                self.fp8_compute == "w8a8", self.w8a8_shared_x, self.gathers_rows)
+
+
+def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str], arch: str, *,
+               row_invariant: bool = False, fp8_compute: str = "auto",
+               decode_max_tokens: Optional[int] = None) -> LayerPlan:
+    """MoeLayer's choices for experts of `routed_format` (and a shared expert of
+    `shared_format`, None without one) on a GPU compiled for `arch` (kernels.library().arch,
+    e.g. "sm_90a"). Reads the measurement knobs (CUPYMOE_SM90_VARIANT, CUPYMOE_MATH_ROWS) as
+    the layer does. Raises UnsupportedFormatError for an fp8_compute the layer cannot run."""
+    if fp8_compute not in FP8_COMPUTE:
+        raise ValueError(f"fp8_compute={fp8_compute!r}: must be one of {FP8_COMPUTE}")
+    if decode_max_tokens is None:
+        decode_max_tokens = DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT.get(routed_format, DEFAULT_DECODE_MAX_TOKENS)
+    fmts = [routed_format] + ([shared_format] if shared_format else [])
+    format_codes = tuple(dict.fromkeys(kernels.FORMAT_CODES[f] for f in fmts))
+    # fp8-block experts: w8a8 (e4m3 tensor cores) where it runs, unless w8a16 is asked for
+    if kernels.FORMAT_CODES["fp8_block"] not in format_codes:
+        if fp8_compute == "w8a8":
+            raise UnsupportedFormatError("fp8_compute='w8a8' needs fp8_block experts; this layer's are "
+                                         f"{routed_format} (shared: {shared_format})")
+        fp8 = None
+    elif arch != "sm_90a":
+        if fp8_compute == "w8a8":
+            raise UnsupportedFormatError(f"fp8_compute='w8a8' needs sm_90a (wgmma e4m3); this device is "
+                                         f"{arch}: use fp8_compute='w8a16'")
+        fp8 = "w8a16"
+    else:
+        fp8 = "w8a16" if fp8_compute == "w8a16" else "w8a8"
+    # the Hopper GEMM's configuration and the rows per expert from which the grouped GEMMs
+    # take 128-row tiles: resolved once here, not on every forward. The routed experts' math
+    # config runs on wgmma: bf16, and fp4 since v15 (at 64 rows per expert 128-row tiles win
+    # for fp4 too: qwen3-30b-a3b N = 1024 720 -> 660 us, deepseek-v3 N = 2048 11574 -> 10415;
+    # NOTES.md v15)
+    sm90 = {m: kernels.SM90_VARIANTS[kernels.sm90_variant_for(cfg.moe_intermediate_size, m)] for m in (0, 1)}
+    hopper = arch == "sm_90a" and not row_invariant
+    # the TMA kernel serves bf16 experts' gate/up and down; a layer it cannot serve
+    # (quantized experts) takes the cp.async kernel of twin's tiles; the router's GEMM
+    # (mode 2) keeps the cp.async kernel
+    twin = kernels.SM90_VARIANTS["twin"]
+    tma_ok = hopper and all(kernels.SM90_VARIANTS["tma"].serves(f, 0) for f in format_codes)
+    sm90 = {m: twin if v.tma and not tma_ok else v for m, v in sm90.items()}
+    sm90[2] = twin if sm90[0].tma else sm90[0]
+    wgmma = hopper and sm90[0].serves(kernels.FORMAT_CODES[routed_format])
+    return LayerPlan(
+        decode_max_tokens=max(1, int(decode_max_tokens)),
+        format_codes=format_codes,
+        fp8_compute=fp8,
+        sm90=sm90,
+        # gate/up on TMA reads its inputs in sorted order from xg (gather_rows), unless its
+        # producer gathers the rows itself
+        gathers_rows=bool(sm90[0].tma and not sm90[0].gather),
+        math_rows=math_rows_per_expert("wgmma" if wgmma else "mma"),
+        # an fp8 shared expert reads x, not the normed xe: then x needs its own e4m3 copy
+        w8a8_shared_x=fp8 == "w8a8" and shared_format == "fp8_block" and cfg.pre_expert_norm,
+    )
+
+
 class _StreamHandle:
     """A raw cudaStream_t seen through the CUDA stream protocol (`__cuda_stream__`)."""
 
@@ -324,10 +413,6 @@ class MoeLayer:
                     f"shared memory a block, this GPU allows {self.lib.max_smem}; spread the experts over more "
                     "ranks (ep_world_size)")
             self._sm_count = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
-            # the Hopper GEMM's configuration and the rows per expert from which the grouped
-            # GEMMs take 128-row tiles: resolved once here, not on every forward
-            self._sm90 = {m: kernels.SM90_VARIANTS[kernels.sm90_variant_for(cfg.moe_intermediate_size, m)]
-                          for m in (0, 1)}  # gate/up's variant, down's
             # fp4 and fp8 weights on the decode path: tensor cores (decode_mma.cu), or the
             # CUDA-core streams of decode.cu (CUPYMOE_FP4_DECODE=cores, CUPYMOE_FP8_DECODE=cores,
             # for measurements); the knobs are read before anything is uploaded
@@ -352,34 +437,20 @@ class MoeLayer:
                                           if f in kernels.FP4_DECODE_FORMATS]
             self._fp4_decode_mode = fp4_mode
             self._fp4_wgmma_ok = self.lib.arch == "sm_90a" and all(K % 128 == 0 for K in fp4_ks)
-            # the weight formats present (routed experts, then a shared expert of another
-            # format): the expert kernels run once per format
-            fmts = [self.weights.format] + ([self.weights.shared_format] if self.weights.shared_format else [])
-            self._format_codes = tuple(dict.fromkeys(kernels.FORMAT_CODES[f] for f in fmts))
-            self.fp8_compute = self._choose_fp8_compute(fp8_compute)
-            # the routed experts' math config runs on wgmma: bf16, and fp4 since v15 (at 64 rows
-            # per expert 128-row tiles win for fp4 too: qwen3-30b-a3b N = 1024 720 -> 660 us,
-            # deepseek-v3 N = 2048 11574 -> 10415; NOTES.md v15)
-            hopper = self.lib.arch == "sm_90a" and not self.row_invariant
-            # the TMA kernel serves bf16 experts' gate/up and down; a layer it cannot serve
-            # (quantized experts) takes the cp.async kernel of twin's tiles; the router's
-            # GEMM (mode 2) keeps the cp.async kernel
-            twin = kernels.SM90_VARIANTS["twin"]
-            tma_ok = hopper and all(kernels.SM90_VARIANTS["tma"].serves(f, 0) for f in self._format_codes)
-            self._sm90 = {m: twin if v.tma and not tma_ok else v for m, v in self._sm90.items()}
-            self._sm90[2] = twin if self._sm90[0].tma else self._sm90[0]
-            self._tma = self._sm90[0].tma or self._sm90[1].tma  # the layer has tensor maps
-            # gate/up on TMA reads its inputs in sorted order from xg (gather_rows), unless
-            # its producer gathers the rows itself
-            self._gathers_rows = self._sm90[0].tma and not self._sm90[0].gather
-            wgmma = hopper and self._sm90[0].serves(kernels.FORMAT_CODES[self.weights.format])
-            self._math_rows = math_rows_per_expert("wgmma" if wgmma else "mma")
+            # the choices that need only the config, the formats and the arch (LayerPlan;
+            # `python -m cupymoe inspect` makes the same ones without a GPU)
+            plan = plan_layer(cfg, self.weights.format, self.weights.shared_format, self.lib.arch,
+                              row_invariant=self.row_invariant, fp8_compute=fp8_compute,
+                              decode_max_tokens=self.decode_max_tokens)
+            self._format_codes = plan.format_codes  # the expert kernels run once per format
+            self.fp8_compute = plan.fp8_compute
+            self._sm90 = dict(plan.sm90)  # gate/up's variant, down's, the router's
+            self._tma = plan.tma  # the layer has tensor maps
+            self._gathers_rows = plan.gathers_rows
+            self._math_rows = plan.math_rows
+            self._w8a8_shared_x = plan.w8a8_shared_x
             w8a8 = self.fp8_compute == "w8a8"
-            # an fp8 shared expert reads x, not the normed xe: then x needs its own e4m3 copy
-            self._w8a8_shared_x = w8a8 and self.weights.shared_format == "fp8_block" and cfg.pre_expert_norm
-            self.arena = Arena(plan_layer_arena(cfg, self.max_tokens, self.weights.n_local, self.weights.i_max,
-                                                self.decode_max_tokens, w8a8, self._w8a8_shared_x,
-                                                self._gathers_rows),
+            self.arena = Arena(plan.arena(cfg, self.max_tokens, self.weights.n_local, self.weights.i_max),
                                self.device_id)
             self._tma_maps = self._upload_tma_maps() if self._tma else None
             cupy.cuda.runtime.memset(self.arena.ptr("err"), 0, 4)
@@ -785,20 +856,6 @@ class MoeLayer:
         cw = _cols_per_warp(max_active * columns, rt, kernels.GATE_UP_VARIANTS if stage == "gate_up"
                             else kernels.DOWN_VARIANTS)
         return f"decode_{stage}<{rt}, {cw}, {fmt}>", -(-columns // (8 * cw))
-
-    def _choose_fp8_compute(self, wanted: str) -> str:
-        """'w8a8' or 'w8a16' for this layer's fp8-block experts (None when it has none)."""
-        if kernels.FORMAT_CODES["fp8_block"] not in self._format_codes:
-            if wanted == "w8a8":
-                raise UnsupportedFormatError("fp8_compute='w8a8' needs fp8_block experts; this layer's are "
-                                             f"{self.weights.format} (shared: {self.weights.shared_format})")
-            return None
-        if self.lib.arch != "sm_90a":
-            if wanted == "w8a8":
-                raise UnsupportedFormatError(f"fp8_compute='w8a8' needs sm_90a (wgmma e4m3); this device is "
-                                             f"{self.lib.arch}: use fp8_compute='w8a16'")
-            return "w8a16"
-        return "w8a16" if wanted == "w8a16" else "w8a8"
 
     def _grouped_kernel(self, mode: int, config: str, fmt: int = 0) -> tuple[str, int, int, int, int]:
         """(kernel, threads, dynamic smem, weight rows per tile, rows per tile) of a grouped

@@ -667,7 +667,7 @@ def test_inspect_command_reports_the_layers_formats_and_refusals(tmp_path, capsy
     assert "3 layers, MoE layers: 1-2" in out  # first_k_dense_replace = 1
     assert "router               fp8_block  (16, 160)" in out and "dequantized once to bf16" in out
     assert "shared_gate          bfloat16   (128, 160)" in out and "NOT served" not in out
-    assert "scratch (arena) at max_tokens=64:" in out and "scratch (arena) at max_tokens=4096:" in out
+    assert "scratch (arena) at max_tokens=64 on sm_90a:" in out and "at max_tokens=4096 on sm_90a:" in out
     # nvfp4 with an input width the kernels cannot read in whole chunks (80 % 32 != 0)
     cfg = testing.tiny_config("qwen3_moe", hidden_size=80)
     hw = random_host_weights(cfg, rng, "nvfp4")
@@ -676,6 +676,43 @@ def test_inspect_command_reports_the_layers_formats_and_refusals(tmp_path, capsy
     out = capsys.readouterr().out
     assert "gate                 nvfp4      (15, 64, 80)" in out
     assert "NOT served by the GPU kernels: input width 80 is not a multiple of 32" in out
+
+
+def test_inspect_scratch_is_the_layers_plan(tmp_path, capsys, inspect_scratch):
+    """inspect reports the scratch MoeLayer would allocate: its plan for the formats and the
+    arch (fp8 experts' w8a8 buffers on sm_90a, the decode rows of each format), not the bf16
+    layer's. Before, it sized every layer as bf16 (8 decode rows, no w8a8 buffers): the bench's
+    deepseek-v3 shape with fp8 experts at max_tokens 64 read 11.5 MB against the layer's 27.5."""
+    from cupymoe import testing
+    from cupymoe.layer import plan_layer, plan_layer_arena
+
+    rng = np.random.default_rng(7)
+    cfg = testing.tiny_config("deepseek_v3")
+    hw = random_host_weights(cfg, rng, "fp8_block", shared_fmt="bf16")
+    save_layer(tmp_path / "ds", testing.hf_config_dict("deepseek_v3"), 1, hw)
+    got_cfg, _ = load_layer(tmp_path / "ds", 1)
+    i_max = max(cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
+    hopper = inspect_scratch(str(tmp_path / "ds"), "--max-tokens", "64", "300")
+    for T, got in hopper.items():
+        want = plan_layer(got_cfg, "fp8_block", "bf16", "sm_90a").arena(got_cfg, T, cfg.num_experts, i_max)
+        assert got == want.total_bytes
+        bf16_sized = plan_layer_arena(got_cfg, T, cfg.num_experts, i_max, 8)
+        assert got > bf16_sized.total_bytes  # the e4m3 copies and 64 decode rows
+    w8a16 = inspect_scratch(str(tmp_path / "ds"), "--max-tokens", "64", "300", "--fp8-compute", "w8a16")
+    ampere = inspect_scratch(str(tmp_path / "ds"), "--max-tokens", "64", "300", "--arch", "sm_80")
+    assert ampere == w8a16 and all(w8a16[T] < hopper[T] for T in hopper)
+    # fp8 experts on sm_80 cannot run w8a8: refused as the layer would refuse it
+    from cupymoe.__main__ import main
+
+    assert main(["inspect", str(tmp_path / "ds"), "--arch", "sm_80", "--fp8-compute", "w8a8"]) == 2
+    assert "fp8_compute='w8a8' needs sm_90a" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "ds"), "--arch", "sm_70"]) == 2
+    assert "sm_80 or newer" in capsys.readouterr().err
+    # nvfp4 experts decode up to 256 rows
+    cfg = testing.tiny_config("qwen3_moe")
+    save_layer(tmp_path / "q", testing.hf_config_dict("qwen3_moe"), 0, random_host_weights(cfg, rng, "nvfp4"))
+    assert main(["inspect", str(tmp_path / "q"), "--layer", "0"]) == 0
+    assert "decode path up to 256 rows" in capsys.readouterr().out
 
 
 def test_corrupt_or_truncated_shard_names_the_file(tmp_path):

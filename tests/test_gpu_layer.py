@@ -242,7 +242,8 @@ def test_two_layers_on_two_streams_run_concurrently_without_interference(rng):
         assert compare(bits_to_f32(o.get()), *ref).ok
 
 
-def test_from_pretrained_matches_reference(tmp_path, rng):
+def test_from_pretrained_matches_reference(tmp_path, rng, inspect_scratch):
+    """MoeLayer.from_pretrained on a bf16 checkpoint; `inspect` reports the scratch it allocates."""
     from cupymoe import MoeLayer, checkpoint
 
     fam = "qwen2_moe"
@@ -251,6 +252,8 @@ def test_from_pretrained_matches_reference(tmp_path, rng):
     checkpoint.save_layer(tmp_path, testing.hf_config_dict(fam), 1, hw)
     layer = MoeLayer.from_pretrained(tmp_path, 1, max_tokens=16)
     assert layer.cfg == cfg
+    assert inspect_scratch(tmp_path, "--layer", 1, "--max-tokens", 16, "--arch", layer.lib.arch) == \
+        {16: layer.arena.total_bytes}
     x = well_separated_input(cfg, hw, rng, 7)
     assert check(run_layer(layer, x), cfg, hw, x, layer.select_path(7), layer=layer).ok
 

@@ -276,10 +276,11 @@ def test_the_main_job_verify_command_passes():
 
 
 @pytest.mark.parametrize("family,fmt", [("deepseek_v3", "fp8_block"), ("qwen3_moe", "nvfp4"), ("gpt_oss", "mxfp4")])
-def test_from_pretrained_quantized_checkpoint(tmp_path, rng, family, fmt):
+def test_from_pretrained_quantized_checkpoint(tmp_path, rng, inspect_scratch, family, fmt):
     """A checkpoint in the format's hub layout (DeepSeek-V3 weight_scale_inv, ModelOpt
     weight_scale / weight_scale_2, gpt-oss _blocks / _scales; written by save_layer, whose
-    round trips are bit-exact on the CPU) runs through MoeLayer.from_pretrained."""
+    round trips are bit-exact on the CPU) runs through MoeLayer.from_pretrained; `inspect`
+    reports the scratch that layer allocates."""
     from cupymoe import MoeLayer, checkpoint
 
     cfg = testing.tiny_config(family)
@@ -288,6 +289,8 @@ def test_from_pretrained_quantized_checkpoint(tmp_path, rng, family, fmt):
     want_cfg, loaded = checkpoint.load_layer(tmp_path, 1)
     layer = MoeLayer.from_pretrained(tmp_path, 1, max_tokens=300)
     assert layer.cfg == want_cfg and layer.weights.format == fmt
+    assert inspect_scratch(tmp_path, "--layer", 1, "--max-tokens", 300, "--arch", layer.lib.arch) == \
+        {300: layer.arena.total_bytes}
     for n in (3, 300):
         x = well_separated_input(want_cfg, loaded, rng, n)
         path = layer.select_path(n)
