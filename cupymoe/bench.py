@@ -265,7 +265,8 @@ def bench_row(cfg: MoeConfig, shape: str, fmt: str, n: int, touched: int, times_
                              fp8_tflops=ceilings.get("fp8_TFLOPs_burst", ceilings["fp8_TFLOPs"]))
         row.update(floor_burst_us=round(burst["floor_us"], 2), pct_of_burst_floor=round(100 * burst["floor_us"] / us, 1))
     row.update(touched=touched, bytes=fig["bytes"], TBps=round(fig["bytes"] / us / 1e6, 3),
-               TFLOPs=round(fig["flops"] / us / 1e6, 2), spread_us=round(max(times_us) - min(times_us), 2))
+               TFLOPs=round(fig["flops"] / us / 1e6, 2), spread_us=round(max(times_us) - min(times_us), 2),
+               reps_us=[round(t, 2) for t in times_us])  # each repetition, in the order timed
     row.update(baseline_columns(baselines, shape, fmt, n))
     row["stages_us"] = {st: round(t, 2) for st, t in (stage_us or {}).items()} or None
     return row

@@ -188,6 +188,7 @@ def test_rows_keep_their_shape_and_format_and_carry_their_formats_baselines():
     by = {(r["format"], r["N"]): r for r in rows}
     r = by[("bf16", 1)]
     assert r["us"] == 30.0 and r["spread_us"] == 2.0 and r["layers"] == 3 and r["routed_only"]
+    assert r["reps_us"] == [30.0, 31.0, 29.0]  # each repetition kept, in the order timed
     assert r["vllm_compute_only"] == pytest.approx(36.1) and r["grouped_mm"] == pytest.approx(117.8)
     assert r["pct_of_floor"] == pytest.approx(100 * r["floor_us"] / 30.0, abs=0.05)
     assert "floor_fp8_us" not in r and "vllm_fp8_gemms_only" not in r
