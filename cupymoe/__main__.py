@@ -87,7 +87,9 @@ def cmd_inspect(args) -> int:
     from . import checkpoint, formats, kernels
     from .config import DenseLayerError, MoeConfig, layer_count
 
-    kernels.parse_arch(args.arch)  # refused before anything is read
+    # refused before anything is read; named as the layer would compile for it (sm_90 -> sm_90a)
+    cc, _ = kernels.parse_arch(args.arch)
+    arch = kernels.arch_for_capability(cc // 10, cc % 10)
     config = checkpoint.read_config(args.dir)
     n_layers = layer_count(config) or 0
     moe = []
@@ -120,18 +122,18 @@ def cmd_inspect(args) -> int:
     print(f"  total {total / 1e9:.3f} GB for this layer")
     from .layer import plan_layer
 
-    # the scratch MoeLayer would allocate on a GPU of args.arch with every expert local: the
+    # the scratch MoeLayer would allocate on a GPU of that arch with every expert local: the
     # same plan (decode rows by format, w8a8 buffers, gathered inputs) as its constructor
     routed = formats.weight_format(hw.down)
     shared = formats.weight_format(hw.shared_down) if cfg.has_shared_expert else None
-    plan = plan_layer(cfg, routed, shared, args.arch, fp8_compute=args.fp8_compute)
+    plan = plan_layer(cfg, routed, shared, arch, fp8_compute=args.fp8_compute)
     i_max = max(cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
     notes = [f"decode path up to {plan.decode_max_tokens} rows"]
     if plan.fp8_compute:
         notes.append(f"fp8 experts as {plan.fp8_compute}")
     for T in args.max_tokens:
         arena = plan.arena(cfg, T, cfg.num_experts, i_max)
-        print(f"  scratch (arena) at max_tokens={T} on {args.arch}: {arena.total_bytes / 1e6:.1f} MB "
+        print(f"  scratch (arena) at max_tokens={T} on {arch}: {arena.total_bytes / 1e6:.1f} MB "
               f"({arena.total_bytes} bytes; {', '.join(notes)})")
     return 0
 

@@ -701,6 +701,8 @@ def test_inspect_scratch_is_the_layers_plan(tmp_path, capsys, inspect_scratch):
     w8a16 = inspect_scratch(str(tmp_path / "ds"), "--max-tokens", "64", "300", "--fp8-compute", "w8a16")
     ampere = inspect_scratch(str(tmp_path / "ds"), "--max-tokens", "64", "300", "--arch", "sm_80")
     assert ampere == w8a16 and all(w8a16[T] < hopper[T] for T in hopper)
+    # Hopper is compiled for as sm_90a whichever way it is named
+    assert inspect_scratch(tmp_path / "ds", "--max-tokens", "64", "300", "--arch", "sm_90") == hopper
     # fp8 experts on sm_80 cannot run w8a8: refused as the layer would refuse it
     from cupymoe.__main__ import main
 
