@@ -342,3 +342,32 @@ def test_wgmma_gate_up_by_slot_where_little_is_copied_for_nothing():
     assert waste("qwen3-30b-a3b", 16) > cap and waste("deepseek-v3", 64) > cap
     # 128 experts, 8 a row, 64 rows: 128 (15/16)^64 idle, 12 blocks of 2 stages of 128 x 256 bytes
     assert waste("qwen3-30b-a3b", 64) == pytest.approx(128 * (15 / 16) ** 64 * 12 * 2 * 128 * 256)
+
+
+@pytest.mark.parametrize("probe,names,no_spills", [
+    # scripts/fp4_e4m3_decode_probe.py's kernels: its four modes on its default skeleton shapes
+    ("fp4_e4m3_decode_probe", [f"fp4_probe<{m}, {s}>" for m in range(4) for s in ("2, 3, 3", "4, 2, 2", "2, 4, 2",
+                                                                                   "4, 3, 1")], True),
+    ("n1_stream_floor_probe", [], True),
+    # v30's probe: its probe4 kernel spills 156 bytes here and as its script compiles it (sm_90, C++17)
+    ("stream_pattern_probe", [], False),
+])
+def test_probe_sources_compile(probe, names, no_spills):
+    """The measurement probes under scripts/ (their own .cu files, loaded by CuPy on the GPU)
+    still compile for sm_90a with the kernels' headers; the fp4 and one-row probes without
+    spills, which they would time along with what they measure."""
+    from pathlib import Path
+
+    nvrtc = kernels._nvrtc()
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{probe}.cu"
+    prog = nvrtc.createProgram(path.read_text(), path.name, (), ())
+    for n in names:
+        nvrtc.addNameExpression(prog, n)
+    try:
+        nvrtc.compileProgram(prog, list(kernels.compile_options("sm_90a")))
+    except nvrtc.NVRTCError as e:
+        pytest.fail(f"{path.name}: {e}\n{nvrtc.getProgramLog(prog)}")
+    log = nvrtc.getProgramLog(prog)
+    assert [ln for ln in log.splitlines() if "Used" in ln and "registers" in ln], f"{path.name}: no ptxas report"
+    spills = [ln for ln in log.splitlines() if "spill" in ln and "0 bytes spill stores, 0 bytes spill loads" not in ln]
+    assert not (no_spills and spills), f"{path.name}: {spills}"
