@@ -24,8 +24,8 @@
 #include "wgmma.cuh"
 
 // The skeleton's shape is a template argument (KSUB k steps a stage, STAGES stages, MINB blocks
-// an SM for the registers); decode_wgmma_fp4.cu's is <2, 3, 3>.
-#define PR_ROWS 128     // weight rows a block
+// an SM for the registers, ROWS weight rows a block: one or two m64 tiles); decode_wgmma_fp4.cu's
+// is <2, 3, 3, 128>.
 #define PR_BK 128       // codes of a k step (64 bytes of a row)
 #define PR_THREADS 128
 #define PR_NTOK 8       // activation rows a pass
@@ -34,9 +34,9 @@
 // activation tile bytes of a k step: bf16 two [8][64] tiles; e4m3 one [8][128]; hi + lo two
 template <int MODE>
 __host__ __device__ constexpr int pr_x_bytes() { return MODE == 1 ? PR_NTOK * 128 : 2 * PR_NTOK * 128; }
-template <int MODE, int KSUB>
+template <int MODE, int KSUB, int ROWS>
 __host__ __device__ constexpr int pr_stage_bytes() {
-    return KSUB * (pr_x_bytes<MODE>() + PR_ROWS * PR_BK / 2) + PR_ROWS * PR_SBK * KSUB;
+    return KSUB * (pr_x_bytes<MODE>() + ROWS * PR_BK / 2) + ROWS * PR_SBK * KSUB;
 }
 
 // 8 e2m1 codes -> two registers of 4 e4m3 each, exactly, in 7 operations: the magnitudes
@@ -70,17 +70,18 @@ __device__ __forceinline__ void wgmma_m64n8k16_bf16_rs(float* d, const unsigned 
 
 // one k step of both m64 tiles from stage `st`, step `sub`: acc[m][4] (rows 16 w + g, + 8;
 // columns 2 t4, + 1)
-template <int MODE, int KSUB>
+template <int MODE, int KSUB, int ROWS>
 __device__ __forceinline__ void pr_step(float (&acc)[2][4], float (&blk)[2][4][4], const u8* st, int sub, float sx) {
     constexpr int SB = PR_SBK * KSUB;  // scale bytes of a row and stage
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
     const u8* x = st + sub * pr_x_bytes<MODE>();
-    const u8* codes = st + KSUB * pr_x_bytes<MODE>() + sub * PR_ROWS * PR_BK / 2;
-    const u8* sc = st + KSUB * (pr_x_bytes<MODE>() + PR_ROWS * PR_BK / 2);
+    constexpr int MT = ROWS / 64;  // m64 tiles
+    const u8* codes = st + KSUB * pr_x_bytes<MODE>() + sub * ROWS * PR_BK / 2;
+    const u8* sc = st + KSUB * (pr_x_bytes<MODE>() + ROWS * PR_BK / 2);
     if (MODE == 0) {
         unsigned a[2][8][4];
 #pragma unroll
-        for (int m = 0; m < 2; ++m) {
+        for (int m = 0; m < MT; ++m) {
             const int r = 64 * m + 16 * warp + g;
             const uint4 lo = *reinterpret_cast<const uint4*>(codes + r * (PR_BK / 2) + 16 * t4);
             const uint4 hi = *reinterpret_cast<const uint4*>(codes + (r + 8) * (PR_BK / 2) + 16 * t4);
@@ -114,7 +115,7 @@ __device__ __forceinline__ void pr_step(float (&acc)[2][4], float (&blk)[2][4][4
         unsigned a[2][4][4];   // tile, k32 group, fragment
         unsigned s[2][2];      // tile, row g / g + 8: the step's four scale bytes
 #pragma unroll
-        for (int m = 0; m < 2; ++m) {
+        for (int m = 0; m < MT; ++m) {
             const int r = 64 * m + 16 * warp + g;
             const uint4 lo = *reinterpret_cast<const uint4*>(codes + r * (PR_BK / 2) + 16 * t4);
             const uint4 hi = *reinterpret_cast<const uint4*>(codes + (r + 8) * (PR_BK / 2) + 16 * t4);
@@ -128,7 +129,7 @@ __device__ __forceinline__ void pr_step(float (&acc)[2][4], float (&blk)[2][4][4
             }
         }
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
             for (int j = 0; j < 4; ++j) fence_acc<4>(blk[m][j]);
         wgmma_fence();
@@ -136,7 +137,7 @@ __device__ __forceinline__ void pr_step(float (&acc)[2][4], float (&blk)[2][4][4
         for (int j = 0; j < 4; ++j) {
             const u64 db = wgmma_desc(x) + 2 * j;  // +32 bytes of K a group
 #pragma unroll
-            for (int m = 0; m < 2; ++m) {
+            for (int m = 0; m < MT; ++m) {
                 wgmma_m64n8k32_e4m3_rs(blk[m][j], a[m][j], db, 0);
                 if (MODE == 2) wgmma_m64n8k32_e4m3_rs(blk[m][j], a[m][j], db + (PR_NTOK * 128 >> 4), 1);
             }
@@ -144,7 +145,7 @@ __device__ __forceinline__ void pr_step(float (&acc)[2][4], float (&blk)[2][4][4
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll
-        for (int m = 0; m < 2; ++m) {
+        for (int m = 0; m < MT; ++m) {
             float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -163,10 +164,10 @@ __device__ __forceinline__ void pr_step(float (&acc)[2][4], float (&blk)[2][4][4
     }
 }
 
-// grid (rows / 128), block PR_THREADS, dynamic shared memory STAGES * pr_stage_bytes + 1024.
+// grid (rows / ROWS), block PR_THREADS, dynamic shared memory STAGES * pr_stage_bytes + 1024.
 // codes [rows][K / 2], scales [rows][K / 32], xs [8][K * 2] bytes (the activation rows, read
 // by every block: L2-resident, as a decode pass's few rows are), out [rows][8].
-template <int MODE, int KSUB, int STAGES, int MINB>
+template <int MODE, int KSUB, int STAGES, int MINB, int ROWS>
 __global__ void __launch_bounds__(PR_THREADS, MINB)
 fp4_probe(const u8* __restrict__ codes, const u8* __restrict__ scales, const u8* __restrict__ xs,
           float* __restrict__ out, int K) {
@@ -175,17 +176,18 @@ fp4_probe(const u8* __restrict__ codes, const u8* __restrict__ scales, const u8*
     u8* stages = pr_smem + pad;
     constexpr int SB = PR_SBK * KSUB, CH = KSUB * PR_BK / 2 / 16;  // a row's scale bytes, 16-byte code chunks a stage
     const int KS = K / (PR_BK * KSUB);  // K: whole stages
-    const size_t row0 = (size_t)blockIdx.x * PR_ROWS;
+    const size_t row0 = (size_t)blockIdx.x * ROWS;
+    constexpr int MT = ROWS / 64;
     const int tid = threadIdx.x;
     // this thread's copies of a stage: code chunk tid % CH of rows tid / CH + (128 / CH) i;
     // scale row tid; activation chunks tid (+ 128 j) of the stage's x bytes. Addresses made
     // once: a stage adds a constant to each.
-    constexpr int A_ROWS = PR_THREADS / CH, A_PER = PR_ROWS / A_ROWS;
+    constexpr int A_ROWS = PR_THREADS / CH, A_PER = ROWS / A_ROWS;
     const u8* a_src = codes + (row0 + tid / CH) * (K / 2) + (tid % CH) * 16;
     const u8* s_src = scales + (row0 + tid) * (K / 32);
-    const int a_dst = KSUB * pr_x_bytes<MODE>() + ((tid % CH) / 4) * PR_ROWS * PR_BK / 2 + (tid / CH) * (PR_BK / 2) +
+    const int a_dst = KSUB * pr_x_bytes<MODE>() + ((tid % CH) / 4) * ROWS * PR_BK / 2 + (tid / CH) * (PR_BK / 2) +
                       (tid % 4) * 16;
-    const int s_dst = KSUB * (pr_x_bytes<MODE>() + PR_ROWS * PR_BK / 2) + tid * SB;
+    const int s_dst = KSUB * (pr_x_bytes<MODE>() + ROWS * PR_BK / 2) + tid * SB;
     constexpr int XQ = KSUB * pr_x_bytes<MODE>() / 16 / PR_THREADS;  // x chunks a thread and stage
     constexpr int X_ROW_STAGE = KSUB * pr_x_bytes<MODE>() / PR_NTOK;  // x bytes a row and stage
     int x_dst[XQ];
@@ -198,16 +200,18 @@ fp4_probe(const u8* __restrict__ codes, const u8* __restrict__ scales, const u8*
     }
     const unsigned smem0 = (unsigned)__cvta_generic_to_shared(stages);
     auto copy_stage = [&](int s) {
-        const unsigned st = smem0 + (s % STAGES) * pr_stage_bytes<MODE, KSUB>();
+        const unsigned st = smem0 + (s % STAGES) * pr_stage_bytes<MODE, KSUB, ROWS>();
         const size_t ka = (size_t)s * (PR_BK * KSUB / 2);
 #pragma unroll
         for (int i = 0; i < A_PER; ++i)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(st + a_dst + i * A_ROWS * (PR_BK / 2)),
                          "l"(a_src + (size_t)i * A_ROWS * (K / 2) + ka));
-        if (SB == 16)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(st + s_dst), "l"(s_src + s * SB));
-        else
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(st + s_dst), "l"(s_src + s * SB));
+        if (tid < ROWS) {  // a row's stage of scale bytes a thread
+            if (SB == 16)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(st + s_dst), "l"(s_src + s * SB));
+            else
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(st + s_dst), "l"(s_src + s * SB));
+        }
 #pragma unroll
         for (int q = 0; q < XQ; ++q)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(st + x_dst[q]),
@@ -227,18 +231,18 @@ fp4_probe(const u8* __restrict__ codes, const u8* __restrict__ scales, const u8*
         __syncthreads();
         if (s + STAGES - 1 < KS) copy_stage(s + STAGES - 1);
         cp_async_commit();
-        const u8* st = stages + (s % STAGES) * pr_stage_bytes<MODE, KSUB>();
+        const u8* st = stages + (s % STAGES) * pr_stage_bytes<MODE, KSUB, ROWS>();
         if (MODE == 3) {  // the skeleton alone: touch the stage so the copies are waited for
             acc[0][0] += (float)st[KSUB * pr_x_bytes<MODE>() + tid];
         } else {
 #pragma unroll
-            for (int sub = 0; sub < KSUB; ++sub) pr_step<MODE, KSUB>(acc, blk, st, sub, 1.0f + (float)sub);
+            for (int sub = 0; sub < KSUB; ++sub) pr_step<MODE, KSUB, ROWS>(acc, blk, st, sub, 1.0f + (float)sub);
         }
     }
     cp_async_wait<0>();
     const int warp = tid >> 5, g = (tid & 31) >> 2, t4 = tid & 3;
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
             out[(row0 + 64 * m + 16 * warp + g + 8 * (i >> 1)) * PR_NTOK + 2 * t4 + (i & 1)] = acc[m][i];

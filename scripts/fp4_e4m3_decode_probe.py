@@ -4,13 +4,14 @@ deepseek-v3's gate/up rows (K = 7168) for the experts a decode step touches (220
 at N = 16; 4096 weight rows each): MODE 0 W4A16 (today's bit placement, bf16 wgmma), MODE 1
 W4A8 (a byte-permute lookup to e4m3, e4m3 wgmma, fp32 promotion a 32-code group), MODE 2 the
 same with each activation as two e4m3 terms, MODE 3 the copies alone; each on several shapes of
-the skeleton (--shapes: k steps a stage, stages, blocks an SM; decode_wgmma_fp4.cu's is 2,3,3).
+the skeleton (--shapes: k steps a stage, stages, blocks an SM, weight rows a block;
+decode_wgmma_fp4.cu's is 2,3,3,128).
 The data are random and
 the sums are nobody's: only the instruction streams and the reads are compared. Modes
 alternate, twice, each after 0.3 s of the same launches (the GPU's power-capped state, as the
 bench). Needs an sm_90 GPU and CuPy; results in NOTES.md v39.
 
-    python scripts/fp4_e4m3_decode_probe.py [--experts 220 96] [--shapes 2,3,3 4,2,2] [--reps 9]
+    python scripts/fp4_e4m3_decode_probe.py [--experts 220 96] [--shapes 2,3,3,128 4,3,3,64] [--reps 9]
 """
 
 import argparse
@@ -24,8 +25,8 @@ from cupymoe import kernels
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--experts", type=int, nargs="+", default=[220, 96], help="experts touched (4096 rows of K each)")
-ap.add_argument("--shapes", nargs="+", default=["2,3,3", "4,2,2", "2,4,2", "4,3,1"],
-                help="skeleton shapes KSUB,STAGES,MINB: k steps a stage, stages, blocks an SM")
+ap.add_argument("--shapes", nargs="+", default=["2,3,3,128", "4,2,2,128", "2,4,2,128", "4,3,1,128"],
+                help="skeleton shapes KSUB,STAGES,MINB,ROWS: k steps a stage, stages, blocks an SM, weight rows a block")
 ap.add_argument("--modes", type=int, nargs="+", default=[0, 1, 2, 3])
 ap.add_argument("--reps", type=int, default=9, help="timed repetitions of 10 launches (the median is printed)")
 ap.add_argument("--copy-tbs", type=float, default=4.28, help="the copy rate the floor column divides by")
@@ -38,16 +39,16 @@ except cp.cuda.runtime.CUDARuntimeError as e:
 K, ROWS_PER_EXPERT, NTOK, THREADS = 7168, 4096, 8, 128
 MODES = {0: "W4A16 bf16 (today)", 1: "W4A8 e4m3", 2: "e4m3, activations hi + lo", 3: "copies alone"}
 SHAPES = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes]
-NAMES = {(m, sh): f"fp4_probe<{m}, {sh[0]}, {sh[1]}, {sh[2]}>" for m in args.modes for sh in SHAPES}
+NAMES = {(m, sh): f"fp4_probe<{m}, {sh[0]}, {sh[1]}, {sh[2]}, {sh[3]}>" for m in args.modes for sh in SHAPES}
 module = cp.RawModule(code=Path(__file__).with_suffix(".cu").read_text(),
                       options=("-arch=sm_90a", *(o for o in kernels.compile_options("sm_90a")
                                                  if not o.startswith(("--gpu-architecture", "-Xptxas")))),
                       name_expressions=list(NAMES.values()))
 
 
-def stage_bytes(mode: int, ksub: int) -> int:  # the .cu's pr_stage_bytes
+def stage_bytes(mode: int, ksub: int, rows: int) -> int:  # the .cu's pr_stage_bytes
     x = NTOK * 128 if mode == 1 else 2 * NTOK * 128
-    return ksub * (x + 128 * 64) + 128 * 4 * ksub
+    return ksub * (x + rows * 64) + rows * 4 * ksub
 
 
 rows_max = max(args.experts) * ROWS_PER_EXPERT
@@ -60,9 +61,9 @@ stream = cp.cuda.Stream(non_blocking=True)
 
 def timed(mode: int, shape: tuple, rows: int) -> list[float]:
     fn = module.get_function(NAMES[mode, shape])
-    smem = shape[1] * stage_bytes(mode, shape[0]) + 1024
+    smem = shape[1] * stage_bytes(mode, shape[0], shape[3]) + 1024
     fn.max_dynamic_shared_size_bytes = smem
-    launch = lambda: fn((rows // 128,), (THREADS,), (codes, scales, xs, out, cp.int32(K)), shared_mem=smem,
+    launch = lambda: fn((rows // shape[3],), (THREADS,), (codes, scales, xs, out, cp.int32(K)), shared_mem=smem,
                         stream=stream)
     with stream:
         t_end = time.perf_counter() + 0.3
