@@ -1,9 +1,10 @@
 // What would fp4 decode cost on e4m3 tensor cores? (scripts/fp4_e4m3_decode_probe.py;
 // NOTES.md v39 item 3.) One kernel, four compute sides on one copy skeleton, timed on mxfp4
-// codes of deepseek-v3's gate/up shape. The skeleton is decode_wgmma_fp4.cu's: a warpgroup
-// a block streams 128 weight rows through a 3-stage cp.async ring of 2 k128 steps a stage
-// (128 contiguous code bytes of each row a copy, a row's 8 scale bytes a copy) against 8
-// activation rows staged the same way. Only the instruction streams are compared: the
+// codes of deepseek-v3's gate/up shape. The skeleton is decode_wgmma_fp4.cu's at its default
+// shape: a warpgroup a block streams 128 weight rows through a 3-stage cp.async ring of 2 k128
+// steps a stage (128 contiguous code bytes of each row, a row's 8 scale bytes a copy) against
+// 8 activation rows staged the same way (by cp.async here, where the kernel stages them
+// through registers). Only the instruction streams are compared: the
 // codes, scales and rows are random and the sums are nobody's (values wrong by design; the
 // outputs are stored only so that nothing is optimized away).
 //

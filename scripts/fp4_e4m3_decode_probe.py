@@ -5,9 +5,8 @@ at N = 16; 4096 weight rows each): MODE 0 W4A16 (today's bit placement, bf16 wgm
 W4A8 (a byte-permute lookup to e4m3, e4m3 wgmma, fp32 promotion a 32-code group), MODE 2 the
 same with each activation as two e4m3 terms, MODE 3 the copies alone; each on several shapes of
 the skeleton (--shapes: k steps a stage, stages, blocks an SM, weight rows a block;
-decode_wgmma_fp4.cu's is 2,3,3,128).
-The data are random and
-the sums are nobody's: only the instruction streams and the reads are compared. Modes
+decode_wgmma_fp4.cu's is 2,3,3,128). The data are random and the sums are nobody's: only the
+instruction streams and the reads are compared. Modes
 alternate, twice, each after 0.3 s of the same launches (the GPU's power-capped state, as the
 bench). Needs an sm_90 GPU and CuPy; results in NOTES.md v39.
 
