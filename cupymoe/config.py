@@ -295,7 +295,8 @@ def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None)
         raise ValueError(f"layer_idx={layer_idx} is outside 0..{int(n_layers) - 1} for {model_type}")
     dense = False
     if model_type == "deepseek_v3":
-        first = _whole(cfg.get("first_k_dense_replace") or 0, "first_k_dense_replace")
+        # absent: transformers' DeepseekV3Config default (3 dense layers first); null: none
+        first = _whole(cfg.get("first_k_dense_replace", 3) or 0, "first_k_dense_replace")
         freq = _whole(cfg.get("moe_layer_freq") or 1, "moe_layer_freq")
         dense = layer_idx < first or layer_idx % freq != 0
     elif model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
@@ -393,11 +394,14 @@ def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: d
             num_experts=n("n_routed_experts", "num_experts", "num_local_experts"),
             num_experts_per_tok=n("moe_topk", "num_experts_per_tok"),
             moe_intermediate_size=n("expert_ffn_hidden_size", "moe_intermediate_size"),
-            zero_expert_num=_whole(g("zero_expert_num", default=0) or 0, "zero_expert_num"),
+            # absent keys take transformers' LongcatFlashConfig defaults (256 zero experts, a
+            # routed scaling of 6.0); an explicit null zero_expert_num means none, as its
+            # modelling code reads it (`config.zero_expert_num or 0`)
+            zero_expert_num=_whole(config.get("zero_expert_num", 256) or 0, "zero_expert_num"),
             has_correction_bias=True,
             has_router_bias=flag("router_bias", False),  # router.classifier.bias
             norm_topk_prob=flag("norm_topk_prob", False),
-            routed_scaling_factor=num("routed_scaling_factor", 1.0),
+            routed_scaling_factor=num("routed_scaling_factor", 6.0),
             hidden_act=_act(g("hidden_act", default="silu")),
         )
         ztype = config.get("zero_expert_type", "identity")

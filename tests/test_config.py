@@ -473,6 +473,23 @@ def test_missing_key_names_all_spellings():
         MoeConfig.from_hf(d)
 
 
+def test_from_hf_absent_keys_take_transformers_class_defaults():
+    """A hand-written config.json that leaves out keys transformers' config classes default
+    (transformers 5.24: DeepseekV3Config first_k_dense_replace 3; LongcatFlashConfig
+    zero_expert_num 256, routed_scaling_factor 6.0) reads as transformers would read it.
+    Before, they defaulted to 0 dense layers, 0 zero experts and a scaling of 1.0."""
+    d = {k: v for k, v in DEEPSEEK_V3.items() if k != "first_k_dense_replace"}
+    for layer in (0, 1, 2):
+        with pytest.raises(DenseLayerError, match=f"layer {layer} "):
+            MoeConfig.from_hf(d, layer)
+    assert MoeConfig.from_hf(d, 3).num_experts == 256
+    assert MoeConfig.from_hf({**DEEPSEEK_V3, "first_k_dense_replace": None}, 0).num_experts == 256  # null: none
+    lc = {k: v for k, v in LONGCAT_FLASH.items() if k not in ("zero_expert_num", "routed_scaling_factor")}
+    got = MoeConfig.from_hf(lc)
+    assert got.zero_expert_num == 256 and got.routed_scaling_factor == 6.0
+    assert MoeConfig.from_hf({**LONGCAT_FLASH, "zero_expert_num": None}).zero_expert_num == 0  # null: none
+
+
 # ----------------------------------------------------------------------------------
 # layer indices: dense layers, range, unknown families
 # ----------------------------------------------------------------------------------
