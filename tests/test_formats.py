@@ -748,3 +748,42 @@ def test_fp4_bit_placement_of_the_grouped_gemm_tiles():
     for s in np.arange(1, 0x7F, dtype=np.uint8).view(formats.E4M3).astype(np.float64):
         w = values[values != 0] * s * 2.0 ** -64
         assert np.abs(w).min() >= 2.0 ** -126 and np.abs(w).max() < 2.0 ** 127
+
+
+def test_fp4_to_e4m3_byte_permute_lookup_of_the_probe():
+    """scripts/fp4_e4m3_decode_probe.cu fp4x8_to_e4m3x8, replayed in numpy (NOTES.md v39): on
+    a word repacked at load (codes 0-3's magnitudes in bits 0-2 of nibbles 0-3, codes 4-7's in
+    nibbles 4-7; code j's sign at bit 8 j + 7, code 4 + j's at bit 8 j + 3), one mask, two
+    byte permutes into the table of the 8 magnitudes' e4m3 bytes, a shift and two sign merges
+    give every e2m1 value as e4m3 exactly (byte j of the first register is code j, of the
+    second code 4 + j). Its 7 operations a word are what the probe timed."""
+    import re
+    from pathlib import Path
+
+    def prmt(a, b, sel):  # __byte_perm: a selector nibble's bit 3 would sign-replicate; masked off here
+        src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+        assert all(((sel >> (4 * i)) & 8) == 0 for i in range(4))
+        return sum(src[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+    def repack(nib) -> int:
+        v = 0
+        for j in range(4):
+            v |= (int(nib[j]) & 7) << (4 * j) | (int(nib[j]) >> 3) << (8 * j + 7)
+            v |= (int(nib[4 + j]) & 7) << (16 + 4 * j) | (int(nib[4 + j]) >> 3) << (8 * j + 3)
+        return v
+
+    src = (Path(formats.__file__).parent.parent / "scripts" / "fp4_e4m3_decode_probe.cu").read_text()
+    lo, hi = (int(x, 16) for x in re.search(r"const unsigned lo = (0x[0-9A-F]+)u, hi = (0x[0-9A-F]+)u;", src).groups())
+    assert "a = __byte_perm(lo, hi, m) | (v & 0x80808080u);" in src
+    assert "b = __byte_perm(lo, hi, m >> 16) | ((v << 4) & 0x80808080u);" in src
+    values = formats.e2m1_decode(np.arange(16, dtype=np.uint8)).astype(np.float64)
+    e4m3 = lambda byte: float(np.array([byte], np.uint8).view(formats.E4M3).astype(np.float64)[0])  # noqa: E731
+    rng = np.random.default_rng()
+    words = [rng.integers(0, 16, 8) for _ in range(3000)] + [np.full(8, c) for c in range(16)]
+    for nib in words:
+        v = repack(nib)
+        m = v & 0x77777777
+        a = prmt(lo, hi, m & 0xFFFF) | (v & 0x80808080)
+        b = prmt(lo, hi, m >> 16) | ((v << 4) & 0x80808080 & 0xFFFFFFFF)
+        got = [e4m3((a >> (8 * j)) & 0xFF) for j in range(4)] + [e4m3((b >> (8 * j)) & 0xFF) for j in range(4)]
+        assert got == [values[n] for n in nib]  # -0.0 == 0.0: the sign of zero is kept, and harmless
