@@ -85,8 +85,8 @@ def plan_arena(stages: Sequence[str], buffers: Iterable[BufferSpec],
         lo, hi = stage_idx[b.first], stage_idx[b.last]
         if lo > hi:
             raise ArenaError(f"buffer {b.name!r}: first stage {b.first!r} comes after last stage {b.last!r}")
-        if b.nbytes < 0:
-            raise ArenaError(f"buffer {b.name!r}: negative size {b.nbytes}")
+        if isinstance(b.nbytes, bool) or not isinstance(b.nbytes, int) or b.nbytes < 0:
+            raise ArenaError(f"buffer {b.name!r}: size {b.nbytes!r} must be a whole number of bytes >= 0")
         specs[b.name] = b
         live[b.name] = (lo, hi)
 
@@ -139,14 +139,17 @@ class Arena:
             self._mem = cupy.cuda.memory.Memory(plan.total_bytes)
         self.base = int(self._mem.ptr)
 
-    def ptr(self, name: str) -> int:
+    def _placement(self, name: str) -> Placement:
         try:
-            return self.base + self.plan.placements[name].offset
+            return self.plan.placements[name]
         except KeyError:
             raise KeyError(f"arena has no buffer {name!r}; buffers: {sorted(self.plan.placements)}") from None
 
+    def ptr(self, name: str) -> int:
+        return self.base + self._placement(name).offset
+
     def nbytes(self, name: str) -> int:
-        return self.plan.placements[name].nbytes
+        return self._placement(name).nbytes
 
     def require(self, name: str, nbytes: int) -> int:
         """The buffer's pointer, after checking it holds `nbytes` (a named error if not)."""

@@ -186,6 +186,8 @@ class Nvfp4Weight:
             self.scale_2 = np.broadcast_to(np.asarray(self.scale_2, dtype=np.float32), self.packed.shape[:-2]).copy()
             return
         self.packed = _bytes(self.packed, "Nvfp4Weight.packed")
+        if self.packed.ndim < 2:
+            raise ValueError(f"Nvfp4Weight.packed: expected [..., out, in/2], found shape {self.packed.shape}")
         self.scale = np.asarray(self.scale)
         if self.scale.dtype == np.uint8:
             self.scale = self.scale.view(E4M3)
@@ -270,10 +272,10 @@ class Mxfp4Weight:
         _check_scales(name, "scales", self.scales, self.scales == 255)
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
-        vals = e2m1_decode(unpack_nibbles(self.blocks))  # [..., out, in/32, 32]
-        scale = np.ldexp(np.float32(1), self.scales.astype(np.int32) - 127).astype(np.float32)
-        w = vals * scale[..., None]
-        return w.reshape(self.shape).astype(dtype)
+        vals = e2m1_decode(unpack_nibbles(self.blocks)).astype(np.float64)  # [..., out, in/32, 32]
+        # the product in float64 is exact (6 * 2^127 is no float32); cast once at the end
+        scale = np.ldexp(1.0, self.scales.astype(np.int32) - 127)
+        return (vals * scale[..., None]).reshape(self.shape).astype(dtype)
 
 
 QuantWeight = Union[Fp8BlockWeight, Nvfp4Weight, Mxfp4Weight]
@@ -304,12 +306,44 @@ def _blocks_2d(w: np.ndarray, bo: int, bi: int) -> tuple[np.ndarray, tuple[int, 
     return wp.reshape(w.shape[:-2] + (po // bo, bo, pi // bi, bi)), (out, inn)
 
 
+def _quantizer_input(w: Any, who: str) -> np.ndarray:
+    """A float matrix (stack) as float32, refusing what no format encodes: fewer than two
+    axes, and NaN or infinite weights (they would become finite codes, or NaN codes that
+    no scale check sees, and take their block's scale with them)."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim < 2:
+        raise ValueError(f"{who}: expected a [..., out, in] matrix (stack), found shape {w.shape}")
+    bad = ~np.isfinite(w)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{who}: weight{list(idx)} = {w[idx]}: only finite weights can be quantized")
+    return w
+
+
+def _scale_for(amax: np.ndarray, qmax: float, fits) -> np.ndarray:
+    """float32 scales amax / qmax (1 for all-zero blocks), each raised to the next float32
+    above where `fits(s)` says the block's largest value would not survive as e4m3: where
+    amax / qmax is no float32 above zero, or rounds so far down that amax / s rounds past 448
+    (float32 subnormal magnitudes, ~1e-38 and below). Before, such blocks quantized to e4m3
+    NaNs that no scale check sees."""
+    amax = np.asarray(amax, dtype=np.float32)
+    s = np.where(amax > 0, amax / np.float32(qmax), np.float32(1)).astype(np.float32)
+    s = np.where(s > 0, s, np.float32(np.finfo(np.float32).smallest_subnormal))
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        for _ in range(4):  # one step up suffices; a few guard against double rounding
+            over = ~fits(s)
+            if not over.any():
+                return s
+            s = np.where(over, np.nextafter(s, np.float32(np.inf)), s)
+    raise AssertionError("unreachable: a float32 step up brings the block back into e4m3's range")
+
+
 def quantize_fp8_block(w: np.ndarray) -> Fp8BlockWeight:
     """Per-128x128-block absmax scaling to e4m3 (DeepSeek-V3's scheme)."""
-    w = np.asarray(w, dtype=np.float32)
+    w = _quantizer_input(w, "quantize_fp8_block")
     blk, (out, inn) = _blocks_2d(w, FP8_BLOCK, FP8_BLOCK)
-    amax = np.abs(blk).max(axis=(-3, -1))  # [..., out/128, in/128]
-    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+    amax = np.abs(blk).max(axis=(-3, -1), initial=0.0)  # [..., out/128, in/128]
+    scale = _scale_for(amax, E4M3_MAX, lambda s: np.isfinite((amax / s).astype(E4M3)))
     q = (blk / scale[..., :, None, :, None]).astype(E4M3)
     q = q.reshape(blk.shape[:-4] + (blk.shape[-4] * FP8_BLOCK, blk.shape[-2] * FP8_BLOCK))[..., :out, :inn]
     return Fp8BlockWeight(np.ascontiguousarray(q), scale)
@@ -317,12 +351,14 @@ def quantize_fp8_block(w: np.ndarray) -> Fp8BlockWeight:
 
 def quantize_nvfp4(w: np.ndarray) -> Nvfp4Weight:
     """ModelOpt NVFP4: global scale_2 = amax / (448 * 6); e4m3 scale per 16; e2m1 values."""
-    w = np.asarray(w, dtype=np.float32)
+    w = _quantizer_input(w, "quantize_nvfp4")
     out, inn = w.shape[-2:]
     if inn % NVFP4_GROUP:
         raise ValueError(f"quantize_nvfp4: in={inn} is not a multiple of {NVFP4_GROUP}")
-    amax = np.abs(w).max(axis=(-2, -1))
-    scale_2 = np.where(amax > 0, amax / (E4M3_MAX * E2M1_MAX), 1.0).astype(np.float32)
+    amax = np.abs(w).max(axis=(-2, -1), initial=0.0)
+    # every group scale gmax / 6 / scale_2 below must be an e4m3 number, the largest too
+    scale_2 = _scale_for(amax, E4M3_MAX * E2M1_MAX,
+                         lambda s: np.isfinite((amax / E2M1_MAX / s).astype(E4M3)))
     g = w.reshape(w.shape[:-1] + (inn // NVFP4_GROUP, NVFP4_GROUP))
     gmax = np.abs(g).max(axis=-1)
     s = (gmax / E2M1_MAX / scale_2[..., None, None]).astype(E4M3)  # rounds to e4m3
@@ -335,7 +371,7 @@ def quantize_nvfp4(w: np.ndarray) -> Nvfp4Weight:
 
 def quantize_mxfp4(w: np.ndarray) -> Mxfp4Weight:
     """OCP MX: shared exponent floor(log2(amax)) - 2 per 32 elements (e2m1's emax is 2)."""
-    w = np.asarray(w, dtype=np.float32)
+    w = _quantizer_input(w, "quantize_mxfp4")
     out, inn = w.shape[-2:]
     if inn % MXFP4_GROUP:
         raise ValueError(f"quantize_mxfp4: in={inn} is not a multiple of {MXFP4_GROUP}")

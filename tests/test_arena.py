@@ -39,6 +39,10 @@ def test_bad_alias_table_is_refused_naming_both_buffers_and_stages():
     ([BufferSpec("x", 4, "a", "zz")], "unknown stage"),
     ([BufferSpec("x", 4, "c", "a")], "comes after"),
     ([BufferSpec("x", 4, "a", "a"), BufferSpec("x", 4, "a", "a")], "declared twice"),
+    # sizes: whole bytes only (a float size had given a float total_bytes for the allocation)
+    ([BufferSpec("x", -1, "a", "a")], r"'x': size -1 must be a whole number"),
+    ([BufferSpec("x", 10.5, "a", "a")], r"'x': size 10.5 must be a whole number"),
+    ([BufferSpec("x", None, "a", "a")], r"'x': size None must be a whole number"),
 ])
 def test_malformed_specs_are_refused(bad, msg):
     with pytest.raises(ArenaError, match=msg):
@@ -78,3 +82,17 @@ def test_arena_on_gpu_has_fixed_aligned_addresses():
     with pytest.raises(BufferTooSmallError, match="x too small: need 2000 bytes, have 1000"):
         arena.require("x", 2000)
     assert arena.require("x", 1000) == arena.base
+
+
+def test_arena_names_an_unknown_buffer_whatever_asks():
+    """ptr, nbytes and require all name the missing buffer and list the planned ones
+    (require had raised a bare KeyError through nbytes). No GPU: the arena's bookkeeping
+    without its allocation."""
+    from cupymoe.arena import Arena
+
+    arena = Arena.__new__(Arena)  # the plan and a base address; __init__ would allocate
+    arena.plan, arena.base = plan_arena(STAGES3, [BufferSpec("x", 4, "a", "b")]), 1 << 20
+    for ask in (lambda: arena.ptr("nope"), lambda: arena.nbytes("nope"), lambda: arena.require("nope", 1)):
+        with pytest.raises(KeyError, match=r"arena has no buffer 'nope'; buffers: \['x'\]"):
+            ask()
+    assert arena.require("x", 4) == 1 << 20

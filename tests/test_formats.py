@@ -787,3 +787,62 @@ def test_fp4_to_e4m3_byte_permute_lookup_of_the_probe():
         b = prmt(lo, hi, m >> 16) | ((v << 4) & 0x80808080 & 0xFFFFFFFF)
         got = [e4m3((a >> (8 * j)) & 0xFF) for j in range(4)] + [e4m3((b >> (8 * j)) & 0xFF) for j in range(4)]
         assert got == [values[n] for n in nib]  # -0.0 == 0.0: the sign of zero is kept, and harmless
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "nvfp4", "mxfp4"])
+def test_quantizers_refuse_non_finite_weights_naming_the_first(fmt):
+    """NaN and inf weights have no code: mxfp4 had turned a NaN into -0 and its group's other
+    values into 2^-127-scaled garbage (inf: clipped to 6), fp8 and nvfp4 gave NaN codes that
+    check_scales cannot see. Now refused, naming the first such weight."""
+    for bad in (np.nan, np.inf, -np.inf):
+        w = np.ones((3, 64), np.float32)
+        w[2, 5] = bad
+        with pytest.raises(ValueError, match=rf"weight\[2, 5\] = {bad}: only finite weights"):
+            formats.quantize(w, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "nvfp4", "mxfp4"])
+def test_quantizers_refuse_vectors_and_take_empty_stacks(fmt):
+    with pytest.raises(ValueError, match=r"expected a \[\.\.\., out, in\] matrix \(stack\), found shape \(64,\)"):
+        formats.quantize(np.ones(64, np.float32), fmt)
+    empty = formats.quantize(np.zeros((0, 64), np.float32), fmt)  # nvfp4 had failed in numpy's max
+    assert empty.shape == (0, 64) and formats.dequantize(empty).shape == (0, 64)
+
+
+def test_tiny_blocks_quantize_without_nans():
+    """Blocks whose magnitudes are float32 subnormals (amax / 448 or amax / 2688 rounds to
+    zero or to a coarse subnormal): fp8's q and nvfp4's group scales had come out e4m3 NaN
+    (fp8 silently: its check_scales reads only scale_inv). Now every code is finite and the
+    largest weight comes back within e4m3's rounding of the coarse scale."""
+    tiny = np.float32(np.finfo(np.float32).smallest_subnormal)
+    for amax in [tiny, 3 * tiny, 2.0 ** -140, 8.5e-42, 5.1e-41, 1e-39, 2.0 ** -126]:
+        w = np.zeros((2, 32), np.float32)
+        w[0, 0], w[1, 31] = amax, -amax / 3
+        fp8 = formats.quantize_fp8_block(w)
+        assert np.isfinite(fp8.q.astype(np.float32)).all(), amax
+        fp8.check_scales("w")
+        assert abs(fp8.dequantize(np.float64)[0, 0] - float(np.float32(amax))) <= 2.0 ** -3 * float(np.float32(amax))
+        nv = formats.quantize_nvfp4(w)
+        nv.check_scales("w")  # had called the scale byte 0x7F a corrupt checkpoint
+        deq = nv.dequantize(np.float64)
+        assert np.isfinite(deq).all(), amax
+        # e2m1 * scale * scale_2 in float32, as the kernels multiply: the very smallest
+        # magnitudes underflow to zero there, the rest keep e2m1's rounding (a step of 1/2)
+        assert deq[0, 0] == 0 or abs(deq[0, 0] - float(np.float32(amax))) <= 0.5 * float(np.float32(amax)), amax
+        if amax >= 1e-39:
+            assert deq[0, 0] > 0, amax
+
+
+def test_mxfp4_dequantize_in_float64_reaches_the_largest_scales():
+    """e8m0 byte 254 is a valid scale (2^127): 6 * 2^127 overflows float32 but not float64,
+    which dequantize(np.float64) must return (it had multiplied in float32: inf)."""
+    blocks = np.zeros((1, 1, 16), np.uint8)
+    blocks[0, 0, 0] = 0x47  # codes 7 (6.0) and 4 (2.0)
+    w = formats.Mxfp4Weight(blocks, np.array([[254]], np.uint8)).dequantize(np.float64)
+    assert w[0, 0] == 6.0 * 2.0 ** 127 and w[0, 1] == 2.0 ** 128 and w[0, 2] == 0
+
+
+def test_nvfp4_container_needs_a_matrix():
+    for packed in (np.zeros(8, np.uint8), np.zeros((), np.uint8)):
+        with pytest.raises(ValueError, match=r"Nvfp4Weight.packed: expected \[\.\.\., out, in/2\]"):
+            formats.Nvfp4Weight(packed, np.zeros(1, np.uint8), 1.0)
