@@ -99,10 +99,18 @@ def cmd_inspect(args) -> int:
             moe.append(i)
         except DenseLayerError:
             pass
-    print(f"{args.dir}: model_type {config.get('model_type')}, {n_layers} layers, MoE layers: "
-          f"{_ranges(moe) if moe else 'none'}")
     layer = args.layer if args.layer is not None else (moe[0] if moe else 0)
     cfg, hw = checkpoint.load_layer(args.dir, layer)
+    from .layer import plan_layer
+
+    # the scratch MoeLayer would allocate on a GPU of that arch with every expert local: the
+    # same plan (decode rows by format, w8a8 buffers, gathered inputs) as its constructor.
+    # Made before anything is printed: a refused option or layer prints its one line only
+    routed = formats.weight_format(hw.down)
+    shared = formats.weight_format(hw.shared_down) if cfg.has_shared_expert else None
+    plan = plan_layer(cfg, routed, shared, arch, fp8_compute=args.fp8_compute)
+    print(f"{args.dir}: model_type {config.get('model_type')}, {n_layers} layers, MoE layers: "
+          f"{_ranges(moe) if moe else 'none'}")
     print(f"layer {layer}: {cfg}")
     total = 0
     for name in hw.names():
@@ -120,13 +128,6 @@ def cmd_inspect(args) -> int:
             note = "  (dequantized once to bf16 at load)"
         print(f"  {name:<20} {label:<10} {str(tuple(t.shape)):<22} {nbytes / 1e6:10.2f} MB{note}")
     print(f"  total {total / 1e9:.3f} GB for this layer")
-    from .layer import plan_layer
-
-    # the scratch MoeLayer would allocate on a GPU of that arch with every expert local: the
-    # same plan (decode rows by format, w8a8 buffers, gathered inputs) as its constructor
-    routed = formats.weight_format(hw.down)
-    shared = formats.weight_format(hw.shared_down) if cfg.has_shared_expert else None
-    plan = plan_layer(cfg, routed, shared, arch, fp8_compute=args.fp8_compute)
     i_max = max(cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
     notes = [f"decode path up to {plan.decode_max_tokens} rows"]
     if plan.fp8_compute:

@@ -320,18 +320,18 @@ def _quantizer_input(w: Any, who: str) -> np.ndarray:
     return w
 
 
-def _scale_for(amax: np.ndarray, qmax: float, fits) -> np.ndarray:
+def _scale_for(amax: np.ndarray, qmax: float, top: np.ndarray) -> np.ndarray:
     """float32 scales amax / qmax (1 for all-zero blocks), each raised to the next float32
-    above where `fits(s)` says the block's largest value would not survive as e4m3: where
-    amax / qmax is no float32 above zero, or rounds so far down that amax / s rounds past 448
-    (float32 subnormal magnitudes, ~1e-38 and below). Before, such blocks quantized to e4m3
-    NaNs that no scale check sees."""
+    above where `top / s`, the largest value the quantizer will divide by it, would not
+    survive as e4m3: where amax / qmax is no float32 above zero, or rounds so far down that
+    top / s rounds past 448 (float32 subnormal magnitudes, ~1e-38 and below). Before, such
+    blocks quantized to e4m3 NaNs that no scale check sees."""
     amax = np.asarray(amax, dtype=np.float32)
     s = np.where(amax > 0, amax / np.float32(qmax), np.float32(1)).astype(np.float32)
     s = np.where(s > 0, s, np.float32(np.finfo(np.float32).smallest_subnormal))
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         for _ in range(4):  # one step up suffices; a few guard against double rounding
-            over = ~fits(s)
+            over = ~np.isfinite((top / s).astype(E4M3))
             if not over.any():
                 return s
             s = np.where(over, np.nextafter(s, np.float32(np.inf)), s)
@@ -343,7 +343,7 @@ def quantize_fp8_block(w: np.ndarray) -> Fp8BlockWeight:
     w = _quantizer_input(w, "quantize_fp8_block")
     blk, (out, inn) = _blocks_2d(w, FP8_BLOCK, FP8_BLOCK)
     amax = np.abs(blk).max(axis=(-3, -1), initial=0.0)  # [..., out/128, in/128]
-    scale = _scale_for(amax, E4M3_MAX, lambda s: np.isfinite((amax / s).astype(E4M3)))
+    scale = _scale_for(amax, E4M3_MAX, amax)
     q = (blk / scale[..., :, None, :, None]).astype(E4M3)
     q = q.reshape(blk.shape[:-4] + (blk.shape[-4] * FP8_BLOCK, blk.shape[-2] * FP8_BLOCK))[..., :out, :inn]
     return Fp8BlockWeight(np.ascontiguousarray(q), scale)
@@ -357,8 +357,7 @@ def quantize_nvfp4(w: np.ndarray) -> Nvfp4Weight:
         raise ValueError(f"quantize_nvfp4: in={inn} is not a multiple of {NVFP4_GROUP}")
     amax = np.abs(w).max(axis=(-2, -1), initial=0.0)
     # every group scale gmax / 6 / scale_2 below must be an e4m3 number, the largest too
-    scale_2 = _scale_for(amax, E4M3_MAX * E2M1_MAX,
-                         lambda s: np.isfinite((amax / E2M1_MAX / s).astype(E4M3)))
+    scale_2 = _scale_for(amax, E4M3_MAX * E2M1_MAX, amax / E2M1_MAX)
     g = w.reshape(w.shape[:-1] + (inn // NVFP4_GROUP, NVFP4_GROUP))
     gmax = np.abs(g).max(axis=-1)
     s = (gmax / E2M1_MAX / scale_2[..., None, None]).astype(E4M3)  # rounds to e4m3
