@@ -3,9 +3,9 @@
 // end of the file). The weights are the MMA's A operand (16 output
 // columns x 16 k), loaded from HBM straight into registers and dequantized there; an
 // expert's few rows are its B operand
-// (8 tokens a fragment). The CUDA-core readers of decode.cu spend ~5.6 instructions a
-// weight on fp4 (table lookup, bf16 -> fp32, one FMA per weight and row); here the MMA
-// does the products and a weight costs its table lookup and a scale multiply (~3.4).
+// (8 tokens a fragment). The CUDA-core readers of decode.cu spend an FMA per weight and
+// row besides the dequantization; here the MMA does the products and a weight costs its
+// bit placement and a scale multiply (quant.cuh fp4x8_to_bf16_pairs).
 //
 //   decode_mma_gate_up<FMT, KS, NT>  act[pos, col] = act(x W_gate^T, x W_up^T) for 16 columns
 //                       a warp-column group (gate and up rows side by side), the rows of an
@@ -20,9 +20,10 @@
 // DECODE_WARPS / KS column groups share the block. Few active experts want a large KS
 // (enough blocks in flight), many want KS = 1.
 //
-// No repacking: the checkpoint's [out, K / 2] layout becomes a fragment layout by permuting
-// k, identically on both operands (a dot product does not care in which order its terms
-// are summed by the tensor core's K slots). Lane (g = lane / 4, t4 = lane % 4) reads, per
+// No repacking of rows: the checkpoint's [out, K / 2] layout (only each 32-bit word's
+// bits repacked at load, quant.cuh) becomes a fragment layout by permuting k, identically
+// on both operands (a dot product does not care in which order its terms are summed by the
+// tensor core's K slots). Lane (g = lane / 4, t4 = lane % 4) reads, per
 // k128 step at k0, the 16 bytes of weight rows g and g + 8 holding codes k0 + 32 t4 .. + 31
 // (a warp's weight loads are 64 contiguous bytes a row). Word w of them (codes 8 w .. + 7)
 // feeds MMAs 2 w and 2 w + 1: the dequantization pairs code i with code i + 4

@@ -2,12 +2,14 @@
 // docs/FORMATS.md as the kernels see them, and the two ways the kernels read them.
 //
 // Device layout (cupymoe/weights.py uploads each matrix as the checkpoint stores it, one
-// expert after another; nothing is repacked, so the bytes read are the bytes on disk):
+// expert after another; only the bits inside each fp4 code word move, so the bytes read are
+// as many as on disk):
 //   FMT_BF16   W bf16 [out, K]
 //   FMT_FP8    q e4m3 [out, K] bytes; block scales f32 [ceil(out/128), ceil(K/128)]
-//   FMT_NVFP4  packed [out, K/2] (element 2j in the low nibble); group scales e4m3 [out, K/16];
-//              the matrix's global scale (scale_2) is applied to the dot products in fp32
-//   FMT_MXFP4  packed [out, K/2] (same nibbles; gpt-oss's [out, K/32, 16] blocks are this);
+//   FMT_NVFP4  packed [out, K/2], each 32-bit word (codes 8 j .. 8 j + 7 of a row) repacked
+//              at load (fp4_word_repack below); group scales e4m3 [out, K/16]; the matrix's
+//              global scale (scale_2) is applied to the dot products in fp32
+//   FMT_MXFP4  packed [out, K/2] (the same words; gpt-oss's [out, K/32, 16] blocks are this);
 //              group scales e8m0 [out, K/32]
 //
 // What a kernel computes with (so what the faithful reference models):
@@ -58,19 +60,6 @@ __device__ __forceinline__ float2 e4m3x2_to_f32x2(unsigned pair) {
 #else
     return make_float2(e4m3_to_f32(pair & 0xFF), e4m3_to_f32((pair >> 8) & 0xFF));
 #endif
-}
-
-// Four e2m1 codes (the low 16 bits of v, element i in nibble i) -> four bf16, exactly, as two
-// bf16x2 words, by table lookup in registers: prmt picks each magnitude's high and low bf16
-// byte from two 8-entry byte tables (0, .5, 1, 1.5, 2, 3, 4, 6 = 0x0000, 0x3F00, 0x3F80,
-// 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0), two more interleave them, the sign bits move
-// into place. About 3 instructions a weight where decoding each bit field costs 6.
-__device__ __forceinline__ void e2m1x4_to_bf16x4(unsigned v, unsigned& w0, unsigned& w1) {
-    const unsigned sel = v & 0x7777u;  // the magnitudes; a selector's bit 3 would mean sign mode
-    const unsigned hi = __byte_perm(0x3F3F3F00u, 0x40404040u, sel);
-    const unsigned lo = __byte_perm(0xC0800000u, 0xC0804000u, sel);
-    w0 = __byte_perm(lo, hi, 0x5140) | ((v << 12) & 0x8000u) | ((v << 24) & 0x80000000u);
-    w1 = __byte_perm(lo, hi, 0x7362) | ((v << 4) & 0x8000u) | ((v << 16) & 0x80000000u);
 }
 
 template <int FMT>
@@ -125,6 +114,68 @@ __device__ __forceinline__ float q_scale(const u8* s, int k) {
     return 1.0f;
 }
 
+// 8 e2m1 codes (one word, repacked at load) -> 4 bf16 pairs (code i, code i + 4), each
+// times 2^-126 exactly, by placing bits instead of looking them up: a code's 3 magnitude
+// bits at bf16 bits 8..6 (the exponent field's low 2 bits and the top mantissa bit) and its
+// sign at bit 15 read as 2^(E - 127) * 1.m, or for E = 0 the subnormal 2^-126 * 0.m, which
+// is the e2m1 value times 2^-126 in both cases. The integer pipe (64 operations a cycle an
+// SM, half the issue rate) bounds the fp4 decode, so the load repacks each word's bits
+// (fp4_word_repack; cupymoe/formats.py fp4_word_bit_map is its host twin) for 8 integer
+// operations a word where the stored nibbles took 13 (NOTES.md v40):
+//   pair 0 sits where bf16 wants it: one mask;
+//   pairs 1 and 2 sit rotated left by 3 and 6 (codes 4 bits wide, placements 9 bits wide:
+//     three rotations of {8..6, 15} tile 12 of a half's 16 bits): a rotate and a mask;
+//   pair 3 has the 4 bits left, e1 at 0, sign at 1, m at 3, e0 at 4 (+ 16 for code 7):
+//     x * (2^3 + 2^8 + 2^14) makes three copies of the masked bits that cannot overlap or
+//     carry, putting m e0 at 7..6 (first copy), e1 at 8 (second), the sign at 15 (third).
+// `s2` (both halves the same) multiplies each pair: it must bring the value back into bf16's
+// normal range (the tensor cores' input), and the caller undoes its extra power of two.
+// Scale times 2^62 (e4m3x2_to_bf16x2_times_2p62, e8m0_to_bf16x2_times_2p62) leaves each
+// weight times 2^-64: the fp32 sums are multiplied by FP4_PAIRS_UNSCALE with the global scale.
+#define FP4_PAIRS_UNSCALE 0x1p64f
+#define FP4_PAIR_MASK 0x81C081C0u  // both halves' bits 8..6 and 15
+__device__ __forceinline__ uint4 fp4x8_to_bf16_pairs(unsigned v, __nv_bfloat162 s2) {
+    unsigned p[4];
+    p[0] = v & FP4_PAIR_MASK;
+    p[1] = __funnelshift_r(v, v, 3) & FP4_PAIR_MASK;
+    p[2] = __funnelshift_r(v, v, 6) & FP4_PAIR_MASK;
+    p[3] = ((v & 0x001B001Bu) * 0x4108u) & FP4_PAIR_MASK;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        __nv_bfloat162 h = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&p[i]), s2);
+        p[i] = *reinterpret_cast<unsigned*>(&h);
+    }
+    return make_uint4(p[0], p[1], p[2], p[3]);
+}
+
+// The load's repack of one word (cuda/repack.cu runs it over every fp4 matrix): the inverse
+// of the placement above. A stored code c (s e1 e0 m, nibble i) goes to pair i % 4, half i / 4.
+__host__ __device__ __forceinline__ unsigned fp4_code_as_pair_half(unsigned c) {  // m e0 e1 -> 6..8, s -> 15
+    return ((c & 7u) << 6) | ((c & 8u) << 12);
+}
+__host__ __device__ __forceinline__ unsigned fp4_code_as_pair3(unsigned c) {  // e1 -> 0, s -> 1, m -> 3, e0 -> 4
+    return ((c >> 2) & 1u) | (((c >> 3) & 1u) << 1) | ((c & 1u) << 3) | (((c >> 1) & 1u) << 4);
+}
+__host__ __device__ __forceinline__ unsigned fp4_word_repack(unsigned v) {
+    unsigned out = 0;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+        const unsigned p = fp4_code_as_pair_half((v >> (4 * i)) & 15u) | (fp4_code_as_pair_half((v >> (16 + 4 * i)) & 15u) << 16);
+        const int r = 3 * i;  // rotate left by r
+        out |= r ? (p << r) | (p >> (32 - r)) : p;
+    }
+    return out | fp4_code_as_pair3((v >> 12) & 15u) | (fp4_code_as_pair3(v >> 28) << 16);
+}
+
+// bf16 2^126 in both halves: the pairs' multiplier that gives the codes' own values
+__device__ __forceinline__ __nv_bfloat162 fp4_pairs_unit() {
+    const unsigned b = 0x7E807E80u;
+    return *reinterpret_cast<const __nv_bfloat162*>(&b);
+}
+
+// A repacked word's 8 codes as their exact values, bf16 pairs (code i, code i + 4).
+__device__ __forceinline__ uint4 fp4x8_values(unsigned v) { return fp4x8_to_bf16_pairs(v, fp4_pairs_unit()); }
+
 // ---------------------------------------------------------------------------------------
 // Decode reader: 8 weights of one row at k .. k + 7, streamed from HBM past L1, and their
 // dot product with 8 fp32 activations. A warp reads 8 consecutive weights per lane, so one
@@ -172,14 +223,13 @@ struct WChunkFp4 {
         s = q_scale<FMT>(r.s, k);
     }
     __device__ __forceinline__ float dot(const float x[8], float acc) const {
-        unsigned w[4];
-        e2m1x4_to_bf16x4(v, w[0], w[1]);
-        e2m1x4_to_bf16x4(v >> 16, w[2], w[3]);
+        const uint4 p = fp4x8_values(v);  // pair i: codes i and i + 4
+        const unsigned w[4] = {p.x, p.y, p.z, p.w};
         float t = 0.0f;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // bf16 -> fp32 is a shift
-            t = fmaf(__uint_as_float(w[i] << 16), x[2 * i], t);
-            t = fmaf(__uint_as_float(w[i] & 0xFFFF0000u), x[2 * i + 1], t);
+            t = fmaf(__uint_as_float(w[i] << 16), x[i], t);
+            t = fmaf(__uint_as_float(w[i] & 0xFFFF0000u), x[i + 4], t);
         }
         return fmaf(s, t, acc);
     }
@@ -224,14 +274,24 @@ __device__ __forceinline__ uint4 fp8x8_to_bf16(unsigned lo, unsigned hi, float s
     return make_uint4(fp8x2_scaled(lo, s), fp8x2_scaled(lo >> 16, s), fp8x2_scaled(hi, s), fp8x2_scaled(hi >> 16, s));
 }
 
-// 8 e2m1 codes (one word, element 2j in the low nibble of byte j) times s -> 8 bf16, exact:
-// the table lookup, then one bf16x2 multiply per pair (a 2-bit mantissa times an e4m3 or
-// a power-of-two scale fits bf16's 8 bits, so the product is not rounded). The grouped
-// GEMM's mxfp4 chunks with scale bytes past FP4_PAIRS_MXFP4_MAX_SCALE_BYTE take it.
+// The same 8 codes in k order (a GEMM tile's bf16 chunk: element 2 i in the low half of
+// word i): fp4x8_to_bf16_pairs, then four byte permutes to undo its (i, i + 4) pairing.
+// The grouped GEMM's conversion was bound by instructions (NOTES.md v34: without it the
+// fp4 GEMMs ran ~30 % faster); with this and its scale pairs (gemm_common.cuh) the K loop
+// of grouped_gemm_sm90's nvfp4 gate/up went from 365 to 259 instructions (before the
+// repacked words); fp4x8_to_bf16 below serves the mxfp4 scale bytes whose 2^(e - 1) is no bf16.
+__device__ __forceinline__ uint4 fp4x8_to_bf16_in_order(unsigned v, __nv_bfloat162 s2) {
+    const uint4 p = fp4x8_to_bf16_pairs(v, s2);
+    return make_uint4(__byte_perm(p.x, p.y, 0x5410), __byte_perm(p.z, p.w, 0x5410), __byte_perm(p.x, p.y, 0x7632),
+                      __byte_perm(p.z, p.w, 0x7632));
+}
+
+// 8 e2m1 codes (one repacked word) times s -> 8 bf16 in k order, exact (a 2-bit mantissa
+// times an e4m3 or a power-of-two scale fits bf16's 8 bits, so the product is not rounded):
+// the grouped GEMM's mxfp4 chunks with scale bytes past FP4_PAIRS_MXFP4_MAX_SCALE_BYTE, whose
+// multiplier 2^(e - 1) is no bf16, take it: the values first (times 2^126), then s.
 __device__ __forceinline__ uint4 fp4x8_to_bf16(unsigned v, float s) {
-    uint4 o;
-    e2m1x4_to_bf16x4(v, o.x, o.y);
-    e2m1x4_to_bf16x4(v >> 16, o.z, o.w);
+    uint4 o = fp4x8_to_bf16_in_order(v, fp4_pairs_unit());
     const __nv_bfloat162 s2 = __float2bfloat162_rn(s);
     unsigned* w = reinterpret_cast<unsigned*>(&o);
 #pragma unroll
@@ -242,55 +302,11 @@ __device__ __forceinline__ uint4 fp4x8_to_bf16(unsigned v, float s) {
     return o;
 }
 
-// 8 e2m1 codes (one word, code i in nibble i) -> 4 bf16 pairs (code i, code i + 4), each
-// times 2^-126 exactly, by placing bits instead of looking them up: a code's 3 magnitude
-// bits at bf16 bits 8..6 (the exponent field's low 2 bits and the top mantissa bit) and its
-// sign at bit 15 read as 2^(E - 127) * 1.m, or for E = 0 the subnormal 2^-126 * 0.m, which
-// is the e2m1 value times 2^-126 in both cases. Codes i and i + 4 sit 16 bits apart, so one
-// operation places both halves. The integer pipe (64 operations a cycle an SM, half the
-// issue rate) bounds the fp4 decode, so a pair takes three integer operations: the two
-// codes masked out (x), x * (2^a + 2^(a + 6)) = (x << a) + (x << (a + 6)), whose two copies
-// cannot overlap or carry (each code's 4 bits, 6 apart, in a 16-bit half), so it puts the
-// magnitude bits of one copy at 8..6 and the sign of the other at 15, and a mask keeps
-// those (pairs 2 and 3 shift the word right by 8 first). The shifts and two masks a pair
-// took four.
-// `s2` (both halves the same) multiplies each pair: it must bring the value back into bf16's
-// normal range (the tensor cores' input), and the caller undoes its extra power of two.
-// Scale times 2^62 (e4m3x2_to_bf16x2_times_2p62, e8m0_to_bf16x2_times_2p62) leaves each
-// weight times 2^-64: the fp32 sums are multiplied by FP4_PAIRS_UNSCALE with the global scale.
-#define FP4_PAIRS_UNSCALE 0x1p64f
-__device__ __forceinline__ uint4 fp4x8_to_bf16_pairs(unsigned v, __nv_bfloat162 s2) {
-    const unsigned w = v >> 8;  // codes 2, 3, 6, 7 where v has 0, 1, 4, 5
-    unsigned p[4];
-    p[0] = ((v & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;  // (x << 6) + (x << 12)
-    p[1] = ((v & 0x00F000F0u) * 0x104u) & 0x81C081C0u;   // (x << 2) + (x << 8)
-    p[2] = ((w & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;
-    p[3] = ((w & 0x00F000F0u) * 0x104u) & 0x81C081C0u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        __nv_bfloat162 h = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&p[i]), s2);
-        p[i] = *reinterpret_cast<unsigned*>(&h);
-    }
-    return make_uint4(p[0], p[1], p[2], p[3]);
-}
-
-// The same 8 codes in k order (a GEMM tile's bf16 chunk: element 2 i in the low half of
-// word i): fp4x8_to_bf16_pairs, then four byte permutes to undo its (i, i + 4) pairing.
-// The grouped GEMM's conversion was bound by instructions (NOTES.md v34: without it the
-// fp4 GEMMs ran ~30 % faster); with this and its scale pairs (gemm_common.cuh) the K loop
-// of grouped_gemm_sm90's nvfp4 gate/up went from 365 to 259 instructions, the table lookup
-// (fp4x8_to_bf16) staying for mxfp4 scale bytes whose 2^(e - 1) is no bf16.
-__device__ __forceinline__ uint4 fp4x8_to_bf16_in_order(unsigned v, __nv_bfloat162 s2) {
-    const uint4 p = fp4x8_to_bf16_pairs(v, s2);
-    return make_uint4(__byte_perm(p.x, p.y, 0x5410), __byte_perm(p.z, p.w, 0x5410), __byte_perm(p.x, p.y, 0x7632),
-                      __byte_perm(p.z, p.w, 0x7632));
-}
-
 // The GEMM tile's weights come out of fp4x8_to_bf16_in_order times 2^-64 for nvfp4 (each
 // pair times its scale times 2^62: every e4m3 scale times 2^62 is a normal bf16, and so is
 // every product), so its epilogue multiplies by 2^64 with the matrix's global scale
 // (gemm_common.cuh gemm_tile_at). mxfp4 takes the pair multiplier 2^(e - 1) = s * 2^126,
-// exact values, while that is a bf16 (scale byte e <= 128), else the table lookup.
+// exact values, while that is a bf16 (scale byte e <= 128), else fp4x8_to_bf16.
 template <int FMT>
 __device__ __forceinline__ constexpr float gemm_weight_unscale() { return FMT == FMT_NVFP4 ? FP4_PAIRS_UNSCALE : 1.0f; }
 #define FP4_PAIRS_MXFP4_MAX_SCALE_BYTE 128u

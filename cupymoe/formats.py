@@ -65,6 +65,71 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------
+# the fp4 device layout: each 32-bit word's bits repacked for the kernels
+# ----------------------------------------------------------------------------------
+# The GPU kernels read fp4 codes a 32-bit word at a time (8 codes of a row, code i in
+# nibble i as stored) and turn code i and code i + 4 into one bf16x2 pair by placing bits:
+# magnitude bits (e1 e0 m) at bf16 bits 8..6, the sign at bit 15, each half (the value times
+# 2^-126, cuda/quant.cuh fp4x8_to_bf16_pairs). On the stored nibbles that takes 13 integer
+# operations a word; the load repacks each word's bits once (cupymoe/weights.py, on the
+# device: cuda/repack.cu) so that it takes 8, which made the fp4 decode's K loop 22 % fewer
+# instructions (NOTES.md v40):
+#   pair 0 (codes 0, 4): the bits where bf16 wants them, so one mask;
+#   pairs 1 and 2 (codes 1, 5 and 2, 6): the same rotated left by 3 and by 6, so a rotate and a mask;
+#   pair 3 (codes 3, 7): e1 at bit 0, the sign at 1, m at 3, e0 at 4 (and + 16), which a mask,
+#     x * (2^3 + 2^8 + 2^14) (three copies that cannot overlap) and a mask put in place.
+# No layout makes every pair one shift and one mask (scripts/fp4_pair_tiling.py): pair 3 is the
+# one that takes the multiply. Only the bits inside each word move: sizes, strides, scales and
+# the row layout stay the checkpoint's, and an all-zero word (the kernels' padding) stays zero.
+
+FP4_PAIR_BITS = (6, 7, 8, 15)  # a bf16 half's bits for a code's m, e0, e1, sign
+FP4_PAIR3_BITS = (3, 4, 0, 1)  # pair 3's stored bits for m, e0, e1, sign (low half; + 16 high)
+FP4_PAIR_ROTATION = (0, 3, 6)  # pairs 0, 1, 2: left rotation of the bf16 placement
+
+
+def fp4_word_bit_map() -> np.ndarray:
+    """[32] int: device bit of each stored bit (4 i + b: code i's bit b, b = 0 m, 1 e0, 2 e1, 3 sign)."""
+    dest = np.empty(32, np.int64)
+    for i in range(8):
+        pair, half = i % 4, 16 * (i // 4)
+        for b in range(4):
+            if pair < 3:
+                dest[4 * i + b] = (FP4_PAIR_BITS[b] + half + FP4_PAIR_ROTATION[pair]) % 32
+            else:
+                dest[4 * i + b] = FP4_PAIR3_BITS[b] + half
+    assert sorted(dest) == list(range(32))  # a permutation of the word's bits
+    return dest
+
+
+def _permute_word_bits(words: np.ndarray, dest: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(words)
+    for src, d in enumerate(dest):
+        out |= ((words >> np.uint32(src)) & np.uint32(1)) << np.uint32(d)
+    return out
+
+
+def _fp4_words(packed: np.ndarray, who: str) -> np.ndarray:
+    p = np.ascontiguousarray(np.asarray(packed))
+    if p.dtype != np.uint8 or p.shape[-1] % 4:
+        raise ValueError(f"{who}: packed fp4 bytes (uint8) with a whole number of 4-byte words a row, "
+                         f"found {p.dtype} {p.shape}")
+    return p.view(np.uint32)
+
+
+def repack_fp4_words(packed: np.ndarray) -> np.ndarray:
+    """Packed fp4 codes (uint8 [..., n], n a multiple of 4) as the GPU holds them: each
+    little-endian 32-bit word's bits moved by fp4_word_bit_map (the host twin of
+    cuda/repack.cu, for tests and tools)."""
+    return _permute_word_bits(_fp4_words(packed, "repack_fp4_words"), fp4_word_bit_map()).view(np.uint8)
+
+
+def unrepack_fp4_words(words: np.ndarray) -> np.ndarray:
+    """The inverse of repack_fp4_words: device-layout bytes back to the stored nibbles."""
+    inverse = np.argsort(fp4_word_bit_map())
+    return _permute_word_bits(_fp4_words(words, "unrepack_fp4_words"), inverse).view(np.uint8)
+
+
+# ----------------------------------------------------------------------------------
 # containers
 # ----------------------------------------------------------------------------------
 

@@ -527,6 +527,8 @@ MODULES: dict[str, ModuleSpec] = {
         tuple(f"decode_wgmma_{m}_a8<{nt}>" for m in ("gate_up", "down") for nt in WGMMA_DECODE_TOKEN_TILES),
         archs=("sm_90a",),
     ),
+    # the fp4 device layout, made at load (cupymoe/weights.py: each code word's bits repacked)
+    "repack": ModuleSpec("repack.cu", ("fp4_repack_words",)),
     # fp4 decode (W4A16) with the codes staged through shared memory and wgmma's A operand
     # dequantized in registers (layer._fp4_wgmma_decode_kernel)
     "decode_wgmma_fp4": ModuleSpec(

@@ -7,8 +7,11 @@ in order, slot n_local is the shared expert (its own intermediate size, its own 
 so the shared expert rides through the same expert kernels as one more expert.
 
 Quantized experts (fp8_block, nvfp4, mxfp4) are uploaded as the checkpoint stores them,
-codes and scales, nothing repacked (cuda/quant.cuh has the layout the kernels read and
-why): per slot the tables hold the weight pointer, the scale pointer, the matrix's global
+codes and scales, with one change: the bits inside each 32-bit word of fp4 codes are
+repacked on the device (cuda/repack.cu; formats.fp4_word_bit_map is the map and why), so
+the kernels place a word's 8 codes as bf16 in 8 integer operations instead of 13; sizes,
+strides and scales stay the checkpoint's (cuda/quant.cuh has the layout the kernels read).
+Per slot the tables hold the weight pointer, the scale pointer, the matrix's global
 scale (nvfp4's scale_2; 1 otherwise) and the slot's format code. All routed experts share
 one format; the shared expert may have another (a bf16 shared expert next to quantized
 routed experts is the common case), and the kernels run once per format present.
@@ -203,11 +206,11 @@ class _DeviceMatrix:
             self.s = upload(t.scale_inv if formats.on_device(t.scale_inv)
                             else np.ascontiguousarray(t.scale_inv, dtype=np.float32))
         elif fmt == "nvfp4":
-            self.w = upload(_codes(t.packed))
+            self.w = _repack_fp4(upload(_codes(t.packed)))
             self.s = upload(_codes(t.scale))
             self.g = np.asarray(t.scale_2, np.float32).reshape(self.count)
         else:  # mxfp4: [.., out, K/32, 16] blocks are the [.., out, K/2] packed bytes
-            self.w = upload(_codes(t.blocks))
+            self.w = _repack_fp4(upload(_codes(t.blocks)))
             self.s = upload(_codes(t.scales))
             self.scale_bytes = (int(self.s.min()), int(self.s.max())) if self.s.size else (127, 127)
         self.w_stride = self.out * self.K * kernels.FORMAT_BITS[fmt] // 8
@@ -221,6 +224,20 @@ class _DeviceMatrix:
             if self.s is not None:
                 tables[p + "_scale"][slot] = int(self.s.data.ptr) + i * self.s_stride
             gscale[p + "_gscale"][slot] = self.g[i]
+
+
+def _repack_fp4(d):
+    """A device copy of fp4 codes, each 32-bit word's bits repacked in place for the kernels
+    (cuda/repack.cu, on the current stream; formats.repack_fp4_words is its host twin)."""
+    import cupy
+
+    n = int(d.nbytes) // 4
+    if int(d.nbytes) % 4:
+        raise UnsupportedFormatError(f"fp4 codes of {int(d.nbytes)} bytes: the kernels read whole 4-byte words")
+    if n:
+        fn = kernels.library(d.device.id)["fp4_repack_words"]
+        fn((min((n + 255) // 256, 1 << 16),), (256,), (d, np.uint64(n)))
+    return d
 
 
 def _codes(a: Any):

@@ -8,9 +8,9 @@
 // codes, scales and rows are random and the sums are nobody's (values wrong by design; the
 // outputs are stored only so that nothing is optimized away).
 //
-//   MODE 0  W4A16 as decode_wgmma_fp4.cu does it: a word's 8 codes -> 4 bf16 pairs by bit
-//           placement (quant.cuh fp4x8_to_bf16_pairs, each pair times its scale, HMUL2),
-//           m64n8k16 bf16 wgmmas from registers
+//   MODE 0  W4A16 as decode_wgmma_fp4.cu did it before v40: a word's 8 stored codes -> 4 bf16
+//           pairs by bit placement (fp4x8_to_bf16_pairs_nibbles below, each pair times its
+//           scale, HMUL2), m64n8k16 bf16 wgmmas from registers
 //   MODE 1  W4A8: a word's 8 codes -> two e4m3 registers by a byte-permute lookup
 //           (fp4x8_to_e4m3x8: the magnitudes index an 8-byte table, the signs are ORed in; a
 //           layout repacked at load puts each bit where those operations want it), m64n8k32
@@ -20,6 +20,8 @@
 //   MODE 2  MODE 1 with each activation as two e4m3 terms (hi + lo, one scale): twice the
 //           wgmmas into the same partial sums, ~8 significant bits of each activation
 //   MODE 3  the copies and barriers alone (no compute)
+//   MODE 4  MODE 0 on words whose bits the load repacked (quant.cuh fp4x8_to_bf16_pairs since
+//           v40: 8 integer operations a word where MODE 0 takes 13)
 #include "gemm_common.cuh"
 #include "quant.cuh"
 #include "wgmma.cuh"
@@ -52,6 +54,24 @@ __device__ __forceinline__ void fp4x8_to_e4m3x8(unsigned v, unsigned& a, unsigne
     b = __byte_perm(lo, hi, m >> 16) | ((v << 4) & 0x80808080u);
 }
 
+// 8 e2m1 codes of a word as stored (code i in nibble i) -> the 4 bf16 pairs (i, i + 4) times
+// 2^-126, times s2: quant.cuh fp4x8_to_bf16_pairs before the load repacked each word (v39's
+// MODE 0, 13 integer operations a word: a mask, a multiply making two copies, a mask a pair).
+__device__ __forceinline__ uint4 fp4x8_to_bf16_pairs_nibbles(unsigned v, __nv_bfloat162 s2) {
+    const unsigned w = v >> 8;  // codes 2, 3, 6, 7 where v has 0, 1, 4, 5
+    unsigned p[4];
+    p[0] = ((v & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;  // (x << 6) + (x << 12)
+    p[1] = ((v & 0x00F000F0u) * 0x104u) & 0x81C081C0u;   // (x << 2) + (x << 8)
+    p[2] = ((w & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;
+    p[3] = ((w & 0x00F000F0u) * 0x104u) & 0x81C081C0u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        __nv_bfloat162 h = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&p[i]), s2);
+        p[i] = *reinterpret_cast<unsigned*>(&h);
+    }
+    return make_uint4(p[0], p[1], p[2], p[3]);
+}
+
 // d (m64 x n8, fp32) = (scale_d ? d : 0) + A (64 x 32 e4m3, this thread's fragment a) * B
 // (32 x 8 e4m3, K-major in shared memory)
 __device__ __forceinline__ void wgmma_m64n8k32_e4m3_rs(float* d, const unsigned (&a)[4], u64 db, int scale_d) {
@@ -79,7 +99,7 @@ __device__ __forceinline__ void pr_step(float (&acc)[2][4], float (&blk)[2][4][4
     constexpr int MT = ROWS / 64;  // m64 tiles
     const u8* codes = st + KSUB * pr_x_bytes<MODE>() + sub * ROWS * PR_BK / 2;
     const u8* sc = st + KSUB * (pr_x_bytes<MODE>() + ROWS * PR_BK / 2);
-    if (MODE == 0) {
+    if (MODE == 0 || MODE == 4) {
         unsigned a[2][8][4];
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
@@ -93,7 +113,8 @@ __device__ __forceinline__ void pr_step(float (&acc)[2][4], float (&blk)[2][4][4
             const unsigned wl[4] = {lo.x, lo.y, lo.z, lo.w}, wh[4] = {hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const uint4 pa = fp4x8_to_bf16_pairs(wl[j], sl), pb = fp4x8_to_bf16_pairs(wh[j], sh);
+                const uint4 pa = MODE == 4 ? fp4x8_to_bf16_pairs(wl[j], sl) : fp4x8_to_bf16_pairs_nibbles(wl[j], sl);
+                const uint4 pb = MODE == 4 ? fp4x8_to_bf16_pairs(wh[j], sh) : fp4x8_to_bf16_pairs_nibbles(wh[j], sh);
                 a[m][2 * j][0] = pa.x, a[m][2 * j][1] = pb.x, a[m][2 * j][2] = pa.y, a[m][2 * j][3] = pb.y;
                 a[m][2 * j + 1][0] = pa.z, a[m][2 * j + 1][1] = pb.z, a[m][2 * j + 1][2] = pa.w,
                 a[m][2 * j + 1][3] = pb.w;

@@ -1,14 +1,15 @@
 """Would fp4 decode go faster on e4m3 tensor cores? Times fp4_e4m3_decode_probe.cu's kernel,
-one copy skeleton (decode_wgmma_fp4.cu's ring) with four compute sides, over mxfp4 codes of
+one copy skeleton (decode_wgmma_fp4.cu's ring) with five compute sides, over mxfp4 codes of
 deepseek-v3's gate/up rows (K = 7168) for the experts a decode step touches (220 at N = 64, 96
-at N = 16; 4096 weight rows each): MODE 0 W4A16 (today's bit placement, bf16 wgmma), MODE 1
+at N = 16; 4096 weight rows each): MODE 0 W4A16 (the bit placement on stored nibbles, bf16
+wgmma), MODE 4 the same on repacked words (quant.cuh's since v40), MODE 1
 W4A8 (a byte-permute lookup to e4m3, e4m3 wgmma, fp32 promotion a 32-code group), MODE 2 the
 same with each activation as two e4m3 terms, MODE 3 the copies alone; each on several shapes of
 the skeleton (--shapes: k steps a stage, stages, blocks an SM, weight rows a block;
 decode_wgmma_fp4.cu's is 2,3,3,128). The data are random and the sums are nobody's: only the
 instruction streams and the reads are compared. Modes
 alternate, twice, each after 0.3 s of the same launches (the GPU's power-capped state, as the
-bench). Needs an sm_90 GPU and CuPy; results in NOTES.md v39.
+bench). Needs an sm_90 GPU and CuPy; results in NOTES.md v39, v40.
 
     python scripts/fp4_e4m3_decode_probe.py [--experts 220 96] [--shapes 2,3,3,128 4,3,3,64] [--reps 9]
 """
@@ -26,7 +27,7 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--experts", type=int, nargs="+", default=[220, 96], help="experts touched (4096 rows of K each)")
 ap.add_argument("--shapes", nargs="+", default=["2,3,3,128", "4,2,2,128", "2,4,2,128", "4,3,1,128"],
                 help="skeleton shapes KSUB,STAGES,MINB,ROWS: k steps a stage, stages, blocks an SM, weight rows a block")
-ap.add_argument("--modes", type=int, nargs="+", default=[0, 1, 2, 3])
+ap.add_argument("--modes", type=int, nargs="+", default=[0, 4, 1, 2, 3])
 ap.add_argument("--reps", type=int, default=9, help="timed repetitions of 10 launches (the median is printed)")
 ap.add_argument("--copy-tbs", type=float, default=4.28, help="the copy rate the floor column divides by")
 args = ap.parse_args()
@@ -36,7 +37,8 @@ except cp.cuda.runtime.CUDARuntimeError as e:
     raise SystemExit(f"fp4_e4m3_decode_probe: needs an NVIDIA GPU ({e})")
 
 K, ROWS_PER_EXPERT, NTOK, THREADS = 7168, 4096, 8, 128
-MODES = {0: "W4A16 bf16 (today)", 1: "W4A8 e4m3", 2: "e4m3, activations hi + lo", 3: "copies alone"}
+MODES = {0: "W4A16 bf16 (stored nibbles)", 1: "W4A8 e4m3", 2: "e4m3, activations hi + lo", 3: "copies alone",
+         4: "W4A16 (repacked words)"}
 SHAPES = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes]
 NAMES = {(m, sh): f"fp4_probe<{m}, {sh[0]}, {sh[1]}, {sh[2]}, {sh[3]}>" for m in args.modes for sh in SHAPES}
 module = cp.RawModule(code=Path(__file__).with_suffix(".cu").read_text(),

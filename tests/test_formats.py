@@ -663,40 +663,64 @@ def _bf16_value(bits: int) -> float:
 
 
 def _random_fp4_word(rng):
-    """8 random e2m1 codes and the 32-bit word holding them (code i in nibble i)."""
+    """8 random e2m1 codes and the 32-bit word the GPU holds for them: code i in nibble i as
+    stored, then repacked as the load does (formats.repack_fp4_words)."""
     nib = rng.integers(0, 16, 8)
-    return nib, int(sum(int(n) << (4 * j) for j, n in enumerate(nib)))
+    stored = int(sum(int(n) << (4 * j) for j, n in enumerate(nib)))
+    return nib, _repacked(stored)
+
+
+def _repacked(stored: int) -> int:
+    b = np.array([stored], dtype=np.uint32).view(np.uint8)
+    return int(formats.repack_fp4_words(b).view(np.uint32)[0])
+
+
+def _rotr(v: int, r: int) -> int:
+    return ((v >> r) | (v << (32 - r))) & 0xFFFFFFFF
 
 
 def _fp4_pairs(v: int) -> list:
-    """cuda/quant.cuh fp4x8_to_bf16_pairs before its scale multiply: pair i holds codes i and
-    i + 4 of word v, each times 2^-126 as bf16 bits."""
-    w = v >> 8
-    return [((((v, w)[i >> 1] & (0x000F000F, 0x00F000F0)[i & 1]) * (0x1040, 0x104)[i & 1]) & 0xFFFFFFFF) & 0x81C081C0
-            for i in range(4)]
+    """cuda/quant.cuh fp4x8_to_bf16_pairs before its scale multiply, on a repacked word v:
+    pair i holds codes i and i + 4, each times 2^-126 as bf16 bits."""
+    m = 0x81C081C0
+    return [v & m, _rotr(v, 3) & m, _rotr(v, 6) & m, (((v & 0x001B001B) * 0x4108) & 0xFFFFFFFF) & m]
 
 
 def test_fp4_bit_placement_of_the_tensor_core_decode():
-    """cuda/quant.cuh fp4x8_to_bf16_pairs, replayed in numpy: a code's magnitude bits at
-    bf16 bits 8..6 and its sign at bit 15 read as the e2m1 value times 2^-126 (the E = 0
-    codes as bf16 subnormals), codes i and i + 4 of a word placed together by one multiply
-    of the two masked codes (two copies, 6 bits apart, that cannot carry); the scales the
-    decode multiplies by (nvfp4: e4m3 * 2^62; mxfp4: exponent field e + 62) are exact bf16
-    numbers, and code * scale * 2^-64 is an exact, normal bf16 for every nvfp4 scale and for
-    the mxfp4 scale bytes kernels.FP4_MMA_MXFP4_SCALE_BYTES admits."""
+    """cuda/quant.cuh fp4x8_to_bf16_pairs, replayed in numpy on words the load repacked: a
+    code's magnitude bits at bf16 bits 8..6 and its sign at bit 15 read as the e2m1 value
+    times 2^-126 (the E = 0 codes as bf16 subnormals); pairs 0-2 by a mask (after a rotation
+    for 1 and 2), pair 3 by one multiply of its masked bits (three copies that cannot
+    overlap); the scales the decode multiplies by (nvfp4: e4m3 * 2^62; mxfp4: exponent
+    field e + 62) are exact bf16 numbers, and code * scale * 2^-64 is an exact, normal bf16
+    for every nvfp4 scale and for the mxfp4 scale bytes kernels.FP4_MMA_MXFP4_SCALE_BYTES admits."""
+    from pathlib import Path
+
     from cupymoe import kernels
 
     bf16 = _bf16_value
     values = formats.e2m1_decode(np.arange(16, dtype=np.uint8)).astype(np.float64)
     rng = np.random.default_rng()
-    for _ in range(2000):
-        nib, v = _random_fp4_word(rng)
+    words = [_random_fp4_word(rng) for _ in range(2000)]
+    for i in range(4):  # every pair of codes in every pair slot, the other codes random
+        for a in range(16):
+            for b in range(16):
+                nib = rng.integers(0, 16, 8)
+                nib[i], nib[i + 4] = a, b
+                words.append((nib, _repacked(int(sum(int(n) << (4 * j) for j, n in enumerate(nib))))))
+    for nib, v in words:
         for i, p in enumerate(_fp4_pairs(v)):
-            # the shifts and masks the multiply replaced give the same bits
-            mag = (v << (6 - 4 * i)) if i < 2 else (v >> (4 * i - 6))
-            assert p == ((mag & 0x01C001C0) | ((v << (12 - 4 * i)) & 0x80008000)) & 0xFFFFFFFF
             assert bf16(p & 0xFFFF) * 2.0 ** 126 == values[nib[i]]
             assert bf16(p >> 16) * 2.0 ** 126 == values[nib[i + 4]]
+    # pair 3's multiply: its three copies of the masked bits are disjoint (no carries)
+    x = 0x001B001B
+    copies = [x << 3, x << 8, x << 14]
+    assert all(copies[a] & copies[b] == 0 for a in range(3) for b in range(a + 1, 3))
+    src = (Path(formats.__file__).parent.parent / "cuda" / "quant.cuh").read_text()
+    for line in ("p[0] = v & FP4_PAIR_MASK;", "p[1] = __funnelshift_r(v, v, 3) & FP4_PAIR_MASK;",
+                 "p[2] = __funnelshift_r(v, v, 6) & FP4_PAIR_MASK;",
+                 "p[3] = ((v & 0x001B001Bu) * 0x4108u) & FP4_PAIR_MASK;", "#define FP4_PAIR_MASK 0x81C081C0u"):
+        assert line in src, line
     e4m3 = np.arange(0x7F, dtype=np.uint8).view(formats.E4M3).astype(np.float64)  # every finite positive scale
     lo, hi = kernels.FP4_MMA_MXFP4_SCALE_BYTES
     mx = 2.0 ** (np.arange(lo, hi + 1) - 127)

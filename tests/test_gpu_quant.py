@@ -158,11 +158,38 @@ def test_fp4_tensor_core_decode_takes_mxfp4_scales_in_its_range_only(rng):
         _check_decode_paths(layer, cfg, hw, rng, (1, 17), f"scale bytes up to {edge}")
 
 
+def test_fp4_words_repacked_on_the_device_as_the_host_map_says(rng):
+    """cuda/repack.cu (quant.cuh fp4_word_repack), which the layer runs over every fp4
+    matrix it uploads, moves each 32-bit word's bits as formats.fp4_word_bit_map says (the
+    map the CPU replay of the kernels' bit placement checks): random words, every nibble
+    value in every position, an odd word count; the layer's own copies of an nvfp4 and an
+    mxfp4 stack are the host codes repacked, and the caller's arrays are left as they were."""
+    import cupy
+
+    from cupymoe import MoeLayer, formats, kernels, weights
+
+    lib = kernels.library(cupy.cuda.runtime.getDevice())
+    assert lib["fp4_repack_words"] is not None
+    host = rng.integers(0, 256, (1001, 4), dtype=np.uint8)
+    host[:128] = (np.arange(16, dtype=np.uint8)[:, None, None] * 0x11).repeat(8, 1).reshape(128, 1)
+    d = weights._repack_fp4(cupy.asarray(host))
+    assert np.array_equal(cupy.asnumpy(d), formats.repack_fp4_words(host))
+    assert np.array_equal(formats.unrepack_fp4_words(cupy.asnumpy(d)), host)
+    for fmt, field in (("nvfp4", "packed"), ("mxfp4", "blocks")):
+        cfg = testing.tiny_config("qwen3_moe")
+        hw = testing.random_host_weights(cfg, rng, fmt)
+        before = getattr(hw.gate, field).copy()
+        layer = MoeLayer(cfg, hw, max_tokens=8)
+        got = cupy.asnumpy(layer.weights.experts["gate"]).reshape(before.shape)
+        assert np.array_equal(got, formats.repack_fp4_words(before.reshape(*before.shape[:-2], -1)).reshape(before.shape))
+        assert np.array_equal(getattr(hw.gate, field), before)
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
 def test_fp4_prefill_takes_mxfp4_scale_bytes_on_both_sides_of_the_bit_placement(family, rng):
     """The grouped GEMM turns an mxfp4 chunk into bf16 by bit placement times 2^(e - 1) while
     that is a bf16 (scale byte e <= 128, quant.cuh FP4_PAIRS_MXFP4_MAX_SCALE_BYTE), else by
-    table lookup; both are exact. Even weight rows take bytes 121 .. 128, odd ones 129 .. 136,
+    fp4x8_to_bf16 (the codes' values, then the scale); both are exact. Even weight rows take bytes 121 .. 128, odd ones 129 .. 136,
     in every matrix, so each branch makes whole output columns; the prefill path matches the
     reference, and an nvfp4 layer (its weights times 2^-64 into the tensor cores, the epilogue
     multiplying back) does too."""

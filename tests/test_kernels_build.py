@@ -345,8 +345,8 @@ def test_wgmma_gate_up_by_slot_where_little_is_copied_for_nothing():
 
 
 @pytest.mark.parametrize("probe,names,no_spills", [
-    # scripts/fp4_e4m3_decode_probe.py's kernels: its four modes on its default skeleton shapes
-    ("fp4_e4m3_decode_probe", [f"fp4_probe<{m}, {s}>" for m in range(4)
+    # scripts/fp4_e4m3_decode_probe.py's kernels: its five modes on its default skeleton shapes
+    ("fp4_e4m3_decode_probe", [f"fp4_probe<{m}, {s}>" for m in range(5)
                                for s in ("2, 3, 3, 128", "4, 2, 2, 128", "2, 4, 2, 128", "4, 3, 1, 128", "4, 2, 3, 64",
                                          "4, 3, 3, 64", "4, 4, 2, 64")], True),
     ("n1_stream_floor_probe", [], True),
