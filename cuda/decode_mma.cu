@@ -71,18 +71,24 @@ struct Fp4Row32 {
         }
     }
 
+    // nvfp4's two group scales (k / 16, k / 16 + 1) times 2^62 as one bf16 pair, one e4m3x2
+    // conversion a row and k step: converting each word's scale on its own made nvfp4's K
+    // loop 9 % longer (NOTES.md v40). mxfp4 converts its one byte where it is used (one
+    // integer operation; as a pair made ahead its loop came out 2 % longer).
+    __device__ __forceinline__ unsigned scale_pair() const {
+        return FMT == FMT_NVFP4 ? e4m3x2_to_bf16x2_times_2p62(s) : 0u;
+    }
+
     // codes 8 w .. 8 w + 7 as the pairs (i, i + 4), each code times its group scale times
-    // 2^-64 (exact; the file's comment)
-    __device__ __forceinline__ uint4 word(int w) const {
+    // 2^-64 (exact; the file's comment); `sp`: scale_pair()
+    __device__ __forceinline__ uint4 word(int w, unsigned sp) const {
         const unsigned v = w == 0 ? q.x : w == 1 ? q.y : w == 2 ? q.z : q.w;
-        __nv_bfloat162 s2;
-        if (FMT == FMT_NVFP4) {
-            s2 = __float2bfloat162_rn(e4m3_to_f32((s >> (8 * (w >> 1))) & 0xFFu) * 0x1p62f);
-        } else {  // the scale in both halves
-            const unsigned short b = (unsigned short)e8m0_to_bf16x2_times_2p62(s);
-            s2 = __halves2bfloat162(__ushort_as_bfloat16(b), __ushort_as_bfloat16(b));
+        if (FMT == FMT_NVFP4) {  // words 0, 1: the first group's scale; 2, 3: the second's
+            const __nv_bfloat162 s2 = *reinterpret_cast<const __nv_bfloat162*>(&sp);
+            return fp4x8_to_bf16_pairs(v, w < 2 ? __low2bfloat162(s2) : __high2bfloat162(s2));
         }
-        return fp4x8_to_bf16_pairs(v, s2);
+        const unsigned short b = (unsigned short)e8m0_to_bf16x2_times_2p62(s);  // the scale in both halves
+        return fp4x8_to_bf16_pairs(v, __halves2bfloat162(__ushort_as_bfloat16(b), __ushort_as_bfloat16(b)));
     }
 };
 
@@ -92,9 +98,10 @@ struct Fp4Row32 {
 template <int FMT, int NT>
 __device__ __forceinline__ void mma_fp4_step(float* c, const Fp4Row32<FMT>& lo, const Fp4Row32<FMT>& hi,
                                              const uint4 (&xv)[NT][4]) {
+    const unsigned slo = lo.scale_pair(), shi = hi.scale_pair();
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-        const uint4 a = lo.word(w), b = hi.word(w);
+        const uint4 a = lo.word(w, slo), b = hi.word(w, shi);
         const unsigned f0[4] = {a.x, b.x, a.y, b.y};  // codes 0-3 of the word: MMA 2 w
         const unsigned f1[4] = {a.z, b.z, a.w, b.w};  // codes 4-7: MMA 2 w + 1
 #pragma unroll
