@@ -309,16 +309,21 @@ struct WfBlock {
         for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int i = 0; i < NTOK / 2; ++i) acc[m][i] = 0.0f;
+        // the first stages' rows: every load out before the first store waits for one (a
+        // block's first stages waited for them one after the other: an L2 round trip each,
+        // a large part of a short K's block, down's at qwen3-30b-a3b's I = 768; NOTES.md v40)
+        uint4 first[WF_STAGES - 1][X_PER];
 #pragma unroll
         for (int s = 0; s < WF_STAGES - 1; ++s) {
             if (s < KS) {
                 if (!weights_ahead) copy_weights(s);
-                uint4 v[X_PER];
-                load_rows(s, v);
-                store_rows(s, v);
+                load_rows(s, first[s]);
             }
             cp_async_commit();
         }
+#pragma unroll
+        for (int s = 0; s < WF_STAGES - 1; ++s)
+            if (s < KS) store_rows(s, first[s]);
 #pragma unroll 1
         for (int s = 0; s < KS; ++s) {
             cp_async_wait<WF_STAGES - 2>();  // this thread's copies of stage s have landed
