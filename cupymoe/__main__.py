@@ -41,12 +41,15 @@ def cmd_kernels(args) -> int:
     for arch in args.arch:
         print(f"== {arch}: NVRTC {'.'.join(map(str, kernels.nvrtc_version()))}, options "
               f"{' '.join(o for o in kernels.compile_options(arch) if not o.startswith('-I'))}", flush=True)
-        mods = []
-        for m in kernels.modules_for(arch):
-            print(f"   compiling {m} ...", end="", flush=True, file=sys.stderr)
-            cm = kernels.compile_module(m, arch, use_cache=not args.no_cache)
-            print(" cached" if cm.from_cache else " done", file=sys.stderr)
-            mods.append(cm)
+        names = kernels.modules_for(arch)
+        print(f"   compiling {len(names)} modules side by side (CUPYMOE_BUILD_JOBS threads at most; default: "
+              f"the CPUs) ...", file=sys.stderr, flush=True)
+
+        def heard(cm, seconds):
+            print(f"   {cm.module}: " + ("cached" if cm.from_cache else f"compiled in {seconds:.1f} s"),
+                  file=sys.stderr, flush=True)
+
+        mods = kernels.compile_modules(names, arch, use_cache=not args.no_cache, progress=heard)
         print(kernels.format_report(mods))
         spills = [(cm.module, r.name) for cm in mods for r in cm.resources() if r.spill_stores or r.spill_loads]
         if spills:

@@ -45,6 +45,25 @@ def test_cache_hits_and_keys_on_arch(cache):
     assert len(list(cache.glob("topk-sm_90a-*.cubin"))) == 1
 
 
+def test_modules_compile_side_by_side_in_the_order_asked(monkeypatch):
+    """compile_modules builds a module a thread (NVRTC releases the GIL): the modules come
+    back in the order asked, each the same cubin as compile_module's alone; progress hears
+    each once; CUPYMOE_BUILD_JOBS takes a positive count and names anything else."""
+    names = ["repack", "topk", "router"]
+    heard = []
+    mods = kernels.compile_modules(names, "sm_80", use_cache=False, jobs=3,
+                                   progress=lambda cm, seconds: heard.append((cm.module, seconds >= 0)))
+    assert [m.module for m in mods] == names and sorted(heard) == sorted((n, True) for n in names)
+    for m in mods:
+        assert m.cubin == kernels.compile_module(m.module, "sm_80", use_cache=False).cubin, m.module
+    for bad in ("0", "many", "-2"):
+        monkeypatch.setenv("CUPYMOE_BUILD_JOBS", bad)
+        with pytest.raises(ValueError, match=repr(bad)):
+            kernels.compile_modules(names, "sm_80", use_cache=False)
+    monkeypatch.setenv("CUPYMOE_BUILD_JOBS", "1")
+    assert [m.module for m in kernels.compile_modules(names[:2], "sm_80", use_cache=False)] == names[:2]
+
+
 def test_cli_prints_the_table_for_both_archs(cache):
     r = subprocess.run([sys.executable, "-m", "cupymoe", "kernels", "--arch", "sm_80", "sm_90a"],
                        capture_output=True, text=True, timeout=600)
