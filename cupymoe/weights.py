@@ -119,7 +119,8 @@ class DeviceWeights:
             self.mxfp4_scale_bytes = None
             ranges = [m.scale_bytes for m in mats.values() if m.scale_bytes is not None]
             # the stacked routed experts ([n_local, I, H], [n_local, H, I]; bf16 bits, or the
-            # quantized codes), kept by name for code that reads them whole (the torch peers)
+            # quantized codes, fp4 words repacked), kept by name for code that reads them
+            # whole (the torch peers, bf16 only)
             self.experts = {p: m.w for p, m in mats.items()}
             gb = up(_f32(None if hw.gate_bias is None else hw.gate_bias[sl]))
             ub = up(_f32(None if hw.up_bias is None else hw.up_bias[sl]))
