@@ -686,6 +686,51 @@ def _fp4_pairs(v: int) -> list:
     return [v & m, _rotr(v, 3) & m, _rotr(v, 6) & m, (((v & 0x001B001B) * 0x4108) & 0xFFFFFFFF) & m]
 
 
+def test_fp4_word_repack_of_the_kernels_is_the_host_map():
+    """cuda/quant.cuh fp4_word_repack (what cuda/repack.cu runs over every fp4 matrix at
+    load), replayed line by line: it moves each stored bit where formats.fp4_word_bit_map
+    says, on every single-bit word and on random ones, and unrepack_fp4_words undoes it. The
+    GPU test runs the kernel itself; this keeps the two texts together where no GPU is."""
+    from pathlib import Path
+
+    src = (Path(formats.__file__).parent.parent / "cuda" / "quant.cuh").read_text()
+    for line in ("return ((c & 7u) << 6) | ((c & 8u) << 12);",
+                 "return ((c >> 2) & 1u) | (((c >> 3) & 1u) << 1) | ((c & 1u) << 3) | (((c >> 1) & 1u) << 4);",
+                 "const unsigned p = fp4_code_as_pair_half((v >> (4 * i)) & 15u) | "
+                 "(fp4_code_as_pair_half((v >> (16 + 4 * i)) & 15u) << 16);",
+                 "const int r = 3 * i;  // rotate left by r", "out |= r ? (p << r) | (p >> (32 - r)) : p;",
+                 "return out | fp4_code_as_pair3((v >> 12) & 15u) | (fp4_code_as_pair3(v >> 28) << 16);"):
+        assert line in src, line
+
+    def pair_half(c):
+        return ((c & 7) << 6) | ((c & 8) << 12)
+
+    def pair3(c):
+        return ((c >> 2) & 1) | (((c >> 3) & 1) << 1) | ((c & 1) << 3) | (((c >> 1) & 1) << 4)
+
+    def repack(v):
+        out = 0
+        for i in range(3):
+            p = pair_half((v >> (4 * i)) & 15) | (pair_half((v >> (16 + 4 * i)) & 15) << 16)
+            r = 3 * i
+            out |= ((p << r) | (p >> (32 - r))) & 0xFFFFFFFF if r else p
+        return out | pair3((v >> 12) & 15) | (pair3(v >> 28) << 16)
+
+    dest = formats.fp4_word_bit_map()
+    for b in range(32):
+        assert repack(1 << b) == 1 << int(dest[b]), b
+    rng = np.random.default_rng()
+    words = rng.integers(0, 2 ** 32, 2000, dtype=np.uint64).astype(np.uint32)
+    host = formats.repack_fp4_words(words.view(np.uint8)).view(np.uint32)
+    assert [repack(int(w)) for w in words] == [int(h) for h in host]
+    assert np.array_equal(formats.unrepack_fp4_words(host.view(np.uint8)).view(np.uint32), words)
+    assert formats.repack_fp4_words(np.zeros(8, np.uint8)).tolist() == [0] * 8  # the kernels' zero padding
+    with pytest.raises(ValueError, match=r"\(3, 6\)"):  # rows of whole 4-byte words only
+        formats.repack_fp4_words(np.zeros((3, 6), np.uint8))
+    with pytest.raises(ValueError, match="uint16"):
+        formats.repack_fp4_words(np.zeros(8, np.uint16))
+
+
 def test_fp4_bit_placement_of_the_tensor_core_decode():
     """cuda/quant.cuh fp4x8_to_bf16_pairs, replayed in numpy on words the load repacked: a
     code's magnitude bits at bf16 bits 8..6 and its sign at bit 15 read as the e2m1 value
