@@ -463,8 +463,9 @@ class MoeLayer:
             qx_shared = ("qx_shared", "sx_shared") if self._w8a8_shared_x else ("qx", "sx")
             self._w8a8_args = tuple(_u64(A.ptr(n)) for n in ("qx", "sx", *qx_shared, "qact", "sact")) if w8a8 else ()
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
-            # The weights, their tables and that memset went through the legacy default
-            # stream (a pageable upload may even return before its DMA lands); callers launch
+            # The weights (and the fp4 words' repack kernel), their tables and that memset
+            # went through the legacy default stream (a pageable upload may even return
+            # before its DMA lands); callers launch
             # on their own streams, often non-blocking ones that never wait for it: a first
             # forward could read half-written tables (seen on the H200 as a misaligned
             # address in the bench, gone under CUDA_LAUNCH_BLOCKING). Finish them here.
