@@ -731,6 +731,26 @@ def test_fp4_word_repack_of_the_kernels_is_the_host_map():
         formats.repack_fp4_words(np.zeros(8, np.uint16))
 
 
+def test_fp4_pair_tiling_script_finds_the_kernels_fourth_pair():
+    """scripts/fp4_pair_tiling.py --schemes (the search behind the repacked words, NOTES.md
+    v40): for the kernels' fourth pair (m, e0, e1, sign at bits 3, 4, 0, 1) it finds the
+    multiply by 0x4108 (low half) that quant.cuh uses, for the stored nibble order the two-copy
+    multiply the kernels took before (0x1040), and for bits needing four different shifts
+    (m, e0, e1, sign at 3, 2, 1, 0) none."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(formats.__file__).parent.parent / "scripts" / "fp4_pair_tiling.py"
+    spec = importlib.util.spec_from_file_location("fp4_pair_tiling", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    dest = formats.fp4_word_bit_map()
+    assert tuple(int(dest[12 + b]) for b in range(4)) == (3, 4, 0, 1)  # code 3's bits: the fourth pair
+    assert ("lo", 0x4108) in mod.fourth_pair_constants((3, 4, 0, 1))
+    assert ("lo", 0x1040) in mod.fourth_pair_constants((0, 1, 2, 3))
+    assert mod.fourth_pair_constants((3, 2, 1, 0)) == []
+
+
 def test_fp4_bit_placement_of_the_tensor_core_decode():
     """cuda/quant.cuh fp4x8_to_bf16_pairs, replayed in numpy on words the load repacked: a
     code's magnitude bits at bf16 bits 8..6 and its sign at bit 15 read as the e2m1 value
