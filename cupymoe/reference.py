@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -329,12 +329,15 @@ def quantize_activations_fp8(a: np.ndarray) -> np.ndarray:
 def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
          biases: tuple[Optional[np.ndarray], ...] = (None, None, None), rounding: Optional[str] = None,
          activations: str = "bf16", quantized: Optional[Callable[[str, np.ndarray], np.ndarray]] = None,
-         kernel_act: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> np.ndarray:
+         kernel_act: Optional[Callable[[np.ndarray], np.ndarray]] = None,
+         down_magnitudes: bool = False) -> np.ndarray:
     """One GLU feed-forward on rows `x`: down(act(gate(x), up(x))), weights dequantized here;
     with activations="fp8_block", an fp8-block projection's input is quantized first (w8a8):
     by quantize_activations_fp8, or by `quantized(stage, a)` ("gate_up" / "down") when given.
     `kernel_act(a)`: the activation the down projection multiplies instead of `a` (unless
-    that input is quantized: then `quantized` decides)."""
+    that input is quantized: then `quantized` decides). `down_magnitudes`: the root sum of
+    squares of the down projection's products, sqrt(sum_i (a_i W_hi)^2), instead of the
+    projection (no bias): the scale of what independent relative errors of the a_i move y_h by."""
     dt = x.dtype
 
     def w8a8(t):
@@ -357,6 +360,8 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
         a = quantize("down", a)
     elif kernel_act is not None:
         a = kernel_act(a)
+    if down_magnitudes:
+        return np.sqrt((a * a) @ np.square(formats.dequantize(down, dt)).T)
     y = a @ formats.dequantize(down, dt).T
     return y if bd is None else y + bd
 
@@ -367,7 +372,8 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
                     absolute: bool = False, kernel_acts: Optional[Callable] = None,
                     kernel_terms: Optional[Callable] = None) -> np.ndarray:
     """Sum over (row, slot) of w * expert(x_e[row]) for the owned experts (+ identity experts);
-    `absolute`: of |w * expert(x_e[row])|.
+    `absolute`: of |w * expert(x_e[row])|; absolute="down": of |w| * sqrt(sum_i (a_i W_down,hi)^2)
+    (moe_forward; identity experts have no down projection and add nothing).
 
     Loops over experts, not rows: each chosen expert's weights are dequantized once and
     applied to all the rows that chose it. Experts nobody chose are never touched.
@@ -381,7 +387,7 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
         rows, slots = np.nonzero(ids == e)
         w = weights[rows, slots][:, None]
         if e >= E:
-            if include_zero:  # zero (identity) expert: w * its input
+            if include_zero and absolute != "down":  # zero (identity) expert: w * its input
                 np.add.at(out, rows, np.abs(w * xe[rows]) if absolute else w * xe[rows])
             continue
         if e not in owned:
@@ -391,7 +397,11 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
             biases = tuple(_vector(b[e], dt) for b in (hw.gate_bias, hw.up_bias, hw.down_bias))
         fed = None if w8a8_inputs is None else (lambda stage, a, e=e, rows=rows: w8a8_inputs(stage, e, rows, a))
         acts = None if kernel_acts is None else (lambda a, e=e, rows=rows: kernel_acts(e, rows, a))
-        y = _ffn(cfg, xe[rows], hw.gate[e], hw.up[e], hw.down[e], biases, rounding, activations, fed, acts)
+        y = _ffn(cfg, xe[rows], hw.gate[e], hw.up[e], hw.down[e], biases, rounding, activations, fed, acts,
+                 down_magnitudes=absolute == "down")
+        if absolute == "down":
+            np.add.at(out, rows, np.abs(w) * y)
+            continue
         if rounding == "decode" and kernel_terms is not None:  # the decode path's fp32 outputs
             y = kernel_terms(e, rows, y)
         term = w * y
@@ -411,16 +421,18 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
 
 def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Optional[str] = None,
                    activations: str = "bf16", w8a8_inputs: Optional[Callable] = None,
-                   kernel_acts: Optional[Callable] = None, kernel_terms: Optional[Callable] = None) -> np.ndarray:
-    """`scale * down(act(gate(x), up(x)))` on the un-normed x; scale = sigmoid(x . w_gate) or 1."""
+                   kernel_acts: Optional[Callable] = None, kernel_terms: Optional[Callable] = None,
+                   down_magnitudes: bool = False) -> np.ndarray:
+    """`scale * down(act(gate(x), up(x)))` on the un-normed x; scale = sigmoid(x . w_gate) or 1.
+    `down_magnitudes`: scale * sqrt(sum_i (a_i W_down,hi)^2) (moe_forward's absolute="down")."""
     rows = np.arange(x.shape[0])
     fed = None if w8a8_inputs is None else (lambda stage, a: w8a8_inputs(stage, "shared", rows, a))
     acts = None if kernel_acts is None else (lambda a: kernel_acts("shared", rows, a))
     sh = _ffn(cfg, x, hw.shared_gate, hw.shared_up, hw.shared_down, rounding=rounding, activations=activations,
-              quantized=fed, kernel_act=acts)
-    if rounding == "grouped":
+              quantized=fed, kernel_act=acts, down_magnitudes=down_magnitudes)
+    if rounding == "grouped" and not down_magnitudes:
         sh = _bf16(sh)
-    if kernel_terms is not None:
+    if kernel_terms is not None and not down_magnitudes:
         sh = kernel_terms("shared", rows, sh)
     if cfg.has_shared_expert_gate:
         sh = sh * _sigmoid(x @ _vector(hw.shared_expert_gate, x.dtype))[:, None]
@@ -434,7 +446,7 @@ def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Opt
 def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: Any = None, *,
                 dtype=np.float64, ep_rank: Optional[int] = None, rounding: Optional[str] = None,
                 owned_experts: Optional[Any] = None, activations: str = "bf16",
-                w8a8_inputs: Optional[Callable] = None, absolute: bool = False,
+                w8a8_inputs: Optional[Callable] = None, absolute: Union[bool, str] = False,
                 kernel_acts: Optional[Callable] = None, kernel_terms: Optional[Callable] = None) -> np.ndarray:
     """The MoE layer's output [N, H] in `dtype` for input `x` [N, H] (bf16 or float).
 
@@ -476,8 +488,13 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
 
     `absolute=True` sums the magnitudes of the output's terms instead (each (row, slot)'s
     weighted expert output, identity term and shared expert output): what the grouped path
-    rounds term by term, for verify.py's envelope.
+    rounds term by term, for verify.py's envelope. `absolute="down"` sums, over the same
+    terms, |w| * sqrt(sum_i (a_i W_down,hi)^2) (the shared expert's gate in place of w,
+    identity terms nothing): the scale of what the activation's bf16 rounding moves each
+    output element by, which the products' cancellation does not shrink, for the same envelope.
     """
+    if absolute not in (False, True, "down"):
+        raise ValueError(f"absolute={absolute!r}: must be False, True or 'down'")
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r}: must be one of {ROUNDINGS}")
     if activations not in ACTIVATIONS:
@@ -502,6 +519,7 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
                           activations=activations, w8a8_inputs=w8a8_inputs, absolute=absolute,
                           kernel_acts=kernel_acts, kernel_terms=kernel_terms)
     if cfg.has_shared_expert and on_rank0:
-        shared = _shared_expert(cfg, host_weights, xf, rounding, activations, w8a8_inputs, kernel_acts, kernel_terms)
+        shared = _shared_expert(cfg, host_weights, xf, rounding, activations, w8a8_inputs, kernel_acts, kernel_terms,
+                                down_magnitudes=absolute == "down")
         out = out + (np.abs(shared) if absolute else shared)
     return out.astype(dtype, copy=False)
