@@ -803,8 +803,9 @@ def compile_modules(modules: Iterable[str], arch: str, *, use_cache: bool = True
     """compile_module for several modules side by side, results in the order asked. NVRTC
     releases the GIL while it compiles, so a thread a module suffices: all of sm_90a's took
     48 s on 2 cores where one after another took 110 (the same cubins); on the lent H200's
-    16 cores a process a module took 33 s against 117-152 (NOTES.md v40). `jobs`: threads at most (default CUPYMOE_BUILD_JOBS, else the CPUs); `progress(cm,
-    seconds)` hears each module as it is done. The first failure is raised."""
+    16 cores a process a module took 33 s against 117-152 (NOTES.md v40). `jobs`: threads at
+    most (default CUPYMOE_BUILD_JOBS, else the CPUs); `progress(cm, seconds)` hears each
+    module as it is done. The first failure is raised."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 

@@ -230,8 +230,6 @@ class _DeviceMatrix:
 def _repack_fp4(d):
     """A device copy of fp4 codes, each 32-bit word's bits repacked in place for the kernels
     (cuda/repack.cu, on the current stream; formats.repack_fp4_words is its host twin)."""
-    import cupy
-
     n = int(d.nbytes) // 4
     if int(d.nbytes) % 4:
         raise UnsupportedFormatError(f"fp4 codes of {int(d.nbytes)} bytes: the kernels read whole 4-byte words")
