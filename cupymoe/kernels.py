@@ -102,6 +102,17 @@ def _on_off(name: str) -> bool:
     return v == "1"
 
 
+def positive_int_env(name: str) -> Optional[int]:
+    """A knob that is a count: None when the environment does not set it, else a positive
+    integer (anything else is refused, naming the value)."""
+    v = os.environ.get(name)
+    if v is None:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"{name}={v!r}: must be a positive integer")
+    return int(v)
+
+
 def mma_decode_down_pairs() -> bool:
     """Whether the tensor-core decode's down kernel may stream two 16-row fragments a warp
     (decode_mma_down<..., CF = 2>: half the blocks, where they still fill every SM without a
@@ -115,10 +126,7 @@ def mma_decode_blocks_per_sm() -> int:
     two, few experts (N = 1) took twice the splits and 1.45 waves of blocks, and ran slower
     (qwen3-30b-a3b fp8 N = 1 33.9 against 30.0 us, nvfp4 31.6 against 28.4); from 8 rows on
     both chose alike (benchmarks/NOTES.md v20)."""
-    v = os.environ.get("CUPYMOE_MMA_DECODE_BLOCKS_PER_SM", "1")
-    if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"CUPYMOE_MMA_DECODE_BLOCKS_PER_SM={v!r}: must be a positive integer")
-    return int(v)
+    return positive_int_env("CUPYMOE_MMA_DECODE_BLOCKS_PER_SM") or 1
 
 
 def fp4_decode_mode() -> str:
@@ -625,12 +633,7 @@ def arch_for_capability(major: int, minor: int) -> str:
 def gemm_band_cols() -> Optional[int]:
     """CUPYMOE_GEMM_BAND_COLS: the grouped GEMMs' tile order in bands of this many column
     tiles (cuda/gemm_common.cuh, GEMM_BAND_COLS), a measurement knob; None: the default."""
-    v = os.environ.get("CUPYMOE_GEMM_BAND_COLS")
-    if v is None:
-        return None
-    if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"CUPYMOE_GEMM_BAND_COLS={v!r}: must be a positive integer")
-    return int(v)
+    return positive_int_env("CUPYMOE_GEMM_BAND_COLS")
 
 
 def compile_options(arch: str) -> tuple[str, ...]:
@@ -811,10 +814,7 @@ def compile_modules(modules: Iterable[str], arch: str, *, use_cache: bool = True
 
     mods = list(modules)
     if jobs is None:
-        env = os.environ.get("CUPYMOE_BUILD_JOBS")
-        if env is not None and not (env.isdigit() and int(env) > 0):
-            raise ValueError(f"CUPYMOE_BUILD_JOBS={env!r}: a positive number of threads")
-        jobs = int(env) if env else (os.cpu_count() or 1)
+        jobs = positive_int_env("CUPYMOE_BUILD_JOBS") or os.cpu_count() or 1
 
     def one(m: str) -> CompiledModule:
         t0 = time.perf_counter()

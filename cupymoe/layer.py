@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -176,12 +175,7 @@ MATH_ROWS_PER_EXPERT = {"mma": 96, "wgmma": 40}
 def math_rows_per_expert(kernel: str) -> int:
     """MATH_ROWS_PER_EXPERT[kernel] ("mma" or "wgmma"); CUPYMOE_MATH_ROWS overrides both
     for measurements."""
-    v = os.environ.get("CUPYMOE_MATH_ROWS")
-    if v is None:
-        return MATH_ROWS_PER_EXPERT[kernel]
-    if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"CUPYMOE_MATH_ROWS={v!r}: must be a positive integer")
-    return int(v)
+    return kernels.positive_int_env("CUPYMOE_MATH_ROWS") or MATH_ROWS_PER_EXPERT[kernel]
 
 
 RESIDENT_WARPS = 132 * 32  # H200: 132 SMs x 32 warps of the decode kernels (<= 64 registers)
@@ -465,10 +459,10 @@ class MoeLayer:
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             # The weights (and the fp4 words' repack kernel), their tables and that memset
             # went through the legacy default stream (a pageable upload may even return
-            # before its DMA lands); callers launch
-            # on their own streams, often non-blocking ones that never wait for it: a first
-            # forward could read half-written tables (seen on the H200 as a misaligned
-            # address in the bench, gone under CUDA_LAUNCH_BLOCKING). Finish them here.
+            # before its DMA lands); callers launch on their own streams, often non-blocking
+            # ones that never wait for it: a first forward could read half-written tables
+            # (seen on the H200 as a misaligned address in the bench, gone under
+            # CUDA_LAUNCH_BLOCKING). Finish them here.
             cupy.cuda.runtime.deviceSynchronize()
         self._streams: dict[int, Any] = {}
         log.info("MoeLayer ready on device %d (%s): %d local experts, weights %.1f MB, arena %.1f MB",
