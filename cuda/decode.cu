@@ -58,9 +58,10 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restr
 // those of its slot, and (second pass) the distinct slots before its own. O(P^2 / threads)
 // shared-memory reads, fewer than the scans' barriers and the ids' round trips for the
 // P <= 8 k of the fused routing launch. `ids` (shared memory): pair p's expert id at
-// ids[(p / k) * ids_stride + p % k]; `sm` 2 P ints of shared scratch.
+// ids[(p / k) * ids_stride + p % k]; `sm` 2 P ints of shared scratch; `slot_of` the layer's
+// slot table (decode_route_lists' copy in shared memory).
 __device__ __forceinline__ void build_few_expert_lists(int* sm, const int* ids, int ids_stride, int N, int k,
-                                                       const int* __restrict__ slot_of, int R, int n_local,
+                                                       const int* slot_of, int R, int n_local,
                                                        int has_shared, int* __restrict__ num_active,
                                                        int* __restrict__ active_slot, int* __restrict__ active_start,
                                                        int* __restrict__ active_len, int* __restrict__ sorted_row,
@@ -131,12 +132,75 @@ __device__ __forceinline__ void build_few_expert_lists(int* sm, const int* ids, 
         }
 }
 
+// The expert lists of one row's k <= 32 pairs by its routing warp alone (decode_route_lists
+// at N = 1): pair t on lane t, and each count build_few_expert_lists makes over shared
+// memory between two block barriers made over the warp's registers instead (k shuffles a
+// count). The same lists: a row's ids are distinct experts unless a hash table repeats one,
+// and the counts give repeats their places as build_few_expert_lists does. Why: the lists
+// took ~3500 of route_lists' ~9400 cycles at N = 1 (NOTES.md v37), the row's latency being
+// the chain's (router -> route_lists -> gate/up; NOTES.md v41). `ids` the row's k ids
+// (shared memory, written by this warp before a __syncwarp), `slot_of` the slot table.
+__device__ __forceinline__ void warp_expert_lists(const int* ids, int k, const int* slot_of, int R, int n_local,
+                                                  int has_shared, int* __restrict__ num_active,
+                                                  int* __restrict__ active_slot, int* __restrict__ active_start,
+                                                  int* __restrict__ active_len, int* __restrict__ sorted_row,
+                                                  int* __restrict__ sorted_pair, int* __restrict__ pair_pos,
+                                                  int* __restrict__ slot_active, int lane) {
+    const int e = lane < k ? ids[lane] : -1;
+    const int sl = e >= 0 && e < R ? slot_of[e] : -1;
+    for (int i = lane; i <= n_local; i += 32) slot_active[i] = -1;  // the active ones below
+    int before = 0, same_before = 0, len = 0, owned = 0;
+    for (int q = 0; q < k; ++q) {
+        const int sq = __shfl_sync(CUPYMOE_FULL_MASK, sl, q);
+        owned += sq >= 0;
+        before += sq >= 0 && sq < sl;
+        same_before += q < lane && sq == sl;
+        len += sq == sl;
+    }
+    const bool first = sl >= 0 && same_before == 0;
+    const unsigned firsts = __ballot_sync(CUPYMOE_FULL_MASK, first);
+    int a = 0;  // distinct slots before this one: its active index
+    for (int q = 0; q < k; ++q)
+        a += ((firsts >> q) & 1u) && __shfl_sync(CUPYMOE_FULL_MASK, sl, q) < sl;
+    const int active = __popc(firsts);
+    __syncwarp();  // the -1s above land before the active indices below (same addresses, other lanes)
+    if (lane < k) {
+        const int pos = sl >= 0 ? before + same_before : -1;
+        if (pos >= 0) {
+            sorted_row[pos] = 0;
+            sorted_pair[pos] = lane;
+        }
+        pair_pos[lane] = pos;
+        if (first) {
+            active_slot[a] = sl;
+            active_start[a] = before;
+            active_len[a] = len;
+            slot_active[sl] = a;
+        }
+    }
+    if (lane == 0) {
+        if (has_shared) {
+            active_slot[active] = n_local;
+            active_start[active] = owned;
+            active_len[active] = 1;
+            slot_active[n_local] = active;
+            sorted_row[owned] = 0;
+            sorted_pair[owned] = k;
+            pair_pos[k] = owned;
+        }
+        *num_active = active + (has_shared ? 1 : 0);
+    }
+}
+
 // The routing stage and the expert lists in one launch, for a few rows (the decode path's
 // N = 1 .. ROUTE_LISTS_MAX_ROWS: one launch fewer in its chain): warp w routes row w as
 // topk_route does (routing.cuh), then the block builds the lists from the ids the warps
-// left in shared memory (build_few_expert_lists). With `qx` (w8a8, few rows), the warps
-// that route no row quantize x meanwhile (else the router does: router.cu).
-// grid 1, block ROUTE_LISTS_THREADS (>= 32 N), dynamic smem N (2 R + TOPK_MAX_K) floats + 2 N k ints.
+// left in shared memory (build_few_expert_lists); one row's warp builds them alone
+// (warp_expert_lists). With `qx` (w8a8, few rows), the warps that route no row quantize x
+// meanwhile (else the router does: router.cu). The slot table is copied into shared memory
+// before the wait for the router: its lookups were global round trips after the routing.
+// grid 1, block ROUTE_LISTS_THREADS (>= 32 N), dynamic smem N (2 R + TOPK_MAX_K) floats +
+// 2 N k + R ints.
 #define ROUTE_LISTS_THREADS 256
 __global__ void __launch_bounds__(ROUTE_LISTS_THREADS)
 decode_route_lists(const float* __restrict__ logits, const float* __restrict__ corr_bias,
@@ -149,9 +213,12 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
                    int* __restrict__ slot_active, const bf16* __restrict__ x, int H, u8* __restrict__ qx,
                    float* __restrict__ sx) {
     extern __shared__ float route_smem[];
-    pdl_wait_then_release_next();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int stride = 2 * R + TOPK_MAX_K;  // a row's scratch; its ids at 2 R (route_row)
+    int* slot_tab = reinterpret_cast<int*>(route_smem + (size_t)N * stride) + 2 * N * k;  // [R]
+    for (int e = threadIdx.x; e < R; e += ROUTE_LISTS_THREADS) slot_tab[e] = slot_of[e];  // the layer's, constant
+    __syncthreads();
+    pdl_wait_then_release_next();
     if (warp < N)
         route_row(warp, route_smem + (size_t)warp * stride, logits, corr_bias, tid2eid, token_ids, ids_out, w_out,
                   err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane, true);
@@ -162,9 +229,18 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
         e4m3_quantize_units(x, N, H, qx, sx, warp - N, ROUTE_LISTS_THREADS / 32 - N, lane);
     }
 #endif
+    if (N == 1 && k <= 32) {  // the routing warp's lists: no block barrier
+        if (warp == 0) {
+            __syncwarp();  // route_row's ids in shared memory
+            warp_expert_lists(reinterpret_cast<const int*>(route_smem) + 2 * R, k, slot_tab, R, n_local, has_shared,
+                              num_active, active_slot, active_start, active_len, sorted_row, sorted_pair, pair_pos,
+                              slot_active, lane);
+        }
+        return;
+    }
     __syncthreads();
     build_few_expert_lists(reinterpret_cast<int*>(route_smem + (size_t)N * stride),
-                           reinterpret_cast<const int*>(route_smem) + 2 * R, stride, N, k, slot_of, R, n_local,
+                           reinterpret_cast<const int*>(route_smem) + 2 * R, stride, N, k, slot_tab, R, n_local,
                            has_shared, num_active, active_slot, active_start, active_len, sorted_row, sorted_pair,
                            pair_pos, slot_active);
 }

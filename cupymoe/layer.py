@@ -610,7 +610,7 @@ class MoeLayer:
         timer = StageTimer(s, N, path)
 
         # a few decode rows: routing and the expert lists in one launch (one fewer in the chain)
-        route_lists_smem = (N * (2 * R + 64) + 2 * N * k) * 4
+        route_lists_smem = (N * (2 * R + 64) + 2 * N * k + R) * 4  # decode.cu: scratch, lists, slot table
         route_lists = path != "prefill" and N <= ROUTE_LISTS_MAX_ROWS and route_lists_smem <= 48 * 1024
         # w8a8: the expert inputs' e4m3 codes are made by stages that run anyway: x's by the
         # router on the decode path (it reads x; its warps share the rows' 256-column chunks)

@@ -478,3 +478,74 @@ def test_split_router_sums_its_copies(rng, monkeypatch):
         _check(layer, cfg, hw, rng, n, "prefill")
     pinned = MoeLayer(cfg, hw, max_tokens=1000, row_invariant=True)
     assert pinned._router_splits(1) == 1
+
+
+def _model_expert_lists(ids: np.ndarray, slot_of: np.ndarray, n_local: int, has_shared: bool) -> dict:
+    """The decode path's expert lists as build_expert_lists makes them (cuda/decode_common.cuh),
+    from a forward's top-k ids: active experts in slot order with their runs of positions,
+    pairs sorted by slot and then pair order, the shared expert's rows last."""
+    N, k = ids.shape
+    P = N * k
+    R = len(slot_of)
+    slots = np.array([slot_of[e] if 0 <= e < R else -1 for e in ids.ravel()], np.int64)
+    order = sorted((int(s), p) for p, s in enumerate(slots) if s >= 0)
+    pair_pos = np.full(P + (N if has_shared else 0), -1, np.int64)
+    sorted_row, sorted_pair = [], []
+    for pos, (_, p) in enumerate(order):
+        pair_pos[p] = pos
+        sorted_row.append(p // k)
+        sorted_pair.append(p)
+    active = sorted({s for s, _ in order})
+    counts = [sum(1 for s, _ in order if s == a) for a in active]
+    starts = list(np.cumsum([0] + counts[:-1])) if active else []
+    slot_active = np.full(n_local + 1, -1, np.int64)
+    for i, a in enumerate(active):
+        slot_active[a] = i
+    owned = len(order)
+    if has_shared:
+        slot_active[n_local] = len(active)
+        active, starts, counts = active + [n_local], starts + [owned], counts + [N]
+        for r in range(N):
+            pair_pos[P + r] = owned + r
+            sorted_row.append(r)
+            sorted_pair.append(P + r)
+    return dict(active_slot=active, active_start=starts, active_len=counts, sorted_row=sorted_row,
+                sorted_pair=sorted_pair, pair_pos=list(pair_pos), slot_active=list(slot_active))
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3", "longcat_flash", "gpt_oss", "qwen2_moe-ep1",
+                                  "deepseek_v3-hash-repeats"])
+def test_route_lists_expert_lists_match_a_model_of_them(case, rng):
+    """decode_route_lists' expert lists (the decode path at N <= 8: at N = 1 the routing warp
+    builds them alone, cuda/decode.cu warp_expert_lists; past that the block) are the lists
+    build_expert_lists would make from the same top-k ids, on the decode and atomic paths:
+    a shared expert (deepseek-v3, qwen2-moe), zero experts (longcat), softmax after top-k
+    (gpt-oss), EP rank 1's slots (the other rank's experts nobody's here), and a hash table
+    whose rows repeat an expert. The outputs are checked against the reference too."""
+    from cupymoe.verify import _read_arena
+
+    fam, _, variant = case.partition("-")
+    overrides = dict(hash_routing=True, hash_vocab_size=20, n_group=1, topk_group=1) if variant == "hash-repeats" else {}
+    cfg = testing.tiny_config(fam, **overrides)
+    hw = testing.random_host_weights(cfg, rng)
+    if variant == "hash-repeats":  # every row names one expert twice (and then its weights twice)
+        k = cfg.num_experts_per_tok
+        hw.tid2eid = np.stack([np.r_[p[:k - 1], p[0]] for p in (rng.permutation(cfg.num_experts)
+                                                              for _ in range(20))]).astype(np.int32)
+    if variant == "ep1":
+        cfg = cfg.replace(ep_world_size=2, ep_rank=1)
+    layer = _layer(cfg, hw, max_tokens=8)
+    slot_of = layer.weights.slot_of.get()
+    k, n_local = cfg.num_experts_per_tok, layer.weights.n_local
+    for n in (1, 2, 3, 8):
+        token_ids = testing.random_token_ids(rng, n, 20) if cfg.hash_routing else None
+        for path in ("decode", "atomic"):
+            _check(layer, cfg, hw, rng, n, path, token_ids)
+            ids = _read_arena(layer, "topk_ids", np.int32, (n, k))
+            want = _model_expert_lists(ids, slot_of, n_local, cfg.has_shared_expert)
+            A = int(_read_arena(layer, "num_active", np.int32, (1,))[0])
+            assert A == len(want["active_slot"]), f"{case} N={n} {path}: {A} active experts"
+            got = {name: list(_read_arena(layer, name, np.int32, (len(v),))) for name, v in want.items() if len(v)}
+            for name, v in want.items():
+                if len(v):
+                    assert got[name] == [int(a) for a in v], f"{case} N={n} {path}: {name} {got[name]} != {v}"
