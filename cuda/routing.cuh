@@ -93,6 +93,87 @@ __device__ __forceinline__ void warp_softmax_regs(const float (&x)[V], float (&p
     for (int j = 0; j < V; ++j) p[j] *= inv;
 }
 
+// The warp's inclusive scan of n at each lane; the whole warp's sum in `total`.
+__device__ __forceinline__ int warp_inclusive_scan(int n, int lane, int& total) {
+    int incl = n;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
+        if (lane >= o) incl += t;
+    }
+    total = __shfl_sync(CUPYMOE_FULL_MASK, incl, 31);
+    return incl;
+}
+
+// The score a key stands for (select_key's inverse; key 0, NaN, as -inf: the group scores'
+// convention).
+__device__ __forceinline__ float key_score(unsigned key) {
+    if (key == 0u) return -INFINITY;
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// The k <= 32 largest of the warp's keys (V a lane, entry lane + 32 j), largest first and ties
+// to the lower id, as k rounds of a warp max and a min over the tied ids pick them; pick t
+// (its id and val) to lane t. Without rounds: T, the k-th largest of the lanes' maxima, bounds
+// the k-th largest key from below, so the picks are among the entries at or above it; those
+// (when at most 32) go one a lane through `scratch` (64 ints of shared memory), and each
+// one's rank in that order is counted against the others by shuffles. The k rounds (a max, a
+// min and the winner's lane rescanning, one after another) took ~3100 cycles of one row's
+// routing at N = 1 (NOTES.md v37). false, nothing picked (the caller then runs the rounds):
+// fewer than k lanes hold a choosable key, or more than 32 entries reach T.
+template <int V>
+__device__ __forceinline__ bool warp_select_by_rank(const unsigned (&key)[V], const float (&val)[V],
+                                                    unsigned lane_max, int k, int* scratch, int lane, int& id,
+                                                    float& v) {
+    int r = 0;  // this lane's maximum's rank among the lanes' (larger first, then the lower lane)
+#pragma unroll
+    for (int q = 0; q < 32; ++q) {
+        const unsigned mq = __shfl_sync(CUPYMOE_FULL_MASK, lane_max, q);
+        r += mq > lane_max || (mq == lane_max && q < lane);
+    }
+    const unsigned T = __shfl_sync(CUPYMOE_FULL_MASK, lane_max, __ffs(__ballot_sync(CUPYMOE_FULL_MASK, r == k - 1)) - 1);
+    if (T == 0u) return false;
+    int n = 0;  // this lane's entries at or above T (k of them at least: the best k lanes' maxima)
+#pragma unroll
+    for (int j = 0; j < V; ++j) n += key[j] >= T;
+    int C;
+    const int incl = warp_inclusive_scan(n, lane, C);
+    if (C > 32) return false;
+    unsigned* ck = reinterpret_cast<unsigned*>(scratch);
+    int* ci = scratch + 32;
+    int at = incl - n;
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+        if (key[j] >= T) {
+            ck[at] = key[j];
+            ci[at++] = lane + 32 * j;
+        }
+    __syncwarp();
+    const unsigned mk = lane < C ? ck[lane] : 0u;
+    const int mi = lane < C ? ci[lane] : 0x7fffffff;
+    __syncwarp();
+    int rank = 0;  // candidates before this one: a larger key, or the same key and a lower id
+#pragma unroll
+    for (int q = 0; q < 32; ++q) {
+        const unsigned kq = __shfl_sync(CUPYMOE_FULL_MASK, mk, q);
+        const int iq = __shfl_sync(CUPYMOE_FULL_MASK, mi, q);
+        rank += q < C && (kq > mk || (kq == mk && iq < mi));
+    }
+    if (lane < C) scratch[rank] = mi;  // the ranks are 0 .. C - 1, each once
+    __syncwarp();
+    id = lane < k ? scratch[lane] : 0x7fffffff;
+    __syncwarp();
+    v = 0.0f;
+    const int src = id & 31, reg = id >> 5;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const float x = __shfl_sync(CUPYMOE_FULL_MASK, val[j], src);
+        if (j == reg) v = x;
+    }
+    if (lane >= k) v = 0.0f;
+    return true;
+}
+
 // Whether route_row_regs<V> serves a row of this router: no hash table, at most 32 V
 // scores, and groups (if any) made of whole registers (E / n_group a multiple of 32).
 __device__ __forceinline__ bool regs_route_fits(int V, int R, int E, int n_group, const int* tid2eid) {
@@ -150,8 +231,26 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
         float best_g[32 > V ? V : 32];
 #pragma unroll
         for (int g = 0; g < (32 > V ? V : 32); ++g) gs[g] = best_g[g] = -INFINITY;
+        if (per == 1) {
+            // a group is one register (deepseek-v3: 8 of 32 experts): its two largest by two
+            // warp max reductions of the keys, every group's independent of the others'. The
+            // lane merges below (5 shuffle rounds of every group's top two) took ~4700 cycles
+            // of one row's routing at N = 1 (NOTES.md v37). The same values: keys order the
+            // scores as the float compares do, NaN (key 0) as -inf.
 #pragma unroll
-        for (int j = 0; j < V; ++j) {  // each lane's top two of each group
+            for (int g = 0; g < (32 > V ? V : 32); ++g) {
+                const unsigned kg = g < n_group && lane + 32 * g < E ? select_key(c[g]) : 0u;
+                const unsigned k1 = __reduce_max_sync(CUPYMOE_FULL_MASK, kg);
+                const unsigned holders = __ballot_sync(CUPYMOE_FULL_MASK, kg == k1);
+                const unsigned k2 = __popc(holders) > 1
+                                        ? k1
+                                        : __reduce_max_sync(CUPYMOE_FULL_MASK, kg == k1 ? 0u : kg);
+                best_g[g] = key_score(k1);
+                gs[g] = key_score(k2);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < V && per > 1; ++j) {  // each lane's top two of each group
             const int g = j / per;
             const float v = c[j] == c[j] ? c[j] : -INFINITY;
             if (lane + 32 * j < E) {
@@ -165,7 +264,7 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
             }
         }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {  // merge the lanes' top twos (every group at once)
+        for (int o = 16; o > 0 && per > 1; o >>= 1) {  // merge the lanes' top twos (every group at once)
 #pragma unroll
             for (int h = 0; h < (32 > V ? V : 32); ++h) {
                 const float b1 = __shfl_xor_sync(CUPYMOE_FULL_MASK, best_g[h], o);
@@ -194,7 +293,8 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
             if (lane + 32 * j < E && !((kept >> (j / per)) & 1u)) c[j] = -INFINITY;
     }
 
-    // 3. k rounds: the warp's largest key, then the lowest id holding it
+    // 3. selection: by rank where it serves (k <= 32: warp_select_by_rank), else k rounds of
+    // the warp's largest key, then the lowest id holding it
     unsigned key[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) key[j] = select_key(c[j]);
@@ -203,7 +303,11 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
     lane_best(key, bk, bj);
     int my_id[2] = {0x7fffffff, 0x7fffffff};  // round lane and lane + 32 (k <= TOPK_MAX_K)
     float my_v[2] = {0.0f, 0.0f};
-    for (int t = 0; t < k; ++t) {
+    float val[V];  // a pick's weight source: its logit (topk_then_softmax) or its score
+#pragma unroll
+    for (int j = 0; j < V; ++j) val[j] = topk_then_softmax ? c[j] : s[j];
+    const bool ranked = k <= 32 && sel_out && warp_select_by_rank(key, val, bk, k, sel_out, lane, my_id[0], my_v[0]);
+    for (int t = 0; t < (ranked ? 0 : k); ++t) {
         const unsigned m = __reduce_max_sync(CUPYMOE_FULL_MASK, bk);
         const int win = __reduce_min_sync(CUPYMOE_FULL_MASK, m != 0u && bk == m ? lane + 32 * bj : 0x7fffffff);
         float v = 0.0f;  // the winner's weight source: its logit (topk_then_softmax) or score
@@ -275,18 +379,6 @@ __device__ __forceinline__ unsigned kth_largest_lane_key(unsigned v, int k, int 
         if (lane == __ffs(holders) - 1) v = 0u;
     }
     return T;
-}
-
-// The warp's inclusive scan of n at each lane; the whole warp's sum in `total`.
-__device__ __forceinline__ int warp_inclusive_scan(int n, int lane, int& total) {
-    int incl = n;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
-        if (lane >= o) incl += t;
-    }
-    total = __shfl_sync(CUPYMOE_FULL_MASK, incl, 31);
-    return incl;
 }
 
 // The k (<= 32) best entries of c[0, R) into sel[0, k), exactly as k rounds of warp_select

@@ -144,7 +144,8 @@ def test_topk_route_picks_what_the_reference_picks(case, rng):
 # scale). Groups of 32 experts (whole registers) route from registers (route_row_regs<8>, R <=
 # 256); groups of 16 and R = 512 by route_row's shared-memory rounds.
 GROUPED_CASES = [
-    (256, 8, 4, 8, "sigmoid", True, True, 2.5),  # deepseek-v3
+    (256, 8, 4, 8, "sigmoid", True, True, 2.5),  # deepseek-v3 (a group a register: its top two by warp reductions)
+    (256, 4, 2, 8, "sigmoid", True, True, 1.0),  # groups of two registers: the lanes' top twos merged
     (64, 2, 1, 6, "softmax", False, False, 1.0),
     (128, 8, 3, 4, "sigmoid", True, True, 1.0),  # groups of 16: shared memory
     (512, 16, 4, 8, "sigmoid", True, True, 1.0),  # past 256: shared memory
