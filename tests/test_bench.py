@@ -295,3 +295,33 @@ def test_random_correction_bias_leaves_deepseek_routing_balanced():
 
     assert touched(bench.CORRECTION_BIAS_STD) >= 0.9 * uniform
     assert touched(0.1) < 0.7 * uniform  # what the bench drew before
+
+
+def test_graph_timeline_splits_forwards_and_takes_medians():
+    """scripts/graph_timeline.py's forward_timeline (NOTES.md v41): kernel records of several
+    forwards, out of order and the first forward cut by the profiler's window, become each
+    position's median start / end / duration from its forward's first kernel, the span and the
+    period; a router name that matches nothing is refused by name."""
+    import importlib.util
+    from pathlib import Path
+
+    import pytest
+
+    path = Path(__file__).parent.parent / "scripts" / "graph_timeline.py"
+    spec = importlib.util.spec_from_file_location("graph_timeline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    records = [(3.0, 2.0, "decode_reduce")]  # the tail of a forward the window cut
+    for f, (t0, late) in enumerate([(10.0, 0.0), (40.0, 1.0), (70.0, 0.5), (100.0, 0.0)]):
+        records += [(t0, 2.0, "void router_logits_bf16<1, 4>"), (t0 + 1.0, 6.0 + late, "decode_route_lists"),
+                    (t0 + 2.0, 15.0, "decode_mma_gate_up_a8<4, 1>"), (t0 + 7.0 + late, 17.0, "decode_reduce")]
+    tl = mod.forward_timeline(records[::-1])  # any order
+    assert tl["forwards"] == 3  # the first whole forward dropped, the cut one never counted
+    names = [r["name"] for r in tl["kernels"]]
+    assert names == ["void router_logits_bf16<1, 4>", "decode_route_lists", "decode_mma_gate_up_a8<4, 1>",
+                     "decode_reduce"]
+    lists = tl["kernels"][1]
+    assert lists["start"] == 1.0 and lists["dur"] == 6.5 and lists["end"] == 7.5  # medians of 1.0, 0.5, 0.0 late
+    assert tl["span"] == 24.5 and tl["period"] == 30.0
+    with pytest.raises(ValueError, match="router_mma"):
+        mod.forward_timeline(records, first="router_mma")
