@@ -136,10 +136,11 @@ __device__ __forceinline__ void build_few_expert_lists(int* sm, const int* ids, 
 // at N = 1): pair t on lane t, and each count build_few_expert_lists makes over shared
 // memory between two block barriers made over the warp's registers instead (k shuffles a
 // count). The same lists: a row's ids are distinct experts unless a hash table repeats one,
-// and the counts give repeats their places as build_few_expert_lists does. Why: the lists
-// took ~3500 of route_lists' ~9400 cycles at N = 1 (NOTES.md v37), the row's latency being
-// the chain's (router -> route_lists -> gate/up; NOTES.md v41). `ids` the row's k ids
-// (shared memory, written by this warp before a __syncwarp), `slot_of` the slot table.
+// and the counts give repeats their places as build_few_expert_lists does. Why: route_lists
+// is a link of the chain (router -> route_lists -> gate/up, each waiting for the one before:
+// NOTES.md v41) and the block's lists took ~3500 of its cycles at N = 1 (v37); the warp's take
+// ~2500, 0.3 us less a layer (v41). `ids` the row's k ids (shared memory, written by this
+// warp before a __syncwarp), `slot_of` the slot table.
 __device__ __forceinline__ void warp_expert_lists(const int* ids, int k, const int* slot_of, int R, int n_local,
                                                   int has_shared, int* __restrict__ num_active,
                                                   int* __restrict__ active_slot, int* __restrict__ active_start,

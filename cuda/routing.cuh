@@ -119,8 +119,9 @@ __device__ __forceinline__ float key_score(unsigned key) {
 // (when at most 32) go one a lane through `scratch` (64 ints of shared memory), and each
 // one's rank in that order is counted against the others by shuffles. The k rounds (a max, a
 // min and the winner's lane rescanning, one after another) took ~3100 cycles of one row's
-// routing at N = 1 (NOTES.md v37). false, nothing picked (the caller then runs the rounds):
-// fewer than k lanes hold a choosable key, or more than 32 entries reach T.
+// routing at N = 1 (NOTES.md v37); this takes ~1900-2200 (v41). false, nothing picked (the
+// caller then runs the rounds): fewer than k lanes hold a choosable key, or more than 32
+// entries reach T.
 template <int V>
 __device__ __forceinline__ bool warp_select_by_rank(const unsigned (&key)[V], const float (&val)[V],
                                                     unsigned lane_max, int k, int* scratch, int lane, int& id,
@@ -181,13 +182,15 @@ __device__ __forceinline__ bool regs_route_fits(int V, int R, int E, int n_group
     return n_group <= 1 || (n_group <= 32 && E % n_group == 0 && (E / n_group) % 32 == 0);
 }
 
-// route_row with the row's scores in registers (entry lane + 32 j in register j): each of
-// the k rounds of selection is a warp max of the lanes' best keys and a warp min of the
-// tied ids (REDUX), where the shared-memory path re-reads R scores and runs a shuffle
-// arg-max; the group scores are warp top-2 merges of whole registers. Same choices as the
-// shared-memory path (ties to the lower id, NaN never chosen), so the ids agree; the
-// weights' renormalising sum runs as a warp tree. The ids also go to sel_out (shared
-// memory, k ints) for the expert lists of decode_route_lists.
+// route_row with the row's scores in registers (entry lane + 32 j in register j): k <= 32
+// picks by rank (warp_select_by_rank), else (and where it declines) k rounds, each a warp
+// max of the lanes' best keys and a warp min of the tied ids (REDUX), where the
+// shared-memory path re-reads R scores and runs a shuffle arg-max; a group's score from two
+// warp max reductions where it is one register, else warp top-2 merges of whole registers.
+// Same choices as the shared-memory path (ties to the lower id, NaN never chosen), so the
+// ids agree; the weights' renormalising sum runs as a warp tree. The ids also go to sel_out
+// (shared memory, TOPK_MAX_K ints, also warp_select_by_rank's scratch) for the expert lists
+// of decode_route_lists.
 template <int V>
 __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const float* logits,
                                                const float* __restrict__ corr_bias, int* __restrict__ ids_out,
@@ -235,8 +238,8 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
             // a group is one register (deepseek-v3: 8 of 32 experts): its two largest by two
             // warp max reductions of the keys, every group's independent of the others'. The
             // lane merges below (5 shuffle rounds of every group's top two) took ~4700 cycles
-            // of one row's routing at N = 1 (NOTES.md v37). The same values: keys order the
-            // scores as the float compares do, NaN (key 0) as -inf.
+            // of one row's routing at N = 1 (NOTES.md v37); this ~3900 (v41). The same values:
+            // keys order the scores as the float compares do, NaN (key 0) as -inf.
 #pragma unroll
             for (int g = 0; g < (32 > V ? V : 32); ++g) {
                 const unsigned kg = g < n_group && lane + 32 * g < E ? select_key(c[g]) : 0u;
