@@ -313,11 +313,11 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
     for (int t = 0; t < (ranked ? 0 : k); ++t) {
         const unsigned m = __reduce_max_sync(CUPYMOE_FULL_MASK, bk);
         const int win = __reduce_min_sync(CUPYMOE_FULL_MASK, m != 0u && bk == m ? lane + 32 * bj : 0x7fffffff);
-        float v = 0.0f;  // the winner's weight source: its logit (topk_then_softmax) or score
+        float v = 0.0f;  // the winner's weight source (val)
         const int wj = win >> 5;
 #pragma unroll
         for (int j = 0; j < V; ++j)
-            if (j == wj) v = topk_then_softmax ? c[j] : s[j];
+            if (j == wj) v = val[j];
         v = __shfl_sync(CUPYMOE_FULL_MASK, v, win & 31);
         if (win != 0x7fffffff && lane == (win & 31)) {
 #pragma unroll
