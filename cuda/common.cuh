@@ -117,6 +117,45 @@ __device__ __forceinline__ int block_exclusive_scan_1024(int v, int* tmp, int& t
     return r;
 }
 
+// Stable places of a block's (row, slot) pairs within their experts' runs, pair i of the
+// block on thread i (sort_place; build_expert_lists), in three steps with a barrier after
+// each: `before` ([warps][n_local] 16-bit counts: a block has at most 1024 pairs) zeroed;
+// warp_slot_rank, whose lanes of one slot find each other by one match, the lowest of them
+// writing the warp's count of the slot; warps_exclusive_prefix for each slot, turning its
+// column of warp counts into the counts of the warps before each. A pair's place among its
+// expert's pairs of the block is then before[warp][slot] + its rank. `slot` < 0: nobody's
+// pair (it matches no other lane and writes nothing). Every lane of the warp must call it.
+__device__ __forceinline__ int warp_slot_rank(unsigned short* before, int n_local, int slot, int warp, int lane) {
+    const int key = slot >= 0 ? slot : -1 - lane;
+    const unsigned peers = __match_any_sync(CUPYMOE_FULL_MASK, key);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    if (slot >= 0 && rank == 0) before[warp * n_local + slot] = (unsigned short)__popc(peers);
+    return rank;
+}
+
+// Slot i's column of `warps` warp counts (warp_slot_rank) becomes their exclusive running
+// sums; returns the slot's pairs in the block. Eight loads in flight: the column is one
+// slot's, walked by one thread.
+__device__ __forceinline__ int warps_exclusive_prefix(unsigned short* before, int n_local, int warps, int i) {
+    int run = 0, w = 0;
+    for (; w + 8 <= warps; w += 8) {
+        int c[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) c[j] = before[(w + j) * n_local + i];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            before[(w + j) * n_local + i] = (unsigned short)run;
+            run += c[j];
+        }
+    }
+    for (; w < warps; ++w) {
+        const int c = before[w * n_local + i];
+        before[w * n_local + i] = (unsigned short)run;
+        run += c;
+    }
+    return run;
+}
+
 // The sum of one float per thread over a block of THREADS threads, in warp order (the same
 // bits every launch), returned to every thread; `partial` holds THREADS / 32 floats of
 // shared memory. One call per `partial` between barriers.

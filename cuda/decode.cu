@@ -39,7 +39,8 @@
 __host__ __device__ constexpr int decode_unroll(int fmt, int loads) {
     return fmt == FMT_FP8 ? 2 : ((fmt == FMT_BF16 ? 8 : 16) / loads > 2 ? (fmt == FMT_BF16 ? 8 : 16) / loads : 2);
 }
-// grid 1, block LISTS_THREADS, dynamic smem (2 n_local + 33) ints: build_expert_lists.
+// grid 1, block LISTS_THREADS, dynamic smem R ints (the slot table, copied before the wait
+// for top-k: its lookups would be global round trips after it) + build_expert_lists'.
 __global__ void __launch_bounds__(LISTS_THREADS)
 decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restrict__ slot_of, int R,
                    int n_local, int has_shared,
@@ -47,8 +48,9 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restr
                    int* __restrict__ active_len, int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
                    int* __restrict__ pair_pos, int* __restrict__ slot_active) {
     extern __shared__ int sm[];
-    pdl_wait_then_release_next();
-    build_expert_lists(sm, ids, N, k, slot_of, R, n_local, has_shared, num_active, active_slot, active_start,
+    for (int e = threadIdx.x; e < R; e += LISTS_THREADS) sm[e] = slot_of[e];  // the layer's, constant
+    pdl_wait_then_release_next();  // (build_expert_lists' first barrier orders the copies)
+    build_expert_lists(sm + R, ids, N, k, sm, R, n_local, has_shared, num_active, active_slot, active_start,
                        active_len, sorted_row, sorted_pair, pair_pos, slot_active);
 }
 

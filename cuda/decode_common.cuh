@@ -58,59 +58,66 @@ __device__ __forceinline__ void store_down_value(float v, int pos, int h, const 
 
 #define LISTS_THREADS 1024
 
-// One block of LISTS_THREADS threads, `sm` 2 n_local + 33 ints of its shared memory. slot_of[e] is expert e's table slot on this rank (0 .. n_local-1), or -1 for
-// another rank's expert and for zero experts; ids outside 0..R-1 (-1 from a bad hash
-// token) are nobody's. Unowned pairs get pair_pos = -1.
+// One block of LISTS_THREADS threads, P = N k <= LISTS_THREADS pairs (pair p on thread p),
+// `sm` n_local + 33 ints and ceil(P / 32) n_local 16-bit counts of its shared memory
+// (kernels.expert_lists_smem_bytes). slot_of[e] is expert e's
+// table slot on this rank (0 .. n_local-1), or -1 for another rank's expert and for zero
+// experts; ids outside 0..R-1 (-1 from a bad hash token) are nobody's. Unowned pairs get
+// pair_pos = -1.
 // Stable: positions within an expert follow pair order, so the layout is deterministic.
 // slot_active[slot] (n_local + 1 of them): the slot's active index, -1 where nobody chose
 // it (the wgmma gate/up's blocks by slot look theirs up: decode_wgmma_a8.cu).
-// `ids` is not __restrict__: decode_route_lists wrote it in the same launch, so its loads
+// A pair's rank among its expert's pairs is sort_place's (common.cuh warp_slot_rank: a
+// match in its warp and the warps' counts before it), which also gives each expert's count;
+// one scan of (count, active) packed in an int then places the experts. Why: each pair
+// counted the pairs before it with its expert, one global load each (P - 1 for the last),
+// and the counts were atomics before two scans: ~8 us of the decode chain at qwen3-30b-a3b
+// N = 64 (NOTES.md v42).
+// `ids` is not __restrict__: decode_topk_lists wrote it in the same launch, so its loads
 // must not take the read-only (non-coherent) path.
 __device__ __forceinline__ void build_expert_lists(int* sm, const int* ids, int N, int k,
-                                                   const int* __restrict__ slot_of, int R, int n_local, int has_shared,
+                                                   const int* slot_of, int R, int n_local, int has_shared,
                                                    int* __restrict__ num_active, int* __restrict__ active_slot,
                                                    int* __restrict__ active_start, int* __restrict__ active_len,
                                                    int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
                                                    int* __restrict__ pair_pos, int* __restrict__ slot_active) {
-    int* cnt = sm;                      // [n_local]
-    int* start = cnt + n_local;         // [n_local]
-    int* warp_totals = start + n_local;  // [LISTS_THREADS / 32 + 1]
-    const int P = N * k;
-    for (int i = threadIdx.x; i < n_local; i += LISTS_THREADS) cnt[i] = 0;
+    const int P = N * k, warps = (P + 31) >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = threadIdx.x;
+    int* start = sm;                        // [n_local]
+    int* warp_totals = start + n_local;     // [LISTS_THREADS / 32 + 1]
+    unsigned short* before = reinterpret_cast<unsigned short*>(warp_totals + 33);  // [warps][n_local]
+    for (int i = threadIdx.x; i < warps * n_local; i += LISTS_THREADS) before[i] = 0;
     __syncthreads();
-    for (int p = threadIdx.x; p < P; p += LISTS_THREADS) {
-        const int e = ids[p];
-        const int sl = e >= 0 && e < R ? slot_of[e] : -1;
-        if (sl >= 0) atomicAdd(&cnt[sl], 1);
-    }
+    const int e = p < P ? ids[p] : -1;
+    const int sl = e >= 0 && e < R ? slot_of[e] : -1;
+    int rank = 0;
+    if (warp < warps) rank = warp_slot_rank(before, n_local, sl, warp, lane);
     __syncthreads();
-    // exclusive scans over experts, LISTS_THREADS experts per round
+    // experts in rounds of LISTS_THREADS: each one's count, and one scan placing its run
+    // (high 16 bits: positions, at most P) and its active index (low: at most n_local
+    // a round, under 2^16) at once
     int pos_base = 0, act_base = 0;
     for (int e0 = 0; e0 < n_local; e0 += LISTS_THREADS) {
-        const int e = e0 + threadIdx.x;
-        const int c = e < n_local ? cnt[e] : 0;
-        int tot_c, tot_a;
-        const int off = block_exclusive_scan_1024(c, warp_totals, tot_c);
-        const int aidx = block_exclusive_scan_1024(c > 0 ? 1 : 0, warp_totals, tot_a);
-        if (e < n_local) slot_active[e] = c > 0 ? act_base + aidx : -1;
+        const int x = e0 + threadIdx.x;
+        const int c = x < n_local ? warps_exclusive_prefix(before, n_local, warps, x) : 0;
+        int total;
+        const int packed = block_exclusive_scan_1024((c << 16) | (c > 0 ? 1 : 0), warp_totals, total);
+        const int off = packed >> 16, aidx = packed & 0xffff;
+        if (x < n_local) slot_active[x] = c > 0 ? act_base + aidx : -1;
         if (c > 0) {
-            start[e] = pos_base + off;
-            active_slot[act_base + aidx] = e;
+            start[x] = pos_base + off;
+            active_slot[act_base + aidx] = x;
             active_start[act_base + aidx] = pos_base + off;
             active_len[act_base + aidx] = c;
         }
-        pos_base += tot_c;
-        act_base += tot_a;
+        pos_base += total >> 16;
+        act_base += total & 0xffff;
     }
     __syncthreads();
-    for (int p = threadIdx.x; p < P; p += LISTS_THREADS) {
-        const int e = ids[p];
-        const int sl = e >= 0 && e < R ? slot_of[e] : -1;
+    if (p < P) {
         int pos = -1;
         if (sl >= 0) {
-            int rank = 0;
-            for (int q = 0; q < p; ++q) rank += ids[q] == e;
-            pos = start[sl] + rank;
+            pos = start[sl] + before[warp * n_local + sl] + rank;
             sorted_row[pos] = p / k;
             sorted_pair[pos] = p;
         }

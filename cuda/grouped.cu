@@ -167,22 +167,12 @@ sort_place(const int* __restrict__ ids, int P, int N, const int* __restrict__ sl
     const int e = p < P ? ids[p] : -1;
     const int sl = e >= 0 && e < R ? slot_of[e] : -1;
     const bool mine = sl >= 0;
-    const int key = mine ? sl : -1 - lane;  // non-local lanes never match others
-    const unsigned peers = __match_any_sync(CUPYMOE_FULL_MASK, key);
-    const int rank = __popc(peers & ((1u << lane) - 1u));
-    if (mine && rank == 0) before[warp * n_local + key] = (unsigned short)__popc(peers);
+    const int rank = warp_slot_rank(before, n_local, sl, warp, lane);
     __syncthreads();
-    for (int i = threadIdx.x; i < n_local; i += SORT_THREADS) {
-        int run = 0;
-        for (int w = 0; w < WARPS; ++w) {
-            const int c = before[w * n_local + i];
-            before[w * n_local + i] = (unsigned short)run;
-            run += c;
-        }
-    }
+    for (int i = threadIdx.x; i < n_local; i += SORT_THREADS) warps_exclusive_prefix(before, n_local, WARPS, i);
     __syncthreads();
     if (mine) {
-        const int pos = next[key] + before[warp * n_local + key] + rank;
+        const int pos = next[sl] + before[warp * n_local + sl] + rank;
         sorted_row[pos] = p / k;
         sorted_pair[pos] = p;
         pair_pos[p] = pos;

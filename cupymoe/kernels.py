@@ -311,6 +311,13 @@ def sort_place_smem_bytes(n_local: int) -> int:
     return n_local * 4 + SORT_WARPS * n_local * 2
 
 
+def expert_lists_smem_bytes(pairs: int, n_local: int) -> int:
+    """build_expert_lists' shared memory (cuda/decode_common.cuh) for `pairs` <= 1024 pairs:
+    the experts' starts and a scan's 33 ints, then a 16-bit count of each expert for each
+    warp of pairs."""
+    return (n_local + 33) * 4 + 4 * -(-(-(-pairs // 32) * n_local) // 2)
+
+
 SM90_BM, SM90_BK = 128, 64  # grouped_gemm_sm90's tile (cuda/grouped_sm90.cu)
 GATHER_WARPS = 4  # the TMA kernel's gathering producer warps (cuda/grouped_sm90_tma.cu GATHER_WARPS)
 TMA_A_BOX_ROWS = 64  # the TMA kernel's A boxes: one a warpgroup's rows (cuda/grouped_sm90_tma.cu TMA_SUB)
@@ -888,10 +895,10 @@ class KernelLibrary:
                     smem = (grouped_smem_bytes(*(int(g) for g in m.groups())) if m
                             else sm90_fp8_smem_bytes() if expr.startswith("grouped_gemm_sm90_fp8")
                             else sm90[0].smem_bytes(sm90[1]) if sm90
-                            # sizes set per launch: sort_place's by the layer's experts, the
-                            # wgmma decode's by its K (less 1 KB: its static shared memory
-                            # counts against the opt-in maximum too)
-                            else self.max_smem if expr == "sort_place"
+                            # sizes set per launch: sort_place's and decode_build_lists' by
+                            # the layer's experts, the wgmma decode's by its K (less 1 KB: its
+                            # static shared memory counts against the opt-in maximum too)
+                            else self.max_smem if expr in ("sort_place", "decode_build_lists")
                             else self.max_smem - 1024 if expr.startswith("decode_wgmma_")
                             else 0)
                     if smem:  # opt in to more than 48 KB of dynamic shared memory, once

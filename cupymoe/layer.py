@@ -656,7 +656,7 @@ class MoeLayer:
         # nor for routers wider than decode_topk_lists routes as topk_route does). Measured
         # (NOTES.md v31): qwen3-30b-a3b N = 16 fp8 126.2 -> 124.6 us, nvfp4 116.7 -> 115.1; at
         # N = 64, four rows a warp, slower than topk_route's 16 blocks (fp8 188.3 -> 193.5)
-        topk_lists_smem = (TOPK_LISTS_WARPS * (2 * R + 64) + 2 * W.n_local + 33) * 4
+        topk_lists_smem = TOPK_LISTS_WARPS * (2 * R + 64) * 4 + kernels.expert_lists_smem_bytes(N * k, W.n_local)
         topk_lists = (self._topk_lists and path != "prefill" and not route_lists and N <= TOPK_LISTS_WARPS
                       and N * k <= SMALL_SORT_PAIRS and splits == 1 and R <= TOPK_LISTS_MAX_R
                       and topk_lists_smem <= 48 * 1024)
@@ -887,11 +887,13 @@ class MoeLayer:
         P = N * k
         lists = (_u64(A.ptr("num_active")), _u64(A.ptr("active_slot")), _u64(A.ptr("active_start")),
                  _u64(A.ptr("active_len")))
-        if P <= SMALL_SORT_PAIRS:
+        R = cfg.router_width
+        lists_smem = R * 4 + kernels.expert_lists_smem_bytes(P, W.n_local)  # the slot table, then the lists'
+        if P <= SMALL_SORT_PAIRS and lists_smem <= self.lib.max_smem:
             self._launch("decode_build_lists", (1,), (LISTS_THREADS,),
-                         (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _u64(W.ptr("slot_of")), _i32(cfg.router_width),
+                         (_u64(A.ptr("topk_ids")), _i32(N), _i32(k), _u64(W.ptr("slot_of")), _i32(R),
                           _i32(W.n_local), _i32(has_shared), *self._list_outputs()),
-                         s, (2 * W.n_local + 33) * 4, pdl=pdl)
+                         s, lists_smem, pdl=pdl)
             return 0, 0
         nblk = -(-P // SORT_BLOCK)
         self._launch("sort_count", (nblk,), (SORT_BLOCK,),

@@ -514,18 +514,23 @@ def _model_expert_lists(ids: np.ndarray, slot_of: np.ndarray, n_local: int, has_
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3", "longcat_flash", "gpt_oss", "qwen2_moe-ep1",
-                                  "deepseek_v3-hash-repeats"])
+                                  "deepseek_v3-hash-repeats", "qwen3_moe-301"])
 def test_route_lists_expert_lists_match_a_model_of_them(case, rng):
-    """decode_route_lists' expert lists (the decode path at N <= 8: at N = 1 the routing warp
-    builds them alone, cuda/decode.cu warp_expert_lists; past that the block) are the lists
-    build_expert_lists would make from the same top-k ids, on the decode and atomic paths:
-    a shared expert (deepseek-v3, qwen2-moe), zero experts (longcat), softmax after top-k
-    (gpt-oss), EP rank 1's slots (the other rank's experts nobody's here), and a hash table
-    whose rows repeat an expert. The outputs are checked against the reference too."""
+    """Every list builder's expert lists are the model's, made from the same top-k ids:
+    decode_route_lists' (the decode path at N <= 8: at N = 1 the routing warp builds them
+    alone, cuda/decode.cu warp_expert_lists; past that the block), decode_topk_lists' (to 16
+    rows) and decode_build_lists' (the prefill path's up to 1024 pairs, the decode path's
+    past 16 rows: several warps of pairs, whose ranks come from the warps' counts), on the
+    decode, atomic and prefill paths: a shared expert (deepseek-v3, qwen2-moe), zero experts
+    (longcat), softmax after top-k (gpt-oss), EP rank 1's slots (the other rank's experts
+    nobody's here), a hash table whose rows repeat an expert, and 301 experts (an odd count
+    of 16-bit counts a warp; a router too wide for decode_topk_lists). The outputs are
+    checked against the reference too."""
     from cupymoe.verify import _read_arena
 
     fam, _, variant = case.partition("-")
-    overrides = dict(hash_routing=True, hash_vocab_size=20, n_group=1, topk_group=1) if variant == "hash-repeats" else {}
+    overrides = (dict(hash_routing=True, hash_vocab_size=20, n_group=1, topk_group=1) if variant == "hash-repeats"
+                 else dict(num_experts=301) if variant == "301" else {})  # 301: past 256 experts, odd
     cfg = testing.tiny_config(fam, **overrides)
     hw = testing.random_host_weights(cfg, rng)
     if variant == "hash-repeats":  # every row names one expert twice (and then its weights twice)
@@ -534,12 +539,12 @@ def test_route_lists_expert_lists_match_a_model_of_them(case, rng):
                                                               for _ in range(20))]).astype(np.int32)
     if variant == "ep1":
         cfg = cfg.replace(ep_world_size=2, ep_rank=1)
-    layer = _layer(cfg, hw, max_tokens=8)
+    layer = _layer(cfg, hw, max_tokens=250)
     slot_of = layer.weights.slot_of.get()
     k, n_local = cfg.num_experts_per_tok, layer.weights.n_local
-    for n in (1, 2, 3, 8):
+    for n in (1, 2, 3, 8, 13, 17, 64, 250):  # 250 rows: 1000 pairs, 32 warps of them
         token_ids = testing.random_token_ids(rng, n, 20) if cfg.hash_routing else None
-        for path in ("decode", "atomic"):
+        for path in ("decode", "atomic") if n <= 16 else ("decode", "atomic", "prefill"):
             _check(layer, cfg, hw, rng, n, path, token_ids)
             ids = _read_arena(layer, "topk_ids", np.int32, (n, k))
             want = _model_expert_lists(ids, slot_of, n_local, cfg.has_shared_expert)
