@@ -118,7 +118,7 @@ struct WfScales {
 
 // Everything a block needs besides the stages' bytes: where its weight rows' codes and
 // scales and its pass's rows come from, and which chunks of them this thread copies.
-template <int FMT, int NTOK>
+template <int FMT, int NTOK, bool TILED = false>
 struct WfBlock {
     static constexpr int CHUNKS = WF_KSUB * WF_BK / 2 / 16;  // 16-byte code chunks a row and stage: 8
     static constexpr int A_ROWS = WF_THREADS / CHUNKS;       // rows a round of code copies covers
@@ -140,7 +140,15 @@ struct WfBlock {
     size_t a_step, s_step;
     const u8* row_scales;    // weight row tid's scale bytes (whole_stages)
     const bf16* x_src[X_PER];  // null past the run
-    int K, KT, KS;             // K, its k steps, its stages
+    int K, KT, KS;             // K, its k steps, its stages (of one tile)
+    // TILED: weight tiles a block takes one after another in one run of its ring (down where
+    // K is a few stages), each WF_ROWS rows of K codes on from the one before (tile_a_bytes,
+    // tile_s_bytes); stage s of the run is stage s % KS of tile s / KS
+    int tiles = 1;
+    __device__ __forceinline__ size_t tile_a_bytes(int tile) const { return (size_t)tile * WF_ROWS * (K / 2); }
+    __device__ __forceinline__ size_t tile_s_bytes(int tile) const {
+        return (size_t)tile * WF_ROWS * (K / (FMT == FMT_NVFP4 ? 16 : 32));
+    }
     bool whole_stages;         // K a multiple of a stage's WF_KSUB * WF_BK codes
     u8* stages;
 
@@ -177,15 +185,19 @@ struct WfBlock {
 
     // The stage's codes and scale bytes (k steps past K arrive as zeros, nothing read).
     // Where they land: this thread's first row's chunk, the others A_ROWS (S_ROWS) rows on.
-    __device__ __forceinline__ void copy_weights(int s) const {
-        u8* st = stage(s);
+    // Stage run_s of the run: stage s of weight tile `tile` (TILED, else tile 0 and s = run_s).
+    __device__ __forceinline__ void copy_weights(int run_s, int tile = 0, int s_of_tile = -1) const {
+        u8* st = stage(run_s);
+        const int s = TILED ? s_of_tile : run_s;
         const int c = threadIdx.x % CHUNKS, sub = c / (CHUNKS / WF_KSUB);
         const bool kin = (s * WF_KSUB + sub) * WF_BK < K;
         u8* dst = codes_of(st, sub) + a_row(0) * (WF_BK / 2) + (c % (CHUNKS / WF_KSUB)) * 16;
         const int off = kin ? s * (WF_KSUB * WF_BK / 2) : 0;
+        const size_t toff = TILED && kin ? tile_a_bytes(tile) : 0;
 #pragma unroll
         for (int i = 0; i < A_PER; ++i)
-            cp_async16(dst + i * A_ROWS * (WF_BK / 2), a_src[i / (A_PER / 2)] + (i % (A_PER / 2)) * a_step + off, kin);
+            cp_async16(dst + i * A_ROWS * (WF_BK / 2), a_src[i / (A_PER / 2)] + (i % (A_PER / 2)) * a_step + off + toff,
+                       kin);
         // Scale bytes. K in whole stages: a row's stage of them is one aligned SB-byte chunk,
         // one copy a thread (row tid). Why: as SB / 4 four-byte copies a row (512 a stage
         // for nvfp4) they took ~18 % of the copies' time on deepseek-v3 nvfp4 N = 64; one
@@ -194,21 +206,23 @@ struct WfBlock {
         static_assert(SB == 16 || SB == 8, "a row's stage of scale bytes: one 16- or 8-byte copy");
         if (whole_stages) {
             if (SB == 16)
-                cp_async16(scales_of(st) + threadIdx.x * SB, row_scales + s * SB, true);
+                cp_async16(scales_of(st) + threadIdx.x * SB, row_scales + s * SB + (TILED ? tile_s_bytes(tile) : 0), true);
             else
-                cp_async8(scales_of(st) + threadIdx.x * SB, row_scales + s * SB);
+                cp_async8(scales_of(st) + threadIdx.x * SB, row_scales + s * SB + (TILED ? tile_s_bytes(tile) : 0));
             return;
         }
         const int sc = threadIdx.x % SCH, ssub = sc / (SCH / WF_KSUB);
         const bool skin = (s * WF_KSUB + ssub) * WF_BK < K;
         u8* sdst = scales_of(st) + s_row(0) * SB + sc * 4;
         const int soff = skin ? s * SB : 0;
+        const size_t tsoff = TILED && skin ? tile_s_bytes(tile) : 0;
 #pragma unroll
         for (int i = 0; i < S_PER; ++i)
-            cp_async4(sdst + i * S_ROWS * SB, s_src[i / (S_PER / 2)] + (i % (S_PER / 2)) * s_step + soff, skin);
+            cp_async4(sdst + i * S_ROWS * SB, s_src[i / (S_PER / 2)] + (i % (S_PER / 2)) * s_step + soff + tsoff, skin);
     }
 
     // The pass's rows' chunks of stage s: loaded into registers (zeros past K or the run) ...
+    // (s: the stage of its tile; every tile multiplies the same rows)
     __device__ __forceinline__ void load_rows(int s, uint4 (&v)[X_PER]) const {
         const int c = threadIdx.x % XCH, sub = c / (XCH / WF_KSUB);
         const bool kin = (s * WF_KSUB + sub) * WF_BK < K;
@@ -243,7 +257,7 @@ struct WfBlock {
     __device__ __forceinline__ void copy_weights_ahead() const {
 #pragma unroll
         for (int s = 0; s < WF_STAGES - 1; ++s)
-            if (s < KS) copy_weights(s);
+            if (s < KS * (TILED ? tiles : 1)) copy_weights(s, s / KS, s % KS);
         cp_async_commit();
     }
 
@@ -304,52 +318,74 @@ struct WfBlock {
     // loaded into registers one iteration ahead of being stored, so their latency hides
     // behind a stage's work. `weights_ahead`: copy_weights_ahead issued the first stages'
     // codes (an older group, so every wait below that covers a stage covers them too).
-    __device__ __forceinline__ void pass(float (&acc)[2][NTOK / 2], bool weights_ahead) const {
+    // With several tiles the run goes through them one after another, calling
+    // tile_done(tile, acc) as each one's sums are whole (then zeroed for the next; the last
+    // tile's stay in acc).
+    template <class TileDone>
+    __device__ __forceinline__ void pass(float (&acc)[2][NTOK / 2], bool weights_ahead, TileDone tile_done) const {
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int i = 0; i < NTOK / 2; ++i) acc[m][i] = 0.0f;
+        const int RS = TILED ? KS * tiles : KS;  // the run's stages
         // the first stages' rows: every load out before the first store waits for one (a
         // block's first stages waited for them one after the other: an L2 round trip each,
         // a large part of a short K's block, down's at qwen3-30b-a3b's I = 768; NOTES.md v40)
         uint4 first[WF_STAGES - 1][X_PER];
 #pragma unroll
         for (int s = 0; s < WF_STAGES - 1; ++s) {
-            if (s < KS) {
-                if (!weights_ahead) copy_weights(s);
-                load_rows(s, first[s]);
+            if (s < RS) {
+                if (!weights_ahead) copy_weights(s, s / KS, s % KS);
+                load_rows(TILED ? s % KS : s, first[s]);
             }
             cp_async_commit();
         }
 #pragma unroll
         for (int s = 0; s < WF_STAGES - 1; ++s)
-            if (s < KS) store_rows(s, first[s]);
+            if (s < RS) store_rows(s, first[s]);
+        // TILED: the tile and its stage of stage s (tile, ts) and of the stage ahead (at, ats),
+        // counted on (no division a stage)
+        int tile = 0, ts = 0, at = 0, ats = WF_STAGES - 1;
+        if (TILED)
+            while (ats >= KS) ats -= KS, ++at;
 #pragma unroll 1
-        for (int s = 0; s < KS; ++s) {
+        for (int s = 0; s < RS; ++s) {
             cp_async_wait<WF_STAGES - 2>();  // this thread's copies of stage s have landed
             fence_proxy_async();             // its stores of the stage's rows: visible to the tensor cores
             __syncthreads();                 // everyone's; the stage of s - 1 is free
             const int ahead = s + WF_STAGES - 1;
             uint4 v[X_PER];
-            if (ahead < KS) {
-                copy_weights(ahead);
-                load_rows(ahead, v);
+            if (ahead < RS) {
+                copy_weights(ahead, at, ats);
+                load_rows(TILED ? ats : ahead, v);
             }
             cp_async_commit();
             u8* st = stage(s);
+            const int k0 = (TILED ? ts : s) * WF_KSUB;
 #pragma unroll
             for (int sub = 0; sub < WF_KSUB; ++sub)
-                if (s * WF_KSUB + sub < KT) step(acc, st, sub);
-            if (ahead < KS) store_rows(ahead, v);
+                if (k0 + sub < KT) step(acc, st, sub);
+            if (ahead < RS) store_rows(ahead, v);
+            if (TILED) {
+                if (ts == KS - 1 && tile + 1 < tiles) {
+                    tile_done(tile, acc);
+#pragma unroll
+                    for (int m = 0; m < 2; ++m)
+#pragma unroll
+                        for (int i = 0; i < NTOK / 2; ++i) acc[m][i] = 0.0f;
+                }
+                if (++ts == KS) ts = 0, ++tile;
+                if (++ats == KS) ats = 0, ++at;
+            }
         }
         cp_async_wait<0>();
         __syncthreads();  // the stages are free for the next pass
     }
 };
 
-template <int FMT, int NTOK>
-__device__ __forceinline__ WfBlock<FMT, NTOK> wf_block(unsigned char* smem, int K) {
-    WfBlock<FMT, NTOK> b;
+template <int FMT, int NTOK, bool TILED = false>
+__device__ __forceinline__ WfBlock<FMT, NTOK, TILED> wf_block(unsigned char* smem, int K) {
+    WfBlock<FMT, NTOK, TILED> b;
     const unsigned pad = (1024u - ((unsigned)__cvta_generic_to_shared(smem) & 1023u)) & 1023u;
     b.stages = smem + pad;
     b.K = K;
@@ -397,7 +433,7 @@ __global__ void __launch_bounds__(WF_THREADS, WF_MIN_BLOCKS(NTOK)) decode_wgmma_
             b.x_src[i] = t < len ? in + (size_t)sorted_row[start + t] * H : nullptr;
         }
         float acc[2][NTOK / 2];  // gate, up
-        b.pass(acc, false);
+        b.pass(acc, false, [](int, float (&)[2][NTOK / 2]) {});  // one tile
 #pragma unroll
         for (int i = 0; i < NTOK / 2; ++i) {  // element (j, h, e) = 4 j + 2 h + e
             const int col = c0 + 16 * warp + g + 8 * ((i >> 1) & 1), t = r0 + 8 * (i >> 2) + 2 * t4 + (i & 1);
@@ -410,8 +446,10 @@ __global__ void __launch_bounds__(WF_THREADS, WF_MIN_BLOCKS(NTOK)) decode_wgmma_
     }
 }
 
-// grid (ceil(H / 128), max_active), block WF_THREADS, dynamic shared memory
-// kernels.wgmma_fp4_decode_smem_bytes(FMT, NTOK). Arguments: DECODE_DOWN_ARGS; outputs as
+// grid (H / (128 T), max_active), block WF_THREADS, dynamic shared memory
+// kernels.wgmma_fp4_decode_smem_bytes(FMT, NTOK). A block takes T = H / (128 gridDim.x)
+// tiles of 128 hidden columns (T > 1: the layer's grid where I is a few stages, so that a
+// block's ring runs on from one tile into the next). Arguments: DECODE_DOWN_ARGS; outputs as
 // decode_mma_down's: y[pos, h], or with `atomic` the routed pairs' w * y added into
 // acc[row, h] (the shared expert still stores y). Before its wait for gate/up (PDL) a block
 // reads its run from the lists (made before gate/up, whose blocks passed their own wait for
@@ -422,10 +460,11 @@ __global__ void __launch_bounds__(WF_THREADS, WF_MIN_BLOCKS(NTOK)) decode_wgmma_
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return;
-    const int h0 = blockIdx.x * WF_ROWS;
+    const int tiles = max(1, H / (WF_ROWS * (int)gridDim.x)), h0 = blockIdx.x * WF_ROWS * tiles;
     if (h0 >= H) return;
     const int I = inter[slot];
-    WfBlock<FMT, NTOK> b = wf_block<FMT, NTOK>(wf_smem, I);
+    WfBlock<FMT, NTOK, true> b = wf_block<FMT, NTOK, true>(wf_smem, I);
+    b.tiles = tiles;
     const u8* down = reinterpret_cast<const u8*>(down_ptrs[slot]);
     const u8* down_s = reinterpret_cast<const u8*>(down_scale_ptrs[slot]);
     b.set_weights([&](int r, bool codes) {
@@ -445,16 +484,20 @@ __global__ void __launch_bounds__(WF_THREADS, WF_MIN_BLOCKS(NTOK)) decode_wgmma_
             const int t = r0 + b.x_row(i);
             b.x_src[i] = t < len ? act + (size_t)(start + t) * I_max : nullptr;
         }
-        float c[2][NTOK / 2];  // hidden columns h0 + 0..63, h0 + 64..127
-        b.pass(c, r0 == 0);
+        const auto store = [&](int tile, float (&c)[2][NTOK / 2]) {
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
+            for (int m = 0; m < 2; ++m)
 #pragma unroll
-            for (int i = 0; i < NTOK / 2; ++i) {
-                const int h = h0 + 64 * m + 16 * warp + g + 8 * ((i >> 1) & 1), t = r0 + 8 * (i >> 2) + 2 * t4 + (i & 1);
-                if (t < len)  // h < H: H is a multiple of 128
-                    store_down_value(c[m][i] * gsd + (bd ? bd[h] : 0.0f), start + t, h, sorted_pair, topk_w, y, acc,
-                                     H, k, P, atomic);
-            }
+                for (int i = 0; i < NTOK / 2; ++i) {
+                    const int h = h0 + WF_ROWS * tile + 64 * m + 16 * warp + g + 8 * ((i >> 1) & 1);
+                    const int t = r0 + 8 * (i >> 2) + 2 * t4 + (i & 1);
+                    if (t < len)  // h < H: H is a multiple of 128 T
+                        store_down_value(c[m][i] * gsd + (bd ? bd[h] : 0.0f), start + t, h, sorted_pair, topk_w, y,
+                                         acc, H, k, P, atomic);
+                }
+        };
+        float c[2][NTOK / 2];  // hidden columns h0 + 128 tile + 0..63, + 64..127
+        b.pass(c, r0 == 0, store);
+        store(tiles - 1, c);
     }
 }

@@ -113,6 +113,13 @@ def positive_int_env(name: str) -> Optional[int]:
     return int(v)
 
 
+def fp4_down_tiles() -> Optional[int]:
+    """CUPYMOE_FP4_DOWN_TILES: 128-row weight tiles a block of decode_wgmma_down_fp4 takes
+    one after another (None: the layer's rule, layer._fp4_down_tiles), for tests and
+    measurements; the layer keeps one where H / 128 is not a multiple of it."""
+    return positive_int_env("CUPYMOE_FP4_DOWN_TILES")
+
+
 def mma_decode_down_pairs() -> bool:
     """Whether the tensor-core decode's down kernel may stream two 16-row fragments a warp
     (decode_mma_down<..., CF = 2>: half the blocks, where they still fill every SM without a

@@ -72,6 +72,15 @@ WGMMA_DECODE_MIN_WAVES = 2.0
 # (512) 190.4 -> 183.3 / 175.5 -> 158.0, and from 8 rows on 3-27 % less time
 WGMMA_FP4_DECODE_MIN_WAVES = 0.8
 WGMMA_FP4_DECODE_BLOCKS_PER_SM = 3
+# decode_wgmma_down_fp4 takes two 128-row tiles a block, one run of its ring through both,
+# where the experts' I is at most this many of its stages (256 codes) and the halved grid over
+# the experts N rows are expected to choose still fills a wave (layer._fp4_down_tiles). A
+# block of qwen3-30b-a3b's I = 768 is three stages, its whole ring: the copies of one tile
+# then wait for nothing of the next. Measured (NOTES.md v42, µs, nvfp4 / mxfp4, one tile ->
+# two): qwen3-30b-a3b N = 64 135.4-135.9 -> 133.8-134.1 / 132.1-132.2 -> 128.8-129.2, N = 32
+# 120.1 -> 119.1-119.3 / 116.4-117.0 -> 115.3-115.9, N = 8 -0.1-0.4; N = 4 (0.57 of a wave of
+# two-tile blocks) +0.5-0.9; deepseek-v3 (I = 2048, 8 stages) N = 2 / 8 +3-6, N = 64 -0.5 %.
+FP4_DOWN_TILES_MAX_STAGES = 4
 # ... and their gate/up's grid by table slot, each block's first weight stages copied before
 # it waits for the lists, where the blocks of experts nobody chose are expected to copy at
 # most this many bytes for nothing (n_local (1 - k/E)^N experts, each its gate/up blocks'
@@ -744,7 +753,7 @@ class MoeLayer:
         with timer.stage("down"):
             for fmt in self._format_codes:
                 a8 = self._w8a8_args[4:] if fmt == fp8 and self._w8a8_args else ()  # the activation's codes, scales
-                name, blocks, threads, smem = self._decode_launch("down", fmt, rows_per_expert, max_active)
+                name, blocks, threads, smem = self._decode_launch("down", fmt, rows_per_expert, max_active, N)
                 self._launch(
                     name, (blocks, max_active), (threads,),
                     (_u64(A.ptr("act")), _u64(A.ptr("num_active")), _u64(A.ptr("active_slot")),
@@ -768,14 +777,14 @@ class MoeLayer:
             fn(grid, block, args, stream=s, shared_mem=shared_mem)
 
     def _decode_launch(self, stage: str, fmt: int, rows_per_expert: float,
-                       max_active: int) -> tuple[str, int, int, int]:
+                       max_active: int, n_rows: int = 0) -> tuple[str, int, int, int]:
         """(kernel, column blocks, threads a block, dynamic shared memory) of a decode stage
         for the experts of format `fmt`: the wgmma kernels where _w8a8_decode_kernel (fp8-block
         as w8a8) or _fp4_wgmma_decode_kernel (nvfp4, mxfp4) takes them, else _decode_kernel's
         (256 threads, static shared memory only)."""
         wg = (self._w8a8_decode_kernel(stage, rows_per_expert, max_active)
               if fmt == kernels.FORMAT_CODES["fp8_block"]
-              else self._fp4_wgmma_decode_kernel(stage, fmt, rows_per_expert, max_active)
+              else self._fp4_wgmma_decode_kernel(stage, fmt, rows_per_expert, max_active, n_rows)
               if fmt in self._mma_decode_formats else None)
         if wg is not None:
             return wg
@@ -804,14 +813,15 @@ class MoeLayer:
         return (f"decode_wgmma_{stage}_a8<{nt}>", blocks, kernels.WGMMA_DECODE_THREADS,
                 kernels.wgmma_decode_smem_bytes(nt, -(-k // 128)))
 
-    def _fp4_wgmma_decode_kernel(self, stage: str, fmt: int, rows_per_expert: float,
-                                 max_active: int) -> Optional[tuple[str, int, int, int]]:
+    def _fp4_wgmma_decode_kernel(self, stage: str, fmt: int, rows_per_expert: float, max_active: int,
+                                 n_rows: int = 0) -> Optional[tuple[str, int, int, int]]:
         """decode_wgmma_fp4.cu's launch of a stage for this layer's experts of fp4 format
         `fmt` as (kernel, column blocks, threads, dynamic shared memory), or None where
         decode_mma.cu's fp4 kernels serve: mode "mma", a K the kernels cannot read
         (_fp4_wgmma_ok), or in "auto" a gate/up grid under WGMMA_FP4_DECODE_MIN_WAVES waves
         (of WGMMA_FP4_DECODE_BLOCKS_PER_SM blocks an SM).
-        A pass takes 8 rows up to 8 rows a busy expert, else 16."""
+        A pass takes 8 rows up to 8 rows a busy expert, else 16. Down's blocks take
+        _fp4_down_tiles(n_rows) tiles of 128 hidden columns each."""
         mode = self._fp4_decode_mode
         if mode == "mma" or not self._fp4_wgmma_ok:
             return None
@@ -821,9 +831,31 @@ class MoeLayer:
         if mode == "auto" and gate_up_blocks * max_active < WGMMA_FP4_DECODE_MIN_WAVES * wave:
             return None
         nt = 8 if rows_per_expert <= 8 else 16
-        blocks = gate_up_blocks if stage == "gate_up" else -(-H // kernels.WGMMA_DECODE_ROWS)
+        if stage == "gate_up":
+            blocks = gate_up_blocks
+        else:
+            blocks = H // (kernels.WGMMA_DECODE_ROWS * self._fp4_down_tiles(n_rows))
         return (f"decode_wgmma_{stage}_fp4<{fmt}, {nt}>", blocks, kernels.WGMMA_DECODE_THREADS,
                 kernels.wgmma_fp4_decode_smem_bytes(fmt, nt))
+
+    def _fp4_down_tiles(self, n_rows: int) -> int:
+        """128-row tiles a block of decode_wgmma_down_fp4 takes at `n_rows` rows (its grid
+        H / (128 tiles)): two where the routed experts' I is at most FP4_DOWN_TILES_MAX_STAGES
+        ring stages and the experts `n_rows` rows are expected to choose (uniform routing)
+        give a wave of such blocks, else one; CUPYMOE_FP4_DOWN_TILES forces a count (one where
+        it does not divide H / 128)."""
+        cfg = self.cfg
+        tiles_h = cfg.hidden_size // kernels.WGMMA_DECODE_ROWS
+        forced = kernels.fp4_down_tiles()
+        if forced is not None:
+            return forced if tiles_h % forced == 0 else 1
+        stages = -(-cfg.moe_intermediate_size // (kernels.WGMMA_FP4_DECODE_KSUB * 128))  # the ring's stages
+        if tiles_h % 2 or stages > FP4_DOWN_TILES_MAX_STAGES:
+            return 1
+        k, E, n_local = cfg.num_experts_per_tok, cfg.num_experts, self.weights.n_local
+        active = n_local * (1.0 - (1.0 - min(1.0, k / E)) ** n_rows)
+        wave = WGMMA_FP4_DECODE_BLOCKS_PER_SM * self._sm_count
+        return 2 if tiles_h // 2 * active >= wave else 1
 
     def _decode_kernel(self, stage: str, fmt: int, rows_per_expert: float, columns: int,
                        max_active: int) -> tuple[str, int]:

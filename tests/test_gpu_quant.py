@@ -438,7 +438,7 @@ WGMMA_FP4_CASES = (
 )
 
 
-@pytest.mark.parametrize("mode", ["wgmma", "mma", "auto"])
+@pytest.mark.parametrize("mode", ["wgmma", "mma", "auto", "wgmma-tiles2", "wgmma-tiles3"])
 def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
     """CUPYMOE_FP4_DECODE picks the fp4 decode kernels at every N: decode_wgmma_fp4.cu's
     (codes through a shared-memory ring, dequantized into wgmma's A operand) or
@@ -451,8 +451,11 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
     (N = 17, 64; the shared experts' N rows take several passes), K of one to three k128
     steps (a ring stage's second step past K: the scale bytes as four-byte chunks, zeros
     past K; K = 256: whole stages, a row's scale bytes of a stage one 16- or 8-byte copy),
-    down's 128-row tiles over H = 128 .. 384,
-    shared experts of an fp4, fp8 and bf16 format beside fp4 routed ones."""
+    down's 128-row tiles over H = 128 .. 384, and (CUPYMOE_FP4_DOWN_TILES, "-tilesT") down's
+    blocks taking T tiles in one run of their ring where T divides H / 128 (H = 256 two, 384
+    three: every tile's epilogue, and K of 1-2 stages, so the ring runs from one tile into the
+    next within its first copies), shared experts of an fp4, fp8 and bf16 format beside fp4
+    routed ones."""
     import cupy
 
     from cupymoe import kernels
@@ -462,8 +465,11 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
         pytest.skip("decode_wgmma_fp4.cu needs sm_90a")
     from cupymoe.layer import WGMMA_FP4_DECODE_BLOCKS_PER_SM, WGMMA_FP4_DECODE_MIN_WAVES
 
+    mode, _, tiles = mode.partition("-tiles")
     monkeypatch.setenv("CUPYMOE_FP4_DECODE", mode)
-    heights, chosen = set(), set()
+    if tiles:
+        monkeypatch.setenv("CUPYMOE_FP4_DOWN_TILES", tiles)
+    heights, chosen, tiled = set(), set(), set()
     for name, H, I, Is in WGMMA_FP4_CASES:
         from cupymoe import MoeLayer
 
@@ -483,15 +489,20 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
             wg = mode == "wgmma" or (mode == "auto" and blocks >= WGMMA_FP4_DECODE_MIN_WAVES
                                      * WGMMA_FP4_DECODE_BLOCKS_PER_SM * 8)
             for stage in ("gate_up", "down"):
-                kernel = layer._decode_launch(stage, code, rows, max_active)[0]
+                kernel, blocks = layer._decode_launch(stage, code, rows, max_active, n)[:2]
                 assert kernel.startswith(f"decode_wgmma_{stage}_fp4<{code}," if wg
                                          else f"decode_mma_{stage}<{code},"), (name, n, kernel)
+                if wg and stage == "down":
+                    t = int(tiles) if tiles and (H // 128) % int(tiles) == 0 else 1
+                    assert blocks == H // (128 * t), (name, n, blocks)
+                    tiled.add(t)
                 chosen.add(kernel.split("_")[1])
                 if wg:
                     heights.add(int(kernel.split(", ")[1].rstrip(">")))
         _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} H={H} I={I} fp4 decode on {mode}")
     if mode == "wgmma":
         assert heights == set(kernels.WGMMA_FP4_DECODE_TOKEN_TILES), heights
+        assert tiled == ({1, int(tiles)} if tiles else {1}), tiled
     assert chosen == ({"wgmma", "mma"} if mode == "auto" else {mode}), chosen
 
 

@@ -25,3 +25,32 @@ def test_warmup_takes_every_path_the_layer_serves():
     assert _layer(atomic_max_tokens=0)._warmup_paths() == ["decode", "prefill"]
     with pytest.raises(PathUnavailableError, match="row_invariant=True"):
         _layer(row_invariant=True).select_path(1, "decode")
+
+
+def test_fp4_down_blocks_take_two_tiles_where_a_wave_of_them_is_expected(monkeypatch):
+    """decode_wgmma_down_fp4's tiles a block (layer._fp4_down_tiles): two on qwen3-30b-a3b's
+    shape (I = 768: three ring stages) from the rows whose expected experts give 8 two-tile
+    blocks each to a wave of 3 blocks on 132 SMs (N = 8: 51.6 experts, 413 blocks), one below
+    (N = 4: 29.1, 233) and on deepseek-v3's (I = 2048: eight stages); CUPYMOE_FP4_DOWN_TILES
+    forces a count where it divides H / 128."""
+    from types import SimpleNamespace
+
+    from cupymoe import bench
+
+    monkeypatch.delenv("CUPYMOE_FP4_DOWN_TILES", raising=False)
+
+    def tiles(preset, n, n_local=None):
+        cfg = bench.preset_config(preset)
+        layer = _layer(cfg=cfg, weights=SimpleNamespace(n_local=n_local or cfg.num_experts), _sm_count=132)
+        return layer._fp4_down_tiles(n)
+
+    assert [tiles("qwen3-30b-a3b", n) for n in (1, 4, 8, 16, 64)] == [1, 1, 2, 2, 2]
+    assert [tiles("deepseek-v3", n) for n in (1, 8, 64)] == [1, 1, 1]
+    assert tiles("qwen3-30b-a3b", 8, n_local=64) == 1  # half the experts on this rank: 206 blocks
+    monkeypatch.setenv("CUPYMOE_FP4_DOWN_TILES", "4")
+    assert tiles("qwen3-30b-a3b", 1) == 4 and tiles("deepseek-v3", 64) == 4  # 16 and 56 tiles of H
+    monkeypatch.setenv("CUPYMOE_FP4_DOWN_TILES", "3")
+    assert tiles("qwen3-30b-a3b", 64) == 1  # 3 does not divide 16
+    monkeypatch.setenv("CUPYMOE_FP4_DOWN_TILES", "0")
+    with pytest.raises(ValueError, match="CUPYMOE_FP4_DOWN_TILES='0'"):
+        tiles("qwen3-30b-a3b", 64)
