@@ -30,6 +30,16 @@ __device__ __forceinline__ void pdl_wait_then_release_next() {
 #endif
 }
 
+// A block that leaves before its wait (a decode block with no expert or columns to serve,
+// whose weight copies went out before the wait): the grid's first block waits anyway, so the
+// grid never completes before the kernel it follows. griddepcontrol.wait covers only the
+// grid a kernel follows: were every block of a grid to leave early (a down launch of a
+// format no chosen expert has, between gate/up and another format's down), the kernel after
+// it could read what the kernels before it still write. Harmless after a wait.
+__device__ __forceinline__ void pdl_leave_early() {
+    if ((blockIdx.x | blockIdx.y | blockIdx.z) == 0) pdl_wait_then_release_next();
+}
+
 // Activation codes shared with cupymoe/kernels.py (ACTIVATION_CODES).
 #define ACT_SILU 0
 #define ACT_GELU 1

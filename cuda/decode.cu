@@ -258,8 +258,10 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
 // nor past R = 256: topk_route's register path for wider routers (route_row_vec<4>) does
 // not fit 64 registers beside the lists, and the shared-memory path's weights may differ
 // from it in their last bits.
-// grid 1, block LISTS_THREADS, dynamic smem TOPK_LISTS_WARPS (2 R + TOPK_MAX_K) floats +
-// (2 n_local + 33) ints; R <= TOPK_LISTS_MAX_R.
+// The slot table is copied into shared memory before the wait for the router, as
+// decode_route_lists does.
+// grid 1, block LISTS_THREADS, dynamic smem TOPK_LISTS_WARPS (2 R + TOPK_MAX_K) floats + R
+// ints + build_expert_lists'; R <= TOPK_LISTS_MAX_R.
 #define TOPK_LISTS_MAX_R 256
 #define TOPK_LISTS_WARPS 16
 template <int GROUP_REGS>  // as topk_route's
@@ -273,7 +275,13 @@ decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ co
                   int* __restrict__ sorted_row, int* __restrict__ sorted_pair, int* __restrict__ pair_pos,
                   int* __restrict__ slot_active) {
     extern __shared__ float topk_lists_smem[];
-    pdl_wait_then_release_next();
+    // [R] past the routing scratch (its address made again after the routing: kept live
+    // across it, it made decode_topk_lists<1> spill at its 64 registers)
+    const auto slot_table = [&] {
+        return reinterpret_cast<int*>(topk_lists_smem + (size_t)TOPK_LISTS_WARPS * (2 * R + TOPK_MAX_K));
+    };
+    for (int e = threadIdx.x; e < R; e += LISTS_THREADS) slot_table()[e] = slot_of[e];  // the layer's, constant
+    pdl_wait_then_release_next();  // (the barrier below orders the copies)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp < TOPK_LISTS_WARPS) {
         float* scratch = topk_lists_smem + (size_t)warp * (2 * R + TOPK_MAX_K);
@@ -287,9 +295,9 @@ decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ co
         }
     }
     __syncthreads();  // every row's ids, written above, are visible to the whole block
-    build_expert_lists(reinterpret_cast<int*>(topk_lists_smem + (size_t)TOPK_LISTS_WARPS * (2 * R + TOPK_MAX_K)),
-                       ids_out, N, k, slot_of, R, n_local, has_shared, num_active, active_slot, active_start,
-                       active_len, sorted_row, sorted_pair, pair_pos, slot_active);
+    int* slot_tab = slot_table();
+    build_expert_lists(slot_tab + R, ids_out, N, k, slot_tab, R, n_local, has_shared, num_active, active_slot,
+                       active_start, active_len, sorted_row, sorted_pair, pair_pos, slot_active);
 }
 
 // grid (ceil(I_max / (DECODE_WARPS * CW)), max_active), block DECODE_WARPS * 32.
@@ -430,7 +438,11 @@ decode_down(DECODE_DOWN_ARGS) {
 // `primary` (EP rank 0, or no EP) adds the zero-expert and shared terms, which belong to
 // no rank's experts and must be counted once across the ranks' partial outputs.
 // The row's slot table (position, weight) goes to shared memory first, so the loads of the
-// k expert outputs are independent and all in flight at once.
+// k expert outputs are independent and all in flight at once. That prologue runs before the
+// wait for down (PDL): it reads only the routing stage's and the lists' outputs, the input
+// and the weights, which the kernels before gate/up wrote (down's blocks passed their wait
+// for gate/up, whose blocks passed theirs for the lists, before this grid could launch), so
+// after down only its outputs' loads are left in the chain.
 #define REDUCE_THREADS 256
 __global__ void __launch_bounds__(REDUCE_THREADS, 4)  // 4: up to 64 registers (ptxas chose 32 and spilled)
 decode_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ ids,
@@ -439,11 +451,11 @@ decode_reduce(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int
               int N, int H, int k, int E, int has_shared, int primary, int atomic) {
     __shared__ int s_pos[64];
     __shared__ float s_w[64];
-    pdl_wait_then_release_next();
     const int row = blockIdx.x;
     const size_t rbase = (size_t)row * H;
     const RowPrologue pro = reduce_row_prologue<REDUCE_THREADS>(row, N, k, E, H, pair_pos, ids, topk_w, x, shared_gate_w,
                                                                 has_shared, primary, atomic, s_pos, s_w);
+    pdl_wait_then_release_next();  // down's y (and the atomic path's acc) from here on
     const float scale = pro.shared_scale, zw = pro.zero_w;
     const int shared_pos = pro.shared_pos;
     for (int h = (blockIdx.y * REDUCE_THREADS + threadIdx.x) * 4; h < H; h += gridDim.y * REDUCE_THREADS * 4) {

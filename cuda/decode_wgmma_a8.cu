@@ -243,14 +243,14 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
     extern __shared__ unsigned char wg_smem[];
     int j = blockIdx.y, slot = blockIdx.y;
     if (slot_active) {
-        if (slot_fmt[slot] != FMT_FP8) return;  // another format's launch serves it
+        if (slot_fmt[slot] != FMT_FP8) return pdl_leave_early();  // another format's launch serves it
     } else {
         pdl_wait_then_release_next();
         slot = decode_block_slot<FMT_FP8>(j, num_active, active_slot, slot_fmt);
         if (slot < 0) return;
     }
     const int I = inter[slot], c0 = blockIdx.x * 64;
-    if (c0 >= I) return;  // past the columns: no ticket to take either
+    if (c0 >= I) return pdl_leave_early();  // past the columns: no ticket to take either
     WgA8Block<NTOK> b = wg_block<NTOK>(wg_smem, H);
     const u8* gate = reinterpret_cast<const u8*>(gate_ptrs[slot]);
     const u8* up = reinterpret_cast<const u8*>(up_ptrs[slot]);
@@ -318,9 +318,9 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
     // so the stream is in flight when gate/up ends.
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT_FP8>(j, num_active, active_slot, slot_fmt);
-    if (slot < 0) return;
+    if (slot < 0) return pdl_leave_early();
     const int h0 = blockIdx.x * WG_ROWS;
-    if (h0 >= H) return;
+    if (h0 >= H) return pdl_leave_early();
     const int I = inter[slot];
     WgA8Block<NTOK> b = wg_block<NTOK>(wg_smem, I);
     const u8* down = reinterpret_cast<const u8*>(down_ptrs[slot]);

@@ -459,9 +459,9 @@ __global__ void __launch_bounds__(WF_THREADS, WF_MIN_BLOCKS(NTOK)) decode_wgmma_
     extern __shared__ unsigned char wf_smem[];
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
-    if (slot < 0) return;
+    if (slot < 0) return pdl_leave_early();
     const int tiles = max(1, H / (WF_ROWS * (int)gridDim.x)), h0 = blockIdx.x * WF_ROWS * tiles;
-    if (h0 >= H) return;
+    if (h0 >= H) return pdl_leave_early();
     const int I = inter[slot];
     WfBlock<FMT, NTOK, true> b = wf_block<FMT, NTOK, true>(wf_smem, I);
     b.tiles = tiles;

@@ -665,7 +665,8 @@ class MoeLayer:
         # nor for routers wider than decode_topk_lists routes as topk_route does). Measured
         # (NOTES.md v31): qwen3-30b-a3b N = 16 fp8 126.2 -> 124.6 us, nvfp4 116.7 -> 115.1; at
         # N = 64, four rows a warp, slower than topk_route's 16 blocks (fp8 188.3 -> 193.5)
-        topk_lists_smem = TOPK_LISTS_WARPS * (2 * R + 64) * 4 + kernels.expert_lists_smem_bytes(N * k, W.n_local)
+        topk_lists_smem = ((TOPK_LISTS_WARPS * (2 * R + 64) + R) * 4  # routing scratch, slot table, then the lists'
+                           + kernels.expert_lists_smem_bytes(N * k, W.n_local))
         topk_lists = (self._topk_lists and path != "prefill" and not route_lists and N <= TOPK_LISTS_WARPS
                       and N * k <= SMALL_SORT_PAIRS and splits == 1 and R <= TOPK_LISTS_MAX_R
                       and topk_lists_smem <= 48 * 1024)
