@@ -506,6 +506,42 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
     assert chosen == ({"wgmma", "mma"} if mode == "auto" else {mode}), chosen
 
 
+def test_format_launch_with_no_chosen_expert_keeps_the_decode_chain_ordered(rng, monkeypatch):
+    """EP rank 0 of two, nvfp4 routed experts beside an fp8 shared expert (two launches a
+    stage, the routed format's first), and a hash table that sends tokens 0-9 to rank 1's
+    experts only: at such rows the nvfp4 down launch (decode_wgmma_down_fp4) has no expert to
+    serve, and its blocks leave before their wait for gate/up, all but block 0
+    (pdl_leave_early), so that the fp8 down launch after it, which waits only for it, still
+    runs after the fp8 gate/up that makes the shared expert's activation. Outputs against
+    the reference on the decode and atomic paths, rows of such tokens only and mixed."""
+    import cupy
+
+    from cupymoe import MoeLayer, kernels
+
+    cc = cupy.cuda.Device().compute_capability
+    if kernels.arch_for_capability(int(cc[:-1]), int(cc[-1])) != "sm_90a":
+        pytest.skip("decode_wgmma_fp4.cu needs sm_90a")
+    monkeypatch.setenv("CUPYMOE_FP4_DECODE", "wgmma")
+    family, fmt, router_fmt, shared_fmt = CASES["deepseek_v3-nvfp4-fp8shared"]
+    cfg = testing.tiny_config(family, hidden_size=128, moe_intermediate_size=256, shared_expert_intermediate_size=128,
+                              hash_routing=True, hash_vocab_size=20, n_group=1, topk_group=1)
+    hw = testing.random_host_weights(cfg, rng, fmt, router_fmt=router_fmt, shared_fmt=shared_fmt)
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    other = np.arange(E // 2, E)  # rank 1's experts
+    hw.tid2eid = np.stack([rng.permutation(other)[:k] if t < 10 else rng.permutation(E)[:k]
+                           for t in range(20)]).astype(np.int32)
+    cfg = cfg.replace(ep_world_size=2, ep_rank=0)
+    layer = MoeLayer(cfg, hw, max_tokens=8, decode_max_tokens=8, atomic_max_tokens=8)
+    assert set(np.flatnonzero(layer.weights.slot_of.get()[:E] >= 0)) == set(range(E // 2)), "rank 0's experts"
+    for token_ids in ([3], [0, 9], [1, 5, 7], [2, 15, 4]):
+        token_ids = np.array(token_ids, np.int32)
+        n = len(token_ids)
+        for path in ("decode", "atomic"):
+            x = well_separated_input(cfg, hw, rng, n, token_ids)
+            c = check(run_layer(layer, x, path, token_ids), cfg, hw, x, path, token_ids, layer)
+            assert c.ok, f"tokens {list(token_ids)} {path}: {c}"
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared", "longcat_flash-fp8",
                                   "deepseek_v3-nvfp4-fp8shared"])
 def test_wgmma_gate_up_by_slot_matches_by_active_expert(name, monkeypatch):
