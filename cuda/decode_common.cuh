@@ -60,10 +60,10 @@ __device__ __forceinline__ void store_down_value(float v, int pos, int h, const 
 
 // One block of LISTS_THREADS threads, P = N k <= LISTS_THREADS pairs (pair p on thread p),
 // `sm` n_local + 33 ints and ceil(P / 32) n_local 16-bit counts of its shared memory
-// (kernels.expert_lists_smem_bytes). slot_of[e] is expert e's
-// table slot on this rank (0 .. n_local-1), or -1 for another rank's expert and for zero
-// experts; ids outside 0..R-1 (-1 from a bad hash token) are nobody's. Unowned pairs get
-// pair_pos = -1.
+// (kernels.expert_lists_smem_bytes). slot_of[e] (the callers' copy in shared memory) is
+// expert e's table slot on this rank (0 .. n_local-1), or -1 for another rank's expert and
+// for zero experts; ids outside 0..R-1 (-1 from a bad hash token) are nobody's. Unowned
+// pairs get pair_pos = -1.
 // Stable: positions within an expert follow pair order, so the layout is deterministic.
 // slot_active[slot] (n_local + 1 of them): the slot's active index, -1 where nobody chose
 // it (the wgmma gate/up's blocks by slot look theirs up: decode_wgmma_a8.cu).
