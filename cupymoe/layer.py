@@ -422,6 +422,7 @@ class MoeLayer:
             fp4_mode, fp8_mode = kernels.fp4_decode_mode(), kernels.fp8_decode_mode()
             self._mma_blocks_per_sm = kernels.mma_decode_blocks_per_sm()
             self._mma_down_pairs = kernels.mma_decode_down_pairs()
+            self._fp4_down_tiles_forced = kernels.fp4_down_tiles()
             self._w8a8_decode_mode = kernels.w8a8_decode_mode()
             self._topk_lists = kernels.topk_lists_mode()
             # the decode router: router_mma.cu's tensor-core kernel needs clusters (sm_90a)
@@ -843,11 +844,11 @@ class MoeLayer:
         """128-row tiles a block of decode_wgmma_down_fp4 takes at `n_rows` rows (its grid
         H / (128 tiles)): two where the routed experts' I is at most FP4_DOWN_TILES_MAX_STAGES
         ring stages and the experts `n_rows` rows are expected to choose (uniform routing)
-        give a wave of such blocks, else one; CUPYMOE_FP4_DOWN_TILES forces a count (one where
-        it does not divide H / 128)."""
+        give a wave of such blocks, else one; CUPYMOE_FP4_DOWN_TILES (read when the layer is
+        built) forces a count (one where it does not divide H / 128)."""
         cfg = self.cfg
         tiles_h = cfg.hidden_size // kernels.WGMMA_DECODE_ROWS
-        forced = kernels.fp4_down_tiles()
+        forced = self._fp4_down_tiles_forced
         if forced is not None:
             return forced if tiles_h % forced == 0 else 1
         stages = -(-cfg.moe_intermediate_size // (kernels.WGMMA_FP4_DECODE_KSUB * 128))  # the ring's stages

@@ -35,13 +35,14 @@ def test_fp4_down_blocks_take_two_tiles_where_a_wave_of_them_is_expected(monkeyp
     forces a count where it divides H / 128."""
     from types import SimpleNamespace
 
-    from cupymoe import bench
+    from cupymoe import bench, kernels
 
     monkeypatch.delenv("CUPYMOE_FP4_DOWN_TILES", raising=False)
 
-    def tiles(preset, n, n_local=None):
+    def tiles(preset, n, n_local=None):  # a layer built now: it reads the knob as MoeLayer.__init__ does
         cfg = bench.preset_config(preset)
-        layer = _layer(cfg=cfg, weights=SimpleNamespace(n_local=n_local or cfg.num_experts), _sm_count=132)
+        layer = _layer(cfg=cfg, weights=SimpleNamespace(n_local=n_local or cfg.num_experts), _sm_count=132,
+                       _fp4_down_tiles_forced=kernels.fp4_down_tiles())
         return layer._fp4_down_tiles(n)
 
     assert [tiles("qwen3-30b-a3b", n) for n in (1, 4, 8, 16, 64)] == [1, 1, 2, 2, 2]
