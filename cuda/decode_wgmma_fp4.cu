@@ -145,6 +145,7 @@ struct WfBlock {
     // K is a few stages), each WF_ROWS rows of K codes on from the one before (tile_a_bytes,
     // tile_s_bytes); stage s of the run is stage s % KS of tile s / KS
     int tiles = 1;
+    __device__ __forceinline__ int run_stages() const { return TILED ? KS * tiles : KS; }
     __device__ __forceinline__ size_t tile_a_bytes(int tile) const { return (size_t)tile * WF_ROWS * (K / 2); }
     __device__ __forceinline__ size_t tile_s_bytes(int tile) const {
         return (size_t)tile * WF_ROWS * (K / (FMT == FMT_NVFP4 ? 16 : 32));
@@ -257,7 +258,7 @@ struct WfBlock {
     __device__ __forceinline__ void copy_weights_ahead() const {
 #pragma unroll
         for (int s = 0; s < WF_STAGES - 1; ++s)
-            if (s < KS * (TILED ? tiles : 1)) copy_weights(s, s / KS, s % KS);
+            if (s < run_stages()) copy_weights(s, s / KS, s % KS);
         cp_async_commit();
     }
 
@@ -327,7 +328,7 @@ struct WfBlock {
         for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int i = 0; i < NTOK / 2; ++i) acc[m][i] = 0.0f;
-        const int RS = TILED ? KS * tiles : KS;  // the run's stages
+        const int RS = run_stages();
         // the first stages' rows: every load out before the first store waits for one (a
         // block's first stages waited for them one after the other: an L2 round trip each,
         // a large part of a short K's block, down's at qwen3-30b-a3b's I = 768; NOTES.md v40)

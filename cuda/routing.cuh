@@ -126,7 +126,9 @@ template <int V>
 __device__ __forceinline__ bool warp_select_by_rank(const unsigned (&key)[V], const float (&val)[V],
                                                     unsigned lane_max, int k, int* scratch, int lane, int& id,
                                                     float& v) {
-    int r = 0;  // this lane's maximum's rank among the lanes' (larger first, then the lower lane)
+    // T is kth_largest_lane_key's value, found by each lane's rank among the lanes' maxima
+    // (larger first, then the lower lane): 32 independent shuffles, not k dependent rounds
+    int r = 0;
 #pragma unroll
     for (int q = 0; q < 32; ++q) {
         const unsigned mq = __shfl_sync(CUPYMOE_FULL_MASK, lane_max, q);
