@@ -273,6 +273,10 @@ struct MmaStep {
     uint4 xv[NT][4];
 
     __device__ __forceinline__ void load(const Fp4Frag<FMT> (&f)[M], const Rows& rows, int k, int K) {
+        load_weights(f, k, K);
+        load_rows(rows, k, K);
+    }
+    __device__ __forceinline__ void load_weights(const Fp4Frag<FMT> (&f)[M], int k, int K) {
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             if constexpr (FMT == FMT_FP8) {
@@ -283,6 +287,8 @@ struct MmaStep {
                 hi[m].load(f[m].hi, k, k < K);
             }
         }
+    }
+    __device__ __forceinline__ void load_rows(const Rows& rows, int k, int K) {
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if constexpr (FMT == FMT_FP8)
@@ -304,6 +310,21 @@ struct MmaStep {
     }
 };
 
+// What mma_pass does between its first steps' weight loads and their rows' loads: nothing
+// (NoRowsWait: the gate/up kernels waited at their top), or down's first pass's PDL wait for
+// gate/up (PdlRowsWait), so its first weights stream under gate/up's tail.
+struct NoRowsWait {
+    static constexpr bool kWaits = false;
+    __device__ __forceinline__ void operator()() const {}
+};
+struct PdlRowsWait {
+    static constexpr bool kWaits = true;
+    bool first;  // the block's first pass: every thread waits here, once
+    __device__ __forceinline__ void operator()() const {
+        if (first) pdl_wait_then_release_next();
+    }
+};
+
 // One pass of a Step (MmaStep, A8Step): its M matrices' fragments against NT 8-token B
 // fragments (`rows`: what Step::load reads the tokens from), over this warp's k128 steps of K
 // (Fp4Warp::col / token place the sums). Software-pipelined: the next step's loads are
@@ -311,10 +332,11 @@ struct MmaStep {
 // in flight while it computes (with the two steps' loads issued together and then both
 // computed, nothing was in flight at each loop turn). Two step buffers, used in turn, so no
 // registers are copied; a Step whose two buffers would spill (Step::kOneAtATime) loads and
-// computes one step at a time.
-template <class Step, int KS, int CF, int NC, class Frags, class Rows>
+// computes one step at a time. RowsWait::kWaits: the first step's weights are loaded, then
+// rows_wait() runs (in every warp, whatever its K share), then its rows.
+template <class Step, int KS, int CF, int NC, class Frags, class Rows, class RowsWait = NoRowsWait>
 __device__ __forceinline__ void mma_pass(float (&c)[NC], const Frags& f, const Rows& rows, int K,
-                                         const Fp4Warp<KS, CF>& w) {
+                                         const Fp4Warp<KS, CF>& w, RowsWait rows_wait = RowsWait()) {
 #pragma unroll
     for (int i = 0; i < NC; ++i) c[i] = 0.0f;
     constexpr int stride = KS * FP4_KSTEP;
@@ -322,6 +344,14 @@ __device__ __forceinline__ void mma_pass(float (&c)[NC], const Frags& f, const R
     Step a, b;
     int k0 = w.ks * FP4_KSTEP;
     if constexpr (Step::kOneAtATime) {
+        if constexpr (RowsWait::kWaits) {  // the loop's first load split by the wait
+            a.load_weights(f, k0 + lane_k, K);  // past K: zeros, nothing read
+            rows_wait();
+            if (k0 >= K) return;
+            a.load_rows(rows, k0 + lane_k, K);
+            a.mma(c);
+            k0 += stride;
+        }
 #pragma unroll 1
         for (; k0 < K; k0 += stride) {
             a.load(f, rows, k0 + lane_k, K);
@@ -329,8 +359,15 @@ __device__ __forceinline__ void mma_pass(float (&c)[NC], const Frags& f, const R
         }
         return;
     }
-    if (k0 >= K) return;
-    a.load(f, rows, k0 + lane_k, K);
+    if constexpr (RowsWait::kWaits) {  // the first load split by the wait
+        a.load_weights(f, k0 + lane_k, K);
+        rows_wait();
+        if (k0 >= K) return;
+        a.load_rows(rows, k0 + lane_k, K);
+    } else {
+        if (k0 >= K) return;
+        a.load(f, rows, k0 + lane_k, K);
+    }
 #pragma unroll 1
     while (true) {
         b.load(f, rows, k0 + stride + lane_k, K);
@@ -429,12 +466,15 @@ __device__ __forceinline__ bool gate_up_block(float* part, FillRow fill_row, int
 // The block of a down kernel (decode_mma_down, decode_mma_down_a8): active expert j =
 // blockIdx.y if of format FMT, its hidden columns 16 CF DECODE_WARPS / KS from blockIdx.x,
 // passes of 8 NT positions over its run (fill_row(rows, t, position)), the outputs stored.
+// The kernel's PDL wait for gate/up is inside: before it a block reads its run from the lists
+// (made before gate/up, whose blocks passed their own wait for them before this grid could
+// launch) and loads its first steps' weights (mma_pass, PdlRowsWait); the activation after.
 template <int FMT, int KS, int NT, int CF, class Step, class FillRow>
 __device__ __forceinline__ void down_block(float* part, FillRow fill_row, DECODE_DOWN_ARGS) {
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT>(j, num_active, active_slot, slot_fmt);
-    if (slot < 0) return;
-    if (blockIdx.x * (DECODE_WARPS / KS) * 16 * CF >= H) return;
+    if (slot < 0) return pdl_leave_early();
+    if (blockIdx.x * (DECODE_WARPS / KS) * 16 * CF >= H) return pdl_leave_early();
     const int I = inter[slot];
     const Fp4Warp<KS, CF> w;
     Fp4Frag<FMT> f[CF];
@@ -443,13 +483,14 @@ __device__ __forceinline__ void down_block(float* part, FillRow fill_row, DECODE
     const float gsd = down_gscale[slot] * mma_weight_unscale<FMT>();  // nvfp4's scale_2 (else 1), fp4's 2^64
     const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
+    if (len <= 0) return pdl_leave_early();  // (an active expert has rows: the wait below always runs)
 
     for (int r0 = 0; r0 < len; r0 += 8 * NT) {
         typename Step::Rows rows;
 #pragma unroll
         for (int t = 0; t < NT; ++t) fill_row(rows, t, (size_t)(start + min(r0 + 8 * t + w.g, len - 1)));
         float c[4 * NT * CF];  // fragment m's c[4 NT m + i]
-        mma_pass<Step, KS, CF>(c, f, rows, I, w);
+        mma_pass<Step, KS, CF>(c, f, rows, I, w, PdlRowsWait{r0 == 0});
         reduce_k_splits<KS>(c, part, w.cg, w.ks, w.lane);
         if (w.ks == 0) store_down_outputs<NT, CF>(c, w, r0, start, len, H, gsd, bd, sorted_pair, topk_w, y, acc, k, P, atomic);
     }
@@ -490,8 +531,7 @@ template <int FMT, int KS, int NT, int CF = 1>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT, CF, NT))
 decode_mma_down(DECODE_DOWN_ARGS) {
     __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 * NT * CF : 1];
-    pdl_wait_then_release_next();
-    down_block<FMT, KS, NT, CF, MmaStep<FMT, NT, CF>>(
+    down_block<FMT, KS, NT, CF, MmaStep<FMT, NT, CF>>(  // (its PDL wait inside)
         part, [&](BfRows<NT>& rows, int t, size_t pos) { rows.p[t] = act + pos * I_max; }, DECODE_DOWN_ARG_NAMES);
 }
 
@@ -537,11 +577,17 @@ struct A8Step {
     float xs[NT];     // and its group's scale (0 for a step past K)
 
     __device__ __forceinline__ void load(const Fp4Frag<FMT_FP8> (&f)[M], const A8Rows<NT>& rows, int k, int K) {
+        load_weights(f, k, K);
+        load_rows(rows, k, K);
+    }
+    __device__ __forceinline__ void load_weights(const Fp4Frag<FMT_FP8> (&f)[M], int k, int K) {
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             lo[m].load(f[m].lo, k, K);
             hi[m].load(f[m].hi, k, K);
         }
+    }
+    __device__ __forceinline__ void load_rows(const A8Rows<NT>& rows, int k, int K) {
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
 #pragma unroll
@@ -618,9 +664,8 @@ template <int KS, int NT, int CF = 1>
 __global__ void __launch_bounds__(DECODE_WARPS * 32, MMA_MIN_BLOCKS(FMT_FP8, CF, NT))
 decode_mma_down_a8(DECODE_A8_DOWN_ARGS) {
     __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 4 * NT * CF : 1];
-    pdl_wait_then_release_next();
     const int KBI = (I_max + 127) >> 7;
-    down_block<FMT_FP8, KS, NT, CF, A8Step<NT, CF>>(
+    down_block<FMT_FP8, KS, NT, CF, A8Step<NT, CF>>(  // (its PDL wait inside)
         part,
         [&](A8Rows<NT>& rows, int t, size_t pos) {
             rows.q[t] = qact + pos * I_max;

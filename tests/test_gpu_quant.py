@@ -506,22 +506,24 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
     assert chosen == ({"wgmma", "mma"} if mode == "auto" else {mode}), chosen
 
 
-def test_format_launch_with_no_chosen_expert_keeps_the_decode_chain_ordered(rng, monkeypatch):
+@pytest.mark.parametrize("fp4_decode", ["wgmma", "mma"])
+def test_format_launch_with_no_chosen_expert_keeps_the_decode_chain_ordered(fp4_decode, rng, monkeypatch):
     """EP rank 0 of two, nvfp4 routed experts beside an fp8 shared expert (two launches a
     stage, the routed format's first), and a hash table that sends tokens 0-9 to rank 1's
-    experts only: at such rows the nvfp4 down launch (decode_wgmma_down_fp4) has no expert to
-    serve, and its blocks leave before their wait for gate/up, all but block 0
-    (pdl_leave_early), so that the fp8 down launch after it, which waits only for it, still
-    runs after the fp8 gate/up that makes the shared expert's activation. Outputs against
-    the reference on the decode and atomic paths, rows of such tokens only and mixed."""
+    experts only: at such rows the nvfp4 down launch (decode_wgmma_down_fp4, or with
+    CUPYMOE_FP4_DECODE=mma decode_mma_down) has no expert to serve, and its blocks leave
+    before their wait for gate/up, all but block 0 (pdl_leave_early), so that the fp8 down
+    launch after it, which waits only for it, still runs after the fp8 gate/up that makes the
+    shared expert's activation. Outputs against the reference on the decode and atomic
+    paths, rows of such tokens only and mixed."""
     import cupy
 
     from cupymoe import MoeLayer, kernels
 
     cc = cupy.cuda.Device().compute_capability
     if kernels.arch_for_capability(int(cc[:-1]), int(cc[-1])) != "sm_90a":
-        pytest.skip("decode_wgmma_fp4.cu needs sm_90a")
-    monkeypatch.setenv("CUPYMOE_FP4_DECODE", "wgmma")
+        pytest.skip("the decode chain's PDL and decode_wgmma_fp4.cu need sm_90a")
+    monkeypatch.setenv("CUPYMOE_FP4_DECODE", fp4_decode)
     family, fmt, router_fmt, shared_fmt = CASES["deepseek_v3-nvfp4-fp8shared"]
     cfg = testing.tiny_config(family, hidden_size=128, moe_intermediate_size=256, shared_expert_intermediate_size=128,
                               hash_routing=True, hash_vocab_size=20, n_group=1, topk_group=1)
