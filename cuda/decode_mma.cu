@@ -269,6 +269,7 @@ struct MmaStep {
     // fp8's steps are twice fp4's registers: its gate/up and 16-token passes would spill
     // with two step buffers at the 128 registers of two blocks an SM (mma_pass)
     static constexpr bool kOneAtATime = FMT == FMT_FP8 && (M > 1 || NT > 1);
+    static constexpr bool kTwoAhead = NT == 1;  // down's first two steps' weights before its wait (mma_pass)
     typename MmaRow<FMT>::T lo[M], hi[M];
     uint4 xv[NT][4];
 
@@ -359,7 +360,26 @@ __device__ __forceinline__ void mma_pass(float (&c)[NC], const Frags& f, const R
         }
         return;
     }
-    if constexpr (RowsWait::kWaits) {  // the first load split by the wait
+    if constexpr (RowsWait::kWaits && Step::kTwoAhead) {  // both buffers' weights before the wait
+        a.load_weights(f, k0 + lane_k, K);
+        b.load_weights(f, k0 + stride + lane_k, K);
+        rows_wait();
+        if (k0 >= K) return;
+        a.load_rows(rows, k0 + lane_k, K);
+        b.load_rows(rows, k0 + stride + lane_k, K);
+#pragma unroll 1
+        while (true) {  // the loop below, entered with b's step loaded
+            a.mma(c);
+            k0 += stride;
+            if (k0 >= K) break;
+            a.load(f, rows, k0 + stride + lane_k, K);
+            b.mma(c);
+            k0 += stride;
+            if (k0 >= K) break;
+            b.load(f, rows, k0 + stride + lane_k, K);
+        }
+        return;
+    } else if constexpr (RowsWait::kWaits) {  // the first load split by the wait
         a.load_weights(f, k0 + lane_k, K);
         rows_wait();
         if (k0 >= K) return;
@@ -571,6 +591,7 @@ struct A8Step {
     // as fp8's MmaStep: two step buffers of two matrices (or of 16 tokens) would spill at the
     // 128 registers of two blocks an SM
     static constexpr bool kOneAtATime = M > 1 || NT > 1;
+    static constexpr bool kTwoAhead = NT == 1;
     using Rows = A8Rows<NT>;
     Fp8Row32 lo[M], hi[M];
     uint4 xq[NT][2];  // token 8 t + g's 32 codes at the lane's k (zeros past K)
