@@ -333,8 +333,9 @@ struct PdlRowsWait {
 // in flight while it computes (with the two steps' loads issued together and then both
 // computed, nothing was in flight at each loop turn). Two step buffers, used in turn, so no
 // registers are copied; a Step whose two buffers would spill (Step::kOneAtATime) loads and
-// computes one step at a time. RowsWait::kWaits: the first step's weights are loaded, then
-// rows_wait() runs (in every warp, whatever its K share), then its rows.
+// computes one step at a time. RowsWait::kWaits: the first step's weights (both buffers' where
+// Step::kTwoAhead) are loaded, then rows_wait() runs (in every warp, whatever its K share),
+// then their rows.
 template <class Step, int KS, int CF, int NC, class Frags, class Rows, class RowsWait = NoRowsWait>
 __device__ __forceinline__ void mma_pass(float (&c)[NC], const Frags& f, const Rows& rows, int K,
                                          const Fp4Warp<KS, CF>& w, RowsWait rows_wait = RowsWait()) {
