@@ -61,8 +61,10 @@ DEFAULT_ATOMIC_MAX_TOKENS = 8
 # this many waves of blocks, the register-direct mma.sync ones of decode_mma.cu (which split
 # K to fill the GPU) below (kernels.w8a8_decode_mode). Measured (benchmarks/NOTES.md v31, µs,
 # mma -> wgmma): qwen3-30b-a3b N = 4 (1.5 waves) 55.0 -> 60.9, N = 8 (2.9) 97.0 -> 91.0;
-# deepseek-v3 N = 1 (1.0) 105.9 -> 108.3, N = 4 (3.9) 350.5 -> 326.5
-WGMMA_DECODE_MIN_WAVES = 2.0
+# deepseek-v3 N = 1 (1.0) 105.9 -> 108.3, N = 4 (3.9) 350.5 -> 326.5; again in v43 (the
+# register-direct down copying ahead): qwen3-30b-a3b N = 4 52.6 -> 57.1, deepseek-v3 N = 1 103.4
+# -> 103.1, N = 2 (512 blocks, 1.94 waves: under the 2.0 this was) 194.5-195.1 -> 187.2
+WGMMA_DECODE_MIN_WAVES = 1.9
 # fp4 decode (sm_90a): decode_wgmma_fp4.cu's kernels (codes through a shared-memory ring,
 # dequantized into wgmma's A operand; three blocks an SM) where their gate/up grid holds at
 # least this much of a wave of blocks, decode_mma.cu's fp4 kernels below (kernels.fp4_decode_mode).
