@@ -97,26 +97,33 @@ __device__ __forceinline__ float dot_bf16x8(const bf16x8& a, const float b[8], f
     return acc;
 }
 
-// Block-wide exclusive scan of one int per thread, for blocks of exactly 1024 threads (the
-// expert-list and sort kernels); `tmp` is 33 ints of shared memory; `total` gets the sum.
-__device__ __forceinline__ int block_exclusive_scan_1024(int v, int* tmp, int& total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int incl = v;
+// The warp's inclusive scan of n at each lane.
+__device__ __forceinline__ int warp_inclusive_scan(int n, int lane) {
+    int incl = n;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
         const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
         if (lane >= o) incl += t;
     }
+    return incl;
+}
+// ... and the whole warp's sum in `total`.
+__device__ __forceinline__ int warp_inclusive_scan(int n, int lane, int& total) {
+    const int incl = warp_inclusive_scan(n, lane);
+    total = __shfl_sync(CUPYMOE_FULL_MASK, incl, 31);
+    return incl;
+}
+
+// Block-wide exclusive scan of one int per thread, for blocks of exactly 1024 threads (the
+// expert-list and sort kernels); `tmp` is 33 ints of shared memory; `total` gets the sum.
+__device__ __forceinline__ int block_exclusive_scan_1024(int v, int* tmp, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int incl = warp_inclusive_scan(v, lane);
     if (lane == 31) tmp[warp] = incl;
     __syncthreads();
     if (warp == 0) {  // the 32 warp totals, scanned by one warp
         const int t = tmp[lane];
-        int ti = t;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int u = __shfl_up_sync(CUPYMOE_FULL_MASK, ti, o);
-            if (lane >= o) ti += u;
-        }
+        const int ti = warp_inclusive_scan(t, lane);
         tmp[lane] = ti - t;  // exclusive warp offsets
         if (lane == 31) tmp[32] = ti;
     }

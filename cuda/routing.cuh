@@ -93,18 +93,6 @@ __device__ __forceinline__ void warp_softmax_regs(const float (&x)[V], float (&p
     for (int j = 0; j < V; ++j) p[j] *= inv;
 }
 
-// The warp's inclusive scan of n at each lane; the whole warp's sum in `total`.
-__device__ __forceinline__ int warp_inclusive_scan(int n, int lane, int& total) {
-    int incl = n;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(CUPYMOE_FULL_MASK, incl, o);
-        if (lane >= o) incl += t;
-    }
-    total = __shfl_sync(CUPYMOE_FULL_MASK, incl, 31);
-    return incl;
-}
-
 // The score a key stands for (select_key's inverse; key 0, NaN, as -inf: the group scores'
 // convention).
 __device__ __forceinline__ float key_score(unsigned key) {
