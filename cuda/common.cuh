@@ -152,9 +152,12 @@ __device__ __forceinline__ int warp_slot_rank(unsigned short* before, int n_loca
 
 // Slot i's column of `warps` warp counts (warp_slot_rank) becomes their exclusive running
 // sums; returns the slot's pairs in the block. Eight loads in flight: the column is one
-// slot's, walked by one thread.
+// slot's, walked by one thread. Its loops stay rolled: the list kernels run this code once
+// a launch, where its length cost more than its latency saved (rolled, decode_topk_lists
+// ends 0.8 us earlier at qwen3-30b-a3b N = 16; benchmarks/NOTES.md v44).
 __device__ __forceinline__ int warps_exclusive_prefix(unsigned short* before, int n_local, int warps, int i) {
     int run = 0, w = 0;
+#pragma unroll 1
     for (; w + 8 <= warps; w += 8) {
         int c[8];
 #pragma unroll
@@ -165,6 +168,7 @@ __device__ __forceinline__ int warps_exclusive_prefix(unsigned short* before, in
             run += c[j];
         }
     }
+#pragma unroll 1
     for (; w < warps; ++w) {
         const int c = before[w * n_local + i];
         before[w * n_local + i] = (unsigned short)run;

@@ -50,8 +50,8 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restr
     extern __shared__ int sm[];
     for (int e = threadIdx.x; e < R; e += LISTS_THREADS) sm[e] = slot_of[e];  // the layer's, constant
     pdl_wait_then_release_next();  // (build_expert_lists' first barrier orders the copies)
-    build_expert_lists(sm + R, ids, N, k, sm, R, n_local, has_shared, num_active, active_slot, active_start,
-                       active_len, sorted_row, sorted_pair, pair_pos, slot_active);
+    build_expert_lists(sm + R, [&](int p) { return ids[p]; }, N, k, sm, R, n_local, has_shared, num_active,
+                       active_slot, active_start, active_len, sorted_row, sorted_pair, pair_pos, slot_active);
 }
 
 // The expert lists of a few pairs (decode_route_lists), the same lists as
@@ -252,7 +252,8 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
 // TOPK_LISTS_WARPS rows, one a warp: at 64 rows, four a warp, it measured slower than the
 // two launches): its warps route the rows as topk_route does
 // (the register path where it serves, routing.cuh: the same choices and weights), then the
-// block builds the lists from the ids they wrote (build_expert_lists). One kernel boundary
+// block builds the lists from the ids they left in shared memory (build_expert_lists; read
+// back from ids_out they were a global round trip after the barrier). One kernel boundary
 // fewer than topk_route + decode_build_lists (qwen3-30b-a3b N = 16: 1.6-2 us less a layer,
 // NOTES.md v31). Not for a split router (its copies' sum is topk_route's),
 // nor past R = 256: topk_route's register path for wider routers (route_row_vec<4>) does
@@ -261,13 +262,20 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
 // The slot table is copied into shared memory before the wait for the router, as
 // decode_route_lists does.
 // grid 1, block LISTS_THREADS, dynamic smem TOPK_LISTS_WARPS (2 R + TOPK_MAX_K) floats + R
-// ints + build_expert_lists'; R <= TOPK_LISTS_MAX_R.
+// ints + build_expert_lists'; N <= TOPK_LISTS_WARPS, R <= TOPK_LISTS_MAX_R.
 #define TOPK_LISTS_MAX_R 256
 #define TOPK_LISTS_WARPS 16
+// sm_80 names its one block an SM: without it ptxas held the kernel at 32 registers and
+// spilled (sm_90a's allocation, measured, left as it is).
+#if CUPYMOE_SM >= 90
+#define TOPK_LISTS_BOUNDS __launch_bounds__(LISTS_THREADS)
+#else
+#define TOPK_LISTS_BOUNDS __launch_bounds__(LISTS_THREADS, 1)
+#endif
 template <int GROUP_REGS>  // as topk_route's
-__global__ void __launch_bounds__(LISTS_THREADS)
+__global__ void TOPK_LISTS_BOUNDS
 decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ corr_bias,
-                  const int* __restrict__ tid2eid, const int* __restrict__ token_ids, int* ids_out,
+                  const int* __restrict__ tid2eid, const int* __restrict__ token_ids, int* __restrict__ ids_out,
                   float* __restrict__ w_out, int* __restrict__ err, int N, int R, int E, int k, int scoring,
                   int n_group, int topk_group, int topk_then_softmax, int renorm, float scale, int vocab,
                   const int* __restrict__ slot_of, int n_local, int has_shared, int* __restrict__ num_active,
@@ -283,21 +291,21 @@ decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ co
     for (int e = threadIdx.x; e < R; e += LISTS_THREADS) slot_table()[e] = slot_of[e];  // the layer's, constant
     pdl_wait_then_release_next();  // (the barrier below orders the copies)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp < TOPK_LISTS_WARPS) {
-        float* scratch = topk_lists_smem + (size_t)warp * (2 * R + TOPK_MAX_K);
-        for (int row = warp; row < N; row += TOPK_LISTS_WARPS) {
-            // R <= TOPK_LISTS_MAX_R: topk_route's register path for wider routers (4
-            // registers a lane) does not fit beside the lists
-            route_row_topk<2, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out,
-                                               err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm,
-                                               scale, vocab, lane);
-            __syncwarp();  // the scratch is the next row's
-        }
+    const int stride = 2 * R + TOPK_MAX_K;  // a warp's routing scratch; its row's ids at 2 R
+    if (warp < N) {
+        // R <= TOPK_LISTS_MAX_R: topk_route's register path for wider routers (4 registers a
+        // lane) does not fit beside the lists
+        route_row_topk<2, GROUP_REGS != 0, true>(warp, topk_lists_smem + (size_t)warp * stride, logits, corr_bias,
+                                                 tid2eid, token_ids, ids_out, w_out, err, R, E, k, scoring, n_group,
+                                                 topk_group, topk_then_softmax, renorm, scale, vocab, lane);
     }
-    __syncthreads();  // every row's ids, written above, are visible to the whole block
+    __syncthreads();  // every row's ids, left in its warp's scratch, are visible to the whole block
     int* slot_tab = slot_table();
-    build_expert_lists(slot_tab + R, ids_out, N, k, slot_tab, R, n_local, has_shared, num_active, active_slot,
-                       active_start, active_len, sorted_row, sorted_pair, pair_pos, slot_active);
+    const int* row_ids = reinterpret_cast<const int*>(topk_lists_smem) + 2 * R;
+    build_expert_lists(
+        slot_tab + R, [&](int p) { return row_ids[(p / k) * stride + p % k]; }, N, k, slot_tab, R, n_local,
+        has_shared, num_active, active_slot, active_start, active_len, sorted_row, sorted_pair, pair_pos,
+        slot_active);
 }
 
 // grid (ceil(I_max / (DECODE_WARPS * CW)), max_active), block DECODE_WARPS * 32.

@@ -59,23 +59,26 @@ __device__ __forceinline__ void store_down_value(float v, int pos, int h, const 
 #define LISTS_THREADS 1024
 
 // One block of LISTS_THREADS threads, P = N k <= LISTS_THREADS pairs (pair p on thread p),
-// `sm` n_local + 33 ints and ceil(P / 32) n_local 16-bit counts of its shared memory
-// (kernels.expert_lists_smem_bytes). slot_of[e] (the callers' copy in shared memory) is
-// expert e's table slot on this rank (0 .. n_local-1), or -1 for another rank's expert and
-// for zero experts; ids outside 0..R-1 (-1 from a bad hash token) are nobody's. Unowned
-// pairs get pair_pos = -1.
+// `sm` n_local ints and ceil(P / 32) n_local 16-bit counts of its shared memory
+// (kernels.expert_lists_smem_bytes). id_of(p) is pair p's expert id; slot_of[e] (the
+// callers' copy in shared memory) is expert e's table slot on this rank (0 .. n_local-1),
+// or -1 for another rank's expert and for zero experts; ids outside 0..R-1 (-1 from a bad
+// hash token) are nobody's. Unowned pairs get pair_pos = -1.
 // Stable: positions within an expert follow pair order, so the layout is deterministic.
 // slot_active[slot] (n_local + 1 of them): the slot's active index, -1 where nobody chose
 // it (the wgmma gate/up's blocks by slot look theirs up: decode_wgmma_a8.cu).
 // A pair's rank among its expert's pairs is sort_place's (common.cuh warp_slot_rank: a
 // match in its warp and the warps' counts before it), which also gives each expert's count;
-// one scan of (count, active) packed in an int then places the experts. Why: each pair
-// counted the pairs before it with its expert, one global load each (P - 1 for the last),
-// and the counts were atomics before two scans: ~8 us of the decode chain at qwen3-30b-a3b
-// N = 64 (NOTES.md v42).
-// `ids` is not __restrict__: decode_topk_lists wrote it in the same launch, so its loads
-// must not take the read-only (non-coherent) path.
-__device__ __forceinline__ void build_expert_lists(int* sm, const int* ids, int N, int k,
+// one warp then places the experts: each lane a run of ceil(n_local / 32) of them, one warp
+// scan of (count, active) packed in an int. Why: each pair counted the pairs before it with
+// its expert, one global load each (P - 1 for the last), and the counts were atomics before
+// two scans: ~8 us of the decode chain at qwen3-30b-a3b N = 64 (NOTES.md v42). The one
+// warp's loops are rolled, as is the walk of each expert's column: this code runs once a
+// launch, and its length costs more than its latency (v44: unrolled, the one-warp round
+// made decode_topk_lists end 1.4 us later than rolled; rolled, 0.8 us earlier than the
+// block scan it replaced; cold instruction fetch is the likely reason, not profiled).
+template <class IdOf>
+__device__ __forceinline__ void build_expert_lists(int* sm, IdOf id_of, int N, int k,
                                                    const int* slot_of, int R, int n_local, int has_shared,
                                                    int* __restrict__ num_active, int* __restrict__ active_slot,
                                                    int* __restrict__ active_start, int* __restrict__ active_len,
@@ -83,35 +86,60 @@ __device__ __forceinline__ void build_expert_lists(int* sm, const int* ids, int 
                                                    int* __restrict__ pair_pos, int* __restrict__ slot_active) {
     const int P = N * k, warps = (P + 31) >> 5;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = threadIdx.x;
-    int* start = sm;                        // [n_local]
-    int* warp_totals = start + n_local;     // [LISTS_THREADS / 32 + 1]
-    unsigned short* before = reinterpret_cast<unsigned short*>(warp_totals + 33);  // [warps][n_local]
+    int* start = sm;                                                             // [n_local]
+    unsigned short* before = reinterpret_cast<unsigned short*>(start + n_local);  // [warps][n_local]
     for (int i = threadIdx.x; i < warps * n_local; i += LISTS_THREADS) before[i] = 0;
     __syncthreads();
-    const int e = p < P ? ids[p] : -1;
+    const int e = p < P ? id_of(p) : -1;
     const int sl = e >= 0 && e < R ? slot_of[e] : -1;
     int rank = 0;
     if (warp < warps) rank = warp_slot_rank(before, n_local, sl, warp, lane);
     __syncthreads();
-    // experts in rounds of LISTS_THREADS: each one's count, and one scan placing its run
-    // (high 16 bits: positions, at most P) and its active index (low: at most n_local
-    // a round, under 2^16) at once
-    int pos_base = 0, act_base = 0;
-    for (int e0 = 0; e0 < n_local; e0 += LISTS_THREADS) {
-        const int x = e0 + threadIdx.x;
-        const int c = x < n_local ? warps_exclusive_prefix(before, n_local, warps, x) : 0;
+#pragma unroll 1
+    for (int x = threadIdx.x; x < n_local; x += LISTS_THREADS)  // each expert's count
+        start[x] = warps_exclusive_prefix(before, n_local, warps, x);
+    __syncthreads();
+    // warp 0 places the experts, lane L those from L * per: its run's count and active
+    // experts (high 16 bits: positions, at most P; low: active ones, under 2^16 since 6
+    // bytes of shared memory an expert fit no more), one scan;
+    // then the shared expert's run after the routed ones
+    if (warp == 0) {
+        const int per = (n_local + 31) >> 5, x0 = lane * per, x1 = min(x0 + per, n_local);
+        int run = 0;
+#pragma unroll 1
+        for (int x = x0; x < x1; ++x) run += (start[x] << 16) | (start[x] > 0 ? 1 : 0);
         int total;
-        const int packed = block_exclusive_scan_1024((c << 16) | (c > 0 ? 1 : 0), warp_totals, total);
-        const int off = packed >> 16, aidx = packed & 0xffff;
-        if (x < n_local) slot_active[x] = c > 0 ? act_base + aidx : -1;
-        if (c > 0) {
-            start[x] = pos_base + off;
-            active_slot[act_base + aidx] = x;
-            active_start[act_base + aidx] = pos_base + off;
-            active_len[act_base + aidx] = c;
+        const int excl = warp_inclusive_scan(run, lane, total) - run;
+        int pos = excl >> 16, a = excl & 0xffff;
+#pragma unroll 1
+        for (int x = x0; x < x1; ++x) {
+            const int c = start[x];
+            slot_active[x] = c > 0 ? a : -1;
+            start[x] = pos;
+            if (c > 0) {
+                active_slot[a] = x;
+                active_start[a] = pos;
+                active_len[a] = c;
+                ++a;
+            }
+            pos += c;
         }
-        pos_base += total >> 16;
-        act_base += total & 0xffff;
+        const int pos_base = total >> 16, act_base = total & 0xffff;
+        if (has_shared) {
+#pragma unroll 1
+            for (int r = lane; r < N; r += 32) {
+                sorted_row[pos_base + r] = r;
+                sorted_pair[pos_base + r] = P + r;
+                pair_pos[P + r] = pos_base + r;
+            }
+            if (lane == 0) {
+                active_slot[act_base] = n_local;
+                active_start[act_base] = pos_base;
+                active_len[act_base] = N;
+                slot_active[n_local] = act_base;
+            }
+        }
+        if (lane == 0) *num_active = act_base + (has_shared ? 1 : 0);
     }
     __syncthreads();
     if (p < P) {
@@ -123,18 +151,4 @@ __device__ __forceinline__ void build_expert_lists(int* sm, const int* ids, int 
         }
         pair_pos[p] = pos;
     }
-    if (has_shared) {
-        for (int r = threadIdx.x; r < N; r += LISTS_THREADS) {
-            sorted_row[pos_base + r] = r;
-            sorted_pair[pos_base + r] = P + r;
-            pair_pos[P + r] = pos_base + r;
-        }
-        if (threadIdx.x == 0) {
-            active_slot[act_base] = n_local;
-            active_start[act_base] = pos_base;
-            active_len[act_base] = N;
-            slot_active[n_local] = act_base;
-        }
-    }
-    if (threadIdx.x == 0) *num_active = act_base + (has_shared ? 1 : 0);
 }

@@ -434,12 +434,15 @@ __device__ __forceinline__ bool vec_route_fits(int Q, int R, int k, int n_group,
 // lane 0 computes the weights alone. Returns false, having written nothing, where more than
 // 32 entries tie at the threshold or fewer than k are choosable: the caller routes the row
 // by route_row. Softmax sums its row in another order than route_row (per-lane sums over
-// other entries), so a weight may differ from route_row's in its last bits.
+// other entries), so a weight may differ from route_row's in its last bits. `sel_out`
+// (optional) gets the ids too, as route_row_regs' (decode_topk_lists builds its lists from
+// them in shared memory).
 template <int Q>
 __device__ __forceinline__ bool route_row_vec(int row, float* cand, const float* logits,
                                               const float* __restrict__ corr_bias, int* __restrict__ ids_out,
                                               float* __restrict__ w_out, int R, int k, int scoring,
-                                              int topk_then_softmax, int renorm, float scale, int lane) {
+                                              int topk_then_softmax, int renorm, float scale, int lane,
+                                              int* sel_out = nullptr) {
     constexpr int V = 4 * Q;
     const float* l = logits + (size_t)row * R;
     float c[V], s[V];  // selection scores, weight sources (entry 128 (j / 4) + 4 lane + j % 4)
@@ -537,9 +540,11 @@ __device__ __forceinline__ bool route_row_vec(int row, float* cand, const float*
         const float inv = renorm ? 1.0f / (sum + 1e-20f) : 1.0f;
         w = w * inv * scale;
     }
+    if (sel_out) __syncwarp();  // (sel_out may overlap `cand`, whose reads are done above)
     if (lane < k) {
         ids_out[(size_t)row * k + lane] = my_id;
         w_out[(size_t)row * k + lane] = w;
+        if (sel_out) sel_out[lane] = my_id;
     }
     return true;
 }
@@ -686,24 +691,26 @@ __device__ __forceinline__ void route_row(int row, float* s, const float* logits
 // decode_route_lists routes them (the kernels instantiate it for group-limited routers only:
 // its code made the ungrouped instances ~1 us slower, NOTES.md v36); else the shared-memory
 // route_row. `scratch`: the warp's 2 R + TOPK_MAX_K floats.
-template <int MAX_Q, bool GROUP_REGS>
+template <int MAX_Q, bool GROUP_REGS, bool KEEP_IDS = false>
 __device__ __forceinline__ void route_row_topk(int row, float* scratch, const float* logits,
                                                const float* __restrict__ corr_bias, const int* __restrict__ tid2eid,
                                                const int* __restrict__ token_ids, int* __restrict__ ids_out,
                                                float* __restrict__ w_out, int* __restrict__ err, int R, int E, int k,
                                                int scoring, int n_group, int topk_group, int topk_then_softmax,
                                                int renorm, float scale, int vocab, int lane) {
+    // KEEP_IDS: route_row_vec leaves the row's ids at scratch + 2 R too, as the other two do
+    int* kept_ids = KEEP_IDS ? reinterpret_cast<int*>(scratch + 2 * R) : nullptr;
     bool done = false;
     if (vec_route_fits(4, R, k, n_group, tid2eid)) {
         if (R <= 128)
             done = route_row_vec<1>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring, topk_then_softmax,
-                                    renorm, scale, lane);
+                                    renorm, scale, lane, kept_ids);
         else if (R <= 256)
             done = route_row_vec<2>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring, topk_then_softmax,
-                                    renorm, scale, lane);
+                                    renorm, scale, lane, kept_ids);
         else if (MAX_Q >= 4)  // (the instantiation without it names route_row_vec<2> here, never run)
             done = route_row_vec<(MAX_Q >= 4 ? 4 : 2)>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring,
-                                                      topk_then_softmax, renorm, scale, lane);
+                                                      topk_then_softmax, renorm, scale, lane, kept_ids);
     }
     // (sm_90+ only: on sm_80 decode_topk_lists' 64 registers spilled with it, and both kernels
     // must route alike)

@@ -320,10 +320,10 @@ def sort_place_smem_bytes(n_local: int) -> int:
 
 def expert_lists_smem_bytes(pairs: int, n_local: int) -> int:
     """build_expert_lists' shared memory (cuda/decode_common.cuh) for `pairs` <= 1024 pairs:
-    the experts' starts and a scan's 33 ints, then a 16-bit count of each expert for each
-    warp of pairs."""
+    the experts' counts, then starts, and a 16-bit count of each expert for each warp of
+    pairs."""
     counts = -(-pairs // 32) * n_local  # 16-bit, two an int
-    return (n_local + 33 + (counts + 1) // 2) * 4
+    return (n_local + (counts + 1) // 2) * 4
 
 
 SM90_BM, SM90_BK = 128, 64  # grouped_gemm_sm90's tile (cuda/grouped_sm90.cu)
