@@ -137,8 +137,10 @@ struct Fp8Row32 {
                              : "l"(r.w + k + 16 * h));
         }
         // the step's block scale even where this lane's codes lie past K: it multiplies the
-        // step's sums, which hold every lane's codes (k >> 7 is the step's block, below K)
-        s = q_scale<FMT_FP8>(r.s, k);
+        // step's sums, which hold every lane's codes (k >> 7 is the step's block). None for a
+        // step wholly past K, which mma_pass loads one ahead and never multiplies: its block
+        // lies past the row's scales (for the last 128 rows, past the matrix's scale tensor)
+        s = (k & ~127) < K ? q_scale<FMT_FP8>(r.s, k) : 0.0f;
     }
 
     // codes 4 j .. 4 j + 3 as two bf16 pairs (exact: every e4m3 value is a bf16 value)
