@@ -1,22 +1,36 @@
 """cupymoe: a Mixture-of-Experts layer for LLM inference on NVIDIA GPUs.
 
 Raw CUDA C++ kernels (cuda/*.cu) compiled by NVRTC and launched through CuPy on the
-caller's stream; see README.md and docs in ../shared/docs/DESIGN.md.
+caller's stream; see README.md and docs/DESIGN.md.
 """
 
-from .config import DenseLayerError, MoeConfig, UnsupportedModelError
+from .config import MoeConfig
+from .errors import (ArenaError, BufferTooSmallError, CheckpointError, CheckpointFileError, ConfigError,
+                     CudaUnavailableError, DenseLayerError, Error, KernelBuildError, LaunchError, LoraError,
+                     MissingTensorError, MoeCallError, OptionError, PathUnavailableError, TmaError,
+                     UnsupportedFormatError, UnsupportedModelError, WeightError, WorkspaceError)
 from .host_weights import HostWeights
 
 __version__ = "0.1.0"
 
-__all__ = ["MoeConfig", "HostWeights", "DenseLayerError", "UnsupportedModelError", "MoeLayer"]
+__all__ = [
+    "MoeConfig", "HostWeights", "MoeLayer", "Workspace",
+    "Error", "ConfigError", "UnsupportedModelError", "DenseLayerError", "OptionError", "CheckpointError",
+    "MissingTensorError", "CheckpointFileError", "WeightError", "UnsupportedFormatError", "CudaUnavailableError",
+    "KernelBuildError", "LaunchError", "TmaError", "WorkspaceError", "ArenaError", "BufferTooSmallError",
+    "MoeCallError", "PathUnavailableError", "LoraError",
+]
 
 
 def __getattr__(name):
-    # MoeLayer needs CuPy; importing it lazily keeps the host-side package (config,
-    # formats, reference, checkpoint) usable on machines without a GPU stack.
+    # MoeLayer and Workspace need CuPy; importing them lazily keeps the host-side package
+    # (config, formats, reference, checkpoint) usable on machines without a GPU stack.
     if name == "MoeLayer":
         from .layer import MoeLayer
 
         return MoeLayer
+    if name == "Workspace":
+        from .workspace import Workspace
+
+        return Workspace
     raise AttributeError(f"module 'cupymoe' has no attribute {name!r}")

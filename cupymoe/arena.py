@@ -17,12 +17,7 @@ from typing import Iterable, Optional, Sequence
 ALIGN = 256  # bytes: every buffer starts on a 256-byte boundary (16-byte vectors, TMA)
 
 
-class ArenaError(ValueError):
-    """A bad plan: unknown stage or buffer, or two live buffers sharing bytes."""
-
-
-class BufferTooSmallError(ValueError):
-    """A request larger than the buffer planned for it."""
+from .errors import ArenaError, BufferTooSmallError  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)

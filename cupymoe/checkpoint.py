@@ -74,19 +74,7 @@ Reader = Callable[[], Any]
 # errors
 # ----------------------------------------------------------------------------------
 
-class CheckpointError(ValueError):
-    """The checkpoint (or tensor mapping) does not hold what the layer needs; the message says what."""
-
-
-class MissingTensorError(CheckpointError, KeyError):
-    """A tensor the layer needs is absent. Also a KeyError, so `except KeyError` callers keep working."""
-
-    def __str__(self) -> str:  # KeyError would print the message repr-quoted
-        return str(self.args[0]) if self.args else ""
-
-
-class CheckpointFileError(CheckpointError, FileNotFoundError):
-    """A file the checkpoint needs (config.json, the weights, a shard the index names) does not exist."""
+from .errors import CheckpointError, CheckpointFileError, MissingTensorError  # noqa: F401 (re-exported)
 
 
 # ----------------------------------------------------------------------------------

@@ -29,12 +29,7 @@ SUPPORTED_MODEL_TYPES = (
 )
 
 
-class UnsupportedModelError(ValueError):
-    """The config's model_type is not one cupymoe knows how to map."""
-
-
-class DenseLayerError(ValueError):
-    """The requested layer index is a dense (non-MoE) MLP layer in this model."""
+from .errors import ConfigError, DenseLayerError, UnsupportedModelError  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -83,8 +78,8 @@ class MoeConfig:
     model_type: str = ""
 
     def __post_init__(self) -> None:
-        def bad(field: str, value: Any, why: str) -> ValueError:
-            return ValueError(f"MoeConfig.{field}={value!r}: {why}")
+        def bad(field: str, value: Any, why: str) -> ConfigError:
+            return ConfigError(f"MoeConfig.{field}={value!r}: {why}")
 
         # types first: a float where a count belongs, a string where a flag does, or a NaN,
         # would pass the range checks below (or fail them with an error naming nothing)

@@ -563,12 +563,7 @@ MODULES: dict[str, ModuleSpec] = {
 }
 
 
-class KernelBuildError(RuntimeError):
-    """NVRTC rejected a module; the message carries its log."""
-
-
-class CudaUnavailableError(RuntimeError):
-    """No usable CUDA device / CuPy installation for a GPU operation."""
+from .errors import CudaUnavailableError, KernelBuildError  # noqa: F401 (re-exported)
 
 
 def kernel_dir() -> Path:

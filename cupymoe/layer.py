@@ -103,12 +103,7 @@ def gate_up_ahead_waste(n_local: int, num_experts: int, k: int, num_tokens: int,
     return idle * -(-i_max // kernels.WGMMA_DECODE_GATE_UP_COLUMNS) * ahead
 
 
-class MoeCallError(ValueError):
-    """A forward call refused before anything was launched; names the problem and values."""
-
-
-class PathUnavailableError(ValueError):
-    """A forced path that cannot serve this layer or call."""
+from .errors import MoeCallError, PathUnavailableError  # noqa: F401 (re-exported)
 
 
 def _u64(v: int) -> np.uint64:

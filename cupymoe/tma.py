@@ -28,8 +28,7 @@ _L2_PROMOTION_256B = 3
 _OOB_FILL_ZERO = 0
 
 
-class TmaError(RuntimeError):
-    """The driver refused a tensor map (its arguments are in the message)."""
+from .errors import TmaError  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)

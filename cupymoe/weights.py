@@ -37,8 +37,7 @@ FORMAT_CODES = kernels.FORMAT_CODES
 FORMAT_K_MULTIPLE = kernels.FORMAT_K_MULTIPLE
 
 
-class UnsupportedFormatError(NotImplementedError):
-    """A weight format the GPU kernels do not serve yet; names the tensor and format."""
+from .errors import UnsupportedFormatError  # noqa: F401 (re-exported)
 
 
 def _bf16_bits(t: Any, name: str):
