@@ -195,6 +195,23 @@ class MoeConfig:
 _MISSING = object()
 
 
+def kernel_limits_violations(cfg: MoeConfig) -> list[str]:
+    """What of `cfg` the GPU kernels cannot serve, in words (empty: nothing). MoeLayer refuses such a
+    layer and `python -m cupymoe inspect` names each."""
+    out = []
+    for name in ("hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        v = getattr(cfg, name)
+        if v % 8:
+            out.append(f"{name}={v} is not a multiple of 8 (the kernels read 16-byte vectors)")
+    if cfg.n_group > 32:
+        out.append(f"n_group={cfg.n_group}: the top-k kernels handle at most 32 groups")
+    if cfg.num_experts_per_tok > 64:
+        out.append(f"num_experts_per_tok={cfg.num_experts_per_tok}: the top-k kernels serve k <= 64")
+    if cfg.router_width > 4096:
+        out.append(f"router width {cfg.router_width} (experts + zero experts): the top-k kernels serve at most 4096")
+    return out
+
+
 def _key(cfg: Mapping[str, Any], *names: str) -> str:
     """The first spelling of a key that cfg sets (else the first name): what _get reads."""
     return next((n for n in names if cfg.get(n) is not None), names[0])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import cupy as cp
 
-from cupymoe import kernels
+from cupymoe import jit
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--experts", type=int, nargs="+", default=[220, 96], help="experts touched (4096 rows of K each)")
@@ -42,7 +42,7 @@ MODES = {0: "W4A16 bf16 (stored nibbles)", 1: "W4A8 e4m3", 2: "e4m3, activations
 SHAPES = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes]
 NAMES = {(m, sh): f"fp4_probe<{m}, {sh[0]}, {sh[1]}, {sh[2]}, {sh[3]}>" for m in args.modes for sh in SHAPES}
 module = cp.RawModule(code=Path(__file__).with_suffix(".cu").read_text(),
-                      options=("-arch=sm_90a", *(o for o in kernels.compile_options("sm_90a")
+                      options=("-arch=sm_90a", *(o for o in jit.compile_options("sm_90a")
                                                  if not o.startswith(("--gpu-architecture", "-Xptxas")))),
                       name_expressions=list(NAMES.values()))
 
