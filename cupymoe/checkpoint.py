@@ -650,7 +650,12 @@ def _plan(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[dict[str, Reader],
         name = prefix + _required(naming, "correction_bias", cfg, "a correction bias")
         readers["correction_bias"] = P.vector(name, (R,))
 
-    if naming.fused_experts:
+    from .hf_layouts import plan_stacked_experts  # imported here: it builds on this module
+
+    stacked = plan_stacked_experts(P, cfg, prefix)  # transformers 5 / vLLM stacks; None: hub names
+    if stacked is not None:
+        readers.update(stacked)
+    elif naming.fused_experts:
         readers.update(_plan_fused_experts(P, cfg, prefix + naming.experts))
     else:
         if cfg.has_expert_bias:
@@ -737,9 +742,11 @@ def load_layer(checkpoint_dir: PathLike, layer_idx: int) -> tuple[MoeConfig, Hos
     """
     root = Path(checkpoint_dir)
     cfg = MoeConfig.from_hf(read_config(root), layer_idx)
-    prefix = layer_prefix(cfg.model_type, layer_idx)
+    from .hf_layouts import layer_prefix_in  # Mixtral's block may sit at transformers 5's `mlp.`
+
     with ExitStack() as stack:
-        return _load(cfg, _FileSource(root, stack), prefix)
+        src = _FileSource(root, stack)
+        return _load(cfg, src, layer_prefix_in(src, cfg.model_type, layer_idx))
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
