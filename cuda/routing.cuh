@@ -637,6 +637,7 @@ __device__ __forceinline__ void route_row(int row, float* s, const float* logits
                 if (lane == bi) keep = true;
             }
             const unsigned kept = __ballot_sync(CUPYMOE_FULL_MASK, keep);
+            __syncwarp();  // every lane's group scan read c before any lane overwrites it
             for (int i = lane; i < E; i += 32)
                 if (!((kept >> (i / G)) & 1u)) c[i] = -INFINITY;
             __syncwarp();

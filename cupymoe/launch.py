@@ -19,6 +19,9 @@ from .plan import AllReduce, Arg, ArgType, Buf, CallValue, ForwardPlan, Launch, 
 # and a 64-byte value union; CUlaunchConfig the grid, block, dynamic shared memory, stream
 # and the attribute array.
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+CUDA_ERROR_INVALID_VALUE = 1  # what cuStreamWaitEvent answers for an event last recorded in a capture
+CUDA_ERROR_NOT_READY = 600
+CUDA_ERROR_CAPTURED_EVENT = 907
 
 
 class _LaunchAttributeValue(ctypes.Union):  # 64 bytes; the int member this layer sets
@@ -71,16 +74,22 @@ class Driver:
 
     @classmethod
     def event_done(cls, event: int) -> bool:
+        """Whether the work before `event`'s last record has finished (an event last recorded
+        inside a stream capture stands for no work: done)."""
         rc = cls.lib().cuEventQuery(ctypes.c_void_p(event))
-        if rc == 600:  # CUDA_ERROR_NOT_READY
+        if rc == CUDA_ERROR_NOT_READY:
             return False
-        cls.check(rc, "cuEventQuery")
+        if rc not in (0, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_CAPTURED_EVENT):
+            cls.check(rc, "cuEventQuery")
         return True
 
     @classmethod
     def wait(cls, stream: int, event: int) -> None:
-        """`stream` waits for `event` (no host sync)."""
-        cls.check(cls.lib().cuStreamWaitEvent(ctypes.c_void_p(stream), ctypes.c_void_p(event), 0), "cuStreamWaitEvent")
+        """`stream` waits for `event` (no host sync); an event last recorded inside a stream capture
+        stands for no work, so there is nothing to wait for."""
+        rc = cls.lib().cuStreamWaitEvent(ctypes.c_void_p(stream), ctypes.c_void_p(event), 0)
+        if rc not in (0, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_CAPTURED_EVENT):
+            cls.check(rc, "cuStreamWaitEvent")
 
     @classmethod
     def stream_context(cls, stream: int) -> int:

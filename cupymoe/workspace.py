@@ -248,12 +248,11 @@ class Workspace:
             self._stream = stream
 
     def done(self, stream: int) -> None:
-        """A forward was enqueued on `stream`: an event marks its end (not under capture, where an
-        event marks nothing a later wait could use)."""
+        """A forward was enqueued on `stream`: an event marks its end (one recorded under capture
+        marks nothing a later wait outside it can use: _order_after skips it)."""
         from .launch import Driver
 
-        if not Driver.is_capturing(stream):
-            Driver.record(self._done.ptr, stream)
+        Driver.record(self._done.ptr, stream)
 
     def __repr__(self) -> str:
         return (f"Workspace(device {self.device_id}, {self.scratch_bytes} bytes scratch + {self.zeroed_bytes} "

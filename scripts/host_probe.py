@@ -1,0 +1,101 @@
+"""Where an eager forward's host time goes: the driver's own cost of a launch and of the calls a
+forward makes, against a forward split into its parts.
+
+    python scripts/host_probe.py --preset qwen3-30b-a3b --format bf16 --tokens 1 64 4096
+
+Prints µs a call (the mean of --calls, the stream drained between batches, outside the timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+
+import numpy as np
+
+BATCH = 20
+
+
+def timed(fn, calls: int, drain) -> float:
+    total = 0
+    for done in range(0, calls, BATCH):
+        t = time.perf_counter_ns()
+        for _ in range(min(BATCH, calls - done)):
+            fn()
+        total += time.perf_counter_ns() - t
+        drain()
+    return total / calls / 1e3
+
+
+def driver_costs(calls: int) -> dict:
+    import cupy
+
+    from cupymoe.launch import Driver, LaunchConfig, _PDL_ATTRIBUTE, _dims
+
+    lib = Driver.lib()
+    s = cupy.cuda.Stream(non_blocking=True)
+    k = cupy.RawKernel('extern "C" __global__ void noop(int a) {}', "noop")
+    k((1,), (32,), (np.int32(0),))
+    arg = ctypes.c_int32(0)
+    params = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
+    plain = LaunchConfig(_dims((1,)), _dims((32,)), 0, s.ptr, None, 0)
+    pdl = LaunchConfig(_dims((1,)), _dims((32,)), 0, s.ptr, ctypes.pointer(_PDL_ATTRIBUTE), 1)
+    fn = int(k.kernel.ptr)
+    ev = cupy.cuda.Event(disable_timing=True)
+    out = {
+        "cuLaunchKernelEx": timed(lambda: lib.cuLaunchKernelEx(ctypes.addressof(plain), fn, ctypes.addressof(params),
+                                                               None), calls, s.synchronize),
+        "cuLaunchKernelEx_pdl": timed(lambda: lib.cuLaunchKernelEx(ctypes.addressof(pdl), fn,
+                                                                   ctypes.addressof(params), None), calls, s.synchronize),
+        "cupy_launch": timed(lambda: k((1,), (32,), (np.int32(0),), stream=s), calls, s.synchronize),
+        "cuEventRecord": timed(lambda: Driver.record(ev.ptr, s.ptr), calls, s.synchronize),
+        "cuStreamIsCapturing": timed(lambda: Driver.is_capturing(s.ptr), calls, s.synchronize),
+    }
+    return out
+
+
+def forward_parts(layer, x, out, n: int, calls: int) -> dict:
+    import cupy
+
+    from cupymoe.layer import _check_call
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    xp, op = int(x.data.ptr), int(out.data.ptr)
+    layer.forward(xp, n, op, s.ptr)
+    packed = layer.plan_for(n)
+    ws = layer.workspace
+    return {
+        "forward": timed(lambda: layer.forward(xp, n, op, s.ptr), calls, s.synchronize),
+        "check_call": timed(lambda: _check_call(layer, xp, n, op, 0), calls, s.synchronize),
+        "plan.run": timed(lambda: packed.run(xp, op, 0, n, s.ptr), calls, s.synchronize),
+        "workspace.done": timed(lambda: ws.done(s.ptr), calls, s.synchronize),
+        "launches": len(packed.plan.launches),
+    }
+
+
+def main() -> None:
+    import cupy
+
+    from cupymoe import MoeLayer, bench
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--format", default="bf16")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
+    ap.add_argument("--calls", type=int, default=400)
+    args = ap.parse_args()
+    print("driver:", {k: round(v, 2) for k, v in driver_costs(args.calls).items()})
+    cfg = bench.preset_config(args.preset)
+    layer = MoeLayer(cfg, bench.random_device_weights(cfg, 0, args.format), max_tokens=max(args.tokens))
+    for n in args.tokens:
+        x = cupy.asarray((np.random.default_rng(n).standard_normal((n, cfg.hidden_size), dtype=np.float32)
+                          .view(np.uint32) >> 16).astype(np.uint16))
+        out = cupy.empty_like(x)
+        cupy.cuda.runtime.deviceSynchronize()
+        parts = forward_parts(layer, x, out, n, args.calls)
+        print(f"N={n}:", {k: round(v, 2) if isinstance(v, float) else v for k, v in parts.items()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The forwards compute-sanitizer watches (scripts/sanitize.sh): every kernel family on every path
+and format, on layers shaped like qwen3_moe and deepseek_v3 (H = 2048, 32 and 64 experts), fresh
+random inputs, the outputs checked against cupymoe.reference.
+
+    python scripts/sanitize_workload.py [--formats bf16 fp8_block nvfp4 mxfp4] [--tokens 1 5 64 640]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+SHAPES = {
+    "qwen3_moe": dict(hidden_size=2048, moe_intermediate_size=768, num_experts=32, num_experts_per_tok=8),
+    "deepseek_v3": dict(hidden_size=2048, moe_intermediate_size=512, num_experts=64, num_experts_per_tok=8,
+                        n_group=8, topk_group=4, shared_expert_intermediate_size=512),
+}
+
+
+def main() -> int:
+    from cupymoe import MoeLayer, testing
+    from cupymoe.verify import check, run_layer, well_separated_input
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8_block", "nvfp4", "mxfp4"])
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 5, 64, 640])
+    ap.add_argument("--families", nargs="+", default=list(SHAPES))
+    ap.add_argument("--prefill-variant", default=None, help="CUPYMOE_SM90_VARIANT for the prefill GEMMs")
+    args = ap.parse_args()
+    rng = np.random.default_rng(5)
+    bad = runs = 0
+    for fam in args.families:
+        cfg = testing.tiny_config(fam, **SHAPES[fam])
+        for fmt in args.formats:
+            hw = testing.random_host_weights(cfg, rng, fmt)
+            layer = MoeLayer(cfg, hw, max_tokens=max(args.tokens), decode_max_tokens=64, atomic_max_tokens=8)
+            for n in args.tokens:
+                paths = ["decode", "atomic", "prefill"] if n <= 8 else ["decode", "prefill"] if n <= 64 else ["prefill"]
+                for path in paths:
+                    x = well_separated_input(cfg, hw, rng, n)
+                    c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
+                    runs += 1
+                    bad += not c.ok
+                    print(f"{fam} {fmt} N={n} {path}: {'ok' if c.ok else 'FAIL ' + str(c)}", flush=True)
+            del layer
+    print(f"sanitize_workload: {runs} forwards, {bad} wrong")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
