@@ -75,6 +75,11 @@ Reader = Callable[[], Any]
 # ----------------------------------------------------------------------------------
 
 from .errors import CheckpointError, CheckpointFileError, MissingTensorError  # noqa: F401 (re-exported)
+from .errors import OptionError, WeightError
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """save_layer's directory already holds a checkpoint. Also a FileExistsError, as before."""
 
 
 # ----------------------------------------------------------------------------------
@@ -775,7 +780,7 @@ def _linear_tensors(module: str, w: Any) -> dict[str, np.ndarray]:
     if fmt == "bf16":
         a = np.asarray(w)
         if a.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{module}: a plain weight must be bf16 or float, found {a.dtype}")
+            raise WeightError(f"{module}: a plain weight must be bf16 or float, found {a.dtype}")
         return {module + ".weight": np.ascontiguousarray(a)}
     if fmt == "fp8_block":
         return {module + ".weight": np.ascontiguousarray(w.q),
@@ -787,7 +792,7 @@ def _linear_tensors(module: str, w: Any) -> dict[str, np.ndarray]:
         if w.input_scale is not None:
             out[module + ".input_scale"] = np.asarray(w.input_scale, dtype=np.float32).reshape(())
         return out
-    raise ValueError(f"{module}: {fmt} weights exist only in gpt-oss's fused expert tensors; "
+    raise WeightError(f"{module}: {fmt} weights exist only in gpt-oss's fused expert tensors; "
                      "per-module checkpoints hold bf16, fp8_block or nvfp4")
 
 
@@ -799,7 +804,7 @@ def _vector_tensor(name: str, v: np.ndarray, shape: Optional[tuple[int, ...]] = 
 def _interleave(even: np.ndarray, odd: np.ndarray, axis: int, what: str) -> np.ndarray:
     """Merge two arrays element-wise along `axis`: even -> 0, 2, 4 ...; odd -> 1, 3, 5 ..."""
     if even.dtype != odd.dtype or even.shape != odd.shape:
-        raise ValueError(f"{what}: gate and up must share dtype and shape to interleave, found "
+        raise WeightError(f"{what}: gate and up must share dtype and shape to interleave, found "
                          f"{even.dtype}{even.shape} and {odd.dtype}{odd.shape}")
     shape = list(even.shape)
     shape[axis] *= 2
@@ -818,7 +823,7 @@ def _fused_expert_tensors(hw: HostWeights, base: str) -> dict[str, np.ndarray]:
     gate_up, down = base + _GATE_UP, base + _DOWN
     fg, fu, fd = weight_format(hw.gate), weight_format(hw.up), weight_format(hw.down)
     if fg != fu:
-        raise ValueError(f"{gate_up}: gpt-oss stores gate and up in one tensor, so they must share a format; "
+        raise WeightError(f"{gate_up}: gpt-oss stores gate and up in one tensor, so they must share a format; "
                          f"found gate {fg}, up {fu}")
     if fg == "mxfp4":
         out[gate_up + "_blocks"] = _interleave(hw.gate.blocks, hw.up.blocks, 1, gate_up + "_blocks")
@@ -827,14 +832,14 @@ def _fused_expert_tensors(hw: HostWeights, base: str) -> dict[str, np.ndarray]:
         g, u = np.asarray(hw.gate).transpose(0, 2, 1), np.asarray(hw.up).transpose(0, 2, 1)
         out[gate_up] = _interleave(g, u, 2, gate_up)
     else:
-        raise ValueError(f"{gate_up}: gpt-oss experts are stored bf16 or mxfp4, not {fg}")
+        raise WeightError(f"{gate_up}: gpt-oss experts are stored bf16 or mxfp4, not {fg}")
     if fd == "mxfp4":
         out[down + "_blocks"] = np.ascontiguousarray(hw.down.blocks)
         out[down + "_scales"] = np.ascontiguousarray(hw.down.scales)
     elif fd == "bf16":
         out[down] = np.ascontiguousarray(np.asarray(hw.down).transpose(0, 2, 1))
     else:
-        raise ValueError(f"{down}: gpt-oss experts are stored bf16 or mxfp4, not {fd}")
+        raise WeightError(f"{down}: gpt-oss experts are stored bf16 or mxfp4, not {fd}")
     if hw.gate_bias is not None:
         out[gate_up + "_bias"] = _interleave(np.asarray(hw.gate_bias), np.asarray(hw.up_bias), 1,
                                              gate_up + "_bias")
@@ -884,7 +889,7 @@ def _quantization_config(fmt: str, unquantized: list[str]) -> dict[str, Any]:
                 "exclude_modules": unquantized}
     if fmt == "mxfp4":
         return {"quant_method": "mxfp4", "modules_to_not_convert": unquantized}
-    raise ValueError(f"no quantization_config for format {fmt!r}")
+    raise OptionError(f"no quantization_config for format {fmt!r}")
 
 
 def save_layer(checkpoint_dir: PathLike, config_dict: Mapping[str, Any], layer_idx: int, host_weights: HostWeights,
@@ -908,12 +913,12 @@ def save_layer(checkpoint_dir: PathLike, config_dict: Mapping[str, Any], layer_i
 
     routed = _routed_format(host_weights)
     if routed is None:
-        raise ValueError("the routed experts mix formats (gate/up/down: "
+        raise WeightError("the routed experts mix formats (gate/up/down: "
                          f"{[weight_format(getattr(host_weights, f)) for f in _FIELDS]}); "
                          "a checkpoint's quantization_config names one")
     if config.get("quantization_config"):
         if cfg.weight_format != routed:
-            raise ValueError(f"config_dict's quantization_config means {cfg.weight_format} routed experts, "
+            raise CheckpointError(f"config_dict's quantization_config means {cfg.weight_format} routed experts, "
                              f"but host_weights holds {routed}")
     elif routed != "bf16":
         config["quantization_config"] = _quantization_config(
@@ -921,14 +926,14 @@ def save_layer(checkpoint_dir: PathLike, config_dict: Mapping[str, Any], layer_i
         cfg = MoeConfig.from_hf(config, layer_idx)
     for module, fmt in formats.items():
         if fmt != "bf16" and is_excluded(module, cfg.quant_exclude):
-            raise ValueError(f"{module} is {fmt} but the quantization config excludes it "
+            raise CheckpointError(f"{module} is {fmt} but the quantization config excludes it "
                              f"(patterns {list(cfg.quant_exclude)}): excluded modules stay bf16")
 
     root.mkdir(parents=True, exist_ok=True)
     existing = sorted(p.name for p in root.iterdir() if p.name == CONFIG_FILE or p.suffix == ".safetensors"
                       or p.name == INDEX_FILE)
     if existing:
-        raise FileExistsError(f"save_layer writes a fresh checkpoint, but {root} already holds {existing}")
+        raise CheckpointExistsError(f"save_layer writes a fresh checkpoint, but {root} already holds {existing}")
 
     (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     metadata = {"format": "pt"}  # what transformers writes; some readers insist on it
@@ -937,7 +942,7 @@ def save_layer(checkpoint_dir: PathLike, config_dict: Mapping[str, Any], layer_i
         logger.debug("wrote %d tensors to %s", len(tensors), root / SINGLE_FILE)
         return root
     if shard_max_tensors < 1:
-        raise ValueError(f"shard_max_tensors={shard_max_tensors}: must be >= 1")
+        raise OptionError(f"shard_max_tensors={shard_max_tensors}: must be >= 1")
     names = list(tensors)
     chunks = [names[i:i + shard_max_tensors] for i in range(0, len(names), shard_max_tensors)]
     weight_map: dict[str, str] = {}

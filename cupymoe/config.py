@@ -32,6 +32,13 @@ SUPPORTED_MODEL_TYPES = (
 from .errors import ConfigError, DenseLayerError, UnsupportedModelError  # noqa: F401 (re-exported)
 
 
+class MissingConfigKeyError(ConfigError, KeyError):
+    """config.json lacks a key the family needs. Also a KeyError, so `except KeyError` callers keep working."""
+
+    def __str__(self) -> str:  # KeyError would print the message repr-quoted
+        return str(self.args[0]) if self.args else ""
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     """One MoE layer. Field names follow the Hugging Face spellings where one exists."""
@@ -207,7 +214,7 @@ def _get(cfg: Mapping[str, Any], *names: str, default: Any = _MISSING) -> Any:
         return value
     if default is _MISSING:
         mt = cfg.get("model_type", "?")
-        raise KeyError(f"config.json of model_type={mt!r} lacks {' / '.join(names)}")
+        raise MissingConfigKeyError(f"config.json of model_type={mt!r} lacks {' / '.join(names)}")
     return default
 
 
@@ -217,20 +224,20 @@ def _whole(value: Any, key: str) -> int:
         return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    raise ValueError(f"config.json {key}={value!r}: expected a whole number")
+    raise ConfigError(f"config.json {key}={value!r}: expected a whole number")
 
 
 def _flag(value: Any, key: str) -> bool:
     """A config.json flag: JSON true / false only (a string "false" is not False)."""
     if isinstance(value, bool):
         return value
-    raise ValueError(f"config.json {key}={value!r}: expected true or false")
+    raise ConfigError(f"config.json {key}={value!r}: expected true or false")
 
 
 def _number(value: Any, key: str) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
-    raise ValueError(f"config.json {key}={value!r}: expected a finite number")
+    raise ConfigError(f"config.json {key}={value!r}: expected a finite number")
 
 
 def _patterns(value: Any, key: str) -> tuple[str, ...]:
@@ -241,7 +248,7 @@ def _patterns(value: Any, key: str) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
         return tuple(value)
-    raise ValueError(f"quantization_config.{key}={value!r}: expected a list of module-name patterns")
+    raise ConfigError(f"quantization_config.{key}={value!r}: expected a list of module-name patterns")
 
 
 def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
@@ -249,27 +256,27 @@ def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
     if not q:
         return "bf16", ()
     if not isinstance(q, Mapping):
-        raise ValueError(f"quantization_config={q!r}: expected an object")
+        raise ConfigError(f"quantization_config={q!r}: expected an object")
     method = str(q.get("quant_method", "")).lower()
     if method == "fp8":
         block = list(q.get("weight_block_size") or [])
         if block != [128, 128]:
-            raise ValueError(f"quantization_config.weight_block_size={block!r}: only [128, 128] fp8 blocks are supported")
+            raise ConfigError(f"quantization_config.weight_block_size={block!r}: only [128, 128] fp8 blocks are supported")
         return "fp8_block", _patterns(q.get("modules_to_not_convert"), "modules_to_not_convert")
     if method == "modelopt":
         if q.get("quant_algo") is None:  # an export that quantizes only the KV cache: weights as stored
             return "bf16", ()
         algo = str(q.get("quant_algo")).upper()
         if algo != "NVFP4":
-            raise ValueError(f"quantization_config.quant_algo={algo!r}: only NVFP4 ModelOpt checkpoints are supported")
+            raise ConfigError(f"quantization_config.quant_algo={algo!r}: only NVFP4 ModelOpt checkpoints are supported")
         gs = q.get("group_size", 16)
         if gs != 16:
-            raise ValueError(f"quantization_config.group_size={gs!r}: NVFP4 uses groups of 16")
+            raise ConfigError(f"quantization_config.group_size={gs!r}: NVFP4 uses groups of 16")
         key = "exclude_modules" if q.get("exclude_modules") else "ignore"
         return "nvfp4", _patterns(q.get(key), key)
     if method == "mxfp4":
         return "mxfp4", _patterns(q.get("modules_to_not_convert"), "modules_to_not_convert")
-    raise ValueError(f"quantization_config.quant_method={method!r}: supported are fp8, modelopt (NVFP4), mxfp4")
+    raise ConfigError(f"quantization_config.quant_method={method!r}: supported are fp8, modelopt (NVFP4), mxfp4")
 
 
 def layer_count(config: Mapping[str, Any]) -> int | None:
@@ -287,7 +294,7 @@ def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None)
         return
     n_layers = layer_count(cfg)
     if n_layers is not None and not 0 <= layer_idx < n_layers:
-        raise ValueError(f"layer_idx={layer_idx} is outside 0..{int(n_layers) - 1} for {model_type}")
+        raise ConfigError(f"layer_idx={layer_idx} is outside 0..{int(n_layers) - 1} for {model_type}")
     dense = False
     if model_type == "deepseek_v3":
         # absent: transformers' DeepseekV3Config default (3 dense layers first); null: none
@@ -347,7 +354,7 @@ def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: d
         # routed as neither, so it is refused
         topk_method = g("topk_method", default="noaux_tc")
         if topk_method not in ("noaux_tc", "greedy"):
-            raise ValueError(f"config.json topk_method={topk_method!r}: supported are 'noaux_tc' and 'greedy'")
+            raise ConfigError(f"config.json topk_method={topk_method!r}: supported are 'noaux_tc' and 'greedy'")
         greedy = topk_method == "greedy"
         kw.update(
             num_experts=E,
@@ -401,7 +408,7 @@ def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: d
         )
         ztype = config.get("zero_expert_type", "identity")
         if kw["zero_expert_num"] and ztype != "identity":
-            raise ValueError(f"zero_expert_type={ztype!r}: only identity zero experts are defined")
+            raise ConfigError(f"zero_expert_type={ztype!r}: only identity zero experts are defined")
     kw.update(overrides)
     return cls(**kw)
 
@@ -411,5 +418,5 @@ def _act(name: str) -> str:
     aliases = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh", "swiglu_oai": "swiglu_oai"}
     if name not in aliases:
-        raise ValueError(f"hidden_act={name!r}: unknown activation; supported: {sorted(aliases)}")
+        raise ConfigError(f"hidden_act={name!r}: unknown activation; supported: {sorted(aliases)}")
     return aliases[name]

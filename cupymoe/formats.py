@@ -20,6 +20,8 @@ from typing import Any, Optional, Union
 import ml_dtypes
 import numpy as np
 
+from .errors import OptionError, WeightError
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448.0
@@ -51,7 +53,7 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """[..., 2n] codes -> [..., n] bytes, element 2j in the low nibble, 2j+1 in the high one."""
     c = np.asarray(codes, dtype=np.uint8)
     if c.shape[-1] % 2:
-        raise ValueError(f"pack_nibbles: last axis must be even, found {c.shape}")
+        raise WeightError(f"pack_nibbles: last axis must be even, found {c.shape}")
     return (c[..., 0::2] & 0xF) | ((c[..., 1::2] & 0xF) << 4)
 
 
@@ -111,7 +113,7 @@ def _permute_word_bits(words: np.ndarray, dest: np.ndarray) -> np.ndarray:
 def _fp4_words(packed: np.ndarray, who: str) -> np.ndarray:
     p = np.ascontiguousarray(np.asarray(packed))
     if p.dtype != np.uint8 or p.shape[-1] % 4:
-        raise ValueError(f"{who}: packed fp4 bytes (uint8) with a whole number of 4-byte words a row, "
+        raise WeightError(f"{who}: packed fp4 bytes (uint8) with a whole number of 4-byte words a row, "
                          f"found {p.dtype} {p.shape}")
     return p.view(np.uint32)
 
@@ -142,7 +144,7 @@ def _check_scales(name: str, field: str, values: np.ndarray, bad: np.ndarray) ->
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
         v = values[idx]
         shown = f"byte 0x{int(v):02X}" if values.dtype == np.uint8 else repr(float(v))
-        raise ValueError(f"{name}.{field}[{', '.join(map(str, idx))}] = {shown}: not a usable scale "
+        raise WeightError(f"{name}.{field}[{', '.join(map(str, idx))}] = {shown}: not a usable scale "
                          f"({int(bad.sum())} such in {values.size}); the checkpoint is corrupt or mis-read")
 
 
@@ -153,7 +155,7 @@ def on_device(a: Any) -> bool:
 
 def _check_device(a: Any, dtype, what: str) -> None:
     if not on_device(a) or a.dtype != dtype:
-        raise ValueError(f"{what}: a container built from CuPy arrays needs every array on the device as "
+        raise WeightError(f"{what}: a container built from CuPy arrays needs every array on the device as "
                          f"{np.dtype(dtype).name}, found {type(a).__name__} {getattr(a, 'dtype', '')}")
 
 
@@ -164,11 +166,11 @@ def _bytes(a: Any, what: str) -> np.ndarray:
     if a.dtype == np.uint8:
         return a
     if a.dtype.kind not in "iu":
-        raise ValueError(f"{what}: expected uint8 bytes, found dtype {a.dtype}")
+        raise WeightError(f"{what}: expected uint8 bytes, found dtype {a.dtype}")
     outside = (a < 0) | (a > 255)
     if outside.any():
         i = tuple(int(v) for v in np.argwhere(outside)[0])
-        raise ValueError(f"{what}: expected byte values 0..255, found {a[i]} at {i}")
+        raise WeightError(f"{what}: expected byte values 0..255, found {a[i]} at {i}")
     return a.astype(np.uint8)
 
 
@@ -178,7 +180,7 @@ def _per_matrix(v: Any, lead: tuple[int, ...], what: str) -> np.ndarray:
     try:
         return np.broadcast_to(a, lead).copy()
     except ValueError:
-        raise ValueError(f"{what}: expected one value per matrix, shape {lead} (or a scalar), "
+        raise WeightError(f"{what}: expected one value per matrix, shape {lead} (or a scalar), "
                          f"found shape {a.shape}") from None
 
 
@@ -200,14 +202,14 @@ class Fp8BlockWeight:
             if self.q.dtype == np.uint8:
                 self.q = self.q.view(E4M3)
             else:
-                raise ValueError(f"Fp8BlockWeight.q: expected float8_e4m3fn, found {self.q.dtype}")
+                raise WeightError(f"Fp8BlockWeight.q: expected float8_e4m3fn, found {self.q.dtype}")
         self.scale_inv = np.asarray(self.scale_inv, dtype=np.float32)
         if self.q.ndim < 2:
-            raise ValueError(f"Fp8BlockWeight.q: expected [..., out, in], found shape {self.q.shape}")
+            raise WeightError(f"Fp8BlockWeight.q: expected [..., out, in], found shape {self.q.shape}")
         out, inn = self.q.shape[-2:]
         want = self.q.shape[:-2] + (_ceil_div(out, FP8_BLOCK), _ceil_div(inn, FP8_BLOCK))
         if self.scale_inv.shape != want:
-            raise ValueError(f"Fp8BlockWeight.scale_inv: expected shape {want} for q {self.q.shape}, "
+            raise WeightError(f"Fp8BlockWeight.scale_inv: expected shape {want} for q {self.q.shape}, "
                              f"found {self.scale_inv.shape}")
 
     @property
@@ -252,22 +254,22 @@ class Nvfp4Weight:
             return
         self.packed = _bytes(self.packed, "Nvfp4Weight.packed")
         if self.packed.ndim < 2:
-            raise ValueError(f"Nvfp4Weight.packed: expected [..., out, in/2], found shape {self.packed.shape}")
+            raise WeightError(f"Nvfp4Weight.packed: expected [..., out, in/2], found shape {self.packed.shape}")
         self.scale = np.asarray(self.scale)
         if self.scale.dtype == np.uint8:
             self.scale = self.scale.view(E4M3)
         if self.scale.dtype != E4M3:
-            raise ValueError(f"Nvfp4Weight.scale: expected float8_e4m3fn, found {self.scale.dtype}")
+            raise WeightError(f"Nvfp4Weight.scale: expected float8_e4m3fn, found {self.scale.dtype}")
         lead = self.packed.shape[:-2]
         self.scale_2 = _per_matrix(self.scale_2, lead, "Nvfp4Weight.scale_2")
         if self.input_scale is not None:
             self.input_scale = _per_matrix(self.input_scale, lead, "Nvfp4Weight.input_scale")
         inn = self.packed.shape[-1] * 2
         if inn % NVFP4_GROUP:
-            raise ValueError(f"Nvfp4Weight: in={inn} is not a multiple of {NVFP4_GROUP}")
+            raise WeightError(f"Nvfp4Weight: in={inn} is not a multiple of {NVFP4_GROUP}")
         want = self.packed.shape[:-1] + (inn // NVFP4_GROUP,)
         if self.scale.shape != want:
-            raise ValueError(f"Nvfp4Weight.scale: expected shape {want} for packed {self.packed.shape}, "
+            raise WeightError(f"Nvfp4Weight.scale: expected shape {want} for packed {self.packed.shape}, "
                              f"found {self.scale.shape}")
 
     @property
@@ -313,13 +315,13 @@ class Mxfp4Weight:
             self.scales = sc.view(np.uint8)
         elif sc.dtype.itemsize == 1 and sc.dtype != np.uint8:
             # another 1-byte dtype's bits (int8, bool, e4m3 / e5m2) are no e8m0 exponents
-            raise ValueError(f"Mxfp4Weight.scales: expected uint8 or float8_e8m0fnu e8m0 exponents, found {sc.dtype}")
+            raise WeightError(f"Mxfp4Weight.scales: expected uint8 or float8_e8m0fnu e8m0 exponents, found {sc.dtype}")
         else:  # biased exponents as integers of any width, each 0..255 (2^(e - 127) values are not)
             self.scales = _bytes(sc, "Mxfp4Weight.scales (e8m0 biased exponents)")
         if self.blocks.ndim < 3 or self.blocks.shape[-1] != MXFP4_GROUP // 2:
-            raise ValueError(f"Mxfp4Weight.blocks: expected [..., out, in/32, 16], found {self.blocks.shape}")
+            raise WeightError(f"Mxfp4Weight.blocks: expected [..., out, in/32, 16], found {self.blocks.shape}")
         if self.scales.shape != self.blocks.shape[:-1]:
-            raise ValueError(f"Mxfp4Weight.scales: expected shape {self.blocks.shape[:-1]}, found {self.scales.shape}")
+            raise WeightError(f"Mxfp4Weight.scales: expected shape {self.blocks.shape[:-1]}, found {self.scales.shape}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -377,11 +379,11 @@ def _quantizer_input(w: Any, who: str) -> np.ndarray:
     no scale check sees, and take their block's scale with them)."""
     w = np.asarray(w, dtype=np.float32)
     if w.ndim < 2:
-        raise ValueError(f"{who}: expected a [..., out, in] matrix (stack), found shape {w.shape}")
+        raise WeightError(f"{who}: expected a [..., out, in] matrix (stack), found shape {w.shape}")
     bad = ~np.isfinite(w)
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"{who}: weight{list(idx)} = {w[idx]}: only finite weights can be quantized")
+        raise WeightError(f"{who}: weight{list(idx)} = {w[idx]}: only finite weights can be quantized")
     return w
 
 
@@ -419,7 +421,7 @@ def quantize_nvfp4(w: np.ndarray) -> Nvfp4Weight:
     w = _quantizer_input(w, "quantize_nvfp4")
     out, inn = w.shape[-2:]
     if inn % NVFP4_GROUP:
-        raise ValueError(f"quantize_nvfp4: in={inn} is not a multiple of {NVFP4_GROUP}")
+        raise WeightError(f"quantize_nvfp4: in={inn} is not a multiple of {NVFP4_GROUP}")
     amax = np.abs(w).max(axis=(-2, -1), initial=0.0)
     # every group scale gmax / 6 / scale_2 below must be an e4m3 number, the largest too
     scale_2 = _scale_for(amax, E4M3_MAX * E2M1_MAX, amax / E2M1_MAX)
@@ -438,7 +440,7 @@ def quantize_mxfp4(w: np.ndarray) -> Mxfp4Weight:
     w = _quantizer_input(w, "quantize_mxfp4")
     out, inn = w.shape[-2:]
     if inn % MXFP4_GROUP:
-        raise ValueError(f"quantize_mxfp4: in={inn} is not a multiple of {MXFP4_GROUP}")
+        raise WeightError(f"quantize_mxfp4: in={inn} is not a multiple of {MXFP4_GROUP}")
     g = w.reshape(w.shape[:-1] + (inn // MXFP4_GROUP, MXFP4_GROUP))
     gmax = np.abs(g).max(axis=-1)
     # floor(log2(gmax)) exactly, from the binary exponent: float32 log2 rounds values just
@@ -458,5 +460,5 @@ def quantize(w: np.ndarray, fmt: str) -> Any:
     if fmt == "bf16":
         return np.asarray(w, dtype=np.float32).astype(BF16)
     if fmt not in QUANTIZERS:
-        raise ValueError(f"quantize: unknown format {fmt!r}; known: bf16, {', '.join(QUANTIZERS)}")
+        raise OptionError(f"quantize: unknown format {fmt!r}; known: bf16, {', '.join(QUANTIZERS)}")
     return QUANTIZERS[fmt](w)

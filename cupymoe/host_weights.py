@@ -27,6 +27,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .config import MoeConfig
+from .errors import WeightError
 
 
 def tensor_shape(t: Any) -> tuple[int, ...]:
@@ -76,25 +77,25 @@ class HostWeights:
         }
 
     def validate(self, cfg: MoeConfig) -> "HostWeights":
-        """Raise ValueError naming the tensor, the expected and the found shape."""
+        """Raise WeightError naming the tensor, the expected and the found shape."""
         for name, want in self.expected_shapes(cfg).items():
             t = getattr(self, name)
             if want is None:
                 if t is not None:
-                    raise ValueError(f"HostWeights.{name} is present but the config does not use it "
+                    raise WeightError(f"HostWeights.{name} is present but the config does not use it "
                                      f"(found shape {tensor_shape(t)})")
                 continue
             if t is None:
-                raise ValueError(f"HostWeights.{name} is missing: expected shape {want}")
+                raise WeightError(f"HostWeights.{name} is missing: expected shape {want}")
             got = tensor_shape(t)
             if got != want:
-                raise ValueError(f"HostWeights.{name}: expected shape {want}, found {got}")
+                raise WeightError(f"HostWeights.{name}: expected shape {want}, found {got}")
         if self.tid2eid is not None:
             t = np.asarray(self.tid2eid)
             if not np.issubdtype(t.dtype, np.integer):
-                raise ValueError(f"HostWeights.tid2eid: expected an integer table, found dtype {t.dtype}")
+                raise WeightError(f"HostWeights.tid2eid: expected an integer table, found dtype {t.dtype}")
             if t.size and (t.min() < 0 or t.max() >= cfg.router_width):
-                raise ValueError(f"HostWeights.tid2eid: ids must lie in 0..{cfg.router_width - 1}, "
+                raise WeightError(f"HostWeights.tid2eid: ids must lie in 0..{cfg.router_width - 1}, "
                                  f"found {int(t.min())}..{int(t.max())}")
         return self
 

@@ -473,6 +473,28 @@ def test_missing_key_names_all_spellings():
         MoeConfig.from_hf(d)
 
 
+def test_from_hf_refusals_are_cupymoe_errors():
+    """Every config.json refusal is a cupymoe.ConfigError (before, bare ValueError / KeyError
+    escaped from the key readers), and keeps its built-in base for older callers."""
+    from cupymoe import ConfigError, Error
+    from cupymoe.config import MissingConfigKeyError
+
+    d = {k: v for k, v in DEEPSEEK_V3.items() if k != "n_routed_experts"}
+    with pytest.raises(MissingConfigKeyError) as ei:
+        MoeConfig.from_hf(d)
+    assert isinstance(ei.value, KeyError) and str(ei.value).startswith("config.json of model_type")
+    bad = [{**DEEPSEEK_V3, "hidden_size": 7.5}, {**DEEPSEEK_V3, "norm_topk_prob": "false"},
+           {**DEEPSEEK_V3, "routed_scaling_factor": "x"}, {**DEEPSEEK_V3, "topk_method": "sinkhorn"},
+           {**DEEPSEEK_V3, "hidden_act": "relu9"}, {**DEEPSEEK_V3, "quantization_config": [1]},
+           {**DEEPSEEK_V3, "quantization_config": {"quant_method": "awq"}}]
+    for d in bad:
+        with pytest.raises(ConfigError) as ei:
+            MoeConfig.from_hf(d)
+        assert isinstance(ei.value, (Error, ValueError))
+    with pytest.raises(ConfigError, match="layer_idx=99 is outside"):
+        MoeConfig.from_hf(DEEPSEEK_V3, 99)
+
+
 def test_from_hf_absent_keys_take_transformers_class_defaults():
     """A hand-written config.json that leaves out keys transformers' config classes default
     (transformers 5.24: DeepseekV3Config first_k_dense_replace 3; LongcatFlashConfig

@@ -935,3 +935,19 @@ def test_nvfp4_container_needs_a_matrix():
     for packed in (np.zeros(8, np.uint8), np.zeros((), np.uint8)):
         with pytest.raises(ValueError, match=r"Nvfp4Weight.packed: expected \[\.\.\., out, in/2\]"):
             formats.Nvfp4Weight(packed, np.zeros(1, np.uint8), 1.0)
+
+
+def test_format_refusals_are_cupymoe_errors():
+    """The containers and quantizers refuse with cupymoe.WeightError (an unknown format name:
+    OptionError), still ValueErrors for older callers; before, bare ValueErrors."""
+    from cupymoe import OptionError, WeightError
+
+    with pytest.raises(WeightError, match=r"Fp8BlockWeight.scale_inv: expected shape \(1, 1\)"):
+        Fp8BlockWeight(np.zeros((4, 8), np.uint8), np.ones((2, 2), np.float32))
+    with pytest.raises(WeightError, match="pack_nibbles: last axis must be even"):
+        formats.pack_nibbles(np.zeros(3, np.uint8))
+    with pytest.raises(WeightError, match="only finite weights"):
+        formats.quantize(np.full((2, 32), np.nan, np.float32), "mxfp4")
+    with pytest.raises(OptionError, match="quantize: unknown format 'int3'"):
+        formats.quantize(np.zeros((2, 32), np.float32), "int3")
+    assert issubclass(WeightError, ValueError) and issubclass(OptionError, ValueError)
