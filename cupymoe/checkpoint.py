@@ -29,11 +29,12 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import os
 import re
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any, Callable, Mapping, Optional, Union
 
 import ml_dtypes
@@ -285,20 +286,21 @@ class _FileSource(_Source):
         self._handles: dict[Path, Any] = {}
         self._keys: dict[Path, set[str]] = {}
         self._raw: dict[Path, tuple[Any, dict, int]] = {}  # file object, header, data offset
+        self._real: dict[Path, Path] = {}  # each opened file's resolved path, checked to lie inside root
         if (root / SINGLE_FILE).is_file():
             self._single = root / SINGLE_FILE
         elif (root / INDEX_FILE).is_file():
             self._index = root / INDEX_FILE
-            try:
-                weight_map = json.loads(self._index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{self._index}: not a valid safetensors index ({e!r})") from e
+            index = _read_json(root, INDEX_FILE)
+            weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{self._index}: weight_map must map tensor names to file names, "
-                                      f"found a {type(weight_map).__name__}")
+                                      f"found {'no weight_map' if weight_map is None else 'a ' + type(weight_map).__name__}")
             for name, file in weight_map.items():
                 if not isinstance(file, str) or not file:
                     raise CheckpointError(f"{self._index}: weight_map maps {name!r} to {file!r}, not a file name")
+            for file in set(weight_map.values()):
+                _check_name(root, file, f"{self._index}: weight_map names shard {file!r}")
             self._map = weight_map
         else:
             raise CheckpointFileError(f"{root} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
@@ -308,14 +310,17 @@ class _FileSource(_Source):
 
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:
-            if not path.is_file():
-                raise CheckpointFileError(f"{self._index} maps tensors to {path.name}, but {path} does not exist")
+            rel = str(path.relative_to(self._root))
+            real = _inside(self._root, rel, f"{self._index}: weight_map names shard {rel!r}" if self._index else str(path))
+            if not real.is_file():
+                raise CheckpointFileError(f"{self._index} maps tensors to {rel}, but {path} does not exist")
             logger.debug("opening %s", path)
             try:
-                h = self._stack.enter_context(safe_open(str(path), framework="numpy"))
+                h = self._stack.enter_context(safe_open(str(real), framework="numpy"))
             except Exception as e:  # safetensors' own error (a truncated or corrupt file) names no file
                 raise CheckpointFileError(f"{path}: not a readable safetensors file ({e})") from e
             self._handles[path] = h
+            self._real[path] = real
             self._keys[path] = set(h.keys())
         return self._handles[path]
 
@@ -357,7 +362,7 @@ class _FileSource(_Source):
     def _read_raw(self, path: Path, name: str, dtype: np.dtype) -> np.ndarray:
         """Read one tensor's bytes at its header offsets (safetensors: u64 header length, JSON header, data)."""
         if path not in self._raw:
-            f = self._stack.enter_context(open(path, "rb"))
+            f = self._stack.enter_context(open(self._real[path], "rb"))
             n = int.from_bytes(f.read(8), "little")
             self._raw[path] = (f, json.loads(f.read(n)), 8 + n)
         f, header, data_start = self._raw[path]
@@ -703,6 +708,36 @@ def _load(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[MoeConfig, HostWei
 # public loading API
 # ----------------------------------------------------------------------------------
 
+def _check_name(root: Path, name: str, what: str) -> None:
+    """Refuse a file name read from the checkpoint (an index's shard) that is absolute or has
+    a '..' component: a directory from the internet must not name files outside itself."""
+    parts = re.split(r"[/\\]", name)
+    if "\0" in name or name.startswith(("/", "\\")) or PureWindowsPath(name).drive or ".." in parts:
+        raise CheckpointError(f"{what}: an absolute path or one with a '..' component is refused; "
+                              f"the checkpoint's files must lie inside {root}")
+
+
+def _allowed_dirs(real_root: str) -> tuple[str, ...]:
+    """Where a checkpoint's files may resolve: its own directory, and for a Hugging Face hub
+    cache snapshot (models--*/snapshots/<rev>, whose files link to ../../blobs) that repo's blobs."""
+    snapshots = os.path.dirname(real_root)
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith("models--"):
+        return real_root, os.path.join(repo, "blobs")
+    return (real_root,)
+
+
+def _inside(root: Path, rel: Union[str, Path], what: str) -> Path:
+    """`root / rel` resolved (symlinks followed); CheckpointError naming `what` when that lies
+    outside the checkpoint directory (the hub cache's blobs aside, _allowed_dirs)."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(root, rel))
+    if not any(real == d or os.path.commonpath([real, d]) == d for d in _allowed_dirs(real_root)):
+        raise CheckpointError(f"{what} resolves to {real}, outside the checkpoint directory {real_root}: refused "
+                              "(a checkpoint's files, symlinks followed, must lie inside it)")
+    return Path(real)
+
+
 def read_config(checkpoint_dir: PathLike) -> dict[str, Any]:
     """`config.json`, with an older ModelOpt `hf_quant_config.json` folded in as `quantization_config`.
 
@@ -713,21 +748,30 @@ def read_config(checkpoint_dir: PathLike) -> dict[str, Any]:
     path = root / CONFIG_FILE
     if not path.is_file():
         raise CheckpointFileError(f"config.json not found: {path}")
-    config = _read_json(path)
+    config = _read_json(root, CONFIG_FILE)
     modelopt = root / MODELOPT_FILE
     if not config.get("quantization_config") and modelopt.is_file():
-        quant = _read_json(modelopt).get("quantization")
+        quant = _read_json(root, MODELOPT_FILE).get("quantization")
         if not isinstance(quant, dict):
             raise CheckpointError(f"{modelopt} has no 'quantization' section")
         config = {**config, "quantization_config": {"quant_method": "modelopt", **quant}}
     return config
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(root: Path, name: str) -> dict[str, Any]:
+    """A JSON object from the checkpoint's file `name`; every way the file can be unreadable
+    (not UTF-8, not JSON, nested past the parser's depth, too large) is a CheckpointError naming it."""
+    path = root / name
+    real = _inside(root, name, str(path))
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e})") from e
+        data = json.loads(real.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02X} at offset {e.start}); "
+                              "expected a JSON file") from None
+    except (ValueError, RecursionError, MemoryError) as e:  # JSONDecodeError, int digit limits: ValueErrors
+        raise CheckpointError(f"{path}: invalid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data

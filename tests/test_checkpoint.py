@@ -846,3 +846,120 @@ def test_inspect_refusals_are_one_line_naming_the_problem(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["inspect", str(tmp_path), "--max-tokens", "-5"])
     assert "argument --max-tokens: -5 is not >= 1" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------
+# a checkpoint directory never reaches outside itself
+# ----------------------------------------------------------------------------------
+
+def _sharded_with(tmp_path, rng, shard2: str):
+    """small_qwen3 in two shards, the index naming the second one `shard2`; returns (root, shard-2 tensors)."""
+    config, t = small_qwen3(rng)
+    names = list(t)
+    root = write_checkpoint(tmp_path / "ckpt", config, t, shards=[names[:10], names[10:]])
+    index_path = root / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({n: shard2 for n in names[10:]})
+    index_path.write_text(json.dumps(index))
+    return root, {n: t[n] for n in names[10:]}
+
+
+@pytest.mark.parametrize("hostile", ["../outside.safetensors", "sub/../../outside.safetensors", "{abs}",
+                                     "../../etc/passwd", "..\\outside.safetensors", "C:\\outside.safetensors",
+                                     "sub/\x00.safetensors"])
+def test_index_shard_names_outside_the_directory_are_refused(tmp_path, hostile):
+    """An index naming a shard by an absolute path or through '..' is refused before anything is
+    opened, naming the index, the shard and the directory; before, ../x and /tmp/x loaded silently
+    and ../../etc/passwd was opened."""
+    outside = tmp_path / "outside.safetensors"
+    hostile = hostile.replace("{abs}", str(outside))
+    root, t2 = _sharded_with(tmp_path, np.random.default_rng(60), hostile)
+    save_file(t2, str(outside))  # a readable shard, so only the check stands between it and the loader
+    with pytest.raises(CheckpointError) as info:
+        load_layer(root, LAYER)
+    msg = str(info.value)
+    assert "model.safetensors.index.json: weight_map names shard" in msg and repr(hostile) in msg
+    assert "an absolute path or one with a '..' component is refused" in msg and str(root) in msg
+
+
+def test_symlinks_leaving_the_directory_are_refused_and_inside_ones_load(tmp_path):
+    """A shard, the single file or config.json that is a symlink resolving outside the checkpoint
+    directory is refused (naming it and where it resolves); a symlink that stays inside loads."""
+    rng = np.random.default_rng(61)
+    root, t2 = _sharded_with(tmp_path, rng, "link.safetensors")
+    outside = tmp_path / "outside.safetensors"
+    save_file(t2, str(outside))
+    (root / "link.safetensors").symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"weight_map names shard 'link\.safetensors' resolves to "
+                                              rf".*outside\.safetensors, outside the checkpoint directory {root}"):
+        load_layer(root, LAYER)
+    # the same link through a directory link
+    (root / "link.safetensors").unlink()
+    (root / "d").symlink_to(tmp_path)
+    index_path = root / "model.safetensors.index.json"
+    index_path.write_text(index_path.read_text().replace("link.safetensors", "d/outside.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'d/outside\.safetensors' resolves to .*, outside the checkpoint"):
+        load_layer(root, LAYER)
+    # inside: a link to a file in a subdirectory of the checkpoint loads, and gives the same weights
+    (root / "sub").mkdir()
+    save_file(t2, str(root / "sub" / "real.safetensors"))
+    (root / "inside.safetensors").symlink_to(root / "sub" / "real.safetensors")
+    index_path.write_text(index_path.read_text().replace("d/outside.safetensors", "inside.safetensors"))
+    _, hw = load_layer(root, LAYER)
+    np.testing.assert_array_equal(hw.up[14].view(np.uint16),
+                                  t2["model.layers.1.mlp.experts.14.up_proj.weight"].view(np.uint16))
+
+    # the single-file case and config.json
+    config, t = small_qwen3(rng)
+    single = write_checkpoint(tmp_path / "single", config, t)
+    (single / "model.safetensors").rename(tmp_path / "w.safetensors")
+    (single / "model.safetensors").symlink_to(tmp_path / "w.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors resolves to .*w\.safetensors, outside the "
+                                              r"checkpoint directory"):
+        load_layer(single, LAYER)
+    (single / "model.safetensors").unlink()
+    (tmp_path / "w.safetensors").rename(single / "w.safetensors")
+    (single / "model.safetensors").symlink_to("w.safetensors")  # relative, inside
+    load_layer(single, LAYER)
+    (single / "config.json").rename(tmp_path / "config.json")
+    (single / "config.json").symlink_to(tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match=r"config\.json resolves to .*, outside the checkpoint directory"):
+        load_layer(single, LAYER)
+
+
+def test_hub_cache_snapshot_links_into_its_blobs_load(tmp_path):
+    """A Hugging Face hub cache snapshot (models--*/snapshots/<rev>/*, links to ../../blobs/<hash>) is
+    the usual checkpoint directory; its links into the same repo's blobs are followed, others not."""
+    config, t = small_qwen3(np.random.default_rng(62))
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (repo / "blobs" / "c0ffee").write_text(json.dumps(config))
+    save_file(t, str(repo / "blobs" / "beef"))
+    (snap / "config.json").symlink_to("../../blobs/c0ffee")
+    (snap / "model.safetensors").symlink_to("../../blobs/beef")
+    cfg, hw = load_layer(snap, LAYER)
+    assert cfg == MoeConfig.from_hf(config, LAYER)
+    (snap / "model.safetensors").unlink()
+    save_file(t, str(tmp_path / "hub" / "elsewhere"))
+    (snap / "model.safetensors").symlink_to("../../../elsewhere")
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        load_layer(snap, LAYER)
+
+
+def test_unreadable_json_files_are_checkpoint_errors(tmp_path):
+    """config.json or the index that is not UTF-8, not JSON, or nested past the parser's depth:
+    a CheckpointError naming the file (before: a raw UnicodeDecodeError or RecursionError)."""
+    config, t = small_qwen3(np.random.default_rng(63))
+    root = write_checkpoint(tmp_path, config, t, shards=[list(t)[:10], list(t)[10:]])
+    for name in ("config.json", "model.safetensors.index.json"):
+        good = (root / name).read_bytes()
+        for bad, why in ((b"\xff\xfe{}", r"not UTF-8 text \(byte 0xFF at offset 0\)"),
+                         (b"[" * 100_000, "invalid JSON"), (b'{"a": ' + b"1" * 5000 + b"}", "invalid JSON"),
+                         (b"[1, 2]", "expected a JSON object, found list")):
+            (root / name).write_bytes(bad)
+            with pytest.raises(CheckpointError, match=rf"{name}: {why}"):
+                load_layer(root, LAYER)
+        (root / name).write_bytes(good)
+    load_layer(root, LAYER)
