@@ -52,6 +52,11 @@ from .formats import (
     Fp8BlockWeight,
     Mxfp4Weight,
     Nvfp4Weight,
+    check_e4m3_codes,
+    check_e4m3_scales,
+    check_e8m0_scales,
+    check_finite,
+    check_positive_scales,
     dequantize,
     weight_format,
 )
@@ -409,6 +414,9 @@ class _Linear:
 # Parts read as float32 (scales), and those that are scalars stored as [] or [1].
 _F32_PARTS = ("scale_inv", "scale_2", "input_scale")
 _SCALAR_PARTS = ("scale_2", "input_scale")
+# What each part must hold (input_scale is only kept for W4A4 users: unchecked).
+_VALUE_CHECKS = {"w": check_finite, "q": check_e4m3_codes, "scale_inv": check_positive_scales,
+                 "scale": check_e4m3_scales, "scale_2": check_positive_scales}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -505,6 +513,8 @@ class _Planner:
                 a = a.reshape(())
             if p == "w" and a.dtype not in (BF16, F32):
                 a = a.astype(np.float32)  # f16/f64 -> f32: exact for f16, HostWeights holds bf16 or f32
+            if p in _VALUE_CHECKS:  # the values as they will be served, named by their hub tensor
+                _VALUE_CHECKS[p](a, name)
             parts[p] = a
         return parts
 
@@ -543,12 +553,18 @@ class _Planner:
         self.need(name)
         self.check_shape(name, shape)
         self.check_dtype(name, FLOAT_DTYPES, "a float tensor")
-        return lambda: self.src.read(name).astype(np.float32)
+        return lambda: _finite(self.src.read(name).astype(np.float32), name)
 
     def gate_vector(self, module: str, hidden: int) -> Reader:
         """The shared-expert gate, a [1, H] linear, as a float32 [H] vector (dequantized if stored so)."""
         lin = self.linear(module, 1, hidden)
-        return lambda: dequantize(_assemble(lin.fmt, self.read_parts(lin)), np.float32).reshape(hidden)
+        return lambda: _finite(dequantize(_assemble(lin.fmt, self.read_parts(lin)), np.float32).reshape(hidden),
+                               module + ".weight")
+
+
+def _finite(a: np.ndarray, name: str) -> np.ndarray:
+    check_finite(a, name)
+    return a
 
 
 def _assemble(fmt: str, p: dict[str, np.ndarray]) -> Any:
@@ -592,8 +608,13 @@ def _plan_fused_experts(P: _Planner, cfg: MoeConfig, base: str) -> dict[str, Rea
         P.check_dtype(name, FLOAT_DTYPES, "a float weight")
         return name
 
-    def as_weight(a: np.ndarray) -> np.ndarray:
-        return a if a.dtype in (BF16, F32) else a.astype(np.float32)
+    def as_weight(a: np.ndarray, name: str) -> np.ndarray:
+        return _finite(a if a.dtype in (BF16, F32) else a.astype(np.float32), name)
+
+    def read_scales(name: str) -> np.ndarray:
+        s = src.read(name)
+        check_e8m0_scales(s, name)
+        return s
 
     def is_mxfp4(name: str) -> bool:
         # mxfp4 when its _blocks are there; a lone _scales is half an mxfp4 tensor (a partial
@@ -607,14 +628,14 @@ def _plan_fused_experts(P: _Planner, cfg: MoeConfig, base: str) -> dict[str, Rea
         blocks, scales = mxfp4(gate_up, 2 * I, H)
 
         def read_gate_up() -> tuple[Any, Any]:
-            b, s = src.read(blocks), src.read(scales)
+            b, s = src.read(blocks), read_scales(scales)
             return tuple(Mxfp4Weight(np.ascontiguousarray(b[:, k::2]), np.ascontiguousarray(s[:, k::2]))
                          for k in (0, 1))
     else:
         name = plain(gate_up, (E, H, 2 * I))
 
         def read_gate_up() -> tuple[Any, Any]:
-            a = as_weight(src.read(name))
+            a = as_weight(src.read(name), name)
             return tuple(np.ascontiguousarray(a[:, :, k::2].transpose(0, 2, 1)) for k in (0, 1))
 
     pair = _once(read_gate_up)
@@ -624,10 +645,10 @@ def _plan_fused_experts(P: _Planner, cfg: MoeConfig, base: str) -> dict[str, Rea
     down = base + _DOWN
     if is_mxfp4(down):
         d_blocks, d_scales = mxfp4(down, H, I)
-        readers["down"] = lambda: Mxfp4Weight(src.read(d_blocks), src.read(d_scales))
+        readers["down"] = lambda: Mxfp4Weight(src.read(d_blocks), read_scales(d_scales))
     else:
         d_name = plain(down, (E, I, H))
-        readers["down"] = lambda: np.ascontiguousarray(as_weight(src.read(d_name)).transpose(0, 2, 1))
+        readers["down"] = lambda: np.ascontiguousarray(as_weight(src.read(d_name), d_name).transpose(0, 2, 1))
 
     if cfg.has_expert_bias:
         read_gu_bias = P.vector(gate_up + "_bias", (E, 2 * I))
@@ -695,7 +716,8 @@ def _load(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[MoeConfig, HostWei
         logger.warning("%d tensor(s) under %r are not part of the %s layer and were ignored: %s",
                        len(unused), prefix, cfg.model_type, ", ".join(unused[:8]) + (" ..." if len(unused) > 8 else ""))
     logger.info("loading %s (%s, %d experts) from %s", prefix, cfg.model_type, cfg.num_experts, src.searched())
-    hw = HostWeights(**{field: read() for field, read in readers.items()}).validate(cfg)
+    # each tensor's values were checked as it was read, under its hub name (_VALUE_CHECKS)
+    hw = HostWeights(**{field: read() for field, read in readers.items()}).validate(cfg, values=False)
     fmt = _routed_format(hw)
     if fmt is not None and fmt != cfg.weight_format:
         logger.warning("%s: the config says the routed experts are %s but the checkpoint holds %s; "

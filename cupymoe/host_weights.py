@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import formats
 from .config import MoeConfig
 from .errors import WeightError
 
@@ -76,8 +77,11 @@ class HostWeights:
             "tid2eid": (cfg.hash_vocab_size, cfg.num_experts_per_tok) if cfg.hash_routing else None,
         }
 
-    def validate(self, cfg: MoeConfig) -> "HostWeights":
-        """Raise WeightError naming the tensor, the expected and the found shape."""
+    def validate(self, cfg: MoeConfig, *, values: bool = True) -> "HostWeights":
+        """Raise WeightError naming the tensor, the expected and the found shape; with `values`,
+        also the first value no kernel can use (Inf / NaN weights, e4m3 NaN codes, scales not
+        finite and > 0, e8m0 255), checked on the raw bits (formats.check_values), on the device
+        for CuPy arrays."""
         for name, want in self.expected_shapes(cfg).items():
             t = getattr(self, name)
             if want is None:
@@ -97,6 +101,10 @@ class HostWeights:
             if t.size and (t.min() < 0 or t.max() >= cfg.router_width):
                 raise WeightError(f"HostWeights.tid2eid: ids must lie in 0..{cfg.router_width - 1}, "
                                  f"found {int(t.min())}..{int(t.max())}")
+        if values:
+            for name in self.names():
+                if name != "tid2eid":
+                    formats.check_values(getattr(self, name), f"HostWeights.{name}")
         return self
 
     def names(self) -> list[str]:
