@@ -355,9 +355,13 @@ class _FileSource(_Source):
         path = self._file(name)
         st = self._slice(name).get_dtype()
         want = _ST_DTYPES[st]
-        if st in _RAW_READ:
-            return self._read_raw(path, name, want)
-        a = self._handle(path).get_tensor(name)
+        try:
+            if st in _RAW_READ:
+                return self._read_raw(path, name, want)
+            a = self._handle(path).get_tensor(name)
+        except MemoryError:  # a size the header claims and this machine cannot hold
+            n = int(np.prod(self.shape(name), dtype=np.int64)) * want.itemsize
+            raise CheckpointError(f"{name} in {path}: its {n} bytes do not fit in memory") from None
         if a.dtype != want:  # an older safetensors may hand out BF16 as raw 16-bit integers
             if a.dtype.itemsize != want.itemsize:
                 raise CheckpointError(f"{name} in {path}: safetensors returned {a.dtype} for {st}")
@@ -368,11 +372,16 @@ class _FileSource(_Source):
         """Read one tensor's bytes at its header offsets (safetensors: u64 header length, JSON header, data)."""
         if path not in self._raw:
             f = self._stack.enter_context(open(self._real[path], "rb"))
+            size = os.fstat(f.fileno()).st_size
             n = int.from_bytes(f.read(8), "little")
+            if n > size - 8:  # safe_open checked this file; it may have changed since
+                raise CheckpointError(f"{path}: header length {n} exceeds the file's {size} bytes")
             self._raw[path] = (f, json.loads(f.read(n)), 8 + n)
         f, header, data_start = self._raw[path]
         entry = header[name]
         begin, end = entry["data_offsets"]
+        if not 0 <= begin <= end <= os.fstat(f.fileno()).st_size - data_start:
+            raise CheckpointError(f"{name} in {path}: data offsets {[begin, end]} lie outside the file")
         buf = bytearray(end - begin)
         f.seek(data_start + begin)
         got = f.readinto(buf)
@@ -539,7 +548,7 @@ class _Planner:
             for e, lin in enumerate(lins):
                 for p, a in self.read_parts(lin).items():
                     if p not in bufs:  # allocate once: a real layer's stack is gigabytes
-                        bufs[p] = np.empty((n,) + a.shape, dtype=a.dtype)
+                        bufs[p] = _empty((n,) + a.shape, a.dtype, label)
                     bufs[p][e] = a
                 if n >= PROGRESS_MIN_EXPERTS and ((e + 1) % max(1, n // 4) == 0 or e + 1 == n):
                     logger.info("%s: read %d/%d experts", label, e + 1, n)
@@ -560,6 +569,13 @@ class _Planner:
         lin = self.linear(module, 1, hidden)
         return lambda: _finite(dequantize(_assemble(lin.fmt, self.read_parts(lin)), np.float32).reshape(hidden),
                                module + ".weight")
+
+
+def _empty(shape: tuple[int, ...], dtype: np.dtype, what: str) -> np.ndarray:
+    try:
+        return np.empty(shape, dtype=dtype)
+    except MemoryError:  # sizes the headers claim and this machine cannot hold
+        raise CheckpointError(f"{what}: a stack of shape {shape} {dtype} does not fit in memory") from None
 
 
 def _finite(a: np.ndarray, name: str) -> np.ndarray:
@@ -673,6 +689,12 @@ def _plan(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[dict[str, Reader],
     Is = cfg.shared_expert_intermediate_size
     if cfg.pre_expert_norm or cfg.hash_routing:
         raise CheckpointError(f"pre-expert norm / hash routing have no hub naming for {cfg.model_type}")
+    # per-expert naming: each expert has tensors of its own, so a config claiming more experts than
+    # the source holds tensors is refused before E names are made (fused: E is checked in shapes)
+    if not naming.fused_experts and E > (present := len(src.names(prefix))):
+        raise CheckpointError(f"MoeConfig.num_experts={E} (from the config) exceeds the {present} tensors under "
+                              f"{prefix!r} in {src.searched()}: each expert needs its own; the config does not "
+                              "describe this checkpoint")
     P = _Planner(src, cfg.quant_exclude)
     readers: dict[str, Reader] = {"router": P.single(prefix + naming.router, R, H)}
     if cfg.has_router_bias:
@@ -814,6 +836,15 @@ def load_layer(checkpoint_dir: PathLike, layer_idx: int) -> tuple[MoeConfig, Hos
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_HUB_LAYER = re.compile(r"^model\.layers\.(0|[1-9][0-9]{0,8})\.")  # at most 9 digits: int() stays cheap
+
+
+def layer_indices(checkpoint_dir: PathLike) -> list[int]:
+    """The layer indices the checkpoint's tensor names carry (`model.layers.<i>.`), sorted: the
+    layers there are to inspect, bounded by the files rather than by config.json's count."""
+    with ExitStack() as stack:
+        names = _FileSource(Path(checkpoint_dir), stack).names("")
+    return sorted({int(m.group(1)) for n in names if (m := _HUB_LAYER.match(n))})
 
 
 def load_layer_from_tensors(cfg_or_config_dict: Union[MoeConfig, Mapping[str, Any]], tensors: Mapping[str, Any],

@@ -651,3 +651,26 @@ def test_overrides_applied_and_validated():
         MoeConfig.from_hf(QWEN3_30B_A3B, ep_world_size=2, ep_rank=2)
     # an override beats the mapped value
     assert MoeConfig.from_hf(DEEPSEEK_V3, routed_scaling_factor=1.0).routed_scaling_factor == 1.0
+
+
+def test_kernel_limits_violations_name_each_width_the_layer_refuses():
+    """config.kernel_limits_violations lists, in words, every reason MoeLayer refuses a config
+    (widths not a multiple of 8, more than 32 groups, k > 64, R > 4096); empty when served."""
+    from cupymoe.config import kernel_limits_violations
+
+    for family in FAMILIES:
+        assert kernel_limits_violations(tiny_config(family)) == [], family
+    got = kernel_limits_violations(cfg(hidden_size=100, moe_intermediate_size=36, shared_expert_intermediate_size=20))
+    assert got == [
+        "MoeConfig.hidden_size=100: the kernels read 16-byte vectors, so it must be a multiple of 8",
+        "MoeConfig.moe_intermediate_size=36: the kernels read 16-byte vectors, so it must be a multiple of 8",
+        "MoeConfig.shared_expert_intermediate_size=20: the kernels read 16-byte vectors, so it must be a multiple of 8",
+    ]
+    assert kernel_limits_violations(cfg(num_experts=128, n_group=64, topk_group=2, num_experts_per_tok=4)) == [
+        "MoeConfig.n_group=64: the top-k kernel handles at most 32 groups"]
+    assert kernel_limits_violations(cfg(num_experts=128, n_group=32, topk_group=2, num_experts_per_tok=4)) == []
+    assert kernel_limits_violations(cfg(num_experts=100, num_experts_per_tok=65)) == [
+        "MoeConfig.num_experts_per_tok=65: the top-k kernel serves k <= 64"]
+    assert kernel_limits_violations(cfg(num_experts=4096, zero_expert_num=1, num_experts_per_tok=64)) == [
+        "router width R = num_experts + zero_expert_num = 4097: the top-k kernel serves R <= 4096"]
+    assert kernel_limits_violations(cfg(num_experts=4096, num_experts_per_tok=64)) == []
