@@ -260,7 +260,8 @@ class _MappingSource(_Source):
         return _foreign_dtype(self._t[name])
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in self._t[name].shape)
+        t = self._t[name]
+        return tuple(int(d) for d in (t.shape if hasattr(t, "shape") else np.shape(t)))
 
     def read(self, name: str) -> np.ndarray:
         return _to_numpy(self._t[name])
@@ -317,7 +318,12 @@ class _FileSource(_Source):
         if path not in self._handles:
             rel = str(path.relative_to(self._root))
             real = _inside(self._root, rel, f"{self._index}: weight_map names shard {rel!r}" if self._index else str(path))
-            if not real.is_file():
+            try:
+                is_file = real.is_file()
+            except OSError as e:  # a name too long, a path through a file: no file by that name
+                raise CheckpointFileError(f"{self._index} maps tensors to {rel!r}, which cannot be opened "
+                                          f"({e.strerror})") from None
+            if not is_file:
                 raise CheckpointFileError(f"{self._index} maps tensors to {rel}, but {path} does not exist")
             logger.debug("opening %s", path)
             try:

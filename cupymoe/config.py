@@ -94,6 +94,8 @@ class MoeConfig:
             v = getattr(self, f.name)
             if f.type in ("int", int) and (not isinstance(v, int) or isinstance(v, bool)):
                 raise bad(f.name, v, "must be an integer")
+            if f.type in ("int", int) and abs(v) >= 2 ** 31:  # sizes and counts index with 32-bit integers
+                raise bad(f.name, v, "must be below 2**31 in magnitude")
             if f.type in ("bool", bool) and not isinstance(v, bool):
                 raise bad(f.name, v, "must be True or False")
             if f.type in ("float", float) and (isinstance(v, bool) or not isinstance(v, (int, float))
@@ -103,6 +105,8 @@ class MoeConfig:
                 raise bad(f.name, v, "must be a string")
         if isinstance(self.quant_exclude, str):
             raise bad("quant_exclude", self.quant_exclude, "must be a sequence of module-name patterns, not one string")
+        if not isinstance(self.quant_exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.quant_exclude):
+            raise bad("quant_exclude", self.quant_exclude, "must be a list or tuple of module-name patterns (strings)")
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok"):
             v = getattr(self, name)
             if v <= 0:  # an integer: the type loop above
@@ -289,8 +293,8 @@ def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
         raise ConfigError(f"quantization_config={q!r}: expected an object")
     method = str(q.get("quant_method", "")).lower()
     if method == "fp8":
-        block = list(q.get("weight_block_size") or [])
-        if block != [128, 128]:
+        block = q.get("weight_block_size")
+        if not isinstance(block, (list, tuple)) or list(block) != [128, 128]:
             raise ConfigError(f"quantization_config.weight_block_size={block!r}: only [128, 128] fp8 blocks are supported")
         return "fp8_block", _patterns(q.get("modules_to_not_convert"), "modules_to_not_convert")
     if method == "modelopt":
@@ -333,6 +337,8 @@ def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None)
         dense = layer_idx < first or layer_idx % freq != 0
     elif model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         mlp_only = cfg.get("mlp_only_layers") or []
+        if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+            raise ConfigError(f"config.json mlp_only_layers={mlp_only!r}: expected a list of layer indices")
         step = _whole(cfg.get("decoder_sparse_step") or 1, "decoder_sparse_step")
         dense = layer_idx in mlp_only or (layer_idx + 1) % step != 0
     if dense:

@@ -1124,3 +1124,18 @@ def test_memory_a_checkpoint_claims_is_a_checkpoint_error(tmp_path, capsys, monk
     monkeypatch.setattr(checkpoint, "load_layer", no_memory)
     rc, out, err = _inspect([root], capsys)
     assert rc == 2 and out == "" and err.startswith("cupymoe inspect: MemoryError: ") and err.count("\n") == 1
+
+
+def test_malformed_inputs_found_by_the_property_suite_are_checkpoint_errors(tmp_path):
+    """A mapping value that is no array (it had raised AttributeError on .shape) and an index naming a
+    shard too long for the file system (OSError from the stat): CheckpointErrors naming them."""
+    config, t = small_qwen3(np.random.default_rng(74))
+    bad = {**t, "model.layers.1.mlp.experts.2.up_proj.weight": [1.0, 2.0]}
+    with pytest.raises(CheckpointError, match=r"experts\.2\.up_proj\.weight: expected shape \(64, 96\), found \(2,\) "
+                                              "in the tensors mapping"):
+        load_layer_from_tensors(config, bad, "model.layers.1.mlp.")
+    root = write_checkpoint(tmp_path, config, t, shards=[list(t)[:10], list(t)[10:]])
+    index_path = root / "model.safetensors.index.json"
+    index_path.write_text(index_path.read_text().replace("model-00002-of-00002.safetensors", "x" * 300))
+    with pytest.raises(CheckpointFileError, match=r"maps tensors to 'xxxx.*', which cannot be opened \(File name too long\)"):
+        load_layer(root, LAYER)

@@ -595,10 +595,11 @@ def test_fp8_block_quantization():
     assert got.weight_format == "fp8_block" and got.quant_exclude == ("lm_head",)
 
 
-@pytest.mark.parametrize("block", [[64, 64], [128, 64], None])
+@pytest.mark.parametrize("block", [[64, 64], [128, 64], None, 128, "128"])
 def test_fp8_other_block_sizes_refused(block):
+    """Named as config.json gives it (a bare 128 had raised a TypeError from list())."""
     q = {"quant_method": "fp8", "weight_block_size": block}
-    with pytest.raises(ValueError, match=re.escape(f"weight_block_size={list(block or [])!r}")):
+    with pytest.raises(ValueError, match=re.escape(f"weight_block_size={block!r}")):
         MoeConfig.from_hf({**DEEPSEEK_V3, "quantization_config": q})
 
 
@@ -674,3 +675,15 @@ def test_kernel_limits_violations_name_each_width_the_layer_refuses():
     assert kernel_limits_violations(cfg(num_experts=4096, zero_expert_num=1, num_experts_per_tok=64)) == [
         "router width R = num_experts + zero_expert_num = 4097: the top-k kernel serves R <= 4096"]
     assert kernel_limits_violations(cfg(num_experts=4096, num_experts_per_tok=64)) == []
+
+
+def test_malformed_values_found_by_the_property_suite_are_config_errors():
+    """Each of these escaped as a TypeError or OverflowError (tests/test_properties.py drew them)."""
+    from cupymoe import ConfigError
+
+    with pytest.raises(ConfigError, match=r"MoeConfig\.quant_exclude=0: must be a list or tuple"):
+        cfg(quant_exclude=0)
+    with pytest.raises(ConfigError, match=r"MoeConfig\.num_experts=9223372036854775808: must be below 2\*\*31"):
+        cfg(num_experts=2 ** 63)
+    with pytest.raises(ConfigError, match=r"config\.json mlp_only_layers=1: expected a list of layer indices"):
+        MoeConfig.from_hf(hf_config_dict("qwen3_moe", mlp_only_layers=1), 0)
