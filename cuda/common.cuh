@@ -153,8 +153,7 @@ __device__ __forceinline__ int warp_slot_rank(unsigned short* before, int n_loca
 // Slot i's column of `warps` warp counts (warp_slot_rank) becomes their exclusive running
 // sums; returns the slot's pairs in the block. Eight loads in flight: the column is one
 // slot's, walked by one thread. Its loops stay rolled: the list kernels run this code once
-// a launch, where its length cost more than its latency saved (rolled, decode_topk_lists
-// ends 0.8 us earlier at qwen3-30b-a3b N = 16; benchmarks/NOTES.md v44).
+// a launch, so its length costs more than the latency unrolling would save.
 __device__ __forceinline__ int warps_exclusive_prefix(unsigned short* before, int n_local, int warps, int i) {
     int run = 0, w = 0;
 #pragma unroll 1
@@ -212,8 +211,8 @@ __device__ __forceinline__ float activation(float g, float u, float alpha, float
 // The same for a launch-uniform code `act`: one predictable branch per element. Where a
 // kernel applies it to many elements in unrolled code, it switches once instead
 // (with_activation) and runs activation<ACT>: every element's switch inlines every
-// activation, and the code that runs becomes sparse in a large body (the GEMM epilogues'
-// instruction-fetch stalls, benchmarks/NOTES.md v22).
+// activation, and the code that runs becomes sparse in a large body that stalls on
+// instruction fetch.
 __device__ __forceinline__ float apply_activation(int act, float g, float u, float alpha, float limit) {
     switch (act) {
         case ACT_GELU:

@@ -33,9 +33,8 @@
 // (16 of the 4-byte fp4 loads), since at few rows the kernels are bound by the latency of too
 // few bytes in flight (Nsight Compute: 46-56 % of DRAM bandwidth at N = 1 with 2 steps).
 // `loads` = weight loads per step, times the rows each is used for (more rows per tile
-// already give each load more work and take registers). Measured at N = 1 (NOTES.md):
-// bf16 42.4 -> 40.4 us and nvfp4 40.2 -> 37.3 on qwen3-30b-a3b; fp8 got slower with 16
-// (36.5 -> 41.2), and with 3 or 4 (33.9 -> 40.0 / 41.2), so it keeps 2.
+// already give each load more work and take registers). fp8 keeps 2: more steps cost its
+// readers registers and occupancy for no more bandwidth.
 __host__ __device__ constexpr int decode_unroll(int fmt, int loads) {
     return fmt == FMT_FP8 ? 2 : ((fmt == FMT_BF16 ? 8 : 16) / loads > 2 ? (fmt == FMT_BF16 ? 8 : 16) / loads : 2);
 }
@@ -139,10 +138,9 @@ __device__ __forceinline__ void build_few_expert_lists(int* sm, const int* ids, 
 // memory between two block barriers made over the warp's registers instead (k shuffles a
 // count). The same lists: a row's ids are distinct experts unless a hash table repeats one,
 // and the counts give repeats their places as build_few_expert_lists does. Why: route_lists
-// is a link of the chain (router -> route_lists -> gate/up, each waiting for the one before:
-// NOTES.md v41) and the block's lists took ~3500 of its cycles at N = 1 (v37); the warp's take
-// ~2500, 0.3 us less a layer (v41). `ids` the row's k ids (shared memory, written by this
-// warp before a __syncwarp), `slot_of` the slot table.
+// is a link of the chain (router -> route_lists -> gate/up, each waiting for the one before),
+// and a warp's shuffles are shorter than the block's barriers. `ids` the row's k ids (shared
+// memory, written by this warp before a __syncwarp), `slot_of` the slot table.
 __device__ __forceinline__ void warp_expert_lists(const int* ids, int k, const int* slot_of, int R, int n_local,
                                                   int has_shared, int* __restrict__ num_active,
                                                   int* __restrict__ active_slot, int* __restrict__ active_start,
@@ -254,8 +252,7 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
 // (the register path where it serves, routing.cuh: the same choices and weights), then the
 // block builds the lists from the ids they left in shared memory (build_expert_lists; read
 // back from ids_out they were a global round trip after the barrier). One kernel boundary
-// fewer than topk_route + decode_build_lists (qwen3-30b-a3b N = 16: 1.6-2 us less a layer,
-// NOTES.md v31). Not for a split router (its copies' sum is topk_route's),
+// fewer than topk_route + decode_build_lists. Not for a split router (its copies' sum is topk_route's),
 // nor past R = 256: topk_route's register path for wider routers (route_row_vec<4>) does
 // not fit 64 registers beside the lists, and the shared-memory path's weights may differ
 // from it in their last bits.

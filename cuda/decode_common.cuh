@@ -70,13 +70,10 @@ __device__ __forceinline__ void store_down_value(float v, int pos, int h, const 
 // A pair's rank among its expert's pairs is sort_place's (common.cuh warp_slot_rank: a
 // match in its warp and the warps' counts before it), which also gives each expert's count;
 // one warp then places the experts: each lane a run of ceil(n_local / 32) of them, one warp
-// scan of (count, active) packed in an int. Why: each pair counted the pairs before it with
-// its expert, one global load each (P - 1 for the last), and the counts were atomics before
-// two scans: ~8 us of the decode chain at qwen3-30b-a3b N = 64 (NOTES.md v42). The one
-// warp's loops are rolled, as is the walk of each expert's column: this code runs once a
-// launch, and its length costs more than its latency (v44: unrolled, the one-warp round
-// made decode_topk_lists end 1.4 us later than rolled; rolled, 0.8 us earlier than the
-// block scan it replaced; cold instruction fetch is the likely reason, not profiled).
+// scan of (count, active) packed in an int. Why: no pair walks the pairs before it by global
+// loads and no 1024-thread block scan sits in the chain. The one warp's loops are rolled, as
+// is the walk of each expert's column: this code runs once a launch, so its length costs
+// more than its latency (cold instruction fetch, likely).
 template <class IdOf>
 __device__ __forceinline__ void build_expert_lists(int* sm, IdOf id_of, int N, int k,
                                                    const int* slot_of, int R, int n_local, int has_shared,

@@ -72,9 +72,8 @@ struct Fp4Row32 {
     }
 
     // nvfp4's two group scales (k / 16, k / 16 + 1) times 2^62 as one bf16 pair, one e4m3x2
-    // conversion a row and k step: converting each word's scale on its own made nvfp4's K
-    // loop 9 % longer (NOTES.md v40). mxfp4 converts its one byte where it is used (one
-    // integer operation; as a pair made ahead its loop came out 2 % longer).
+    // conversion a row and k step, not one a word (a shorter K loop). mxfp4 converts its one
+    // byte where it is used (one integer operation; a pair made ahead made its loop longer).
     __device__ __forceinline__ unsigned scale_pair() const {
         return FMT == FMT_NVFP4 ? e4m3x2_to_bf16x2_times_2p62(s) : 0u;
     }

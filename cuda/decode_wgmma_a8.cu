@@ -10,9 +10,8 @@
 //                       into acc[row, h]) for 128 hidden columns a block
 //
 // Why: decode_mma.cu's _a8 kernels load the weights into registers and keep one k128 step a
-// warp in flight; on qwen3-30b-a3b at N = 64 they stream 3.3 TB/s where their own read
-// pattern alone streams 3.8-3.9 (NOTES.md v30), and sm_90 runs their mma.sync e4m3 as a
-// conversion plus an f16 MMA. Here the copies of WG_STAGES - 1 stages are in flight while a
+// warp in flight, below what their read pattern alone streams, and sm_90 runs their
+// mma.sync e4m3 as a conversion plus an f16 MMA. Here the copies of WG_STAGES - 1 stages are in flight while a
 // stage computes, the copying threads do nothing else with them, and the products are
 // native e4m3 wgmmas: a block's 128 weight rows are two m64 tiles, its NTOK rows the n side.
 //

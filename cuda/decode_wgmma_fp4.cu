@@ -11,20 +11,13 @@
 //                       added into acc[row, h]) for 128 hidden columns a block
 //
 // Why: decode_mma.cu's fp4 kernels read the codes from HBM straight into registers, a warp
-// one k128 step ahead, and issue ~30 instructions an 8-code word; at 0.55 instructions a
-// scheduler and cycle they stream ~50 % of the copy rate (NOTES.md v14, v17, v20). Here the
-// ring keeps WF_STAGES - 1 stages of codes in flight whatever the registers, a warp's loads
-// of its codes are shared-memory loads, and the B operand is read by the tensor cores, so
-// the K loop is the dequantization (quant.cuh fp4x8_to_bf16_pairs) and one wgmma a word.
-// Measured (NOTES.md v33): ~26 instructions a word, 3-27 % less time than decode_mma.cu's
-// from 8 rows on; Nsight Compute puts it at 62 % issue and 56 % of the (half-rate) integer
-// pipe with 12 warps an SM, so latency bound. Two warpgroups a block, finer or deeper rings
-// and overlapped wgmma groups measured slower: the per-stage barrier and the blocks an SM
-// (shared memory) set the pace. v35: with a row's scale bytes one copy a stage, gate/up at
-// deepseek-v3 nvfp4 N = 64 issues 0.66 instructions a scheduler and cycle; its stalls a
-// issued instruction: other warps issuing (0.82), fixed latencies (0.56), global loads
-// (0.45), the stage barrier (0.39), the integer pipe (0.38). A persistent walk, finer
-// stages, small bulk copies and grouped scale copies measured slower (NOTES.md v35).
+// one k128 step ahead, and stall on issuing their dequantization. Here the ring keeps
+// WF_STAGES - 1 stages of codes in flight whatever the registers, a warp's loads of its
+// codes are shared-memory loads, and the B operand is read by the tensor cores, so the K
+// loop is the dequantization (quant.cuh fp4x8_to_bf16_pairs) and one wgmma a word. It is
+// still bound by issue and the half-rate integer pipe; the per-stage barrier and the blocks
+// an SM (shared memory) set the pace, which is why two warpgroups a block, finer or deeper
+// rings, overlapped wgmma groups, a persistent walk and small bulk copies were slower.
 //
 // K order: as decode_mma.cu's. Lane (g, t4) of warp w dequantizes, per k128 step, the 16
 // bytes of weight rows 16 w + g and 16 w + g + 8 of each tile holding codes 32 t4 .. + 31;
@@ -201,9 +194,8 @@ struct WfBlock {
                        kin);
         // Scale bytes. K in whole stages: a row's stage of them is one aligned SB-byte chunk,
         // one copy a thread (row tid). Why: as SB / 4 four-byte copies a row (512 a stage
-        // for nvfp4) they took ~18 % of the copies' time on deepseek-v3 nvfp4 N = 64; one
-        // a row took 5-9 % off the nvfp4 layer (NOTES.md v35). Else (K an odd number of
-        // k steps) four-byte chunks, zeros past K.
+        // for nvfp4) they cost a large share of the copies' issue for 1/9 of the bytes.
+        // Else (K an odd number of k steps) four-byte chunks, zeros past K.
         static_assert(SB == 16 || SB == 8, "a row's stage of scale bytes: one 16- or 8-byte copy");
         if (whole_stages) {
             if (SB == 16)
@@ -329,9 +321,8 @@ struct WfBlock {
 #pragma unroll
             for (int i = 0; i < NTOK / 2; ++i) acc[m][i] = 0.0f;
         const int RS = run_stages();
-        // the first stages' rows: every load out before the first store waits for one (a
-        // block's first stages waited for them one after the other: an L2 round trip each,
-        // a large part of a short K's block, down's at qwen3-30b-a3b's I = 768; NOTES.md v40)
+        // the first stages' rows: every load out before the first store waits for one, so
+        // the prologue is one L2 round trip, not one a stage (much of a short K's block)
         uint4 first[WF_STAGES - 1][X_PER];
 #pragma unroll
         for (int s = 0; s < WF_STAGES - 1; ++s) {

@@ -519,9 +519,7 @@ __device__ __forceinline__ void emit_wgmma_out(const GemmTile& t, const float* d
 // conflicts when the 8 rows of a fragment write).
 // The routing weights emit_wgmma_down_staged applies to a thread's two rows of the
 // warpgroup at row0: a kernel reads them before its main loop, so their two dependent loads
-// (sorted_pair, then topk_w) land under the wgmmas instead of after the last one (Nsight
-// Compute: 5 % of tma_192's down warp samples at qwen3-next-80b N = 16384 waited on them
-// there, NOTES.md v27).
+// (sorted_pair, then topk_w) land under the wgmmas instead of after the last one.
 __device__ __forceinline__ void down_row_weights(float (&w)[2], const GemmTile& t, int row0, GEMM_ARGS) {
     const FragRows fr(0, t.rows - row0);
     frag_row_weights(w, fr.ok, t.pos0 + row0 + fr.r, sorted_pair, topk_w, P);
@@ -584,8 +582,7 @@ __device__ __forceinline__ void emit_wgmma_down_staged(const GemmTile& t, const 
 
 // A warpgroup's epilogue: gate/up switches on the activation once, so each activation's
 // epilogue is straight code (one switch per element inlined every activation 32-128 times
-// and left the code that runs scattered in ~10k instructions: Nsight Compute put the
-// 128 x 256 gate/up tile's epilogue at 44 % "no instruction" stalls, NOTES.md v22).
+// and left the code that runs scattered in ~10k instructions, stalled on instruction fetch).
 template <int MODE, int BN>
 __device__ __forceinline__ void emit_wgmma_rows(const GemmTile& t, const float* d, int row0, GEMM_ARGS) {
     if (MODE == MODE_GATE_UP) {

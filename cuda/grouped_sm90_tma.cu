@@ -24,20 +24,13 @@
 // operands arrive as zeros, never as whatever the buffer holds there; rows past a tile's
 // expert (the next expert's, or zeros) only reach outputs the epilogue masks.
 //
-// Measured (benchmarks/NOTES.md v18): 1.07-1.19x the cp.async kernel on the shapes with
-// I >= 1536, about even at I = 768 and slower at I = 512, where gather_rows' extra pass over
-// the inputs weighs most (kernels.sm90_variant_for picks by I). v22: 128 x 256 tiles at one
-// block an SM ("tma_wide") once the epilogue stopped stalling on instruction fetch
-// (gemm_common.cuh emit_wgmma_rows); 256 x 128 tiles were slower. Tried and dropped: the A rows
-// copied by 128 one-row TMA boxes a stage instead of xg (the swizzle lands right, but the
-// copies' issue made gate/up 4x slower), pairs of blocks multicasting one A tile (1.2x
-// slower: each pair waits on its slower half), 128 x 256 tiles at one block per SM.
-// v24: the gathering producer ("gather_wide") makes gate/up 8 % faster than xg at
-// I = 512 / 768, where each gathered row feeds the fewest columns; one producer warp
-// instead of four was 1.2-1.3x slower. v26: the tiles run at L2's throughput; 192 x 256
-// tiles ("tma_192") read 23 % fewer L2 bytes a product: auto for down below I = 8192 and
-// for gate/up from I = 1024. Dropped: B shared by two blocks' TMA multicast in 2-block
-// clusters (20-35 % slower), 192-row gate/up tiles whose consumers gather A themselves.
+// Variants (kernels.sm90_variant_for picks by I): 128 x 128 tiles ("tma"), 128 x 256 at
+// one block an SM ("tma_wide"), the same with the gathering producer ("gather_wide": no
+// gather_rows pass, worth most where a gathered row feeds the fewest columns, small I), and
+// 192 x 256 ("tma_192": the tiles run at L2's throughput, and these read fewer L2 bytes a
+// product). Slower, so not kept: A rows by one-row TMA boxes (the copies' issue), blocks
+// paired in clusters to multicast A or B (each pair waits on its slower half), persistent
+// tile walks, and 192-row gate/up tiles whose consumers gather A themselves.
 #include "gemm_common.cuh"
 #include "wgmma.cuh"
 
@@ -61,11 +54,11 @@
 // The gathering producer (GATHER): the whole producer warp copies the A rows of gate/up
 // straight from x / xe through sorted_row by cp.async, 16 bytes a lane, into the layout
 // the TMA box would have left (128-byte swizzle), while lane 0 still brings B by TMA: no
-// gather_rows pass, whose P x H bytes written and read back cost qwen3-next-80b ~200 us at
-// N = 16384. cp.async writes through the generic proxy and wgmma reads through the async
-// one, so a lane marks a stage full only once its own copies of it have landed and it has
-// fenced (fence.proxy.async, as grouped_sm90.cu's threads do before their barrier): it
-// waits for them GatherLag stages later, keeping that many stages of copies in flight.
+// gather_rows pass, whose P x H bytes are written and then read back from HBM. cp.async
+// writes through the generic proxy and wgmma reads through the async one, so a lane marks
+// a stage full only once its own copies of it have landed and it has fenced
+// (fence.proxy.async, as grouped_sm90.cu's threads do before their barrier): it waits for
+// them GatherLag stages later, keeping that many stages of copies in flight.
 // Lag <= S - 2: a consumer frees stage kt - 1 only after stage kt is full, and the
 // producer's wait for that free slot (at step kt - 1 + S) must come after it marked kt full
 // (at step kt + LAG).
@@ -79,8 +72,8 @@ struct GatherLag {
 // T % 8 of the tile's rows T / 8 + 4 GATHER_WARPS i, skipping rows past the tile's
 // (their outputs are masked; a row's products never mix with another's) and zero-filling
 // chunks past K (B's are zeros there, and garbage times zero could be NaN). Its thread 0
-// also brings the stage's B tile by TMA, as the plain producer does. One warp alone
-// (32 copies a lane a stage) left gate/up 1.2-1.3x slower than TMA boxes from xg.
+// also brings the stage's B tile by TMA, as the plain producer does. Four warps, because one
+// alone (32 copies a lane a stage) keeps too few copies in flight.
 template <int S, int BN>
 __device__ __forceinline__ void gather_producer(const GemmTile& t, bf16* sA, bf16* sB, u64* full, u64* empty, int KT,
                                                 unsigned b_bytes, const u8* maps, GEMM_ARGS) {
@@ -148,10 +141,9 @@ __device__ __forceinline__ void tma_copy_stage(bf16* sA, bf16* sB, u64* full, in
 // warpgroup's A blocks as BN / 64 boxes of 64 x 64 in TMA's 128-byte swizzle (box b in
 // stage b's block), then one thread stores them to yw and waits only until they are read
 // out of shared memory: the warpgroup's threads issue no 16-byte loads and stores of their
-// own (13 % of down's warp samples at qwen3-next-80b N = 16384, NOTES.md v27). Columns past
-// H are not written (the map's extent). A warpgroup of fewer rows keeps
-// emit_wgmma_down_staged: a box would write the next tile's rows. Measured (NOTES.md v28):
-// down 229-230 -> 225 us at qwen3-30b-a3b N = 4096, 343-347 -> 339 at qwen3-next-80b 4096.
+// own (the stores were a large share of a short-K down's warp samples). Columns past H are
+// not written (the map's extent). A warpgroup of fewer rows keeps emit_wgmma_down_staged:
+// a box would write the next tile's rows.
 template <int BN, int S>
 __device__ __forceinline__ void emit_wgmma_down_tma(const GemmTile& t, const float* d, const float (&w)[2], int row0,
                                                     bf16* a0, int stage_elems, const u8* map_yw, GEMM_ARGS) {
@@ -186,10 +178,9 @@ __device__ __forceinline__ void emit_wgmma_down_tma(const GemmTile& t, const flo
 // thirteenth warp would put four warps on one of the SM's four register files, capping a
 // thread at 128 registers, and the m64n256 wgmma's accumulators alone are 128.
 //
-// Why 192 rows: the GEMMs run at L2's throughput (Nsight Compute: 82-87 % "L2 Cache
-// Throughput" for gate/up at qwen3-30b-a3b N = 4096 and qwen3-next-80b N = 16384, NOTES.md
-// v26), and a tile's L2 bytes a stage are (BM + BN) rows: 192 x 256 tiles read 23 % fewer
-// bytes per product than 128 x 256, and an expert of 257-384 rows takes 2 tiles, not 3.
+// Why 192 rows: the GEMMs run at L2's throughput, and a tile's L2 bytes a stage are
+// (BM + BN) rows: 192 x 256 tiles read 23 % fewer bytes per product than 128 x 256, and an
+// expert of 257-384 rows takes 2 tiles, not 3.
 template <int MODE, int STAGES, int BN, int BLOCKS_PER_SM, int GATHER = 0, int WGS = 2>
 __global__ void __launch_bounds__(WGS * 128 + (WGS == 3 ? 0 : GATHER ? 32 * GATHER_WARPS : 32), BLOCKS_PER_SM)
 grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {

@@ -121,7 +121,7 @@ __device__ __forceinline__ float q_scale(const u8* s, int k) {
 // is the e2m1 value times 2^-126 in both cases. The integer pipe (64 operations a cycle an
 // SM, half the issue rate) bounds the fp4 decode, so the load repacks each word's bits
 // (fp4_word_repack; cupymoe/formats.py fp4_word_bit_map is its host twin) for 8 integer
-// operations a word where the stored nibbles took 13 (NOTES.md v40):
+// operations a word where the stored nibbles took 13:
 //   pair 0 sits where bf16 wants it: one mask;
 //   pairs 1 and 2 sit rotated left by 3 and 6 (codes 4 bits wide, placements 9 bits wide:
 //     three rotations of {8..6, 15} tile 12 of a half's 16 bits): a rotate and a mask;
@@ -276,10 +276,9 @@ __device__ __forceinline__ uint4 fp8x8_to_bf16(unsigned lo, unsigned hi, float s
 
 // The same 8 codes in k order (a GEMM tile's bf16 chunk: element 2 i in the low half of
 // word i): fp4x8_to_bf16_pairs, then four byte permutes to undo its (i, i + 4) pairing.
-// The grouped GEMM's conversion was bound by instructions (NOTES.md v34: without it the
-// fp4 GEMMs ran ~30 % faster); with this and its scale pairs (gemm_common.cuh) the K loop
-// of grouped_gemm_sm90's nvfp4 gate/up went from 365 to 259 instructions (before the
-// repacked words); fp4x8_to_bf16 below serves the mxfp4 scale bytes whose 2^(e - 1) is no bf16.
+// Why: the fp4 GEMMs are bound by their conversion's instructions, and bit placement plus
+// four permutes is shorter than the table lookup; fp4x8_to_bf16 below serves the mxfp4
+// scale bytes whose 2^(e - 1) is no bf16.
 __device__ __forceinline__ uint4 fp4x8_to_bf16_in_order(unsigned v, __nv_bfloat162 s2) {
     const uint4 p = fp4x8_to_bf16_pairs(v, s2);
     return make_uint4(__byte_perm(p.x, p.y, 0x5410), __byte_perm(p.z, p.w, 0x5410), __byte_perm(p.x, p.y, 0x7632),

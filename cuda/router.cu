@@ -12,8 +12,7 @@
 // 1024 columns) and the SPLIT partial sums are added in split order, so the bits stay
 // N-independent. A lane issues a round of ROUTER_UNROLL steps' loads before its first
 // product: at 1-2 rows and H <= 8192 the router is one latency round trip, not H / 1024 of
-// them. Measured (NOTES.md v28): deepseek-v3 (H = 7168, split 8) N = 1 111.3 -> 109.5 us;
-// 8 warps a row at H = 2048 cost qwen3-30b-a3b's N = 64 ~1 %, hence 4 there.
+// them. Four warps up to H = 4096: there eight only add partial sums for the same work.
 #define ROUTER_COLS 2
 #define ROUTER_UNROLL(ROWS) ((ROWS) <= 2 ? 4 : 2)  // steps of 256 columns whose loads a lane issues together
 
@@ -21,9 +20,9 @@
 // w8a8 (qx set): the launch also quantizes x into qx / sx (quant.cuh's rule) for the experts,
 // since it reads x anyway: 256 columns of a row are a warp's unit, dealt over the grid's
 // warps block by block (unit u to block u % blocks), so no block takes more than its share
-// and the chain gains no launch. (In the routing stage that followed, one warp quantized a
-// whole row after routing it: +5-6 us at N = 8 .. 64, NOTES.md v29. At one or two rows
-// decode_route_lists' idle warps do it instead, hidden behind the routing.)
+// and the chain gains no launch (one warp quantizing a whole row after routing it was on the
+// chain's path). At one or two rows decode_route_lists' idle warps do it instead, hidden
+// behind the routing.
 template <int ROWS, int ROUTER_SPLIT>
 __global__ void __launch_bounds__(ROUTER_COLS * ROUTER_SPLIT * 32)
 router_logits_bf16(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,

@@ -6,16 +6,14 @@
 //                          of K; grid (ceil(R / RM_COLS), RM_CLUSTER, ceil(N / (8 NT)))
 //
 // Why: the CUDA-core router (router.cu) reads x once per two router columns: at deepseek-v3
-// N = 64 its 1024 blocks read 117 MB of x from L2 for a 3.7 MB matrix, 36.8 us (NOTES.md v35).
+// N = 64 its 1024 blocks read 117 MB of x from L2 for a 3.7 MB matrix.
 // Here a warp takes 16 router columns and all the block's rows, so x is read once per 32
 // columns, and K is split over a cluster's blocks and a block's warps so much of the matrix
 // is in flight at once. The partial sums meet in a fixed order (warps by a tree in shared
 // memory, then the cluster's blocks through distributed shared memory, rank 0 first), and
 // every element's sum runs over the same K split whatever the row tile, so a row's logits
-// are the same bits alone or in any batch (tested). Measured (NOTES.md v36): deepseek-v3
-// N = 64 9-11 us against 39 (Nsight Compute: long scoreboard, its 3-4 k steps a warp one
-// round trip each at 64 rows), the layer 9-40 us less at N = 16-64; at few rows or a narrow
-// router the CUDA-core kernel is as fast (layer.DECODE_ROUTER_MMA_MIN_MACS).
+// are the same bits alone or in any batch (tested). At few rows or a narrow router the
+// CUDA-core kernel is as fast (layer.DECODE_ROUTER_MMA_MIN_MACS).
 //
 // K order: lane (g, t) loads 16 contiguous bytes at column 32 s + 8 t of its rows (weight rows
 // g and g + 8 of the warp's tile; x row g of each n8 tile) and feeds elements 0-3 to the first

@@ -105,11 +105,10 @@ __device__ __forceinline__ float key_score(unsigned key) {
 // (its id and val) to lane t. Without rounds: T, the k-th largest of the lanes' maxima, bounds
 // the k-th largest key from below, so the picks are among the entries at or above it; those
 // (when at most 32) go one a lane through `scratch` (64 ints of shared memory), and each
-// one's rank in that order is counted against the others by shuffles. The k rounds (a max, a
-// min and the winner's lane rescanning, one after another) took ~3100 cycles of one row's
-// routing at N = 1 (NOTES.md v37); this takes ~1900-2200 (v41). false, nothing picked (the
-// caller then runs the rounds): fewer than k lanes hold a choosable key, or more than 32
-// entries reach T.
+// one's rank in that order is counted against the others by shuffles: independent shuffles
+// instead of k dependent rounds (a max, a min and the winner's lane rescanning). false,
+// nothing picked (the caller then runs the rounds): fewer than k lanes hold a choosable
+// key, or more than 32 entries reach T.
 template <int V>
 __device__ __forceinline__ bool warp_select_by_rank(const unsigned (&key)[V], const float (&val)[V],
                                                     unsigned lane_max, int k, int* scratch, int lane, int& id,
@@ -226,10 +225,10 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
         for (int g = 0; g < (32 > V ? V : 32); ++g) gs[g] = best_g[g] = -INFINITY;
         if (per == 1) {
             // a group is one register (deepseek-v3: 8 of 32 experts): its two largest by two
-            // warp max reductions of the keys, every group's independent of the others'. The
-            // lane merges below (5 shuffle rounds of every group's top two) took ~4700 cycles
-            // of one row's routing at N = 1 (NOTES.md v37); this ~3900 (v41). The same values:
-            // keys order the scores as the float compares do, NaN (key 0) as -inf.
+            // warp max reductions of the keys, every group's independent of the others' (a
+            // shorter path than the lane merges below: 5 shuffle rounds of every group's top
+            // two). The same values: keys order the scores as the float compares do, NaN
+            // (key 0) as -inf.
 #pragma unroll
             for (int g = 0; g < (32 > V ? V : 32); ++g) {
                 const unsigned kg = g < n_group && lane + 32 * g < E ? select_key(c[g]) : 0u;
@@ -429,9 +428,8 @@ __device__ __forceinline__ bool vec_route_fits(int Q, int R, int k, int n_group,
 // below, so only entries at or above it are candidates; at most 32 go one a lane through
 // `cand` (shared: keys, ids, scores) and each of the k rounds is two warp reductions. Same
 // choices (the largest selection score, ties to the lower id, NaN never). The shared-memory
-// path spent ~1900 warp instructions a row (qwen3-next-80b, R = 512, k = 10: 46 us for
-// 16384 rows, issue-bound, NOTES.md v27): it loops over R three times per step and its
-// lane 0 computes the weights alone. Returns false, having written nothing, where more than
+// path is issue-bound over many rows (~1900 warp instructions a row): it loops over R three
+// times per step and its lane 0 computes the weights alone. Returns false, having written nothing, where more than
 // 32 entries tie at the threshold or fewer than k are choosable: the caller routes the row
 // by route_row. Softmax sums its row in another order than route_row (per-lane sums over
 // other entries), so a weight may differ from route_row's in its last bits. `sel_out`
@@ -553,12 +551,10 @@ __device__ __forceinline__ bool route_row_vec(int row, float* cand, const float*
 // `s` is the warp's shared scratch of 2 R + TOPK_MAX_K floats; its last TOPK_MAX_K hold
 // the row's ids afterwards (decode_route_lists builds the expert lists from them).
 // `regs`: route_row_regs where it fits. The fused decode launch, one row a warp and bound
-// by the row's latency, takes it (qwen3-30b-a3b / deepseek-v3 N = 1: 3 / 7 us less with
-// the expert lists and the split reduce); topk_route over thousands of rows is bound by
-// throughput instead and measured the same or slower with it (qwen3-next-80b, R = 512,
-// N = 16384: 82 vs 70 us), so it keeps the shared-memory path. `logits` is not __restrict__:
-// topk_route writes a split router's sum into it first, so it must not be read through the
-// read-only (non-coherent) path.
+// by the row's latency, takes it; topk_route over thousands of rows is bound by throughput
+// instead and measured the same or slower with it, so it keeps the shared-memory path.
+// `logits` is not __restrict__: topk_route writes a split router's sum into it first, so it
+// must not be read through the read-only (non-coherent) path.
 __device__ __forceinline__ void route_row(int row, float* s, const float* logits,
                                           const float* __restrict__ corr_bias, const int* __restrict__ tid2eid,
                                           const int* __restrict__ token_ids, int* __restrict__ ids_out,
@@ -689,7 +685,7 @@ __device__ __forceinline__ void route_row(int row, float* s, const float* logits
 // MAX_Q allows, 4 registers of 128 logits a lane); with GROUP_REGS (on sm_90+), group-limited
 // routers whose groups are whole registers and R <= 256 (deepseek-v3) by route_row_regs<8>, as
 // decode_route_lists routes them (the kernels instantiate it for group-limited routers only:
-// its code made the ungrouped instances ~1 us slower, NOTES.md v36); else the shared-memory
+// its code made the ungrouped instances slower); else the shared-memory
 // route_row. `scratch`: the warp's 2 R + TOPK_MAX_K floats.
 template <int MAX_Q, bool GROUP_REGS, bool KEEP_IDS = false>
 __device__ __forceinline__ void route_row_topk(int row, float* scratch, const float* logits,

@@ -35,13 +35,13 @@ def require_gpu(what: str) -> None:
 
 
 def cmd_kernels(args) -> int:
-    from . import kernels
+    from . import jit
 
     bad = 0
     for arch in args.arch:
-        print(f"== {arch}: NVRTC {'.'.join(map(str, kernels.nvrtc_version()))}, options "
-              f"{' '.join(o for o in kernels.compile_options(arch) if not o.startswith('-I'))}", flush=True)
-        names = kernels.modules_for(arch)
+        print(f"== {arch}: NVRTC {'.'.join(map(str, jit.nvrtc_version()))}, options "
+              f"{' '.join(o for o in jit.compile_options(arch) if not o.startswith('-I'))}", flush=True)
+        names = jit.modules_for(arch)
         print(f"   compiling {len(names)} modules side by side (CUPYMOE_BUILD_JOBS threads at most; default: "
               f"the CPUs) ...", file=sys.stderr, flush=True)
 
@@ -49,8 +49,8 @@ def cmd_kernels(args) -> int:
             print(f"   {cm.module}: " + ("cached" if cm.from_cache else f"compiled in {seconds:.1f} s"),
                   file=sys.stderr, flush=True)
 
-        mods = kernels.compile_modules(names, arch, use_cache=not args.no_cache, progress=heard)
-        print(kernels.format_report(mods))
+        mods = jit.compile_modules(names, arch, use_cache=not args.no_cache, progress=heard)
+        print(jit.format_report(mods))
         spills = [(cm.module, r.name) for cm in mods for r in cm.resources() if r.spill_stores or r.spill_loads]
         if spills:
             print(f"SPILLS on {arch}: {spills}")
@@ -61,11 +61,12 @@ def cmd_kernels(args) -> int:
 def cmd_info(args) -> int:
     import numpy
 
-    from . import __version__, kernels
+    from . import __version__
+    from . import jit
 
     print(f"cupymoe {__version__}, numpy {numpy.__version__}")
     try:
-        print(f"NVRTC {'.'.join(map(str, kernels.nvrtc_version()))}, headers {kernels.cuda_include_dirs()[0]}")
+        print(f"NVRTC {'.'.join(map(str, jit.nvrtc_version()))}, headers {jit.cuda_include_dirs()[0]}")
     except Exception as e:
         print(f"NVRTC unavailable: {e}")
     reason = _no_gpu_reason()
@@ -79,7 +80,7 @@ def cmd_info(args) -> int:
         cc = cupy.cuda.Device(d).compute_capability
         print(f"GPU {d}: {p['name'].decode()}, sm_{cc}, {p['totalGlobalMem'] / 2**30:.0f} GiB, "
               f"{p['multiProcessorCount']} SMs -> kernels compiled for "
-              f"{kernels.arch_for_capability(int(cc[:-1]), int(cc[-1]))}")
+              f"{jit.arch_for_capability(int(cc[:-1]), int(cc[-1]))}")
     return 0
 
 
@@ -88,13 +89,15 @@ def cmd_inspect(args) -> int:
     whose tensors it holds are MoE, and for one layer every tensor's format and shape, the
     bytes, and whether the GPU kernels serve it. A refusal (cupymoe.Error, or memory the
     checkpoint's sizes ask for) prints one line and returns 2."""
-    from . import Error, checkpoint, formats, kernels
+    from . import Error, checkpoint, formats
+    from . import jit
+    from .catalog import WeightFormat
     from .config import DenseLayerError, MoeConfig, kernel_limits_violations, layer_count
 
     try:
         # refused before anything is read; named as the layer would compile for it (sm_90 -> sm_90a)
-        cc, _ = kernels.parse_arch(args.arch)
-        arch = kernels.arch_for_capability(cc // 10, cc % 10)
+        cc, _ = jit.parse_arch(args.arch)
+        arch = jit.arch_for_capability(cc // 10, cc % 10)
         config = checkpoint.read_config(args.dir)
         n_layers = layer_count(config)
         # the layers the tensors name, not range(n_layers): a config.json count is no bound on work
@@ -108,14 +111,19 @@ def cmd_inspect(args) -> int:
                 pass
         layer = args.layer if args.layer is not None else (moe[0] if moe else 0)
         cfg, hw = checkpoint.load_layer(args.dir, layer)
-        from .layer import plan_layer
+        from .plan import LayerOptions, plan_layer
 
         # the scratch MoeLayer would allocate on a GPU of that arch with every expert local: the
         # same plan (decode rows by format, w8a8 buffers, gathered inputs) as its constructor.
         # Made before anything is printed: a refused option or layer prints its one line only
         routed = formats.weight_format(hw.down)
         shared = formats.weight_format(hw.shared_down) if cfg.has_shared_expert else None
-        plan = plan_layer(cfg, routed, shared, arch, fp8_compute=args.fp8_compute)
+
+        def plan_of(c):
+            return plan_layer(c, routed, shared, arch, n_local=c.num_experts,
+                              options=LayerOptions(fp8_compute=args.fp8_compute))
+
+        plan = plan_of(cfg)
     except MemoryError as e:  # sizes no loader check bounded: one line, as for every refusal
         print(f"cupymoe inspect: MemoryError: {e or 'the checkpoint asks for more memory than there is'}",
               file=sys.stderr)
@@ -139,22 +147,42 @@ def cmd_inspect(args) -> int:
         total += nbytes
         note = ""
         if fmt != "bf16" and name in ("gate", "up", "down", "shared_gate", "shared_up", "shared_down"):
-            need = kernels.FORMAT_K_MULTIPLE[fmt]
+            need = WeightFormat.named(fmt).k_multiple
             if t.shape[-1] % need:
                 note = f"  NOT served by the GPU kernels: input width {t.shape[-1]} is not a multiple of {need}"
         elif fmt != "bf16" and name == "router":
             note = "  (dequantized once to bf16 at load)"
         print(f"  {name:<20} {label:<10} {str(tuple(t.shape)):<22} {nbytes / 1e6:10.2f} MB{note}")
     print(f"  total {total / 1e9:.3f} GB for this layer")
-    i_max = max(cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
+    _print_workspace(config, moe, cfg, plan, plan_of, arch, args.max_tokens)
+    return 0
+
+
+def _print_workspace(config, moe: list[int], cfg, plan, plan_of, arch: str, max_tokens: list[int]) -> None:
+    """The scratch of the inspected layer, and the workspace every MoE layer of the model would share
+    (each layer's config as from_hf maps it, with the inspected layer's weight formats)."""
+    from .config import MoeConfig
+    from .workspace import WorkspaceNeed, layer_need
+
     notes = [f"decode path up to {plan.decode_max_tokens} rows"]
     if plan.fp8_compute:
-        notes.append(f"fp8 experts as {plan.fp8_compute}")
-    for T in args.max_tokens:
-        arena = plan.arena(cfg, T, cfg.num_experts, i_max)
-        print(f"  scratch (arena) at max_tokens={T} on {arch}: {arena.total_bytes / 1e6:.1f} MB "
-              f"({arena.total_bytes} bytes; {', '.join(notes)})")
-    return 0
+        notes.append(f"fp8 experts as {plan.fp8_compute.value}")
+    plans = {}
+    for i in moe:
+        c = MoeConfig.from_hf(config, i)
+        if c not in plans:
+            plans[c] = plan_of(c)
+    for T in max_tokens:
+        need = layer_need(plan, T)[1]
+        print(f"  scratch (arena) at max_tokens={T} on {arch}: {need.total_bytes / 1e6:.1f} MB "
+              f"({need.total_bytes} bytes; {', '.join(notes)})")
+        if len(moe) > 1:
+            shared = WorkspaceNeed(0)
+            for p in plans.values():
+                shared = shared | layer_need(p, T)[1]
+            print(f"  workspace shared by the {len(moe)} MoE layers at max_tokens={T}: {shared.total_bytes / 1e6:.1f} MB "
+                  f"({shared.total_bytes} bytes; a scratch of its own for each layer would take "
+                  f"{len(moe) * need.total_bytes / 1e6:.1f} MB)")
 
 
 def _ranges(idx: list[int]) -> str:
@@ -214,7 +242,7 @@ def main(argv=None) -> int:
     c.add_argument("--arch", default="sm_90a",
                    help="the GPU architecture the scratch is planned for, as the layer would compile for it "
                         "(sm_90a: Hopper; sm_80, sm_89, ...)")
-    from .layer import FP8_COMPUTE
+    from .plan import FP8_COMPUTE_NAMES as FP8_COMPUTE
 
     c.add_argument("--fp8-compute", choices=FP8_COMPUTE, default="auto",
                    help="fp8-block experts' compute, as MoeLayer's fp8_compute (w8a8 adds scratch)")

@@ -3,7 +3,7 @@
 Method (PERFORMANCE.md): several copies of the layer's weights (so the experts do not sit
 in the 50 MB L2) captured into one CUDA graph, replays timed with CUDA events, the median of
 repeats; random inputs, never zeros; the floor computed from the routing the layer
-actually produced (its own top-k ids, read back from the arena).
+actually produced (its own top-k ids, read back from its scratch).
 
 The routed experts are drawn in one of FORMATS (--format; router and shared expert stay
 bf16), and each row's floor counts the bytes of that format:
@@ -84,6 +84,7 @@ L2_BYTES = 50e6
 MAX_LAYERS = 32  # copies of the weights rotated through one graph, at most
 STEADY_WARM_S = 0.3  # seconds of load before timing, a cell's or a ceiling's (the power cap settles in ~0.1 s)
 CEILING_REPEATS, CEILING_CALLS = 7, 20  # a ceiling's timed repetitions (median) and calls per repetition
+HOST_CALLS, HOST_BATCH = 400, 20  # --host: eager forwards timed; the stream is drained between batches
 
 _REPO = Path(__file__).resolve().parent.parent
 # Where the peers' figures are looked for, first hit wins: $CUPYMOE_BASELINES, the repo's
@@ -127,6 +128,10 @@ def add_bench_args(ap) -> None:
                     help="also time each stage inside the replayed graph (CUDA events between stages); "
                          "the events separate the kernels, so the decode chain runs without programmatic "
                          "dependent launch and the layer's time reads higher (20-30 us at N = 1 on the H200)")
+    ap.add_argument("--host", action="store_true",
+                    help="also time each cell's eager forward on the host (enqueue only, the mean of "
+                         "--host-calls calls) and the plan's build")
+    ap.add_argument("--host-calls", type=int, default=HOST_CALLS, help="eager forwards timed for --host")
     ap.add_argument("--seed", type=int, default=0)
 
 
@@ -285,6 +290,8 @@ def format_row(row: dict) -> str:
     peers = [("vllm_compute_only", "vLLM" if row["format"] == "bf16" else "vLLM-bf16"),
              ("vllm_fp8_gemms_only", "vLLM-fp8-GEMMs"), ("grouped_mm_us", "grouped_mm"), ("eager_us", "eager")]
     vs = [f"{row[key] / us:.2f}x {label}" for key, label in peers if row.get(key)]
+    if row.get("host_us") is not None:
+        vs.append(f"host {row['host_us']:.1f} us (plan built in {row['plan_build_us']:.0f} us)")
     return line + ("  " + "  ".join(vs) if vs else "")
 
 
@@ -568,7 +575,7 @@ def _time_cell(layers, x, out, n: int, args) -> tuple[list[float], dict[str, flo
     s.synchronize()
     # every copy holds the same weights, so the last layer's routing is every layer's
     ids = cupy.ndarray((n, k), cupy.int32, cupy.cuda.MemoryPointer(
-        cupy.cuda.UnownedMemory(layers[-1].arena.ptr("topk_ids"), n * k * 4, None), 0)).get()
+        cupy.cuda.UnownedMemory(layers[-1].scratch.ptr("topk_ids"), n * k * 4, None), 0)).get()
     touched = len(np.unique(ids[ids < E]))
     stage_events: list = []
     s.begin_capture()
@@ -598,6 +605,31 @@ def _time_cell(layers, x, out, n: int, args) -> tuple[list[float], dict[str, flo
         stage_us[st] = stage_us.get(st, 0.0) + cupy.cuda.get_elapsed_time(a, z) * 1e3 / len(layers)
     del g
     return times, stage_us, touched
+
+
+def time_host(layer, x, out, n: int, calls: int = HOST_CALLS) -> dict:
+    """The host's side of an eager forward of `n` rows: the mean µs `forward` takes to validate,
+    look up its plan and enqueue (the device drained between batches, outside the timing), and
+    the µs its plan takes to build and pack from nothing."""
+    import cupy
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    t0 = time.perf_counter()
+    layer._packed.clear()
+    layer._by_n.clear()
+    layer.plan_for(n)
+    build_us = (time.perf_counter() - t0) * 1e6
+    args = (int(x.data.ptr), n, int(out.data.ptr), s.ptr)
+    layer.forward(*args)  # the per-N lookup made once, as a server's first call of this N
+    s.synchronize()
+    total = 0.0
+    for done in range(0, calls, HOST_BATCH):
+        t = time.perf_counter()
+        for _ in range(min(HOST_BATCH, calls - done)):
+            layer.forward(*args)
+        total += time.perf_counter() - t
+        s.synchronize()
+    return dict(host_us=round(total * 1e6 / calls, 2), host_calls=calls, plan_build_us=round(build_us, 1))
 
 
 def _bench_format(shape: str, cfg: MoeConfig, fmt: str, args, ceilings: dict, baselines: dict,
@@ -654,6 +686,8 @@ def _bench_format(shape: str, cfg: MoeConfig, fmt: str, args, ceilings: dict, ba
                             layers=n_layers, stage_us=stage_us)
             if fmt == "fp8_block":
                 row["fp8_compute"] = layers[0].fp8_compute
+            if getattr(args, "host", False):
+                row.update(time_host(layers[0], x, out, n, args.host_calls))
             if torch_peers:
                 row.update(time_peers(torch_peers, cfg, x, out, n, args))
             rows.append(row)
@@ -678,10 +712,10 @@ def run_bench(args) -> int:
     fmts = list(dict.fromkeys(getattr(args, "formats", None) or ["bf16"]))
     results: list[dict] = []
     skipped: list[dict] = []
-    from . import kernels
+    from . import jit
 
-    print(f"compiling or loading the kernels for {gpu} (cache: {kernels.cache_dir()}) ...", flush=True)
-    kernels.library(cupy.cuda.runtime.getDevice(), progress=lambda line: print("  " + line, flush=True))
+    print(f"compiling or loading the kernels for {gpu} (cache: {jit.cache_dir()}) ...", flush=True)
+    jit.library(cupy.cuda.runtime.getDevice(), progress=lambda line: print("  " + line, flush=True))
     for shape in args.preset:
         cfg = preset_config(shape, routed_only=not args.full_layer)
         for fmt in fmts:

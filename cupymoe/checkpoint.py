@@ -515,11 +515,14 @@ class _Planner:
                            module, lin.fmt)
         return lin
 
-    def read_parts(self, lin: _Linear) -> dict[str, np.ndarray]:
-        """Read a linear's tensors into canonical dtypes (e4m3 views, float32 scales, scalar shapes)."""
+    def read_parts(self, lin: _Linear, rows: Optional[int] = None) -> dict[str, np.ndarray]:
+        """Read a linear's tensors into canonical dtypes (e4m3 views, float32 scales, scalar shapes);
+        `rows`: only the first rows of each (a stack's), the ones checked and returned."""
         parts = {}
         for p, name in lin.parts.items():
             a = self.src.read(name)
+            if rows is not None:
+                a = a[:rows]
             if p in ("q", "scale") and a.dtype == U8:  # canonical dtypes, so expert stacks never cast
                 a = a.view(E4M3)
             if p in _F32_PARTS:
@@ -695,12 +698,6 @@ def _plan(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[dict[str, Reader],
     Is = cfg.shared_expert_intermediate_size
     if cfg.pre_expert_norm or cfg.hash_routing:
         raise CheckpointError(f"pre-expert norm / hash routing have no hub naming for {cfg.model_type}")
-    # per-expert naming: each expert has tensors of its own, so a config claiming more experts than
-    # the source holds tensors is refused before E names are made (fused: E is checked in shapes)
-    if not naming.fused_experts and E > (present := len(src.names(prefix))):
-        raise CheckpointError(f"MoeConfig.num_experts={E} (from the config) exceeds the {present} tensors under "
-                              f"{prefix!r} in {src.searched()}: each expert needs its own; the config does not "
-                              "describe this checkpoint")
     P = _Planner(src, cfg.quant_exclude)
     readers: dict[str, Reader] = {"router": P.single(prefix + naming.router, R, H)}
     if cfg.has_router_bias:
@@ -709,11 +706,22 @@ def _plan(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[dict[str, Reader],
         name = prefix + _required(naming, "correction_bias", cfg, "a correction bias")
         readers["correction_bias"] = P.vector(name, (R,))
 
-    if naming.fused_experts:
+    from .hf_layouts import plan_stacked_experts  # imported here: it builds on this module
+
+    stacked = plan_stacked_experts(P, cfg, prefix)  # transformers 5 / vLLM stacks; None: hub names
+    if stacked is not None:
+        readers.update(stacked)
+    elif naming.fused_experts:
         readers.update(_plan_fused_experts(P, cfg, prefix + naming.experts))
     else:
         if cfg.has_expert_bias:
             raise CheckpointError(f"the config asks for expert biases, but {cfg.model_type} experts have none")
+        # each expert has tensors of its own here, so a config claiming more experts than the source
+        # holds tensors is refused before E names are made (stacked and fused: E is checked in shapes)
+        if E > (present := len(src.names(prefix))):
+            raise CheckpointError(f"MoeConfig.num_experts={E} (from the config) exceeds the {present} tensors under "
+                                  f"{prefix!r} in {src.searched()}: each expert needs its own; the config does not "
+                                  "describe this checkpoint")
         for field, proj, (out, inn) in zip(_FIELDS, naming.projections, ((I, H), (I, H), (H, I))):
             modules = [prefix + naming.experts.format(e=e) + proj for e in range(E)]
             readers[field] = P.stacked(modules, out, inn, label=f"{prefix}{naming.experts.format(e='*')}{proj}")
@@ -836,9 +844,11 @@ def load_layer(checkpoint_dir: PathLike, layer_idx: int) -> tuple[MoeConfig, Hos
     """
     root = Path(checkpoint_dir)
     cfg = MoeConfig.from_hf(read_config(root), layer_idx)
-    prefix = layer_prefix(cfg.model_type, layer_idx)
+    from .hf_layouts import layer_prefix_in  # Mixtral's block may sit at transformers 5's `mlp.`
+
     with ExitStack() as stack:
-        return _load(cfg, _FileSource(root, stack), prefix)
+        src = _FileSource(root, stack)
+        return _load(cfg, src, layer_prefix_in(src, cfg.model_type, layer_idx))
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")

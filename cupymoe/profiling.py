@@ -1,20 +1,21 @@
 """Observability: NVTX ranges per stage, a per-stage timing mode and debug dumps.
 
-- NVTX: one range per stage (`moe/router`, `moe/topk`, ...) in the `cupymoe` domain through
-  the `nvtx` package; it costs next to nothing when no profiler is attached.
-- `CUPYMOE_PROFILE=1`: synchronise the stream around each stage and log its microseconds
-  through `logging` (logger `cupymoe.profile`), like the seed's `prof_step!`. Never on by
-  default: it adds host syncs, so it refuses to run while the stream is being captured.
-- `CUPYMOE_DUMP_DIR=path`: after each forward, the seed's debug dumps (gate input, gate
-  logits, expert ids and weights, routed-only output, shared output, final output) as .npy,
-  bf16 converted to float32. Also a host sync; also refused under capture.
+- NVTX: one range `moe` a forward in the `cupymoe` domain with a range a stage nested in it
+  (`router`, `topk`, `norm`, `sort`, `gate_up`, `down`, `reduce`, `all_reduce`), so Nsight
+  Compute's filter `--nvtx --nvtx-include "cupymoe@moe/gate_up/"` profiles a stage's kernels.
+  Emitted when a tool is attached (Nsight sets one up at process start); without one a
+  forward skips them.
+- CUPYMOE_PROFILE=1: synchronise around each stage and log its microseconds (logger
+  `cupymoe.profile`). Host syncs: refused while the stream is captured.
+- CUPYMOE_DUMP_DIR=path: after each forward, the debug dumps (gate input, gate logits,
+  expert ids and weights, routed-only output, shared output, final output) as .npy, bf16
+  converted to float32. Also a host sync; also refused under capture.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,25 +23,55 @@ from typing import Optional
 
 import numpy as np
 
-try:
-    import nvtx as _nvtx
-except ImportError:  # nvtx is a dependency; degrade to no ranges rather than fail a forward
-    _nvtx = None
+from .errors import LaunchError
 
 DOMAIN = "cupymoe"
+FORWARD_RANGE = "moe"
+STAGE_NAMES = ("router", "topk", "norm", "sort", "gate_up", "down", "reduce", "all_reduce")
 log = logging.getLogger("cupymoe.profile")
 
 
-def profile_enabled() -> bool:
-    return os.environ.get("CUPYMOE_PROFILE", "") not in ("", "0")
+class _Nvtx:
+    """The cupymoe domain's ranges, their attributes made once; inert without a tool."""
+
+    def __init__(self):
+        self.domain = None
+        self.attrs: dict[str, object] = {}
+        try:
+            import nvtx
+            from nvtx._lib import DummyDomain
+        except ImportError:  # nvtx is a dependency; degrade to no ranges rather than fail a forward
+            return
+        domain = nvtx.get_domain(DOMAIN)
+        if isinstance(domain, DummyDomain):  # no tool attached to this process
+            return
+        self.domain = domain
+        self.attrs = {name: domain.get_event_attributes(message=name) for name in (FORWARD_RANGE,) + STAGE_NAMES}
+
+    @property
+    def active(self) -> bool:
+        return self.domain is not None
+
+    def push(self, name: str) -> None:
+        if self.domain is not None:
+            self.domain.push_range(self.attrs[name])
+
+    def pop(self) -> None:
+        if self.domain is not None:
+            self.domain.pop_range()
 
 
-def dump_dir() -> Optional[Path]:
-    d = os.environ.get("CUPYMOE_DUMP_DIR")
-    return Path(d) if d else None
-
-
+NVTX = _Nvtx()
 _stage_events: Optional[list] = None
+
+
+def observed() -> bool:
+    """Whether anything watches a forward's stages (an NVTX tool, or stage events being recorded)."""
+    return NVTX.active or _stage_events is not None
+
+
+def recording_events() -> bool:
+    return _stage_events is not None
 
 
 @contextmanager
@@ -68,26 +99,29 @@ def _record_external(event, stream) -> None:
         _libcuda.cuEventRecordWithFlags.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
     rc = _libcuda.cuEventRecordWithFlags(event.ptr, stream.ptr, 1)
     if rc != 0:
-        raise RuntimeError(f"cuEventRecordWithFlags failed with CUresult {rc}")
+        raise LaunchError(f"cuEventRecordWithFlags failed with CUresult {rc}")
 
 
 class StageTimer:
     """Wraps each stage of one forward in an NVTX range (and, in profile mode, a timed sync)."""
 
-    def __init__(self, stream, num_tokens: int, path: str):
-        self.stream = stream
+    def __init__(self, stream, num_tokens: int, path: str, profile: bool = False):
+        self.stream = stream  # a CuPy stream (syncs and events)
         self.num_tokens = num_tokens
         self.path = path
-        self.profile = profile_enabled()
-        # stage events (bench --stages) or profile syncs stand between the kernels: the
-        # layer then launches them without programmatic dependent launch
-        self.separates_kernels = self.profile or _stage_events is not None
+        self.profile = profile
+
+    @contextmanager
+    def forward(self):
+        NVTX.push(FORWARD_RANGE)
+        try:
+            yield
+        finally:
+            NVTX.pop()
 
     @contextmanager
     def stage(self, name: str):
-        label = f"moe/{name}"
-        if _nvtx is not None:
-            _nvtx.push_range(label, domain=DOMAIN)
+        NVTX.push(name)
         events = None
         if _stage_events is not None:
             import cupy
@@ -108,21 +142,18 @@ class StageTimer:
                 self.stream.synchronize()
                 us = (time.perf_counter() - t0) * 1e6
                 log.info("MoE %s [%s] N=%d: %.1f us", self.path, name, self.num_tokens, us)
-            if _nvtx is not None:
-                _nvtx.pop_range(domain=DOMAIN)
+            NVTX.pop()
 
 
 _dump_seq = 0
 
 
-def write_dumps(stream, arrays: dict[str, tuple[int, tuple[int, ...], str]]) -> Path:
+def write_dumps(directory: Path, stream, arrays: dict[str, tuple[int, tuple[int, ...], str]]) -> Path:
     """Copy device buffers to .npy files: arrays maps name -> (ptr, shape, dtype name)."""
     import cupy
 
     global _dump_seq
-    d = dump_dir()
-    assert d is not None
-    d.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
     stream.synchronize()
     _dump_seq += 1
     for name, (ptr, shape, dtype) in arrays.items():
@@ -132,5 +163,5 @@ def write_dumps(stream, arrays: dict[str, tuple[int, tuple[int, ...], str]]) -> 
         arr = cupy.ndarray(shape, dtype=np_dtype, memptr=cupy.cuda.MemoryPointer(mem, 0)).get(stream=stream)
         if dtype == "bf16":
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        np.save(d / f"{_dump_seq:05d}_{name}.npy", arr)
-    return d
+        np.save(directory / f"{_dump_seq:05d}_{name}.npy", arr)
+    return directory

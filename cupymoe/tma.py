@@ -103,3 +103,36 @@ def encode_table(maps: Sequence[Optional[tuple[Matrix2D, int]]]) -> bytes:
         raise ValueError(f"{len(maps)} maps given, the kernel reads {len(TMA_MAPS)}: {TMA_MAPS}")
     return b"".join(bytes(MAP_BYTES) if spec is None else encode(spec[0], spec[1], name)
                     for name, spec in zip(TMA_MAPS, maps))
+
+
+def layer_table(lp, slot_ptrs: dict, scratch) -> bytes:
+    """The maps of a layer's TMA GEMMs (`lp` a plan.LayerPlan): A of gate/up (xg) and of down (act,
+    through the routed and the shared expert's K), the stacked routed weights and the shared
+    expert's, and down's output (yw). `slot_ptrs[p]`: each table slot's weight address of
+    projection p; `scratch`: the layer's ScratchView. The A maps span their buffers exactly."""
+    from .catalog import TMA_A_BOX_ROWS, GemmMode
+
+    cfg, n, i_max = lp.cfg, lp.n_local, lp.i_max
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    bn, bn_down = lp.sm90[GemmMode.GATE_UP].bn, lp.sm90[GemmMode.DOWN].bn
+    gate_up, down = lp.sm90[GemmMode.GATE_UP].tma, lp.sm90[GemmMode.DOWN].tma
+    Is = cfg.shared_expert_intermediate_size if cfg.has_shared_expert else 0
+    xg_rows, act_rows = scratch.nbytes("xg") // (2 * H), scratch.nbytes("act") // (2 * i_max)
+    bm = TMA_A_BOX_ROWS
+
+    def routed(p, rows, cols, box, used):
+        return (Matrix2D(int(slot_ptrs[p][0]), n * rows, cols), box) if n and used else None
+
+    def shared(p, rows, cols, box, used):
+        return (Matrix2D(int(slot_ptrs[p][n]), rows, cols), box) if Is and used else None
+
+    return encode_table([
+        (Matrix2D(scratch.ptr("xg"), xg_rows, H), bm) if lp.gathers_rows else None,
+        (Matrix2D(scratch.ptr("act"), act_rows, I, i_max), bm) if down else None,
+        (Matrix2D(scratch.ptr("act"), act_rows, Is, i_max), bm) if Is and down else None,
+        routed("gate", I, H, bn // 2, gate_up), routed("up", I, H, bn // 2, gate_up),
+        routed("down", H, I, bn_down, down),
+        shared("gate", Is, H, bn // 2, gate_up), shared("up", Is, H, bn // 2, gate_up),
+        shared("down", H, Is, bn_down, down),
+        (Matrix2D(scratch.ptr("yw"), scratch.nbytes("yw") // (2 * H), H), bm) if down else None,  # down's stores
+    ])

@@ -30,7 +30,7 @@ bf16 weights and input, both float64:
    each within one ulp of the output or of a term, the output the same on re-runs; 1.2 %
    once in a test at k = 12). So when the check has the layer (`check(layer=...)`), the
    faithful reference of the grouped path multiplies the activation the kernels stored
-   (KernelActivations, read from the layer's arena), and that activation is judged by
+   (KernelActivations, read from the layer's scratch), and that activation is judged by
    itself against the reference's, by the same faithful rule: a wrong activation still
    fails there, and the output check no longer counts a legitimate flip once per element.
 
@@ -275,12 +275,12 @@ def check(out: np.ndarray, cfg: MoeConfig, hw: HostWeights, x: np.ndarray, path:
                    partials=terms, spread=spread)
 
 
-def _read_arena(layer, name: str, dtype, shape) -> np.ndarray:
-    """A copy of the first prod(shape) elements of the layer's arena buffer `name`."""
+def _read_scratch(layer, name: str, dtype, shape) -> np.ndarray:
+    """A copy of the first prod(shape) elements of the layer's scratch buffer `name`."""
     import cupy
 
     count = int(np.prod(shape))
-    mem = cupy.cuda.UnownedMemory(layer.arena.ptr(name), count * np.dtype(dtype).itemsize, layer)
+    mem = cupy.cuda.UnownedMemory(layer.scratch.ptr(name), count * np.dtype(dtype).itemsize, layer)
     return cupy.ndarray((count,), dtype, cupy.cuda.MemoryPointer(mem, 0)).get().reshape(shape)
 
 
@@ -291,9 +291,9 @@ def _stored_activations(layer, cfg: MoeConfig, n: int):
     shared expert's row of token t at pair_pos[n k + t]; key: the expert id or "shared"."""
     k = cfg.num_experts_per_tok
     P = n * k + (n if cfg.has_shared_expert else 0)
-    ids = _read_arena(layer, "topk_ids", np.int32, (n * k,))
-    pair_pos = _read_arena(layer, "pair_pos", np.int32, (P,))
-    act = bits_to_f32(_read_arena(layer, "act", np.uint16, (P, layer.weights.i_max)))
+    ids = _read_scratch(layer, "topk_ids", np.int32, (n * k,))
+    pair_pos = _read_scratch(layer, "pair_pos", np.int32, (P,))
+    act = bits_to_f32(_read_scratch(layer, "act", np.uint16, (P, layer.weights.i_max)))
     rows = []
     for p in range(P):
         pos = int(pair_pos[p])
@@ -365,7 +365,7 @@ class KernelTerms(StoredRows):
     def __init__(self, layer, cfg: MoeConfig, n: int):
         rows, _ = _stored_activations(layer, cfg, n)
         P, H = n * cfg.num_experts_per_tok + (n if cfg.has_shared_expert else 0), cfg.hidden_size
-        yw = bits_to_f32(_read_arena(layer, "yw", np.uint16, (P, H)))
+        yw = bits_to_f32(_read_scratch(layer, "yw", np.uint16, (P, H)))
         super().__init__({(key, token): yw[pos].astype(np.float64) for key, token, pos, _ in rows}, TERM_TIGHT)
 
 
@@ -401,13 +401,13 @@ class KernelOutputs(StoredRows):
     def __init__(self, layer, cfg: MoeConfig, n: int):
         rows, _ = _stored_activations(layer, cfg, n)
         P, H = n * cfg.num_experts_per_tok + (n if cfg.has_shared_expert else 0), cfg.hidden_size
-        y = _read_arena(layer, "y", np.float32, (P, H))
+        y = _read_scratch(layer, "y", np.float32, (P, H))
         super().__init__({(key, token): y[pos].astype(np.float64) for key, token, pos, _ in rows})
 
 
 class W8a8Stages:
     """The w8a8 grouped path's intermediates of the layer's last forward (on input `x`),
-    read from its arena: the e4m3 codes of the expert input (by token) and of the
+    read from its scratch: the e4m3 codes of the expert input (by token) and of the
     activation (by expert and token; the shared expert's key is "shared"), and the bf16
     activation, for the experts whose weights are fp8 (the others take no codes). `codes_differ` counts codes and scales unlike quantizing the kernels' own
     bf16 values. `feed` is reference.moe_forward's `w8a8_inputs`: it hands the reference
@@ -420,21 +420,21 @@ class W8a8Stages:
         self.codes_differ = 0
         # the gate/up inputs: the expert input (the pre-expert norm's output, or x), and x for
         # an fp8 shared expert behind a norm
-        expert_input = bits_to_f32(_read_arena(layer, "xe", np.uint16, (n, H))) if cfg.pre_expert_norm else x_bf16
+        expert_input = bits_to_f32(_read_scratch(layer, "xe", np.uint16, (n, H))) if cfg.pre_expert_norm else x_bf16
         self.inputs = {}
         for key, qname, sname, src in (("routed", "qx", "sx", expert_input),
                                        ("shared", "qx_shared", "sx_shared", x_bf16)):
-            if key == "shared" and not layer._w8a8_shared_x:
+            if key == "shared" and not layer.plan.w8a8_shared_x:
                 self.inputs[key] = self.inputs["routed"]  # no norm: the same rows
                 continue
-            q, sc = _read_arena(layer, qname, np.uint8, (n, H)), _read_arena(layer, sname, np.float32, (n, kb_h))
+            q, sc = _read_scratch(layer, qname, np.uint8, (n, H)), _read_scratch(layer, sname, np.float32, (n, kb_h))
             want_q, want_s = _quantize_rows_fp8(src)
             self.codes_differ += int(np.count_nonzero(q != want_q) + np.count_nonzero(sc != want_s))
             self.inputs[key] = _dequantize_rows_fp8(q, sc)
         # the activations (and their codes), by position (_stored_activations)
         P = n * k + (n if cfg.has_shared_expert else 0)
         rows, act = _stored_activations(layer, cfg, n)
-        qact, sact = _read_arena(layer, "qact", np.uint8, (P, i_max)), _read_arena(layer, "sact", np.float32, (P, kb_i))
+        qact, sact = _read_scratch(layer, "qact", np.uint8, (P, i_max)), _read_scratch(layer, "sact", np.float32, (P, kb_i))
         fp8 = {"routed": formats.weight_format(hw.down) == "fp8_block",
                "shared": formats.weight_format(hw.shared_down) == "fp8_block"}
         self.act, self.act_codes = {}, {}

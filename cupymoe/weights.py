@@ -28,13 +28,15 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import formats, kernels
+from . import formats, jit
+from .catalog import WeightFormat
 from .config import MoeConfig
 from .host_weights import HostWeights
 
 
-FORMAT_CODES = kernels.FORMAT_CODES
-FORMAT_K_MULTIPLE = kernels.FORMAT_K_MULTIPLE
+FORMAT_CODES = {f.label: int(f) for f in WeightFormat}
+FORMAT_K_MULTIPLE = {f.label: f.k_multiple for f in WeightFormat}
+FORMAT_BITS = {f.label: f.bits for f in WeightFormat}
 
 
 from .errors import UnsupportedFormatError  # noqa: F401 (re-exported)
@@ -114,7 +116,7 @@ class DeviceWeights:
             self.format = _one_format({p: getattr(hw, p) for p in PROJECTIONS}, "routed experts")
             mats = {p: _DeviceMatrix(getattr(hw, p)[sl], p, p, up) for p in PROJECTIONS}
             # the smallest and largest mxfp4 scale byte of every mxfp4 matrix (None: none):
-            # the tensor-core decode serves a range of them (kernels.FP4_MMA_MXFP4_SCALE_BYTES)
+            # the tensor-core decode serves a range of them (catalog.FP4_MMA_MXFP4_SCALE_BYTES)
             self.mxfp4_scale_bytes = None
             ranges = [m.scale_bytes for m in mats.values() if m.scale_bytes is not None]
             # the stacked routed experts ([n_local, I, H], [n_local, H, I]; bf16 bits, or the
@@ -213,7 +215,7 @@ class _DeviceMatrix:
             self.w = _repack_fp4(upload(_codes(t.blocks)))
             self.s = upload(_codes(t.scales))
             self.scale_bytes = (int(self.s.min()), int(self.s.max())) if self.s.size else (127, 127)
-        self.w_stride = self.out * self.K * kernels.FORMAT_BITS[fmt] // 8
+        self.w_stride = self.out * self.K * FORMAT_BITS[fmt] // 8
         self.s_stride = 0 if self.s is None else int(self.s.nbytes) // self.count
 
     def fill(self, tables: dict, gscale: dict, slots) -> None:
@@ -233,7 +235,7 @@ def _repack_fp4(d):
     if int(d.nbytes) % 4:
         raise UnsupportedFormatError(f"fp4 codes of {int(d.nbytes)} bytes: the kernels read whole 4-byte words")
     if n:
-        fn = kernels.library(d.device.id)["fp4_repack_words"]
+        fn = jit.library(d.device.id)["fp4_repack_words"]
         fn((min((n + 255) // 256, 1 << 16),), (256,), (d, np.uint64(n)))
     return d
 

@@ -1,5 +1,5 @@
-// What would fp4 decode cost on e4m3 tensor cores? (scripts/fp4_e4m3_decode_probe.py;
-// NOTES.md v39 item 3.) One kernel, four compute sides on one copy skeleton, timed on mxfp4
+// What would fp4 decode cost on e4m3 tensor cores? (scripts/fp4_e4m3_decode_probe.py; the
+// result is in benchmarks/DECISIONS.md, fp4.) One kernel, four compute sides on one copy skeleton, timed on mxfp4
 // codes of deepseek-v3's gate/up shape. The skeleton is decode_wgmma_fp4.cu's at its default
 // shape: a warpgroup a block streams 128 weight rows through a 3-stage cp.async ring of 2 k128
 // steps a stage (128 contiguous code bytes of each row, a row's 8 scale bytes a copy) against
@@ -8,7 +8,7 @@
 // codes, scales and rows are random and the sums are nobody's (values wrong by design; the
 // outputs are stored only so that nothing is optimized away).
 //
-//   MODE 0  W4A16 as decode_wgmma_fp4.cu did it before v40: a word's 8 stored codes -> 4 bf16
+//   MODE 0  W4A16 on the stored nibbles (before the load-time repack): a word's 8 codes -> 4 bf16
 //           pairs by bit placement (fp4x8_to_bf16_pairs_nibbles below, each pair times its
 //           scale, HMUL2), m64n8k16 bf16 wgmmas from registers
 //   MODE 1  W4A8: a word's 8 codes -> two e4m3 registers by a byte-permute lookup
@@ -20,8 +20,8 @@
 //   MODE 2  MODE 1 with each activation as two e4m3 terms (hi + lo, one scale): twice the
 //           wgmmas into the same partial sums, ~8 significant bits of each activation
 //   MODE 3  the copies and barriers alone (no compute)
-//   MODE 4  MODE 0 on words whose bits the load repacked (quant.cuh fp4x8_to_bf16_pairs since
-//           v40: 8 integer operations a word where MODE 0 takes 13)
+//   MODE 4  MODE 0 on words whose bits the load repacked (quant.cuh fp4x8_to_bf16_pairs: 8
+//           integer operations a word where MODE 0 takes 13)
 #include "gemm_common.cuh"
 #include "quant.cuh"
 #include "wgmma.cuh"
@@ -55,8 +55,8 @@ __device__ __forceinline__ void fp4x8_to_e4m3x8(unsigned v, unsigned& a, unsigne
 }
 
 // 8 e2m1 codes of a word as stored (code i in nibble i) -> the 4 bf16 pairs (i, i + 4) times
-// 2^-126, times s2: quant.cuh fp4x8_to_bf16_pairs before the load repacked each word (v39's
-// MODE 0, 13 integer operations a word: a mask, a multiply making two copies, a mask a pair).
+// 2^-126, times s2: quant.cuh fp4x8_to_bf16_pairs before the load repacked each word (MODE 0,
+// 13 integer operations a word: a mask, a multiply making two copies, a mask a pair).
 __device__ __forceinline__ uint4 fp4x8_to_bf16_pairs_nibbles(unsigned v, __nv_bfloat162 s2) {
     const unsigned w = v >> 8;  // codes 2, 3, 6, 7 where v has 0, 1, 4, 5
     unsigned p[4];

@@ -2,14 +2,14 @@
 one copy skeleton (decode_wgmma_fp4.cu's ring) with five compute sides, over mxfp4 codes of
 deepseek-v3's gate/up rows (K = 7168) for the experts a decode step touches (220 at N = 64, 96
 at N = 16; 4096 weight rows each): MODE 0 W4A16 (the bit placement on stored nibbles, bf16
-wgmma), MODE 4 the same on repacked words (quant.cuh's since v40), MODE 1
+wgmma), MODE 4 the same on repacked words (quant.cuh's layout), MODE 1
 W4A8 (a byte-permute lookup to e4m3, e4m3 wgmma, fp32 promotion a 32-code group), MODE 2 the
 same with each activation as two e4m3 terms, MODE 3 the copies alone; each on several shapes of
 the skeleton (--shapes: k steps a stage, stages, blocks an SM, weight rows a block;
 decode_wgmma_fp4.cu's is 2,3,3,128). The data are random and the sums are nobody's: only the
 instruction streams and the reads are compared. Modes
 alternate, twice, each after 0.3 s of the same launches (the GPU's power-capped state, as the
-bench). Needs an sm_90 GPU and CuPy; results in NOTES.md v39, v40.
+bench). Needs an sm_90 GPU and CuPy; the results are in benchmarks/DECISIONS.md (fp4).
 
     python scripts/fp4_e4m3_decode_probe.py [--experts 220 96] [--shapes 2,3,3,128 4,3,3,64] [--reps 9]
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import cupy as cp
 
-from cupymoe import kernels
+from cupymoe import jit
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--experts", type=int, nargs="+", default=[220, 96], help="experts touched (4096 rows of K each)")
@@ -42,7 +42,7 @@ MODES = {0: "W4A16 bf16 (stored nibbles)", 1: "W4A8 e4m3", 2: "e4m3, activations
 SHAPES = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes]
 NAMES = {(m, sh): f"fp4_probe<{m}, {sh[0]}, {sh[1]}, {sh[2]}, {sh[3]}>" for m in args.modes for sh in SHAPES}
 module = cp.RawModule(code=Path(__file__).with_suffix(".cu").read_text(),
-                      options=("-arch=sm_90a", *(o for o in kernels.compile_options("sm_90a")
+                      options=("-arch=sm_90a", *(o for o in jit.compile_options("sm_90a")
                                                  if not o.startswith(("--gpu-architecture", "-Xptxas")))),
                       name_expressions=list(NAMES.values()))
 

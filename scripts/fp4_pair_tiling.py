@@ -4,9 +4,9 @@ each 16-bit half the sign goes to bit 15 and e1 e0 m to bits 8..6, so a pair's b
 A = {6, 7, 8, 15, 22, 23, 24, 31}. A repacked layout in which every pair of a word (or of n / 32
 words, read by funnel shifts) is one shift of the stored bits and one mask would need Z_n to be
 the disjoint union of translates of A. This exact-cover search says whether it is, for each n
-asked (NOTES.md v20, v34, v37). Runs on the CPU.
+asked (none is: benchmarks/DECISIONS.md, fp4). Runs on the CPU.
 
-With --schemes it searches what the kernels use instead (NOTES.md v40): three pairs of a 32-bit
+With --schemes it searches what the kernels use instead: three pairs of a 32-bit
 word at rotations of A (one rotate and one mask each, none for rotation 0) and the fourth pair in
 the 8 bits left over, placed by a mask, one multiply by a constant of at most three set bits
 (its low or its high 32 bits) and a mask. It prints every such scheme: the bits of the fourth
@@ -102,7 +102,7 @@ def schemes() -> list:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[32, 64, 96, 128])
-    ap.add_argument("--schemes", action="store_true", help="the three-rotations-and-a-multiply layouts (NOTES.md v40)")
+    ap.add_argument("--schemes", action="store_true", help="the three-rotations-and-a-multiply layouts (the kernels' kind)")
     args = ap.parse_args()
     for n in args.n:
         print(f"Z_{n}: pair mask {tiling(n, PAIR) or 'no tiling'}; half mask on Z_{n // 2}: "

@@ -1,5 +1,5 @@
 """Where one bench cell's time goes inside its replayed CUDA graph, with programmatic dependent
-launch on (NOTES.md v41). `--stages` separates the kernels by events, which turns PDL off and
+launch on. `--stages` separates the kernels by events, which turns PDL off and
 adds a launch gap a stage; Nsight Systems is not on the lent machines. This builds the bench's
 layer copies, captures their forwards into one graph as the bench does, runs 0.3 s of replays
 (the steady state), then 20 replays under torch.profiler, whose CUPTI kernel records include a

@@ -1,5 +1,5 @@
 // Kernels of scripts/n1_stream_floor_probe.py: how fast a few MB of weights can be read at all,
-// a launch a graph node, whatever the arithmetic (NOTES.md v37).
+// a launch a graph node, whatever the arithmetic (result: benchmarks/DECISIONS.md, decode).
 //
 //   bulk_stream  each block walks chunks blockIdx.x, + gridDim.x, ... of `chunk` contiguous bytes
 //                through a ring of `stages` shared-memory slots, one cp.async.bulk (TMA engine)
@@ -9,7 +9,7 @@
 //
 // Neither computes anything: the sink's store (never taken) keeps the loads alive. The two
 // bulk-copy issues (the ring's first chunks, a slot's next) are written out twice on purpose:
-// this is the machine code NOTES.md v37's figures came from, and a shared helper compiled to
+// this is the machine code the recorded figures came from, and a shared helper compiled to
 // other code.
 extern "C" __global__ void __launch_bounds__(128)
     bulk_stream(const char* __restrict__ w, long long total, int chunk, int stages, unsigned* sink) {

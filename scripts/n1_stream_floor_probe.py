@@ -5,7 +5,7 @@ mbarriers, several chunk sizes and depths) and with plain 16-byte register loads
 kernel ten times in a CUDA graph over buffers L2 does not hold, and prints the median time a
 launch next to the copy floor (4.28 TB/s). It computes nothing: a launch's time is the
 least any kernel reading those bytes takes. Needs an sm_90 GPU and CuPy; what it gave on
-the lent H200 is in NOTES.md v37.
+the lent H200 is in benchmarks/DECISIONS.md (decode).
 
     python scripts/n1_stream_floor_probe.py [--mb 12.6 25.2 37.7 117 235] [--reps 20]
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurement behind kernels.GATHER_MAX_INTERMEDIATE and the auto variants (NOTES.md v18, v22, v24): the six bf16 shapes at
+# The measurement behind kernels.GATHER_MAX_INTERMEDIATE and the auto variants (benchmarks/DECISIONS.md): the six bf16 shapes at
 # prefill sizes under each Hopper GEMM variant (CUPYMOE_SM90_VARIANT), one process per
 # (variant, shape), stage times included. Logs and JSON come back as $OUT/run.tgz.
 #

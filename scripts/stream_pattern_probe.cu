@@ -12,7 +12,7 @@
 // `chain` (an identity table, as the kernels' active_slot -> pointers -> rows) before its
 // first weight load, and with `epilogue` a fence, a barrier and a ticket (as the w8a8 gate/up's
 // activation quantization) after its last.
-// Measured: benchmarks/results/20261130-h200-stream-pattern-probe.txt, NOTES.md v30.
+// Measured: benchmarks/results/20261130-h200-stream-pattern-probe.txt (benchmarks/DECISIONS.md).
 template <int unroll>
 __device__ void probe(const unsigned char* __restrict__ w, unsigned* __restrict__ out, int K, int rows_per_mat, int mode,
                       const int* __restrict__ chain, int hops, int epilogue, int* __restrict__ tickets) {

@@ -2,7 +2,7 @@
 weights at N = 64 (402 MB: 128 experts x 2 x 768 rows x 2048 bytes) with the grid of
 decode_mma_gate_up_a8 there (768 blocks of 8 warps, two blocks an SM) in the access patterns
 of scripts/stream_pattern_probe.cu, loads only, and prints each one's time and TB/s. Needs a
-GPU and CuPy; the result it gave on the lent H200 is in NOTES.md v30.
+GPU and CuPy; the result it gave on the lent H200 is in benchmarks/DECISIONS.md (decode).
 
     python scripts/stream_pattern_probe.py [--rounds 2] [--copies 4]
     python scripts/stream_pattern_probe.py --patterns strided --unrolls 1 --hops 0 2 3 --epilogue 0 1

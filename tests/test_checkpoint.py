@@ -685,19 +685,22 @@ def test_inspect_scratch_is_the_layers_plan(tmp_path, capsys, inspect_scratch):
     layer's. Before, it sized every layer as bf16 (8 decode rows, no w8a8 buffers): the bench's
     deepseek-v3 shape with fp8 experts at max_tokens 64 read 11.5 MB against the layer's 27.5."""
     from cupymoe import testing
-    from cupymoe.layer import plan_layer, plan_layer_arena
+    from cupymoe.knobs import Knobs
+    from cupymoe.plan import plan_layer
+    from cupymoe.workspace import layer_need
 
     rng = np.random.default_rng(7)
     cfg = testing.tiny_config("deepseek_v3")
     hw = random_host_weights(cfg, rng, "fp8_block", shared_fmt="bf16")
     save_layer(tmp_path / "ds", testing.hf_config_dict("deepseek_v3"), 1, hw)
     got_cfg, _ = load_layer(tmp_path / "ds", 1)
-    i_max = max(cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
     hopper = inspect_scratch(str(tmp_path / "ds"), "--max-tokens", "64", "300")
     for T, got in hopper.items():
-        want = plan_layer(got_cfg, "fp8_block", "bf16", "sm_90a").arena(got_cfg, T, cfg.num_experts, i_max)
+        want = layer_need(plan_layer(got_cfg, "fp8_block", "bf16", "sm_90a", n_local=cfg.num_experts,
+                                     knobs=Knobs()), T)[1]
         assert got == want.total_bytes
-        bf16_sized = plan_layer_arena(got_cfg, T, cfg.num_experts, i_max, 8)
+        bf16_sized = layer_need(plan_layer(got_cfg, "bf16", "bf16", "sm_90a", n_local=cfg.num_experts,
+                                           knobs=Knobs()), T)[1]
         assert got > bf16_sized.total_bytes  # the e4m3 copies and 64 decode rows
     w8a16 = inspect_scratch(str(tmp_path / "ds"), "--max-tokens", "64", "300", "--fp8-compute", "w8a16")
     ampere = inspect_scratch(str(tmp_path / "ds"), "--max-tokens", "64", "300", "--arch", "sm_80")
@@ -1003,7 +1006,9 @@ def test_a_billion_experts_is_refused_before_a_billion_names(tmp_path):
                                                   r"tensors under 'model\.layers\.1\.mlp\.' in .*model\.safetensors"):
             load_layer(tmp_path, LAYER)
         with pytest.raises(CheckpointError, match=rf"num_experts={E} .* exceeds the 1 tensors"):
-            load_layer_from_tensors(config, {"model.layers.1.mlp.gate.weight": np.zeros((1, 8), BF16)},
+            # a zero-stride view: a router of 1e9 rows in 16 bytes
+            load_layer_from_tensors(config, {"model.layers.1.mlp.gate.weight": np.broadcast_to(np.zeros((1, 8), BF16),
+                                                                                               (E, 8))},
                                     "model.layers.1.mlp.")
         peak = tracemalloc.get_traced_memory()[1]
     finally:

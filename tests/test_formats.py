@@ -758,10 +758,10 @@ def test_fp4_bit_placement_of_the_tensor_core_decode():
     for 1 and 2), pair 3 by one multiply of its masked bits (three copies that cannot
     overlap); the scales the decode multiplies by (nvfp4: e4m3 * 2^62; mxfp4: exponent
     field e + 62) are exact bf16 numbers, and code * scale * 2^-64 is an exact, normal bf16
-    for every nvfp4 scale and for the mxfp4 scale bytes kernels.FP4_MMA_MXFP4_SCALE_BYTES admits."""
+    for every nvfp4 scale and for the mxfp4 scale bytes catalog.FP4_MMA_MXFP4_SCALE_BYTES admits."""
     from pathlib import Path
 
-    from cupymoe import kernels
+    from cupymoe import catalog
 
     bf16 = _bf16_value
     values = formats.e2m1_decode(np.arange(16, dtype=np.uint8)).astype(np.float64)
@@ -787,7 +787,7 @@ def test_fp4_bit_placement_of_the_tensor_core_decode():
                  "p[3] = ((v & 0x001B001Bu) * 0x4108u) & FP4_PAIR_MASK;", "#define FP4_PAIR_MASK 0x81C081C0u"):
         assert line in src, line
     e4m3 = np.arange(0x7F, dtype=np.uint8).view(formats.E4M3).astype(np.float64)  # every finite positive scale
-    lo, hi = kernels.FP4_MMA_MXFP4_SCALE_BYTES
+    lo, hi = catalog.FP4_MMA_MXFP4_SCALE_BYTES
     mx = 2.0 ** (np.arange(lo, hi + 1) - 127)
     for scales, what in ((e4m3[e4m3 > 0], "nvfp4"), (mx, "mxfp4")):
         for s in scales:

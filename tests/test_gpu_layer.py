@@ -83,13 +83,16 @@ def test_routing_and_expert_variants(name, path, rng):
 
 def test_router_tiles_by_rows_and_width(rng):
     """The prefill router GEMM takes 128 x 128 tiles ("math") only when they fill at least
-    half the SMs (layer._router_config); both configurations against the reference."""
+    half the SMs (heuristics.router_config); both configurations against the reference."""
+    from cupymoe.heuristics import router_config
+
     cfg = testing.tiny_config("qwen3_next", num_experts=300)
     hw = testing.random_host_weights(cfg, rng)
     layer = _layer(cfg, hw, max_tokens=4099, decode_max_tokens=8, atomic_max_tokens=8)
     for n in (1024, 4099):
         tiles = -(-cfg.router_width // 128) * -(-n // 128)
-        assert layer._router_config(n) == ("math" if 2 * tiles >= layer._sm_count else "stream")
+        want = "math" if 2 * tiles >= layer.device.sm_count else "stream"
+        assert router_config(layer.plan, layer.device, n) == want
         _check(layer, cfg, hw, rng, n, "prefill")
 
 
@@ -177,8 +180,8 @@ def test_tma_grouped_gemm_graph_replay_is_bitwise_eager(sm90, rng, monkeypatch):
     layer = MoeLayer(cfg, hw, max_tokens=1000)
     if layer.lib.arch != "sm_90a":
         pytest.skip(f"the TMA GEMM needs sm_90a, this GPU compiles for {layer.lib.arch}")
-    assert layer._grouped_kernel(0, "math")[0].startswith("grouped_gemm_sm90_tma<0,")
     n = 1000
+    assert any(launch.kernel.startswith("grouped_gemm_sm90_tma<0,") for launch in layer.forward_plan(n).launches)
     x = cupy.asarray(bf16_bits(well_separated_input(cfg, hw, rng, n)))
     s = cupy.cuda.Stream(non_blocking=True)
     eager, out, g = testing.eager_and_graph(layer, x, n, "prefill", s)
@@ -314,7 +317,7 @@ def test_refusals_name_the_values_and_write_nothing(rng):
     other = cupy.cuda.Stream(non_blocking=True)  # kept alive: a destroyed stream is no stream
     with pytest.raises(MoeCallError, match="another device"):
         layer.forward(xp, 1, op, other.ptr)
-    with pytest.raises(MoeCallError, match="expected a contiguous CuPy uint16"):
+    with pytest.raises(MoeCallError, match="x: expected a contiguous"):
         layer(x.astype(cupy.float32))
 
 
@@ -323,9 +326,9 @@ def test_profile_mode_and_debug_dumps(tmp_path, rng, monkeypatch, caplog):
 
     cfg = testing.tiny_config("qwen2_moe")
     hw = testing.random_host_weights(cfg, rng)
-    layer = _layer(cfg, hw)
-    monkeypatch.setenv("CUPYMOE_PROFILE", "1")
+    monkeypatch.setenv("CUPYMOE_PROFILE", "1")  # read when a layer is built
     monkeypatch.setenv("CUPYMOE_DUMP_DIR", str(tmp_path))
+    layer = _layer(cfg, hw)
     n = 5
     x = well_separated_input(cfg, hw, rng, n)
     with caplog.at_level(logging.INFO, logger="cupymoe.profile"):
@@ -347,7 +350,7 @@ def test_profile_mode_and_debug_dumps(tmp_path, rng, monkeypatch, caplog):
     for p in tmp_path.glob("*.npy"):
         p.unlink()
     monkeypatch.delenv("CUPYMOE_PROFILE")
-    out_prefill = run_layer(layer, x, "prefill")
+    out_prefill = run_layer(_layer(cfg, hw), x, "prefill")
     pre = {p.name.split("_", 1)[1][:-4]: np.load(p) for p in tmp_path.glob("*.npy")}
     assert set(pre) == {"gate_input", "gate_logits", "expert_ids", "expert_weights", "routed_only", "moe_out"}
     np.testing.assert_array_equal(pre["moe_out"], out_prefill)
@@ -416,22 +419,26 @@ def test_row_invariance(rng):
 
 def test_hopper_wgmma_kernels_are_used_and_agree(rng, monkeypatch):
     """On sm_90a the math-bound grouped GEMMs run on wgmma, in each pipeline variant
-    (kernels.SM90_VARIANTS); the result matches the reference and, to rounding, the
+    (the tuning table's sm90_variants); the result matches the reference and, to rounding, the
     mma.sync kernels of a row-invariant layer."""
-    from cupymoe import MoeLayer, kernels
+    from cupymoe import MoeLayer
+    from cupymoe.tuning import TUNING
+
+    def kernels_of(layer):
+        return [launch.kernel for launch in layer.forward_plan(2048).launches]
 
     cfg = testing.tiny_config("qwen3_next")
     hw = testing.random_host_weights(cfg, rng)
     pinned = MoeLayer(cfg, hw, max_tokens=2048, row_invariant=True)
     if pinned.lib.arch != "sm_90a":
         pytest.skip(f"wgmma needs sm_90a, this GPU compiles for {pinned.lib.arch}")
-    assert pinned._grouped_kernel(0, "math")[0].startswith("grouped_gemm<0, 128")
+    assert "grouped_gemm<0, 128, 32, 3, 0>" in kernels_of(pinned)
     x = well_separated_input(cfg, hw, rng, 2048)
     assert check(run_layer(pinned, x), cfg, hw, x, "prefill", layer=pinned).ok
-    for variant in kernels.SM90_VARIANTS:
+    for variant in TUNING.sm90_variants:
         monkeypatch.setenv("CUPYMOE_SM90_VARIANT", variant)
         layer = MoeLayer(cfg, hw, max_tokens=2048)
-        assert layer._grouped_kernel(0, "math")[0] == kernels.sm90_kernel(0, variant)
+        assert TUNING.sm90_variants[variant].kernel(0) in kernels_of(layer)
         c = check(run_layer(layer, x), cfg, hw, x, "prefill", layer=layer)
         assert c.ok, f"{variant}: {c}"
 
@@ -465,19 +472,18 @@ def test_split_router_sums_its_copies(rng, monkeypatch):
     ones (N = 9000); the routing and the output must match the reference. Row-invariant
     layers never split (their logits must not depend on N)."""
     from cupymoe import MoeLayer
-    from cupymoe.layer import ROUTER_MAX_SPLITS
+    from cupymoe.catalog import ROUTER_MAX_SPLITS
 
     cfg = testing.tiny_config("deepseek_v3", hidden_size=1024)  # 16 K steps of 64: room for 4 splits
     hw = testing.random_host_weights(cfg, rng)
     layer = MoeLayer(cfg, hw, max_tokens=9000)
     for n in (1000, 9000):
-        config = layer._router_config(n)
-        _, _, _, bn, bm = layer._grouped_kernel(2, config)
-        splits = layer._router_splits(-(-cfg.router_width // bn) * -(-n // bm))
-        assert 1 < splits <= ROUTER_MAX_SPLITS, (n, config, splits)
+        router = layer.forward_plan(n, "prefill").launches[0]
+        assert 1 < router.grid[2] <= ROUTER_MAX_SPLITS, (n, router)
+        assert layer.forward_plan(n, "prefill").launches[1].arg("splits") == router.grid[2]
         _check(layer, cfg, hw, rng, n, "prefill")
     pinned = MoeLayer(cfg, hw, max_tokens=1000, row_invariant=True)
-    assert pinned._router_splits(1) == 1
+    assert pinned.forward_plan(1000).launches[0].grid[2] == 1
 
 
 def _model_expert_lists(ids: np.ndarray, slot_of: np.ndarray, n_local: int, has_shared: bool) -> dict:
@@ -526,7 +532,7 @@ def test_route_lists_expert_lists_match_a_model_of_them(case, rng):
     nobody's here), a hash table whose rows repeat an expert, and 301 experts (an odd count
     of 16-bit counts a warp; a router too wide for decode_topk_lists). The outputs are
     checked against the reference too."""
-    from cupymoe.verify import _read_arena
+    from cupymoe.verify import _read_scratch as _read_arena
 
     fam, _, variant = case.partition("-")
     overrides = (dict(hash_routing=True, hash_vocab_size=20, n_group=1, topk_group=1) if variant == "hash-repeats"

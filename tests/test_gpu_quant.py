@@ -63,13 +63,31 @@ def _check_decode_paths(layer, cfg, hw, rng, tokens, label: str) -> None:
 
 def _decode_grid(layer, cfg, n):
     """(max_active, rows a busy expert is expected to get, wgmma gate/up blocks) of the
-    layer's decode launch at n rows, as layer._enqueue_decode works them out."""
-    from cupymoe import kernels
+    layer's decode launch at n rows, as forward_plan works them out."""
+    from cupymoe.catalog import WGMMA_DECODE_GATE_UP_COLUMNS
 
     has_shared = 1 if cfg.has_shared_expert else 0
     max_active = max(1, min(layer.weights.n_local, n * cfg.num_experts_per_tok) + has_shared)
     rows = max(1.0, 2.0 * n * cfg.num_experts_per_tok / layer.weights.n_local)
-    return max_active, rows, -(-layer.weights.i_max // kernels.WGMMA_DECODE_GATE_UP_COLUMNS) * max_active
+    return max_active, rows, -(-layer.weights.i_max // WGMMA_DECODE_GATE_UP_COLUMNS) * max_active
+
+
+def _on_sms(layer, sm_count: int):
+    """The layer as if its GPU had `sm_count` SMs (its plans are built from the device facts)."""
+    import dataclasses
+
+    assert not layer._packed, "plans were built for the real GPU already"
+    layer.device = dataclasses.replace(layer.device, sm_count=sm_count)
+    return layer
+
+
+def _hopper() -> bool:
+    import cupy
+
+    from cupymoe import jit
+
+    cc = cupy.cuda.Device().compute_capability
+    return jit.arch_for_capability(int(cc[:-1]), int(cc[-1])) == "sm_90a"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -94,9 +112,9 @@ def test_tensor_core_decode_with_every_k_split(k_splits, fp8_compute, rng, monke
     activation, the last one quantizes it) and as w8a16. (w8a8 on decode_mma.cu at every N:
     where their grid fills two waves "auto" takes decode_wgmma_a8.cu's kernels, which
     test_w8a8_decode_kernels_by_knob covers.)"""
-    from cupymoe import kernels
+    from cupymoe import catalog
 
-    monkeypatch.setattr(kernels, "MMA_DECODE_K_SPLITS", (k_splits,))
+    monkeypatch.setattr(catalog, "MMA_DECODE_K_SPLITS", (k_splits,))
     monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "mma")
     monkeypatch.setenv("CUPYMOE_FP4_DECODE", "mma")
     for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared", "qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared"):
@@ -117,10 +135,12 @@ def test_tensor_core_decode_down_with_two_fragments_a_warp(rng, monkeypatch):
         monkeypatch.setenv("CUPYMOE_MMA_DECODE_DOWN_PAIRS", pairs)
         for name in ("gpt_oss-mxfp4", "deepseek_v3-nvfp4-fp8shared", "qwen3_moe-fp8",
                      "deepseek_v3-fp8-fp8router-bf16shared"):
+            from cupymoe.heuristics import register_decode_kernel
+
             cfg, hw, layer = _case(name, rng, fp8_compute=fp8_compute)
-            layer._sm_count = 1  # one block fills this "GPU": down takes two fragments a warp
-            fmt = layer._format_codes[0]
-            kernel, blocks = layer._decode_kernel("down", fmt, 1.0, cfg.hidden_size, 1)
+            _on_sms(layer, 1)  # one block fills this "GPU": down takes two fragments a warp
+            fmt = layer.plan.formats[0]
+            kernel, blocks = register_decode_kernel(layer.plan, layer.device, "down", fmt, 1.0, cfg.hidden_size, 1)
             assert kernel.endswith(", 2>") == (pairs == "1"), kernel
             assert blocks == -(-cfg.hidden_size // (32 * 8 if pairs == "1" else 16 * 8))
             _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} down pairs={pairs} ({layer.fp8_compute})")
@@ -129,13 +149,13 @@ def test_tensor_core_decode_down_with_two_fragments_a_warp(rng, monkeypatch):
 def test_fp8_decode_on_cuda_cores_by_knob(rng, monkeypatch):
     """CUPYMOE_FP8_DECODE=cores sends w8a16 fp8 experts back to decode.cu's CUDA-core readers
     (the measurement baseline for the tensor-core ones), which match the reference too."""
-    from cupymoe import kernels
+    from cupymoe.catalog import WeightFormat
 
-    fp8 = kernels.FORMAT_CODES["fp8_block"]
+    fp8 = WeightFormat.FP8_BLOCK
     for mode in ("mma", "cores"):
         monkeypatch.setenv("CUPYMOE_FP8_DECODE", mode)
         cfg, hw, layer = _case("qwen3_moe-fp8", rng, fp8_compute="w8a16")
-        assert (fp8 in layer._mma_decode_formats) == (mode == "mma")
+        assert (fp8 in layer.plan.mma_decode_formats) == (mode == "mma")
         _check_decode_paths(layer, cfg, hw, rng, (1, 17), mode)
 
 
@@ -144,17 +164,18 @@ def test_fp4_tensor_core_decode_takes_mxfp4_scales_in_its_range_only(rng):
     keeps mxfp4 weights exact for scale bytes 66 .. 192 (2^-61 .. 2^65). Weights at both ends
     of that range run there and match the reference; one scale byte past it sends the
     layer's mxfp4 weights to the CUDA-core readers, which match it too."""
-    from cupymoe import MoeLayer, kernels
+    from cupymoe import MoeLayer
+    from cupymoe.catalog import FP4_MMA_MXFP4_SCALE_BYTES, WeightFormat
 
-    lo, hi = kernels.FP4_MMA_MXFP4_SCALE_BYTES
-    mx = kernels.FORMAT_CODES["mxfp4"]
+    lo, hi = FP4_MMA_MXFP4_SCALE_BYTES
+    mx = WeightFormat.MXFP4
     cfg = testing.tiny_config("gpt_oss")
     for edge, expect_mma in ((hi, True), (hi + 1, False)):
         hw = testing.random_host_weights(cfg, rng, "mxfp4")
         hw.gate.scales[...] = rng.integers(lo, lo + 8, hw.gate.scales.shape)  # tiny gate rows ...
         hw.down.scales[...] = rng.integers(edge - 8, edge + 1, hw.down.scales.shape)  # ... huge down rows
         layer = MoeLayer(cfg, hw, max_tokens=64, decode_max_tokens=64, atomic_max_tokens=64)
-        assert (mx in layer._mma_decode_formats) == expect_mma, (edge, layer.weights.mxfp4_scale_bytes)
+        assert (mx in layer.plan.mma_decode_formats) == expect_mma, (edge, layer.weights.mxfp4_scale_bytes)
         _check_decode_paths(layer, cfg, hw, rng, (1, 17), f"scale bytes up to {edge}")
 
 
@@ -166,9 +187,9 @@ def test_fp4_words_repacked_on_the_device_as_the_host_map_says(rng):
     mxfp4 stack are the host codes repacked, and the caller's arrays are left as they were."""
     import cupy
 
-    from cupymoe import MoeLayer, formats, kernels, weights
+    from cupymoe import MoeLayer, formats, jit, weights
 
-    lib = kernels.library(cupy.cuda.runtime.getDevice())
+    lib = jit.library(cupy.cuda.runtime.getDevice())
     assert lib["fp4_repack_words"] is not None
     host = rng.integers(0, 256, (1001, 4), dtype=np.uint8)
     host[:128] = (np.arange(16, dtype=np.uint8)[:, None, None] * 0x11).repeat(8, 1).reshape(128, 1)
@@ -195,7 +216,7 @@ def test_fp4_prefill_takes_mxfp4_scale_bytes_on_both_sides_of_the_bit_placement(
     2^-64 into the tensor cores, the epilogue multiplying back) does too. (These scales spread
     the rows' outputs over ~2^15, where down's products can cancel: verify's envelope counts
     the activation's bf16 rounding there since module seed 1141835320 failed it with the
-    faithful reference matched bit for bit; NOTES.md v40.)"""
+    faithful reference matched bit for bit.)"""
     from cupymoe import MoeLayer
 
     cfg = testing.tiny_config(family)
@@ -219,7 +240,10 @@ def test_quantized_layers_decode_up_to_their_measured_crossover(rng):
     H200) and prefill above; bf16 keeps 8. The auto path is checked at a size only fp4
     decodes."""
     from cupymoe import MoeLayer
-    from cupymoe.layer import DEFAULT_DECODE_MAX_TOKENS, DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT
+    from cupymoe.tuning import TUNING
+
+    DEFAULT_DECODE_MAX_TOKENS_BY_FORMAT = TUNING.decode_max_tokens
+    DEFAULT_DECODE_MAX_TOKENS = TUNING.decode_max_tokens["bf16"]
 
     cfg = testing.tiny_config("qwen3_moe")
     hw = testing.random_host_weights(cfg, rng, "nvfp4")
@@ -370,12 +394,7 @@ def test_w8a8_on_hopper_against_the_reference(rng):
     derived w8a8 bound of the exact one (cupymoe/verify.py check_w8a8). DeepSeek-V3's
     layout: fp8 router, fp8 routed experts, bf16 shared expert (which stays on the bf16
     kernels)."""
-    import cupy
-
-    from cupymoe import kernels
-
-    major, minor = cupy.cuda.Device().compute_capability[:-1], cupy.cuda.Device().compute_capability[-1]
-    if kernels.arch_for_capability(int(major), int(minor)) != "sm_90a":
+    if not _hopper():
         pytest.skip("w8a8 needs sm_90a")
     for name in ("deepseek_v3-fp8-fp8router-bf16shared", "qwen3_moe-fp8", "longcat_flash-fp8"):
         cfg, hw, layer = _case(name, rng, fp8_compute="w8a8")
@@ -397,34 +416,32 @@ def test_w8a8_decode_kernels_by_knob(mode, rng, monkeypatch):
     (the shared experts' N rows). fp8 experts with H = 96 and 160 (k128 steps past K read
     zeros, down's 128-row tiles reach past H), a bf16 shared expert beside them, an fp8 one
     beside nvfp4 routed experts; decode and atomic paths."""
-    import cupy
+    from cupymoe.catalog import WGMMA_DECODE_TOKEN_TILES, WeightFormat
+    from cupymoe.heuristics import decode_kernel
+    from cupymoe.tuning import TUNING
 
-    from cupymoe import kernels
-    from cupymoe.layer import WGMMA_DECODE_MIN_WAVES
-
-    cc = cupy.cuda.Device().compute_capability
-    if kernels.arch_for_capability(int(cc[:-1]), int(cc[-1])) != "sm_90a":
+    if not _hopper():
         pytest.skip("w8a8 needs sm_90a")
     monkeypatch.setenv("CUPYMOE_W8A8_DECODE", mode)
-    fp8 = kernels.FORMAT_CODES["fp8_block"]
+    fp8 = WeightFormat.FP8_BLOCK
     heights, chosen = set(), set()
     for name in ("qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared", "longcat_flash-fp8",
                  "deepseek_v3-nvfp4-fp8shared"):
         cfg, hw, layer = _case(name, rng, fp8_compute="w8a8")
         assert layer.fp8_compute == "w8a8"
-        layer._sm_count = 2
+        _on_sms(layer, 2)
         for n in SMALL:
             max_active, rows, blocks = _decode_grid(layer, cfg, n)
-            wg = mode == "wgmma" or (mode == "auto" and blocks >= WGMMA_DECODE_MIN_WAVES * 2 * 2)
+            wg = mode == "wgmma" or (mode == "auto" and blocks >= TUNING.wgmma_decode_min_waves * 2 * 2)
             for stage in ("gate_up", "down"):
-                kernel = layer._decode_launch(stage, fp8, rows, max_active)[0]
+                kernel = decode_kernel(layer.plan, layer.device, stage, fp8, rows, max_active).name
                 assert kernel.startswith("decode_wgmma_" if wg else "decode_mma_"), (name, n, kernel)
                 chosen.add(kernel.split("_")[1])
                 if wg:
                     heights.add(int(kernel.split("<")[1].rstrip(">")))
         _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} w8a8 decode on {mode}")
     if mode == "wgmma":
-        assert heights == set(kernels.WGMMA_DECODE_TOKEN_TILES), heights
+        assert heights == set(WGMMA_DECODE_TOKEN_TILES), heights
     assert chosen == {"wgmma", "mma"} if mode == "auto" else {mode}, chosen
 
 
@@ -456,14 +473,13 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
     three: every tile's epilogue, and K of 1-2 stages, so the ring runs from one tile into the
     next within its first copies), shared experts of an fp4, fp8 and bf16 format beside fp4
     routed ones."""
-    import cupy
+    from cupymoe.catalog import WGMMA_FP4_DECODE_BLOCKS_PER_SM, WGMMA_FP4_DECODE_TOKEN_TILES, WeightFormat
+    from cupymoe.heuristics import decode_kernel
+    from cupymoe.tuning import TUNING
 
-    from cupymoe import kernels
-
-    cc = cupy.cuda.Device().compute_capability
-    if kernels.arch_for_capability(int(cc[:-1]), int(cc[-1])) != "sm_90a":
+    if not _hopper():
         pytest.skip("decode_wgmma_fp4.cu needs sm_90a")
-    from cupymoe.layer import WGMMA_FP4_DECODE_BLOCKS_PER_SM, WGMMA_FP4_DECODE_MIN_WAVES
+    WGMMA_FP4_DECODE_MIN_WAVES = TUNING.wgmma_fp4_decode_min_waves
 
     mode, _, tiles = mode.partition("-tiles")
     monkeypatch.setenv("CUPYMOE_FP4_DECODE", mode)
@@ -481,17 +497,18 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
         hw = testing.random_host_weights(cfg, rng, fmt, router_fmt=router_fmt, shared_fmt=shared_fmt)
         layer = MoeLayer(cfg, hw, max_tokens=max(SMALL), decode_max_tokens=max(SMALL),
                          atomic_max_tokens=max(SMALL))
-        code = kernels.FORMAT_CODES[fmt]
-        assert layer._fp4_wgmma_ok and code in layer._mma_decode_formats, name
-        layer._sm_count = 8
+        code = WeightFormat.named(fmt)
+        assert layer.plan.fp4_wgmma_ok and code in layer.plan.mma_decode_formats, name
+        _on_sms(layer, 8)
         for n in SMALL:
             max_active, rows, blocks = _decode_grid(layer, cfg, n)
             wg = mode == "wgmma" or (mode == "auto" and blocks >= WGMMA_FP4_DECODE_MIN_WAVES
                                      * WGMMA_FP4_DECODE_BLOCKS_PER_SM * 8)
             for stage in ("gate_up", "down"):
-                kernel, blocks = layer._decode_launch(stage, code, rows, max_active, n)[:2]
-                assert kernel.startswith(f"decode_wgmma_{stage}_fp4<{code}," if wg
-                                         else f"decode_mma_{stage}<{code},"), (name, n, kernel)
+                dk = decode_kernel(layer.plan, layer.device, stage, code, rows, max_active, n)
+                kernel, blocks = dk.name, dk.blocks
+                assert kernel.startswith(f"decode_wgmma_{stage}_fp4<{int(code)}," if wg
+                                         else f"decode_mma_{stage}<{int(code)},"), (name, n, kernel)
                 if wg and stage == "down":
                     t = int(tiles) if tiles and (H // 128) % int(tiles) == 0 else 1
                     assert blocks == H // (128 * t), (name, n, blocks)
@@ -501,7 +518,7 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
                     heights.add(int(kernel.split(", ")[1].rstrip(">")))
         _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} H={H} I={I} fp4 decode on {mode}")
     if mode == "wgmma":
-        assert heights == set(kernels.WGMMA_FP4_DECODE_TOKEN_TILES), heights
+        assert heights == set(WGMMA_FP4_DECODE_TOKEN_TILES), heights
         assert tiled == ({1, int(tiles)} if tiles else {1}), tiled
     assert chosen == ({"wgmma", "mma"} if mode == "auto" else {mode}), chosen
 
@@ -516,12 +533,9 @@ def test_format_launch_with_no_chosen_expert_keeps_the_decode_chain_ordered(fp4_
     launch after it, which waits only for it, still runs after the fp8 gate/up that makes the
     shared expert's activation. Outputs against the reference on the decode and atomic
     paths, rows of such tokens only and mixed."""
-    import cupy
+    from cupymoe import MoeLayer
 
-    from cupymoe import MoeLayer, kernels
-
-    cc = cupy.cuda.Device().compute_capability
-    if kernels.arch_for_capability(int(cc[:-1]), int(cc[-1])) != "sm_90a":
+    if not _hopper():
         pytest.skip("the decode chain's PDL and decode_wgmma_fp4.cu need sm_90a")
     monkeypatch.setenv("CUPYMOE_FP4_DECODE", fp4_decode)
     family, fmt, router_fmt, shared_fmt = CASES["deepseek_v3-nvfp4-fp8shared"]
@@ -551,21 +565,21 @@ def test_wgmma_gate_up_by_slot_matches_by_active_expert(name, monkeypatch):
     before it waits for the lists, its active index looked up in slot_active after) gives
     the very bits of its grid by active expert, on the decode path, and matches the
     reference on the decode and atomic paths; forced at every N where the grid covers every
-    slot (layer.WGMMA_GATE_UP_AHEAD_MAX_WASTE unbounded), so N = 4 and 5 leave experts nobody
+    slot (the tuning table's wgmma_gate_up_ahead_max_waste unbounded), so N = 4 and 5 leave experts nobody
     chose (their blocks copy and leave), with a bf16 shared expert beside (its slot's block
     leaves the fp8 launch), zero experts, and an fp8 shared expert beside nvfp4 routed ones
     (the fp8 launch's only slot)."""
-    import cupy
+    import dataclasses
 
-    from cupymoe import kernels, layer as layer_mod
+    from cupymoe import forward_plan
+    from cupymoe.tuning import TUNING
 
-    cc = cupy.cuda.Device().compute_capability
-    if kernels.arch_for_capability(int(cc[:-1]), int(cc[-1])) != "sm_90a":
+    if not _hopper():
         pytest.skip("w8a8 needs sm_90a")
     monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "wgmma")
     outs = {}
     for cap in (float("inf"), -1.0):  # every slot's block where the grid covers them all; never
-        monkeypatch.setattr(layer_mod, "WGMMA_GATE_UP_AHEAD_MAX_WASTE", cap)
+        monkeypatch.setattr(forward_plan, "TUNING", dataclasses.replace(TUNING, wgmma_gate_up_ahead_max_waste=cap))
         cfg, hw, layer = _case(name, np.random.default_rng(3), fp8_compute="w8a8")
         for path in ("decode", "atomic"):
             for n in (1, 4, 5, 17, 64):
@@ -589,7 +603,7 @@ def test_topk_and_lists_in_one_launch_match_the_two(name, rng, monkeypatch):
     for knob in ("1", "0"):
         monkeypatch.setenv("CUPYMOE_TOPK_LISTS", knob)
         cfg, hw, layer = _case(name, np.random.default_rng(7))
-        assert layer._topk_lists == (knob == "1")
+        assert layer.plan.topk_lists == (knob == "1")
         for path in ("decode", "atomic"):
             for n in (9, 12, 16):
                 x = well_separated_input(cfg, hw, np.random.default_rng(n), n)
@@ -611,7 +625,8 @@ def test_decode_router_on_tensor_cores_and_on_cuda_cores(name, rng, monkeypatch)
     for knob in ("mma", "cores"):
         monkeypatch.setenv("CUPYMOE_DECODE_ROUTER", knob)
         cfg, hw, layer = _case(name, rng)
-        assert layer._router_on_tensor_cores(64) == (knob == "mma" and layer.lib.arch == "sm_90a")
+        router = layer.forward_plan(min(64, layer.decode_max_tokens), "decode").launches[0].kernel
+        assert router.startswith("router_logits_mma") == (knob == "mma" and layer.lib.arch == "sm_90a")
         _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} router {knob}")
 
 

@@ -15,7 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupymoe.layer import _row_tile
+from cupymoe import catalog as C
+from cupymoe.heuristics import row_tile as _row_tile
 
 pytestmark = pytest.mark.gpu
 
@@ -33,12 +34,12 @@ CASES = [
 
 
 def _lib():
-    from cupymoe import kernels
+    from cupymoe import jit
 
-    lib = kernels.library(0)
+    lib = jit.library(0)
     if lib.arch != "sm_90a":
         pytest.skip(f"router_mma.cu needs sm_90a (clusters); this GPU is {lib.arch}")
-    return lib, kernels
+    return lib, C
 
 
 def _draw(rng, N: int, R: int, H: int, bias: bool):
@@ -51,14 +52,14 @@ def _draw(rng, N: int, R: int, H: int, bias: bool):
 def _run_mma(lib, kernels, x, w, b, N: int, R: int, H: int, qx=None, sx=None):
     import cupy
 
-    nt = _row_tile(-(-N // 8), kernels.ROUTER_MMA_TILES)  # as the layer picks it
+    nt = _row_tile(-(-N // 8), C.ROUTER_MMA_TILES)  # as the layer picks it
     d_x, d_w = cupy.asarray(x.view(np.uint16)), cupy.asarray(w.view(np.uint16))
     d_b = cupy.asarray(b) if b is not None else None
     out = cupy.full((N + 1, R), cupy.nan, dtype=cupy.float32)  # poisoned, a guard row past N
     null = np.uint64(0)
     lib[f"router_logits_mma<{nt}>"](
-        (-(-R // kernels.ROUTER_MMA_COLS), kernels.ROUTER_MMA_CLUSTER, -(-N // (8 * nt))),
-        (kernels.ROUTER_MMA_THREADS,),
+        (-(-R // C.ROUTER_MMA_COLS), C.ROUTER_MMA_CLUSTER, -(-N // (8 * nt))),
+        (C.ROUTER_MMA_THREADS,),
         (d_x, d_w, d_b if d_b is not None else null, out, np.int32(N), np.int32(R), np.int32(H),
          qx if qx is not None else null, sx if sx is not None else null))
     cupy.cuda.runtime.deviceSynchronize()
@@ -112,8 +113,8 @@ def test_tensor_core_router_quantizes_x_as_the_cuda_core_router(N, rng):
 
     d_x, d_w, d_b = cupy.asarray(x.view(np.uint16)), cupy.asarray(w.view(np.uint16)), cupy.asarray(b)
     got_cores = cupy.full((N, R), cupy.nan, dtype=cupy.float32)
-    rt = _row_tile(N, kernels.ROW_TILES)
-    split = kernels.router_split(H)
+    rt = _row_tile(N, C.ROW_TILES)
+    split = C.router_split(H)
     lib[f"router_logits_bf16<{rt}, {split}>"](
         ((R + 1) // 2, -(-N // rt)), (2 * split * 32,),
         (d_x, d_w, d_b, got_cores, np.int32(N), np.int32(R), np.int32(H), qx[1], sx[1]))

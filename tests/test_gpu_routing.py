@@ -38,7 +38,7 @@ CASES = [
     (18, 2, "softmax", False, False, True, 1.0),  # R % 4 != 0: route_row only
     (512, 40, "sigmoid", False, False, True, 1.0),  # k > 32: route_row only
 ]
-SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}  # kernels.SCORING_CODES
+SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}  # catalog.Scoring
 
 
 def _planted_logits(rng, n: int, R: int, k: int) -> np.ndarray:
@@ -98,7 +98,7 @@ def _run_topk_route(group_regs: int, logits, bias, k: int, scoring: int, n_group
     after checking that every output was written and no error raised."""
     import cupy
 
-    from cupymoe import kernels
+    from cupymoe import jit
 
     n, R = logits.shape
     d_logits = cupy.asarray(logits)
@@ -107,7 +107,7 @@ def _run_topk_route(group_regs: int, logits, bias, k: int, scoring: int, n_group
     ids = cupy.full((n, k), -7, dtype=cupy.int32)  # poisoned: an unwritten entry fails
     w = cupy.full((n, k), cupy.nan, dtype=cupy.float32)
     err = cupy.zeros(1, dtype=cupy.int32)
-    kernels.library(0)[f"topk_route<{group_regs}>"](
+    jit.library(0)[f"topk_route<{group_regs}>"](
         ((n + TOPK_WARPS - 1) // TOPK_WARPS,), (TOPK_WARPS * 32,),
         (d_logits, d_bias if d_bias is not None else null, null, null, ids, w, err,
          np.int32(n), np.int32(R), np.int32(R), np.int32(k), np.int32(scoring), np.int32(n_group),

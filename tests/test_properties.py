@@ -229,6 +229,16 @@ def assert_same_output(base: Base, loaded) -> None:
 MUST_REFUSE, BENIGN, EITHER = "refuse", "benign", "either"
 
 
+def judge(base: Base, expect: str, loaded, what: str, same: bool = True) -> None:
+    """The outcome against the expectation; a layer that loads is the reference layer where `same`."""
+    if expect == MUST_REFUSE:
+        assert loaded is None, f"{what}: loaded what it must refuse"
+    elif expect == BENIGN:
+        assert loaded is not None, f"{what}: refused a benign change"
+    if loaded is not None and same:
+        assert_same_output(base, loaded)
+
+
 def _pick_tensor(data, base: Base) -> tuple[str, str]:
     file = data.draw(st.sampled_from(base.files), label="file")
     return file, data.draw(st.sampled_from(base.tensors[file]), label="tensor")
@@ -456,12 +466,7 @@ def test_drawn_checkpoint_corruptions_load_the_same_layer_or_are_refused(bases, 
         shutil.copytree(base.root, root, symlinks=True)
         expect = corruption(data, base, root)
         loaded = load_bounded(root, base.size)
-    if expect == MUST_REFUSE:
-        assert loaded is None, f"{corruption.__name__}: loaded what it must refuse"
-    elif expect == BENIGN:
-        assert loaded is not None, f"{corruption.__name__}: refused a benign change"
-    if loaded is not None and corruption is not c_config:
-        assert_same_output(base, loaded)
+    judge(base, expect, loaded, corruption.__name__, same=corruption is not c_config)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{f}-{fmt}" for f, fmt, _ in CASES])
@@ -521,9 +526,4 @@ def test_drawn_tensor_mappings_load_the_same_layer_or_are_refused(bases, data, c
     if name.endswith("input_scale") and expect == MUST_REFUSE:
         expect = EITHER  # unread by the W4A16 layer
     loaded = refused_or(lambda: cupymoe.checkpoint.load_layer_from_tensors(base.config, t, "model.layers.1.mlp."))
-    if expect == MUST_REFUSE:
-        assert loaded is None, f"{how} of {name}: loaded what it must refuse"
-    elif expect == BENIGN:
-        assert loaded is not None, f"{how} of {name}: refused a benign change"
-    if loaded is not None and same:
-        assert_same_output(base, loaded)
+    judge(base, expect, loaded, f"{how} of {name}", same)

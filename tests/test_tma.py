@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cupymoe import tma
+from cupymoe.tuning import TUNING
 
 
 def test_matrix_requirements_name_the_values():
@@ -37,28 +38,28 @@ def test_kernel_and_python_agree_on_the_map_order():
     """cuda/grouped_sm90_tma.cu's TMA_MAP_* indices are TMA_MAPS' positions."""
     import re
 
-    from cupymoe import kernels
+    from cupymoe import jit
 
-    src = (kernels.kernel_dir() / "grouped_sm90_tma.cu").read_text()
+    src = (jit.kernel_dir() / "grouped_sm90_tma.cu").read_text()
     found = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(r"#define TMA_MAP_(\w+) (\d+)", src)
              if m.group(1) != "BYTES"}
     assert found == {name: i for i, name in enumerate(tma.TMA_MAPS)}
 
 
 def test_kernel_and_python_agree_on_the_a_box_rows_and_the_producer_warps():
-    """The layer encodes A's maps in boxes of kernels.TMA_A_BOX_ROWS rows, and the kernel
+    """The layer encodes A's maps in boxes of C.TMA_A_BOX_ROWS rows, and the kernel
     counts TMA_SUB rows a box in the bytes its stages expect: the two must be one number.
-    The layer launches the gathering gate/up with kernels.GATHER_WARPS producer warps, the
+    The layer launches the gathering gate/up with C.GATHER_WARPS producer warps, the
     kernel's launch bounds and barrier counts take GATHER_WARPS: one number too."""
     import re
 
-    from cupymoe import kernels
+    from cupymoe import catalog as C, jit
 
-    src = (kernels.kernel_dir() / "grouped_sm90_tma.cu").read_text()
-    assert int(re.search(r"#define TMA_SUB (\d+)", src).group(1)) == kernels.TMA_A_BOX_ROWS
-    assert int(re.search(r"#define GATHER_WARPS (\d+)", src).group(1)) == kernels.GATHER_WARPS
-    v = kernels.SM90_VARIANTS["gather_wide"]
-    assert v.threads(0) == 256 + 32 * kernels.GATHER_WARPS and v.threads(1) == 288
+    src = (jit.kernel_dir() / "grouped_sm90_tma.cu").read_text()
+    assert int(re.search(r"#define TMA_SUB (\d+)", src).group(1)) == C.TMA_A_BOX_ROWS
+    assert int(re.search(r"#define GATHER_WARPS (\d+)", src).group(1)) == C.GATHER_WARPS
+    v = TUNING.sm90_variants["gather_wide"]
+    assert v.threads(0) == 256 + 32 * C.GATHER_WARPS and v.threads(1) == 288
 
 
 def test_192_row_tiles_run_three_warpgroups_and_no_producer_warp():
@@ -67,16 +68,16 @@ def test_192_row_tiles_run_three_warpgroups_and_no_producer_warp():
     within Hopper's 227 KB; the kernel's launch bounds give WGS = 3 those 384 threads."""
     import re
 
-    from cupymoe import kernels
+    from cupymoe import catalog as C, jit
 
-    v, wide = kernels.SM90_VARIANTS["tma_192"], kernels.SM90_VARIANTS["tma_wide"]
-    assert (v.bm, wide.bm, kernels.SM90_VARIANTS["twin"].bm) == (192, 128, kernels.SM90_BM)
+    v, wide = TUNING.sm90_variants["tma_192"], TUNING.sm90_variants["tma_wide"]
+    assert (v.bm, wide.bm, TUNING.sm90_variants["twin"].bm) == (192, 128, C.SM90_BM)
     assert v.threads(0) == v.threads(1) == 384
     assert v.kernel(0) == "grouped_gemm_sm90_tma<0, 4, 256, 1, 0, 3>"
     assert v.kernel(1) == "grouped_gemm_sm90_tma<1, 4, 256, 1, 0, 3>"
     assert wide.kernel(1) == "grouped_gemm_sm90_tma<1, 4, 256, 1>"
     assert v.smem_bytes() == 4 * (192 + 256) * 64 * 2 + 16 * 4 + 1024 <= 227 * 1024
-    src = (kernels.kernel_dir() / "grouped_sm90_tma.cu").read_text()
+    src = (jit.kernel_dir() / "grouped_sm90_tma.cu").read_text()
     assert re.search(r"__launch_bounds__\(WGS \* 128 \+ \(WGS == 3 \? 0 :", src)
 
 

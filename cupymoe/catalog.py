@@ -1,0 +1,247 @@
+"""What the kernels of cuda/ are: their codes, template parameters and launch shapes.
+
+Everything here mirrors a constant or a layout of a cuda/ file (tests/test_kernels_build.py
+checks they agree); nothing here chooses between kernels (that is cupymoe/plan.py, from the
+measurements of cupymoe/tuning.py) or compiles them (cupymoe/jit.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class WeightFormat(enum.IntEnum):
+    """Expert weight formats the kernels read (cuda/quant.cuh FMT_*)."""
+
+    BF16 = 0
+    FP8_BLOCK = 1
+    NVFP4 = 2
+    MXFP4 = 3
+
+    @classmethod
+    def named(cls, name: str) -> "WeightFormat":
+        """The format of a formats.weight_format() name ("bf16", "fp8_block", ...)."""
+        return cls[name.upper()]
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @property
+    def bits(self) -> int:
+        return {0: 16, 1: 8, 2: 4, 3: 4}[int(self)]
+
+    @property
+    def k_multiple(self) -> int:
+        """The input width a matrix of this format needs: the kernels read whole 16-byte chunks of codes."""
+        return {0: 8, 1: 16, 2: 32, 3: 32}[int(self)]
+
+    @property
+    def is_fp4(self) -> bool:
+        return self in (WeightFormat.NVFP4, WeightFormat.MXFP4)
+
+
+class Activation(enum.IntEnum):  # cuda/common.cuh ACT_*
+    SILU = 0
+    GELU = 1
+    GELU_TANH = 2
+    SWIGLU_OAI = 3
+
+
+class Scoring(enum.IntEnum):  # cuda/routing.cuh SCORE_*
+    SOFTMAX = 0
+    SIGMOID = 1
+    SQRTSOFTPLUS = 2
+
+
+class GemmMode(enum.IntEnum):  # cuda/gemm_common.cuh: what a grouped GEMM computes
+    GATE_UP = 0
+    DOWN = 1
+    ROUTER = 2
+
+
+# the CUDA-core router and decode kernels: rows a weight pass (RT), columns a warp (CW);
+# registers grow with RT * CW, so both stay at RT * CW <= 4 (down also has 1-column tiles of 8 rows)
+ROW_TILES = (1, 2, 4, 8)
+GATE_UP_ROW_TILES = (1, 2, 4)
+DECODE_COLS = (1, 2, 4)
+GATE_UP_VARIANTS = tuple((rt, cw) for rt in GATE_UP_ROW_TILES for cw in DECODE_COLS if rt * cw <= 4)
+DOWN_VARIANTS = tuple((rt, cw) for rt in ROW_TILES for cw in DECODE_COLS if rt * cw <= 4 or cw == 1)
+ROUTER_SPLITS = (4, 8)  # router.cu: warps splitting H a router row
+# router_mma.cu: n8 tiles of rows a block, its cluster (blocks a K split), router columns a block
+ROUTER_MMA_TILES = (1, 2, 4, 8)
+ROUTER_MMA_CLUSTER = 8
+ROUTER_MMA_COLS = 32
+ROUTER_MMA_THREADS = 512
+# decode_mma.cu: warps of a block splitting K, 8-token B fragments a pass, formats served
+MMA_DECODE_K_SPLITS = (1, 2, 4, 8)
+MMA_DECODE_TOKEN_TILES = (1, 2)
+FP4_DECODE_FORMATS = (WeightFormat.NVFP4, WeightFormat.MXFP4)
+MMA_DECODE_FORMATS = FP4_DECODE_FORMATS + (WeightFormat.FP8_BLOCK,)
+# mxfp4 scale bytes the tensor-core decode serves (it scales by 2^-64 on the way and the
+# weights must stay normal bf16 numbers); outside, the CUDA-core readers take them
+FP4_MMA_MXFP4_SCALE_BYTES = (66, 192)
+# decode_wgmma_a8.cu: rows of an expert's run a pass, ring stages, k128 steps a stage,
+# weight rows a block, threads a block (WG_STAGES / WG_KSUB / WG_ROWS / WG_THREADS)
+WGMMA_DECODE_TOKEN_TILES = (8, 16, 32)
+WGMMA_DECODE_STAGES = 3
+WGMMA_DECODE_KSUB = 2
+WGMMA_DECODE_ROWS = 128
+WGMMA_DECODE_THREADS = 128
+WGMMA_DECODE_GATE_UP_COLUMNS = WGMMA_DECODE_ROWS // 2  # a gate/up block's 128 rows: 64 gate, 64 up
+# decode_wgmma_fp4.cu (WF_STAGES / WF_KSUB); three blocks fit an SM
+WGMMA_FP4_DECODE_TOKEN_TILES = (8, 16)
+WGMMA_FP4_DECODE_STAGES = 3
+WGMMA_FP4_DECODE_KSUB = 2
+WGMMA_FP4_DECODE_BLOCKS_PER_SM = 3
+WGMMA_DECODE_BLOCKS_PER_SM = 2
+# decode.cu / decode_common.cuh
+ROUTE_LISTS_MAX_ROWS = 8  # rows up to which routing and the lists are one launch (decode_route_lists)
+ROUTE_LISTS_THREADS = 256  # one routing warp a row
+LISTS_THREADS = 1024  # the one-block list builders' block
+TOPK_LISTS_WARPS = 16  # decode_topk_lists' routing warps
+TOPK_LISTS_MAX_R = 256  # the widest router decode_topk_lists routes as topk_route does
+REDUCE_THREADS = 256  # decode_reduce's block; a thread writes 4 columns a step
+TOPK_WARPS = 4  # topk_route's warps a block, a row each
+MAX_ROUTER_WIDTH = 4096  # routing.cuh: the widest router (E + zero experts) the top-k kernels take
+MAX_TOPK = 64  # ... and the most experts a row
+MAX_GROUPS = 32  # ... and the most expert groups
+STATIC_SMEM_LIMIT = 48 * 1024  # dynamic shared memory a launch may take without opting in
+# grouped.cu
+SORT_BLOCK = 1024  # pairs a block of the multi-block sort
+SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_build_lists)
+SORT_WARPS = 32
+GROUPED_BN = 128  # GG_BN
+GROUPED_BM_MIN = 64  # the smallest M tile of the grouped GEMMs
+ROUTER_MAX_SPLITS = 4  # gemm_common.cuh gemm_tile_at: K splits of the router, a logits copy each
+# grouped_sm90*.cu
+SM90_BM, SM90_BK = 128, 64
+GATHER_WARPS = 4  # the TMA kernel's gathering producer warps
+TMA_A_BOX_ROWS = 64  # the TMA kernel's A boxes: one consumer warpgroup's rows
+SM90_QUANT_FORMATS = (WeightFormat.NVFP4, WeightFormat.MXFP4)  # dequantized into its B tiles
+SM90_FP8_TILE = (64, 256, 128, 4)  # grouped_gemm_sm90_fp8: BM, BN, BK bytes, stages
+SM90_FP8_THREADS = 256
+# The H200 this was tuned on: 132 SMs x 32 warps of the decode kernels (<= 64 registers)
+WARPS_PER_SM = 32
+
+
+def router_split(hidden_size: int) -> int:
+    """Warps splitting H a router row (router.cu): 4 up to H = 4096, else 8. A function of H
+    alone: the split fixes the order of a logit's sums (row invariance)."""
+    return 4 if hidden_size <= 4096 else 8
+
+
+@dataclass(frozen=True)
+class Sm90Variant:
+    """One configuration of the Hopper bf16 grouped GEMM (grouped_sm90.cu, or grouped_sm90_tma.cu with TMA)."""
+
+    stages: int
+    blocks_per_sm: int
+    bn: int  # weight rows a tile (gate/up: half gate, half up)
+    tma: bool = False  # TMA copies from a producer warp; bf16 gate/up and down only
+    gather: bool = False  # (tma) gate/up's A rows gathered by the producer warps' cp.async, no xg
+    wgs: int = 2  # (tma) consumer warpgroups, 64 rows each
+
+    @property
+    def bm(self) -> int:
+        return 64 * self.wgs if self.tma else SM90_BM
+
+    def threads(self, mode: int = 0) -> int:
+        if not self.tma:
+            return 256
+        if self.wgs == 3:
+            return 384  # three consumer warpgroups, one of whose threads issues the copies
+        return 256 + 32 * (GATHER_WARPS if self.gather and mode == GemmMode.GATE_UP else 1)
+
+    def serves(self, fmt: int, mode: int = 0) -> bool:
+        """bf16 weights, or fp4 ones dequantized into 128-wide B tiles; TMA: bf16 gate/up and down."""
+        if self.tma:
+            return fmt == WeightFormat.BF16 and mode in (GemmMode.GATE_UP, GemmMode.DOWN)
+        return fmt == WeightFormat.BF16 or (fmt in SM90_QUANT_FORMATS and self.bn == GROUPED_BN)
+
+    def kernel(self, mode: int, fmt: int = 0) -> str:
+        if self.tma:
+            gather = 1 if self.gather and mode == GemmMode.GATE_UP else 0
+            tail = f", {gather}, {self.wgs}" if self.wgs != 2 else f", {gather}" if gather else ""
+            return f"grouped_gemm_sm90_tma<{int(mode)}, {self.stages}, {self.bn}, {self.blocks_per_sm}{tail}>"
+        tail = f", {int(fmt)}" if fmt else ""
+        return f"grouped_gemm_sm90<{int(mode)}, {self.stages}, {self.blocks_per_sm}, {self.bn}{tail}>"
+
+    def smem_bytes(self, fmt: int = 0) -> int:
+        """Stages of A and B tiles, fp4's raw code stages, TMA's two mbarriers a stage, 1 KB to align."""
+        raw = self.stages * self.bn * SM90_BK * 4 // 8 if fmt else 0
+        bars = 16 * self.stages if self.tma else 0
+        return self.stages * (self.bm + self.bn) * SM90_BK * 2 + raw + bars + 1024
+
+
+def grouped_smem_bytes(bm: int, bk: int, stages: int, fmt: int = 0) -> int:
+    """grouped_gemm<mode, bm, bk, stages, fmt>: its stages; quantized formats keep two bf16 B tiles plus code stages."""
+    if fmt == WeightFormat.BF16:
+        return stages * (bm + GROUPED_BN) * bk * 2
+    return stages * bm * bk * 2 + 2 * GROUPED_BN * bk * 2 + stages * GROUPED_BN * bk * WeightFormat(fmt).bits // 8
+
+
+def grouped_kernel(mode: int, bm: int, bk: int, stages: int, fmt: int = 0) -> tuple[str, int, int]:
+    """(name expression, threads, dynamic shared memory) of grouped_gemm<mode, bm, bk, stages, fmt>."""
+    return f"grouped_gemm<{int(mode)}, {bm}, {bk}, {stages}, {int(fmt)}>", 2 * bm, grouped_smem_bytes(bm, bk, stages, fmt)
+
+
+def sm90_fp8_smem_bytes() -> int:
+    """grouped_gemm_sm90_fp8's stages of e4m3 A and B tiles, plus 1 KB to align them."""
+    bm, bn, bk, st = SM90_FP8_TILE
+    return st * (bm + bn) * bk + 1024
+
+
+def sort_place_smem_bytes(n_local: int) -> int:
+    """sort_place: its block's first position of each local expert, each warp's 16-bit count of each."""
+    return n_local * 4 + SORT_WARPS * n_local * 2
+
+
+def expert_lists_smem_bytes(pairs: int, n_local: int) -> int:
+    """build_expert_lists (decode_common.cuh) for <= 1024 pairs: counts, starts, a 16-bit count a warp."""
+    counts = -(-pairs // 32) * n_local
+    return (n_local + (counts + 1) // 2) * 4
+
+
+def topk_route_smem_bytes(router_width: int) -> int:
+    """topk_route: each of its warps' scores and candidates (routing.cuh)."""
+    return TOPK_WARPS * (2 * router_width + 64) * 4
+
+
+def route_lists_smem_bytes(rows: int, k: int, router_width: int) -> int:
+    """decode_route_lists: routing scratch, the lists and the slot table."""
+    return (rows * (2 * router_width + 64) + 2 * rows * k + router_width) * 4
+
+
+def topk_lists_smem_bytes(pairs: int, n_local: int, router_width: int) -> int:
+    """decode_topk_lists: its warps' routing scratch, the slot table, then the lists'."""
+    return (TOPK_LISTS_WARPS * (2 * router_width + 64) + router_width) * 4 + expert_lists_smem_bytes(pairs, n_local)
+
+
+def wgmma_decode_smem_bytes(token_tile: int, k_steps: int) -> int:
+    """decode_wgmma_*_a8<token_tile> over `k_steps` k128 steps: 1024 to align the ring, its
+    stages (weight rows and the pass's rows, 128 codes a k step) and every step's scales."""
+    stage = (WGMMA_DECODE_ROWS + token_tile) * 128 * WGMMA_DECODE_KSUB
+    return 1024 + WGMMA_DECODE_STAGES * stage + (2 + token_tile) * k_steps * 4
+
+
+def wgmma_fp4_decode_smem_bytes(fmt: int, token_tile: int) -> int:
+    """decode_wgmma_*_fp4<fmt, token_tile>: 1024 to align the ring, then its stages (the pass's
+    bf16 rows, the weight rows' codes and their scale bytes: nvfp4 one a 16-code group, mxfp4 one a 32)."""
+    group = 16 if fmt == WeightFormat.NVFP4 else 32
+    ksub = WGMMA_FP4_DECODE_KSUB
+    stage = ksub * (token_tile * 128 * 2 + WGMMA_DECODE_ROWS * 64 + WGMMA_DECODE_ROWS * 128 // group)
+    return 1024 + WGMMA_FP4_DECODE_STAGES * stage
+
+
+def max_tiles(num_tokens: int, k: int, n_local: int, has_shared: bool, bm: int = GROUPED_BM_MIN) -> int:
+    """Upper bound of the grouped GEMMs' `bm`-row tiles (their grids' y extent): the routed runs
+    (at most min(n_local, P) of P = N k rows) take at most (P + runs (bm - 1)) / bm, the shared
+    expert's run of N rows its own ceil(N / bm)."""
+    P = num_tokens * k
+    runs = min(n_local, P)
+    t = (P + runs * (bm - 1)) // bm
+    if has_shared:
+        t += -(-num_tokens // bm)
+    return t

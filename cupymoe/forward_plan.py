@@ -1,0 +1,462 @@
+"""Building a forward's launches: (layer plan, device facts, N, path) -> ForwardPlan.
+
+A pure function: no device, no addresses. The decode paths get one plan a row count; the
+prefill path one plan a PrefillShape (the row counts whose launches differ only in values
+of N: grids, counts, shared memory), with those values as PerN. The stages, in order:
+
+  router   logits of every row (decode: a CUDA-core or tensor-core GEMV; prefill: a grouped GEMM)
+  topk     scoring and selection; on the decode path with few rows, the expert lists too
+  norm     the pre-expert RMSNorm (families that have one)
+  sort     (row, slot) pairs grouped by expert (one block for few pairs, else three passes)
+  gate_up  the experts' gate and up projections with the activation fused
+  down     the down projections (decode: fp32 rows; prefill: weighted bf16 rows; atomic: summed)
+  reduce   the weighted sum of each row's experts, the shared expert and the identity experts
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import catalog as C
+from . import heuristics as HX
+from .catalog import Activation, GemmMode, Scoring, WeightFormat
+from .tuning import TUNING
+from .plan import (AllReduce, Arg, ArgType, Buf, CallValue, DeviceFacts, ForwardPlan, Launch, LayerPlan, Memset,
+                   Path, PerN, Space, Stage)
+
+X, OUT, TOKEN_IDS = CallValue.INPUT, CallValue.OUTPUT, CallValue.TOKEN_IDS
+
+
+def W(name: str) -> Buf:
+    return Buf(Space.WEIGHTS, name)
+
+
+def S(name: str) -> Buf:
+    return Buf(Space.SCRATCH, name)
+
+
+def u64(name: str, v) -> Arg:
+    return Arg(name, ArgType.U64, v)
+
+
+def i32(name: str, v) -> Arg:
+    return Arg(name, ArgType.I32, v)
+
+
+def f32(name: str, v) -> Arg:
+    return Arg(name, ArgType.F32, v)
+
+
+ERR = Buf(Space.LAYER, "err")
+TMA_MAPS = Buf(Space.LAYER, "tma_maps")
+LIST_OUTPUTS = ("num_active", "active_slot", "active_start", "active_len", "sorted_row", "sorted_pair", "pair_pos",
+                "slot_active")
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    """What fixes a prefill plan's launches: equal shapes share one plan."""
+
+    router_config: str
+    router_splits: int
+    one_block_sort: bool
+    grouped_config: str
+
+
+def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
+    cfg = lp.cfg
+    rk = HX.grouped_kernel(lp, dev, GemmMode.ROUTER, HX.router_config(lp, dev, n))
+    splits = HX.router_splits(lp, dev, -(-cfg.router_width // rk.bn) * -(-n // rk.bm))
+    pairs = n * cfg.num_experts_per_tok
+    lists_smem = cfg.router_width * 4 + C.expert_lists_smem_bytes(pairs, lp.n_local)
+    return PrefillShape(HX.router_config(lp, dev, n), splits,
+                        pairs <= C.SMALL_SORT_PAIRS and lists_smem <= dev.max_smem, HX.grouped_config(lp, n))
+
+
+def prefill_buckets(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[tuple[int, int, PrefillShape]]:
+    """The runs of row counts lo..hi of equal PrefillShape, as (first, last, shape). Each part of a
+    shape is monotone in N within a router configuration, so each shape's row counts form one
+    run, found by bisection."""
+    out = []
+    while lo <= hi:
+        shape = prefill_shape(lp, dev, lo)
+        a, b = lo, hi  # the last N of this run lies in a..b
+        while a < b:
+            mid = (a + b + 1) // 2
+            if prefill_shape(lp, dev, mid) == shape:
+                a = mid
+            else:
+                b = mid - 1
+        out.append((lo, a, shape))
+        lo = a + 1
+    return out
+
+
+def build_forward_plan(lp: LayerPlan, dev: DeviceFacts, n: int, path: Path, *, separated: bool = False) -> ForwardPlan:
+    """The launches of a forward of `n` rows on `path`. `separated`: stage events or profile
+    syncs stand between the kernels, so none goes by programmatic dependent launch."""
+    return _Builder(lp, dev, n, Path(path), separated).build()
+
+
+class _Builder:
+    def __init__(self, lp: LayerPlan, dev: DeviceFacts, n: int, path: Path, separated: bool):
+        self.lp, self.dev, self.n, self.path, self.cfg = lp, dev, n, path, lp.cfg
+        self.exact = path != Path.PREFILL  # decode plans serve one row count: values of N are plain ints
+        self.shape = prefill_shape(lp, dev, n) if not self.exact else None
+        self.pdl = lp.pdl and path == Path.DECODE and not separated
+        self.steps: list = []
+        self.stage = Stage.ROUTER
+        self.has_shared = lp.has_shared
+
+    # --- helpers -------------------------------------------------------------------------------
+    def v(self, name: str, fn):
+        """A value of N: a plain int in an exact plan, a PerN in a bucket plan."""
+        return fn(self.n) if self.exact else PerN(name, fn)
+
+    def launch(self, kernel: str, grid, block, args, smem=0, pdl: bool = False) -> None:
+        self.steps.append(Launch(self.stage, kernel, tuple(grid), tuple(block), tuple(args), smem, pdl))
+
+    def rows(self):
+        return self.v("N", lambda n: n)
+
+    def pairs(self):
+        k = self.cfg.num_experts_per_tok
+        return self.v("N*k", lambda n: n * k)
+
+    def w8a8_args(self) -> tuple:
+        """The fp8 experts' inputs' codes and scales (x's own for a shared expert behind a norm), the activation's."""
+        if not self.lp.w8a8:
+            return ()
+        shared = ("qx_shared", "sx_shared") if self.lp.w8a8_shared_x else ("qx", "sx")
+        return (u64("qa", S("qx")), u64("sa", S("sx")), u64("qa_shared", S(shared[0])),
+                u64("sa_shared", S(shared[1])), u64("q_out", S("qact")), u64("s_out", S("sact")))
+
+    def x_codes(self) -> tuple:
+        """Where x's e4m3 codes go, if a stage that reads x anyway must make them (w8a8)."""
+        if self.lp.w8a8 and not self.cfg.pre_expert_norm:
+            return (S("qx"), S("sx"))
+        if self.lp.w8a8 and self.lp.w8a8_shared_x:
+            return (S("qx_shared"), S("sx_shared"))
+        return (0, 0)
+
+    # --- the plan -------------------------------------------------------------------------------
+    def build(self) -> ForwardPlan:
+        cfg, n = self.cfg, self.n
+        k, R, H = cfg.num_experts_per_tok, cfg.router_width, cfg.hidden_size
+        prefill = self.path == Path.PREFILL
+        route_lists = (not prefill and n <= C.ROUTE_LISTS_MAX_ROWS
+                       and C.route_lists_smem_bytes(n, k, R) <= C.STATIC_SMEM_LIMIT)
+        qx = self.x_codes()
+        splits = 1
+        if prefill:
+            splits = self.prefill_router()
+        elif route_lists and HX.route_lists_quantizes(n, H):  # the idle routing warps make the codes
+            self.decode_router((0, 0))
+        else:
+            self.decode_router(qx)
+            qx = (0, 0)
+        topk_lists = (self.lp.topk_lists and not prefill and not route_lists and n <= C.TOPK_LISTS_WARPS
+                      and n * k <= C.SMALL_SORT_PAIRS and splits == 1 and R <= C.TOPK_LISTS_MAX_R
+                      and C.topk_lists_smem_bytes(n * k, self.lp.n_local, R) <= C.STATIC_SMEM_LIMIT)
+        self.stage = Stage.TOPK
+        self.routing(route_lists, topk_lists, qx, splits)
+        xe = X
+        if cfg.pre_expert_norm:
+            self.stage = Stage.NORM
+            xe = self.norm()
+        self.stage = Stage.SORT
+        tiles = (0, 0)
+        if not (route_lists or topk_lists):
+            tiles = self.sort()
+        if self.path == Path.ATOMIC:
+            self.steps.append(Memset(Stage.SORT, S("acc"), n * H))
+        if prefill:
+            self.grouped(xe, *tiles)
+        else:
+            self.decode(xe)
+        if self.lp.all_reduce:
+            self.steps.append(AllReduce(Stage.ALL_REDUCE, self.v("N*H*2", lambda m: m * H * 2)))
+        return ForwardPlan(self.path, tuple(self.steps), built_for=n, shape=self.shape)
+
+    # --- router and top-k ------------------------------------------------------------------------
+    def prefill_router(self) -> int:
+        """The router's logits as a grouped GEMM on tensor cores; returns its K splits."""
+        cfg, shape = self.cfg, self.shape
+        H, R = cfg.hidden_size, cfg.router_width
+        gk = HX.grouped_kernel(self.lp, self.dev, GemmMode.ROUTER, shape.router_config)
+        bm = gk.bm
+        zeros = [u64(name, 0) for name in ("xe", "act_in", "num_tiles", "tile_info", "sorted_row", "sorted_pair")]
+        self.launch(gk.name, (-(-R // gk.bn), self.v(f"ceil(N/{bm})", lambda n: -(-n // bm)), shape.router_splits),
+                    (gk.threads,),
+                    (u64("x", X), *zeros, u64("w0_ptrs", W("router")), u64("w1_ptrs", 0),
+                     u64("b0_ptrs", W("router_bias")), u64("b1_ptrs", 0),
+                     *(u64(name, 0) for name in ("s0_ptrs", "s1_ptrs", "gs0", "gs1", "slot_fmt", "inter", "topk_w")),
+                     i32("shared_slot", 0), i32("H", H), i32("I_max", R), i32("P", self.rows()),
+                     u64("out", S("logits")), i32("act_code", 0), f32("alpha", 0.0), f32("limit", 0.0)),
+                    gk.smem)
+        return shape.router_splits
+
+    def decode_router(self, qx: tuple, logits: Buf = S("logits")) -> None:
+        """The decode path's router logits; with `qx`, x's e4m3 codes and scales too (w8a8)."""
+        cfg, n = self.cfg, self.n
+        R, H = cfg.router_width, cfg.hidden_size
+        args = (u64("x", X), u64("W", W("router")), u64("bias", W("router_bias")), u64("logits", logits),
+                i32("N", n), i32("R", R), i32("H", H), u64("qx", qx[0]), u64("sx", qx[1]))
+        if HX.router_on_tensor_cores(self.lp, n):
+            nt = HX.row_tile(-(-n // 8), C.ROUTER_MMA_TILES)
+            self.launch(f"router_logits_mma<{nt}>", (-(-R // C.ROUTER_MMA_COLS), C.ROUTER_MMA_CLUSTER, -(-n // (8 * nt))),
+                        (C.ROUTER_MMA_THREADS,), args)
+            return
+        rt = HX.row_tile(n, C.ROW_TILES)
+        split = C.router_split(H)
+        self.launch(f"router_logits_bf16<{rt}, {split}>", ((R + 1) // 2, -(-n // rt)), (2 * split * 32,), args)
+
+    def routing_args(self) -> tuple:
+        cfg = self.cfg
+        return (u64("logits", S("logits")), u64("corr_bias", W("correction_bias")), u64("tid2eid", W("tid2eid")),
+                u64("token_ids", TOKEN_IDS), u64("ids_out", S("topk_ids")), u64("w_out", S("topk_w")),
+                u64("err", ERR), i32("N", self.rows()), i32("R", cfg.router_width), i32("E", cfg.num_experts),
+                i32("k", cfg.num_experts_per_tok), i32("scoring", Scoring[cfg.scoring_func.upper()]),
+                i32("n_group", cfg.n_group), i32("topk_group", cfg.topk_group),
+                i32("topk_then_softmax", int(cfg.topk_then_softmax)), i32("renorm", int(cfg.norm_topk_prob)),
+                f32("scale", cfg.routed_scaling_factor), i32("vocab", cfg.hash_vocab_size))
+
+    def list_args(self) -> tuple:
+        lp = self.lp
+        return ((u64("slot_of", W("slot_of")), i32("n_local", lp.n_local), i32("has_shared", self.has_shared))
+                + tuple(u64(name, S(name)) for name in LIST_OUTPUTS))
+
+    def routing(self, route_lists: bool, topk_lists: bool, qx: tuple, splits: int) -> None:
+        cfg, n = self.cfg, self.n
+        k, R, H = cfg.num_experts_per_tok, cfg.router_width, cfg.hidden_size
+        group_regs = 1 if cfg.n_group > 1 else 0  # group-limited routers' rows from registers
+        x_args = (u64("x", X), i32("H", H), u64("qx", qx[0]), u64("sx", qx[1]))
+        if route_lists:
+            self.launch("decode_route_lists", (1,), (C.ROUTE_LISTS_THREADS,),
+                        self.routing_args() + self.list_args() + x_args, C.route_lists_smem_bytes(n, k, R), self.pdl)
+        elif topk_lists:
+            assert qx == (0, 0), "x's codes are the router's past decode_route_lists' rows"
+            self.launch(f"decode_topk_lists<{group_regs}>", (1,), (C.LISTS_THREADS,),
+                        self.routing_args() + self.list_args(),
+                        C.topk_lists_smem_bytes(n * k, self.lp.n_local, R), self.pdl)
+        else:
+            warps = C.TOPK_WARPS
+            self.launch(f"topk_route<{group_regs}>", (self.v(f"ceil(N/{warps})", lambda m: -(-m // warps)),),
+                        (warps * 32,), self.routing_args() + x_args + (i32("splits", splits),),
+                        C.topk_route_smem_bytes(R), self.pdl)
+
+    def norm(self) -> Buf:
+        cfg = self.cfg
+        qxe = (S("qx"), S("sx")) if self.lp.w8a8 else (0, 0)
+        self.launch("rmsnorm_bf16", (self.rows(),), (256,),
+                    (u64("x", X), u64("w", W("norm_weight")), u64("y", S("xe")), i32("H", cfg.hidden_size),
+                     f32("eps", cfg.rms_norm_eps), u64("qy", qxe[0]), u64("sy", qxe[1])), 0, self.pdl)
+        return S("xe")
+
+    # --- the sort ---------------------------------------------------------------------------------
+    def sort(self) -> tuple[int, int]:
+        """(row, slot) pairs grouped by expert, stable: one block for few pairs, else three passes
+        whose scan also builds the grouped GEMMs' tiles. Returns the tile heights it built."""
+        lp, cfg = self.lp, self.cfg
+        k, R = cfg.num_experts_per_tok, cfg.router_width
+        gate_up_bm = down_bm = 0
+        if self.path == Path.PREFILL:
+            config, fmt0 = self.shape.grouped_config, lp.formats[0]
+            gate_up_bm = HX.grouped_kernel(lp, self.dev, GemmMode.GATE_UP, config, fmt0).bm
+            down_bm = HX.grouped_kernel(lp, self.dev, GemmMode.DOWN, config, fmt0).bm
+            down_bm = down_bm if down_bm != gate_up_bm else 0
+        one_block = self.shape.one_block_sort if self.shape else (
+            self.n * k <= C.SMALL_SORT_PAIRS
+            and R * 4 + C.expert_lists_smem_bytes(self.n * k, lp.n_local) <= self.dev.max_smem)
+        if one_block:
+            n_local = lp.n_local
+            smem = self.v("lists_smem", lambda m: R * 4 + C.expert_lists_smem_bytes(m * k, n_local))
+            self.launch("decode_build_lists", (1,), (C.LISTS_THREADS,),
+                        (u64("ids", S("topk_ids")), i32("N", self.rows()), i32("k", k), u64("slot_of", W("slot_of")),
+                         i32("R", R), *self.list_args()[1:]), smem, self.pdl)
+            return 0, 0
+        self.three_pass_sort(gate_up_bm, down_bm)
+        return gate_up_bm, down_bm
+
+    def three_pass_sort(self, tile_bm: int, down_bm: int) -> None:
+        lp, cfg = self.lp, self.cfg
+        k, R, n_local = cfg.num_experts_per_tok, cfg.router_width, lp.n_local
+        nblk = self.v("sort_blocks", lambda m: -(-m * k // C.SORT_BLOCK))
+        common = (u64("ids", S("topk_ids")), i32("P", self.pairs()))
+        self.launch("sort_count", (nblk,), (C.SORT_BLOCK,),
+                    common + (u64("slot_of", W("slot_of")), i32("R", R), i32("n_local", n_local),
+                              u64("block_counts", S("block_counts"))), n_local * 4)
+        self.launch("sort_scan", (1,), (C.SORT_BLOCK,),
+                    (u64("block_counts", S("block_counts")), i32("nblk", nblk), i32("n_local", n_local),
+                     i32("N", self.rows()), i32("k", k), i32("has_shared", self.has_shared),
+                     *(u64(b, S(b)) for b in ("num_active", "active_slot", "active_start", "active_len")),
+                     i32("BM", tile_bm), u64("num_tiles", S("num_tiles")), u64("tile_info", S("tile_info")),
+                     i32("BM2", down_bm), u64("num_tiles2", S("num_tiles_down")),
+                     u64("tile_info2", S("tile_info_down"))))
+        self.launch("sort_place", (nblk,), (C.SORT_BLOCK,),
+                    common + (i32("N", self.rows()), u64("slot_of", W("slot_of")), i32("R", R), i32("n_local", n_local),
+                              i32("has_shared", self.has_shared),
+                              *(u64(b, S(b)) for b in ("block_counts", "active_start", "num_active", "sorted_row",
+                                                       "sorted_pair", "pair_pos")), i32("k", k)),
+                    C.sort_place_smem_bytes(n_local))
+
+    # --- the decode path's experts -------------------------------------------------------------
+    def decode(self, xe) -> None:
+        lp, cfg, n = self.lp, self.cfg, self.n
+        k = cfg.num_experts_per_tok
+        max_active = max(1, min(lp.n_local, n * k) + self.has_shared)
+        rows_per_expert = max(1.0, 2.0 * n * k / max(lp.n_local, 1))
+        # the w8a8 wgmma gate/up's blocks go by table slot (weights in flight before the lists land)
+        # where one list builder made slot_active and few bytes would be copied for nothing
+        waste = HX.gate_up_ahead_waste(lp.n_local, cfg.num_experts, k, n, lp.i_max)
+        by_slot = (n * k <= C.SMALL_SORT_PAIRS and waste <= TUNING.wgmma_gate_up_ahead_max_waste
+                   and max_active == lp.n_local + self.has_shared)
+        self.stage = Stage.GATE_UP
+        for fmt in lp.formats:  # a launch a weight format; each skips the others' experts
+            dk = HX.decode_kernel(lp, self.dev, "gate_up", fmt, rows_per_expert, max_active)
+            self.launch(dk.name, (dk.blocks, max_active), (dk.threads,),
+                        self.decode_gate_up_args(xe, fmt, by_slot and dk.name.startswith("decode_wgmma_gate_up_a8")),
+                        dk.smem, self.pdl)
+        self.stage = Stage.DOWN
+        for fmt in lp.formats:
+            dk = HX.decode_kernel(lp, self.dev, "down", fmt, rows_per_expert, max_active, n)
+            self.launch(dk.name, (dk.blocks, max_active), (dk.threads,), self.decode_down_args(fmt), dk.smem, self.pdl)
+        self.stage = Stage.REDUCE
+        self.decode_reduce(xe, OUT)
+
+    def expert_list_args(self) -> tuple:
+        return tuple(u64(b, S(b)) for b in ("num_active", "active_slot", "active_start", "active_len"))
+
+    def decode_gate_up_args(self, xe, fmt: WeightFormat, slot_grid: bool) -> tuple:
+        lp, cfg = self.lp, self.cfg
+        a8 = ()
+        if fmt == WeightFormat.FP8_BLOCK and lp.w8a8:
+            a8 = self.w8a8_args() + (u64("act_tickets", S("act_tickets")),
+                                     u64("slot_active", S("slot_active") if slot_grid else 0))
+        return (u64("x", X), u64("xe", xe), *self.expert_list_args(), u64("sorted_row", S("sorted_row")),
+                *(u64(t, W(t)) for t in ("gate", "up", "gate_scale", "up_scale", "gate_gscale", "up_gscale",
+                                         "slot_fmt", "gate_bias", "up_bias", "inter")),
+                i32("shared_slot", lp.n_local), u64("act", S("act")), i32("H", cfg.hidden_size),
+                i32("I_max", lp.i_max), i32("act_code", Activation[cfg.hidden_act.upper()]),
+                f32("alpha", cfg.swiglu_alpha), f32("limit", cfg.swiglu_limit), *a8)
+
+    def decode_down_args(self, fmt: WeightFormat) -> tuple:
+        lp, cfg, n = self.lp, self.cfg, self.n
+        a8 = self.w8a8_args()[4:] if fmt == WeightFormat.FP8_BLOCK and lp.w8a8 else ()  # the activation's codes
+        return (u64("act", S("act")), *self.expert_list_args(), u64("sorted_pair", S("sorted_pair")),
+                *(u64(t, W(t)) for t in ("down", "down_scale", "down_gscale", "slot_fmt", "down_bias", "inter")),
+                u64("topk_w", S("topk_w")), u64("y", S("y")), u64("acc", S("acc")), i32("H", cfg.hidden_size),
+                i32("I_max", lp.i_max), i32("k", cfg.num_experts_per_tok), i32("P", n * cfg.num_experts_per_tok),
+                i32("atomic", int(self.path == Path.ATOMIC)), *a8)
+
+    def decode_reduce(self, xe, out) -> None:
+        cfg, n = self.cfg, self.n
+        H = cfg.hidden_size
+        # few rows: H split over blocks until about two blocks an SM (a row alone in one block
+        # is a latency chain of H / 1024 steps)
+        splits = max(1, min(-(-H // (4 * C.REDUCE_THREADS)), 2 * self.dev.sm_count // n))
+        self.launch("decode_reduce", (n, splits), (C.REDUCE_THREADS,),
+                    (u64("x", X), u64("xe", xe), u64("ids", S("topk_ids")), u64("topk_w", S("topk_w")),
+                     u64("pair_pos", S("pair_pos")), u64("y", S("y")), u64("acc", S("acc")),
+                     u64("shared_gate_w", W("shared_expert_gate")), u64("out", out), i32("N", n), i32("H", H),
+                     i32("k", cfg.num_experts_per_tok), i32("E", cfg.num_experts), i32("has_shared", self.has_shared),
+                     i32("primary", 1 if cfg.ep_rank == 0 else 0), i32("atomic", int(self.path == Path.ATOMIC))),
+                    0, self.pdl)
+
+    # --- the prefill path's experts ---------------------------------------------------------
+    def grouped(self, xe, tiles_bm: int, down_tiles_bm: int) -> None:
+        """gate/up and down as grouped GEMMs over each expert's run in bm-row tiles (tile_info
+        holds `tiles_bm`-row tiles where the sort built them, tile_info_down `down_tiles_bm` ones)."""
+        self._tiles_bm, self._down_tiles_bm = tiles_bm, down_tiles_bm
+        self.stage = Stage.GATE_UP
+        for fmt in self.lp.formats:  # a launch a weight format; each skips the others' tiles
+            self.grouped_gate_up(xe, fmt)
+        self.stage = Stage.DOWN
+        for fmt in self.lp.formats:
+            self.grouped_down(xe, fmt)
+        self.stage = Stage.REDUCE
+        self.grouped_reduce(xe, OUT)
+
+    def tile_bound(self, bm: int):
+        cfg, lp = self.cfg, self.lp
+        k, n_local, sh = cfg.num_experts_per_tok, lp.n_local, bool(self.has_shared)
+        return self.v(f"tiles{bm}", lambda m: max(1, C.max_tiles(m, k, n_local, sh, bm)))
+
+    def tile_list(self, bm: int, down: bool = False) -> tuple:
+        """(num_tiles, tile_info) of bm-row tiles: down's own where the sort built it, else
+        tile_info, rebuilt unless it holds them already (stream order lets the kernel before finish)."""
+        if down and bm == self._down_tiles_bm:
+            return u64("num_tiles", S("num_tiles_down")), u64("tile_info", S("tile_info_down"))
+        if bm != self._tiles_bm:
+            self.launch("make_tiles", (1,), (1024,),
+                        (*self.expert_list_args(), i32("BM", bm), u64("num_tiles", S("num_tiles")),
+                         u64("tile_info", S("tile_info"))))
+            self._tiles_bm = bm
+        return u64("num_tiles", S("num_tiles")), u64("tile_info", S("tile_info"))
+
+    def grouped_gate_up(self, xe, fmt: WeightFormat) -> None:
+        lp, cfg = self.lp, self.cfg
+        gk = HX.grouped_kernel(lp, self.dev, GemmMode.GATE_UP, self.shape.grouped_config, fmt)
+        num_tiles, tile_info = self.tile_list(gk.bm)
+        extra = self.w8a8_args() if fmt == WeightFormat.FP8_BLOCK else ()
+        if gk.name.startswith("grouped_gemm_sm90_tma<"):
+            if lp.gathers_rows:  # TMA reads the inputs in sorted order
+                self.launch("gather_rows", (self.tile_bound(gk.bm),), (256,),
+                            (u64("x", X), u64("xe", xe), num_tiles, tile_info, u64("sorted_row", S("sorted_row")),
+                             i32("shared_slot", lp.n_local), i32("H", cfg.hidden_size), u64("xg", S("xg"))))
+            extra = (u64("maps", TMA_MAPS),)
+        self.launch(gk.name, (-(-lp.i_max // (gk.bn // 2)), self.tile_bound(gk.bm)), (gk.threads,),
+                    (u64("x", X), u64("xe", xe), u64("act_in", 0), num_tiles, tile_info,
+                     u64("sorted_row", S("sorted_row")), u64("sorted_pair", S("sorted_pair")),
+                     u64("w0_ptrs", W("gate")), u64("w1_ptrs", W("up")), u64("b0_ptrs", W("gate_bias")),
+                     u64("b1_ptrs", W("up_bias")), u64("s0_ptrs", W("gate_scale")), u64("s1_ptrs", W("up_scale")),
+                     u64("gs0", W("gate_gscale")), u64("gs1", W("up_gscale")), u64("slot_fmt", W("slot_fmt")),
+                     u64("inter", W("inter")), u64("topk_w", S("topk_w")), i32("shared_slot", lp.n_local),
+                     i32("H", cfg.hidden_size), i32("I_max", lp.i_max), i32("P", self.pairs()), u64("out", S("act")),
+                     i32("act_code", Activation[cfg.hidden_act.upper()]), f32("alpha", cfg.swiglu_alpha),
+                     f32("limit", cfg.swiglu_limit), *extra), gk.smem)
+
+    def grouped_down(self, xe, fmt: WeightFormat) -> None:
+        lp, cfg = self.lp, self.cfg
+        gk = HX.grouped_kernel(lp, self.dev, GemmMode.DOWN, self.shape.grouped_config, fmt)
+        num_tiles, tile_info = self.tile_list(gk.bm, down=True)
+        extra = ()
+        if fmt == WeightFormat.FP8_BLOCK and lp.w8a8:  # the activation's codes as A; no q_out / s_out
+            qact = self.w8a8_args()[4:]
+            extra = (u64("qa", qact[0].value), u64("sa", qact[1].value), u64("qa_shared", qact[0].value),
+                     u64("sa_shared", qact[1].value), u64("q_out", 0), u64("s_out", 0))
+        if gk.name.startswith("grouped_gemm_sm90_tma<"):
+            extra = (u64("maps", TMA_MAPS),)
+        self.launch(gk.name, (-(-cfg.hidden_size // gk.bn), self.tile_bound(gk.bm)), (gk.threads,),
+                    (u64("x", X), u64("xe", xe), u64("act_in", S("act")), num_tiles, tile_info,
+                     u64("sorted_row", S("sorted_row")), u64("sorted_pair", S("sorted_pair")),
+                     u64("w0_ptrs", W("down")), u64("w1_ptrs", 0), u64("b0_ptrs", W("down_bias")), u64("b1_ptrs", 0),
+                     u64("s0_ptrs", W("down_scale")), u64("s1_ptrs", 0), u64("gs0", W("down_gscale")), u64("gs1", 0),
+                     u64("slot_fmt", W("slot_fmt")), u64("inter", W("inter")), u64("topk_w", S("topk_w")),
+                     i32("shared_slot", lp.n_local), i32("H", cfg.hidden_size), i32("I_max", lp.i_max),
+                     i32("P", self.pairs()), u64("out", S("yw")), i32("act_code", 0), f32("alpha", 0.0),
+                     f32("limit", 0.0), *extra), gk.smem)
+
+    def grouped_reduce(self, xe, out) -> None:
+        cfg = self.cfg
+        self.launch("grouped_reduce", (self.rows(),), (256,),
+                    (u64("x", X), u64("xe", xe), u64("ids", S("topk_ids")), u64("topk_w", S("topk_w")),
+                     u64("pair_pos", S("pair_pos")), u64("yw", S("yw")),
+                     u64("shared_gate_w", W("shared_expert_gate")), u64("out", out), i32("N", self.rows()),
+                     i32("H", cfg.hidden_size), i32("k", cfg.num_experts_per_tok), i32("E", cfg.num_experts),
+                     i32("has_shared", self.has_shared), i32("primary", 1 if cfg.ep_rank == 0 else 0)))
+
+
+def dump_launches(lp: LayerPlan, dev: DeviceFacts, n: int, path: Path, logits_ptr: int,
+                  routed_ptr: int) -> tuple[Launch, Launch]:
+    """The debug dumps' two extra launches: the router's logits into `logits_ptr` (the forward's
+    own share bytes with act), and the path's reduce without the shared expert into `routed_ptr`."""
+    b = _Builder(lp, dev, n, Path.ATOMIC if path == Path.ATOMIC else Path.DECODE, separated=True)
+    b.has_shared = 0
+    b.decode_router((0, 0), logits=logits_ptr)
+    xe = S("xe") if lp.cfg.pre_expert_norm else X
+    if path == Path.PREFILL:
+        b.grouped_reduce(xe, routed_ptr)
+    else:
+        b.decode_reduce(xe, routed_ptr)
+    return b.steps[0], b.steps[1]

@@ -1,0 +1,215 @@
+"""Which kernel serves a stage: pure functions of the layer's plan, the GPU and the row count.
+
+Thresholds come from cupymoe/tuning.py (measured, with the command that measured them); the
+kernels' own shapes from cupymoe/catalog.py. cupymoe/forward_plan.py calls these to build a
+forward's launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from . import catalog as C
+from .catalog import GemmMode, WeightFormat
+from .knobs import DecodeRouter, Fp4Decode, W8a8Decode
+from .plan import DeviceFacts, LayerPlan
+from .tuning import TUNING
+
+# the CUDA-core decode kernels aim for one wave of resident warps on the H200 they were tuned on
+RESIDENT_WARPS = 132 * C.WARPS_PER_SM
+
+
+@dataclass(frozen=True)
+class GroupedKernel:
+    name: str
+    threads: int
+    smem: int
+    bn: int  # weight rows a tile (gate/up: half gate, half up)
+    bm: int  # rows a tile (the sort builds tiles of this height)
+
+
+@dataclass(frozen=True)
+class DecodeKernel:
+    name: str
+    blocks: int  # column blocks (the grid's x; its y is the active experts)
+    threads: int
+    smem: int
+
+
+def row_tile(rows: float, tiles: tuple[int, ...]) -> int:
+    """Smallest tile holding `rows` expected rows, capped at the largest variant."""
+    for t in tiles:
+        if t >= rows:
+            return t
+    return tiles[-1]
+
+
+def cols_per_warp(warp_columns: int, rt: int, variants) -> int:
+    """Fewest columns a warp that cover `warp_columns` in about one wave of resident warps (a
+    partial second wave would leave most SMs idle at its end)."""
+    allowed = [c for r, c in variants if r == rt]
+    for c in allowed:
+        if warp_columns / c <= RESIDENT_WARPS:
+            return c
+    return allowed[-1]
+
+
+def gate_up_ahead_waste(n_local: int, num_experts: int, k: int, num_tokens: int, i_max: int) -> float:
+    """Bytes the w8a8 wgmma gate/up's blocks by slot are expected to copy for nothing at
+    `num_tokens` rows: the experts nobody chose (each with chance (1 - k/E)^N), each its
+    blocks' first WGMMA_DECODE_STAGES - 1 stages of weights."""
+    E = max(num_experts, 1)
+    idle = n_local * (1.0 - min(k, E) / E) ** num_tokens
+    ahead = (C.WGMMA_DECODE_STAGES - 1) * C.WGMMA_DECODE_ROWS * 128 * C.WGMMA_DECODE_KSUB
+    return idle * -(-i_max // C.WGMMA_DECODE_GATE_UP_COLUMNS) * ahead
+
+
+def route_lists_quantizes(num_tokens: int, hidden_size: int) -> bool:
+    """Whether decode_route_lists' idle warps (one a row not routed) make x's e4m3 codes, rather than the router."""
+    idle = C.ROUTE_LISTS_THREADS // 32 - num_tokens
+    return idle > 0 and num_tokens * -(-hidden_size // 256) <= TUNING.route_lists_quant_units * idle
+
+
+# --- the grouped (prefill) path ---------------------------------------------------------------
+
+def grouped_config(lp: LayerPlan, n: int) -> str:
+    """"math" (128-row tiles) once the average expert run fills enough of them, else "stream";
+    w8a8's tiles are 64 rows, and every format of the layer takes them."""
+    if lp.w8a8:
+        return "stream"
+    return "math" if n * lp.cfg.num_experts_per_tok >= lp.math_rows * lp.n_local else "stream"
+
+
+def grouped_kernel(lp: LayerPlan, dev: DeviceFacts, mode: GemmMode, config: str,
+                   fmt: WeightFormat = WeightFormat.BF16) -> GroupedKernel:
+    """fp8 as w8a8 on its own Hopper kernel; wgmma where the math config runs and the weights are
+    bf16 or fp4 (not for row-invariant layers, whose every N must run the same instructions);
+    else the mma.sync kernel (quantized weights in their streaming configuration)."""
+    if fmt == WeightFormat.FP8_BLOCK and lp.w8a8:
+        bm, bn = C.SM90_FP8_TILE[:2]
+        return GroupedKernel(f"grouped_gemm_sm90_fp8<{int(mode)}>", C.SM90_FP8_THREADS, C.sm90_fp8_smem_bytes(), bn, bm)
+    v = lp.sm90[mode]
+    if config == "math" and v.serves(fmt, mode) and dev.hopper and not lp.row_invariant:
+        return GroupedKernel(v.kernel(mode, fmt), v.threads(mode), v.smem_bytes(fmt), v.bn, v.bm)
+    config = TUNING.quant_grouped_config[config] if fmt else config
+    c = TUNING.grouped_configs[config]
+    name, threads, smem = C.grouped_kernel(mode, c.bm, c.bk, c.stages, fmt)
+    return GroupedKernel(name, threads, smem, C.GROUPED_BN, c.bm)
+
+
+def router_config(lp: LayerPlan, dev: DeviceFacts, n: int) -> str:
+    """The prefill router's tiles: "math" (128 x 128) from router_math_min_rows rows, unless
+    they would leave over half the SMs idle (a narrow router), then "stream"'s smaller ones."""
+    if n < TUNING.router_math_min_rows:
+        return "stream"
+    if -(-lp.cfg.router_width // 128) * -(-n // 128) * 2 < dev.sm_count:
+        return "stream"
+    return "math"
+
+
+def router_splits(lp: LayerPlan, dev: DeviceFacts, tiles: int) -> int:
+    """K splits of the prefill router: enough for two blocks an SM where its tiles are few,
+    each split at least 4 steps of 64; none for row-invariant layers (a split sums in another order)."""
+    if lp.row_invariant:
+        return 1
+    steps = -(-lp.cfg.hidden_size // 64)
+    return max(1, min(C.ROUTER_MAX_SPLITS, 2 * dev.sm_count // max(1, tiles), steps // 4))
+
+
+def router_on_tensor_cores(lp: LayerPlan, n: int) -> bool:
+    """Whether the decode router for `n` rows is router_mma.cu's (tensor cores, K split over a cluster)."""
+    if lp.decode_router == DecodeRouter.AUTO:
+        return lp.cfg.router_width * n * lp.cfg.hidden_size >= TUNING.decode_router_mma_min_macs
+    return lp.decode_router == DecodeRouter.MMA
+
+
+# --- the decode path --------------------------------------------------------------------------
+
+def decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, fmt: WeightFormat, rows_per_expert: float,
+                  max_active: int, n_rows: int = 0) -> DecodeKernel:
+    """A decode stage ("gate_up" or "down") for the experts of format `fmt`: the wgmma kernels
+    where they take it (fp8 as w8a8, fp4), else decode_mma.cu's or decode.cu's."""
+    wg = (w8a8_decode_kernel(lp, dev, stage, rows_per_expert, max_active) if fmt == WeightFormat.FP8_BLOCK
+          else fp4_wgmma_decode_kernel(lp, dev, stage, fmt, rows_per_expert, max_active, n_rows)
+          if fmt in lp.mma_decode_formats else None)
+    if wg is not None:
+        return wg
+    columns = lp.i_max if stage == "gate_up" else lp.cfg.hidden_size
+    name, blocks = register_decode_kernel(lp, dev, stage, fmt, rows_per_expert, columns, max_active)
+    return DecodeKernel(name, blocks, 256, 0)
+
+
+def w8a8_decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, rows_per_expert: float,
+                       max_active: int) -> Optional[DecodeKernel]:
+    """decode_wgmma_a8.cu's launch, or None where decode_mma.cu's _a8 kernels serve: w8a16, or in
+    auto a gate/up grid under wgmma_decode_min_waves waves. A pass takes 8, 16 or 32 rows."""
+    if not lp.w8a8 or lp.w8a8_decode == W8a8Decode.MMA:
+        return None
+    H, i_max = lp.cfg.hidden_size, lp.i_max
+    gate_up_blocks = -(-i_max // C.WGMMA_DECODE_GATE_UP_COLUMNS)
+    wave = C.WGMMA_DECODE_BLOCKS_PER_SM * dev.sm_count
+    if lp.w8a8_decode == W8a8Decode.AUTO and gate_up_blocks * max_active < TUNING.wgmma_decode_min_waves * wave:
+        return None
+    nt = 8 if rows_per_expert <= 8 else 16 if rows_per_expert <= 16 else 32
+    blocks, k = (gate_up_blocks, H) if stage == "gate_up" else (-(-H // C.WGMMA_DECODE_ROWS), i_max)
+    return DecodeKernel(f"decode_wgmma_{stage}_a8<{nt}>", blocks, C.WGMMA_DECODE_THREADS,
+                        C.wgmma_decode_smem_bytes(nt, -(-k // 128)))
+
+
+def fp4_wgmma_decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, fmt: WeightFormat, rows_per_expert: float,
+                            max_active: int, n_rows: int = 0) -> Optional[DecodeKernel]:
+    """decode_wgmma_fp4.cu's launch, or None where decode_mma.cu's fp4 kernels serve: mode mma, a
+    K it cannot read, or in auto a gate/up grid under wgmma_fp4_decode_min_waves of a wave."""
+    if lp.fp4_decode == Fp4Decode.MMA or not lp.fp4_wgmma_ok:
+        return None
+    H, i_max = lp.cfg.hidden_size, lp.i_max
+    gate_up_blocks = -(-i_max // C.WGMMA_DECODE_GATE_UP_COLUMNS)
+    wave = C.WGMMA_FP4_DECODE_BLOCKS_PER_SM * dev.sm_count
+    if lp.fp4_decode == Fp4Decode.AUTO and gate_up_blocks * max_active < TUNING.wgmma_fp4_decode_min_waves * wave:
+        return None
+    nt = 8 if rows_per_expert <= 8 else 16
+    blocks = gate_up_blocks if stage == "gate_up" else H // (C.WGMMA_DECODE_ROWS * fp4_down_tiles(lp, dev, n_rows))
+    return DecodeKernel(f"decode_wgmma_{stage}_fp4<{int(fmt)}, {nt}>", blocks, C.WGMMA_DECODE_THREADS,
+                        C.wgmma_fp4_decode_smem_bytes(fmt, nt))
+
+
+def fp4_down_tiles(lp: LayerPlan, dev: DeviceFacts, n_rows: int) -> int:
+    """128-row tiles a block of decode_wgmma_down_fp4 takes: two where the experts' I is at most
+    fp4_down_tiles_max_stages ring stages and the experts `n_rows` rows are expected to choose
+    give a wave of such blocks, else one; CUPYMOE_FP4_DOWN_TILES forces a count (one where it
+    does not divide H / 128)."""
+    cfg = lp.cfg
+    tiles_h = cfg.hidden_size // C.WGMMA_DECODE_ROWS
+    if lp.fp4_down_tiles is not None:
+        return lp.fp4_down_tiles if tiles_h % lp.fp4_down_tiles == 0 else 1
+    stages = -(-cfg.moe_intermediate_size // (C.WGMMA_FP4_DECODE_KSUB * 128))
+    if tiles_h % 2 or stages > TUNING.fp4_down_tiles_max_stages:
+        return 1
+    k, E = cfg.num_experts_per_tok, cfg.num_experts
+    active = lp.n_local * (1.0 - (1.0 - min(1.0, k / E)) ** n_rows)
+    wave = C.WGMMA_FP4_DECODE_BLOCKS_PER_SM * dev.sm_count
+    return 2 if tiles_h // 2 * active >= wave else 1
+
+
+def register_decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, fmt: WeightFormat, rows_per_expert: float,
+                           columns: int, max_active: int) -> tuple[str, int]:
+    """(kernel, column blocks) of the register-direct decode: fp4 and fp8 on tensor cores
+    (decode_mma.cu: the fewest K splits that still put enough blocks on every SM, 16-token
+    passes past 8 rows), else decode.cu's CUDA-core stream (the row tile holding those rows,
+    the fewest columns a warp that fill one wave)."""
+    a8 = fmt == WeightFormat.FP8_BLOCK and lp.w8a8
+    if a8 or fmt in lp.mma_decode_formats:
+        nt = 2 if rows_per_expert > 8 else 1
+        want = lp.mma_blocks_per_sm * dev.sm_count
+        pairs = -(-columns // (32 * 8))  # down: two fragments a warp where half the blocks fill every SM
+        if stage == "down" and lp.mma_down_pairs and pairs * max_active >= want:
+            return (f"decode_mma_down_a8<1, {nt}, 2>" if a8 else f"decode_mma_down<{int(fmt)}, 1, {nt}, 2>"), pairs
+        for ks in C.MMA_DECODE_K_SPLITS:
+            blocks = -(-columns // (16 * 8 // ks))
+            if blocks * max_active >= want:
+                break
+        return (f"decode_mma_{stage}_a8<{ks}, {nt}>" if a8 else f"decode_mma_{stage}<{int(fmt)}, {ks}, {nt}>"), blocks
+    rt = row_tile(rows_per_expert, C.GATE_UP_ROW_TILES if stage == "gate_up" else C.ROW_TILES)
+    cw = cols_per_warp(max_active * columns, rt, C.GATE_UP_VARIANTS if stage == "gate_up" else C.DOWN_VARIANTS)
+    return f"decode_{stage}<{rt}, {cw}, {int(fmt)}>", -(-columns // (8 * cw))

@@ -1,0 +1,1 @@
+"""Bridges from other libraries' loaded models to cupymoe layers (each needs that library: imported lazily)."""

@@ -1,0 +1,126 @@
+"""A loaded transformers model's MoE blocks -> what `cupymoe.MoeLayer.from_hf` takes.
+
+    for ref in moe_blocks(model):                       # every MoE block, in module order
+        config_dict, tensors, prefix = block_tensors(model, ref)
+        layer = cupymoe.MoeLayer.from_hf(config_dict, tensors, prefix, max_tokens=...)
+
+`tensors` are the block's own parameters and buffers (`state_dict()`: torch tensors sharing the
+model's memory, no copies), named as the model names them (`model.layers.3.mlp.gate.weight`):
+transformers 5's stacked experts (`experts.gate_up_proj`) are read by `cupymoe.hf_layouts`, and
+the prefix carries the layer index, so `MoeConfig.from_hf` checks the layer is an MoE one.
+Needs torch and transformers only at call time (this module imports neither).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from ..config import SUPPORTED_MODEL_TYPES
+from ..errors import CheckpointError, UnsupportedModelError
+
+__all__ = ["MoeBlockRef", "BlockOutput", "BLOCK_OUTPUT", "moe_blocks", "block_tensors", "replace_moe_blocks"]
+
+
+@dataclass(frozen=True)
+class MoeBlockRef:
+    """One MoE block of a loaded model."""
+
+    path: str  # module path, e.g. "model.layers.3.mlp" (model.get_submodule(path) is `module`)
+    layer_idx: int  # the decoder layer it sits in (LongCat: the block index, as its num_layers counts)
+    family: str  # the text config's model_type, one of config.SUPPORTED_MODEL_TYPES
+    module: Any  # the torch.nn.Module
+
+
+@dataclass(frozen=True)
+class BlockOutput:
+    """How a family's MoE block is called and what its `forward` returns (transformers 5.24)."""
+
+    block_class: str  # the block's class in modeling_<family>.py
+    returns_tuple: bool  # forward returns (hidden_states, extra) instead of hidden_states
+    extra: Optional[str]  # what the tuple's second element is (the decoder layer discards it)
+    router: str  # submodule whose forward's output[0] transformers records as `router_logits`
+
+
+# Every block takes hidden_states [batch, seq, H] (after the post-attention norm) and returns the
+# same shape and dtype; qwen / mixtral / gpt-oss unpack exactly three dims, deepseek / longcat any.
+INPUT_SHAPE = "[batch, seq, hidden]"
+BLOCK_OUTPUT: dict[str, BlockOutput] = {
+    "qwen3_moe": BlockOutput("Qwen3MoeSparseMoeBlock", False, None, "gate"),
+    "qwen2_moe": BlockOutput("Qwen2MoeSparseMoeBlock", False, None, "gate"),
+    "qwen3_next": BlockOutput("Qwen3NextSparseMoeBlock", False, None, "gate"),
+    "deepseek_v3": BlockOutput("DeepseekV3MoE", False, None, "gate"),
+    "mixtral": BlockOutput("MixtralSparseMoeBlock", False, None, "gate"),
+    # GptOssMLP.forward: (hidden [batch, seq, H], router_scores [batch * seq, k]: the softmax over
+    # the top-k logits); GptOssDecoderLayer does `hidden_states, _ = self.mlp(hidden_states)`
+    "gpt_oss": BlockOutput("GptOssMLP", True, "router_scores [batch * seq, k]", "router"),
+    "longcat_flash": BlockOutput("LongcatFlashMoE", False, None, "router"),
+}
+
+# `<anything>.layers.<i>.<mlp>`: where a decoder layer keeps its MLP (mixtral before transformers 5:
+# block_sparse_moe); a dense MLP (DeepSeek's first layers, Qwen's mlp_only_layers) has no experts.
+_BLOCK_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)$")
+
+
+def _text_config(model: Any) -> Any:
+    """The config of the model's decoder (a multimodal wrapper keeps it as its text config)."""
+    config = model.config
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES and hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"model_type={family!r} ({type(model).__name__}) is not supported; "
+                                    f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return config
+
+
+def moe_blocks(model: Any) -> list[MoeBlockRef]:
+    """Every MoE block of a loaded transformers model of a supported family, in module order.
+
+    A block is a decoder layer's MLP module that holds routed experts (an `experts` child).
+    Raises UnsupportedModelError for another family.
+    """
+    family = _text_config(model).model_type
+    refs = []
+    for path, module in model.named_modules():
+        m = _BLOCK_PATH.search(path)
+        if m and hasattr(module, "experts"):
+            refs.append(MoeBlockRef(path, int(m.group(1)), family, module))
+    return refs
+
+
+def block_tensors(model: Any, ref: MoeBlockRef) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """(config_dict, tensors, prefix) for `MoeLayer.from_hf` / `checkpoint.load_layer_from_tensors`.
+
+    tensors: the block's state_dict (parameters and persistent buffers, e.g. the correction
+    bias) under `prefix` = `ref.path + "."`: torch tensors sharing the model's memory. Refuses
+    a block whose weights are not materialised (offloaded to the meta device), naming the tensor.
+    """
+    config_dict = _text_config(model).to_dict()
+    prefix = ref.path + "."
+    tensors: dict[str, Any] = {}
+    for name, t in ref.module.state_dict().items():
+        if getattr(t, "is_meta", False):
+            raise CheckpointError(f"{prefix}{name} is on the meta device (offloaded or not loaded): "
+                                  "load the model's weights onto the CPU or a GPU first")
+        tensors[prefix + name] = t
+    return config_dict, tensors, prefix
+
+
+def replace_moe_blocks(model: Any, *, max_tokens: int, **options: Any) -> int:
+    """Replace every MoE block of `model` by a cupymoe layer; returns how many were replaced.
+
+    Not implemented here (it needs the GPU layer). The contract it is to follow: for each
+    `ref` of `moe_blocks(model)`, build `MoeLayer.from_hf(*block_tensors(model, ref),
+    max_tokens=max_tokens, **options)` on the device of the block's tensors, and set on the
+    parent module (`model.get_submodule(ref.path.rpartition(".")[0])`) in place of `ref.module`
+    a torch module whose forward takes hidden_states INPUT_SHAPE (flattened to [batch * seq,
+    H] rows, at most max_tokens per call), runs the layer on the current torch stream and
+    returns what BLOCK_OUTPUT[ref.family] says (gpt-oss: a tuple whose second element the
+    decoder layer discards). The model's router submodule (BLOCK_OUTPUT[...].router) is no
+    longer called, so `output_router_logits` records nothing for the replaced blocks.
+    """
+    raise NotImplementedError(
+        "replace_moe_blocks needs the GPU layer and is not written yet; build the layers with "
+        "moe_blocks(model) and block_tensors(model, ref) -> cupymoe.MoeLayer.from_hf(...)")

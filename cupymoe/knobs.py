@@ -1,0 +1,166 @@
+"""Every CUPYMOE_* environment knob, in one table: read once, validated, documented.
+
+A layer reads `Knobs.from_env()` once when it is built (a bad value is refused there, before
+anything is uploaded, never during a forward); the compiler reads the build knobs when it
+compiles. `python -m cupymoe knobs` prints the table. Measurement knobs force one choice of
+the dispatch for tests and benchmarks; the defaults are what the layer uses in service.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, fields
+from typing import Callable, Mapping, Optional
+
+from .errors import OptionError
+
+
+class Fp4Decode(str, enum.Enum):
+    AUTO = "auto"  # wgmma where its grid fills enough of a wave, mma below
+    MMA = "mma"
+    WGMMA = "wgmma"
+    CORES = "cores"  # decode.cu's CUDA-core readers
+
+
+class Fp8Decode(str, enum.Enum):
+    MMA = "mma"  # tensor cores (decode_mma.cu)
+    CORES = "cores"
+
+
+class W8a8Decode(str, enum.Enum):
+    AUTO = "auto"
+    MMA = "mma"
+    WGMMA = "wgmma"
+
+
+class DecodeRouter(str, enum.Enum):
+    AUTO = "auto"  # tensor cores from a measured number of multiply-adds
+    MMA = "mma"
+    CORES = "cores"
+
+
+def _on_off(name: str, v: str) -> bool:
+    if v not in ("0", "1"):
+        raise OptionError(f"{name}={v!r}: must be '0' or '1'")
+    return v == "1"
+
+
+def _count(name: str, v: str) -> int:
+    if not v.isdigit() or int(v) < 1:
+        raise OptionError(f"{name}={v!r}: must be a positive integer")
+    return int(v)
+
+
+def _choice(enum_type):
+    def parse(name: str, v: str):
+        try:
+            return enum_type(v)
+        except ValueError:
+            raise OptionError(f"{name}={v!r}: must be one of {[e.value for e in enum_type]}") from None
+    return parse
+
+
+def _variant(name: str, v: str) -> str:
+    from .tuning import TUNING
+
+    if v != "auto" and v not in TUNING.sm90_variants:
+        raise OptionError(f"{name}={v!r}: must be 'auto' or one of {sorted(TUNING.sm90_variants)}")
+    return v
+
+
+def _text(name: str, v: str) -> str:
+    return v
+
+
+# field name -> (environment variable, what it does, parser, default when unset)
+TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
+    # service
+    "cache_dir": ("CUPYMOE_CACHE_DIR", "where compiled kernels are cached (default ~/.cache/cupymoe)", _text, None),
+    "build_jobs": ("CUPYMOE_BUILD_JOBS", "threads compiling kernel modules at once (default: the CPUs)", _count,
+                   None),
+    "profile": ("CUPYMOE_PROFILE", "1: synchronise around each stage and log its microseconds (never under "
+                "capture)", lambda n, v: v not in ("", "0"), False),
+    "dump_dir": ("CUPYMOE_DUMP_DIR", "write the debug dumps of each forward here as .npy (never under capture)",
+                 _text, None),
+    "quiet": ("CUPYMOE_QUIET", "1: no console line when the kernels are compiled on first use", _on_off, False),
+    # measurement: force one choice of the dispatch
+    "fp4_decode": ("CUPYMOE_FP4_DECODE", "fp4 decode kernels: auto | mma | wgmma | cores", _choice(Fp4Decode),
+                   Fp4Decode.AUTO),
+    "fp8_decode": ("CUPYMOE_FP8_DECODE", "w8a16 fp8 decode: mma (tensor cores) | cores", _choice(Fp8Decode),
+                   Fp8Decode.MMA),
+    "w8a8_decode": ("CUPYMOE_W8A8_DECODE", "w8a8 decode kernels: auto | mma | wgmma", _choice(W8a8Decode),
+                    W8a8Decode.AUTO),
+    "decode_router": ("CUPYMOE_DECODE_ROUTER", "decode router: auto | mma (tensor cores, sm_90a) | cores",
+                      _choice(DecodeRouter), DecodeRouter.AUTO),
+    "pdl": ("CUPYMOE_PDL", "0: launch the decode chain without programmatic dependent launch", _on_off, True),
+    "topk_lists": ("CUPYMOE_TOPK_LISTS", "0: top-k and the expert lists as two launches past 8 decode rows",
+                   _on_off, True),
+    "mma_down_pairs": ("CUPYMOE_MMA_DECODE_DOWN_PAIRS", "0: the tensor-core decode's down at one fragment a warp",
+                       _on_off, True),
+    "mma_blocks_per_sm": ("CUPYMOE_MMA_DECODE_BLOCKS_PER_SM", "blocks an SM the tensor-core decode's K split aims "
+                          "for", _count, 1),
+    "fp4_down_tiles": ("CUPYMOE_FP4_DOWN_TILES", "128-row tiles a block of the wgmma fp4 down takes (default: the "
+                       "measured rule)", _count, None),
+    "sm90_variant": ("CUPYMOE_SM90_VARIANT", "the Hopper grouped GEMM variant of gate/up and down (auto or a name "
+                     "of the tuning table)", _variant, "auto"),
+    "sm90_down_variant": ("CUPYMOE_SM90_DOWN_VARIANT", "the Hopper grouped GEMM variant of down alone", _variant,
+                          "auto"),
+    "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
+                  None),
+    "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "
+                       "time)", _count, None),
+}
+
+# Knobs of tools, not of the package: documented here so the list is whole.
+TOOL_KNOBS = {
+    "CUPYMOE_TEST_SEED": "the GPU tests' random seed (replays a failing module's draws)",
+    "CUPYMOE_BASELINES": "a folder of peer baselines for python -m cupymoe bench",
+    "CUPYMOE_COMMIT": "the commit python -m cupymoe bench records where the tree has no .git",
+}
+
+
+@dataclass(frozen=True)
+class Knobs:
+    cache_dir: Optional[str] = None
+    build_jobs: Optional[int] = None
+    profile: bool = False
+    dump_dir: Optional[str] = None
+    quiet: bool = False
+    fp4_decode: Fp4Decode = Fp4Decode.AUTO
+    fp8_decode: Fp8Decode = Fp8Decode.MMA
+    w8a8_decode: W8a8Decode = W8a8Decode.AUTO
+    decode_router: DecodeRouter = DecodeRouter.AUTO
+    pdl: bool = True
+    topk_lists: bool = True
+    mma_down_pairs: bool = True
+    mma_blocks_per_sm: int = 1
+    fp4_down_tiles: Optional[int] = None
+    sm90_variant: str = "auto"
+    sm90_down_variant: str = "auto"
+    math_rows: Optional[int] = None
+    gemm_band_cols: Optional[int] = None
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Knobs":
+        """The knobs as `env` (default os.environ) sets them; a bad value is an OptionError naming it."""
+        env = os.environ if env is None else env
+        values = {}
+        for f in fields(cls):
+            name, _, parse, default = TABLE[f.name]
+            raw = env.get(name)
+            values[f.name] = default if raw is None else parse(name, raw)
+        return cls(**values)
+
+
+def describe() -> str:
+    """The knob table as text (python -m cupymoe knobs)."""
+    lines = [f"{name:<34} {doc} (default {default!r})" for name, doc, _, default in
+             ((t[0], t[1], t[2], getattr(t[3], "value", t[3])) for t in TABLE.values())]
+    lines += [f"{name:<34} {doc}" for name, doc in TOOL_KNOBS.items()]
+    return "\n".join(lines)
+
+
+def current() -> Knobs:
+    """Knobs.from_env() of this moment (layers call it once, when built)."""
+    return Knobs.from_env()

@@ -1,0 +1,381 @@
+"""What runs: the layer's static choices (LayerPlan) and a forward's launches (ForwardPlan).
+
+A LayerPlan holds every choice that needs only the config, the weights' formats and sizes,
+the knobs and the GPU's arch: made once when a layer is built (and by `python -m cupymoe
+inspect` without a GPU). A ForwardPlan is what one forward enqueues: its ordered steps, each
+launch with its kernel, grid, block, shared memory, PDL or not and its arguments by name.
+Arguments name device buffers symbolically (Buf), the call's own pointers (CallValue) and
+values of the row count (PerN), so one plan is pure data: a CPU test can build and read any
+plan, and cupymoe/launch.py binds it to addresses once. cupymoe/forward_plan.py builds them.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping, Optional, Union
+
+from . import catalog as C
+from .catalog import GemmMode, WeightFormat
+from .config import MoeConfig
+from .errors import OptionError, PathUnavailableError, UnsupportedFormatError
+from .knobs import DecodeRouter, Fp4Decode, Fp8Decode, Knobs, W8a8Decode
+from .tuning import TUNING
+
+
+class Path(str, enum.Enum):
+    """A forward path (DESIGN.md section 3)."""
+
+    DECODE = "decode"  # a launch a stage for all rows, each chosen expert's weights read once
+    ATOMIC = "atomic"  # decode, down accumulating with fp32 atomics (not bit-reproducible)
+    PREFILL = "prefill"  # rows sorted by expert, grouped tensor-core GEMMs, a weighted reduce
+
+
+PATH_NAMES = ("auto",) + tuple(p.value for p in Path)
+
+
+class Stage(str, enum.Enum):
+    """A forward's stages: each is an NVTX range and a CUPYMOE_PROFILE timing."""
+
+    ROUTER = "router"
+    TOPK = "topk"
+    NORM = "norm"
+    SORT = "sort"
+    GATE_UP = "gate_up"
+    DOWN = "down"
+    REDUCE = "reduce"
+    ALL_REDUCE = "all_reduce"
+
+
+class Fp8Compute(str, enum.Enum):
+    W8A8 = "w8a8"  # e4m3 tensor cores, activations quantized a row and 128 columns (sm_90a)
+    W8A16 = "w8a16"  # weights dequantized to bf16 in registers
+
+
+FP8_COMPUTE_NAMES = ("auto", "w8a8", "w8a16")
+
+
+class Space(str, enum.Enum):
+    """Where a named device buffer lives."""
+
+    WEIGHTS = "weights"  # the layer's weights and per-slot tables (cupymoe/weights.py)
+    SCRATCH = "scratch"  # the workspace the layer runs on (cupymoe/workspace.py)
+    LAYER = "layer"  # the layer's own small state: error bits, tensor maps
+
+
+class ArgType(enum.Enum):
+    U64 = "u64"  # a pointer or 64-bit count
+    I32 = "i32"
+    F32 = "f32"
+
+
+class CallValue(enum.Enum):
+    """The values only a call knows."""
+
+    INPUT = "x"
+    OUTPUT = "out"
+    TOKEN_IDS = "token_ids"
+
+
+@dataclass(frozen=True)
+class Buf:
+    space: Space
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.space.value}.{self.name}"
+
+
+@dataclass(frozen=True)
+class PerN:
+    """A value of the call's row count N (the same name is the same function in one plan)."""
+
+    name: str
+    fn: Callable[[int], int] = field(compare=False, repr=False)
+
+    def __str__(self) -> str:
+        return f"<{self.name}>"
+
+
+Value = Union[int, float, Buf, CallValue, PerN]
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    type: ArgType
+    value: Value
+
+
+@dataclass(frozen=True)
+class Launch:
+    stage: Stage
+    kernel: str  # a name expression of cupymoe/jit.py's MODULES
+    grid: tuple
+    block: tuple
+    args: tuple[Arg, ...]
+    smem: Union[int, PerN] = 0
+    pdl: bool = False  # programmatic dependent launch (the kernel waits for the previous one itself)
+
+    def arg(self, name: str) -> Value:
+        for a in self.args:
+            if a.name == name:
+                return a.value
+        raise KeyError(f"{self.kernel} has no argument {name!r}")
+
+
+@dataclass(frozen=True)
+class Memset:
+    """Zero `words` 32-bit words of a buffer (the atomic path's accumulator)."""
+
+    stage: Stage
+    buffer: Buf
+    words: Union[int, PerN]
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """Sum the ranks' partial outputs in place (expert parallelism), on the forward's stream."""
+
+    stage: Stage
+    nbytes: Union[int, PerN]
+
+
+Step = Union[Launch, Memset, AllReduce]
+
+
+def _at(v, n: int):
+    return v.fn(n) if isinstance(v, PerN) else v
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """One forward's steps: on the decode paths for one row count, on prefill for every row count
+    of one shape (`shape`: the launches are the same, their row-count values PerN)."""
+
+    path: Optional[Path]
+    steps: tuple[Step, ...]
+    built_for: int  # the row count it was built for
+    shape: Optional[object] = None  # forward_plan.PrefillShape of a prefill plan
+
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        return tuple(s for s in self.steps if isinstance(s, Launch))
+
+    def at(self, n: int) -> "ForwardPlan":
+        """This plan with every row-count value evaluated at `n` rows."""
+        steps = []
+        for s in self.steps:
+            if isinstance(s, Launch):
+                s = replace(s, grid=tuple(_at(g, n) for g in s.grid), smem=_at(s.smem, n),
+                            args=tuple(replace(a, value=_at(a.value, n)) for a in s.args))
+            elif isinstance(s, Memset):
+                s = replace(s, words=_at(s.words, n))
+            else:
+                s = replace(s, nbytes=_at(s.nbytes, n))
+            steps.append(s)
+        return replace(self, steps=tuple(steps), built_for=n)
+
+    def describe(self) -> str:
+        """The launches as text, one a line (kernel, grid, block, shared memory, PDL)."""
+        serves = f"N = {self.built_for}" if self.shape is None else f"every N of {self.shape}"
+        lines = [f"{self.path.value if self.path else '-'} plan for {serves}:"]
+        for s in self.steps:
+            if isinstance(s, Launch):
+                grid = "x".join(str(g) for g in s.grid)
+                lines.append(f"  {s.stage.value:<10} {s.kernel:<48} grid {grid:<18} block {s.block[0]:<4} "
+                             f"smem {s.smem}{' pdl' if s.pdl else ''}")
+            else:
+                lines.append(f"  {s.stage.value:<10} {type(s).__name__}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the plans need of a GPU."""
+
+    arch: str  # the arch the kernels are compiled for, e.g. "sm_90a"
+    sm_count: int
+    max_smem: int  # dynamic shared memory a block may opt in to
+
+    @classmethod
+    def h200(cls) -> "DeviceFacts":
+        """The H200 the tuning table was measured on (for plans built without a GPU)."""
+        return cls("sm_90a", 132, 232448)
+
+    @property
+    def hopper(self) -> bool:
+        return self.arch == "sm_90a"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Every choice a layer makes before its first forward, from the config, its weights'
+    formats and sizes, the knobs and the arch."""
+
+    cfg: MoeConfig
+    n_local: int  # routed experts on this GPU (table slots 0..n_local-1; the shared expert is slot n_local)
+    i_max: int  # the largest intermediate size of its experts
+    routed_format: WeightFormat
+    shared_format: Optional[WeightFormat]
+    decode_max_tokens: int  # rows the decode and atomic paths serve (their scratch is sized for it)
+    atomic_max_tokens: int
+    row_invariant: bool
+    formats: tuple[WeightFormat, ...]  # the expert kernels run once a format present
+    fp8_compute: Optional[Fp8Compute]  # fp8-block experts' compute; None without them
+    sm90: Mapping[GemmMode, C.Sm90Variant]  # the Hopper GEMM variant of gate/up, down, the router
+    gathers_rows: bool  # gate/up on TMA reads its inputs gathered into xg
+    math_rows: int  # rows per expert from which the grouped GEMMs take 128-row tiles
+    w8a8_shared_x: bool  # an fp8 shared expert behind a pre-expert norm: x gets its own e4m3 copy
+    mma_decode_formats: tuple[WeightFormat, ...]  # formats whose decode runs on tensor cores
+    fp4_decode: Fp4Decode
+    fp4_wgmma_ok: bool  # every K the fp4 wgmma decode reads is a multiple of 128 (and sm_90a)
+    w8a8_decode: W8a8Decode
+    mma_blocks_per_sm: int
+    mma_down_pairs: bool
+    fp4_down_tiles: Optional[int]  # forced by CUPYMOE_FP4_DOWN_TILES
+    topk_lists: bool
+    decode_router: DecodeRouter  # resolved for the arch (tensor cores need sm_90a)
+    pdl: bool  # resolved for the arch (sm_90+)
+    all_reduce: bool  # expert parallelism with a communicator: the partials are summed last
+
+    @property
+    def w8a8(self) -> bool:
+        return self.fp8_compute == Fp8Compute.W8A8
+
+    @property
+    def tma(self) -> bool:
+        """Whether gate/up or down runs on the TMA kernel (the layer then has tensor maps)."""
+        return bool(self.sm90[GemmMode.GATE_UP].tma or self.sm90[GemmMode.DOWN].tma)
+
+    @property
+    def has_shared(self) -> int:
+        return 1 if self.cfg.has_shared_expert else 0
+
+
+def resolve_fp8_compute(fp8_compute: str, formats: tuple[WeightFormat, ...], arch: str) -> Optional[Fp8Compute]:
+    """fp8-block experts: w8a8 (e4m3 tensor cores) on sm_90a unless w8a16 is asked for."""
+    if fp8_compute not in FP8_COMPUTE_NAMES:
+        raise OptionError(f"fp8_compute={fp8_compute!r}: must be one of {FP8_COMPUTE_NAMES}")
+    if WeightFormat.FP8_BLOCK not in formats:
+        if fp8_compute == "w8a8":
+            raise UnsupportedFormatError("fp8_compute='w8a8' needs fp8_block experts; this layer's are "
+                                         f"{[f.label for f in formats]}")
+        return None
+    if arch != "sm_90a":
+        if fp8_compute == "w8a8":
+            raise UnsupportedFormatError(f"fp8_compute='w8a8' needs sm_90a (wgmma e4m3); this device is "
+                                         f"{arch}: use fp8_compute='w8a16'")
+        return Fp8Compute.W8A16
+    return Fp8Compute.W8A16 if fp8_compute == "w8a16" else Fp8Compute.W8A8
+
+
+def sm90_variant_for(intermediate: int, mode: GemmMode, knobs: Knobs) -> str:
+    """The Hopper GEMM variant for gate/up or down of a layer of this routed intermediate size."""
+    auto = TUNING.sm90_auto
+    v = knobs.sm90_variant
+    if v == "auto" and mode == GemmMode.DOWN:
+        v = auto.down if intermediate < auto.down_192_max_intermediate else auto.down_long_k
+    elif v == "auto":
+        v = auto.gate_up_gather if intermediate < auto.gather_max_intermediate else auto.gate_up
+    if mode == GemmMode.DOWN and knobs.sm90_down_variant != "auto":
+        v = knobs.sm90_down_variant
+    return v
+
+
+def _sm90_plan(cfg: MoeConfig, formats: tuple[WeightFormat, ...], arch: str, row_invariant: bool,
+               knobs: Knobs) -> dict[GemmMode, C.Sm90Variant]:
+    """The Hopper GEMM of gate/up, down and the router: the TMA kernel serves bf16 experts only
+    (others take twin's tiles by cp.async); the router keeps the cp.async kernel."""
+    variants = TUNING.sm90_variants
+    sm90 = {m: variants[sm90_variant_for(cfg.moe_intermediate_size, m, knobs)]
+            for m in (GemmMode.GATE_UP, GemmMode.DOWN)}
+    twin = variants["twin"]
+    tma_ok = arch == "sm_90a" and not row_invariant and all(variants["tma"].serves(f, 0) for f in formats)
+    sm90 = {m: twin if v.tma and not tma_ok else v for m, v in sm90.items()}
+    sm90[GemmMode.ROUTER] = twin if sm90[GemmMode.GATE_UP].tma else sm90[GemmMode.GATE_UP]
+    return sm90
+
+
+def mma_decode_formats(knobs: Knobs, mxfp4_scale_bytes: Optional[tuple[int, int]]) -> tuple[WeightFormat, ...]:
+    """Formats the decode path runs on tensor cores: fp4 (mxfp4 only where its scale bytes lie in
+    the served range) unless CUPYMOE_FP4_DECODE=cores, fp8 unless CUPYMOE_FP8_DECODE=cores."""
+    out: tuple[WeightFormat, ...] = ()
+    if knobs.fp4_decode != Fp4Decode.CORES:
+        lo, hi = C.FP4_MMA_MXFP4_SCALE_BYTES
+        mx_ok = mxfp4_scale_bytes is None or (lo <= mxfp4_scale_bytes[0] and mxfp4_scale_bytes[1] <= hi)
+        out = tuple(f for f in C.FP4_DECODE_FORMATS if f != WeightFormat.MXFP4 or mx_ok)
+    if knobs.fp8_decode == Fp8Decode.MMA:
+        out += (WeightFormat.FP8_BLOCK,)
+    return out
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """The keyword options of MoeLayer that shape its plans (validated by plan_layer)."""
+
+    row_invariant: bool = False
+    fp8_compute: str = "auto"
+    decode_max_tokens: Optional[int] = None
+    atomic_max_tokens: Optional[int] = None
+    all_reduce: bool = False
+
+
+def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str], arch: str, *,
+               n_local: Optional[int] = None, options: LayerOptions = LayerOptions(),
+               knobs: Optional[Knobs] = None, mxfp4_scale_bytes: Optional[tuple[int, int]] = None) -> LayerPlan:
+    """A layer's choices for routed experts of `routed_format` (and a shared expert of
+    `shared_format`, None without one) on a GPU the kernels are compiled for as `arch`."""
+    knobs = knobs or Knobs.from_env()
+    routed = WeightFormat.named(routed_format)
+    shared = WeightFormat.named(shared_format) if shared_format else None
+    formats = tuple(dict.fromkeys([routed] + ([shared] if shared is not None else [])))
+    fp8 = resolve_fp8_compute(options.fp8_compute, formats, arch)
+    dmax = options.decode_max_tokens
+    dmax = max(1, int(TUNING.decode_max_tokens.get(routed.label, TUNING.decode_max_tokens["bf16"])
+                      if dmax is None else dmax))
+    amax = TUNING.atomic_max_tokens if options.atomic_max_tokens is None else int(options.atomic_max_tokens)
+    sm90 = _sm90_plan(cfg, formats, arch, options.row_invariant, knobs)
+    hopper = arch == "sm_90a" and not options.row_invariant
+    wgmma = hopper and sm90[GemmMode.GATE_UP].serves(routed)
+    n_local = cfg.experts_per_rank if n_local is None else int(n_local)
+    i_max = max(cfg.moe_intermediate_size if n_local else 0, cfg.shared_expert_intermediate_size)
+    fp4_ks = [cfg.hidden_size] + [i for f, i in ((routed, cfg.moe_intermediate_size),
+                                                 (shared, cfg.shared_expert_intermediate_size))
+                                  if f is not None and f.is_fp4]
+    cc = int(re.match(r"sm_(\d+)", arch).group(1))
+    return LayerPlan(
+        cfg=cfg, n_local=n_local, i_max=i_max,
+        routed_format=routed, shared_format=shared, decode_max_tokens=dmax,
+        atomic_max_tokens=min(amax, dmax), row_invariant=bool(options.row_invariant), formats=formats,
+        fp8_compute=fp8, sm90=sm90, gathers_rows=bool(sm90[GemmMode.GATE_UP].tma and not sm90[GemmMode.GATE_UP].gather),
+        math_rows=knobs.math_rows or TUNING.math_rows_per_expert["wgmma" if wgmma else "mma"],
+        w8a8_shared_x=fp8 == Fp8Compute.W8A8 and shared == WeightFormat.FP8_BLOCK and cfg.pre_expert_norm,
+        mma_decode_formats=mma_decode_formats(knobs, mxfp4_scale_bytes), fp4_decode=knobs.fp4_decode,
+        fp4_wgmma_ok=arch == "sm_90a" and all(K % 128 == 0 for K in fp4_ks), w8a8_decode=knobs.w8a8_decode,
+        mma_blocks_per_sm=knobs.mma_blocks_per_sm, mma_down_pairs=knobs.mma_down_pairs,
+        fp4_down_tiles=knobs.fp4_down_tiles, topk_lists=knobs.topk_lists,
+        decode_router=knobs.decode_router if arch == "sm_90a" else DecodeRouter.CORES,
+        pdl=knobs.pdl and cc >= 90, all_reduce=bool(options.all_reduce),
+    )
+
+
+def choose_path(lp: LayerPlan, path: str, num_tokens: int) -> str:
+    """The path a forward of `num_tokens` rows takes when `path` ("auto" or a forced one) is asked."""
+    if path not in PATH_NAMES:
+        raise PathUnavailableError(f"path={path!r}: must be one of {PATH_NAMES}")
+    if path == "auto":
+        return "prefill" if lp.row_invariant or num_tokens > lp.decode_max_tokens else "decode"
+    if lp.row_invariant and path != "prefill":
+        raise PathUnavailableError(f"path={path!r} with row_invariant=True: row-invariant layers run the grouped "
+                                   "path at every N, so a row's bits do not depend on N or on the path; use "
+                                   "path='auto' or 'prefill'")
+    if path in ("decode", "atomic") and num_tokens > lp.decode_max_tokens:
+        raise PathUnavailableError(f"path={path!r} serves num_tokens <= decode_max_tokens={lp.decode_max_tokens}, "
+                                   f"got {num_tokens} (its scratch is sized for that; raise decode_max_tokens at "
+                                   "construction)")
+    if path == "atomic" and num_tokens > lp.atomic_max_tokens:
+        raise PathUnavailableError(f"path='atomic' serves num_tokens <= {lp.atomic_max_tokens} (atomic_max_tokens), "
+                                   f"got {num_tokens}")
+    return path

@@ -1,0 +1,305 @@
+"""Scratch: a layer's per-call buffers, planned with declared aliases, in a Workspace layers share.
+
+Each layer plans its scratch (`layer_scratch`): named buffers, each with the stages in which
+it is live (first write .. last read); byte sharing is declared in ONE alias table, and
+`plan_scratch` proves before anything is allocated that no two buffers whose bytes overlap
+are live in the same stage. An undeclared alias cannot be written here.
+
+A Workspace is one device allocation with fixed addresses (what makes a captured graph safe
+to replay): a zeroed region (the w8a8 decode's tickets, zeros between forwards) and a scratch
+region every layer built on it lays its own plan over. Layers sharing a workspace must run
+in turn on one stream; the same layers run on a second stream at once through a second
+workspace (`MoeLayer.with_workspace`). A workspace used from a new stream orders itself after
+the work already enqueued on the old one (an event wait), and refuses the switch where that
+cannot be done: a capture that would follow eager work still running.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence, Union
+
+from .config import MoeConfig
+from .errors import ArenaError, BufferTooSmallError, WorkspaceError
+from . import catalog as C
+
+ALIGN = 256  # bytes: every buffer starts on a 256-byte boundary (16-byte vectors, TMA)
+STAGES = ("route", "norm", "sort", "gate_up", "down", "reduce")  # the lifetimes' stages
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    name: str
+    nbytes: int
+    first: str  # stage of the first write
+    last: str  # stage of the last read
+
+
+@dataclass(frozen=True)
+class Placement:
+    name: str
+    offset: int
+    nbytes: int
+    live: tuple[int, int]  # stage indices, inclusive
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class ScratchPlan:
+    stages: tuple[str, ...]
+    placements: dict[str, Placement]
+    total_bytes: int
+
+    def overlapping_pairs(self) -> list[tuple[str, str]]:
+        """Every pair of buffers whose byte ranges overlap (declared aliases)."""
+        items = sorted(self.placements.values(), key=lambda p: p.offset)
+        out = []
+        for i, a in enumerate(items):
+            for b in items[i + 1:]:
+                if b.offset >= a.offset + a.nbytes:
+                    break
+                if a.nbytes and b.nbytes:
+                    out.append((a.name, b.name))
+        return out
+
+
+def _check_specs(stages: Sequence[str], buffers: Iterable[BufferSpec]) -> tuple[dict, dict]:
+    stage_idx = {s: i for i, s in enumerate(stages)}
+    if len(stage_idx) != len(stages):
+        raise ArenaError(f"duplicate stage names in {list(stages)}")
+    specs: dict[str, BufferSpec] = {}
+    live: dict[str, tuple[int, int]] = {}
+    for b in buffers:
+        if b.name in specs:
+            raise ArenaError(f"buffer {b.name!r} declared twice")
+        for s in (b.first, b.last):
+            if s not in stage_idx:
+                raise ArenaError(f"buffer {b.name!r}: unknown stage {s!r}; stages are {list(stages)}")
+        lo, hi = stage_idx[b.first], stage_idx[b.last]
+        if lo > hi:
+            raise ArenaError(f"buffer {b.name!r}: first stage {b.first!r} comes after last stage {b.last!r}")
+        if isinstance(b.nbytes, bool) or not isinstance(b.nbytes, int) or b.nbytes < 0:
+            raise ArenaError(f"buffer {b.name!r}: size {b.nbytes!r} must be a whole number of bytes >= 0")
+        specs[b.name] = b
+        live[b.name] = (lo, hi)
+    return specs, live
+
+
+def plan_scratch(stages: Sequence[str], buffers: Iterable[BufferSpec],
+                 aliases: Sequence[Sequence[str]] = ()) -> ScratchPlan:
+    """Lay the buffers out, aliasing only inside declared groups, and prove it safe: each alias
+    group shares one region sized for its largest member, every other buffer has bytes of its
+    own, and every overlapping pair must have disjoint live ranges."""
+    specs, live = _check_specs(stages, buffers)
+    group_of: dict[str, int] = {}
+    for gi, group in enumerate(aliases):
+        for name in group:
+            if name not in specs:
+                raise ArenaError(f"alias table names unknown buffer {name!r}")
+            if name in group_of:
+                raise ArenaError(f"buffer {name!r} appears in two alias groups")
+            group_of[name] = gi
+    placements: dict[str, Placement] = {}
+    offset = 0
+    done_groups: set[int] = set()
+    for name, spec in specs.items():
+        gi = group_of.get(name)
+        if gi is None:
+            placements[name] = Placement(name, offset, spec.nbytes, live[name])
+            offset += _align(spec.nbytes)
+        elif gi not in done_groups:
+            done_groups.add(gi)
+            for m in aliases[gi]:
+                placements[m] = Placement(m, offset, specs[m].nbytes, live[m])
+            offset += _align(max(specs[m].nbytes for m in aliases[gi]))
+    plan = ScratchPlan(tuple(stages), placements, max(offset, ALIGN))
+    for a, b in plan.overlapping_pairs():
+        (alo, ahi), (blo, bhi) = live[a], live[b]
+        if alo <= bhi and blo <= ahi:
+            both = [stages[i] for i in range(max(alo, blo), min(ahi, bhi) + 1)]
+            raise ArenaError(f"alias table lets {a!r} (live {stages[alo]}..{stages[ahi]}) and {b!r} "
+                             f"(live {stages[blo]}..{stages[bhi]}) share bytes while both are live in {both}")
+    return plan
+
+
+def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, decode_max_tokens: int,
+                  w8a8: bool = False, w8a8_shared_x: bool = False, gathered_inputs: bool = False) -> ScratchPlan:
+    """A layer's buffers, their live stages and the ONE alias table. `w8a8`: the e4m3 copies of
+    the expert input and of the activation with their scales a 128 columns; `w8a8_shared_x`: x's
+    too (an fp8 shared expert behind a pre-expert norm); `gathered_inputs`: xg, the expert
+    inputs in sorted order (the TMA GEMM's gate/up A)."""
+    T, k, H, R = max_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.router_width
+    sh = 1 if cfg.has_shared_expert else 0
+    P = T * k + sh * T  # expert positions: every routed pair, plus one shared row a token
+    Td = min(T, decode_max_tokens)
+    Pd = Td * k + sh * Td
+    tiles = C.max_tiles(T, k, n_local, bool(sh)) * 16
+    kb_h, kb_i = -(-H // 128), -(-i_max // 128)
+    buffers = [
+        BufferSpec("logits", T * R * 4 * C.ROUTER_MAX_SPLITS, "route", "route"),  # a split router's copies
+        BufferSpec("topk_ids", T * k * 4, "route", "reduce"),
+        BufferSpec("topk_w", T * k * 4, "route", "reduce"),
+        BufferSpec("xe", T * H * 2 if cfg.pre_expert_norm else 0, "norm", "reduce"),
+        BufferSpec("block_counts", -(-T * k // C.SORT_BLOCK) * n_local * 4, "sort", "sort"),
+        BufferSpec("num_active", 4, "sort", "down"),
+        BufferSpec("active_slot", (n_local + 1) * 4, "sort", "down"),
+        BufferSpec("active_start", (n_local + 1) * 4, "sort", "down"),
+        BufferSpec("active_len", (n_local + 1) * 4, "sort", "down"),
+        BufferSpec("num_tiles", 4, "sort", "down"),  # the grouped GEMMs' M tiles
+        BufferSpec("tile_info", tiles, "sort", "down"),
+        BufferSpec("num_tiles_down", 4, "sort", "down"),  # down's where their height differs
+        BufferSpec("tile_info_down", tiles, "sort", "down"),
+        BufferSpec("sorted_row", P * 4, "sort", "gate_up"),
+        BufferSpec("sorted_pair", P * 4, "sort", "down"),
+        BufferSpec("pair_pos", (T * k + T) * 4, "sort", "reduce"),
+        BufferSpec("slot_active", (n_local + 1) * 4, "sort", "gate_up"),  # decode lists: slot -> active index
+        BufferSpec("xg", P * H * 2 if gathered_inputs else 0, "gate_up", "gate_up"),
+        BufferSpec("act", P * i_max * 2, "gate_up", "down"),
+        BufferSpec("y", Pd * H * 4, "down", "reduce"),  # decode: fp32 expert outputs
+        BufferSpec("yw", P * H * 2, "down", "reduce"),  # grouped: weighted bf16 expert outputs
+        BufferSpec("acc", Td * H * 4, "sort", "reduce"),  # atomic path: zeroed in 'sort'
+        # w8a8: e4m3 codes and a scale a 128 columns of x (made while routing), of the norm's
+        # output (by the norm) and of the activation (by gate/up)
+        BufferSpec("qx", T * H if w8a8 else 0, "route", "gate_up"),
+        BufferSpec("sx", T * kb_h * 4 if w8a8 else 0, "route", "gate_up"),
+        BufferSpec("qx_shared", T * H if w8a8_shared_x else 0, "route", "gate_up"),
+        BufferSpec("sx_shared", T * kb_h * 4 if w8a8_shared_x else 0, "route", "gate_up"),
+        BufferSpec("qact", P * i_max if w8a8 else 0, "gate_up", "down"),
+        BufferSpec("sact", P * kb_i * 4 if w8a8 else 0, "gate_up", "down"),
+    ]
+    # logits die once top-k has read them, act is born at gate_up; xg dies in gate_up, yw is born in down
+    return plan_scratch(STAGES, buffers, [("logits", "act"), ("xg", "yw")])
+
+
+def zeroed_bytes(n_local: int, i_max: int, w8a8: bool) -> int:
+    """The zeroed region a layer needs: the w8a8 decode gate/up's tickets (a counter a slot and
+    128 activation columns; its last blocks reset them, so they are zeros between forwards)."""
+    return (n_local + 1) * -(-i_max // 128) * 4 if w8a8 else 0
+
+
+@dataclass(frozen=True)
+class WorkspaceNeed:
+    """The bytes a layer needs of a workspace; `a | b` needs what either does."""
+
+    scratch_bytes: int
+    zeroed_bytes: int = 0
+
+    def __or__(self, other: "WorkspaceNeed") -> "WorkspaceNeed":
+        return WorkspaceNeed(max(self.scratch_bytes, other.scratch_bytes), max(self.zeroed_bytes, other.zeroed_bytes))
+
+    @property
+    def total_bytes(self) -> int:
+        return _align(self.zeroed_bytes) + _align(self.scratch_bytes)
+
+
+class Workspace:
+    """Scratch for a set of layers that run in turn on one stream: one fixed allocation.
+
+    `Workspace(need)`: a WorkspaceNeed (e.g. `WorkspaceNeed | ...` over the layers, or
+    `MoeLayer.workspace_need(...)`) or a number of scratch bytes."""
+
+    def __init__(self, need: Union[WorkspaceNeed, int], *, device: Optional[int] = None):
+        import cupy
+
+        if isinstance(need, int) and not isinstance(need, bool):
+            need = WorkspaceNeed(need)
+        if not isinstance(need, WorkspaceNeed) or need.scratch_bytes < 0 or need.zeroed_bytes < 0:
+            raise WorkspaceError(f"Workspace({need!r}): give a WorkspaceNeed or a number of bytes >= 0")
+        self.need = need
+        self.device_id = cupy.cuda.runtime.getDevice() if device is None else int(device)
+        self.zeroed_bytes = _align(need.zeroed_bytes)
+        with cupy.cuda.Device(self.device_id):
+            self._mem = cupy.cuda.memory.Memory(max(ALIGN, need.total_bytes))  # never moves: graphs stay valid
+            self.base = int(self._mem.ptr)
+            if self.zeroed_bytes:
+                cupy.cuda.runtime.memset(self.base, 0, self.zeroed_bytes)
+        self.scratch_base = self.base + self.zeroed_bytes
+        self.scratch_bytes = _align(need.scratch_bytes)
+        self._stream: Optional[int] = None
+
+    @classmethod
+    def for_layers(cls, needs: Iterable[WorkspaceNeed], *, device: Optional[int] = None) -> "Workspace":
+        total = WorkspaceNeed(0)
+        for n in needs:
+            total = total | n
+        return cls(total, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.zeroed_bytes + self.scratch_bytes
+
+    def check_fits(self, need: WorkspaceNeed, what: str) -> None:
+        if need.scratch_bytes > self.scratch_bytes or need.zeroed_bytes > self.zeroed_bytes:
+            raise WorkspaceError(f"workspace too small for {what}: needs {need.scratch_bytes} bytes of scratch and "
+                                 f"{need.zeroed_bytes} zeroed, has {self.scratch_bytes} and {self.zeroed_bytes}; "
+                                 "size it with Workspace.for_layers over every layer that shares it")
+
+    def use(self, stream: int) -> None:
+        """A forward is about to be enqueued on `stream`: order it after the work of the stream the
+        workspace was last used from (or refuse, where a capture would have to wait for eager work)."""
+        prev = self._stream
+        if prev != stream:
+            if prev is not None:
+                _order_streams(prev, stream, self)
+            self._stream = stream
+
+    def __repr__(self) -> str:
+        return (f"Workspace(device {self.device_id}, {self.scratch_bytes} bytes scratch + {self.zeroed_bytes} "
+                f"zeroed at 0x{self.base:x})")
+
+
+def _order_streams(prev: int, new: int, ws: Workspace) -> None:
+    from .launch import Driver
+
+    if Driver.is_capturing(prev):
+        return  # nothing of it has run yet; its replays are ordered by whoever launches them
+    if Driver.is_capturing(new):
+        if not Driver.is_idle(prev):
+            raise WorkspaceError(f"{ws!r}: a capture on stream 0x{new:x} would reuse scratch that work still "
+                                 f"running on stream 0x{prev:x} uses; synchronize that stream first or give the "
+                                 "captured layers their own Workspace (MoeLayer.with_workspace)")
+        return
+    Driver.order(prev, new)
+
+
+def layer_need(lp, max_tokens: int) -> tuple[ScratchPlan, WorkspaceNeed]:
+    """A layer's scratch plan (`lp` a plan.LayerPlan) and what it needs of a workspace at `max_tokens`."""
+    plan = layer_scratch(lp.cfg, max_tokens, lp.n_local, lp.i_max, lp.decode_max_tokens, lp.w8a8,
+                         lp.w8a8_shared_x, lp.gathers_rows)
+    return plan, WorkspaceNeed(plan.total_bytes, zeroed_bytes(lp.n_local, lp.i_max, lp.w8a8))
+
+
+class ScratchView:
+    """A layer's scratch plan laid over a workspace: its buffers by name, as addresses (the
+    scratch from `scratch_base`, the w8a8 tickets at the zeroed region's `zeroed_base`)."""
+
+    def __init__(self, plan: ScratchPlan, scratch_base: int, zeroed_base: int, zeroed_bytes: int):
+        self.plan = plan
+        self.zeroed_bytes = zeroed_bytes
+        self._ptrs = {name: scratch_base + p.offset for name, p in plan.placements.items()}
+        self._ptrs["act_tickets"] = zeroed_base
+
+    @classmethod
+    def on(cls, plan: ScratchPlan, ws: "Workspace") -> "ScratchView":
+        return cls(plan, ws.scratch_base, ws.base, ws.zeroed_bytes)
+
+    def ptr(self, name: str) -> int:
+        try:
+            return self._ptrs[name]
+        except KeyError:
+            raise ArenaError(f"scratch has no buffer {name!r}; buffers: {sorted(self._ptrs)}") from None
+
+    def nbytes(self, name: str) -> int:
+        if name == "act_tickets":
+            return self.zeroed_bytes
+        return self.plan.placements[name].nbytes
+
+    def require(self, name: str, nbytes: int) -> int:
+        """The buffer's address, after checking it holds `nbytes` (a named error if not)."""
+        have = self.nbytes(name)
+        if nbytes > have:
+            raise BufferTooSmallError(f"{name} too small: need {nbytes} bytes, have {have}")
+        return self.ptr(name)

@@ -1,0 +1,213 @@
+"""cupymoe.integrations.transformers and hf_layouts against transformers 5's own MoE blocks (CPU).
+
+For each family a tiny random model is built with AutoModelForCausalLM.from_config (float64,
+the eager per-expert loop), its weights rounded to bf16 values (the loader keeps float32, so
+float64 weights would be rounded there). Every MoE block is found (moe_blocks), converted
+(block_tensors -> checkpoint.load_layer_from_tensors, which is what MoeLayer.from_hf runs)
+and compared with the block's own forward:
+
+* with the routing cupymoe.reference computes fed to the block in place of its router's, the
+  rest of the block (the stacked experts' halves, shared experts, gates, identity experts)
+  agrees to float64 rounding (1e-12 normwise);
+* unpatched, to 1e-6: transformers computes the routing weights in float32 in every family
+  but gpt-oss (softmax(dtype=torch.float), DeepSeek's and LongCat's routers in float32).
+
+Needs torch and transformers (not among the test dependencies: skipped without them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupymoe import checkpoint, hf_layouts, reference, testing
+from cupymoe.errors import CheckpointError, UnsupportedModelError
+from cupymoe.integrations import transformers as hf
+from cupymoe.verify import well_separated_input
+
+torch = pytest.importorskip("torch", reason="needs torch (the cross-check runs transformers' modules)")
+transformers = pytest.importorskip("transformers", reason="needs transformers")
+
+FLOAT64_BOUND = 1e-12  # normwise, both sides in float64
+FLOAT32_ROUTING_BOUND = 1e-6  # normwise: float32 routing weights (~6e-8 each) and nothing else
+ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # small: only the MoE blocks run
+
+
+def _model(family, dtype=torch.float64, **overrides):
+    config = {k: v for k, v in testing.hf_config_dict(family, **overrides).items() if k != "architectures"}
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.AutoConfig.for_model(**config, **ATTENTION)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, experts_implementation="eager")
+    with torch.no_grad():  # bf16 values: exact in the float32 HostWeights the loader keeps
+        for p in model.parameters():
+            p.copy_((torch.randn_like(p) * 0.1).to(torch.bfloat16).to(dtype))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_((torch.randn_like(b) * 0.05).to(torch.bfloat16).to(dtype))
+    return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny float64 ops: a second intra-op thread only waits (32 ms a linear instead of 60 us on 2 cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+MOE_LAYERS = {"deepseek_v3": [1, 2], "qwen3_next": [0, 1, 2, 3]}  # DeepSeek's layer 0 is dense
+
+
+@pytest.fixture(scope="module", params=testing.FAMILIES)
+def family_model(request):
+    return request.param, _model(request.param)
+
+
+def _convert(model, ref):
+    config_dict, tensors, prefix = hf.block_tensors(model, ref)
+    cfg, hw = checkpoint.load_layer_from_tensors(config_dict, tensors, prefix)
+    if ref.family == "gpt_oss":  # MoeConfig.from_hf fixes alpha at 1.702; compare with what the module holds
+        cfg = cfg.replace(swiglu_alpha=float(ref.module.experts.alpha))
+    return cfg, hw
+
+
+def _run(block, x):
+    with torch.no_grad():
+        out = block(torch.from_numpy(np.asarray(x).astype(np.float64))[None])
+    return out
+
+
+def _normwise(theirs, ours):
+    return np.linalg.norm(theirs - ours) / np.linalg.norm(ours)
+
+
+def test_finds_every_moe_block(family_model):
+    family, model = family_model
+    refs = hf.moe_blocks(model)
+    assert [r.layer_idx for r in refs] == MOE_LAYERS.get(family, [0, 1])
+    for r in refs:
+        assert r.family == family and r.path == f"model.layers.{r.layer_idx}.mlp"
+        assert model.get_submodule(r.path) is r.module
+        assert type(r.module).__name__ == hf.BLOCK_OUTPUT[family].block_class
+
+
+def test_block_matches_reference(family_model, monkeypatch):
+    family, model = family_model
+    for ref in hf.moe_blocks(model):
+        cfg, hw = _convert(model, ref)
+        x = well_separated_input(cfg, hw, np.random.default_rng(ref.layer_idx), 37)
+        ours = reference.moe_forward(cfg, hw, x)
+        out = _run(ref.module, x)
+        io = hf.BLOCK_OUTPUT[family]
+        assert isinstance(out, tuple) == io.returns_tuple
+        theirs = (out[0] if io.returns_tuple else out)
+        assert theirs.shape == (1, 37, cfg.hidden_size)
+        bound = FLOAT64_BOUND if family == "gpt_oss" else FLOAT32_ROUTING_BOUND
+        assert _normwise(theirs[0].numpy(), ours) < bound, f"{family} {ref.path}"
+
+        # the same block with the reference's float64 routing in place of its router's
+        routing = reference.route(cfg, hw, x)
+        router = getattr(ref.module, io.router)
+        monkeypatch.setattr(router, "forward", lambda h: (torch.from_numpy(routing.logits),
+                                                          torch.from_numpy(routing.weights),
+                                                          torch.from_numpy(routing.ids)))
+        out = _run(ref.module, x)
+        err = _normwise((out[0] if io.returns_tuple else out)[0].numpy(), ours)
+        assert err < FLOAT64_BOUND, f"{family} {ref.path}: normwise {err:.3e} with the reference's routing"
+        monkeypatch.undo()
+
+
+def test_router_is_what_transformers_records(family_model):
+    family, model = family_model
+    recorded = model.model._can_record_outputs["router_logits"]
+    target = getattr(recorded, "target_class", recorded)
+    for ref in hf.moe_blocks(model):
+        assert type(getattr(ref.module, hf.BLOCK_OUTPUT[family].router)) is target
+
+
+def test_block_tensors_share_the_models_memory(family_model):
+    family, model = family_model
+    ref = hf.moe_blocks(model)[0]
+    config_dict, tensors, prefix = hf.block_tensors(model, ref)
+    assert prefix == ref.path + "." and config_dict["model_type"] == family
+    params = dict(ref.module.named_parameters())
+    assert params and all(tensors[prefix + n].data_ptr() == p.data_ptr() for n, p in params.items())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "longcat_flash"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stacked_halves_are_views_of_the_parameter(family, dtype):
+    model = _model(family, getattr(torch, dtype))
+    ref = hf.moe_blocks(model)[0]
+    _, hw = checkpoint.load_layer_from_tensors(*hf.block_tensors(model, ref))
+    gate_up = ref.module.experts.gate_up_proj
+    bits = gate_up.detach().view(torch.int16 if dtype == "bfloat16" else torch.int32).numpy()
+    assert np.shares_memory(hw.gate, bits) and np.shares_memory(hw.up, bits)
+    I = hw.gate.shape[1]
+    assert np.array_equal(np.asarray(hw.up, np.float32), gate_up.detach()[:hw.up.shape[0], I:].float().numpy())
+
+
+def test_vllm_layout_of_the_same_block(family_model):
+    """vLLM's w13_weight / w2_weight built from the module's parameters load to the same HostWeights."""
+    family, model = family_model
+    ref = hf.moe_blocks(model)[0]
+    config_dict, tensors, prefix = hf.block_tensors(model, ref)
+    _, want = checkpoint.load_layer_from_tensors(config_dict, tensors, prefix)
+    base, E = prefix + "experts.", want.gate.shape[0]
+    vllm = {k: v for k, v in tensors.items() if not k.startswith(base)}
+    gate_up, down = tensors[base + "gate_up_proj"], tensors[base + "down_proj"]
+    if family == "gpt_oss":  # vLLM transposes to [out, in] and keeps the interleave
+        vllm[base + "w13_weight"], vllm[base + "w2_weight"] = gate_up.transpose(1, 2), down.transpose(1, 2)
+        vllm[base + "w13_bias"] = tensors[base + "gate_up_proj_bias"]
+        vllm[base + "w2_bias"] = tensors[base + "down_proj_bias"]
+    else:
+        vllm[base + "w13_weight"], vllm[base + "w2_weight"] = gate_up[:E], down
+    _, got = checkpoint.load_layer_from_tensors(config_dict, vllm, prefix)
+    for field in ("router", "gate", "up", "down", "gate_bias", "up_bias", "down_bias", "shared_gate", "shared_up",
+                  "shared_down", "shared_expert_gate", "correction_bias"):
+        a, b = getattr(got, field), getattr(want, field)
+        assert (a is None and b is None) or np.array_equal(a, b), field
+
+
+def test_dense_layers_are_not_blocks():
+    model = _model("qwen3_moe", mlp_only_layers=[1])
+    assert [r.layer_idx for r in hf.moe_blocks(model)] == [0]
+
+
+def test_state_dict_of_a_block_loads_with_an_empty_prefix():
+    """The issue's call: load_layer_from_tensors(config, block.state_dict(), "") on a transformers 5 block."""
+    model = _model("mixtral")
+    block = model.model.layers[0].mlp
+    cfg, hw = checkpoint.load_layer_from_tensors(model.config.to_dict(), block.state_dict(), "")
+    assert np.array_equal(hw.gate, block.experts.gate_up_proj.detach()[:, :cfg.moe_intermediate_size].float().numpy())
+
+
+def test_refuses_weights_on_the_meta_device():
+    config = {k: v for k, v in testing.hf_config_dict("qwen2_moe").items() if k != "architectures"}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config, **ATTENTION))
+    ref = hf.moe_blocks(model)[0]
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.\S+ is on the meta device"):
+        hf.block_tensors(model, ref)
+
+
+def test_refuses_other_families_and_replace_is_a_stub():
+    class Config:
+        model_type = "llama"
+
+    class Model:
+        config = Config()
+
+    with pytest.raises(UnsupportedModelError, match=r"model_type='llama' \(Model\) is not supported"):
+        hf.moe_blocks(Model())
+    with pytest.raises(NotImplementedError, match="replace_moe_blocks"):
+        hf.replace_moe_blocks(_model("mixtral"), max_tokens=8)
+
+
+def test_hf_layouts_names_match_transformers(family_model):
+    """The stacked names hf_layouts reads are the parameters transformers' experts modules hold."""
+    family, model = family_model
+    experts = hf.moe_blocks(model)[0].module.experts
+    assert {hf_layouts.TRANSFORMERS.gate_up, hf_layouts.TRANSFORMERS.down} <= {n for n, _ in experts.named_parameters()}

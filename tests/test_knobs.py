@@ -1,0 +1,40 @@
+"""Every CUPYMOE_* knob is read in one place, validated, and refused by name when bad."""
+
+from __future__ import annotations
+
+import pytest
+
+from cupymoe import knobs
+from cupymoe.errors import OptionError
+from cupymoe.knobs import DecodeRouter, Fp4Decode, Knobs, W8a8Decode
+
+BAD = {"build_jobs": "0", "quiet": "yes", "fp4_decode": "tensor", "fp8_decode": "cuda", "w8a8_decode": "tma",
+       "decode_router": "tensor", "pdl": "2", "topk_lists": "yes", "mma_down_pairs": "on",
+       "mma_blocks_per_sm": "0", "fp4_down_tiles": "-1", "sm90_variant": "fast", "sm90_down_variant": "slim",
+       "math_rows": "0", "gemm_band_cols": "x"}
+
+
+def test_unset_knobs_take_their_defaults():
+    assert Knobs.from_env({}) == Knobs()
+    assert Knobs().pdl and Knobs().topk_lists and Knobs().fp4_decode == Fp4Decode.AUTO
+
+
+@pytest.mark.parametrize("field, value", sorted(BAD.items()))
+def test_a_bad_value_is_refused_naming_the_variable_and_value(field, value):
+    env = knobs.TABLE[field][0]
+    with pytest.raises(OptionError, match=f"{env}={value!r}"):
+        Knobs.from_env({env: value})
+
+
+def test_good_values_are_read():
+    k = Knobs.from_env({"CUPYMOE_PDL": "0", "CUPYMOE_W8A8_DECODE": "wgmma", "CUPYMOE_DECODE_ROUTER": "cores",
+                        "CUPYMOE_FP4_DOWN_TILES": "2", "CUPYMOE_SM90_VARIANT": "twin", "CUPYMOE_PROFILE": "1"})
+    assert (k.pdl, k.w8a8_decode, k.decode_router, k.fp4_down_tiles, k.sm90_variant, k.profile) == \
+        (False, W8a8Decode.WGMMA, DecodeRouter.CORES, 2, "twin", True)
+
+
+def test_every_knob_is_listed_once():
+    text = knobs.describe()
+    for name, (env, *_rest) in knobs.TABLE.items():
+        assert text.count(env + " ") == 1, env
+    assert set(knobs.TABLE) == {f for f in Knobs.__dataclass_fields__}

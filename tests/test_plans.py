@@ -1,0 +1,208 @@
+"""CPU tests of the launch plans: every plan builds without a GPU, names only kernels that are
+compiled, keeps its values of N exact across a prefill shape's row counts, and packs its
+arguments once with the per-call values patched in place."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from cupymoe import bench, heuristics as HX, jit, testing
+from cupymoe.catalog import GemmMode
+from cupymoe.errors import OptionError, PathUnavailableError
+from cupymoe.forward_plan import build_forward_plan, prefill_buckets, prefill_shape
+from cupymoe.knobs import Knobs
+from cupymoe.launch import PackedPlan
+from cupymoe.plan import (ArgType, Buf, CallValue, DeviceFacts, LayerOptions, Path, PerN, choose_path,
+                          plan_layer)
+
+H200 = DeviceFacts.h200()
+A100 = DeviceFacts("sm_80", 108, 166912)
+
+
+def _plan(cfg, fmt="bf16", dev=H200, shared=None, **options):
+    shared = shared or (("bf16" if fmt == "bf16" else fmt) if cfg.has_shared_expert else None)
+    return plan_layer(cfg, fmt, shared, dev.arch, options=LayerOptions(**options), knobs=Knobs())
+
+
+CASES = [(fam, fmt) for fam in testing.FAMILIES for fmt in ("bf16", "fp8_block", "nvfp4", "mxfp4")]
+
+
+@pytest.mark.parametrize("dev", [H200, A100], ids=["sm_90a", "sm_80"])
+@pytest.mark.parametrize("family, fmt", CASES)
+def test_every_plan_builds_and_names_compiled_kernels(family, fmt, dev):
+    cfg = testing.tiny_config(family)
+    lp = _plan(cfg, fmt, dev, decode_max_tokens=64)
+    names = {n for m in jit.modules_for(dev.arch) for n in jit.MODULES[m].names}
+    for path, ns in ((Path.DECODE, (1, 3, 8, 17, 64)), (Path.ATOMIC, (1, 8)), (Path.PREFILL, (65, 300, 5000))):
+        for n in ns:
+            plan = build_forward_plan(lp, dev, n, path).at(n)
+            assert plan.launches, (path, n)
+            for launch in plan.launches:
+                assert launch.kernel in names, launch.kernel
+                assert all(isinstance(g, int) and g >= 1 for g in launch.grid), launch
+                assert launch.smem <= dev.max_smem
+                assert not launch.pdl or (path == Path.DECODE and dev.arch == "sm_90a")
+                for a in launch.args:
+                    assert isinstance(a.value, (int, float, Buf, CallValue)), a
+            assert plan.describe().count("\n") == len(plan.steps)
+
+
+def test_a_decode_plan_reads_as_its_launches():
+    """qwen3-30b-a3b at one fp8 row: router, routing + lists in one launch, gate/up, down, reduce,
+    the chain after the router by programmatic dependent launch."""
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    plan = build_forward_plan(_plan(cfg, "fp8_block"), H200, 1, Path.DECODE)
+    kernels = [launch.kernel.split("<")[0] for launch in plan.launches]
+    assert kernels == ["router_logits_bf16", "decode_route_lists", "decode_mma_gate_up_a8", "decode_mma_down_a8",
+                       "decode_reduce"]
+    assert [launch.pdl for launch in plan.launches] == [False, True, True, True, True]
+    route = plan.launches[1]
+    assert route.arg("token_ids") == CallValue.TOKEN_IDS and route.arg("N") == 1
+    assert plan.launches[-1].arg("out") == CallValue.OUTPUT
+
+
+@pytest.mark.parametrize("preset, fmt, options", [
+    ("qwen3-30b-a3b", "bf16", {}), ("deepseek-v3", "fp8_block", {}), ("qwen3-next-80b", "bf16", {}),
+    ("mixtral-8x7b", "nvfp4", {}), ("gpt-oss-120b", "mxfp4", {}), ("qwen3-30b-a3b", "bf16", {"row_invariant": True}),
+])
+def test_a_prefill_plan_serves_every_row_count_of_its_shape_exactly(preset, fmt, options):
+    """A prefill plan is built once a PrefillShape; its PerN values at N are what a plan built
+    at N has (so a bucket's plan launches the very same kernels with the same arguments)."""
+    cfg = bench.preset_config(preset, routed_only=False)
+    lp = _plan(cfg, fmt, **options)
+    lo = 1 if lp.row_invariant else lp.decode_max_tokens + 1
+    shapes = [prefill_shape(lp, H200, n) for n in range(lo, 20001)]
+    runs = [(lo, lo, shapes[0])]
+    for n, shape in enumerate(shapes[1:], lo + 1):
+        runs[-1:] = [(runs[-1][0], n, shape)] if shape == runs[-1][2] else [runs[-1], (n, n, shape)]
+    assert prefill_buckets(lp, H200, lo, 20000) == runs  # each shape one run of row counts
+    for first, last, shape in runs:
+        plan = build_forward_plan(lp, H200, first, Path.PREFILL)
+        for n in sorted({first, last, (first + last) // 2, min(last, first + 1), max(first, last - 1)}):
+            assert plan.at(n) == build_forward_plan(lp, H200, n, Path.PREFILL).at(n), (shape, n)
+
+
+def test_prefill_plans_carry_their_row_counts_as_values():
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    plan = build_forward_plan(_plan(cfg), H200, 4096, Path.PREFILL)
+    reduce = plan.launches[-1]
+    assert reduce.kernel == "grouped_reduce" and isinstance(reduce.grid[0], PerN) and reduce.grid[0].fn(77) == 77
+    assert plan.at(77).launches[-1].arg("N") == 77
+
+
+def test_paths_by_rows_and_refusals():
+    cfg = testing.tiny_config("qwen3_moe")
+    lp = _plan(cfg, decode_max_tokens=6, atomic_max_tokens=4)
+    assert [choose_path(lp, "auto", n) for n in (1, 6, 7)] == ["decode", "decode", "prefill"]
+    with pytest.raises(PathUnavailableError, match="decode_max_tokens=6"):
+        choose_path(lp, "decode", 7)
+    with pytest.raises(PathUnavailableError, match="atomic_max_tokens"):
+        choose_path(lp, "atomic", 5)
+    with pytest.raises(PathUnavailableError, match="'warp'"):
+        choose_path(lp, "warp", 1)
+    ri = _plan(cfg, row_invariant=True)
+    assert choose_path(ri, "auto", 1) == "prefill"
+    with pytest.raises(PathUnavailableError, match="row_invariant=True"):
+        choose_path(ri, "decode", 1)
+
+
+def test_bad_options_are_refused_by_name():
+    cfg = testing.tiny_config("qwen3_moe")
+    with pytest.raises(OptionError, match="fp8_compute='w4a4'"):
+        _plan(cfg, "fp8_block", fp8_compute="w4a4")
+    with pytest.raises(OptionError, match="CUPYMOE_FP4_DECODE='tensor'"):
+        Knobs.from_env({"CUPYMOE_FP4_DECODE": "tensor"})
+    with pytest.raises(OptionError, match="CUPYMOE_PDL='2'"):
+        Knobs.from_env({"CUPYMOE_PDL": "2"})
+
+
+def test_fp4_down_blocks_take_two_tiles_where_a_wave_of_them_is_expected():
+    """Two 128-row tiles a block on qwen3-30b-a3b's shape (I = 768: three ring stages) from the
+    rows whose expected experts give a wave of 3 blocks on 132 SMs, one below and on deepseek-v3's
+    (I = 2048: eight stages); CUPYMOE_FP4_DOWN_TILES forces a count where it divides H / 128."""
+    def tiles(preset, n, n_local=None, env=None):
+        cfg = bench.preset_config(preset)
+        lp = plan_layer(cfg, "nvfp4", None, "sm_90a", n_local=n_local, knobs=Knobs.from_env(env or {}))
+        return HX.fp4_down_tiles(lp, H200, n)
+
+    assert [tiles("qwen3-30b-a3b", n) for n in (1, 4, 8, 16, 64)] == [1, 1, 2, 2, 2]
+    assert [tiles("deepseek-v3", n) for n in (1, 8, 64)] == [1, 1, 1]
+    assert tiles("qwen3-30b-a3b", 8, n_local=64) == 1  # half the experts on this rank
+    assert tiles("qwen3-30b-a3b", 1, env={"CUPYMOE_FP4_DOWN_TILES": "4"}) == 4
+    assert tiles("qwen3-30b-a3b", 64, env={"CUPYMOE_FP4_DOWN_TILES": "3"}) == 1  # 3 does not divide 16
+
+
+def test_w8a8_decode_takes_wgmma_from_the_measured_waves():
+    """decode_wgmma_a8.cu where the gate/up grid holds wgmma_decode_min_waves waves of two blocks an
+    SM, decode_mma.cu's _a8 kernels below: deepseek-v3 from N = 2 (512 blocks), qwen3-30b-a3b from 8."""
+    def kernel(preset, n):
+        cfg = bench.preset_config(preset)
+        lp = _plan(cfg, "fp8_block")
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
+        found = HX.w8a8_decode_kernel(lp, H200, "gate_up", max(1.0, 2.0 * n * k / E), min(E, n * k))
+        return found.name.split("<")[0] if found else "mma"
+
+    assert [kernel("deepseek-v3", n) for n in (1, 2, 4)] == ["mma", "decode_wgmma_gate_up_a8", "decode_wgmma_gate_up_a8"]
+    assert [kernel("qwen3-30b-a3b", n) for n in (1, 4, 8)] == ["mma", "mma", "decode_wgmma_gate_up_a8"]
+
+
+def test_router_tiles_by_rows_and_width():
+    """The prefill router takes 128 x 128 tiles from 1024 rows unless they leave half the SMs idle."""
+    narrow, wide = bench.preset_config("qwen3-30b-a3b"), bench.preset_config("qwen3-next-80b")
+    assert HX.router_config(_plan(narrow), H200, 4096) == "stream"  # 32 tiles of 128 x 128
+    assert HX.router_config(_plan(wide), H200, 4096) == "math"
+    assert HX.router_config(_plan(wide), H200, 1023) == "stream"
+    assert HX.router_splits(_plan(narrow), H200, 64) == 4 and HX.router_splits(_plan(narrow, row_invariant=True),
+                                                                                H200, 64) == 1
+
+
+def test_hopper_gemm_variants_follow_the_tuning_table():
+    cfg = bench.preset_config("deepseek-v3")
+    lp = _plan(cfg)
+    assert lp.sm90[GemmMode.GATE_UP].wgs == 3 and lp.sm90[GemmMode.DOWN].wgs == 3 and lp.tma
+    assert not _plan(cfg, "nvfp4").tma  # quantized experts take twin's cp.async tiles
+    assert _plan(cfg, dev=A100).fp8_compute is None and not _plan(cfg, "fp8_block", dev=A100).w8a8
+    assert _plan(bench.preset_config("qwen3-30b-a3b")).gathers_rows is False  # gather_wide: no xg
+
+
+class _Lib:
+    def __init__(self):
+        self.asked = []
+
+    def pointer(self, name):
+        self.asked.append(name)
+        return 0x1000 + len(self.asked)
+
+
+def _cells(packed, launch_index):
+    """The argument values one packed launch would pass, read back through its parameter array."""
+    _, kind, payload = [s for s in packed.steps if s[1] == "launch"][launch_index]
+    launch = packed.plan.launches[launch_index]
+    params = (ctypes.c_void_p * len(launch.args)).from_address(payload[2])
+    types = {ArgType.U64: ctypes.c_uint64, ArgType.I32: ctypes.c_int32, ArgType.F32: ctypes.c_float}
+    return {a.name: types[a.type].from_address(params[i]).value for i, a in enumerate(launch.args)}
+
+
+def test_packed_plans_patch_the_call_values_and_the_row_count_in_place():
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    lp = _plan(cfg)
+    plan = build_forward_plan(lp, H200, 4096, Path.PREFILL)
+    addresses = {}
+
+    def resolve(buf):
+        return addresses.setdefault(str(buf), 0x10_0000 * (len(addresses) + 1))
+
+    lib = _Lib()
+    packed = PackedPlan(plan, resolve, lib.pointer)
+    assert len(lib.asked) == len(plan.launches)
+    packed.prepare(0xA000, 0xB000, 0, 3000, 0x77)
+    reduce = _cells(packed, len(plan.launches) - 1)
+    assert reduce["x"] == 0xA000 and reduce["out"] == 0xB000 and reduce["N"] == 3000
+    assert reduce["yw"] == addresses["scratch.yw"]
+    packed.prepare(0xA100, 0xB100, 0, 1500, 0x77)
+    reduce = _cells(packed, len(plan.launches) - 1)
+    assert reduce["x"] == 0xA100 and reduce["N"] == 1500
+    router = _cells(packed, 0)
+    assert router["x"] == 0xA100 and router["P"] == 1500  # one cell every launch shares

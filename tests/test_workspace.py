@@ -1,0 +1,105 @@
+"""The scratch planner's alias proof and the workspace's sizing (CPU), one real allocation (GPU)."""
+
+import pytest
+
+from cupymoe.config import MoeConfig
+from cupymoe.errors import ArenaError, BufferTooSmallError, WorkspaceError
+from cupymoe.workspace import (ALIGN, STAGES, BufferSpec, ScratchView, WorkspaceNeed, layer_scratch, plan_scratch,
+                               zeroed_bytes)
+
+STAGES3 = ("a", "b", "c")
+
+
+def test_buffers_without_aliases_never_overlap():
+    plan = plan_scratch(STAGES3, [BufferSpec("x", 100, "a", "c"), BufferSpec("y", 300, "a", "b"),
+                                  BufferSpec("z", 1, "c", "c")])
+    assert plan.overlapping_pairs() == []
+    offs = sorted((p.offset, p.nbytes) for p in plan.placements.values())
+    for (o1, n1), (o2, _) in zip(offs, offs[1:]):
+        assert o1 + n1 <= o2 and o2 % ALIGN == 0
+    assert plan.total_bytes >= sum(n for _, n in offs)
+
+
+def test_declared_alias_with_disjoint_lifetimes_shares_bytes():
+    plan = plan_scratch(STAGES3, [BufferSpec("logits", 1000, "a", "a"), BufferSpec("act", 4000, "b", "c")],
+                        aliases=[("logits", "act")])
+    assert plan.placements["logits"].offset == plan.placements["act"].offset
+    assert plan.overlapping_pairs() == [("logits", "act")]
+    assert plan.total_bytes == 4096  # one region, sized for the larger member
+
+
+def test_bad_alias_table_is_refused_naming_both_buffers_and_stages():
+    # the seed's corruption bug: shared-expert scratch aliased onto a buffer still in use
+    with pytest.raises(ArenaError, match=r"'scratch'.*'logits'|'logits'.*'scratch'") as e:
+        plan_scratch(STAGES3, [BufferSpec("logits", 64, "a", "b"), BufferSpec("scratch", 64, "b", "c")],
+                     aliases=[("logits", "scratch")])
+    assert "['b']" in str(e.value)
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ([BufferSpec("x", 4, "a", "zz")], "unknown stage"),
+    ([BufferSpec("x", 4, "c", "a")], "comes after"),
+    ([BufferSpec("x", 4, "a", "a"), BufferSpec("x", 4, "a", "a")], "declared twice"),
+    ([BufferSpec("x", -1, "a", "a")], r"'x': size -1 must be a whole number"),
+    ([BufferSpec("x", 10.5, "a", "a")], r"'x': size 10.5 must be a whole number"),
+    ([BufferSpec("x", None, "a", "a")], r"'x': size None must be a whole number"),
+])
+def test_malformed_specs_are_refused(bad, msg):
+    with pytest.raises(ArenaError, match=msg):
+        plan_scratch(STAGES3, bad)
+
+
+def test_alias_table_naming_unknown_buffer_is_refused():
+    with pytest.raises(ArenaError, match="unknown buffer 'nope'"):
+        plan_scratch(STAGES3, [BufferSpec("x", 4, "a", "a")], aliases=[("x", "nope")])
+
+
+@pytest.mark.parametrize("shared, prenorm", [(0, False), (64, True)])
+def test_layer_scratch_is_proven_and_sized_for_max_tokens(shared, prenorm):
+    cfg = MoeConfig(hidden_size=128, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
+                    shared_expert_intermediate_size=shared, pre_expert_norm=prenorm)
+    plan = layer_scratch(cfg, max_tokens=33, n_local=16, i_max=64, decode_max_tokens=8)
+    assert plan.stages == STAGES
+    assert plan.overlapping_pairs() == [("logits", "act")]
+    P = 33 * 4 + (33 if shared else 0)
+    Pd = 8 * 4 + (8 if shared else 0)  # fp32 decode outputs only for the decode path's rows
+    assert plan.placements["y"].nbytes == Pd * 128 * 4
+    assert plan.placements["yw"].nbytes == P * 128 * 2
+    assert plan.placements["xe"].nbytes == (33 * 128 * 2 if prenorm else 0)
+
+
+def test_a_workspace_need_covers_every_layer_it_is_made_for():
+    a, b = WorkspaceNeed(1000, 0), WorkspaceNeed(700, 300)
+    both = a | b
+    assert (both.scratch_bytes, both.zeroed_bytes) == (1000, 300)
+    assert both.total_bytes == 1024 + 512
+    assert zeroed_bytes(128, 768, w8a8=True) == 129 * 6 * 4 and zeroed_bytes(128, 768, w8a8=False) == 0
+
+
+def test_a_scratch_view_names_its_buffers_and_refuses_unknown_ones():
+    plan = plan_scratch(STAGES3, [BufferSpec("x", 4, "a", "b"), BufferSpec("y", 300, "c", "c")])
+    view = ScratchView(plan, 1 << 20, 1 << 16, 512)
+    assert view.ptr("x") == 1 << 20 and view.ptr("y") == (1 << 20) + 256 and view.ptr("act_tickets") == 1 << 16
+    assert view.nbytes("act_tickets") == 512 and view.require("y", 300) == view.ptr("y")
+    for ask in (lambda: view.ptr("nope"), lambda: view.require("nope", 1)):
+        with pytest.raises((ArenaError, KeyError), match=r"'nope'"):
+            ask()
+    with pytest.raises(BufferTooSmallError, match="y too small: need 301 bytes, have 300"):
+        view.require("y", 301)
+
+
+@pytest.mark.gpu
+def test_a_workspace_on_gpu_has_fixed_aligned_addresses_and_checks_fit():
+    import cupy
+
+    from cupymoe.workspace import Workspace
+
+    ws = Workspace(WorkspaceNeed(5000, 700))
+    assert ws.base % ALIGN == 0 and ws.scratch_base == ws.base + 768 and ws.nbytes >= 5000 + 700
+    zeros = cupy.ndarray((700,), cupy.uint8, cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ws.base, 700, ws), 0))
+    assert int(zeros.sum()) == 0  # the zeroed region starts zeroed
+    ws.check_fits(WorkspaceNeed(5000, 700), "a layer")
+    with pytest.raises(WorkspaceError, match="needs 6000 bytes of scratch"):
+        ws.check_fits(WorkspaceNeed(6000, 0), "a layer")
+    with pytest.raises(WorkspaceError, match="a WorkspaceNeed or a number of bytes"):
+        Workspace("lots")
