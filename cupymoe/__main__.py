@@ -174,7 +174,7 @@ def _print_workspace(config, moe: list[int], cfg, plan, plan_of, arch: str, max_
             plans[c] = plan_of(c)
     for T in max_tokens:
         need = layer_need(plan, T)[1]
-        print(f"  scratch (arena) at max_tokens={T} on {arch}: {need.total_bytes / 1e6:.1f} MB "
+        print(f"  scratch at max_tokens={T} on {arch}: {need.total_bytes / 1e6:.1f} MB "
               f"({need.total_bytes} bytes; {', '.join(notes)})")
         if len(moe) > 1:
             shared = WorkspaceNeed(0)

@@ -66,24 +66,21 @@ class Driver:
         return status.value != 0
 
     @classmethod
-    def is_idle(cls, stream: int) -> bool:
-        rc = cls.lib().cuStreamQuery(ctypes.c_void_p(stream))
+    def record(cls, event: int, stream: int) -> None:
+        cls.check(cls.lib().cuEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(stream)), "cuEventRecord")
+
+    @classmethod
+    def event_done(cls, event: int) -> bool:
+        rc = cls.lib().cuEventQuery(ctypes.c_void_p(event))
         if rc == 600:  # CUDA_ERROR_NOT_READY
             return False
-        cls.check(rc, "cuStreamQuery")
+        cls.check(rc, "cuEventQuery")
         return True
 
     @classmethod
-    def order(cls, before: int, after: int) -> None:
-        """Make `after` wait for the work enqueued on `before` so far (an event, no host sync)."""
-        lib = cls.lib()
-        ev = ctypes.c_void_p()
-        cls.check(lib.cuEventCreate(ctypes.byref(ev), 2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING
-        try:
-            cls.check(lib.cuEventRecord(ev, ctypes.c_void_p(before)), "cuEventRecord")
-            cls.check(lib.cuStreamWaitEvent(ctypes.c_void_p(after), ev, 0), "cuStreamWaitEvent")
-        finally:
-            lib.cuEventDestroy_v2(ev)
+    def wait(cls, stream: int, event: int) -> None:
+        """`stream` waits for `event` (no host sync)."""
+        cls.check(cls.lib().cuStreamWaitEvent(ctypes.c_void_p(stream), ctypes.c_void_p(event), 0), "cuStreamWaitEvent")
 
     @classmethod
     def stream_context(cls, stream: int) -> int:

@@ -199,10 +199,11 @@ class MoeLayer:
         seconds = time.perf_counter() - t0
         with cupy.cuda.Device(self.device_id):
             rng = np.random.default_rng(0)
-            x = cupy.asarray((rng.standard_normal((1, self.cfg.hidden_size), dtype=np.float32)
-                              .view(np.uint32) >> 16).astype(np.uint16))
-            tids, out = cupy.zeros(1, cupy.int32), cupy.empty_like(x)
             s = cupy.cuda.Stream(non_blocking=True)
+            with s:  # the input made on the stream that reads it
+                x = cupy.asarray((rng.standard_normal((1, self.cfg.hidden_size), dtype=np.float32)
+                                  .view(np.uint32) >> 16).astype(np.uint16))
+                tids, out = cupy.zeros(1, cupy.int32), cupy.empty_like(x)
             for p in self._warmup_paths():
                 self.forward(int(x.data.ptr), 1, int(out.data.ptr), s.ptr, token_ids_ptr=int(tids.data.ptr), path=p)
             s.synchronize()
@@ -234,8 +235,10 @@ class MoeLayer:
         packed = self._by_n.get((path, n))
         if packed is None:
             packed = self._by_n[(path, n)] = self.plan_for(n, path)
-        self.workspace.use(stream)
+        ws = self.workspace
+        ws.use(stream)
         packed.run(x, out, token_ids, n, stream)
+        ws.done(stream)
 
     def _stream(self, stream) -> int:
         """The raw stream, checked once to belong to this layer's device."""
@@ -270,6 +273,7 @@ class MoeLayer:
                     while i < len(packed.steps) and packed.steps[i][0] == stage:
                         packed.run_step(packed.steps[i][1], packed.steps[i][2], n, stream)
                         i += 1
+        self.workspace.done(stream)
         if self._dump_dir is not None:
             dump_forward(self, x, n, out, s, packed.plan.path)
 

@@ -212,9 +212,11 @@ def eager_and_graph(layer, x, n: int, path, stream):
     captured closes)."""
     import cupy
 
-    eager = cupy.full(x.shape, 0x7FC0, cupy.uint16)
+    cupy.cuda.runtime.deviceSynchronize()  # x may come from another stream (the legacy one)
+    with stream:
+        eager = cupy.full(x.shape, 0x7FC0, cupy.uint16)
+        replayed = cupy.full(x.shape, 0x7FC0, cupy.uint16)
     layer.forward(int(x.data.ptr), n, int(eager.data.ptr), stream.ptr, path=path)
-    replayed = cupy.full(x.shape, 0x7FC0, cupy.uint16)
     stream.begin_capture()
     layer.forward(int(x.data.ptr), n, int(replayed.data.ptr), stream.ptr, path=path)
     graph = stream.end_capture()

@@ -3,7 +3,7 @@
 A tensor map is the 128-byte descriptor the TMA unit reads to copy a box of a 2-D tensor
 into shared memory. Neither CuPy nor NVRTC makes one, so this module calls the driver's
 `cuTensorMapEncodeTiled` through ctypes (libcuda is where every CUDA process already is).
-The maps of a layer point at its weights and its arena, whose addresses never change, so
+The maps of a layer point at its weights and its workspace, whose addresses never change, so
 they are encoded once at construction and kept in device memory in the order of
 TMA_MAPS, which is the kernel's TMA_MAP_* numbering.
 """

@@ -547,11 +547,11 @@ def run_layer(layer, x: np.ndarray, path: Optional[str] = None, token_ids: Optio
     """Upload x, poison the output with NaN, run one forward, return the output as float32."""
     import cupy
 
-    xd = cupy.asarray(bf16_bits(x))
-    out = cupy.full(xd.shape, 0x7FC0, dtype=cupy.uint16)  # bf16 NaN: unwritten elements fail
-    tids = None if token_ids is None else cupy.asarray(token_ids.astype(np.int32))
     s = stream or cupy.cuda.Stream(non_blocking=True)
-    with s:
+    with s:  # the upload and the poison on the forward's own stream: ordered before it
+        xd = cupy.asarray(bf16_bits(x))
+        out = cupy.full(xd.shape, 0x7FC0, dtype=cupy.uint16)  # bf16 NaN: unwritten elements fail
+        tids = None if token_ids is None else cupy.asarray(token_ids.astype(np.int32))
         layer(xd, out=out, token_ids=tids, path=path, stream=s.ptr)
     s.synchronize()
     return bits_to_f32(out.get())

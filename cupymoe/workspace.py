@@ -216,6 +216,7 @@ class Workspace:
             self.base = int(self._mem.ptr)
             if self.zeroed_bytes:
                 cupy.cuda.runtime.memset(self.base, 0, self.zeroed_bytes)
+            self._done = cupy.cuda.Event(disable_timing=True)  # recorded after each forward
         self.scratch_base = self.base + self.zeroed_bytes
         self.scratch_bytes = _align(need.scratch_bytes)
         self._stream: Optional[int] = None
@@ -238,31 +239,40 @@ class Workspace:
                                  "size it with Workspace.for_layers over every layer that shares it")
 
     def use(self, stream: int) -> None:
-        """A forward is about to be enqueued on `stream`: order it after the work of the stream the
-        workspace was last used from (or refuse, where a capture would have to wait for eager work)."""
-        prev = self._stream
-        if prev != stream:
-            if prev is not None:
-                _order_streams(prev, stream, self)
+        """A forward is about to be enqueued on `stream`: from a stream other than the last one, it
+        first waits for the forwards already enqueued (or is refused, where a capture would have to
+        wait for eager work still running)."""
+        if stream != self._stream:
+            if self._stream is not None:
+                _order_after(self._done.ptr, stream, self)
             self._stream = stream
+
+    def done(self, stream: int) -> None:
+        """A forward was enqueued on `stream`: an event marks its end (not under capture, where an
+        event marks nothing a later wait could use)."""
+        from .launch import Driver
+
+        if not Driver.is_capturing(stream):
+            Driver.record(self._done.ptr, stream)
 
     def __repr__(self) -> str:
         return (f"Workspace(device {self.device_id}, {self.scratch_bytes} bytes scratch + {self.zeroed_bytes} "
                 f"zeroed at 0x{self.base:x})")
 
 
-def _order_streams(prev: int, new: int, ws: Workspace) -> None:
+def _order_after(event: int, new: int, ws: Workspace) -> None:
+    """`new` waits for the last forward's end; a capture on `new` cannot, so it is refused while that
+    forward still runs. (An event recorded during a capture marks nothing: replays are ordered by
+    whoever launches them.)"""
     from .launch import Driver
 
-    if Driver.is_capturing(prev):
-        return  # nothing of it has run yet; its replays are ordered by whoever launches them
     if Driver.is_capturing(new):
-        if not Driver.is_idle(prev):
-            raise WorkspaceError(f"{ws!r}: a capture on stream 0x{new:x} would reuse scratch that work still "
-                                 f"running on stream 0x{prev:x} uses; synchronize that stream first or give the "
-                                 "captured layers their own Workspace (MoeLayer.with_workspace)")
+        if not Driver.event_done(event):
+            raise WorkspaceError(f"{ws!r}: a capture on stream 0x{new:x} would reuse scratch that a forward "
+                                 "still running on another stream uses; synchronize that stream first or give "
+                                 "the captured layers their own Workspace (MoeLayer.with_workspace)")
         return
-    Driver.order(prev, new)
+    Driver.wait(new, event)
 
 
 def layer_need(lp, max_tokens: int) -> tuple[ScratchPlan, WorkspaceNeed]:

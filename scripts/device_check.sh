@@ -7,6 +7,8 @@
 #
 #   OUT=/tmp/out bash scripts/device_check.sh
 #   OUT=/tmp/out PARTS="tests verify fp8" bash scripts/device_check.sh   (a subset)
+#   PARTS="equiv": the output bits against an older tree exported (git archive REV cupymoe cuda)
+#   into .old/ (carried), scripts/plan_equivalence.py; PARTS="host": the eager forward's host time
 #   GRID_FLAGS=--no-peers: the grid without the torch peers (vLLM's figures still come
 #   from benchmarks/baselines)
 set -u
@@ -22,6 +24,19 @@ if want tests; then
   timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc $?: $(tail -1 "$OUT/gpu_tests.log")"
   grep -E "FAILED|ERROR" "$OUT/gpu_tests.log" | head -8
+fi
+if want equiv; then
+  PYTHONPATH=.old timeout 240 python3 scripts/plan_equivalence.py --out "$OUT/equiv-old.json" > "$OUT/equiv.log" 2>&1
+  PYTHONPATH=. timeout 240 python3 scripts/plan_equivalence.py --out "$OUT/equiv-new.json" >> "$OUT/equiv.log" 2>&1
+  python3 scripts/plan_equivalence.py --compare "$OUT/equiv-old.json" "$OUT/equiv-new.json" >> "$OUT/equiv.log" 2>&1
+  echo "equiv rc $?: $(tail -1 "$OUT/equiv.log")"
+  grep DIFFERS "$OUT/equiv.log" | head -5
+fi
+if want host; then
+  timeout 200 python3 -m cupymoe bench --preset qwen3-30b-a3b --format bf16 fp8_block --tokens 1 64 4096 --host \
+    --no-peers --repeats 3 --replays 10 --json "$OUT/host.json" > "$OUT/host.log" 2>&1
+  echo "host rc $?"
+  grep "N=" "$OUT/host.log"
 fi
 if want verify; then
   timeout 150 python3 -m cupymoe verify > "$OUT/verify.log" 2>&1

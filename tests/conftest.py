@@ -64,14 +64,14 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture
 def inspect_scratch(capsys):
     """`python -m cupymoe inspect ARGV...` run in-process: max_tokens -> the scratch bytes its
-    "scratch (arena)" lines report (what a MoeLayer of that checkpoint would allocate)."""
+    "scratch at" lines report (what a MoeLayer of that checkpoint would allocate)."""
     import re
 
     from cupymoe.__main__ import main
 
     def run(*argv) -> dict[int, int]:
         assert main(["inspect", *map(str, argv)]) == 0
-        lines = [ln for ln in capsys.readouterr().out.splitlines() if "scratch (arena)" in ln]
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if "scratch at max_tokens" in ln]
         return {int(re.search(r"max_tokens=(\d+)", ln).group(1)): int(re.search(r"\((\d+) bytes", ln).group(1))
                 for ln in lines}
 

@@ -668,7 +668,7 @@ def test_inspect_command_reports_the_layers_formats_and_refusals(tmp_path, capsy
     assert "3 layers (tensors here for 1), MoE layers: 1\n" in out
     assert "router               fp8_block  (16, 160)" in out and "dequantized once to bf16" in out
     assert "shared_gate          bfloat16   (128, 160)" in out and "NOT served" not in out
-    assert "scratch (arena) at max_tokens=64 on sm_90a:" in out and "at max_tokens=4096 on sm_90a:" in out
+    assert "scratch at max_tokens=64 on sm_90a:" in out and "at max_tokens=4096 on sm_90a:" in out
     # nvfp4 with an input width the kernels cannot read in whole chunks (80 % 32 != 0)
     cfg = testing.tiny_config("qwen3_moe", hidden_size=80)
     hw = random_host_weights(cfg, rng, "nvfp4")

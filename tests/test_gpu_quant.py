@@ -344,7 +344,7 @@ def test_from_pretrained_quantized_checkpoint(tmp_path, rng, inspect_scratch, fa
     layer = MoeLayer.from_pretrained(tmp_path, 1, max_tokens=300)
     assert layer.cfg == want_cfg and layer.weights.format == fmt
     assert inspect_scratch(tmp_path, "--layer", 1, "--max-tokens", 300, "--arch", layer.lib.arch) == \
-        {300: layer.arena.total_bytes}
+        {300: layer.workspace.nbytes}
     for n in (3, 300):
         x = well_separated_input(want_cfg, loaded, rng, n)
         path = layer.select_path(n)

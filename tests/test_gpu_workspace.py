@@ -73,6 +73,7 @@ def test_two_workspaces_run_one_layer_set_on_two_streams_at_once(rng):
     batches = [[cupy.asarray(bf16_bits(x)) for x in xb] for xb in hosts]
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
     outs = [[cupy.full_like(x, 0x7FC0) for x in xb] for xb in batches]
+    cupy.cuda.runtime.deviceSynchronize()  # written on the legacy stream
     for _ in range(10):
         for i in range(len(cases)):  # batch 0 on workspace 1, batch 1 on workspace 2, interleaved
             for b, layers in ((0, [c[2] for c in cases]), (1, second)):
@@ -112,6 +113,7 @@ def test_a_workspace_used_from_a_new_stream_waits_for_the_old_one(rng):
     d = [cupy.asarray(bf16_bits(x)) for x in xs]
     outs = [cupy.full_like(x, 0x7FC0) for x in d]
     s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.runtime.deviceSynchronize()  # written on the legacy stream
     for _ in range(3):
         _spin(s1, 20)  # the first forward starts late; the second must not overtake it
         layer.forward(int(d[0].data.ptr), n, int(outs[0].data.ptr), s1.ptr)

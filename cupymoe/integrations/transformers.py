@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from ..config import SUPPORTED_MODEL_TYPES
 from ..errors import CheckpointError, UnsupportedModelError
