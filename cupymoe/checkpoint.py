@@ -85,7 +85,7 @@ from .errors import OptionError, WeightError
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
-    """save_layer's directory already holds a checkpoint. Also a FileExistsError, as before."""
+    """save_layer's directory already holds a checkpoint. Also a FileExistsError, for callers catching that."""
 
 
 # ----------------------------------------------------------------------------------
@@ -716,8 +716,7 @@ def _plan(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[dict[str, Reader],
     else:
         if cfg.has_expert_bias:
             raise CheckpointError(f"the config asks for expert biases, but {cfg.model_type} experts have none")
-        # each expert has tensors of its own here, so a config claiming more experts than the source
-        # holds tensors is refused before E names are made (stacked and fused: E is checked in shapes)
+        # each expert has tensors of its own here: a larger count is refused before E names are made
         if E > (present := len(src.names(prefix))):
             raise CheckpointError(f"MoeConfig.num_experts={E} (from the config) exceeds the {present} tensors under "
                                   f"{prefix!r} in {src.searched()}: each expert needs its own; the config does not "

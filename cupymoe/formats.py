@@ -189,11 +189,7 @@ def _per_matrix(v: Any, lead: tuple[int, ...], what: str) -> np.ndarray:
 # ----------------------------------------------------------------------------------
 # value checks: on the raw bits, in chunks, numpy or CuPy
 # ----------------------------------------------------------------------------------
-# A corrupt or mis-read checkpoint must not reach the GPU as NaN weights or unusable scales:
-# the kernels would turn them into NaN outputs (or, for a zero scale, silent zeros). The
-# checks read each array once, as unsigned integers (no float temporaries), a chunk at a
-# time so their scratch stays small; large host arrays are split over threads (numpy's
-# reductions release the GIL). A CuPy array is checked on its device through its own methods.
+# The kernels would turn NaN weights or unusable scales into NaN (or silently zeroed) outputs.
 
 CHECK_CHUNK = 1 << 20  # elements a step on the host: large enough to amortise the call, cached for the second pass
 DEVICE_CHECK_CHUNK = 1 << 26  # on the device: few launches, a bounded temporary
@@ -293,7 +289,12 @@ def _float_dtype(a: Any, what: str) -> np.dtype:
 
 def check_finite(a: Any, what: str) -> None:
     """WeightError naming the first Inf or NaN of a float array (bf16 / f16 / f32 / f64, a CuPy
-    uint16 array as bf16 bits), its index and value; `what` names the tensor."""
+    uint16 array as bf16 bits), its index and value; `what` names the tensor.
+
+    Like every check here it reads the array once, as unsigned integers (no float temporaries),
+    a chunk at a time so its scratch stays small; large host arrays are split over threads
+    (numpy's reductions release the GIL); a CuPy array is checked on its device through its
+    own methods, only scalars coming back."""
     dt = _float_dtype(a, what)
     _check_codes(a, dt, what, "not finite")
 
