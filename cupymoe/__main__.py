@@ -85,44 +85,59 @@ def cmd_info(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    """What cupymoe reads from a checkpoint (no GPU): the config mapping, which layers are
-    MoE, and for one layer every tensor's format and shape, the bytes, and whether the GPU
-    kernels serve it."""
-    from . import checkpoint, formats
+    """What cupymoe reads from a checkpoint (no GPU): the config mapping, which of the layers
+    whose tensors it holds are MoE, and for one layer every tensor's format and shape, the
+    bytes, and whether the GPU kernels serve it. A refusal (cupymoe.Error, or memory the
+    checkpoint's sizes ask for) prints one line and returns 2."""
+    from . import Error, checkpoint, formats
     from . import jit
     from .catalog import WeightFormat
-    from .config import DenseLayerError, MoeConfig, layer_count
+    from .config import DenseLayerError, MoeConfig, kernel_limits_violations, layer_count
 
-    # refused before anything is read; named as the layer would compile for it (sm_90 -> sm_90a)
-    cc, _ = jit.parse_arch(args.arch)
-    arch = jit.arch_for_capability(cc // 10, cc % 10)
-    config = checkpoint.read_config(args.dir)
-    n_layers = layer_count(config) or 0
-    moe = []
-    for i in range(n_layers):
-        try:
-            MoeConfig.from_hf(config, i)
-            moe.append(i)
-        except DenseLayerError:
-            pass
-    layer = args.layer if args.layer is not None else (moe[0] if moe else 0)
-    cfg, hw = checkpoint.load_layer(args.dir, layer)
-    from .plan import LayerOptions, plan_layer
+    try:
+        # refused before anything is read; named as the layer would compile for it (sm_90 -> sm_90a)
+        cc, _ = jit.parse_arch(args.arch)
+        arch = jit.arch_for_capability(cc // 10, cc % 10)
+        config = checkpoint.read_config(args.dir)
+        n_layers = layer_count(config)
+        # the layers the tensors name, not range(n_layers): a config.json count is no bound on work
+        present = [i for i in checkpoint.layer_indices(args.dir) if n_layers is None or i < n_layers]
+        moe = []
+        for i in present:
+            try:
+                MoeConfig.from_hf(config, i)
+                moe.append(i)
+            except DenseLayerError:
+                pass
+        layer = args.layer if args.layer is not None else (moe[0] if moe else 0)
+        cfg, hw = checkpoint.load_layer(args.dir, layer)
+        from .plan import LayerOptions, plan_layer
 
-    # the scratch MoeLayer would allocate on a GPU of that arch with every expert local: the
-    # same plan (decode rows by format, w8a8 buffers, gathered inputs) as its constructor.
-    # Made before anything is printed: a refused option or layer prints its one line only
-    routed = formats.weight_format(hw.down)
-    shared = formats.weight_format(hw.shared_down) if cfg.has_shared_expert else None
+        # the scratch MoeLayer would allocate on a GPU of that arch with every expert local: the
+        # same plan (decode rows by format, w8a8 buffers, gathered inputs) as its constructor.
+        # Made before anything is printed: a refused option or layer prints its one line only
+        routed = formats.weight_format(hw.down)
+        shared = formats.weight_format(hw.shared_down) if cfg.has_shared_expert else None
 
-    def plan_of(c):
-        return plan_layer(c, routed, shared, arch, n_local=c.num_experts,
-                          options=LayerOptions(fp8_compute=args.fp8_compute))
+        def plan_of(c):
+            return plan_layer(c, routed, shared, arch, n_local=c.num_experts,
+                              options=LayerOptions(fp8_compute=args.fp8_compute))
 
-    plan = plan_of(cfg)
-    print(f"{args.dir}: model_type {config.get('model_type')}, {n_layers} layers, MoE layers: "
-          f"{_ranges(moe) if moe else 'none'}")
+        plan = plan_of(cfg)
+    except MemoryError as e:  # sizes no loader check bounded: one line, as for every refusal
+        print(f"cupymoe inspect: MemoryError: {e or 'the checkpoint asks for more memory than there is'}",
+              file=sys.stderr)
+        return 2
+    except Error as e:
+        print(f"cupymoe inspect: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    held = "" if n_layers is not None and len(present) == n_layers else \
+        f" (tensors here for {_ranges(present) if present else 'none'})"
+    print(f"{args.dir}: model_type {config.get('model_type')}, {n_layers if n_layers is not None else '?'} layers"
+          f"{held}, MoE layers: {_ranges(moe) if moe else 'none'}")
     print(f"layer {layer}: {cfg}")
+    for why in kernel_limits_violations(cfg):
+        print(f"  NOT served by the GPU kernels: {why}")
     total = 0
     for name in hw.names():
         t = getattr(hw, name)

@@ -29,11 +29,12 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import os
 import re
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any, Callable, Mapping, Optional, Union
 
 import ml_dtypes
@@ -51,6 +52,11 @@ from .formats import (
     Fp8BlockWeight,
     Mxfp4Weight,
     Nvfp4Weight,
+    check_e4m3_codes,
+    check_e4m3_scales,
+    check_e8m0_scales,
+    check_finite,
+    check_positive_scales,
     dequantize,
     weight_format,
 )
@@ -75,6 +81,11 @@ Reader = Callable[[], Any]
 # ----------------------------------------------------------------------------------
 
 from .errors import CheckpointError, CheckpointFileError, MissingTensorError  # noqa: F401 (re-exported)
+from .errors import OptionError, WeightError
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """save_layer's directory already holds a checkpoint. Also a FileExistsError, for callers catching that."""
 
 
 # ----------------------------------------------------------------------------------
@@ -249,7 +260,8 @@ class _MappingSource(_Source):
         return _foreign_dtype(self._t[name])
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in self._t[name].shape)
+        t = self._t[name]
+        return tuple(int(d) for d in (t.shape if hasattr(t, "shape") else np.shape(t)))
 
     def read(self, name: str) -> np.ndarray:
         return _to_numpy(self._t[name])
@@ -280,20 +292,21 @@ class _FileSource(_Source):
         self._handles: dict[Path, Any] = {}
         self._keys: dict[Path, set[str]] = {}
         self._raw: dict[Path, tuple[Any, dict, int]] = {}  # file object, header, data offset
+        self._real: dict[Path, Path] = {}  # each opened file's resolved path, checked to lie inside root
         if (root / SINGLE_FILE).is_file():
             self._single = root / SINGLE_FILE
         elif (root / INDEX_FILE).is_file():
             self._index = root / INDEX_FILE
-            try:
-                weight_map = json.loads(self._index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{self._index}: not a valid safetensors index ({e!r})") from e
+            index = _read_json(root, INDEX_FILE)
+            weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{self._index}: weight_map must map tensor names to file names, "
-                                      f"found a {type(weight_map).__name__}")
+                                      f"found {'no weight_map' if weight_map is None else 'a ' + type(weight_map).__name__}")
             for name, file in weight_map.items():
                 if not isinstance(file, str) or not file:
                     raise CheckpointError(f"{self._index}: weight_map maps {name!r} to {file!r}, not a file name")
+            for file in set(weight_map.values()):
+                _check_name(root, file, f"{self._index}: weight_map names shard {file!r}")
             self._map = weight_map
         else:
             raise CheckpointFileError(f"{root} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
@@ -303,14 +316,22 @@ class _FileSource(_Source):
 
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:
-            if not path.is_file():
-                raise CheckpointFileError(f"{self._index} maps tensors to {path.name}, but {path} does not exist")
+            rel = str(path.relative_to(self._root))
+            real = _inside(self._root, rel, f"{self._index}: weight_map names shard {rel!r}" if self._index else str(path))
+            try:
+                is_file = real.is_file()
+            except OSError as e:  # a name too long, a path through a file: no file by that name
+                raise CheckpointFileError(f"{self._index} maps tensors to {rel!r}, which cannot be opened "
+                                          f"({e.strerror})") from None
+            if not is_file:
+                raise CheckpointFileError(f"{self._index} maps tensors to {rel}, but {path} does not exist")
             logger.debug("opening %s", path)
             try:
-                h = self._stack.enter_context(safe_open(str(path), framework="numpy"))
+                h = self._stack.enter_context(safe_open(str(real), framework="numpy"))
             except Exception as e:  # safetensors' own error (a truncated or corrupt file) names no file
                 raise CheckpointFileError(f"{path}: not a readable safetensors file ({e})") from e
             self._handles[path] = h
+            self._real[path] = real
             self._keys[path] = set(h.keys())
         return self._handles[path]
 
@@ -340,9 +361,13 @@ class _FileSource(_Source):
         path = self._file(name)
         st = self._slice(name).get_dtype()
         want = _ST_DTYPES[st]
-        if st in _RAW_READ:
-            return self._read_raw(path, name, want)
-        a = self._handle(path).get_tensor(name)
+        try:
+            if st in _RAW_READ:
+                return self._read_raw(path, name, want)
+            a = self._handle(path).get_tensor(name)
+        except MemoryError:  # a size the header claims and this machine cannot hold
+            n = int(np.prod(self.shape(name), dtype=np.int64)) * want.itemsize
+            raise CheckpointError(f"{name} in {path}: its {n} bytes do not fit in memory") from None
         if a.dtype != want:  # an older safetensors may hand out BF16 as raw 16-bit integers
             if a.dtype.itemsize != want.itemsize:
                 raise CheckpointError(f"{name} in {path}: safetensors returned {a.dtype} for {st}")
@@ -352,12 +377,17 @@ class _FileSource(_Source):
     def _read_raw(self, path: Path, name: str, dtype: np.dtype) -> np.ndarray:
         """Read one tensor's bytes at its header offsets (safetensors: u64 header length, JSON header, data)."""
         if path not in self._raw:
-            f = self._stack.enter_context(open(path, "rb"))
+            f = self._stack.enter_context(open(self._real[path], "rb"))
+            size = os.fstat(f.fileno()).st_size
             n = int.from_bytes(f.read(8), "little")
+            if n > size - 8:  # safe_open checked this file; it may have changed since
+                raise CheckpointError(f"{path}: header length {n} exceeds the file's {size} bytes")
             self._raw[path] = (f, json.loads(f.read(n)), 8 + n)
         f, header, data_start = self._raw[path]
         entry = header[name]
         begin, end = entry["data_offsets"]
+        if not 0 <= begin <= end <= os.fstat(f.fileno()).st_size - data_start:
+            raise CheckpointError(f"{name} in {path}: data offsets {[begin, end]} lie outside the file")
         buf = bytearray(end - begin)
         f.seek(data_start + begin)
         got = f.readinto(buf)
@@ -399,6 +429,9 @@ class _Linear:
 # Parts read as float32 (scales), and those that are scalars stored as [] or [1].
 _F32_PARTS = ("scale_inv", "scale_2", "input_scale")
 _SCALAR_PARTS = ("scale_2", "input_scale")
+# What each part must hold (input_scale is only kept for W4A4 users: unchecked).
+_VALUE_CHECKS = {"w": check_finite, "q": check_e4m3_codes, "scale_inv": check_positive_scales,
+                 "scale": check_e4m3_scales, "scale_2": check_positive_scales}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -482,11 +515,14 @@ class _Planner:
                            module, lin.fmt)
         return lin
 
-    def read_parts(self, lin: _Linear) -> dict[str, np.ndarray]:
-        """Read a linear's tensors into canonical dtypes (e4m3 views, float32 scales, scalar shapes)."""
+    def read_parts(self, lin: _Linear, rows: Optional[int] = None) -> dict[str, np.ndarray]:
+        """Read a linear's tensors into canonical dtypes (e4m3 views, float32 scales, scalar shapes);
+        `rows`: only the first rows of each (a stack's), the ones checked and returned."""
         parts = {}
         for p, name in lin.parts.items():
             a = self.src.read(name)
+            if rows is not None:
+                a = a[:rows]
             if p in ("q", "scale") and a.dtype == U8:  # canonical dtypes, so expert stacks never cast
                 a = a.view(E4M3)
             if p in _F32_PARTS:
@@ -495,6 +531,8 @@ class _Planner:
                 a = a.reshape(())
             if p == "w" and a.dtype not in (BF16, F32):
                 a = a.astype(np.float32)  # f16/f64 -> f32: exact for f16, HostWeights holds bf16 or f32
+            if p in _VALUE_CHECKS:  # the values as they will be served, named by their hub tensor
+                _VALUE_CHECKS[p](a, name)
             parts[p] = a
         return parts
 
@@ -519,7 +557,7 @@ class _Planner:
             for e, lin in enumerate(lins):
                 for p, a in self.read_parts(lin).items():
                     if p not in bufs:  # allocate once: a real layer's stack is gigabytes
-                        bufs[p] = np.empty((n,) + a.shape, dtype=a.dtype)
+                        bufs[p] = _empty((n,) + a.shape, a.dtype, label)
                     bufs[p][e] = a
                 if n >= PROGRESS_MIN_EXPERTS and ((e + 1) % max(1, n // 4) == 0 or e + 1 == n):
                     logger.info("%s: read %d/%d experts", label, e + 1, n)
@@ -533,12 +571,25 @@ class _Planner:
         self.need(name)
         self.check_shape(name, shape)
         self.check_dtype(name, FLOAT_DTYPES, "a float tensor")
-        return lambda: self.src.read(name).astype(np.float32)
+        return lambda: _finite(self.src.read(name).astype(np.float32), name)
 
     def gate_vector(self, module: str, hidden: int) -> Reader:
         """The shared-expert gate, a [1, H] linear, as a float32 [H] vector (dequantized if stored so)."""
         lin = self.linear(module, 1, hidden)
-        return lambda: dequantize(_assemble(lin.fmt, self.read_parts(lin)), np.float32).reshape(hidden)
+        return lambda: _finite(dequantize(_assemble(lin.fmt, self.read_parts(lin)), np.float32).reshape(hidden),
+                               module + ".weight")
+
+
+def _empty(shape: tuple[int, ...], dtype: np.dtype, what: str) -> np.ndarray:
+    try:
+        return np.empty(shape, dtype=dtype)
+    except MemoryError:  # sizes the headers claim and this machine cannot hold
+        raise CheckpointError(f"{what}: a stack of shape {shape} {dtype} does not fit in memory") from None
+
+
+def _finite(a: np.ndarray, name: str) -> np.ndarray:
+    check_finite(a, name)
+    return a
 
 
 def _assemble(fmt: str, p: dict[str, np.ndarray]) -> Any:
@@ -582,8 +633,13 @@ def _plan_fused_experts(P: _Planner, cfg: MoeConfig, base: str) -> dict[str, Rea
         P.check_dtype(name, FLOAT_DTYPES, "a float weight")
         return name
 
-    def as_weight(a: np.ndarray) -> np.ndarray:
-        return a if a.dtype in (BF16, F32) else a.astype(np.float32)
+    def as_weight(a: np.ndarray, name: str) -> np.ndarray:
+        return _finite(a if a.dtype in (BF16, F32) else a.astype(np.float32), name)
+
+    def read_scales(name: str) -> np.ndarray:
+        s = src.read(name)
+        check_e8m0_scales(s, name)
+        return s
 
     def is_mxfp4(name: str) -> bool:
         # mxfp4 when its _blocks are there; a lone _scales is half an mxfp4 tensor (a partial
@@ -597,14 +653,14 @@ def _plan_fused_experts(P: _Planner, cfg: MoeConfig, base: str) -> dict[str, Rea
         blocks, scales = mxfp4(gate_up, 2 * I, H)
 
         def read_gate_up() -> tuple[Any, Any]:
-            b, s = src.read(blocks), src.read(scales)
+            b, s = src.read(blocks), read_scales(scales)
             return tuple(Mxfp4Weight(np.ascontiguousarray(b[:, k::2]), np.ascontiguousarray(s[:, k::2]))
                          for k in (0, 1))
     else:
         name = plain(gate_up, (E, H, 2 * I))
 
         def read_gate_up() -> tuple[Any, Any]:
-            a = as_weight(src.read(name))
+            a = as_weight(src.read(name), name)
             return tuple(np.ascontiguousarray(a[:, :, k::2].transpose(0, 2, 1)) for k in (0, 1))
 
     pair = _once(read_gate_up)
@@ -614,10 +670,10 @@ def _plan_fused_experts(P: _Planner, cfg: MoeConfig, base: str) -> dict[str, Rea
     down = base + _DOWN
     if is_mxfp4(down):
         d_blocks, d_scales = mxfp4(down, H, I)
-        readers["down"] = lambda: Mxfp4Weight(src.read(d_blocks), src.read(d_scales))
+        readers["down"] = lambda: Mxfp4Weight(src.read(d_blocks), read_scales(d_scales))
     else:
         d_name = plain(down, (E, I, H))
-        readers["down"] = lambda: np.ascontiguousarray(as_weight(src.read(d_name)).transpose(0, 2, 1))
+        readers["down"] = lambda: np.ascontiguousarray(as_weight(src.read(d_name), d_name).transpose(0, 2, 1))
 
     if cfg.has_expert_bias:
         read_gu_bias = P.vector(gate_up + "_bias", (E, 2 * I))
@@ -660,6 +716,11 @@ def _plan(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[dict[str, Reader],
     else:
         if cfg.has_expert_bias:
             raise CheckpointError(f"the config asks for expert biases, but {cfg.model_type} experts have none")
+        # each expert has tensors of its own here: a larger count is refused before E names are made
+        if E > (present := len(src.names(prefix))):
+            raise CheckpointError(f"MoeConfig.num_experts={E} (from the config) exceeds the {present} tensors under "
+                                  f"{prefix!r} in {src.searched()}: each expert needs its own; the config does not "
+                                  "describe this checkpoint")
         for field, proj, (out, inn) in zip(_FIELDS, naming.projections, ((I, H), (I, H), (H, I))):
             modules = [prefix + naming.experts.format(e=e) + proj for e in range(E)]
             readers[field] = P.stacked(modules, out, inn, label=f"{prefix}{naming.experts.format(e='*')}{proj}")
@@ -690,7 +751,8 @@ def _load(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[MoeConfig, HostWei
         logger.warning("%d tensor(s) under %r are not part of the %s layer and were ignored: %s",
                        len(unused), prefix, cfg.model_type, ", ".join(unused[:8]) + (" ..." if len(unused) > 8 else ""))
     logger.info("loading %s (%s, %d experts) from %s", prefix, cfg.model_type, cfg.num_experts, src.searched())
-    hw = HostWeights(**{field: read() for field, read in readers.items()}).validate(cfg)
+    # each tensor's values were checked as it was read, under its hub name (_VALUE_CHECKS)
+    hw = HostWeights(**{field: read() for field, read in readers.items()}).validate(cfg, values=False)
     fmt = _routed_format(hw)
     if fmt is not None and fmt != cfg.weight_format:
         logger.warning("%s: the config says the routed experts are %s but the checkpoint holds %s; "
@@ -703,6 +765,36 @@ def _load(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[MoeConfig, HostWei
 # public loading API
 # ----------------------------------------------------------------------------------
 
+def _check_name(root: Path, name: str, what: str) -> None:
+    """Refuse a file name read from the checkpoint (an index's shard) that is absolute or has
+    a '..' component: a directory from the internet must not name files outside itself."""
+    parts = re.split(r"[/\\]", name)
+    if "\0" in name or name.startswith(("/", "\\")) or PureWindowsPath(name).drive or ".." in parts:
+        raise CheckpointError(f"{what}: an absolute path or one with a '..' component is refused; "
+                              f"the checkpoint's files must lie inside {root}")
+
+
+def _allowed_dirs(real_root: str) -> tuple[str, ...]:
+    """Where a checkpoint's files may resolve: its own directory, and for a Hugging Face hub
+    cache snapshot (models--*/snapshots/<rev>, whose files link to ../../blobs) that repo's blobs."""
+    snapshots = os.path.dirname(real_root)
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith("models--"):
+        return real_root, os.path.join(repo, "blobs")
+    return (real_root,)
+
+
+def _inside(root: Path, rel: Union[str, Path], what: str) -> Path:
+    """`root / rel` resolved (symlinks followed); CheckpointError naming `what` when that lies
+    outside the checkpoint directory (the hub cache's blobs aside, _allowed_dirs)."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(root, rel))
+    if not any(real == d or os.path.commonpath([real, d]) == d for d in _allowed_dirs(real_root)):
+        raise CheckpointError(f"{what} resolves to {real}, outside the checkpoint directory {real_root}: refused "
+                              "(a checkpoint's files, symlinks followed, must lie inside it)")
+    return Path(real)
+
+
 def read_config(checkpoint_dir: PathLike) -> dict[str, Any]:
     """`config.json`, with an older ModelOpt `hf_quant_config.json` folded in as `quantization_config`.
 
@@ -713,21 +805,30 @@ def read_config(checkpoint_dir: PathLike) -> dict[str, Any]:
     path = root / CONFIG_FILE
     if not path.is_file():
         raise CheckpointFileError(f"config.json not found: {path}")
-    config = _read_json(path)
+    config = _read_json(root, CONFIG_FILE)
     modelopt = root / MODELOPT_FILE
     if not config.get("quantization_config") and modelopt.is_file():
-        quant = _read_json(modelopt).get("quantization")
+        quant = _read_json(root, MODELOPT_FILE).get("quantization")
         if not isinstance(quant, dict):
             raise CheckpointError(f"{modelopt} has no 'quantization' section")
         config = {**config, "quantization_config": {"quant_method": "modelopt", **quant}}
     return config
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(root: Path, name: str) -> dict[str, Any]:
+    """A JSON object from the checkpoint's file `name`; every way the file can be unreadable
+    (not UTF-8, not JSON, nested past the parser's depth, too large) is a CheckpointError naming it."""
+    path = root / name
+    real = _inside(root, name, str(path))
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e})") from e
+        data = json.loads(real.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02X} at offset {e.start}); "
+                              "expected a JSON file") from None
+    except (ValueError, RecursionError, MemoryError) as e:  # JSONDecodeError, int digit limits: ValueErrors
+        raise CheckpointError(f"{path}: invalid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
@@ -750,6 +851,15 @@ def load_layer(checkpoint_dir: PathLike, layer_idx: int) -> tuple[MoeConfig, Hos
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_HUB_LAYER = re.compile(r"^model\.layers\.(0|[1-9][0-9]{0,8})\.")  # at most 9 digits: int() stays cheap
+
+
+def layer_indices(checkpoint_dir: PathLike) -> list[int]:
+    """The layer indices the checkpoint's tensor names carry (`model.layers.<i>.`), sorted: the
+    layers there are to inspect, bounded by the files rather than by config.json's count."""
+    with ExitStack() as stack:
+        names = _FileSource(Path(checkpoint_dir), stack).names("")
+    return sorted({int(m.group(1)) for n in names if (m := _HUB_LAYER.match(n))})
 
 
 def load_layer_from_tensors(cfg_or_config_dict: Union[MoeConfig, Mapping[str, Any]], tensors: Mapping[str, Any],
@@ -782,7 +892,7 @@ def _linear_tensors(module: str, w: Any) -> dict[str, np.ndarray]:
     if fmt == "bf16":
         a = np.asarray(w)
         if a.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{module}: a plain weight must be bf16 or float, found {a.dtype}")
+            raise WeightError(f"{module}: a plain weight must be bf16 or float, found {a.dtype}")
         return {module + ".weight": np.ascontiguousarray(a)}
     if fmt == "fp8_block":
         return {module + ".weight": np.ascontiguousarray(w.q),
@@ -794,7 +904,7 @@ def _linear_tensors(module: str, w: Any) -> dict[str, np.ndarray]:
         if w.input_scale is not None:
             out[module + ".input_scale"] = np.asarray(w.input_scale, dtype=np.float32).reshape(())
         return out
-    raise ValueError(f"{module}: {fmt} weights exist only in gpt-oss's fused expert tensors; "
+    raise WeightError(f"{module}: {fmt} weights exist only in gpt-oss's fused expert tensors; "
                      "per-module checkpoints hold bf16, fp8_block or nvfp4")
 
 
@@ -806,7 +916,7 @@ def _vector_tensor(name: str, v: np.ndarray, shape: Optional[tuple[int, ...]] = 
 def _interleave(even: np.ndarray, odd: np.ndarray, axis: int, what: str) -> np.ndarray:
     """Merge two arrays element-wise along `axis`: even -> 0, 2, 4 ...; odd -> 1, 3, 5 ..."""
     if even.dtype != odd.dtype or even.shape != odd.shape:
-        raise ValueError(f"{what}: gate and up must share dtype and shape to interleave, found "
+        raise WeightError(f"{what}: gate and up must share dtype and shape to interleave, found "
                          f"{even.dtype}{even.shape} and {odd.dtype}{odd.shape}")
     shape = list(even.shape)
     shape[axis] *= 2
@@ -825,7 +935,7 @@ def _fused_expert_tensors(hw: HostWeights, base: str) -> dict[str, np.ndarray]:
     gate_up, down = base + _GATE_UP, base + _DOWN
     fg, fu, fd = weight_format(hw.gate), weight_format(hw.up), weight_format(hw.down)
     if fg != fu:
-        raise ValueError(f"{gate_up}: gpt-oss stores gate and up in one tensor, so they must share a format; "
+        raise WeightError(f"{gate_up}: gpt-oss stores gate and up in one tensor, so they must share a format; "
                          f"found gate {fg}, up {fu}")
     if fg == "mxfp4":
         out[gate_up + "_blocks"] = _interleave(hw.gate.blocks, hw.up.blocks, 1, gate_up + "_blocks")
@@ -834,14 +944,14 @@ def _fused_expert_tensors(hw: HostWeights, base: str) -> dict[str, np.ndarray]:
         g, u = np.asarray(hw.gate).transpose(0, 2, 1), np.asarray(hw.up).transpose(0, 2, 1)
         out[gate_up] = _interleave(g, u, 2, gate_up)
     else:
-        raise ValueError(f"{gate_up}: gpt-oss experts are stored bf16 or mxfp4, not {fg}")
+        raise WeightError(f"{gate_up}: gpt-oss experts are stored bf16 or mxfp4, not {fg}")
     if fd == "mxfp4":
         out[down + "_blocks"] = np.ascontiguousarray(hw.down.blocks)
         out[down + "_scales"] = np.ascontiguousarray(hw.down.scales)
     elif fd == "bf16":
         out[down] = np.ascontiguousarray(np.asarray(hw.down).transpose(0, 2, 1))
     else:
-        raise ValueError(f"{down}: gpt-oss experts are stored bf16 or mxfp4, not {fd}")
+        raise WeightError(f"{down}: gpt-oss experts are stored bf16 or mxfp4, not {fd}")
     if hw.gate_bias is not None:
         out[gate_up + "_bias"] = _interleave(np.asarray(hw.gate_bias), np.asarray(hw.up_bias), 1,
                                              gate_up + "_bias")
@@ -891,7 +1001,7 @@ def _quantization_config(fmt: str, unquantized: list[str]) -> dict[str, Any]:
                 "exclude_modules": unquantized}
     if fmt == "mxfp4":
         return {"quant_method": "mxfp4", "modules_to_not_convert": unquantized}
-    raise ValueError(f"no quantization_config for format {fmt!r}")
+    raise OptionError(f"no quantization_config for format {fmt!r}")
 
 
 def save_layer(checkpoint_dir: PathLike, config_dict: Mapping[str, Any], layer_idx: int, host_weights: HostWeights,
@@ -915,12 +1025,12 @@ def save_layer(checkpoint_dir: PathLike, config_dict: Mapping[str, Any], layer_i
 
     routed = _routed_format(host_weights)
     if routed is None:
-        raise ValueError("the routed experts mix formats (gate/up/down: "
+        raise WeightError("the routed experts mix formats (gate/up/down: "
                          f"{[weight_format(getattr(host_weights, f)) for f in _FIELDS]}); "
                          "a checkpoint's quantization_config names one")
     if config.get("quantization_config"):
         if cfg.weight_format != routed:
-            raise ValueError(f"config_dict's quantization_config means {cfg.weight_format} routed experts, "
+            raise CheckpointError(f"config_dict's quantization_config means {cfg.weight_format} routed experts, "
                              f"but host_weights holds {routed}")
     elif routed != "bf16":
         config["quantization_config"] = _quantization_config(
@@ -928,14 +1038,14 @@ def save_layer(checkpoint_dir: PathLike, config_dict: Mapping[str, Any], layer_i
         cfg = MoeConfig.from_hf(config, layer_idx)
     for module, fmt in formats.items():
         if fmt != "bf16" and is_excluded(module, cfg.quant_exclude):
-            raise ValueError(f"{module} is {fmt} but the quantization config excludes it "
+            raise CheckpointError(f"{module} is {fmt} but the quantization config excludes it "
                              f"(patterns {list(cfg.quant_exclude)}): excluded modules stay bf16")
 
     root.mkdir(parents=True, exist_ok=True)
     existing = sorted(p.name for p in root.iterdir() if p.name == CONFIG_FILE or p.suffix == ".safetensors"
                       or p.name == INDEX_FILE)
     if existing:
-        raise FileExistsError(f"save_layer writes a fresh checkpoint, but {root} already holds {existing}")
+        raise CheckpointExistsError(f"save_layer writes a fresh checkpoint, but {root} already holds {existing}")
 
     (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     metadata = {"format": "pt"}  # what transformers writes; some readers insist on it
@@ -944,7 +1054,7 @@ def save_layer(checkpoint_dir: PathLike, config_dict: Mapping[str, Any], layer_i
         logger.debug("wrote %d tensors to %s", len(tensors), root / SINGLE_FILE)
         return root
     if shard_max_tensors < 1:
-        raise ValueError(f"shard_max_tensors={shard_max_tensors}: must be >= 1")
+        raise OptionError(f"shard_max_tensors={shard_max_tensors}: must be >= 1")
     names = list(tensors)
     chunks = [names[i:i + shard_max_tensors] for i in range(0, len(names), shard_max_tensors)]
     weight_map: dict[str, str] = {}

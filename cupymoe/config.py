@@ -32,6 +32,13 @@ SUPPORTED_MODEL_TYPES = (
 from .errors import ConfigError, DenseLayerError, UnsupportedModelError  # noqa: F401 (re-exported)
 
 
+class MissingConfigKeyError(ConfigError, KeyError):
+    """config.json lacks a key the family needs. Also a KeyError, so `except KeyError` callers keep working."""
+
+    def __str__(self) -> str:  # KeyError would print the message repr-quoted
+        return str(self.args[0]) if self.args else ""
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     """One MoE layer. Field names follow the Hugging Face spellings where one exists."""
@@ -87,6 +94,8 @@ class MoeConfig:
             v = getattr(self, f.name)
             if f.type in ("int", int) and (not isinstance(v, int) or isinstance(v, bool)):
                 raise bad(f.name, v, "must be an integer")
+            if f.type in ("int", int) and abs(v) >= 2 ** 31:  # sizes and counts index with 32-bit integers
+                raise bad(f.name, v, "must be below 2**31 in magnitude")
             if f.type in ("bool", bool) and not isinstance(v, bool):
                 raise bad(f.name, v, "must be True or False")
             if f.type in ("float", float) and (isinstance(v, bool) or not isinstance(v, (int, float))
@@ -96,6 +105,8 @@ class MoeConfig:
                 raise bad(f.name, v, "must be a string")
         if isinstance(self.quant_exclude, str):
             raise bad("quant_exclude", self.quant_exclude, "must be a sequence of module-name patterns, not one string")
+        if not isinstance(self.quant_exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.quant_exclude):
+            raise bad("quant_exclude", self.quant_exclude, "must be a list or tuple of module-name patterns (strings)")
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok"):
             v = getattr(self, name)
             if v <= 0:  # an integer: the type loop above
@@ -189,27 +200,40 @@ class MoeConfig:
 
 
 # ----------------------------------------------------------------------------------
+# what the GPU kernels serve
+# ----------------------------------------------------------------------------------
+
+KERNEL_VECTOR_MULTIPLE = 8  # widths: the kernels read 16-byte vectors of bf16
+KERNEL_MAX_GROUPS = 32  # the top-k kernel's group-limited selection
+KERNEL_MAX_TOP_K = 64
+KERNEL_MAX_ROUTER_WIDTH = 4096
+
+
+def kernel_limits_violations(cfg: MoeConfig) -> list[str]:
+    """Every reason MoeLayer refuses to build `cfg`, one sentence each naming the field, its
+    value and the limit; empty when the GPU kernels serve it. Pure: for `inspect` and the layer."""
+    out = []
+    for name in ("hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        v = getattr(cfg, name)
+        if v % KERNEL_VECTOR_MULTIPLE:
+            out.append(f"MoeConfig.{name}={v}: the kernels read 16-byte vectors, so it must be a multiple of "
+                       f"{KERNEL_VECTOR_MULTIPLE}")
+    if cfg.n_group > KERNEL_MAX_GROUPS:
+        out.append(f"MoeConfig.n_group={cfg.n_group}: the top-k kernel handles at most {KERNEL_MAX_GROUPS} groups")
+    if cfg.num_experts_per_tok > KERNEL_MAX_TOP_K:
+        out.append(f"MoeConfig.num_experts_per_tok={cfg.num_experts_per_tok}: the top-k kernel serves k <= "
+                   f"{KERNEL_MAX_TOP_K}")
+    if cfg.router_width > KERNEL_MAX_ROUTER_WIDTH:
+        out.append(f"router width R = num_experts + zero_expert_num = {cfg.router_width}: the top-k kernel serves "
+                   f"R <= {KERNEL_MAX_ROUTER_WIDTH}")
+    return out
+
+
+# ----------------------------------------------------------------------------------
 # Hugging Face mapping
 # ----------------------------------------------------------------------------------
 
 _MISSING = object()
-
-
-def kernel_limits_violations(cfg: MoeConfig) -> list[str]:
-    """What of `cfg` the GPU kernels cannot serve, in words (empty: nothing). MoeLayer refuses such a
-    layer and `python -m cupymoe inspect` names each."""
-    out = []
-    for name in ("hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
-        v = getattr(cfg, name)
-        if v % 8:
-            out.append(f"{name}={v} is not a multiple of 8 (the kernels read 16-byte vectors)")
-    if cfg.n_group > 32:
-        out.append(f"n_group={cfg.n_group}: the top-k kernels handle at most 32 groups")
-    if cfg.num_experts_per_tok > 64:
-        out.append(f"num_experts_per_tok={cfg.num_experts_per_tok}: the top-k kernels serve k <= 64")
-    if cfg.router_width > 4096:
-        out.append(f"router width {cfg.router_width} (experts + zero experts): the top-k kernels serve at most 4096")
-    return out
 
 
 def _key(cfg: Mapping[str, Any], *names: str) -> str:
@@ -224,7 +248,7 @@ def _get(cfg: Mapping[str, Any], *names: str, default: Any = _MISSING) -> Any:
         return value
     if default is _MISSING:
         mt = cfg.get("model_type", "?")
-        raise KeyError(f"config.json of model_type={mt!r} lacks {' / '.join(names)}")
+        raise MissingConfigKeyError(f"config.json of model_type={mt!r} lacks {' / '.join(names)}")
     return default
 
 
@@ -234,20 +258,20 @@ def _whole(value: Any, key: str) -> int:
         return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    raise ValueError(f"config.json {key}={value!r}: expected a whole number")
+    raise ConfigError(f"config.json {key}={value!r}: expected a whole number")
 
 
 def _flag(value: Any, key: str) -> bool:
     """A config.json flag: JSON true / false only (a string "false" is not False)."""
     if isinstance(value, bool):
         return value
-    raise ValueError(f"config.json {key}={value!r}: expected true or false")
+    raise ConfigError(f"config.json {key}={value!r}: expected true or false")
 
 
 def _number(value: Any, key: str) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
-    raise ValueError(f"config.json {key}={value!r}: expected a finite number")
+    raise ConfigError(f"config.json {key}={value!r}: expected a finite number")
 
 
 def _patterns(value: Any, key: str) -> tuple[str, ...]:
@@ -258,7 +282,7 @@ def _patterns(value: Any, key: str) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
         return tuple(value)
-    raise ValueError(f"quantization_config.{key}={value!r}: expected a list of module-name patterns")
+    raise ConfigError(f"quantization_config.{key}={value!r}: expected a list of module-name patterns")
 
 
 def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
@@ -266,27 +290,27 @@ def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
     if not q:
         return "bf16", ()
     if not isinstance(q, Mapping):
-        raise ValueError(f"quantization_config={q!r}: expected an object")
+        raise ConfigError(f"quantization_config={q!r}: expected an object")
     method = str(q.get("quant_method", "")).lower()
     if method == "fp8":
-        block = list(q.get("weight_block_size") or [])
-        if block != [128, 128]:
-            raise ValueError(f"quantization_config.weight_block_size={block!r}: only [128, 128] fp8 blocks are supported")
+        block = q.get("weight_block_size")
+        if not isinstance(block, (list, tuple)) or list(block) != [128, 128]:
+            raise ConfigError(f"quantization_config.weight_block_size={block!r}: only [128, 128] fp8 blocks are supported")
         return "fp8_block", _patterns(q.get("modules_to_not_convert"), "modules_to_not_convert")
     if method == "modelopt":
         if q.get("quant_algo") is None:  # an export that quantizes only the KV cache: weights as stored
             return "bf16", ()
         algo = str(q.get("quant_algo")).upper()
         if algo != "NVFP4":
-            raise ValueError(f"quantization_config.quant_algo={algo!r}: only NVFP4 ModelOpt checkpoints are supported")
+            raise ConfigError(f"quantization_config.quant_algo={algo!r}: only NVFP4 ModelOpt checkpoints are supported")
         gs = q.get("group_size", 16)
         if gs != 16:
-            raise ValueError(f"quantization_config.group_size={gs!r}: NVFP4 uses groups of 16")
+            raise ConfigError(f"quantization_config.group_size={gs!r}: NVFP4 uses groups of 16")
         key = "exclude_modules" if q.get("exclude_modules") else "ignore"
         return "nvfp4", _patterns(q.get(key), key)
     if method == "mxfp4":
         return "mxfp4", _patterns(q.get("modules_to_not_convert"), "modules_to_not_convert")
-    raise ValueError(f"quantization_config.quant_method={method!r}: supported are fp8, modelopt (NVFP4), mxfp4")
+    raise ConfigError(f"quantization_config.quant_method={method!r}: supported are fp8, modelopt (NVFP4), mxfp4")
 
 
 def layer_count(config: Mapping[str, Any]) -> int | None:
@@ -304,7 +328,7 @@ def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None)
         return
     n_layers = layer_count(cfg)
     if n_layers is not None and not 0 <= layer_idx < n_layers:
-        raise ValueError(f"layer_idx={layer_idx} is outside 0..{int(n_layers) - 1} for {model_type}")
+        raise ConfigError(f"layer_idx={layer_idx} is outside 0..{int(n_layers) - 1} for {model_type}")
     dense = False
     if model_type == "deepseek_v3":
         # absent: transformers' DeepseekV3Config default (3 dense layers first); null: none
@@ -313,6 +337,8 @@ def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None)
         dense = layer_idx < first or layer_idx % freq != 0
     elif model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         mlp_only = cfg.get("mlp_only_layers") or []
+        if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+            raise ConfigError(f"config.json mlp_only_layers={mlp_only!r}: expected a list of layer indices")
         step = _whole(cfg.get("decoder_sparse_step") or 1, "decoder_sparse_step")
         dense = layer_idx in mlp_only or (layer_idx + 1) % step != 0
     if dense:
@@ -364,7 +390,7 @@ def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: d
         # routed as neither, so it is refused
         topk_method = g("topk_method", default="noaux_tc")
         if topk_method not in ("noaux_tc", "greedy"):
-            raise ValueError(f"config.json topk_method={topk_method!r}: supported are 'noaux_tc' and 'greedy'")
+            raise ConfigError(f"config.json topk_method={topk_method!r}: supported are 'noaux_tc' and 'greedy'")
         greedy = topk_method == "greedy"
         kw.update(
             num_experts=E,
@@ -418,7 +444,7 @@ def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: d
         )
         ztype = config.get("zero_expert_type", "identity")
         if kw["zero_expert_num"] and ztype != "identity":
-            raise ValueError(f"zero_expert_type={ztype!r}: only identity zero experts are defined")
+            raise ConfigError(f"zero_expert_type={ztype!r}: only identity zero experts are defined")
     kw.update(overrides)
     return cls(**kw)
 
@@ -428,5 +454,5 @@ def _act(name: str) -> str:
     aliases = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh", "swiglu_oai": "swiglu_oai"}
     if name not in aliases:
-        raise ValueError(f"hidden_act={name!r}: unknown activation; supported: {sorted(aliases)}")
+        raise ConfigError(f"hidden_act={name!r}: unknown activation; supported: {sorted(aliases)}")
     return aliases[name]

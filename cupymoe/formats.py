@@ -14,11 +14,14 @@ arrays and quantized weights side by side and `.shape` means the same for both.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import ml_dtypes
 import numpy as np
+
+from .errors import OptionError, WeightError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -51,7 +54,7 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """[..., 2n] codes -> [..., n] bytes, element 2j in the low nibble, 2j+1 in the high one."""
     c = np.asarray(codes, dtype=np.uint8)
     if c.shape[-1] % 2:
-        raise ValueError(f"pack_nibbles: last axis must be even, found {c.shape}")
+        raise WeightError(f"pack_nibbles: last axis must be even, found {c.shape}")
     return (c[..., 0::2] & 0xF) | ((c[..., 1::2] & 0xF) << 4)
 
 
@@ -111,7 +114,7 @@ def _permute_word_bits(words: np.ndarray, dest: np.ndarray) -> np.ndarray:
 def _fp4_words(packed: np.ndarray, who: str) -> np.ndarray:
     p = np.ascontiguousarray(np.asarray(packed))
     if p.dtype != np.uint8 or p.shape[-1] % 4:
-        raise ValueError(f"{who}: packed fp4 bytes (uint8) with a whole number of 4-byte words a row, "
+        raise WeightError(f"{who}: packed fp4 bytes (uint8) with a whole number of 4-byte words a row, "
                          f"found {p.dtype} {p.shape}")
     return p.view(np.uint32)
 
@@ -137,15 +140,6 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_scales(name: str, field: str, values: np.ndarray, bad: np.ndarray) -> None:
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        v = values[idx]
-        shown = f"byte 0x{int(v):02X}" if values.dtype == np.uint8 else repr(float(v))
-        raise ValueError(f"{name}.{field}[{', '.join(map(str, idx))}] = {shown}: not a usable scale "
-                         f"({int(bad.sum())} such in {values.size}); the checkpoint is corrupt or mis-read")
-
-
 def on_device(a: Any) -> bool:
     """A CuPy array: the containers accept device arrays as they are (no dequantize then)."""
     return type(a).__module__.startswith("cupy")
@@ -153,8 +147,18 @@ def on_device(a: Any) -> bool:
 
 def _check_device(a: Any, dtype, what: str) -> None:
     if not on_device(a) or a.dtype != dtype:
-        raise ValueError(f"{what}: a container built from CuPy arrays needs every array on the device as "
+        raise WeightError(f"{what}: a container built from CuPy arrays needs every array on the device as "
                          f"{np.dtype(dtype).name}, found {type(a).__name__} {getattr(a, 'dtype', '')}")
+
+
+def _shape(a: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in a.shape)
+
+
+def _expect_shape(a: Any, want: tuple[int, ...], what: str, for_what: Optional[str] = None) -> None:
+    """Shape check through `.shape` only, so a CuPy array is checked where it lies."""
+    if _shape(a) != want:
+        raise WeightError(f"{what}: expected shape {want}{f' for {for_what}' if for_what else ''}, found {_shape(a)}")
 
 
 def _bytes(a: Any, what: str) -> np.ndarray:
@@ -164,11 +168,11 @@ def _bytes(a: Any, what: str) -> np.ndarray:
     if a.dtype == np.uint8:
         return a
     if a.dtype.kind not in "iu":
-        raise ValueError(f"{what}: expected uint8 bytes, found dtype {a.dtype}")
+        raise WeightError(f"{what}: expected uint8 bytes, found dtype {a.dtype}")
     outside = (a < 0) | (a > 255)
     if outside.any():
         i = tuple(int(v) for v in np.argwhere(outside)[0])
-        raise ValueError(f"{what}: expected byte values 0..255, found {a[i]} at {i}")
+        raise WeightError(f"{what}: expected byte values 0..255, found {a[i]} at {i}")
     return a.astype(np.uint8)
 
 
@@ -178,8 +182,190 @@ def _per_matrix(v: Any, lead: tuple[int, ...], what: str) -> np.ndarray:
     try:
         return np.broadcast_to(a, lead).copy()
     except ValueError:
-        raise ValueError(f"{what}: expected one value per matrix, shape {lead} (or a scalar), "
+        raise WeightError(f"{what}: expected one value per matrix, shape {lead} (or a scalar), "
                          f"found shape {a.shape}") from None
+
+
+# ----------------------------------------------------------------------------------
+# value checks: on the raw bits, in chunks, numpy or CuPy
+# ----------------------------------------------------------------------------------
+# The kernels would turn NaN weights or unusable scales into NaN (or silently zeroed) outputs.
+
+CHECK_CHUNK = 1 << 20  # elements a step on the host: large enough to amortise the call, cached for the second pass
+DEVICE_CHECK_CHUNK = 1 << 26  # on the device: few launches, a bounded temporary
+_PARALLEL_SPAN = 1 << 24  # elements a thread's task on the host
+
+# float dtype -> (unsigned view, signed view, the smallest magnitude bits of an Inf or NaN)
+_NONFINITE_BITS = {
+    BF16: (np.uint16, np.int16, 0x7F80),
+    np.dtype(np.float16): (np.uint16, np.int16, 0x7C00),
+    np.dtype(np.float32): (np.uint32, np.int32, 0x7F800000),
+    np.dtype(np.float64): (np.uint64, np.int64, 0x7FF0000000000000),
+    E4M3: (np.uint8, np.int8, 0x7F),  # e4m3fn: no Inf; S.1111.111 is NaN
+}
+
+
+def _pieces(a: Any, chunk: int, offset: int = 0):
+    """(flat C-order offset, 1-D piece) covering `a`; a piece is a view where `a` is contiguous,
+    else a copy of at most `chunk` elements (or one row of the last axis)."""
+    shape = _shape(a)
+    size = int(np.prod(shape, dtype=np.int64))
+    if size == 0:
+        return
+    if a.flags.c_contiguous or size <= chunk:
+        flat = a.reshape(-1)
+        for s in range(0, size, chunk):
+            yield offset + s, flat[s:s + chunk]
+        return
+    row = size // shape[0]
+    step = max(1, chunk // row)
+    for i in range(0, shape[0], step):
+        sub = a[i] if step == 1 else a[i:i + step]
+        yield from _pieces(sub, chunk, offset + i * row)
+
+
+def _first_hit(bits: Any, hit: Any) -> Optional[int]:
+    """Flat index of the first element of `bits` that `hit(piece) -> Optional[int]` reports."""
+    if on_device(bits):
+        chunk = DEVICE_CHECK_CHUNK
+    else:
+        chunk = CHECK_CHUNK
+        size = bits.size
+        if size >= 2 * _PARALLEL_SPAN and bits.flags.c_contiguous and (os.cpu_count() or 1) > 1:
+            flat = bits.reshape(-1)
+
+            def span(start: int) -> Optional[int]:
+                end = min(start + _PARALLEL_SPAN, size)
+                for s in range(start, end, chunk):
+                    i = hit(flat[s:min(s + chunk, end)])
+                    if i is not None:
+                        return s + i
+                return None
+
+            from concurrent.futures import ThreadPoolExecutor
+
+            # a pool per call (arrays this large take far longer than starting it): none outlives a fork
+            with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+                # in order, so the first hit reported is the first in the array
+                return next((i for i in pool.map(span, range(0, size, _PARALLEL_SPAN)) if i is not None), None)
+    for off, piece in _pieces(bits, chunk):
+        i = hit(piece)
+        if i is not None:
+            return off + i
+    return None
+
+
+def _magnitude_hit(signed, floor: int, sign: int):
+    """hit() for 'the bits below the sign are >= floor' (Inf / NaN codes): two max-reductions a
+    chunk (unsigned: negative ones, signed: positive ones), no temporaries; the mask is built
+    only for the chunk that holds one."""
+    def hit(piece: Any) -> Optional[int]:
+        if int(piece.max()) >= sign | floor or int(piece.view(signed).max()) >= floor:
+            return int(((piece & (sign - 1)) >= floor).argmax())
+        return None
+
+    return hit
+
+
+def _at(flat: int, shape: tuple[int, ...]) -> str:
+    """'[i, j, k]' of a flat index ('' for a scalar)."""
+    return f"[{', '.join(str(int(i)) for i in np.unravel_index(flat, shape))}]" if shape else ""
+
+
+def _element(bits: Any, flat: int) -> int:
+    shape = _shape(bits)
+    return int(bits[tuple(int(i) for i in np.unravel_index(flat, shape))] if shape else bits[()])
+
+
+def _float_dtype(a: Any, what: str) -> np.dtype:
+    """The float dtype `a` holds: a CuPy uint16 array holds bf16 bits (CuPy has no bfloat16)."""
+    dt = np.dtype(a.dtype)
+    if dt == np.uint16 and on_device(a):
+        return BF16
+    if dt not in _NONFINITE_BITS or dt == E4M3:
+        raise WeightError(f"{what}: expected a float array (bf16, float16, float32 or float64), found dtype {dt}")
+    return dt
+
+
+def check_finite(a: Any, what: str) -> None:
+    """WeightError naming the first Inf or NaN of a float array (bf16 / f16 / f32 / f64, a CuPy
+    uint16 array as bf16 bits), its index and value; `what` names the tensor.
+
+    Like every check here it reads the array once, as unsigned integers (no float temporaries),
+    a chunk at a time so its scratch stays small; large host arrays are split over threads
+    (numpy's reductions release the GIL); a CuPy array is checked on its device through its
+    own methods, only scalars coming back."""
+    dt = _float_dtype(a, what)
+    _check_codes(a, dt, what, "not finite")
+
+
+def check_e4m3_codes(a: Any, what: str) -> None:
+    """WeightError naming the first e4m3 NaN code (0x7F / 0xFF) of fp8 weights (e4m3 or uint8 bytes)."""
+    _check_codes(a, E4M3, what, "an e4m3 NaN code")
+
+
+def _check_codes(a: Any, dt: np.dtype, what: str, why: str) -> None:
+    unsigned, signed, floor = _NONFINITE_BITS[dt]
+    bits = a.view(unsigned)
+    sign = 1 << (8 * np.dtype(unsigned).itemsize - 1)
+    first = _first_hit(bits, _magnitude_hit(signed, floor, sign))
+    if first is not None:
+        b = _element(bits, first)
+        value = np.array(b, dtype=unsigned).view(dt)
+        shown = f"byte 0x{b:02X}" if dt == E4M3 else f"{float(value)!r} (bits 0x{b:0{2 * dt.itemsize}X})"
+        raise WeightError(f"{what}{_at(first, _shape(a))} = {shown}: {why}; only finite weights can be "
+                          "served (the checkpoint is corrupt or mis-read)")
+
+
+def _check_scale_bits(bits: Any, bad, what: str, shown, accepted: str) -> None:
+    """WeightError naming the first scale `bad(piece)` (a bool array) flags, and how many there are."""
+    first, count = None, 0
+    for off, piece in _pieces(bits, DEVICE_CHECK_CHUNK if on_device(bits) else CHECK_CHUNK):
+        flags = bad(piece)
+        n = int(flags.sum())
+        if n and first is None:
+            first = off + int(flags.argmax())
+        count += n
+    if count:
+        shape = _shape(bits)
+        raise WeightError(f"{what}{_at(first, shape)} = {shown(_element(bits, first))}: not a usable scale "
+                          f"({count} such in {int(np.prod(shape, dtype=np.int64))}); expected {accepted} "
+                          "(the checkpoint is corrupt or mis-read)")
+
+
+def _f32_shown(b: int) -> str:
+    return repr(float(np.array(b, dtype=np.uint32).view(np.float32)))
+
+
+def check_positive_scales(a: Any, what: str) -> None:
+    """float32 scales (fp8 scale_inv, nvfp4 scale_2) must be finite and > 0: a zero or negative
+    one silently zeroes or flips its block, a non-finite one gives NaN outputs."""
+    a = a if on_device(a) else np.asarray(a, dtype=np.float32)
+    if np.dtype(a.dtype) != np.float32:
+        raise WeightError(f"{what}: expected float32 scales, found dtype {a.dtype}")
+    # as uint32 bits, bits - 1 (wrapping at 0) < 0x7F7FFFFF is exactly 0 < value <= float32 max
+    _check_scale_bits(a.view(np.uint32), lambda p: (p - 1) >= 0x7F7FFFFF, what, _f32_shown,
+                      "a finite scale > 0")
+
+
+def check_e4m3_scales(a: Any, what: str) -> None:
+    """nvfp4 group scales (e4m3 or uint8 bytes): no NaN (0x7F / 0xFF), none negative (-0 is a zero)."""
+    _check_scale_bits(a.view(np.uint8), lambda p: (p == 0x7F) | (p > 0x80), what,
+                      lambda b: f"byte 0x{b:02X}", "an e4m3 scale >= 0 that is not NaN (bytes 0x00-0x7E)")
+
+
+def check_e8m0_scales(a: Any, what: str) -> None:
+    """mxfp4 exponents (uint8 / e8m0 bytes): 255 is e8m0's NaN."""
+    _check_scale_bits(a.view(np.uint8), lambda p: p == 255, what, lambda b: f"byte 0x{b:02X}",
+                      "an e8m0 exponent byte 0..254 (255 is NaN)")
+
+
+def check_values(t: Any, what: str) -> None:
+    """Every value check of one weight: a plain float array or a quantized container."""
+    if hasattr(t, "check_values"):
+        t.check_values(what)
+    else:
+        check_finite(t, what)
 
 
 @dataclass
@@ -194,21 +380,21 @@ class Fp8BlockWeight:
         if on_device(self.q):  # CuPy arrays (the benchmark's weights) stay on the device
             _check_device(self.q, np.uint8, "Fp8BlockWeight.q (e4m3 bits)")
             _check_device(self.scale_inv, np.float32, "Fp8BlockWeight.scale_inv")
-            return
-        self.q = np.asarray(self.q)
-        if self.q.dtype != E4M3:
-            if self.q.dtype == np.uint8:
-                self.q = self.q.view(E4M3)
-            else:
-                raise ValueError(f"Fp8BlockWeight.q: expected float8_e4m3fn, found {self.q.dtype}")
-        self.scale_inv = np.asarray(self.scale_inv, dtype=np.float32)
-        if self.q.ndim < 2:
-            raise ValueError(f"Fp8BlockWeight.q: expected [..., out, in], found shape {self.q.shape}")
-        out, inn = self.q.shape[-2:]
-        want = self.q.shape[:-2] + (_ceil_div(out, FP8_BLOCK), _ceil_div(inn, FP8_BLOCK))
-        if self.scale_inv.shape != want:
-            raise ValueError(f"Fp8BlockWeight.scale_inv: expected shape {want} for q {self.q.shape}, "
-                             f"found {self.scale_inv.shape}")
+        else:
+            self.q = np.asarray(self.q)
+            if self.q.dtype != E4M3:
+                if self.q.dtype == np.uint8:
+                    self.q = self.q.view(E4M3)
+                else:
+                    raise WeightError(f"Fp8BlockWeight.q: expected float8_e4m3fn, found {self.q.dtype}")
+            self.scale_inv = np.asarray(self.scale_inv, dtype=np.float32)
+        # shapes only (no copy): the device layer derives each expert's scale stride from them
+        q_shape = _shape(self.q)
+        if len(q_shape) < 2:
+            raise WeightError(f"Fp8BlockWeight.q: expected [..., out, in], found shape {q_shape}")
+        out, inn = q_shape[-2:]
+        _expect_shape(self.scale_inv, q_shape[:-2] + (_ceil_div(out, FP8_BLOCK), _ceil_div(inn, FP8_BLOCK)),
+                      "Fp8BlockWeight.scale_inv", f"q {q_shape}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -223,9 +409,13 @@ class Fp8BlockWeight:
         return Fp8BlockWeight(self.q[idx], self.scale_inv[idx])
 
     def check_scales(self, name: str) -> None:
-        """Raise ValueError naming the first non-finite block scale (a corrupt or mis-read
-        checkpoint would otherwise give NaN outputs, silently)."""
-        _check_scales(name, "scale_inv", self.scale_inv, ~np.isfinite(self.scale_inv))
+        """WeightError naming the first block scale that is not finite and > 0."""
+        check_positive_scales(self.scale_inv, f"{name}.scale_inv")
+
+    def check_values(self, name: str) -> None:
+        """check_scales, and no e4m3 NaN code among the weights."""
+        self.check_scales(name)
+        check_e4m3_codes(self.q, f"{name}.q")
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
         out, inn = self.q.shape[-2:]
@@ -248,27 +438,24 @@ class Nvfp4Weight:
         if on_device(self.packed):
             _check_device(self.packed, np.uint8, "Nvfp4Weight.packed")
             _check_device(self.scale, np.uint8, "Nvfp4Weight.scale (e4m3 bits)")
-            self.scale_2 = np.broadcast_to(np.asarray(self.scale_2, dtype=np.float32), self.packed.shape[:-2]).copy()
-            return
-        self.packed = _bytes(self.packed, "Nvfp4Weight.packed")
-        if self.packed.ndim < 2:
-            raise ValueError(f"Nvfp4Weight.packed: expected [..., out, in/2], found shape {self.packed.shape}")
-        self.scale = np.asarray(self.scale)
-        if self.scale.dtype == np.uint8:
-            self.scale = self.scale.view(E4M3)
-        if self.scale.dtype != E4M3:
-            raise ValueError(f"Nvfp4Weight.scale: expected float8_e4m3fn, found {self.scale.dtype}")
-        lead = self.packed.shape[:-2]
+        else:
+            self.packed = _bytes(self.packed, "Nvfp4Weight.packed")
+            self.scale = np.asarray(self.scale)
+            if self.scale.dtype == np.uint8:
+                self.scale = self.scale.view(E4M3)
+            if self.scale.dtype != E4M3:
+                raise WeightError(f"Nvfp4Weight.scale: expected float8_e4m3fn, found {self.scale.dtype}")
+        shape = _shape(self.packed)
+        if len(shape) < 2:
+            raise WeightError(f"Nvfp4Weight.packed: expected [..., out, in/2], found shape {shape}")
+        lead = shape[:-2]
         self.scale_2 = _per_matrix(self.scale_2, lead, "Nvfp4Weight.scale_2")
         if self.input_scale is not None:
             self.input_scale = _per_matrix(self.input_scale, lead, "Nvfp4Weight.input_scale")
-        inn = self.packed.shape[-1] * 2
+        inn = shape[-1] * 2
         if inn % NVFP4_GROUP:
-            raise ValueError(f"Nvfp4Weight: in={inn} is not a multiple of {NVFP4_GROUP}")
-        want = self.packed.shape[:-1] + (inn // NVFP4_GROUP,)
-        if self.scale.shape != want:
-            raise ValueError(f"Nvfp4Weight.scale: expected shape {want} for packed {self.packed.shape}, "
-                             f"found {self.scale.shape}")
+            raise WeightError(f"Nvfp4Weight: in={inn} is not a multiple of {NVFP4_GROUP}")
+        _expect_shape(self.scale, shape[:-1] + (inn // NVFP4_GROUP,), "Nvfp4Weight.scale", f"packed {shape}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -283,10 +470,13 @@ class Nvfp4Weight:
         return Nvfp4Weight(self.packed[idx], self.scale[idx], self.scale_2[idx], isc)
 
     def check_scales(self, name: str) -> None:
-        """Raise ValueError naming the first NaN e4m3 group scale or non-finite scale_2."""
-        bits = self.scale.view(np.uint8)
-        _check_scales(name, "weight_scale", bits, (bits & 0x7F) == 0x7F)
-        _check_scales(name, "weight_scale_2", self.scale_2, ~np.isfinite(self.scale_2))
+        """WeightError naming the first NaN or negative e4m3 group scale, or scale_2 not finite and > 0."""
+        check_e4m3_scales(self.scale, f"{name}.weight_scale")
+        check_positive_scales(self.scale_2, f"{name}.weight_scale_2")
+
+    def check_values(self, name: str) -> None:
+        """check_scales (every e2m1 code is a finite value)."""
+        self.check_scales(name)
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
         vals = e2m1_decode(unpack_nibbles(self.packed)).astype(np.float64)
@@ -306,20 +496,21 @@ class Mxfp4Weight:
         if on_device(self.blocks):
             _check_device(self.blocks, np.uint8, "Mxfp4Weight.blocks")
             _check_device(self.scales, np.uint8, "Mxfp4Weight.scales")
-            return
-        self.blocks = _bytes(self.blocks, "Mxfp4Weight.blocks")
-        sc = np.asarray(self.scales)
-        if sc.dtype.name == "float8_e8m0fnu":  # the same bytes
-            self.scales = sc.view(np.uint8)
-        elif sc.dtype.itemsize == 1 and sc.dtype != np.uint8:
-            # another 1-byte dtype's bits (int8, bool, e4m3 / e5m2) are no e8m0 exponents
-            raise ValueError(f"Mxfp4Weight.scales: expected uint8 or float8_e8m0fnu e8m0 exponents, found {sc.dtype}")
-        else:  # biased exponents as integers of any width, each 0..255 (2^(e - 127) values are not)
-            self.scales = _bytes(sc, "Mxfp4Weight.scales (e8m0 biased exponents)")
-        if self.blocks.ndim < 3 or self.blocks.shape[-1] != MXFP4_GROUP // 2:
-            raise ValueError(f"Mxfp4Weight.blocks: expected [..., out, in/32, 16], found {self.blocks.shape}")
-        if self.scales.shape != self.blocks.shape[:-1]:
-            raise ValueError(f"Mxfp4Weight.scales: expected shape {self.blocks.shape[:-1]}, found {self.scales.shape}")
+        else:
+            self.blocks = _bytes(self.blocks, "Mxfp4Weight.blocks")
+            sc = np.asarray(self.scales)
+            if sc.dtype.name == "float8_e8m0fnu":  # the same bytes
+                self.scales = sc.view(np.uint8)
+            elif sc.dtype.itemsize == 1 and sc.dtype != np.uint8:
+                # another 1-byte dtype's bits (int8, bool, e4m3 / e5m2) are no e8m0 exponents
+                raise WeightError(f"Mxfp4Weight.scales: expected uint8 or float8_e8m0fnu e8m0 exponents, "
+                                  f"found {sc.dtype}")
+            else:  # biased exponents as integers of any width, each 0..255 (2^(e - 127) values are not)
+                self.scales = _bytes(sc, "Mxfp4Weight.scales (e8m0 biased exponents)")
+        shape = _shape(self.blocks)
+        if len(shape) < 3 or shape[-1] != MXFP4_GROUP // 2:
+            raise WeightError(f"Mxfp4Weight.blocks: expected [..., out, in/32, 16], found {shape}")
+        _expect_shape(self.scales, shape[:-1], "Mxfp4Weight.scales")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -333,8 +524,12 @@ class Mxfp4Weight:
         return Mxfp4Weight(self.blocks[idx], self.scales[idx])
 
     def check_scales(self, name: str) -> None:
-        """Raise ValueError naming the first e8m0 scale 255 (the format's NaN)."""
-        _check_scales(name, "scales", self.scales, self.scales == 255)
+        """WeightError naming the first e8m0 scale 255 (the format's NaN)."""
+        check_e8m0_scales(self.scales, f"{name}.scales")
+
+    def check_values(self, name: str) -> None:
+        """check_scales (every e2m1 code is a finite value)."""
+        self.check_scales(name)
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
         vals = e2m1_decode(unpack_nibbles(self.blocks)).astype(np.float64)  # [..., out, in/32, 32]
@@ -377,11 +572,11 @@ def _quantizer_input(w: Any, who: str) -> np.ndarray:
     no scale check sees, and take their block's scale with them)."""
     w = np.asarray(w, dtype=np.float32)
     if w.ndim < 2:
-        raise ValueError(f"{who}: expected a [..., out, in] matrix (stack), found shape {w.shape}")
+        raise WeightError(f"{who}: expected a [..., out, in] matrix (stack), found shape {w.shape}")
     bad = ~np.isfinite(w)
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"{who}: weight{list(idx)} = {w[idx]}: only finite weights can be quantized")
+        raise WeightError(f"{who}: weight{list(idx)} = {w[idx]}: only finite weights can be quantized")
     return w
 
 
@@ -419,7 +614,7 @@ def quantize_nvfp4(w: np.ndarray) -> Nvfp4Weight:
     w = _quantizer_input(w, "quantize_nvfp4")
     out, inn = w.shape[-2:]
     if inn % NVFP4_GROUP:
-        raise ValueError(f"quantize_nvfp4: in={inn} is not a multiple of {NVFP4_GROUP}")
+        raise WeightError(f"quantize_nvfp4: in={inn} is not a multiple of {NVFP4_GROUP}")
     amax = np.abs(w).max(axis=(-2, -1), initial=0.0)
     # every group scale gmax / 6 / scale_2 below must be an e4m3 number, the largest too
     scale_2 = _scale_for(amax, E4M3_MAX * E2M1_MAX, amax / E2M1_MAX)
@@ -438,7 +633,7 @@ def quantize_mxfp4(w: np.ndarray) -> Mxfp4Weight:
     w = _quantizer_input(w, "quantize_mxfp4")
     out, inn = w.shape[-2:]
     if inn % MXFP4_GROUP:
-        raise ValueError(f"quantize_mxfp4: in={inn} is not a multiple of {MXFP4_GROUP}")
+        raise WeightError(f"quantize_mxfp4: in={inn} is not a multiple of {MXFP4_GROUP}")
     g = w.reshape(w.shape[:-1] + (inn // MXFP4_GROUP, MXFP4_GROUP))
     gmax = np.abs(g).max(axis=-1)
     # floor(log2(gmax)) exactly, from the binary exponent: float32 log2 rounds values just
@@ -458,5 +653,5 @@ def quantize(w: np.ndarray, fmt: str) -> Any:
     if fmt == "bf16":
         return np.asarray(w, dtype=np.float32).astype(BF16)
     if fmt not in QUANTIZERS:
-        raise ValueError(f"quantize: unknown format {fmt!r}; known: bf16, {', '.join(QUANTIZERS)}")
+        raise OptionError(f"quantize: unknown format {fmt!r}; known: bf16, {', '.join(QUANTIZERS)}")
     return QUANTIZERS[fmt](w)

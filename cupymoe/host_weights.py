@@ -26,7 +26,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import formats
 from .config import MoeConfig
+from .errors import WeightError
 
 
 def tensor_shape(t: Any) -> tuple[int, ...]:
@@ -75,27 +77,34 @@ class HostWeights:
             "tid2eid": (cfg.hash_vocab_size, cfg.num_experts_per_tok) if cfg.hash_routing else None,
         }
 
-    def validate(self, cfg: MoeConfig) -> "HostWeights":
-        """Raise ValueError naming the tensor, the expected and the found shape."""
+    def validate(self, cfg: MoeConfig, *, values: bool = True) -> "HostWeights":
+        """Raise WeightError naming the tensor, the expected and the found shape; with `values`,
+        also the first value no kernel can use (Inf / NaN weights, e4m3 NaN codes, scales not
+        finite and > 0, e8m0 255), checked on the raw bits (formats.check_values), on the device
+        for CuPy arrays."""
         for name, want in self.expected_shapes(cfg).items():
             t = getattr(self, name)
             if want is None:
                 if t is not None:
-                    raise ValueError(f"HostWeights.{name} is present but the config does not use it "
+                    raise WeightError(f"HostWeights.{name} is present but the config does not use it "
                                      f"(found shape {tensor_shape(t)})")
                 continue
             if t is None:
-                raise ValueError(f"HostWeights.{name} is missing: expected shape {want}")
+                raise WeightError(f"HostWeights.{name} is missing: expected shape {want}")
             got = tensor_shape(t)
             if got != want:
-                raise ValueError(f"HostWeights.{name}: expected shape {want}, found {got}")
+                raise WeightError(f"HostWeights.{name}: expected shape {want}, found {got}")
         if self.tid2eid is not None:
             t = np.asarray(self.tid2eid)
             if not np.issubdtype(t.dtype, np.integer):
-                raise ValueError(f"HostWeights.tid2eid: expected an integer table, found dtype {t.dtype}")
+                raise WeightError(f"HostWeights.tid2eid: expected an integer table, found dtype {t.dtype}")
             if t.size and (t.min() < 0 or t.max() >= cfg.router_width):
-                raise ValueError(f"HostWeights.tid2eid: ids must lie in 0..{cfg.router_width - 1}, "
+                raise WeightError(f"HostWeights.tid2eid: ids must lie in 0..{cfg.router_width - 1}, "
                                  f"found {int(t.min())}..{int(t.max())}")
+        if values:
+            for name in self.names():
+                if name != "tid2eid":
+                    formats.check_values(getattr(self, name), f"HostWeights.{name}")
         return self
 
     def names(self) -> list[str]:

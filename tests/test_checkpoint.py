@@ -664,7 +664,8 @@ def test_inspect_command_reports_the_layers_formats_and_refusals(tmp_path, capsy
     save_layer(tmp_path / "ds", testing.hf_config_dict("deepseek_v3"), 1, hw)
     assert main(["inspect", str(tmp_path / "ds")]) == 0
     out = capsys.readouterr().out
-    assert "3 layers, MoE layers: 1-2" in out  # first_k_dense_replace = 1
+    # first_k_dense_replace = 1; the checkpoint holds layer 1's tensors only
+    assert "3 layers (tensors here for 1), MoE layers: 1\n" in out
     assert "router               fp8_block  (16, 160)" in out and "dequantized once to bf16" in out
     assert "shared_gate          bfloat16   (128, 160)" in out and "NOT served" not in out
     assert "scratch at max_tokens=64 on sm_90a:" in out and "at max_tokens=4096 on sm_90a:" in out
@@ -829,7 +830,7 @@ def test_inspect_counts_longcat_layers_in_blocks(tmp_path, capsys):
                                                             np.random.default_rng(45)))
     assert main(["inspect", str(tmp_path), "--layer", str(LAYER)]) == 0
     n = config["num_layers"]
-    assert f"{n} layers, MoE layers: 0-{n - 1}" in capsys.readouterr().out
+    assert f"{n} layers (tensors here for {LAYER}), MoE layers: {LAYER}\n" in capsys.readouterr().out
 
 
 def test_inspect_refusals_are_one_line_naming_the_problem(tmp_path, capsys):
@@ -849,3 +850,297 @@ def test_inspect_refusals_are_one_line_naming_the_problem(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["inspect", str(tmp_path), "--max-tokens", "-5"])
     assert "argument --max-tokens: -5 is not >= 1" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------
+# a checkpoint directory never reaches outside itself
+# ----------------------------------------------------------------------------------
+
+def _sharded_with(tmp_path, rng, shard2: str):
+    """small_qwen3 in two shards, the index naming the second one `shard2`; returns (root, shard-2 tensors)."""
+    config, t = small_qwen3(rng)
+    names = list(t)
+    root = write_checkpoint(tmp_path / "ckpt", config, t, shards=[names[:10], names[10:]])
+    index_path = root / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({n: shard2 for n in names[10:]})
+    index_path.write_text(json.dumps(index))
+    return root, {n: t[n] for n in names[10:]}
+
+
+@pytest.mark.parametrize("hostile", ["../outside.safetensors", "sub/../../outside.safetensors", "{abs}",
+                                     "../../etc/passwd", "..\\outside.safetensors", "C:\\outside.safetensors",
+                                     "sub/\x00.safetensors"])
+def test_index_shard_names_outside_the_directory_are_refused(tmp_path, hostile):
+    """An index naming a shard by an absolute path or through '..' is refused before anything is
+    opened, naming the index, the shard and the directory; before, ../x and /tmp/x loaded silently
+    and ../../etc/passwd was opened."""
+    outside = tmp_path / "outside.safetensors"
+    hostile = hostile.replace("{abs}", str(outside))
+    root, t2 = _sharded_with(tmp_path, np.random.default_rng(60), hostile)
+    save_file(t2, str(outside))  # a readable shard, so only the check stands between it and the loader
+    with pytest.raises(CheckpointError) as info:
+        load_layer(root, LAYER)
+    msg = str(info.value)
+    assert "model.safetensors.index.json: weight_map names shard" in msg and repr(hostile) in msg
+    assert "an absolute path or one with a '..' component is refused" in msg and str(root) in msg
+
+
+def test_symlinks_leaving_the_directory_are_refused_and_inside_ones_load(tmp_path):
+    """A shard, the single file or config.json that is a symlink resolving outside the checkpoint
+    directory is refused (naming it and where it resolves); a symlink that stays inside loads."""
+    rng = np.random.default_rng(61)
+    root, t2 = _sharded_with(tmp_path, rng, "link.safetensors")
+    outside = tmp_path / "outside.safetensors"
+    save_file(t2, str(outside))
+    (root / "link.safetensors").symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"weight_map names shard 'link\.safetensors' resolves to "
+                                              rf".*outside\.safetensors, outside the checkpoint directory {root}"):
+        load_layer(root, LAYER)
+    # the same link through a directory link
+    (root / "link.safetensors").unlink()
+    (root / "d").symlink_to(tmp_path)
+    index_path = root / "model.safetensors.index.json"
+    index_path.write_text(index_path.read_text().replace("link.safetensors", "d/outside.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'d/outside\.safetensors' resolves to .*, outside the checkpoint"):
+        load_layer(root, LAYER)
+    # inside: a link to a file in a subdirectory of the checkpoint loads, and gives the same weights
+    (root / "sub").mkdir()
+    save_file(t2, str(root / "sub" / "real.safetensors"))
+    (root / "inside.safetensors").symlink_to(root / "sub" / "real.safetensors")
+    index_path.write_text(index_path.read_text().replace("d/outside.safetensors", "inside.safetensors"))
+    _, hw = load_layer(root, LAYER)
+    np.testing.assert_array_equal(hw.up[14].view(np.uint16),
+                                  t2["model.layers.1.mlp.experts.14.up_proj.weight"].view(np.uint16))
+
+    # the single-file case and config.json
+    config, t = small_qwen3(rng)
+    single = write_checkpoint(tmp_path / "single", config, t)
+    (single / "model.safetensors").rename(tmp_path / "w.safetensors")
+    (single / "model.safetensors").symlink_to(tmp_path / "w.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors resolves to .*w\.safetensors, outside the "
+                                              r"checkpoint directory"):
+        load_layer(single, LAYER)
+    (single / "model.safetensors").unlink()
+    (tmp_path / "w.safetensors").rename(single / "w.safetensors")
+    (single / "model.safetensors").symlink_to("w.safetensors")  # relative, inside
+    load_layer(single, LAYER)
+    (single / "config.json").rename(tmp_path / "config.json")
+    (single / "config.json").symlink_to(tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match=r"config\.json resolves to .*, outside the checkpoint directory"):
+        load_layer(single, LAYER)
+
+
+def test_hub_cache_snapshot_links_into_its_blobs_load(tmp_path):
+    """A Hugging Face hub cache snapshot (models--*/snapshots/<rev>/*, links to ../../blobs/<hash>) is
+    the usual checkpoint directory; its links into the same repo's blobs are followed, others not."""
+    config, t = small_qwen3(np.random.default_rng(62))
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (repo / "blobs" / "c0ffee").write_text(json.dumps(config))
+    save_file(t, str(repo / "blobs" / "beef"))
+    (snap / "config.json").symlink_to("../../blobs/c0ffee")
+    (snap / "model.safetensors").symlink_to("../../blobs/beef")
+    cfg, hw = load_layer(snap, LAYER)
+    assert cfg == MoeConfig.from_hf(config, LAYER)
+    (snap / "model.safetensors").unlink()
+    save_file(t, str(tmp_path / "hub" / "elsewhere"))
+    (snap / "model.safetensors").symlink_to("../../../elsewhere")
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        load_layer(snap, LAYER)
+
+
+def test_unreadable_json_files_are_checkpoint_errors(tmp_path):
+    """config.json or the index that is not UTF-8, not JSON, or nested past the parser's depth:
+    a CheckpointError naming the file (before: a raw UnicodeDecodeError or RecursionError)."""
+    config, t = small_qwen3(np.random.default_rng(63))
+    root = write_checkpoint(tmp_path, config, t, shards=[list(t)[:10], list(t)[10:]])
+    for name in ("config.json", "model.safetensors.index.json"):
+        good = (root / name).read_bytes()
+        for bad, why in ((b"\xff\xfe{}", r"not UTF-8 text \(byte 0xFF at offset 0\)"),
+                         (b"[" * 100_000, "invalid JSON"), (b'{"a": ' + b"1" * 5000 + b"}", "invalid JSON"),
+                         (b"[1, 2]", "expected a JSON object, found list")):
+            (root / name).write_bytes(bad)
+            with pytest.raises(CheckpointError, match=rf"{name}: {why}"):
+                load_layer(root, LAYER)
+        (root / name).write_bytes(good)
+    load_layer(root, LAYER)
+
+
+# ----------------------------------------------------------------------------------
+# sizes a config or a header claims: bounded by what the files hold
+# ----------------------------------------------------------------------------------
+
+def _sparse_safetensors(path, tensors: dict) -> None:
+    """A safetensors file whose header claims `tensors` ({name: (dtype, shape)}), data left a hole
+    (a sparse file: claims of gigabytes cost nothing on disk)."""
+    header, off = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        n = int(np.prod(shape)) * {"BF16": 2, "F32": 4}[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little") + h)
+        f.truncate(8 + len(h) + off)
+
+
+def test_a_billion_experts_is_refused_before_a_billion_names(tmp_path):
+    """num_experts 1e9 with a router header to match (a 16 GB sparse file): refused at once naming
+    the key and the count of tensors there are, without building 1e9 names (before: 6 GB, 39 s)."""
+    import time
+    import tracemalloc
+
+    E = 10 ** 9
+    config = hf_config_dict("qwen3_moe", num_experts=E, hidden_size=8, moe_intermediate_size=8)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _sparse_safetensors(tmp_path / "model.safetensors", {"model.layers.1.mlp.gate.weight": ("BF16", (E, 8)),
+                                                         "model.layers.1.mlp.experts.0.up_proj.weight": ("BF16", (8, 8))})
+    tracemalloc.start()
+    t = time.perf_counter()
+    try:
+        with pytest.raises(CheckpointError, match=rf"MoeConfig\.num_experts={E} \(from the config\) exceeds the 2 "
+                                                  r"tensors under 'model\.layers\.1\.mlp\.' in .*model\.safetensors"):
+            load_layer(tmp_path, LAYER)
+        with pytest.raises(CheckpointError, match=rf"num_experts={E} .* exceeds the 1 tensors"):
+            # a zero-stride view: a router of 1e9 rows in 16 bytes
+            load_layer_from_tensors(config, {"model.layers.1.mlp.gate.weight": np.broadcast_to(np.zeros((1, 8), BF16),
+                                                                                               (E, 8))},
+                                    "model.layers.1.mlp.")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - t < 2 and peak < 10 << 20
+
+
+def _inspect(argv, capsys) -> tuple[int, str, str]:
+    from cupymoe.__main__ import main
+
+    rc = main(["inspect", *map(str, argv)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_inspect_lists_the_layers_the_tensors_name_not_the_configs_count(tmp_path, capsys):
+    """num_hidden_layers 1e9 had made inspect call MoeConfig.from_hf 1e9 times (until killed): it
+    looks only at the layers whose tensors the checkpoint holds."""
+    import time
+
+    config = hf_config_dict("qwen3_moe", num_hidden_layers=10 ** 9)
+    save_layer(tmp_path, config, LAYER, random_host_weights(MoeConfig.from_hf(config, LAYER),
+                                                            np.random.default_rng(70)))
+    t = time.perf_counter()
+    rc, out, err = _inspect([tmp_path], capsys)
+    assert rc == 0 and time.perf_counter() - t < 10, err
+    assert "1000000000 layers (tensors here for 1), MoE layers: 1\n" in out and "layer 1: MoeConfig(" in out
+
+
+def test_inspect_names_what_the_kernels_refuse(tmp_path, capsys):
+    """A width the layer refuses (hidden_size 100: not a multiple of 8) is named by inspect, from
+    config.kernel_limits_violations, the layer's own list."""
+    config = hf_config_dict("qwen3_moe", hidden_size=100)
+    save_layer(tmp_path, config, LAYER, random_host_weights(MoeConfig.from_hf(config, LAYER),
+                                                            np.random.default_rng(71)))
+    rc, out, err = _inspect([tmp_path], capsys)
+    assert rc == 0, err
+    assert ("  NOT served by the GPU kernels: MoeConfig.hidden_size=100: the kernels read 16-byte vectors, so it "
+            "must be a multiple of 8\n") in out
+
+
+@pytest.mark.parametrize("case", ["config_not_utf8", "index_not_utf8", "index_not_json", "config_nested",
+                                  "shard_outside", "shard_absolute", "huge_header", "truncated_shard",
+                                  "billion_experts", "nan_weight", "zero_scale"])
+def test_inspect_ends_every_refusal_in_one_line(tmp_path, capsys, case):
+    """Corrupt or hostile checkpoints: exit status 2 and one line `cupymoe inspect: <Error>: <message>`
+    naming the file or tensor; before, raw UnicodeDecodeError / RecursionError / MemoryError
+    tracebacks, or a silent load."""
+    rng = np.random.default_rng(72)
+    config, t = small_qwen3(rng)
+    root = write_checkpoint(tmp_path / "c", config, t, shards=[list(t)[:10], list(t)[10:]])
+    index = root / "model.safetensors.index.json"
+    shard2 = root / "model-00002-of-00002.safetensors"
+    want = "CheckpointError"
+    if case == "config_not_utf8":
+        (root / "config.json").write_bytes(b'{"model_type": "qwen3_moe\xff"}')
+    elif case == "index_not_utf8":
+        index.write_bytes(b"\xc3\x28")
+    elif case == "index_not_json":
+        index.write_text('{"weight_map": {')
+    elif case == "config_nested":
+        (root / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif case in ("shard_outside", "shard_absolute"):
+        shard2.rename(tmp_path / "x.safetensors")
+        name = "../x.safetensors" if case == "shard_outside" else str(tmp_path / "x.safetensors")
+        index.write_text(index.read_text().replace("model-00002-of-00002.safetensors", name))
+    elif case == "huge_header":
+        shard2.write_bytes((2 ** 62).to_bytes(8, "little") + b"{}")
+        want = "CheckpointFileError"
+    elif case == "truncated_shard":
+        shard2.write_bytes(shard2.read_bytes()[:100])
+        want = "CheckpointFileError"
+    elif case == "billion_experts":
+        (root / "config.json").write_text(json.dumps({**config, "num_experts": 10 ** 9}))
+    elif case == "nan_weight":
+        bad = dict(t)
+        bad["model.layers.1.mlp.experts.3.down_proj.weight"] = t["model.layers.1.mlp.experts.3.down_proj.weight"].copy()
+        bad["model.layers.1.mlp.experts.3.down_proj.weight"][2, 2] = np.nan
+        root = write_checkpoint(tmp_path / "n", config, bad)
+        want = "WeightError"
+    elif case == "zero_scale":
+        config = config_for("deepseek_v3", "fp8_block")
+        hw = random_host_weights(MoeConfig.from_hf(config, LAYER), rng, "fp8_block")
+        hw.down.scale_inv[5, 1, 0] = 0.0
+        tensors, _ = checkpoint._hub_tensors(MoeConfig.from_hf(config, LAYER), hw, "model.layers.1.mlp.")
+        root = tmp_path / "z"
+        root.mkdir()
+        (root / "config.json").write_text(json.dumps(config))
+        save_file(tensors, str(root / "model.safetensors"))
+        want = "WeightError"
+    rc, out, err = _inspect([root], capsys)
+    assert rc == 2 and out == "", (out, err)
+    assert err.count("\n") == 1 and err.startswith(f"cupymoe inspect: {want}: "), err
+    assert "Traceback" not in err
+
+
+def test_memory_a_checkpoint_claims_is_a_checkpoint_error(tmp_path, capsys, monkeypatch):
+    """A tensor or an expert stack the machine cannot hold is a CheckpointError naming it, and inspect
+    ends a MemoryError from anywhere else in one line too (before: a MemoryError traceback)."""
+    config, t = small_qwen3(np.random.default_rng(73))
+    root = write_checkpoint(tmp_path, config, t)
+    real_empty = np.empty
+
+    def empty(shape, dtype=float, *a, **k):
+        if isinstance(shape, tuple) and len(shape) == 3 and shape[0] == 15:  # the expert stacks
+            raise MemoryError
+        return real_empty(shape, dtype, *a, **k)
+
+    monkeypatch.setattr(np, "empty", empty)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.\*\.gate_proj: a stack of shape "
+                                              r"\(15, 64, 96\) bfloat16 does not fit in memory"):
+        load_layer(root, LAYER)
+    monkeypatch.setattr(np, "empty", real_empty)
+
+    def no_memory(*a, **k):
+        raise MemoryError
+
+    monkeypatch.setattr(checkpoint, "load_layer", no_memory)
+    rc, out, err = _inspect([root], capsys)
+    assert rc == 2 and out == "" and err.startswith("cupymoe inspect: MemoryError: ") and err.count("\n") == 1
+
+
+def test_malformed_inputs_found_by_the_property_suite_are_checkpoint_errors(tmp_path):
+    """A mapping value that is no array (it had raised AttributeError on .shape) and an index naming a
+    shard too long for the file system (OSError from the stat): CheckpointErrors naming them."""
+    config, t = small_qwen3(np.random.default_rng(74))
+    bad = {**t, "model.layers.1.mlp.experts.2.up_proj.weight": [1.0, 2.0]}
+    with pytest.raises(CheckpointError, match=r"experts\.2\.up_proj\.weight: expected shape \(64, 96\), found \(2,\) "
+                                              "in the tensors mapping"):
+        load_layer_from_tensors(config, bad, "model.layers.1.mlp.")
+    root = write_checkpoint(tmp_path, config, t, shards=[list(t)[:10], list(t)[10:]])
+    index_path = root / "model.safetensors.index.json"
+    index_path.write_text(index_path.read_text().replace("model-00002-of-00002.safetensors", "x" * 300))
+    with pytest.raises(CheckpointFileError, match=r"maps tensors to 'xxxx.*', which cannot be opened \(File name too long\)"):
+        load_layer(root, LAYER)

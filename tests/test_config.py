@@ -473,6 +473,28 @@ def test_missing_key_names_all_spellings():
         MoeConfig.from_hf(d)
 
 
+def test_from_hf_refusals_are_cupymoe_errors():
+    """Every config.json refusal is a cupymoe.ConfigError (before, bare ValueError / KeyError
+    escaped from the key readers), and keeps its built-in base for older callers."""
+    from cupymoe import ConfigError, Error
+    from cupymoe.config import MissingConfigKeyError
+
+    d = {k: v for k, v in DEEPSEEK_V3.items() if k != "n_routed_experts"}
+    with pytest.raises(MissingConfigKeyError) as ei:
+        MoeConfig.from_hf(d)
+    assert isinstance(ei.value, KeyError) and str(ei.value).startswith("config.json of model_type")
+    bad = [{**DEEPSEEK_V3, "hidden_size": 7.5}, {**DEEPSEEK_V3, "norm_topk_prob": "false"},
+           {**DEEPSEEK_V3, "routed_scaling_factor": "x"}, {**DEEPSEEK_V3, "topk_method": "sinkhorn"},
+           {**DEEPSEEK_V3, "hidden_act": "relu9"}, {**DEEPSEEK_V3, "quantization_config": [1]},
+           {**DEEPSEEK_V3, "quantization_config": {"quant_method": "awq"}}]
+    for d in bad:
+        with pytest.raises(ConfigError) as ei:
+            MoeConfig.from_hf(d)
+        assert isinstance(ei.value, (Error, ValueError))
+    with pytest.raises(ConfigError, match="layer_idx=99 is outside"):
+        MoeConfig.from_hf(DEEPSEEK_V3, 99)
+
+
 def test_from_hf_absent_keys_take_transformers_class_defaults():
     """A hand-written config.json that leaves out keys transformers' config classes default
     (transformers 5.24: DeepseekV3Config first_k_dense_replace 3; LongcatFlashConfig
@@ -573,10 +595,11 @@ def test_fp8_block_quantization():
     assert got.weight_format == "fp8_block" and got.quant_exclude == ("lm_head",)
 
 
-@pytest.mark.parametrize("block", [[64, 64], [128, 64], None])
+@pytest.mark.parametrize("block", [[64, 64], [128, 64], None, 128, "128"])
 def test_fp8_other_block_sizes_refused(block):
+    """Named as config.json gives it (a bare 128 had raised a TypeError from list())."""
     q = {"quant_method": "fp8", "weight_block_size": block}
-    with pytest.raises(ValueError, match=re.escape(f"weight_block_size={list(block or [])!r}")):
+    with pytest.raises(ValueError, match=re.escape(f"weight_block_size={block!r}")):
         MoeConfig.from_hf({**DEEPSEEK_V3, "quantization_config": q})
 
 
@@ -629,3 +652,38 @@ def test_overrides_applied_and_validated():
         MoeConfig.from_hf(QWEN3_30B_A3B, ep_world_size=2, ep_rank=2)
     # an override beats the mapped value
     assert MoeConfig.from_hf(DEEPSEEK_V3, routed_scaling_factor=1.0).routed_scaling_factor == 1.0
+
+
+def test_kernel_limits_violations_name_each_width_the_layer_refuses():
+    """config.kernel_limits_violations lists, in words, every reason MoeLayer refuses a config
+    (widths not a multiple of 8, more than 32 groups, k > 64, R > 4096); empty when served."""
+    from cupymoe.config import kernel_limits_violations
+
+    for family in FAMILIES:
+        assert kernel_limits_violations(tiny_config(family)) == [], family
+    got = kernel_limits_violations(cfg(hidden_size=100, moe_intermediate_size=36, shared_expert_intermediate_size=20))
+    assert got == [
+        "MoeConfig.hidden_size=100: the kernels read 16-byte vectors, so it must be a multiple of 8",
+        "MoeConfig.moe_intermediate_size=36: the kernels read 16-byte vectors, so it must be a multiple of 8",
+        "MoeConfig.shared_expert_intermediate_size=20: the kernels read 16-byte vectors, so it must be a multiple of 8",
+    ]
+    assert kernel_limits_violations(cfg(num_experts=128, n_group=64, topk_group=2, num_experts_per_tok=4)) == [
+        "MoeConfig.n_group=64: the top-k kernel handles at most 32 groups"]
+    assert kernel_limits_violations(cfg(num_experts=128, n_group=32, topk_group=2, num_experts_per_tok=4)) == []
+    assert kernel_limits_violations(cfg(num_experts=100, num_experts_per_tok=65)) == [
+        "MoeConfig.num_experts_per_tok=65: the top-k kernel serves k <= 64"]
+    assert kernel_limits_violations(cfg(num_experts=4096, zero_expert_num=1, num_experts_per_tok=64)) == [
+        "router width R = num_experts + zero_expert_num = 4097: the top-k kernel serves R <= 4096"]
+    assert kernel_limits_violations(cfg(num_experts=4096, num_experts_per_tok=64)) == []
+
+
+def test_malformed_values_found_by_the_property_suite_are_config_errors():
+    """Each of these escaped as a TypeError or OverflowError (tests/test_properties.py drew them)."""
+    from cupymoe import ConfigError
+
+    with pytest.raises(ConfigError, match=r"MoeConfig\.quant_exclude=0: must be a list or tuple"):
+        cfg(quant_exclude=0)
+    with pytest.raises(ConfigError, match=r"MoeConfig\.num_experts=9223372036854775808: must be below 2\*\*31"):
+        cfg(num_experts=2 ** 63)
+    with pytest.raises(ConfigError, match=r"config\.json mlp_only_layers=1: expected a list of layer indices"):
+        MoeConfig.from_hf(hf_config_dict("qwen3_moe", mlp_only_layers=1), 0)

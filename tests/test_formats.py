@@ -935,3 +935,54 @@ def test_nvfp4_container_needs_a_matrix():
     for packed in (np.zeros(8, np.uint8), np.zeros((), np.uint8)):
         with pytest.raises(ValueError, match=r"Nvfp4Weight.packed: expected \[\.\.\., out, in/2\]"):
             formats.Nvfp4Weight(packed, np.zeros(1, np.uint8), 1.0)
+
+
+def test_format_refusals_are_cupymoe_errors():
+    """The containers and quantizers refuse with cupymoe.WeightError (an unknown format name:
+    OptionError), still ValueErrors for older callers; before, bare ValueErrors."""
+    from cupymoe import OptionError, WeightError
+
+    with pytest.raises(WeightError, match=r"Fp8BlockWeight.scale_inv: expected shape \(1, 1\)"):
+        Fp8BlockWeight(np.zeros((4, 8), np.uint8), np.ones((2, 2), np.float32))
+    with pytest.raises(WeightError, match="pack_nibbles: last axis must be even"):
+        formats.pack_nibbles(np.zeros(3, np.uint8))
+    with pytest.raises(WeightError, match="only finite weights"):
+        formats.quantize(np.full((2, 32), np.nan, np.float32), "mxfp4")
+    with pytest.raises(OptionError, match="quantize: unknown format 'int3'"):
+        formats.quantize(np.zeros((2, 32), np.float32), "int3")
+    assert issubclass(WeightError, ValueError) and issubclass(OptionError, ValueError)
+
+
+def test_device_containers_check_their_scale_shapes():
+    """Containers of CuPy arrays check shapes too (through `.shape`, nothing copied): a [1, 1, 1]
+    scale with [15, 64, 96] weights had been accepted, and the layer then computed a per-expert
+    scale stride of 0 and the kernels read past the scale buffer."""
+    from _fakes import FakeDeviceArray as D
+
+    from cupymoe import WeightError
+
+    q = D(np.zeros((15, 64, 96), np.uint8))
+    with pytest.raises(WeightError, match=r"Fp8BlockWeight\.scale_inv: expected shape \(15, 1, 1\) for q "
+                                          r"\(15, 64, 96\), found \(1, 1, 1\)"):
+        Fp8BlockWeight(q, D(np.ones((1, 1, 1), np.float32)))
+    with pytest.raises(WeightError, match=r"Fp8BlockWeight\.q: expected \[\.\.\., out, in\], found shape \(96,\)"):
+        Fp8BlockWeight(D(np.zeros(96, np.uint8)), D(np.ones(1, np.float32)))
+    assert Fp8BlockWeight(q, D(np.ones((15, 1, 1), np.float32))).shape == (15, 64, 96)
+
+    packed = D(np.zeros((15, 64, 48), np.uint8))
+    with pytest.raises(WeightError, match=r"Nvfp4Weight\.scale: expected shape \(15, 64, 6\) for packed "
+                                          r"\(15, 64, 48\), found \(1, 1, 1\)"):
+        Nvfp4Weight(packed, D(np.zeros((1, 1, 1), np.uint8)), np.ones(15, np.float32))
+    with pytest.raises(WeightError, match=r"Nvfp4Weight\.scale_2: expected one value per matrix, shape \(15,\)"):
+        Nvfp4Weight(packed, D(np.zeros((15, 64, 6), np.uint8)), np.ones(3, np.float32))
+    with pytest.raises(WeightError, match=r"Nvfp4Weight: in=20 is not a multiple of 16"):
+        Nvfp4Weight(D(np.zeros((15, 64, 10), np.uint8)), D(np.zeros((15, 64, 1), np.uint8)), 1.0)
+    assert Nvfp4Weight(packed, D(np.zeros((15, 64, 6), np.uint8)), 1.0).shape == (15, 64, 96)
+
+    blocks = D(np.zeros((15, 64, 3, 16), np.uint8))
+    with pytest.raises(WeightError, match=r"Mxfp4Weight\.scales: expected shape \(15, 64, 3\), found \(1, 1, 1\)"):
+        Mxfp4Weight(blocks, D(np.zeros((1, 1, 1), np.uint8)))
+    with pytest.raises(WeightError, match=r"Mxfp4Weight\.blocks: expected \[\.\.\., out, in/32, 16\], found "
+                                          r"\(15, 64, 3, 8\)"):
+        Mxfp4Weight(D(np.zeros((15, 64, 3, 8), np.uint8)), D(np.zeros((15, 64, 3), np.uint8)))
+    assert Mxfp4Weight(blocks, D(np.zeros((15, 64, 3), np.uint8))).shape == (15, 64, 96)
