@@ -13,7 +13,7 @@ for tool in ${TOOLS:-memcheck racecheck synccheck initcheck}; do
   tokens="1 5 64 640"
   case $tool in
     racecheck) extra="--racecheck-report hazard"; tokens="1 5 64";;  # ~100x slower: fewer rows
-    initcheck) extra="--track-unused-memory no";;
+    initcheck) extra="";;
   esac
   timeout ${TOOL_TIMEOUT:-150} "$CS" --tool $tool $extra --target-processes all --print-limit 20 \
     python3 scripts/sanitize_workload.py --tokens $tokens ${WORKLOAD_ARGS:-} > "$OUT/$tool.log" 2>&1

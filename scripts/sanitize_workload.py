@@ -1,6 +1,6 @@
 """The forwards compute-sanitizer watches (scripts/sanitize.sh): every kernel family on every path
 and format, on layers shaped like qwen3_moe and deepseek_v3 (H = 2048, 32 and 64 experts), fresh
-random inputs, the outputs checked against cupymoe.reference.
+random inputs, every output element written (--check: against cupymoe.reference too).
 
     python scripts/sanitize_workload.py [--formats bf16 fp8_block nvfp4 mxfp4] [--tokens 1 5 64 640]
 """
@@ -27,7 +27,8 @@ def main() -> int:
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8_block", "nvfp4", "mxfp4"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 5, 64, 640])
     ap.add_argument("--families", nargs="+", default=list(SHAPES))
-    ap.add_argument("--prefill-variant", default=None, help="CUPYMOE_SM90_VARIANT for the prefill GEMMs")
+    ap.add_argument("--check", action="store_true",
+                    help="also check every output against the float64 reference (slow on the CPU at 640 rows)")
     args = ap.parse_args()
     rng = np.random.default_rng(5)
     bad = runs = 0
@@ -40,10 +41,15 @@ def main() -> int:
                 paths = ["decode", "atomic", "prefill"] if n <= 8 else ["decode", "prefill"] if n <= 64 else ["prefill"]
                 for path in paths:
                     x = well_separated_input(cfg, hw, rng, n)
-                    c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
+                    out = run_layer(layer, x, path)
+                    ok = bool(np.isfinite(out).all())  # poisoned with NaN: every element written
+                    why = "" if ok else "unwritten or non-finite output"
+                    if ok and args.check:
+                        c = check(out, cfg, hw, x, path, layer=layer)
+                        ok, why = c.ok, str(c)
                     runs += 1
-                    bad += not c.ok
-                    print(f"{fam} {fmt} N={n} {path}: {'ok' if c.ok else 'FAIL ' + str(c)}", flush=True)
+                    bad += not ok
+                    print(f"{fam} {fmt} N={n} {path}: {'ok' if ok else 'FAIL ' + why}", flush=True)
             del layer
     print(f"sanitize_workload: {runs} forwards, {bad} wrong")
     return 1 if bad else 0

@@ -18,7 +18,6 @@ the F8 dtypes), which also lets a draw write headers no library would.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
