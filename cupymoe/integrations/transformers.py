@@ -109,18 +109,79 @@ def block_tensors(model: Any, ref: MoeBlockRef) -> tuple[dict[str, Any], dict[st
 
 
 def replace_moe_blocks(model: Any, *, max_tokens: int, **options: Any) -> int:
-    """Replace every MoE block of `model` by a cupymoe layer; returns how many were replaced.
+    """Replace every MoE block of `model` (its weights on a GPU) by a cupymoe layer; returns how many.
 
-    Not implemented here (it needs the GPU layer). The contract it is to follow: for each
-    `ref` of `moe_blocks(model)`, build `MoeLayer.from_hf(*block_tensors(model, ref),
-    max_tokens=max_tokens, **options)` on the device of the block's tensors, and set on the
-    parent module (`model.get_submodule(ref.path.rpartition(".")[0])`) in place of `ref.module`
-    a torch module whose forward takes hidden_states INPUT_SHAPE (flattened to [batch * seq,
-    H] rows, at most max_tokens per call), runs the layer on the current torch stream and
-    returns what BLOCK_OUTPUT[ref.family] says (gpt-oss: a tuple whose second element the
-    decoder layer discards). The model's router submodule (BLOCK_OUTPUT[...].router) is no
-    longer called, so `output_router_logits` records nothing for the replaced blocks.
-    """
-    raise NotImplementedError(
-        "replace_moe_blocks needs the GPU layer and is not written yet; build the layers with "
-        "moe_blocks(model) and block_tensors(model, ref) -> cupymoe.MoeLayer.from_hf(...)")
+    Each block becomes a MoeBlock module: hidden_states [batch, seq, H] in (any float dtype; the
+    layer computes in bf16), the same shape and dtype out, at most `max_tokens` rows a layer call;
+    gpt-oss blocks return (hidden_states, None), whose second element its decoder layer discards.
+    Every layer runs on one workspace (they run in turn on one stream). The replaced blocks'
+    routers are not called, so `output_router_logits` records nothing for them. `options` go to
+    MoeLayer (path, fp8_compute, ...)."""
+    from ..errors import WorkspaceError
+    from ..layer import MoeLayer
+    from ..workspace import Workspace
+
+    refs = moe_blocks(model)
+    layers = []
+    given = options.pop("workspace", None)
+    shared: dict[int, Any] = {given.device_id: given} if given is not None else {}  # device -> its layers' workspace
+    for ref in refs:
+        config_dict, tensors, prefix = block_tensors(model, ref)
+        device = _cuda_index(ref, tensors)
+
+        def build(ws):
+            return MoeLayer.from_hf(config_dict, tensors, prefix, max_tokens=max_tokens, device=device,
+                                    workspace=ws, **options)
+
+        try:
+            layer = build(shared.get(device))
+        except WorkspaceError:  # larger than the layers before it: its own for now, one for all below
+            layer = build(None)
+        shared.setdefault(device, layer.workspace)
+        layers.append(layer)
+    layers = _one_workspace(layers, Workspace)
+    for ref, layer in zip(refs, layers):
+        parent, _, name = ref.path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, name, _block_module(layer, ref.family))
+    return len(refs)
+
+
+def _cuda_index(ref: MoeBlockRef, tensors: dict) -> int:
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise CheckpointError(f"{ref.path}: its weights lie on {sorted(str(d) for d in devices)}; move the model to "
+                              "one CUDA device first (model.to('cuda'))")
+    return next(iter(devices)).index or 0
+
+
+def _one_workspace(layers: list, workspace_type) -> list:
+    """The layers on one workspace a device (a layer that needed more than the first got its own)."""
+    by_device: dict[int, list] = {}
+    for layer in layers:
+        by_device.setdefault(layer.device_id, []).append(layer)
+    out = {}
+    for device, group in by_device.items():
+        if len({id(layer.workspace) for layer in group}) > 1:
+            ws = workspace_type.for_layers((layer.workspace_need() for layer in group), device=device)
+            group = [layer.with_workspace(ws) for layer in group]
+        out.update({id(orig): new for orig, new in zip(by_device[device], group)})
+    return [out[id(layer)] for layer in layers]
+
+
+def _block_module(layer, family: str):
+    import torch
+
+    from ..torch import MoeModule
+
+    class MoeBlock(MoeModule):
+        """A replaced MoE block: the block's call signature, the layer underneath (bf16 inside)."""
+
+        def forward(self, hidden_states, *args, **kwargs):
+            shape, dtype = hidden_states.shape, hidden_states.dtype
+            rows = hidden_states.reshape(-1, self.hidden_size).to(torch.bfloat16)
+            limit = self.layer.max_tokens
+            parts = [MoeModule.forward(self, rows[i:i + limit]) for i in range(0, rows.shape[0], limit)]
+            out = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(shape).to(dtype)
+            return (out, None) if BLOCK_OUTPUT[family].returns_tuple else out
+
+    return MoeBlock(layer)

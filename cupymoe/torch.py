@@ -1,0 +1,81 @@
+"""cupymoe in torch: `torch.ops.cupymoe.moe_forward` and an nn.Module around a MoeLayer.
+
+    import cupymoe.torch
+    module = cupymoe.torch.MoeModule(layer)            # or MoeModule.from_pretrained(dir, i, max_tokens=...)
+    y = module(x)                                      # bf16 [..., H] on the layer's GPU, torch's current stream
+    y = torch.ops.cupymoe.moe_forward(x2d, module.layer_id, None)
+
+Importing this module registers the op (with a fake implementation, so torch.compile(fullgraph=True)
+traces through it as one opaque node) and needs torch; the rest of cupymoe does not. The op runs on
+torch's current stream and allocates its output through torch's allocator, so it works inside
+torch.cuda.graph capture too.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+
+from .errors import LoraError, MoeCallError
+from .layer import MoeLayer
+
+_LAYERS: dict[int, MoeLayer] = {}  # the op's layer_id -> layer (ops take plain values)
+_IDS = itertools.count(1)
+
+
+def register(layer: MoeLayer) -> int:
+    """An id under which torch.ops.cupymoe.moe_forward finds `layer`."""
+    layer_id = next(_IDS)
+    _LAYERS[layer_id] = layer
+    return layer_id
+
+
+def _layer(layer_id: int) -> MoeLayer:
+    try:
+        return _LAYERS[layer_id]
+    except KeyError:
+        raise MoeCallError(f"layer_id={layer_id}: no cupymoe layer is registered under it") from None
+
+
+@torch.library.custom_op("cupymoe::moe_forward", mutates_args=())
+def moe_forward(x: torch.Tensor, layer_id: int, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """bf16 [N, H] -> bf16 [N, H]: the MoE layer registered under `layer_id`, on torch's current stream."""
+    layer = _layer(layer_id)
+    out = torch.empty_like(x)
+    layer(x, out=out, token_ids=token_ids, stream=torch.cuda.current_stream(x.device).cuda_stream)
+    return out
+
+
+@moe_forward.register_fake
+def _moe_forward_fake(x: torch.Tensor, layer_id: int, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class MoeModule(torch.nn.Module):
+    """A MoeLayer as a torch module: forward(x [..., H] bf16, token_ids=None, lora_ids=None)."""
+
+    def __init__(self, layer: MoeLayer):
+        super().__init__()
+        self.layer = layer
+        self.layer_id = register(layer)
+        self.hidden_size = layer.cfg.hidden_size
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir, layer_idx: int, *, max_tokens: int, **options) -> "MoeModule":
+        return cls(MoeLayer.from_pretrained(checkpoint_dir, layer_idx, max_tokens=max_tokens, **options))
+
+    def forward(self, x: torch.Tensor, token_ids: Optional[torch.Tensor] = None,
+                lora_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if lora_ids is not None:
+            raise LoraError("lora_ids given, but this layer has no LoRA slots (MoeLayer(..., max_loras=K))")
+        rows = x.reshape(-1, self.hidden_size)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        return torch.ops.cupymoe.moe_forward(rows, self.layer_id, token_ids).reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        cfg = self.layer.cfg
+        return (f"{cfg.model_type or 'moe'}: H={cfg.hidden_size}, E={cfg.num_experts}, k={cfg.num_experts_per_tok}, "
+                f"max_tokens={self.layer.max_tokens}, experts {self.layer.weights.format}")

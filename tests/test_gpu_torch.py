@@ -1,0 +1,100 @@
+"""GPU: cupymoe in torch: the op under torch.compile(fullgraph=True) and torch.cuda.graph, the module,
+and loaded transformers models with their MoE blocks replaced (needs torch and transformers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupymoe import testing
+from cupymoe.verify import bf16_bits, check, well_separated_input
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+
+def _module(rng, family="qwen2_moe", max_tokens=64):
+    import cupymoe.torch as ct
+    from cupymoe import MoeLayer
+
+    cfg = testing.tiny_config(family)
+    hw = testing.random_host_weights(cfg, rng)
+    return cfg, hw, ct.MoeModule(MoeLayer(cfg, hw, max_tokens=max_tokens))
+
+
+def _bf16(x: np.ndarray):
+    return torch.from_numpy(bf16_bits(x).view(np.int16)).view(torch.bfloat16).cuda()
+
+
+def _f32(t) -> np.ndarray:
+    return (t.view(torch.int16).cpu().numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def test_the_op_and_module_match_the_reference_and_compile_whole(rng):
+    cfg, hw, module = _module(rng)
+    for n in (1, 5, 40):
+        xh = well_separated_input(cfg, hw, rng, n)
+        x = _bf16(xh)
+        y = module(x)
+        assert y.dtype == torch.bfloat16 and y.shape == x.shape
+        assert check(_f32(y), cfg, hw, xh, module.layer.select_path(n), layer=module.layer).ok
+        assert torch.equal(torch.ops.cupymoe.moe_forward(x, module.layer_id, None).view(torch.int16),
+                           y.view(torch.int16))
+        y3 = module(x.reshape(1, n, -1))  # [batch, seq, H]
+        assert y3.shape == (1, n, cfg.hidden_size) and torch.equal(y3.reshape(n, -1).view(torch.int16),
+                                                                    y.view(torch.int16))
+    compiled = torch.compile(lambda t: module(t) * 2, fullgraph=True)
+    x = _bf16(well_separated_input(cfg, hw, rng, 7))
+    assert torch.equal(compiled(x).view(torch.int16), (module(x) * 2).view(torch.int16))
+
+
+def test_the_module_inside_torch_cuda_graph_capture(rng):
+    cfg, hw, module = _module(rng)
+    n = 6
+    static = _bf16(well_separated_input(cfg, hw, rng, n))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        module(static)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = module(static)
+    xh = well_separated_input(cfg, hw, rng, n)
+    static.copy_(_bf16(xh))
+    g.replay()
+    torch.cuda.synchronize()
+    assert check(_f32(out), cfg, hw, xh, module.layer.select_path(n), layer=module.layer).ok
+    assert torch.equal(out.view(torch.int16), module(static).view(torch.int16))
+
+
+@pytest.mark.parametrize("family", testing.FAMILIES)
+def test_a_loaded_transformers_model_with_its_moe_blocks_replaced(family, rng):
+    """A tiny random model of each family (float32 on the GPU, weights rounded to bf16 values):
+    every MoE block replaced, the logits against the original's within 3e-2 normwise (the layer
+    rounds its input, activation and output to bf16: ~2^-8 each, through a few layers), a greedy
+    generate runs, and the layers share one workspace."""
+    transformers = pytest.importorskip("transformers")
+    from cupymoe.integrations.transformers import moe_blocks, replace_moe_blocks
+
+    config = {k: v for k, v in testing.hf_config_dict(family).items() if k != "architectures"}
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.AutoConfig.for_model(**config, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_((torch.randn_like(p) * 0.1).to(torch.bfloat16).float())
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), device="cuda")
+    with torch.no_grad():
+        want = model(ids).logits.float()
+        blocks = len(moe_blocks(model))
+        assert replace_moe_blocks(model, max_tokens=64) == blocks > 0
+        got = model(ids).logits.float()
+        err = float((got - want).norm() / want.norm())
+        assert err < 3e-2, f"{family}: logits normwise {err:.3e}"
+        spaces = {id(m.layer.workspace) for m in model.modules() if hasattr(m, "layer_id")}
+        assert len(spaces) == 1
+        gen = model.generate(ids[:1, :4], max_new_tokens=4, do_sample=False)
+    assert gen.shape == (1, 8)
+    print(f"{family}: {blocks} blocks, logits normwise {err:.2e}")
