@@ -20,7 +20,6 @@ from .plan import AllReduce, Arg, ArgType, Buf, CallValue, ForwardPlan, Launch, 
 # and the attribute array.
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 CUDA_ERROR_INVALID_VALUE = 1  # what cuStreamWaitEvent answers for an event last recorded in a capture
-CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_CAPTURED_EVENT = 907
 
 
@@ -71,17 +70,6 @@ class Driver:
     @classmethod
     def record(cls, event: int, stream: int) -> None:
         cls.check(cls.lib().cuEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(stream)), "cuEventRecord")
-
-    @classmethod
-    def event_done(cls, event: int) -> bool:
-        """Whether the work before `event`'s last record has finished (an event last recorded
-        inside a stream capture stands for no work: done)."""
-        rc = cls.lib().cuEventQuery(ctypes.c_void_p(event))
-        if rc == CUDA_ERROR_NOT_READY:
-            return False
-        if rc not in (0, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_CAPTURED_EVENT):
-            cls.check(rc, "cuEventQuery")
-        return True
 
     @classmethod
     def wait(cls, stream: int, event: int) -> None:

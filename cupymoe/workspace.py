@@ -10,8 +10,8 @@ to replay): a zeroed region (the w8a8 decode's tickets, zeros between forwards) 
 region every layer built on it lays its own plan over. Layers sharing a workspace must run
 in turn on one stream; the same layers run on a second stream at once through a second
 workspace (`MoeLayer.with_workspace`). A workspace used from a new stream orders itself after
-the work already enqueued on the old one (an event wait), and refuses the switch where that
-cannot be done: a capture that would follow eager work still running.
+the work already enqueued on the old one (an event wait); a capture begun on a new stream cannot
+wait for eager work (nor query it without invalidating the capture), so its caller orders it.
 """
 
 from __future__ import annotations
@@ -240,8 +240,7 @@ class Workspace:
 
     def use(self, stream: int) -> None:
         """A forward is about to be enqueued on `stream`: from a stream other than the last one, it
-        first waits for the forwards already enqueued (or is refused, where a capture would have to
-        wait for eager work still running)."""
+        first waits for the forwards already enqueued (outside a capture: _order_after)."""
         if stream != self._stream:
             if self._stream is not None:
                 _order_after(self._done.ptr, stream, self)
@@ -260,18 +259,13 @@ class Workspace:
 
 
 def _order_after(event: int, new: int, ws: Workspace) -> None:
-    """`new` waits for the last forward's end; a capture on `new` cannot, so it is refused while that
-    forward still runs. (An event recorded during a capture marks nothing: replays are ordered by
-    whoever launches them.)"""
+    """`new` waits for the last forward's end. Not a capture: a captured stream may not wait for
+    eager work, nor may an event be queried during a capture (it would invalidate it); a capture
+    begun on another stream must be ordered by its caller (torch.cuda.graph synchronizes first)."""
     from .launch import Driver
 
-    if Driver.is_capturing(new):
-        if not Driver.event_done(event):
-            raise WorkspaceError(f"{ws!r}: a capture on stream 0x{new:x} would reuse scratch that a forward "
-                                 "still running on another stream uses; synchronize that stream first or give "
-                                 "the captured layers their own Workspace (MoeLayer.with_workspace)")
-        return
-    Driver.wait(new, event)
+    if not Driver.is_capturing(new):
+        Driver.wait(new, event)
 
 
 def layer_need(lp, max_tokens: int) -> tuple[ScratchPlan, WorkspaceNeed]:

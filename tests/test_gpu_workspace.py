@@ -98,8 +98,7 @@ def _spin(stream, ms: float) -> None:
 
 def test_a_workspace_used_from_a_new_stream_waits_for_the_old_one(rng):
     """Forwards on one workspace from two streams in turn, no host sync between: the second orders
-    itself after the first (an event wait), so both outputs are right; a capture on a new stream
-    while the old one still runs is refused by name."""
+    itself after the first (an event wait), so both outputs are right."""
     import cupy
 
     cfg = testing.tiny_config("qwen3_moe")
@@ -122,16 +121,6 @@ def test_a_workspace_used_from_a_new_stream_waits_for_the_old_one(rng):
         s1.synchronize()
         for o, w in zip(outs, want):
             np.testing.assert_array_equal((cupy.asnumpy(o).astype(np.uint32) << 16).view(np.float32), w)
-    _spin(s1, 200)
-    layer.forward(int(d[0].data.ptr), n, int(outs[0].data.ptr), s1.ptr)
-    s3 = cupy.cuda.Stream(non_blocking=True)
-    s3.begin_capture()
-    try:
-        with pytest.raises(WorkspaceError, match="synchronize that stream first"):
-            layer.forward(int(d[1].data.ptr), n, int(outs[1].data.ptr), s3.ptr)
-    finally:
-        s3.end_capture()
-    s1.synchronize()
 
 
 def test_prebuilt_plans_give_the_bits_of_plans_built_afresh(rng):
