@@ -68,18 +68,37 @@ def test_the_module_inside_torch_cuda_graph_capture(rng):
     assert torch.equal(out.view(torch.int16), module(static).view(torch.int16))
 
 
+class _RoundedIO:
+    """The original block with its input and output rounded to bf16: what any bf16 layer in its place
+    must add at the least, through the rest of the model."""
+
+    def __init__(self, block):
+        self.block = block
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        out = self.block(hidden_states.to(torch.bfloat16).to(hidden_states.dtype), *args, **kwargs)
+        if isinstance(out, tuple):
+            return (out[0].to(torch.bfloat16).to(hidden_states.dtype),) + tuple(out[1:])
+        return out.to(torch.bfloat16).to(hidden_states.dtype)
+
+
 @pytest.mark.parametrize("family", testing.FAMILIES)
 def test_a_loaded_transformers_model_with_its_moe_blocks_replaced(family, rng):
     """A tiny random model of each family (float32 on the GPU, weights rounded to bf16 values):
-    every MoE block replaced, the logits against the original's within 3e-2 normwise (the layer
-    rounds its input, activation and output to bf16: ~2^-8 each, through a few layers), a greedy
-    generate runs, and the layers share one workspace."""
+    every MoE block replaced, the logits against the original's within max(3e-2, 2 x what rounding
+    the blocks' input and output to bf16 alone does), a greedy generate runs, and the layers share
+    one workspace. (The layer rounds its input, activation and output to bf16, ~2^-8 each; qwen3-next's
+    random linear-attention layers amplify any such rounding tenfold and more: 9.7e-2 from the
+    rounded input and output alone on one CPU draw, the float64 reference in the blocks' place the same.)"""
     transformers = pytest.importorskip("transformers")
     from cupymoe.integrations.transformers import moe_blocks, replace_moe_blocks
 
     config = {k: v for k, v in testing.hf_config_dict(family).items() if k != "architectures"}
     transformers.logging.set_verbosity_error()
-    cfg = transformers.AutoConfig.for_model(**config, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    attention = {}  # multi-head latent attention (deepseek_v3, longcat_flash) keeps the config's own heads
+    if family not in ("deepseek_v3", "longcat_flash"):
+        attention = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg = transformers.AutoConfig.for_model(**config, **attention)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).cuda().eval()
     with torch.no_grad():
@@ -88,13 +107,18 @@ def test_a_loaded_transformers_model_with_its_moe_blocks_replaced(family, rng):
     ids = torch.randint(0, cfg.vocab_size, (2, 9), device="cuda")
     with torch.no_grad():
         want = model(ids).logits.float()
-        blocks = len(moe_blocks(model))
-        assert replace_moe_blocks(model, max_tokens=64) == blocks > 0
+        refs = moe_blocks(model)
+        for ref in refs:  # the baseline: bf16 at the blocks' boundaries only
+            ref.module.forward = _RoundedIO(ref.module.forward)
+        rounded = float((model(ids).logits.float() - want).norm() / want.norm())
+        for ref in refs:
+            ref.module.forward = ref.module.forward.block
+        assert replace_moe_blocks(model, max_tokens=64) == len(refs) > 0
         got = model(ids).logits.float()
         err = float((got - want).norm() / want.norm())
-        assert err < 3e-2, f"{family}: logits normwise {err:.3e}"
+        assert err < max(3e-2, 2 * rounded), f"{family}: logits normwise {err:.3e} (rounded I/O alone {rounded:.3e})"
         spaces = {id(m.layer.workspace) for m in model.modules() if hasattr(m, "layer_id")}
         assert len(spaces) == 1
         gen = model.generate(ids[:1, :4], max_new_tokens=4, do_sample=False)
     assert gen.shape == (1, 8)
-    print(f"{family}: {blocks} blocks, logits normwise {err:.2e}")
+    print(f"{family}: {len(refs)} blocks, logits normwise {err:.2e} (bf16 block I/O alone {rounded:.2e})")
