@@ -89,7 +89,8 @@ HOST_CALLS, HOST_BATCH = 400, 20  # --host: eager forwards timed; the stream is 
 _REPO = Path(__file__).resolve().parent.parent
 # Where the peers' figures are looked for, first hit wins: $CUPYMOE_BASELINES, the repo's
 # benchmarks/baselines, the shared/baselines beside the checkout.
-BASELINE_DIRS = (_REPO / "benchmarks" / "baselines", _REPO.parent / "shared" / "baselines")
+BASELINE_DIRS = (_REPO / "benchmarks" / "baselines", Path(__file__).resolve().parent / "baselines",
+                 _REPO.parent / "shared" / "baselines")  # the source tree's, an installed package's, shared/
 BASELINE_FILES = {"bf16": "h200-bf16-peers.json", "fp8_block": "h200-fp8-peers.json"}
 
 
@@ -726,7 +727,7 @@ def run_bench(args) -> int:
                 floors="floor_us: bytes of the format actually touched / copy_TBps vs FLOPs / bf16_TFLOPs "
                        "(every format's GEMMs on bf16 tensor cores); floor_fp8_us (fp8_block): the routed "
                        "experts' FLOPs / fp8_TFLOPs; floor_burst_us: floor_us from the burst ceilings",
-                baselines={f: str(baseline_path(f)) for f in BASELINE_FILES if baseline_path(f)},
+                baselines={f: baseline_path(f).name for f in BASELINE_FILES if baseline_path(f)},  # no machine paths
                 method=f"CUDA-graph replays over several layers, after {STEADY_WARM_S} s of replays the median of "
                        f"repeats; measured ceilings: after {STEADY_WARM_S} s of load, the median of {CEILING_REPEATS} "
                        f"repetitions of {CEILING_CALLS} calls (the steady state; *_burst: 3 warm-ups, the mean of 10)",
