@@ -91,8 +91,7 @@ def cmd_inspect(args) -> int:
     checkpoint's sizes ask for) prints one line and returns 2."""
     from . import Error, checkpoint, formats
     from . import jit
-    from .catalog import WeightFormat
-    from .config import DenseLayerError, MoeConfig, kernel_limits_violations, layer_count
+    from .config import kernel_limits_violations, layer_count
 
     try:
         # refused before anything is read; named as the layer would compile for it (sm_90 -> sm_90a)
@@ -102,13 +101,7 @@ def cmd_inspect(args) -> int:
         n_layers = layer_count(config)
         # the layers the tensors name, not range(n_layers): a config.json count is no bound on work
         present = [i for i in checkpoint.layer_indices(args.dir) if n_layers is None or i < n_layers]
-        moe = []
-        for i in present:
-            try:
-                MoeConfig.from_hf(config, i)
-                moe.append(i)
-            except DenseLayerError:
-                pass
+        moe = _moe_layers(config, present)
         layer = args.layer if args.layer is not None else (moe[0] if moe else 0)
         cfg, hw = checkpoint.load_layer(args.dir, layer)
         from .plan import LayerOptions, plan_layer
@@ -138,6 +131,30 @@ def cmd_inspect(args) -> int:
     print(f"layer {layer}: {cfg}")
     for why in kernel_limits_violations(cfg):
         print(f"  NOT served by the GPU kernels: {why}")
+    _print_tensors(hw)
+    _print_workspace(config, moe, cfg, plan, plan_of, arch, args.max_tokens)
+    return 0
+
+
+def _moe_layers(config, present: list[int]) -> list[int]:
+    """The layers of `present` that config.json makes MoE layers."""
+    from .config import DenseLayerError, MoeConfig
+
+    moe = []
+    for i in present:
+        try:
+            MoeConfig.from_hf(config, i)
+            moe.append(i)
+        except DenseLayerError:
+            pass
+    return moe
+
+
+def _print_tensors(hw) -> None:
+    """One line per tensor of the layer: format, shape, size, and whether the kernels serve it."""
+    from . import formats
+    from .catalog import WeightFormat
+
     total = 0
     for name in hw.names():
         t = getattr(hw, name)
@@ -154,8 +171,6 @@ def cmd_inspect(args) -> int:
             note = "  (dequantized once to bf16 at load)"
         print(f"  {name:<20} {label:<10} {str(tuple(t.shape)):<22} {nbytes / 1e6:10.2f} MB{note}")
     print(f"  total {total / 1e9:.3f} GB for this layer")
-    _print_workspace(config, moe, cfg, plan, plan_of, arch, args.max_tokens)
-    return 0
 
 
 def _print_workspace(config, moe: list[int], cfg, plan, plan_of, arch: str, max_tokens: list[int]) -> None:
@@ -221,59 +236,7 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cupymoe", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
-    k = sub.add_parser("kernels", help="compile every cuda/ kernel through NVRTC (no GPU needed)")
-    k.add_argument("--arch", nargs="+", default=["sm_90a"], help="real architectures, e.g. sm_80 sm_90a")
-    k.add_argument("--no-cache", action="store_true", help="recompile even when the cache has the cubin")
-    k.set_defaults(fn=cmd_kernels)
-
-    i = sub.add_parser("info", help="versions, GPUs and the arch the kernels are compiled for")
-    i.set_defaults(fn=cmd_info)
-
-    c = sub.add_parser("inspect", help="a checkpoint's MoE layers as cupymoe reads them (no GPU needed)")
-    c.add_argument("dir", help="a Hugging Face checkpoint directory (config.json + safetensors)")
-    c.add_argument("--layer", type=int, default=None, help="the layer to load (default: the first MoE layer)")
-    c.add_argument("--max-tokens", type=_positive_int, nargs="+", default=[64, 4096],
-                   help="report the layer's scratch memory at these max_tokens")
-    c.add_argument("--arch", default="sm_90a",
-                   help="the GPU architecture the scratch is planned for, as the layer would compile for it "
-                        "(sm_90a: Hopper; sm_80, sm_89, ...)")
-    from .plan import FP8_COMPUTE_NAMES as FP8_COMPUTE
-
-    c.add_argument("--fp8-compute", choices=FP8_COMPUTE, default="auto",
-                   help="fp8-block experts' compute, as MoeLayer's fp8_compute (w8a8 adds scratch)")
-    c.set_defaults(fn=cmd_inspect)
-
-    from .testing import FAMILIES
-    from .verify import VERIFY_FORMATS, VERIFY_PATHS, VERIFY_TOKENS
-
-    v = sub.add_parser("verify", help="run every family's layer on the GPU against cupymoe.reference")
-    v.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    v.add_argument("--tokens", nargs="+", type=int, default=list(VERIFY_TOKENS))
-    v.add_argument("--path", nargs="+", default=list(VERIFY_PATHS), choices=VERIFY_PATHS,
-                   help="paths to force (decode and atomic only up to 64 rows)")
-    v.add_argument("--format", nargs="+", default=list(VERIFY_FORMATS), choices=VERIFY_FORMATS,
-                   help="expert weight formats")
-    v.add_argument("--seed", type=int, default=None, help="random seed (default: fresh each run)")
-    v.set_defaults(fn=cmd_verify)
-
-    from .bench import add_bench_args
-
-    b = sub.add_parser("bench", help="time the layer with CUDA-graph replays against the floor (GPU)",
-                       description="Time cupymoe's layer on the six PERFORMANCE.md presets with CUDA-graph "
-                                   "replays, next to the floor and, in the same run, torch peers. --format "
-                                   "picks the routed experts' weight format(s) (bf16, fp8_block, nvfp4, "
-                                   "mxfp4), each timed next to its own floor. Needs an NVIDIA GPU (sm_80+) "
-                                   "and CuPy; torch with CUDA (optional) for the peers and --measure-ceilings; "
-                                   "matplotlib (optional) for --plots.")
-    add_bench_args(b)
-    b.set_defaults(fn=cmd_bench)
-
-    args = ap.parse_args(argv)
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.cmd == "inspect":
@@ -287,6 +250,71 @@ def main(argv=None) -> int:
             print(f"cupymoe inspect: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
     return args.fn(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m cupymoe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    k = sub.add_parser("kernels", help="compile every cuda/ kernel through NVRTC (no GPU needed)")
+    k.add_argument("--arch", nargs="+", default=["sm_90a"], help="real architectures, e.g. sm_80 sm_90a")
+    k.add_argument("--no-cache", action="store_true", help="recompile even when the cache has the cubin")
+    k.set_defaults(fn=cmd_kernels)
+
+    i = sub.add_parser("info", help="versions, GPUs and the arch the kernels are compiled for")
+    i.set_defaults(fn=cmd_info)
+
+    _add_inspect_parser(sub)
+    _add_verify_parser(sub)
+    _add_bench_parser(sub)
+    return ap
+
+
+def _add_inspect_parser(sub) -> None:
+    from .plan import FP8_COMPUTE_NAMES as FP8_COMPUTE
+
+    c = sub.add_parser("inspect", help="a checkpoint's MoE layers as cupymoe reads them (no GPU needed)")
+    c.add_argument("dir", help="a Hugging Face checkpoint directory (config.json + safetensors)")
+    c.add_argument("--layer", type=int, default=None, help="the layer to load (default: the first MoE layer)")
+    c.add_argument("--max-tokens", type=_positive_int, nargs="+", default=[64, 4096],
+                   help="report the layer's scratch memory at these max_tokens")
+    c.add_argument("--arch", default="sm_90a",
+                   help="the GPU architecture the scratch is planned for, as the layer would compile for it "
+                        "(sm_90a: Hopper; sm_80, sm_89, ...)")
+    c.add_argument("--fp8-compute", choices=FP8_COMPUTE, default="auto",
+                   help="fp8-block experts' compute, as MoeLayer's fp8_compute (w8a8 adds scratch)")
+    c.set_defaults(fn=cmd_inspect)
+
+
+def _add_verify_parser(sub) -> None:
+    from .testing import FAMILIES
+    from .verify import VERIFY_FORMATS, VERIFY_PATHS, VERIFY_TOKENS
+
+    v = sub.add_parser("verify", help="run every family's layer on the GPU against cupymoe.reference")
+    v.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    v.add_argument("--tokens", nargs="+", type=int, default=list(VERIFY_TOKENS))
+    v.add_argument("--path", nargs="+", default=list(VERIFY_PATHS), choices=VERIFY_PATHS,
+                   help="paths to force (decode and atomic only up to 64 rows)")
+    v.add_argument("--format", nargs="+", default=list(VERIFY_FORMATS), choices=VERIFY_FORMATS,
+                   help="expert weight formats")
+    v.add_argument("--seed", type=int, default=None, help="random seed (default: fresh each run)")
+    v.set_defaults(fn=cmd_verify)
+
+
+def _add_bench_parser(sub) -> None:
+    from .bench import add_bench_args
+
+    b = sub.add_parser("bench", help="time the layer with CUDA-graph replays against the floor (GPU)",
+                       description="Time cupymoe's layer on the six PERFORMANCE.md presets with CUDA-graph "
+                                   "replays, next to the floor and, in the same run, torch peers. --format "
+                                   "picks the routed experts' weight format(s) (bf16, fp8_block, nvfp4, "
+                                   "mxfp4), each timed next to its own floor. Needs an NVIDIA GPU (sm_80+) "
+                                   "and CuPy; torch with CUDA (optional) for the peers and --measure-ceilings; "
+                                   "matplotlib (optional) for --plots.")
+    add_bench_args(b)
+    b.set_defaults(fn=cmd_bench)
 
 
 if __name__ == "__main__":

@@ -611,77 +611,88 @@ def _plan_fused_experts(P: _Planner, cfg: MoeConfig, base: str) -> dict[str, Rea
            gate = even rows, up = odd rows; down_proj_blocks [E, H, I/32, 16] / _scales.
     Biases (both formats): gate_up_proj_bias [E, 2I] (even/odd as above), down_proj_bias [E, H].
     """
-    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    src = P.src
-    readers: dict[str, Reader] = {}
-
-    def mxfp4(name: str, out: int, inn: int) -> tuple[str, str]:
-        if inn % MXFP4_GROUP:
-            raise CheckpointError(f"{name}_blocks: MXFP4 needs in % {MXFP4_GROUP} == 0, the config gives in={inn}")
-        blocks, scales = P.need(name + "_blocks"), P.need(name + "_scales")
-        P.check_shape(blocks, (E, out, inn // MXFP4_GROUP, MXFP4_GROUP // 2))
-        P.check_shape(scales, (E, out, inn // MXFP4_GROUP))
-        P.check_dtype(blocks, (U8,), "uint8 packed e2m1 codes")
-        # uint8 or F8_E8M0: other 1-byte dtypes (I8, BOOL, the e4m3 / e5m2 floats) would be
-        # read as biased exponents all the same, silently giving other weights
-        P.check_dtype(scales, E8M0_DTYPES, "uint8 (or F8_E8M0) e8m0 exponents")
-        return blocks, scales
-
-    def plain(name: str, shape: tuple[int, ...]) -> str:
-        P.need(name)
-        P.check_shape(name, shape)
-        P.check_dtype(name, FLOAT_DTYPES, "a float weight")
-        return name
-
-    def as_weight(a: np.ndarray, name: str) -> np.ndarray:
-        return _finite(a if a.dtype in (BF16, F32) else a.astype(np.float32), name)
-
-    def read_scales(name: str) -> np.ndarray:
-        s = src.read(name)
-        check_e8m0_scales(s, name)
-        return s
-
-    def is_mxfp4(name: str) -> bool:
-        # mxfp4 when its _blocks are there; a lone _scales is half an mxfp4 tensor (a partial
-        # download, a renamed file), not a reason to look for the bf16 tensor instead
-        if not src.has(name + "_blocks") and src.has(name + "_scales"):
-            P.need(name + "_blocks")
-        return src.has(name + "_blocks")
-
-    gate_up = base + _GATE_UP
-    if is_mxfp4(gate_up):
-        blocks, scales = mxfp4(gate_up, 2 * I, H)
-
-        def read_gate_up() -> tuple[Any, Any]:
-            b, s = src.read(blocks), read_scales(scales)
-            return tuple(Mxfp4Weight(np.ascontiguousarray(b[:, k::2]), np.ascontiguousarray(s[:, k::2]))
-                         for k in (0, 1))
-    else:
-        name = plain(gate_up, (E, H, 2 * I))
-
-        def read_gate_up() -> tuple[Any, Any]:
-            a = as_weight(src.read(name), name)
-            return tuple(np.ascontiguousarray(a[:, :, k::2].transpose(0, 2, 1)) for k in (0, 1))
-
-    pair = _once(read_gate_up)
-    readers["gate"] = lambda: pair()[0]
-    readers["up"] = lambda: pair()[1]
-
-    down = base + _DOWN
-    if is_mxfp4(down):
-        d_blocks, d_scales = mxfp4(down, H, I)
-        readers["down"] = lambda: Mxfp4Weight(src.read(d_blocks), read_scales(d_scales))
-    else:
-        d_name = plain(down, (E, I, H))
-        readers["down"] = lambda: np.ascontiguousarray(as_weight(src.read(d_name), d_name).transpose(0, 2, 1))
-
+    gate_up, down = base + _GATE_UP, base + _DOWN
+    pair = _once(_plan_fused_gate_up(P, cfg, gate_up))
+    readers: dict[str, Reader] = {"gate": lambda: pair()[0], "up": lambda: pair()[1],
+                                  "down": _plan_fused_down(P, cfg, down)}
     if cfg.has_expert_bias:
-        read_gu_bias = P.vector(gate_up + "_bias", (E, 2 * I))
+        read_gu_bias = P.vector(gate_up + "_bias", (cfg.num_experts, 2 * cfg.moe_intermediate_size))
         bias_pair = _once(lambda: tuple(np.ascontiguousarray(read_gu_bias()[:, k::2]) for k in (0, 1)))
         readers["gate_bias"] = lambda: bias_pair()[0]
         readers["up_bias"] = lambda: bias_pair()[1]
-        readers["down_bias"] = P.vector(down + "_bias", (E, H))
+        readers["down_bias"] = P.vector(down + "_bias", (cfg.num_experts, cfg.hidden_size))
     return readers
+
+
+def _plan_fused_gate_up(P: _Planner, cfg: MoeConfig, gate_up: str) -> Callable[[], tuple[Any, Any]]:
+    """The reader of the fused gate_up tensor, giving (gate, up) stacks in [E, out, in]."""
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    src = P.src
+    if _fused_is_mxfp4(P, gate_up):
+        blocks, scales = _check_fused_mxfp4(P, gate_up, E, 2 * I, H)
+
+        def read_gate_up() -> tuple[Any, Any]:
+            b, s = src.read(blocks), _read_e8m0(src, scales)
+            return tuple(Mxfp4Weight(np.ascontiguousarray(b[:, k::2]), np.ascontiguousarray(s[:, k::2]))
+                         for k in (0, 1))
+    else:
+        name = _check_fused_float(P, gate_up, (E, H, 2 * I))
+
+        def read_gate_up() -> tuple[Any, Any]:
+            a = _fused_float(src.read(name), name)
+            return tuple(np.ascontiguousarray(a[:, :, k::2].transpose(0, 2, 1)) for k in (0, 1))
+
+    return read_gate_up
+
+
+def _plan_fused_down(P: _Planner, cfg: MoeConfig, down: str) -> Reader:
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    src = P.src
+    if _fused_is_mxfp4(P, down):
+        blocks, scales = _check_fused_mxfp4(P, down, E, H, I)
+        return lambda: Mxfp4Weight(src.read(blocks), _read_e8m0(src, scales))
+    name = _check_fused_float(P, down, (E, I, H))
+    return lambda: np.ascontiguousarray(_fused_float(src.read(name), name).transpose(0, 2, 1))
+
+
+def _fused_is_mxfp4(P: _Planner, name: str) -> bool:
+    # mxfp4 when its _blocks are there; a lone _scales is half an mxfp4 tensor (a partial
+    # download, a renamed file), not a reason to look for the bf16 tensor instead
+    if not P.src.has(name + "_blocks") and P.src.has(name + "_scales"):
+        P.need(name + "_blocks")
+    return P.src.has(name + "_blocks")
+
+
+def _check_fused_mxfp4(P: _Planner, name: str, E: int, out: int, inn: int) -> tuple[str, str]:
+    """Check a fused MXFP4 stack's _blocks and _scales headers; their names."""
+    if inn % MXFP4_GROUP:
+        raise CheckpointError(f"{name}_blocks: MXFP4 needs in % {MXFP4_GROUP} == 0, the config gives in={inn}")
+    blocks, scales = P.need(name + "_blocks"), P.need(name + "_scales")
+    P.check_shape(blocks, (E, out, inn // MXFP4_GROUP, MXFP4_GROUP // 2))
+    P.check_shape(scales, (E, out, inn // MXFP4_GROUP))
+    P.check_dtype(blocks, (U8,), "uint8 packed e2m1 codes")
+    # uint8 or F8_E8M0: other 1-byte dtypes (I8, BOOL, the e4m3 / e5m2 floats) would be
+    # read as biased exponents all the same, silently giving other weights
+    P.check_dtype(scales, E8M0_DTYPES, "uint8 (or F8_E8M0) e8m0 exponents")
+    return blocks, scales
+
+
+def _check_fused_float(P: _Planner, name: str, shape: tuple[int, ...]) -> str:
+    P.need(name)
+    P.check_shape(name, shape)
+    P.check_dtype(name, FLOAT_DTYPES, "a float weight")
+    return name
+
+
+def _fused_float(a: np.ndarray, name: str) -> np.ndarray:
+    """A float stack as HostWeights holds it: bf16 or f32, finite."""
+    return _finite(a if a.dtype in (BF16, F32) else a.astype(np.float32), name)
+
+
+def _read_e8m0(src: _Source, name: str) -> np.ndarray:
+    s = src.read(name)
+    check_e8m0_scales(s, name)
+    return s
 
 
 def _required(naming: HubNaming, attr: str, cfg: MoeConfig, why: str) -> str:
@@ -1022,37 +1033,53 @@ def save_layer(checkpoint_dir: PathLike, config_dict: Mapping[str, Any], layer_i
     host_weights.validate(cfg)
     prefix = layer_prefix(cfg.model_type, layer_idx)
     tensors, formats = _hub_tensors(cfg, host_weights, prefix)
+    config = _config_to_save(config, layer_idx, cfg, host_weights, formats)
+    _fresh_dir(root)
+    (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    _save_tensors(root, tensors, shard_max_tensors)
+    return root
 
-    routed = _routed_format(host_weights)
+
+def _config_to_save(config: dict[str, Any], layer_idx: int, cfg: MoeConfig, hw: HostWeights,
+                    formats: dict[str, str]) -> dict[str, Any]:
+    """`config` with the quantization_config the routed experts' format needs, checked against
+    the linears' formats: no quantized module its exclude list names."""
+    routed = _routed_format(hw)
     if routed is None:
         raise WeightError("the routed experts mix formats (gate/up/down: "
-                         f"{[weight_format(getattr(host_weights, f)) for f in _FIELDS]}); "
+                         f"{[weight_format(getattr(hw, f)) for f in _FIELDS]}); "
                          "a checkpoint's quantization_config names one")
     if config.get("quantization_config"):
         if cfg.weight_format != routed:
             raise CheckpointError(f"config_dict's quantization_config means {cfg.weight_format} routed experts, "
                              f"but host_weights holds {routed}")
     elif routed != "bf16":
-        config["quantization_config"] = _quantization_config(
-            routed, [m for m, f in formats.items() if f == "bf16"])
+        config = {**config, "quantization_config": _quantization_config(
+            routed, [m for m, f in formats.items() if f == "bf16"])}
         cfg = MoeConfig.from_hf(config, layer_idx)
     for module, fmt in formats.items():
         if fmt != "bf16" and is_excluded(module, cfg.quant_exclude):
             raise CheckpointError(f"{module} is {fmt} but the quantization config excludes it "
                              f"(patterns {list(cfg.quant_exclude)}): excluded modules stay bf16")
+    return config
 
+
+def _fresh_dir(root: Path) -> None:
+    """Create `root`, refusing one that already holds a checkpoint."""
     root.mkdir(parents=True, exist_ok=True)
     existing = sorted(p.name for p in root.iterdir() if p.name == CONFIG_FILE or p.suffix == ".safetensors"
                       or p.name == INDEX_FILE)
     if existing:
         raise CheckpointExistsError(f"save_layer writes a fresh checkpoint, but {root} already holds {existing}")
 
-    (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+def _save_tensors(root: Path, tensors: dict[str, np.ndarray], shard_max_tensors: Optional[int]) -> None:
+    """model.safetensors, or shards of at most `shard_max_tensors` tensors and their index."""
     metadata = {"format": "pt"}  # what transformers writes; some readers insist on it
     if shard_max_tensors is None:
         save_file(tensors, str(root / SINGLE_FILE), metadata=metadata)
         logger.debug("wrote %d tensors to %s", len(tensors), root / SINGLE_FILE)
-        return root
+        return
     if shard_max_tensors < 1:
         raise OptionError(f"shard_max_tensors={shard_max_tensors}: must be >= 1")
     names = list(tensors)
@@ -1065,4 +1092,3 @@ def save_layer(checkpoint_dir: PathLike, config_dict: Mapping[str, Any], layer_i
     index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))}, "weight_map": weight_map}
     (root / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     logger.debug("wrote %d tensors in %d shards to %s", len(tensors), len(chunks), root)
-    return root

@@ -39,6 +39,10 @@ class MissingConfigKeyError(ConfigError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+def _bad(field: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"MoeConfig.{field}={value!r}: {why}")
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     """One MoE layer. Field names follow the Hugging Face spellings where one exists."""
@@ -85,84 +89,96 @@ class MoeConfig:
     model_type: str = ""
 
     def __post_init__(self) -> None:
-        def bad(field: str, value: Any, why: str) -> ConfigError:
-            return ConfigError(f"MoeConfig.{field}={value!r}: {why}")
+        self._check_types()
+        self._check_sizes_and_names()
+        self._check_routing()
+        self._check_experts()
+        self._check_parallelism()
+        object.__setattr__(self, "quant_exclude", tuple(self.quant_exclude))
 
+    def _check_types(self) -> None:
         # types first: a float where a count belongs, a string where a flag does, or a NaN,
         # would pass the range checks below (or fail them with an error naming nothing)
         for f in fields(self):
             v = getattr(self, f.name)
             if f.type in ("int", int) and (not isinstance(v, int) or isinstance(v, bool)):
-                raise bad(f.name, v, "must be an integer")
+                raise _bad(f.name, v, "must be an integer")
             if f.type in ("int", int) and abs(v) >= 2 ** 31:  # sizes and counts index with 32-bit integers
-                raise bad(f.name, v, "must be below 2**31 in magnitude")
+                raise _bad(f.name, v, "must be below 2**31 in magnitude")
             if f.type in ("bool", bool) and not isinstance(v, bool):
-                raise bad(f.name, v, "must be True or False")
+                raise _bad(f.name, v, "must be True or False")
             if f.type in ("float", float) and (isinstance(v, bool) or not isinstance(v, (int, float))
                                                or not math.isfinite(v)):
-                raise bad(f.name, v, "must be a finite number")
+                raise _bad(f.name, v, "must be a finite number")
             if f.type in ("str", str) and not isinstance(v, str):
-                raise bad(f.name, v, "must be a string")
+                raise _bad(f.name, v, "must be a string")
         if isinstance(self.quant_exclude, str):
-            raise bad("quant_exclude", self.quant_exclude, "must be a sequence of module-name patterns, not one string")
+            raise _bad("quant_exclude", self.quant_exclude, "must be a sequence of module-name patterns, not one string")
         if not isinstance(self.quant_exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.quant_exclude):
-            raise bad("quant_exclude", self.quant_exclude, "must be a list or tuple of module-name patterns (strings)")
+            raise _bad("quant_exclude", self.quant_exclude, "must be a list or tuple of module-name patterns (strings)")
+
+    def _check_sizes_and_names(self) -> None:
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok"):
             v = getattr(self, name)
-            if v <= 0:  # an integer: the type loop above
-                raise bad(name, v, "must be a positive integer")
+            if v <= 0:  # an integer: _check_types
+                raise _bad(name, v, "must be a positive integer")
         E, k = self.num_experts, self.num_experts_per_tok
-        R = E + self.zero_expert_num
         if self.zero_expert_num < 0:
-            raise bad("zero_expert_num", self.zero_expert_num, "must be >= 0")
-        if k > R:
-            raise bad("num_experts_per_tok", k, f"k exceeds the router width E + Z = {E} + {self.zero_expert_num}")
+            raise _bad("zero_expert_num", self.zero_expert_num, "must be >= 0")
+        if k > E + self.zero_expert_num:
+            raise _bad("num_experts_per_tok", k, f"k exceeds the router width E + Z = {E} + {self.zero_expert_num}")
         if self.scoring_func not in SCORING_FUNCS:
-            raise bad("scoring_func", self.scoring_func, f"must be one of {SCORING_FUNCS}")
+            raise _bad("scoring_func", self.scoring_func, f"must be one of {SCORING_FUNCS}")
         if self.hidden_act not in ACTIVATIONS:
-            raise bad("hidden_act", self.hidden_act, f"unknown activation; must be one of {ACTIVATIONS}")
+            raise _bad("hidden_act", self.hidden_act, f"unknown activation; must be one of {ACTIVATIONS}")
         if self.weight_format not in WEIGHT_FORMATS:
-            raise bad("weight_format", self.weight_format, f"must be one of {WEIGHT_FORMATS}")
+            raise _bad("weight_format", self.weight_format, f"must be one of {WEIGHT_FORMATS}")
         if not (self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor)):
-            raise bad("routed_scaling_factor", self.routed_scaling_factor, "must be positive and finite")
+            raise _bad("routed_scaling_factor", self.routed_scaling_factor, "must be positive and finite")
+
+    def _check_routing(self) -> None:
+        E, k = self.num_experts, self.num_experts_per_tok
         if self.n_group < 1:
-            raise bad("n_group", self.n_group, "must be >= 1")
+            raise _bad("n_group", self.n_group, "must be >= 1")
         if self.n_group > 1:
             if E % self.n_group:
-                raise bad("n_group", self.n_group, f"does not divide num_experts={E}")
+                raise _bad("n_group", self.n_group, f"does not divide num_experts={E}")
             if not 1 <= self.topk_group <= self.n_group:
-                raise bad("topk_group", self.topk_group, f"must be in 1..n_group={self.n_group}")
+                raise _bad("topk_group", self.topk_group, f"must be in 1..n_group={self.n_group}")
             if E // self.n_group < 2:
-                raise bad("n_group", self.n_group, "groups need >= 2 experts (group score = sum of top-2)")
+                raise _bad("n_group", self.n_group, "groups need >= 2 experts (group score = sum of top-2)")
             if k > self.topk_group * (E // self.n_group):
-                raise bad("num_experts_per_tok", k, f"exceeds the experts in topk_group={self.topk_group} groups")
+                raise _bad("num_experts_per_tok", k, f"exceeds the experts in topk_group={self.topk_group} groups")
             if self.zero_expert_num:
-                raise bad("n_group", self.n_group, "group-limited routing with zero experts is not defined")
+                raise _bad("n_group", self.n_group, "group-limited routing with zero experts is not defined")
         if self.topk_then_softmax and (self.has_correction_bias or self.n_group > 1 or self.hash_routing):
-            raise bad("topk_then_softmax", True, "cannot combine with a correction bias, groups or hash routing")
+            raise _bad("topk_then_softmax", True, "cannot combine with a correction bias, groups or hash routing")
         if self.topk_then_softmax and self.scoring_func != "softmax":
-            raise bad("scoring_func", self.scoring_func, "topk_then_softmax applies softmax over the k logits")
+            raise _bad("scoring_func", self.scoring_func, "topk_then_softmax applies softmax over the k logits")
         if self.hash_routing:
             if self.hash_vocab_size <= 0:
-                raise bad("hash_vocab_size", self.hash_vocab_size, "hash routing needs the tid2eid table's row count")
+                raise _bad("hash_vocab_size", self.hash_vocab_size, "hash routing needs the tid2eid table's row count")
             if self.n_group > 1:
-                raise bad("hash_routing", True, "the static table replaces group-limited selection")
+                raise _bad("hash_routing", True, "the static table replaces group-limited selection")
+
+    def _check_experts(self) -> None:
         for name in ("swiglu_alpha", "swiglu_limit"):
             if getattr(self, name) <= 0:
-                raise bad(name, getattr(self, name), "must be positive")
+                raise _bad(name, getattr(self, name), "must be positive")
         if self.shared_expert_intermediate_size < 0:
-            raise bad("shared_expert_intermediate_size", self.shared_expert_intermediate_size, "must be >= 0")
+            raise _bad("shared_expert_intermediate_size", self.shared_expert_intermediate_size, "must be >= 0")
         if self.has_shared_expert_gate and not self.shared_expert_intermediate_size:
-            raise bad("has_shared_expert_gate", True, "a shared-expert gate needs a shared expert")
+            raise _bad("has_shared_expert_gate", True, "a shared-expert gate needs a shared expert")
         if not self.rms_norm_eps > 0:
-            raise bad("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+            raise _bad("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+
+    def _check_parallelism(self) -> None:
         if self.ep_world_size < 1:
-            raise bad("ep_world_size", self.ep_world_size, "must be >= 1")
-        if E % self.ep_world_size:
-            raise bad("ep_world_size", self.ep_world_size, f"does not divide num_experts={E}")
+            raise _bad("ep_world_size", self.ep_world_size, "must be >= 1")
+        if self.num_experts % self.ep_world_size:
+            raise _bad("ep_world_size", self.ep_world_size, f"does not divide num_experts={self.num_experts}")
         if not 0 <= self.ep_rank < self.ep_world_size:
-            raise bad("ep_rank", self.ep_rank, f"must be in 0..{self.ep_world_size - 1}")
-        object.__setattr__(self, "quant_exclude", tuple(self.quant_exclude))
+            raise _bad("ep_rank", self.ep_rank, f"must be in 0..{self.ep_world_size - 1}")
 
     # --- derived ---------------------------------------------------------------------
     @property
@@ -345,6 +361,29 @@ def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None)
         raise DenseLayerError(f"layer {layer_idx} of this {model_type} model is a dense MLP layer, not MoE")
 
 
+class _HfReader:
+    """Typed reads of one config.json dict, each key under every spelling its family accepts."""
+
+    def __init__(self, config: Mapping[str, Any]):
+        self.config = config
+
+    def get(self, *names: str, default: Any = _MISSING) -> Any:
+        return _get(self.config, *names, default=default)
+
+    def count(self, *names: str, default: Any = _MISSING) -> int:
+        """A count, under its first present spelling."""
+        return _whole(self.get(*names, default=default), _key(self.config, *names))
+
+    def flag(self, name: str, default: bool) -> bool:
+        return _flag(self.get(name, default=default), name)
+
+    def num(self, name: str, default: float) -> float:
+        return _number(self.get(name, default=default), name)
+
+    def act(self) -> str:
+        return _act(self.get("hidden_act", default="silu"))
+
+
 def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: dict) -> MoeConfig:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -353,100 +392,113 @@ def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: d
         )
     _check_layer(model_type, config, layer_idx)
     fmt, exclude = _weight_format(config)
-    g = lambda *names, default=_MISSING: _get(config, *names, default=default)  # noqa: E731
-
-    def n(*names: str, default: Any = _MISSING) -> int:  # a count, under its first present spelling
-        return _whole(g(*names, default=default), _key(config, *names))
-
-    def flag(name: str, default: bool) -> bool:
-        return _flag(g(name, default=default), name)
-
-    def num(name: str, default: float) -> float:
-        return _number(g(name, default=default), name)
-
-    H = n("hidden_size")
-    eps = num("rms_norm_eps", 1e-6)
-    kw: dict[str, Any] = dict(model_type=model_type, hidden_size=H, rms_norm_eps=eps, weight_format=fmt,
-                              quant_exclude=exclude)
-
-    if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
-        kw.update(
-            num_experts=n("num_experts", "num_local_experts"),
-            num_experts_per_tok=n("num_experts_per_tok"),
-            moe_intermediate_size=n("moe_intermediate_size"),
-            norm_topk_prob=flag("norm_topk_prob", model_type == "qwen3_next"),
-            hidden_act=_act(g("hidden_act", default="silu")),
-            scoring_func="softmax",
-        )
-        if model_type != "qwen3_moe":
-            sh = n("shared_expert_intermediate_size", default=0)
-            kw.update(shared_expert_intermediate_size=sh, has_shared_expert_gate=sh > 0)
-    elif model_type == "deepseek_v3":
-        E = n("n_routed_experts", "num_local_experts")
-        I = n("moe_intermediate_size")
-        # DeepSeek's MoEGate: noaux_tc selects by score + e_score_correction_bias within the
-        # best groups; greedy takes the top k scores over all experts, no bias, no groups.
-        # Anything else (group_limited_greedy's max-per-group scores, a misspelling) would be
-        # routed as neither, so it is refused
-        topk_method = g("topk_method", default="noaux_tc")
-        if topk_method not in ("noaux_tc", "greedy"):
-            raise ConfigError(f"config.json topk_method={topk_method!r}: supported are 'noaux_tc' and 'greedy'")
-        greedy = topk_method == "greedy"
-        kw.update(
-            num_experts=E,
-            num_experts_per_tok=n("num_experts_per_tok"),
-            moe_intermediate_size=I,
-            scoring_func=str(g("scoring_func", default="sigmoid")),
-            has_correction_bias=not greedy,
-            # defaults are transformers' DeepseekV3Config's
-            n_group=1 if greedy else _whole(g("n_group", default=8) or 1, "n_group"),
-            topk_group=1 if greedy else _whole(g("topk_group", default=4) or 1, "topk_group"),
-            norm_topk_prob=flag("norm_topk_prob", True),
-            routed_scaling_factor=num("routed_scaling_factor", 2.5),
-            # an explicit null means no shared expert (DeepSeek's modelling code)
-            shared_expert_intermediate_size=I * _whole(config.get("n_shared_experts", 1) or 0, "n_shared_experts"),
-            hidden_act=_act(g("hidden_act", default="silu")),
-        )
-    elif model_type == "mixtral":
-        kw.update(
-            num_experts=n("num_local_experts", "num_experts"),
-            num_experts_per_tok=n("num_experts_per_tok"),
-            moe_intermediate_size=n("intermediate_size"),
-            norm_topk_prob=True,  # softmax over all, top-k, renormalise over the k
-            hidden_act=_act(g("hidden_act", default="silu")),
-        )
-    elif model_type == "gpt_oss":
-        kw.update(
-            num_experts=n("num_local_experts", "num_experts"),
-            num_experts_per_tok=n("num_experts_per_tok", "experts_per_token"),
-            moe_intermediate_size=n("intermediate_size"),
-            topk_then_softmax=True,
-            has_router_bias=True,
-            has_expert_bias=True,
-            hidden_act="swiglu_oai",
-            swiglu_alpha=1.702,
-            swiglu_limit=num("swiglu_limit", 7.0),
-        )
-    elif model_type == "longcat_flash":
-        kw.update(
-            num_experts=n("n_routed_experts", "num_experts", "num_local_experts"),
-            num_experts_per_tok=n("moe_topk", "num_experts_per_tok"),
-            moe_intermediate_size=n("expert_ffn_hidden_size", "moe_intermediate_size"),
-            # absent keys take transformers' LongcatFlashConfig defaults (256 zero experts, a
-            # routed scaling of 6.0); an explicit null zero_expert_num means none, as its
-            # modelling code reads it (`config.zero_expert_num or 0`)
-            zero_expert_num=_whole(config.get("zero_expert_num", 256) or 0, "zero_expert_num"),
-            has_correction_bias=True,
-            has_router_bias=flag("router_bias", False),  # router.classifier.bias
-            norm_topk_prob=flag("norm_topk_prob", False),
-            routed_scaling_factor=num("routed_scaling_factor", 6.0),
-            hidden_act=_act(g("hidden_act", default="silu")),
-        )
-        ztype = config.get("zero_expert_type", "identity")
-        if kw["zero_expert_num"] and ztype != "identity":
-            raise ConfigError(f"zero_expert_type={ztype!r}: only identity zero experts are defined")
+    r = _HfReader(config)
+    kw: dict[str, Any] = dict(model_type=model_type, hidden_size=r.count("hidden_size"),
+                              rms_norm_eps=r.num("rms_norm_eps", 1e-6), weight_format=fmt, quant_exclude=exclude)
+    kw.update(_FAMILY_FIELDS[model_type](r))
     kw.update(overrides)
     return cls(**kw)
+
+
+def _qwen_fields(r: _HfReader) -> dict[str, Any]:
+    model_type = r.config.get("model_type")
+    kw: dict[str, Any] = dict(
+        num_experts=r.count("num_experts", "num_local_experts"),
+        num_experts_per_tok=r.count("num_experts_per_tok"),
+        moe_intermediate_size=r.count("moe_intermediate_size"),
+        norm_topk_prob=r.flag("norm_topk_prob", model_type == "qwen3_next"),
+        hidden_act=r.act(),
+        scoring_func="softmax",
+    )
+    if model_type != "qwen3_moe":
+        sh = r.count("shared_expert_intermediate_size", default=0)
+        kw.update(shared_expert_intermediate_size=sh, has_shared_expert_gate=sh > 0)
+    return kw
+
+
+def _deepseek_fields(r: _HfReader) -> dict[str, Any]:
+    E = r.count("n_routed_experts", "num_local_experts")
+    I = r.count("moe_intermediate_size")
+    # DeepSeek's MoEGate: noaux_tc selects by score + e_score_correction_bias within the
+    # best groups; greedy takes the top k scores over all experts, no bias, no groups.
+    # Anything else (group_limited_greedy's max-per-group scores, a misspelling) would be
+    # routed as neither, so it is refused
+    topk_method = r.get("topk_method", default="noaux_tc")
+    if topk_method not in ("noaux_tc", "greedy"):
+        raise ConfigError(f"config.json topk_method={topk_method!r}: supported are 'noaux_tc' and 'greedy'")
+    greedy = topk_method == "greedy"
+    return dict(
+        num_experts=E,
+        num_experts_per_tok=r.count("num_experts_per_tok"),
+        moe_intermediate_size=I,
+        scoring_func=str(r.get("scoring_func", default="sigmoid")),
+        has_correction_bias=not greedy,
+        # defaults are transformers' DeepseekV3Config's
+        n_group=1 if greedy else _whole(r.get("n_group", default=8) or 1, "n_group"),
+        topk_group=1 if greedy else _whole(r.get("topk_group", default=4) or 1, "topk_group"),
+        norm_topk_prob=r.flag("norm_topk_prob", True),
+        routed_scaling_factor=r.num("routed_scaling_factor", 2.5),
+        # an explicit null means no shared expert (DeepSeek's modelling code)
+        shared_expert_intermediate_size=I * _whole(r.config.get("n_shared_experts", 1) or 0, "n_shared_experts"),
+        hidden_act=r.act(),
+    )
+
+
+def _mixtral_fields(r: _HfReader) -> dict[str, Any]:
+    return dict(
+        num_experts=r.count("num_local_experts", "num_experts"),
+        num_experts_per_tok=r.count("num_experts_per_tok"),
+        moe_intermediate_size=r.count("intermediate_size"),
+        norm_topk_prob=True,  # softmax over all, top-k, renormalise over the k
+        hidden_act=r.act(),
+    )
+
+
+def _gpt_oss_fields(r: _HfReader) -> dict[str, Any]:
+    return dict(
+        num_experts=r.count("num_local_experts", "num_experts"),
+        num_experts_per_tok=r.count("num_experts_per_tok", "experts_per_token"),
+        moe_intermediate_size=r.count("intermediate_size"),
+        topk_then_softmax=True,
+        has_router_bias=True,
+        has_expert_bias=True,
+        hidden_act="swiglu_oai",
+        swiglu_alpha=1.702,
+        swiglu_limit=r.num("swiglu_limit", 7.0),
+    )
+
+
+def _longcat_fields(r: _HfReader) -> dict[str, Any]:
+    kw = dict(
+        num_experts=r.count("n_routed_experts", "num_experts", "num_local_experts"),
+        num_experts_per_tok=r.count("moe_topk", "num_experts_per_tok"),
+        moe_intermediate_size=r.count("expert_ffn_hidden_size", "moe_intermediate_size"),
+        # absent keys take transformers' LongcatFlashConfig defaults (256 zero experts, a
+        # routed scaling of 6.0); an explicit null zero_expert_num means none, as its
+        # modelling code reads it (`config.zero_expert_num or 0`)
+        zero_expert_num=_whole(r.config.get("zero_expert_num", 256) or 0, "zero_expert_num"),
+        has_correction_bias=True,
+        has_router_bias=r.flag("router_bias", False),  # router.classifier.bias
+        norm_topk_prob=r.flag("norm_topk_prob", False),
+        routed_scaling_factor=r.num("routed_scaling_factor", 6.0),
+        hidden_act=r.act(),
+    )
+    ztype = r.config.get("zero_expert_type", "identity")
+    if kw["zero_expert_num"] and ztype != "identity":
+        raise ConfigError(f"zero_expert_type={ztype!r}: only identity zero experts are defined")
+    return kw
+
+
+# one per SUPPORTED_MODEL_TYPES entry: the fields beyond those every family shares
+_FAMILY_FIELDS = {
+    "qwen3_moe": _qwen_fields,
+    "qwen2_moe": _qwen_fields,
+    "qwen3_next": _qwen_fields,
+    "deepseek_v3": _deepseek_fields,
+    "mixtral": _mixtral_fields,
+    "gpt_oss": _gpt_oss_fields,
+    "longcat_flash": _longcat_fields,
+}
 
 
 def _act(name: str) -> str:

@@ -493,6 +493,18 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     identity terms nothing): the scale of what the activation's bf16 rounding moves each
     output element by, which the products' cancellation does not shrink, for the same envelope.
     """
+    dtype = _checked_options(absolute, rounding, activations, dtype)
+    host_weights.validate(cfg, values=False)  # shapes only: a NaN in an expert nobody routes to is no error here
+    host_weights = kernel_weights(host_weights, rounding, w8a8=activations == "fp8_block")
+    owned, on_rank0 = _rank_share(cfg, ep_rank, owned_experts)
+    out = _layer_output(cfg, host_weights, _as_input(cfg, x, dtype), token_ids, owned, on_rank0, dtype=dtype,
+                        rounding=rounding, activations=activations, w8a8_inputs=w8a8_inputs, absolute=absolute,
+                        kernel_acts=kernel_acts, kernel_terms=kernel_terms)
+    return out.astype(dtype, copy=False)
+
+
+def _checked_options(absolute: Union[bool, str], rounding: Optional[str], activations: str, dtype) -> np.dtype:
+    """Refuse moe_forward's options it has no meaning for; the computing dtype."""
     if absolute not in (False, True, "down"):
         raise ValueError(f"absolute={absolute!r}: must be False, True or 'down'")
     if rounding not in ROUNDINGS:
@@ -502,24 +514,33 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise ValueError(f"dtype={dtype}: the reference computes in float32 or float64")
-    host_weights.validate(cfg, values=False)  # shapes only: a NaN in an expert nobody routes to is no error here
-    host_weights = kernel_weights(host_weights, rounding, w8a8=activations == "fp8_block")
+    return dtype
+
+
+def _rank_share(cfg: MoeConfig, ep_rank: Optional[int], owned_experts: Optional[Any]) -> tuple[Any, bool]:
+    """The routed experts this rank computes, and whether it is rank 0 (the one adding the shared
+    expert and the identity terms)."""
     rank = cfg.ep_rank if ep_rank is None else int(ep_rank)
     owned = cfg.replace(ep_rank=rank).owned_experts()  # validates the rank
     if owned_experts is not None:  # an explicit expert -> rank map's share for this rank
         owned = frozenset(int(e) for e in owned_experts)
-    on_rank0 = rank == 0
+    return owned, rank == 0
 
-    xf = _as_input(cfg, x, dtype)
-    routing = _route(cfg, host_weights, xf, token_ids)  # the router reads x, not the normed copy
-    xe = expert_input(cfg, host_weights, xf, dtype=dtype)
+
+def _layer_output(cfg: MoeConfig, hw: HostWeights, xf: np.ndarray, token_ids: Any, owned: Any, on_rank0: bool, *,
+                  dtype: np.dtype, rounding: Optional[str], activations: str, w8a8_inputs: Optional[Callable],
+                  absolute: Union[bool, str], kernel_acts: Optional[Callable],
+                  kernel_terms: Optional[Callable]) -> np.ndarray:
+    """moe_forward on checked options: this rank's routed experts, then rank 0's shared expert."""
+    routing = _route(cfg, hw, xf, token_ids)  # the router reads x, not the normed copy
+    xe = expert_input(cfg, hw, xf, dtype=dtype)
     if rounding and cfg.pre_expert_norm:
         xe = _bf16(xe)
-    out = _routed_experts(cfg, host_weights, xe, routing, owned, include_zero=on_rank0, rounding=rounding,
+    out = _routed_experts(cfg, hw, xe, routing, owned, include_zero=on_rank0, rounding=rounding,
                           activations=activations, w8a8_inputs=w8a8_inputs, absolute=absolute,
                           kernel_acts=kernel_acts, kernel_terms=kernel_terms)
     if cfg.has_shared_expert and on_rank0:
-        shared = _shared_expert(cfg, host_weights, xf, rounding, activations, w8a8_inputs, kernel_acts, kernel_terms,
+        shared = _shared_expert(cfg, hw, xf, rounding, activations, w8a8_inputs, kernel_acts, kernel_terms,
                                 down_magnitudes=absolute == "down")
         out = out + (np.abs(shared) if absolute else shared)
-    return out.astype(dtype, copy=False)
+    return out
