@@ -2,6 +2,7 @@
 
     python -m cupymoe kernels --arch sm_90a   compile cuda/ through NVRTC, print resources
     python -m cupymoe info                    versions, device, the arch we compile for
+    python -m cupymoe knobs                   every CUPYMOE_* variable and its default
     python -m cupymoe inspect DIR             a checkpoint's MoE layers as cupymoe reads them
     python -m cupymoe verify                  every family and format on the GPU against the reference
     python -m cupymoe bench --help            decode timings against the floor
@@ -56,6 +57,13 @@ def cmd_kernels(args) -> int:
             print(f"SPILLS on {arch}: {spills}")
             bad += 1
     return 1 if bad else 0
+
+
+def cmd_knobs(args) -> int:
+    from . import knobs
+
+    print(knobs.describe())
+    return 0
 
 
 def cmd_info(args) -> int:
@@ -265,6 +273,8 @@ def _parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="versions, GPUs and the arch the kernels are compiled for")
     i.set_defaults(fn=cmd_info)
+    sub.add_parser("knobs", help="every CUPYMOE_* environment variable, what it does, its default").set_defaults(
+        fn=cmd_knobs)
 
     _add_inspect_parser(sub)
     _add_verify_parser(sub)

@@ -155,7 +155,7 @@ class Knobs:
 
 def describe() -> str:
     """The knob table as text (python -m cupymoe knobs)."""
-    lines = [f"{name:<34} {doc} (default {default!r})" for name, doc, _, default in
+    lines = [f"{name:<34} {doc}" + ("" if default is None else f" (default {default!r})") for name, doc, _, default in
              ((t[0], t[1], t[2], getattr(t[3], "value", t[3])) for t in TABLE.values())]
     lines += [f"{name:<34} {doc}" for name, doc in TOOL_KNOBS.items()]
     return "\n".join(lines)

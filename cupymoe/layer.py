@@ -18,7 +18,8 @@ import numpy as np
 
 from . import arrays, jit, profiling, tma
 from .config import MoeConfig, kernel_limits_violations
-from .errors import MoeCallError, OptionError, PathUnavailableError, UnsupportedModelError, WorkspaceError
+from .errors import (CudaUnavailableError, MoeCallError, OptionError, PathUnavailableError, UnsupportedModelError,
+                     WorkspaceError)
 from .forward_plan import build_forward_plan, prefill_buckets, prefill_shape
 from .host_weights import HostWeights
 from .knobs import Knobs
@@ -55,11 +56,10 @@ class MoeLayer:
         expert-parallel partials), `expert_owner[e]` (the rank computing expert e), `fp8_compute`
         ("auto", "w8a8", "w8a16"), `workspace` (scratch shared with other layers run in turn on one
         stream; default: the layer's own)."""
-        import cupy
-
         _check_options(cfg, max_tokens, path, row_invariant)
+        cupy = _cupy()
         self.cfg, self.max_tokens, self.default_path = cfg, int(max_tokens), path
-        self.device_id = cupy.cuda.runtime.getDevice() if device is None else int(device)
+        self.device_id = _device(cupy, device)
         self.comm = comm
         if comm is not None:
             check_communicator(cfg, comm)
@@ -307,6 +307,27 @@ class MoeLayer:
                 self._err.fill(0)
                 raise MoeCallError(f"a kernel flagged bad input (error bits 0x{flags:x}: bit 0 = a token id outside "
                                    "0..hash_vocab_size-1; those rows got no routed experts)")
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as e:
+        raise CudaUnavailableError(f"CuPy is not installed ({e}): pip install 'cupymoe[cu12]' (or [cu13])") from None
+    return cupy
+
+
+def _device(cupy, device: Optional[int]) -> int:
+    """The CUDA device the layer lives on (the current one by default), or a named error without one."""
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+        current = cupy.cuda.runtime.getDevice()
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        raise CudaUnavailableError(f"no usable CUDA device: {e}") from None
+    dev = current if device is None else int(device)
+    if not 0 <= dev < count:
+        raise CudaUnavailableError(f"device={device!r}: this machine has {count} CUDA device(s)")
+    return dev
 
 
 def _check_options(cfg: MoeConfig, max_tokens, path: str, row_invariant: bool) -> None:
