@@ -140,16 +140,25 @@ def decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, fmt: WeightFormat
     return DecodeKernel(name, blocks, 256, 0)
 
 
+def _wgmma_gate_up_blocks(lp: LayerPlan) -> int:
+    """Column blocks of a wgmma decode gate/up launch (64 activation columns a block)."""
+    return -(-lp.i_max // C.WGMMA_DECODE_GATE_UP_COLUMNS)
+
+
+def _fills_waves(blocks: int, max_active: int, min_waves: float, blocks_per_sm: int, dev: DeviceFacts) -> bool:
+    """Whether a grid of `blocks` x `max_active` holds `min_waves` waves of `blocks_per_sm` blocks an SM."""
+    return blocks * max_active >= min_waves * (blocks_per_sm * dev.sm_count)
+
+
 def w8a8_decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, rows_per_expert: float,
                        max_active: int) -> Optional[DecodeKernel]:
     """decode_wgmma_a8.cu's launch, or None where decode_mma.cu's _a8 kernels serve: w8a16, or in
     auto a gate/up grid under wgmma_decode_min_waves waves. A pass takes 8, 16 or 32 rows."""
     if not lp.w8a8 or lp.w8a8_decode == W8a8Decode.MMA:
         return None
-    H, i_max = lp.cfg.hidden_size, lp.i_max
-    gate_up_blocks = -(-i_max // C.WGMMA_DECODE_GATE_UP_COLUMNS)
-    wave = C.WGMMA_DECODE_BLOCKS_PER_SM * dev.sm_count
-    if lp.w8a8_decode == W8a8Decode.AUTO and gate_up_blocks * max_active < TUNING.wgmma_decode_min_waves * wave:
+    H, i_max, gate_up_blocks = lp.cfg.hidden_size, lp.i_max, _wgmma_gate_up_blocks(lp)
+    if lp.w8a8_decode == W8a8Decode.AUTO and not _fills_waves(gate_up_blocks, max_active, TUNING.wgmma_decode_min_waves,
+                                                             C.WGMMA_DECODE_BLOCKS_PER_SM, dev):
         return None
     nt = 8 if rows_per_expert <= 8 else 16 if rows_per_expert <= 16 else 32
     blocks, k = (gate_up_blocks, H) if stage == "gate_up" else (-(-H // C.WGMMA_DECODE_ROWS), i_max)
@@ -163,10 +172,9 @@ def fp4_wgmma_decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, fmt: We
     K it cannot read, or in auto a gate/up grid under wgmma_fp4_decode_min_waves of a wave."""
     if lp.fp4_decode == Fp4Decode.MMA or not lp.fp4_wgmma_ok:
         return None
-    H, i_max = lp.cfg.hidden_size, lp.i_max
-    gate_up_blocks = -(-i_max // C.WGMMA_DECODE_GATE_UP_COLUMNS)
-    wave = C.WGMMA_FP4_DECODE_BLOCKS_PER_SM * dev.sm_count
-    if lp.fp4_decode == Fp4Decode.AUTO and gate_up_blocks * max_active < TUNING.wgmma_fp4_decode_min_waves * wave:
+    H, gate_up_blocks = lp.cfg.hidden_size, _wgmma_gate_up_blocks(lp)
+    if lp.fp4_decode == Fp4Decode.AUTO and not _fills_waves(gate_up_blocks, max_active, TUNING.wgmma_fp4_decode_min_waves,
+                                                           C.WGMMA_FP4_DECODE_BLOCKS_PER_SM, dev):
         return None
     nt = 8 if rows_per_expert <= 8 else 16
     blocks = gate_up_blocks if stage == "gate_up" else H // (C.WGMMA_DECODE_ROWS * fp4_down_tiles(lp, dev, n_rows))
