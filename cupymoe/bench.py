@@ -24,7 +24,7 @@ The ceilings default to the ones measured on the lent H200 (4.26 TB/s, 777 TFLOP
 
 Steady state. Under sustained load the H200 reaches its 700 W power cap within about 0.1 s
 and lowers its clocks (nvidia-smi: 1980 MHz boost, 1350-1600 MHz capped, reason "software
-power cap"; NOTES.md v28): an 8192^3 bf16 product that runs 795-811 TFLOP/s in a burst (three
+power cap"; benchmarks/DECISIONS.md): an 8192^3 bf16 product that runs 795-811 TFLOP/s in a burst (three
 warm-ups, the mean of ten: PERFORMANCE.md's method) runs 685-697 TFLOP/s sustained, and a
 cell's repetitions, 140 graph replays, run in that capped state. So both are timed the same
 way: after STEADY_WARM_S seconds of the same work, the median of repetitions (the cells:
@@ -415,7 +415,7 @@ def _container(fmt: str, raw: dict[str, Any]):
 # random one of std 0.1 (the sigmoid scores' spread is ~0.2 here) steered every token to the
 # same high-bias experts instead: deepseek-v3's uniform-random input touched ~128 experts at
 # N = 64 and ~210 at 4096 (uniform routing: 222 and 256, as the peers' runs touched). At 0.01
-# the reference routing touches 214-225 and 256 (benchmarks/NOTES.md v38).
+# the reference routing touches 214-225 and 256 (benchmarks/DECISIONS.md).
 CORRECTION_BIAS_STD = 0.01
 
 

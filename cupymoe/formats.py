@@ -75,8 +75,7 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
 # magnitude bits (e1 e0 m) at bf16 bits 8..6, the sign at bit 15, each half (the value times
 # 2^-126, cuda/quant.cuh fp4x8_to_bf16_pairs). On the stored nibbles that takes 13 integer
 # operations a word; the load repacks each word's bits once (cupymoe/weights.py, on the
-# device: cuda/repack.cu) so that it takes 8: decode_wgmma_fp4.cu's stage went from 844 to
-# 684 instructions and the fp4 decode 3-12 % faster (NOTES.md v40):
+# device: cuda/repack.cu) so that it takes 8 (the figures: benchmarks/DECISIONS.md):
 #   pair 0 (codes 0, 4): the bits where bf16 wants them, so one mask;
 #   pairs 1 and 2 (codes 1, 5 and 2, 6): the same rotated left by 3 and by 6, so a rotate and a mask;
 #   pair 3 (codes 3, 7): e1 at bit 0, the sign at 1, m at 3, e0 at 4 (and + 16), which a mask,

@@ -67,7 +67,7 @@ moves by a sum whose scale is S_h = sqrt(sum_i (a_i W_hi)^2), however much the p
 cancel in y_h itself. Where they cancel (S_h many times |y_h|) neither 2^-8 |ref| nor the
 rms term bounds it: an mxfp4 test with scale bytes 121..136 on alternate rows (outputs
 spread over ~2^15 between rows) put an element 4.4 % off the exact reference with the
-faithful one matched bit for bit (seed 1141835320, NOTES.md v40), and the faithful
+faithful one matched bit for bit (seed 1141835320; benchmarks/DECISIONS.md), and the faithful
 reference alone, judged as an output, exceeds the old envelope on ~1 % of such draws. The
 envelope adds DOWN_SPREAD = 2^-7 times S_h summed over the row's terms (|w| S_h each;
 `check`, reference.moe_forward(absolute="down")): ~6.9 standard deviations of that error
