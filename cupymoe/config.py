@@ -220,28 +220,27 @@ class MoeConfig:
 # ----------------------------------------------------------------------------------
 
 KERNEL_VECTOR_MULTIPLE = 8  # widths: the kernels read 16-byte vectors of bf16
-KERNEL_MAX_GROUPS = 32  # the top-k kernel's group-limited selection
-KERNEL_MAX_TOP_K = 64
-KERNEL_MAX_ROUTER_WIDTH = 4096
 
 
 def kernel_limits_violations(cfg: MoeConfig) -> list[str]:
     """Every reason MoeLayer refuses to build `cfg`, one sentence each naming the field, its
     value and the limit; empty when the GPU kernels serve it. Pure: for `inspect` and the layer."""
+    from .catalog import MAX_GROUPS, MAX_ROUTER_WIDTH, MAX_TOPK
+
     out = []
     for name in ("hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         v = getattr(cfg, name)
         if v % KERNEL_VECTOR_MULTIPLE:
             out.append(f"MoeConfig.{name}={v}: the kernels read 16-byte vectors, so it must be a multiple of "
                        f"{KERNEL_VECTOR_MULTIPLE}")
-    if cfg.n_group > KERNEL_MAX_GROUPS:
-        out.append(f"MoeConfig.n_group={cfg.n_group}: the top-k kernel handles at most {KERNEL_MAX_GROUPS} groups")
-    if cfg.num_experts_per_tok > KERNEL_MAX_TOP_K:
+    if cfg.n_group > MAX_GROUPS:
+        out.append(f"MoeConfig.n_group={cfg.n_group}: the top-k kernel handles at most {MAX_GROUPS} groups")
+    if cfg.num_experts_per_tok > MAX_TOPK:
         out.append(f"MoeConfig.num_experts_per_tok={cfg.num_experts_per_tok}: the top-k kernel serves k <= "
-                   f"{KERNEL_MAX_TOP_K}")
-    if cfg.router_width > KERNEL_MAX_ROUTER_WIDTH:
+                   f"{MAX_TOPK}")
+    if cfg.router_width > MAX_ROUTER_WIDTH:
         out.append(f"router width R = num_experts + zero_expert_num = {cfg.router_width}: the top-k kernel serves "
-                   f"R <= {KERNEL_MAX_ROUTER_WIDTH}")
+                   f"R <= {MAX_ROUTER_WIDTH}")
     return out
 
 

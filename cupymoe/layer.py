@@ -32,7 +32,6 @@ from .workspace import ScratchView, Workspace, WorkspaceNeed, layer_need
 log = logging.getLogger(__name__)
 
 PATHS = PATH_NAMES
-FP8_COMPUTE = ("auto", "w8a8", "w8a16")
 _MAX_PTR = 1 << 64
 
 
