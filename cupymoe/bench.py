@@ -292,7 +292,8 @@ def format_row(row: dict) -> str:
              ("vllm_fp8_gemms_only", "vLLM-fp8-GEMMs"), ("grouped_mm_us", "grouped_mm"), ("eager_us", "eager")]
     vs = [f"{row[key] / us:.2f}x {label}" for key, label in peers if row.get(key)]
     if row.get("host_us") is not None:
-        vs.append(f"host {row['host_us']:.1f} us (plan built in {row['plan_build_us']:.0f} us)")
+        vs.append(f"host {row['host_us']:.1f} us (step by step {row.get('host_steps_us', 0):.1f}; plan built in "
+                  f"{row['plan_build_us']:.0f} us, captured in {row.get('graph_capture_us') or 0:.0f})")
     return line + ("  " + "  ".join(vs) if vs else "")
 
 
@@ -610,17 +611,34 @@ def _time_cell(layers, x, out, n: int, args) -> tuple[list[float], dict[str, flo
 
 def time_host(layer, x, out, n: int, calls: int = HOST_CALLS) -> dict:
     """The host's side of an eager forward of `n` rows: the mean µs `forward` takes to validate,
-    look up its plan and enqueue (the device drained between batches, outside the timing), and
-    the µs its plan takes to build and pack from nothing."""
+    look up its plan and enqueue (the device drained between batches, outside the timing), as
+    one graph launch (host_us) and step by step (host_steps_us), and the µs its plan takes to
+    build and pack from nothing, and to capture as a graph."""
     import cupy
 
     s = cupy.cuda.Stream(non_blocking=True)
     t0 = time.perf_counter()
     layer._packed.clear()
     layer._by_n.clear()
-    layer.plan_for(n)
+    layer._graphs.clear()
+    packed = layer.plan_for(n)
     build_us = (time.perf_counter() - t0) * 1e6
     args = (int(x.data.ptr), n, int(out.data.ptr), s.ptr)
+    t0 = time.perf_counter()
+    if layer._graph_launch:
+        layer._capture(packed, args[0], args[2], 0, n)
+    capture_us = (time.perf_counter() - t0) * 1e6
+    row = dict(host_us=_host_mean(layer, args, s, calls), host_calls=calls, plan_build_us=round(build_us, 1),
+               graph_capture_us=round(capture_us, 1) if layer._graph_launch else None)
+    graph_launch, layer._graph_launch = layer._graph_launch, False
+    try:
+        row["host_steps_us"] = _host_mean(layer, args, s, calls)
+    finally:
+        layer._graph_launch = graph_launch
+    return row
+
+
+def _host_mean(layer, args: tuple, s, calls: int) -> float:
     layer.forward(*args)  # the per-N lookup made once, as a server's first call of this N
     s.synchronize()
     total = 0.0
@@ -630,7 +648,7 @@ def time_host(layer, x, out, n: int, calls: int = HOST_CALLS) -> dict:
             layer.forward(*args)
         total += time.perf_counter() - t
         s.synchronize()
-    return dict(host_us=round(total * 1e6 / calls, 2), host_calls=calls, plan_build_us=round(build_us, 1))
+    return round(total * 1e6 / calls, 2)
 
 
 def _bench_format(shape: str, cfg: MoeConfig, fmt: str, args, ceilings: dict, baselines: dict,

@@ -83,6 +83,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                 "capture)", lambda n, v: v not in ("", "0"), False),
     "dump_dir": ("CUPYMOE_DUMP_DIR", "write the debug dumps of each forward here as .npy (never under capture)",
                  _text, None),
+    "graph_launch": ("CUPYMOE_GRAPH_LAUNCH", "0: an eager forward launches step by step, not as one captured graph",
+                     _on_off, True),
     "quiet": ("CUPYMOE_QUIET", "1: no console line when the kernels are compiled on first use", _on_off, False),
     # measurement: force one choice of the dispatch
     "fp4_decode": ("CUPYMOE_FP4_DECODE", "fp4 decode kernels: auto | mma | wgmma | cores", _choice(Fp4Decode),
@@ -126,6 +128,7 @@ class Knobs:
     build_jobs: Optional[int] = None
     profile: bool = False
     dump_dir: Optional[str] = None
+    graph_launch: bool = True
     quiet: bool = False
     fp4_decode: Fp4Decode = Fp4Decode.AUTO
     fp8_decode: Fp8Decode = Fp8Decode.MMA

@@ -58,14 +58,18 @@ class Driver:
                 raise LaunchError(f"libcuda.so.1 could not be loaded: {e}") from e
             lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+            lib.cuStreamIsCapturing.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             cls._lib = lib
         return cls._lib
 
     @classmethod
-    def is_capturing(cls, stream: int) -> bool:
-        status = ctypes.c_int(0)
-        cls.check(cls.lib().cuStreamIsCapturing(ctypes.c_void_p(stream), ctypes.byref(status)), "cuStreamIsCapturing")
-        return status.value != 0
+    def is_capturing(cls, stream: int, status: Optional["CaptureStatus"] = None) -> bool:
+        """Whether `stream` is capturing (`status`: a cell of the caller's to answer in, saving an allocation)."""
+        status = status or CaptureStatus()
+        rc = cls.lib().cuStreamIsCapturing(stream, status.ref)
+        if rc:
+            cls.check(rc, "cuStreamIsCapturing")
+        return status.cell.value != 0
 
     @classmethod
     def record(cls, event: int, stream: int) -> None:
@@ -93,6 +97,14 @@ class Driver:
             raise LaunchError(f"{what} failed: CUresult {rc} ({(msg.value or b'?').decode()})")
 
 
+class CaptureStatus:
+    """An answer cell for cuStreamIsCapturing that one thread's forwards reuse."""
+
+    def __init__(self):
+        self.cell = ctypes.c_int(0)
+        self.ref = ctypes.byref(self.cell)
+
+
 def _dims(d: tuple) -> ctypes.Array:
     return (ctypes.c_uint * 3)(*(tuple(int(v) for v in d) + (1, 1))[:3])
 
@@ -109,6 +121,7 @@ class PackedPlan:
         self._call = {v: ctypes.c_uint64(0) for v in CallValue}  # cells every launch shares
         self._per_n: dict[str, tuple[ctypes._SimpleCData, Callable[[int], float]]] = {}
         self._configs: list[LaunchConfig] = []
+        self._launch_parts: list[tuple[LaunchConfig, int, int]] = []  # (config, parameter array, function)
         self._grid_patches: list[tuple[LaunchConfig, int, PerN]] = []  # (config, axis or -1 for smem, value)
         self._keep: list = []
         self.steps: list[tuple] = []  # (stage, kind, payload)
@@ -152,6 +165,7 @@ class PackedPlan:
         if isinstance(launch.smem, PerN):
             self._grid_patches.append((cfg, -1, launch.smem))
         self._configs.append(cfg)
+        self._launch_parts.append((cfg, ctypes.addressof(params), fn))
         self._keep += [params, cfg]
         return (ctypes.addressof(cfg), fn, ctypes.addressof(params), launch.kernel)
 
@@ -167,18 +181,42 @@ class PackedPlan:
                 cfg.grid[axis] = v.fn(n)
         self._n = n
 
-    def prepare(self, x: int, out: int, token_ids: int, n: int, stream: int) -> None:
-        """Patch the per-call cells; after it, run_step (or run) enqueues."""
+    def set_call(self, x: int, out: int, token_ids: int, n: int) -> None:
+        """Write the per-call cells (and the row-count values when `n` changed)."""
         call = self._call
         call[CallValue.INPUT].value = x
         call[CallValue.OUTPUT].value = out
         call[CallValue.TOKEN_IDS].value = token_ids
         if n != self._n:
             self.bind(n)
+
+    def retarget(self, stream: int) -> None:
+        """Every launch configuration names `stream`."""
         if stream != self._stream:
             for cfg in self._configs:
                 cfg.stream = stream
             self._stream = stream
+
+    def prepare(self, x: int, out: int, token_ids: int, n: int, stream: int) -> None:
+        """Patch the per-call cells; after it, run_step (or run) enqueues."""
+        self.set_call(x, out, token_ids, n)
+        self.retarget(stream)
+
+    # --- what a captured graph of the plan reads ---------------------------------------------
+    @property
+    def bound_n(self) -> int:
+        return self._n
+
+    def call_values(self) -> tuple[int, int, int]:
+        c = self._call
+        return (c[CallValue.INPUT].value, c[CallValue.OUTPUT].value, c[CallValue.TOKEN_IDS].value)
+
+    def launch_parts(self) -> list[tuple[LaunchConfig, int, int]]:
+        """(configuration, parameter array address, function) of each launch, in order."""
+        return list(self._launch_parts)
+
+    def memset_target(self, step: Memset) -> int:
+        return self._resolve(step.buffer)
 
     def run(self, x: int, out: int, token_ids: int, n: int, stream: int) -> None:
         """Enqueue the whole plan on `stream`."""

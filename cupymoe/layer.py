@@ -23,7 +23,9 @@ from .errors import (CudaUnavailableError, MoeCallError, OptionError, PathUnavai
 from .forward_plan import build_forward_plan, prefill_buckets, prefill_shape
 from .host_weights import HostWeights
 from .knobs import Knobs
-from .launch import Driver, PackedPlan
+from .errors import LaunchError
+from .graph_launch import PlanGraph
+from .launch import CaptureStatus, Driver, PackedPlan
 from .parallel import Communicator, check_communicator, owned_experts
 from .plan import PATH_NAMES, Buf, DeviceFacts, ForwardPlan, LayerOptions, Path, Space, choose_path, plan_layer
 from .weights import DeviceWeights
@@ -33,12 +35,14 @@ log = logging.getLogger(__name__)
 
 PATHS = PATH_NAMES
 _MAX_PTR = 1 << 64
+_UNTRIED = object()  # a plan whose forward graph was not captured yet
 
 
 @dataclass(frozen=True)
 class WarmupReport:
     plans: int  # forward plans built (decode row counts, prefill shapes)
     seconds: float
+    graphs: int = 0  # of them captured as one-launch graphs for eager forwards
 
 
 class MoeLayer:
@@ -64,7 +68,7 @@ class MoeLayer:
             check_communicator(cfg, comm)
         owned = owned_experts(cfg, expert_owner)
         knobs = Knobs.from_env()
-        self._profile, self._dump_dir = knobs.profile, knobs.dump_dir
+        self._profile, self._dump_dir, self._graph_launch = knobs.profile, knobs.dump_dir, knobs.graph_launch
         with cupy.cuda.Device(self.device_id):
             self.lib = jit.library(self.device_id)
             self.device = DeviceFacts(self.lib.arch, self.lib.sm_count, self.lib.max_smem)
@@ -123,6 +127,8 @@ class MoeLayer:
         self._packed: dict[tuple, PackedPlan] = {}  # (path, row count or prefill shape, separated)
         self._by_n: dict[tuple, PackedPlan] = {}  # (path asked, N) -> its plan, for the fast lookup
         self._streams: dict[int, int] = {}
+        self._graphs: dict[PackedPlan, Optional[PlanGraph]] = {}  # None: the plan launches step by step
+        self._capture_status = CaptureStatus()
 
     def with_workspace(self, workspace: Workspace) -> "MoeLayer":
         """This layer on another workspace (e.g. a second stream's): the same weights, its own scratch."""
@@ -194,7 +200,9 @@ class MoeLayer:
             else:
                 ns = range(1, top + 1)
             for n in ns:
-                self.plan_for(n, p)
+                packed = self.plan_for(n, p)
+                if self._graph_launch and packed not in self._graphs:
+                    self._capture(packed, 0, 0, 0, n)  # patched with the real pointers at its first launch
         seconds = time.perf_counter() - t0
         with cupy.cuda.Device(self.device_id):
             rng = np.random.default_rng(0)
@@ -206,7 +214,7 @@ class MoeLayer:
             for p in self._warmup_paths():
                 self.forward(int(x.data.ptr), 1, int(out.data.ptr), s.ptr, token_ids_ptr=int(tids.data.ptr), path=p)
             s.synchronize()
-        return WarmupReport(len(self._packed), seconds)
+        return WarmupReport(len(self._packed), seconds, sum(g is not None for g in self._graphs.values()))
 
     def _prefill_from(self) -> int:
         return 1 if self.row_invariant else self.decode_max_tokens + 1
@@ -236,8 +244,34 @@ class MoeLayer:
             packed = self._by_n[(path, n)] = self.plan_for(n, path)
         ws = self.workspace
         ws.use(stream)
+        graph = self._graphs.get(packed, _UNTRIED) if self._graph_launch else None
+        if graph is not None and not Driver.is_capturing(stream, self._capture_status):  # a capture takes the launches
+            if graph is _UNTRIED:
+                graph = self._capture(packed, x, out, token_ids, n)
+            if graph is not None and self._launch_graph(graph, x, out, token_ids, n, stream):
+                return
         packed.run(x, out, token_ids, n, stream)
         ws.done(stream)
+
+    def _capture(self, packed: PackedPlan, x: int, out: int, token_ids: int, n: int) -> Optional[PlanGraph]:
+        """`packed` as a one-launch graph (None, and step-by-step launches, where it cannot be)."""
+        packed.set_call(x, out, token_ids, n)
+        try:
+            graph = PlanGraph.capture(packed, self.workspace.capture_stream(), self.workspace.done_event, self._ctx)
+        except LaunchError as e:
+            log.warning("%s: launched step by step (%s)", packed.plan.path, e)
+            graph = None
+        self._graphs[packed] = graph
+        return graph
+
+    def _launch_graph(self, graph: PlanGraph, x: int, out: int, token_ids: int, n: int, stream: int) -> bool:
+        try:
+            graph.launch(x, out, token_ids, n, stream)
+            return True
+        except LaunchError as e:  # raised before anything was enqueued: the launches take over
+            log.warning("forward graph dropped (%s)", e)
+            self._graphs[graph.packed] = None
+            return False
 
     def _stream(self, stream) -> int:
         """The raw stream, checked once to belong to this layer's device."""

@@ -220,6 +220,7 @@ class Workspace:
         self.scratch_base = self.base + self.zeroed_bytes
         self.scratch_bytes = _align(need.scratch_bytes)
         self._stream: Optional[int] = None
+        self._capture_stream = None  # where the layers' forward graphs are captured (nothing runs there)
 
     @classmethod
     def for_layers(cls, needs: Iterable[WorkspaceNeed], *, device: Optional[int] = None) -> "Workspace":
@@ -252,6 +253,20 @@ class Workspace:
         from .launch import Driver
 
         Driver.record(self._done.ptr, stream)
+
+    @property
+    def done_event(self) -> int:
+        """The event that marks the end of the last forward (a forward graph records it itself)."""
+        return int(self._done.ptr)
+
+    def capture_stream(self) -> int:
+        """A private stream of this workspace's device to capture forward graphs on."""
+        if self._capture_stream is None:
+            import cupy
+
+            with cupy.cuda.Device(self.device_id):
+                self._capture_stream = cupy.cuda.Stream(non_blocking=True)
+        return int(self._capture_stream.ptr)
 
     def __repr__(self) -> str:
         return (f"Workspace(device {self.device_id}, {self.scratch_bytes} bytes scratch + {self.zeroed_bytes} "
