@@ -130,8 +130,8 @@ def add_bench_args(ap) -> None:
                          "the events separate the kernels, so the decode chain runs without programmatic "
                          "dependent launch and the layer's time reads higher (20-30 us at N = 1 on the H200)")
     ap.add_argument("--host", action="store_true",
-                    help="also time each cell's eager forward on the host (enqueue only, the mean of "
-                         "--host-calls calls) and the plan's build")
+                    help="also time each cell's eager forward on the host (enqueue only; over --host-calls calls "
+                         "in batches of 20, the median of the batch means) and the plan's build")
     ap.add_argument("--host-calls", type=int, default=HOST_CALLS, help="eager forwards timed for --host")
     ap.add_argument("--seed", type=int, default=0)
 
@@ -641,14 +641,15 @@ def time_host(layer, x, out, n: int, calls: int = HOST_CALLS) -> dict:
 def _host_mean(layer, args: tuple, s, calls: int) -> float:
     layer.forward(*args)  # the per-N lookup made once, as a server's first call of this N
     s.synchronize()
-    total = 0.0
+    means = []  # of each batch: the median of them discounts batches another tenant of the host slowed
     for done in range(0, calls, HOST_BATCH):
+        batch = min(HOST_BATCH, calls - done)
         t = time.perf_counter()
-        for _ in range(min(HOST_BATCH, calls - done)):
+        for _ in range(batch):
             layer.forward(*args)
-        total += time.perf_counter() - t
+        means.append((time.perf_counter() - t) / batch)
         s.synchronize()
-    return round(total * 1e6 / calls, 2)
+    return round(float(np.median(means)) * 1e6, 2)
 
 
 def _bench_format(shape: str, cfg: MoeConfig, fmt: str, args, ceilings: dict, baselines: dict,

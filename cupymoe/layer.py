@@ -129,6 +129,7 @@ class MoeLayer:
         self._streams: dict[int, int] = {}
         self._graphs: dict[PackedPlan, Optional[PlanGraph]] = {}  # None: the plan launches step by step
         self._capture_status = CaptureStatus()
+        self._checked: tuple = (None, None)  # (arguments, what _check_call made of them) of the last forward
 
     def with_workspace(self, workspace: Workspace) -> "MoeLayer":
         """This layer on another workspace (e.g. a second stream's): the same weights, its own scratch."""
@@ -234,7 +235,12 @@ class MoeLayer:
     def forward(self, input_ptr: int, num_tokens: int, output_ptr: int, stream: int, *,
                 token_ids_ptr: int = 0, path: Optional[str] = None) -> None:
         """Enqueue the layer on `stream`: output[N, H] bf16 = MoE(input[N, H] bf16)."""
-        n, x, out, token_ids = _check_call(self, input_ptr, num_tokens, output_ptr, token_ids_ptr)
+        call = (input_ptr, num_tokens, output_ptr, token_ids_ptr)
+        if call == self._checked[0] and type(num_tokens) is int:  # the last call's arguments, already checked
+            n, x, out, token_ids = self._checked[1]
+        else:
+            n, x, out, token_ids = _check_call(self, input_ptr, num_tokens, output_ptr, token_ids_ptr)
+            self._checked = (call, (n, x, out, token_ids))
         stream = self._stream(stream)
         debug = self._profile or self._dump_dir is not None
         if debug or profiling.observed():

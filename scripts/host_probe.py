@@ -4,7 +4,8 @@ forward makes, against a forward split into its parts.
     python scripts/host_probe.py --preset qwen3-30b-a3b --format bf16 fp8_block --path decode prefill \\
         --tokens 1 64 4096 --json host.json
 
-Prints µs a call (the mean of --calls, the stream drained between batches, outside the timing).
+Prints µs a call (over --calls calls in batches of 20, the median of the batch means; the stream
+drained between batches, outside the timing).
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ BATCH = 20
 
 
 def timed(fn, calls: int, drain) -> float:
-    total = 0
+    """µs a call: the median over batches of the batch's mean (a batch another tenant slowed is discounted)."""
+    means = []
     for done in range(0, calls, BATCH):
+        batch = min(BATCH, calls - done)
         t = time.perf_counter_ns()
-        for _ in range(min(BATCH, calls - done)):
+        for _ in range(batch):
             fn()
-        total += time.perf_counter_ns() - t
+        means.append((time.perf_counter_ns() - t) / batch)
         drain()
-    return total / calls / 1e3
+    return float(np.median(means)) / 1e3
 
 
 def driver_costs(calls: int) -> dict:
