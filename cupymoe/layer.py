@@ -18,8 +18,8 @@ import numpy as np
 
 from . import arrays, jit, profiling, tma
 from .config import MoeConfig, kernel_limits_violations
-from .errors import (CudaUnavailableError, MoeCallError, OptionError, PathUnavailableError, UnsupportedModelError,
-                     WorkspaceError)
+from .errors import (ConfigError, CudaUnavailableError, MoeCallError, OptionError, PathUnavailableError,
+                     UnsupportedModelError, WorkspaceError)
 from .forward_plan import build_forward_plan, prefill_buckets, prefill_shape
 from .host_weights import HostWeights
 from .knobs import Knobs
@@ -56,19 +56,20 @@ class MoeLayer:
         ("auto", "w8a8", "w8a16"), `workspace` (scratch shared with other layers run in turn on one
         stream; default: the layer's own)."""
         _check_options(cfg, max_tokens, path, row_invariant)
+        owned = owned_experts(cfg, expert_owner)
+        check_token_limit(cfg, max_tokens, len(owned))
         cupy = _cupy()
         self.cfg, self.max_tokens, self.default_path = cfg, int(max_tokens), path
         self.device_id = _device(cupy, device)
         self.comm = comm
         if comm is not None:
             check_communicator(cfg, comm)
-        owned = owned_experts(cfg, expert_owner)
         knobs = Knobs.from_env()
         self._profile, self._dump_dir = knobs.profile, knobs.dump_dir
         with cupy.cuda.Device(self.device_id):
             self.lib = jit.library(self.device_id)
             self.device = DeviceFacts(self.lib.arch, self.lib.sm_count, self.lib.max_smem)
-            _check_sort_fits(len(owned), self.device)
+            check_smem_fits(cfg, len(owned), self.device)
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             options = LayerOptions(row_invariant, fp8_compute, decode_max_tokens, atomic_max_tokens, comm is not None)
             self.plan = plan_layer(cfg, self.weights.format, self.weights.shared_format, self.lib.arch,
@@ -343,9 +344,28 @@ def _check_options(cfg: MoeConfig, max_tokens, path: str, row_invariant: bool) -
         raise UnsupportedModelError(f"the GPU kernels cannot serve this layer: {'; '.join(problems)}")
 
 
-def _check_sort_fits(n_local: int, dev: DeviceFacts) -> None:
-    from .catalog import sort_place_smem_bytes
+def check_token_limit(cfg: MoeConfig, max_tokens: int, n_local: int) -> None:
+    """Refuse a max_tokens the kernels' int32 counts and grid extents cannot serve (catalog.token_limit)."""
+    from .catalog import MAX_GRID_Y, MAX_TOKENS, token_limit
 
+    limit = token_limit(cfg.num_experts_per_tok, n_local, cfg.has_shared_expert)
+    if max_tokens > limit:
+        why = (f"the kernels serve at most {MAX_TOKENS} rows a call" if limit == MAX_TOKENS else
+               f"with k={cfg.num_experts_per_tok} over {n_local} local experts the grouped GEMMs' tiles would pass "
+               f"the grid's y limit of {MAX_GRID_Y}")
+        raise ConfigError(f"max_tokens={max_tokens}: {why}; this layer accepts max_tokens <= {limit} "
+                          "(split larger batches into calls of at most that many rows)")
+
+
+def check_smem_fits(cfg: MoeConfig, n_local: int, dev: DeviceFacts) -> None:
+    """Refuse a layer whose top-k or sort block would ask more shared memory than the GPU opts in to
+    (the launch would fail mid-forward, after the router was enqueued)."""
+    from .catalog import sort_place_smem_bytes, topk_route_smem_bytes
+
+    need = topk_route_smem_bytes(cfg.router_width)
+    if need > dev.max_smem:
+        raise UnsupportedModelError(f"router width R = {cfg.router_width}: the top-k kernel needs {need} bytes of "
+                                    f"shared memory a block, this GPU allows {dev.max_smem}")
     need = sort_place_smem_bytes(n_local)
     if need > dev.max_smem:
         raise UnsupportedModelError(f"{n_local} routed experts on one GPU: the grouped path's sort needs {need} bytes "
