@@ -6,7 +6,7 @@ caller's stream; see README.md and docs/DESIGN.md.
 
 from .config import MoeConfig
 from .errors import (ArenaError, BufferTooSmallError, CheckpointError, CheckpointFileError, ConfigError,
-                     CudaUnavailableError, DenseLayerError, Error, KernelBuildError, LaunchError, LoraError,
+                     CudaUnavailableError, DenseLayerError, Error, GuardError, KernelBuildError, LaunchError, LoraError,
                      MissingTensorError, MoeCallError, OptionError, PathUnavailableError, TmaError,
                      UnsupportedFormatError, UnsupportedModelError, WeightError, WorkspaceError)
 from .host_weights import HostWeights
@@ -17,7 +17,7 @@ __all__ = [
     "MoeConfig", "HostWeights", "MoeLayer", "Workspace",
     "Error", "ConfigError", "UnsupportedModelError", "DenseLayerError", "OptionError", "CheckpointError",
     "MissingTensorError", "CheckpointFileError", "WeightError", "UnsupportedFormatError", "CudaUnavailableError",
-    "KernelBuildError", "LaunchError", "TmaError", "WorkspaceError", "ArenaError", "BufferTooSmallError",
+    "KernelBuildError", "LaunchError", "TmaError", "WorkspaceError", "ArenaError", "BufferTooSmallError", "GuardError",
     "MoeCallError", "PathUnavailableError", "LoraError",
 ]
 

@@ -108,6 +108,10 @@ MAX_ROUTER_WIDTH = 4096  # routing.cuh: the widest router (E + zero experts) the
 MAX_TOPK = 64  # ... and the most experts a row
 MAX_GROUPS = 32  # ... and the most expert groups
 STATIC_SMEM_LIMIT = 48 * 1024  # dynamic shared memory a launch may take without opting in
+# rows a call: counts travel as int32 and grids are bounded, so a layer's max_tokens is capped
+# at the largest N the index math was audited and tested at (tests/test_gpu_sizes.py)
+MAX_TOKENS = 65536
+MAX_GRID_Y = 65535  # CUDA's gridDim.y limit: the grouped GEMMs' M tiles run along y
 # grouped.cu
 SORT_BLOCK = 1024  # pairs a block of the multi-block sort
 SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_build_lists)
@@ -245,3 +249,16 @@ def max_tiles(num_tokens: int, k: int, n_local: int, has_shared: bool, bm: int =
     if has_shared:
         t += -(-num_tokens // bm)
     return t
+
+
+def token_limit(k: int, n_local: int, has_shared: bool) -> int:
+    """The most rows a call may bring: MAX_TOKENS, or fewer where the grouped GEMMs' M tiles
+    (max_tiles at the smallest tile height, their grid's y extent) would pass MAX_GRID_Y."""
+    lo, hi = 0, MAX_TOKENS
+    while lo < hi:  # max_tiles grows with N: bisect for the last N that fits
+        mid = (lo + hi + 1) // 2
+        if max_tiles(mid, k, n_local, has_shared) <= MAX_GRID_Y:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

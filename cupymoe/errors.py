@@ -88,6 +88,10 @@ class BufferTooSmallError(WorkspaceError):
     """A request larger than the buffer planned for it."""
 
 
+class GuardError(Error, RuntimeError):
+    """Guard mode (CUPYMOE_GUARD=1): a kernel wrote into a red zone of the workspace; names the buffer before it."""
+
+
 # --- calls ----------------------------------------------------------------------------
 
 class MoeCallError(Error, ValueError):

@@ -86,6 +86,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
     "graph_launch": ("CUPYMOE_GRAPH_LAUNCH", "0: an eager forward launches step by step, not as one captured graph",
                      _on_off, True),
     "quiet": ("CUPYMOE_QUIET", "1: no console line when the kernels are compiled on first use", _on_off, False),
+    "guard": ("CUPYMOE_GUARD", "1: red zones between the workspace's buffers, filled before each forward and "
+              "checked by MoeLayer.check_guard() (tests; off: no cost)", _on_off, False),
     # measurement: force one choice of the dispatch
     "fp4_decode": ("CUPYMOE_FP4_DECODE", "fp4 decode kernels: auto | mma | wgmma | cores", _choice(Fp4Decode),
                    Fp4Decode.AUTO),
@@ -130,6 +132,7 @@ class Knobs:
     dump_dir: Optional[str] = None
     graph_launch: bool = True
     quiet: bool = False
+    guard: bool = False
     fp4_decode: Fp4Decode = Fp4Decode.AUTO
     fp8_decode: Fp8Decode = Fp8Decode.MMA
     w8a8_decode: W8a8Decode = W8a8Decode.AUTO

@@ -18,8 +18,8 @@ import numpy as np
 
 from . import arrays, jit, profiling, tma
 from .config import MoeConfig, kernel_limits_violations
-from .errors import (CudaUnavailableError, MoeCallError, OptionError, PathUnavailableError, UnsupportedModelError,
-                     WorkspaceError)
+from .errors import (ConfigError, CudaUnavailableError, GuardError, MoeCallError, OptionError, PathUnavailableError,
+                     UnsupportedModelError, WorkspaceError)
 from .forward_plan import build_forward_plan, prefill_buckets, prefill_shape
 from .host_weights import HostWeights
 from .knobs import Knobs
@@ -29,7 +29,7 @@ from .launch import CaptureStatus, Driver, PackedPlan
 from .parallel import Communicator, check_communicator, owned_experts
 from .plan import PATH_NAMES, Buf, DeviceFacts, ForwardPlan, LayerOptions, Path, Space, choose_path, plan_layer
 from .weights import DeviceWeights
-from .workspace import ScratchView, Workspace, WorkspaceNeed, layer_need
+from .workspace import GUARD_BYTES, GUARD_PATTERN, ScratchView, Workspace, WorkspaceNeed, layer_need
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +60,23 @@ class MoeLayer:
         ("auto", "w8a8", "w8a16"), `workspace` (scratch shared with other layers run in turn on one
         stream; default: the layer's own)."""
         _check_options(cfg, max_tokens, path, row_invariant)
+        owned = owned_experts(cfg, expert_owner)
+        check_token_limit(cfg, max_tokens, len(owned))
         cupy = _cupy()
         self.cfg, self.max_tokens, self.default_path = cfg, int(max_tokens), path
         self.device_id = _device(cupy, device)
         self.comm = comm
         if comm is not None:
             check_communicator(cfg, comm)
-        owned = owned_experts(cfg, expert_owner)
         knobs = Knobs.from_env()
         self._profile, self._dump_dir, self._graph_launch = knobs.profile, knobs.dump_dir, knobs.graph_launch
+        self._guard = GUARD_BYTES if knobs.guard else 0  # red zones in the scratch (guard mode)
+        # forwards something watches take _observed_forward; the plain one tests this flag alone
+        self._watched = self._profile or self._dump_dir is not None or bool(self._guard)
         with cupy.cuda.Device(self.device_id):
             self.lib = jit.library(self.device_id)
             self.device = DeviceFacts(self.lib.arch, self.lib.sm_count, self.lib.max_smem)
-            _check_sort_fits(len(owned), self.device)
+            check_smem_fits(cfg, len(owned), self.device)
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             options = LayerOptions(row_invariant, fp8_compute, decode_max_tokens, atomic_max_tokens, comm is not None)
             self.plan = plan_layer(cfg, self.weights.format, self.weights.shared_format, self.lib.arch,
@@ -110,12 +114,12 @@ class MoeLayer:
     # --- scratch -------------------------------------------------------------------------
     def workspace_need(self, max_tokens: Optional[int] = None) -> WorkspaceNeed:
         """What this layer needs of a workspace at `max_tokens` (default its own)."""
-        return layer_need(self.plan, max_tokens or self.max_tokens)[1]
+        return layer_need(self.plan, max_tokens or self.max_tokens, self._guard)[1]
 
     def _bind(self, ws: Workspace) -> None:
         if ws.device_id != self.device_id:
             raise WorkspaceError(f"workspace is on device {ws.device_id}, the layer on device {self.device_id}")
-        plan, need = layer_need(self.plan, self.max_tokens)
+        plan, need = layer_need(self.plan, self.max_tokens, self._guard)
         ws.check_fits(need, f"a {self.cfg.model_type or 'MoE'} layer at max_tokens={self.max_tokens}")
         self.workspace, self.scratch = ws, ScratchView.on(plan, ws)
         self._tma_maps = None
@@ -242,9 +246,8 @@ class MoeLayer:
             n, x, out, token_ids = _check_call(self, input_ptr, num_tokens, output_ptr, token_ids_ptr)
             self._checked = (call, (n, x, out, token_ids))
         stream = self._stream(stream)
-        debug = self._profile or self._dump_dir is not None
-        if debug or profiling.observed():
-            return self._observed_forward(x, n, out, stream, token_ids, path, debug)
+        if self._watched or profiling.observed():
+            return self._observed_forward(x, n, out, stream, token_ids, path)
         packed = self._by_n.get((path, n))
         if packed is None:
             packed = self._by_n[(path, n)] = self.plan_for(n, path)
@@ -291,10 +294,12 @@ class MoeLayer:
             s = self._streams[stream] = int(stream)
         return s
 
-    def _observed_forward(self, x: int, n: int, out: int, stream: int, token_ids: int, path, debug: bool) -> None:
-        """A forward whose stages something watches: NVTX ranges, stage events, profile syncs, dumps."""
+    def _observed_forward(self, x: int, n: int, out: int, stream: int, token_ids: int, path) -> None:
+        """A forward whose stages something watches: NVTX ranges, stage events, profile syncs, dumps,
+        the red zones (filled before the launches)."""
         from .debug import cupy_stream, dump_forward
 
+        debug = self._profile or self._dump_dir is not None
         s = cupy_stream(stream, self.device_id)
         if debug and s.is_capturing():
             raise MoeCallError("CUPYMOE_PROFILE / CUPYMOE_DUMP_DIR synchronise the stream; unset them while "
@@ -302,6 +307,7 @@ class MoeLayer:
         separated = self._profile or profiling.recording_events()
         packed = self.plan_for(n, path, separated=separated)
         self.workspace.use(stream)
+        self._arm_guard(stream)
         packed.prepare(x, out, token_ids, n, stream)
         timer = profiling.StageTimer(s, n, packed.plan.path.value, self._profile)
         with timer.forward():
@@ -334,6 +340,37 @@ class MoeLayer:
         self.forward(xa.ptr, n, oa.ptr, arrays.current_stream(x) if stream is None else stream,
                      token_ids_ptr=tp, path=path)
         return out
+
+    def _arm_guard(self, stream: int) -> None:
+        """Guard mode: fill the red zones on `stream` before the forward (other layers sharing the
+        workspace may have written there since)."""
+        import cupy
+
+        for zone, ptr in self.scratch.zones:
+            cupy.cuda.runtime.memsetAsync(ptr, GUARD_PATTERN, zone.nbytes, stream)
+
+    def check_guard(self) -> None:
+        """Guard mode (CUPYMOE_GUARD=1): synchronise and raise GuardError naming the buffer whose red
+        zone a kernel of the last forward wrote into. Call it before another layer uses the workspace."""
+        import cupy
+
+        if not self._guard:
+            raise OptionError("check_guard: this layer was built without CUPYMOE_GUARD=1 (no red zones)")
+        with cupy.cuda.Device(self.device_id):
+            cupy.cuda.runtime.deviceSynchronize()
+            views = [cupy.ndarray((z.nbytes,), cupy.uint8,
+                                  cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, z.nbytes, self), 0))
+                     for z, ptr in self.scratch.zones]
+            data = cupy.concatenate(views).get()
+        start = 0
+        for zone, _ in self.scratch.zones:
+            bad = np.flatnonzero(data[start:start + zone.nbytes] != GUARD_PATTERN)
+            start += zone.nbytes
+            if bad.size:
+                raise GuardError(f"red zone after scratch buffer {zone.after!r} (before {zone.before!r}) changed: "
+                                 f"{bad.size} of its {zone.nbytes} bytes, the first at +{int(bad[0])} = "
+                                 f"0x{int(data[start - zone.nbytes + bad[0]]):02x} (pattern 0x{GUARD_PATTERN:02x}): "
+                                 f"a kernel wrote past {zone.after!r} or before {zone.before!r}")
 
     def check_errors(self) -> None:
         """Synchronise and raise if a kernel flagged bad input (e.g. a token id outside tid2eid)."""
@@ -383,9 +420,28 @@ def _check_options(cfg: MoeConfig, max_tokens, path: str, row_invariant: bool) -
         raise UnsupportedModelError(f"the GPU kernels cannot serve this layer: {'; '.join(problems)}")
 
 
-def _check_sort_fits(n_local: int, dev: DeviceFacts) -> None:
-    from .catalog import sort_place_smem_bytes
+def check_token_limit(cfg: MoeConfig, max_tokens: int, n_local: int) -> None:
+    """Refuse a max_tokens the kernels' int32 counts and grid extents cannot serve (catalog.token_limit)."""
+    from .catalog import MAX_GRID_Y, MAX_TOKENS, token_limit
 
+    limit = token_limit(cfg.num_experts_per_tok, n_local, cfg.has_shared_expert)
+    if max_tokens > limit:
+        why = (f"the kernels serve at most {MAX_TOKENS} rows a call" if limit == MAX_TOKENS else
+               f"with k={cfg.num_experts_per_tok} over {n_local} local experts the grouped GEMMs' tiles would pass "
+               f"the grid's y limit of {MAX_GRID_Y}")
+        raise ConfigError(f"max_tokens={max_tokens}: {why}; this layer accepts max_tokens <= {limit} "
+                          "(split larger batches into calls of at most that many rows)")
+
+
+def check_smem_fits(cfg: MoeConfig, n_local: int, dev: DeviceFacts) -> None:
+    """Refuse a layer whose top-k or sort block would ask more shared memory than the GPU opts in to
+    (the launch would fail mid-forward, after the router was enqueued)."""
+    from .catalog import sort_place_smem_bytes, topk_route_smem_bytes
+
+    need = topk_route_smem_bytes(cfg.router_width)
+    if need > dev.max_smem:
+        raise UnsupportedModelError(f"router width R = {cfg.router_width}: the top-k kernel needs {need} bytes of "
+                                    f"shared memory a block, this GPU allows {dev.max_smem}")
     need = sort_place_smem_bytes(n_local)
     if need > dev.max_smem:
         raise UnsupportedModelError(f"{n_local} routed experts on one GPU: the grouped path's sort needs {need} bytes "

@@ -24,6 +24,8 @@ from .errors import ArenaError, BufferTooSmallError, WorkspaceError
 from . import catalog as C
 
 ALIGN = 256  # bytes: every buffer starts on a 256-byte boundary (16-byte vectors, TMA)
+GUARD_BYTES = 256  # CUPYMOE_GUARD=1: a red zone this long (a multiple of ALIGN) after every buffer
+GUARD_PATTERN = 0xA5  # the red zones' byte
 STAGES = ("route", "norm", "sort", "gate_up", "down", "reduce")  # the lifetimes' stages
 
 
@@ -48,10 +50,22 @@ def _align(n: int) -> int:
 
 
 @dataclass(frozen=True)
+class Zone:
+    """A red zone (guard mode): bytes no kernel may write, from the end of `after`'s bytes (its
+    alignment padding included) to the start of `before`."""
+
+    after: str
+    before: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class ScratchPlan:
     stages: tuple[str, ...]
     placements: dict[str, Placement]
     total_bytes: int
+    zones: tuple[Zone, ...] = ()
 
     def overlapping_pairs(self) -> list[tuple[str, str]]:
         """Every pair of buffers whose byte ranges overlap (declared aliases)."""
@@ -88,12 +102,7 @@ def _check_specs(stages: Sequence[str], buffers: Iterable[BufferSpec]) -> tuple[
     return specs, live
 
 
-def plan_scratch(stages: Sequence[str], buffers: Iterable[BufferSpec],
-                 aliases: Sequence[Sequence[str]] = ()) -> ScratchPlan:
-    """Lay the buffers out, aliasing only inside declared groups, and prove it safe: each alias
-    group shares one region sized for its largest member, every other buffer has bytes of its
-    own, and every overlapping pair must have disjoint live ranges."""
-    specs, live = _check_specs(stages, buffers)
+def _alias_groups(specs: dict, aliases: Sequence[Sequence[str]]) -> dict[str, int]:
     group_of: dict[str, int] = {}
     for gi, group in enumerate(aliases):
         for name in group:
@@ -102,20 +111,54 @@ def plan_scratch(stages: Sequence[str], buffers: Iterable[BufferSpec],
             if name in group_of:
                 raise ArenaError(f"buffer {name!r} appears in two alias groups")
             group_of[name] = gi
-    placements: dict[str, Placement] = {}
-    offset = 0
-    done_groups: set[int] = set()
-    for name, spec in specs.items():
+    return group_of
+
+
+def _regions(specs: dict, aliases: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
+    """The buffers in declaration order, an alias group as one region (at its first member)."""
+    group_of = _alias_groups(specs, aliases)
+    regions, done = [], set()
+    for name in specs:
         gi = group_of.get(name)
         if gi is None:
-            placements[name] = Placement(name, offset, spec.nbytes, live[name])
-            offset += _align(spec.nbytes)
-        elif gi not in done_groups:
-            done_groups.add(gi)
-            for m in aliases[gi]:
-                placements[m] = Placement(m, offset, specs[m].nbytes, live[m])
-            offset += _align(max(specs[m].nbytes for m in aliases[gi]))
-    plan = ScratchPlan(tuple(stages), placements, max(offset, ALIGN))
+            regions.append((name,))
+        elif gi not in done:
+            done.add(gi)
+            regions.append(tuple(aliases[gi]))
+    return regions
+
+
+def _lay_out(specs: dict, live: dict, aliases, guard: int) -> tuple[dict, tuple[Zone, ...], int]:
+    """Each region at the next aligned offset; with `guard`, a zone before the first and after each."""
+    placements: dict[str, Placement] = {}
+    zones: list[list] = []
+    offset = guard
+    if guard:
+        zones.append(["(scratch start)", None, 0, guard])
+    for region in _regions(specs, aliases):
+        size = max(specs[m].nbytes for m in region)
+        for m in region:
+            placements[m] = Placement(m, offset, specs[m].nbytes, live[m])
+        if zones:
+            zones[-1][1] = region[0]
+        offset += _align(size)
+        if guard:
+            zones.append(["/".join(region), "(scratch end)", offset - _align(size) + size, _align(size) - size + guard])
+            offset += guard
+    return placements, tuple(Zone(*z) for z in zones), offset
+
+
+def plan_scratch(stages: Sequence[str], buffers: Iterable[BufferSpec],
+                 aliases: Sequence[Sequence[str]] = (), guard: int = 0) -> ScratchPlan:
+    """Lay the buffers out, aliasing only inside declared groups, and prove it safe: each alias
+    group shares one region sized for its largest member, every other buffer has bytes of its
+    own, and every overlapping pair must have disjoint live ranges. `guard` (a multiple of
+    ALIGN): red zones that long around every region (guard mode; 0: none)."""
+    if guard % ALIGN:
+        raise ArenaError(f"guard={guard}: red zones must be a multiple of {ALIGN} bytes (alignment)")
+    specs, live = _check_specs(stages, buffers)
+    placements, zones, offset = _lay_out(specs, live, aliases, guard)
+    plan = ScratchPlan(tuple(stages), placements, max(offset, ALIGN), zones)
     for a, b in plan.overlapping_pairs():
         (alo, ahi), (blo, bhi) = live[a], live[b]
         if alo <= bhi and blo <= ahi:
@@ -126,11 +169,12 @@ def plan_scratch(stages: Sequence[str], buffers: Iterable[BufferSpec],
 
 
 def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, decode_max_tokens: int,
-                  w8a8: bool = False, w8a8_shared_x: bool = False, gathered_inputs: bool = False) -> ScratchPlan:
+                  w8a8: bool = False, w8a8_shared_x: bool = False, gathered_inputs: bool = False,
+                  guard: int = 0) -> ScratchPlan:
     """A layer's buffers, their live stages and the ONE alias table. `w8a8`: the e4m3 copies of
     the expert input and of the activation with their scales a 128 columns; `w8a8_shared_x`: x's
     too (an fp8 shared expert behind a pre-expert norm); `gathered_inputs`: xg, the expert
-    inputs in sorted order (the TMA GEMM's gate/up A)."""
+    inputs in sorted order (the TMA GEMM's gate/up A); `guard`: red zones (plan_scratch)."""
     T, k, H, R = max_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.router_width
     sh = 1 if cfg.has_shared_expert else 0
     P = T * k + sh * T  # expert positions: every routed pair, plus one shared row a token
@@ -171,7 +215,7 @@ def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, dec
         BufferSpec("sact", P * kb_i * 4 if w8a8 else 0, "gate_up", "down"),
     ]
     # logits die once top-k has read them, act is born at gate_up; xg dies in gate_up, yw is born in down
-    return plan_scratch(STAGES, buffers, [("logits", "act"), ("xg", "yw")])
+    return plan_scratch(STAGES, buffers, [("logits", "act"), ("xg", "yw")], guard)
 
 
 def zeroed_bytes(n_local: int, i_max: int, w8a8: bool) -> int:
@@ -283,10 +327,11 @@ def _order_after(event: int, new: int, ws: Workspace) -> None:
         Driver.wait(new, event)
 
 
-def layer_need(lp, max_tokens: int) -> tuple[ScratchPlan, WorkspaceNeed]:
-    """A layer's scratch plan (`lp` a plan.LayerPlan) and what it needs of a workspace at `max_tokens`."""
+def layer_need(lp, max_tokens: int, guard: int = 0) -> tuple[ScratchPlan, WorkspaceNeed]:
+    """A layer's scratch plan (`lp` a plan.LayerPlan) and what it needs of a workspace at `max_tokens`
+    (`guard`: with red zones)."""
     plan = layer_scratch(lp.cfg, max_tokens, lp.n_local, lp.i_max, lp.decode_max_tokens, lp.w8a8,
-                         lp.w8a8_shared_x, lp.gathers_rows)
+                         lp.w8a8_shared_x, lp.gathers_rows, guard)
     return plan, WorkspaceNeed(plan.total_bytes, zeroed_bytes(lp.n_local, lp.i_max, lp.w8a8))
 
 
@@ -299,6 +344,7 @@ class ScratchView:
         self.zeroed_bytes = zeroed_bytes
         self._ptrs = {name: scratch_base + p.offset for name, p in plan.placements.items()}
         self._ptrs["act_tickets"] = zeroed_base
+        self.zones = tuple((z, scratch_base + z.offset) for z in plan.zones)  # guard mode: (zone, address)
 
     @classmethod
     def on(cls, plan: ScratchPlan, ws: "Workspace") -> "ScratchView":

@@ -1,23 +1,91 @@
 #!/usr/bin/env bash
-# compute-sanitizer's four tools over scripts/sanitize_workload.py (every kernel family, path and
-# format); a summary line a tool. Logs under $OUT (default /tmp/sanitize).
-#   bash scripts/sanitize.sh                    all four tools
-#   TOOLS="memcheck initcheck" bash scripts/sanitize.sh
+# compute-sanitizer's four tools over scripts/sanitize_workload.py (layers shaped like qwen3_moe and
+# deepseek_v3: H = 2048, 32 / 64 experts, a shared expert, group-limited routing). Each tool's work
+# is split into slices, one process each with its own timeout and log, sized to finish within
+# ~100 s on an H200; together the slices of each tool cover every kernel family, path and format.
+#
+#   memcheck   a slice a format: both families, rows 1 5 12 64 640, every path
+#   synccheck  the same slices as memcheck
+#   racecheck  (~100x slower on shared memory) a slice a format, family and path group: decode +
+#              atomic at rows 1 5 12 64, prefill at 64 and 640; --racecheck-report hazard
+#   initcheck  a slice a format and path group (decode + atomic, prefill); then bf16 prefill again
+#              with the grouped down on the cp.async "twin" GEMM (CUPYMOE_SM90_DOWN_VARIANT=twin: yw
+#              stored by st.global, not TMA bulk-tensor stores; and CUPYMOE_SM90_VARIANT=twin: no
+#              TMA at all): against bf16-prefill they say whether grouped_reduce's reads of yw
+#              flagged as unwritten come from stores initcheck does not track
+#
+# Rows: 1 and 5 take the fused routing + lists (decode_route_lists), 12 decode_topk_lists, 64
+# topk_route with the one-block lists and the grouped "stream" GEMMs, 640 the three-pass sort and
+# the math-bound GEMMs (wgmma and TMA on Hopper).
+#
+#   bash scripts/sanitize.sh                            every slice of the four tools
+#   TOOLS="racecheck initcheck" bash scripts/sanitize.sh
+#   ONLY="initcheck:bf16-prefill" bash scripts/sanitize.sh   slices whose tool:name matches a regex
+# Env: OUT (logs, default /tmp/sanitize), CS (the compute-sanitizer binary), SLICE_TIMEOUT (s, 120).
+# Prints a line a slice (rc, errors or hazards, seconds) and a total a tool; exit 1 on any finding
+# or a slice cut by its timeout.
 set -u
 OUT=${OUT:-/tmp/sanitize}
 mkdir -p "$OUT"
 CS=${CS:-/usr/local/cuda/bin/compute-sanitizer}
-python3 scripts/sanitize_workload.py --tokens 1 > /dev/null 2>&1  # compile (and cache) outside the tools
-for tool in ${TOOLS:-memcheck racecheck synccheck initcheck}; do
-  extra=""
-  tokens="1 5 64 640"
-  case $tool in
-    racecheck) extra="--racecheck-report hazard"; tokens="1 5 64";;  # ~100x slower: fewer rows
-    initcheck) extra="";;
-  esac
-  timeout ${TOOL_TIMEOUT:-150} "$CS" --tool $tool $extra --target-processes all --print-limit 20 \
-    python3 scripts/sanitize_workload.py --tokens $tokens ${WORKLOAD_ARGS:-} > "$OUT/$tool.log" 2>&1
-  rc=$?
-  summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|sanitize_workload:" "$OUT/$tool.log" | tail -3 | tr '\n' ' ')
-  echo "$tool rc $rc: $summary"
+FORMATS="bf16 fp8_block nvfp4 mxfp4"
+FAMILIES="qwen3_moe deepseek_v3"
+DECODE="--paths decode atomic --tokens 1 5 12 64"
+PREFILL="--paths prefill --tokens 64 640"
+
+# tool:name|environment|workload arguments, one slice a line
+slices() {
+  local f fam
+  for f in $FORMATS; do echo "memcheck:$f||--formats $f"; done
+  for f in $FORMATS; do echo "synccheck:$f||--formats $f"; done
+  for f in $FORMATS; do
+    for fam in $FAMILIES; do
+      echo "racecheck:$f-$fam-decode||--formats $f --families $fam $DECODE"
+      echo "racecheck:$f-$fam-prefill||--formats $f --families $fam $PREFILL"
+    done
+  done
+  for f in $FORMATS; do
+    echo "initcheck:$f-decode||--formats $f $DECODE"
+    echo "initcheck:$f-prefill||--formats $f $PREFILL"
+  done
+  echo "initcheck:bf16-prefill-down-twin|CUPYMOE_SM90_DOWN_VARIANT=twin|--formats bf16 $PREFILL"
+  echo "initcheck:bf16-prefill-twin|CUPYMOE_SM90_VARIANT=twin|--formats bf16 $PREFILL"
+}
+
+# the findings a log reports: memcheck / synccheck / initcheck errors, racecheck hazards
+findings() {
+  grep -hoE "ERROR SUMMARY: [0-9]+ error|RACECHECK SUMMARY: [0-9]+ hazard" "$1" | grep -oE "[0-9]+" | tail -1
+}
+
+# one small layer loads every module: compiled (and cached) outside the tools
+python3 scripts/sanitize_workload.py --tokens 1 --paths decode --formats bf16 --families qwen3_moe > /dev/null 2>&1
+failed=0
+for tool in ${TOOLS:-memcheck synccheck racecheck initcheck}; do
+  total=0
+  while IFS='|' read -r id env args; do
+    [[ $id == "$tool:"* ]] || continue
+    [[ -z ${ONLY:-} || $id =~ ${ONLY} ]] || continue
+    name=${id#*:}
+    extra=""
+    [[ $tool == racecheck ]] && extra="--racecheck-report hazard"
+    log="$OUT/$tool-$name.log"
+    t0=$SECONDS
+    # shellcheck disable=SC2086  # env and args are word lists
+    env $env timeout "${SLICE_TIMEOUT:-120}" "$CS" --tool "$tool" $extra --target-processes all --print-limit 20 \
+      python3 scripts/sanitize_workload.py $args < /dev/null > "$log" 2>&1
+    rc=$?
+    n=$(findings "$log")
+    forwards=$(grep -hoE "sanitize_workload: [0-9]+ forwards, [0-9]+ wrong" "$log" | tail -1)
+    if [[ $rc == 124 || $rc == 137 ]]; then
+      echo "$tool $name: TIMEOUT after $((SECONDS - t0)) s (${SLICE_TIMEOUT:-120} s limit)"; failed=1
+    elif [[ -z $n ]]; then
+      echo "$tool $name: rc $rc, no summary (see $log)"; failed=1
+    else
+      echo "$tool $name${env:+ [$env]}: rc $rc, $n findings, $((SECONDS - t0)) s; ${forwards:-no workload summary}"
+      total=$((total + n))
+      [[ $n != 0 || $rc != 0 ]] && failed=1
+    fi
+  done < <(slices)
+  echo "== $tool: $total findings"
 done
+exit $failed

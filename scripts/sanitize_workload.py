@@ -2,7 +2,12 @@
 and format, on layers shaped like qwen3_moe and deepseek_v3 (H = 2048, 32 and 64 experts), fresh
 random inputs, every output element written (--check: against cupymoe.reference too).
 
-    python scripts/sanitize_workload.py [--formats bf16 fp8_block nvfp4 mxfp4] [--tokens 1 5 64 640]
+    python scripts/sanitize_workload.py [--formats bf16 fp8_block nvfp4 mxfp4] [--tokens 1 5 12 64 640]
+                                        [--families qwen3_moe deepseek_v3] [--paths decode atomic prefill]
+
+Rows: 1 and 5 take the decode path's fused routing + lists (decode_route_lists), 12 the top-k +
+lists kernel (decode_topk_lists), 64 topk_route with the one-block list builder and the grouped
+"stream" GEMMs, 640 the three-pass sort and the math-bound grouped GEMMs (wgmma on Hopper).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8_block", "nvfp4", "mxfp4"])
-    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 5, 64, 640])
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 5, 12, 64, 640])
     ap.add_argument("--families", nargs="+", default=list(SHAPES))
+    ap.add_argument("--paths", nargs="+", default=["decode", "atomic", "prefill"])
     ap.add_argument("--check", action="store_true",
                     help="also check every output against the float64 reference (slow on the CPU at 640 rows)")
     args = ap.parse_args()
@@ -39,7 +45,7 @@ def main() -> int:
             layer = MoeLayer(cfg, hw, max_tokens=max(args.tokens), decode_max_tokens=64, atomic_max_tokens=8)
             for n in args.tokens:
                 paths = ["decode", "atomic", "prefill"] if n <= 8 else ["decode", "prefill"] if n <= 64 else ["prefill"]
-                for path in paths:
+                for path in (p for p in paths if p in args.paths):
                     x = well_separated_input(cfg, hw, rng, n)
                     out = run_layer(layer, x, path)
                     ok = bool(np.isfinite(out).all())  # poisoned with NaN: every element written

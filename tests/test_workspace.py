@@ -4,8 +4,8 @@ import pytest
 
 from cupymoe.config import MoeConfig
 from cupymoe.errors import ArenaError, BufferTooSmallError, WorkspaceError
-from cupymoe.workspace import (ALIGN, STAGES, BufferSpec, ScratchView, WorkspaceNeed, layer_scratch, plan_scratch,
-                               zeroed_bytes)
+from cupymoe.workspace import (ALIGN, GUARD_BYTES, STAGES, BufferSpec, ScratchView, WorkspaceNeed, layer_scratch,
+                               plan_scratch, zeroed_bytes)
 
 STAGES3 = ("a", "b", "c")
 
@@ -66,6 +66,47 @@ def test_layer_scratch_is_proven_and_sized_for_max_tokens(shared, prenorm):
     assert plan.placements["y"].nbytes == Pd * 128 * 4
     assert plan.placements["yw"].nbytes == P * 128 * 2
     assert plan.placements["xe"].nbytes == (33 * 128 * 2 if prenorm else 0)
+
+
+def _regions_and_zones(plan):
+    """The plan's byte ranges in address order: ("buf", names, lo, hi) a region, ("zone", zone, lo, hi)."""
+    regions: dict[int, list] = {}
+    for p in plan.placements.values():
+        r = regions.setdefault(p.offset, [[], p.offset, p.offset])
+        r[0].append(p.name)
+        r[2] = max(r[2], p.offset + p.nbytes)
+    items = [("buf", tuple(names), lo, hi) for names, lo, hi in regions.values()]
+    items += [("zone", z, z.offset, z.offset + z.nbytes) for z in plan.zones]
+    return sorted(items, key=lambda t: (t[2], t[3]))  # a zero-byte buffer before the zone at its address
+
+
+@pytest.mark.parametrize("w8a8, gathered", [(False, False), (True, True)])
+def test_guard_mode_puts_a_red_zone_between_every_buffer_and_keeps_alignment(w8a8, gathered):
+    cfg = MoeConfig(hidden_size=160, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
+                    shared_expert_intermediate_size=64, pre_expert_norm=True)
+    args = dict(max_tokens=37, n_local=16, i_max=64, decode_max_tokens=8, w8a8=w8a8, gathered_inputs=gathered)
+    plain, plan = layer_scratch(cfg, **args), layer_scratch(cfg, **args, guard=GUARD_BYTES)
+    assert plain.zones == () and plan.overlapping_pairs() == plain.overlapping_pairs()
+    assert {n: p.nbytes for n, p in plan.placements.items()} == {n: p.nbytes for n, p in plain.placements.items()}
+    items = _regions_and_zones(plan)
+    kinds = [k for k, *_ in items]
+    assert kinds == ["zone", "buf"] * (len(kinds) // 2) + ["zone"], kinds  # zone, buffer, zone, ..., zone
+    for prev, nxt in zip(items, items[1:]):
+        assert prev[3] == nxt[2], (prev, nxt)  # contiguous: every byte outside the buffers is in a zone
+    for kind, what, lo, hi in items:
+        if kind == "buf":
+            assert lo % ALIGN == 0, what
+        else:
+            assert hi - lo >= GUARD_BYTES and hi % ALIGN == 0, what
+    for (_, z, _, _), (_, names, _, _), (_, z2, _, _) in zip(items[0::2], items[1::2], items[2::2]):
+        assert z.before == names[0] and z2.after == "/".join(names)  # each zone names its neighbours
+    assert items[-1][3] == plan.total_bytes
+    assert plan.total_bytes - plain.total_bytes == GUARD_BYTES * len(plan.zones)
+
+
+def test_guard_zones_must_keep_alignment():
+    with pytest.raises(ArenaError, match="guard=100: red zones must be a multiple of 256"):
+        plan_scratch(STAGES3, [BufferSpec("x", 4, "a", "a")], guard=100)
 
 
 def test_a_workspace_need_covers_every_layer_it_is_made_for():
