@@ -208,8 +208,8 @@ def _peft_config(raw: Mapping[str, Any]) -> _PeftConfig:
         if not isinstance(p, dict):
             raise LoraError(f"{ADAPTER_CONFIG}: {key}={p!r} must map module patterns to numbers")
         patterns[key] = {str(k): _number(v, f"{key}[{k!r}]", what) for k, v in p.items()}
-    return _PeftConfig(r=_number(raw.get("r", 8), "r", int), alpha=_number(raw.get("lora_alpha", 8), "lora_alpha", float),
-                       use_rslora=raw.get("use_rslora", False), rank_pattern=patterns["rank_pattern"],
+    return _PeftConfig(r=_number(raw.get("r", 8), "r", int),
+                       alpha=_number(raw.get("lora_alpha", 8), "lora_alpha", float), use_rslora=raw.get("use_rslora", False), rank_pattern=patterns["rank_pattern"],
                        alpha_pattern=patterns["alpha_pattern"])
 
 

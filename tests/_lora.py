@@ -35,7 +35,8 @@ def random_lora(cfg: MoeConfig, rng: np.random.Generator, rank: int = 4, *, laye
         inn, out = _in_out(cfg, key.target)
         s = lora_scale(alpha, rank, False)
         a = _bf16_exact(rng.standard_normal((rank, inn)) * inn ** -0.5)
-        b = np.zeros((out, rank), np.float32) if zero_b else _bf16_exact(rng.standard_normal((out, rank)) * size / (s * rank ** 0.5))
+        b = rng.standard_normal((out, rank)) * size / (s * rank ** 0.5)
+        b = np.zeros((out, rank), np.float32) if zero_b else _bf16_exact(b)
         modules[key] = LoraModule(name, a, b, s)
     return LoraWeights(modules, source="random_lora")
 

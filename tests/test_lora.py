@@ -139,7 +139,8 @@ def test_shape_value_and_pair_refusals(tmp_path):
     p = f"base_model.model.model.layers.{LAYER}.mlp.gate"
     base = random_lora(cfg, np.random.default_rng(5), rank=2, layer_idx=LAYER, targets=["down"], experts=[0])
     cases = [
-        ({f"{p}.lora_A.weight": _t((2, H + 1)), f"{p}.lora_B.weight": _t((R, 2))}, r"lora_A.weight: expected shape \[r, "),
+        ({f"{p}.lora_A.weight": _t((2, H + 1)), f"{p}.lora_B.weight": _t((R, 2))},
+         r"lora_A.weight: expected shape \[r, "),
         ({f"{p}.lora_A.weight": _t((2, H)), f"{p}.lora_B.weight": _t((R + 1, 2))}, r"lora_B.weight: expected shape"),
         ({f"{p}.lora_A.weight": _t((3, H)), f"{p}.lora_B.weight": _t((R, 3))}, "gives this module rank 2"),
         ({f"{p}.lora_A.weight": _t((2, H))}, r"mlp.gate.lora_B.weight is missing"),
