@@ -15,7 +15,8 @@ of N: grids, counts, shared memory), with those values as PerN. The stages, in o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 from . import catalog as C
 from . import heuristics as HX
@@ -92,10 +93,40 @@ def prefill_buckets(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[t
     return out
 
 
-def build_forward_plan(lp: LayerPlan, dev: DeviceFacts, n: int, path: Path, *, separated: bool = False) -> ForwardPlan:
+def build_forward_plan(lp: LayerPlan, dev: DeviceFacts, n: int, path: Path, *, separated: bool = False,
+                       lora: Optional[LoraShape] = None) -> ForwardPlan:
     """The launches of a forward of `n` rows on `path`. `separated`: stage events or profile
-    syncs stand between the kernels, so none goes by programmatic dependent launch."""
-    return _Builder(lp, dev, n, Path(path), separated).build()
+    syncs stand between the kernels, so none goes by programmatic dependent launch. `lora`:
+    the LoRA plan variant (the router's delta added to the logits before top-k)."""
+    plan = _Builder(lp, dev, n, Path(path), separated).build()
+    return plan if lora is None else with_lora(plan, lp, lora)
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """What a LoRA plan needs of the layer's reserved adapter slots."""
+
+    max_loras: int
+    max_rank: int
+
+
+LORA_THREADS = 256  # cuda/lora.cu
+
+
+def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
+    """`plan` with the router's LoRA delta launched right after the router (its logits' copy 0,
+    before the routing stage reads them); plainly, not by PDL, so it waits for the router."""
+    cfg = lp.cfg
+    rows = PerN("N", lambda n: n) if plan.shape is not None else plan.built_for
+    delta = Launch(Stage.ROUTER, "lora_router_delta", (rows,), (LORA_THREADS,),
+                   (u64("x", X), u64("lora_ids", CallValue.LORA_IDS), u64("a", Buf(Space.LAYER, "lora_router_a")),
+                    u64("bs", Buf(Space.LAYER, "lora_router_bs")), u64("logits", S("logits")), u64("err", ERR),
+                    i32("N", rows), i32("H", cfg.hidden_size), i32("R", cfg.router_width),
+                    i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras)), lora.max_rank * 4)
+    steps = list(plan.steps)
+    at = next(i for i, s in enumerate(steps) if s.stage != Stage.ROUTER)  # the first launch past the router
+    steps.insert(at, delta)
+    return replace(plan, steps=tuple(steps))
 
 
 class _Builder:

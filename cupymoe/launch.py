@@ -218,6 +218,10 @@ class PackedPlan:
     def memset_target(self, step: Memset) -> int:
         return self._resolve(step.buffer)
 
+    def set_call_value(self, value: CallValue, ptr: int) -> None:
+        """Patch one per-call cell that `prepare` does not take (a LoRA plan's lora_ids)."""
+        self._call[value].value = ptr
+
     def run(self, x: int, out: int, token_ids: int, n: int, stream: int) -> None:
         """Enqueue the whole plan on `stream`."""
         self.prepare(x, out, token_ids, n, stream)

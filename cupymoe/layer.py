@@ -18,16 +18,18 @@ import numpy as np
 
 from . import arrays, jit, profiling, tma
 from .config import MoeConfig, kernel_limits_violations
-from .errors import (ConfigError, CudaUnavailableError, GuardError, MoeCallError, OptionError, PathUnavailableError,
-                     UnsupportedModelError, WorkspaceError)
-from .forward_plan import build_forward_plan, prefill_buckets, prefill_shape
+from . import lora_slots
+from .errors import (ConfigError, CudaUnavailableError, GuardError, LoraError, MoeCallError, OptionError,
+                     PathUnavailableError, UnsupportedModelError, WorkspaceError)
+from .forward_plan import LoraShape, build_forward_plan, prefill_buckets, prefill_shape
 from .host_weights import HostWeights
 from .knobs import Knobs
 from .errors import LaunchError
 from .graph_launch import PlanGraph
 from .launch import CaptureStatus, Driver, PackedPlan
 from .parallel import Communicator, check_communicator, owned_experts
-from .plan import PATH_NAMES, Buf, DeviceFacts, ForwardPlan, LayerOptions, Path, Space, choose_path, plan_layer
+from .plan import (PATH_NAMES, Buf, CallValue, DeviceFacts, ForwardPlan, LayerOptions, Path, Space, choose_path,
+                   plan_layer)
 from .weights import DeviceWeights
 from .workspace import GUARD_BYTES, GUARD_PATTERN, ScratchView, Workspace, WorkspaceNeed, layer_need
 
@@ -52,16 +54,19 @@ class MoeLayer:
                  device: Optional[int] = None, path: str = "auto", row_invariant: bool = False,
                  atomic_max_tokens: Optional[int] = None, decode_max_tokens: Optional[int] = None,
                  comm: Optional[Communicator] = None, expert_owner: Optional[Sequence[int]] = None,
-                 fp8_compute: str = "auto", workspace: Optional[Workspace] = None):
+                 fp8_compute: str = "auto", workspace: Optional[Workspace] = None, max_loras: int = 0,
+                 max_lora_rank: int = 0):
         """Options: `path` ("auto", "decode", "atomic", "prefill"), `row_invariant` (the grouped path at
         every N: a row's bits never depend on N or the batch), `decode_max_tokens` / `atomic_max_tokens`
         (default: the measured crossover for the routed experts' format), `comm` (sums the
         expert-parallel partials), `expert_owner[e]` (the rank computing expert e), `fp8_compute`
         ("auto", "w8a8", "w8a16"), `workspace` (scratch shared with other layers run in turn on one
-        stream; default: the layer's own)."""
+        stream; default: the layer's own), `max_loras` / `max_lora_rank` (adapter slots reserved once:
+        set_lora, clear_lora, forward's lora_ids_ptr)."""
         _check_options(cfg, max_tokens, path, row_invariant)
         owned = owned_experts(cfg, expert_owner)
         check_token_limit(cfg, max_tokens, len(owned))
+        lora_k, lora_r = lora_slots.check_options(max_loras, max_lora_rank)
         cupy = _cupy()
         self.cfg, self.max_tokens, self.default_path = cfg, int(max_tokens), path
         self.device_id = _device(cupy, device)
@@ -84,6 +89,7 @@ class MoeLayer:
                                    mxfp4_scale_bytes=self.weights.mxfp4_scale_bytes)
             assert self.plan.i_max == self.weights.i_max, (self.plan.i_max, self.weights.i_max)
             self._err = cupy.zeros(1, cupy.int32)  # sticky error bits the kernels set (check_errors)
+            self._lora = lora_slots.LoraSlots(cfg, lora_k, lora_r, self.device_id) if lora_k else None
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             self._bind(workspace or Workspace(self.workspace_need(), device=self.device_id))
             # the uploads and repacks went through the legacy default stream, which a caller's
@@ -134,6 +140,7 @@ class MoeLayer:
         self._graphs: dict[PackedPlan, Optional[PlanGraph]] = {}  # None: the plan launches step by step
         self._capture_status = CaptureStatus()
         self._checked: tuple = (None, None)  # (arguments, what _check_call made of them) of the last forward
+        self._lora_plans: dict[tuple, PackedPlan] = {}  # (path asked, N) -> its LoRA plan
 
     def with_workspace(self, workspace: Workspace) -> "MoeLayer":
         """This layer on another workspace (e.g. a second stream's): the same weights, its own scratch."""
@@ -150,6 +157,8 @@ class MoeLayer:
             return int(self._err.data.ptr)
         if buf.name == "tma_maps":
             return int(self._tma_maps.data.ptr)
+        if buf.name.startswith("lora_") and self._lora is not None:
+            return self._lora.ptr(buf.name)
         raise KeyError(f"no buffer {buf}")
 
     # --- paths and plans -------------------------------------------------------------------
@@ -180,9 +189,7 @@ class MoeLayer:
         packed = self._packed.get(key)
         if packed is None:
             plan = build_forward_plan(self.plan, self.device, num_tokens, p, separated=separated)
-            comm = self.comm
-            reduce = (lambda ptr, nbytes, stream: comm.all_reduce(ptr, nbytes, "bf16", stream)) if comm else None
-            packed = self._packed[key] = PackedPlan(plan, self._resolve, self.lib.pointer, reduce)
+            packed = self._packed[key] = PackedPlan(plan, self._resolve, self.lib.pointer, self._reduce())
         return packed
 
     def forward_plan(self, num_tokens: int, path: Optional[str] = None) -> ForwardPlan:
@@ -237,8 +244,9 @@ class MoeLayer:
 
     # --- the forward ---------------------------------------------------------------------
     def forward(self, input_ptr: int, num_tokens: int, output_ptr: int, stream: int, *,
-                token_ids_ptr: int = 0, path: Optional[str] = None) -> None:
-        """Enqueue the layer on `stream`: output[N, H] bf16 = MoE(input[N, H] bf16)."""
+                token_ids_ptr: int = 0, path: Optional[str] = None, lora_ids_ptr: int = 0) -> None:
+        """Enqueue the layer on `stream`: output[N, H] bf16 = MoE(input[N, H] bf16); `lora_ids_ptr`:
+        [N] int32 adapter slots a row (-1 = base), 0 = no LoRA (the base plans, bit for bit)."""
         call = (input_ptr, num_tokens, output_ptr, token_ids_ptr)
         if call == self._checked[0] and type(num_tokens) is int:  # the last call's arguments, already checked
             n, x, out, token_ids = self._checked[1]
@@ -246,6 +254,8 @@ class MoeLayer:
             n, x, out, token_ids = _check_call(self, input_ptr, num_tokens, output_ptr, token_ids_ptr)
             self._checked = (call, (n, x, out, token_ids))
         stream = self._stream(stream)
+        if lora_ids_ptr:
+            return self._lora_forward(x, n, out, stream, token_ids, _pointer("lora_ids_ptr", lora_ids_ptr, 4), path)
         if self._watched or profiling.observed():
             return self._observed_forward(x, n, out, stream, token_ids, path)
         packed = self._by_n.get((path, n))
@@ -281,6 +291,40 @@ class MoeLayer:
             log.warning("forward graph dropped (%s)", e)
             self._graphs[graph.packed] = None
             return False
+
+    # --- LoRA ------------------------------------------------------------------------------
+    def set_lora(self, slot: int, adapter, stream: Optional[int] = None) -> None:
+        """Copy `adapter` (cupymoe.lora.LoraWeights) into `slot` on `stream` (None: synchronously);
+        outside capture. LoraError names what the layer cannot serve before anything is copied."""
+        self._lora_slots("set_lora").fill(slot, adapter, stream)
+
+    def clear_lora(self, slot: int, stream: Optional[int] = None) -> None:
+        """Empty `slot`: rows with its id get the base layer again."""
+        self._lora_slots("clear_lora").clear(slot, stream)
+
+    def _lora_slots(self, what: str) -> "lora_slots.LoraSlots":
+        if self._lora is None:
+            raise LoraError(f"{what}: this layer reserved no adapter slots; build it with max_loras=K, max_lora_rank=R")
+        return self._lora
+
+    def _lora_forward(self, x: int, n: int, out: int, stream: int, token_ids: int, lora_ids: int, path) -> None:
+        """A forward with per-row adapters: the LoRA plan variant (built once per (path, N)), run
+        unobserved (no stage ranges or dumps yet)."""
+        slots = self._lora_slots("forward(lora_ids_ptr=...)")
+        packed = self._lora_plans.get((path, n))
+        if packed is None:
+            p = Path(self.select_path(n, path))
+            plan = build_forward_plan(self.plan, self.device, n, p,
+                                      lora=LoraShape(slots.max_loras, slots.max_rank))
+            packed = self._lora_plans[(path, n)] = PackedPlan(plan, self._resolve, self.lib.pointer, self._reduce())
+        packed.set_call_value(CallValue.LORA_IDS, lora_ids)
+        self.workspace.use(stream)
+        packed.run(x, out, token_ids, n, stream)
+        self.workspace.done(stream)
+
+    def _reduce(self):
+        comm = self.comm
+        return (lambda ptr, nbytes, stream: comm.all_reduce(ptr, nbytes, "bf16", stream)) if comm else None
 
     def _stream(self, stream) -> int:
         """The raw stream, checked once to belong to this layer's device."""
@@ -382,7 +426,8 @@ class MoeLayer:
             if flags:
                 self._err.fill(0)
                 raise MoeCallError(f"a kernel flagged bad input (error bits 0x{flags:x}: bit 0 = a token id outside "
-                                   "0..hash_vocab_size-1; those rows got no routed experts)")
+                                   "0..hash_vocab_size-1; those rows got no routed experts; bit 1 = a LoRA id "
+                                   "outside -1..max_loras-1; those rows got no delta)")
 
 
 def _cupy():

@@ -76,6 +76,7 @@ class CallValue(enum.Enum):
     INPUT = "x"
     OUTPUT = "out"
     TOKEN_IDS = "token_ids"
+    LORA_IDS = "lora_ids"  # [N] int32 adapter slots, -1 = base (LoRA plans only)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,12 @@ Conventions that section 1 leaves open, fixed here (kernels must follow them):
 - **Expert parallelism**: a rank's output is its PARTIAL sum: the routed experts it owns,
   plus, on rank 0 only, the shared expert and the zero-expert identity terms, so that the
   partials of all ranks sum (all-reduce) to the full output with those counted once.
+- **LoRA** (`lora={slot: LoraWeights}`, `lora_ids` [N], -1 = base only): a row's adapter adds
+  `scale * B (A v)` to each map it names, on that map's own input `v`: the router's to the
+  logits before scoring, bias and top-k (so it can change the routing); a routed expert's
+  gate / up before the activation, its down to `y` before the routing weight multiplies; the
+  shared expert's likewise, before its gate. The expert maps read `x_e`, the down maps the
+  activation as the path stores it (bf16 under `rounding`), never w8a8's quantized copies.
 - **Precision**: the router logits and everything after are computed in `dtype` from the
   exact bf16 input and the dequantized weights; nothing is rounded to bf16 in between
   (the GPU path rounds some intermediates; the tests' tolerances absorb that).
@@ -33,12 +39,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import numpy as np
 
 from . import formats
 from .config import MoeConfig
+from .errors import LoraError
 from .host_weights import HostWeights
 
 __all__ = ["Routing", "moe_forward", "route", "expert_input", "activation", "router_logits", "scores"]
@@ -195,11 +202,14 @@ def _hash_ids(cfg: MoeConfig, host_weights: HostWeights, token_ids: Any, n: int)
     return np.asarray(host_weights.tid2eid)[t].astype(np.int64)
 
 
-def _route(cfg: MoeConfig, host_weights: HostWeights, x: np.ndarray, token_ids: Any) -> Routing:
-    """Steps 2-3 on the router input `x` (already in the working dtype)."""
+def _route(cfg: MoeConfig, host_weights: HostWeights, x: np.ndarray, token_ids: Any,
+           lora: Optional["_LoraRows"] = None) -> Routing:
+    """Steps 2-3 on the router input `x` (already in the working dtype); `lora` adds the rows' router deltas."""
     n, k = x.shape[0], cfg.num_experts_per_tok
     rows = np.arange(n)[:, None]
     logits = router_logits(cfg, host_weights, x)
+    if lora is not None:  # before scoring, bias and top-k: an adapter may change the routing
+        logits = _plus(logits, lora.delta("router", None, np.arange(n), x))
 
     if cfg.topk_then_softmax:
         # gpt-oss: select on the logits themselves, then softmax over the k chosen logits.
@@ -227,14 +237,17 @@ def _route(cfg: MoeConfig, host_weights: HostWeights, x: np.ndarray, token_ids: 
     return Routing(logits=logits, ids=ids.astype(np.int64), weights=weights, margin=margin)
 
 
-def route(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: Any = None) -> Routing:
+def route(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: Any = None, *,
+          lora: Optional[Mapping[int, Any]] = None, lora_ids: Any = None) -> Routing:
     """Router logits, scores, selection and weights for the rows of `x` [N, H], in float64.
 
     The router reads the un-normed `x` (pre_expert_norm affects the experts only).
     Hash routing needs `token_ids` [N] and raises ValueError without them.
+    `lora` / `lora_ids`: the rows' router deltas, as moe_forward takes them.
     """
     host_weights.validate(cfg, values=False)  # shapes only: a NaN in an expert nobody routes to is no error here
-    return _route(cfg, host_weights, _as_input(cfg, x, np.float64), token_ids)
+    xf = _as_input(cfg, x, np.float64)
+    return _route(cfg, host_weights, xf, token_ids, _lora_rows(cfg, lora, lora_ids, xf.shape[0]))
 
 
 # ----------------------------------------------------------------------------------
@@ -330,15 +343,17 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
          biases: tuple[Optional[np.ndarray], ...] = (None, None, None), rounding: Optional[str] = None,
          activations: str = "bf16", quantized: Optional[Callable[[str, np.ndarray], np.ndarray]] = None,
          kernel_act: Optional[Callable[[np.ndarray], np.ndarray]] = None,
-         down_magnitudes: bool = False) -> np.ndarray:
+         down_magnitudes: bool = False, lora: Optional[Callable] = None) -> np.ndarray:
     """One GLU feed-forward on rows `x`: down(act(gate(x), up(x))), weights dequantized here;
     with activations="fp8_block", an fp8-block projection's input is quantized first (w8a8):
     by quantize_activations_fp8, or by `quantized(stage, a)` ("gate_up" / "down") when given.
     `kernel_act(a)`: the activation the down projection multiplies instead of `a` (unless
     that input is quantized: then `quantized` decides). `down_magnitudes`: the root sum of
     squares of the down projection's products, sqrt(sum_i (a_i W_hi)^2), instead of the
-    projection (no bias): the scale of what independent relative errors of the a_i move y_h by."""
+    projection (no bias): the scale of what independent relative errors of the a_i move y_h by.
+    `lora(proj, v)`: the rows' LoRA delta of "gate" / "up" / "down" on that map's input v, or None."""
     dt = x.dtype
+    x_in = x  # LoRA reads the map's input as stored, not w8a8's quantized copy
 
     def w8a8(t):
         return activations == "fp8_block" and formats.weight_format(t) == "fp8_block"
@@ -353,9 +368,12 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
     bg, bu, bd = biases
     if bg is not None:
         g, u = g + bg, u + bu
+    if lora is not None:
+        g, u = _plus(g, lora("gate", x_in)), _plus(u, lora("up", x_in))
     a = activation(cfg, g, u)
     if rounding:
         a = _bf16(a)
+    a_in = a
     if w8a8(down):
         a = quantize("down", a)
     elif kernel_act is not None:
@@ -363,14 +381,15 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
     if down_magnitudes:
         return np.sqrt((a * a) @ np.square(formats.dequantize(down, dt)).T)
     y = a @ formats.dequantize(down, dt).T
-    return y if bd is None else y + bd
+    y = y if bd is None else y + bd
+    return y if lora is None else _plus(y, lora("down", a_in))
 
 
 def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Routing,
                     owned: range, include_zero: bool, rounding: Optional[str] = None,
                     activations: str = "bf16", w8a8_inputs: Optional[Callable] = None,
                     absolute: bool = False, kernel_acts: Optional[Callable] = None,
-                    kernel_terms: Optional[Callable] = None) -> np.ndarray:
+                    kernel_terms: Optional[Callable] = None, lora: Optional["_LoraRows"] = None) -> np.ndarray:
     """Sum over (row, slot) of w * expert(x_e[row]) for the owned experts (+ identity experts);
     `absolute`: of |w * expert(x_e[row])|; absolute="down": of |w| * sqrt(sum_i (a_i W_down,hi)^2)
     (moe_forward; identity experts have no down projection and add nothing).
@@ -397,8 +416,9 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
             biases = tuple(_vector(b[e], dt) for b in (hw.gate_bias, hw.up_bias, hw.down_bias))
         fed = None if w8a8_inputs is None else (lambda stage, a, e=e, rows=rows: w8a8_inputs(stage, e, rows, a))
         acts = None if kernel_acts is None else (lambda a, e=e, rows=rows: kernel_acts(e, rows, a))
+        deltas = None if lora is None else (lambda proj, v, e=e, rows=rows: lora.delta(proj, e, rows, v))
         y = _ffn(cfg, xe[rows], hw.gate[e], hw.up[e], hw.down[e], biases, rounding, activations, fed, acts,
-                 down_magnitudes=absolute == "down")
+                 down_magnitudes=absolute == "down", lora=deltas)
         if absolute == "down":
             np.add.at(out, rows, np.abs(w) * y)
             continue
@@ -422,14 +442,15 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
 def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Optional[str] = None,
                    activations: str = "bf16", w8a8_inputs: Optional[Callable] = None,
                    kernel_acts: Optional[Callable] = None, kernel_terms: Optional[Callable] = None,
-                   down_magnitudes: bool = False) -> np.ndarray:
+                   down_magnitudes: bool = False, lora: Optional["_LoraRows"] = None) -> np.ndarray:
     """`scale * down(act(gate(x), up(x)))` on the un-normed x; scale = sigmoid(x . w_gate) or 1.
     `down_magnitudes`: scale * sqrt(sum_i (a_i W_down,hi)^2) (moe_forward's absolute="down")."""
     rows = np.arange(x.shape[0])
     fed = None if w8a8_inputs is None else (lambda stage, a: w8a8_inputs(stage, "shared", rows, a))
     acts = None if kernel_acts is None else (lambda a: kernel_acts("shared", rows, a))
+    deltas = None if lora is None else (lambda proj, v: lora.delta("shared_" + proj, None, rows, v))
     sh = _ffn(cfg, x, hw.shared_gate, hw.shared_up, hw.shared_down, rounding=rounding, activations=activations,
-              quantized=fed, kernel_act=acts, down_magnitudes=down_magnitudes)
+              quantized=fed, kernel_act=acts, down_magnitudes=down_magnitudes, lora=deltas)
     if rounding == "grouped" and not down_magnitudes:
         sh = _bf16(sh)
     if kernel_terms is not None and not down_magnitudes:
@@ -447,7 +468,8 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
                 dtype=np.float64, ep_rank: Optional[int] = None, rounding: Optional[str] = None,
                 owned_experts: Optional[Any] = None, activations: str = "bf16",
                 w8a8_inputs: Optional[Callable] = None, absolute: Union[bool, str] = False,
-                kernel_acts: Optional[Callable] = None, kernel_terms: Optional[Callable] = None) -> np.ndarray:
+                kernel_acts: Optional[Callable] = None, kernel_terms: Optional[Callable] = None,
+                lora: Optional[Mapping[int, Any]] = None, lora_ids: Any = None) -> np.ndarray:
     """The MoE layer's output [N, H] in `dtype` for input `x` [N, H] (bf16 or float).
 
     Every step runs in `dtype` (float64 by default: the oracle; float32 to estimate what
@@ -492,14 +514,22 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     terms, |w| * sqrt(sum_i (a_i W_down,hi)^2) (the shared expert's gate in place of w,
     identity terms nothing): the scale of what the activation's bf16 rounding moves each
     output element by, which the products' cancellation does not shrink, for the same envelope.
+
+    `lora` ({slot: cupymoe.lora.LoraWeights}) and `lora_ids` ([N] ints, -1 = base only, else a
+    slot of `lora`): each row's adapter deltas (module docstring, "LoRA"). Without ids, or with
+    every id -1, the result is the base layer's, bit for bit. LoraError names a bad id or module.
     """
     dtype = _checked_options(absolute, rounding, activations, dtype)
     host_weights.validate(cfg, values=False)  # shapes only: a NaN in an expert nobody routes to is no error here
     host_weights = kernel_weights(host_weights, rounding, w8a8=activations == "fp8_block")
     owned, on_rank0 = _rank_share(cfg, ep_rank, owned_experts)
-    out = _layer_output(cfg, host_weights, _as_input(cfg, x, dtype), token_ids, owned, on_rank0, dtype=dtype,
+    xf = _as_input(cfg, x, dtype)
+    rows = _lora_rows(cfg, lora, lora_ids, xf.shape[0])
+    if rows is not None and absolute:
+        raise LoraError(f"absolute={absolute!r} sums base terms only; it is not defined with LoRA rows")
+    out = _layer_output(cfg, host_weights, xf, token_ids, owned, on_rank0, dtype=dtype,
                         rounding=rounding, activations=activations, w8a8_inputs=w8a8_inputs, absolute=absolute,
-                        kernel_acts=kernel_acts, kernel_terms=kernel_terms)
+                        kernel_acts=kernel_acts, kernel_terms=kernel_terms, lora=rows)
     return out.astype(dtype, copy=False)
 
 
@@ -530,17 +560,63 @@ def _rank_share(cfg: MoeConfig, ep_rank: Optional[int], owned_experts: Optional[
 def _layer_output(cfg: MoeConfig, hw: HostWeights, xf: np.ndarray, token_ids: Any, owned: Any, on_rank0: bool, *,
                   dtype: np.dtype, rounding: Optional[str], activations: str, w8a8_inputs: Optional[Callable],
                   absolute: Union[bool, str], kernel_acts: Optional[Callable],
-                  kernel_terms: Optional[Callable]) -> np.ndarray:
+                  kernel_terms: Optional[Callable], lora: Optional["_LoraRows"] = None) -> np.ndarray:
     """moe_forward on checked options: this rank's routed experts, then rank 0's shared expert."""
-    routing = _route(cfg, hw, xf, token_ids)  # the router reads x, not the normed copy
+    routing = _route(cfg, hw, xf, token_ids, lora)  # the router reads x, not the normed copy
     xe = expert_input(cfg, hw, xf, dtype=dtype)
     if rounding and cfg.pre_expert_norm:
         xe = _bf16(xe)
     out = _routed_experts(cfg, hw, xe, routing, owned, include_zero=on_rank0, rounding=rounding,
                           activations=activations, w8a8_inputs=w8a8_inputs, absolute=absolute,
-                          kernel_acts=kernel_acts, kernel_terms=kernel_terms)
+                          kernel_acts=kernel_acts, kernel_terms=kernel_terms, lora=lora)
     if cfg.has_shared_expert and on_rank0:
         shared = _shared_expert(cfg, hw, xf, rounding, activations, w8a8_inputs, kernel_acts, kernel_terms,
-                                down_magnitudes=absolute == "down")
+                                down_magnitudes=absolute == "down", lora=lora)
         out = out + (np.abs(shared) if absolute else shared)
     return out
+
+
+# ----------------------------------------------------------------------------------
+# LoRA (section 1, step 7)
+# ----------------------------------------------------------------------------------
+
+def _plus(v: np.ndarray, delta: Optional[np.ndarray]) -> np.ndarray:
+    return v if delta is None else v + delta
+
+
+class _LoraRows:
+    """The batch's adapters by row: `delta(target, expert, rows, v)` is each row's own module's
+    `scale * B (A v)` (zero rows for rows without one), or None when no row of `rows` has one."""
+
+    def __init__(self, lora: Mapping[int, Any], ids: np.ndarray):
+        self.lora, self.ids = lora, ids
+
+    def delta(self, target: str, expert: Optional[int], rows: np.ndarray, v: np.ndarray) -> Optional[np.ndarray]:
+        slots = self.ids[rows]
+        out = None
+        for slot in np.unique(slots[slots >= 0]):
+            m = self.lora[int(slot)].get(target, expert)
+            if m is None:
+                continue
+            sel = slots == slot
+            if out is None:
+                out = np.zeros((len(rows), m.b.shape[0]), v.dtype)
+            out[sel] = m.delta(v[sel])
+        return out
+
+
+def _lora_rows(cfg: MoeConfig, lora: Optional[Mapping[int, Any]], lora_ids: Any, n: int) -> Optional[_LoraRows]:
+    """The checked ids as a _LoraRows; None when no row has an adapter (the base layer's bits)."""
+    if lora_ids is None:
+        return None
+    ids = np.asarray(lora_ids)
+    if ids.shape != (n,) or not np.issubdtype(ids.dtype, np.integer):
+        raise LoraError(f"lora_ids: expected [{n}] integers (one per row of x), found shape {ids.shape} "
+                        f"dtype {ids.dtype}")
+    lora = dict(lora or {})
+    bad = sorted(set(int(i) for i in np.unique(ids)) - set(lora) - {-1})
+    if bad:
+        raise LoraError(f"lora_ids holds {bad[:8]}: neither -1 (base) nor a slot of lora ({sorted(lora)})")
+    for slot in set(int(i) for i in np.unique(ids)) - {-1}:
+        lora[slot].check(cfg)
+    return None if (ids < 0).all() else _LoraRows(lora, ids.astype(np.int64))

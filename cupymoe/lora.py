@@ -1,0 +1,321 @@
+"""LoRA adapters on the MoE layer: one layer's share of a PEFT adapter, as named records.
+
+    lw = load_peft(adapter_dir, layer_idx, cfg)     # host side, no GPU
+    y = reference.moe_forward(cfg, hw, x, lora={0: lw}, lora_ids=ids)
+
+An adapter adds `scale * B @ (A @ x)` to a linear map `y = W x` of the block (A [r, in],
+B [out, r]; scale = lora_alpha / r, or lora_alpha / sqrt(r) with `use_rslora`), as PEFT
+defines it. The modules it may name are the hub names of docs/FORMATS.md: the router, each
+routed expert's gate / up / down (mixtral's w1 / w3 / w2) and the shared expert's. What this
+module cannot serve (DoRA, fused or transposed layouts, biases, other tensor names under the
+layer's MLP prefix, a rank over the caller's maximum, bad shapes or values) is a LoraError
+naming the key and the value; nothing is half loaded.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+
+from .config import MoeConfig
+from .errors import CheckpointError, LoraError
+
+__all__ = ["LoraTarget", "LoraKey", "LoraModule", "LoraWeights", "load_peft", "lora_scale",
+           "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PEFT's saved names: this, then the base model's module name
+_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
+_MLP_PREFIXES = ("mlp.", "block_sparse_moe.")  # every family's MLP prefix, transformers 4 and 5
+_FLOATS = ("bfloat16", "float16", "float32")  # every one converts to float32 exactly
+
+
+class LoraTarget(str, enum.Enum):
+    """A linear map of the block an adapter may change."""
+
+    ROUTER = "router"
+    GATE = "gate"
+    UP = "up"
+    DOWN = "down"
+    SHARED_GATE = "shared_gate"
+    SHARED_UP = "shared_up"
+    SHARED_DOWN = "shared_down"
+
+    @property
+    def per_expert(self) -> bool:
+        return self in (LoraTarget.GATE, LoraTarget.UP, LoraTarget.DOWN)
+
+
+@dataclass(frozen=True)
+class LoraKey:
+    """Which module: a target, and the routed expert's id for GATE / UP / DOWN (else None)."""
+
+    target: LoraTarget
+    expert: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One module's delta: `scale * b @ (a @ x)`; a [rank, in] and b [out, rank] float32."""
+
+    name: str  # the hub module name, e.g. model.layers.3.mlp.experts.7.gate_proj
+    a: np.ndarray
+    b: np.ndarray
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+    def delta(self, x: np.ndarray) -> np.ndarray:
+        """The delta for rows `x` [n, in], in x's dtype (float64 in the reference)."""
+        return (x @ self.a.astype(x.dtype).T) @ (self.b.astype(x.dtype).T * x.dtype.type(self.scale))
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One MoE layer's share of an adapter: the modules it changes, by LoraKey."""
+
+    modules: Mapping[LoraKey, LoraModule] = field(default_factory=dict)
+    source: str = ""  # where it came from, for messages
+
+    def get(self, target: LoraTarget, expert: Optional[int] = None) -> Optional[LoraModule]:
+        return self.modules.get(LoraKey(LoraTarget(target), expert))
+
+    @property
+    def max_rank(self) -> int:
+        return max((m.rank for m in self.modules.values()), default=0)
+
+    @property
+    def targets(self) -> frozenset:
+        return frozenset(k.target for k in self.modules)
+
+    def check(self, cfg: MoeConfig, max_rank: Optional[int] = None) -> "LoraWeights":
+        """LoraError naming the first module whose key, shape, rank or values `cfg` cannot take."""
+        shapes = _in_out(cfg)
+        for key, m in self.modules.items():
+            _check_key(cfg, key, m.name)
+            _check_module(m, *shapes[key.target], max_rank)
+        return self
+
+
+def lora_scale(alpha: float, rank: int, use_rslora: bool) -> float:
+    """PEFT's scaling: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora."""
+    return float(alpha) / (math.sqrt(rank) if use_rslora else rank)
+
+
+# ----------------------------------------------------------------------------------
+# shapes and checks
+# ----------------------------------------------------------------------------------
+
+def _in_out(cfg: MoeConfig) -> dict[LoraTarget, tuple[int, int]]:
+    """(in, out) of each target's map under cfg."""
+    H, I, Is, R = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.router_width
+    return {LoraTarget.ROUTER: (H, R), LoraTarget.GATE: (H, I), LoraTarget.UP: (H, I), LoraTarget.DOWN: (I, H),
+            LoraTarget.SHARED_GATE: (H, Is), LoraTarget.SHARED_UP: (H, Is), LoraTarget.SHARED_DOWN: (Is, H)}
+
+
+def _check_key(cfg: MoeConfig, key: LoraKey, name: str) -> None:
+    if key.target.per_expert != (key.expert is not None):
+        raise LoraError(f"{name}: LoraKey {key} must carry an expert id exactly when its target is per expert")
+    if key.expert is not None and not 0 <= key.expert < cfg.num_experts:
+        raise LoraError(f"{name}: expert {key.expert} outside 0..{cfg.num_experts - 1}")
+    if key.target.value.startswith("shared") and not cfg.has_shared_expert:
+        raise LoraError(f"{name}: the layer ({cfg.model_type or 'this config'}) has no shared expert")
+
+
+def _check_module(m: LoraModule, inn: int, out: int, max_rank: Optional[int]) -> None:
+    """Shapes [r, in] / [out, r], the rank against `max_rank`, finite values and scale."""
+    a, b = m.a, m.b
+    if a.ndim != 2 or a.shape[1] != inn or a.shape[0] < 1:
+        raise LoraError(f"{m.name}.lora_A.weight: expected shape [r, {inn}], found {list(a.shape)}")
+    if b.ndim != 2 or b.shape != (out, a.shape[0]):
+        raise LoraError(f"{m.name}.lora_B.weight: expected shape [{out}, {a.shape[0]}] (lora_A's rank), "
+                        f"found {list(b.shape)}")
+    if max_rank is not None and m.rank > max_rank:
+        raise LoraError(f"{m.name}: rank {m.rank} exceeds the maximum rank {max_rank}")
+    for part, t in (("lora_A", a), ("lora_B", b)):
+        bad = np.flatnonzero(~np.isfinite(t))
+        if bad.size:
+            idx = np.unravel_index(int(bad[0]), t.shape)
+            raise LoraError(f"{m.name}.{part}.weight: non-finite value {t[idx]} at {list(map(int, idx))}")
+    if not math.isfinite(m.scale):
+        raise LoraError(f"{m.name}: scale {m.scale} is not finite")
+
+
+# ----------------------------------------------------------------------------------
+# the adapter's config
+# ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _PeftConfig:
+    r: int
+    alpha: float
+    use_rslora: bool
+    rank_pattern: Mapping[str, int]
+    alpha_pattern: Mapping[str, float]
+
+    def pattern_key(self, patterns: Mapping[str, Any], module: str) -> Optional[str]:
+        """PEFT's rule: an exact key first, else the first pattern matching a dotted suffix."""
+        if module in patterns:
+            return module
+        for key in patterns:
+            if re.fullmatch(rf"(.*\.)?(?:{key})", module):
+                return key
+        return None
+
+    def rank_alpha(self, module: str) -> tuple[int, float]:
+        rk = self.pattern_key(self.rank_pattern, module)
+        ak = self.pattern_key(self.alpha_pattern, module)
+        r = self.rank_pattern[rk] if rk is not None else self.r
+        return r, (self.alpha_pattern[ak] if ak is not None else self.alpha)
+
+
+# (key, value that cannot be served, why): DoRA, transposed weights, biases
+_REFUSED = (("use_dora", True, "DoRA (magnitude vectors) is not served"),
+            ("fan_in_fan_out", True, "fan_in_fan_out (Conv1D-transposed weights) is not served"),
+            ("lora_bias", True, "a bias on lora_B is not served"))
+
+
+def _number(v: Any, key: str, what: type) -> Any:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or (what is int and (v != int(v) or v < 1)):
+        raise LoraError(f"{ADAPTER_CONFIG}: {key}={v!r} must be a {'positive integer' if what is int else 'number'}")
+    return int(v) if what is int else float(v)
+
+
+def _peft_config(raw: Mapping[str, Any]) -> _PeftConfig:
+    """The keys that change the math, checked; the ones that would change it unservably refused."""
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"{ADAPTER_CONFIG}: peft_type={raw['peft_type']!r}: only LORA adapters are served")
+    for key, bad, why in _REFUSED:
+        if raw.get(key) == bad:
+            raise LoraError(f"{ADAPTER_CONFIG}: {key}={bad!r}: {why}")
+    if raw.get("bias", "none") != "none":
+        raise LoraError(f"{ADAPTER_CONFIG}: bias={raw['bias']!r}: only 'none' is served (no trained biases)")
+    if not isinstance(raw.get("use_rslora", False), bool):
+        raise LoraError(f"{ADAPTER_CONFIG}: use_rslora={raw['use_rslora']!r} must be true or false")
+    patterns = {}
+    for key, what in (("rank_pattern", int), ("alpha_pattern", float)):
+        p = raw.get(key) or {}
+        if not isinstance(p, dict):
+            raise LoraError(f"{ADAPTER_CONFIG}: {key}={p!r} must map module patterns to numbers")
+        patterns[key] = {str(k): _number(v, f"{key}[{k!r}]", what) for k, v in p.items()}
+    return _PeftConfig(r=_number(raw.get("r", 8), "r", int),
+                       alpha=_number(raw.get("lora_alpha", 8), "lora_alpha", float), use_rslora=raw.get("use_rslora", False), rank_pattern=patterns["rank_pattern"],
+                       alpha_pattern=patterns["alpha_pattern"])
+
+
+# ----------------------------------------------------------------------------------
+# names
+# ----------------------------------------------------------------------------------
+
+def module_names(cfg: MoeConfig, layer_idx: int) -> dict[str, LoraKey]:
+    """Every hub module name of layer `layer_idx` an adapter may change -> its LoraKey."""
+    from .checkpoint import layer_prefix, naming_for
+
+    naming, prefix = naming_for(cfg.model_type), layer_prefix(cfg.model_type, layer_idx)
+    names = {prefix + naming.router: LoraKey(LoraTarget.ROUTER)}
+    targets = (LoraTarget.GATE, LoraTarget.UP, LoraTarget.DOWN)
+    if not naming.fused_experts:  # gpt-oss's fused expert parameters are no Linear modules
+        for e in range(cfg.num_experts):
+            for t, proj in zip(targets, naming.projections):
+                names[prefix + naming.experts.format(e=e) + proj] = LoraKey(t, e)
+    if cfg.has_shared_expert and naming.shared:
+        shared = (LoraTarget.SHARED_GATE, LoraTarget.SHARED_UP, LoraTarget.SHARED_DOWN)
+        for t, proj in zip(shared, naming.projections):
+            names[prefix + naming.shared + proj] = LoraKey(t)
+    return names
+
+
+def _why_unknown(module_key: str) -> str:
+    """A hint for a tensor name under the MLP prefix this module cannot place."""
+    if "lora_magnitude_vector" in module_key:
+        return "a DoRA magnitude vector (DoRA is not served)"
+    if module_key.endswith(".bias"):
+        return "a LoRA bias (not served)"
+    if re.search(r"\.lora_[AB]\.[^.]+\.weight$", module_key):
+        return "an adapter-named key (save the adapter with PEFT's save_pretrained, which drops the name)"
+    if "gate_up_proj" in module_key or ".w13" in module_key or ".w2_weight" in module_key:
+        return "a fused expert layout (only per-expert gate/up/down modules are served)"
+    return "no module of this layer by that name (router, experts.{e}.<proj>, shared expert)"
+
+
+# ----------------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------------
+
+def load_peft(adapter_dir: Union[str, Path], layer_idx: int, cfg: MoeConfig, *,
+              max_rank: Optional[int] = None) -> LoraWeights:
+    """Layer `layer_idx`'s modules of a PEFT LoRA adapter directory (adapter_config.json and
+    adapter_model.safetensors); tensors of other layers and of non-MoE modules are ignored,
+    unknown names under this layer's MLP prefix refused. `max_rank` refuses larger ranks."""
+    from .checkpoint import _inside, _read_json
+
+    root = Path(adapter_dir)
+    try:
+        raw = _read_json(root, ADAPTER_CONFIG) if (root / ADAPTER_CONFIG).is_file() else None
+        weights = _inside(root, ADAPTER_WEIGHTS, str(root / ADAPTER_WEIGHTS))
+    except CheckpointError as e:  # the path-containment and JSON rules of checkpoints, named as LoRA errors
+        raise LoraError(str(e)) from None
+    if raw is None:
+        raise LoraError(f"{root / ADAPTER_CONFIG} not found: a PEFT adapter directory holds it")
+    if not weights.is_file():
+        raise LoraError(f"{root / ADAPTER_WEIGHTS} not found (only safetensors adapters are read, "
+                        "not adapter_model.bin)")
+    pc = _peft_config(raw)
+    tensors = _read_layer_tensors(weights, PEFT_PREFIX + f"model.layers.{int(layer_idx)}.")
+    modules = _assemble(cfg, layer_idx, tensors, pc)
+    return LoraWeights(modules, source=f"{root} layer {layer_idx}").check(cfg, max_rank)
+
+
+def _read_layer_tensors(path: Path, prefix: str) -> dict[str, np.ndarray]:
+    """The MLP tensors under the layer's `prefix` (PEFT names, stripped of PEFT_PREFIX), as float32;
+    both MLP spellings (`mlp.`, mixtral's `block_sparse_moe.`), so another layout is refused, not skipped."""
+    from safetensors import safe_open
+
+    out = {}
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            for key in f.keys():
+                if not key.startswith(prefix) or not key[len(prefix):].startswith(_MLP_PREFIXES):
+                    continue
+                a = f.get_tensor(key)
+                if a.dtype.name not in _FLOATS:
+                    raise LoraError(f"{key}: dtype {a.dtype.name} is not served (expected one of {_FLOATS})")
+                out[key[len(PEFT_PREFIX):]] = a.astype(np.float32)
+    except LoraError:
+        raise
+    except Exception as e:  # safetensors' own errors (a truncated or corrupt file) name no file
+        raise LoraError(f"{path}: not a readable safetensors file ({e})") from None
+    return out
+
+
+def _assemble(cfg: MoeConfig, layer_idx: int, tensors: Mapping[str, np.ndarray],
+              pc: _PeftConfig) -> dict[LoraKey, LoraModule]:
+    """Pair each module's lora_A and lora_B, with its rank and alpha from the patterns."""
+    names = module_names(cfg, layer_idx)
+    parts: dict[str, dict[str, np.ndarray]] = {}
+    for key, a in tensors.items():
+        m = _KEY.match(key)
+        if m is None or m.group("module") not in names:
+            raise LoraError(f"{PEFT_PREFIX}{key}: {_why_unknown(key)}")
+        parts.setdefault(m.group("module"), {})[m.group("part")] = a
+    modules = {}
+    for module, p in sorted(parts.items()):
+        missing = {"lora_A", "lora_B"} - set(p)
+        if missing:
+            raise LoraError(f"{PEFT_PREFIX}{module}.{missing.pop()}.weight is missing (its pair is present)")
+        r, alpha = pc.rank_alpha(module)
+        if p["lora_A"].shape[0] != r:
+            raise LoraError(f"{PEFT_PREFIX}{module}.lora_A.weight: {p['lora_A'].shape[0]} rows, but "
+                            f"{ADAPTER_CONFIG} gives this module rank {r} (r / rank_pattern)")
+        modules[names[module]] = LoraModule(module, p["lora_A"], p["lora_B"], lora_scale(alpha, r, pc.use_rslora))
+    return modules

@@ -1,0 +1,67 @@
+"""Test helpers for LoRA: random adapters as LoraWeights, and PEFT directories written from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Optional
+
+import ml_dtypes
+import numpy as np
+
+from cupymoe.config import MoeConfig
+from cupymoe.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, LoraKey, LoraModule, LoraTarget,
+                          LoraWeights, lora_scale, module_names)
+
+ALL_TARGETS = tuple(LoraTarget)
+
+
+def keys_for(cfg: MoeConfig, layer_idx: int, targets: Iterable[LoraTarget] = ALL_TARGETS,
+             experts: Optional[Iterable[int]] = None) -> dict[str, LoraKey]:
+    """The hub module names of `targets` (routed ones for `experts`, default all) this layer has."""
+    want = set(LoraTarget(t) for t in targets)
+    chosen = None if experts is None else set(experts)
+    return {name: k for name, k in module_names(cfg, layer_idx).items()
+            if k.target in want and (k.expert is None or chosen is None or k.expert in chosen)}
+
+
+def random_lora(cfg: MoeConfig, rng: np.random.Generator, rank: int = 4, *, layer_idx: int = 0,
+                targets: Iterable[LoraTarget] = ALL_TARGETS, experts: Optional[Iterable[int]] = None,
+                alpha: float = 8.0, size: float = 1.0, zero_b: bool = False) -> LoraWeights:
+    """An adapter whose deltas are ~`size` times the base map's output scale (std 1/sqrt(in) for A,
+    1/sqrt(r) for B before the scale), A and B bf16-representable so every storage keeps them exactly."""
+    modules = {}
+    for name, key in keys_for(cfg, layer_idx, targets, experts).items():
+        inn, out = _in_out(cfg, key.target)
+        s = lora_scale(alpha, rank, False)
+        a = _bf16_exact(rng.standard_normal((rank, inn)) * inn ** -0.5)
+        b = rng.standard_normal((out, rank)) * size / (s * rank ** 0.5)
+        b = np.zeros((out, rank), np.float32) if zero_b else _bf16_exact(b)
+        modules[key] = LoraModule(name, a, b, s)
+    return LoraWeights(modules, source="random_lora")
+
+
+def _in_out(cfg: MoeConfig, t: LoraTarget) -> tuple[int, int]:
+    from cupymoe.lora import _in_out as shapes
+
+    return shapes(cfg)[t]
+
+
+def _bf16_exact(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def write_peft(path: Path, lw: LoraWeights, config: Optional[dict] = None, *, extra: Optional[dict] = None,
+               dtype=ml_dtypes.bfloat16) -> Path:
+    """A PEFT adapter directory holding `lw`'s modules (rank r, lora_alpha from `config`)."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for m in lw.modules.values():
+        tensors[f"{PEFT_PREFIX}{m.name}.lora_A.weight"] = m.a.astype(dtype)
+        tensors[f"{PEFT_PREFIX}{m.name}.lora_B.weight"] = m.b.astype(dtype)
+    tensors.update(extra or {})
+    save_file(tensors, str(path / ADAPTER_WEIGHTS))
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config or {"peft_type": "LORA", "r": lw.max_rank, "lora_alpha": 8}))
+    return path

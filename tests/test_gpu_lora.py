@@ -1,0 +1,236 @@
+"""GPU: LoRA adapters per row (the router's delta, what the GPU path serves) against cupymoe.reference.
+
+Every check draws fresh inputs (the seed is printed on failure), ids mixing -1, slot 0 and
+slot 1 in one batch (ranks 8 and 3, one adapter large enough to re-route rows), poisons the
+output with NaN first, and judges each group of rows by cupymoe.verify.check against the
+base layer whose router is W + s B A (float64): a router delta changes nothing but the logits,
+so those rows are that layer's (tolerances justified in cupymoe/verify.py; the kernel adds
+an fp32 delta to fp32 logits, far inside them). Rows whose LoRA routing is a near tie
+(margin < verify.ROUTING_MARGIN) are redrawn, as everywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from _lora import random_lora
+from cupymoe import formats, reference, testing
+from cupymoe.errors import LoraError, MoeCallError
+from cupymoe.lora import LoraTarget
+from cupymoe.verify import ROUTING_MARGIN, bf16_bits, bits_to_f32, check
+
+pytestmark = pytest.mark.gpu
+
+MAX_TOKENS = 300
+K, RMAX = 3, 8
+
+
+def _layer(cfg, hw, **kw):
+    from cupymoe import MoeLayer
+
+    kw.setdefault("decode_max_tokens", 64)  # tests force every path at every N up to 64
+    kw.setdefault("atomic_max_tokens", 64)
+    return MoeLayer(cfg, hw, max_tokens=MAX_TOKENS, max_loras=K, max_lora_rank=RMAX, **kw)
+
+
+def _adapters(cfg, rng):
+    return {0: random_lora(cfg, rng, rank=8, targets=[LoraTarget.ROUTER], size=0.5),
+            1: random_lora(cfg, rng, rank=3, targets=[LoraTarget.ROUTER], size=3.0)}
+
+
+def merged_router(hw, lw):
+    m = lw.get(LoraTarget.ROUTER)
+    w = formats.dequantize(hw.router, np.float64) + m.scale * (m.b.astype(np.float64) @ m.a.astype(np.float64))
+    return replace(hw, router=w)
+
+
+def separated_input(cfg, hw, rng, n, adapters, ids, also_base=False):
+    """A bf16 input whose every row routes with a clear margin under its own adapter (and the base router)."""
+    x = testing.random_input(rng, n, cfg.hidden_size)
+    for _ in range(50):
+        margin = reference.route(cfg, hw, x, lora=adapters, lora_ids=ids).margin
+        if also_base:
+            margin = np.minimum(margin, reference.route(cfg, hw, x).margin)
+        close = np.flatnonzero(margin < ROUTING_MARGIN)
+        if close.size == 0:
+            return x
+        x[close] = testing.random_input(rng, close.size, cfg.hidden_size)
+    raise AssertionError(f"rows {close.tolist()} keep drawing near-tie routings")
+
+
+def run(layer, x, ids, path=None, stream=None):
+    """Upload x and the ids, poison the output with NaN, run one forward; the output as float32."""
+    import cupy
+
+    s = stream or cupy.cuda.Stream(non_blocking=True)
+    with s:
+        xd = cupy.asarray(bf16_bits(x))
+        idd = None if ids is None else cupy.asarray(np.asarray(ids, np.int32))
+        out = cupy.full(xd.shape, 0x7FC0, dtype=cupy.uint16)
+    layer.forward(int(xd.data.ptr), x.shape[0], int(out.data.ptr), s.ptr, path=path,
+                  lora_ids_ptr=0 if idd is None else int(idd.data.ptr))
+    s.synchronize()
+    return bits_to_f32(out.get())
+
+
+def judge(out, cfg, hw, x, ids, adapters, taken, what):
+    for slot in np.unique(ids):
+        rows = ids == slot
+        w = hw if slot < 0 or slot not in adapters else merged_router(hw, adapters[int(slot)])
+        c = check(out[rows], cfg, w, x[rows], taken)
+        assert c.ok, f"{what} slot {slot}: {c}"
+
+
+def _ids(rng, n):
+    ids = rng.integers(-1, 2, n).astype(np.int32)
+    ids[: min(n, 3)] = [-1, 0, 1][: min(n, 3)]  # every kind present whenever N allows
+    return ids
+
+
+def _mixed(layer, cfg, hw, rng, adapters, n, path):
+    ids = _ids(rng, n)
+    x = separated_input(cfg, hw, rng, n, adapters, ids)
+    judge(run(layer, x, ids, path), cfg, hw, x, ids, adapters, layer.select_path(n, path), f"{path} N={n}")
+
+
+@pytest.mark.parametrize("family", testing.FAMILIES)
+def test_mixed_ids_every_path(family, rng):
+    cfg = testing.tiny_config(family)
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _layer(cfg, hw), _adapters(cfg, rng)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    for path, ns in (("decode", (1, 3, 7, 33, 64)), ("atomic", (2, 17)), ("prefill", (1, 5, 65, 257, 300))):
+        for n in ns:
+            _mixed(layer, cfg, hw, rng, adapters, n, path)
+    layer.check_errors()
+
+
+@pytest.mark.parametrize("family, fmt", [("qwen3_moe", "nvfp4"), ("deepseek_v3", "fp8_block"),
+                                         ("gpt_oss", "mxfp4"), ("qwen2_moe", "fp8_block")])
+def test_mixed_ids_formats(family, fmt, rng):
+    cfg = testing.tiny_config(family)
+    hw = testing.random_host_weights(cfg, rng, fmt)
+    # w8a16: verify.check's fp8 w8a8 judge reads the layer's whole-batch codes, not a group of rows
+    layer, adapters = _layer(cfg, hw, fp8_compute="w8a16"), _adapters(cfg, rng)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    for path, n in (("decode", 5), ("decode", 64), ("prefill", 129)):
+        _mixed(layer, cfg, hw, rng, adapters, n, path)
+
+
+def test_an_adapter_reroutes_rows(rng):
+    cfg = testing.tiny_config("deepseek_v3")
+    hw = testing.random_host_weights(cfg, rng)
+    adapters = _adapters(cfg, rng)
+    x = testing.random_input(rng, 64, cfg.hidden_size)
+    lora = reference.route(cfg, hw, x, lora=adapters, lora_ids=np.ones(64, np.int32))
+    moved = lora.ids != reference.route(cfg, hw, x).ids
+    assert moved.any(axis=1).mean() > 0.25  # the size-3 adapter changes the experts of many rows
+
+
+def test_no_ids_and_base_ids_are_the_base_bits(rng):
+    """lora_ids_ptr=0 runs the base plans; ids all -1, an empty slot and a zero-B adapter add
+    nothing: every output bit is the base layer's."""
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    plain = _layer(cfg, hw)
+    layer = _layer(cfg, hw)
+    layer.set_lora(0, random_lora(cfg, rng, rank=4, targets=[LoraTarget.ROUTER], zero_b=True))
+    for path, n in (("decode", 3), ("atomic", 9), ("prefill", 200)):
+        x = testing.random_input(rng, n, cfg.hidden_size)
+        base = run(plain, x, None, path)
+        for ids in (None, np.full(n, -1), np.zeros(n), np.full(n, 2)):  # slot 2 was never filled
+            np.testing.assert_array_equal(run(layer, x, ids, path).view(np.uint32), base.view(np.uint32))
+
+
+def test_graph_captured_before_set_lora_replays_the_new_adapter(rng):
+    import cupy
+
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _layer(cfg, hw), _adapters(cfg, rng)
+    for path, n in (("decode", 7), ("prefill", 100)):
+        ids = _ids(rng, n)
+        x = separated_input(cfg, hw, rng, n, adapters, ids, also_base=True)  # judged with slot 1 empty too
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:
+            xd, idd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids)
+            out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
+        layer.clear_lora(0, stream=s.ptr)
+        layer.clear_lora(1, stream=s.ptr)
+        layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(idd.data.ptr))
+        s.begin_capture()
+        layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(idd.data.ptr))
+        graph = s.end_capture()
+        for slot, lw in adapters.items():  # after the capture, on the replaying stream
+            layer.set_lora(slot, lw, stream=s.ptr)
+        with s:
+            out.fill(0x7FC0)
+        graph.launch(s)
+        s.synchronize()
+        replayed = bits_to_f32(out.get())
+        judge(replayed, cfg, hw, x, ids, adapters, layer.select_path(n, path), f"replay {path} N={n}")
+        eager = run(layer, x, ids, path)
+        np.testing.assert_array_equal(replayed.view(np.uint32), eager.view(np.uint32))
+        layer.clear_lora(1, stream=s.ptr)  # and emptied again: slot 1's rows get the base layer
+        graph.launch(s)
+        s.synchronize()
+        judge(bits_to_f32(out.get()), cfg, hw, x, ids, {0: adapters[0]}, layer.select_path(n, path),
+              f"replay after clear {path} N={n}")
+
+
+def test_row_invariant_with_lora(rng):
+    """A row's bits with its adapter do not depend on N or on the other rows' adapters."""
+    cfg = testing.tiny_config("qwen3_next")
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _layer(cfg, hw, row_invariant=True, decode_max_tokens=None, atomic_max_tokens=None), \
+        _adapters(cfg, rng)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    ids = _ids(rng, 37)
+    x = testing.random_input(rng, 37, cfg.hidden_size)
+    whole = run(layer, x, ids)
+    for rows in (slice(0, 1), slice(3, 8), slice(30, 37)):
+        part = run(layer, x[rows], ids[rows])
+        np.testing.assert_array_equal(part.view(np.uint32), whole[rows].view(np.uint32))
+
+
+def test_refusals(rng):
+    import cupy
+
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _layer(cfg, hw)
+    experts = random_lora(cfg, rng, rank=2, targets=[LoraTarget.ROUTER, LoraTarget.GATE], experts=[1])
+    with pytest.raises(LoraError, match=r"LoRA on the GPU path is not implemented yet for gate modules "
+                                        r"\(model.layers.0.mlp.experts.1.gate_proj\)"):
+        layer.set_lora(0, experts)
+    with pytest.raises(LoraError, match="not implemented yet for shared_down"):
+        layer.set_lora(0, random_lora(cfg, rng, rank=2, targets=[LoraTarget.SHARED_DOWN]))
+    with pytest.raises(LoraError, match=f"rank 9 exceeds the maximum rank {RMAX}"):
+        layer.set_lora(0, random_lora(cfg, rng, rank=9, targets=[LoraTarget.ROUTER]))
+    with pytest.raises(LoraError, match=r"slot=3: must be in 0..max_loras-1 = 0..2"):
+        layer.set_lora(3, random_lora(cfg, rng, rank=2, targets=[LoraTarget.ROUTER]))
+    with pytest.raises(LoraError, match="reserved no adapter slots"):
+        from cupymoe import MoeLayer
+
+        MoeLayer(cfg, hw, max_tokens=8).set_lora(0, experts)
+    s = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.zeros((4, cfg.hidden_size), cupy.uint16)
+    out = cupy.zeros_like(x)
+    with pytest.raises(MoeCallError, match="lora_ids_ptr=0x3: must be 4-byte aligned"):
+        layer.forward(int(x.data.ptr), 4, int(out.data.ptr), s.ptr, lora_ids_ptr=3)
+    s.begin_capture()
+    try:
+        with pytest.raises(LoraError, match="during stream capture"):
+            layer.set_lora(0, random_lora(cfg, rng, rank=2, targets=[LoraTarget.ROUTER]), stream=s.ptr)
+    finally:
+        s.end_capture()
+    ids = cupy.asarray(np.array([0, 5, -1, 1], np.int32))  # 5 >= max_loras: an error bit, no delta
+    layer.forward(int(x.data.ptr), 4, int(out.data.ptr), s.ptr, lora_ids_ptr=int(ids.data.ptr))
+    with pytest.raises(MoeCallError, match="bit 1 = a LoRA id"):
+        layer.check_errors()

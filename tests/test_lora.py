@@ -1,0 +1,194 @@
+"""CPU tests of cupymoe.lora: PEFT adapter directories (written here) -> LoraWeights, and every refusal.
+
+Evidence: tensors written under literal PEFT names (`base_model.model.` + the hub module name of
+docs/FORMATS.md) come back bit for bit (bf16 -> float32 is exact) under the right LoraKey, with
+PEFT's scale; each thing the layer cannot serve is refused by LoraError naming the key and value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from _lora import random_lora, write_peft
+from cupymoe import testing
+from cupymoe.errors import Error, LoraError
+from cupymoe.lora import LoraKey, LoraTarget, LoraWeights, load_peft, lora_scale
+
+BF16 = ml_dtypes.bfloat16
+LAYER = 3
+
+
+def _cfg(family="qwen2_moe", **kw):
+    return testing.tiny_config(family, **kw)
+
+
+@pytest.mark.parametrize("family", testing.FAMILIES)
+def test_round_trip_every_family(tmp_path, family):
+    cfg = _cfg(family)
+    rng = np.random.default_rng(1)
+    lw = random_lora(cfg, rng, rank=3, layer_idx=LAYER)
+    got = load_peft(write_peft(tmp_path / "a", lw, {"r": 3, "lora_alpha": 6}), LAYER, cfg)
+    assert set(got.modules) == set(lw.modules)
+    for key, m in lw.modules.items():
+        g = got.modules[key]
+        assert g.name == m.name and g.scale == 2.0
+        np.testing.assert_array_equal(g.a, m.a)
+        np.testing.assert_array_equal(g.b, m.b)
+    # what each family offers: its router always, per-expert modules unless fused (gpt-oss)
+    assert LoraKey(LoraTarget.ROUTER) in got.modules
+    assert any(k.target.per_expert for k in got.modules) == (family != "gpt_oss")
+    assert (LoraKey(LoraTarget.SHARED_DOWN) in got.modules) == cfg.has_shared_expert
+
+
+def test_literal_hub_names(tmp_path):
+    """Names written by hand as FORMATS.md spells them, including mixtral's w1/w3/w2."""
+    from safetensors.numpy import save_file
+
+    cfg = _cfg("mixtral")
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    a = np.arange(2 * H, dtype=np.float32).reshape(2, H) / 64
+    b = np.ones((I, 2), np.float32)
+    d = tmp_path / "m"
+    d.mkdir()
+    save_file({f"base_model.model.model.layers.{LAYER}.block_sparse_moe.experts.1.w3.lora_A.weight": a,
+               f"base_model.model.model.layers.{LAYER}.block_sparse_moe.experts.1.w3.lora_B.weight": b,
+               "base_model.model.model.layers.0.block_sparse_moe.gate.lora_A.weight": np.zeros((9, 9), np.float32),
+               f"base_model.model.model.layers.{LAYER}.self_attn.q_proj.lora_A.weight": np.zeros((2, 5), np.float32)},
+              str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "use_rslora": True}))
+    got = load_peft(d, LAYER, cfg)
+    assert list(got.modules) == [LoraKey(LoraTarget.UP, 1)]  # other layers and attention ignored
+    m = got.get("up", 1)
+    assert m.scale == 4 / math.sqrt(2) and m.rank == 2
+    np.testing.assert_array_equal(m.a, a)
+
+
+def test_rank_and_alpha_patterns(tmp_path):
+    cfg = _cfg("qwen3_moe")
+    rng = np.random.default_rng(2)
+    lw4 = random_lora(cfg, rng, rank=4, layer_idx=LAYER, targets=["gate", "down"], experts=[0])
+    lw2 = random_lora(cfg, rng, rank=2, layer_idx=LAYER, targets=["router"])
+    lw = LoraWeights({**lw4.modules, **lw2.modules})
+    config = {"r": 4, "lora_alpha": 8, "rank_pattern": {"mlp.gate": 2},
+              "alpha_pattern": {"experts.0.down_proj": 2, "mlp.gate": 1}}
+    got = load_peft(write_peft(tmp_path / "p", lw, config), LAYER, cfg)
+    assert got.get("router").scale == 1 / 2  # rank 2 and alpha 1 from the patterns
+    assert got.get("gate", 0).scale == 8 / 4  # "mlp.gate" does not match a dotted suffix of experts.0.gate_proj
+    assert got.get("down", 0).scale == 2 / 4
+    assert got.max_rank == 4
+    with pytest.raises(LoraError, match=r"rank 4 exceeds the maximum rank 3"):
+        load_peft(tmp_path / "p", LAYER, cfg, max_rank=3)
+
+
+def _refused(tmp_path, cfg, lw, config=None, extra=None, match=""):
+    d = write_peft(tmp_path / "r", lw, config, extra=extra)
+    with pytest.raises(LoraError, match=match) as e:
+        load_peft(d, LAYER, cfg)
+    assert isinstance(e.value, Error)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("use_dora", True, "use_dora=True: DoRA"),
+    ("fan_in_fan_out", True, "fan_in_fan_out=True"),
+    ("lora_bias", True, "lora_bias=True"),
+    ("bias", "all", "bias='all'"),
+    ("peft_type", "IA3", "peft_type='IA3'"),
+    ("r", 0, "r=0 must be a positive integer"),
+    ("lora_alpha", "x", "lora_alpha='x' must be a number"),
+    ("use_rslora", "yes", "use_rslora='yes'"),
+    ("rank_pattern", {"mlp.gate": 2.5}, r"rank_pattern\['mlp.gate'\]=2.5"),
+])
+def test_config_refusals(tmp_path, key, value, match):
+    cfg = _cfg()
+    lw = random_lora(cfg, np.random.default_rng(3), rank=2, layer_idx=LAYER, targets=["router"])
+    _refused(tmp_path, cfg, lw, {"r": 2, "lora_alpha": 4, key: value}, match=match)
+
+
+def _t(shape):
+    return np.zeros(shape, np.float32)
+
+
+@pytest.mark.parametrize("family,name,shape,match", [
+    ("qwen2_moe", "mlp.experts.0.gate_proj.lora_magnitude_vector", (8,), "DoRA magnitude vector"),
+    ("qwen2_moe", "mlp.gate.lora_B.bias", (8,), "LoRA bias"),
+    ("qwen2_moe", "mlp.gate.lora_A.default.weight", (2, 64), "adapter-named key"),
+    ("qwen2_moe", "mlp.shared_expert_gate.lora_A.weight", (2, 64), "no module of this layer"),
+    ("qwen2_moe", "mlp.experts.99.gate_proj.lora_A.weight", (2, 64), "no module of this layer"),
+    ("gpt_oss", "mlp.experts.gate_up_proj.lora_A.weight", (2, 64), "fused expert layout"),
+    ("mixtral", "mlp.experts.0.w1.lora_A.weight", (2, 64), "no module of this layer"),  # another layout's prefix
+    ("qwen2_moe", "mlp.modules_to_save.gate.weight", (8, 64), "no module of this layer"),
+])
+def test_unknown_keys_refused(tmp_path, family, name, shape, match):
+    cfg = _cfg(family)
+    lw = random_lora(cfg, np.random.default_rng(4), rank=2, layer_idx=LAYER, targets=["router"])
+    key = f"base_model.model.model.layers.{LAYER}.{name}"
+    msg = _refused(tmp_path, cfg, lw, {"r": 2, "lora_alpha": 4}, extra={key: _t(shape)}, match=match)
+    assert key in msg
+
+
+def test_shape_value_and_pair_refusals(tmp_path):
+    cfg = _cfg()
+    H, R = cfg.hidden_size, cfg.router_width
+    p = f"base_model.model.model.layers.{LAYER}.mlp.gate"
+    base = random_lora(cfg, np.random.default_rng(5), rank=2, layer_idx=LAYER, targets=["down"], experts=[0])
+    cases = [
+        ({f"{p}.lora_A.weight": _t((2, H + 1)), f"{p}.lora_B.weight": _t((R, 2))},
+         r"lora_A.weight: expected shape \[r, "),
+        ({f"{p}.lora_A.weight": _t((2, H)), f"{p}.lora_B.weight": _t((R + 1, 2))}, r"lora_B.weight: expected shape"),
+        ({f"{p}.lora_A.weight": _t((3, H)), f"{p}.lora_B.weight": _t((R, 3))}, "gives this module rank 2"),
+        ({f"{p}.lora_A.weight": _t((2, H))}, r"mlp.gate.lora_B.weight is missing"),
+        ({f"{p}.lora_A.weight": np.full((2, H), np.inf, np.float32), f"{p}.lora_B.weight": _t((R, 2))},
+         r"lora_A.weight: non-finite value inf at \[0, 0\]"),
+        ({f"{p}.lora_A.weight": np.zeros((2, H), np.int32), f"{p}.lora_B.weight": _t((R, 2))}, "dtype int32"),
+    ]
+    for i, (extra, match) in enumerate(cases):
+        d = write_peft(tmp_path / f"c{i}", base, {"r": 2, "lora_alpha": 2}, extra=extra)
+        with pytest.raises(LoraError, match=match):
+            load_peft(d, LAYER, cfg)
+
+
+def test_files_refused(tmp_path):
+    cfg = _cfg()
+    with pytest.raises(LoraError, match="adapter_config.json not found"):
+        load_peft(tmp_path, LAYER, cfg)
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(LoraError, match="not adapter_model.bin"):
+        load_peft(tmp_path, LAYER, cfg)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\x10\x00")
+    with pytest.raises(LoraError, match="not a readable safetensors file"):
+        load_peft(tmp_path, LAYER, cfg)
+    (tmp_path / "adapter_config.json").write_text("[1]")
+    with pytest.raises(LoraError, match="expected a JSON object"):
+        load_peft(tmp_path, LAYER, cfg)
+
+
+def test_symlink_outside_refused(tmp_path):
+    cfg = _cfg()
+    lw = random_lora(cfg, np.random.default_rng(6), rank=2, layer_idx=LAYER, targets=["router"])
+    outside = write_peft(tmp_path / "outside", lw, {"r": 2, "lora_alpha": 2})
+    d = tmp_path / "adapter"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 2}))
+    os.symlink(outside / "adapter_model.safetensors", d / "adapter_model.safetensors")
+    with pytest.raises(LoraError, match="outside the checkpoint directory"):
+        load_peft(d, LAYER, cfg)
+
+
+def test_check_by_hand_records():
+    cfg = _cfg("qwen3_moe")  # no shared expert
+    lw = random_lora(cfg, np.random.default_rng(7), rank=2, targets=["router"])
+    m = lw.get("router")
+    with pytest.raises(LoraError, match="has no shared expert"):
+        LoraWeights({LoraKey(LoraTarget.SHARED_UP): m}).check(cfg)
+    with pytest.raises(LoraError, match="expert 99 outside"):
+        LoraWeights({LoraKey(LoraTarget.GATE, 99): m}).check(cfg)
+    with pytest.raises(LoraError, match="exactly when its target is per expert"):
+        LoraWeights({LoraKey(LoraTarget.GATE): m}).check(cfg)
+    assert lora_scale(16, 4, True) == 8.0 and lora_scale(16, 4, False) == 4.0
