@@ -16,22 +16,21 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from . import arrays, jit, profiling, tma
-from .config import MoeConfig, kernel_limits_violations
-from . import lora_slots
-from .errors import (ConfigError, CudaUnavailableError, GuardError, LoraError, MoeCallError, OptionError,
-                     PathUnavailableError, UnsupportedModelError, WorkspaceError)
+from . import arrays, guard, jit, lora_slots, profiling, tma
+from .config import MoeConfig
+from .errors import LaunchError, LoraError, MoeCallError, OptionError, PathUnavailableError, WorkspaceError
 from .forward_plan import LoraShape, build_forward_plan, prefill_buckets, prefill_shape
+from .graph_launch import PlanGraph
 from .host_weights import HostWeights
 from .knobs import Knobs
-from .errors import LaunchError
-from .graph_launch import PlanGraph
 from .launch import CaptureStatus, Driver, PackedPlan
+from .layer_checks import (check_call, check_options, check_smem_fits, check_token_limit, cupy_module, device_of,
+                           pointer)
 from .parallel import Communicator, check_communicator, owned_experts
 from .plan import (PATH_NAMES, Buf, CallValue, DeviceFacts, ForwardPlan, LayerOptions, Path, Space, choose_path,
                    plan_layer)
 from .weights import DeviceWeights
-from .workspace import GUARD_BYTES, GUARD_PATTERN, ScratchView, Workspace, WorkspaceNeed, layer_need
+from .workspace import GUARD_BYTES, ScratchView, Workspace, WorkspaceNeed, layer_need
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +62,13 @@ class MoeLayer:
         ("auto", "w8a8", "w8a16"), `workspace` (scratch shared with other layers run in turn on one
         stream; default: the layer's own), `max_loras` / `max_lora_rank` (adapter slots reserved once:
         set_lora, clear_lora, forward's lora_ids_ptr)."""
-        _check_options(cfg, max_tokens, path, row_invariant)
+        check_options(cfg, max_tokens, path, row_invariant)
         owned = owned_experts(cfg, expert_owner)
         check_token_limit(cfg, max_tokens, len(owned))
         lora_k, lora_r = lora_slots.check_options(max_loras, max_lora_rank)
-        cupy = _cupy()
+        cupy = cupy_module()
         self.cfg, self.max_tokens, self.default_path = cfg, int(max_tokens), path
-        self.device_id = _device(cupy, device)
+        self.device_id = device_of(cupy, device)
         self.comm = comm
         if comm is not None:
             check_communicator(cfg, comm)
@@ -251,11 +250,11 @@ class MoeLayer:
         if call == self._checked[0] and type(num_tokens) is int:  # the last call's arguments, already checked
             n, x, out, token_ids = self._checked[1]
         else:
-            n, x, out, token_ids = _check_call(self, input_ptr, num_tokens, output_ptr, token_ids_ptr)
+            n, x, out, token_ids = check_call(self, input_ptr, num_tokens, output_ptr, token_ids_ptr)
             self._checked = (call, (n, x, out, token_ids))
         stream = self._stream(stream)
         if lora_ids_ptr:
-            return self._lora_forward(x, n, out, stream, token_ids, _pointer("lora_ids_ptr", lora_ids_ptr, 4), path)
+            return self._lora_forward(x, n, out, stream, token_ids, pointer("lora_ids_ptr", lora_ids_ptr, 4), path)
         if self._watched or profiling.observed():
             return self._observed_forward(x, n, out, stream, token_ids, path)
         packed = self._by_n.get((path, n))
@@ -351,7 +350,7 @@ class MoeLayer:
         separated = self._profile or profiling.recording_events()
         packed = self.plan_for(n, path, separated=separated)
         self.workspace.use(stream)
-        self._arm_guard(stream)
+        guard.arm_zones(self.scratch.zones, stream)
         packed.prepare(x, out, token_ids, n, stream)
         timer = profiling.StageTimer(s, n, packed.plan.path.value, self._profile)
         with timer.forward():
@@ -385,36 +384,12 @@ class MoeLayer:
                      token_ids_ptr=tp, path=path)
         return out
 
-    def _arm_guard(self, stream: int) -> None:
-        """Guard mode: fill the red zones on `stream` before the forward (other layers sharing the
-        workspace may have written there since)."""
-        import cupy
-
-        for zone, ptr in self.scratch.zones:
-            cupy.cuda.runtime.memsetAsync(ptr, GUARD_PATTERN, zone.nbytes, stream)
-
     def check_guard(self) -> None:
         """Guard mode (CUPYMOE_GUARD=1): synchronise and raise GuardError naming the buffer whose red
         zone a kernel of the last forward wrote into. Call it before another layer uses the workspace."""
-        import cupy
-
         if not self._guard:
             raise OptionError("check_guard: this layer was built without CUPYMOE_GUARD=1 (no red zones)")
-        with cupy.cuda.Device(self.device_id):
-            cupy.cuda.runtime.deviceSynchronize()
-            views = [cupy.ndarray((z.nbytes,), cupy.uint8,
-                                  cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, z.nbytes, self), 0))
-                     for z, ptr in self.scratch.zones]
-            data = cupy.concatenate(views).get()
-        start = 0
-        for zone, _ in self.scratch.zones:
-            bad = np.flatnonzero(data[start:start + zone.nbytes] != GUARD_PATTERN)
-            start += zone.nbytes
-            if bad.size:
-                raise GuardError(f"red zone after scratch buffer {zone.after!r} (before {zone.before!r}) changed: "
-                                 f"{bad.size} of its {zone.nbytes} bytes, the first at +{int(bad[0])} = "
-                                 f"0x{int(data[start - zone.nbytes + bad[0]]):02x} (pattern 0x{GUARD_PATTERN:02x}): "
-                                 f"a kernel wrote past {zone.after!r} or before {zone.before!r}")
+        guard.check_zones(self.scratch.zones, self.device_id)
 
     def check_errors(self) -> None:
         """Synchronise and raise if a kernel flagged bad input (e.g. a token id outside tid2eid)."""
@@ -428,97 +403,3 @@ class MoeLayer:
                 raise MoeCallError(f"a kernel flagged bad input (error bits 0x{flags:x}: bit 0 = a token id outside "
                                    "0..hash_vocab_size-1; those rows got no routed experts; bit 1 = a LoRA id "
                                    "outside -1..max_loras-1; those rows got no delta)")
-
-
-def _cupy():
-    try:
-        import cupy
-    except ImportError as e:
-        raise CudaUnavailableError(f"CuPy is not installed ({e}): pip install 'cupymoe[cu12]' (or [cu13])") from None
-    return cupy
-
-
-def _device(cupy, device: Optional[int]) -> int:
-    """The CUDA device the layer lives on (the current one by default), or a named error without one."""
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-        current = cupy.cuda.runtime.getDevice()
-    except cupy.cuda.runtime.CUDARuntimeError as e:
-        raise CudaUnavailableError(f"no usable CUDA device: {e}") from None
-    dev = current if device is None else int(device)
-    if not 0 <= dev < count:
-        raise CudaUnavailableError(f"device={device!r}: this machine has {count} CUDA device(s)")
-    return dev
-
-
-def _check_options(cfg: MoeConfig, max_tokens, path: str, row_invariant: bool) -> None:
-    """Refuse what no layer could run, before anything is uploaded."""
-    if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens <= 0:
-        raise OptionError(f"max_tokens={max_tokens!r}: must be a positive integer")
-    if path not in PATHS:
-        raise OptionError(f"path={path!r}: must be one of {PATHS}")
-    if path in ("decode", "atomic") and row_invariant:
-        raise PathUnavailableError(f"path={path!r} with row_invariant=True: row-invariant layers run the grouped "
-                                   "path at every N; use path='auto' or 'prefill'")
-    problems = kernel_limits_violations(cfg)
-    if problems:
-        raise UnsupportedModelError(f"the GPU kernels cannot serve this layer: {'; '.join(problems)}")
-
-
-def check_token_limit(cfg: MoeConfig, max_tokens: int, n_local: int) -> None:
-    """Refuse a max_tokens the kernels' int32 counts and grid extents cannot serve (catalog.token_limit)."""
-    from .catalog import MAX_GRID_Y, MAX_TOKENS, token_limit
-
-    limit = token_limit(cfg.num_experts_per_tok, n_local, cfg.has_shared_expert)
-    if max_tokens > limit:
-        why = (f"the kernels serve at most {MAX_TOKENS} rows a call" if limit == MAX_TOKENS else
-               f"with k={cfg.num_experts_per_tok} over {n_local} local experts the grouped GEMMs' tiles would pass "
-               f"the grid's y limit of {MAX_GRID_Y}")
-        raise ConfigError(f"max_tokens={max_tokens}: {why}; this layer accepts max_tokens <= {limit} "
-                          "(split larger batches into calls of at most that many rows)")
-
-
-def check_smem_fits(cfg: MoeConfig, n_local: int, dev: DeviceFacts) -> None:
-    """Refuse a layer whose top-k or sort block would ask more shared memory than the GPU opts in to
-    (the launch would fail mid-forward, after the router was enqueued)."""
-    from .catalog import sort_place_smem_bytes, topk_route_smem_bytes
-
-    need = topk_route_smem_bytes(cfg.router_width)
-    if need > dev.max_smem:
-        raise UnsupportedModelError(f"router width R = {cfg.router_width}: the top-k kernel needs {need} bytes of "
-                                    f"shared memory a block, this GPU allows {dev.max_smem}")
-    need = sort_place_smem_bytes(n_local)
-    if need > dev.max_smem:
-        raise UnsupportedModelError(f"{n_local} routed experts on one GPU: the grouped path's sort needs {need} bytes "
-                                    f"of shared memory a block, this GPU allows {dev.max_smem}; spread the experts "
-                                    "over more ranks (ep_world_size)")
-
-
-def _pointer(name: str, p, align: int) -> int:
-    if type(p) is not int and (not isinstance(p, np.integer) or isinstance(p, bool)):
-        raise MoeCallError(f"{name}={p!r}: a device pointer (int) is required")
-    if not 0 < p < _MAX_PTR:
-        raise MoeCallError(f"{name}={p!r}: not a device address (must be in 1..2^64-1)")
-    if p % align:
-        raise MoeCallError(f"{name}=0x{int(p):x}: must be {align}-byte aligned")
-    return int(p)
-
-
-def _check_call(layer: MoeLayer, input_ptr, num_tokens, output_ptr, token_ids_ptr) -> tuple[int, int, int, int]:
-    """Refuse a bad call before anything is launched; returns (N, input, output, token ids) as ints."""
-    if type(num_tokens) is not int and (not isinstance(num_tokens, np.integer) or isinstance(num_tokens, bool)):
-        raise MoeCallError(f"num_tokens={num_tokens!r}: must be an int")
-    n = int(num_tokens)
-    if not 1 <= n <= layer.max_tokens:
-        raise MoeCallError(f"num_tokens={n}: must be in 1..max_tokens={layer.max_tokens}")
-    x = _pointer("input_ptr", input_ptr, 16)  # the kernels read 16-byte vectors
-    out = _pointer("output_ptr", output_ptr, 16)
-    nbytes = n * layer.cfg.hidden_size * 2
-    if x < out + nbytes and out < x + nbytes:
-        raise MoeCallError(f"output_ptr=0x{out:x} overlaps input_ptr=0x{x:x} ({nbytes} bytes each): blocks read "
-                           "whole input rows while others write the output; give the output its own memory")
-    if token_ids_ptr:
-        return n, x, out, _pointer("token_ids_ptr", token_ids_ptr, 4)
-    if layer.cfg.hash_routing:
-        raise MoeCallError("hash routing (tid2eid) needs token_ids_ptr: a device pointer to num_tokens int32 ids")
-    return n, x, out, 0

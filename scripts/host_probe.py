@@ -62,7 +62,7 @@ def driver_costs(calls: int) -> dict:
 def forward_parts(layer, x, out, n: int, calls: int, path=None) -> dict:
     import cupy
 
-    from cupymoe.layer import _check_call
+    from cupymoe.layer_checks import check_call
 
     s = cupy.cuda.Stream(non_blocking=True)
     xp, op = int(x.data.ptr), int(out.data.ptr)
@@ -71,7 +71,7 @@ def forward_parts(layer, x, out, n: int, calls: int, path=None) -> dict:
     ws = layer.workspace
     parts = {
         "forward": timed(lambda: layer.forward(xp, n, op, s.ptr, path=path), calls, s.synchronize),
-        "check_call": timed(lambda: _check_call(layer, xp, n, op, 0), calls, s.synchronize),
+        "check_call": timed(lambda: check_call(layer, xp, n, op, 0), calls, s.synchronize),
         "plan.run": timed(lambda: packed.run(xp, op, 0, n, s.ptr), calls, s.synchronize),
         "workspace.done": timed(lambda: ws.done(s.ptr), calls, s.synchronize),
         "launches": len(packed.plan.launches),

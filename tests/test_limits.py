@@ -12,7 +12,8 @@ from cupymoe import jit, testing
 from cupymoe.errors import ConfigError, UnsupportedModelError
 from cupymoe.forward_plan import build_forward_plan
 from cupymoe.knobs import Knobs
-from cupymoe.layer import MoeLayer, check_smem_fits, check_token_limit
+from cupymoe.layer import MoeLayer
+from cupymoe.layer_checks import check_smem_fits, check_token_limit
 from cupymoe.plan import ArgType, DeviceFacts, LayerOptions, Path, plan_layer
 
 H200 = DeviceFacts.h200()
