@@ -180,6 +180,10 @@ class PackedPlan:
                 cfg.stream = stream
             self._stream = stream
 
+    def set_call(self, value: CallValue, ptr: int) -> None:
+        """Patch one per-call cell the launches share (the experts-only entry's ids and weights)."""
+        self._call[value].value = ptr
+
     def run(self, x: int, out: int, token_ids: int, n: int, stream: int) -> None:
         """Enqueue the whole plan on `stream`."""
         self.prepare(x, out, token_ids, n, stream)

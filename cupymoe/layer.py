@@ -25,7 +25,8 @@ from .host_weights import HostWeights
 from .knobs import Knobs
 from .launch import Driver, PackedPlan
 from .parallel import Communicator, check_communicator, owned_experts
-from .plan import PATH_NAMES, Buf, DeviceFacts, ForwardPlan, LayerOptions, Path, Space, choose_path, plan_layer
+from .plan import (PATH_NAMES, Buf, DeviceFacts, ErrorBit, ForwardPlan, LayerOptions, Path, Space, choose_path,
+                   plan_layer)
 from .weights import DeviceWeights
 from .workspace import ScratchView, Workspace, WorkspaceNeed, layer_need
 
@@ -122,6 +123,7 @@ class MoeLayer:
             self._tma_maps = cupy.asarray(np.frombuffer(tma.layer_table(self.plan, ptrs, self.scratch), np.uint8))
         self._packed: dict[tuple, PackedPlan] = {}  # (path, row count or prefill shape, separated)
         self._by_n: dict[tuple, PackedPlan] = {}  # (path asked, N) -> its plan, for the fast lookup
+        self._experts_packed: dict[tuple, PackedPlan] = {}  # the experts-only entry's plans (cupymoe/experts.py)
         self._streams: dict[int, int] = {}
 
     def with_workspace(self, workspace: Workspace) -> "MoeLayer":
@@ -295,6 +297,29 @@ class MoeLayer:
                      token_ids_ptr=tp, path=path)
         return out
 
+    # --- the experts-only entry (cupymoe/experts.py) ------------------------------------
+    def forward_experts(self, input_ptr: int, num_tokens: int, topk_ids_ptr: int, topk_weights_ptr: int,
+                        output_ptr: int, stream: int, *, shared_expert: Optional[bool] = None,
+                        path: Optional[str] = None) -> None:
+        """Enqueue the layer's experts on `stream` for a caller that routed the rows itself:
+        output[N, H] bf16 = sum_j topk_weights[r, j] * expert_{topk_ids[r, j]}(input[r]) (+ the
+        shared expert unless shared_expert=False; default: as the layer has one). ids [N, k] int32,
+        weights [N, k] float32, used as given (no renormalisation or scaling); an id outside
+        0..router_width-1 is flagged (check_errors) and adds nothing."""
+        from .experts import forward_experts
+
+        forward_experts(self, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr, stream,
+                        shared_expert=shared_expert, path=path)
+
+    def run_experts(self, x, topk_ids, topk_weights, *, out=None, stream=None, shared_expert: Optional[bool] = None,
+                    path: Optional[str] = None):
+        """forward_experts on torch tensors or CuPy arrays: x [N, H] bf16, topk_ids [N, k] int32,
+        topk_weights [N, k] float32, on the layer's GPU; returns `out` (allocated when not given)."""
+        from .experts import run_experts
+
+        return run_experts(self, x, topk_ids, topk_weights, out=out, stream=stream, shared_expert=shared_expert,
+                           path=path)
+
     def check_errors(self) -> None:
         """Synchronise and raise if a kernel flagged bad input (e.g. a token id outside tid2eid)."""
         import cupy
@@ -304,8 +329,14 @@ class MoeLayer:
             flags = int(self._err.get()[0])
             if flags:
                 self._err.fill(0)
-                raise MoeCallError(f"a kernel flagged bad input (error bits 0x{flags:x}: bit 0 = a token id outside "
-                                   "0..hash_vocab_size-1; those rows got no routed experts)")
+                raise MoeCallError(f"a kernel flagged bad input (error bits 0x{flags:x}: {_error_text(flags)})")
+
+
+def _error_text(flags: int) -> str:
+    what = {ErrorBit.TOKEN_ID_RANGE: "a token id outside 0..hash_vocab_size-1 (those rows got no routed experts)",
+            ErrorBit.EXPERT_ID_RANGE: "forward_experts: an expert id outside 0..router_width-1 (those pairs got no "
+                                      "expert)"}
+    return "; ".join(f"bit {b.bit_length() - 1} = {text}" for b, text in what.items() if flags & b) or "unknown bits"
 
 
 def _cupy():

@@ -76,6 +76,15 @@ class CallValue(enum.Enum):
     INPUT = "x"
     OUTPUT = "out"
     TOKEN_IDS = "token_ids"
+    TOPK_IDS = "topk_ids"  # the experts-only entry's [N, k] int32 expert ids
+    TOPK_WEIGHTS = "topk_weights"  # and its [N, k] float32 routing weights
+
+
+class ErrorBit(enum.IntFlag):
+    """The sticky error bits the kernels set (cuda/routing.cuh ERR_*; MoeLayer.check_errors)."""
+
+    TOKEN_ID_RANGE = 1  # a token id outside 0..hash_vocab_size-1: the row got no routed experts
+    EXPERT_ID_RANGE = 2  # forward_experts: an expert id outside 0..router_width-1: that pair got no expert
 
 
 @dataclass(frozen=True)
