@@ -42,6 +42,23 @@ class WarmupReport:
     seconds: float
 
 
+@dataclass(frozen=True)
+class MemoryReport:
+    """The device memory a layer uses, in bytes (MoeLayer.memory_report)."""
+
+    weights_owned: int  # weight arrays the layer allocated: uploads, device copies, repacked fp4, a dequantized router
+    weights_borrowed: int  # the caller's device tensors used where they lie (kept alive, never written)
+    tables: int  # per-slot pointer tables and slot maps
+    layer_state: int  # the error word and the TMA tensor maps
+    scratch: int  # what the layer needs of its workspace (its scratch plan and zeroed region)
+    workspace: int  # the workspace's allocation, shared by the layers bound to it
+
+    @property
+    def added(self) -> int:
+        """What the layer allocated for itself, past the caller's tensors and the shared workspace."""
+        return self.weights_owned + self.tables + self.layer_state
+
+
 class MoeLayer:
     """One MoE layer on one GPU (calling convention: docs/DESIGN.md section 5)."""
 
@@ -296,6 +313,14 @@ class MoeLayer:
         self.forward(xa.ptr, n, oa.ptr, arrays.current_stream(x) if stream is None else stream,
                      token_ids_ptr=tp, path=path)
         return out
+
+    def memory_report(self) -> MemoryReport:
+        """The device memory this layer uses: its own weight copies, the caller's tensors it borrows,
+        its tables and state, and its workspace (cupymoe/weights.py says what is borrowed)."""
+        w = self.weights.memory
+        state = int(self._err.nbytes) + (0 if self._tma_maps is None else int(self._tma_maps.nbytes))
+        return MemoryReport(w.owned, w.borrowed, w.tables, state, self.workspace_need().total_bytes,
+                            self.workspace.nbytes)
 
     # --- the experts-only entry (cupymoe/experts.py) ------------------------------------
     def forward_experts(self, input_ptr: int, num_tokens: int, topk_ids_ptr: int, topk_weights_ptr: int,
