@@ -4,7 +4,7 @@
 #include "common.cuh"
 
 #define LORA_THREADS 256
-#define ERR_LORA_ID_RANGE 2  // routing.cuh's ERR_TOKEN_ID_RANGE is bit 0
+#define ERR_LORA_ID_RANGE 4  // routing.cuh: ERR_TOKEN_ID_RANGE 1, ERR_EXPERT_ID_RANGE 2
 
 // One block a row: t = A[slot] x (a warp a rank row, fp32 sums), then logits[row] += Bs[slot] t.
 // A [K, max_rank, H] and Bs = scale * B [K, R, max_rank] are fp32, zero past an adapter's rank

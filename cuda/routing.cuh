@@ -17,6 +17,7 @@
 
 // Error bits written to `err` (read by MoeLayer.check_errors()).
 #define ERR_TOKEN_ID_RANGE 1
+#define ERR_EXPERT_ID_RANGE 2  // the experts-only entry: a caller's expert id outside 0..R-1 (topk.cu)
 
 // The score of a logit x where it is element-wise (scoring sigmoid or sqrtsoftplus):
 // sigmoid(x), or sqrt(softplus(x)) with softplus = log(1 + e^x) computed without overflow.

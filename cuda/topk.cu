@@ -46,3 +46,33 @@ topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router 
     if (qx) e4m3_quantize_row(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7), lane);
 #endif
 }
+
+// The experts-only entry's routing stage (MoeLayer.forward_experts): the caller's expert ids
+// and weights into the scratch topk_route writes, so every stage after it runs unchanged.
+// An id outside 0..R-1 sets ERR_EXPERT_ID_RANGE and goes on as -1 with weight 0, which every
+// later stage reads as no expert (no out-of-bounds access). Weights are copied as given. With
+// qx (w8a8), x's e4m3 codes too, as topk_route makes them.
+// grid ceil(N / TOPK_WARPS), block TOPK_WARPS * 32: one warp a row.
+__global__ void __launch_bounds__(TOPK_WARPS * 32)
+experts_route_in(const int* __restrict__ ids_in,   // [N, k] the caller's expert ids
+                 const float* __restrict__ w_in,   // [N, k] the caller's routing weights
+                 int* __restrict__ ids_out,        // [N, k]
+                 float* __restrict__ w_out,        // [N, k]
+                 int* __restrict__ err, int N, int R, int k,
+                 const bf16* __restrict__ x, int H, u8* __restrict__ qx, float* __restrict__ sx) {
+    pdl_wait_then_release_next();  // (the chain's first kernel: only the release does anything)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * TOPK_WARPS + warp;
+    if (row >= N) return;
+    for (int j = lane; j < k; j += 32) {
+        const size_t p = (size_t)row * k + j;
+        const int e = ids_in[p];
+        const bool ok = e >= 0 && e < R;
+        if (!ok) atomicOr(err, ERR_EXPERT_ID_RANGE);
+        ids_out[p] = ok ? e : -1;
+        w_out[p] = ok ? w_in[p] : 0.0f;
+    }
+#if CUPYMOE_SM >= 89
+    if (qx) e4m3_quantize_row(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7), lane);
+#endif
+}

@@ -233,6 +233,37 @@ def _foreign_dtype(t: Any) -> np.dtype:
     return dt
 
 
+def _on_cuda(t: Any) -> bool:
+    """A torch CUDA tensor or a CuPy array: read on its device, never through the host."""
+    fw = _framework(t)
+    return fw == "cupy" or (fw == "torch" and t.device.type == "cuda")
+
+
+def _to_device(t: Any) -> Any:
+    """A CuPy view of a CUDA tensor (no copy): bf16 as uint16 bits, fp8 as uint8 bytes, as the
+    containers of cupymoe.formats hold device arrays; a CuPy array as it is."""
+    if _framework(t) == "cupy":
+        return t
+    import cupy
+    import torch
+
+    t = t.detach()
+    name = str(t.dtype).replace("torch.", "")
+    if name in _TORCH_VIEWS:  # DLPack has no such dtype: a same-width integer view
+        t = t.view(getattr(torch, _TORCH_VIEWS[name][0]))
+    a = cupy.from_dlpack(t)
+    return a.view(cupy.uint16) if name == "bfloat16" else a
+
+
+def contiguous(a: Any) -> Any:
+    """A C-contiguous array, on the device for a CuPy one."""
+    if _framework(a) == "cupy":
+        import cupy
+
+        return cupy.ascontiguousarray(a)
+    return np.ascontiguousarray(a)
+
+
 def _to_numpy(t: Any) -> np.ndarray:
     """numpy / ml_dtypes array from a numpy array, torch tensor or CuPy array."""
     fw = _framework(t)
@@ -263,8 +294,9 @@ class _MappingSource(_Source):
         t = self._t[name]
         return tuple(int(d) for d in (t.shape if hasattr(t, "shape") else np.shape(t)))
 
-    def read(self, name: str) -> np.ndarray:
-        return _to_numpy(self._t[name])
+    def read(self, name: str) -> Any:
+        t = self._t[name]
+        return _to_device(t) if _on_cuda(t) else _to_numpy(t)
 
     def where(self, name: str) -> str:
         return "the tensors mapping"
@@ -521,15 +553,16 @@ class _Planner:
         parts = {}
         for p, name in lin.parts.items():
             a = self.src.read(name)
+            device = _framework(a) == "cupy"  # a CUDA tensor's view: bf16 as uint16, e4m3 as uint8 (formats)
             if rows is not None:
                 a = a[:rows]
-            if p in ("q", "scale") and a.dtype == U8:  # canonical dtypes, so expert stacks never cast
+            if p in ("q", "scale") and a.dtype == U8 and not device:  # canonical dtypes: stacks never cast
                 a = a.view(E4M3)
             if p in _F32_PARTS:
                 a = a.astype(np.float32)
             if p in _SCALAR_PARTS:
                 a = a.reshape(())
-            if p == "w" and a.dtype not in (BF16, F32):
+            if p == "w" and a.dtype not in ((np.dtype(np.uint16), F32) if device else (BF16, F32)):
                 a = a.astype(np.float32)  # f16/f64 -> f32: exact for f16, HostWeights holds bf16 or f32
             if p in _VALUE_CHECKS:  # the values as they will be served, named by their hub tensor
                 _VALUE_CHECKS[p](a, name)
@@ -556,8 +589,8 @@ class _Planner:
             bufs: dict[str, np.ndarray] = {}
             for e, lin in enumerate(lins):
                 for p, a in self.read_parts(lin).items():
-                    if p not in bufs:  # allocate once: a real layer's stack is gigabytes
-                        bufs[p] = _empty((n,) + a.shape, a.dtype, label)
+                    if p not in bufs:  # allocate once (on the tensors' device): a real layer's stack is gigabytes
+                        bufs[p] = _empty((n,) + a.shape, a.dtype, label, device=_framework(a) == "cupy")
                     bufs[p][e] = a
                 if n >= PROGRESS_MIN_EXPERTS and ((e + 1) % max(1, n // 4) == 0 or e + 1 == n):
                     logger.info("%s: read %d/%d experts", label, e + 1, n)
@@ -580,7 +613,11 @@ class _Planner:
                                module + ".weight")
 
 
-def _empty(shape: tuple[int, ...], dtype: np.dtype, what: str) -> np.ndarray:
+def _empty(shape: tuple[int, ...], dtype: np.dtype, what: str, device: bool = False) -> Any:
+    if device:
+        import cupy
+
+        return cupy.empty(shape, dtype=dtype)
     try:
         return np.empty(shape, dtype=dtype)
     except MemoryError:  # sizes the headers claim and this machine cannot hold
@@ -617,7 +654,7 @@ def _plan_fused_experts(P: _Planner, cfg: MoeConfig, base: str) -> dict[str, Rea
                                   "down": _plan_fused_down(P, cfg, down)}
     if cfg.has_expert_bias:
         read_gu_bias = P.vector(gate_up + "_bias", (cfg.num_experts, 2 * cfg.moe_intermediate_size))
-        bias_pair = _once(lambda: tuple(np.ascontiguousarray(read_gu_bias()[:, k::2]) for k in (0, 1)))
+        bias_pair = _once(lambda: tuple(contiguous(read_gu_bias()[:, k::2]) for k in (0, 1)))
         readers["gate_bias"] = lambda: bias_pair()[0]
         readers["up_bias"] = lambda: bias_pair()[1]
         readers["down_bias"] = P.vector(down + "_bias", (cfg.num_experts, cfg.hidden_size))
@@ -633,14 +670,14 @@ def _plan_fused_gate_up(P: _Planner, cfg: MoeConfig, gate_up: str) -> Callable[[
 
         def read_gate_up() -> tuple[Any, Any]:
             b, s = src.read(blocks), _read_e8m0(src, scales)
-            return tuple(Mxfp4Weight(np.ascontiguousarray(b[:, k::2]), np.ascontiguousarray(s[:, k::2]))
+            return tuple(Mxfp4Weight(contiguous(b[:, k::2]), contiguous(s[:, k::2]))
                          for k in (0, 1))
     else:
         name = _check_fused_float(P, gate_up, (E, H, 2 * I))
 
         def read_gate_up() -> tuple[Any, Any]:
             a = _fused_float(src.read(name), name)
-            return tuple(np.ascontiguousarray(a[:, :, k::2].transpose(0, 2, 1)) for k in (0, 1))
+            return tuple(contiguous(a[:, :, k::2].transpose(0, 2, 1)) for k in (0, 1))
 
     return read_gate_up
 
@@ -652,7 +689,7 @@ def _plan_fused_down(P: _Planner, cfg: MoeConfig, down: str) -> Reader:
         blocks, scales = _check_fused_mxfp4(P, down, E, H, I)
         return lambda: Mxfp4Weight(src.read(blocks), _read_e8m0(src, scales))
     name = _check_fused_float(P, down, (E, I, H))
-    return lambda: np.ascontiguousarray(_fused_float(src.read(name), name).transpose(0, 2, 1))
+    return lambda: contiguous(_fused_float(src.read(name), name).transpose(0, 2, 1))
 
 
 def _fused_is_mxfp4(P: _Planner, name: str) -> bool:
@@ -684,9 +721,10 @@ def _check_fused_float(P: _Planner, name: str, shape: tuple[int, ...]) -> str:
     return name
 
 
-def _fused_float(a: np.ndarray, name: str) -> np.ndarray:
-    """A float stack as HostWeights holds it: bf16 or f32, finite."""
-    return _finite(a if a.dtype in (BF16, F32) else a.astype(np.float32), name)
+def _fused_float(a: Any, name: str) -> Any:
+    """A float stack as HostWeights holds it: bf16 (on the device: uint16 bits) or f32, finite."""
+    keep = (np.dtype(np.uint16), F32) if _framework(a) == "cupy" else (BF16, F32)
+    return _finite(a if a.dtype in keep else a.astype(np.float32), name)
 
 
 def _read_e8m0(src: _Source, name: str) -> np.ndarray:
@@ -878,7 +916,9 @@ def load_layer_from_tensors(cfg_or_config_dict: Union[MoeConfig, Mapping[str, An
     """The mapping form of load_layer, for callers that already hold the tensors.
 
     `tensors` maps hub names to numpy / ml_dtypes arrays, torch tensors (bf16 and fp8 are
-    converted through same-width integer views) or CuPy arrays (uint16 means bf16 bits).
+    converted through same-width integer views) or CuPy arrays (uint16 means bf16 bits). CUDA
+    tensors and CuPy arrays stay on their device (DLPack views, rearranged there where the layout
+    asks): the layer then uses them where they lie or copies them on the device (cupymoe/weights.py).
     `prefix` is the layer's MLP prefix, e.g. `model.layers.3.mlp.`, or "" for names relative to
     the MLP module (its `state_dict()`'s). A config dict is mapped
     with MoeConfig.from_hf, checked against the layer index read from the prefix when it has one.

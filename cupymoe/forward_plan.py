@@ -21,6 +21,7 @@ from typing import Optional
 from . import catalog as C
 from . import heuristics as HX
 from .catalog import Activation, GemmMode, Scoring, WeightFormat
+from .errors import LoraError
 from .tuning import TUNING
 from .plan import (AllReduce, Arg, ArgType, Buf, CallValue, DeviceFacts, ForwardPlan, Launch, LayerPlan, Memset,
                    Path, PerN, Space, Stage)
@@ -94,11 +95,21 @@ def prefill_buckets(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[t
 
 
 def build_forward_plan(lp: LayerPlan, dev: DeviceFacts, n: int, path: Path, *, separated: bool = False,
-                       lora: Optional[LoraShape] = None) -> ForwardPlan:
+                       lora: Optional[LoraShape] = None, given_routing: bool = False,
+                       shared_expert: bool = True) -> ForwardPlan:
     """The launches of a forward of `n` rows on `path`. `separated`: stage events or profile
     syncs stand between the kernels, so none goes by programmatic dependent launch. `lora`:
-    the LoRA plan variant (the router's delta added to the logits before top-k)."""
-    plan = _Builder(lp, dev, n, Path(path), separated).build()
+    the LoRA plan variant (the router's delta added to the logits before top-k).
+    `given_routing` (the experts-only entry): no router and no routing kernel; experts_route_in
+    takes the call's expert ids and weights (CallValue.TOPK_IDS / TOPK_WEIGHTS) into the scratch
+    routing writes, and every later stage is the routed plan's. `shared_expert=False` leaves a
+    layer's shared expert out of the lists, the expert launches and the reduce."""
+    if lora is not None and given_routing:
+        raise LoraError("LoRA with the experts-only entry: the router's delta has no router to add to")
+    b = _Builder(lp, dev, n, Path(path), separated)
+    b.given_routing = given_routing
+    b.has_shared = lp.has_shared if shared_expert else 0
+    plan = b.build()
     return plan if lora is None else with_lora(plan, lp, lora)
 
 
@@ -138,6 +149,7 @@ class _Builder:
         self.steps: list = []
         self.stage = Stage.ROUTER
         self.has_shared = lp.has_shared
+        self.given_routing = False  # the experts-only entry: the call's ids and weights, no router
 
     # --- helpers -------------------------------------------------------------------------------
     def v(self, name: str, fn):
@@ -173,6 +185,35 @@ class _Builder:
     # --- the plan -------------------------------------------------------------------------------
     def build(self) -> ForwardPlan:
         cfg, n = self.cfg, self.n
+        H = cfg.hidden_size
+        if self.given_routing:
+            self.stage = Stage.TOPK
+            self.given(self.x_codes())
+            route_lists = topk_lists = False
+        else:
+            route_lists, topk_lists = self.route()
+        xe = X
+        if cfg.pre_expert_norm:
+            self.stage = Stage.NORM
+            xe = self.norm()
+        self.stage = Stage.SORT
+        tiles = (0, 0)
+        if not (route_lists or topk_lists):
+            tiles = self.sort()
+        if self.path == Path.ATOMIC:
+            self.steps.append(Memset(Stage.SORT, S("acc"), n * H))
+        if self.path == Path.PREFILL:
+            self.grouped(xe, *tiles)
+        else:
+            self.decode(xe)
+        if self.lp.all_reduce:
+            self.steps.append(AllReduce(Stage.ALL_REDUCE, self.v("N*H*2", lambda m: m * H * 2)))
+        return ForwardPlan(self.path, tuple(self.steps), built_for=n, shape=self.shape)
+
+    def route(self) -> tuple[bool, bool]:
+        """The router and the routing stage; returns whether the latter built the expert lists
+        too (decode_route_lists, decode_topk_lists)."""
+        cfg, n = self.cfg, self.n
         k, R, H = cfg.num_experts_per_tok, cfg.router_width, cfg.hidden_size
         prefill = self.path == Path.PREFILL
         route_lists = (not prefill and n <= C.ROUTE_LISTS_MAX_ROWS
@@ -191,23 +232,18 @@ class _Builder:
                       and C.topk_lists_smem_bytes(n * k, self.lp.n_local, R) <= C.STATIC_SMEM_LIMIT)
         self.stage = Stage.TOPK
         self.routing(route_lists, topk_lists, qx, splits)
-        xe = X
-        if cfg.pre_expert_norm:
-            self.stage = Stage.NORM
-            xe = self.norm()
-        self.stage = Stage.SORT
-        tiles = (0, 0)
-        if not (route_lists or topk_lists):
-            tiles = self.sort()
-        if self.path == Path.ATOMIC:
-            self.steps.append(Memset(Stage.SORT, S("acc"), n * H))
-        if prefill:
-            self.grouped(xe, *tiles)
-        else:
-            self.decode(xe)
-        if self.lp.all_reduce:
-            self.steps.append(AllReduce(Stage.ALL_REDUCE, self.v("N*H*2", lambda m: m * H * 2)))
-        return ForwardPlan(self.path, tuple(self.steps), built_for=n, shape=self.shape)
+        return route_lists, topk_lists
+
+    def given(self, qx: tuple) -> None:
+        """The experts-only entry's routing stage: the call's ids and weights into topk_ids / topk_w
+        (an id outside 0..R-1 flagged and dropped), x's e4m3 codes with them where w8a8 needs them.
+        The chain's first kernel, so never a dependent launch itself."""
+        cfg, warps = self.cfg, C.TOPK_WARPS
+        self.launch("experts_route_in", (self.v(f"ceil(N/{warps})", lambda m: -(-m // warps)),), (warps * 32,),
+                    (u64("ids_in", CallValue.TOPK_IDS), u64("w_in", CallValue.TOPK_WEIGHTS),
+                     u64("ids_out", S("topk_ids")), u64("w_out", S("topk_w")), u64("err", ERR), i32("N", self.rows()),
+                     i32("R", cfg.router_width), i32("k", cfg.num_experts_per_tok), u64("x", X),
+                     i32("H", cfg.hidden_size), u64("qx", qx[0]), u64("sx", qx[1])))
 
     # --- router and top-k ------------------------------------------------------------------------
     def prefill_router(self) -> int:

@@ -38,7 +38,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .checkpoint import (FLOAT_DTYPES, U8, CheckpointError, MissingTensorError, Reader, _assemble, _ceil_div,
-                         _Linear, _once, _Planner, _Source, layer_prefix)
+                         _Linear, _once, _Planner, _Source, contiguous, layer_prefix)
 from .config import MoeConfig
 from .formats import E4M3, FP8_BLOCK
 
@@ -154,7 +154,7 @@ def plan_stacked_experts(P: _Planner, cfg: MoeConfig, prefix: str) -> Optional[d
     if cfg.has_expert_bias:
         read_bias = P.vector(base + layout.gate_up_bias, (E, 2 * I))
         # copies: [E, I] each, and contiguous vectors are what callers index
-        bias_halves = _once(lambda: tuple(np.ascontiguousarray(h) for h in _split(read_bias(), I, layout.interleaved)))
+        bias_halves = _once(lambda: tuple(contiguous(h) for h in _split(read_bias(), I, layout.interleaved)))
         readers["gate_bias"] = lambda: bias_halves()[0]
         readers["up_bias"] = lambda: bias_halves()[1]
         readers["down_bias"] = P.vector(base + layout.down_bias, (E, H))

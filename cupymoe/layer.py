@@ -27,8 +27,8 @@ from .launch import CaptureStatus, Driver, PackedPlan
 from .layer_checks import (check_call, check_options, check_smem_fits, check_token_limit, cupy_module, device_of,
                            pointer)
 from .parallel import Communicator, check_communicator, owned_experts
-from .plan import (PATH_NAMES, Buf, CallValue, DeviceFacts, ForwardPlan, LayerOptions, Path, Space, choose_path,
-                   plan_layer)
+from .plan import (PATH_NAMES, Buf, CallValue, DeviceFacts, ErrorBit, ForwardPlan, LayerOptions, Path, Space,
+                   choose_path, plan_layer)
 from .weights import DeviceWeights
 from .workspace import GUARD_BYTES, ScratchView, Workspace, WorkspaceNeed, layer_need
 
@@ -44,6 +44,23 @@ class WarmupReport:
     plans: int  # forward plans built (decode row counts, prefill shapes)
     seconds: float
     graphs: int = 0  # of them captured as one-launch graphs for eager forwards
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """The device memory a layer uses, in bytes (MoeLayer.memory_report)."""
+
+    weights_owned: int  # weight arrays the layer allocated: uploads, device copies, repacked fp4, a dequantized router
+    weights_borrowed: int  # the caller's device tensors used where they lie (kept alive, never written)
+    tables: int  # per-slot pointer tables and slot maps
+    layer_state: int  # the error word and the TMA tensor maps
+    scratch: int  # what the layer needs of its workspace (its scratch plan and zeroed region)
+    workspace: int  # the workspace's allocation, shared by the layers bound to it
+
+    @property
+    def added(self) -> int:
+        """What the layer allocated for itself, past the caller's tensors and the shared workspace."""
+        return self.weights_owned + self.tables + self.layer_state
 
 
 class MoeLayer:
@@ -135,6 +152,7 @@ class MoeLayer:
             self._tma_maps = cupy.asarray(np.frombuffer(tma.layer_table(self.plan, ptrs, self.scratch), np.uint8))
         self._packed: dict[tuple, PackedPlan] = {}  # (path, row count or prefill shape, separated)
         self._by_n: dict[tuple, PackedPlan] = {}  # (path asked, N) -> its plan, for the fast lookup
+        self._experts_packed: dict[tuple, PackedPlan] = {}  # the experts-only entry's plans (cupymoe/experts.py)
         self._streams: dict[int, int] = {}
         self._graphs: dict[PackedPlan, Optional[PlanGraph]] = {}  # None: the plan launches step by step
         self._capture_status = CaptureStatus()
@@ -390,6 +408,36 @@ class MoeLayer:
         if not self._guard:
             raise OptionError("check_guard: this layer was built without CUPYMOE_GUARD=1 (no red zones)")
         guard.check_zones(self.scratch.zones, self.device_id)
+    def memory_report(self) -> MemoryReport:
+        """The device memory this layer uses: its own weight copies, the caller's tensors it borrows,
+        its tables and state, and its workspace (cupymoe/weights.py says what is borrowed)."""
+        w = self.weights.memory
+        state = int(self._err.nbytes) + (0 if self._tma_maps is None else int(self._tma_maps.nbytes))
+        return MemoryReport(w.owned, w.borrowed, w.tables, state, self.workspace_need().total_bytes,
+                            self.workspace.nbytes)
+
+    # --- the experts-only entry (cupymoe/experts.py) ------------------------------------
+    def forward_experts(self, input_ptr: int, num_tokens: int, topk_ids_ptr: int, topk_weights_ptr: int,
+                        output_ptr: int, stream: int, *, shared_expert: Optional[bool] = None,
+                        path: Optional[str] = None) -> None:
+        """Enqueue the layer's experts on `stream` for a caller that routed the rows itself:
+        output[N, H] bf16 = sum_j topk_weights[r, j] * expert_{topk_ids[r, j]}(input[r]) (+ the
+        shared expert unless shared_expert=False; default: as the layer has one). ids [N, k] int32,
+        weights [N, k] float32, used as given (no renormalisation or scaling); an id outside
+        0..router_width-1 is flagged (check_errors) and adds nothing."""
+        from .experts import forward_experts
+
+        forward_experts(self, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr, stream,
+                        shared_expert=shared_expert, path=path)
+
+    def run_experts(self, x, topk_ids, topk_weights, *, out=None, stream=None, shared_expert: Optional[bool] = None,
+                    path: Optional[str] = None):
+        """forward_experts on torch tensors or CuPy arrays: x [N, H] bf16, topk_ids [N, k] int32,
+        topk_weights [N, k] float32, on the layer's GPU; returns `out` (allocated when not given)."""
+        from .experts import run_experts
+
+        return run_experts(self, x, topk_ids, topk_weights, out=out, stream=stream, shared_expert=shared_expert,
+                           path=path)
 
     def check_errors(self) -> None:
         """Synchronise and raise if a kernel flagged bad input (e.g. a token id outside tid2eid)."""
@@ -400,6 +448,12 @@ class MoeLayer:
             flags = int(self._err.get()[0])
             if flags:
                 self._err.fill(0)
-                raise MoeCallError(f"a kernel flagged bad input (error bits 0x{flags:x}: bit 0 = a token id outside "
-                                   "0..hash_vocab_size-1; those rows got no routed experts; bit 1 = a LoRA id "
-                                   "outside -1..max_loras-1; those rows got no delta)")
+                raise MoeCallError(f"a kernel flagged bad input (error bits 0x{flags:x}: {_error_text(flags)})")
+
+
+def _error_text(flags: int) -> str:
+    what = {ErrorBit.TOKEN_ID_RANGE: "a token id outside 0..hash_vocab_size-1 (those rows got no routed experts)",
+            ErrorBit.EXPERT_ID_RANGE: "forward_experts: an expert id outside 0..router_width-1 (those pairs got no "
+                                      "expert)",
+            ErrorBit.LORA_ID_RANGE: "a LoRA id outside -1..max_loras-1 (those rows got no delta)"}
+    return "; ".join(f"bit {b.bit_length() - 1} = {text}" for b, text in what.items() if flags & b) or "unknown bits"

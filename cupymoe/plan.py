@@ -77,6 +77,16 @@ class CallValue(enum.Enum):
     OUTPUT = "out"
     TOKEN_IDS = "token_ids"
     LORA_IDS = "lora_ids"  # [N] int32 adapter slots, -1 = base (LoRA plans only)
+    TOPK_IDS = "topk_ids"  # the experts-only entry's [N, k] int32 expert ids
+    TOPK_WEIGHTS = "topk_weights"  # and its [N, k] float32 routing weights
+
+
+class ErrorBit(enum.IntFlag):
+    """The sticky error bits the kernels set (cuda/routing.cuh ERR_*, cuda/lora.cu; MoeLayer.check_errors)."""
+
+    TOKEN_ID_RANGE = 1  # a token id outside 0..hash_vocab_size-1: the row got no routed experts
+    EXPERT_ID_RANGE = 2  # forward_experts: an expert id outside 0..router_width-1: that pair got no expert
+    LORA_ID_RANGE = 4  # a LoRA id outside -1..max_loras-1: the row got no delta
 
 
 @dataclass(frozen=True)

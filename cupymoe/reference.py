@@ -48,7 +48,8 @@ from .config import MoeConfig
 from .errors import LoraError
 from .host_weights import HostWeights
 
-__all__ = ["Routing", "moe_forward", "route", "expert_input", "activation", "router_logits", "scores"]
+__all__ = ["Routing", "moe_forward", "experts_forward", "given_routing", "route", "expert_input", "activation",
+           "router_logits", "scores"]
 
 # norm_topk_prob divides by sum(w) + NORM_EPS, as the reference implementations do, so that
 # a row whose selected weights underflow to 0 yields 0 rather than NaN.
@@ -248,6 +249,31 @@ def route(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: Any = No
     host_weights.validate(cfg, values=False)  # shapes only: a NaN in an expert nobody routes to is no error here
     xf = _as_input(cfg, x, np.float64)
     return _route(cfg, host_weights, xf, token_ids, _lora_rows(cfg, lora, lora_ids, xf.shape[0]))
+
+
+def given_routing(cfg: MoeConfig, topk_ids: Any, topk_weights: Any) -> Routing:
+    """A caller's routing as the experts-only entry takes it (MoeLayer.forward_experts): ids [N, k]
+    in 0..R-1 (E..R-1 the zero experts), the weights used as given: float32 values, no
+    renormalisation, no routed_scaling_factor. Raises ValueError for anything else."""
+    ids, w = np.asarray(topk_ids), np.asarray(topk_weights)
+    k, R = cfg.num_experts_per_tok, cfg.router_width
+    if ids.ndim != 2 or ids.shape[1] != k or not np.issubdtype(ids.dtype, np.integer) or w.shape != ids.shape:
+        raise ValueError(f"given routing: expected integer ids [N, {k}] and weights of their shape, found ids "
+                         f"{ids.shape} {ids.dtype}, weights {w.shape} {w.dtype}")
+    if ids.size and (ids.min() < 0 or ids.max() >= R):
+        raise ValueError(f"given routing: ids must lie in 0..{R - 1}, found {int(ids.min())}..{int(ids.max())}")
+    n = ids.shape[0]
+    return Routing(logits=np.zeros((n, 0)), ids=ids.astype(np.int64), weights=w.astype(np.float32).astype(np.float64),
+                   margin=np.full(n, np.inf))
+
+
+def experts_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, topk_ids: Any, topk_weights: Any, *,
+                    shared_expert: bool = True, **options: Any) -> np.ndarray:
+    """The experts-only entry's output: moe_forward with the caller's routing (given_routing) in place of
+    the router's, the shared expert (if the layer has one) added unless `shared_expert=False`.
+    `options`: moe_forward's (dtype, rounding, ep_rank, ...)."""
+    routing = given_routing(cfg, topk_ids, topk_weights)
+    return moe_forward(cfg, host_weights, x, routing=routing, shared_expert=shared_expert, **options)
 
 
 # ----------------------------------------------------------------------------------
@@ -469,7 +495,8 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
                 owned_experts: Optional[Any] = None, activations: str = "bf16",
                 w8a8_inputs: Optional[Callable] = None, absolute: Union[bool, str] = False,
                 kernel_acts: Optional[Callable] = None, kernel_terms: Optional[Callable] = None,
-                lora: Optional[Mapping[int, Any]] = None, lora_ids: Any = None) -> np.ndarray:
+                lora: Optional[Mapping[int, Any]] = None, lora_ids: Any = None, routing: Optional[Routing] = None,
+                shared_expert: bool = True) -> np.ndarray:
     """The MoE layer's output [N, H] in `dtype` for input `x` [N, H] (bf16 or float).
 
     Every step runs in `dtype` (float64 by default: the oracle; float32 to estimate what
@@ -518,19 +545,31 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     `lora` ({slot: cupymoe.lora.LoraWeights}) and `lora_ids` ([N] ints, -1 = base only, else a
     slot of `lora`): each row's adapter deltas (module docstring, "LoRA"). Without ids, or with
     every id -1, the result is the base layer's, bit for bit. LoraError names a bad id or module.
+    `routing` (given_routing): the rows' expert ids and weights instead of the router's (the
+    experts-only entry); `shared_expert=False` leaves the shared expert out.
     """
     dtype = _checked_options(absolute, rounding, activations, dtype)
     host_weights.validate(cfg, values=False)  # shapes only: a NaN in an expert nobody routes to is no error here
     host_weights = kernel_weights(host_weights, rounding, w8a8=activations == "fp8_block")
     owned, on_rank0 = _rank_share(cfg, ep_rank, owned_experts)
+    if not shared_expert:
+        cfg, host_weights = without_shared_expert(cfg, host_weights)
     xf = _as_input(cfg, x, dtype)
     rows = _lora_rows(cfg, lora, lora_ids, xf.shape[0])
     if rows is not None and absolute:
         raise LoraError(f"absolute={absolute!r} sums base terms only; it is not defined with LoRA rows")
     out = _layer_output(cfg, host_weights, xf, token_ids, owned, on_rank0, dtype=dtype,
                         rounding=rounding, activations=activations, w8a8_inputs=w8a8_inputs, absolute=absolute,
-                        kernel_acts=kernel_acts, kernel_terms=kernel_terms, lora=rows)
+                        kernel_acts=kernel_acts, kernel_terms=kernel_terms, lora=rows, routing=routing)
     return out.astype(dtype, copy=False)
+
+
+def without_shared_expert(cfg: MoeConfig, hw: HostWeights) -> tuple[MoeConfig, HostWeights]:
+    """The layer with its shared expert (and its gate) left out."""
+    from dataclasses import replace
+
+    return (cfg.replace(shared_expert_intermediate_size=0, has_shared_expert_gate=False),
+            replace(hw, shared_gate=None, shared_up=None, shared_down=None, shared_expert_gate=None))
 
 
 def _checked_options(absolute: Union[bool, str], rounding: Optional[str], activations: str, dtype) -> np.dtype:
@@ -560,9 +599,13 @@ def _rank_share(cfg: MoeConfig, ep_rank: Optional[int], owned_experts: Optional[
 def _layer_output(cfg: MoeConfig, hw: HostWeights, xf: np.ndarray, token_ids: Any, owned: Any, on_rank0: bool, *,
                   dtype: np.dtype, rounding: Optional[str], activations: str, w8a8_inputs: Optional[Callable],
                   absolute: Union[bool, str], kernel_acts: Optional[Callable],
-                  kernel_terms: Optional[Callable], lora: Optional["_LoraRows"] = None) -> np.ndarray:
+                  kernel_terms: Optional[Callable], lora: Optional["_LoraRows"] = None,
+                  routing: Optional[Routing] = None) -> np.ndarray:
     """moe_forward on checked options: this rank's routed experts, then rank 0's shared expert."""
-    routing = _route(cfg, hw, xf, token_ids, lora)  # the router reads x, not the normed copy
+    if routing is None:
+        routing = _route(cfg, hw, xf, token_ids, lora)  # the router reads x, not the normed copy
+    elif routing.ids.shape[0] != xf.shape[0]:
+        raise ValueError(f"given routing has {routing.ids.shape[0]} rows, x {xf.shape[0]}")
     xe = expert_input(cfg, hw, xf, dtype=dtype)
     if rounding and cfg.pre_expert_norm:
         xe = _bf16(xe)

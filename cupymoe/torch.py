@@ -4,6 +4,8 @@
     module = cupymoe.torch.MoeModule(layer)            # or MoeModule.from_pretrained(dir, i, max_tokens=...)
     y = module(x)                                      # bf16 [..., H] on the layer's GPU, torch's current stream
     y = torch.ops.cupymoe.moe_forward(x2d, module.layer_id, None)
+    y = module.experts(x2d, topk_ids, topk_weights)   # a server's own routing (MoeLayer.forward_experts)
+    y = torch.ops.cupymoe.moe_experts(x2d, module.layer_id, topk_ids, topk_weights, None)
 
 Importing this module registers the op (with a fake implementation, so torch.compile(fullgraph=True)
 traces through it as one opaque node) and needs torch; the rest of cupymoe does not. The op runs on
@@ -53,6 +55,25 @@ def _moe_forward_fake(x: torch.Tensor, layer_id: int, token_ids: Optional[torch.
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("cupymoe::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                shared_expert: Optional[bool] = None) -> torch.Tensor:
+    """bf16 [N, H] -> bf16 [N, H]: the registered layer's experts on the caller's routing (topk_ids [N, k]
+    int32, topk_weights [N, k] float32, used as given), on torch's current stream; `shared_expert`: None
+    adds the shared expert where the layer has one (MoeLayer.forward_experts)."""
+    layer = _layer(layer_id)
+    out = torch.empty_like(x)
+    layer.run_experts(x, topk_ids, topk_weights, out=out, stream=torch.cuda.current_stream(x.device).cuda_stream,
+                      shared_expert=shared_expert)
+    return out
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x: torch.Tensor, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      shared_expert: Optional[bool] = None) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 class MoeModule(torch.nn.Module):
     """A MoeLayer as a torch module: forward(x [..., H] bf16, token_ids=None, lora_ids=None)."""
 
@@ -74,6 +95,17 @@ class MoeModule(torch.nn.Module):
         if not rows.is_contiguous():
             rows = rows.contiguous()
         return torch.ops.cupymoe.moe_forward(rows, self.layer_id, token_ids).reshape(x.shape)
+
+    def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                shared_expert: Optional[bool] = None) -> torch.Tensor:
+        """The experts alone on the caller's routing (vLLM's fused_experts): x [N, H] bf16, topk_ids
+        [N, k] (any integer dtype: int32 is passed as it is), topk_weights [N, k] (float32 as it is)."""
+        if topk_ids.dtype != torch.int32:
+            topk_ids = topk_ids.to(torch.int32)
+        if topk_weights.dtype != torch.float32:
+            topk_weights = topk_weights.float()
+        return torch.ops.cupymoe.moe_experts(x.contiguous(), self.layer_id, topk_ids.contiguous(),
+                                             topk_weights.contiguous(), shared_expert)
 
     def extra_repr(self) -> str:
         cfg = self.layer.cfg

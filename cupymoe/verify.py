@@ -231,12 +231,14 @@ def compare(out: np.ndarray, ref: np.ndarray, faithful: Optional[np.ndarray] = N
 
 
 def references(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, path: str,
-               token_ids: Optional[np.ndarray] = None, owned_experts=None) -> tuple[np.ndarray, np.ndarray]:
+               token_ids: Optional[np.ndarray] = None, owned_experts=None,
+               routing: Optional[reference.Routing] = None) -> tuple[np.ndarray, np.ndarray]:
     """(exact, kernel-faithful) reference outputs for a forward that took `path` (fp8
     experts as w8a16: for w8a8, check_w8a8); `owned_experts`: an expert-parallel rank's
     explicit share (reference.moe_forward)."""
-    exact = reference.moe_forward(cfg, hw, x, token_ids, owned_experts=owned_experts)
-    faithful = reference.moe_forward(cfg, hw, x, token_ids, rounding=PATH_ROUNDING[path], owned_experts=owned_experts)
+    exact = reference.moe_forward(cfg, hw, x, token_ids, owned_experts=owned_experts, routing=routing)
+    faithful = reference.moe_forward(cfg, hw, x, token_ids, rounding=PATH_ROUNDING[path], owned_experts=owned_experts,
+                                     routing=routing)
     return exact, faithful
 
 
@@ -249,29 +251,34 @@ def path_roundings(hw: HostWeights, path: str) -> int:
 
 
 def check(out: np.ndarray, cfg: MoeConfig, hw: HostWeights, x: np.ndarray, path: str,
-          token_ids: Optional[np.ndarray] = None, layer=None, owned_experts=None) -> Comparison:
+          token_ids: Optional[np.ndarray] = None, layer=None, owned_experts=None,
+          routing: Optional[reference.Routing] = None, shared_expert: bool = True) -> Comparison:
     """compare() against both references, with the rounding budget of `path` and `hw`.
     `layer`: the layer that computed `out`, read for how it ran fp8 experts: as w8a8 (on
     every path), the check is check_w8a8 (which reads the layer's intermediates, so call
-    it before the layer runs again)."""
+    it before the layer runs again). `routing` (reference.given_routing) and `shared_expert`:
+    an experts-only forward's (MoeLayer.forward_experts)."""
+    if not shared_expert:
+        cfg, hw = reference.without_shared_expert(cfg, hw)
     if layer is not None and layer.fp8_compute == "w8a8":
-        return check_w8a8(out, layer, cfg, hw, x, token_ids, owned_experts, path)
+        return check_w8a8(out, layer, cfg, hw, x, token_ids, owned_experts, path, routing)
     # the activation's bf16 rounding where down's products cancel (module docstring)
     spread = reference.moe_forward(cfg, hw, x, token_ids, rounding=PATH_ROUNDING[path], absolute="down",
-                                   owned_experts=owned_experts)
+                                   owned_experts=owned_experts, routing=routing)
     terms = None
     if PATH_ROUNDING[path] == "grouped":  # each term rounded before the sum (module docstring)
         terms = [reference.moe_forward(cfg, hw, x, token_ids, rounding="grouped", absolute=True,
-                                       owned_experts=owned_experts)]
+                                       owned_experts=owned_experts, routing=routing)]
         if layer is not None:  # the faithful reference fed the kernels' own activation
             acts = KernelActivations(layer, cfg, x.shape[0])
-            exact = reference.moe_forward(cfg, hw, x, token_ids, owned_experts=owned_experts)
+            exact = reference.moe_forward(cfg, hw, x, token_ids, owned_experts=owned_experts, routing=routing)
             faithful = reference.moe_forward(cfg, hw, x, token_ids, rounding="grouped", owned_experts=owned_experts,
-                                             kernel_acts=acts.feed)
+                                             kernel_acts=acts.feed, routing=routing)
             c = compare(out, exact, faithful, roundings=path_roundings(hw, path), partials=terms, spread=spread)
             c.stages = acts.comparison()
             return c
-    return compare(out, *references(cfg, hw, x, path, token_ids, owned_experts), roundings=path_roundings(hw, path),
+    return compare(out, *references(cfg, hw, x, path, token_ids, owned_experts, routing),
+                   roundings=path_roundings(hw, path),
                    partials=terms, spread=spread)
 
 
@@ -478,7 +485,8 @@ def discount_flips(c: Comparison, out: np.ndarray, ref: np.ndarray, tight: tuple
 
 
 def check_w8a8(out: np.ndarray, layer, cfg: MoeConfig, hw: HostWeights, x: np.ndarray,
-               token_ids: Optional[np.ndarray] = None, owned_experts=None, path: str = "prefill") -> Comparison:
+               token_ids: Optional[np.ndarray] = None, owned_experts=None, path: str = "prefill",
+               routing: Optional[reference.Routing] = None) -> Comparison:
     """A w8a8 forward that took `path`, stage by stage (the rules above the Comparison
     class): the kernels' codes, their activation against float64 fed their input codes,
     their stored terms against float64 fed their codes (grouped: the bf16 weighted terms,
@@ -492,10 +500,10 @@ def check_w8a8(out: np.ndarray, layer, cfg: MoeConfig, hw: HostWeights, x: np.nd
     stages = W8a8Stages(layer, cfg, hw, x)
     terms = (KernelTerms(layer, cfg, x.shape[0]) if rounding == "grouped"
              else KernelOutputs(layer, cfg, x.shape[0]) if path == "decode" else None)
-    exact = reference.moe_forward(cfg, hw, x, token_ids, owned_experts=owned_experts)
+    exact = reference.moe_forward(cfg, hw, x, token_ids, owned_experts=owned_experts, routing=routing)
     faithful = reference.moe_forward(cfg, hw, x, token_ids, rounding=rounding, activations="fp8_block",
                                      w8a8_inputs=stages.feed, kernel_terms=terms.feed if terms else None,
-                                     owned_experts=owned_experts)
+                                     owned_experts=owned_experts, routing=routing)
     c = compare(out, exact, faithful, w8a8=True)
     if terms is None:
         discount_flips(c, out, faithful)

@@ -1,6 +1,6 @@
 """Device weights and the per-expert pointer tables the kernels read.
 
-Made once at load. The routed experts this rank owns are uploaded as stacked arrays
+Made once at load. The routed experts this rank owns are held as stacked arrays
 ([n_local, I, H] for gate and up, [n_local, H, I] for down); the kernels reach them
 through pointer tables indexed by table slot: slots 0 .. n_local-1 are the owned experts
 in order, slot n_local is the shared expert (its own intermediate size, its own arrays),
@@ -16,6 +16,16 @@ scale (nvfp4's scale_2; 1 otherwise) and the slot's format code. All routed expe
 one format; the shared expert may have another (a bf16 shared expert next to quantized
 routed experts is the common case), and the kernels run once per format present.
 
+Device arrays are used where they lie when they are already what the kernels read (_Store): a
+CuPy array (a torch CUDA tensor comes as a DLPack view, no copy) that is C-contiguous on the
+layer's device in the kernels' dtype (bf16 bits as uint16, e4m3 / e8m0 bytes as uint8, float32
+scales and vectors) is borrowed and kept alive; it must not change while the layer lives.
+Anything else is copied, on the device for a device array (never through the host): strided
+views (transformers 5's gate and up halves of `gate_up_proj`, since the TMA GEMM reads each
+stack as one contiguous matrix), float32 / float16 values (rounded to bf16 there), an expert
+gather for an explicit expert -> rank map, and fp4 codes always (the repack rewrites them).
+`memory` says how many bytes are the layer's own, borrowed and tables.
+
 A quantized router (fp8_block, nvfp4) is dequantized once here to bf16, rounding each
 weight once (relative error <= 2^-8; the router is E x H, a few MB at most, so its bytes do
 not matter); its logits are fp32 as for a bf16 router. `reference.moe_forward(...,
@@ -24,6 +34,7 @@ rounding=...)` models that rounding.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -43,15 +54,15 @@ from .errors import UnsupportedFormatError  # noqa: F401 (re-exported)
 
 
 def _bf16_bits(t: Any, name: str):
-    """A bf16 (or float32, rounded) host array as contiguous uint16 bits.
-
-    A CuPy uint16 array is taken as bf16 bits already on the device (the benchmark draws
-    its large random weights there); it is copied, so the layer owns its weights.
-    """
-    if type(t).__module__.startswith("cupy"):
-        if t.dtype != np.uint16:
-            raise UnsupportedFormatError(f"{name}: a CuPy array must hold bf16 bits as uint16, found {t.dtype}")
-        return t
+    """A bf16 (or float32, rounded) array as contiguous uint16 bits: a host array, or a CuPy array
+    kept on its device (uint16 is bf16 bits already; float32 / float16 is rounded there)."""
+    if formats.on_device(t):
+        if t.dtype == np.uint16:
+            return t
+        if t.dtype not in (np.float32, np.float16):
+            raise UnsupportedFormatError(f"{name}: a device array must hold bf16 bits as uint16 (or float32 / "
+                                         f"float16 values to round), found {t.dtype}")
+        return _device_bf16_bits(t)
     fmt = formats.weight_format(t)
     if fmt != "bf16":
         raise UnsupportedFormatError(
@@ -64,19 +75,77 @@ def _bf16_bits(t: Any, name: str):
     return np.ascontiguousarray(a).view(np.uint16)
 
 
+def _device_bf16_bits(t: Any):
+    """float32 values rounded to bf16 (nearest even) on the device, as uint16 bits (values are finite:
+    HostWeights.validate checked them)."""
+    import cupy
+
+    u = cupy.ascontiguousarray(t, dtype=cupy.float32).view(cupy.uint32)
+    return ((u + cupy.uint32(0x7FFF) + ((u >> 16) & cupy.uint32(1))) >> 16).astype(cupy.uint16)
+
+
 def router_bf16(t: Any) -> Any:
     """The router as the kernels hold it: bf16 as given, or a quantized router dequantized
-    (exactly, in float64) and rounded once to bf16."""
+    (exactly, in float64) and rounded once to bf16 (a device router's few MB through the host)."""
     if formats.weight_format(t) == "bf16":
         return t
-    if formats.on_device(getattr(t, "q", getattr(t, "packed", None))):
-        raise UnsupportedFormatError(f"router: a quantized router ({formats.weight_format(t)}) must hold host "
-                                     "(numpy) arrays, found CuPy arrays: it is dequantized on the host at load")
-    return formats.dequantize(t, np.float64).astype(np.float32).astype(formats.BF16)
+    return formats.dequantize(on_host(t), np.float64).astype(np.float32).astype(formats.BF16)
 
 
-def _f32(t: Optional[np.ndarray]) -> Optional[np.ndarray]:
-    return None if t is None else np.ascontiguousarray(np.asarray(t, dtype=np.float32))
+def on_host(t: Any) -> Any:
+    """A quantized container with its device arrays copied to the host (small tensors only: the router)."""
+    import dataclasses
+
+    return type(t)(**{f.name: (v.get() if formats.on_device(v) else v)
+                      for f in dataclasses.fields(t) for v in [getattr(t, f.name)]})
+
+
+def _f32(t: Any) -> Any:
+    if t is None:
+        return None
+    if formats.on_device(t):
+        import cupy
+
+        return t if t.dtype == np.float32 else t.astype(cupy.float32)
+    return np.ascontiguousarray(np.asarray(t, dtype=np.float32))
+
+
+@dataclass(frozen=True)
+class WeightMemory:
+    """The device memory a layer's weights take (MoeLayer.memory_report)."""
+
+    owned: int  # bytes the layer allocated: copies, repacked fp4 codes, a dequantized router
+    borrowed: int  # the caller's device arrays used where they lie (kept alive, never written)
+    tables: int  # per-slot pointer tables and slot maps
+
+
+class _Store:
+    """The layer's device arrays: a caller's CuPy array already as the kernels read it (C-contiguous,
+    on this device) is borrowed and kept alive; anything else is copied, on the device for a device
+    array (never through the host), uploaded for a host one."""
+
+    def __init__(self, device_id: int):
+        self.device_id = device_id
+        self.keep: list[Any] = []
+        self.bytes = {"owned": 0, "borrowed": 0, "tables": 0}
+
+    def take(self, a: Any, *, fresh: bool = False, table: bool = False, copy: bool = False) -> Any:
+        """`fresh`: `a` was made for the layer (a conversion's result): it is owned; `copy`: always a
+        copy (the fp4 repack writes it)."""
+        if a is None:
+            return None
+        import cupy
+
+        if (formats.on_device(a) and not copy and a.device.id == self.device_id and a.flags.c_contiguous):
+            d, kind = a, "owned" if fresh else "borrowed"
+        else:
+            d, kind = cupy.array(a, copy=True, order="C"), "tables" if table else "owned"
+        self.keep.append(d)
+        self.bytes[kind] += int(d.nbytes)
+        return d
+
+    def memory(self) -> WeightMemory:
+        return WeightMemory(**self.bytes)
 
 
 class DeviceWeights:
@@ -88,86 +157,115 @@ class DeviceWeights:
         self.cfg = cfg
         owned = list(cfg.owned_experts() if owned is None else owned)
         self.n_local = len(owned)
-        # slot_of[e]: expert e's table slot here, -1 for other ranks' experts and zero experts
-        slot_of = np.full(cfg.router_width, -1, np.int32)
-        slot_of[owned] = np.arange(len(owned), dtype=np.int32)
-        sl = _selector(owned)
-        self._keep: list[Any] = []  # device arrays the pointer tables point into
-
-        def up(a: Optional[np.ndarray]):
-            if a is None:
-                return None
-            d = cupy.array(a, copy=True)  # the layer owns its copy, whatever the caller does
-            self._keep.append(d)
-            return d
-
-        def ptr(d) -> int:
-            return 0 if d is None else int(d.data.ptr)
-
+        self._owned = owned
+        self._store = _Store(device_id)
         with cupy.cuda.Device(device_id):
-            self.slot_of = up(slot_of)
-            self.router = up(_bf16_bits(router_bf16(hw.router), "router"))
-            self.router_bias = up(_f32(hw.router_bias))
-            self.correction_bias = up(_f32(hw.correction_bias))
-            self.norm_weight = up(_f32(hw.norm_weight))
-            self.shared_expert_gate = up(_f32(hw.shared_expert_gate))
-            self.tid2eid = up(None if hw.tid2eid is None else np.ascontiguousarray(hw.tid2eid, dtype=np.int32))
-
-            self.format = _one_format({p: getattr(hw, p) for p in PROJECTIONS}, "routed experts")
-            mats = {p: _DeviceMatrix(getattr(hw, p)[sl], p, p, up) for p in PROJECTIONS}
+            self._vectors(hw)
+            mats, biases = self._routed(hw, owned)
+            tables, gscale, slot_fmt, inter = _slot_tables(cfg, self.n_local, self.format, mats, biases)
+            ranges = [m.scale_bytes for m in mats.values() if m.scale_bytes is not None]
+            ranges += self._shared(hw, tables, gscale, slot_fmt, inter)
             # the smallest and largest mxfp4 scale byte of every mxfp4 matrix (None: none):
             # the tensor-core decode serves a range of them (catalog.FP4_MMA_MXFP4_SCALE_BYTES)
-            self.mxfp4_scale_bytes = None
-            ranges = [m.scale_bytes for m in mats.values() if m.scale_bytes is not None]
-            # the stacked routed experts ([n_local, I, H], [n_local, H, I]; bf16 bits, or the
-            # quantized codes, fp4 words repacked), kept by name for code that reads them
-            # whole (the torch peers, bf16 only)
-            self.experts = {p: m.w for p, m in mats.items()}
-            gb = up(_f32(None if hw.gate_bias is None else hw.gate_bias[sl]))
-            ub = up(_f32(None if hw.up_bias is None else hw.up_bias[sl]))
-            db = up(_f32(None if hw.down_bias is None else hw.down_bias[sl]))
-
-            I = cfg.moe_intermediate_size
-            n = self.n_local
-            slots = n + 1  # + the shared expert's slot (zeros when there is none)
-            tables = {k: np.zeros(slots, np.uint64) for k in
-                      ("gate_bias", "up_bias", "down_bias") + PROJECTIONS + tuple(p + "_scale" for p in PROJECTIONS)}
-            gscale = {p + "_gscale": np.ones(slots, np.float32) for p in PROJECTIONS}
-            slot_fmt = np.zeros(slots, np.int32)
-            inter = np.zeros(slots, np.int32)
-            for m in mats.values():
-                m.fill(tables, gscale, range(n))
-            for e in range(n):
-                if gb is not None:
-                    tables["gate_bias"][e] = ptr(gb) + e * I * 4
-                    tables["up_bias"][e] = ptr(ub) + e * I * 4
-                    tables["down_bias"][e] = ptr(db) + e * cfg.hidden_size * 4
-                inter[e] = I
-                slot_fmt[e] = FORMAT_CODES[self.format]
-            self.shared_format = None
-            if cfg.has_shared_expert:
-                shared = {p: getattr(hw, "shared_" + p) for p in PROJECTIONS}
-                self.shared_format = _one_format(shared, "the shared expert")
-                for p, t in shared.items():
-                    m = _DeviceMatrix(t, p, "shared_" + p, up, stacked=False)
-                    m.fill(tables, gscale, [n])
-                    if m.scale_bytes is not None:
-                        ranges.append(m.scale_bytes)
-                inter[n] = cfg.shared_expert_intermediate_size
-                slot_fmt[n] = FORMAT_CODES[self.shared_format]
-            if ranges:
-                self.mxfp4_scale_bytes = (min(r[0] for r in ranges), max(r[1] for r in ranges))
-            self.tables = {k: up(v) for k, v in {**tables, **gscale}.items()}
-            self.slot_fmt = up(slot_fmt)
-            self.inter = up(inter)
-        self.shared_slot = n
+            self.mxfp4_scale_bytes = (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else None
+            take = self._store.take
+            self.tables = {k: take(v, table=True) for k, v in {**tables, **gscale}.items()}
+            self.slot_fmt = take(slot_fmt, table=True)
+            self.inter = take(inter, table=True)
+        self.shared_slot = self.n_local
         self.i_max = int(inter.max())
+        self._keep = self._store.keep
         self.nbytes = sum(int(d.nbytes) for d in self._keep)
+
+    @property
+    def memory(self) -> WeightMemory:
+        return self._store.memory()
+
+    def _vectors(self, hw: HostWeights) -> None:
+        """The router, its biases, the norm weight, the shared-expert gate, the hash table, the slot map."""
+        cfg, take = self.cfg, self._store.take
+        # slot_of[e]: expert e's table slot here, -1 for other ranks' experts and zero experts
+        slot_of = np.full(cfg.router_width, -1, np.int32)
+        slot_of[self._owned] = np.arange(self.n_local, dtype=np.int32)
+        self.slot_of = take(slot_of, table=True)
+        router = router_bf16(hw.router)
+        bits = _bf16_bits(router, "router")
+        self.router = take(bits, fresh=router is not hw.router or bits is not router)
+        for name in ("router_bias", "correction_bias", "norm_weight", "shared_expert_gate"):
+            t = getattr(hw, name)
+            v = _f32(t)
+            setattr(self, name, take(v, fresh=v is not t))
+        self.tid2eid = take(None if hw.tid2eid is None else _int32(hw.tid2eid))
+
+    def _routed(self, hw: HostWeights, owned: list[int]) -> tuple[dict, tuple]:
+        """The routed experts' matrices (stacked [n_local, ...]) and biases ([n_local, I], [n_local, H])."""
+        sl = _selector(owned)
+        fresh = not isinstance(sl, slice)  # an index array's gather is a new array
+        self.format = _one_format({p: getattr(hw, p) for p in PROJECTIONS}, "routed experts")
+        mats = {p: _DeviceMatrix(getattr(hw, p)[sl], p, p, self._store, fresh=fresh) for p in PROJECTIONS}
+        # the stacked routed experts ([n_local, I, H], [n_local, H, I]; bf16 bits, or the
+        # quantized codes, fp4 words repacked), kept by name for code that reads them
+        # whole (the torch peers, bf16 only)
+        self.experts = {p: m.w for p, m in mats.items()}
+        biases = []
+        for name in ("gate_bias", "up_bias", "down_bias"):
+            t = getattr(hw, name)
+            t = None if t is None else t[sl]
+            v = _f32(t)
+            biases.append(self._store.take(v, fresh=fresh or v is not t))
+        return mats, tuple(biases)
+
+    def _shared(self, hw: HostWeights, tables: dict, gscale: dict, slot_fmt, inter) -> list:
+        """The shared expert into slot n_local; returns its mxfp4 scale-byte range (if any) in a list."""
+        cfg, n = self.cfg, self.n_local
+        self.shared_format = None
+        if not cfg.has_shared_expert:
+            return []
+        shared = {p: getattr(hw, "shared_" + p) for p in PROJECTIONS}
+        self.shared_format = _one_format(shared, "the shared expert")
+        ranges = []
+        for p, t in shared.items():
+            m = _DeviceMatrix(t, p, "shared_" + p, self._store, stacked=False)
+            m.fill(tables, gscale, [n])
+            if m.scale_bytes is not None:
+                ranges.append(m.scale_bytes)
+        inter[n] = cfg.shared_expert_intermediate_size
+        slot_fmt[n] = FORMAT_CODES[self.shared_format]
+        return ranges
 
     def ptr(self, name: str) -> int:
         """Raw pointer of a named device tensor (0 when the layer has none)."""
         d = self.tables[name] if name in self.tables else getattr(self, name)
         return 0 if d is None else int(d.data.ptr)
+
+
+def _int32(t: Any) -> Any:
+    if formats.on_device(t):
+        return t.astype("int32")
+    return np.ascontiguousarray(t, dtype=np.int32)
+
+
+def _slot_tables(cfg: MoeConfig, n: int, fmt: str, mats: dict, biases: tuple) -> tuple:
+    """The per-slot tables of the routed slots 0..n-1 (pointers, global scales, formats, widths);
+    slot n, the shared expert's, stays zero here."""
+    I, H = cfg.moe_intermediate_size, cfg.hidden_size
+    slots = n + 1  # + the shared expert's slot (zeros when there is none)
+    tables = {k: np.zeros(slots, np.uint64) for k in
+              ("gate_bias", "up_bias", "down_bias") + PROJECTIONS + tuple(p + "_scale" for p in PROJECTIONS)}
+    gscale = {p + "_gscale": np.ones(slots, np.float32) for p in PROJECTIONS}
+    slot_fmt = np.zeros(slots, np.int32)
+    inter = np.zeros(slots, np.int32)
+    for m in mats.values():
+        m.fill(tables, gscale, range(n))
+    gb, ub, db = biases
+    for e in range(n):
+        if gb is not None:
+            tables["gate_bias"][e] = int(gb.data.ptr) + e * I * 4
+            tables["up_bias"][e] = int(ub.data.ptr) + e * I * 4
+            tables["down_bias"][e] = int(db.data.ptr) + e * H * 4
+        inter[e] = I
+        slot_fmt[e] = FORMAT_CODES[fmt]
+    return tables, gscale, slot_fmt, inter
 
 
 PROJECTIONS = ("gate", "up", "down")
@@ -182,9 +280,11 @@ def _one_format(mats: dict, what: str) -> str:
 
 class _DeviceMatrix:
     """One projection's weights on the device, stacked over experts (or one matrix), in its
-    format: `w` the bf16 bits or the codes, `s` the scales, `g` the global scales."""
+    format: `w` the bf16 bits or the codes, `s` the scales, `g` the global scales. A caller's
+    device arrays in that layout are borrowed (_Store); fp4 codes are always the layer's own copy
+    (the repack rewrites them). `fresh`: `t`'s arrays were made for the layer (an expert gather)."""
 
-    def __init__(self, t: Any, proj: str, name: str, upload, stacked: bool = True):
+    def __init__(self, t: Any, proj: str, name: str, store: _Store, stacked: bool = True, fresh: bool = False):
         self.proj = proj  # gate / up / down: the tables it fills
         fmt = formats.weight_format(t)
         if fmt not in FORMAT_CODES:
@@ -201,19 +301,25 @@ class _DeviceMatrix:
         self.g = np.ones(self.count, np.float32)
         self.s = None
         self.scale_bytes = None  # mxfp4: (smallest, largest) scale byte
+
+        def take(a, copy=False):
+            return store.take(a, fresh=fresh, copy=copy)
+
         if fmt == "bf16":
-            self.w = upload(_bf16_bits(t, name))
+            bits = _bf16_bits(t, name)
+            self.w = store.take(bits, fresh=fresh or bits is not t)
         elif fmt == "fp8_block":
-            self.w = upload(_codes(t.q))
-            self.s = upload(t.scale_inv if formats.on_device(t.scale_inv)
-                            else np.ascontiguousarray(t.scale_inv, dtype=np.float32))
+            self.w = take(_codes(t.q))
+            self.s = take(t.scale_inv if formats.on_device(t.scale_inv)
+                          else np.ascontiguousarray(t.scale_inv, dtype=np.float32))
         elif fmt == "nvfp4":
-            self.w = _repack_fp4(upload(_codes(t.packed)))
-            self.s = upload(_codes(t.scale))
-            self.g = np.asarray(t.scale_2, np.float32).reshape(self.count)
+            self.w = _repack_fp4(take(_codes(t.packed), copy=True))
+            self.s = take(_codes(t.scale))
+            g = t.scale_2.get() if formats.on_device(t.scale_2) else t.scale_2
+            self.g = np.asarray(g, np.float32).reshape(self.count)
         else:  # mxfp4: [.., out, K/32, 16] blocks are the [.., out, K/2] packed bytes
-            self.w = _repack_fp4(upload(_codes(t.blocks)))
-            self.s = upload(_codes(t.scales))
+            self.w = _repack_fp4(take(_codes(t.blocks), copy=True))
+            self.s = take(_codes(t.scales))
             self.scale_bytes = (int(self.s.min()), int(self.s.max())) if self.s.size else (127, 127)
         self.w_stride = self.out * self.K * FORMAT_BITS[fmt] // 8
         self.s_stride = 0 if self.s is None else int(self.s.nbytes) // self.count

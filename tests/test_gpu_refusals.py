@@ -54,9 +54,10 @@ def test_torch_out_and_token_ids_off_device_strided_short_or_mistyped_are_refuse
     torch = pytest.importorskip("torch")
     cfg, hw, layer = _layer(rng, "deepseek_v3", hash_routing=True, hash_vocab_size=50, n_group=1, topk_group=1)
     n, H = 8, cfg.hidden_size
-    xh = well_separated_input(cfg, hw, rng, n)
+    ids_h = testing.random_token_ids(rng, n, 50)
+    xh = well_separated_input(cfg, hw, rng, n, ids_h)
     x = _torch_bf16(torch, xh)
-    ids = torch.from_numpy(testing.random_token_ids(rng, n, 50)).cuda()
+    ids = torch.from_numpy(ids_h).cuda()
     out = torch.full((n, H), float("nan"), dtype=torch.bfloat16, device="cuda")
     bad_outs = {
         "on the host": torch.full((n, H), float("nan"), dtype=torch.bfloat16),
@@ -123,9 +124,10 @@ def test_pointers_outside_the_address_space_are_refused_before_the_first_launch(
 
     cfg, hw, layer = _layer(rng, "deepseek_v3", hash_routing=True, hash_vocab_size=50, n_group=1, topk_group=1)
     n = 4
-    x = cupy.asarray(bf16_bits(well_separated_input(cfg, hw, rng, n)))
+    ids_h = testing.random_token_ids(rng, n, 50)
+    x = cupy.asarray(bf16_bits(well_separated_input(cfg, hw, rng, n, ids_h)))
     out = cupy.full_like(x, NAN)
-    ids = cupy.asarray(testing.random_token_ids(rng, n, 50))
+    ids = cupy.asarray(ids_h)
     s = cupy.cuda.Stream(non_blocking=True)
     good = dict(input_ptr=int(x.data.ptr), output_ptr=int(out.data.ptr), token_ids_ptr=int(ids.data.ptr))
     _poison_scratch(layer)

@@ -1,0 +1,140 @@
+"""The experts-only entry: for servers that route themselves (vLLM's `fused_experts(hidden, w1, w2,
+topk_weights, topk_ids)`), the layer's experts on the caller's expert ids and routing weights.
+
+    layer.forward_experts(x_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, out_ptr, stream_ptr)
+    out = layer.run_experts(x, topk_ids, topk_weights)     # torch tensors or CuPy arrays
+
+The plan is the routed forward's with its router and routing kernel replaced by one small kernel,
+experts_route_in (cuda/topk.cu), that copies the call's ids [N, k] int32 and weights [N, k] float32
+into the scratch the routing kernels write; every later stage (norm, sort, gate/up, down, reduce)
+is unchanged, on every path. What the call's routing means:
+
+- the weights are used as given: no renormalisation (norm_topk_prob) and no routed_scaling_factor;
+- ids are global expert ids in 0..router_width-1: E..router_width-1 are the layer's zero
+  (identity) experts where it has them; other ranks' experts (expert parallelism) add nothing
+  here; an id outside that range is flagged (MoeLayer.check_errors: ErrorBit.EXPERT_ID_RANGE) and
+  its pair adds nothing: never an out-of-bounds access;
+- a row may name an expert twice (each pair counts);
+- the layer's pre-expert norm, if any, still applies to the experts' input;
+- the shared expert (with its gate) is added as the layer has it unless `shared_expert=False`.
+
+Hash routing layers need no token ids here. CUPYMOE_PROFILE and NVTX ranges apply;
+CUPYMOE_DUMP_DIR dumps `forward` only (its dumps recompute the router).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import numpy as np
+
+from . import arrays, profiling
+from .errors import MoeCallError
+from .forward_plan import build_forward_plan, prefill_shape
+from .launch import PackedPlan
+from .plan import CallValue, Path
+
+log = logging.getLogger(__name__)
+
+
+def shared_flag(layer, shared_expert: Optional[bool]) -> bool:
+    """Whether an experts-only call adds the shared expert (None: as the layer has one)."""
+    if shared_expert is None:
+        return layer.cfg.has_shared_expert
+    if not isinstance(shared_expert, bool):
+        raise MoeCallError(f"shared_expert={shared_expert!r}: must be True, False or None (as the layer has it)")
+    if shared_expert and not layer.cfg.has_shared_expert:
+        raise MoeCallError("shared_expert=True: this layer has no shared expert")
+    return shared_expert
+
+
+def plan_for(layer, n: int, path: Optional[str], shared: bool, separated: bool = False) -> PackedPlan:
+    """The packed experts-only plan of `n` rows (built on first use, then kept on the layer)."""
+    p = Path(layer.select_path(n, path))
+    key = (p, n if p != Path.PREFILL else prefill_shape(layer.plan, layer.device, n), shared, separated)
+    cache = layer._experts_packed  # (reset when the layer binds a workspace)
+    packed = cache.get(key)
+    if packed is None:
+        plan = build_forward_plan(layer.plan, layer.device, n, p, separated=separated, given_routing=True,
+                                  shared_expert=shared)
+        comm = layer.comm
+        reduce = (lambda ptr, nbytes, stream: comm.all_reduce(ptr, nbytes, "bf16", stream)) if comm else None
+        packed = cache[key] = PackedPlan(plan, layer._resolve, layer.lib.pointer, reduce)
+    return packed
+
+
+def check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr) -> tuple[int, ...]:
+    """Refuse a bad experts-only call before anything is launched: (N, x, ids, weights, out) as ints."""
+    from .layer_checks import pointer as _pointer
+
+    if type(num_tokens) is not int and (not isinstance(num_tokens, np.integer) or isinstance(num_tokens, bool)):
+        raise MoeCallError(f"num_tokens={num_tokens!r}: must be an int")
+    n = int(num_tokens)
+    if not 1 <= n <= layer.max_tokens:
+        raise MoeCallError(f"num_tokens={n}: must be in 1..max_tokens={layer.max_tokens}")
+    x = _pointer("input_ptr", input_ptr, 16)  # the kernels read 16-byte vectors
+    out = _pointer("output_ptr", output_ptr, 16)
+    ids = _pointer("topk_ids_ptr", topk_ids_ptr, 4)
+    w = _pointer("topk_weights_ptr", topk_weights_ptr, 4)
+    nbytes = n * layer.cfg.hidden_size * 2
+    if x < out + nbytes and out < x + nbytes:
+        raise MoeCallError(f"output_ptr=0x{out:x} overlaps input_ptr=0x{x:x} ({nbytes} bytes each): blocks read "
+                           "whole input rows while others write the output; give the output its own memory")
+    return n, x, ids, w, out
+
+
+def forward_experts(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr, stream, *,
+                    shared_expert: Optional[bool] = None, path: Optional[str] = None) -> None:
+    """MoeLayer.forward_experts (the module docstring says what the routing means)."""
+    n, x, ids, w, out = check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr)
+    shared = shared_flag(layer, shared_expert)
+    stream = layer._stream(stream)
+    separated = layer._profile or profiling.recording_events()
+    packed = plan_for(layer, n, path, shared, separated)
+    packed.set_call_value(CallValue.TOPK_IDS, ids)
+    packed.set_call_value(CallValue.TOPK_WEIGHTS, w)
+    ws = layer.workspace
+    ws.use(stream)
+    if layer._profile or profiling.observed():
+        _observed(layer, packed, x, out, n, stream)
+    else:
+        packed.run(x, out, 0, n, stream)
+    ws.done(stream)
+
+
+def _observed(layer, packed: PackedPlan, x: int, out: int, n: int, stream: int) -> None:
+    """The stages one by one inside NVTX ranges (and CUPYMOE_PROFILE's timed syncs)."""
+    from .debug import cupy_stream
+
+    s = cupy_stream(stream, layer.device_id)
+    if layer._profile and s.is_capturing():
+        raise MoeCallError("CUPYMOE_PROFILE synchronises the stream; unset it while capturing a graph")
+    packed.prepare(x, out, 0, n, stream)
+    timer = profiling.StageTimer(s, n, packed.plan.path.value, layer._profile)
+    with timer.forward():
+        i = 0
+        while i < len(packed.steps):
+            stage = packed.steps[i][0]
+            with timer.stage(stage.value):
+                while i < len(packed.steps) and packed.steps[i][0] == stage:
+                    packed.run_step(packed.steps[i][1], packed.steps[i][2], n, stream)
+                    i += 1
+
+
+def run_experts(layer, x, topk_ids, topk_weights, *, out=None, stream=None, shared_expert: Optional[bool] = None,
+                path: Optional[str] = None):
+    """MoeLayer.run_experts: arrays in (torch tensors or CuPy arrays), the output array back."""
+    xa = arrays.view(x, "x")
+    n = arrays.rows_of(xa, layer.cfg.hidden_size, layer.device_id)
+    k = layer.cfg.num_experts_per_tok
+    ia, wa = arrays.view(topk_ids, "topk_ids"), arrays.view(topk_weights, "topk_weights")
+    arrays.check(ia, "topk_ids", device=layer.device_id, dtypes=("int32",), shape=(n, k))
+    arrays.check(wa, "topk_weights", device=layer.device_id, dtypes=("float32",), shape=(n, k))
+    if out is None:
+        out = arrays.empty_like(x)
+    oa = arrays.view(out, "out")
+    arrays.check(oa, "out", device=layer.device_id, dtypes=arrays.BF16_BITS, shape=xa.shape)
+    forward_experts(layer, xa.ptr, n, ia.ptr, wa.ptr, oa.ptr, arrays.current_stream(x) if stream is None else stream,
+                    shared_expert=shared_expert, path=path)
+    return out

@@ -1,0 +1,142 @@
+"""CPU tests of the experts-only entry (cupymoe/experts.py): its plans launch no router and no
+routing kernel but experts_route_in on the call's ids and weights, then the routed plan's very
+stages; its refusals name the values; the reference with a given routing is the routed one's."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cupymoe import bench, reference, testing
+from cupymoe.errors import MoeCallError
+from cupymoe.experts import check_call, shared_flag
+from cupymoe.forward_plan import S, build_forward_plan
+from cupymoe.knobs import Knobs
+from cupymoe.plan import ErrorBit, CallValue, DeviceFacts, LayerOptions, Path, plan_layer
+
+H200 = DeviceFacts.h200()
+ROUTING_KERNELS = ("router_logits", "topk_route", "decode_route_lists", "decode_topk_lists")
+
+
+def _plan(cfg, fmt="bf16", dev=H200):
+    shared = fmt if cfg.has_shared_expert else None
+    return plan_layer(cfg, fmt, shared, dev.arch, options=LayerOptions(decode_max_tokens=64), knobs=Knobs())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("family", testing.FAMILIES)
+def test_an_experts_plan_takes_the_calls_routing_then_runs_the_routed_stages(family, fmt):
+    cfg = testing.tiny_config(family)
+    lp = _plan(cfg, fmt)
+    for path, n in ((Path.DECODE, 1), (Path.DECODE, 37), (Path.ATOMIC, 5), (Path.PREFILL, 300)):
+        plan = build_forward_plan(lp, H200, n, path, given_routing=True).at(n)
+        first, rest = plan.launches[0], plan.launches[1:]
+        assert first.kernel == "experts_route_in" and not first.pdl
+        assert first.arg("ids_in") == CallValue.TOPK_IDS and first.arg("w_in") == CallValue.TOPK_WEIGHTS
+        assert first.arg("ids_out") == S("topk_ids") and first.arg("w_out") == S("topk_w")
+        assert (first.arg("N"), first.arg("R"), first.arg("k")) == (n, cfg.router_width, cfg.num_experts_per_tok)
+        assert first.grid == (-(-n // 4),)
+        assert lp.w8a8 == (first.arg("qx") != 0) or cfg.pre_expert_norm  # x's e4m3 codes where w8a8 needs them
+        assert not any(launch.kernel.startswith(ROUTING_KERNELS) for launch in plan.launches)
+        assert all(S("logits") not in [a.value for a in launch.args] for launch in plan.launches)  # no router GEMM
+        assert all(CallValue.TOKEN_IDS not in [a.value for a in launch.args] for launch in plan.launches)
+        if n == 300 or n == 37:  # past the fused routing + lists: the routed plan's steps after its routing
+            routed = build_forward_plan(lp, H200, n, path).at(n)
+            assert routed.steps[2:] == plan.steps[1:], (path, n)
+        assert rest[-1].kernel in ("decode_reduce", "grouped_reduce") and rest[-1].arg("out") == CallValue.OUTPUT
+
+
+def test_an_experts_plan_without_the_shared_expert_leaves_it_out_everywhere():
+    cfg = bench.preset_config("qwen3-next-80b", routed_only=False)
+    assert cfg.has_shared_expert
+    lp = _plan(cfg)
+    for path, n in ((Path.DECODE, 3), (Path.PREFILL, 700)):
+        plan = build_forward_plan(lp, H200, n, path, given_routing=True, shared_expert=False).at(n)
+        with_shared = build_forward_plan(lp, H200, n, path, given_routing=True).at(n)
+        flags = [a.value for launch in plan.launches for a in launch.args if a.name == "has_shared"]
+        assert flags and set(flags) == {0}
+        assert {a.value for launch in with_shared.launches for a in launch.args if a.name == "has_shared"} == {1}
+        assert [x.kernel for x in plan.launches] == [x.kernel for x in with_shared.launches]
+
+
+def test_the_error_bits_are_named():
+    assert ErrorBit.TOKEN_ID_RANGE == 1 and ErrorBit.EXPERT_ID_RANGE == 2
+    from cupymoe.layer import _error_text
+
+    assert "expert id outside 0..router_width-1" in _error_text(3) and "token id" in _error_text(3)
+
+
+def test_bad_experts_calls_are_refused_by_name():
+    cfg = testing.tiny_config("qwen3_moe")
+    layer = SimpleNamespace(cfg=cfg, max_tokens=8)
+    ok = dict(input_ptr=0x10000, num_tokens=4, topk_ids_ptr=0x20000, topk_weights_ptr=0x30000, output_ptr=0x40000)
+    assert check_call(layer, **ok) == (4, 0x10000, 0x20000, 0x30000, 0x40000)
+    for change, match in (({"num_tokens": 9}, "1..max_tokens=8"), ({"num_tokens": 0}, "num_tokens=0"),
+                          ({"num_tokens": True}, "must be an int"), ({"topk_ids_ptr": 0x20002}, "topk_ids_ptr=.*4-byte"),
+                          ({"topk_weights_ptr": 0}, "topk_weights_ptr=0"), ({"topk_ids_ptr": None}, "topk_ids_ptr=None"),
+                          ({"output_ptr": 0x10000 + 64}, "overlaps input_ptr")):
+        with pytest.raises(MoeCallError, match=match):
+            check_call(layer, **{**ok, **change})
+    assert shared_flag(layer, None) is False
+    with pytest.raises(MoeCallError, match="no shared expert"):
+        shared_flag(layer, True)
+    with pytest.raises(MoeCallError, match="shared_expert='yes'"):
+        shared_flag(layer, "yes")
+    shared = SimpleNamespace(cfg=testing.tiny_config("qwen2_moe"), max_tokens=8)
+    assert shared_flag(shared, None) is True and shared_flag(shared, False) is False
+
+
+@pytest.mark.parametrize("family", testing.FAMILIES)
+def test_the_reference_with_the_routers_own_routing_is_the_layers_output(family, rng):
+    cfg = testing.tiny_config(family)
+    hw = testing.random_host_weights(cfg, rng)
+    x = testing.random_input(rng, 6, cfg.hidden_size)
+    tids = testing.random_token_ids(rng, 6, cfg.hash_vocab_size) if cfg.hash_routing else None
+    r = reference.route(cfg, hw, x, tids)
+    w = r.weights.astype(np.float32)
+    r32 = reference.Routing(r.logits, r.ids, w.astype(np.float64), r.margin)  # the weights as a caller holds them
+    want = reference.moe_forward(cfg, hw, x, tids, routing=r32)
+    got = reference.experts_forward(cfg, hw, x, r.ids.astype(np.int32), w)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, reference.moe_forward(cfg, hw, x, tids), rtol=1e-5, atol=1e-6)
+    if cfg.has_shared_expert:
+        routed = reference.experts_forward(cfg, hw, x, r.ids, w, shared_expert=False)
+        shared = reference._shared_expert(cfg, hw, np.asarray(x, dtype=np.float64))
+        np.testing.assert_allclose(routed + shared, got, rtol=1e-12, atol=1e-12)
+
+
+def test_the_reference_refuses_a_routing_it_cannot_read():
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, np.random.default_rng(0))
+    x = testing.random_input(np.random.default_rng(1), 2, cfg.hidden_size)
+    k, R = cfg.num_experts_per_tok, cfg.router_width
+    ids, w = np.zeros((2, k), np.int32), np.ones((2, k), np.float32)
+    with pytest.raises(ValueError, match=f"0..{R - 1}, found 0..{R}"):
+        reference.experts_forward(cfg, hw, x, np.where(np.arange(k) == 1, R, ids), w)
+    with pytest.raises(ValueError, match=r"ids \(2, 1\)"):
+        reference.experts_forward(cfg, hw, x, ids[:, :1], w[:, :1])
+    with pytest.raises(ValueError, match="3 rows, x 2"):
+        reference.experts_forward(cfg, hw, x, np.zeros((3, k), np.int32), np.ones((3, k), np.float32))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_verify_judges_an_experts_output_against_the_given_routing(shared, rng):
+    """verify.check with a given routing: the faithful reference's own output passes, the routed
+    forward's (the router's routing, not the given one) fails."""
+    from cupymoe.verify import check
+
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    n, k = 9, cfg.num_experts_per_tok
+    x = testing.random_input(rng, n, cfg.hidden_size)
+    ids = rng.integers(0, cfg.router_width, size=(n, k)).astype(np.int32)
+    w = rng.uniform(0.05, 1.0, size=(n, k)).astype(np.float32)
+    routing = reference.given_routing(cfg, ids, w)
+    out = reference.experts_forward(cfg, hw, x, ids, w, shared_expert=shared, rounding="decode")
+    out = out.astype(np.float32).astype(testing.BF16).astype(np.float32)
+    assert check(out, cfg, hw, x, "decode", routing=routing, shared_expert=shared).ok
+    assert not check(out, cfg, hw, x, "decode", routing=routing, shared_expert=not shared).ok
+    routed = reference.moe_forward(cfg, hw, x).astype(np.float32)
+    assert not check(routed, cfg, hw, x, "decode", routing=routing, shared_expert=shared).ok
