@@ -313,7 +313,7 @@ class _Builder:
                    and max_active == lp.n_local + self.has_shared)
         self.stage = Stage.GATE_UP
         for fmt in lp.formats:  # a launch a weight format; each skips the others' experts
-            dk = HX.decode_kernel(lp, self.dev, "gate_up", fmt, rows_per_expert, max_active)
+            dk = HX.decode_kernel(lp, self.dev, "gate_up", fmt, rows_per_expert, max_active, n)
             self.launch(dk.name, (dk.blocks, max_active), (dk.threads,),
                         self.decode_gate_up_args(xe, fmt, by_slot and dk.name.startswith("decode_wgmma_gate_up_a8")),
                         dk.smem, self.pdl)
