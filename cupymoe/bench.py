@@ -543,7 +543,7 @@ def measure_ceilings() -> dict[str, Optional[float]]:
         torch.cuda.synchronize()
         burst = repetition(fn, 10)
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < STEADY_WARM_S:
+        while time.perf_counter() - t0 < warm_s:
             repetition(fn, 5)
         steady = statistics.median(repetition(fn, CEILING_CALLS) for _ in range(CEILING_REPEATS))
         return steady, burst
@@ -618,9 +618,11 @@ def _git_commit() -> str:
 # the run
 # ----------------------------------------------------------------------------------
 
-def _time_cell(layers, x, out, n: int, args) -> tuple[list[float], dict[str, float], int]:
+def _time_cell(layers, x, out, n: int, args,
+               warm_s: float = STEADY_WARM_S) -> tuple[list[float], dict[str, float], int]:
     """Eager once (warm, and the routing for the floor), then the graph of every layer's
-    forward: per-layer µs of each repetition, per-stage µs (--stages), touched experts."""
+    forward: per-layer µs of each repetition, per-stage µs (--stages), touched experts. `warm_s`:
+    seconds of replays before timing (shorter where the GPU is already under the same load)."""
     import cupy
 
     cfg = layers[0].cfg
@@ -644,7 +646,7 @@ def _time_cell(layers, x, out, n: int, args) -> tuple[list[float], dict[str, flo
         g.launch(s)
     s.synchronize()
     t0 = time.perf_counter()  # the steady state (module docstring): replays until STEADY_WARM_S has passed
-    while time.perf_counter() - t0 < STEADY_WARM_S:
+    while time.perf_counter() - t0 < warm_s:
         g.launch(s)
         s.synchronize()
     e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()

@@ -105,3 +105,16 @@ def test_bad_entries_are_refused_by_name():
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     DIGESTS.write_text(json.dumps(plan_digests(table={}), indent=1) + "\n")
+
+
+def test_prefill_buckets_cut_at_the_tables_buckets():
+    """A table can flip the grouped configuration back and forth over N: the runs still match N by N."""
+    from cupymoe.forward_plan import prefill_buckets, prefill_shape
+
+    lp = _qwen(rows=[(256, Choice(grouped="math")), (512, Choice(grouped="stream")), (2048, Choice(grouped="math"))])
+    runs = prefill_buckets(lp, H200, 9, 4096)
+    assert runs[0][0] == 9 and runs[-1][1] == 4096
+    assert all(b + 1 == c for (_, b, _), (c, _, _) in zip(runs, runs[1:]))
+    for a, b, shape in runs:
+        assert all(prefill_shape(lp, H200, n) == shape for n in list(range(a, b + 1, 7)) + [b])
+    assert [s.grouped_config for _, _, s in runs] == ["stream", "math", "stream", "math"]
