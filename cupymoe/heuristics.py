@@ -134,7 +134,8 @@ def decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, fmt: WeightFormat
                   max_active: int, n_rows: int = 0) -> DecodeKernel:
     """A decode stage ("gate_up" or "down") of a forward of `n_rows` rows for the experts of format
     `fmt`: the wgmma kernels where they take it (fp8 as w8a8, fp4), else decode_mma.cu's or decode.cu's."""
-    wg = (w8a8_decode_kernel(lp, dev, stage, rows_per_expert, max_active, n_rows) if fmt == WeightFormat.FP8_BLOCK
+    wg = (w8a8_decode_kernel(lp, dev, stage, rows_per_expert, max_active, n_rows)
+          if fmt == WeightFormat.FP8_BLOCK
           else fp4_wgmma_decode_kernel(lp, dev, stage, fmt, rows_per_expert, max_active, n_rows)
           if fmt in lp.mma_decode_formats else None)
     if wg is not None:
