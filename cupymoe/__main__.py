@@ -6,6 +6,7 @@
     python -m cupymoe inspect DIR             a checkpoint's MoE layers as cupymoe reads them
     python -m cupymoe verify                  every family and format on the GPU against the reference
     python -m cupymoe bench --help            decode timings against the floor
+    python -m cupymoe tune --help             the dispatch choices timed per shape and N (GPU)
 """
 
 from __future__ import annotations
@@ -232,6 +233,19 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_tune(args) -> int:
+    from .tune import apply_result
+
+    if args.apply:  # no GPU: the result file's rows into the table
+        count = apply_result(args.apply, args.table)
+        print(f"{count} rows of {args.apply} merged into {args.table}")
+        return 0
+    require_gpu("tune")
+    from .tune import run_tune
+
+    return run_tune(args)
+
+
 def _positive_int(text: str) -> int:
     """argparse type: a whole number >= 1 (a layer's max_tokens)."""
     try:
@@ -279,6 +293,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_inspect_parser(sub)
     _add_verify_parser(sub)
     _add_bench_parser(sub)
+    _add_tune_parser(sub)
     return ap
 
 
@@ -325,6 +340,19 @@ def _add_bench_parser(sub) -> None:
                                    "matplotlib (optional) for --plots.")
     add_bench_args(b)
     b.set_defaults(fn=cmd_bench)
+
+
+def _add_tune_parser(sub) -> None:
+    from .tune import add_tune_args
+
+    t = sub.add_parser("tune", help="time every admissible dispatch choice per (preset, format, N); write the "
+                       "fastest as tuning-table rows (GPU; --apply merges a result file without one)",
+                       description="For each preset, format and N, time every distinct admissible choice of path, "
+                                   "grouped GEMM configuration and w8a8 decode kernels as bench times a cell, and "
+                                   "write the fastest per (shape, format, N bucket) with the command that measured "
+                                   "it. --apply RESULT merges a result file's rows into the tuning table (no GPU).")
+    add_tune_args(t)
+    t.set_defaults(fn=cmd_tune)
 
 
 if __name__ == "__main__":

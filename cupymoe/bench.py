@@ -253,11 +253,63 @@ def cell_figures(cfg: MoeConfig, fmt: str, n: int, touched: int, *, copy_tbps: f
     return fig
 
 
+# (bytes, FLOPs) of each stage a forward of N rows moves and computes (stage_figures); FLOPs 0:
+# the stage is timed against the copy rate only
+STAGES_METHOD = ("CUDA events between the stages inside the timed graph replays (the separated plan: no "
+                 "programmatic dependent launch, so the total reads higher than the row's us at small N); each "
+                 "stage's time is the last replay's, averaged over the layers; share_pct of the stages' sum; bytes "
+                 "and FLOPs per stage from the layer's shape and the touched experts (bench.stage_figures)")
+
+
+def stage_figures(cfg: MoeConfig, fmt: str, n: int, touched: int, path: str, w8a8: bool = False) -> dict:
+    """{stage: (bytes, FLOPs)} of a forward of `n` rows whose routing touched `touched` routed
+    experts: each stage's weights once, its inputs and outputs once (what the copy rate bounds)."""
+    H, I, k, R = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.router_width
+    Is = cfg.shared_expert_intermediate_size
+    pairs = n * k
+    act = 1 if w8a8 else 2  # the activation's bytes a value between gate/up and down
+    y = 2 if path == "prefill" else 4  # down's per-pair rows: weighted bf16 (prefill) or fp32
+    b_gate_up, b_down = (touched * 2 * I * 4, touched * H * 4) if cfg.has_expert_bias else (0, 0)
+    fig = {
+        "router": (R * H * 2 + n * H * 2 + n * R * 4, 2 * n * H * R),
+        "topk": (n * R * 4 + pairs * 8, 0),
+        "sort": (pairs * 4 * 4, 0),  # ids in; sorted rows, pairs and positions out
+        "gate_up": (touched * 2 * matrix_bytes(fmt, I, H) + 2 * Is * H * 2 + b_gate_up + n * H * 2
+                    + (pairs * I + n * Is) * act, 2 * (pairs * I + n * Is) * 2 * H),
+        "down": (touched * matrix_bytes(fmt, H, I) + H * Is * 2 + b_down + (pairs * I + n * Is) * act
+                 + (pairs + (n if Is else 0)) * H * y, 2 * (pairs * I + n * Is) * H),
+        "reduce": ((pairs + (n if Is else 0)) * H * y + n * H * 2, 0),
+    }
+    if cfg.pre_expert_norm:
+        fig["norm"] = (2 * n * H * 2, 0)
+    return fig
+
+
+def stage_rows(stage_us: dict, figures: dict) -> dict:
+    """Each timed stage: µs, share of the stages' sum, and its bytes / FLOPs as achieved rates."""
+    total = sum(stage_us.values()) or 1.0
+    out = {}
+    for st, us in stage_us.items():
+        nbytes, flops = figures.get(st, (0, 0))
+        out[st] = dict(us=round(us, 2), share_pct=round(100 * us / total, 1), bytes=nbytes, flops=flops,
+                       TBps=round(nbytes / us / 1e6, 3) if us > 0 else None,
+                       TFLOPs=round(flops / us / 1e6, 2) if us > 0 and flops else None)
+    return out
+
+
+def format_stages(stages: dict) -> str:
+    """The terminal line of a row's stages: µs, share, and the rate that bounds it."""
+    def rate(d):
+        return f"{d['TFLOPs']:.0f} TFLOP/s" if d["TFLOPs"] else f"{d['TBps'] or 0:.2f} TB/s"
+    return "  ".join(f"{st} {d['us']:.1f} ({d['share_pct']:.0f}%, {rate(d)})" for st, d in stages.items())
+
+
 def bench_row(cfg: MoeConfig, shape: str, fmt: str, n: int, touched: int, times_us: list[float],
               ceilings: dict, baselines: dict, *, path: str, layers: int,
-              stage_us: Optional[dict] = None) -> dict:
+              stage_us: Optional[dict] = None, path_taken: Optional[str] = None, w8a8: bool = False) -> dict:
     """One result row: the median of `times_us` next to this format's floor and the peers'
-    figures from the baseline files."""
+    figures from the baseline files; with `stage_us`, each stage's share and rates
+    (`path_taken`: the path the forward ran, for its stages' bytes)."""
     us = statistics.median(times_us)
     fig = cell_figures(cfg, fmt, n, touched, copy_tbps=ceilings["copy_TBps"], bf16_tflops=ceilings["bf16_TFLOPs"],
                        fp8_tflops=ceilings["fp8_TFLOPs"])
@@ -275,6 +327,9 @@ def bench_row(cfg: MoeConfig, shape: str, fmt: str, n: int, touched: int, times_
                reps_us=[round(t, 2) for t in times_us])  # each repetition, in the order timed
     row.update(baseline_columns(baselines, shape, fmt, n))
     row["stages_us"] = {st: round(t, 2) for st, t in (stage_us or {}).items()} or None
+    if stage_us:
+        taken = path_taken or (path if path != "auto" else "prefill")
+        row["stages"] = stage_rows(stage_us, stage_figures(cfg, fmt, n, touched, taken, w8a8))
     return row
 
 
@@ -489,7 +544,7 @@ def measure_ceilings() -> dict[str, Optional[float]]:
         torch.cuda.synchronize()
         burst = repetition(fn, 10)
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < STEADY_WARM_S:
+        while time.perf_counter() - t0 < warm_s:
             repetition(fn, 5)
         steady = statistics.median(repetition(fn, CEILING_CALLS) for _ in range(CEILING_REPEATS))
         return steady, burst
@@ -564,9 +619,11 @@ def _git_commit() -> str:
 # the run
 # ----------------------------------------------------------------------------------
 
-def _time_cell(layers, x, out, n: int, args) -> tuple[list[float], dict[str, float], int]:
+def _time_cell(layers, x, out, n: int, args,
+               warm_s: float = STEADY_WARM_S) -> tuple[list[float], dict[str, float], int]:
     """Eager once (warm, and the routing for the floor), then the graph of every layer's
-    forward: per-layer µs of each repetition, per-stage µs (--stages), touched experts."""
+    forward: per-layer µs of each repetition, per-stage µs (--stages), touched experts. `warm_s`:
+    seconds of replays before timing (shorter where the GPU is already under the same load)."""
     import cupy
 
     cfg = layers[0].cfg
@@ -590,7 +647,7 @@ def _time_cell(layers, x, out, n: int, args) -> tuple[list[float], dict[str, flo
         g.launch(s)
     s.synchronize()
     t0 = time.perf_counter()  # the steady state (module docstring): replays until STEADY_WARM_S has passed
-    while time.perf_counter() - t0 < STEADY_WARM_S:
+    while time.perf_counter() - t0 < warm_s:
         g.launch(s)
         s.synchronize()
     e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
@@ -652,40 +709,99 @@ def _host_mean(layer, args: tuple, s, calls: int) -> float:
     return round(float(np.median(means)) * 1e6, 2)
 
 
-def _bench_format(shape: str, cfg: MoeConfig, fmt: str, args, ceilings: dict, baselines: dict,
-                  skipped: list) -> list[dict]:
-    """Every N of one preset in one format: draw, build the layer copies, time, free."""
+def _layer_count(cfg: MoeConfig, fmt: str, tokens) -> int:
+    """Copies of the layer a cell rotates through (module docstring), as device memory allows."""
+    import cupy
+
+    H, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    layer_bytes = layer_weight_bytes(cfg, fmt)
+    touched_bytes = expected_touched(E, k, min(tokens)) * expert_bytes(fmt, H, I)
+    total_mem = cupy.cuda.runtime.memGetInfo()[1]
+    return layers_needed(layer_bytes, touched_bytes, 0.6 * total_mem - layer_bytes)
+
+
+def layer_options(fmt: str, args, **extra) -> dict:
+    """MoeLayer's keyword options of a bench or tune run (`extra` over the arguments')."""
+    opts = {} if getattr(args, "decode_max_tokens", None) is None else {"decode_max_tokens": args.decode_max_tokens}
+    if fmt == "fp8_block":
+        opts["fp8_compute"] = getattr(args, "fp8_compute", "auto")
+    return {**opts, **extra}
+
+
+def build_layers(cfg: MoeConfig, fmt: str, args, tag: str, *, path: str = "auto", **opts) -> list:
+    """Random weights of `fmt` drawn once on the GPU, then the layer copies built from them and
+    warmed up. A format the layer does not serve raises NotImplementedError, TypeError or ValueError."""
     import cupy
 
     from .layer import MoeLayer
+
+    n_layers = _layer_count(cfg, fmt, args.tokens)
+    t0 = time.perf_counter()
+    print(f"{tag} drawing random {fmt} expert weights on the GPU ({layer_weight_bytes(cfg, fmt) / 1e9:.2f} GB/layer) "
+          f"...", flush=True)
+    hw = random_device_weights(cfg, args.seed, fmt)
+    cupy.cuda.runtime.deviceSynchronize()
+    print(f"{tag} {fmt} weights drawn in {time.perf_counter() - t0:.1f} s; building {n_layers} layers from them ...",
+          flush=True)
+    layers = [MoeLayer(cfg, hw, max_tokens=max(args.tokens), path=path, **opts) for _ in range(n_layers)]
+    del hw  # each layer holds its own copy
+    for L in layers:
+        L.warmup()
+    return layers
+
+
+def cell_input(cfg: MoeConfig, n: int, seed: int):
+    """(x, out) of one cell: one input per N, the same in every format (so the same routing)."""
+    import cupy
+
     from .verify import bf16_bits
 
+    x_host = np.random.default_rng([seed, n]).standard_normal((n, cfg.hidden_size), dtype=np.float32)
+    x = cupy.asarray(bf16_bits(x_host))
+    out = cupy.empty_like(x)
+    cupy.cuda.runtime.deviceSynchronize()  # the copy ran on the null stream; the layer reads x on its own
+    return x, out
+
+
+def _bench_cell(layers, shape: str, fmt: str, n: int, args, ceilings: dict, baselines: dict, torch_peers) -> dict:
+    """One N of one preset and format: the layer timed, the row with its floor, stages and peers."""
+    cfg = layers[0].cfg
+    x, out = cell_input(cfg, n, args.seed)
+    times, stage_us, touched = _time_cell(layers, x, out, n, args)
+    row = bench_row(cfg, shape, fmt, n, touched, times, ceilings, baselines, path=args.path,
+                    layers=len(layers), stage_us=stage_us, path_taken=layers[0].select_path(n),
+                    w8a8=layers[0].plan.w8a8)
+    if fmt == "fp8_block":
+        row["fp8_compute"] = layers[0].fp8_compute
+    if getattr(args, "host", False):
+        row.update(time_host(layers[0], x, out, n, args.host_calls))
+    if torch_peers:
+        row.update(time_peers(torch_peers, cfg, x, out, n, args))
+    print(format_row(row), flush=True)
+    if row.get("stages"):
+        print("           stages: " + format_stages(row["stages"]), flush=True)
+    return row
+
+
+def free_layers() -> None:
+    """Give the memory of dropped layers (and the torch peers' views) back before the next GBs."""
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    if "torch" in sys.modules:
+        sys.modules["torch"].cuda.empty_cache()
+
+
+def _bench_format(shape: str, cfg: MoeConfig, fmt: str, args, ceilings: dict, baselines: dict,
+                  skipped: list) -> list[dict]:
+    """Every N of one preset in one format: draw, build the layer copies, time, free."""
     tag = f"[{shape} {fmt}]"
-    H, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
-    layer_bytes = layer_weight_bytes(cfg, fmt)
-    touched_bytes = expected_touched(E, k, min(args.tokens)) * expert_bytes(fmt, H, I)
-    total_mem = cupy.cuda.runtime.memGetInfo()[1]
-    n_layers = layers_needed(layer_bytes, touched_bytes, 0.6 * total_mem - layer_bytes)
     t0 = time.perf_counter()
     layers: list = []
-    hw = torch_peers = None
-    rows: list[dict] = []
+    torch_peers = None
     try:
-        print(f"{tag} drawing random {fmt} expert weights on the GPU ({layer_bytes / 1e9:.2f} GB/layer) ...",
-              flush=True)
         try:
-            hw = random_device_weights(cfg, args.seed, fmt)
-            cupy.cuda.runtime.deviceSynchronize()
-            print(f"{tag} {fmt} weights drawn in {time.perf_counter() - t0:.1f} s; building {n_layers} layers "
-                  f"from them ...", flush=True)
-            opts = {} if args.decode_max_tokens is None else {"decode_max_tokens": args.decode_max_tokens}
-            if fmt == "fp8_block":
-                opts["fp8_compute"] = getattr(args, "fp8_compute", "auto")
-            layers = [MoeLayer(cfg, hw, max_tokens=max(args.tokens), path=args.path, **opts)
-                      for _ in range(n_layers)]
-            hw = None  # each layer holds its own copy
-            for L in layers:
-                L.warmup()
+            layers = build_layers(cfg, fmt, args, tag, path=args.path, **layer_options(fmt, args))
         except (NotImplementedError, TypeError, ValueError) as e:  # a format the layer does not serve (yet)
             reason = f"{type(e).__name__}: {e}"
             print(f"{tag} skipped: {reason}", flush=True)
@@ -695,32 +811,10 @@ def _bench_format(shape: str, cfg: MoeConfig, fmt: str, args, ceilings: dict, ba
             torch_peers = _torch_peers(layers)
         note = "" if torch_peers else (" (torch peers: bf16 only)" if fmt != "bf16" else " (no torch peers)")
         print(f"{tag} ready in {time.perf_counter() - t0:.1f} s{note}", flush=True)
-        for n in args.tokens:
-            # one input per N, the same in every format (and the router too: same routing)
-            x_host = np.random.default_rng([args.seed, n]).standard_normal((n, H), dtype=np.float32)
-            x = cupy.asarray(bf16_bits(x_host))
-            out = cupy.empty_like(x)
-            cupy.cuda.runtime.deviceSynchronize()  # the copy ran on the null stream; the layer reads x on its own
-            times, stage_us, touched = _time_cell(layers, x, out, n, args)
-            row = bench_row(cfg, shape, fmt, n, touched, times, ceilings, baselines, path=args.path,
-                            layers=n_layers, stage_us=stage_us)
-            if fmt == "fp8_block":
-                row["fp8_compute"] = layers[0].fp8_compute
-            if getattr(args, "host", False):
-                row.update(time_host(layers[0], x, out, n, args.host_calls))
-            if torch_peers:
-                row.update(time_peers(torch_peers, cfg, x, out, n, args))
-            rows.append(row)
-            print(format_row(row), flush=True)
-            if stage_us:
-                print("           stages: " + "  ".join(f"{st} {t:.1f}" for st, t in stage_us.items()), flush=True)
-        return rows
+        return [_bench_cell(layers, shape, fmt, n, args, ceilings, baselines, torch_peers) for n in args.tokens]
     finally:
-        # the torch peers hold views of the layers' weights: drop both before the next GBs
-        del torch_peers, layers, hw
-        cupy.get_default_memory_pool().free_all_blocks()
-        if "torch" in sys.modules:
-            sys.modules["torch"].cuda.empty_cache()
+        del torch_peers, layers  # the torch peers hold views of the layers' weights: drop both
+        free_layers()
 
 
 def run_bench(args) -> int:
@@ -750,7 +844,7 @@ def run_bench(args) -> int:
                 method=f"CUDA-graph replays over several layers, after {STEADY_WARM_S} s of replays the median of "
                        f"repeats; measured ceilings: after {STEADY_WARM_S} s of load, the median of {CEILING_REPEATS} "
                        f"repetitions of {CEILING_CALLS} calls (the steady state; *_burst: 3 warm-ups, the mean of 10)",
-                skipped=skipped or None)
+                stages_method=STAGES_METHOD if getattr(args, "stages", False) else None, skipped=skipped or None)
     path = Path(args.json) if args.json else (
         Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-{gpu.replace(' ', '_')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -77,8 +77,26 @@ def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
 
 def prefill_buckets(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[tuple[int, int, PrefillShape]]:
     """The runs of row counts lo..hi of equal PrefillShape, as (first, last, shape). Each part of a
-    shape is monotone in N within a router configuration, so each shape's row counts form one
-    run, found by bisection."""
+    shape is monotone in N within a router configuration and a tuning-table bucket, so within
+    each such bucket a shape's row counts form one run, found by bisection; equal neighbours merge."""
+    out: list[tuple[int, int, PrefillShape]] = []
+    for a, b in _table_segments(lp, lo, hi):
+        for run in _shape_runs(lp, dev, a, b):
+            if out and out[-1][2] == run[2] and out[-1][1] + 1 == run[0]:
+                out[-1] = (out[-1][0], run[1], run[2])
+            else:
+                out.append(run)
+    return out
+
+
+def _table_segments(lp: LayerPlan, lo: int, hi: int) -> list[tuple[int, int]]:
+    """lo..hi cut where a tuning-table bucket of the layer starts or ends (b/2 < N <= b)."""
+    cuts = sorted({c for b, _ in lp.tuned for c in (b // 2, b) if lo <= c < hi})
+    starts = [lo] + [c + 1 for c in cuts]
+    return list(zip(starts, cuts + [hi]))
+
+
+def _shape_runs(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[tuple[int, int, PrefillShape]]:
     out = []
     while lo <= hi:
         shape = prefill_shape(lp, dev, lo)
@@ -380,7 +398,7 @@ class _Builder:
                    and max_active == lp.n_local + self.has_shared)
         self.stage = Stage.GATE_UP
         for fmt in lp.formats:  # a launch a weight format; each skips the others' experts
-            dk = HX.decode_kernel(lp, self.dev, "gate_up", fmt, rows_per_expert, max_active)
+            dk = HX.decode_kernel(lp, self.dev, "gate_up", fmt, rows_per_expert, max_active, n)
             self.launch(dk.name, (dk.blocks, max_active), (dk.threads,),
                         self.decode_gate_up_args(xe, fmt, by_slot and dk.name.startswith("decode_wgmma_gate_up_a8")),
                         dk.smem, self.pdl)

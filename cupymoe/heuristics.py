@@ -74,10 +74,14 @@ def route_lists_quantizes(num_tokens: int, hidden_size: int) -> bool:
 # --- the grouped (prefill) path ---------------------------------------------------------------
 
 def grouped_config(lp: LayerPlan, n: int) -> str:
-    """"math" (128-row tiles) once the average expert run fills enough of them, else "stream";
-    w8a8's tiles are 64 rows, and every format of the layer takes them."""
+    """"math" (128-row tiles) once the average expert run fills enough of them, else "stream"
+    (the tuning table's measured choice for this shape and N bucket where it has one); w8a8's
+    tiles are 64 rows, and every format of the layer takes them."""
     if lp.w8a8:
         return "stream"
+    tuned = lp.choice(n).grouped
+    if tuned is not None:
+        return tuned
     return "math" if n * lp.cfg.num_experts_per_tok >= lp.math_rows * lp.n_local else "stream"
 
 
@@ -128,9 +132,10 @@ def router_on_tensor_cores(lp: LayerPlan, n: int) -> bool:
 
 def decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, fmt: WeightFormat, rows_per_expert: float,
                   max_active: int, n_rows: int = 0) -> DecodeKernel:
-    """A decode stage ("gate_up" or "down") for the experts of format `fmt`: the wgmma kernels
-    where they take it (fp8 as w8a8, fp4), else decode_mma.cu's or decode.cu's."""
-    wg = (w8a8_decode_kernel(lp, dev, stage, rows_per_expert, max_active) if fmt == WeightFormat.FP8_BLOCK
+    """A decode stage ("gate_up" or "down") of a forward of `n_rows` rows for the experts of format
+    `fmt`: the wgmma kernels where they take it (fp8 as w8a8, fp4), else decode_mma.cu's or decode.cu's."""
+    wg = (w8a8_decode_kernel(lp, dev, stage, rows_per_expert, max_active, n_rows)
+          if fmt == WeightFormat.FP8_BLOCK
           else fp4_wgmma_decode_kernel(lp, dev, stage, fmt, rows_per_expert, max_active, n_rows)
           if fmt in lp.mma_decode_formats else None)
     if wg is not None:
@@ -150,16 +155,25 @@ def _fills_waves(blocks: int, max_active: int, min_waves: float, blocks_per_sm: 
     return blocks * max_active >= min_waves * (blocks_per_sm * dev.sm_count)
 
 
+def w8a8_decode_wgmma(lp: LayerPlan, dev: DeviceFacts, max_active: int, n_rows: int = 0) -> bool:
+    """Whether w8a8 decode of `n_rows` rows runs decode_wgmma_a8.cu: the knob's choice, else the
+    tuning table's for the N bucket, else where its gate/up grid holds wgmma_decode_min_waves waves."""
+    if lp.w8a8_decode != W8a8Decode.AUTO:
+        return lp.w8a8_decode == W8a8Decode.WGMMA
+    tuned = lp.choice(n_rows).w8a8_decode if n_rows else None
+    if tuned is not None:
+        return tuned == "wgmma"
+    return _fills_waves(_wgmma_gate_up_blocks(lp), max_active, TUNING.wgmma_decode_min_waves,
+                        C.WGMMA_DECODE_BLOCKS_PER_SM, dev)
+
+
 def w8a8_decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, rows_per_expert: float,
-                       max_active: int) -> Optional[DecodeKernel]:
-    """decode_wgmma_a8.cu's launch, or None where decode_mma.cu's _a8 kernels serve: w8a16, or in
-    auto a gate/up grid under wgmma_decode_min_waves waves. A pass takes 8, 16 or 32 rows."""
-    if not lp.w8a8 or lp.w8a8_decode == W8a8Decode.MMA:
+                       max_active: int, n_rows: int = 0) -> Optional[DecodeKernel]:
+    """decode_wgmma_a8.cu's launch, or None where decode_mma.cu's _a8 kernels serve (w8a16, or
+    w8a8_decode_wgmma says no). A pass takes 8, 16 or 32 rows."""
+    if not lp.w8a8 or not w8a8_decode_wgmma(lp, dev, max_active, n_rows):
         return None
     H, i_max, gate_up_blocks = lp.cfg.hidden_size, lp.i_max, _wgmma_gate_up_blocks(lp)
-    if lp.w8a8_decode == W8a8Decode.AUTO and not _fills_waves(gate_up_blocks, max_active, TUNING.wgmma_decode_min_waves,
-                                                             C.WGMMA_DECODE_BLOCKS_PER_SM, dev):
-        return None
     nt = 8 if rows_per_expert <= 8 else 16 if rows_per_expert <= 16 else 32
     blocks, k = (gate_up_blocks, H) if stage == "gate_up" else (-(-H // C.WGMMA_DECODE_ROWS), i_max)
     return DecodeKernel(f"decode_wgmma_{stage}_a8<{nt}>", blocks, C.WGMMA_DECODE_THREADS,

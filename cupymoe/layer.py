@@ -246,7 +246,8 @@ class MoeLayer:
         return WarmupReport(len(self._packed), seconds, sum(g is not None for g in self._graphs.values()))
 
     def _prefill_from(self) -> int:
-        return 1 if self.row_invariant else self.decode_max_tokens + 1
+        # the tuning table may send row counts below the decode cap to prefill
+        return 1 if self.row_invariant or self.plan.tuned else self.decode_max_tokens + 1
 
     def _warmup_paths(self) -> list[str]:
         """The paths a one-row forward may take on this layer (select_path accepts them)."""

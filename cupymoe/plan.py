@@ -21,7 +21,7 @@ from .catalog import GemmMode, WeightFormat
 from .config import MoeConfig
 from .errors import OptionError, PathUnavailableError, UnsupportedFormatError
 from .knobs import DecodeRouter, Fp4Decode, Fp8Decode, Knobs, W8a8Decode
-from .tuning import TUNING
+from .tuning import TUNING, Choice, TunedBuckets, format_key, n_bucket, shape_key
 
 
 class Path(str, enum.Enum):
@@ -250,6 +250,16 @@ class LayerPlan:
     decode_router: DecodeRouter  # resolved for the arch (tensor cores need sm_90a)
     pdl: bool  # resolved for the arch (sm_90+)
     all_reduce: bool  # expert parallelism with a communicator: the partials are summed last
+    auto_decode_max: int  # auto takes decode up to this many rows where the table has no entry
+    tuned: TunedBuckets = ()  # the tuning table's measured choices for this shape and format
+
+    def choice(self, n: int) -> Choice:
+        """The table's choice for a forward of `n` rows (Choice() where it has none)."""
+        b = n_bucket(n)
+        for bucket, c in self.tuned:
+            if bucket == b:
+                return c
+        return Choice()
 
     @property
     def w8a8(self) -> bool:
@@ -322,6 +332,29 @@ def mma_decode_formats(knobs: Knobs, mxfp4_scale_bytes: Optional[tuple[int, int]
     return out
 
 
+def tuned_buckets(cfg: MoeConfig, routed: WeightFormat, n_local: int, w8a8: bool, knobs: Knobs,
+                  row_invariant: bool, table=None) -> TunedBuckets:
+    """The tuning table's entries for this layer's shape and format, less what a knob forces;
+    none for row-invariant layers (every N runs the grouped path's instructions)."""
+    if row_invariant:
+        return ()
+    key = (shape_key(cfg.hidden_size, cfg.moe_intermediate_size, n_local, cfg.num_experts, cfg.num_experts_per_tok,
+                     cfg.shared_expert_intermediate_size), format_key(routed.label, w8a8))
+    found = (TUNING.by_shape if table is None else table).get(key, ())
+    drop = {"grouped": knobs.math_rows is not None, "w8a8_decode": knobs.w8a8_decode != W8a8Decode.AUTO}
+    return tuple((b, replace(c, **{f: None for f, d in drop.items() if d})) for b, c in found)
+
+
+def _path_caps(tuned: TunedBuckets, options: "LayerOptions", default_dmax: int) -> tuple[int, int]:
+    """(decode, atomic) row caps: the options', else the global ones raised to the table's decode-path buckets."""
+    dmax, amax = options.decode_max_tokens, options.atomic_max_tokens
+    if dmax is None:
+        dmax = max([default_dmax] + [b for b, c in tuned if c.path in ("decode", "atomic")])
+    if amax is None:
+        amax = max([TUNING.atomic_max_tokens] + [b for b, c in tuned if c.path == "atomic"])
+    return max(1, int(dmax)), int(amax)
+
+
 @dataclass(frozen=True)
 class LayerOptions:
     """The keyword options of MoeLayer that shape its plans (validated by plan_layer)."""
@@ -335,22 +368,25 @@ class LayerOptions:
 
 def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str], arch: str, *,
                n_local: Optional[int] = None, options: LayerOptions = LayerOptions(),
-               knobs: Optional[Knobs] = None, mxfp4_scale_bytes: Optional[tuple[int, int]] = None) -> LayerPlan:
+               knobs: Optional[Knobs] = None, mxfp4_scale_bytes: Optional[tuple[int, int]] = None,
+               table=None) -> LayerPlan:
     """A layer's choices for routed experts of `routed_format` (and a shared expert of
-    `shared_format`, None without one) on a GPU the kernels are compiled for as `arch`."""
+    `shared_format`, None without one) on a GPU the kernels are compiled for as `arch`;
+    `table`: per-shape entries in place of the tuning table's (tests)."""
     knobs = knobs or Knobs.from_env()
     routed = WeightFormat.named(routed_format)
     shared = WeightFormat.named(shared_format) if shared_format else None
     formats = tuple(dict.fromkeys([routed] + ([shared] if shared is not None else [])))
     fp8 = resolve_fp8_compute(options.fp8_compute, formats, arch)
-    dmax = options.decode_max_tokens
-    dmax = max(1, int(TUNING.decode_max_tokens.get(routed.label, TUNING.decode_max_tokens["bf16"])
-                      if dmax is None else dmax))
-    amax = TUNING.atomic_max_tokens if options.atomic_max_tokens is None else int(options.atomic_max_tokens)
+    auto_dmax = options.decode_max_tokens
+    auto_dmax = max(1, int(TUNING.decode_max_tokens.get(routed.label, TUNING.decode_max_tokens["bf16"])
+                           if auto_dmax is None else auto_dmax))
+    n_local = cfg.experts_per_rank if n_local is None else int(n_local)
+    tuned = tuned_buckets(cfg, routed, n_local, fp8 == Fp8Compute.W8A8, knobs, options.row_invariant, table)
+    dmax, amax = _path_caps(tuned, options, auto_dmax)
     sm90 = _sm90_plan(cfg, formats, arch, options.row_invariant, knobs)
     hopper = arch == "sm_90a" and not options.row_invariant
     wgmma = hopper and sm90[GemmMode.GATE_UP].serves(routed)
-    n_local = cfg.experts_per_rank if n_local is None else int(n_local)
     i_max = max(cfg.moe_intermediate_size if n_local else 0, cfg.shared_expert_intermediate_size)
     fp4_ks = [cfg.hidden_size] + [i for f, i in ((routed, cfg.moe_intermediate_size),
                                                  (shared, cfg.shared_expert_intermediate_size))
@@ -368,8 +404,19 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
         mma_blocks_per_sm=knobs.mma_blocks_per_sm, mma_down_pairs=knobs.mma_down_pairs,
         fp4_down_tiles=knobs.fp4_down_tiles, topk_lists=knobs.topk_lists,
         decode_router=knobs.decode_router if arch == "sm_90a" else DecodeRouter.CORES,
-        pdl=knobs.pdl and cc >= 90, all_reduce=bool(options.all_reduce),
+        pdl=knobs.pdl and cc >= 90, all_reduce=bool(options.all_reduce), auto_decode_max=auto_dmax, tuned=tuned,
     )
+
+
+def _auto_path(lp: LayerPlan, n: int) -> str:
+    """The table's path where it has one the layer's caps admit, else decode up to auto_decode_max rows."""
+    if lp.row_invariant:
+        return "prefill"
+    tuned = lp.choice(n).path
+    caps = {"decode": lp.decode_max_tokens, "atomic": lp.atomic_max_tokens, "prefill": n}
+    if tuned is not None and n <= caps[tuned]:
+        return tuned
+    return "prefill" if n > min(lp.auto_decode_max, lp.decode_max_tokens) else "decode"
 
 
 def choose_path(lp: LayerPlan, path: str, num_tokens: int) -> str:
@@ -377,7 +424,7 @@ def choose_path(lp: LayerPlan, path: str, num_tokens: int) -> str:
     if path not in PATH_NAMES:
         raise PathUnavailableError(f"path={path!r}: must be one of {PATH_NAMES}")
     if path == "auto":
-        return "prefill" if lp.row_invariant or num_tokens > lp.decode_max_tokens else "decode"
+        return _auto_path(lp, num_tokens)
     if lp.row_invariant and path != "prefill":
         raise PathUnavailableError(f"path={path!r} with row_invariant=True: row-invariant layers run the grouped "
                                    "path at every N, so a row's bits do not depend on N or on the path; use "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib import resources
-from typing import Mapping
+from typing import Mapping, Optional
 
 from .catalog import Sm90Variant
 
@@ -36,6 +36,63 @@ class Sm90Auto:
     down_192_max_intermediate: int
 
 
+# what a per-shape entry may choose (None: the global rule decides)
+TUNED_PATHS = ("decode", "atomic", "prefill")
+TUNED_GROUPED = ("math", "stream")
+TUNED_W8A8_DECODE = ("mma", "wgmma")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The measured-fastest choice of one (shape, format, N bucket); None leaves it to the global rule."""
+
+    path: Optional[str] = None
+    grouped: Optional[str] = None  # the grouped GEMMs' configuration (prefill, not w8a8)
+    w8a8_decode: Optional[str] = None  # the w8a8 decode kernels (decode and atomic)
+
+    def __post_init__(self):
+        for name, allowed in (("path", TUNED_PATHS), ("grouped", TUNED_GROUPED), ("w8a8_decode", TUNED_W8A8_DECODE)):
+            v = getattr(self, name)
+            if v is not None and v not in allowed:
+                raise ValueError(f"tuning table: {name}={v!r} must be one of {allowed}")
+
+    def label(self) -> str:
+        return "/".join(v for v in (self.path, self.grouped, self.w8a8_decode) if v) or "default"
+
+
+# a layer's entries: (bucket, choice) by rising bucket; bucket b serves b/2 < N <= b
+TunedBuckets = tuple[tuple[int, Choice], ...]
+
+
+def n_bucket(n: int) -> int:
+    """The power of two a row count's entry is filed under: b/2 < n <= b."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def shape_key(hidden: int, intermediate: int, n_local: int, num_experts: int, top_k: int,
+              shared_intermediate: int = 0) -> str:
+    """The shape class an entry is measured on (routed experts on this GPU of all, shared expert's I)."""
+    return (f"H{hidden} I{intermediate} E{n_local}/{num_experts} k{top_k}"
+            + (f" S{shared_intermediate}" if shared_intermediate else ""))
+
+
+def format_key(label: str, w8a8: bool) -> str:
+    """fp8 is two families of kernels: w8a8 and w8a16 are tuned apart."""
+    return f"{label}:{'w8a8' if w8a8 else 'w8a16'}" if label == "fp8_block" else label
+
+
+def parse_by_shape(rows) -> Mapping[tuple[str, str], TunedBuckets]:
+    """The by_shape entry's rows -> {(shape key, format key): buckets by rising N}."""
+    out: dict[tuple[str, str], dict[int, Choice]] = {}
+    for r in rows:
+        b = int(r["n"])
+        if b != n_bucket(b):
+            raise ValueError(f"tuning table: by_shape n={b} is not a power of two")
+        c = Choice(r.get("path"), r.get("grouped"), r.get("w8a8_decode"))
+        out.setdefault((r["shape"], r["format"]), {})[b] = c
+    return {k: tuple(sorted(v.items())) for k, v in out.items()}
+
+
 @dataclass(frozen=True)
 class Tuning:
     decode_max_tokens: Mapping[str, int]
@@ -52,6 +109,7 @@ class Tuning:
     quant_grouped_config: Mapping[str, str]  # bf16 configuration -> the one quantized weights take
     sm90_variants: Mapping[str, Sm90Variant]
     sm90_auto: Sm90Auto
+    by_shape: Mapping[tuple[str, str], TunedBuckets]  # measured per (shape, format, N bucket); may be empty
     sources: Mapping[str, Mapping]  # entry -> {"decides", "result", "command"}
 
     @classmethod
@@ -72,6 +130,7 @@ class Tuning:
             quant_grouped_config=dict(v["quant_grouped_config"]),
             sm90_variants={k: Sm90Variant(**c) for k, c in v["sm90_variants"].items()},
             sm90_auto=Sm90Auto(**v["sm90_auto"]),
+            by_shape=parse_by_shape(v.get("by_shape", [])),
             sources={k: {f: e[f] for f in ("decides", "result", "command") if f in e}
                      for k, e in data.items() if isinstance(e, dict)},
         )

@@ -1,0 +1,313 @@
+"""python -m cupymoe tune: time every admissible choice per (preset, format, N) and keep the fastest.
+
+For each preset and format the layer copies are drawn and built once (with decode and atomic
+caps that admit every candidate); for each N each distinct candidate plan is forced through
+the tuning table's own lookup (LayerPlan.tuned) and timed as bench times a cell (CUDA-graph
+replays over the copies, the steady state, the median of repetitions). The choices:
+
+    path            decode (up to DECODE_CAP rows), atomic (up to ATOMIC_CAP), prefill
+    grouped         math (from MATH_MIN_ROWS rows an expert) or stream (up to STREAM_MAX_ROWS); not w8a8
+    w8a8_decode     mma or wgmma (fp8_block as w8a8, on the decode paths)
+
+Candidates whose launches equal another's are timed once; where the default (what the
+heuristics pick today) already runs at FLOOR_PRUNE_PCT of the floor, nothing else is timed. A
+candidate replaces the default only when faster by more than MARGIN and its output is within
+MAX_REL_ERR of the default's (the paths sum in other orders; a larger gap is a fault, not a choice). The run writes a result
+file (benchmarks/results style) whose `table` rows, each with the command that measured it,
+`--apply` merges into the tuning table (cupymoe/data/tuning.json, entry by_shape).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import statistics
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+from . import heuristics as HX
+from .forward_plan import build_forward_plan
+from .plan import DeviceFacts, LayerPlan, choose_path
+from .tuning import Choice, format_key, n_bucket, shape_key
+
+# decode candidates only up to the rows `python -m cupymoe verify` checks that path at (fp4: its default cap)
+DECODE_CAP = {"bf16": 64, "fp8_block:w8a8": 64, "fp8_block:w8a16": 64, "nvfp4": 256, "mxfp4": 256}
+ATOMIC_CAP = 16  # the atomic path's fp32 accumulator pays off, if anywhere, at few rows
+MATH_MIN_ROWS = 16  # rows an expert below which 128-row tiles are mostly empty
+STREAM_MAX_ROWS = 1024  # rows an expert above which 64-row tiles only double the weight reads
+FLOOR_PRUNE_PCT = 95.0  # the default within this % of the floor leaves nothing worth timing
+MARGIN = 0.01  # a candidate must beat the default by this fraction (the repetitions' noise)
+MAX_REL_ERR = 0.05  # a candidate whose output differs from the default's by more is never picked
+TUNE_WARM_S = 0.1  # seconds of replays before each cell after the first (the GPU stays loaded)
+TABLE_ENTRY = "by_shape"
+
+
+@dataclass(frozen=True)
+class Timed:
+    choice: Choice
+    us: float
+    pct_of_floor: float
+    rel_err: float = 0.0  # normwise distance of its output from the default's
+
+
+def layer_keys(lp: LayerPlan) -> tuple[str, str]:
+    """(shape key, format key) of the tuning table a layer plan reads."""
+    cfg = lp.cfg
+    return (shape_key(cfg.hidden_size, cfg.moe_intermediate_size, lp.n_local, cfg.num_experts,
+                      cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size),
+            format_key(lp.routed_format.label, lp.w8a8))
+
+
+def default_choice(lp: LayerPlan, dev: DeviceFacts, n: int) -> Choice:
+    """What the layer plan `lp` runs at `n` rows, as a Choice (every field set that applies)."""
+    path = choose_path(lp, "auto", n)
+    if path == "prefill":
+        return Choice(path, None if lp.w8a8 else HX.grouped_config(lp, n))
+    if not lp.w8a8:
+        return Choice(path)
+    k = lp.cfg.num_experts_per_tok
+    max_active = max(1, min(lp.n_local, n * k) + lp.has_shared)
+    return Choice(path, w8a8_decode="wgmma" if HX.w8a8_decode_wgmma(lp, dev, max_active, n) else "mma")
+
+
+def candidates(lp: LayerPlan, n: int) -> list[Choice]:
+    """Every choice admissible at `n` rows on a layer plan whose caps admit them, pruned by rows an expert."""
+    fkey = layer_keys(lp)[1]
+    rows = n * lp.cfg.num_experts_per_tok / max(lp.n_local, 1)
+    out: list[Choice] = []
+    caps = {"decode": lp.decode_max_tokens, "atomic": min(lp.atomic_max_tokens, ATOMIC_CAP)}
+    for path, cap in caps.items():
+        if n <= min(cap, DECODE_CAP.get(fkey, 0)):
+            # atomic differs from decode only in down's accumulation: its kernels are left to the rule
+            kernels = ("mma", "wgmma") if lp.w8a8 and path == "decode" else (None,)
+            out += [Choice(path, w8a8_decode=w) for w in kernels]
+    grouped = [g for g, ok in (("stream", rows <= STREAM_MAX_ROWS), ("math", rows >= MATH_MIN_ROWS)) if ok]
+    out += [Choice("prefill")] if lp.w8a8 else [Choice("prefill", g) for g in grouped or ["stream"]]
+    return out
+
+
+def forced(lp: LayerPlan, n: int, choice: Choice) -> LayerPlan:
+    """`lp` with the table's entry for n's bucket set to `choice` (and no other)."""
+    return replace(lp, tuned=((n_bucket(n), choice),))
+
+
+def distinct(lp: LayerPlan, dev: DeviceFacts, n: int, choices: list[Choice]) -> list[Choice]:
+    """The choices whose forward plans differ (the first of equal ones kept)."""
+    seen, out = set(), []
+    for c in choices:
+        f = forced(lp, n, c)
+        path = choose_path(f, "auto", n)
+        key = (path, build_forward_plan(f, dev, n, path).at(n).steps)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def pick(default: Timed, timed: list[Timed], margin: float = MARGIN) -> Timed:
+    """The fastest, unless it beats the default by no more than `margin`."""
+    best = min((t for t in timed if t.rel_err <= MAX_REL_ERR), key=lambda t: t.us, default=default)
+    return best if best.us < default.us * (1.0 - margin) else default
+
+
+def sweep_command(args) -> str:
+    """The command that reproduces a sweep (its outputs left out: they name this machine's paths)."""
+    parts = ["--preset", *args.preset, "--format", *args.formats, "--tokens", *map(str, args.tokens)]
+    if getattr(args, "fp8_compute", "auto") != "auto":
+        parts += ["--fp8-compute", args.fp8_compute]
+    return "python -m cupymoe tune " + " ".join(map(shlex.quote, parts))
+
+
+def table_rows(cells: list[dict], command: str, result: str) -> list[dict]:
+    """The by_shape rows of a sweep's cells: the chosen choice, its time, the default's, where measured."""
+    rows = []
+    for c in cells:
+        ch = c["chosen"]
+        rows.append(dict(shape=c["shape_key"], format=c["format_key"], n=n_bucket(c["N"]), path=ch["path"],
+                         grouped=ch["grouped"], w8a8_decode=ch["w8a8_decode"], us=ch["us"],
+                         default=c["default"]["label"], default_us=c["default"]["us"], preset=c["shape"],
+                         measured_at=c["N"], result=result, command=command))
+    return rows
+
+
+def merge_rows(tuning: dict, rows: list[dict]) -> dict:
+    """The tuning table's JSON with `rows` in its by_shape entry (a row of the same shape, format
+    and bucket replaced), sorted; the entry's result list names every file its rows came from."""
+    entry = dict(tuning[TABLE_ENTRY])
+    keep = {(r["shape"], r["format"], r["n"]): r for r in entry.get("value", [])}
+    keep.update({(r["shape"], r["format"], r["n"]): r for r in rows})
+    entry["value"] = [keep[k] for k in sorted(keep)]
+    entry["result"] = sorted({r["result"] for r in entry["value"]})
+    return {**tuning, TABLE_ENTRY: entry}
+
+
+def apply_result(result_path: Path, tuning_path: Path) -> int:
+    """Merge a sweep's result file's table rows into the tuning table file; the rows' count."""
+    rows = json.loads(Path(result_path).read_text())["table"]
+    name = f"benchmarks/results/{Path(result_path).name}"  # where the result is committed
+    rows = [{**r, "result": name} for r in rows]
+    tuning = json.loads(Path(tuning_path).read_text())
+    Path(tuning_path).write_text(json.dumps(merge_rows(tuning, rows), indent=2) + "\n")
+    return len(rows)
+
+
+# ----------------------------------------------------------------------------------
+# the sweep (GPU)
+# ----------------------------------------------------------------------------------
+
+def _time_choice(layers, lp0: LayerPlan, n: int, choice: Choice, x, out, args, ceilings, warm_s: float) -> Timed:
+    """One candidate: every copy's plan forced to `choice`, its plans rebuilt, timed as bench's cell."""
+    from .bench import _time_cell, cell_figures
+
+    for L in layers:
+        L.plan = forced(lp0, n, choice)
+        L._packed.clear()
+        L._by_n.clear()
+    times, _, touched = _time_cell(layers, x, out, n, args, warm_s)
+    us = statistics.median(times)
+    floor = cell_figures(lp0.cfg, lp0.routed_format.label, n, touched, copy_tbps=ceilings["copy_TBps"],
+                         bf16_tflops=ceilings["bf16_TFLOPs"], fp8_tflops=ceilings["fp8_TFLOPs"])
+    best_floor = floor.get("floor_fp8_us", floor["floor_us"]) if lp0.w8a8 else floor["floor_us"]
+    return Timed(choice, round(us, 2), round(100 * best_floor / us, 1))
+
+
+def _bf16_values(bits):
+    """uint16 bits of bf16 (CuPy) -> float32 values."""
+    import cupy
+
+    return (bits.astype(cupy.uint32) << 16).view(cupy.float32)
+
+
+def _rel_err(out, ref) -> float:
+    import cupy
+
+    a, b = _bf16_values(out), _bf16_values(ref)
+    return round(float(cupy.linalg.norm(a - b) / max(float(cupy.linalg.norm(b)), 1e-30)), 5)
+
+
+def _timed_dict(t: Timed) -> dict:
+    return dict(label=t.choice.label(), path=t.choice.path, grouped=t.choice.grouped,
+                w8a8_decode=t.choice.w8a8_decode, us=t.us, pct_of_floor=t.pct_of_floor, rel_err=t.rel_err)
+
+
+def _tune_cell(layers, lp0: LayerPlan, lp_default: LayerPlan, dev, shape: str, n: int, args, ceilings,
+               first: bool) -> dict:
+    """Every distinct candidate of one N timed; the cell's record with the chosen one."""
+    from .bench import STEADY_WARM_S, cell_input
+
+    x, out = cell_input(lp0.cfg, n, args.seed)
+    base = default_choice(lp_default, dev, n)
+    default = _time_choice(layers, lp0, n, base, x, out, args, ceilings, STEADY_WARM_S if first else args.warm_s)
+    others = [c for c in distinct(lp0, dev, n, [base] + candidates(lp0, n)) if c != base]
+    timed, ref = [default], out.copy()
+    if default.pct_of_floor < FLOOR_PRUNE_PCT:
+        for c in others:
+            t = _time_choice(layers, lp0, n, c, x, out, args, ceilings, args.warm_s)
+            timed.append(replace(t, rel_err=_rel_err(out, ref)))
+    chosen = pick(default, timed)
+    skey, fkey = layer_keys(lp0)
+    print(f"  N={n:<5} " + "  ".join(f"{t.choice.label()} {t.us:.1f}" for t in timed)
+          + f"  -> {chosen.choice.label()} ({default.us / chosen.us:.3f}x the default)", flush=True)
+    return dict(shape=shape, shape_key=skey, format_key=fkey, N=n, default=_timed_dict(default),
+                candidates=[_timed_dict(t) for t in timed], chosen=_timed_dict(chosen),
+                pruned_by_floor=len(timed) == 1 and bool(others), speedup=round(default.us / chosen.us, 4))
+
+
+def _tune_format(shape: str, cfg, fmt: str, args, ceilings: dict, skipped: list) -> list[dict]:
+    """Every N of one preset and format: the layers built once with caps admitting every candidate."""
+    from .bench import build_layers, free_layers, layer_options
+    from .plan import LayerOptions, plan_layer
+
+    tag = f"[tune {shape} {fmt}]"
+    layers: list = []
+    try:
+        w8a8 = fmt == "fp8_block" and args.fp8_compute != "w8a16"
+        cap = DECODE_CAP.get(format_key(fmt, w8a8), 0)
+        try:
+            layers = build_layers(cfg, fmt, args, tag, **layer_options(fmt, args, decode_max_tokens=cap,
+                                                                        atomic_max_tokens=min(ATOMIC_CAP, cap)))
+        except (NotImplementedError, TypeError, ValueError) as e:
+            skipped.append(dict(shape=shape, format=fmt, reason=f"{type(e).__name__}: {e}"))
+            print(f"{tag} skipped: {skipped[-1]['reason']}", flush=True)
+            return []
+        lp0, dev = layers[0].plan, layers[0].device
+        opts = LayerOptions(fp8_compute=layer_options(fmt, args).get("fp8_compute", "auto"))
+        lp_default = plan_layer(cfg, fmt, None, dev.arch, n_local=lp0.n_local, options=opts,
+                                mxfp4_scale_bytes=layers[0].weights.mxfp4_scale_bytes)  # what a layer runs today
+        print(f"{tag} {len(layers)} layer copies; timing", flush=True)
+        return [_tune_cell(layers, lp0, lp_default, dev, shape, n, args, ceilings, i == 0)
+                for i, n in enumerate(args.tokens)]
+    finally:
+        del layers
+        free_layers()
+
+
+def run_tune(args) -> int:
+    """The sweep; the result file is rewritten after each preset and format (a run cut short keeps its cells)."""
+    import cupy
+
+    from . import jit
+    from .bench import preset_config, resolve_ceilings
+
+    ceilings, measured = resolve_ceilings(args.measure_ceilings)
+    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    jit.library(cupy.cuda.runtime.getDevice(), progress=lambda line: print("  " + line, flush=True))
+    path = Path(args.json) if args.json else Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-tune.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0, cells, skipped = time.perf_counter(), [], []
+    for shape in args.preset:
+        for fmt in dict.fromkeys(args.formats):
+            cells += _tune_format(shape, preset_config(shape), fmt, args, ceilings, skipped)
+            rows = _write_result(path, args, gpu, cells, skipped, ceilings, measured, time.perf_counter() - t0)
+    print(f"results written to {path}", flush=True)
+    if args.table_out:
+        tuning = json.loads((Path(__file__).parent / "data" / "tuning.json").read_text())
+        Path(args.table_out).write_text(json.dumps(merge_rows(tuning, rows), indent=2) + "\n")
+        print(f"tuning table with these rows written to {args.table_out}", flush=True)
+    return 0 if cells else 1
+
+
+def _write_result(path: Path, args, gpu: str, cells: list, skipped: list, ceilings: dict, measured: dict,
+                  seconds: float) -> list[dict]:
+    """The result file of the cells so far (meta, cells, table rows); returns the rows."""
+    import cupy
+
+    from .bench import _git_commit
+
+    command = sweep_command(args)
+    meta = dict(gpu=gpu, commit=_git_commit(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                python=platform.python_version(), cupy=cupy.__version__, command=command, **ceilings,
+                ceilings_measured=measured, seconds=round(seconds, 1), skipped=skipped or None,
+                method=f"bench's cells (CUDA-graph replays over the layer copies, the median of {args.repeats} "
+                       f"repetitions of {args.replays} replays; {args.warm_s} s of replays before each cell after "
+                       f"the first), each distinct candidate plan forced through the table's lookup; the default "
+                       f"alone where it reaches {FLOOR_PRUNE_PCT} % of the floor; a candidate kept only when "
+                       f"{100 * MARGIN:.0f} % faster than the default")
+    rows = table_rows(cells, command, f"benchmarks/results/{path.name}")
+    path.write_text(json.dumps(dict(meta=meta, cells=cells, table=rows), indent=1))
+    return rows
+
+
+def add_tune_args(ap) -> None:
+    from .bench import FORMATS, PRESETS
+
+    ap.add_argument("--preset", nargs="+", default=["qwen3-30b-a3b", "mixtral-8x7b"], choices=sorted(PRESETS))
+    ap.add_argument("--format", dest="formats", nargs="+", default=["bf16", "fp8_block"], choices=FORMATS)
+    ap.add_argument("--tokens", nargs="+", type=int, default=[16, 32, 64, 128, 256, 512, 1024, 2048])
+    ap.add_argument("--fp8-compute", default="auto", choices=["auto", "w8a8", "w8a16"])
+    ap.add_argument("--repeats", type=int, default=5, help="timed repetitions a candidate (median)")
+    ap.add_argument("--replays", type=int, default=10, help="graph replays a repetition")
+    ap.add_argument("--warm-s", type=float, default=TUNE_WARM_S, help="seconds of replays before each cell "
+                    "after the first")
+    ap.add_argument("--measure-ceilings", action="store_true", help="measure the floors' ceilings in this run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="the result file (default benchmarks/results/<date>-tune.json)")
+    ap.add_argument("--table-out", default=None, help="also write the tuning table with this sweep's rows here")
+    ap.add_argument("--apply", default=None, metavar="RESULT",
+                    help="no GPU: merge RESULT's table rows into --table and exit")
+    ap.add_argument("--table", default=str(Path(__file__).parent / "data" / "tuning.json"),
+                    help="the tuning table --apply writes (default: the package's)")

@@ -1,0 +1,141 @@
+"""CPU tests of python -m cupymoe tune's pure parts (candidates, de-duplication, the pick, the
+table rows and their merge into the tuning table) and of bench's per-stage bytes and FLOPs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cupymoe import bench, tune
+from cupymoe.knobs import Knobs
+from cupymoe.plan import DeviceFacts, LayerOptions, choose_path, plan_layer
+from cupymoe.tuning import Choice, load
+
+H200 = DeviceFacts.h200()
+PACKAGE_TABLE = Path(tune.__file__).parent / "data" / "tuning.json"
+
+
+def _empty_table(tmp_path) -> Path:
+    """The package's tuning table with no by_shape rows, in tmp_path."""
+    data = json.loads(PACKAGE_TABLE.read_text())
+    data["by_shape"] = {**data["by_shape"], "value": []}
+    p = tmp_path / "tuning.json"
+    p.write_text(json.dumps(data, indent=2) + "\n")
+    return p
+
+
+def _plans(preset, fmt):
+    """(the sweep's plan with caps admitting every candidate, the plan a layer runs by default)."""
+    cfg = bench.preset_config(preset)
+    cap = tune.DECODE_CAP[tune.format_key(fmt, fmt == "fp8_block")]
+    wide = LayerOptions(decode_max_tokens=cap, atomic_max_tokens=min(tune.ATOMIC_CAP, cap))
+    return (plan_layer(cfg, fmt, None, "sm_90a", options=wide, knobs=Knobs(), table={}),
+            plan_layer(cfg, fmt, None, "sm_90a", options=LayerOptions(), knobs=Knobs(), table={}))
+
+
+def test_candidates_by_rows_per_expert_and_caps():
+    lp0, lpd = _plans("qwen3-30b-a3b", "bf16")
+    label = lambda n: sorted(c.label() for c in tune.distinct(lp0, H200, n, [tune.default_choice(lpd, H200, n)]
+                                                             + tune.candidates(lp0, n)))
+    assert label(16) == ["atomic", "decode", "prefill/stream"]  # 1 row an expert: no 128-row tiles
+    assert label(128) == ["prefill/stream"]  # past bf16's decode cap, under 16 rows an expert
+    assert label(1024) == ["prefill/math", "prefill/stream"]
+    f0, fd = _plans("qwen3-30b-a3b", "fp8_block")
+    assert [c.label() for c in tune.candidates(f0, 16)] == ["decode/mma", "decode/wgmma", "atomic", "prefill"]
+    assert [c.label() for c in tune.candidates(f0, 512)] == ["prefill"]  # w8a8 tiles are 64 rows, one config
+
+
+def test_the_default_choice_is_what_the_layer_runs():
+    _, lpd = _plans("qwen3-30b-a3b", "bf16")
+    assert tune.default_choice(lpd, H200, 8) == Choice("decode")
+    assert tune.default_choice(lpd, H200, 16) == Choice("prefill", "stream")
+    assert tune.default_choice(lpd, H200, 2048) == Choice("prefill", "math")
+    _, fd = _plans("qwen3-30b-a3b", "fp8_block")
+    assert tune.default_choice(fd, H200, 4) == Choice("decode", w8a8_decode="mma")
+    assert tune.default_choice(fd, H200, 64) == Choice("decode", w8a8_decode="wgmma")
+
+
+def test_forcing_a_choice_goes_through_the_tables_lookup():
+    lp0, _ = _plans("mixtral-8x7b", "bf16")
+    f = tune.forced(lp0, 48, Choice("decode"))
+    assert choose_path(f, "auto", 48) == "decode" and choose_path(f, "auto", 33) == "decode"
+    assert choose_path(f, "auto", 65) == "prefill" and f.tuned == ((64, Choice("decode")),)
+
+
+def test_the_pick_keeps_the_default_within_the_margin():
+    d = tune.Timed(Choice("prefill", "stream"), 100.0, 50.0)
+    near, far = tune.Timed(Choice("decode"), 99.5, 50.2), tune.Timed(Choice("atomic"), 90.0, 55.0)
+    assert tune.pick(d, [d, near]) is d and tune.pick(d, [d, near, far]) is far
+
+
+def _cell(n, chosen, default):
+    t = lambda c, us: dict(label=c.label(), path=c.path, grouped=c.grouped, w8a8_decode=c.w8a8_decode, us=us,
+                           pct_of_floor=50.0)
+    return dict(shape="qwen3-30b-a3b", shape_key="H2048 I768 E128/128 k8", format_key="bf16", N=n,
+                default=t(default, 120.0), chosen=t(chosen, 100.0))
+
+
+def test_rows_merge_into_the_table_and_the_layer_reads_them(tmp_path):
+    args = argparse.Namespace(preset=["qwen3-30b-a3b"], formats=["bf16"], tokens=[16, 64], fp8_compute="auto")
+    command = tune.sweep_command(args)
+    assert command == "python -m cupymoe tune --preset qwen3-30b-a3b --format bf16 --tokens 16 64"
+    cells = [_cell(16, Choice("decode"), Choice("prefill", "stream")),
+             _cell(48, Choice("prefill", "math"), Choice("prefill", "stream"))]
+    result = tmp_path / "20261202-h200-tune-x.json"
+    result.write_text(json.dumps(dict(meta={}, cells=cells, table=tune.table_rows(cells, command, "elsewhere"))))
+    table = _empty_table(tmp_path)
+    assert tune.apply_result(result, table) == 2
+    assert tune.apply_result(result, table) == 2  # the same rows again replace, not add
+    data = json.loads(table.read_text())
+    rows = data["by_shape"]["value"]
+    assert [(r["n"], r["path"], r["grouped"]) for r in rows] == [(16, "decode", None), (64, "prefill", "math")]
+    assert {r["result"] for r in rows} == {"benchmarks/results/20261202-h200-tune-x.json"}
+    assert rows[0]["command"] == command
+    assert {k: v for k, v in data.items() if k != "by_shape"} == {k: v for k, v in json.loads(
+        PACKAGE_TABLE.read_text()).items() if k != "by_shape"}
+    lp = plan_layer(bench.preset_config("qwen3-30b-a3b"), "bf16", None, "sm_90a", knobs=Knobs(),
+                    table=load(table.read_text()).by_shape)
+    assert [choose_path(lp, "auto", n) for n in (8, 9, 16, 17)] == ["decode", "decode", "decode", "prefill"]
+
+
+def test_tune_apply_runs_without_a_gpu(tmp_path):
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps(dict(table=tune.table_rows([_cell(32, Choice("decode"), Choice("prefill", "stream"))],
+                                                            "python -m cupymoe tune", "x"))))
+    table = _empty_table(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "cupymoe", "tune", "--apply", str(result), "--table", str(table)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(table.read_text())["by_shape"]["value"][0]["n"] == 32
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_stage_bytes_and_flops_add_up_to_the_cell(path):
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    n, touched = 64, 100
+    fig = bench.stage_figures(cfg, "fp8_block", n, touched, path)
+    cell = bench.cell_figures(cfg, "fp8_block", n, touched)
+    assert sum(f for _, f in fig.values()) == cell["flops"]  # every FLOP in exactly one stage
+    moved = n * 2048 * 2 + 2 * n * 8 * 768 * 2 + n * 8 * 2048 * (2 if path == "prefill" else 4)  # x, act, y
+    weights = fig["gate_up"][0] + fig["down"][0] - moved
+    assert weights == touched * bench.expert_bytes("fp8_block", 2048, 768)
+    stages = bench.stage_rows({"router": 10.0, "gate_up": 30.0, "down": 60.0}, fig)
+    assert [s["share_pct"] for s in stages.values()] == [10.0, 30.0, 60.0]
+    assert stages["gate_up"]["TFLOPs"] == round(fig["gate_up"][1] / 30.0 / 1e6, 2)
+    assert stages["down"]["TBps"] == round(fig["down"][0] / 60.0 / 1e6, 3)
+    assert "gate_up 30.0 (30%" in bench.format_stages(stages)
+
+
+def test_bench_rows_carry_stages_only_when_timed():
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    ceilings = dict(copy_TBps=4.26, bf16_TFLOPs=777.0, fp8_TFLOPs=1462.0)
+    plain = bench.bench_row(cfg, "qwen3-30b-a3b", "bf16", 16, 90, [100.0], ceilings, {}, path="auto", layers=2)
+    assert plain["stages_us"] is None and "stages" not in plain
+    timed = bench.bench_row(cfg, "qwen3-30b-a3b", "bf16", 16, 90, [100.0], ceilings, {}, path="auto", layers=2,
+                            stage_us={"router": 5.0, "down": 45.0}, path_taken="prefill")
+    assert timed["stages"]["down"]["share_pct"] == 90.0 and timed["stages_us"] == {"router": 5.0, "down": 45.0}

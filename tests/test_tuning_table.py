@@ -1,0 +1,120 @@
+"""CPU tests of the tuning table's per-(shape, format, N bucket) entries: an empty table builds
+bitwise the plans the global rules built before the table existed (tests/plan_digests.json,
+every preset and format at row counts 1..16384); an entry moves only its own bucket's row
+counts; a knob that forces a choice wins over the table; bad entries are refused by name."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from cupymoe import bench, heuristics as HX
+from cupymoe.forward_plan import build_forward_plan
+from cupymoe.knobs import Knobs
+from cupymoe.plan import DeviceFacts, LayerOptions, choose_path, plan_layer
+from cupymoe.tuning import Choice, format_key, load, n_bucket, parse_by_shape, shape_key
+
+H200 = DeviceFacts.h200()
+DIGESTS = Path(__file__).with_name("plan_digests.json")
+# powers of two and three times them, each +-1: every bucket edge of 1..16384
+NS = sorted({m + d for p in range(15) for m in (1 << p, 3 << p) for d in (-1, 0, 1) if 1 <= m + d <= 16384})
+
+
+def plan_digests(table=None) -> dict[str, str]:
+    """A digest of the auto path's plan at every NS row count, per preset (routed only and full) and format."""
+    out = {}
+    for preset in bench.PRESETS:
+        for routed_only in (True, False):
+            cfg = bench.preset_config(preset, routed_only=routed_only)
+            for fmt in bench.FORMATS:
+                shared = fmt if cfg.has_shared_expert else None
+                lp = plan_layer(cfg, fmt, shared, "sm_90a", options=LayerOptions(), knobs=Knobs(), table=table)
+                h = hashlib.sha256()
+                for n in NS:
+                    p = choose_path(lp, "auto", n)
+                    h.update(f"{n}:{p}:{build_forward_plan(lp, H200, n, p).at(n).steps!r}\n".encode())
+                out[f"{preset}{'' if routed_only else '+shared'}/{fmt}"] = h.hexdigest()[:16]
+    return out
+
+
+def test_an_empty_table_builds_the_plans_of_the_global_rules():
+    """The digests were written by the code before the table existed (regenerate after a deliberate
+    plan change: python tests/test_tuning_table.py --write)."""
+    assert plan_digests(table={}) == json.loads(DIGESTS.read_text())
+
+
+def test_the_packaged_table_loads_and_names_known_shapes():
+    t = load()
+    for (shape, fmt), buckets in t.by_shape.items():
+        assert shape.startswith("H") and fmt.split(":")[0] in bench.FORMATS
+        assert all(b == n_bucket(b) for b, _ in buckets)
+
+
+def _qwen(fmt="bf16", rows=(), knobs=None, **options):
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    key = (shape_key(2048, 768, 128, 128, 8), format_key(fmt, fmt == "fp8_block"))
+    table = {key: tuple(sorted(rows))}
+    return plan_layer(cfg, fmt, None, "sm_90a", options=LayerOptions(**options), knobs=knobs or Knobs(), table=table)
+
+
+def test_a_path_entry_moves_its_bucket_only_and_raises_the_decode_cap():
+    lp = _qwen(rows=[(16, Choice(path="decode")), (64, Choice(path="prefill"))])
+    assert lp.decode_max_tokens == 16 and lp.auto_decode_max == 8
+    paths = {n: choose_path(lp, "auto", n) for n in (1, 8, 9, 16, 17, 32, 33, 64, 65)}
+    assert paths == {1: "decode", 8: "decode", 9: "decode", 16: "decode", 17: "prefill", 32: "prefill",
+                     33: "prefill", 64: "prefill", 65: "prefill"}
+    down = _qwen(rows=[(8, Choice(path="prefill")), (16, Choice(path="atomic"))])
+    assert [choose_path(down, "auto", n) for n in (4, 5, 8, 12)] == ["decode", "prefill", "prefill", "atomic"]
+    assert down.atomic_max_tokens == 16
+
+
+def test_an_explicit_decode_cap_bounds_the_table():
+    lp = _qwen(rows=[(32, Choice(path="decode"))], decode_max_tokens=20)
+    assert [choose_path(lp, "auto", n) for n in (17, 20, 21, 32)] == ["decode", "decode", "prefill", "prefill"]
+
+
+def test_grouped_and_w8a8_entries_follow_the_bucket_unless_a_knob_forces_them():
+    lp = _qwen(rows=[(1024, Choice(grouped="stream")), (64, Choice(grouped="math"))])
+    assert HX.grouped_config(lp, 1024) == "stream" and HX.grouped_config(_qwen(), 1024) == "math"
+    assert HX.grouped_config(lp, 33) == "math" and HX.grouped_config(lp, 2048) == HX.grouped_config(_qwen(), 2048)
+    forced = _qwen(rows=[(1024, Choice(grouped="stream"))], knobs=Knobs(math_rows=1))
+    assert HX.grouped_config(forced, 1024) == "math"
+    fp8 = _qwen("fp8_block", rows=[(4, Choice(w8a8_decode="wgmma")), (16, Choice(w8a8_decode="mma"))])
+    assert HX.w8a8_decode_wgmma(fp8, H200, 32, 4) and not HX.w8a8_decode_wgmma(_qwen("fp8_block"), H200, 32, 4)
+    assert not HX.w8a8_decode_wgmma(fp8, H200, 128, 16) and HX.w8a8_decode_wgmma(_qwen("fp8_block"), H200, 128, 16)
+    plan = build_forward_plan(fp8, H200, 4, "decode").at(4)
+    assert any(s.kernel.startswith("decode_wgmma_gate_up_a8") for s in plan.launches)
+
+
+def test_row_invariant_layers_ignore_the_table():
+    lp = _qwen(rows=[(16, Choice(path="decode", grouped="stream"))], row_invariant=True)
+    assert lp.tuned == () and choose_path(lp, "auto", 16) == "prefill"
+
+
+def test_bad_entries_are_refused_by_name():
+    with pytest.raises(ValueError, match="path='warp'"):
+        Choice(path="warp")
+    with pytest.raises(ValueError, match="n=24 is not a power of two"):
+        parse_by_shape([dict(shape="H1", format="bf16", n=24, path="decode")])
+    assert n_bucket(1) == 1 and n_bucket(9) == 16 and n_bucket(16) == 16 and n_bucket(17) == 32
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    DIGESTS.write_text(json.dumps(plan_digests(table={}), indent=1) + "\n")
+
+
+def test_prefill_buckets_cut_at_the_tables_buckets():
+    """A table can flip the grouped configuration back and forth over N: the runs still match N by N."""
+    from cupymoe.forward_plan import prefill_buckets, prefill_shape
+
+    lp = _qwen(rows=[(256, Choice(grouped="math")), (512, Choice(grouped="stream")), (2048, Choice(grouped="math"))])
+    runs = prefill_buckets(lp, H200, 9, 4096)
+    assert runs[0][0] == 9 and runs[-1][1] == 4096
+    assert all(b + 1 == c for (_, b, _), (c, _, _) in zip(runs, runs[1:]))
+    for a, b, shape in runs:
+        assert all(prefill_shape(lp, H200, n) == shape for n in list(range(a, b + 1, 7)) + [b])
+    assert [s.grouped_config for _, _, s in runs] == ["stream", "math", "stream", "math"]
