@@ -127,7 +127,8 @@ def main() -> None:
                 print(f"{fmt} {path}->{taken} N={n}:", parts)
         del layer
     if args.json:
-        meta = dict(preset=args.preset, calls=args.calls, command="PYTHONPATH=. python3 scripts/host_probe.py "
+        meta = dict(gpu=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), date=time.strftime("%Y-%m-%d"),
+                    preset=args.preset, calls=args.calls, command="PYTHONPATH=. python3 scripts/host_probe.py "
                     + " ".join(__import__("sys").argv[1:]).replace(args.json, "<json>"))
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, driver_us=driver, rows=rows), f, indent=1)
