@@ -26,6 +26,7 @@ from .plan import Arg, CallValue, Launch, Memset, PerN
 CU_STREAM_CAPTURE_MODE_RELAXED = 2  # other threads' calls stay legal while we capture
 CU_EVENT_RECORD_EXTERNAL = 1  # inside a capture: an event-record node, not a capture dependency
 NODE_KERNEL, NODE_MEMSET, NODE_EVENT_RECORD = 0, 2, 7  # CUgraphNodeType
+_PATCHED = {CallValue.INPUT, CallValue.OUTPUT, CallValue.TOKEN_IDS}  # the call values launch() tracks
 
 
 class KernelNodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
@@ -112,6 +113,9 @@ class PlanGraph:
         None when the plan cannot run as a graph (an all-reduce step)."""
         if any(kind == "all_reduce" for _, kind, _ in packed.steps):
             return None
+        extra = {a.value for s in packed.plan.launches for a in s.args if isinstance(a.value, CallValue)} - _PATCHED
+        if extra:  # launch() patches on the three call pointers alone
+            raise LaunchError(f"the plan reads call values a graph launch does not patch: {sorted(v.value for v in extra)}")
         fns = GraphApi.fns()
         graph = _capture(packed, capture_stream, done_event, fns)
         try:

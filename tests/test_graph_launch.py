@@ -169,3 +169,14 @@ def test_the_node_parameter_blocks_have_the_drivers_layout():
     assert ctypes.sizeof(graph_launch.KernelNodeParams) == 72
     assert graph_launch.KernelNodeParams.kernel_params.offset == 40
     assert ctypes.sizeof(graph_launch.MemsetNodeParams) == 40
+
+
+def test_a_plan_reading_other_call_values_is_refused(fake):
+    """The experts-only entry's ids and weights are call values launch() does not track."""
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    lp = plan_layer(cfg, "bf16", None, H200.arch, options=LayerOptions(), knobs=Knobs())
+    plan = build_forward_plan(lp, H200, 4, Path.DECODE, given_routing=True)
+    packed = PackedPlan(plan, lambda b: 0x10_0000, lambda name: 0x2000)
+    packed.set_call(0xA000, 0xB000, 0, 4)
+    with pytest.raises(LaunchError, match="topk_ids"):
+        PlanGraph.capture(packed, 0x5, 0xEE, 0)
