@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-import numpy as np
 
 from . import arrays, profiling
 from .errors import MoeCallError
@@ -58,30 +57,16 @@ def plan_for(layer, n: int, path: Optional[str], shared: bool, separated: bool =
     if packed is None:
         plan = build_forward_plan(layer.plan, layer.device, n, p, separated=separated, given_routing=True,
                                   shared_expert=shared)
-        comm = layer.comm
-        reduce = (lambda ptr, nbytes, stream: comm.all_reduce(ptr, nbytes, "bf16", stream)) if comm else None
-        packed = cache[key] = PackedPlan(plan, layer._resolve, layer.lib.pointer, reduce)
+        packed = cache[key] = PackedPlan(plan, layer._resolve, layer.lib.pointer, layer._reduce())
     return packed
 
 
 def check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr) -> tuple[int, ...]:
     """Refuse a bad experts-only call before anything is launched: (N, x, ids, weights, out) as ints."""
-    from .layer_checks import pointer as _pointer
+    from .layer_checks import check_rows_and_buffers, pointer
 
-    if type(num_tokens) is not int and (not isinstance(num_tokens, np.integer) or isinstance(num_tokens, bool)):
-        raise MoeCallError(f"num_tokens={num_tokens!r}: must be an int")
-    n = int(num_tokens)
-    if not 1 <= n <= layer.max_tokens:
-        raise MoeCallError(f"num_tokens={n}: must be in 1..max_tokens={layer.max_tokens}")
-    x = _pointer("input_ptr", input_ptr, 16)  # the kernels read 16-byte vectors
-    out = _pointer("output_ptr", output_ptr, 16)
-    ids = _pointer("topk_ids_ptr", topk_ids_ptr, 4)
-    w = _pointer("topk_weights_ptr", topk_weights_ptr, 4)
-    nbytes = n * layer.cfg.hidden_size * 2
-    if x < out + nbytes and out < x + nbytes:
-        raise MoeCallError(f"output_ptr=0x{out:x} overlaps input_ptr=0x{x:x} ({nbytes} bytes each): blocks read "
-                           "whole input rows while others write the output; give the output its own memory")
-    return n, x, ids, w, out
+    n, x, out = check_rows_and_buffers(layer, input_ptr, num_tokens, output_ptr)
+    return n, x, pointer("topk_ids_ptr", topk_ids_ptr, 4), pointer("topk_weights_ptr", topk_weights_ptr, 4), out
 
 
 def forward_experts(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr, stream, *,

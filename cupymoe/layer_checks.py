@@ -90,8 +90,8 @@ def pointer(name: str, p, align: int) -> int:
     return int(p)
 
 
-def check_call(layer, input_ptr, num_tokens, output_ptr, token_ids_ptr) -> tuple[int, int, int, int]:
-    """Refuse a bad call before anything is launched; returns (N, input, output, token ids) as ints."""
+def check_rows_and_buffers(layer, input_ptr, num_tokens, output_ptr) -> tuple[int, int, int]:
+    """The row count, input and output of a call (every entry's), refused by name: (N, input, output)."""
     if type(num_tokens) is not int and (not isinstance(num_tokens, np.integer) or isinstance(num_tokens, bool)):
         raise MoeCallError(f"num_tokens={num_tokens!r}: must be an int")
     n = int(num_tokens)
@@ -103,6 +103,12 @@ def check_call(layer, input_ptr, num_tokens, output_ptr, token_ids_ptr) -> tuple
     if x < out + nbytes and out < x + nbytes:
         raise MoeCallError(f"output_ptr=0x{out:x} overlaps input_ptr=0x{x:x} ({nbytes} bytes each): blocks read "
                            "whole input rows while others write the output; give the output its own memory")
+    return n, x, out
+
+
+def check_call(layer, input_ptr, num_tokens, output_ptr, token_ids_ptr) -> tuple[int, int, int, int]:
+    """Refuse a bad call before anything is launched; returns (N, input, output, token ids) as ints."""
+    n, x, out = check_rows_and_buffers(layer, input_ptr, num_tokens, output_ptr)
     if token_ids_ptr:
         return n, x, out, pointer("token_ids_ptr", token_ids_ptr, 4)
     if layer.cfg.hash_routing:
