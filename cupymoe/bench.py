@@ -544,7 +544,7 @@ def measure_ceilings() -> dict[str, Optional[float]]:
         torch.cuda.synchronize()
         burst = repetition(fn, 10)
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < warm_s:
+        while time.perf_counter() - t0 < STEADY_WARM_S:
             repetition(fn, 5)
         steady = statistics.median(repetition(fn, CEILING_CALLS) for _ in range(CEILING_REPEATS))
         return steady, burst

@@ -97,14 +97,7 @@ def _observed(layer, packed: PackedPlan, x: int, out: int, n: int, stream: int) 
         raise MoeCallError("CUPYMOE_PROFILE synchronises the stream; unset it while capturing a graph")
     packed.prepare(x, out, 0, n, stream)
     timer = profiling.StageTimer(s, n, packed.plan.path.value, layer._profile)
-    with timer.forward():
-        i = 0
-        while i < len(packed.steps):
-            stage = packed.steps[i][0]
-            with timer.stage(stage.value):
-                while i < len(packed.steps) and packed.steps[i][0] == stage:
-                    packed.run_step(packed.steps[i][1], packed.steps[i][2], n, stream)
-                    i += 1
+    profiling.run_by_stage(timer, packed, n, stream)
 
 
 def run_experts(layer, x, topk_ids, topk_weights, *, out=None, stream=None, shared_expert: Optional[bool] = None,

@@ -27,9 +27,9 @@ from .launch import CaptureStatus, Driver, PackedPlan
 from .layer_checks import (check_call, check_options, check_smem_fits, check_token_limit, cupy_module, device_of,
                            pointer)
 from .parallel import Communicator, check_communicator, owned_experts
-from .plan import (PATH_NAMES, Buf, CallValue, DeviceFacts, ErrorBit, ForwardPlan, LayerOptions, Path, Space,
+from .plan import (PATH_NAMES, Buf, CallValue, DeviceFacts, ForwardPlan, error_text, LayerOptions, Path, Space,
                    choose_path, plan_layer)
-from .weights import DeviceWeights
+from .weights import DeviceWeights, MemoryReport
 from .workspace import GUARD_BYTES, ScratchView, Workspace, WorkspaceNeed, layer_need
 
 log = logging.getLogger(__name__)
@@ -44,23 +44,6 @@ class WarmupReport:
     plans: int  # forward plans built (decode row counts, prefill shapes)
     seconds: float
     graphs: int = 0  # of them captured as one-launch graphs for eager forwards
-
-
-@dataclass(frozen=True)
-class MemoryReport:
-    """The device memory a layer uses, in bytes (MoeLayer.memory_report)."""
-
-    weights_owned: int  # weight arrays the layer allocated: uploads, device copies, repacked fp4, a dequantized router
-    weights_borrowed: int  # the caller's device tensors used where they lie (kept alive, never written)
-    tables: int  # per-slot pointer tables and slot maps
-    layer_state: int  # the error word and the TMA tensor maps
-    scratch: int  # what the layer needs of its workspace (its scratch plan and zeroed region)
-    workspace: int  # the workspace's allocation, shared by the layers bound to it
-
-    @property
-    def added(self) -> int:
-        """What the layer allocated for itself, past the caller's tensors and the shared workspace."""
-        return self.weights_owned + self.tables + self.layer_state
 
 
 class MoeLayer:
@@ -372,14 +355,7 @@ class MoeLayer:
         guard.arm_zones(self.scratch.zones, stream)
         packed.prepare(x, out, token_ids, n, stream)
         timer = profiling.StageTimer(s, n, packed.plan.path.value, self._profile)
-        with timer.forward():
-            i = 0
-            while i < len(packed.steps):
-                stage = packed.steps[i][0]
-                with timer.stage(stage.value):
-                    while i < len(packed.steps) and packed.steps[i][0] == stage:
-                        packed.run_step(packed.steps[i][1], packed.steps[i][2], n, stream)
-                        i += 1
+        profiling.run_by_stage(timer, packed, n, stream)
         self.workspace.done(stream)
         if self._dump_dir is not None:
             dump_forward(self, x, n, out, s, packed.plan.path)
@@ -449,12 +425,4 @@ class MoeLayer:
             flags = int(self._err.get()[0])
             if flags:
                 self._err.fill(0)
-                raise MoeCallError(f"a kernel flagged bad input (error bits 0x{flags:x}: {_error_text(flags)})")
-
-
-def _error_text(flags: int) -> str:
-    what = {ErrorBit.TOKEN_ID_RANGE: "a token id outside 0..hash_vocab_size-1 (those rows got no routed experts)",
-            ErrorBit.EXPERT_ID_RANGE: "forward_experts: an expert id outside 0..router_width-1 (those pairs got no "
-                                      "expert)",
-            ErrorBit.LORA_ID_RANGE: "a LoRA id outside -1..max_loras-1 (those rows got no delta)"}
-    return "; ".join(f"bit {b.bit_length() - 1} = {text}" for b, text in what.items() if flags & b) or "unknown bits"
+                raise MoeCallError(f"a kernel flagged bad input (error bits 0x{flags:x}: {error_text(flags)})")

@@ -89,6 +89,15 @@ class ErrorBit(enum.IntFlag):
     LORA_ID_RANGE = 4  # a LoRA id outside -1..max_loras-1: the row got no delta
 
 
+def error_text(flags: int) -> str:
+    """What the set bits of a layer's error word mean, one clause a bit."""
+    what = {ErrorBit.TOKEN_ID_RANGE: "a token id outside 0..hash_vocab_size-1 (those rows got no routed experts)",
+            ErrorBit.EXPERT_ID_RANGE: "forward_experts: an expert id outside 0..router_width-1 (those pairs got no "
+                                      "expert)",
+            ErrorBit.LORA_ID_RANGE: "a LoRA id outside -1..max_loras-1 (those rows got no delta)"}
+    return "; ".join(f"bit {b.bit_length() - 1} = {text}" for b, text in what.items() if flags & b) or "unknown bits"
+
+
 @dataclass(frozen=True)
 class Buf:
     space: Space

@@ -165,3 +165,16 @@ def write_dumps(directory: Path, stream, arrays: dict[str, tuple[int, tuple[int,
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
         np.save(directory / f"{_dump_seq:05d}_{name}.npy", arr)
     return directory
+
+
+def run_by_stage(timer: "StageTimer", packed, n: int, stream: int) -> None:
+    """Enqueue a prepared PackedPlan's steps, each stage's run inside the timer's range for it."""
+    steps = packed.steps
+    with timer.forward():
+        i = 0
+        while i < len(steps):
+            stage = steps[i][0]
+            with timer.stage(stage.value):
+                while i < len(steps) and steps[i][0] == stage:
+                    packed.run_step(steps[i][1], steps[i][2], n, stream)
+                    i += 1

@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
 
 from . import heuristics as HX
 from .forward_plan import build_forward_plan

@@ -148,6 +148,23 @@ class _Store:
         return WeightMemory(**self.bytes)
 
 
+@dataclass(frozen=True)
+class MemoryReport:
+    """The device memory a layer uses, in bytes (MoeLayer.memory_report)."""
+
+    weights_owned: int  # weight arrays the layer allocated: uploads, device copies, repacked fp4, a dequantized router
+    weights_borrowed: int  # the caller's device tensors used where they lie (kept alive, never written)
+    tables: int  # per-slot pointer tables and slot maps
+    layer_state: int  # the error word and the TMA tensor maps
+    scratch: int  # what the layer needs of its workspace (its scratch plan and zeroed region)
+    workspace: int  # the workspace's allocation, shared by the layers bound to it
+
+    @property
+    def added(self) -> int:
+        """What the layer allocated for itself, past the caller's tensors and the shared workspace."""
+        return self.weights_owned + self.tables + self.layer_state
+
+
 class DeviceWeights:
     def __init__(self, cfg: MoeConfig, hw: HostWeights, device_id: int, owned: Optional[Sequence[int]] = None):
         """`owned`: the routed experts this rank computes (default: the config's contiguous block)."""

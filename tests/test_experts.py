@@ -62,10 +62,11 @@ def test_an_experts_plan_without_the_shared_expert_leaves_it_out_everywhere():
 
 
 def test_the_error_bits_are_named():
-    assert ErrorBit.TOKEN_ID_RANGE == 1 and ErrorBit.EXPERT_ID_RANGE == 2
-    from cupymoe.layer import _error_text
+    assert (ErrorBit.TOKEN_ID_RANGE, ErrorBit.EXPERT_ID_RANGE, ErrorBit.LORA_ID_RANGE) == (1, 2, 4)
+    from cupymoe.plan import error_text
 
-    assert "expert id outside 0..router_width-1" in _error_text(3) and "token id" in _error_text(3)
+    assert "expert id outside 0..router_width-1" in error_text(3) and "token id" in error_text(3)
+    assert "LoRA id" in error_text(4) and error_text(8) == "unknown bits"
 
 
 def test_bad_experts_calls_are_refused_by_name():
