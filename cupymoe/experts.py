@@ -27,12 +27,12 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-import numpy as np
 
 from . import arrays, profiling
 from .errors import MoeCallError
 from .forward_plan import build_forward_plan, prefill_shape
 from .launch import PackedPlan
+from .layer_checks import check_path
 from .plan import CallValue, Path
 
 log = logging.getLogger(__name__)
@@ -66,21 +66,14 @@ def plan_for(layer, n: int, path: Optional[str], shared: bool, separated: bool =
 
 def check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr) -> tuple[int, ...]:
     """Refuse a bad experts-only call before anything is launched: (N, x, ids, weights, out) as ints."""
-    from .layer_checks import pointer as _pointer
+    from .layer_checks import check_disjoint, pointer, row_count
 
-    if type(num_tokens) is not int and (not isinstance(num_tokens, np.integer) or isinstance(num_tokens, bool)):
-        raise MoeCallError(f"num_tokens={num_tokens!r}: must be an int")
-    n = int(num_tokens)
-    if not 1 <= n <= layer.max_tokens:
-        raise MoeCallError(f"num_tokens={n}: must be in 1..max_tokens={layer.max_tokens}")
-    x = _pointer("input_ptr", input_ptr, 16)  # the kernels read 16-byte vectors
-    out = _pointer("output_ptr", output_ptr, 16)
-    ids = _pointer("topk_ids_ptr", topk_ids_ptr, 4)
-    w = _pointer("topk_weights_ptr", topk_weights_ptr, 4)
-    nbytes = n * layer.cfg.hidden_size * 2
-    if x < out + nbytes and out < x + nbytes:
-        raise MoeCallError(f"output_ptr=0x{out:x} overlaps input_ptr=0x{x:x} ({nbytes} bytes each): blocks read "
-                           "whole input rows while others write the output; give the output its own memory")
+    n = row_count(num_tokens, layer.max_tokens)
+    x = pointer("input_ptr", input_ptr, 16)  # the kernels read 16-byte vectors
+    out = pointer("output_ptr", output_ptr, 16)
+    ids = pointer("topk_ids_ptr", topk_ids_ptr, 4)
+    w = pointer("topk_weights_ptr", topk_weights_ptr, 4)
+    check_disjoint(x, out, n * layer.cfg.hidden_size * 2)
     return n, x, ids, w, out
 
 
@@ -90,6 +83,7 @@ def forward_experts(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr
     n, x, ids, w, out = check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr)
     shared = shared_flag(layer, shared_expert)
     stream = layer._stream(stream)
+    check_path(path)  # before it keys the plan cache
     separated = layer._profile or profiling.recording_events()
     packed = plan_for(layer, n, path, shared, separated)
     packed.set_call_value(CallValue.TOPK_IDS, ids)
@@ -128,13 +122,11 @@ def run_experts(layer, x, topk_ids, topk_weights, *, out=None, stream=None, shar
     xa = arrays.view(x, "x")
     n = arrays.rows_of(xa, layer.cfg.hidden_size, layer.device_id)
     k = layer.cfg.num_experts_per_tok
-    ia, wa = arrays.view(topk_ids, "topk_ids"), arrays.view(topk_weights, "topk_weights")
-    arrays.check(ia, "topk_ids", device=layer.device_id, dtypes=("int32",), shape=(n, k))
-    arrays.check(wa, "topk_weights", device=layer.device_id, dtypes=("float32",), shape=(n, k))
+    ids = arrays.checked_ptr(topk_ids, "topk_ids", device=layer.device_id, dtypes=("int32",), shape=(n, k))
+    w = arrays.checked_ptr(topk_weights, "topk_weights", device=layer.device_id, dtypes=("float32",), shape=(n, k))
     if out is None:
         out = arrays.empty_like(x)
-    oa = arrays.view(out, "out")
-    arrays.check(oa, "out", device=layer.device_id, dtypes=arrays.BF16_BITS, shape=xa.shape)
-    forward_experts(layer, xa.ptr, n, ia.ptr, wa.ptr, oa.ptr, arrays.current_stream(x) if stream is None else stream,
+    op = arrays.checked_ptr(out, "out", device=layer.device_id, dtypes=arrays.BF16_BITS, shape=xa.shape)
+    forward_experts(layer, xa.ptr, n, ids, w, op, arrays.current_stream(x) if stream is None else stream,
                     shared_expert=shared_expert, path=path)
     return out
