@@ -41,7 +41,7 @@ def check_options(cfg: MoeConfig, max_tokens, path: str, row_invariant: bool) ->
     """Refuse what no layer could run, before anything is uploaded."""
     if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens <= 0:
         raise OptionError(f"max_tokens={max_tokens!r}: must be a positive integer")
-    if path not in PATH_NAMES:
+    if not isinstance(path, str) or path not in PATH_NAMES:  # an array's `in` would raise ValueError
         raise OptionError(f"path={path!r}: must be one of {PATH_NAMES}")
     if path in ("decode", "atomic") and row_invariant:
         raise PathUnavailableError(f"path={path!r} with row_invariant=True: row-invariant layers run the grouped "

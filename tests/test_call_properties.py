@@ -27,10 +27,12 @@ from hypothesis import strategies as st
 
 import cupymoe
 from cupymoe import arrays, testing
-from cupymoe.errors import MoeCallError, PathUnavailableError
+from cupymoe.errors import MoeCallError, OptionError, PathUnavailableError, UnsupportedModelError
 from cupymoe.experts import check_call as experts_check_call
 from cupymoe.knobs import Knobs
-from cupymoe.layer_checks import check_call, check_path, check_stream, checked_call, optional_pointer, pointer
+from cupymoe.layer_checks import (check_call, check_options, check_path, check_stream, checked_call,
+                                  optional_pointer, pointer)
+from cupymoe.lora_slots import check_options as lora_options
 from cupymoe.plan import PATH_NAMES, DeviceFacts, LayerOptions, Path, choose_path, plan_layer
 
 SCALE = max(1, int(os.environ.get("CUPYMOE_PROPERTY_SCALE", "1")))  # as tests/test_properties.py
@@ -204,6 +206,37 @@ def test_drawn_paths_choose_one_or_are_refused_by_name(layer_plan, path, n):
         assert "path=" in str(e)
         return
     assert isinstance(path, str) and path in PATH_NAMES and chosen in PATH_NAMES[1:]
+
+
+QWEN3 = testing.tiny_config("qwen3_moe")
+
+
+@examples(200)
+@given(max_tokens=COUNTS, path=PATHS, row_invariant=st.booleans(), loras=st.tuples(COUNTS, COUNTS))
+def test_drawn_layer_options_are_taken_or_refused_by_name(max_tokens, path, row_invariant, loras):
+    """MoeLayer's options, checked before anything is uploaded (layer_checks.check_options, lora_slots)."""
+    cfg = QWEN3
+    m = _int(max_tokens)
+    if m is None or m <= 0:
+        name = "max_tokens="
+    elif not (isinstance(path, str) and path in PATH_NAMES):
+        name = "path="
+    else:
+        name = "row_invariant" if row_invariant and path in ("decode", "atomic") else None
+    _same(lambda: (check_options(cfg, max_tokens, path, row_invariant),), None if name else (None,), name)
+    k, r = (_int(v) for v in loras)
+    bad = next((f"{n}=" for n, v in zip(("max_loras", "max_lora_rank"), (k, r)) if v is None or v < 0), None)
+    bad = bad or (None if (k == 0) == (r == 0) else "give both")
+    _same(lambda: lora_options(*loras), None if bad else (k, r), bad)
+
+
+def test_widths_the_kernels_cannot_read_are_refused_as_options():
+    with pytest.raises(UnsupportedModelError, match="cannot serve this layer: MoeConfig.hidden_size=100"):
+        check_options(testing.tiny_config("qwen3_moe", hidden_size=100), 8, "auto", False)
+    with pytest.raises(OptionError, match=r"max_tokens=True: must be a positive integer"):
+        check_options(testing.tiny_config("qwen3_moe"), True, "auto", False)
+    with pytest.raises(OptionError, match=r"path=array"):  # was a ValueError from the array's truth value
+        check_options(testing.tiny_config("qwen3_moe"), 8, np.array(["auto", "decode"]), False)
 
 
 # --- arrays: torch tensors and CuPy arrays as __call__ and run_experts take them ------------
