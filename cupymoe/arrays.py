@@ -42,13 +42,17 @@ def is_torch(obj: Any) -> bool:
 
 def view(obj: Any, what: str) -> DeviceArray:
     """The DeviceArray of a torch tensor or CuPy array (anything else is refused by name)."""
-    if is_torch(obj):
-        dev = obj.device
-        return DeviceArray(int(obj.data_ptr()), tuple(obj.shape), str(obj.dtype).replace("torch.", ""),
-                           dev.index if dev.type == "cuda" else None, bool(obj.is_contiguous()), "torch")
-    if type(obj).__module__.startswith("cupy"):
-        return DeviceArray(int(obj.data.ptr), tuple(obj.shape), str(obj.dtype), int(obj.device.id),
-                           bool(obj.flags.c_contiguous), "cupy")
+    try:
+        if is_torch(obj):
+            dev = obj.device
+            return DeviceArray(int(obj.data_ptr()), tuple(obj.shape), str(obj.dtype).replace("torch.", ""),
+                               dev.index if dev.type == "cuda" else None, bool(obj.is_contiguous()), "torch")
+        if type(obj).__module__.startswith("cupy"):
+            return DeviceArray(int(obj.data.ptr), tuple(obj.shape), str(obj.dtype), int(obj.device.id),
+                               bool(obj.flags.c_contiguous), "cupy")
+    except (AttributeError, RuntimeError) as e:  # torch.nn.Module, a CuPy stream, a sparse tensor: no dense array
+        raise MoeCallError(f"{what}: expected a dense torch tensor or CuPy array, got {type(obj).__name__} "
+                           f"({type(e).__name__}: {e})") from None
     raise MoeCallError(f"{what}: expected a torch tensor or a CuPy array, got {type(obj).__name__}")
 
 
@@ -57,6 +61,13 @@ def check(a: DeviceArray, what: str, *, device: int, dtypes: tuple[str, ...], sh
     want = f"a contiguous {' or '.join(dtypes)} array {list(shape)} on cuda:{device}"
     if a.device != device or a.dtype not in dtypes or a.shape != shape or not a.contiguous:
         raise MoeCallError(f"{what}: expected {want}, got {a.describe()}")
+
+
+def checked_ptr(obj: Any, what: str, *, device: int, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> int:
+    """The device address of `obj` after `view` and `check` accept it."""
+    a = view(obj, what)
+    check(a, what, device=device, dtypes=dtypes, shape=shape)
+    return a.ptr
 
 
 def rows_of(x: DeviceArray, hidden_size: int, device: int) -> int:

@@ -32,6 +32,7 @@ from . import arrays, profiling
 from .errors import MoeCallError
 from .forward_plan import build_forward_plan, prefill_shape
 from .launch import PackedPlan
+from .layer_checks import check_path
 from .plan import CallValue, Path
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,15 @@ def plan_for(layer, n: int, path: Optional[str], shared: bool, separated: bool =
 
 def check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr) -> tuple[int, ...]:
     """Refuse a bad experts-only call before anything is launched: (N, x, ids, weights, out) as ints."""
-    from .layer_checks import check_rows_and_buffers, pointer
+    from .layer_checks import check_disjoint, pointer, row_count
 
-    n, x, out = check_rows_and_buffers(layer, input_ptr, num_tokens, output_ptr)
-    return n, x, pointer("topk_ids_ptr", topk_ids_ptr, 4), pointer("topk_weights_ptr", topk_weights_ptr, 4), out
+    n = row_count(num_tokens, layer.max_tokens)
+    x = pointer("input_ptr", input_ptr, 16)  # the kernels read 16-byte vectors
+    out = pointer("output_ptr", output_ptr, 16)
+    ids = pointer("topk_ids_ptr", topk_ids_ptr, 4)
+    w = pointer("topk_weights_ptr", topk_weights_ptr, 4)
+    check_disjoint(x, out, n * layer.cfg.hidden_size * 2)
+    return n, x, ids, w, out
 
 
 def forward_experts(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr, stream, *,
@@ -75,6 +81,7 @@ def forward_experts(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr
     n, x, ids, w, out = check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr)
     shared = shared_flag(layer, shared_expert)
     stream = layer._stream(stream)
+    check_path(path)  # before it keys the plan cache
     separated = layer._profile or profiling.recording_events()
     packed = plan_for(layer, n, path, shared, separated)
     packed.set_call_value(CallValue.TOPK_IDS, ids)
@@ -106,13 +113,11 @@ def run_experts(layer, x, topk_ids, topk_weights, *, out=None, stream=None, shar
     xa = arrays.view(x, "x")
     n = arrays.rows_of(xa, layer.cfg.hidden_size, layer.device_id)
     k = layer.cfg.num_experts_per_tok
-    ia, wa = arrays.view(topk_ids, "topk_ids"), arrays.view(topk_weights, "topk_weights")
-    arrays.check(ia, "topk_ids", device=layer.device_id, dtypes=("int32",), shape=(n, k))
-    arrays.check(wa, "topk_weights", device=layer.device_id, dtypes=("float32",), shape=(n, k))
+    ids = arrays.checked_ptr(topk_ids, "topk_ids", device=layer.device_id, dtypes=("int32",), shape=(n, k))
+    w = arrays.checked_ptr(topk_weights, "topk_weights", device=layer.device_id, dtypes=("float32",), shape=(n, k))
     if out is None:
         out = arrays.empty_like(x)
-    oa = arrays.view(out, "out")
-    arrays.check(oa, "out", device=layer.device_id, dtypes=arrays.BF16_BITS, shape=xa.shape)
-    forward_experts(layer, xa.ptr, n, ia.ptr, wa.ptr, oa.ptr, arrays.current_stream(x) if stream is None else stream,
+    op = arrays.checked_ptr(out, "out", device=layer.device_id, dtypes=arrays.BF16_BITS, shape=xa.shape)
+    forward_experts(layer, xa.ptr, n, ids, w, op, arrays.current_stream(x) if stream is None else stream,
                     shared_expert=shared_expert, path=path)
     return out

@@ -24,8 +24,8 @@ from .graph_launch import PlanGraph
 from .host_weights import HostWeights
 from .knobs import Knobs
 from .launch import CaptureStatus, Driver, PackedPlan
-from .layer_checks import (check_call, check_options, check_smem_fits, check_token_limit, cupy_module, device_of,
-                           pointer)
+from .layer_checks import (check_options, check_path, check_smem_fits, check_stream, check_token_limit, checked_call,
+                           cupy_module, device_of, optional_pointer)
 from .parallel import Communicator, check_communicator, owned_experts
 from .plan import (PATH_NAMES, Buf, CallValue, DeviceFacts, ForwardPlan, error_text, LayerOptions, Path, Space,
                    choose_path, plan_layer)
@@ -35,7 +35,6 @@ from .workspace import GUARD_BYTES, ScratchView, Workspace, WorkspaceNeed, layer
 log = logging.getLogger(__name__)
 
 PATHS = PATH_NAMES
-_MAX_PTR = 1 << 64
 _UNTRIED = object()  # a plan whose forward graph was not captured yet
 
 
@@ -180,6 +179,7 @@ class MoeLayer:
 
     def select_path(self, num_tokens: int, path: Optional[str] = None) -> str:
         """The path a forward of `num_tokens` rows takes (a forced one is validated)."""
+        check_path(path)  # `path or ...` on an array would raise ValueError
         return choose_path(self.plan, path or self.default_path, num_tokens)
 
     def plan_for(self, num_tokens: int, path: Optional[str] = None, *, separated: bool = False) -> PackedPlan:
@@ -248,15 +248,14 @@ class MoeLayer:
                 token_ids_ptr: int = 0, path: Optional[str] = None, lora_ids_ptr: int = 0) -> None:
         """Enqueue the layer on `stream`: output[N, H] bf16 = MoE(input[N, H] bf16); `lora_ids_ptr`:
         [N] int32 adapter slots a row (-1 = base), 0 = no LoRA (the base plans, bit for bit)."""
-        call = (input_ptr, num_tokens, output_ptr, token_ids_ptr)
-        if call == self._checked[0] and type(num_tokens) is int:  # the last call's arguments, already checked
-            n, x, out, token_ids = self._checked[1]
-        else:
-            n, x, out, token_ids = check_call(self, input_ptr, num_tokens, output_ptr, token_ids_ptr)
-            self._checked = (call, (n, x, out, token_ids))
+        n, x, out, token_ids = checked_call(self, input_ptr, num_tokens, output_ptr, token_ids_ptr)
         stream = self._stream(stream)
-        if lora_ids_ptr:
-            return self._lora_forward(x, n, out, stream, token_ids, pointer("lora_ids_ptr", lora_ids_ptr, 4), path)
+        if path is not None:  # before it keys a dict (an unhashable one would raise TypeError there)
+            check_path(path)
+        if type(lora_ids_ptr) is not int or lora_ids_ptr:
+            lora_ids = optional_pointer("lora_ids_ptr", lora_ids_ptr, 4)
+            if lora_ids:
+                return self._lora_forward(x, n, out, stream, token_ids, lora_ids, path)
         if self._watched or profiling.observed():
             return self._observed_forward(x, n, out, stream, token_ids, path)
         packed = self._by_n.get((path, n))
@@ -329,14 +328,13 @@ class MoeLayer:
 
     def _stream(self, stream) -> int:
         """The raw stream, checked once to belong to this layer's device."""
-        s = self._streams.get(stream)
+        s = self._streams.get(stream) if type(stream) is int else None  # a list is unhashable, 16.0 == 16
         if s is None:
-            if not isinstance(stream, (int, np.integer)) or isinstance(stream, bool) or not 0 <= stream < _MAX_PTR:
-                raise MoeCallError(f"stream={stream!r}: a cudaStream_t as an int is required")
-            if stream not in (0, 1, 2) and Driver.stream_context(int(stream)) != self._ctx:
-                raise MoeCallError(f"stream 0x{int(stream):x} belongs to another device's context than this "
+            s = check_stream(stream)
+            if s not in (0, 1, 2) and Driver.stream_context(s) != self._ctx:
+                raise MoeCallError(f"stream 0x{s:x} belongs to another device's context than this "
                                    f"layer's device {self.device_id}")
-            s = self._streams[stream] = int(stream)
+            self._streams[s] = s
         return s
 
     def _observed_forward(self, x: int, n: int, out: int, stream: int, token_ids: int, path) -> None:
@@ -368,14 +366,10 @@ class MoeLayer:
         n = arrays.rows_of(xa, self.cfg.hidden_size, self.device_id)
         if out is None:
             out = arrays.empty_like(x)
-        oa = arrays.view(out, "out")
-        arrays.check(oa, "out", device=self.device_id, dtypes=arrays.BF16_BITS, shape=xa.shape)
-        tp = 0
-        if token_ids is not None:
-            ta = arrays.view(token_ids, "token_ids")
-            arrays.check(ta, "token_ids", device=self.device_id, dtypes=("int32",), shape=(n,))
-            tp = ta.ptr
-        self.forward(xa.ptr, n, oa.ptr, arrays.current_stream(x) if stream is None else stream,
+        op = arrays.checked_ptr(out, "out", device=self.device_id, dtypes=arrays.BF16_BITS, shape=xa.shape)
+        tp = 0 if token_ids is None else arrays.checked_ptr(token_ids, "token_ids", device=self.device_id,
+                                                             dtypes=("int32",), shape=(n,))
+        self.forward(xa.ptr, n, op, arrays.current_stream(x) if stream is None else stream,
                      token_ids_ptr=tp, path=path)
         return out
 

@@ -430,7 +430,7 @@ def _auto_path(lp: LayerPlan, n: int) -> str:
 
 def choose_path(lp: LayerPlan, path: str, num_tokens: int) -> str:
     """The path a forward of `num_tokens` rows takes when `path` ("auto" or a forced one) is asked."""
-    if path not in PATH_NAMES:
+    if not isinstance(path, str) or path not in PATH_NAMES:  # an array's `in` would raise ValueError
         raise PathUnavailableError(f"path={path!r}: must be one of {PATH_NAMES}")
     if path == "auto":
         return _auto_path(lp, num_tokens)

@@ -232,5 +232,5 @@ def test_refusals(rng):
         s.end_capture()
     ids = cupy.asarray(np.array([0, 5, -1, 1], np.int32))  # 5 >= max_loras: an error bit, no delta
     layer.forward(int(x.data.ptr), 4, int(out.data.ptr), s.ptr, lora_ids_ptr=int(ids.data.ptr))
-    with pytest.raises(MoeCallError, match="bit 1 = a LoRA id"):
+    with pytest.raises(MoeCallError, match="bit 2 = a LoRA id"):
         layer.check_errors()
