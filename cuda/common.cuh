@@ -45,6 +45,9 @@ __device__ __forceinline__ void pdl_leave_early() {
 #define ACT_GELU 1
 #define ACT_GELU_TANH 2
 #define ACT_SWIGLU_OAI 3
+// Not an activation: the LoRA plans' unfused gate/up stores g (alpha != 0) or u (alpha == 0)
+// before the activation, so the adapters' deltas can be added to them (cuda/lora.cu).
+#define ACT_SELECT 4
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -200,6 +203,7 @@ __device__ __forceinline__ float activation(float g, float u, float alpha, float
         const float c = 0.7978845608028654f;  // sqrt(2 / pi)
         return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * u;
     }
+    if (ACT == ACT_SELECT) return alpha != 0.0f ? g : u;
     if (ACT == ACT_SWIGLU_OAI) {
         g = fminf(g, limit);
         u = fminf(fmaxf(u, -limit), limit);
@@ -221,6 +225,8 @@ __device__ __forceinline__ float apply_activation(int act, float g, float u, flo
             return activation<ACT_GELU_TANH>(g, u, alpha, limit);
         case ACT_SWIGLU_OAI:
             return activation<ACT_SWIGLU_OAI>(g, u, alpha, limit);
+        case ACT_SELECT:
+            return activation<ACT_SELECT>(g, u, alpha, limit);
         default:
             return activation<ACT_SILU>(g, u, alpha, limit);
     }
@@ -244,6 +250,9 @@ __device__ __forceinline__ void with_activation(int act, F&& f) {
             return;
         case ACT_SWIGLU_OAI:
             f(ActTag<ACT_SWIGLU_OAI>{});
+            return;
+        case ACT_SELECT:
+            f(ActTag<ACT_SELECT>{});
             return;
         default:
             f(ActTag<ACT_SILU>{});

@@ -1,6 +1,8 @@
 // LoRA (DESIGN.md section 1, step 7; cupymoe/lora_slots.py owns the buffers): the router's
 // delta, added to the logits between the router and the routing stage, so it can change the
-// routing. The routed and shared experts' deltas are not served here yet (DESIGN.md "LoRA").
+// routing; the routed and shared experts' deltas, added per (row, expert) pair to the
+// pre-activation g, u the LoRA plans' unfused gate/up stores (ACT_SELECT) and to the
+// expert's output before the routing weight (DESIGN.md section 9).
 #include "common.cuh"
 
 #define LORA_THREADS 256
@@ -43,5 +45,120 @@ lora_router_delta(const bf16* __restrict__ x,       // [N, H]: the router's inpu
         float d = 0.f;
         for (int j = 0; j < max_rank; ++j) d = fmaf(be[j], t[j], d);
         l[e] += d;
+    }
+}
+
+// The expert deltas' per-pair geometry: pair q of N k routed pairs, then (has_shared) the shared
+// expert's pair of each row at N k + row. pos: the pair's position in the sorted buffers (act,
+// y, yw), -1 for an identity expert's or another rank's pair; slot: its table slot.
+struct LoraPair {
+    int pos, row, slot;
+};
+__device__ __forceinline__ LoraPair lora_pair(int q, int N, int k, const int* __restrict__ ids,
+                                              const int* __restrict__ pair_pos, const int* __restrict__ slot_of,
+                                              int n_local) {
+    const int P = N * k;
+    const int pos = pair_pos[q];
+    if (pos < 0) return LoraPair{-1, 0, 0};
+    return q < P ? LoraPair{pos, q / k, slot_of[ids[q]]} : LoraPair{pos, q - P, n_local};
+}
+
+// t[j] = scale * A[j, :len] . v for j < max_rank (a warp a rank row, fp32 sums); A bf16
+// [max_rank, stride] (stride: the slot array's padded width, len: this expert's).
+__device__ __forceinline__ void lora_shrink(float* t, const bf16* __restrict__ a, const bf16* __restrict__ v,
+                                            int len, int stride, int max_rank, float scale) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (int j = warp; j < max_rank; j += warps) {
+        const bf16* aj = a + (size_t)j * stride;
+        float s = 0.f;
+        for (int i = lane; i < len; i += 32) s = fmaf(__bfloat162float(aj[i]), __bfloat162float(v[i]), s);
+        s = warp_sum(s);
+        if (lane == 0) t[j] = s * scale;
+    }
+}
+
+// B bf16 [out, max_rank] row c times t: the delta of output column c.
+__device__ __forceinline__ float lora_expand(const bf16* __restrict__ b, const float* t, int c, int max_rank) {
+    const bf16* bc = b + (size_t)c * max_rank;
+    float d = 0.f;
+    for (int j = 0; j < max_rank; ++j) d = fmaf(__bfloat162float(bc[j]), t[j], d);
+    return d;
+}
+
+// grid (N k + N has_shared), block LORA_THREADS, 2 max_rank floats of shared memory.
+// act holds the pair's g and u_pre its u (both bf16, stored by gate/up with ACT_SELECT); this
+// adds each adapter's gate / up delta (rows with an adapter) and writes act = act(g, u) in bf16
+// for every pair the gate/up stored, with or without an adapter. Slots: A [K, S, max_rank, H],
+// B [K, S, I_max, max_rank] bf16 (S = n_local + 1 table slots), scale [K, S, 3] fp32 (gate,
+// up, down); zeros past an adapter's rank and for modules it does not name. A pair reads its
+// own row only (row_invariant holds).
+__global__ void __launch_bounds__(LORA_THREADS)
+lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
+                 const int* __restrict__ ids, const int* __restrict__ pair_pos, const int* __restrict__ slot_of,
+                 const int* __restrict__ inter, const bf16* __restrict__ gate_a, const bf16* __restrict__ gate_b,
+                 const bf16* __restrict__ up_a, const bf16* __restrict__ up_b, const float* __restrict__ scale,
+                 bf16* __restrict__ act, const bf16* __restrict__ u_pre, int N, int k, int H, int I_max,
+                 int n_local, int max_rank, int max_loras, int act_code, float alpha, float limit) {
+    extern __shared__ float t[];  // [2 max_rank]: gate's, then up's
+    const LoraPair pr = lora_pair(blockIdx.x, N, k, ids, pair_pos, slot_of, n_local);
+    if (pr.pos < 0) return;
+    const int I = inter[pr.slot];
+    const int lid = lora_ids[pr.row];
+    const bool on = lid >= 0 && lid < max_loras;  // an id >= K was flagged by lora_router_delta
+    const size_t ks = on ? (size_t)lid * (n_local + 1) + pr.slot : 0;
+    if (on) {
+        const bf16* in = (pr.slot == n_local ? x : xe) + (size_t)pr.row * H;  // the shared expert reads x
+        lora_shrink(t, gate_a + ks * max_rank * H, in, H, H, max_rank, scale[ks * 3]);
+        lora_shrink(t + max_rank, up_a + ks * max_rank * H, in, H, H, max_rank, scale[ks * 3 + 1]);
+    }
+    __syncthreads();
+    bf16* ar = act + (size_t)pr.pos * I_max;
+    const bf16* ur = u_pre + (size_t)pr.pos * I_max;
+    for (int c = threadIdx.x; c < I; c += blockDim.x) {
+        float g = __bfloat162float(ar[c]), u = __bfloat162float(ur[c]);
+        if (on) {
+            g += lora_expand(gate_b + ks * I_max * max_rank, t, c, max_rank);
+            u += lora_expand(up_b + ks * I_max * max_rank, t + max_rank, c, max_rank);
+        }
+        ar[c] = __float2bfloat16(apply_activation(act_code, g, u, alpha, limit));
+    }
+}
+
+#define LORA_DOWN_DECODE 0   // y [pos, H] fp32, unweighted (decode_reduce weights it)
+#define LORA_DOWN_ATOMIC 1   // routed pairs: acc [row, H] += w d; the shared expert's y as decode
+#define LORA_DOWN_GROUPED 2  // yw [pos, H] bf16, weighted: yw = bf16(yw + w d)
+
+// grid (N k + N has_shared), block LORA_THREADS, max_rank floats of shared memory. The down
+// delta of each pair with an adapter: t = s A act[pos], d = B t, added to the expert's output
+// before the routing weight multiplies (mode: where the path keeps that output).
+// A [K, S, max_rank, I_max], B [K, S, H, max_rank] bf16.
+__global__ void __launch_bounds__(LORA_THREADS)
+lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, const int* __restrict__ ids,
+                const int* __restrict__ pair_pos, const int* __restrict__ slot_of, const int* __restrict__ inter,
+                const bf16* __restrict__ down_a, const bf16* __restrict__ down_b, const float* __restrict__ scale,
+                const float* __restrict__ topk_w, float* __restrict__ y, float* __restrict__ acc,
+                bf16* __restrict__ yw, int N, int k, int H, int I_max, int n_local, int max_rank, int max_loras,
+                int mode) {
+    extern __shared__ float t[];  // [max_rank]
+    const LoraPair pr = lora_pair(blockIdx.x, N, k, ids, pair_pos, slot_of, n_local);
+    if (pr.pos < 0) return;
+    const int lid = lora_ids[pr.row];
+    if (lid < 0 || lid >= max_loras) return;
+    const size_t ks = (size_t)lid * (n_local + 1) + pr.slot;
+    lora_shrink(t, down_a + ks * max_rank * I_max, act + (size_t)pr.pos * I_max, inter[pr.slot], I_max, max_rank,
+                scale[ks * 3 + 2]);
+    __syncthreads();
+    const bool routed = (int)blockIdx.x < N * k;
+    const float w = routed ? topk_w[blockIdx.x] : 1.0f;  // the shared expert is scaled in the reduce
+    const bf16* b = down_b + ks * H * max_rank;
+    for (int h = threadIdx.x; h < H; h += blockDim.x) {
+        const float d = lora_expand(b, t, h, max_rank);
+        const size_t o = (size_t)pr.pos * H + h;
+        if (mode == LORA_DOWN_GROUPED)
+            yw[o] = __float2bfloat16(__bfloat162float(yw[o]) + w * d);
+        else if (mode == LORA_DOWN_ATOMIC && routed)
+            atomicAdd(acc + (size_t)pr.row * H + h, w * d);
+        else
+            y[o] += d;
     }
 }

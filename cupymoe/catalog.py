@@ -47,6 +47,13 @@ class Activation(enum.IntEnum):  # cuda/common.cuh ACT_*
     GELU = 1
     GELU_TANH = 2
     SWIGLU_OAI = 3
+    SELECT = 4  # not a config's: the LoRA plans' unfused gate/up stores g (alpha 1) or u (alpha 0)
+
+
+class LoraDownMode(enum.IntEnum):  # cuda/lora.cu LORA_DOWN_*: where lora_down_delta adds
+    DECODE = 0  # y, fp32, unweighted
+    ATOMIC = 1  # acc (routed pairs, weighted) and y (the shared expert)
+    GROUPED = 2  # yw, bf16, weighted
 
 
 class Scoring(enum.IntEnum):  # cuda/routing.cuh SCORE_*

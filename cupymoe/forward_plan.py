@@ -20,7 +20,7 @@ from typing import Optional
 
 from . import catalog as C
 from . import heuristics as HX
-from .catalog import Activation, GemmMode, Scoring, WeightFormat
+from .catalog import Activation, GemmMode, LoraDownMode, Scoring, WeightFormat
 from .errors import LoraError
 from .tuning import TUNING
 from .plan import (AllReduce, Arg, ArgType, Buf, CallValue, DeviceFacts, ForwardPlan, Launch, LayerPlan, Memset,
@@ -133,18 +133,22 @@ def build_forward_plan(lp: LayerPlan, dev: DeviceFacts, n: int, path: Path, *, s
 
 @dataclass(frozen=True)
 class LoraShape:
-    """What a LoRA plan needs of the layer's reserved adapter slots."""
+    """What a LoRA plan needs of the layer's reserved adapter slots. `experts`: the routed and
+    shared experts' deltas too (their slots exist), not only the router's."""
 
     max_loras: int
     max_rank: int
+    experts: bool = False
 
 
 LORA_THREADS = 256  # cuda/lora.cu
+LORA_U = "lora_u"  # the LoRA plans' pre-activation u (bf16, like act; g goes to act itself)
 
 
 def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
     """`plan` with the router's LoRA delta launched right after the router (its logits' copy 0,
-    before the routing stage reads them); plainly, not by PDL, so it waits for the router."""
+    before the routing stage reads them); plainly, not by PDL, so it waits for the router.
+    With `lora.experts`, the expert deltas too (_with_expert_deltas)."""
     cfg = lp.cfg
     rows = PerN("N", lambda n: n) if plan.shape is not None else plan.built_for
     delta = Launch(Stage.ROUTER, "lora_router_delta", (rows,), (LORA_THREADS,),
@@ -155,7 +159,69 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
     steps = list(plan.steps)
     at = next(i for i, s in enumerate(steps) if s.stage != Stage.ROUTER)  # the first launch past the router
     steps.insert(at, delta)
+    if lora.experts:
+        steps = _with_expert_deltas(steps, plan, lp, lora)
     return replace(plan, steps=tuple(steps))
+
+
+def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> list:
+    """The experts' deltas: each gate/up GEMM launched twice with ACT_SELECT (g into act, u into
+    lora_u: the fused activation leaves no hook), then lora_gate_up_act (the gate / up deltas
+    and the activation), and lora_down_delta after the down GEMMs, before the reduce. The new
+    launches go plainly (they wait for every kernel before them); the rest keep their flags."""
+    if lp.w8a8:  # the w8a8 gate/up quantizes the activation in its epilogue, before any delta
+        raise LoraError("LoRA on the experts with fp8_compute='w8a8' is not implemented; build the layer with "
+                        "fp8_compute='w8a16' or use router-only adapters")
+    out: list = []
+    for s in steps:
+        if isinstance(s, Launch) and s.stage == Stage.GATE_UP and any(a.name == "act_code" for a in s.args):
+            out += [_select(s, 1.0, None), _select(s, 0.0, S(LORA_U))]
+        else:
+            out.append(s)
+    gate_up_act, down = _expert_delta_launches(plan, lp, lora)
+    out.insert(max(i for i, s in enumerate(out) if s.stage == Stage.GATE_UP) + 1, gate_up_act)
+    out.insert(next(i for i, s in enumerate(out) if s.stage == Stage.REDUCE), down)
+    return out
+
+
+def _select(launch: Launch, alpha: float, out: Optional[Buf]) -> Launch:
+    """`launch` (a gate/up GEMM) storing g (alpha 1) or u (alpha 0) instead of act(g, u); `out`:
+    where to (the output argument is "act" on decode, "out" on the grouped GEMMs)."""
+    def arg(a: Arg) -> Arg:
+        if a.name == "act_code":
+            return replace(a, value=int(Activation.SELECT))
+        if a.name == "alpha":
+            return replace(a, value=alpha)
+        if out is not None and a.name in ("act", "out"):
+            return replace(a, value=out)
+        return a
+    return replace(launch, args=tuple(arg(a) for a in launch.args))
+
+
+def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> tuple[Launch, Launch]:
+    cfg = lp.cfg
+    k, sh, H = cfg.num_experts_per_tok, lp.has_shared, cfg.hidden_size
+    exact = plan.shape is None
+    rows = plan.built_for if exact else PerN("N", lambda n: n)
+    pairs = plan.built_for * (k + sh) if exact else PerN("lora_pairs", lambda n: n * (k + sh))
+    where = (u64("lora_ids", CallValue.LORA_IDS), u64("ids", S("topk_ids")), u64("pair_pos", S("pair_pos")),
+             u64("slot_of", W("slot_of")), u64("inter", W("inter")))
+    sizes = (i32("N", rows), i32("k", k), i32("H", H), i32("I_max", lp.i_max), i32("n_local", lp.n_local),
+             i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras))
+    L = lambda name: u64(name, Buf(Space.LAYER, "lora_" + name))  # noqa: E731  (lora_slots.LoraSlots.ptr)
+    gate_up = Launch(Stage.GATE_UP, "lora_gate_up_act", (pairs,), (LORA_THREADS,),
+                     (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X), *where,
+                      *(L(f"{p}_{m}") for p in ("gate", "up") for m in "ab"), L("scale"),
+                      u64("act", S("act")), u64("u_pre", S(LORA_U)), *sizes,
+                      i32("act_code", Activation[cfg.hidden_act.upper()]), f32("alpha", cfg.swiglu_alpha),
+                      f32("limit", cfg.swiglu_limit)), 2 * lora.max_rank * 4)
+    mode = {Path.DECODE: LoraDownMode.DECODE, Path.ATOMIC: LoraDownMode.ATOMIC,
+            Path.PREFILL: LoraDownMode.GROUPED}[plan.path]
+    down = Launch(Stage.DOWN, "lora_down_delta", (pairs,), (LORA_THREADS,),
+                  (u64("act", S("act")), *where, L("down_a"), L("down_b"), L("scale"), u64("topk_w", S("topk_w")),
+                   u64("y", S("y")), u64("acc", S("acc")), u64("yw", S("yw")), *sizes, i32("mode", int(mode))),
+                  lora.max_rank * 4)
+    return gate_up, down
 
 
 class _Builder:

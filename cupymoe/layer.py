@@ -87,7 +87,10 @@ class MoeLayer:
                                    mxfp4_scale_bytes=self.weights.mxfp4_scale_bytes)
             assert self.plan.i_max == self.weights.i_max, (self.plan.i_max, self.weights.i_max)
             self._err = cupy.zeros(1, cupy.int32)  # sticky error bits the kernels set (check_errors)
-            self._lora = lora_slots.LoraSlots(cfg, lora_k, lora_r, self.device_id) if lora_k else None
+            self._lora = None
+            if lora_k:
+                experts = lora_slots.expert_slot_shape(owned, self.plan.i_max, self.plan.w8a8)
+                self._lora = lora_slots.LoraSlots(cfg, lora_k, lora_r, self.device_id, experts)
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             self._bind(workspace or Workspace(self.workspace_need(), device=self.device_id))
             # the uploads and repacks went through the legacy default stream, which a caller's
@@ -118,12 +121,12 @@ class MoeLayer:
     # --- scratch -------------------------------------------------------------------------
     def workspace_need(self, max_tokens: Optional[int] = None) -> WorkspaceNeed:
         """What this layer needs of a workspace at `max_tokens` (default its own)."""
-        return layer_need(self.plan, max_tokens or self.max_tokens, self._guard)[1]
+        return layer_need(self.plan, max_tokens or self.max_tokens, self._guard, self._lora_experts)[1]
 
     def _bind(self, ws: Workspace) -> None:
         if ws.device_id != self.device_id:
             raise WorkspaceError(f"workspace is on device {ws.device_id}, the layer on device {self.device_id}")
-        plan, need = layer_need(self.plan, self.max_tokens, self._guard)
+        plan, need = layer_need(self.plan, self.max_tokens, self._guard, self._lora_experts)
         ws.check_fits(need, f"a {self.cfg.model_type or 'MoE'} layer at max_tokens={self.max_tokens}")
         self.workspace, self.scratch = ws, ScratchView.on(plan, ws)
         self._tma_maps = None
@@ -302,6 +305,11 @@ class MoeLayer:
         """Empty `slot`: rows with its id get the base layer again."""
         self._lora_slots("clear_lora").clear(slot, stream)
 
+    @property
+    def _lora_experts(self) -> bool:
+        """Whether the LoRA plans add the experts' deltas (their slots and scratch exist)."""
+        return self._lora is not None and self._lora.experts is not None
+
     def _lora_slots(self, what: str) -> "lora_slots.LoraSlots":
         if self._lora is None:
             raise LoraError(f"{what}: this layer reserved no adapter slots; build it with max_loras=K, max_lora_rank=R")
@@ -315,7 +323,7 @@ class MoeLayer:
         if packed is None:
             p = Path(self.select_path(n, path))
             plan = build_forward_plan(self.plan, self.device, n, p,
-                                      lora=LoraShape(slots.max_loras, slots.max_rank))
+                                      lora=LoraShape(slots.max_loras, slots.max_rank, self._lora_experts))
             packed = self._lora_plans[(path, n)] = PackedPlan(plan, self._resolve, self.lib.pointer, self._reduce())
         packed.set_call_value(CallValue.LORA_IDS, lora_ids)
         self.workspace.use(stream)
@@ -384,6 +392,7 @@ class MoeLayer:
         its tables and state, and its workspace (cupymoe/weights.py says what is borrowed)."""
         w = self.weights.memory
         state = int(self._err.nbytes) + (0 if self._tma_maps is None else int(self._tma_maps.nbytes))
+        state += 0 if self._lora is None else self._lora.nbytes  # the adapters' slots
         return MemoryReport(w.owned, w.borrowed, w.tables, state, self.workspace_need().total_bytes,
                             self.workspace.nbytes)
 

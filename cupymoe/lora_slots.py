@@ -1,23 +1,33 @@
 """A layer's adapter slots on the device: reserved once (fixed addresses), filled and emptied by
 copies on a stream, so a graph captured before an adapter is loaded or replaced stays valid.
 
-What the GPU path serves today: the router's delta (cuda/lora.cu). An adapter naming a routed
-or shared expert's module is refused by name at `fill`, before anything is copied, rather
-than run without that delta (docs/DESIGN.md, "LoRA", says what the expert deltas need).
+The router's slots are fp32 (A [K, R, H], s B [K, Rw, R]; cuda/lora.cu lora_router_delta). The
+experts' slots (where the layer serves expert deltas: every layer but a w8a8 one) are bf16, A
+and B as the adapter gives them and the scale apart in fp32, one matrix a (slot, table slot,
+projection), the shared expert at table slot n_local: bf16 halves memory that grows with
+K (E_local + 1) R (3 H + 3 I), and PEFT adapters are trained and shipped in bf16, so their
+values are kept exactly (an fp32 adapter is rounded once a value). Zeros past an adapter's
+rank and for modules it does not name, so an empty slot adds nothing. A w8a8 layer refuses an
+adapter naming an expert module by name at `fill`, before anything is copied (its gate/up
+quantizes the activation in the GEMM's epilogue, before a delta could be added).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 
 from .config import MoeConfig
 from .errors import LoraError, OptionError
+from .formats import BF16
 from .lora import LoraTarget, LoraWeights
 
-GPU_TARGETS = frozenset({LoraTarget.ROUTER})  # the modules whose deltas cuda/lora.cu adds
 NOT_ON_GPU = "LoRA on the GPU path is not implemented yet"
+# the experts' projections in lora_scale's order: (a routed expert's target, the shared expert's)
+PROJECTIONS = ((LoraTarget.GATE, LoraTarget.SHARED_GATE), (LoraTarget.UP, LoraTarget.SHARED_UP),
+               (LoraTarget.DOWN, LoraTarget.SHARED_DOWN))
 
 
 def check_options(max_loras, max_lora_rank) -> tuple[int, int]:
@@ -30,25 +40,53 @@ def check_options(max_loras, max_lora_rank) -> tuple[int, int]:
     return int(max_loras), int(max_lora_rank)
 
 
-class LoraSlots:
-    """K slots of rank up to R: the router's A [K, R, H] and scale * B [K, Rw, R], fp32, zeros
-    past each adapter's rank (an empty slot adds nothing)."""
+@dataclass(frozen=True)
+class ExpertSlotShape:
+    """Where the experts' deltas go: the table slot of each owned expert (slot n_local: the shared
+    expert) and the padded width I_max of the expert table."""
 
-    def __init__(self, cfg: MoeConfig, max_loras: int, max_rank: int, device_id: int):
+    owned: tuple[int, ...]  # global expert ids, in table-slot order
+    i_max: int
+
+    @property
+    def table_slots(self) -> int:
+        return len(self.owned) + 1
+
+
+class LoraSlots:
+    """K slots of rank up to R: the router's (fp32) and, with `experts`, every projection's of every
+    table slot (bf16, module docstring). `ptr(name)` gives the kernels' addresses by plan name."""
+
+    def __init__(self, cfg: MoeConfig, max_loras: int, max_rank: int, device_id: int,
+                 experts: Optional[ExpertSlotShape] = None):
         import cupy
 
         self.cfg, self.max_loras, self.max_rank, self.device_id = cfg, max_loras, max_rank, device_id
+        self.experts = experts
+        H, K, R = cfg.hidden_size, max_loras, max_rank
+        self._arrays: dict[str, object] = {}
         with cupy.cuda.Device(device_id):
-            self.router_a = cupy.zeros((max_loras, max_rank, cfg.hidden_size), cupy.float32)
-            self.router_bs = cupy.zeros((max_loras, cfg.router_width, max_rank), cupy.float32)
+            self._arrays["lora_router_a"] = cupy.zeros((K, R, H), cupy.float32)
+            self._arrays["lora_router_bs"] = cupy.zeros((K, cfg.router_width, R), cupy.float32)
+            if experts is not None:
+                for name, shape in self._expert_shapes().items():  # bf16 as uint16 (CuPy has no bf16)
+                    self._arrays[name] = cupy.zeros((K, *shape), cupy.uint16)
+                self._arrays["lora_scale"] = cupy.zeros((K, experts.table_slots, 3), cupy.float32)
         self.loaded: dict[int, LoraWeights] = {}
+
+    def _expert_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each expert array's shape past the K axis (S table slots): A [S, R, in], B [S, out, R]."""
+        H, R = self.cfg.hidden_size, self.max_rank
+        S, I = self.experts.table_slots, self.experts.i_max
+        return {"lora_gate_a": (S, R, H), "lora_gate_b": (S, I, R), "lora_up_a": (S, R, H), "lora_up_b": (S, I, R),
+                "lora_down_a": (S, R, I), "lora_down_b": (S, H, R)}
 
     @property
     def nbytes(self) -> int:
-        return int(self.router_a.nbytes + self.router_bs.nbytes)
+        return int(sum(a.nbytes for a in self._arrays.values()))
 
     def ptr(self, name: str) -> int:
-        return int({"lora_router_a": self.router_a, "lora_router_bs": self.router_bs}[name].data.ptr)
+        return int(self._arrays[name].data.ptr)
 
     def _slot(self, slot) -> int:
         if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < self.max_loras:
@@ -61,26 +99,50 @@ class LoraSlots:
         if not isinstance(adapter, LoraWeights):
             raise LoraError(f"adapter: a cupymoe.lora.LoraWeights is required, found {type(adapter).__name__}")
         adapter.check(self.cfg, self.max_rank)
-        for key, m in adapter.modules.items():
-            if key.target not in GPU_TARGETS:
-                raise LoraError(f"{NOT_ON_GPU} for {key.target.value} modules ({m.name}); the GPU adds the "
-                                f"router's delta only (docs/DESIGN.md, LoRA)")
-        a = np.zeros(self.router_a.shape[1:], np.float32)
-        bs = np.zeros(self.router_bs.shape[1:], np.float32)
-        m = adapter.get(LoraTarget.ROUTER)
-        if m is not None:  # the scale folded into B in fp32 (one rounding; the reference keeps float64)
-            a[:m.rank] = m.a
-            bs[:, :m.rank] = m.b * np.float32(m.scale)
-        self._copy(slot, a, bs, stream)
+        if self.experts is None:
+            for key, m in adapter.modules.items():
+                if key.target != LoraTarget.ROUTER:
+                    raise LoraError(f"{NOT_ON_GPU} for {key.target.value} modules ({m.name}) with "
+                                    f"fp8_compute='w8a8'; build the layer with fp8_compute='w8a16' "
+                                    f"(docs/DESIGN.md, LoRA)")
+        self._copy(slot, self._host_slot(adapter), stream)
         self.loaded[slot] = adapter
 
+    def _host_slot(self, adapter: LoraWeights) -> dict[str, np.ndarray]:
+        """One slot's contents on the host, by array name."""
+        host = {name: np.zeros(a.shape[1:], np.float32) for name, a in self._arrays.items()}
+        m = adapter.get(LoraTarget.ROUTER)
+        if m is not None:  # the scale folded into B in fp32 (one rounding; the reference keeps float64)
+            host["lora_router_a"][:m.rank] = m.a
+            host["lora_router_bs"][:, :m.rank] = m.b * np.float32(m.scale)
+        if self.experts is not None:
+            self._host_experts(adapter, host)
+        return {name: (v.astype(BF16).view(np.uint16) if self._arrays[name].dtype == np.uint16 else v)
+                for name, v in host.items()}
+
+    def _host_experts(self, adapter: LoraWeights, host: dict[str, np.ndarray]) -> None:
+        table_slot = {e: i for i, e in enumerate(self.experts.owned)}
+        shared = len(self.experts.owned)
+        for key, m in adapter.modules.items():
+            if key.target == LoraTarget.ROUTER:
+                continue
+            p = next(i for i, pair in enumerate(PROJECTIONS) if key.target in pair)
+            ts = shared if key.expert is None else table_slot.get(key.expert)
+            if ts is None:  # another rank's expert: that rank adds its delta
+                continue
+            name = PROJECTIONS[p][0].value
+            a, b = host[f"lora_{name}_a"][ts], host[f"lora_{name}_b"][ts]
+            a[:m.rank, :m.a.shape[1]] = m.a
+            b[:m.b.shape[0], :m.rank] = m.b
+            host["lora_scale"][ts, p] = m.scale
+
     def clear(self, slot, stream: Optional[int]) -> None:
-        """Empty `slot` (zeros: rows with its id then get the base layer's routing)."""
+        """Empty `slot` (zeros: rows with its id then get the base layer)."""
         slot = self._slot(slot)
-        self._copy(slot, None, None, stream)
+        self._copy(slot, None, stream)
         self.loaded.pop(slot, None)
 
-    def _copy(self, slot: int, a: Optional[np.ndarray], bs: Optional[np.ndarray], stream: Optional[int]) -> None:
+    def _copy(self, slot: int, host: Optional[dict[str, np.ndarray]], stream: Optional[int]) -> None:
         import cupy
 
         with cupy.cuda.Device(self.device_id):
@@ -89,10 +151,15 @@ class LoraSlots:
                 raise LoraError("set_lora / clear_lora during stream capture: fill slots outside capture "
                                 "(a captured graph reads the slots' fixed addresses at replay)")
             with s:
-                for dst, src in ((self.router_a, a), (self.router_bs, bs)):
-                    if src is None:
+                for name, dst in self._arrays.items():
+                    if host is None:
                         dst[slot].fill(0)
                     else:
-                        dst[slot].set(src, stream=s)
+                        dst[slot].set(np.ascontiguousarray(host[name]), stream=s)
             if stream is None:
                 s.synchronize()
+
+
+def expert_slot_shape(owned: Sequence[int], i_max: int, w8a8: bool) -> Optional[ExpertSlotShape]:
+    """The experts' slots a layer reserves: none for a w8a8 layer (module docstring)."""
+    return None if w8a8 else ExpertSlotShape(tuple(int(e) for e in owned), int(i_max))

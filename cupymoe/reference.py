@@ -369,7 +369,7 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
          biases: tuple[Optional[np.ndarray], ...] = (None, None, None), rounding: Optional[str] = None,
          activations: str = "bf16", quantized: Optional[Callable[[str, np.ndarray], np.ndarray]] = None,
          kernel_act: Optional[Callable[[np.ndarray], np.ndarray]] = None,
-         down_magnitudes: bool = False, lora: Optional[Callable] = None) -> np.ndarray:
+         down_magnitudes: bool = False, lora: Optional[Callable] = None, lora_plan: bool = False) -> Any:
     """One GLU feed-forward on rows `x`: down(act(gate(x), up(x))), weights dequantized here;
     with activations="fp8_block", an fp8-block projection's input is quantized first (w8a8):
     by quantize_activations_fp8, or by `quantized(stage, a)` ("gate_up" / "down") when given.
@@ -377,7 +377,9 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
     that input is quantized: then `quantized` decides). `down_magnitudes`: the root sum of
     squares of the down projection's products, sqrt(sum_i (a_i W_hi)^2), instead of the
     projection (no bias): the scale of what independent relative errors of the a_i move y_h by.
-    `lora(proj, v)`: the rows' LoRA delta of "gate" / "up" / "down" on that map's input v, or None."""
+    `lora(proj, v)`: the rows' LoRA delta of "gate" / "up" / "down" on that map's input v, or None.
+    `lora_plan` (moe_forward's): under `rounding`, g and u are rounded to bf16 before the deltas,
+    and on the grouped path (y, down's delta) come back apart for the caller to round as stored."""
     dt = x.dtype
     x_in = x  # LoRA reads the map's input as stored, not w8a8's quantized copy
 
@@ -394,6 +396,8 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
     bg, bu, bd = biases
     if bg is not None:
         g, u = g + bg, u + bu
+    if lora_plan and rounding:  # the LoRA plans' gate/up stores g and u (ACT_SELECT)
+        g, u = _bf16(g), _bf16(u)
     if lora is not None:
         g, u = _plus(g, lora("gate", x_in)), _plus(u, lora("up", x_in))
     a = activation(cfg, g, u)
@@ -403,19 +407,30 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
     if w8a8(down):
         a = quantize("down", a)
     elif kernel_act is not None:
-        a = kernel_act(a)
+        a = a_in = kernel_act(a)  # LoRA's down reads the activation the kernels stored too
     if down_magnitudes:
         return np.sqrt((a * a) @ np.square(formats.dequantize(down, dt)).T)
     y = a @ formats.dequantize(down, dt).T
     y = y if bd is None else y + bd
-    return y if lora is None else _plus(y, lora("down", a_in))
+    d = None if lora is None else lora("down", a_in)
+    if lora_plan and rounding == "grouped":
+        return y, d
+    return _plus(y, d)
+
+
+def _stored_term(term: np.ndarray, delta: Optional[np.ndarray]) -> np.ndarray:
+    """A grouped path's bf16 term (bf16(w y), or the shared expert's bf16(y)); the LoRA plans add
+    down's (weighted) delta to the stored term and round again."""
+    term = _bf16(term)
+    return term if delta is None else _bf16(term + delta)
 
 
 def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Routing,
                     owned: range, include_zero: bool, rounding: Optional[str] = None,
                     activations: str = "bf16", w8a8_inputs: Optional[Callable] = None,
                     absolute: bool = False, kernel_acts: Optional[Callable] = None,
-                    kernel_terms: Optional[Callable] = None, lora: Optional["_LoraRows"] = None) -> np.ndarray:
+                    kernel_terms: Optional[Callable] = None, lora: Optional["_LoraRows"] = None,
+                    lora_plan: bool = False) -> np.ndarray:
     """Sum over (row, slot) of w * expert(x_e[row]) for the owned experts (+ identity experts);
     `absolute`: of |w * expert(x_e[row])|; absolute="down": of |w| * sqrt(sum_i (a_i W_down,hi)^2)
     (moe_forward; identity experts have no down projection and add nothing).
@@ -444,7 +459,8 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
         acts = None if kernel_acts is None else (lambda a, e=e, rows=rows: kernel_acts(e, rows, a))
         deltas = None if lora is None else (lambda proj, v, e=e, rows=rows: lora.delta(proj, e, rows, v))
         y = _ffn(cfg, xe[rows], hw.gate[e], hw.up[e], hw.down[e], biases, rounding, activations, fed, acts,
-                 down_magnitudes=absolute == "down", lora=deltas)
+                 down_magnitudes=absolute == "down", lora=deltas, lora_plan=lora_plan)
+        y, d = y if isinstance(y, tuple) else (y, None)
         if absolute == "down":
             np.add.at(out, rows, np.abs(w) * y)
             continue
@@ -452,7 +468,7 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
             y = kernel_terms(e, rows, y)
         term = w * y
         if rounding == "grouped":  # the grouped GEMM stores bf16(w * y), weighted in fp32 first
-            term = _bf16(term)
+            term = _stored_term(term, None if d is None else w * d)
             if kernel_terms is not None:
                 term = kernel_terms(e, rows, term)
         # A row picks an expert at most once (top-k of distinct ids; tid2eid rows are
@@ -468,7 +484,8 @@ def _routed_experts(cfg: MoeConfig, hw: HostWeights, xe: np.ndarray, routing: Ro
 def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Optional[str] = None,
                    activations: str = "bf16", w8a8_inputs: Optional[Callable] = None,
                    kernel_acts: Optional[Callable] = None, kernel_terms: Optional[Callable] = None,
-                   down_magnitudes: bool = False, lora: Optional["_LoraRows"] = None) -> np.ndarray:
+                   down_magnitudes: bool = False, lora: Optional["_LoraRows"] = None,
+                   lora_plan: bool = False) -> np.ndarray:
     """`scale * down(act(gate(x), up(x)))` on the un-normed x; scale = sigmoid(x . w_gate) or 1.
     `down_magnitudes`: scale * sqrt(sum_i (a_i W_down,hi)^2) (moe_forward's absolute="down")."""
     rows = np.arange(x.shape[0])
@@ -476,9 +493,10 @@ def _shared_expert(cfg: MoeConfig, hw: HostWeights, x: np.ndarray, rounding: Opt
     acts = None if kernel_acts is None else (lambda a: kernel_acts("shared", rows, a))
     deltas = None if lora is None else (lambda proj, v: lora.delta("shared_" + proj, None, rows, v))
     sh = _ffn(cfg, x, hw.shared_gate, hw.shared_up, hw.shared_down, rounding=rounding, activations=activations,
-              quantized=fed, kernel_act=acts, down_magnitudes=down_magnitudes, lora=deltas)
+              quantized=fed, kernel_act=acts, down_magnitudes=down_magnitudes, lora=deltas, lora_plan=lora_plan)
+    sh, d = sh if isinstance(sh, tuple) else (sh, None)
     if rounding == "grouped" and not down_magnitudes:
-        sh = _bf16(sh)
+        sh = _stored_term(sh, d)
     if kernel_terms is not None and not down_magnitudes:
         sh = kernel_terms("shared", rows, sh)
     if cfg.has_shared_expert_gate:
@@ -496,7 +514,7 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
                 w8a8_inputs: Optional[Callable] = None, absolute: Union[bool, str] = False,
                 kernel_acts: Optional[Callable] = None, kernel_terms: Optional[Callable] = None,
                 lora: Optional[Mapping[int, Any]] = None, lora_ids: Any = None, routing: Optional[Routing] = None,
-                shared_expert: bool = True) -> np.ndarray:
+                shared_expert: bool = True, lora_plan: bool = False) -> np.ndarray:
     """The MoE layer's output [N, H] in `dtype` for input `x` [N, H] (bf16 or float).
 
     Every step runs in `dtype` (float64 by default: the oracle; float32 to estimate what
@@ -547,6 +565,9 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     every id -1, the result is the base layer's, bit for bit. LoraError names a bad id or module.
     `routing` (given_routing): the rows' expert ids and weights instead of the router's (the
     experts-only entry); `shared_expert=False` leaves the shared expert out.
+    `lora_plan=True` (with `rounding`): the GPU's LoRA plans' stores too, on every row: g and u
+    rounded to bf16 before the gate / up deltas, and on the grouped path down's delta (times w)
+    added to the stored bf16 term and rounded again (docs/DESIGN.md section 9).
     """
     dtype = _checked_options(absolute, rounding, activations, dtype)
     host_weights.validate(cfg, values=False)  # shapes only: a NaN in an expert nobody routes to is no error here
@@ -560,7 +581,8 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
         raise LoraError(f"absolute={absolute!r} sums base terms only; it is not defined with LoRA rows")
     out = _layer_output(cfg, host_weights, xf, token_ids, owned, on_rank0, dtype=dtype,
                         rounding=rounding, activations=activations, w8a8_inputs=w8a8_inputs, absolute=absolute,
-                        kernel_acts=kernel_acts, kernel_terms=kernel_terms, lora=rows, routing=routing)
+                        kernel_acts=kernel_acts, kernel_terms=kernel_terms, lora=rows, routing=routing,
+                        lora_plan=lora_plan)
     return out.astype(dtype, copy=False)
 
 
@@ -600,7 +622,7 @@ def _layer_output(cfg: MoeConfig, hw: HostWeights, xf: np.ndarray, token_ids: An
                   dtype: np.dtype, rounding: Optional[str], activations: str, w8a8_inputs: Optional[Callable],
                   absolute: Union[bool, str], kernel_acts: Optional[Callable],
                   kernel_terms: Optional[Callable], lora: Optional["_LoraRows"] = None,
-                  routing: Optional[Routing] = None) -> np.ndarray:
+                  routing: Optional[Routing] = None, lora_plan: bool = False) -> np.ndarray:
     """moe_forward on checked options: this rank's routed experts, then rank 0's shared expert."""
     if routing is None:
         routing = _route(cfg, hw, xf, token_ids, lora)  # the router reads x, not the normed copy
@@ -611,10 +633,10 @@ def _layer_output(cfg: MoeConfig, hw: HostWeights, xf: np.ndarray, token_ids: An
         xe = _bf16(xe)
     out = _routed_experts(cfg, hw, xe, routing, owned, include_zero=on_rank0, rounding=rounding,
                           activations=activations, w8a8_inputs=w8a8_inputs, absolute=absolute,
-                          kernel_acts=kernel_acts, kernel_terms=kernel_terms, lora=lora)
+                          kernel_acts=kernel_acts, kernel_terms=kernel_terms, lora=lora, lora_plan=lora_plan)
     if cfg.has_shared_expert and on_rank0:
         shared = _shared_expert(cfg, hw, xf, rounding, activations, w8a8_inputs, kernel_acts, kernel_terms,
-                                down_magnitudes=absolute == "down", lora=lora)
+                                down_magnitudes=absolute == "down", lora=lora, lora_plan=lora_plan)
         out = out + (np.abs(shared) if absolute else shared)
     return out
 

@@ -170,11 +170,12 @@ def plan_scratch(stages: Sequence[str], buffers: Iterable[BufferSpec],
 
 def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, decode_max_tokens: int,
                   w8a8: bool = False, w8a8_shared_x: bool = False, gathered_inputs: bool = False,
-                  guard: int = 0) -> ScratchPlan:
+                  guard: int = 0, lora_experts: bool = False) -> ScratchPlan:
     """A layer's buffers, their live stages and the ONE alias table. `w8a8`: the e4m3 copies of
     the expert input and of the activation with their scales a 128 columns; `w8a8_shared_x`: x's
     too (an fp8 shared expert behind a pre-expert norm); `gathered_inputs`: xg, the expert
-    inputs in sorted order (the TMA GEMM's gate/up A); `guard`: red zones (plan_scratch)."""
+    inputs in sorted order (the TMA GEMM's gate/up A); `guard`: red zones (plan_scratch);
+    `lora_experts`: lora_u, the LoRA plans' pre-activation u (their g goes to act itself)."""
     T, k, H, R = max_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.router_width
     sh = 1 if cfg.has_shared_expert else 0
     P = T * k + sh * T  # expert positions: every routed pair, plus one shared row a token
@@ -214,6 +215,8 @@ def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, dec
         BufferSpec("qact", P * i_max if w8a8 else 0, "gate_up", "down"),
         BufferSpec("sact", P * kb_i * 4 if w8a8 else 0, "gate_up", "down"),
     ]
+    if lora_experts:  # last, so a layer's other buffers sit where they would without it
+        buffers.append(BufferSpec("lora_u", P * i_max * 2, "gate_up", "gate_up"))
     # logits die once top-k has read them, act is born at gate_up; xg dies in gate_up, yw is born in down
     return plan_scratch(STAGES, buffers, [("logits", "act"), ("xg", "yw")], guard)
 
@@ -327,11 +330,11 @@ def _order_after(event: int, new: int, ws: Workspace) -> None:
         Driver.wait(new, event)
 
 
-def layer_need(lp, max_tokens: int, guard: int = 0) -> tuple[ScratchPlan, WorkspaceNeed]:
+def layer_need(lp, max_tokens: int, guard: int = 0, lora_experts: bool = False) -> tuple[ScratchPlan, WorkspaceNeed]:
     """A layer's scratch plan (`lp` a plan.LayerPlan) and what it needs of a workspace at `max_tokens`
-    (`guard`: with red zones)."""
+    (`guard`: with red zones; `lora_experts`: the LoRA plans' expert deltas' scratch too)."""
     plan = layer_scratch(lp.cfg, max_tokens, lp.n_local, lp.i_max, lp.decode_max_tokens, lp.w8a8,
-                         lp.w8a8_shared_x, lp.gathers_rows, guard)
+                         lp.w8a8_shared_x, lp.gathers_rows, guard, lora_experts)
     return plan, WorkspaceNeed(plan.total_bytes, zeroed_bytes(lp.n_local, lp.i_max, lp.w8a8))
 
 

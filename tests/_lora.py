@@ -41,6 +41,26 @@ def random_lora(cfg: MoeConfig, rng: np.random.Generator, rank: int = 4, *, laye
     return LoraWeights(modules, source="random_lora")
 
 
+def merged(cfg: MoeConfig, hw, lw: LoraWeights):
+    """The base weights with each module's delta merged in: W + s B A, in float64."""
+    from dataclasses import replace
+
+    from cupymoe import formats
+
+    changes = {}
+    for key, m in lw.modules.items():
+        name = key.target.value
+        w = changes.get(name)
+        if w is None:
+            w = changes[name] = formats.dequantize(getattr(hw, name), np.float64)
+        d = m.scale * (m.b.astype(np.float64) @ m.a.astype(np.float64))
+        if key.expert is None:
+            w += d
+        else:
+            w[key.expert] += d
+    return replace(hw, **changes)
+
+
 def _in_out(cfg: MoeConfig, t: LoraTarget) -> tuple[int, int]:
     from cupymoe.lora import _in_out as shapes
 

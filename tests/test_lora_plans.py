@@ -1,7 +1,9 @@
 """CPU tests of the LoRA plan variant and the layer's LoRA options (no GPU needed).
 
 A LoRA plan is the base plan with one launch more, `lora_router_delta`, right after the
-router and before the routing stage reads the logits; everything else is the base plan's.
+router and before the routing stage reads the logits; with the experts' deltas (every layer
+but a w8a8 one), each gate/up GEMM runs twice storing g and u (ACT_SELECT), then
+lora_gate_up_act, and lora_down_delta before the reduce; everything else is the base plan's.
 """
 
 from __future__ import annotations
@@ -9,11 +11,13 @@ from __future__ import annotations
 import pytest
 
 from cupymoe import jit, testing
-from cupymoe.errors import OptionError
+from cupymoe.catalog import Activation, LoraDownMode
+from cupymoe.errors import LoraError, OptionError
 from cupymoe.forward_plan import LoraShape, build_forward_plan
 from cupymoe.knobs import Knobs
 from cupymoe.lora_slots import check_options
 from cupymoe.plan import Buf, CallValue, DeviceFacts, LayerOptions, Path, Space, Stage, plan_layer
+from cupymoe.workspace import layer_need
 
 H200 = DeviceFacts.h200()
 A100 = DeviceFacts("sm_80", 108, 166912)
@@ -47,3 +51,71 @@ def test_lora_options_refused(k, r, match):
     with pytest.raises(OptionError, match=match):
         check_options(k, r)
     assert check_options(0, 0) == (0, 0) and check_options(4, 16) == (4, 16)
+
+
+EXPERTS = LoraShape(max_loras=3, max_rank=16, experts=True)
+
+
+def _gate_up_gemms(plan):
+    return [s for s in plan.steps if getattr(s, "stage", None) == Stage.GATE_UP and
+            any(a.name == "act_code" for a in getattr(s, "args", ())) and s.kernel != "lora_gate_up_act"]
+
+
+@pytest.mark.parametrize("dev", [H200, A100], ids=["sm_90a", "sm_80"])
+@pytest.mark.parametrize("family, fmt", [(f, "bf16") for f in testing.FAMILIES] +
+                         [("qwen3_moe", "nvfp4"), ("gpt_oss", "mxfp4"), ("qwen2_moe", "fp8_block")])
+def test_expert_lora_plan(family, fmt, dev):
+    """The experts' LoRA plan: each gate/up GEMM twice with ACT_SELECT (g into act, u into
+    lora_u), lora_gate_up_act after the last, lora_down_delta right before the reduce, every
+    other launch the router-LoRA plan's own, in order."""
+    cfg = testing.tiny_config(family)
+    lp = plan_layer(cfg, fmt, "bf16" if cfg.has_shared_expert else None, dev.arch,
+                    options=LayerOptions(decode_max_tokens=64, fp8_compute="w8a16"), knobs=Knobs())
+    names = {n for m in jit.modules_for(dev.arch) for n in jit.MODULES[m].names}
+    sh = 1 if cfg.has_shared_expert else 0
+    mode = {Path.DECODE: LoraDownMode.DECODE, Path.ATOMIC: LoraDownMode.ATOMIC, Path.PREFILL: LoraDownMode.GROUPED}
+    for path, n in ((Path.DECODE, 1), (Path.DECODE, 37), (Path.ATOMIC, 5), (Path.PREFILL, 300), (Path.PREFILL, 5000)):
+        router_only = build_forward_plan(lp, dev, n, path, lora=SHAPE).at(n)
+        plan = build_forward_plan(lp, dev, n, path, lora=EXPERTS).at(n)
+        base_gemms, gemms = _gate_up_gemms(router_only), _gate_up_gemms(plan)
+        assert len(gemms) == 2 * len(base_gemms) >= 2
+        for b, g, u in zip(base_gemms, gemms[::2], gemms[1::2]):
+            out = "act" if b.kernel.startswith("decode") else "out"
+            assert g.arg("act_code") == u.arg("act_code") == Activation.SELECT
+            assert (g.arg("alpha"), u.arg("alpha")) == (1.0, 0.0)
+            assert g.arg(out) == b.arg(out) == Buf(Space.SCRATCH, "act") and u.arg(out) == Buf(Space.SCRATCH, "lora_u")
+            assert [a for a in g.args if a.name not in ("act_code", "alpha")] == \
+                [a for a in b.args if a.name not in ("act_code", "alpha")]
+            assert (g.kernel, g.grid, g.pdl) == (u.kernel, u.grid, u.pdl) == (b.kernel, b.grid, b.pdl)
+        kinds = [getattr(s, "kernel", None) for s in plan.steps]
+        ga, dd = kinds.index("lora_gate_up_act"), kinds.index("lora_down_delta")
+        assert plan.steps[ga - 1].stage == Stage.GATE_UP and plan.steps[ga + 1].stage != Stage.GATE_UP
+        assert plan.steps[dd - 1].stage == Stage.DOWN and plan.steps[dd + 1].stage == Stage.REDUCE
+        for i in (ga, dd):
+            s = plan.steps[i]
+            assert s.kernel in names and not s.pdl and s.grid == (n * (cfg.num_experts_per_tok + sh),)
+            assert s.arg("lora_ids") == CallValue.LORA_IDS and s.arg("N") == n and s.arg("max_rank") == 16
+        assert plan.steps[dd].arg("mode") == mode[path] and plan.steps[ga].smem == 2 * 16 * 4
+        others = [s for s in plan.steps if s not in gemms and getattr(s, "kernel", "") not in
+                  ("lora_gate_up_act", "lora_down_delta")]
+        assert others == [s for s in router_only.steps if s not in base_gemms]
+
+
+def test_expert_lora_plan_refuses_w8a8():
+    cfg = testing.tiny_config("deepseek_v3")
+    lp = plan_layer(cfg, "fp8_block", "bf16" if cfg.has_shared_expert else None, "sm_90a",
+                    options=LayerOptions(fp8_compute="w8a8"), knobs=Knobs())
+    assert lp.w8a8
+    with pytest.raises(LoraError, match="LoRA on the experts with fp8_compute='w8a8' is not implemented"):
+        build_forward_plan(lp, H200, 4, Path.DECODE, lora=EXPERTS)
+    build_forward_plan(lp, H200, 4, Path.DECODE, lora=SHAPE)  # router-only adapters still run
+
+
+def test_lora_u_scratch_only_with_expert_lora():
+    cfg = testing.tiny_config("qwen2_moe")
+    lp = plan_layer(cfg, "bf16", "bf16", "sm_90a", knobs=Knobs())
+    base, _ = layer_need(lp, 300)
+    with_u, _ = layer_need(lp, 300, lora_experts=True)
+    assert "lora_u" not in base.placements
+    assert {k: v for k, v in with_u.placements.items() if k != "lora_u"} == base.placements
+    assert with_u.placements["lora_u"].nbytes == 300 * (cfg.num_experts_per_tok + 1) * lp.i_max * 2

@@ -134,3 +134,21 @@ def test_refusals():
     other = random_lora(testing.tiny_config("qwen3_moe", hidden_size=32), rng, rank=2, targets=["router"])
     with pytest.raises(LoraError, match=rf"lora_A.weight: expected shape \[r, {cfg.hidden_size}\]"):
         reference.moe_forward(cfg, hw, x, lora={0: other}, lora_ids=np.zeros(N, int))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "longcat_flash"])
+def test_lora_plan_rounding(family):
+    """lora_plan models the GPU LoRA plans' extra stores (bf16 g, u; the grouped term re-rounded
+    after down's delta): nothing without `rounding`, within the exact check's budget with it."""
+    cfg, hw, x, tids, rng = _setup(family, seed=3)
+    adapters = {0: random_lora(cfg, rng, rank=2, size=0.5), 1: random_lora(cfg, rng, rank=5, size=0.5)}
+    ids = np.array([-1, 0, 1, 1, -1, 0, 0, 1, -1, 1, 0], np.int32)
+    exact = reference.moe_forward(cfg, hw, x, tids, lora=adapters, lora_ids=ids)
+    np.testing.assert_array_equal(reference.moe_forward(cfg, hw, x, tids, lora=adapters, lora_ids=ids,
+                                                        lora_plan=True), exact)
+    for rounding in ("decode", "grouped"):
+        plain = reference.moe_forward(cfg, hw, x, tids, lora=adapters, lora_ids=ids, rounding=rounding)
+        plan = reference.moe_forward(cfg, hw, x, tids, lora=adapters, lora_ids=ids, rounding=rounding,
+                                     lora_plan=True)
+        assert (plan != plain).any()  # two roundings more: ~2e-3 rms more off the exact layer, inside 2^-7
+        assert np.linalg.norm(plan - exact) <= 2.0 ** -7 * np.linalg.norm(exact)
