@@ -596,6 +596,7 @@ class _Planner:
                     logger.info("%s: read %d/%d experts", label, e + 1, n)
             return _assemble(first.fmt, bufs)
 
+        read.copies = True  # its device stacks are new arrays, not views of the caller's tensors
         return read
 
     # --- vectors ------------------------------------------------------------------
@@ -609,8 +610,8 @@ class _Planner:
     def gate_vector(self, module: str, hidden: int) -> Reader:
         """The shared-expert gate, a [1, H] linear, as a float32 [H] vector (dequantized if stored so)."""
         lin = self.linear(module, 1, hidden)
-        return lambda: _finite(dequantize(_assemble(lin.fmt, self.read_parts(lin)), np.float32).reshape(hidden),
-                               module + ".weight")
+        return lambda: _finite(dequantize(_assemble(lin.fmt, _on_host(self.read_parts(lin))), np.float32)
+                               .reshape(hidden), module + ".weight")
 
 
 def _empty(shape: tuple[int, ...], dtype: np.dtype, what: str, device: bool = False) -> Any:
@@ -622,6 +623,26 @@ def _empty(shape: tuple[int, ...], dtype: np.dtype, what: str, device: bool = Fa
         return np.empty(shape, dtype=dtype)
     except MemoryError:  # sizes the headers claim and this machine cannot hold
         raise CheckpointError(f"{what}: a stack of shape {shape} {dtype} does not fit in memory") from None
+
+
+def _holds_device(v: Any) -> bool:
+    """A CuPy array, or a quantized container holding one."""
+    return _framework(v) == "cupy" or any(_framework(a) == "cupy" for a in getattr(v, "__dict__", {}).values())
+
+
+def _on_host(parts: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A small linear's parts as host arrays of the canonical dtypes (a CUDA tensor's view holds
+    bf16 as uint16 and e4m3 as uint8): [1, H] gates are dequantized on the host."""
+    out = {}
+    for p, a in parts.items():
+        if _framework(a) == "cupy":
+            a = a.get()
+            if a.dtype == np.uint16:
+                a = a.view(BF16)
+            elif p in ("q", "scale") and a.dtype == U8:
+                a = a.view(E4M3)
+        out[p] = a
+    return out
 
 
 def _finite(a: np.ndarray, name: str) -> np.ndarray:
@@ -801,7 +822,9 @@ def _load(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[MoeConfig, HostWei
                        len(unused), prefix, cfg.model_type, ", ".join(unused[:8]) + (" ..." if len(unused) > 8 else ""))
     logger.info("loading %s (%s, %d experts) from %s", prefix, cfg.model_type, cfg.num_experts, src.searched())
     # each tensor's values were checked as it was read, under its hub name (_VALUE_CHECKS)
-    hw = HostWeights(**{field: read() for field, read in readers.items()}).validate(cfg, values=False)
+    values = {field: read() for field, read in readers.items()}
+    made = frozenset(f for f, read in readers.items() if getattr(read, "copies", False) and _holds_device(values[f]))
+    hw = HostWeights(**values, made_on_device=made).validate(cfg, values=False)
     fmt = _routed_format(hw)
     if fmt is not None and fmt != cfg.weight_format:
         logger.warning("%s: the config says the routed experts are %s but the checkpoint holds %s; "

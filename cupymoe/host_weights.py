@@ -21,7 +21,7 @@ expert intermediate I and shared intermediate Is:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import numpy as np
@@ -53,6 +53,9 @@ class HostWeights:
     shared_expert_gate: Optional[np.ndarray] = None
     norm_weight: Optional[np.ndarray] = None
     tid2eid: Optional[np.ndarray] = None
+    # the fields whose device arrays the loader allocated (stacks of per-expert CUDA tensors): the
+    # layer's own memory, not the caller's (MoeLayer.memory_report)
+    made_on_device: frozenset = field(default=frozenset(), metadata={"tensor": False})
 
     def expected_shapes(self, cfg: MoeConfig) -> dict[str, Optional[tuple[int, ...]]]:
         """Every tensor's expected logical shape under `cfg`; None = must be absent."""
@@ -108,4 +111,4 @@ class HostWeights:
         return self
 
     def names(self) -> list[str]:
-        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+        return [f.name for f in fields(self) if f.metadata.get("tensor", True) and getattr(self, f.name) is not None]

@@ -219,7 +219,8 @@ class DeviceWeights:
         sl = _selector(owned)
         fresh = not isinstance(sl, slice)  # an index array's gather is a new array
         self.format = _one_format({p: getattr(hw, p) for p in PROJECTIONS}, "routed experts")
-        mats = {p: _DeviceMatrix(getattr(hw, p)[sl], p, p, self._store, fresh=fresh) for p in PROJECTIONS}
+        mats = {p: _DeviceMatrix(getattr(hw, p)[sl], p, p, self._store, fresh=fresh or p in hw.made_on_device)
+                for p in PROJECTIONS}
         # the stacked routed experts ([n_local, I, H], [n_local, H, I]; bf16 bits, or the
         # quantized codes, fp4 words repacked), kept by name for code that reads them
         # whole (the torch peers, bf16 only)
