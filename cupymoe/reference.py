@@ -253,15 +253,17 @@ def route(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: Any = No
 
 def given_routing(cfg: MoeConfig, topk_ids: Any, topk_weights: Any) -> Routing:
     """A caller's routing as the experts-only entry takes it (MoeLayer.forward_experts): ids [N, k]
-    in 0..R-1 (E..R-1 the zero experts), the weights used as given: float32 values, no
-    renormalisation, no routed_scaling_factor. Raises ValueError for anything else."""
+    in 0..R-1 (E..R-1 the zero experts; -1 a pair that adds nothing, as the kernels treat an id
+    they flag), the weights used as given: float32 values, no renormalisation, no
+    routed_scaling_factor. Raises ValueError for anything else."""
     ids, w = np.asarray(topk_ids), np.asarray(topk_weights)
     k, R = cfg.num_experts_per_tok, cfg.router_width
     if ids.ndim != 2 or ids.shape[1] != k or not np.issubdtype(ids.dtype, np.integer) or w.shape != ids.shape:
         raise ValueError(f"given routing: expected integer ids [N, {k}] and weights of their shape, found ids "
                          f"{ids.shape} {ids.dtype}, weights {w.shape} {w.dtype}")
-    if ids.size and (ids.min() < 0 or ids.max() >= R):
-        raise ValueError(f"given routing: ids must lie in 0..{R - 1}, found {int(ids.min())}..{int(ids.max())}")
+    if ids.size and (ids.min() < -1 or ids.max() >= R):  # -1: a pair that adds nothing (a flagged id's fate)
+        raise ValueError(f"given routing: ids must lie in 0..{R - 1} (or -1: no expert), found "
+                         f"{int(ids.min())}..{int(ids.max())}")
     n = ids.shape[0]
     return Routing(logits=np.zeros((n, 0)), ids=ids.astype(np.int64), weights=w.astype(np.float32).astype(np.float64),
                    margin=np.full(n, np.inf))

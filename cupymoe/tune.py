@@ -304,6 +304,7 @@ def add_tune_args(ap) -> None:
                     "after the first")
     ap.add_argument("--measure-ceilings", action="store_true", help="measure the floors' ceilings in this run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.set_defaults(stages=False)  # bench's cell timer reads it: a tuning cell times no stages
     ap.add_argument("--json", default=None, help="the result file (default benchmarks/results/<date>-tune.json)")
     ap.add_argument("--table-out", default=None, help="also write the tuning table with this sweep's rows here")
     ap.add_argument("--apply", default=None, metavar="RESULT",

@@ -291,6 +291,14 @@ def _read_scratch(layer, name: str, dtype, shape) -> np.ndarray:
     return cupy.ndarray((count,), dtype, cupy.cuda.MemoryPointer(mem, 0)).get().reshape(shape)
 
 
+def _by_pair(entries: list) -> dict:
+    """(expert, token) -> its stored rows as float64, in the order of the token's slots."""
+    out: dict = {}
+    for key, row in entries:
+        out.setdefault(key, []).append(np.asarray(row, dtype=np.float64))
+    return out
+
+
 def _stored_activations(layer, cfg: MoeConfig, n: int):
     """(key, token, position, width) of each activation row the grouped GEMM stored in the
     layer's last forward of n tokens, and the bf16 `act` buffer as float32: routed pair
@@ -322,7 +330,7 @@ class StoredRows:
     different expert chosen) is counted as unwritten: the check fails."""
 
     def __init__(self, rows: dict, tight: tuple = FAITHFUL_TIGHT):
-        self.rows = rows
+        self.rows = rows  # (expert, token) -> that token's rows for that expert, in slot order (_by_pair)
         self.tight = tight
         self.kernel: list[np.ndarray] = []
         self.reference: list[np.ndarray] = []
@@ -330,9 +338,11 @@ class StoredRows:
 
     def feed(self, expert, rows: np.ndarray, a: np.ndarray) -> np.ndarray:
         a = np.asarray(a, dtype=np.float64)
-        got = []
-        for i, t in enumerate(rows):
-            row = self.rows.get((expert, int(t)))
+        got, taken = [], {}
+        for i, t in enumerate(rows):  # a token naming an expert twice (the experts-only entry): its slots in order
+            nth = taken[int(t)] = taken.get(int(t), -1) + 1
+            stored = self.rows.get((expert, int(t)), [])
+            row = stored[nth] if nth < len(stored) else None
             if row is None or row.shape != a[i].shape:
                 self.missing += 1
                 row = a[i]
@@ -361,7 +371,7 @@ class KernelActivations(StoredRows):
 
     def __init__(self, layer, cfg: MoeConfig, n: int):
         rows, act = _stored_activations(layer, cfg, n)
-        super().__init__({(key, token): act[pos, :width].astype(np.float64) for key, token, pos, width in rows})
+        super().__init__(_by_pair([((key, token), act[pos, :width]) for key, token, pos, width in rows]))
 
 
 class KernelTerms(StoredRows):
@@ -373,7 +383,7 @@ class KernelTerms(StoredRows):
         rows, _ = _stored_activations(layer, cfg, n)
         P, H = n * cfg.num_experts_per_tok + (n if cfg.has_shared_expert else 0), cfg.hidden_size
         yw = bits_to_f32(_read_scratch(layer, "yw", np.uint16, (P, H)))
-        super().__init__({(key, token): yw[pos].astype(np.float64) for key, token, pos, _ in rows}, TERM_TIGHT)
+        super().__init__(_by_pair([((key, token), yw[pos]) for key, token, pos, _ in rows]), TERM_TIGHT)
 
 
 def _quantize_rows_fp8(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -409,7 +419,7 @@ class KernelOutputs(StoredRows):
         rows, _ = _stored_activations(layer, cfg, n)
         P, H = n * cfg.num_experts_per_tok + (n if cfg.has_shared_expert else 0), cfg.hidden_size
         y = _read_scratch(layer, "y", np.float32, (P, H))
-        super().__init__({(key, token): y[pos].astype(np.float64) for key, token, pos, _ in rows})
+        super().__init__(_by_pair([((key, token), y[pos]) for key, token, pos, _ in rows]))
 
 
 class W8a8Stages:

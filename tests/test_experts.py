@@ -114,7 +114,7 @@ def test_the_reference_refuses_a_routing_it_cannot_read():
     x = testing.random_input(np.random.default_rng(1), 2, cfg.hidden_size)
     k, R = cfg.num_experts_per_tok, cfg.router_width
     ids, w = np.zeros((2, k), np.int32), np.ones((2, k), np.float32)
-    with pytest.raises(ValueError, match=f"0..{R - 1}, found 0..{R}"):
+    with pytest.raises(ValueError, match=rf"0\.\.{R - 1} \(or -1: no expert\), found 0\.\.{R}"):
         reference.experts_forward(cfg, hw, x, np.where(np.arange(k) == 1, R, ids), w)
     with pytest.raises(ValueError, match=r"ids \(2, 1\)"):
         reference.experts_forward(cfg, hw, x, ids[:, :1], w[:, :1])
@@ -141,3 +141,29 @@ def test_verify_judges_an_experts_output_against_the_given_routing(shared, rng):
     assert not check(out, cfg, hw, x, "decode", routing=routing, shared_expert=not shared).ok
     routed = reference.moe_forward(cfg, hw, x).astype(np.float32)
     assert not check(routed, cfg, hw, x, "decode", routing=routing, shared_expert=shared).ok
+
+
+def test_a_pair_without_expert_adds_nothing_in_the_reference(rng):
+    """-1 in a given routing is the kernels' fate of a flagged id: that pair adds nothing."""
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    x = testing.random_input(rng, 3, cfg.hidden_size)
+    ids = np.tile(np.arange(cfg.num_experts_per_tok, dtype=np.int32), (3, 1))
+    w = np.full(ids.shape, 0.5, np.float32)
+    dropped, zero = ids.copy(), w.copy()
+    dropped[1, 0], zero[1, 0] = -1, 0.0
+    want = reference.moe_forward(cfg, hw, x, routing=reference.given_routing(cfg, ids, zero))
+    got = reference.moe_forward(cfg, hw, x, routing=reference.given_routing(cfg, dropped, w))
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)  # float64; an expert's rows batched otherwise
+    with pytest.raises(ValueError, match=r"0\.\.\d+ \(or -1: no expert\)"):
+        reference.given_routing(cfg, ids - 2, w)
+
+
+def test_stored_rows_of_a_token_naming_an_expert_twice_are_fed_in_slot_order():
+    from cupymoe.verify import StoredRows, _by_pair
+
+    rows = StoredRows(_by_pair([((3, 0), np.full(4, 1.0)), ((3, 0), np.full(4, 2.0)), ((5, 1), np.full(4, 7.0))]))
+    got = rows.feed(3, np.array([0, 0]), np.zeros((2, 4)))
+    assert got[0, 0] == 1.0 and got[1, 0] == 2.0 and rows.missing == 0
+    rows.feed(5, np.array([1, 1]), np.zeros((2, 4)))  # a second row the kernels did not store
+    assert rows.missing == 1

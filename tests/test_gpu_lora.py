@@ -169,7 +169,7 @@ def test_no_ids_and_base_ids_are_the_base_bits(rng):
         for ids in (np.zeros(n), np.full(n, 2)):  # slot 2 was never filled
             np.testing.assert_array_equal(run(layer, x, ids, path).view(np.uint32), minus.view(np.uint32))
         c = check(minus, cfg, hw, x, path)  # the unfused form: within the exact layer's budget
-        assert c.exact_normwise <= verify.EXACT_NORMWISE, f"{path} N={n}: {c}"
+        assert c.normwise <= verify.EXACT_NORMWISE, f"{path} N={n}: {c}"
 
 
 def test_graph_captured_before_set_lora_replays_the_new_adapter(rng):
@@ -277,6 +277,9 @@ def test_expert_deltas_every_path(family, fmt, rng):
     cfg = testing.tiny_config(family)
     hw = testing.random_host_weights(cfg, rng, fmt)
     layer, adapters = _layer(cfg, hw, fp8_compute="w8a16"), _expert_adapters(cfg, rng)
+    # gpt-oss's experts are fused tensors, which PEFT's per-module naming cannot name: router only
+    experts_named = any(k.target != LoraTarget.ROUTER for k in adapters[0].modules)
+    assert experts_named == (family != "gpt_oss")
     for slot, lw in adapters.items():
         layer.set_lora(slot, lw)
     for path, ns in EXPERT_CASES:
@@ -286,7 +289,7 @@ def test_expert_deltas_every_path(family, fmt, rng):
             out = run(layer, x, ids, path)
             judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, path), f"{family} {fmt} {path} N={n}", layer)
             lora_rows = ids >= 0
-            if lora_rows.any():  # the same rows through the merged router alone: far off
+            if lora_rows.any() and experts_named:  # the same rows through the merged router alone: far off
                 router_only = {s: LoraWeights({k: m for k, m in lw.modules.items() if k.target == LoraTarget.ROUTER})
                                for s, lw in adapters.items()}
                 other = reference.moe_forward(cfg, hw, x, lora=router_only, lora_ids=ids)

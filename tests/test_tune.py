@@ -139,3 +139,20 @@ def test_bench_rows_carry_stages_only_when_timed():
     timed = bench.bench_row(cfg, "qwen3-30b-a3b", "bf16", 16, 90, [100.0], ceilings, {}, path="auto", layers=2,
                             stage_us={"router": 5.0, "down": 45.0}, path_taken="prefill")
     assert timed["stages"]["down"]["share_pct"] == 90.0 and timed["stages_us"] == {"router": 5.0, "down": 45.0}
+
+
+def test_the_tune_arguments_hold_every_field_the_bench_cell_timer_reads():
+    import argparse
+    import inspect
+    import re
+
+    from cupymoe import bench
+    from cupymoe.tune import add_tune_args
+
+    ap = argparse.ArgumentParser()
+    add_tune_args(ap)
+    args = ap.parse_args([])
+    read = set()
+    for fn in (bench._time_cell, bench.build_layers, bench.cell_input):
+        read |= set(re.findall(r"args\.([a-z_]+)", inspect.getsource(fn)))
+    assert read and all(hasattr(args, name) for name in read), sorted(n for n in read if not hasattr(args, n))
