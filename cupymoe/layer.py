@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
-from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 from . import arrays, guard, jit, lora_slots, profiling, tma
 from .config import MoeConfig
-from .errors import LaunchError, LoraError, MoeCallError, OptionError, PathUnavailableError, WorkspaceError
-from .forward_plan import LoraShape, build_forward_plan, prefill_buckets, prefill_shape
+from .errors import LaunchError, LoraError, MoeCallError, OptionError, WorkspaceError
+from .forward_plan import LoraShape, build_forward_plan, prefill_shape
 from .graph_launch import PlanGraph
 from .host_weights import HostWeights
 from .knobs import Knobs
@@ -29,6 +27,7 @@ from .layer_checks import (check_options, check_path, check_smem_fits, check_str
 from .parallel import Communicator, check_communicator, owned_experts
 from .plan import (PATH_NAMES, Buf, CallValue, DeviceFacts, ForwardPlan, error_text, LayerOptions, Path, Space,
                    choose_path, plan_layer)
+from .warmup import WarmupReport, warm_up
 from .weights import DeviceWeights, MemoryReport
 from .workspace import GUARD_BYTES, ScratchView, Workspace, WorkspaceNeed, layer_need
 
@@ -36,13 +35,6 @@ log = logging.getLogger(__name__)
 
 PATHS = PATH_NAMES
 _UNTRIED = object()  # a plan whose forward graph was not captured yet
-
-
-@dataclass(frozen=True)
-class WarmupReport:
-    plans: int  # forward plans built (decode row counts, prefill shapes)
-    seconds: float
-    graphs: int = 0  # of them captured as one-launch graphs for eager forwards
 
 
 class MoeLayer:
@@ -201,50 +193,9 @@ class MoeLayer:
 
     def warmup(self) -> WarmupReport:
         """Build every plan this layer can run (each decode row count, each prefill shape up to
-        max_tokens) and launch every path once on a scratch input, so that no first-use cost
-        falls into a capture or a timed region."""
-        import cupy
-
-        t0 = time.perf_counter()
-        for p in self._warmup_paths():
-            top = self.max_tokens if p == "prefill" else min(self.max_tokens, self.decode_max_tokens)
-            if p == "atomic":
-                top = min(top, self.atomic_max_tokens)
-            if p == "prefill":
-                ns = [lo for lo, _, _ in prefill_buckets(self.plan, self.device, self._prefill_from(), top)]
-            else:
-                ns = range(1, top + 1)
-            for n in ns:
-                packed = self.plan_for(n, p)
-                if self._graph_launch and packed not in self._graphs:
-                    self._capture(packed, 0, 0, 0, n)  # patched with the real pointers at its first launch
-        seconds = time.perf_counter() - t0
-        with cupy.cuda.Device(self.device_id):
-            rng = np.random.default_rng(0)
-            s = cupy.cuda.Stream(non_blocking=True)
-            with s:  # the input made on the stream that reads it
-                x = cupy.asarray((rng.standard_normal((1, self.cfg.hidden_size), dtype=np.float32)
-                                  .view(np.uint32) >> 16).astype(np.uint16))
-                tids, out = cupy.zeros(1, cupy.int32), cupy.empty_like(x)
-            for p in self._warmup_paths():
-                self.forward(int(x.data.ptr), 1, int(out.data.ptr), s.ptr, token_ids_ptr=int(tids.data.ptr), path=p)
-            s.synchronize()
-        return WarmupReport(len(self._packed), seconds, sum(g is not None for g in self._graphs.values()))
-
-    def _prefill_from(self) -> int:
-        # the tuning table may send row counts below the decode cap to prefill
-        return 1 if self.row_invariant or self.plan.tuned else self.decode_max_tokens + 1
-
-    def _warmup_paths(self) -> list[str]:
-        """The paths a one-row forward may take on this layer (select_path accepts them)."""
-        paths = []
-        for p in ("decode", "atomic", "prefill"):
-            try:
-                self.select_path(1, p)
-            except PathUnavailableError:
-                continue
-            paths.append(p)
-        return paths
+        max_tokens), capture each as a graph, and launch every path once on a scratch input, so
+        that no first-use cost falls into a capture or a timed region (cupymoe/warmup.py)."""
+        return warm_up(self)
 
     # --- the forward ---------------------------------------------------------------------
     def forward(self, input_ptr: int, num_tokens: int, output_ptr: int, stream: int, *,
@@ -387,6 +338,7 @@ class MoeLayer:
         if not self._guard:
             raise OptionError("check_guard: this layer was built without CUPYMOE_GUARD=1 (no red zones)")
         guard.check_zones(self.scratch.zones, self.device_id)
+
     def memory_report(self) -> MemoryReport:
         """The device memory this layer uses: its own weight copies, the caller's tensors it borrows,
         its tables and state, and its workspace (cupymoe/weights.py says what is borrowed)."""
