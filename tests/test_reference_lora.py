@@ -12,15 +12,14 @@ Evidence, independent of how the reference folds the deltas in:
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from _lora import random_lora
-from cupymoe import formats, reference, testing
+from _lora import merged, random_lora
+from cupymoe import reference, testing
 from cupymoe.errors import LoraError
-from cupymoe.lora import LoraTarget, LoraWeights
+from cupymoe.lora import LoraTarget
 
 FORMATS = ("bf16", "fp8_block", "nvfp4", "mxfp4")
 N = 11
@@ -29,22 +28,6 @@ N = 11
 def _close(got, want):
     scale = float(np.max(np.abs(want)))
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12 * scale)
-
-
-def merged(cfg, hw, lw: LoraWeights):
-    """The base weights with each module's delta merged in: W + s B A, in float64."""
-    changes = {}
-    for key, m in lw.modules.items():
-        name = key.target.value
-        w = changes.get(name)
-        if w is None:
-            w = changes[name] = formats.dequantize(getattr(hw, name), np.float64)
-        d = m.scale * (m.b.astype(np.float64) @ m.a.astype(np.float64))
-        if key.expert is None:
-            w += d
-        else:
-            w[key.expert] += d
-    return replace(hw, **changes)
 
 
 def _setup(family, fmt="bf16", seed=0, **kw):
