@@ -102,6 +102,21 @@ def preset_config(name: str, *, routed_only: bool = True) -> MoeConfig:
     return MoeConfig(model_type=name, **kw)
 
 
+def _int_at_least(lo: int):
+    """An argparse type: an integer >= lo (refused at parsing, before any weights are drawn)."""
+    import argparse
+
+    def parse(v: str) -> int:
+        try:
+            i = int(v)
+        except ValueError:
+            i = lo - 1
+        if i < lo:
+            raise argparse.ArgumentTypeError(f"{v!r}: must be an integer >= {lo}")
+        return i
+    return parse
+
+
 def add_bench_args(ap) -> None:
     ap.add_argument("--preset", nargs="+", default=["qwen3-30b-a3b"], choices=sorted(PRESETS))
     ap.add_argument("--format", dest="formats", nargs="+", default=["bf16"], choices=FORMATS,
@@ -133,6 +148,10 @@ def add_bench_args(ap) -> None:
                     help="also time each cell's eager forward on the host (enqueue only; over --host-calls calls "
                          "in batches of 20, the median of the batch means) and the plan's build")
     ap.add_argument("--host-calls", type=int, default=HOST_CALLS, help="eager forwards timed for --host")
+    ap.add_argument("--lora", type=_int_at_least(0), default=0, metavar="K",
+                    help="also time each cell with K random adapters in the layer's slots, one a row round-robin "
+                         "(lora_ids_ptr inside the captured graph): lora_us, base_us, overhead_pct of the same layer")
+    ap.add_argument("--lora-rank", type=_int_at_least(1), default=16, metavar="R", help="the adapters' rank (--lora)")
     ap.add_argument("--seed", type=int, default=0)
 
 
@@ -346,6 +365,8 @@ def format_row(row: dict) -> str:
     peers = [("vllm_compute_only", "vLLM" if row["format"] == "bf16" else "vLLM-bf16"),
              ("vllm_fp8_gemms_only", "vLLM-fp8-GEMMs"), ("grouped_mm_us", "grouped_mm"), ("eager_us", "eager")]
     vs = [f"{row[key] / us:.2f}x {label}" for key, label in peers if row.get(key)]
+    if row.get("lora_us") is not None:
+        vs.append(f"LoRA {row['lora_us']:.1f} us ({row['overhead_pct']:+.1f}% over {row['base_us']:.1f})")
     if row.get("host_us") is not None:
         vs.append(f"host {row['host_us']:.1f} us (step by step {row.get('host_steps_us', 0):.1f}; plan built in "
                   f"{row['plan_build_us']:.0f} us, captured in {row.get('graph_capture_us') or 0:.0f})")
@@ -619,18 +640,19 @@ def _git_commit() -> str:
 # the run
 # ----------------------------------------------------------------------------------
 
-def _time_cell(layers, x, out, n: int, args,
-               warm_s: float = STEADY_WARM_S) -> tuple[list[float], dict[str, float], int]:
+def _time_cell(layers, x, out, n: int, args, warm_s: float = STEADY_WARM_S,
+               lora_ids: int = 0) -> tuple[list[float], dict[str, float], int]:
     """Eager once (warm, and the routing for the floor), then the graph of every layer's
     forward: per-layer µs of each repetition, per-stage µs (--stages), touched experts. `warm_s`:
-    seconds of replays before timing (shorter where the GPU is already under the same load)."""
+    seconds of replays before timing (shorter where the GPU is already under the same load).
+    `lora_ids`: the rows' adapter slots ([n] int32 on the device; 0: the base plans)."""
     import cupy
 
     cfg = layers[0].cfg
     k, E = cfg.num_experts_per_tok, cfg.num_experts
     s = cupy.cuda.Stream(non_blocking=True)
     for L in layers:
-        L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
+        L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr, lora_ids_ptr=lora_ids)
     s.synchronize()
     # every copy holds the same weights, so the last layer's routing is every layer's
     ids = cupy.ndarray((n, k), cupy.int32, cupy.cuda.MemoryPointer(
@@ -640,7 +662,7 @@ def _time_cell(layers, x, out, n: int, args,
     s.begin_capture()
     with record_stage_events(stage_events) if args.stages else contextlib.nullcontext():
         for L in layers:
-            L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
+            L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr, lora_ids_ptr=lora_ids)
     g = s.end_capture()
     g.upload(s)
     for _ in range(3):
@@ -725,6 +747,10 @@ def layer_options(fmt: str, args, **extra) -> dict:
     opts = {} if getattr(args, "decode_max_tokens", None) is None else {"decode_max_tokens": args.decode_max_tokens}
     if fmt == "fp8_block":
         opts["fp8_compute"] = getattr(args, "fp8_compute", "auto")
+    if getattr(args, "lora", 0):  # the slots reserved once; a w8a8 layer serves router adapters only
+        opts.update(max_loras=args.lora, max_lora_rank=args.lora_rank)
+        if opts.get("fp8_compute") == "auto":
+            opts["fp8_compute"] = "w8a16"
     return {**opts, **extra}
 
 
@@ -763,16 +789,94 @@ def cell_input(cfg: MoeConfig, n: int, seed: int):
     return x, out
 
 
+# ----------------------------------------------------------------------------------
+# LoRA (--lora K --lora-rank R): the same layers timed with and without adapters
+# ----------------------------------------------------------------------------------
+
+LORA_ALPHA = 32.0  # the adapters' lora_alpha (scale alpha / r; it changes values, not the time)
+LORA_METHOD = ("each cell timed twice in one run on the same layer copies (built with max_loras=K, "
+               "max_lora_rank=R): base_us with lora_ids_ptr=0 (the base plans), lora_us with the rows' "
+               "adapter ids (row i -> slot i mod K, int32 on the device) passed to every forward inside "
+               "the captured graph; the K slots hold cupymoe.lora.random_lora adapters of rank R on "
+               "lora_targets (every module the layer has: router, routed experts, shared expert; a w8a8 "
+               "layer serves the router's alone); overhead_pct = 100 (lora_us / base_us - 1); the row's "
+               "us, floor and touched are the base run's, lora_touched the LoRA run's (the router's "
+               "delta changes the routing)")
+
+
+def lora_targets(layer) -> tuple:
+    """The modules the bench's adapters name: all of them, but the router's alone on a w8a8
+    layer (its gate/up quantizes the activation before a delta could be added)."""
+    from .lora import LoraTarget
+
+    return (LoraTarget.ROUTER,) if layer.plan.w8a8 else tuple(LoraTarget)
+
+
+def install_adapters(layers, args) -> list[str]:
+    """K random adapters of rank R drawn once (seeded) and copied into every layer copy's slots
+    0..K-1; returns the targets' names."""
+    from .lora import random_lora
+
+    targets = lora_targets(layers[0])
+    rng = np.random.default_rng([args.seed, 42])
+    for slot in range(args.lora):
+        adapter = random_lora(layers[0].cfg, rng, args.lora_rank, targets=targets, alpha=LORA_ALPHA)
+        for L in layers:
+            L.set_lora(slot, adapter)
+    return [t.value for t in targets]
+
+
+def lora_ids_on_device(n: int, k: int):
+    import cupy
+
+    from .lora import round_robin_ids
+
+    ids = cupy.asarray(round_robin_ids(n, k))
+    cupy.cuda.runtime.deviceSynchronize()  # copied on the null stream; the layer reads it on its own
+    return ids
+
+
+def lora_columns(base_us: list[float], lora_us: list[float], touched: int) -> dict:
+    """A row's LoRA columns from the two runs' repetitions (medians)."""
+    b, l_ = statistics.median(base_us), statistics.median(lora_us)
+    return dict(base_us=round(b, 2), lora_us=round(l_, 2), overhead_pct=round(100.0 * (l_ / b - 1.0), 1),
+                lora_touched=touched, lora_reps_us=[round(t, 2) for t in lora_us])
+
+
+def lora_meta(args, rows: list[dict]) -> Optional[dict]:
+    """The JSON meta's account of the LoRA runs (None without --lora)."""
+    if not getattr(args, "lora", 0):
+        return None
+    computes = sorted({r["fp8_compute"] for r in rows if r.get("fp8_compute")})
+    return dict(max_loras=args.lora, max_lora_rank=args.lora_rank, adapters=args.lora, rank=args.lora_rank,
+                lora_alpha=LORA_ALPHA, ids="row i -> slot i mod K", fp8_compute=computes or None,
+                fp8_note="fp8_block layers are built with fp8_compute='w8a16' unless --fp8-compute names one: "
+                         "w8a8 layers serve router adapters alone (lora_targets says so per row)",
+                method=LORA_METHOD)
+
+
+def _time_lora(layers, x, out, n: int, args) -> dict:
+    """The LoRA run of one cell (after the base run, the GPU already under the same load)."""
+    ids = lora_ids_on_device(n, args.lora)
+    times, _, touched = _time_cell(layers, x, out, n, args, lora_ids=int(ids.data.ptr))
+    return dict(lora_times=times, lora_touched=touched)
+
+
 def _bench_cell(layers, shape: str, fmt: str, n: int, args, ceilings: dict, baselines: dict, torch_peers) -> dict:
-    """One N of one preset and format: the layer timed, the row with its floor, stages and peers."""
+    """One N of one preset and format: the layer timed, the row with its floor, stages and peers
+    (--lora: timed again with the adapters, lora_columns)."""
     cfg = layers[0].cfg
     x, out = cell_input(cfg, n, args.seed)
     times, stage_us, touched = _time_cell(layers, x, out, n, args)
+    lora = _time_lora(layers, x, out, n, args) if getattr(args, "lora", 0) else None
     row = bench_row(cfg, shape, fmt, n, touched, times, ceilings, baselines, path=args.path,
                     layers=len(layers), stage_us=stage_us, path_taken=layers[0].select_path(n),
                     w8a8=layers[0].plan.w8a8)
     if fmt == "fp8_block":
         row["fp8_compute"] = layers[0].fp8_compute
+    if lora:
+        row.update(lora_columns(times, lora["lora_times"], lora["lora_touched"]),
+                   lora_targets=[t.value for t in lora_targets(layers[0])])
     if getattr(args, "host", False):
         row.update(time_host(layers[0], x, out, n, args.host_calls))
     if torch_peers:
@@ -810,6 +914,9 @@ def _bench_format(shape: str, cfg: MoeConfig, fmt: str, args, ceilings: dict, ba
         if fmt == "bf16" and not args.no_peers:
             torch_peers = _torch_peers(layers)
         note = "" if torch_peers else (" (torch peers: bf16 only)" if fmt != "bf16" else " (no torch peers)")
+        if getattr(args, "lora", 0):
+            targets = install_adapters(layers, args)
+            note += f" (LoRA: {args.lora} adapters of rank {args.lora_rank} on {', '.join(targets)})"
         print(f"{tag} ready in {time.perf_counter() - t0:.1f} s{note}", flush=True)
         return [_bench_cell(layers, shape, fmt, n, args, ceilings, baselines, torch_peers) for n in args.tokens]
     finally:
@@ -844,7 +951,8 @@ def run_bench(args) -> int:
                 method=f"CUDA-graph replays over several layers, after {STEADY_WARM_S} s of replays the median of "
                        f"repeats; measured ceilings: after {STEADY_WARM_S} s of load, the median of {CEILING_REPEATS} "
                        f"repetitions of {CEILING_CALLS} calls (the steady state; *_burst: 3 warm-ups, the mean of 10)",
-                stages_method=STAGES_METHOD if getattr(args, "stages", False) else None, skipped=skipped or None)
+                stages_method=STAGES_METHOD if getattr(args, "stages", False) else None, skipped=skipped or None,
+                lora=lora_meta(args, results))
     path = Path(args.json) if args.json else (
         Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-{gpu.replace(' ', '_')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

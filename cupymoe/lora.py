@@ -19,15 +19,15 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import numpy as np
 
 from .config import MoeConfig
 from .errors import CheckpointError, LoraError
 
-__all__ = ["LoraTarget", "LoraKey", "LoraModule", "LoraWeights", "load_peft", "lora_scale",
-           "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
+__all__ = ["LoraTarget", "LoraKey", "LoraModule", "LoraWeights", "load_peft", "lora_scale", "random_lora",
+           "round_robin_ids", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -319,3 +319,37 @@ def _assemble(cfg: MoeConfig, layer_idx: int, tensors: Mapping[str, np.ndarray],
                             f"{ADAPTER_CONFIG} gives this module rank {r} (r / rank_pattern)")
         modules[names[module]] = LoraModule(module, p["lora_A"], p["lora_B"], lora_scale(alpha, r, pc.use_rslora))
     return modules
+
+
+# ----------------------------------------------------------------------------------
+# random adapters (tests and `python -m cupymoe bench --lora`)
+# ----------------------------------------------------------------------------------
+
+def random_lora(cfg: MoeConfig, rng: np.random.Generator, rank: int = 4, *, layer_idx: int = 0,
+                targets: Optional[Iterable[LoraTarget]] = None, experts: Optional[Iterable[int]] = None,
+                alpha: float = 8.0, size: float = 1.0, zero_b: bool = False) -> LoraWeights:
+    """An adapter of rank `rank` on `targets` (default every module the layer has; routed ones
+    for `experts`, default all) whose deltas are ~`size` times the base map's output scale (std
+    1/sqrt(in) for A, 1/sqrt(r) for B before the scale alpha / r), A and B bf16-representable
+    so every storage keeps them exactly."""
+    from .formats import BF16
+
+    want = set(LoraTarget) if targets is None else {LoraTarget(t) for t in targets}
+    chosen = None if experts is None else set(experts)
+    shapes, s = _in_out(cfg), lora_scale(alpha, rank, False)
+    bf16_exact = lambda a: a.astype(np.float32).astype(BF16).astype(np.float32)  # noqa: E731
+    modules = {}
+    for name, key in module_names(cfg, layer_idx).items():
+        if key.target not in want or (key.expert is not None and chosen is not None and key.expert not in chosen):
+            continue
+        inn, out = shapes[key.target]
+        a = bf16_exact(rng.standard_normal((rank, inn)) * inn ** -0.5)
+        b = rng.standard_normal((out, rank)) * size / (s * rank ** 0.5)
+        b = np.zeros((out, rank), np.float32) if zero_b else bf16_exact(b)
+        modules[key] = LoraModule(name, a, b, s)
+    return LoraWeights(modules, source="random_lora")
+
+
+def round_robin_ids(n: int, k: int) -> np.ndarray:
+    """[n] int32 adapter slots spread over the rows: row i takes slot i mod k (k = 0: all -1)."""
+    return (np.arange(n, dtype=np.int32) % k) if k > 0 else np.full(n, -1, np.int32)

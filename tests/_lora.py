@@ -9,9 +9,10 @@ from typing import Iterable, Optional
 import ml_dtypes
 import numpy as np
 
+from cupymoe import lora
 from cupymoe.config import MoeConfig
-from cupymoe.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, LoraKey, LoraModule, LoraTarget,
-                          LoraWeights, lora_scale, module_names)
+from cupymoe.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, LoraKey, LoraTarget, LoraWeights,
+                          module_names)
 
 ALL_TARGETS = tuple(LoraTarget)
 
@@ -28,17 +29,9 @@ def keys_for(cfg: MoeConfig, layer_idx: int, targets: Iterable[LoraTarget] = ALL
 def random_lora(cfg: MoeConfig, rng: np.random.Generator, rank: int = 4, *, layer_idx: int = 0,
                 targets: Iterable[LoraTarget] = ALL_TARGETS, experts: Optional[Iterable[int]] = None,
                 alpha: float = 8.0, size: float = 1.0, zero_b: bool = False) -> LoraWeights:
-    """An adapter whose deltas are ~`size` times the base map's output scale (std 1/sqrt(in) for A,
-    1/sqrt(r) for B before the scale), A and B bf16-representable so every storage keeps them exactly."""
-    modules = {}
-    for name, key in keys_for(cfg, layer_idx, targets, experts).items():
-        inn, out = _in_out(cfg, key.target)
-        s = lora_scale(alpha, rank, False)
-        a = _bf16_exact(rng.standard_normal((rank, inn)) * inn ** -0.5)
-        b = rng.standard_normal((out, rank)) * size / (s * rank ** 0.5)
-        b = np.zeros((out, rank), np.float32) if zero_b else _bf16_exact(b)
-        modules[key] = LoraModule(name, a, b, s)
-    return LoraWeights(modules, source="random_lora")
+    """cupymoe.lora.random_lora (the bench draws its adapters with it too)."""
+    return lora.random_lora(cfg, rng, rank, layer_idx=layer_idx, targets=targets, experts=experts, alpha=alpha,
+                            size=size, zero_b=zero_b)
 
 
 def merged(cfg: MoeConfig, hw, lw: LoraWeights):

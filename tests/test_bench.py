@@ -326,3 +326,102 @@ def test_graph_timeline_splits_forwards_and_takes_medians():
     assert tl["span"] == 24.5 and tl["period"] == 30.0
     with pytest.raises(ValueError, match="router_mma"):
         mod.forward_timeline(records, first="router_mma")
+
+
+# --- --lora K --lora-rank R: the argument plumbing and the adapters (no GPU) -------------
+
+def _bench_args(*argv):
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    bench.add_bench_args(ap)
+    return ap.parse_args(list(argv))
+
+
+def test_lora_arguments_reach_the_layer_options():
+    args = _bench_args("--lora", "4", "--lora-rank", "16", "--format", "bf16", "fp8_block")
+    assert (args.lora, args.lora_rank) == (4, 16)
+    assert bench.layer_options("bf16", args) == dict(max_loras=4, max_lora_rank=16)
+    # fp8_block under auto would pick w8a8, whose layer refuses expert adapters: w8a16 instead
+    assert bench.layer_options("fp8_block", args) == dict(fp8_compute="w8a16", max_loras=4, max_lora_rank=16)
+    forced = _bench_args("--lora", "4", "--fp8-compute", "w8a8")
+    assert bench.layer_options("fp8_block", forced)["fp8_compute"] == "w8a8"  # asked: kept (router adapters only)
+    plain = _bench_args()
+    assert plain.lora == 0 and bench.layer_options("bf16", plain) == {}
+    assert bench.layer_options("fp8_block", plain) == dict(fp8_compute="auto")
+
+
+@pytest.mark.parametrize("argv", [("--lora", "-1"), ("--lora", "two"), ("--lora", "2", "--lora-rank", "0")])
+def test_bad_lora_arguments_are_refused_at_parsing(argv, capsys):
+    with pytest.raises(SystemExit):
+        _bench_args(*argv)
+    assert "must be an integer" in capsys.readouterr().err
+
+
+class _FakeLoraLayer:
+    def __init__(self, cfg, w8a8: bool):
+        from types import SimpleNamespace
+
+        self.cfg, self.plan, self.slots = cfg, SimpleNamespace(w8a8=w8a8), {}
+
+    def set_lora(self, slot, adapter):
+        self.slots[slot] = adapter
+
+
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_install_adapters_fills_every_copys_slots_with_the_same_adapters(w8a8):
+    from cupymoe.lora import LoraTarget
+
+    cfg = testing.tiny_config("deepseek_v3")  # router, routed experts and a shared expert
+    layers = [_FakeLoraLayer(cfg, w8a8) for _ in range(2)]
+    targets = bench.install_adapters(layers, _bench_args("--lora", "3", "--lora-rank", "4"))
+    assert targets == (["router"] if w8a8 else [t.value for t in LoraTarget])
+    assert sorted(layers[0].slots) == [0, 1, 2] and all(layers[1].slots[s] is layers[0].slots[s] for s in range(3))
+    lw = layers[0].slots[0]
+    want = {LoraTarget.ROUTER} if w8a8 else set(LoraTarget)
+    assert lw.targets == want and lw.max_rank == 4
+    assert all(m.scale == bench.LORA_ALPHA / 4 for m in lw.modules.values())
+    assert not np.array_equal(lw.get("router").a, layers[0].slots[1].get("router").a)  # K distinct ones
+
+
+def test_random_lora_shapes_ranks_scales_and_bf16_values():
+    from cupymoe.lora import LoraTarget, random_lora
+
+    cfg = testing.tiny_config("deepseek_v3")
+    H, I, Is, R = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.router_width
+    lw = random_lora(cfg, np.random.default_rng(0), 8, alpha=16.0)
+    lw.check(cfg, 8)
+    routed = [k for k in lw.modules if k.target.per_expert]
+    assert len(routed) == 3 * cfg.num_experts and lw.targets == set(LoraTarget)
+    shapes = {LoraTarget.ROUTER: (H, R), LoraTarget.GATE: (H, I), LoraTarget.UP: (H, I), LoraTarget.DOWN: (I, H),
+              LoraTarget.SHARED_GATE: (H, Is), LoraTarget.SHARED_UP: (H, Is), LoraTarget.SHARED_DOWN: (Is, H)}
+    for key, m in lw.modules.items():
+        inn, out = shapes[key.target]
+        assert m.a.shape == (8, inn) and m.b.shape == (out, 8) and m.scale == 2.0 and m.rank == 8
+        for v in (m.a, m.b):
+            assert v.dtype == np.float32 and np.array_equal(v, v.astype(ml_dtypes.bfloat16).astype(np.float32))
+    only = random_lora(cfg, np.random.default_rng(0), 2, targets=["router", "down"], experts=[1])
+    assert set(only.modules) == {k for k in only.modules if k.target == LoraTarget.ROUTER or k.expert == 1}
+    assert {k.target for k in only.modules} == {LoraTarget.ROUTER, LoraTarget.DOWN}
+
+
+def test_round_robin_ids_and_the_lora_columns():
+    from cupymoe.lora import round_robin_ids
+
+    ids = round_robin_ids(10, 4)
+    assert ids.dtype == np.int32 and ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    assert round_robin_ids(3, 0).tolist() == [-1, -1, -1] and round_robin_ids(1, 4).tolist() == [0]
+    cols = bench.lora_columns([100.0, 102.0, 101.0], [110.0, 111.0, 112.0], touched=37)
+    assert cols["base_us"] == 101.0 and cols["lora_us"] == 111.0 and cols["overhead_pct"] == 9.9
+    assert cols["lora_touched"] == 37 and cols["lora_reps_us"] == [110.0, 111.0, 112.0]
+
+
+def test_lora_meta_says_how_and_which_fp8_compute():
+    args = _bench_args("--lora", "4", "--lora-rank", "16")
+    meta = bench.lora_meta(args, [dict(format="bf16"), dict(format="fp8_block", fp8_compute="w8a16")])
+    assert (meta["adapters"], meta["rank"], meta["fp8_compute"]) == (4, 16, ["w8a16"])
+    assert "inside the captured graph" in meta["method"] and "i mod K" in meta["ids"]
+    assert bench.lora_meta(_bench_args(), []) is None
+    row = dict(format="bf16", N=64, us=100.0, floor_us=50.0, pct_of_floor=50.0, TBps=1.0, TFLOPs=1.0, touched=9,
+               lora_us=110.0, base_us=100.0, overhead_pct=10.0)
+    assert "LoRA 110.0 us (+10.0% over 100.0)" in bench.format_row(row)

@@ -1,0 +1,78 @@
+"""The LoRA plans' cost model (benchmarks/DECISIONS.md, "LoRA: what the plans cost"): per issue
+cell, the extra launches (counted from the CPU plans), the second gate/up pass's weight bytes,
+the adapters' bytes, the per-pair kernels' scalar loads, and the predicted overhead now and
+after each proposed change. No GPU; base times and gate/up shares are the measured ones quoted.
+
+    PYTHONPATH=$PWD python scripts/lora_cost.py
+"""
+
+from __future__ import annotations
+
+from cupymoe.bench import expected_touched, expert_bytes, preset_config
+from cupymoe.forward_plan import LoraShape, build_forward_plan
+from cupymoe.knobs import Knobs
+from cupymoe.plan import DeviceFacts, LayerOptions, Path, choose_path, plan_layer
+
+K, R = 4, 16
+COPY = 4.26e12  # B/s, the steady copy ceiling
+LOADS = 132 * 32 * 1.5e9  # scalar loads/s: one warp load instruction a clock an SM at the capped clock
+GAP_US = 2.5  # a plain (non-PDL) launch's gap in a graph, measured order (DECISIONS.md, Host)
+# measured base µs (bf16 rows; fp8_block: the w8a8 rows, stand-ins for w8a16) and gate/up's share
+# of the layer (the stages runs: 20261202-h200-stages, 20261130-h200-stages-n1, prefill-stages)
+BASE = {("qwen3-30b-a3b", "bf16"): {1: 33.2, 64: 350.6, 1024: 481.0, 4096: 846.8},
+        ("qwen3-30b-a3b", "fp8_block"): {1: 23.9, 64: 171.4, 1024: 450.0, 4096: 948.0},
+        ("deepseek-v3", "bf16"): {1: 187.1, 64: 4837.3, 1024: 5144.4, 4096: 7157.4},
+        ("deepseek-v3", "fp8_block"): {1: 101.6, 64: 2156.9, 1024: 4000.0, 4096: 6932.2}}
+GATE_UP_SHARE = {1: 0.40, 64: 0.54, 1024: 0.58, 4096: 0.61}
+
+
+def pair_loads(cfg, pairs: int) -> float:
+    """Scalar loads of lora_gate_up_act and lora_down_delta (every row has an adapter)."""
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    gate_up = 2 * R * 2 * H + 2 * I * R + 3 * I  # A and x a rank row, B a column, g u act
+    down = 2 * R * I + H * R + 2 * H
+    return pairs * (gate_up + down)
+
+
+def cell(shape: str, fmt: str, n: int) -> dict:
+    cfg = preset_config(shape, routed_only=True)
+    dev = DeviceFacts.h200()
+    lp = plan_layer(cfg, fmt, None, dev.arch, options=LayerOptions(fp8_compute="w8a16"), knobs=Knobs())
+    path = Path(choose_path(lp, "auto", n))
+    base = build_forward_plan(lp, dev, n, path).at(n)
+    lora = build_forward_plan(lp, dev, n, path, lora=LoraShape(K, R, True)).at(n)
+    E, k, H, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    T = expected_touched(E, k, n)
+    gu_bytes = T * expert_bytes(fmt, H, I) * 2 / 3
+    segs = min(K * E, E * (1 - (1 - 1 / E) ** (n * k / K)) * min(K, n))  # (adapter, expert) segments touched
+    adapter_bytes = segs * R * (3 * H + 3 * I) * 2 + K * R * (H + cfg.router_width) * 4
+    b = BASE[(shape, fmt)][n]
+    second = GATE_UP_SHARE[n] * b
+    stores = 2 * n * k * I * 2 * 2 / COPY * 1e6  # g and u written and read back (bf16)
+    pairs_us = max(pair_loads(cfg, n * k) / LOADS * 1e6, adapter_bytes / COPY * 1e6)
+    gaps = (len(lora.steps) - len(base.steps)) * GAP_US
+    now = second + stores + pairs_us + gaps
+    one_pass = now - second - GAP_US  # the second gate/up launch goes too
+    sgmv = stores + adapter_bytes / COPY * 1e6 + 2 * n * k * R * (4 * H + 2 * I) / 600e12 * 1e6 + gaps - GAP_US
+    # a shrink launch before gate/up and one before down, under PDL (~1 µs each), nothing else
+    fused = adapter_bytes / COPY * 1e6 + 2 * n * k * R * (4 * H + 2 * I) / 600e12 * 1e6 + 2 * 1.0
+    return dict(shape=shape, fmt=fmt, n=n, path=path.value, launches=len(lora.steps) - len(base.steps),
+                gu_GB=gu_bytes / 1e9, adapter_MB=adapter_bytes / 1e6, loads_G=pair_loads(cfg, n * k) / 1e9,
+                base=b, now=100 * now / b, one_pass=100 * one_pass / b, sgmv=100 * sgmv / b, fused=100 * fused / b)
+
+
+def main() -> None:
+    print("| preset | fmt | N | path | +launches | 2nd gate/up GB | adapter MB | pair loads G | base µs "
+          "| now % | one pass % | + grouped shrink/expand % | + expand in the GEMM, router delta fused, PDL % |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for shape in ("qwen3-30b-a3b", "deepseek-v3"):
+        for fmt in ("bf16", "fp8_block"):
+            for n in (1, 64, 1024, 4096):
+                c = cell(shape, fmt, n)
+                print(f"| {shape} | {fmt} | {n} | {c['path']} | {c['launches']} | {c['gu_GB']:.2f} | "
+                      f"{c['adapter_MB']:.0f} | {c['loads_G']:.2f} | {c['base']:.0f} | {c['now']:.0f} | "
+                      f"{c['one_pass']:.0f} | {c['sgmv']:.0f} | {c['fused']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
