@@ -192,16 +192,19 @@ class MoeLayer:
         return self.plan_for(num_tokens, path).plan.at(num_tokens)
 
     def warmup(self) -> WarmupReport:
-        """Build every plan this layer can run (each decode row count, each prefill shape up to
-        max_tokens), capture each as a graph, and launch every path once on a scratch input, so
-        that no first-use cost falls into a capture or a timed region (cupymoe/warmup.py)."""
+        """Build every plan `forward` can run (each decode row count, each prefill shape up to
+        max_tokens), capture each as a graph, and launch every available path once on one scratch
+        row, so that no first-use cost falls into a capture or a timed region (cupymoe/warmup.py).
+        The LoRA and experts-only plans are built on their first call."""
         return warm_up(self)
 
     # --- the forward ---------------------------------------------------------------------
     def forward(self, input_ptr: int, num_tokens: int, output_ptr: int, stream: int, *,
                 token_ids_ptr: int = 0, path: Optional[str] = None, lora_ids_ptr: int = 0) -> None:
-        """Enqueue the layer on `stream`: output[N, H] bf16 = MoE(input[N, H] bf16); `lora_ids_ptr`:
-        [N] int32 adapter slots a row (-1 = base), 0 = no LoRA (the base plans, bit for bit)."""
+        """Enqueue the layer on `stream`: output[N, H] bf16 = MoE(input[N, H] bf16); `token_ids_ptr`:
+        [N] int32 (hash routing); `path`: force a path for this call; `lora_ids_ptr`: [N] int32 adapter
+        slots a row (-1 = base), 0 = no LoRA (the base plans, bit for bit). Outside a caller's
+        capture an unwatched forward without LoRA is one CUDA-graph launch (cupymoe/graph_launch.py)."""
         n, x, out, token_ids = checked_call(self, input_ptr, num_tokens, output_ptr, token_ids_ptr)
         stream = self._stream(stream)
         if path is not None:  # before it keys a dict (an unhashable one would raise TypeError there)

@@ -75,7 +75,8 @@ def _moe_experts_fake(x: torch.Tensor, layer_id: int, topk_ids: torch.Tensor, to
 
 
 class MoeModule(torch.nn.Module):
-    """A MoeLayer as a torch module: forward(x [..., H] bf16, token_ids=None, lora_ids=None)."""
+    """A MoeLayer as a torch module: forward(x [..., H] bf16, token_ids=None). `lora_ids` is refused
+    (LoraError): the op does not pass adapter ids yet; call MoeLayer.forward(..., lora_ids_ptr=...)."""
 
     def __init__(self, layer: MoeLayer):
         super().__init__()
@@ -90,7 +91,8 @@ class MoeModule(torch.nn.Module):
     def forward(self, x: torch.Tensor, token_ids: Optional[torch.Tensor] = None,
                 lora_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if lora_ids is not None:
-            raise LoraError("lora_ids given, but this layer has no LoRA slots (MoeLayer(..., max_loras=K))")
+            raise LoraError("MoeModule.forward(lora_ids=...): the torch op does not pass adapter ids yet; call "
+                            "MoeLayer.forward(..., lora_ids_ptr=...) with the ids' device pointer")
         rows = x.reshape(-1, self.hidden_size)
         if not rows.is_contiguous():
             rows = rows.contiguous()

@@ -155,7 +155,7 @@ class MemoryReport:
     weights_owned: int  # weight arrays the layer allocated: uploads, device copies, repacked fp4, a dequantized router
     weights_borrowed: int  # the caller's device tensors used where they lie (kept alive, never written)
     tables: int  # per-slot pointer tables and slot maps
-    layer_state: int  # the error word and the TMA tensor maps
+    layer_state: int  # the error word, the TMA tensor maps and the LoRA adapter slots
     scratch: int  # what the layer needs of its workspace (its scratch plan and zeroed region)
     workspace: int  # the workspace's allocation, shared by the layers bound to it
 
