@@ -28,7 +28,7 @@ import logging
 from typing import Optional
 
 
-from . import arrays, profiling
+from . import arrays, guard, profiling
 from .errors import MoeCallError
 from .forward_plan import build_forward_plan, prefill_shape
 from .launch import PackedPlan
@@ -88,6 +88,8 @@ def forward_experts(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr
     packed.set_call_value(CallValue.TOPK_WEIGHTS, w)
     ws = layer.workspace
     ws.use(stream)
+    if layer._guard:  # guard mode: the red zones refilled before the launches, as forward does
+        guard.arm_zones(layer.scratch.zones, stream)
     if layer._profile or profiling.observed():
         _observed(layer, packed, x, out, n, stream)
     else:

@@ -4,11 +4,12 @@ and a write past a buffer is caught by check_guard, naming the buffer."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from cupymoe import testing
 from cupymoe.errors import GuardError, OptionError
-from cupymoe.verify import check, run_layer, well_separated_input
+from cupymoe.verify import bf16_bits, check, run_layer, well_separated_input
 
 pytestmark = pytest.mark.gpu
 
@@ -90,3 +91,16 @@ def test_guard_mode_off_costs_nothing(rng, monkeypatch):
         plain.check_guard()
     _, _, guarded = _guarded(monkeypatch, rng)
     assert guarded.workspace.nbytes > plain.workspace.nbytes
+
+
+@pytest.mark.parametrize("path", ["decode", "atomic", "prefill"])
+def test_the_experts_only_entry_arms_and_keeps_the_red_zones(path, rng, monkeypatch):
+    import cupy
+
+    cfg, hw, layer = _guarded(monkeypatch, rng)
+    n, k = 37, cfg.num_experts_per_tok
+    x = cupy.asarray(bf16_bits(testing.random_input(rng, n, cfg.hidden_size)))
+    ids = cupy.asarray(rng.integers(0, cfg.router_width, size=(n, k)).astype(np.int32))
+    w = cupy.asarray(rng.uniform(0.05, 1.0, size=(n, k)).astype(np.float32))
+    layer.run_experts(x, ids, w, path=path)
+    layer.check_guard()
