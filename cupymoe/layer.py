@@ -321,18 +321,20 @@ class MoeLayer:
             dump_forward(self, x, n, out, s, packed.plan.path)
 
     # --- conveniences ----------------------------------------------------------------------
-    def __call__(self, x, *, out=None, stream=None, token_ids=None, path: Optional[str] = None):
+    def __call__(self, x, *, out=None, stream=None, token_ids=None, path: Optional[str] = None, lora_ids=None):
         """Run on a torch tensor (bf16, CUDA) or a CuPy array (uint16 bits of bf16), [N, H]; `out`
-        is allocated when not given (so pass it under graph capture)."""
+        is allocated when not given (so pass it under graph capture); `token_ids`, `lora_ids`: [N]
+        int32 on the layer's GPU (lora_ids: each row's adapter slot, -1 = base)."""
         xa = arrays.view(x, "x")
         n = arrays.rows_of(xa, self.cfg.hidden_size, self.device_id)
         if out is None:
             out = arrays.empty_like(x)
         op = arrays.checked_ptr(out, "out", device=self.device_id, dtypes=arrays.BF16_BITS, shape=xa.shape)
-        tp = 0 if token_ids is None else arrays.checked_ptr(token_ids, "token_ids", device=self.device_id,
-                                                             dtypes=("int32",), shape=(n,))
+        tp, lp = (0 if a is None else arrays.checked_ptr(a, name, device=self.device_id, dtypes=("int32",),
+                                                         shape=(n,))
+                  for name, a in (("token_ids", token_ids), ("lora_ids", lora_ids)))
         self.forward(xa.ptr, n, op, arrays.current_stream(x) if stream is None else stream,
-                     token_ids_ptr=tp, path=path)
+                     token_ids_ptr=tp, path=path, lora_ids_ptr=lp)
         return out
 
     def check_guard(self) -> None:

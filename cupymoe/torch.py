@@ -3,7 +3,7 @@
     import cupymoe.torch
     module = cupymoe.torch.MoeModule(layer)            # or MoeModule.from_pretrained(dir, i, max_tokens=...)
     y = module(x)                                      # bf16 [..., H] on the layer's GPU, torch's current stream
-    y = torch.ops.cupymoe.moe_forward(x2d, module.layer_id, None)
+    y = torch.ops.cupymoe.moe_forward(x2d, module.layer_id, None, None)   # token_ids, lora_ids
     y = module.experts(x2d, topk_ids, topk_weights)   # a server's own routing (MoeLayer.forward_experts)
     y = torch.ops.cupymoe.moe_experts(x2d, module.layer_id, topk_ids, topk_weights, None)
 
@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .errors import LoraError, MoeCallError
+from .errors import MoeCallError
 from .layer import MoeLayer
 
 _LAYERS: dict[int, MoeLayer] = {}  # the op's layer_id -> layer (ops take plain values)
@@ -42,16 +42,19 @@ def _layer(layer_id: int) -> MoeLayer:
 
 
 @torch.library.custom_op("cupymoe::moe_forward", mutates_args=())
-def moe_forward(x: torch.Tensor, layer_id: int, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """bf16 [N, H] -> bf16 [N, H]: the MoE layer registered under `layer_id`, on torch's current stream."""
+def moe_forward(x: torch.Tensor, layer_id: int, token_ids: Optional[torch.Tensor] = None,
+                lora_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """bf16 [N, H] -> bf16 [N, H]: the MoE layer registered under `layer_id`, on torch's current stream;
+    `lora_ids` [N] int32: each row's adapter slot (-1 = base; the layer's set_lora fills the slots)."""
     layer = _layer(layer_id)
     out = torch.empty_like(x)
-    layer(x, out=out, token_ids=token_ids, stream=torch.cuda.current_stream(x.device).cuda_stream)
+    layer(x, out=out, token_ids=token_ids, lora_ids=lora_ids, stream=torch.cuda.current_stream(x.device).cuda_stream)
     return out
 
 
 @moe_forward.register_fake
-def _moe_forward_fake(x: torch.Tensor, layer_id: int, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _moe_forward_fake(x: torch.Tensor, layer_id: int, token_ids: Optional[torch.Tensor] = None,
+                      lora_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -75,8 +78,7 @@ def _moe_experts_fake(x: torch.Tensor, layer_id: int, topk_ids: torch.Tensor, to
 
 
 class MoeModule(torch.nn.Module):
-    """A MoeLayer as a torch module: forward(x [..., H] bf16, token_ids=None). `lora_ids` is refused
-    (LoraError): the op does not pass adapter ids yet; call MoeLayer.forward(..., lora_ids_ptr=...)."""
+    """A MoeLayer as a torch module: forward(x [..., H] bf16, token_ids=None, lora_ids=None)."""
 
     def __init__(self, layer: MoeLayer):
         super().__init__()
@@ -90,13 +92,15 @@ class MoeModule(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: Optional[torch.Tensor] = None,
                 lora_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if lora_ids is not None:
-            raise LoraError("MoeModule.forward(lora_ids=...): the torch op does not pass adapter ids yet; call "
-                            "MoeLayer.forward(..., lora_ids_ptr=...) with the ids' device pointer")
+        """x [..., H] bf16; token_ids and lora_ids (each row's adapter slot, -1 = base) one a row,
+        any integer dtype (int32 passed as it is)."""
         rows = x.reshape(-1, self.hidden_size)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        return torch.ops.cupymoe.moe_forward(rows, self.layer_id, token_ids).reshape(x.shape)
+        if lora_ids is not None and lora_ids.dtype != torch.int32:
+            lora_ids = lora_ids.to(torch.int32)
+        ids = None if lora_ids is None else lora_ids.reshape(-1).contiguous()
+        return torch.ops.cupymoe.moe_forward(rows, self.layer_id, token_ids, ids).reshape(x.shape)
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 shared_expert: Optional[bool] = None) -> torch.Tensor:

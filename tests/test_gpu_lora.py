@@ -310,3 +310,33 @@ def test_w8a8_layer_refuses_expert_adapters(rng):
         layer.set_lora(0, experts)
     assert 0 not in layer._lora.loaded
     layer.set_lora(0, random_lora(cfg, rng, rank=2, targets=[LoraTarget.ROUTER]))
+
+
+def test_the_torch_module_passes_lora_ids_bit_for_bit(rng):
+    """MoeModule(layer)(x, lora_ids=...) (any integer dtype) and the op under torch.cuda.graph give
+    the raw forward's bits."""
+    torch = pytest.importorskip("torch")
+    import cupymoe.torch as ct
+
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _layer(cfg, hw), _expert_adapters(cfg, rng)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    module = ct.MoeModule(layer)
+    n = 37
+    ids = _ids(rng, n)
+    x = separated_input(cfg, hw, rng, n, adapters, ids)
+    want = run(layer, x, ids)
+    xt = torch.from_numpy(bf16_bits(x).view(np.int16)).view(torch.bfloat16).cuda()
+    got = module(xt, lora_ids=torch.from_numpy(ids).long().cuda())
+    torch.cuda.synchronize()
+    assert np.array_equal(bits_to_f32(got.view(torch.int16).cpu().numpy().view(np.uint16)), want)
+    static_ids = torch.from_numpy(ids).cuda()
+    module(xt, lora_ids=static_ids)  # warm outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = module(xt, lora_ids=static_ids)
+    g.replay()
+    torch.cuda.synchronize()
+    assert np.array_equal(bits_to_f32(out.view(torch.int16).cpu().numpy().view(np.uint16)), want)

@@ -1,0 +1,22 @@
+"""CPU: the torch ops' schemas and fake implementations (what torch.compile traces), no GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def test_the_ops_take_token_and_lora_ids_and_fake_their_output():
+    import cupymoe.torch  # noqa: F401 (registers the ops)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    schema = str(torch.ops.cupymoe.moe_forward.default._schema)
+    assert "Tensor? token_ids=None" in schema and "Tensor? lora_ids=None" in schema, schema
+    assert "Tensor topk_ids" in str(torch.ops.cupymoe.moe_experts.default._schema)
+    with FakeTensorMode():
+        x = torch.empty(5, 64, dtype=torch.bfloat16)
+        ids = torch.empty(5, dtype=torch.int32)
+        y = torch.ops.cupymoe.moe_forward(x, 1, None, ids)
+        z = torch.ops.cupymoe.moe_experts(x, 1, torch.empty(5, 2, dtype=torch.int32), torch.empty(5, 2), None)
+    assert y.shape == z.shape == x.shape and y.dtype == x.dtype
