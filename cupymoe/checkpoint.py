@@ -636,10 +636,8 @@ def _on_host(parts: dict[str, Any]) -> dict[str, np.ndarray]:
     out = {}
     for p, a in parts.items():
         if _framework(a) == "cupy":
-            a = a.get()
-            if a.dtype == np.uint16:
-                a = a.view(BF16)
-            elif p in ("q", "scale") and a.dtype == U8:
+            a = _to_numpy(a)  # bf16 bits come back as bfloat16
+            if p in ("q", "scale") and a.dtype == U8:
                 a = a.view(E4M3)
         out[p] = a
     return out
