@@ -720,15 +720,22 @@ def time_host(layer, x, out, n: int, calls: int = HOST_CALLS) -> dict:
 def _host_mean(layer, args: tuple, s, calls: int) -> float:
     layer.forward(*args)  # the per-N lookup made once, as a server's first call of this N
     s.synchronize()
-    means = []  # of each batch: the median of them discounts batches another tenant of the host slowed
+    return round(host_us_per_call(lambda: layer.forward(*args), calls, s.synchronize), 2)
+
+
+def host_us_per_call(fn, calls: int, drain) -> float:
+    """µs a call of `fn` on the host: over `calls` calls in batches of HOST_BATCH (`drain()` between
+    batches, outside the timing), the median of the batch means (a batch another tenant of the
+    host slowed is discounted)."""
+    means = []
     for done in range(0, calls, HOST_BATCH):
         batch = min(HOST_BATCH, calls - done)
         t = time.perf_counter()
         for _ in range(batch):
-            layer.forward(*args)
+            fn()
         means.append((time.perf_counter() - t) / batch)
-        s.synchronize()
-    return round(float(np.median(means)) * 1e6, 2)
+        drain()
+    return float(np.median(means)) * 1e6
 
 
 def _layer_count(cfg: MoeConfig, fmt: str, tokens) -> int:

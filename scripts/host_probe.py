@@ -16,20 +16,7 @@ import time
 
 import numpy as np
 
-BATCH = 20
-
-
-def timed(fn, calls: int, drain) -> float:
-    """µs a call: the median over batches of the batch's mean (a batch another tenant slowed is discounted)."""
-    means = []
-    for done in range(0, calls, BATCH):
-        batch = min(BATCH, calls - done)
-        t = time.perf_counter_ns()
-        for _ in range(batch):
-            fn()
-        means.append((time.perf_counter_ns() - t) / batch)
-        drain()
-    return float(np.median(means)) / 1e3
+from cupymoe.bench import host_us_per_call as timed  # µs a call: the median of batch means
 
 
 def driver_costs(calls: int) -> dict:
