@@ -25,7 +25,7 @@ from .launch import CaptureStatus, Driver, PackedPlan
 from .layer_checks import (check_options, check_path, check_smem_fits, check_stream, check_token_limit, checked_call,
                            cupy_module, device_of, optional_pointer)
 from .parallel import Communicator, check_communicator, owned_experts
-from .plan import (PATH_NAMES, Buf, CallValue, DeviceFacts, ForwardPlan, error_text, LayerOptions, Path, Space,
+from .plan import (Buf, CallValue, DeviceFacts, ForwardPlan, LayerOptions, Path, Space, error_text,
                    choose_path, plan_layer)
 from .warmup import WarmupReport, warm_up
 from .weights import DeviceWeights, MemoryReport
@@ -33,7 +33,6 @@ from .workspace import GUARD_BYTES, ScratchView, Workspace, WorkspaceNeed, layer
 
 log = logging.getLogger(__name__)
 
-PATHS = PATH_NAMES
 _UNTRIED = object()  # a plan whose forward graph was not captured yet
 
 
