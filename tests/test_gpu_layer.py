@@ -285,7 +285,7 @@ def test_from_hf_with_a_tensor_mapping_matches_reference(tmp_path, rng):
 def test_refusals_name_the_values_and_write_nothing(rng):
     import cupy
 
-    from cupymoe.layer import MoeCallError, PathUnavailableError
+    from cupymoe import MoeCallError, PathUnavailableError
 
     cfg = testing.tiny_config("qwen3_moe")
     hw = testing.random_host_weights(cfg, rng)

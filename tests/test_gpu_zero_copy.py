@@ -4,6 +4,8 @@ output bit for bit the host-loaded layer's."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -85,6 +87,7 @@ def test_weights_from_torch_cuda_tensors(name, rng, monkeypatch):
 
     to_numpy = checkpoint._to_numpy
     monkeypatch.setattr(checkpoint, "_to_numpy", no_host)
+    gc.collect()  # an earlier test's garbage freed mid-build would lower torch's count
     torch_before, pool_before = torch.cuda.memory_allocated(), _pool_used()
     layer = MoeLayer.from_hf(config, on_gpu, prefix, max_tokens=16)
     torch_after, pool_after = torch.cuda.memory_allocated(), _pool_used()
