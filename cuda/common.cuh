@@ -45,9 +45,10 @@ __device__ __forceinline__ void pdl_leave_early() {
 #define ACT_GELU 1
 #define ACT_GELU_TANH 2
 #define ACT_SWIGLU_OAI 3
-// Not an activation: the LoRA plans' unfused gate/up stores g (alpha != 0) or u (alpha == 0)
-// before the activation, so the adapters' deltas can be added to them (cuda/lora.cu).
-#define ACT_SELECT 4
+// Not an activation: the LoRA plans' gate/up stores a row's g and u side by side, before the
+// activation (rows 2 I_max wide: g at column c, u at I_max + c), so the adapters' deltas can be
+// added to them (cuda/lora.cu) after one pass over the weights. Never passed to activation().
+#define ACT_PAIR 4
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -203,7 +204,6 @@ __device__ __forceinline__ float activation(float g, float u, float alpha, float
         const float c = 0.7978845608028654f;  // sqrt(2 / pi)
         return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * u;
     }
-    if (ACT == ACT_SELECT) return alpha != 0.0f ? g : u;
     if (ACT == ACT_SWIGLU_OAI) {
         g = fminf(g, limit);
         u = fminf(fmaxf(u, -limit), limit);
@@ -225,22 +225,41 @@ __device__ __forceinline__ float apply_activation(int act, float g, float u, flo
             return activation<ACT_GELU_TANH>(g, u, alpha, limit);
         case ACT_SWIGLU_OAI:
             return activation<ACT_SWIGLU_OAI>(g, u, alpha, limit);
-        case ACT_SELECT:
-            return activation<ACT_SELECT>(g, u, alpha, limit);
         default:
             return activation<ACT_SILU>(g, u, alpha, limit);
     }
 }
 
+// The store of a gate/up epilogue whose code is a run-time value: column c of position pos's
+// row (g, u with their scales and biases) as act(g, u) at out[pos I_max + c], or with ACT_PAIR
+// g and u, each in bf16, at out[2 pos I_max + c] and I_max columns further.
+__device__ __forceinline__ void store_gate_up(bf16* __restrict__ out, size_t pos, int c, int I_max, int act,
+                                              float g, float u, float alpha, float limit) {
+    if (act == ACT_PAIR) {
+        bf16* o = out + pos * (2 * (size_t)I_max) + c;
+        o[0] = __float2bfloat16(g);
+        o[I_max] = __float2bfloat16(u);
+        return;
+    }
+    out[pos * I_max + c] = __float2bfloat16(apply_activation(act, g, u, alpha, limit));
+}
+
 // Calls f(ActTag<ACT>{}) for the activation ACT that the launch-uniform code `act` names:
 // one switch, then f's body as straight code for that activation (f reads ACT as
-// decltype(tag)::value).
+// decltype(tag)::value). PAIR: the caller's f also serves ACT_PAIR (a LoRA-capable gate/up
+// epilogue); without it code ACT_PAIR runs the default, as the w8a8 kernels never get it.
 template <int A>
 struct ActTag {
     static constexpr int value = A;
 };
-template <class F>
+template <bool PAIR = false, class F>
 __device__ __forceinline__ void with_activation(int act, F&& f) {
+    if constexpr (PAIR) {
+        if (act == ACT_PAIR) {
+            f(ActTag<ACT_PAIR>{});
+            return;
+        }
+    }
     switch (act) {
         case ACT_GELU:
             f(ActTag<ACT_GELU>{});
@@ -250,9 +269,6 @@ __device__ __forceinline__ void with_activation(int act, F&& f) {
             return;
         case ACT_SWIGLU_OAI:
             f(ActTag<ACT_SWIGLU_OAI>{});
-            return;
-        case ACT_SELECT:
-            f(ActTag<ACT_SELECT>{});
             return;
         default:
             f(ActTag<ACT_SILU>{});

@@ -375,8 +375,7 @@ decode_gate_up(DECODE_GATE_UP_ARGS) {
                 if (lane == 0 && r0 + i < len && col < I) {
                     const float gb = g + (bg ? bg[col] : 0.0f);
                     const float ub = u + (bu ? bu[col] : 0.0f);
-                    act[(size_t)(start + r0 + i) * I_max + col] =
-                        __float2bfloat16(apply_activation(act_code, gb, ub, alpha, limit));
+                    store_gate_up(act, (size_t)(start + r0 + i), col, I_max, act_code, gb, ub, alpha, limit);
                 }
             }
     }

@@ -11,7 +11,7 @@
 // tensor-core kernels of a stage with one argument tuple, so they share one list.
 // gate/up: x (the shared expert's input) and xe (the routed experts'), the active lists,
 // per-slot weight / scale / global-scale / bias tables, each slot's format and width, and
-// act [positions, I_max] out. down: act in, the same tables, the routing weights, and y
+// act [positions, I_max] out ([positions, 2 I_max]: g and u, with act_code ACT_PAIR). down: act in, the same tables, the routing weights, and y
 // [positions, H] (or, atomic, acc [rows, H]) out.
 #define DECODE_GATE_UP_ARGS                                                                                     \
     const bf16 *__restrict__ x, const bf16 *__restrict__ xe, const int *__restrict__ num_active,                \

@@ -404,8 +404,9 @@ __device__ __forceinline__ void mma_pass(float (&c)[NC], const Frags& f, const R
 }
 
 // The gate/up epilogue of warp w's (ks == 0) sums c of pass r0 (gate c[i], up c[4 NT + i]):
-// act(gate, up) of each column and token in the run, bf16 into act[position, column].
-template <int NT, int KS>
+// act(gate, up) of each column and token in the run, bf16 into act[position, column]; PAIR
+// (not the w8a8 kernel, which quantizes act after): ACT_PAIR's g and u too (store_gate_up).
+template <int NT, int KS, bool PAIR>
 __device__ __forceinline__ void store_gate_up_act(const float (&c)[8 * NT], const Fp4Warp<KS>& w, int r0, int start,
                                                   int len, int I, int I_max, float gsg, float gsu, const float* bg,
                                                   const float* bu, bf16* __restrict__ act, int act_code, float alpha,
@@ -416,7 +417,10 @@ __device__ __forceinline__ void store_gate_up_act(const float (&c)[8 * NT], cons
         if (col < I && tok < len) {
             const float gv = c[i] * gsg + (bg ? bg[col] : 0.0f);
             const float uv = c[i + 4 * NT] * gsu + (bu ? bu[col] : 0.0f);
-            act[(size_t)(start + tok) * I_max + col] = __float2bfloat16(apply_activation(act_code, gv, uv, alpha, limit));
+            if (PAIR)
+                store_gate_up(act, (size_t)(start + tok), col, I_max, act_code, gv, uv, alpha, limit);
+            else
+                act[(size_t)(start + tok) * I_max + col] = __float2bfloat16(apply_activation(act_code, gv, uv, alpha, limit));
         }
     }
 }
@@ -452,8 +456,9 @@ __device__ __forceinline__ constexpr float mma_weight_unscale() { return FMT == 
 // j = blockIdx.y if its weights are of format FMT, its columns 16 DECODE_WARPS / KS from
 // blockIdx.x (none left: false), passes of 8 NT tokens over the expert's run, each Step
 // reading the rows fill_row(rows, t, slot, token row) gives it, and the bf16 activation
-// stored. `start`, `len`, `I`: the run and the expert's width, for what the kernel does next.
-template <int FMT, int KS, int NT, class Step, class FillRow>
+// stored (PAIR: store_gate_up_act's). `start`, `len`, `I`: the run and the expert's width, for
+// what the kernel does next.
+template <int FMT, int KS, int NT, bool PAIR, class Step, class FillRow>
 __device__ __forceinline__ bool gate_up_block(float* part, FillRow fill_row, int& start, int& len, int& I,
                                               DECODE_GATE_UP_ARGS) {
     const int j = blockIdx.y;
@@ -480,7 +485,7 @@ __device__ __forceinline__ bool gate_up_block(float* part, FillRow fill_row, int
         float c[8 * NT];  // gate c[i], up c[4 NT + i]
         mma_pass<Step, KS, 1>(c, f, rows, H, w);
         reduce_k_splits<KS>(c, part, w.cg, w.ks, w.lane);
-        if (w.ks == 0) store_gate_up_act<NT>(c, w, r0, start, len, I, I_max, gsg, gsu, bg, bu, act, act_code, alpha, limit);
+        if (w.ks == 0) store_gate_up_act<NT, KS, PAIR>(c, w, r0, start, len, I, I_max, gsg, gsu, bg, bu, act, act_code, alpha, limit);
     }
     return true;
 }
@@ -534,7 +539,7 @@ decode_mma_gate_up(DECODE_GATE_UP_ARGS) {
     __shared__ float part[KS > 1 ? DECODE_WARPS * 32 * 8 * NT : 1];
     pdl_wait_then_release_next();
     int start, len, I;
-    gate_up_block<FMT, KS, NT, MmaStep<FMT, NT, 2>>(
+    gate_up_block<FMT, KS, NT, true, MmaStep<FMT, NT, 2>>(
         part,
         [&](BfRows<NT>& rows, int t, int slot, size_t row) {
             rows.p[t] = (slot == shared_slot ? x : xe) + row * H;  // the shared expert reads x
@@ -667,7 +672,7 @@ decode_mma_gate_up_a8(DECODE_A8_GATE_UP_ARGS) {
     pdl_wait_then_release_next();
     const int KBH = (H + 127) >> 7;
     int start, len, I;
-    if (!gate_up_block<FMT_FP8, KS, NT, A8Step<NT, 2>>(
+    if (!gate_up_block<FMT_FP8, KS, NT, false, A8Step<NT, 2>>(
             part,
             [&](A8Rows<NT>& rows, int t, int slot, size_t row) {
                 const bool shared = slot == shared_slot;  // the shared expert reads x

@@ -432,7 +432,7 @@ __global__ void __launch_bounds__(WF_THREADS, WF_MIN_BLOCKS(NTOK)) decode_wgmma_
             if (t < len) {  // col < I: I is a multiple of 64
                 const float gv = acc[0][i] * gsg + (bg ? bg[col] : 0.0f);
                 const float uv = acc[1][i] * gsu + (bu ? bu[col] : 0.0f);
-                act[(size_t)(start + t) * I_max + col] = __float2bfloat16(apply_activation(act_code, gv, uv, alpha, limit));
+                store_gate_up(act, (size_t)(start + t), col, I_max, act_code, gv, uv, alpha, limit);
             }
         }
     }

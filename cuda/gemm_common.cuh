@@ -5,7 +5,7 @@
 #include "common.cuh"
 #include "quant.cuh"
 
-#define MODE_GATE_UP 0  // act[pos, :I] = act(x[row] W_gate^T + b, x[row] W_up^T + b), bf16
+#define MODE_GATE_UP 0  // act[pos, :I] = act(x[row] W_gate^T + b, x[row] W_up^T + b), bf16 (ACT_PAIR: g, u)
 #define MODE_DOWN 1     // yw[pos, :H] = bf16(w_pair * (act[pos] W_down^T + b)), weighted in fp32
 #define MODE_ROUTER 2   // one dense GEMM: logits[N, R] fp32 = x W_router^T (+ bias)
 
@@ -322,11 +322,10 @@ struct StageLoader {
     }
 };
 
-// The activations ACT of two adjacent columns c, c + 1 (of the tile's BN / 2 per matrix) in
-// fp32: global scales, biases, the activation function. Needs t.n0 + c < t.ncols.
-template <int ACT>
-__device__ __forceinline__ float2 gate_up_pair(const GemmTile& t, int c, float g0, float g1, float u0, float u1,
-                                               GEMM_ARGS) {
+// The pre-activation g, u of two adjacent columns c, c + 1 (of the tile's BN / 2 per matrix)
+// in fp32, in place: global scales, then biases. Needs t.n0 + c < t.ncols.
+__device__ __forceinline__ void gate_up_scaled(const GemmTile& t, int c, float& g0, float& g1, float& u0, float& u1,
+                                               const u64* __restrict__ b0_ptrs, const u64* __restrict__ b1_ptrs) {
     const int col = t.n0 + c;
     g0 *= t.g0;  // the matrices' global scales (1 but for nvfp4), before the biases
     g1 *= t.g0;
@@ -342,15 +341,30 @@ __device__ __forceinline__ float2 gate_up_pair(const GemmTile& t, int c, float g
         u0 += bu[col];
         u1 += bu[col + 1];
     }
+}
+
+// The activations ACT of those two columns in fp32 (gate_up_scaled, then the function).
+template <int ACT>
+__device__ __forceinline__ float2 gate_up_pair(const GemmTile& t, int c, float g0, float g1, float u0, float u1,
+                                               GEMM_ARGS) {
+    gate_up_scaled(t, c, g0, g1, u0, u1, b0_ptrs, b1_ptrs);
     return make_float2(activation<ACT>(g0, u0, alpha, limit), activation<ACT>(g1, u1, alpha, limit));
 }
 
 // Gate/up epilogue for one row r of the tile and two adjacent columns c, c + 1: the
-// activations ACT, bf16 store into act[pos, :].
+// activations ACT, bf16 store into act[pos, :]; ACT_PAIR: g and u in bf16 into the row's two
+// halves (out [P, 2 I_max], the LoRA plans' scratch).
 template <int ACT>
 __device__ __forceinline__ void emit_gate_up(const GemmTile& t, int r, int c, float g0, float g1, float u0,
                                              float u1, GEMM_ARGS) {
     if (r >= t.rows || t.n0 + c >= t.ncols) return;
+    if (ACT == ACT_PAIR) {
+        gate_up_scaled(t, c, g0, g1, u0, u1, b0_ptrs, b1_ptrs);
+        bf16* o = reinterpret_cast<bf16*>(out) + (size_t)(t.pos0 + r) * (2 * I_max) + t.n0 + c;
+        *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(g0, g1);
+        *reinterpret_cast<__nv_bfloat162*>(o + I_max) = __floats2bfloat162_rn(u0, u1);
+        return;
+    }
     const float2 a = gate_up_pair<ACT>(t, c, g0, g1, u0, u1, GEMM_ARG_NAMES);
     *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)(t.pos0 + r) * I_max + t.n0 + c) =
         __floats2bfloat162_rn(a.x, a.y);
@@ -443,7 +457,8 @@ __device__ __forceinline__ void emit_wgmma_gate_up(const GemmTile& t, const floa
     const int t4 = fr.t4, r = fr.r;
     const bool(&ok)[2] = fr.ok;
     constexpr int JB = BN / 8;
-    bf16* dst = reinterpret_cast<bf16*>(out) + (size_t)(t.pos0 + r) * I_max + t.n0;
+    const size_t stride = ACT == ACT_PAIR ? 2 * (size_t)I_max : (size_t)I_max;  // ACT_PAIR: g, then u, a row
+    bf16* dst = reinterpret_cast<bf16*>(out) + (size_t)(t.pos0 + r) * stride + t.n0;
     const float* bg = reinterpret_cast<const float*>(b0_ptrs[t.slot]);
     const float* bu = reinterpret_cast<const float*>(b1_ptrs[t.slot]);
 #pragma unroll
@@ -466,8 +481,14 @@ __device__ __forceinline__ void emit_wgmma_gate_up(const GemmTile& t, const floa
                 u0 += e.x;
                 u1 += e.y;
             }
-            *reinterpret_cast<__nv_bfloat162*>(dst + (size_t)h * 8 * I_max + c) = __floats2bfloat162_rn(
-                activation<ACT>(g0, u0, alpha, limit), activation<ACT>(g1, u1, alpha, limit));
+            bf16* o = dst + (size_t)h * 8 * stride + c;
+            if (ACT == ACT_PAIR) {
+                *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(g0, g1);
+                *reinterpret_cast<__nv_bfloat162*>(o + I_max) = __floats2bfloat162_rn(u0, u1);
+            } else {
+                *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(activation<ACT>(g0, u0, alpha, limit),
+                                                                              activation<ACT>(g1, u1, alpha, limit));
+            }
         }
     }
 }
@@ -586,7 +607,7 @@ __device__ __forceinline__ void emit_wgmma_down_staged(const GemmTile& t, const 
 template <int MODE, int BN>
 __device__ __forceinline__ void emit_wgmma_rows(const GemmTile& t, const float* d, int row0, GEMM_ARGS) {
     if (MODE == MODE_GATE_UP) {
-        with_activation(act_code, [&](auto act) {
+        with_activation<true>(act_code, [&](auto act) {  // ACT_PAIR too: LoRA's gate/up
             emit_wgmma_gate_up<decltype(act)::value, BN>(t, d, row0, GEMM_ARG_NAMES);
         });
     } else {

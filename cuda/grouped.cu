@@ -293,7 +293,7 @@ grouped_gemm(GEMM_ARGS) {
     // once (with_activation), not per element.
     const int g = lane >> 2, t4 = lane & 3;
     if (MODE == MODE_GATE_UP) {
-        with_activation(act_code, [&](auto act) {
+        with_activation<true>(act_code, [&](auto act) {  // ACT_PAIR too: LoRA's gate/up
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll

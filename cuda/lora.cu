@@ -1,7 +1,7 @@
 // LoRA (DESIGN.md section 1, step 7; cupymoe/lora_slots.py owns the buffers): the router's
 // delta, added to the logits between the router and the routing stage, so it can change the
 // routing; the routed and shared experts' deltas, added per (row, expert) pair to the
-// pre-activation g, u the LoRA plans' unfused gate/up stores (ACT_SELECT) and to the
+// pre-activation g, u the LoRA plans' gate/up stores side by side (ACT_PAIR) and to the
 // expert's output before the routing weight (DESIGN.md section 9).
 #include "common.cuh"
 
@@ -86,18 +86,18 @@ __device__ __forceinline__ float lora_expand(const bf16* __restrict__ b, const f
 }
 
 // grid (N k + N has_shared), block LORA_THREADS, 2 max_rank floats of shared memory.
-// act holds the pair's g and u_pre its u (both bf16, stored by gate/up with ACT_SELECT); this
-// adds each adapter's gate / up delta (rows with an adapter) and writes act = act(g, u) in bf16
-// for every pair the gate/up stored, with or without an adapter. Slots: A [K, S, max_rank, H],
-// B [K, S, I_max, max_rank] bf16 (S = n_local + 1 table slots), scale [K, S, 3] fp32 (gate,
-// up, down); zeros past an adapter's rank and for modules it does not name. A pair reads its
-// own row only (row_invariant holds).
+// gu [positions, 2 I_max] holds the pair's g and u (bf16, stored in one pass by gate/up with
+// ACT_PAIR: g at column c, u at I_max + c); this adds each adapter's gate / up delta (rows with
+// an adapter) and writes act = act(g, u) in bf16 for every pair the gate/up stored, with or
+// without an adapter. Slots: A [K, S, max_rank, H], B [K, S, I_max, max_rank] bf16 (S =
+// n_local + 1 table slots), scale [K, S, 3] fp32 (gate, up, down); zeros past an adapter's
+// rank and for modules it does not name. A pair reads its own row only (row_invariant holds).
 __global__ void __launch_bounds__(LORA_THREADS)
 lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
                  const int* __restrict__ ids, const int* __restrict__ pair_pos, const int* __restrict__ slot_of,
                  const int* __restrict__ inter, const bf16* __restrict__ gate_a, const bf16* __restrict__ gate_b,
                  const bf16* __restrict__ up_a, const bf16* __restrict__ up_b, const float* __restrict__ scale,
-                 bf16* __restrict__ act, const bf16* __restrict__ u_pre, int N, int k, int H, int I_max,
+                 const bf16* __restrict__ gu, bf16* __restrict__ act, int N, int k, int H, int I_max,
                  int n_local, int max_rank, int max_loras, int act_code, float alpha, float limit) {
     extern __shared__ float t[];  // [2 max_rank]: gate's, then up's
     const LoraPair pr = lora_pair(blockIdx.x, N, k, ids, pair_pos, slot_of, n_local);
@@ -112,10 +112,10 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
         lora_shrink(t + max_rank, up_a + ks * max_rank * H, in, H, H, max_rank, scale[ks * 3 + 1]);
     }
     __syncthreads();
+    const bf16* gr = gu + (size_t)pr.pos * 2 * I_max;  // g, then u at I_max
     bf16* ar = act + (size_t)pr.pos * I_max;
-    const bf16* ur = u_pre + (size_t)pr.pos * I_max;
     for (int c = threadIdx.x; c < I; c += blockDim.x) {
-        float g = __bfloat162float(ar[c]), u = __bfloat162float(ur[c]);
+        float g = __bfloat162float(gr[c]), u = __bfloat162float(gr[I_max + c]);
         if (on) {
             g += lora_expand(gate_b + ks * I_max * max_rank, t, c, max_rank);
             u += lora_expand(up_b + ks * I_max * max_rank, t + max_rank, c, max_rank);

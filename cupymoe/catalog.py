@@ -47,7 +47,7 @@ class Activation(enum.IntEnum):  # cuda/common.cuh ACT_*
     GELU = 1
     GELU_TANH = 2
     SWIGLU_OAI = 3
-    SELECT = 4  # not a config's: the LoRA plans' unfused gate/up stores g (alpha 1) or u (alpha 0)
+    PAIR = 4  # not a config's: the LoRA plans' gate/up stores g and u side by side (rows 2 I_max wide)
 
 
 class LoraDownMode(enum.IntEnum):  # cuda/lora.cu LORA_DOWN_*: where lora_down_delta adds

@@ -142,7 +142,7 @@ class LoraShape:
 
 
 LORA_THREADS = 256  # cuda/lora.cu
-LORA_U = "lora_u"  # the LoRA plans' pre-activation u (bf16, like act; g goes to act itself)
+LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16 (ACT_PAIR)
 
 
 def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
@@ -165,9 +165,9 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
 
 
 def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> list:
-    """The experts' deltas: each gate/up GEMM launched twice with ACT_SELECT (g into act, u into
-    lora_u: the fused activation leaves no hook), then lora_gate_up_act (the gate / up deltas
-    and the activation), and lora_down_delta after the down GEMMs, before the reduce. The new
+    """The experts' deltas: each gate/up GEMM launched once with ACT_PAIR (g and u into lora_gu:
+    the fused activation leaves no hook), then lora_gate_up_act (the gate / up deltas and the
+    activation into act), and lora_down_delta after the down GEMMs, before the reduce. The new
     launches go plainly (they wait for every kernel before them); the rest keep their flags."""
     if lp.w8a8:  # the w8a8 gate/up quantizes the activation in its epilogue, before any delta
         raise LoraError("LoRA on the experts with fp8_compute='w8a8' is not implemented; build the layer with "
@@ -175,7 +175,7 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
     out: list = []
     for s in steps:
         if isinstance(s, Launch) and s.stage == Stage.GATE_UP and any(a.name == "act_code" for a in s.args):
-            out += [_select(s, 1.0, None), _select(s, 0.0, S(LORA_U))]
+            out.append(_pair(s))
         else:
             out.append(s)
     gate_up_act, down = _expert_delta_launches(plan, lp, lora)
@@ -184,16 +184,14 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
     return out
 
 
-def _select(launch: Launch, alpha: float, out: Optional[Buf]) -> Launch:
-    """`launch` (a gate/up GEMM) storing g (alpha 1) or u (alpha 0) instead of act(g, u); `out`:
-    where to (the output argument is "act" on decode, "out" on the grouped GEMMs)."""
+def _pair(launch: Launch) -> Launch:
+    """`launch` (a gate/up GEMM) storing g and u into lora_gu instead of act(g, u) into act (the
+    output argument is "act" on decode, "out" on the grouped GEMMs)."""
     def arg(a: Arg) -> Arg:
         if a.name == "act_code":
-            return replace(a, value=int(Activation.SELECT))
-        if a.name == "alpha":
-            return replace(a, value=alpha)
-        if out is not None and a.name in ("act", "out"):
-            return replace(a, value=out)
+            return replace(a, value=int(Activation.PAIR))
+        if a.name in ("act", "out"):
+            return replace(a, value=S(LORA_GU))
         return a
     return replace(launch, args=tuple(arg(a) for a in launch.args))
 
@@ -212,7 +210,7 @@ def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) ->
     gate_up = Launch(Stage.GATE_UP, "lora_gate_up_act", (pairs,), (LORA_THREADS,),
                      (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X), *where,
                       *(L(f"{p}_{m}") for p in ("gate", "up") for m in "ab"), L("scale"),
-                      u64("act", S("act")), u64("u_pre", S(LORA_U)), *sizes,
+                      u64("gu", S(LORA_GU)), u64("act", S("act")), *sizes,
                       i32("act_code", Activation[cfg.hidden_act.upper()]), f32("alpha", cfg.swiglu_alpha),
                       f32("limit", cfg.swiglu_limit)), 2 * lora.max_rank * 4)
     mode = {Path.DECODE: LoraDownMode.DECODE, Path.ATOMIC: LoraDownMode.ATOMIC,

@@ -398,7 +398,7 @@ def _ffn(cfg: MoeConfig, x: np.ndarray, gate: Any, up: Any, down: Any,
     bg, bu, bd = biases
     if bg is not None:
         g, u = g + bg, u + bu
-    if lora_plan and rounding:  # the LoRA plans' gate/up stores g and u (ACT_SELECT)
+    if lora_plan and rounding:  # the LoRA plans' gate/up stores g and u in bf16 (ACT_PAIR)
         g, u = _bf16(g), _bf16(u)
     if lora is not None:
         g, u = _plus(g, lora("gate", x_in)), _plus(u, lora("up", x_in))

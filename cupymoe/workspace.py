@@ -175,7 +175,7 @@ def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, dec
     the expert input and of the activation with their scales a 128 columns; `w8a8_shared_x`: x's
     too (an fp8 shared expert behind a pre-expert norm); `gathered_inputs`: xg, the expert
     inputs in sorted order (the TMA GEMM's gate/up A); `guard`: red zones (plan_scratch);
-    `lora_experts`: lora_u, the LoRA plans' pre-activation u (their g goes to act itself)."""
+    `lora_experts`: lora_gu, the LoRA plans' pre-activation g and u, a row 2 i_max wide."""
     T, k, H, R = max_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.router_width
     sh = 1 if cfg.has_shared_expert else 0
     P = T * k + sh * T  # expert positions: every routed pair, plus one shared row a token
@@ -216,7 +216,7 @@ def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, dec
         BufferSpec("sact", P * kb_i * 4 if w8a8 else 0, "gate_up", "down"),
     ]
     if lora_experts:  # last, so a layer's other buffers sit where they would without it
-        buffers.append(BufferSpec("lora_u", P * i_max * 2, "gate_up", "gate_up"))
+        buffers.append(BufferSpec("lora_gu", P * 2 * i_max * 2, "gate_up", "gate_up"))
     # logits die once top-k has read them, act is born at gate_up; xg dies in gate_up, yw is born in down
     return plan_scratch(STAGES, buffers, [("logits", "act"), ("xg", "yw")], guard)
 

@@ -1,7 +1,9 @@
 """The LoRA plans' cost model (benchmarks/DECISIONS.md, "LoRA: what the plans cost"): per issue
 cell, the extra launches (counted from the CPU plans), the second gate/up pass's weight bytes,
-the adapters' bytes, the per-pair kernels' scalar loads, and the predicted overhead now and
-after each proposed change. No GPU; base times and gate/up shares are the measured ones quoted.
+the adapters' bytes, the per-pair kernels' scalar loads, and the predicted overhead with two
+gate/up passes (ACT_SELECT, before ACT_PAIR), with one (ACT_PAIR) and after each further
+proposed change; the plans say how many passes this tree makes. No GPU; base times and gate/up
+shares are the measured ones quoted.
 
     PYTHONPATH=$PWD python scripts/lora_cost.py
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 from cupymoe.bench import expected_touched, expert_bytes, preset_config
 from cupymoe.forward_plan import LoraShape, build_forward_plan
 from cupymoe.knobs import Knobs
-from cupymoe.plan import DeviceFacts, LayerOptions, Path, choose_path, plan_layer
+from cupymoe.plan import DeviceFacts, LayerOptions, Path, Stage, choose_path, plan_layer
 
 K, R = 4, 16
 COPY = 4.26e12  # B/s, the steady copy ceiling
@@ -34,6 +36,12 @@ def pair_loads(cfg, pairs: int) -> float:
     return pairs * (gate_up + down)
 
 
+def gate_up_gemms(plan) -> int:
+    """The plan's gate/up GEMM launches (those with an activation code; not lora_gate_up_act)."""
+    return sum(1 for s in plan.steps if getattr(s, "stage", None) == Stage.GATE_UP
+               and s.kernel != "lora_gate_up_act" and any(a.name == "act_code" for a in s.args))
+
+
 def cell(shape: str, fmt: str, n: int) -> dict:
     cfg = preset_config(shape, routed_only=True)
     dev = DeviceFacts.h200()
@@ -50,27 +58,31 @@ def cell(shape: str, fmt: str, n: int) -> dict:
     second = GATE_UP_SHARE[n] * b
     stores = 2 * n * k * I * 2 * 2 / COPY * 1e6  # g and u written and read back (bf16)
     pairs_us = max(pair_loads(cfg, n * k) / LOADS * 1e6, adapter_bytes / COPY * 1e6)
+    passes = gate_up_gemms(lora) // gate_up_gemms(base)  # 1 with ACT_PAIR, 2 with ACT_SELECT
     gaps = (len(lora.steps) - len(base.steps)) * GAP_US
-    now = second + stores + pairs_us + gaps
-    one_pass = now - second - GAP_US  # the second gate/up launch goes too
-    sgmv = stores + adapter_bytes / COPY * 1e6 + 2 * n * k * R * (4 * H + 2 * I) / 600e12 * 1e6 + gaps - GAP_US
+    gaps_one = gaps - (passes - 1) * GAP_US  # the one-pass plan's extra launches
+    now = (passes - 1) * second + stores + pairs_us + gaps
+    two_pass = now + (2 - passes) * (second + GAP_US)  # the second pass: its weights and its launch
+    one_pass = now - (passes - 1) * (second + GAP_US)
+    sgmv = stores + adapter_bytes / COPY * 1e6 + 2 * n * k * R * (4 * H + 2 * I) / 600e12 * 1e6 + gaps_one
     # a shrink launch before gate/up and one before down, under PDL (~1 µs each), nothing else
     fused = adapter_bytes / COPY * 1e6 + 2 * n * k * R * (4 * H + 2 * I) / 600e12 * 1e6 + 2 * 1.0
     return dict(shape=shape, fmt=fmt, n=n, path=path.value, launches=len(lora.steps) - len(base.steps),
-                gu_GB=gu_bytes / 1e9, adapter_MB=adapter_bytes / 1e6, loads_G=pair_loads(cfg, n * k) / 1e9,
-                base=b, now=100 * now / b, one_pass=100 * one_pass / b, sgmv=100 * sgmv / b, fused=100 * fused / b)
+                passes=passes, gu_GB=gu_bytes / 1e9, adapter_MB=adapter_bytes / 1e6,
+                loads_G=pair_loads(cfg, n * k) / 1e9, base=b, two_pass=100 * two_pass / b,
+                one_pass=100 * one_pass / b, sgmv=100 * sgmv / b, fused=100 * fused / b)
 
 
 def main() -> None:
-    print("| preset | fmt | N | path | +launches | 2nd gate/up GB | adapter MB | pair loads G | base µs "
-          "| now % | one pass % | + grouped shrink/expand % | + expand in the GEMM, router delta fused, PDL % |")
+    print("| preset | fmt | N | path | +launches (this tree) | 2nd gate/up GB | adapter MB | pair loads G | base µs "
+          "| two passes % | one pass % | + grouped shrink/expand % | + expand in the GEMM, router delta fused, PDL % |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for shape in ("qwen3-30b-a3b", "deepseek-v3"):
         for fmt in ("bf16", "fp8_block"):
             for n in (1, 64, 1024, 4096):
                 c = cell(shape, fmt, n)
                 print(f"| {shape} | {fmt} | {n} | {c['path']} | {c['launches']} | {c['gu_GB']:.2f} | "
-                      f"{c['adapter_MB']:.0f} | {c['loads_G']:.2f} | {c['base']:.0f} | {c['now']:.0f} | "
+                      f"{c['adapter_MB']:.0f} | {c['loads_G']:.2f} | {c['base']:.0f} | {c['two_pass']:.0f} | "
                       f"{c['one_pass']:.0f} | {c['sgmv']:.0f} | {c['fused']:.0f} |")
 
 

@@ -298,6 +298,32 @@ def test_expert_deltas_every_path(family, fmt, rng):
     layer.check_errors()
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_expert_deltas_fp4_wgmma_decode(fmt, rng, monkeypatch):
+    """The tiny configs' K are no multiples of 128, so their fp4 decode never runs
+    decode_wgmma_fp4.cu: its gate/up epilogue's g and u stores (ACT_PAIR) are judged here, at
+    H = 256, I = 128 with the knob forcing it, in 8-row (N = 1, 5) and 16-row passes (N = 37)."""
+    from cupymoe.forward_plan import LoraShape, build_forward_plan
+    from cupymoe.plan import Path
+
+    monkeypatch.setenv("CUPYMOE_FP4_DECODE", "wgmma")
+    cfg = testing.tiny_config("qwen3_moe", hidden_size=256, moe_intermediate_size=128)
+    hw = testing.random_host_weights(cfg, rng, fmt)
+    layer, adapters = _layer(cfg, hw), _expert_adapters(cfg, rng)
+    if not layer.plan.fp4_wgmma_ok:
+        pytest.skip("decode_wgmma_fp4.cu needs sm_90a")
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    for n in (1, 5, 37):
+        plan = build_forward_plan(layer.plan, layer.device, n, Path.DECODE, lora=LoraShape(K, RMAX, True)).at(n)
+        assert any(getattr(s, "kernel", "").startswith("decode_wgmma_gate_up_fp4<") for s in plan.steps), n
+        ids = _ids(rng, n)
+        x = separated_input(cfg, hw, rng, n, adapters, ids)
+        judge(run(layer, x, ids, "decode"), cfg, hw, x, ids, adapters, layer.select_path(n, "decode"),
+              f"wgmma {fmt} decode N={n}", layer)
+    layer.check_errors()
+
+
 def test_w8a8_layer_refuses_expert_adapters(rng):
     """fp8 w8a8 quantizes the activation inside gate/up: its layers serve router adapters only and
     refuse an expert module by name, before anything is copied."""

@@ -2,8 +2,9 @@
 
 A LoRA plan is the base plan with one launch more, `lora_router_delta`, right after the
 router and before the routing stage reads the logits; with the experts' deltas (every layer
-but a w8a8 one), each gate/up GEMM runs twice storing g and u (ACT_SELECT), then
-lora_gate_up_act, and lora_down_delta before the reduce; everything else is the base plan's.
+but a w8a8 one), each gate/up GEMM runs once storing g and u side by side (ACT_PAIR, into
+lora_gu), then lora_gate_up_act, and lora_down_delta before the reduce; everything else is the
+base plan's.
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ def _gate_up_gemms(plan):
 @pytest.mark.parametrize("family, fmt", [(f, "bf16") for f in testing.FAMILIES] +
                          [("qwen3_moe", "nvfp4"), ("gpt_oss", "mxfp4"), ("qwen2_moe", "fp8_block")])
 def test_expert_lora_plan(family, fmt, dev):
-    """The experts' LoRA plan: each gate/up GEMM twice with ACT_SELECT (g into act, u into
-    lora_u), lora_gate_up_act after the last, lora_down_delta right before the reduce, every
-    other launch the router-LoRA plan's own, in order."""
+    """The experts' LoRA plan: each gate/up GEMM once, with ACT_PAIR (g and u into lora_gu),
+    lora_gate_up_act after the last (lora_gu in, act out), lora_down_delta right before the
+    reduce, every other launch the router-LoRA plan's own, in order."""
     cfg = testing.tiny_config(family)
     lp = plan_layer(cfg, fmt, "bf16" if cfg.has_shared_expert else None, dev.arch,
                     options=LayerOptions(decode_max_tokens=64, fp8_compute="w8a16"), knobs=Knobs())
@@ -78,15 +79,14 @@ def test_expert_lora_plan(family, fmt, dev):
         router_only = build_forward_plan(lp, dev, n, path, lora=SHAPE).at(n)
         plan = build_forward_plan(lp, dev, n, path, lora=EXPERTS).at(n)
         base_gemms, gemms = _gate_up_gemms(router_only), _gate_up_gemms(plan)
-        assert len(gemms) == 2 * len(base_gemms) >= 2
-        for b, g, u in zip(base_gemms, gemms[::2], gemms[1::2]):
+        assert len(gemms) == len(base_gemms) >= 1
+        for b, g in zip(base_gemms, gemms):
             out = "act" if b.kernel.startswith("decode") else "out"
-            assert g.arg("act_code") == u.arg("act_code") == Activation.SELECT
-            assert (g.arg("alpha"), u.arg("alpha")) == (1.0, 0.0)
-            assert g.arg(out) == b.arg(out) == Buf(Space.SCRATCH, "act") and u.arg(out) == Buf(Space.SCRATCH, "lora_u")
-            assert [a for a in g.args if a.name not in ("act_code", "alpha")] == \
-                [a for a in b.args if a.name not in ("act_code", "alpha")]
-            assert (g.kernel, g.grid, g.pdl) == (u.kernel, u.grid, u.pdl) == (b.kernel, b.grid, b.pdl)
+            assert g.arg("act_code") == Activation.PAIR and b.arg("act_code") != Activation.PAIR
+            assert b.arg(out) == Buf(Space.SCRATCH, "act") and g.arg(out) == Buf(Space.SCRATCH, "lora_gu")
+            assert [a for a in g.args if a.name not in ("act_code", out)] == \
+                [a for a in b.args if a.name not in ("act_code", out)]
+            assert (g.kernel, g.grid, g.pdl, g.smem) == (b.kernel, b.grid, b.pdl, b.smem)
         kinds = [getattr(s, "kernel", None) for s in plan.steps]
         ga, dd = kinds.index("lora_gate_up_act"), kinds.index("lora_down_delta")
         assert plan.steps[ga - 1].stage == Stage.GATE_UP and plan.steps[ga + 1].stage != Stage.GATE_UP
@@ -96,6 +96,8 @@ def test_expert_lora_plan(family, fmt, dev):
             assert s.kernel in names and not s.pdl and s.grid == (n * (cfg.num_experts_per_tok + sh),)
             assert s.arg("lora_ids") == CallValue.LORA_IDS and s.arg("N") == n and s.arg("max_rank") == 16
         assert plan.steps[dd].arg("mode") == mode[path] and plan.steps[ga].smem == 2 * 16 * 4
+        assert plan.steps[ga].arg("gu") == Buf(Space.SCRATCH, "lora_gu")
+        assert plan.steps[ga].arg("act") == plan.steps[dd].arg("act") == Buf(Space.SCRATCH, "act")
         others = [s for s in plan.steps if s not in gemms and getattr(s, "kernel", "") not in
                   ("lora_gate_up_act", "lora_down_delta")]
         assert others == [s for s in router_only.steps if s not in base_gemms]
@@ -111,11 +113,13 @@ def test_expert_lora_plan_refuses_w8a8():
     build_forward_plan(lp, H200, 4, Path.DECODE, lora=SHAPE)  # router-only adapters still run
 
 
-def test_lora_u_scratch_only_with_expert_lora():
+def test_lora_gu_scratch_only_with_expert_lora():
+    """lora_gu holds a position's g and u (2 i_max bf16) for every routed and shared position,
+    after every base buffer, so the base placements stay where they were."""
     cfg = testing.tiny_config("qwen2_moe")
     lp = plan_layer(cfg, "bf16", "bf16", "sm_90a", knobs=Knobs())
     base, _ = layer_need(lp, 300)
-    with_u, _ = layer_need(lp, 300, lora_experts=True)
-    assert "lora_u" not in base.placements
-    assert {k: v for k, v in with_u.placements.items() if k != "lora_u"} == base.placements
-    assert with_u.placements["lora_u"].nbytes == 300 * (cfg.num_experts_per_tok + 1) * lp.i_max * 2
+    with_gu, _ = layer_need(lp, 300, lora_experts=True)
+    assert "lora_gu" not in base.placements and "lora_u" not in with_gu.placements
+    assert {k: v for k, v in with_gu.placements.items() if k != "lora_gu"} == base.placements
+    assert with_gu.placements["lora_gu"].nbytes == 300 * (cfg.num_experts_per_tok + 1) * 2 * lp.i_max * 2
