@@ -339,7 +339,7 @@ def random_lora(cfg: MoeConfig, rng: np.random.Generator, rank: int = 4, *, laye
     shapes, s = _in_out(cfg), lora_scale(alpha, rank, False)
     bf16_exact = lambda a: a.astype(np.float32).astype(BF16).astype(np.float32)  # noqa: E731
     modules = {}
-    for name, key in module_names(cfg, layer_idx).items():
+    for name, key in _names_or_keys(cfg, layer_idx).items():
         if key.target not in want or (key.expert is not None and chosen is not None and key.expert not in chosen):
             continue
         inn, out = shapes[key.target]
@@ -348,6 +348,19 @@ def random_lora(cfg: MoeConfig, rng: np.random.Generator, rank: int = 4, *, laye
         b = np.zeros((out, rank), np.float32) if zero_b else bf16_exact(b)
         modules[key] = LoraModule(name, a, b, s)
     return LoraWeights(modules, source="random_lora")
+
+
+def _names_or_keys(cfg: MoeConfig, layer_idx: int) -> dict[str, LoraKey]:
+    """module_names, or for a config of no hub family (a bench preset) each module's key as its name."""
+    from .checkpoint import NAMING
+
+    if cfg.model_type in NAMING:
+        return module_names(cfg, layer_idx)
+    keys = [LoraKey(LoraTarget.ROUTER)]
+    keys += [LoraKey(t, e) for e in range(cfg.num_experts) for t in (LoraTarget.GATE, LoraTarget.UP, LoraTarget.DOWN)]
+    if cfg.has_shared_expert:
+        keys += [LoraKey(t) for t in (LoraTarget.SHARED_GATE, LoraTarget.SHARED_UP, LoraTarget.SHARED_DOWN)]
+    return {f"{k.target.value}" + ("" if k.expert is None else f".{k.expert}"): k for k in keys}
 
 
 def round_robin_ids(n: int, k: int) -> np.ndarray:

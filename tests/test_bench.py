@@ -425,3 +425,14 @@ def test_lora_meta_says_how_and_which_fp8_compute():
     row = dict(format="bf16", N=64, us=100.0, floor_us=50.0, pct_of_floor=50.0, TBps=1.0, TFLOPs=1.0, touched=9,
                lora_us=110.0, base_us=100.0, overhead_pct=10.0)
     assert "LoRA 110.0 us (+10.0% over 100.0)" in bench.format_row(row)
+
+
+@pytest.mark.parametrize("preset", sorted(bench.PRESETS))
+def test_random_lora_serves_every_preset(preset):
+    """A preset's model_type is its own name, no hub family: the adapter keys each module by target."""
+    from cupymoe.lora import LoraTarget, random_lora
+
+    cfg = bench.preset_config(preset)
+    lw = random_lora(cfg, np.random.default_rng(0), 2)
+    assert lw.targets == {LoraTarget.ROUTER, LoraTarget.GATE, LoraTarget.UP, LoraTarget.DOWN}
+    assert sum(k.target.per_expert for k in lw.modules) == 3 * cfg.num_experts
