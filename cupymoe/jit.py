@@ -100,6 +100,9 @@ def _modules() -> dict[str, ModuleSpec]:
         "decode_wgmma_a8": ModuleSpec(
             "decode_wgmma_a8.cu", tuple(f"decode_wgmma_{m}_a8<{nt}>" for m in ("gate_up", "down")
                                         for nt in C.WGMMA_DECODE_TOKEN_TILES), archs=hopper),
+        "decode_swapab_sm90": ModuleSpec(
+            "decode_swapab_sm90.cu", tuple(f"decode_swapab_{m}<{nt}>" for m in ("gate_up", "down")
+                                           for nt in C.SWAPAB_TOKEN_TILES), archs=hopper),
         "repack": ModuleSpec("repack.cu", ("fp4_repack_words",)),  # the fp4 device layout, made at load
         "lora": ModuleSpec("lora.cu", ("lora_router_delta", "lora_gate_up_act", "lora_down_delta")),  # LoRA (lora_slots.py)
         "decode_wgmma_fp4": ModuleSpec(
