@@ -18,18 +18,18 @@ BENCH=(-m cupymoe bench --preset qwen3-30b-a3b mixtral-8x7b --format bf16 --toke
        --repeats 5 --replays 20)
 
 if want tests; then
-  # the first call compiles the kernels (cached after)
-  timeout 240 $PY -m pytest -q -m gpu tests/test_gpu_swapab.py -p no:cacheprovider > "$OUT/swapab_tests.log" 2>&1
+  # the first call compiles the kernels (minutes on a fresh machine; cached for the benches)
+  timeout 270 $PY -m pytest -q -m gpu tests/test_gpu_swapab.py -p no:cacheprovider > "$OUT/swapab_tests.log" 2>&1
   echo "swap-AB GPU tests rc $?: $(tail -1 "$OUT/swapab_tests.log")"
   grep -E "FAILED|ERROR|Error" "$OUT/swapab_tests.log" | head -8
 fi
 if want bench; then
-  CUPYMOE_DECODE_KERNEL=swapab timeout 150 $PY "${BENCH[@]}" --json "$OUT/swapab_on.json" > "$OUT/bench_on.log" 2>&1
+  CUPYMOE_DECODE_KERNEL=swapab timeout 120 $PY "${BENCH[@]}" --json "$OUT/swapab_on.json" > "$OUT/bench_on.log" 2>&1
   echo "bench swapab rc $?"
-  timeout 150 $PY "${BENCH[@]}" --json "$OUT/swapab_off.json" > "$OUT/bench_off.log" 2>&1
+  timeout 120 $PY "${BENCH[@]}" --json "$OUT/swapab_off.json" > "$OUT/bench_off.log" 2>&1
   echo "bench default rc $?"
   if [ "${REGISTER:-0}" = 1 ]; then
-    CUPYMOE_DECODE_KERNEL=register timeout 150 $PY "${BENCH[@]}" --path decode --decode-max-tokens 256 \
+    CUPYMOE_DECODE_KERNEL=register timeout 120 $PY "${BENCH[@]}" --path decode --decode-max-tokens 256 \
       --json "$OUT/swapab_register.json" > "$OUT/bench_register.log" 2>&1
     echo "bench register decode rc $?"
   fi
