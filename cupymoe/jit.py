@@ -417,6 +417,9 @@ def opt_in_smem(expr: str, max_smem: int) -> int:
         return max_smem
     if expr.startswith("topk_route"):  # its warps' scratch grows with the router's width
         return min(max_smem, C.topk_route_smem_bytes(C.MAX_ROUTER_WIDTH))
+    m = re.fullmatch(r"decode_swapab_(?:gate_up|down)<(\d+)>", expr)
+    if m:  # its ring, sized by the token tile
+        return C.swapab_smem_bytes(int(m.group(1)))
     if expr.startswith("decode_wgmma_"):
         return max_smem - 1024
     return 0

@@ -112,6 +112,8 @@ def test_shared_memory_fits_the_opt_in_limit_and_the_blocks_an_sm(nt):
     assert smem <= HOPPER_OPT_IN <= H200.max_smem
     assert C.SWAPAB_BLOCKS_PER_SM[nt] * (smem + 1024) <= SM_SMEM, nt
     assert C.SWAPAB_STAGES[nt] >= 3  # the producer marks stages full STAGES - 2 steps late
+    for m in ("gate_up", "down"):  # the library opts each kernel in to its ring at load (else: invalid argument)
+        assert jit.opt_in_smem(f"decode_swapab_{m}<{nt}>", H200.max_smem) == smem
 
 
 def test_kernel_file_and_catalog_agree():
