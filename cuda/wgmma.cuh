@@ -105,6 +105,47 @@ __device__ __forceinline__ void wgmma_m64n256k16(float* d, u64 da, u64 db) {
         : "l"(da), "l"(db));
 }
 
+// d[N / 2] (m64 x nN, fp32) += A (64 x 16, bf16) * B (16 x N, bf16), both K-major from shared
+// memory: the swap-AB decode's products (decode_swapab_sm90.cu: weights as M, tokens as N).
+template <int N>
+__device__ __forceinline__ void wgmma_m64nNk16_bf16(float* d, u64 da, u64 db);
+template <>
+__device__ __forceinline__ void wgmma_m64nNk16_bf16<8>(float* d, u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(da), "l"(db));
+}
+template <>
+__device__ __forceinline__ void wgmma_m64nNk16_bf16<16>(float* d, u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db));
+}
+template <>
+__device__ __forceinline__ void wgmma_m64nNk16_bf16<32>(float* d, u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db));
+}
+template <>
+__device__ __forceinline__ void wgmma_m64nNk16_bf16<64>(float* d, u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db));
+}
+template <>
+__device__ __forceinline__ void wgmma_m64nNk16_bf16<128>(float* d, u64 da, u64 db) { wgmma_m64n128k16(d, da, db); }
+template <>
+__device__ __forceinline__ void wgmma_m64nNk16_bf16<256>(float* d, u64 da, u64 db) { wgmma_m64n256k16(d, da, db); }
+
 // One 64-wide K step of a warpgroup's 64 x BN accumulator: four k16 wgmmas from 128-byte
 // swizzled K-major tiles (descriptors da, db; +32 bytes per k16), committed as one group.
 template <int BN>

@@ -103,6 +103,28 @@ WGMMA_FP4_DECODE_STAGES = 3
 WGMMA_FP4_DECODE_KSUB = 2
 WGMMA_FP4_DECODE_BLOCKS_PER_SM = 3
 WGMMA_DECODE_BLOCKS_PER_SM = 2
+# decode_swapab_sm90.cu (SwapAbConfig<NT>): bf16 weights as the wgmma's M side by TMA, the
+# tokens as its N side; token tiles, and per tile its ring stages, blocks an SM and consumer
+# warpgroups (threads: 128 a consumer warpgroup + one producer warp)
+SWAPAB_TOKEN_TILES = (8, 16, 32, 64, 128)
+SWAPAB_STAGES = {8: 5, 16: 5, 32: 5, 64: 4, 128: 6}
+SWAPAB_BLOCKS_PER_SM = {8: 2, 16: 2, 32: 2, 64: 2, 128: 1}
+SWAPAB_ROWS = 128  # weight rows a block: two m64 tiles (down: 128 hidden columns)
+SWAPAB_GATE_UP_COLUMNS = 64  # a gate/up block's 64 gate rows and the same 64 up rows
+SWAPAB_BK = 64
+SWAPAB_MAX_ROWS = 256  # the decode cap CUPYMOE_DECODE_KERNEL=swapab raises a bf16 layer's auto path to
+
+
+SWAPAB_THREADS = 128 + 32  # one consumer warpgroup, one producer warp
+
+
+def swapab_smem_bytes(token_tile: int) -> int:
+    """decode_swapab_*<token_tile>: 1024 to align the ring, its stages (128 weight rows and the
+    pass's rows, 64 bf16 of K each), two mbarriers a stage."""
+    stages = SWAPAB_STAGES[token_tile]
+    return 1024 + stages * (SWAPAB_ROWS + token_tile) * SWAPAB_BK * 2 + 16 * stages
+
+
 # decode.cu / decode_common.cuh
 ROUTE_LISTS_MAX_ROWS = 8  # rows up to which routing and the lists are one launch (decode_route_lists)
 ROUTE_LISTS_THREADS = 256  # one routing warp a row

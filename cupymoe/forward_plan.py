@@ -51,6 +51,7 @@ def f32(name: str, v) -> Arg:
 
 ERR = Buf(Space.LAYER, "err")
 TMA_MAPS = Buf(Space.LAYER, "tma_maps")
+SWAPAB_MAPS = Buf(Space.LAYER, "swapab_maps")  # the swap-AB decode's weight maps (cupymoe/tma.py swapab_table)
 LIST_OUTPUTS = ("num_active", "active_slot", "active_start", "active_len", "sorted_row", "sorted_pair", "pair_pos",
                 "slot_active")
 
@@ -463,15 +464,23 @@ class _Builder:
         self.stage = Stage.GATE_UP
         for fmt in lp.formats:  # a launch a weight format; each skips the others' experts
             dk = HX.decode_kernel(lp, self.dev, "gate_up", fmt, rows_per_expert, max_active, n)
-            self.launch(dk.name, (dk.blocks, max_active), (dk.threads,),
-                        self.decode_gate_up_args(xe, fmt, by_slot and dk.name.startswith("decode_wgmma_gate_up_a8")),
+            args = self.decode_gate_up_args(xe, fmt, by_slot and dk.name.startswith("decode_wgmma_gate_up_a8"))
+            self.launch(dk.name, (dk.blocks, max_active), (dk.threads,), args + self.swapab_args(dk, "gate_up"),
                         dk.smem, self.pdl)
         self.stage = Stage.DOWN
         for fmt in lp.formats:
             dk = HX.decode_kernel(lp, self.dev, "down", fmt, rows_per_expert, max_active, n)
-            self.launch(dk.name, (dk.blocks, max_active), (dk.threads,), self.decode_down_args(fmt), dk.smem, self.pdl)
+            self.launch(dk.name, (dk.blocks, max_active), (dk.threads,),
+                        self.decode_down_args(fmt) + self.swapab_args(dk, "down"), dk.smem, self.pdl)
         self.stage = Stage.REDUCE
         self.decode_reduce(xe, OUT)
+
+    def swapab_args(self, dk: HX.DecodeKernel, stage: str) -> tuple:
+        """The swap-AB decode's arguments past the decode kernels' own: its weight maps (down: and
+        the shared expert's slot, which picks its maps); none for the other decode kernels."""
+        if not dk.name.startswith("decode_swapab_"):
+            return ()
+        return (u64("maps", SWAPAB_MAPS),) + ((i32("shared_slot", self.lp.n_local),) if stage == "down" else ())
 
     def expert_list_args(self) -> tuple:
         return tuple(u64(b, S(b)) for b in ("num_active", "active_slot", "active_start", "active_len"))

@@ -12,7 +12,7 @@ from typing import Optional
 
 from . import catalog as C
 from .catalog import GemmMode, WeightFormat
-from .knobs import DecodeRouter, Fp4Decode, W8a8Decode
+from .knobs import Bf16Decode, DecodeRouter, Fp4Decode, W8a8Decode
 from .plan import DeviceFacts, LayerPlan
 from .tuning import TUNING
 
@@ -133,7 +133,10 @@ def router_on_tensor_cores(lp: LayerPlan, n: int) -> bool:
 def decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, fmt: WeightFormat, rows_per_expert: float,
                   max_active: int, n_rows: int = 0) -> DecodeKernel:
     """A decode stage ("gate_up" or "down") of a forward of `n_rows` rows for the experts of format
-    `fmt`: the wgmma kernels where they take it (fp8 as w8a8, fp4), else decode_mma.cu's or decode.cu's."""
+    `fmt`: the wgmma kernels where they take it (fp8 as w8a8, fp4, bf16 by swap-AB where chosen),
+    else decode_mma.cu's or decode.cu's."""
+    if fmt == WeightFormat.BF16 and swapab_decode(lp, n_rows):
+        return swapab_decode_kernel(lp, stage, n_rows)
     wg = (w8a8_decode_kernel(lp, dev, stage, rows_per_expert, max_active, n_rows)
           if fmt == WeightFormat.FP8_BLOCK
           else fp4_wgmma_decode_kernel(lp, dev, stage, fmt, rows_per_expert, max_active, n_rows)
@@ -143,6 +146,35 @@ def decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, fmt: WeightFormat
     columns = lp.i_max if stage == "gate_up" else lp.cfg.hidden_size
     name, blocks = register_decode_kernel(lp, dev, stage, fmt, rows_per_expert, columns, max_active)
     return DecodeKernel(name, blocks, 256, 0)
+
+
+def swapab_decode(lp: LayerPlan, n_rows: int) -> bool:
+    """Whether bf16 decode of `n_rows` rows runs decode_swapab_sm90.cu: where it serves (lp.swapab_ok),
+    CUPYMOE_DECODE_KERNEL's choice, else the tuning table's for the N bucket (off where it has none)."""
+    if not lp.swapab_ok:
+        return False
+    if lp.decode_kernel != Bf16Decode.AUTO:
+        return lp.decode_kernel == Bf16Decode.SWAPAB
+    return bool(n_rows) and lp.choice(n_rows).decode_kernel == "swapab"
+
+
+def swapab_busy_rows(lp: LayerPlan, n_rows: int) -> float:
+    """Rows a busy routed expert gets at `n_rows` rows: the mean plus four of its Poisson
+    deviations, plus 2. An expert past its token tile streams its weights once more a pass,
+    while a wider tile costs only shared memory and idle tensor-core work."""
+    mean = n_rows * lp.cfg.num_experts_per_tok / max(lp.n_local, 1)
+    return mean + 4.0 * mean ** 0.5 + 2.0
+
+
+def swapab_decode_kernel(lp: LayerPlan, stage: str, n_rows: int) -> DecodeKernel:
+    """decode_swapab_{stage}<NT>: NT the smallest token tile holding swapab_busy_rows (an expert
+    with more, or the shared expert's N rows, takes passes of NT). gate/up: 64 activation
+    columns a block; down: 128 hidden columns."""
+    nt = row_tile(swapab_busy_rows(lp, n_rows), C.SWAPAB_TOKEN_TILES)
+    columns, per_block = ((lp.i_max, C.SWAPAB_GATE_UP_COLUMNS) if stage == "gate_up"
+                          else (lp.cfg.hidden_size, C.SWAPAB_ROWS))
+    return DecodeKernel(f"decode_swapab_{stage}<{nt}>", -(-columns // per_block), C.SWAPAB_THREADS,
+                        C.swapab_smem_bytes(nt))
 
 
 def _wgmma_gate_up_blocks(lp: LayerPlan) -> int:

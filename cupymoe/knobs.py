@@ -34,6 +34,12 @@ class W8a8Decode(str, enum.Enum):
     WGMMA = "wgmma"
 
 
+class Bf16Decode(str, enum.Enum):
+    AUTO = "auto"  # the tuning table's choice for the shape and N bucket, else register
+    REGISTER = "register"  # decode.cu's CUDA-core streams
+    SWAPAB = "swapab"  # decode_swapab_sm90.cu (sm_90a; the decode path then serves up to SWAPAB_MAX_ROWS rows)
+
+
 class DecodeRouter(str, enum.Enum):
     AUTO = "auto"  # tensor cores from a measured number of multiply-adds
     MMA = "mma"
@@ -95,6 +101,9 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                    Fp8Decode.MMA),
     "w8a8_decode": ("CUPYMOE_W8A8_DECODE", "w8a8 decode kernels: auto | mma | wgmma", _choice(W8a8Decode),
                     W8a8Decode.AUTO),
+    "decode_kernel": ("CUPYMOE_DECODE_KERNEL", "bf16 decode kernels: auto | register | swapab (sm_90a wgmma, "
+                      "weights as M by TMA; auto then takes the decode path up to 256 rows)", _choice(Bf16Decode),
+                      Bf16Decode.AUTO),
     "decode_router": ("CUPYMOE_DECODE_ROUTER", "decode router: auto | mma (tensor cores, sm_90a) | cores",
                       _choice(DecodeRouter), DecodeRouter.AUTO),
     "pdl": ("CUPYMOE_PDL", "0: launch the decode chain without programmatic dependent launch", _on_off, True),
@@ -136,6 +145,7 @@ class Knobs:
     fp4_decode: Fp4Decode = Fp4Decode.AUTO
     fp8_decode: Fp8Decode = Fp8Decode.MMA
     w8a8_decode: W8a8Decode = W8a8Decode.AUTO
+    decode_kernel: Bf16Decode = Bf16Decode.AUTO
     decode_router: DecodeRouter = DecodeRouter.AUTO
     pdl: bool = True
     topk_lists: bool = True

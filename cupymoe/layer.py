@@ -126,6 +126,9 @@ class MoeLayer:
 
             ptrs = {p: self.weights.tables[p].get() for p in ("gate", "up", "down")}
             self._tma_maps = cupy.asarray(np.frombuffer(tma.layer_table(self.plan, ptrs, self.scratch), np.uint8))
+        self._swapab_maps = None
+        if self.plan.swapab_chosen:
+            self._swapab_maps = self._encode_swapab_maps()
         self._packed: dict[tuple, PackedPlan] = {}  # (path, row count or prefill shape, separated)
         self._by_n: dict[tuple, PackedPlan] = {}  # (path asked, N) -> its plan, for the fast lookup
         self._experts_packed: dict[tuple, PackedPlan] = {}  # the experts-only entry's plans (cupymoe/experts.py)
@@ -150,9 +153,20 @@ class MoeLayer:
             return int(self._err.data.ptr)
         if buf.name == "tma_maps":
             return int(self._tma_maps.data.ptr)
+        if buf.name == "swapab_maps":
+            if self._swapab_maps is None:  # a plan forced to the swap-AB decode after construction (tune)
+                self._swapab_maps = self._encode_swapab_maps()
+            return int(self._swapab_maps.data.ptr)
         if buf.name.startswith("lora_") and self._lora is not None:
             return self._lora.ptr(buf.name)
         raise KeyError(f"no buffer {buf}")
+
+    def _encode_swapab_maps(self):
+        """The swap-AB decode's weight maps (cupymoe/tma.py swapab_table) in device memory."""
+        import cupy
+
+        ptrs = {p: self.weights.tables[p].get() for p in ("gate", "up", "down")}
+        return cupy.asarray(np.frombuffer(tma.swapab_table(self.plan, ptrs), np.uint8))
 
     # --- paths and plans -------------------------------------------------------------------
     @property
@@ -348,6 +362,7 @@ class MoeLayer:
         its tables and state, and its workspace (cupymoe/weights.py says what is borrowed)."""
         w = self.weights.memory
         state = int(self._err.nbytes) + (0 if self._tma_maps is None else int(self._tma_maps.nbytes))
+        state += 0 if self._swapab_maps is None else int(self._swapab_maps.nbytes)
         state += 0 if self._lora is None else self._lora.nbytes  # the adapters' slots
         return MemoryReport(w.owned, w.borrowed, w.tables, state, self.workspace_need().total_bytes,
                             self.workspace.nbytes)

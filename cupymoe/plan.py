@@ -20,7 +20,7 @@ from . import catalog as C
 from .catalog import GemmMode, WeightFormat
 from .config import MoeConfig
 from .errors import OptionError, PathUnavailableError, UnsupportedFormatError
-from .knobs import DecodeRouter, Fp4Decode, Fp8Decode, Knobs, W8a8Decode
+from .knobs import Bf16Decode, DecodeRouter, Fp4Decode, Fp8Decode, Knobs, W8a8Decode
 from .tuning import TUNING, Choice, TunedBuckets, format_key, n_bucket, shape_key
 
 
@@ -261,6 +261,16 @@ class LayerPlan:
     all_reduce: bool  # expert parallelism with a communicator: the partials are summed last
     auto_decode_max: int  # auto takes decode up to this many rows where the table has no entry
     tuned: TunedBuckets = ()  # the tuning table's measured choices for this shape and format
+    decode_kernel: Bf16Decode = Bf16Decode.AUTO  # CUPYMOE_DECODE_KERNEL
+    swapab_ok: bool = False  # sm_90a, not row-invariant, every expert bf16: the swap-AB decode may serve
+
+    @property
+    def swapab_chosen(self) -> bool:
+        """Whether some N of this plan runs the swap-AB decode (the layer then encodes its tensor maps)."""
+        if not self.swapab_ok:
+            return False
+        return self.decode_kernel == Bf16Decode.SWAPAB or (
+            self.decode_kernel == Bf16Decode.AUTO and any(c.decode_kernel == "swapab" for _, c in self.tuned))
 
     def choice(self, n: int) -> Choice:
         """The table's choice for a forward of `n` rows (Choice() where it has none)."""
@@ -350,7 +360,8 @@ def tuned_buckets(cfg: MoeConfig, routed: WeightFormat, n_local: int, w8a8: bool
     key = (shape_key(cfg.hidden_size, cfg.moe_intermediate_size, n_local, cfg.num_experts, cfg.num_experts_per_tok,
                      cfg.shared_expert_intermediate_size), format_key(routed.label, w8a8))
     found = (TUNING.by_shape if table is None else table).get(key, ())
-    drop = {"grouped": knobs.math_rows is not None, "w8a8_decode": knobs.w8a8_decode != W8a8Decode.AUTO}
+    drop = {"grouped": knobs.math_rows is not None, "w8a8_decode": knobs.w8a8_decode != W8a8Decode.AUTO,
+            "decode_kernel": knobs.decode_kernel != Bf16Decode.AUTO}
     return tuple((b, replace(c, **{f: None for f, d in drop.items() if d})) for b, c in found)
 
 
@@ -388,10 +399,12 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
     formats = tuple(dict.fromkeys([routed] + ([shared] if shared is not None else [])))
     fp8 = resolve_fp8_compute(options.fp8_compute, formats, arch)
     auto_dmax = options.decode_max_tokens
-    auto_dmax = max(1, int(TUNING.decode_max_tokens.get(routed.label, TUNING.decode_max_tokens["bf16"])
-                           if auto_dmax is None else auto_dmax))
+    swapab_ok = arch == "sm_90a" and not options.row_invariant and set(formats) == {WeightFormat.BF16}
+    auto_dmax = max(1, int(_default_decode_max(routed, knobs, swapab_ok) if auto_dmax is None else auto_dmax))
     n_local = cfg.experts_per_rank if n_local is None else int(n_local)
     tuned = tuned_buckets(cfg, routed, n_local, fp8 == Fp8Compute.W8A8, knobs, options.row_invariant, table)
+    if swapab_ok and knobs.decode_kernel == Bf16Decode.SWAPAB:  # the table's paths were measured without it
+        tuned = tuple((b, replace(c, path=None) if b <= C.SWAPAB_MAX_ROWS else c) for b, c in tuned)
     dmax, amax = _path_caps(tuned, options, auto_dmax)
     sm90 = _sm90_plan(cfg, formats, arch, options.row_invariant, knobs)
     hopper = arch == "sm_90a" and not options.row_invariant
@@ -414,7 +427,17 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
         fp4_down_tiles=knobs.fp4_down_tiles, topk_lists=knobs.topk_lists,
         decode_router=knobs.decode_router if arch == "sm_90a" else DecodeRouter.CORES,
         pdl=knobs.pdl and cc >= 90, all_reduce=bool(options.all_reduce), auto_decode_max=auto_dmax, tuned=tuned,
+        decode_kernel=knobs.decode_kernel, swapab_ok=swapab_ok,
     )
+
+
+def _default_decode_max(routed: WeightFormat, knobs: Knobs, swapab_ok: bool) -> int:
+    """Rows auto takes the decode path up to: the tuning table's for the format, or with
+    CUPYMOE_DECODE_KERNEL=swapab (where it serves) the swap-AB decode's SWAPAB_MAX_ROWS."""
+    dmax = int(TUNING.decode_max_tokens.get(routed.label, TUNING.decode_max_tokens["bf16"]))
+    if swapab_ok and knobs.decode_kernel == Bf16Decode.SWAPAB:
+        dmax = max(dmax, C.SWAPAB_MAX_ROWS)
+    return dmax
 
 
 def _auto_path(lp: LayerPlan, n: int) -> str:

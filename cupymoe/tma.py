@@ -105,6 +105,30 @@ def encode_table(maps: Sequence[Optional[tuple[Matrix2D, int]]]) -> bytes:
                     for name, spec in zip(TMA_MAPS, maps))
 
 
+# the swap-AB decode's maps (cuda/decode_swapab_sm90.cu SA_MAP_*), in order: each projection's
+# weights in boxes of SWAPAB_BOX_ROWS rows (one m64 wgmma tile)
+SWAPAB_MAPS = ("gate", "up", "down", "shared_gate", "shared_up", "shared_down")
+SWAPAB_BOX_ROWS = 64
+
+
+def swapab_table(lp, slot_ptrs: dict) -> bytes:
+    """The maps of the swap-AB decode (`lp` a plan.LayerPlan whose experts are bf16): the stacked
+    routed weights ([n_local * rows, K]) and the shared expert's, 64-row boxes, in SWAPAB_MAPS
+    order; a map the layer has no matrix for stays zero. Its tokens come by cp.async: no scratch map."""
+    cfg, n = lp.cfg, lp.n_local
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    Is = cfg.shared_expert_intermediate_size if cfg.has_shared_expert else 0
+    box = SWAPAB_BOX_ROWS
+
+    def one(p, slot, rows, cols, used):
+        if not used:
+            return bytes(MAP_BYTES)
+        return encode(Matrix2D(int(slot_ptrs[p][slot]), rows, cols), box, f"swapab {p} of slot {slot}")
+
+    return b"".join([one("gate", 0, n * I, H, n), one("up", 0, n * I, H, n), one("down", 0, n * H, I, n),
+                     one("gate", n, Is, H, Is), one("up", n, Is, H, Is), one("down", n, H, Is, Is)])
+
+
 def layer_table(lp, slot_ptrs: dict, scratch) -> bytes:
     """The maps of a layer's TMA GEMMs (`lp` a plan.LayerPlan): A of gate/up (xg) and of down (act,
     through the routed and the shared expert's K), the stacked routed weights and the shared

@@ -8,6 +8,7 @@ replays over the copies, the steady state, the median of repetitions). The choic
     path            decode (up to DECODE_CAP rows), atomic (up to ATOMIC_CAP), prefill
     grouped         math (from MATH_MIN_ROWS rows an expert) or stream (up to STREAM_MAX_ROWS); not w8a8
     w8a8_decode     mma or wgmma (fp8_block as w8a8, on the decode paths)
+    decode_kernel   swapab (bf16 on sm_90a, decode and atomic paths up to SWAPAB_CAP rows) or the register decode
 
 Candidates whose launches equal another's are timed once; where the default (what the
 heuristics pick today) already runs at FLOOR_PRUNE_PCT of the floor, nothing else is timed. A
@@ -35,6 +36,7 @@ from .tuning import Choice, format_key, n_bucket, shape_key
 
 # decode candidates only up to the rows `python -m cupymoe verify` checks that path at (fp4: its default cap)
 DECODE_CAP = {"bf16": 64, "fp8_block:w8a8": 64, "fp8_block:w8a16": 64, "nvfp4": 256, "mxfp4": 256}
+SWAPAB_CAP = 256  # bf16 decode candidates on the swap-AB kernels up to this many rows (C.SWAPAB_MAX_ROWS)
 ATOMIC_CAP = 16  # the atomic path's fp32 accumulator pays off, if anywhere, at few rows
 MATH_MIN_ROWS = 16  # rows an expert below which 128-row tiles are mostly empty
 STREAM_MAX_ROWS = 1024  # rows an expert above which 64-row tiles only double the weight reads
@@ -84,6 +86,8 @@ def candidates(lp: LayerPlan, n: int) -> list[Choice]:
             # atomic differs from decode only in down's accumulation: its kernels are left to the rule
             kernels = ("mma", "wgmma") if lp.w8a8 and path == "decode" else (None,)
             out += [Choice(path, w8a8_decode=w) for w in kernels]
+        if lp.swapab_ok and n <= min(cap, SWAPAB_CAP):
+            out.append(Choice(path, decode_kernel="swapab"))
     grouped = [g for g, ok in (("stream", rows <= STREAM_MAX_ROWS), ("math", rows >= MATH_MIN_ROWS)) if ok]
     out += [Choice("prefill")] if lp.w8a8 else [Choice("prefill", g) for g in grouped or ["stream"]]
     return out
@@ -127,7 +131,8 @@ def table_rows(cells: list[dict], command: str, result: str) -> list[dict]:
     for c in cells:
         ch = c["chosen"]
         rows.append(dict(shape=c["shape_key"], format=c["format_key"], n=n_bucket(c["N"]), path=ch["path"],
-                         grouped=ch["grouped"], w8a8_decode=ch["w8a8_decode"], us=ch["us"],
+                         grouped=ch["grouped"], w8a8_decode=ch["w8a8_decode"],
+                         decode_kernel=ch.get("decode_kernel"), us=ch["us"],
                          default=c["default"]["label"], default_us=c["default"]["us"], preset=c["shape"],
                          measured_at=c["N"], result=result, command=command))
     return rows
@@ -190,7 +195,8 @@ def _rel_err(out, ref) -> float:
 
 def _timed_dict(t: Timed) -> dict:
     return dict(label=t.choice.label(), path=t.choice.path, grouped=t.choice.grouped,
-                w8a8_decode=t.choice.w8a8_decode, us=t.us, pct_of_floor=t.pct_of_floor, rel_err=t.rel_err)
+                w8a8_decode=t.choice.w8a8_decode, decode_kernel=t.choice.decode_kernel, us=t.us,
+                pct_of_floor=t.pct_of_floor, rel_err=t.rel_err)
 
 
 def _tune_cell(layers, lp0: LayerPlan, lp_default: LayerPlan, dev, shape: str, n: int, args, ceilings,
@@ -226,6 +232,7 @@ def _tune_format(shape: str, cfg, fmt: str, args, ceilings: dict, skipped: list)
     try:
         w8a8 = fmt == "fp8_block" and args.fp8_compute != "w8a16"
         cap = DECODE_CAP.get(format_key(fmt, w8a8), 0)
+        cap = max(cap, SWAPAB_CAP) if fmt == "bf16" else cap  # the swap-AB candidates' rows (sm_90a only)
         try:
             layers = build_layers(cfg, fmt, args, tag, **layer_options(fmt, args, decode_max_tokens=cap,
                                                                         atomic_max_tokens=min(ATOMIC_CAP, cap)))

@@ -34,7 +34,7 @@ def test_every_kernel_compiles_without_spills(arch, cache):
             assert r.registers > 0, f"{arch} {r.name}: no ptxas report"
             assert (r.spill_stores, r.spill_loads) == (0, 0), f"{arch} {r.name} spills: {r}"
             assert r.stack_bytes == 0, f"{arch} {r.name} uses a stack frame (local memory): {r}"
-            assert r.uses_wgmma == r.name.startswith(("grouped_gemm_sm90", "decode_wgmma_")), \
+            assert r.uses_wgmma == r.name.startswith(("grouped_gemm_sm90", "decode_wgmma_", "decode_swapab_")), \
                 f"{arch} {r.name}: wgmma {r.uses_wgmma}"
     print(f"\n{arch}\n" + jit.format_report(mods))
 

@@ -42,8 +42,14 @@ def test_candidates_by_rows_per_expert_and_caps():
     lp0, lpd = _plans("qwen3-30b-a3b", "bf16")
     label = lambda n: sorted(c.label() for c in tune.distinct(lp0, H200, n, [tune.default_choice(lpd, H200, n)]
                                                              + tune.candidates(lp0, n)))
-    assert label(16) == ["atomic", "decode", "prefill/stream"]  # 1 row an expert: no 128-row tiles
-    assert label(128) == ["prefill/stream"]  # past bf16's decode cap, under 16 rows an expert
+    # 1 row an expert: no 128-row tiles; the swap-AB decode on both decode paths (bf16, sm_90a)
+    assert label(16) == ["atomic", "atomic/swapab", "decode", "decode/swapab", "prefill/stream"]
+    assert label(128) == ["prefill/stream"]  # past the plan's decode cap, under 16 rows an expert
+    wide = plan_layer(bench.preset_config("qwen3-30b-a3b"), "bf16", None, "sm_90a",
+                      options=LayerOptions(decode_max_tokens=tune.SWAPAB_CAP), knobs=Knobs(), table={})
+    assert [c.label() for c in tune.candidates(wide, 128)] == ["decode/swapab", "prefill/stream"]
+    assert not any(c.decode_kernel for c in tune.candidates(
+        plan_layer(bench.preset_config("qwen3-30b-a3b"), "bf16", None, "sm_80", knobs=Knobs(), table={}), 8))
     assert label(1024) == ["prefill/math", "prefill/stream"]
     f0, fd = _plans("qwen3-30b-a3b", "fp8_block")
     assert [c.label() for c in tune.candidates(f0, 16)] == ["decode/mma", "decode/wgmma", "atomic", "prefill"]

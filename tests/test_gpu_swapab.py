@@ -1,0 +1,121 @@
+"""GPU: the swap-AB bf16 decode (cuda/decode_swapab_sm90.cu, CUPYMOE_DECODE_KERNEL=swapab) against
+cupymoe.reference on the decode and atomic paths, at row counts that take every token tile and
+runs longer than a tile (passes > 1): awkward N, K and I past whole 64-wide steps (H = 96, 160;
+I = 40, a shared expert of 96), down's 128-row blocks reaching past H, one expert holding most
+rows, experts nobody chose, outputs poisoned with NaN first; a captured graph's replay equals
+the eager forward bit for bit. sm_90a only (elsewhere the knob leaves the register decode)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupymoe import reference, testing
+from cupymoe.verify import bf16_bits, bits_to_f32, check, run_layer, well_separated_input
+
+pytestmark = pytest.mark.gpu
+
+# name -> (family, MoeConfig overrides)
+CASES = {
+    "qwen3_moe": ("qwen3_moe", {}),  # H = 96: a step and a half of K, down's block past H
+    "mixtral": ("mixtral", {}),  # 8 experts, top-2: 64 rows an expert at 255 rows, tiles of 128
+    "qwen3_moe-I40": ("qwen3_moe", {"moe_intermediate_size": 40}),  # I not a multiple of 64
+    "qwen2_moe": ("qwen2_moe", {}),  # a gated shared expert of I = 96: N rows in passes
+    "gpt_oss": ("gpt_oss", {}),  # expert biases, swiglu_oai
+}
+TOKENS = (9, 17, 64, 255)
+MAX_TOKENS = 256
+
+
+def _hopper() -> bool:
+    import cupy
+
+    from cupymoe import jit
+
+    cc = cupy.cuda.Device().compute_capability
+    return jit.arch_for_capability(int(cc[:-1]), int(cc[-1])) == "sm_90a"
+
+
+@pytest.fixture(autouse=True)
+def _swapab(monkeypatch):
+    if not _hopper():
+        pytest.skip("the swap-AB decode needs sm_90a")
+    monkeypatch.setenv("CUPYMOE_DECODE_KERNEL", "swapab")
+
+
+def _case(name, rng):
+    from cupymoe import MoeLayer
+
+    family, overrides = CASES[name]
+    cfg = testing.tiny_config(family, **overrides)
+    hw = testing.random_host_weights(cfg, rng, "bf16")
+    layer = MoeLayer(cfg, hw, max_tokens=MAX_TOKENS, decode_max_tokens=MAX_TOKENS, atomic_max_tokens=32)
+    return cfg, hw, layer
+
+
+def _expert_kernels(layer, n, path="decode"):
+    from cupymoe.forward_plan import build_forward_plan
+    from cupymoe.plan import Path
+
+    plan = build_forward_plan(layer.plan, layer.device, n, Path(path)).at(n)
+    return [s.kernel for s in plan.launches if s.stage.value in ("gate_up", "down")]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_swapab_decode_matches_the_reference(name, rng):
+    cfg, hw, layer = _case(name, rng)
+    assert layer.plan.swapab_chosen
+    for path, tokens in (("decode", TOKENS), ("atomic", (9, 17))):
+        for n in tokens:
+            kernels = _expert_kernels(layer, n, path)
+            assert all(k.startswith("decode_swapab_") for k in kernels), (n, kernels)
+            x = well_separated_input(cfg, hw, rng, n)
+            c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
+            assert c.ok, f"{name} N={n} {path} ({kernels[0]}): {c}"
+    layer.check_errors()
+
+
+def _run_experts(layer, x, ids, w, path="decode"):
+    """x uploaded, the output poisoned with NaN, one experts-only forward; the output as float32."""
+    import cupy
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        xd, idd, wd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids), cupy.asarray(w)
+        out = cupy.full(xd.shape, 0x7FC0, dtype=cupy.uint16)
+        layer.run_experts(xd, idd, wd, out=out, stream=s.ptr, path=path)
+    s.synchronize()
+    return bits_to_f32(out.get())
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_one_expert_holding_most_rows_and_experts_nobody_chose(name, rng):
+    """A given routing: every row's first pick expert 0 (its run of N rows takes several passes
+    of the token tile the plan sized for an even spread), the rest over every expert but 1."""
+    cfg, hw, layer = _case(name, rng)
+    k, R = cfg.num_experts_per_tok, cfg.router_width
+    others = np.array([e for e in range(2, R)])
+    for n in (17, 255):
+        ids = np.empty((n, k), np.int32)
+        ids[:, 0] = 0
+        if k > 1:
+            ids[:, 1:] = rng.choice(others, size=(n, k - 1), replace=True)
+        w = rng.uniform(0.05, 1.0, size=(n, k)).astype(np.float32)
+        x = testing.random_input(rng, n, cfg.hidden_size)
+        out = _run_experts(layer, x, ids, w)
+        c = check(out, cfg, hw, x, "decode", layer=layer, routing=reference.given_routing(cfg, ids, w))
+        assert c.ok, f"{name} N={n}: {c}"
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_a_captured_graph_replays_the_eager_forward(name, rng):
+    import cupy
+
+    cfg, hw, layer = _case(name, rng)
+    s = cupy.cuda.Stream(non_blocking=True)
+    for n in (17, 255):
+        x = cupy.asarray(bf16_bits(well_separated_input(cfg, hw, rng, n)))
+        eager, replayed, graph = testing.eager_and_graph(layer, x, n, "decode", s)
+        assert not np.isnan(bits_to_f32(eager.get())).any(), f"{name} N={n}: unwritten outputs"
+        assert cupy.array_equal(eager, replayed), f"{name} N={n}: the replay differs from the eager forward"
+        del graph
