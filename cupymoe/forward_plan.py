@@ -143,6 +143,7 @@ class LoraShape:
 
 
 LORA_THREADS = 256  # cuda/lora.cu
+LORA_RED = LORA_THREADS // 32 * 16  # cuda/lora.cu LORA_RED: the per-pair shrinks' partial sums (floats)
 LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16 (ACT_PAIR)
 
 
@@ -156,7 +157,7 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
                    (u64("x", X), u64("lora_ids", CallValue.LORA_IDS), u64("a", Buf(Space.LAYER, "lora_router_a")),
                     u64("bs", Buf(Space.LAYER, "lora_router_bs")), u64("logits", S("logits")), u64("err", ERR),
                     i32("N", rows), i32("H", cfg.hidden_size), i32("R", cfg.router_width),
-                    i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras)), lora.max_rank * 4)
+                    i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras)), (lora.max_rank + LORA_RED) * 4)
     steps = list(plan.steps)
     at = next(i for i, s in enumerate(steps) if s.stage != Stage.ROUTER)  # the first launch past the router
     steps.insert(at, delta)
@@ -213,13 +214,13 @@ def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) ->
                       *(L(f"{p}_{m}") for p in ("gate", "up") for m in "ab"), L("scale"),
                       u64("gu", S(LORA_GU)), u64("act", S("act")), *sizes,
                       i32("act_code", Activation[cfg.hidden_act.upper()]), f32("alpha", cfg.swiglu_alpha),
-                      f32("limit", cfg.swiglu_limit)), 2 * lora.max_rank * 4)
+                      f32("limit", cfg.swiglu_limit)), (2 * lora.max_rank + LORA_RED) * 4)
     mode = {Path.DECODE: LoraDownMode.DECODE, Path.ATOMIC: LoraDownMode.ATOMIC,
             Path.PREFILL: LoraDownMode.GROUPED}[plan.path]
     down = Launch(Stage.DOWN, "lora_down_delta", (pairs,), (LORA_THREADS,),
                   (u64("act", S("act")), *where, L("down_a"), L("down_b"), L("scale"), u64("topk_w", S("topk_w")),
                    u64("y", S("y")), u64("acc", S("acc")), u64("yw", S("yw")), *sizes, i32("mode", int(mode))),
-                  lora.max_rank * 4)
+                  (lora.max_rank + LORA_RED) * 4)
     return gate_up, down
 
 

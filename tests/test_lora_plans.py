@@ -14,7 +14,7 @@ import pytest
 from cupymoe import jit, testing
 from cupymoe.catalog import Activation, LoraDownMode
 from cupymoe.errors import LoraError, OptionError
-from cupymoe.forward_plan import LoraShape, build_forward_plan
+from cupymoe.forward_plan import LORA_RED, LoraShape, build_forward_plan
 from cupymoe.knobs import Knobs
 from cupymoe.lora_slots import check_options
 from cupymoe.plan import Buf, CallValue, DeviceFacts, LayerOptions, Path, Space, Stage, plan_layer
@@ -41,7 +41,7 @@ def test_lora_plan_is_the_base_plan_plus_the_router_delta(family, dev):
         assert plan.steps[at[0] + 1].stage != Stage.ROUTER  # the routing stage reads the logits after it
         assert plan.steps[:at[0]] + plan.steps[at[0] + 1:] == base.steps
         d = plan.steps[at[0]]
-        assert d.kernel in names and not d.pdl and d.grid == (n,) and d.smem == SHAPE.max_rank * 4
+        assert d.kernel in names and not d.pdl and d.grid == (n,) and d.smem == (SHAPE.max_rank + LORA_RED) * 4
         assert d.arg("lora_ids") == CallValue.LORA_IDS and d.arg("logits") == Buf(Space.SCRATCH, "logits")
         assert (d.arg("R"), d.arg("max_rank"), d.arg("max_loras"), d.arg("N")) == (cfg.router_width, 16, 3, n)
 
@@ -95,7 +95,7 @@ def test_expert_lora_plan(family, fmt, dev):
             s = plan.steps[i]
             assert s.kernel in names and not s.pdl and s.grid == (n * (cfg.num_experts_per_tok + sh),)
             assert s.arg("lora_ids") == CallValue.LORA_IDS and s.arg("N") == n and s.arg("max_rank") == 16
-        assert plan.steps[dd].arg("mode") == mode[path] and plan.steps[ga].smem == 2 * 16 * 4
+        assert plan.steps[dd].arg("mode") == mode[path] and plan.steps[ga].smem == (2 * 16 + LORA_RED) * 4
         assert plan.steps[ga].arg("gu") == Buf(Space.SCRATCH, "lora_gu")
         assert plan.steps[ga].arg("act") == plan.steps[dd].arg("act") == Buf(Space.SCRATCH, "act")
         others = [s for s in plan.steps if s not in gemms and getattr(s, "kernel", "") not in
