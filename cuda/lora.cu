@@ -3,7 +3,7 @@
 // routing; the routed and shared experts' deltas, added per (row, expert) pair to the
 // pre-activation g, u the LoRA plans' gate/up stores side by side (ACT_PAIR) and to the
 // expert's output before the routing weight (DESIGN.md section 9).
-#include "common.cuh"
+#include "gemm_common.cuh"  // mma_bf16, pack_bf16x2
 
 #define LORA_THREADS 256
 #define ERR_LORA_ID_RANGE 4  // routing.cuh: ERR_TOKEN_ID_RANGE 1, ERR_EXPERT_ID_RANGE 2
@@ -212,5 +212,335 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
             atomicAdd(acc + (size_t)pr.row * H + h, w * d);
         else
             y[o] += d;
+    }
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// The grouped (prefill) path's deltas: a block a tile of the grouped GEMMs' own tile list
+// (tile_info[t] = (table slot, first position, rows): consecutive positions of one expert). The
+// tile's positions are bucketed by adapter into chunks of at most 16 (lora_bucket) and a warp
+// takes a chunk: shrink and expand on tensor cores (mma.sync m16n8k16, bf16 operands, fp32
+// sums), so an adapter's A and B are read once a chunk of up to 16 rows, not once a pair. Each
+// mma row is its own row's sum, so a position's bits depend on its row and adapter alone
+// (row_invariant holds) whatever else shares its chunk.
+// ---------------------------------------------------------------------------------------------
+#define LORA_MMA_WARPS 4
+#define LORA_SUB 128                                // positions a block buckets at once (taller tiles: passes)
+#define LORA_MAX_CHUNKS (LORA_SUB / 16 + LORA_SUB)  // full chunks, plus one partial chunk an adapter
+
+// A sub-tile's positions by adapter: lid[i] of position pos0 + i (-1: none or an id >= K); list
+// holds the indices i adapter after adapter (ascending), in position order within one; chunk c is
+// list[first[c] .. first[c] + rows[c]), all of adapter key[c].
+struct LoraBuckets {
+    int lid[LORA_SUB];
+    int list[LORA_SUB];
+    int key[LORA_MAX_CHUNKS], first[LORA_MAX_CHUNKS], rows[LORA_MAX_CHUNKS];
+    int chunks;
+};
+
+__device__ __forceinline__ void lora_load_ids(LoraBuckets& b, const int* __restrict__ lora_ids,
+                                              const int* __restrict__ sorted_row, int pos0, int m, int max_loras) {
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        const int id = lora_ids[sorted_row[pos0 + i]];
+        b.lid[i] = id >= 0 && id < max_loras ? id : -1;  // an id >= K was flagged by lora_router_delta
+    }
+}
+
+// Warp 0: lid[0, m) bucketed by adapter (each adapter found as the least id above the last, its
+// positions placed by ballot in order), each adapter's run cut into 16-row chunks.
+__device__ __forceinline__ void lora_bucket(LoraBuckets& b, int m) {
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    int prev = -1, placed = 0, chunks = 0;
+    for (;;) {
+        int next = 0x7fffffff;
+        for (int i = lane; i < m; i += 32)
+            if (b.lid[i] > prev) next = min(next, b.lid[i]);
+        next = __reduce_min_sync(CUPYMOE_FULL_MASK, next);
+        if (next == 0x7fffffff) break;
+        const int start = placed;
+        for (int i0 = 0; i0 < m; i0 += 32) {
+            const bool mine = i0 + lane < m && b.lid[i0 + lane] == next;
+            const unsigned bal = __ballot_sync(CUPYMOE_FULL_MASK, mine);
+            if (mine) b.list[placed + __popc(bal & ((1u << lane) - 1u))] = i0 + lane;
+            placed += __popc(bal);
+        }
+        for (int f = start; f < placed; f += 16, ++chunks) {
+            if (lane == 0) {
+                b.key[chunks] = next;
+                b.first[chunks] = f;
+                b.rows[chunks] = min(16, placed - f);
+            }
+        }
+        prev = next;
+    }
+    if (lane == 0) b.chunks = chunks;
+}
+
+// The lane's two rows of chunk c (the mma fragments' rows g and g + 8): positions, -1 past the chunk.
+struct LoraRows {
+    int pos[2];
+};
+__device__ __forceinline__ LoraRows lora_chunk_rows(const LoraBuckets& b, int c, int pos0) {
+    const int g = (threadIdx.x & 31) >> 2;
+    LoraRows r;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) r.pos[h] = g + 8 * h < b.rows[c] ? pos0 + b.list[b.first[c] + g + 8 * h] : -1;
+    return r;
+}
+
+// t_p[i][j] = scale_p * A_p[j, :len] . v_i for the chunk's rows i (the lane's v[0]: row g, v[1]:
+// row g + 8; null past the chunk) and ranks j < max_rank rounded up to 16 (zero past max_rank),
+// NP projections at once (gate and up share x's loads); t_p is [16][rp] floats at t + 16 rp p.
+// A k step of two mmas covers 32 columns, permuted alike in both operands (a lane's 16-byte
+// vectors of its rows and its rank rows hold columns 8 tig .. 8 tig + 7), so a fragment is one
+// load. len and stride are multiples of 8, so a vector that starts below len ends by it.
+template <int NP>
+__device__ __forceinline__ void lora_mma_shrink(float* t, int rp, const bf16* a0, const bf16* a1, float s0, float s1,
+                                                const bf16* v0, const bf16* v1, int len, int stride, int max_rank) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+    for (int kc = 0; kc < max_rank; kc += 16) {
+        float c[NP][2][4] = {};
+        const int ra = kc + g, rb = kc + 8 + g;  // the B fragments' ranks (n = g) of the two n8 tiles
+#pragma unroll 1  // unrolled, ptxas spills lora_grouped_gate_up_act
+        for (int h0 = 0; h0 < len; h0 += 32) {
+            const int h = h0 + tig * 8;
+            const bool in = h < len;
+            const uint4 x0 = in && v0 ? load_bf16x8(v0 + h).raw : z;
+            const uint4 x1 = in && v1 ? load_bf16x8(v1 + h).raw : z;
+            const unsigned f0[4] = {x0.x, x1.x, x0.y, x1.y}, f1[4] = {x0.z, x1.z, x0.w, x1.w};
+#pragma unroll
+            for (int p = 0; p < NP; ++p) {
+                const bf16* ap = p == 0 ? a0 : a1;
+                const uint4 wa = in && ra < max_rank ? load_bf16x8(ap + (size_t)ra * stride + h).raw : z;
+                const uint4 wb = in && rb < max_rank ? load_bf16x8(ap + (size_t)rb * stride + h).raw : z;
+                mma_bf16(c[p][0], f0, wa.x, wa.y);
+                mma_bf16(c[p][0], f1, wa.z, wa.w);
+                mma_bf16(c[p][1], f0, wb.x, wb.y);
+                mma_bf16(c[p][1], f1, wb.z, wb.w);
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {  // C fragment: rows g (c0, c1), g + 8 (c2, c3); ranks kc + 8 nt + 2 tig, + 1
+            const float sp = p == 0 ? s0 : s1;
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                float* tp = t + p * 16 * rp + kc + nt * 8 + tig * 2;
+                tp[g * rp] = c[p][nt][0] * sp;
+                tp[g * rp + 1] = c[p][nt][1] * sp;
+                tp[(g + 8) * rp] = c[p][nt][2] * sp;
+                tp[(g + 8) * rp + 1] = c[p][nt][3] * sp;
+            }
+        }
+    }
+    __syncwarp();
+}
+
+// (a, b) as a bf16 pair and the bf16 pair of what that rounding left: t = hi + lo to ~16 bits.
+__device__ __forceinline__ void lora_split(float a, float b, unsigned& hi, unsigned& lo) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    const float2 hf = __bfloat1622float2(h);
+    hi = *reinterpret_cast<const unsigned*>(&h);
+    lo = pack_bf16x2(a - hf.x, b - hf.y);
+}
+
+// The expand's A fragments of t (rows g, g + 8) for ranks kc .. kc + 15, permuted as lora_b_frag
+// reads B (k = 2 tig + e: rank kc + 4 tig + e; k = 8 + 2 tig + e: kc + 4 tig + 2 + e), t split
+// in two bf16 parts so that B t keeps t to ~16 bits (two mmas) and the reference needs no
+// rounding of t.
+struct LoraFrag {
+    unsigned hi[4], lo[4];
+};
+__device__ __forceinline__ LoraFrag lora_t_frag(const float* t, int rp, int kc) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+    const float4 r0 = *reinterpret_cast<const float4*>(t + g * rp + kc + tig * 4);
+    const float4 r1 = *reinterpret_cast<const float4*>(t + (g + 8) * rp + kc + tig * 4);
+    LoraFrag f;
+    lora_split(r0.x, r0.y, f.hi[0], f.lo[0]);
+    lora_split(r1.x, r1.y, f.hi[1], f.lo[1]);
+    lora_split(r0.z, r0.w, f.hi[2], f.lo[2]);
+    lora_split(r1.z, r1.w, f.hi[3], f.lo[3]);
+    return f;
+}
+
+// B's rank row c (B bf16 [out, max_rank]), ranks r0 .. r0 + 3, zeros past max_rank: the B
+// fragment (x: r0, r0 + 1; y: r0 + 2, r0 + 3).
+__device__ __forceinline__ uint2 lora_b_frag(const bf16* __restrict__ b, int c, int r0, int max_rank) {
+    const bf16* p = b + (size_t)c * max_rank + r0;
+    if ((max_rank & 3) == 0 && r0 + 4 <= max_rank) return __ldg(reinterpret_cast<const uint2*>(p));
+    unsigned e[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) e[i] = r0 + i < max_rank ? (unsigned)__bfloat16_as_ushort(p[i]) : 0u;
+    return make_uint2(e[0] | e[1] << 16, e[2] | e[3] << 16);
+}
+
+// One 8-column step of an expand: d (C fragment: rows g, g + 8; columns c0 + 2 tig, + 1) += B t.
+__device__ __forceinline__ void lora_mma_expand(float (&d)[4], const float* t, int rp, const bf16* __restrict__ b,
+                                                int c0, int max_rank) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+    for (int kc = 0; kc < max_rank; kc += 16) {
+        const LoraFrag f = lora_t_frag(t, rp, kc);
+        const uint2 bf = lora_b_frag(b, c0 + g, kc + tig * 4, max_rank);
+        mma_bf16(d, f.hi, bf.x, bf.y);
+        mma_bf16(d, f.lo, bf.x, bf.y);
+    }
+}
+
+// act = bf16(act(g, u)) for the sub-tile's positions without an adapter, two columns a step.
+__device__ __forceinline__ void lora_plain_act(const LoraBuckets& b, const bf16* __restrict__ gu,
+                                               bf16* __restrict__ act, int pos0, int m, int I, int I_max,
+                                               int act_code, float alpha, float limit) {
+    const int half = I >> 1;
+    for (int e = threadIdx.x; e < m * half; e += blockDim.x) {
+        const int i = e / half, c = (e - i * half) * 2;
+        if (b.lid[i] >= 0) continue;
+        const bf16* row = gu + (size_t)(pos0 + i) * 2 * I_max + c;
+        const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row));
+        const float2 uv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + I_max));
+        *reinterpret_cast<unsigned*>(act + (size_t)(pos0 + i) * I_max + c) =
+            pack_bf16x2(apply_activation(act_code, gv.x, uv.x, alpha, limit),
+                        apply_activation(act_code, gv.y, uv.y, alpha, limit));
+    }
+}
+
+#define LORA_STAGE (2 * 16 * 8)  // floats a warp stages a chunk's g and u of one 8-column step in
+
+// A chunk's act: g + B_g t_g and u + B_u t_u on tensor cores, 8 columns a step, staged in the
+// warp's gs ([2][16][8] floats: g, then u) so that one activation site (a lane 4 elements)
+// stores bf16(act(g, u)); an activation inlined a fragment element made ptxas spill.
+__device__ __forceinline__ void lora_chunk_act(const float* t, int rp, float* gs, const LoraBuckets& b, int ch,
+                                               int pos0, const LoraRows& r, const bf16* __restrict__ gb,
+                                               const bf16* __restrict__ ub, const bf16* __restrict__ gu,
+                                               bf16* __restrict__ act, int I, int I_max, int max_rank, int act_code,
+                                               float alpha, float limit) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+    for (int c0 = 0; c0 < I; c0 += 8) {
+        float dg[4] = {}, du[4] = {};
+        for (int kc = 0; kc < max_rank; kc += 16) {
+            const uint2 bg = lora_b_frag(gb, c0 + g, kc + tig * 4, max_rank);
+            const uint2 bu = lora_b_frag(ub, c0 + g, kc + tig * 4, max_rank);
+            LoraFrag f = lora_t_frag(t, rp, kc);
+            mma_bf16(dg, f.hi, bg.x, bg.y);
+            mma_bf16(dg, f.lo, bg.x, bg.y);
+            f = lora_t_frag(t + 16 * rp, rp, kc);
+            mma_bf16(du, f.hi, bu.x, bu.y);
+            mma_bf16(du, f.lo, bu.x, bu.y);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (r.pos[h] < 0) continue;
+            const bf16* row = gu + (size_t)r.pos[h] * 2 * I_max + c0 + tig * 2;
+            const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row));
+            const float2 uv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + I_max));
+            float* o = gs + (g + 8 * h) * 8 + tig * 2;
+            o[0] = gv.x + dg[2 * h];
+            o[1] = gv.y + dg[2 * h + 1];
+            o[128] = uv.x + du[2 * h];
+            o[129] = uv.y + du[2 * h + 1];
+        }
+        __syncwarp();
+        for (int e = lane; e < b.rows[ch] * 8; e += 32) {
+            const int pos = pos0 + b.list[b.first[ch] + (e >> 3)];
+            act[(size_t)pos * I_max + c0 + (e & 7)] =
+                __float2bfloat16(apply_activation(act_code, gs[e], gs[128 + e], alpha, limit));
+        }
+        __syncwarp();  // gs is rewritten by the next step
+    }
+}
+
+// grid (the last gate/up GEMM's tile bound), block LORA_MMA_WARPS warps, LORA_MMA_WARPS (2 16 rp
+// + LORA_STAGE) floats of shared memory (rp: max_rank rounded up to 16). The grouped path's lora_gate_up_act
+// (same slots and outputs): a tile's positions without an adapter get act(g, u); those with
+// one, a warp a chunk, t = s A x_e for gate and up, then act(g + B_g t_g, u + B_u t_u).
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
+lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
+                         const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
+                         const int* __restrict__ sorted_row, const int* __restrict__ inter,
+                         const bf16* __restrict__ gate_a, const bf16* __restrict__ gate_b,
+                         const bf16* __restrict__ up_a, const bf16* __restrict__ up_b,
+                         const float* __restrict__ scale, const bf16* __restrict__ gu, bf16* __restrict__ act,
+                         int H, int I_max, int n_local, int max_rank, int max_loras, int act_code, float alpha,
+                         float limit) {
+    __shared__ LoraBuckets b;
+    extern __shared__ __align__(16) float tw[];
+    if ((int)blockIdx.x >= *num_tiles) return;
+    const int4 ti = tile_info[blockIdx.x];
+    const int I = inter[ti.x], rp = (max_rank + 15) & ~15, warp = threadIdx.x >> 5;
+    const bf16* in = ti.x == n_local ? x : xe;  // the shared expert reads x
+    float* t = tw + warp * (2 * 16 * rp + LORA_STAGE);
+    for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
+        const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
+        lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
+        __syncthreads();
+        lora_bucket(b, m);
+        lora_plain_act(b, gu, act, pos0, m, I, I_max, act_code, alpha, limit);
+        __syncthreads();
+        for (int c = warp; c < b.chunks; c += LORA_MMA_WARPS) {
+            const LoraRows r = lora_chunk_rows(b, c, pos0);
+            const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
+            const bf16* v0 = r.pos[0] < 0 ? nullptr : in + (size_t)sorted_row[r.pos[0]] * H;
+            const bf16* v1 = r.pos[1] < 0 ? nullptr : in + (size_t)sorted_row[r.pos[1]] * H;
+            const bf16* ga = gate_a + ks * max_rank * H;
+            const bf16* ua = up_a + ks * max_rank * H;
+            lora_mma_shrink<2>(t, rp, ga, ua, scale[ks * 3], scale[ks * 3 + 1], v0, v1, H, H, max_rank);
+            lora_chunk_act(t, rp, t + 2 * 16 * rp, b, c, pos0, r, gate_b + ks * I_max * max_rank,
+                           up_b + ks * I_max * max_rank, gu, act, I, I_max, max_rank, act_code, alpha, limit);
+            __syncwarp();  // the warp's next chunk rewrites t
+        }
+        __syncthreads();  // the next sub-tile rewrites b
+    }
+}
+
+// grid (the last down GEMM's tile bound), block LORA_MMA_WARPS warps, LORA_MMA_WARPS 16 rp floats
+// of shared memory. The grouped path's lora_down_delta: for a tile's positions with an adapter, a
+// warp a chunk, t = s A act[pos], then yw = bf16(yw + w B t) (w: the pair's routing weight, 1 for
+// the shared expert, which the reduce scales).
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
+lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids,
+                        const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
+                        const int* __restrict__ sorted_row, const int* __restrict__ sorted_pair,
+                        const int* __restrict__ inter, const bf16* __restrict__ down_a,
+                        const bf16* __restrict__ down_b, const float* __restrict__ scale,
+                        const float* __restrict__ topk_w, bf16* __restrict__ yw, int H, int I_max, int n_local,
+                        int max_rank, int max_loras) {
+    __shared__ LoraBuckets b;
+    extern __shared__ __align__(16) float tw[];
+    if ((int)blockIdx.x >= *num_tiles) return;
+    const int4 ti = tile_info[blockIdx.x];
+    const int I = inter[ti.x], rp = (max_rank + 15) & ~15, warp = threadIdx.x >> 5, tig = threadIdx.x & 3;
+    float* t = tw + warp * 16 * rp;
+    for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
+        const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
+        lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
+        __syncthreads();
+        lora_bucket(b, m);
+        __syncthreads();
+        for (int c = warp; c < b.chunks; c += LORA_MMA_WARPS) {
+            const LoraRows r = lora_chunk_rows(b, c, pos0);
+            const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
+            const bf16* v0 = r.pos[0] < 0 ? nullptr : act + (size_t)r.pos[0] * I_max;
+            const bf16* v1 = r.pos[1] < 0 ? nullptr : act + (size_t)r.pos[1] * I_max;
+            const bf16* a0 = down_a + ks * max_rank * I_max;
+            lora_mma_shrink<1>(t, rp, a0, a0, scale[ks * 3 + 2], 0.f, v0, v1, I, I_max, max_rank);
+            float w[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) w[h] = r.pos[h] < 0 || ti.x == n_local ? 1.0f : topk_w[sorted_pair[r.pos[h]]];
+            const bf16* db = down_b + ks * H * max_rank;
+            for (int c0 = 0; c0 < H; c0 += 8) {
+                float d[4] = {};
+                lora_mma_expand(d, t, rp, db, c0, max_rank);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    if (r.pos[h] < 0) continue;
+                    unsigned* o = reinterpret_cast<unsigned*>(yw + (size_t)r.pos[h] * H + c0 + tig * 2);
+                    const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o));
+                    *o = pack_bf16x2(y.x + w[h] * d[2 * h], y.y + w[h] * d[2 * h + 1]);
+                }
+            }
+            __syncwarp();  // the warp's next chunk rewrites t
+        }
+        __syncthreads();  // the next sub-tile rewrites b
     }
 }

@@ -166,6 +166,43 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
     return replace(plan, steps=tuple(steps))
 
 
+LORA_MMA_THREADS = 128  # cuda/lora.cu LORA_MMA_WARPS warps: the grouped deltas' blocks
+LORA_STAGE = 2 * 16 * 8  # cuda/lora.cu LORA_STAGE: floats a warp stages g and u of an 8-column step in
+LORA_GROUPED_SMEM_MAX = 40 * 1024  # dynamic shared memory under the 48 KiB default, beside the static buckets
+
+
+def lora_grouped_smem(max_rank: int, gate_up: bool) -> int:
+    """The grouped deltas' dynamic shared memory: a warp's t of each projection ([16][rp] floats,
+    rp = max_rank rounded up to 16), and gate/up's staging of g and u."""
+    rp = -(-max_rank // 16) * 16
+    per_warp = (2 * 16 * rp + LORA_STAGE) if gate_up else 16 * rp
+    return LORA_MMA_THREADS // 32 * per_warp * 4
+
+
+def lora_grouped(plan: ForwardPlan, lora: LoraShape) -> bool:
+    """Whether the expert deltas go grouped (prefill, a block a GEMM tile, on tensor cores): the
+    prefill path, unless the rank's shared memory passes LORA_GROUPED_SMEM_MAX (the per-pair
+    kernels serve any rank). By path and rank alone, never by N, so row_invariant holds."""
+    return plan.path == Path.PREFILL and lora_grouped_smem(lora.max_rank, True) <= LORA_GROUPED_SMEM_MAX
+
+
+@dataclass(frozen=True)
+class TileList:
+    """A grouped GEMM launch's tile list: its num_tiles and tile_info arguments and its grid's
+    tile bound (a PerN in a bucket plan)."""
+
+    num_tiles: Arg
+    tile_info: Arg
+    bound: object
+
+
+def _tile_list(steps: list, stage: Stage) -> TileList:
+    """The tile list of the stage's last grouped GEMM (the one in scratch when the stage ends)."""
+    gemm = [s for s in steps if isinstance(s, Launch) and s.stage == stage
+            and {a.name for a in s.args} >= {"act_code", "tile_info"}][-1]
+    return TileList(u64("num_tiles", gemm.arg("num_tiles")), u64("tile_info", gemm.arg("tile_info")), gemm.grid[1])
+
+
 def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> list:
     """The experts' deltas: each gate/up GEMM launched once with ACT_PAIR (g and u into lora_gu:
     the fused activation leaves no hook), then lora_gate_up_act (the gate / up deltas and the
@@ -180,7 +217,11 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
             out.append(_pair(s))
         else:
             out.append(s)
-    gate_up_act, down = _expert_delta_launches(plan, lp, lora)
+    if lora_grouped(plan, lora):
+        gate_up_act, down = _grouped_delta_launches(_tile_list(out, Stage.GATE_UP), _tile_list(out, Stage.DOWN), lp,
+                                                    lora)
+    else:
+        gate_up_act, down = _expert_delta_launches(plan, lp, lora)
     out.insert(max(i for i, s in enumerate(out) if s.stage == Stage.GATE_UP) + 1, gate_up_act)
     out.insert(next(i for i, s in enumerate(out) if s.stage == Stage.REDUCE), down)
     return out
@@ -221,6 +262,31 @@ def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) ->
                   (u64("act", S("act")), *where, L("down_a"), L("down_b"), L("scale"), u64("topk_w", S("topk_w")),
                    u64("y", S("y")), u64("acc", S("acc")), u64("yw", S("yw")), *sizes, i32("mode", int(mode))),
                   (lora.max_rank + LORA_RED) * 4)
+    return gate_up, down
+
+
+def _grouped_delta_launches(gate_up_tiles: TileList, down_tiles: TileList, lp: LayerPlan,
+                            lora: LoraShape) -> tuple[Launch, Launch]:
+    """The prefill path's deltas, a block a tile of the GEMM before them (cuda/lora.cu,
+    lora_grouped_*): the same slots, inputs and outputs as lora_gate_up_act / lora_down_delta
+    in GROUPED mode."""
+    cfg = lp.cfg
+    L = lambda name: u64(name, Buf(Space.LAYER, "lora_" + name))  # noqa: E731  (lora_slots.LoraSlots.ptr)
+    sizes = (i32("H", cfg.hidden_size), i32("I_max", lp.i_max), i32("n_local", lp.n_local),
+             i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras))
+    gate_up = Launch(Stage.GATE_UP, "lora_grouped_gate_up_act", (gate_up_tiles.bound,), (LORA_MMA_THREADS,),
+                     (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X),
+                      u64("lora_ids", CallValue.LORA_IDS), gate_up_tiles.num_tiles, gate_up_tiles.tile_info,
+                      u64("sorted_row", S("sorted_row")), u64("inter", W("inter")),
+                      *(L(f"{p}_{m}") for p in ("gate", "up") for m in "ab"), L("scale"),
+                      u64("gu", S(LORA_GU)), u64("act", S("act")), *sizes,
+                      i32("act_code", Activation[cfg.hidden_act.upper()]), f32("alpha", cfg.swiglu_alpha),
+                      f32("limit", cfg.swiglu_limit)), lora_grouped_smem(lora.max_rank, True))
+    down = Launch(Stage.DOWN, "lora_grouped_down_delta", (down_tiles.bound,), (LORA_MMA_THREADS,),
+                  (u64("act", S("act")), u64("lora_ids", CallValue.LORA_IDS), down_tiles.num_tiles,
+                   down_tiles.tile_info, u64("sorted_row", S("sorted_row")), u64("sorted_pair", S("sorted_pair")),
+                   u64("inter", W("inter")), L("down_a"), L("down_b"), L("scale"), u64("topk_w", S("topk_w")),
+                   u64("yw", S("yw")), *sizes), lora_grouped_smem(lora.max_rank, False))
     return gate_up, down
 
 

@@ -14,7 +14,8 @@ import pytest
 from cupymoe import jit, testing
 from cupymoe.catalog import Activation, LoraDownMode
 from cupymoe.errors import LoraError, OptionError
-from cupymoe.forward_plan import LORA_RED, LoraShape, build_forward_plan
+from cupymoe.forward_plan import (LORA_MMA_THREADS, LORA_RED, LoraShape, build_forward_plan, lora_grouped,
+                                  lora_grouped_smem)
 from cupymoe.knobs import Knobs
 from cupymoe.lora_slots import check_options
 from cupymoe.plan import Buf, CallValue, DeviceFacts, LayerOptions, Path, Space, Stage, plan_layer
@@ -59,7 +60,10 @@ EXPERTS = LoraShape(max_loras=3, max_rank=16, experts=True)
 
 def _gate_up_gemms(plan):
     return [s for s in plan.steps if getattr(s, "stage", None) == Stage.GATE_UP and
-            any(a.name == "act_code" for a in getattr(s, "args", ())) and s.kernel != "lora_gate_up_act"]
+            any(a.name == "act_code" for a in getattr(s, "args", ())) and not s.kernel.startswith("lora_")]
+
+
+DELTAS = {False: ("lora_gate_up_act", "lora_down_delta"), True: ("lora_grouped_gate_up_act", "lora_grouped_down_delta")}
 
 
 @pytest.mark.parametrize("dev", [H200, A100], ids=["sm_90a", "sm_80"])
@@ -88,19 +92,36 @@ def test_expert_lora_plan(family, fmt, dev):
                 [a for a in b.args if a.name not in ("act_code", out)]
             assert (g.kernel, g.grid, g.pdl, g.smem) == (b.kernel, b.grid, b.pdl, b.smem)
         kinds = [getattr(s, "kernel", None) for s in plan.steps]
-        ga, dd = kinds.index("lora_gate_up_act"), kinds.index("lora_down_delta")
+        grouped = path == Path.PREFILL
+        ga, dd = (kinds.index(name) for name in DELTAS[grouped])
         assert plan.steps[ga - 1].stage == Stage.GATE_UP and plan.steps[ga + 1].stage != Stage.GATE_UP
         assert plan.steps[dd - 1].stage == Stage.DOWN and plan.steps[dd + 1].stage == Stage.REDUCE
         for i in (ga, dd):
             s = plan.steps[i]
-            assert s.kernel in names and not s.pdl and s.grid == (n * (cfg.num_experts_per_tok + sh),)
-            assert s.arg("lora_ids") == CallValue.LORA_IDS and s.arg("N") == n and s.arg("max_rank") == 16
-        assert plan.steps[dd].arg("mode") == mode[path] and plan.steps[ga].smem == (2 * 16 + LORA_RED) * 4
+            assert s.kernel in names and not s.pdl and s.arg("max_rank") == 16
+            assert s.arg("lora_ids") == CallValue.LORA_IDS
+        if grouped:
+            _check_grouped(plan, ga, dd, gemms)
+        else:
+            for i in (ga, dd):
+                assert plan.steps[i].grid == (n * (cfg.num_experts_per_tok + sh),) and plan.steps[i].arg("N") == n
+            assert plan.steps[dd].arg("mode") == mode[path] and plan.steps[ga].smem == (2 * 16 + LORA_RED) * 4
         assert plan.steps[ga].arg("gu") == Buf(Space.SCRATCH, "lora_gu")
         assert plan.steps[ga].arg("act") == plan.steps[dd].arg("act") == Buf(Space.SCRATCH, "act")
-        others = [s for s in plan.steps if s not in gemms and getattr(s, "kernel", "") not in
-                  ("lora_gate_up_act", "lora_down_delta")]
+        others = [s for s in plan.steps if s not in gemms and getattr(s, "kernel", "") not in DELTAS[grouped]]
         assert others == [s for s in router_only.steps if s not in base_gemms]
+
+
+def _check_grouped(plan, ga, dd, gemms):
+    """The grouped deltas: a block a tile of the GEMM right before (its tile list, its grid's tile
+    bound), 128 threads, a warp's t (and gate/up's staging) in shared memory; down adds into yw."""
+    down_gemm = plan.steps[dd - 1]
+    for delta, gemm in ((plan.steps[ga], gemms[-1]), (plan.steps[dd], down_gemm)):
+        assert delta.grid == (gemm.grid[1],) and delta.block == (LORA_MMA_THREADS,)
+        assert (delta.arg("num_tiles"), delta.arg("tile_info")) == (gemm.arg("num_tiles"), gemm.arg("tile_info"))
+    assert plan.steps[ga].smem == lora_grouped_smem(16, True) == 4 * (2 * 16 * 16 + 256) * 4
+    assert plan.steps[dd].smem == lora_grouped_smem(16, False) == 4 * 16 * 16 * 4
+    assert plan.steps[dd].arg("yw") == Buf(Space.SCRATCH, "yw")
 
 
 def test_expert_lora_plan_refuses_w8a8():
@@ -123,3 +144,19 @@ def test_lora_gu_scratch_only_with_expert_lora():
     assert "lora_gu" not in base.placements and "lora_u" not in with_gu.placements
     assert {k: v for k, v in with_gu.placements.items() if k != "lora_gu"} == base.placements
     assert with_gu.placements["lora_gu"].nbytes == 300 * (cfg.num_experts_per_tok + 1) * 2 * lp.i_max * 2
+
+
+def test_grouped_deltas_by_path_and_rank_alone():
+    """Prefill plans take the grouped deltas at every N (row_invariant: a row's kernels never
+    change with N), decode and atomic the per-pair ones; a rank whose warps' shared memory passes
+    the default cap falls back to the per-pair kernels on prefill too."""
+    cfg = testing.tiny_config("qwen3_moe")
+    lp = plan_layer(cfg, "bf16", None, "sm_90a", options=LayerOptions(decode_max_tokens=64), knobs=Knobs())
+    for path, n in ((Path.PREFILL, 1), (Path.PREFILL, 67), (Path.PREFILL, 1100), (Path.DECODE, 5), (Path.ATOMIC, 5)):
+        for rank, grouped in ((1, True), (16, True), (64, True), (65, False), (128, False)):
+            shape = LoraShape(max_loras=4, max_rank=rank, experts=True)
+            plan = build_forward_plan(lp, H200, n, path, lora=shape)
+            want = grouped and path == Path.PREFILL
+            assert lora_grouped(plan, shape) == want
+            kinds = {getattr(s, "kernel", None) for s in plan.at(n).steps}
+            assert set(DELTAS[want]) <= kinds and not set(DELTAS[not want]) & kinds, (path, n, rank)
