@@ -219,15 +219,17 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
 // ---------------------------------------------------------------------------------------------
 // The grouped (prefill) path's deltas: a block a tile of the grouped GEMMs' own tile list
 // (tile_info[t] = (table slot, first position, rows): consecutive positions of one expert). The
-// tile's positions are bucketed by adapter into chunks of at most 16 (lora_bucket) and a warp
-// takes a chunk: shrink and expand on tensor cores (mma.sync m16n8k16, bf16 operands, fp32
-// sums), so an adapter's A and B are read once a chunk of up to 16 rows, not once a pair. Each
-// mma row is its own row's sum, so a position's bits depend on its row and adapter alone
-// (row_invariant holds) whatever else shares its chunk.
+// tile's positions are bucketed by adapter into chunks of at most 16 (lora_bucket); the block's
+// warps take a chunk together on tensor cores (mma.sync m16n8k16, bf16 operands, fp32 sums): the
+// shrink split over the input columns (partial sums added in warp order), the expand over the
+// output columns, so an adapter's A and B are read once a chunk of up to 16 rows, not once a
+// pair. Each mma row is its own row's sum, so a position's bits depend on its row and adapter
+// alone (row_invariant holds) whatever else shares its chunk.
 // ---------------------------------------------------------------------------------------------
-#define LORA_MMA_WARPS 4
+#define LORA_MMA_WARPS 8
 #define LORA_SUB 128                                // positions a block buckets at once (taller tiles: passes)
 #define LORA_MAX_CHUNKS (LORA_SUB / 16 + LORA_SUB)  // full chunks, plus one partial chunk an adapter
+#define LORA_NC 2                                   // 8-column steps a warp has in flight in an expand
 
 // A sub-tile's positions by adapter: lid[i] of position pos0 + i (-1: none or an id >= K); list
 // holds the indices i adapter after adapter (ascending), in position order within one; chunk c is
@@ -290,22 +292,24 @@ __device__ __forceinline__ LoraRows lora_chunk_rows(const LoraBuckets& b, int c,
     return r;
 }
 
-// t_p[i][j] = scale_p * A_p[j, :len] . v_i for the chunk's rows i (the lane's v[0]: row g, v[1]:
-// row g + 8; null past the chunk) and ranks j < max_rank rounded up to 16 (zero past max_rank),
-// NP projections at once (gate and up share x's loads); t_p is [16][rp] floats at t + 16 rp p.
+// This warp's part of a chunk's shrink: for the chunk's rows i (the lane's v0: row g, v1: row
+// g + 8; null past the chunk) and ranks j < max_rank rounded up to 16 (zero past max_rank),
+// part[p][i][j] = A_p[j, cols] . v_i[cols] over the warp's columns 32 (warp + LORA_MMA_WARPS s),
+// NP projections at once (gate and up share x's loads); part_p is [16][rp] floats at part + 16 rp p.
 // A k step of two mmas covers 32 columns, permuted alike in both operands (a lane's 16-byte
 // vectors of its rows and its rank rows hold columns 8 tig .. 8 tig + 7), so a fragment is one
 // load. len and stride are multiples of 8, so a vector that starts below len ends by it.
 template <int NP>
-__device__ __forceinline__ void lora_mma_shrink(float* t, int rp, const bf16* a0, const bf16* a1, float s0, float s1,
-                                                const bf16* v0, const bf16* v1, int len, int stride, int max_rank) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+__device__ __forceinline__ void lora_mma_shrink_part(float* part, int rp, const bf16* a0, const bf16* a1,
+                                                     const bf16* v0, const bf16* v1, int len, int stride,
+                                                     int max_rank) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3, warp = threadIdx.x >> 5;
     const uint4 z = make_uint4(0u, 0u, 0u, 0u);
     for (int kc = 0; kc < max_rank; kc += 16) {
         float c[NP][2][4] = {};
         const int ra = kc + g, rb = kc + 8 + g;  // the B fragments' ranks (n = g) of the two n8 tiles
-#pragma unroll 1  // unrolled, ptxas spills lora_grouped_gate_up_act
-        for (int h0 = 0; h0 < len; h0 += 32) {
+#pragma unroll 2  // two steps' loads in flight
+        for (int h0 = warp * 32; h0 < len; h0 += LORA_MMA_WARPS * 32) {
             const int h = h0 + tig * 8;
             const bool in = h < len;
             const uint4 x0 = in && v0 ? load_bf16x8(v0 + h).raw : z;
@@ -324,18 +328,26 @@ __device__ __forceinline__ void lora_mma_shrink(float* t, int rp, const bf16* a0
         }
 #pragma unroll
         for (int p = 0; p < NP; ++p) {  // C fragment: rows g (c0, c1), g + 8 (c2, c3); ranks kc + 8 nt + 2 tig, + 1
-            const float sp = p == 0 ? s0 : s1;
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
-                float* tp = t + p * 16 * rp + kc + nt * 8 + tig * 2;
-                tp[g * rp] = c[p][nt][0] * sp;
-                tp[g * rp + 1] = c[p][nt][1] * sp;
-                tp[(g + 8) * rp] = c[p][nt][2] * sp;
-                tp[(g + 8) * rp + 1] = c[p][nt][3] * sp;
+                float* tp = part + p * 16 * rp + kc + nt * 8 + tig * 2;
+                tp[g * rp] = c[p][nt][0];
+                tp[g * rp + 1] = c[p][nt][1];
+                tp[(g + 8) * rp] = c[p][nt][2];
+                tp[(g + 8) * rp + 1] = c[p][nt][3];
             }
         }
     }
-    __syncwarp();
+}
+
+// t[e] = scale of e's projection * the warps' parts of e added in warp order (n = NP 16 rp
+// floats a part; e < 16 rp: projection 0).
+__device__ __forceinline__ void lora_sum_parts(float* t, const float* parts, int n, int rp, float s0, float s1) {
+    for (int e = threadIdx.x; e < n; e += blockDim.x) {
+        float s = 0.f;
+        for (int w = 0; w < LORA_MMA_WARPS; ++w) s += parts[w * n + e];
+        t[e] = s * (e < 16 * rp ? s0 : s1);
+    }
 }
 
 // (a, b) as a bf16 pair and the bf16 pair of what that rounding left: t = hi + lo to ~16 bits.
@@ -376,16 +388,33 @@ __device__ __forceinline__ uint2 lora_b_frag(const bf16* __restrict__ b, int c, 
     return make_uint2(e[0] | e[1] << 16, e[2] | e[3] << 16);
 }
 
-// One 8-column step of an expand: d (C fragment: rows g, g + 8; columns c0 + 2 tig, + 1) += B t.
-__device__ __forceinline__ void lora_mma_expand(float (&d)[4], const float* t, int rp, const bf16* __restrict__ b,
-                                                int c0, int max_rank) {
+// LORA_NC 8-column steps of an expand at once: d[j] (C fragment: rows g, g + 8; columns
+// c0[j] + 2 tig, + 1) = B t, for the steps whose columns exist (c0[j] < cols).
+__device__ __forceinline__ void lora_mma_expand(float (&d)[LORA_NC][4], const float* t, int rp,
+                                                const bf16* __restrict__ b, const int (&c0)[LORA_NC], int cols,
+                                                int max_rank) {
     const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int j = 0; j < LORA_NC; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
     for (int kc = 0; kc < max_rank; kc += 16) {
         const LoraFrag f = lora_t_frag(t, rp, kc);
-        const uint2 bf = lora_b_frag(b, c0 + g, kc + tig * 4, max_rank);
-        mma_bf16(d, f.hi, bf.x, bf.y);
-        mma_bf16(d, f.lo, bf.x, bf.y);
+        uint2 bf[LORA_NC];
+#pragma unroll
+        for (int j = 0; j < LORA_NC; ++j)
+            bf[j] = c0[j] < cols ? lora_b_frag(b, c0[j] + g, kc + tig * 4, max_rank) : make_uint2(0u, 0u);
+#pragma unroll
+        for (int j = 0; j < LORA_NC; ++j) {
+            mma_bf16(d[j], f.hi, bf[j].x, bf[j].y);
+            mma_bf16(d[j], f.lo, bf[j].x, bf[j].y);
+        }
     }
+}
+
+// The warp's column steps s, s + LORA_MMA_WARPS, ... of round i (8-column steps).
+__device__ __forceinline__ void lora_round_cols(int (&c0)[LORA_NC], int round) {
+    const int warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int j = 0; j < LORA_NC; ++j) c0[j] = (warp + LORA_MMA_WARPS * (round * LORA_NC + j)) * 8;
 }
 
 // act = bf16(act(g, u)) for the sub-tile's positions without an adapter, two columns a step.
@@ -405,55 +434,83 @@ __device__ __forceinline__ void lora_plain_act(const LoraBuckets& b, const bf16*
     }
 }
 
-#define LORA_STAGE (2 * 16 * 8)  // floats a warp stages a chunk's g and u of one 8-column step in
+#define LORA_STAGE (2 * 16 * 8 * LORA_NC)  // floats a warp stages g and u of a round's columns in
+static_assert(LORA_STAGE <= 2 * 16 * 16, "the staging must fit in a warp's gate/up part at rank 16");
 
-// A chunk's act: g + B_g t_g and u + B_u t_u on tensor cores, 8 columns a step, staged in the
-// warp's gs ([2][16][8] floats: g, then u) so that one activation site (a lane 4 elements)
-// stores bf16(act(g, u)); an activation inlined a fragment element made ptxas spill.
+// A chunk's act, the warp's rounds of columns: g + B_g t_g and u + B_u t_u on tensor cores,
+// staged in the warp's gs ([2][16][8 LORA_NC] floats: g, then u) so that one activation site
+// (a lane an element at a time) stores bf16(act(g, u)); an activation inlined a fragment element
+// made ptxas spill.
 __device__ __forceinline__ void lora_chunk_act(const float* t, int rp, float* gs, const LoraBuckets& b, int ch,
                                                int pos0, const LoraRows& r, const bf16* __restrict__ gb,
                                                const bf16* __restrict__ ub, const bf16* __restrict__ gu,
                                                bf16* __restrict__ act, int I, int I_max, int max_rank, int act_code,
                                                float alpha, float limit) {
     const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-    for (int c0 = 0; c0 < I; c0 += 8) {
-        float dg[4] = {}, du[4] = {};
-        for (int kc = 0; kc < max_rank; kc += 16) {
-            const uint2 bg = lora_b_frag(gb, c0 + g, kc + tig * 4, max_rank);
-            const uint2 bu = lora_b_frag(ub, c0 + g, kc + tig * 4, max_rank);
-            LoraFrag f = lora_t_frag(t, rp, kc);
-            mma_bf16(dg, f.hi, bg.x, bg.y);
-            mma_bf16(dg, f.lo, bg.x, bg.y);
-            f = lora_t_frag(t + 16 * rp, rp, kc);
-            mma_bf16(du, f.hi, bu.x, bu.y);
-            mma_bf16(du, f.lo, bu.x, bu.y);
-        }
+    constexpr int W = 8 * LORA_NC;  // staged columns a round
+    for (int round = 0;; ++round) {
+        int c0[LORA_NC];
+        lora_round_cols(c0, round);
+        if (c0[0] >= I) break;
+        float dg[LORA_NC][4], du[LORA_NC][4];
+        lora_mma_expand(dg, t, rp, gb, c0, I, max_rank);
+        lora_mma_expand(du, t + 16 * rp, rp, ub, c0, I, max_rank);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if (r.pos[h] < 0) continue;
-            const bf16* row = gu + (size_t)r.pos[h] * 2 * I_max + c0 + tig * 2;
-            const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row));
-            const float2 uv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + I_max));
-            float* o = gs + (g + 8 * h) * 8 + tig * 2;
-            o[0] = gv.x + dg[2 * h];
-            o[1] = gv.y + dg[2 * h + 1];
-            o[128] = uv.x + du[2 * h];
-            o[129] = uv.y + du[2 * h + 1];
+        for (int j = 0; j < LORA_NC; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (r.pos[h] < 0 || c0[j] >= I) continue;
+                const bf16* row = gu + (size_t)r.pos[h] * 2 * I_max + c0[j] + tig * 2;
+                const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row));
+                const float2 uv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + I_max));
+                float* o = gs + (g + 8 * h) * W + 8 * j + tig * 2;
+                o[0] = gv.x + dg[j][2 * h];
+                o[1] = gv.y + dg[j][2 * h + 1];
+                o[16 * W] = uv.x + du[j][2 * h];
+                o[16 * W + 1] = uv.y + du[j][2 * h + 1];
+            }
         }
         __syncwarp();
-        for (int e = lane; e < b.rows[ch] * 8; e += 32) {
-            const int pos = pos0 + b.list[b.first[ch] + (e >> 3)];
-            act[(size_t)pos * I_max + c0 + (e & 7)] =
-                __float2bfloat16(apply_activation(act_code, gs[e], gs[128 + e], alpha, limit));
+        for (int e = lane; e < b.rows[ch] * W; e += 32) {
+            const int i = e / W, j = (e % W) >> 3, c = c0[0] + LORA_MMA_WARPS * 8 * j + (e & 7);
+            if (c >= I) continue;
+            const int pos = pos0 + b.list[b.first[ch] + i];
+            act[(size_t)pos * I_max + c] = __float2bfloat16(apply_activation(act_code, gs[e], gs[16 * W + e], alpha, limit));
         }
-        __syncwarp();  // gs is rewritten by the next step
+        __syncwarp();  // gs is rewritten by the next round
     }
 }
 
-// grid (the last gate/up GEMM's tile bound), block LORA_MMA_WARPS warps, LORA_MMA_WARPS (2 16 rp
-// + LORA_STAGE) floats of shared memory (rp: max_rank rounded up to 16). The grouped path's lora_gate_up_act
-// (same slots and outputs): a tile's positions without an adapter get act(g, u); those with
-// one, a warp a chunk, t = s A x_e for gate and up, then act(g + B_g t_g, u + B_u t_u).
+// A chunk's down delta, the warp's rounds of columns: yw = bf16(yw + w B t) (w[h]: the lane's
+// rows' routing weights).
+__device__ __forceinline__ void lora_chunk_down(const float* t, int rp, const LoraRows& r, const float (&w)[2],
+                                                const bf16* __restrict__ db, bf16* __restrict__ yw, int H,
+                                                int max_rank) {
+    const int tig = threadIdx.x & 3;
+    for (int round = 0;; ++round) {
+        int c0[LORA_NC];
+        lora_round_cols(c0, round);
+        if (c0[0] >= H) break;
+        float d[LORA_NC][4];
+        lora_mma_expand(d, t, rp, db, c0, H, max_rank);
+#pragma unroll
+        for (int j = 0; j < LORA_NC; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (r.pos[h] < 0 || c0[j] >= H) continue;
+                unsigned* o = reinterpret_cast<unsigned*>(yw + (size_t)r.pos[h] * H + c0[j] + tig * 2);
+                const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o));
+                *o = pack_bf16x2(y.x + w[h] * d[j][2 * h], y.y + w[h] * d[j][2 * h + 1]);
+            }
+        }
+    }
+}
+
+// grid (the last gate/up GEMM's tile bound), block LORA_MMA_WARPS warps, shared memory
+// (LORA_MMA_WARPS + 1) 2 16 rp floats (rp: max_rank rounded up to 16; the warps' partial t, then
+// t; the staging of lora_chunk_act reuses the parts). The grouped path's lora_gate_up_act (same
+// slots and outputs): a tile's positions without an adapter get act(g, u); those with one, a
+// chunk at a time, t = s A x_e for gate and up, then act(g + B_g t_g, u + B_u t_u).
 __global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
 lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
                          const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
@@ -464,12 +521,13 @@ lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe
                          int H, int I_max, int n_local, int max_rank, int max_loras, int act_code, float alpha,
                          float limit) {
     __shared__ LoraBuckets b;
-    extern __shared__ __align__(16) float tw[];
+    extern __shared__ __align__(16) float parts[];
     if ((int)blockIdx.x >= *num_tiles) return;
     const int4 ti = tile_info[blockIdx.x];
-    const int I = inter[ti.x], rp = (max_rank + 15) & ~15, warp = threadIdx.x >> 5;
+    const int I = inter[ti.x], rp = (max_rank + 15) & ~15, n = 2 * 16 * rp;
     const bf16* in = ti.x == n_local ? x : xe;  // the shared expert reads x
-    float* t = tw + warp * (2 * 16 * rp + LORA_STAGE);
+    float* t = parts + LORA_MMA_WARPS * n;
+    float* gs = parts + (threadIdx.x >> 5) * LORA_STAGE;
     for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
         const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
         lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
@@ -477,26 +535,27 @@ lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe
         lora_bucket(b, m);
         lora_plain_act(b, gu, act, pos0, m, I, I_max, act_code, alpha, limit);
         __syncthreads();
-        for (int c = warp; c < b.chunks; c += LORA_MMA_WARPS) {
+        for (int c = 0; c < b.chunks; ++c) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
             const bf16* v0 = r.pos[0] < 0 ? nullptr : in + (size_t)sorted_row[r.pos[0]] * H;
             const bf16* v1 = r.pos[1] < 0 ? nullptr : in + (size_t)sorted_row[r.pos[1]] * H;
-            const bf16* ga = gate_a + ks * max_rank * H;
-            const bf16* ua = up_a + ks * max_rank * H;
-            lora_mma_shrink<2>(t, rp, ga, ua, scale[ks * 3], scale[ks * 3 + 1], v0, v1, H, H, max_rank);
-            lora_chunk_act(t, rp, t + 2 * 16 * rp, b, c, pos0, r, gate_b + ks * I_max * max_rank,
-                           up_b + ks * I_max * max_rank, gu, act, I, I_max, max_rank, act_code, alpha, limit);
-            __syncwarp();  // the warp's next chunk rewrites t
+            lora_mma_shrink_part<2>(parts + (threadIdx.x >> 5) * n, rp, gate_a + ks * max_rank * H,
+                                    up_a + ks * max_rank * H, v0, v1, H, H, max_rank);
+            __syncthreads();
+            lora_sum_parts(t, parts, n, rp, scale[ks * 3], scale[ks * 3 + 1]);
+            __syncthreads();
+            lora_chunk_act(t, rp, gs, b, c, pos0, r, gate_b + ks * I_max * max_rank, up_b + ks * I_max * max_rank,
+                           gu, act, I, I_max, max_rank, act_code, alpha, limit);
+            __syncthreads();  // the next chunk's parts overwrite the staging
         }
-        __syncthreads();  // the next sub-tile rewrites b
     }
 }
 
-// grid (the last down GEMM's tile bound), block LORA_MMA_WARPS warps, LORA_MMA_WARPS 16 rp floats
-// of shared memory. The grouped path's lora_down_delta: for a tile's positions with an adapter, a
-// warp a chunk, t = s A act[pos], then yw = bf16(yw + w B t) (w: the pair's routing weight, 1 for
-// the shared expert, which the reduce scales).
+// grid (the last down GEMM's tile bound), block LORA_MMA_WARPS warps, shared memory
+// (LORA_MMA_WARPS + 1) 16 rp floats. The grouped path's lora_down_delta: for a tile's positions
+// with an adapter, a chunk at a time, t = s A act[pos], then yw = bf16(yw + w B t) (w: the
+// pair's routing weight, 1 for the shared expert, which the reduce scales).
 __global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
 lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids,
                         const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
@@ -506,41 +565,32 @@ lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lo
                         const float* __restrict__ topk_w, bf16* __restrict__ yw, int H, int I_max, int n_local,
                         int max_rank, int max_loras) {
     __shared__ LoraBuckets b;
-    extern __shared__ __align__(16) float tw[];
+    extern __shared__ __align__(16) float parts[];
     if ((int)blockIdx.x >= *num_tiles) return;
     const int4 ti = tile_info[blockIdx.x];
-    const int I = inter[ti.x], rp = (max_rank + 15) & ~15, warp = threadIdx.x >> 5, tig = threadIdx.x & 3;
-    float* t = tw + warp * 16 * rp;
+    const int I = inter[ti.x], rp = (max_rank + 15) & ~15, n = 16 * rp;
+    float* t = parts + LORA_MMA_WARPS * n;
     for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
         const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
         lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
         __syncthreads();
         lora_bucket(b, m);
         __syncthreads();
-        for (int c = warp; c < b.chunks; c += LORA_MMA_WARPS) {
+        for (int c = 0; c < b.chunks; ++c) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
             const bf16* v0 = r.pos[0] < 0 ? nullptr : act + (size_t)r.pos[0] * I_max;
             const bf16* v1 = r.pos[1] < 0 ? nullptr : act + (size_t)r.pos[1] * I_max;
             const bf16* a0 = down_a + ks * max_rank * I_max;
-            lora_mma_shrink<1>(t, rp, a0, a0, scale[ks * 3 + 2], 0.f, v0, v1, I, I_max, max_rank);
+            lora_mma_shrink_part<1>(parts + (threadIdx.x >> 5) * n, rp, a0, a0, v0, v1, I, I_max, max_rank);
+            __syncthreads();
+            lora_sum_parts(t, parts, n, rp, scale[ks * 3 + 2], 0.f);
+            __syncthreads();
             float w[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) w[h] = r.pos[h] < 0 || ti.x == n_local ? 1.0f : topk_w[sorted_pair[r.pos[h]]];
-            const bf16* db = down_b + ks * H * max_rank;
-            for (int c0 = 0; c0 < H; c0 += 8) {
-                float d[4] = {};
-                lora_mma_expand(d, t, rp, db, c0, max_rank);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    if (r.pos[h] < 0) continue;
-                    unsigned* o = reinterpret_cast<unsigned*>(yw + (size_t)r.pos[h] * H + c0 + tig * 2);
-                    const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o));
-                    *o = pack_bf16x2(y.x + w[h] * d[2 * h], y.y + w[h] * d[2 * h + 1]);
-                }
-            }
-            __syncwarp();  // the warp's next chunk rewrites t
+            lora_chunk_down(t, rp, r, w, down_b + ks * H * max_rank, yw, H, max_rank);
+            __syncthreads();  // the next chunk's sum rewrites t
         }
-        __syncthreads();  // the next sub-tile rewrites b
     }
 }

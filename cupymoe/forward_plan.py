@@ -166,24 +166,27 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
     return replace(plan, steps=tuple(steps))
 
 
-LORA_MMA_THREADS = 128  # cuda/lora.cu LORA_MMA_WARPS warps: the grouped deltas' blocks
-LORA_STAGE = 2 * 16 * 8  # cuda/lora.cu LORA_STAGE: floats a warp stages g and u of an 8-column step in
+LORA_MMA_WARPS = 8  # cuda/lora.cu LORA_MMA_WARPS: the grouped deltas' blocks
 LORA_GROUPED_SMEM_MAX = 40 * 1024  # dynamic shared memory under the 48 KiB default, beside the static buckets
 
 
 def lora_grouped_smem(max_rank: int, gate_up: bool) -> int:
-    """The grouped deltas' dynamic shared memory: a warp's t of each projection ([16][rp] floats,
-    rp = max_rank rounded up to 16), and gate/up's staging of g and u."""
+    """The grouped deltas' dynamic shared memory: each warp's partial t and the summed t, [16][rp]
+    floats a projection (rp = max_rank rounded up to 16; gate/up's staging reuses the parts)."""
     rp = -(-max_rank // 16) * 16
-    per_warp = (2 * 16 * rp + LORA_STAGE) if gate_up else 16 * rp
-    return LORA_MMA_THREADS // 32 * per_warp * 4
+    return (LORA_MMA_WARPS + 1) * (2 if gate_up else 1) * 16 * rp * 4
 
 
-def lora_grouped(plan: ForwardPlan, lora: LoraShape) -> bool:
-    """Whether the expert deltas go grouped (prefill, a block a GEMM tile, on tensor cores): the
-    prefill path, unless the rank's shared memory passes LORA_GROUPED_SMEM_MAX (the per-pair
-    kernels serve any rank). By path and rank alone, never by N, so row_invariant holds."""
-    return plan.path == Path.PREFILL and lora_grouped_smem(lora.max_rank, True) <= LORA_GROUPED_SMEM_MAX
+def lora_grouped(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> bool:
+    """Whether the expert deltas go grouped (a block a GEMM tile, on tensor cores): on the prefill
+    path past the one-block sort's pairs (fewer rows leave a tile a chunk or two, which the
+    per-pair kernels' 256 threads a pair finish sooner), and at every prefill N of a row-invariant
+    layer (whose rows' kernels must not change with N); never where the rank's shared memory
+    passes LORA_GROUPED_SMEM_MAX (the per-pair kernels serve any rank). A bucket plan's shape
+    fixes the choice, so every N of a bucket runs the same kernels."""
+    if plan.path != Path.PREFILL or lora_grouped_smem(lora.max_rank, True) > LORA_GROUPED_SMEM_MAX:
+        return False
+    return lp.row_invariant or not plan.shape.one_block_sort
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,7 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
             out.append(_pair(s))
         else:
             out.append(s)
-    if lora_grouped(plan, lora):
+    if lora_grouped(plan, lp, lora):
         gate_up_act, down = _grouped_delta_launches(_tile_list(out, Stage.GATE_UP), _tile_list(out, Stage.DOWN), lp,
                                                     lora)
     else:
@@ -274,7 +277,7 @@ def _grouped_delta_launches(gate_up_tiles: TileList, down_tiles: TileList, lp: L
     L = lambda name: u64(name, Buf(Space.LAYER, "lora_" + name))  # noqa: E731  (lora_slots.LoraSlots.ptr)
     sizes = (i32("H", cfg.hidden_size), i32("I_max", lp.i_max), i32("n_local", lp.n_local),
              i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras))
-    gate_up = Launch(Stage.GATE_UP, "lora_grouped_gate_up_act", (gate_up_tiles.bound,), (LORA_MMA_THREADS,),
+    gate_up = Launch(Stage.GATE_UP, "lora_grouped_gate_up_act", (gate_up_tiles.bound,), (LORA_MMA_WARPS * 32,),
                      (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X),
                       u64("lora_ids", CallValue.LORA_IDS), gate_up_tiles.num_tiles, gate_up_tiles.tile_info,
                       u64("sorted_row", S("sorted_row")), u64("inter", W("inter")),
@@ -282,7 +285,7 @@ def _grouped_delta_launches(gate_up_tiles: TileList, down_tiles: TileList, lp: L
                       u64("gu", S(LORA_GU)), u64("act", S("act")), *sizes,
                       i32("act_code", Activation[cfg.hidden_act.upper()]), f32("alpha", cfg.swiglu_alpha),
                       f32("limit", cfg.swiglu_limit)), lora_grouped_smem(lora.max_rank, True))
-    down = Launch(Stage.DOWN, "lora_grouped_down_delta", (down_tiles.bound,), (LORA_MMA_THREADS,),
+    down = Launch(Stage.DOWN, "lora_grouped_down_delta", (down_tiles.bound,), (LORA_MMA_WARPS * 32,),
                   (u64("act", S("act")), u64("lora_ids", CallValue.LORA_IDS), down_tiles.num_tiles,
                    down_tiles.tile_info, u64("sorted_row", S("sorted_row")), u64("sorted_pair", S("sorted_pair")),
                    u64("inter", W("inter")), L("down_a"), L("down_b"), L("scale"), u64("topk_w", S("topk_w")),

@@ -14,7 +14,7 @@ import pytest
 from cupymoe import jit, testing
 from cupymoe.catalog import Activation, LoraDownMode
 from cupymoe.errors import LoraError, OptionError
-from cupymoe.forward_plan import (LORA_MMA_THREADS, LORA_RED, LoraShape, build_forward_plan, lora_grouped,
+from cupymoe.forward_plan import (LORA_MMA_WARPS, LORA_RED, LoraShape, build_forward_plan, lora_grouped,
                                   lora_grouped_smem)
 from cupymoe.knobs import Knobs
 from cupymoe.lora_slots import check_options
@@ -92,7 +92,7 @@ def test_expert_lora_plan(family, fmt, dev):
                 [a for a in b.args if a.name not in ("act_code", out)]
             assert (g.kernel, g.grid, g.pdl, g.smem) == (b.kernel, b.grid, b.pdl, b.smem)
         kinds = [getattr(s, "kernel", None) for s in plan.steps]
-        grouped = path == Path.PREFILL
+        grouped = lora_grouped(plan, lp, EXPERTS)
         ga, dd = (kinds.index(name) for name in DELTAS[grouped])
         assert plan.steps[ga - 1].stage == Stage.GATE_UP and plan.steps[ga + 1].stage != Stage.GATE_UP
         assert plan.steps[dd - 1].stage == Stage.DOWN and plan.steps[dd + 1].stage == Stage.REDUCE
@@ -114,13 +114,13 @@ def test_expert_lora_plan(family, fmt, dev):
 
 def _check_grouped(plan, ga, dd, gemms):
     """The grouped deltas: a block a tile of the GEMM right before (its tile list, its grid's tile
-    bound), 128 threads, a warp's t (and gate/up's staging) in shared memory; down adds into yw."""
+    bound), 8 warps, the warps' partial t and the summed t in shared memory; down adds into yw."""
     down_gemm = plan.steps[dd - 1]
     for delta, gemm in ((plan.steps[ga], gemms[-1]), (plan.steps[dd], down_gemm)):
-        assert delta.grid == (gemm.grid[1],) and delta.block == (LORA_MMA_THREADS,)
+        assert delta.grid == (gemm.grid[1],) and delta.block == (LORA_MMA_WARPS * 32,)
         assert (delta.arg("num_tiles"), delta.arg("tile_info")) == (gemm.arg("num_tiles"), gemm.arg("tile_info"))
-    assert plan.steps[ga].smem == lora_grouped_smem(16, True) == 4 * (2 * 16 * 16 + 256) * 4
-    assert plan.steps[dd].smem == lora_grouped_smem(16, False) == 4 * 16 * 16 * 4
+    assert plan.steps[ga].smem == lora_grouped_smem(16, True) == 9 * 2 * 16 * 16 * 4
+    assert plan.steps[dd].smem == lora_grouped_smem(16, False) == 9 * 16 * 16 * 4
     assert plan.steps[dd].arg("yw") == Buf(Space.SCRATCH, "yw")
 
 
@@ -146,17 +146,25 @@ def test_lora_gu_scratch_only_with_expert_lora():
     assert with_gu.placements["lora_gu"].nbytes == 300 * (cfg.num_experts_per_tok + 1) * 2 * lp.i_max * 2
 
 
-def test_grouped_deltas_by_path_and_rank_alone():
-    """Prefill plans take the grouped deltas at every N (row_invariant: a row's kernels never
-    change with N), decode and atomic the per-pair ones; a rank whose warps' shared memory passes
-    the default cap falls back to the per-pair kernels on prefill too."""
+def test_grouped_deltas_by_path_rows_and_rank():
+    """Prefill plans past the one-block sort take the grouped deltas, fewer rows and decode /
+    atomic the per-pair ones; a row-invariant layer's prefill plans take them at every N (a
+    row's kernels never change with N); a rank whose warps' shared memory passes the default cap
+    falls back to the per-pair kernels."""
     cfg = testing.tiny_config("qwen3_moe")
-    lp = plan_layer(cfg, "bf16", None, "sm_90a", options=LayerOptions(decode_max_tokens=64), knobs=Knobs())
-    for path, n in ((Path.PREFILL, 1), (Path.PREFILL, 67), (Path.PREFILL, 1100), (Path.DECODE, 5), (Path.ATOMIC, 5)):
-        for rank, grouped in ((1, True), (16, True), (64, True), (65, False), (128, False)):
-            shape = LoraShape(max_loras=4, max_rank=rank, experts=True)
-            plan = build_forward_plan(lp, H200, n, path, lora=shape)
-            want = grouped and path == Path.PREFILL
-            assert lora_grouped(plan, shape) == want
-            kinds = {getattr(s, "kernel", None) for s in plan.at(n).steps}
-            assert set(DELTAS[want]) <= kinds and not set(DELTAS[not want]) & kinds, (path, n, rank)
+    for invariant in (False, True):
+        lp = plan_layer(cfg, "bf16", None, "sm_90a", knobs=Knobs(),
+                        options=LayerOptions(row_invariant=invariant, decode_max_tokens=None if invariant else 64))
+        paths = ((Path.PREFILL, 1), (Path.PREFILL, 67), (Path.PREFILL, 1100))
+        if not invariant:
+            paths += ((Path.DECODE, 5), (Path.ATOMIC, 5))
+        for path, n in paths:
+            for rank, fits in ((1, True), (16, True), (32, True), (33, False), (64, False)):
+                shape = LoraShape(max_loras=4, max_rank=rank, experts=True)
+                plan = build_forward_plan(lp, H200, n, path, lora=shape)
+                many = plan.shape is not None and not plan.shape.one_block_sort
+                want = fits and path == Path.PREFILL and (invariant or many)
+                assert lora_grouped(plan, lp, shape) == want
+                kinds = {getattr(s, "kernel", None) for s in plan.at(n).steps}
+                assert set(DELTAS[want]) <= kinds and not set(DELTAS[not want]) & kinds, (path, n, rank)
+    assert not build_forward_plan(lp, H200, 1100, Path.PREFILL).shape.one_block_sort  # both kinds were seen
