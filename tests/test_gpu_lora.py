@@ -366,3 +366,110 @@ def test_the_torch_module_passes_lora_ids_bit_for_bit(rng):
     g.replay()
     torch.cuda.synchronize()
     assert np.array_equal(bits_to_f32(out.view(torch.int16).cpu().numpy().view(np.uint16)), want)
+
+
+# --- the grouped (prefill) deltas: lora_grouped_gate_up_act / lora_grouped_down_delta ----------
+
+def _grouped_layer(cfg, hw, max_rank, **kw):
+    from cupymoe import MoeLayer
+
+    if not kw.get("row_invariant"):
+        kw.setdefault("decode_max_tokens", 64)
+        kw.setdefault("atomic_max_tokens", 64)
+    return MoeLayer(cfg, hw, max_tokens=1100, max_loras=4, max_lora_rank=max_rank, **kw)
+
+
+def _ranked_adapters(cfg, rng, max_rank):
+    """Four adapters of different ranks (max_rank, 3, 1 and one on two experts only, so that most
+    experts' segments of slot 3 are empty), every module."""
+    return {0: random_lora(cfg, rng, rank=max_rank, targets=ALL_TARGETS, size=0.3),
+            1: random_lora(cfg, rng, rank=3, targets=ALL_TARGETS, size=0.5),
+            2: random_lora(cfg, rng, rank=1, targets=ALL_TARGETS, size=0.4),
+            3: random_lora(cfg, rng, rank=2, targets=ALL_TARGETS, experts=[0, 1], size=0.5)}
+
+
+def _prefill_uses_grouped(layer, n, max_rank):
+    from cupymoe.forward_plan import LoraShape, build_forward_plan
+    from cupymoe.plan import Path
+
+    plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=LoraShape(4, max_rank, True)).at(n)
+    kinds = {getattr(s, "kernel", None) for s in plan.steps}
+    return {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} <= kinds
+
+
+@pytest.mark.parametrize("max_rank, invariant", [(16, True), (12, True), (5, True), (16, False)])
+def test_grouped_deltas_awkward_n(max_rank, invariant, rng):
+    """The prefill path's grouped deltas at awkward N (tiles of 1 row, partial 16-row chunks, tiles
+    over LORA_SUB = 128 rows at 1100), ids -1 mixed with four adapters of ranks max_rank, 3, 1, 2
+    (B rows of max_rank 5 and 12 read by the unaligned fragment loads), output poisoned first. A
+    row-invariant layer runs them at every prefill N; a plain one past the one-block sort (the
+    per-pair kernels below it)."""
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _grouped_layer(cfg, hw, max_rank, row_invariant=invariant)
+    adapters = _ranked_adapters(cfg, rng, max_rank)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    for n in (1, 5, 67, 300, 1100):
+        assert _prefill_uses_grouped(layer, n, max_rank) == (invariant or n * cfg.num_experts_per_tok > 1024)
+        ids = rng.integers(-1, 4, n).astype(np.int32)
+        ids[: min(n, 5)] = [-1, 0, 1, 2, 3][: min(n, 5)]
+        x = separated_input(cfg, hw, rng, n, adapters, ids)
+        judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"),
+              f"grouped r{max_rank} N={n}", layer)
+    layer.check_errors()
+
+
+def test_grouped_deltas_one_expert_takes_most_rows(rng):
+    """Near-copies of one row route alike: a few experts get ~all 600 rows (tiles of many
+    LORA_SUB passes, chunks of one adapter back to back); the shared expert's run too."""
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _grouped_layer(cfg, hw, 16, row_invariant=True), _ranked_adapters(cfg, rng, 16)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    n = 600
+    ids = np.resize(np.array([0, 1, -1, 2, 0, 3], np.int32), n)
+    base = testing.random_input(rng, 1, cfg.hidden_size)
+    x = (base + 0.01 * testing.random_input(rng, n, cfg.hidden_size)).astype(base.dtype)
+    routing = reference.route(cfg, hw, x, lora=adapters, lora_ids=ids)
+    keep = routing.margin >= ROUTING_MARGIN
+    x, ids = x[keep], ids[keep]
+    assert x.shape[0] > n // 2, "the near-copies should route with a clear margin"
+    counts = np.bincount(reference.route(cfg, hw, x, lora=adapters, lora_ids=ids).ids.ravel(),
+                         minlength=cfg.num_experts)
+    assert counts.max() > 128
+    judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(x.shape[0], "prefill"),
+          "one expert most rows", layer)
+
+
+def test_grouped_deltas_graph_replay_and_row_invariance(rng):
+    """Graph replay of a grouped-delta prefill equals the eager forward bit for bit, and a row's
+    bits do not depend on the batch (each mma row is its own sum)."""
+    import cupy
+
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _grouped_layer(cfg, hw, 16, row_invariant=True), _ranked_adapters(cfg, rng, 16)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    n = 1100
+    ids = rng.integers(-1, 4, n).astype(np.int32)
+    x = testing.random_input(rng, n, cfg.hidden_size)
+    eager = run(layer, x, ids, "prefill")
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        xd, idd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids)
+        out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
+    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="prefill", lora_ids_ptr=int(idd.data.ptr))
+    s.begin_capture()
+    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="prefill", lora_ids_ptr=int(idd.data.ptr))
+    graph = s.end_capture()
+    with s:
+        out.fill(0x7FC0)
+    graph.launch(s)
+    s.synchronize()
+    np.testing.assert_array_equal(bits_to_f32(out.get()).view(np.uint32), eager.view(np.uint32))
+    for rows in (slice(0, 1), slice(5, 72), slice(700, 1100)):
+        part = run(layer, x[rows], ids[rows], "prefill")
+        np.testing.assert_array_equal(part.view(np.uint32), eager[rows].view(np.uint32))
