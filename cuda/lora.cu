@@ -47,6 +47,7 @@ lora_router_delta(const bf16* __restrict__ x,       // [N, H]: the router's inpu
                   float* __restrict__ logits,        // [N, R] (a split router's copy 0)
                   int* __restrict__ err, int N, int H, int R, int max_rank, int max_loras) {
     extern __shared__ float t[];  // [max_rank], then LORA_RED floats of partial sums
+    pdl_wait_then_release_next();  // in a decode chain by PDL (its successor's flag): nothing read before
     const int row = blockIdx.x;
     if (row >= N) return;
     const int slot = lora_ids[row];
@@ -151,6 +152,7 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
                  const bf16* __restrict__ gu, bf16* __restrict__ act, int N, int k, int H, int I_max,
                  int n_local, int max_rank, int max_loras, int act_code, float alpha, float limit) {
     extern __shared__ float t[];  // [2 max_rank]: gate's, then up's; then LORA_RED partial sums
+    pdl_wait_then_release_next();  // in a decode chain by PDL (its successor's flag): nothing read before
     const LoraPair pr = lora_pair(blockIdx.x, N, k, ids, pair_pos, slot_of, n_local);
     if (pr.pos < 0) return;
     const int I = inter[pr.slot];
@@ -192,6 +194,7 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
                 bf16* __restrict__ yw, int N, int k, int H, int I_max, int n_local, int max_rank, int max_loras,
                 int mode) {
     extern __shared__ float t[];  // [max_rank], then LORA_RED partial sums
+    pdl_wait_then_release_next();  // in a decode chain by PDL (its successor's flag): nothing read before
     const LoraPair pr = lora_pair(blockIdx.x, N, k, ids, pair_pos, slot_of, n_local);
     if (pr.pos < 0) return;
     const int lid = lora_ids[pr.row];

@@ -149,8 +149,9 @@ LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16
 
 def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
     """`plan` with the router's LoRA delta launched right after the router (its logits' copy 0,
-    before the routing stage reads them); plainly, not by PDL, so it waits for the router.
-    With `lora.experts`, the expert deltas too (_with_expert_deltas)."""
+    before the routing stage reads them). Each LoRA launch goes as the launch it precedes does
+    (_as_successor): by PDL inside the decode chain, plainly elsewhere. With `lora.experts`, the
+    expert deltas too (_with_expert_deltas)."""
     cfg = lp.cfg
     rows = PerN("N", lambda n: n) if plan.shape is not None else plan.built_for
     delta = Launch(Stage.ROUTER, "lora_router_delta", (rows,), (LORA_THREADS,),
@@ -160,7 +161,7 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
                     i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras)), (lora.max_rank + LORA_RED) * 4)
     steps = list(plan.steps)
     at = next(i for i, s in enumerate(steps) if s.stage != Stage.ROUTER)  # the first launch past the router
-    steps.insert(at, delta)
+    steps.insert(at, _as_successor(delta, steps[at]))
     if lora.experts:
         steps = _with_expert_deltas(steps, plan, lp, lora)
     return replace(plan, steps=tuple(steps))
@@ -206,11 +207,19 @@ def _tile_list(steps: list, stage: Stage) -> TileList:
     return TileList(u64("num_tiles", gemm.arg("num_tiles")), u64("tile_info", gemm.arg("tile_info")), gemm.grid[1])
 
 
+def _as_successor(launch: Launch, successor) -> Launch:
+    """`launch`, inserted before `successor`, with its PDL flag: inside a PDL chain the new kernel
+    waits at its top (cuda/lora.cu: nothing read before), so the chain stays transitively
+    ordered; before a plain launch (prefill, separated plans) it goes plainly too."""
+    return replace(launch, pdl=bool(getattr(successor, "pdl", False)))
+
+
 def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> list:
     """The experts' deltas: each gate/up GEMM launched once with ACT_PAIR (g and u into lora_gu:
     the fused activation leaves no hook), then lora_gate_up_act (the gate / up deltas and the
-    activation into act), and lora_down_delta after the down GEMMs, before the reduce. The new
-    launches go plainly (they wait for every kernel before them); the rest keep their flags."""
+    activation into act), and lora_down_delta after the down GEMMs, before the reduce (on the
+    prefill path past the one-block sort, their grouped forms). The new launches take their
+    successors' PDL flags (_as_successor); the rest keep theirs."""
     if lp.w8a8:  # the w8a8 gate/up quantizes the activation in its epilogue, before any delta
         raise LoraError("LoRA on the experts with fp8_compute='w8a8' is not implemented; build the layer with "
                         "fp8_compute='w8a16' or use router-only adapters")
@@ -225,8 +234,10 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
                                                     lora)
     else:
         gate_up_act, down = _expert_delta_launches(plan, lp, lora)
-    out.insert(max(i for i, s in enumerate(out) if s.stage == Stage.GATE_UP) + 1, gate_up_act)
-    out.insert(next(i for i, s in enumerate(out) if s.stage == Stage.REDUCE), down)
+    at = max(i for i, s in enumerate(out) if s.stage == Stage.GATE_UP) + 1
+    out.insert(at, _as_successor(gate_up_act, out[at]))
+    at = next(i for i, s in enumerate(out) if s.stage == Stage.REDUCE)
+    out.insert(at, _as_successor(down, out[at]))
     return out
 
 

@@ -1,7 +1,8 @@
 """CPU tests of the LoRA plan variant and the layer's LoRA options (no GPU needed).
 
 A LoRA plan is the base plan with one launch more, `lora_router_delta`, right after the
-router and before the routing stage reads the logits; with the experts' deltas (every layer
+router and before the routing stage reads the logits (each LoRA launch by PDL exactly where the
+launch after it goes by PDL: inside the decode chain); with the experts' deltas (every layer
 but a w8a8 one), each gate/up GEMM runs once storing g and u side by side (ACT_PAIR, into
 lora_gu), then lora_gate_up_act, and lora_down_delta before the reduce; everything else is the
 base plan's.
@@ -42,7 +43,8 @@ def test_lora_plan_is_the_base_plan_plus_the_router_delta(family, dev):
         assert plan.steps[at[0] + 1].stage != Stage.ROUTER  # the routing stage reads the logits after it
         assert plan.steps[:at[0]] + plan.steps[at[0] + 1:] == base.steps
         d = plan.steps[at[0]]
-        assert d.kernel in names and not d.pdl and d.grid == (n,) and d.smem == (SHAPE.max_rank + LORA_RED) * 4
+        assert d.kernel in names and d.grid == (n,) and d.smem == (SHAPE.max_rank + LORA_RED) * 4
+        assert d.pdl == plan.steps[at[0] + 1].pdl == (path == Path.DECODE and dev is H200)  # as its successor
         assert d.arg("lora_ids") == CallValue.LORA_IDS and d.arg("logits") == Buf(Space.SCRATCH, "logits")
         assert (d.arg("R"), d.arg("max_rank"), d.arg("max_loras"), d.arg("N")) == (cfg.router_width, 16, 3, n)
 
@@ -98,7 +100,8 @@ def test_expert_lora_plan(family, fmt, dev):
         assert plan.steps[dd - 1].stage == Stage.DOWN and plan.steps[dd + 1].stage == Stage.REDUCE
         for i in (ga, dd):
             s = plan.steps[i]
-            assert s.kernel in names and not s.pdl and s.arg("max_rank") == 16
+            assert s.kernel in names and s.arg("max_rank") == 16
+            assert s.pdl == plan.steps[i + 1].pdl == (path == Path.DECODE and dev is H200)  # as its successor
             assert s.arg("lora_ids") == CallValue.LORA_IDS
         if grouped:
             _check_grouped(plan, ga, dd, gemms)
