@@ -1,0 +1,276 @@
+"""CPU: cuda/lora.cu's grouped LoRA kernels (lora_grouped_gate_up_act, lora_grouped_down_delta)
+emulated lane by lane in numpy, with the mma.sync m16n8k16 fragment maps of the PTX ISA (A:
+row g + 8 (r % 2), k pair tig + 4 (r // 2); B: n g, k pair tig + 4 r; C: row g + 8 (r // 2), col
+2 tig + r % 2), the kernels' k permutations (a lane's 16-byte vectors in the shrink, its 4 ranks
+in the expand), the bucketing into 16-row chunks, the warps' split of the input and output
+columns and the bf16 hi / lo split of t, against the plain math in float64: what the GPU tests
+judge on the device, checked here for the index maps alone. The constants are read from the
+kernel source, so the model follows them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupymoe import jit
+
+SRC = (jit.kernel_dir() / "lora.cu").read_text()
+WARPS, NC, SUB = (int(re.search(rf"#define {n} (\d+)", SRC).group(1)) for n in ("LORA_MMA_WARPS", "LORA_NC", "LORA_SUB"))
+G, TIG = np.arange(32) >> 2, np.arange(32) & 3
+
+
+def bf(x):
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def mma(c, a, b):
+    """D = A B + C of one m16n8k16: c [32, 4], a [32, 4, 2] (registers of two bf16, the low one
+    first), b [32, 2, 2], by the lanes' fragment maps."""
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = G[lane], TIG[lane]
+        for r in range(4):
+            A[g + 8 * (r % 2), 2 * (t + 4 * (r // 2)):][:2] = a[lane, r]
+            C[g + 8 * (r // 2), 2 * t + r % 2] = c[lane, r]
+        for r in range(2):
+            B[2 * (t + 4 * r):2 * (t + 4 * r) + 2, g] = b[lane, r]
+    D = A @ B + C
+    return np.array([[D[G[i] + 8 * (r // 2), 2 * TIG[i] + r % 2] for r in range(4)] for i in range(32)], np.float32)
+
+
+@dataclass
+class Chunk:
+    key: int
+    pos: list  # [lane][h]: the lane's rows g, g + 8 as positions, -1 past the chunk
+
+
+def chunks(lid: list, pos0: int) -> list:
+    """lora_bucket and lora_chunk_rows: adapters ascending, positions in order, 16-row chunks."""
+    out, prev = [], -1
+    while any(v > prev for v in lid):
+        key = min(v for v in lid if v > prev)
+        run = [i for i, v in enumerate(lid) if v == key]
+        for f in range(0, len(run), 16):
+            rows = run[f:f + 16]
+            out.append(Chunk(key, [[pos0 + rows[g + 8 * h] if g + 8 * h < len(rows) else -1 for h in range(2)]
+                                   for g in G]))
+        prev = key
+    return out
+
+
+def shrink_part(warp, rp, mats, vecs, length, max_rank):
+    """lora_mma_shrink_part: the warp's partial t of each matrix in mats ([max_rank, stride])."""
+    part = np.zeros((len(mats), 16, rp), np.float32)
+    for kc in range(0, max_rank, 16):
+        c = np.zeros((len(mats), 2, 32, 4), np.float32)
+        for h0 in range(warp * 32, length, WARPS * 32):
+            x = np.zeros((2, 32, 4, 2))
+            w = np.zeros((len(mats), 2, 32, 4, 2))
+            for lane in range(32):
+                h = h0 + 8 * TIG[lane]
+                if h >= length:
+                    continue
+                for i in range(2):
+                    if vecs[lane][i] is not None:
+                        x[i, lane] = vecs[lane][i][h:h + 8].reshape(4, 2)
+                for p, m in enumerate(mats):
+                    for nt in range(2):
+                        if kc + 8 * nt + G[lane] < max_rank:
+                            w[p, nt, lane] = m[kc + 8 * nt + G[lane], h:h + 8].reshape(4, 2)
+            f0 = np.stack([x[0, :, 0], x[1, :, 0], x[0, :, 1], x[1, :, 1]], 1)
+            f1 = np.stack([x[0, :, 2], x[1, :, 2], x[0, :, 3], x[1, :, 3]], 1)
+            for p in range(len(mats)):
+                for nt in range(2):
+                    c[p, nt] = mma(mma(c[p, nt], f0, w[p, nt][:, 0:2]), f1, w[p, nt][:, 2:4])
+        for p in range(len(mats)):
+            for nt in range(2):
+                for lane in range(32):
+                    col = kc + 8 * nt + 2 * TIG[lane]
+                    part[p, G[lane], col:col + 2] = c[p, nt, lane, 0:2]
+                    part[p, G[lane] + 8, col:col + 2] = c[p, nt, lane, 2:4]
+    return part
+
+
+def t_frag(t, kc):
+    """lora_t_frag: (hi, lo) registers of t's rows g, g + 8 and ranks kc + 4 tig .. + 3."""
+    hi, lo = np.zeros((32, 4, 2)), np.zeros((32, 4, 2))
+    for lane in range(32):
+        r = kc + 4 * TIG[lane]
+        for reg, (row, off) in enumerate(((G[lane], 0), (G[lane] + 8, 0), (G[lane], 2), (G[lane] + 8, 2))):
+            pair = t[row, r + off:r + off + 2]
+            hi[lane, reg] = bf(pair)
+            lo[lane, reg] = bf(pair - bf(pair))
+    return hi, lo
+
+
+def expand(t, b, c0, cols, max_rank):
+    """lora_mma_expand: NC 8-column steps of B t (b [out, max_rank])."""
+    d = np.zeros((NC, 32, 4), np.float32)
+    for kc in range(0, max_rank, 16):
+        hi, lo = t_frag(t, kc)
+        for j in range(NC):
+            frag = np.zeros((32, 2, 2))
+            for lane in range(32):
+                if c0[j] < cols:
+                    r = kc + 4 * TIG[lane]
+                    frag[lane] = [[b[c0[j] + G[lane], r + i] if r + i < max_rank else 0.0 for i in range(2 * q, 2 * q + 2)]
+                                  for q in range(2)]
+            d[j] = mma(mma(d[j], hi, frag), lo, frag)
+    return d
+
+
+def rounds(warp, cols):
+    """lora_round_cols: the warp's rounds of NC 8-column steps."""
+    r = 0
+    while (warp + WARPS * r * NC) * 8 < cols:
+        yield [(warp + WARPS * (r * NC + j)) * 8 for j in range(NC)]
+        r += 1
+
+
+def each_output(chunk, c0, cols, fn):
+    """fn(position, column, j, lane, h, e) for the lane's stored outputs of a round."""
+    for j in range(NC):
+        for lane in range(32):
+            for h in range(2):
+                for e in range(2):
+                    c = c0[j] + 2 * TIG[lane] + e
+                    if chunk.pos[lane][h] >= 0 and c0[j] < cols:
+                        fn(chunk.pos[lane][h], c, j, lane, 2 * h + e)
+
+
+def block_t(chunk, mats, scales, vecs, length, max_rank):
+    """The warps' parts added in warp order, scaled: t of each projection."""
+    rp = -(-max_rank // 16) * 16
+    parts = sum(shrink_part(w, rp, mats, vecs, length, max_rank) for w in range(WARPS))
+    return [parts[p] * np.float32(s) for p, s in enumerate(scales)]
+
+
+@dataclass
+class Case:
+    max_rank: int
+    ranks: tuple
+    rows: int  # the tile's positions (over SUB: several passes)
+
+
+def staged_act(act, gu, ch, c0, I, dg, du):
+    """lora_chunk_act's round: g + dg and u + du staged in gs ([2][16][8 NC]) by fragment, then
+    act stored from the staging, a lane an element (row e / W, step (e % W) / 8, column e % 8)."""
+    W = 8 * NC
+    gs = np.full((2, 16 * W), np.nan, np.float32)
+    for j in range(NC):
+        for lane in range(32):
+            for h in range(2):
+                p = ch.pos[lane][h]
+                if p < 0 or c0[j] >= I:
+                    continue
+                for e in range(2):
+                    c, o = c0[j] + 2 * TIG[lane] + e, (G[lane] + 8 * h) * W + 8 * j + 2 * TIG[lane] + e
+                    gs[0, o], gs[1, o] = gu[p, c] + dg[j, lane, 2 * h + e], gu[p, I + c] + du[j, lane, 2 * h + e]
+    rows = max(g + 8 * h + 1 for g in range(8) for h in range(2) if ch.pos[g * 4][h] >= 0)
+    for e in range(rows * W):
+        c = c0[0] + WARPS * 8 * ((e % W) >> 3) + (e & 7)
+        if c < I:
+            i = e // W
+            p = ch.pos[4 * (i % 8)][i // 8]  # the position of chunk row i (lane 4 g holds rows g, g + 8)
+            act[p, c] = bf(silu(gs[0, e], gs[1, e]))
+
+
+def silu(g, u):
+    return g / (1 + np.exp(-g)) * u
+
+
+def draw(rng, case, K, H, I_max):
+    """The gate and up slots' A [K, max_rank, H] and B [K, I_max, max_rank], zero past each
+    adapter's rank (as lora_slots fills them)."""
+    mats = {}
+    for proj in ("gate", "up"):
+        a = bf(rng.standard_normal((K, case.max_rank, H)) * 0.3)
+        b = bf(rng.standard_normal((K, I_max, case.max_rank)) * 0.3)
+        for k, r in enumerate(case.ranks):
+            a[k, r:], b[k, :, r:] = 0, 0
+        mats[f"{proj}_a"], mats[f"{proj}_b"] = a, b
+    return mats
+
+
+@pytest.mark.parametrize("case", [Case(16, (16, 3, 1), 37), Case(12, (12, 5, 2), SUB + 19), Case(5, (5, 4, 1), 9)],
+                         ids=["r16", "r12-two-passes", "r5"])
+def test_grouped_gate_up_act_model(case, rng):
+    K, H, I, N = 3, 96, 40, 300
+    m = draw(rng, case, K, H, I)
+    scale = rng.uniform(0.5, 2, (K, 2)).astype(np.float32)
+    x = bf(rng.standard_normal((N, H)))
+    ids = rng.integers(-1, K + 1, N)  # K: past the slots, as no adapter
+    sorted_row = rng.permutation(N)[:case.rows]
+    gu = bf(rng.standard_normal((case.rows, 2 * I)))
+    act = np.full((case.rows, I), np.nan, np.float32)
+    for s0 in range(0, case.rows, SUB):
+        lid = [int(v) if 0 <= v < K else -1 for v in ids[sorted_row[s0:s0 + SUB]]]
+        for i in (i for i, v in enumerate(lid) if v < 0):
+            act[s0 + i] = bf(silu(gu[s0 + i, :I], gu[s0 + i, I:]))
+        for ch in chunks(lid, s0):
+            vecs = [[None if p < 0 else x[sorted_row[p]] for p in ch.pos[lane]] for lane in range(32)]
+            tg, tu = block_t(ch, [m["gate_a"][ch.key], m["up_a"][ch.key]], scale[ch.key], vecs, H, case.max_rank)
+            for warp in range(WARPS):
+                for c0 in rounds(warp, I):
+                    staged_act(act, gu, ch, c0, I, expand(tg, m["gate_b"][ch.key], c0, I, case.max_rank),
+                               expand(tu, m["up_b"][ch.key], c0, I, case.max_rank))
+    for p in range(case.rows):
+        k, xr = ids[sorted_row[p]], x[sorted_row[p]].astype(np.float64)
+        g, u = gu[p, :I].astype(np.float64), gu[p, I:].astype(np.float64)
+        if 0 <= k < K:
+            g = g + scale[k, 0] * (m["gate_b"][k] @ (m["gate_a"][k] @ xr))
+            u = u + scale[k, 1] * (m["up_b"][k] @ (m["up_a"][k] @ xr))
+        want = silu(g, u)
+        np.testing.assert_allclose(act[p], want, rtol=2 ** -8, atol=2 ** -8 * np.abs(want).max(), err_msg=f"p {p}")
+
+
+def test_grouped_down_delta_model(rng):
+    K, H, I, max_rank, rows = 3, 96, 40, 16, 41
+    a = bf(rng.standard_normal((K, max_rank, I)) * 0.3)
+    b = bf(rng.standard_normal((K, H, max_rank)) * 0.3)
+    a[1, 3:], b[1, :, 3:] = 0, 0
+    scale = rng.uniform(0.5, 2, K).astype(np.float32)
+    act = bf(rng.standard_normal((rows, I)))
+    ids = rng.integers(-1, K, rows)
+    w = rng.uniform(0, 1, rows).astype(np.float32)  # each position's routing weight
+    yw = bf(rng.standard_normal((rows, H)))
+    out = yw.copy()
+    for ch in chunks([int(v) for v in ids], 0):
+        vecs = [[None if p < 0 else act[p] for p in ch.pos[lane]] for lane in range(32)]
+        (t,) = block_t(ch, [a[ch.key]], [scale[ch.key]], vecs, I, max_rank)
+        for warp in range(WARPS):
+            for c0 in rounds(warp, H):
+                d = expand(t, b[ch.key], c0, H, max_rank)
+
+                def store(p, c, j, lane, r):
+                    out[p, c] = bf(out[p, c] + w[p] * d[j, lane, r])
+                each_output(ch, c0, H, store)
+    for p in range(rows):
+        k = ids[p]
+        want = yw[p].astype(np.float64)
+        if k >= 0:
+            want = want + w[p] * scale[k] * (b[k].astype(np.float64) @ (a[k].astype(np.float64) @ act[p]))
+        np.testing.assert_allclose(out[p], want, rtol=2 ** -8, atol=2 ** -8 * np.abs(want).max(), err_msg=f"p {p}")
+
+
+def test_expand_keeps_t_past_bf16(rng):
+    """B t from t's two bf16 parts stays within ~2^-16 of the fp32 t's product (one bf16 t
+    would be 2^-9 off), so the reference models no rounding of t."""
+    max_rank, cols = 16, 16
+    t = (rng.standard_normal((16, max_rank)) * rng.uniform(0.1, 10, (16, 1))).astype(np.float32)
+    b = bf(rng.standard_normal((cols, max_rank)))
+    want = t.astype(np.float64) @ b.T.astype(np.float64)  # [row, column]
+    bound = np.abs(t).astype(np.float64) @ np.abs(b.T).astype(np.float64)
+    for warp in range(WARPS):
+        for c0 in rounds(warp, cols):
+            d = expand(t, b, c0, cols, max_rank)
+            for j in range(NC):
+                for lane in range(32):
+                    for r in range(4):
+                        row, c = G[lane] + 8 * (r // 2), c0[j] + 2 * TIG[lane] + r % 2
+                        if c0[j] < cols:
+                            assert abs(d[j, lane, r] - want[row, c]) <= 2 ** -15 * bound[row, c]
