@@ -200,8 +200,8 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
     const int lid = lora_ids[pr.row];
     if (lid < 0 || lid >= max_loras) return;
     const size_t ks = (size_t)lid * (n_local + 1) + pr.slot;
-    lora_shrink(t, t + max_rank, down_a + ks * max_rank * I_max, act + (size_t)pr.pos * I_max, inter[pr.slot], I_max, max_rank,
-                scale[ks * 3 + 2]);
+    lora_shrink(t, t + max_rank, down_a + ks * max_rank * I_max, act + (size_t)pr.pos * I_max, inter[pr.slot],
+                I_max, max_rank, scale[ks * 3 + 2]);
     __syncthreads();
     const bool routed = (int)blockIdx.x < N * k;
     const float w = routed ? topk_w[blockIdx.x] : 1.0f;  // the shared expert is scaled in the reduce
@@ -478,7 +478,8 @@ __device__ __forceinline__ void lora_chunk_act(const float* t, int rp, float* gs
             const int i = e / W, j = (e % W) >> 3, c = c0[0] + LORA_MMA_WARPS * 8 * j + (e & 7);
             if (c >= I) continue;
             const int pos = pos0 + b.list[b.first[ch] + i];
-            act[(size_t)pos * I_max + c] = __float2bfloat16(apply_activation(act_code, gs[e], gs[16 * W + e], alpha, limit));
+            act[(size_t)pos * I_max + c] =
+                __float2bfloat16(apply_activation(act_code, gs[e], gs[16 * W + e], alpha, limit));
         }
         __syncwarp();  // gs is rewritten by the next round
     }

@@ -19,7 +19,8 @@ import pytest
 from cupymoe import jit
 
 SRC = (jit.kernel_dir() / "lora.cu").read_text()
-WARPS, NC, SUB = (int(re.search(rf"#define {n} (\d+)", SRC).group(1)) for n in ("LORA_MMA_WARPS", "LORA_NC", "LORA_SUB"))
+WARPS, NC, SUB = (int(re.search(rf"#define {n} (\d+)", SRC).group(1))
+                   for n in ("LORA_MMA_WARPS", "LORA_NC", "LORA_SUB"))
 G, TIG = np.arange(32) >> 2, np.arange(32) & 3
 
 
@@ -117,8 +118,8 @@ def expand(t, b, c0, cols, max_rank):
             for lane in range(32):
                 if c0[j] < cols:
                     r = kc + 4 * TIG[lane]
-                    frag[lane] = [[b[c0[j] + G[lane], r + i] if r + i < max_rank else 0.0 for i in range(2 * q, 2 * q + 2)]
-                                  for q in range(2)]
+                    frag[lane] = [[b[c0[j] + G[lane], r + i] if r + i < max_rank else 0.0
+                                   for i in range(2 * q, 2 * q + 2)] for q in range(2)]
             d[j] = mma(mma(d[j], hi, frag), lo, frag)
     return d
 
