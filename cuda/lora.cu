@@ -598,3 +598,114 @@ lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lo
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The router's delta by row spans (prefill): a block LORA_ROUTER_ROWS consecutive rows, bucketed
+// by adapter as the expert tiles are, so an adapter's fp32 A is read once a chunk of up to 16
+// rows, not once a row. The shrink on tensor cores: x is bf16 (exact), A fp32 split in three
+// bf16 parts (a = a1 + a2 + a3 to 2^-27 of a: fp32's own precision), each product exact in the
+// fp32 sums; the expand as lora_router_delta's (fp32, ranks in order).
+// ---------------------------------------------------------------------------------------------
+#define LORA_ROUTER_ROWS 32
+
+// v (8 fp32) as three sets of four bf16 pair registers: v = p[0] + p[1] + p[2] per element.
+__device__ __forceinline__ void lora_split3(const float4& lo4, const float4& hi4, unsigned (&p)[3][4]) {
+    float r[8] = {lo4.x, lo4.y, lo4.z, lo4.w, hi4.x, hi4.y, hi4.z, hi4.w};
+#pragma unroll
+    for (int s = 0; s < 3; ++s) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const __nv_bfloat162 h = __floats2bfloat162_rn(r[2 * q], r[2 * q + 1]);
+            const float2 hf = __bfloat1622float2(h);
+            p[s][q] = *reinterpret_cast<const unsigned*>(&h);
+            r[2 * q] -= hf.x;
+            r[2 * q + 1] -= hf.y;
+        }
+    }
+}
+
+// This warp's part of a chunk's router shrink (as lora_mma_shrink_part, one fp32 matrix a
+// [max_rank, len]): part[i][j] = a[j, cols] . v_i[cols] over the warp's columns.
+__device__ __forceinline__ void lora_mma_shrink_part_f32(float* part, int rp, const float* __restrict__ a,
+                                                         const bf16* v0, const bf16* v1, int len, int max_rank) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3, warp = threadIdx.x >> 5;
+    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+    const float4 zf = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int kc = 0; kc < max_rank; kc += 16) {
+        float c[2][4] = {};
+        for (int h0 = warp * 32; h0 < len; h0 += LORA_MMA_WARPS * 32) {
+            const int h = h0 + tig * 8;
+            const bool in = h < len;
+            const uint4 x0 = in && v0 ? load_bf16x8(v0 + h).raw : z;
+            const uint4 x1 = in && v1 ? load_bf16x8(v1 + h).raw : z;
+            const unsigned f0[4] = {x0.x, x1.x, x0.y, x1.y}, f1[4] = {x0.z, x1.z, x0.w, x1.w};
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const int rank = kc + 8 * nt + g;  // the B fragment's n = g
+                const bool ok = in && rank < max_rank;
+                const float* ar = a + (size_t)rank * len + h;
+                unsigned p[3][4];
+                lora_split3(ok ? __ldg(reinterpret_cast<const float4*>(ar)) : zf,
+                            ok ? __ldg(reinterpret_cast<const float4*>(ar + 4)) : zf, p);
+#pragma unroll
+                for (int s = 0; s < 3; ++s) {
+                    mma_bf16(c[nt], f0, p[s][0], p[s][1]);
+                    mma_bf16(c[nt], f1, p[s][2], p[s][3]);
+                }
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {  // C fragment: rows g, g + 8; ranks kc + 8 nt + 2 tig, + 1
+            float* tp = part + kc + nt * 8 + tig * 2;
+            tp[g * rp] = c[nt][0];
+            tp[g * rp + 1] = c[nt][1];
+            tp[(g + 8) * rp] = c[nt][2];
+            tp[(g + 8) * rp + 1] = c[nt][3];
+        }
+    }
+}
+
+// logits[row] += Bs[key] t_i for the chunk's rows (fp32, ranks in order, as lora_router_delta).
+__device__ __forceinline__ void lora_router_expand(const LoraBuckets& b, int c, int row0, const float* t, int rp,
+                                                   const float* __restrict__ bs, float* __restrict__ logits, int R,
+                                                   int max_rank) {
+    for (int e = threadIdx.x; e < b.rows[c] * R; e += blockDim.x) {
+        const int i = e / R, col = e - i * R;
+        const float* be = bs + ((size_t)b.key[c] * R + col) * max_rank;
+        float d = 0.f;
+        for (int j = 0; j < max_rank; ++j) d = fmaf(be[j], t[i * rp + j], d);
+        logits[(size_t)(row0 + b.list[b.first[c] + i]) * R + col] += d;
+    }
+}
+
+// grid ceil(N / LORA_ROUTER_ROWS), block LORA_MMA_WARPS warps, shared memory (LORA_MMA_WARPS + 1)
+// 16 rp floats. lora_router_delta's work (same slots, ids, error bit) for a span of rows.
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
+lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lora_ids, const float* __restrict__ a,
+                          const float* __restrict__ bs, float* __restrict__ logits, int* __restrict__ err, int N,
+                          int H, int R, int max_rank, int max_loras) {
+    __shared__ LoraBuckets b;
+    extern __shared__ __align__(16) float parts[];
+    const int row0 = blockIdx.x * LORA_ROUTER_ROWS, m = min(LORA_ROUTER_ROWS, N - row0);
+    const int rp = (max_rank + 15) & ~15, n = 16 * rp;
+    float* t = parts + LORA_MMA_WARPS * n;
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        const int id = lora_ids[row0 + i];
+        if (id >= max_loras) atomicOr(err, ERR_LORA_ID_RANGE);
+        b.lid[i] = id >= 0 && id < max_loras ? id : -1;
+    }
+    __syncthreads();
+    lora_bucket(b, m);
+    __syncthreads();
+    for (int c = 0; c < b.chunks; ++c) {
+        const LoraRows r = lora_chunk_rows(b, c, row0);
+        lora_mma_shrink_part_f32(parts + (threadIdx.x >> 5) * n, rp, a + (size_t)b.key[c] * max_rank * H,
+                                 r.pos[0] < 0 ? nullptr : x + (size_t)r.pos[0] * H,
+                                 r.pos[1] < 0 ? nullptr : x + (size_t)r.pos[1] * H, H, max_rank);
+        __syncthreads();
+        lora_sum_parts(t, parts, n, rp, 1.0f, 0.f);
+        __syncthreads();
+        lora_router_expand(b, c, row0, t, rp, bs, logits, R, max_rank);
+        __syncthreads();  // the next chunk's sum rewrites t
+    }
+}

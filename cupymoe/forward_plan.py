@@ -149,16 +149,23 @@ LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16
 
 def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
     """`plan` with the router's LoRA delta launched right after the router (its logits' copy 0,
-    before the routing stage reads them). Each LoRA launch goes as the launch it precedes does
-    (_as_successor): by PDL inside the decode chain, plainly elsewhere. With `lora.experts`, the
-    expert deltas too (_with_expert_deltas)."""
+    before the routing stage reads them): a block a row, or where the deltas go grouped
+    (lora_grouped) a block LORA_ROUTER_ROWS rows bucketed by adapter. Each LoRA launch goes as the
+    launch it precedes does (_as_successor): by PDL inside the decode chain, plainly elsewhere.
+    With `lora.experts`, the expert deltas too (_with_expert_deltas)."""
     cfg = lp.cfg
     rows = PerN("N", lambda n: n) if plan.shape is not None else plan.built_for
-    delta = Launch(Stage.ROUTER, "lora_router_delta", (rows,), (LORA_THREADS,),
-                   (u64("x", X), u64("lora_ids", CallValue.LORA_IDS), u64("a", Buf(Space.LAYER, "lora_router_a")),
-                    u64("bs", Buf(Space.LAYER, "lora_router_bs")), u64("logits", S("logits")), u64("err", ERR),
-                    i32("N", rows), i32("H", cfg.hidden_size), i32("R", cfg.router_width),
-                    i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras)), (lora.max_rank + LORA_RED) * 4)
+    args = (u64("x", X), u64("lora_ids", CallValue.LORA_IDS), u64("a", Buf(Space.LAYER, "lora_router_a")),
+            u64("bs", Buf(Space.LAYER, "lora_router_bs")), u64("logits", S("logits")), u64("err", ERR),
+            i32("N", rows), i32("H", cfg.hidden_size), i32("R", cfg.router_width), i32("max_rank", lora.max_rank),
+            i32("max_loras", lora.max_loras))
+    if lora_grouped(plan, lp, lora):
+        spans = PerN("lora_router_spans", lambda n: -(-n // LORA_ROUTER_ROWS))
+        delta = Launch(Stage.ROUTER, "lora_grouped_router_delta", (spans,), (LORA_MMA_WARPS * 32,), args,
+                       lora_grouped_smem(lora.max_rank, False))
+    else:
+        delta = Launch(Stage.ROUTER, "lora_router_delta", (rows,), (LORA_THREADS,), args,
+                       (lora.max_rank + LORA_RED) * 4)
     steps = list(plan.steps)
     at = next(i for i, s in enumerate(steps) if s.stage != Stage.ROUTER)  # the first launch past the router
     steps.insert(at, _as_successor(delta, steps[at]))
@@ -168,12 +175,14 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
 
 
 LORA_MMA_WARPS = 8  # cuda/lora.cu LORA_MMA_WARPS: the grouped deltas' blocks
+LORA_ROUTER_ROWS = 32  # cuda/lora.cu LORA_ROUTER_ROWS: rows a block of lora_grouped_router_delta
 LORA_GROUPED_SMEM_MAX = 40 * 1024  # dynamic shared memory under the 48 KiB default, beside the static buckets
 
 
 def lora_grouped_smem(max_rank: int, gate_up: bool) -> int:
     """The grouped deltas' dynamic shared memory: each warp's partial t and the summed t, [16][rp]
-    floats a projection (rp = max_rank rounded up to 16; gate/up's staging reuses the parts)."""
+    floats a projection (rp = max_rank rounded up to 16; gate/up's staging reuses the parts; the
+    router's and down's: one projection)."""
     rp = -(-max_rank // 16) * 16
     return (LORA_MMA_WARPS + 1) * (2 if gate_up else 1) * 16 * rp * 4
 

@@ -105,7 +105,8 @@ def _modules() -> dict[str, ModuleSpec]:
                                            for nt in C.SWAPAB_TOKEN_TILES), archs=hopper),
         "repack": ModuleSpec("repack.cu", ("fp4_repack_words",)),  # the fp4 device layout, made at load
         "lora": ModuleSpec("lora.cu", ("lora_router_delta", "lora_gate_up_act", "lora_down_delta",
-                                        "lora_grouped_gate_up_act", "lora_grouped_down_delta")),  # LoRA (lora_slots.py)
+                                        "lora_grouped_gate_up_act", "lora_grouped_down_delta",
+                                        "lora_grouped_router_delta")),  # LoRA (lora_slots.py)
         "decode_wgmma_fp4": ModuleSpec(
             "decode_wgmma_fp4.cu", tuple(f"decode_wgmma_{m}_fp4<{int(f)}, {nt}>" for m in ("gate_up", "down")
                                          for f in C.FP4_DECODE_FORMATS for nt in C.WGMMA_FP4_DECODE_TOKEN_TILES),

@@ -401,8 +401,9 @@ def _prefill_uses_grouped(layer, n, max_rank):
 def test_grouped_deltas_awkward_n(max_rank, invariant, rng):
     """The prefill path's grouped deltas at awkward N (tiles of 1 row, partial 16-row chunks, tiles
     over LORA_SUB = 128 rows at 1100), ids -1 mixed with four adapters of ranks max_rank, 3, 1, 2
-    (B rows of max_rank 5 and 12 read by the unaligned fragment loads), output poisoned first. A
-    row-invariant layer runs them at every prefill N; a plain one past the one-block sort (the
+    (B rows of max_rank 5 and 12 read by the unaligned fragment loads), output poisoned first;
+    then ids past the slots (base rows and an error bit). A row-invariant layer runs them (and
+    lora_grouped_router_delta) at every prefill N; a plain one past the one-block sort (the
     per-pair kernels below it)."""
     cfg = testing.tiny_config("qwen3_moe")
     hw = testing.random_host_weights(cfg, rng)
@@ -418,6 +419,14 @@ def test_grouped_deltas_awkward_n(max_rank, invariant, rng):
         judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"),
               f"grouped r{max_rank} N={n}", layer)
     layer.check_errors()
+    n = 1100  # an id past the slots: that row gets the base layer and the call an error bit
+    ids = rng.integers(-1, 4, n).astype(np.int32)
+    ids[::97] = 4
+    x = separated_input(cfg, hw, rng, n, adapters, np.where(ids < 4, ids, -1))
+    judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"),
+          f"grouped r{max_rank} N={n} with id 4", layer)
+    with pytest.raises(MoeCallError, match="bit 2 = a LoRA id"):
+        layer.check_errors()
 
 
 def test_grouped_deltas_one_expert_takes_most_rows(rng):

@@ -275,3 +275,20 @@ def test_expand_keeps_t_past_bf16(rng):
                         row, c = G[lane] + 8 * (r // 2), c0[j] + 2 * TIG[lane] + r % 2
                         if c0[j] < cols:
                             assert abs(d[j, lane, r] - want[row, c]) <= 2 ** -15 * bound[row, c]
+
+
+def test_router_shrink_keeps_fp32_a(rng):
+    """lora_grouped_router_delta's shrink: fp32 A as three bf16 parts (lora_split3), each part's
+    products exact, so t = A x to fp32's precision, as lora_router_delta's fp32 loop has it."""
+    H, max_rank = 96, 16
+    a = (rng.standard_normal((max_rank, H)) * rng.uniform(0.01, 1, (max_rank, 1))).astype(np.float32)
+    x = bf(rng.standard_normal((16, H)))
+    a1 = bf(a)
+    a2 = bf(a - a1)
+    a3 = bf(a - a1 - a2)
+    assert np.abs(a1.astype(np.float64) + a2 + a3 - a).max() <= 2 ** -26 * np.abs(a).max()
+    vecs = [[x[g], x[g + 8]] for g in G]
+    t = sum(shrink_part(w, max_rank, [part], vecs, H, max_rank)[0] for w in range(WARPS) for part in (a1, a2, a3))
+    want = x.astype(np.float64) @ a.T.astype(np.float64)
+    bound = np.abs(x).astype(np.float64) @ np.abs(a.T).astype(np.float64)
+    assert (np.abs(t - want) <= 2 ** -20 * bound).all()

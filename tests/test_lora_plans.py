@@ -1,7 +1,8 @@
 """CPU tests of the LoRA plan variant and the layer's LoRA options (no GPU needed).
 
-A LoRA plan is the base plan with one launch more, `lora_router_delta`, right after the
-router and before the routing stage reads the logits (each LoRA launch by PDL exactly where the
+A LoRA plan is the base plan with one launch more, `lora_router_delta` (prefill past the
+one-block sort: `lora_grouped_router_delta`), right after the router and before the routing
+stage reads the logits (each LoRA launch by PDL exactly where the
 launch after it goes by PDL: inside the decode chain); with the experts' deltas (every layer
 but a w8a8 one), each gate/up GEMM runs once storing g and u side by side (ACT_PAIR, into
 lora_gu), then lora_gate_up_act, and lora_down_delta before the reduce; everything else is the
@@ -15,8 +16,8 @@ import pytest
 from cupymoe import jit, testing
 from cupymoe.catalog import Activation, LoraDownMode
 from cupymoe.errors import LoraError, OptionError
-from cupymoe.forward_plan import (LORA_MMA_WARPS, LORA_RED, LoraShape, build_forward_plan, lora_grouped,
-                                  lora_grouped_smem)
+from cupymoe.forward_plan import (LORA_MMA_WARPS, LORA_RED, LORA_ROUTER_ROWS, LoraShape, build_forward_plan,
+                                  lora_grouped, lora_grouped_smem)
 from cupymoe.knobs import Knobs
 from cupymoe.lora_slots import check_options
 from cupymoe.plan import Buf, CallValue, DeviceFacts, LayerOptions, Path, Space, Stage, plan_layer
@@ -38,12 +39,19 @@ def test_lora_plan_is_the_base_plan_plus_the_router_delta(family, dev):
         base = build_forward_plan(lp, dev, n, path).at(n)
         plan = build_forward_plan(lp, dev, n, path, lora=SHAPE).at(n)
         assert len(plan.steps) == len(base.steps) + 1
-        at = [i for i, s in enumerate(plan.steps) if getattr(s, "kernel", "") == "lora_router_delta"]
+        grouped = lora_grouped(build_forward_plan(lp, dev, n, path), lp, SHAPE)
+        kernel = "lora_grouped_router_delta" if grouped else "lora_router_delta"
+        at = [i for i, s in enumerate(plan.steps) if getattr(s, "kernel", "").endswith("router_delta")]
         assert len(at) == 1 and plan.steps[at[0] - 1].stage == Stage.ROUTER
         assert plan.steps[at[0] + 1].stage != Stage.ROUTER  # the routing stage reads the logits after it
         assert plan.steps[:at[0]] + plan.steps[at[0] + 1:] == base.steps
         d = plan.steps[at[0]]
-        assert d.kernel in names and d.grid == (n,) and d.smem == (SHAPE.max_rank + LORA_RED) * 4
+        assert d.kernel == kernel and d.kernel in names
+        if grouped:  # a block LORA_ROUTER_ROWS rows, 8 warps
+            assert d.grid == (-(-n // LORA_ROUTER_ROWS),) and d.block == (LORA_MMA_WARPS * 32,)
+            assert d.smem == lora_grouped_smem(SHAPE.max_rank, False)
+        else:
+            assert d.grid == (n,) and d.smem == (SHAPE.max_rank + LORA_RED) * 4
         assert d.pdl == plan.steps[at[0] + 1].pdl == (path == Path.DECODE and dev is H200)  # as its successor
         assert d.arg("lora_ids") == CallValue.LORA_IDS and d.arg("logits") == Buf(Space.SCRATCH, "logits")
         assert (d.arg("R"), d.arg("max_rank"), d.arg("max_loras"), d.arg("N")) == (cfg.router_width, 16, 3, n)
