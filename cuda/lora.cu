@@ -222,17 +222,20 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
 // ---------------------------------------------------------------------------------------------
 // The grouped (prefill) path's deltas: a block a tile of the grouped GEMMs' own tile list
 // (tile_info[t] = (table slot, first position, rows): consecutive positions of one expert). The
-// tile's positions are bucketed by adapter into chunks of at most 16 (lora_bucket); the block's
-// warps take a chunk together on tensor cores (mma.sync m16n8k16, bf16 operands, fp32 sums): the
-// shrink split over the input columns (partial sums added in warp order), the expand over the
-// output columns, so an adapter's A and B are read once a chunk of up to 16 rows, not once a
-// pair. Each mma row is its own row's sum, so a position's bits depend on its row and adapter
-// alone (row_invariant holds) whatever else shares its chunk.
+// tile's positions are bucketed by adapter into chunks of at most LORA_CHUNK rows (lora_bucket);
+// the block's warps take a chunk together on tensor cores (mma.sync m16n8k16, bf16 operands,
+// fp32 sums; LORA_MT 16-row tiles sharing each weight fragment): the shrink split over the input
+// columns (partial sums added in warp order), the expand over the output columns, so an
+// adapter's A and B are read once a chunk, not once a pair. Each mma row is its own row's sum,
+// so a position's bits depend on its row and adapter alone (row_invariant holds) whatever else
+// shares its chunk.
 // ---------------------------------------------------------------------------------------------
 #define LORA_MMA_WARPS 8
-#define LORA_SUB 128                                // positions a block buckets at once (taller tiles: passes)
-#define LORA_MAX_CHUNKS (LORA_SUB / 16 + LORA_SUB)  // full chunks, plus one partial chunk an adapter
-#define LORA_NC 2                                   // 8-column steps a warp has in flight in an expand
+#define LORA_MT 2                                          // 16-row mma tiles a chunk
+#define LORA_CHUNK (16 * LORA_MT)                          // rows a chunk (of one adapter)
+#define LORA_SUB 128                                       // positions a block buckets at once (taller tiles: passes)
+#define LORA_MAX_CHUNKS (LORA_SUB / LORA_CHUNK + LORA_SUB)  // full chunks, plus one partial chunk an adapter
+#define LORA_NC 2                                          // 8-column steps a warp has in flight in an expand
 
 // A sub-tile's positions by adapter: lid[i] of position pos0 + i (-1: none or an id >= K); list
 // holds the indices i adapter after adapter (ascending), in position order within one; chunk c is
@@ -248,12 +251,12 @@ __device__ __forceinline__ void lora_load_ids(LoraBuckets& b, const int* __restr
                                               const int* __restrict__ sorted_row, int pos0, int m, int max_loras) {
     for (int i = threadIdx.x; i < m; i += blockDim.x) {
         const int id = lora_ids[sorted_row[pos0 + i]];
-        b.lid[i] = id >= 0 && id < max_loras ? id : -1;  // an id >= K was flagged by lora_router_delta
+        b.lid[i] = id >= 0 && id < max_loras ? id : -1;  // an id >= K was flagged by the router delta
     }
 }
 
 // Warp 0: lid[0, m) bucketed by adapter (each adapter found as the least id above the last, its
-// positions placed by ballot in order), each adapter's run cut into 16-row chunks.
+// positions placed by ballot in order), each adapter's run cut into LORA_CHUNK-row chunks.
 __device__ __forceinline__ void lora_bucket(LoraBuckets& b, int m) {
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
@@ -271,11 +274,11 @@ __device__ __forceinline__ void lora_bucket(LoraBuckets& b, int m) {
             if (mine) b.list[placed + __popc(bal & ((1u << lane) - 1u))] = i0 + lane;
             placed += __popc(bal);
         }
-        for (int f = start; f < placed; f += 16, ++chunks) {
+        for (int f = start; f < placed; f += LORA_CHUNK, ++chunks) {
             if (lane == 0) {
                 b.key[chunks] = next;
                 b.first[chunks] = f;
-                b.rows[chunks] = min(16, placed - f);
+                b.rows[chunks] = min(LORA_CHUNK, placed - f);
             }
         }
         prev = next;
@@ -283,73 +286,106 @@ __device__ __forceinline__ void lora_bucket(LoraBuckets& b, int m) {
     if (lane == 0) b.chunks = chunks;
 }
 
-// The lane's two rows of chunk c (the mma fragments' rows g and g + 8): positions, -1 past the chunk.
+// The lane's rows of chunk c: pos[mt][h] is row 16 mt + g + 8 h (mma tile mt's fragment rows g
+// and g + 8) as a position, -1 past the chunk.
 struct LoraRows {
-    int pos[2];
+    int pos[LORA_MT][2];
 };
 __device__ __forceinline__ LoraRows lora_chunk_rows(const LoraBuckets& b, int c, int pos0) {
     const int g = (threadIdx.x & 31) >> 2;
     LoraRows r;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) r.pos[h] = g + 8 * h < b.rows[c] ? pos0 + b.list[b.first[c] + g + 8 * h] : -1;
+    for (int mt = 0; mt < LORA_MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int i = 16 * mt + g + 8 * h;
+            r.pos[mt][h] = i < b.rows[c] ? pos0 + b.list[b.first[c] + i] : -1;
+        }
+    }
     return r;
 }
 
-// This warp's part of a chunk's shrink: for the chunk's rows i (the lane's v0: row g, v1: row
-// g + 8; null past the chunk) and ranks j < max_rank rounded up to 16 (zero past max_rank),
-// part[p][i][j] = A_p[j, cols] . v_i[cols] over the warp's columns 32 (warp + LORA_MMA_WARPS s),
-// NP projections at once (gate and up share x's loads); part_p is [16][rp] floats at part + 16 rp p.
-// A k step of two mmas covers 32 columns, permuted alike in both operands (a lane's 16-byte
-// vectors of its rows and its rank rows hold columns 8 tig .. 8 tig + 7), so a fragment is one
-// load. len and stride are multiples of 8, so a vector that starts below len ends by it.
-template <int NP>
-__device__ __forceinline__ void lora_mma_shrink_part(float* part, int rp, const bf16* a0, const bf16* a1,
-                                                     const bf16* v0, const bf16* v1, int len, int stride,
-                                                     int max_rank) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3, warp = threadIdx.x >> 5;
+// The lane's input rows of a chunk: v[mt][h] for row 16 mt + g + 8 h, null past the chunk.
+struct LoraInputs {
+    const bf16* v[LORA_MT][2];
+};
+
+// The A fragments of 32 input columns of the lane's rows (f[0]: the first k step, f[1]: the
+// second), zeros for a null row or past len: a lane's 16-byte vector of its row holds columns
+// h .. h + 7 (h = h0 + 8 tig), the same permutation as its weight rows' vectors.
+__device__ __forceinline__ void lora_x_frags(unsigned (&f)[LORA_MT][2][4], const LoraInputs& in, int h, int len) {
     const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-    for (int kc = 0; kc < max_rank; kc += 16) {
-        float c[NP][2][4] = {};
-        const int ra = kc + g, rb = kc + 8 + g;  // the B fragments' ranks (n = g) of the two n8 tiles
-#pragma unroll 2  // two steps' loads in flight
-        for (int h0 = warp * 32; h0 < len; h0 += LORA_MMA_WARPS * 32) {
-            const int h = h0 + tig * 8;
-            const bool in = h < len;
-            const uint4 x0 = in && v0 ? load_bf16x8(v0 + h).raw : z;
-            const uint4 x1 = in && v1 ? load_bf16x8(v1 + h).raw : z;
-            const unsigned f0[4] = {x0.x, x1.x, x0.y, x1.y}, f1[4] = {x0.z, x1.z, x0.w, x1.w};
 #pragma unroll
-            for (int p = 0; p < NP; ++p) {
-                const bf16* ap = p == 0 ? a0 : a1;
-                const uint4 wa = in && ra < max_rank ? load_bf16x8(ap + (size_t)ra * stride + h).raw : z;
-                const uint4 wb = in && rb < max_rank ? load_bf16x8(ap + (size_t)rb * stride + h).raw : z;
-                mma_bf16(c[p][0], f0, wa.x, wa.y);
-                mma_bf16(c[p][0], f1, wa.z, wa.w);
-                mma_bf16(c[p][1], f0, wb.x, wb.y);
-                mma_bf16(c[p][1], f1, wb.z, wb.w);
-            }
-        }
+    for (int mt = 0; mt < LORA_MT; ++mt) {
+        const uint4 x0 = h < len && in.v[mt][0] ? load_bf16x8(in.v[mt][0] + h).raw : z;
+        const uint4 x1 = h < len && in.v[mt][1] ? load_bf16x8(in.v[mt][1] + h).raw : z;
+        f[mt][0][0] = x0.x, f[mt][0][1] = x1.x, f[mt][0][2] = x0.y, f[mt][0][3] = x1.y;
+        f[mt][1][0] = x0.z, f[mt][1][1] = x1.z, f[mt][1][2] = x0.w, f[mt][1][3] = x1.w;
+    }
+}
+
+// C fragments of the chunk's rows (tile mt: rows 16 mt + g, + 8) and ranks kc + 8 nt + 2 tig, + 1
+// into part ([LORA_CHUNK][rp] floats).
+__device__ __forceinline__ void lora_store_part(float* part, int rp, int kc, const float (&c)[2][LORA_MT][4]) {
+    const int g = (threadIdx.x & 31) >> 2, tig = threadIdx.x & 3;
 #pragma unroll
-        for (int p = 0; p < NP; ++p) {  // C fragment: rows g (c0, c1), g + 8 (c2, c3); ranks kc + 8 nt + 2 tig, + 1
+    for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-                float* tp = part + p * 16 * rp + kc + nt * 8 + tig * 2;
-                tp[g * rp] = c[p][nt][0];
-                tp[g * rp + 1] = c[p][nt][1];
-                tp[(g + 8) * rp] = c[p][nt][2];
-                tp[(g + 8) * rp + 1] = c[p][nt][3];
-            }
+        for (int mt = 0; mt < LORA_MT; ++mt) {
+            float* tp = part + (16 * mt + g) * rp + kc + nt * 8 + tig * 2;
+            tp[0] = c[nt][mt][0];
+            tp[1] = c[nt][mt][1];
+            tp[8 * rp] = c[nt][mt][2];
+            tp[8 * rp + 1] = c[nt][mt][3];
         }
     }
 }
 
-// t[e] = scale of e's projection * the warps' parts of e added in warp order (n = NP 16 rp
-// floats a part; e < 16 rp: projection 0).
+// This warp's part of a chunk's shrink: part_p[i][j] = A_p[j, cols] . v_i[cols] over the warp's
+// columns 32 (warp + LORA_MMA_WARPS s), for ranks j < max_rank rounded up to 16 (zero past
+// max_rank), NP projections at once (gate and up share x's loads); part_p is [LORA_CHUNK][rp]
+// floats at part + LORA_CHUNK rp p. A k step of two mmas covers 32 columns, a weight fragment
+// (one 16-byte load) serving the LORA_MT row tiles. len and stride are multiples of 8, so a
+// vector that starts below len ends by it.
+template <int NP>
+__device__ __forceinline__ void lora_mma_shrink_part(float* part, int rp, const bf16* a0, const bf16* a1,
+                                                     const LoraInputs& in, int len, int stride, int max_rank) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3, warp = threadIdx.x >> 5;
+    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+    for (int kc = 0; kc < max_rank; kc += 16) {
+        float c[NP][2][LORA_MT][4] = {};
+#pragma unroll 2  // two steps' loads in flight
+        for (int h0 = warp * 32; h0 < len; h0 += LORA_MMA_WARPS * 32) {
+            const int h = h0 + tig * 8;
+            unsigned f[LORA_MT][2][4];
+            lora_x_frags(f, in, h, len);
+#pragma unroll
+            for (int p = 0; p < NP; ++p) {
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    const int rank = kc + 8 * nt + g;  // the B fragment's n = g
+                    const bf16* ap = (p == 0 ? a0 : a1) + (size_t)rank * stride + h;
+                    const uint4 w = h < len && rank < max_rank ? load_bf16x8(ap).raw : z;
+#pragma unroll
+                    for (int mt = 0; mt < LORA_MT; ++mt) {
+                        mma_bf16(c[p][nt][mt], f[mt][0], w.x, w.y);
+                        mma_bf16(c[p][nt][mt], f[mt][1], w.z, w.w);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < NP; ++p) lora_store_part(part + p * LORA_CHUNK * rp, rp, kc, c[p]);
+    }
+}
+
+// t[e] = scale of e's projection * the warps' parts of e added in warp order (n = NP LORA_CHUNK rp
+// floats a part; e < LORA_CHUNK rp: projection 0).
 __device__ __forceinline__ void lora_sum_parts(float* t, const float* parts, int n, int rp, float s0, float s1) {
     for (int e = threadIdx.x; e < n; e += blockDim.x) {
         float s = 0.f;
         for (int w = 0; w < LORA_MMA_WARPS; ++w) s += parts[w * n + e];
-        t[e] = s * (e < 16 * rp ? s0 : s1);
+        t[e] = s * (e < LORA_CHUNK * rp ? s0 : s1);
     }
 }
 
@@ -361,17 +397,17 @@ __device__ __forceinline__ void lora_split(float a, float b, unsigned& hi, unsig
     lo = pack_bf16x2(a - hf.x, b - hf.y);
 }
 
-// The expand's A fragments of t (rows g, g + 8) for ranks kc .. kc + 15, permuted as lora_b_frag
-// reads B (k = 2 tig + e: rank kc + 4 tig + e; k = 8 + 2 tig + e: kc + 4 tig + 2 + e), t split
-// in two bf16 parts so that B t keeps t to ~16 bits (two mmas) and the reference needs no
-// rounding of t.
+// The expand's A fragments of t (tile mt's rows 16 mt + g, + 8) for ranks kc .. kc + 15, permuted
+// as lora_b_frag reads B (k = 2 tig + e: rank kc + 4 tig + e; k = 8 + 2 tig + e: kc + 4 tig + 2
+// + e), t split in two bf16 parts so that B t keeps t to ~16 bits (two mmas) and the reference
+// needs no rounding of t.
 struct LoraFrag {
     unsigned hi[4], lo[4];
 };
-__device__ __forceinline__ LoraFrag lora_t_frag(const float* t, int rp, int kc) {
+__device__ __forceinline__ LoraFrag lora_t_frag(const float* t, int rp, int kc, int mt) {
     const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-    const float4 r0 = *reinterpret_cast<const float4*>(t + g * rp + kc + tig * 4);
-    const float4 r1 = *reinterpret_cast<const float4*>(t + (g + 8) * rp + kc + tig * 4);
+    const float4 r0 = *reinterpret_cast<const float4*>(t + (16 * mt + g) * rp + kc + tig * 4);
+    const float4 r1 = *reinterpret_cast<const float4*>(t + (16 * mt + g + 8) * rp + kc + tig * 4);
     LoraFrag f;
     lora_split(r0.x, r0.y, f.hi[0], f.lo[0]);
     lora_split(r1.x, r1.y, f.hi[1], f.lo[1]);
@@ -391,24 +427,30 @@ __device__ __forceinline__ uint2 lora_b_frag(const bf16* __restrict__ b, int c, 
     return make_uint2(e[0] | e[1] << 16, e[2] | e[3] << 16);
 }
 
-// LORA_NC 8-column steps of an expand at once: d[j] (C fragment: rows g, g + 8; columns
-// c0[j] + 2 tig, + 1) = B t, for the steps whose columns exist (c0[j] < cols).
-__device__ __forceinline__ void lora_mma_expand(float (&d)[LORA_NC][4], const float* t, int rp,
+// LORA_NC 8-column steps of an expand at once: d[j][mt] (C fragment: rows 16 mt + g, + 8;
+// columns c0[j] + 2 tig, + 1) = B t, for the steps whose columns exist (c0[j] < cols); a B
+// fragment serves the LORA_MT row tiles.
+__device__ __forceinline__ void lora_mma_expand(float (&d)[LORA_NC][LORA_MT][4], const float* t, int rp,
                                                 const bf16* __restrict__ b, const int (&c0)[LORA_NC], int cols,
                                                 int max_rank) {
     const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
 #pragma unroll
-    for (int j = 0; j < LORA_NC; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
+    for (int j = 0; j < LORA_NC; ++j)
+#pragma unroll
+        for (int mt = 0; mt < LORA_MT; ++mt) d[j][mt][0] = d[j][mt][1] = d[j][mt][2] = d[j][mt][3] = 0.f;
     for (int kc = 0; kc < max_rank; kc += 16) {
-        const LoraFrag f = lora_t_frag(t, rp, kc);
         uint2 bf[LORA_NC];
 #pragma unroll
         for (int j = 0; j < LORA_NC; ++j)
             bf[j] = c0[j] < cols ? lora_b_frag(b, c0[j] + g, kc + tig * 4, max_rank) : make_uint2(0u, 0u);
 #pragma unroll
-        for (int j = 0; j < LORA_NC; ++j) {
-            mma_bf16(d[j], f.hi, bf[j].x, bf[j].y);
-            mma_bf16(d[j], f.lo, bf[j].x, bf[j].y);
+        for (int mt = 0; mt < LORA_MT; ++mt) {
+            const LoraFrag f = lora_t_frag(t, rp, kc, mt);
+#pragma unroll
+            for (int j = 0; j < LORA_NC; ++j) {
+                mma_bf16(d[j][mt], f.hi, bf[j].x, bf[j].y);
+                mma_bf16(d[j][mt], f.lo, bf[j].x, bf[j].y);
+            }
         }
     }
 }
@@ -437,84 +479,116 @@ __device__ __forceinline__ void lora_plain_act(const LoraBuckets& b, const bf16*
     }
 }
 
-#define LORA_STAGE (2 * 16 * 8 * LORA_NC)  // floats a warp stages g and u of a round's columns in
-static_assert(LORA_STAGE <= 2 * 16 * 16, "the staging must fit in a warp's gate/up part at rank 16");
+#define LORA_STAGE_COLS (8 * LORA_NC)                            // columns a warp stages a round
+#define LORA_STAGE (2 * LORA_CHUNK * LORA_STAGE_COLS)            // floats: g, then u, [LORA_CHUNK][cols]
+static_assert(LORA_STAGE <= 2 * LORA_CHUNK * 16, "the staging must fit in a warp's gate/up part at rank 16");
+
+// A round's g + B_g t_g and u + B_u t_u into the warp's staging gs, by fragment.
+__device__ __forceinline__ void lora_stage_gu(float* gs, const LoraRows& r, const int (&c0)[LORA_NC], int I,
+                                              int I_max, const bf16* __restrict__ gu,
+                                              const float (&dg)[LORA_NC][LORA_MT][4],
+                                              const float (&du)[LORA_NC][LORA_MT][4]) {
+    const int g = (threadIdx.x & 31) >> 2, tig = threadIdx.x & 3;
+#pragma unroll
+    for (int j = 0; j < LORA_NC; ++j) {
+#pragma unroll
+        for (int mt = 0; mt < LORA_MT; ++mt) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (r.pos[mt][h] < 0 || c0[j] >= I) continue;
+                const bf16* row = gu + (size_t)r.pos[mt][h] * 2 * I_max + c0[j] + tig * 2;
+                const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row));
+                const float2 uv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + I_max));
+                float* o = gs + (16 * mt + g + 8 * h) * LORA_STAGE_COLS + 8 * j + tig * 2;
+                o[0] = gv.x + dg[j][mt][2 * h];
+                o[1] = gv.y + dg[j][mt][2 * h + 1];
+                o[LORA_STAGE / 2] = uv.x + du[j][mt][2 * h];
+                o[LORA_STAGE / 2 + 1] = uv.y + du[j][mt][2 * h + 1];
+            }
+        }
+    }
+}
 
 // A chunk's act, the warp's rounds of columns: g + B_g t_g and u + B_u t_u on tensor cores,
-// staged in the warp's gs ([2][16][8 LORA_NC] floats: g, then u) so that one activation site
-// (a lane an element at a time) stores bf16(act(g, u)); an activation inlined a fragment element
+// staged in the warp's gs so that one activation site (a lane an element at a time: row e /
+// cols, step (e % cols) / 8) stores bf16(act(g, u)); an activation inlined a fragment element
 // made ptxas spill.
 __device__ __forceinline__ void lora_chunk_act(const float* t, int rp, float* gs, const LoraBuckets& b, int ch,
                                                int pos0, const LoraRows& r, const bf16* __restrict__ gb,
                                                const bf16* __restrict__ ub, const bf16* __restrict__ gu,
                                                bf16* __restrict__ act, int I, int I_max, int max_rank, int act_code,
                                                float alpha, float limit) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-    constexpr int W = 8 * LORA_NC;  // staged columns a round
+    const int lane = threadIdx.x & 31;
+    constexpr int W = LORA_STAGE_COLS;
     for (int round = 0;; ++round) {
         int c0[LORA_NC];
         lora_round_cols(c0, round);
         if (c0[0] >= I) break;
-        float dg[LORA_NC][4], du[LORA_NC][4];
+        float dg[LORA_NC][LORA_MT][4], du[LORA_NC][LORA_MT][4];
         lora_mma_expand(dg, t, rp, gb, c0, I, max_rank);
-        lora_mma_expand(du, t + 16 * rp, rp, ub, c0, I, max_rank);
-#pragma unroll
-        for (int j = 0; j < LORA_NC; ++j) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (r.pos[h] < 0 || c0[j] >= I) continue;
-                const bf16* row = gu + (size_t)r.pos[h] * 2 * I_max + c0[j] + tig * 2;
-                const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row));
-                const float2 uv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + I_max));
-                float* o = gs + (g + 8 * h) * W + 8 * j + tig * 2;
-                o[0] = gv.x + dg[j][2 * h];
-                o[1] = gv.y + dg[j][2 * h + 1];
-                o[16 * W] = uv.x + du[j][2 * h];
-                o[16 * W + 1] = uv.y + du[j][2 * h + 1];
-            }
-        }
+        lora_mma_expand(du, t + LORA_CHUNK * rp, rp, ub, c0, I, max_rank);
+        lora_stage_gu(gs, r, c0, I, I_max, gu, dg, du);
         __syncwarp();
         for (int e = lane; e < b.rows[ch] * W; e += 32) {
-            const int i = e / W, j = (e % W) >> 3, c = c0[0] + LORA_MMA_WARPS * 8 * j + (e & 7);
+            const int i = e / W, c = c0[0] + LORA_MMA_WARPS * 8 * ((e % W) >> 3) + (e & 7);
             if (c >= I) continue;
             const int pos = pos0 + b.list[b.first[ch] + i];
             act[(size_t)pos * I_max + c] =
-                __float2bfloat16(apply_activation(act_code, gs[e], gs[16 * W + e], alpha, limit));
+                __float2bfloat16(apply_activation(act_code, gs[e], gs[LORA_STAGE / 2 + e], alpha, limit));
         }
         __syncwarp();  // gs is rewritten by the next round
     }
 }
 
-// A chunk's down delta, the warp's rounds of columns: yw = bf16(yw + w B t) (w[h]: the lane's
-// rows' routing weights).
-__device__ __forceinline__ void lora_chunk_down(const float* t, int rp, const LoraRows& r, const float (&w)[2],
-                                                const bf16* __restrict__ db, bf16* __restrict__ yw, int H,
-                                                int max_rank) {
+// A chunk's down delta, the warp's rounds of columns: yw = bf16(yw + w B t) (w[mt][h]: the
+// lane's rows' routing weights).
+__device__ __forceinline__ void lora_chunk_down(const float* t, int rp, const LoraRows& r,
+                                                const float (&w)[LORA_MT][2], const bf16* __restrict__ db,
+                                                bf16* __restrict__ yw, int H, int max_rank) {
     const int tig = threadIdx.x & 3;
     for (int round = 0;; ++round) {
         int c0[LORA_NC];
         lora_round_cols(c0, round);
         if (c0[0] >= H) break;
-        float d[LORA_NC][4];
+        float d[LORA_NC][LORA_MT][4];
         lora_mma_expand(d, t, rp, db, c0, H, max_rank);
 #pragma unroll
         for (int j = 0; j < LORA_NC; ++j) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (r.pos[h] < 0 || c0[j] >= H) continue;
-                unsigned* o = reinterpret_cast<unsigned*>(yw + (size_t)r.pos[h] * H + c0[j] + tig * 2);
-                const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o));
-                *o = pack_bf16x2(y.x + w[h] * d[j][2 * h], y.y + w[h] * d[j][2 * h + 1]);
+            for (int mt = 0; mt < LORA_MT; ++mt) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    if (r.pos[mt][h] < 0 || c0[j] >= H) continue;
+                    unsigned* o = reinterpret_cast<unsigned*>(yw + (size_t)r.pos[mt][h] * H + c0[j] + tig * 2);
+                    const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o));
+                    *o = pack_bf16x2(y.x + w[mt][h] * d[j][mt][2 * h], y.y + w[mt][h] * d[j][mt][2 * h + 1]);
+                }
             }
         }
     }
 }
 
+// The lane's input rows of chunk rows r: base + row(pos) stride, null past the chunk (row(pos):
+// sorted_row[pos] where given, else pos itself).
+__device__ __forceinline__ LoraInputs lora_inputs(const LoraRows& r, const bf16* base, const int* sorted_row,
+                                                  int stride) {
+    LoraInputs in;
+#pragma unroll
+    for (int mt = 0; mt < LORA_MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int p = r.pos[mt][h];
+            in.v[mt][h] = p < 0 ? nullptr : base + (size_t)(sorted_row ? sorted_row[p] : p) * stride;
+        }
+    }
+    return in;
+}
+
 // grid (the last gate/up GEMM's tile bound), block LORA_MMA_WARPS warps, shared memory
-// (LORA_MMA_WARPS + 1) 2 16 rp floats (rp: max_rank rounded up to 16; the warps' partial t, then
-// t; the staging of lora_chunk_act reuses the parts). The grouped path's lora_gate_up_act (same
-// slots and outputs): a tile's positions without an adapter get act(g, u); those with one, a
-// chunk at a time, t = s A x_e for gate and up, then act(g + B_g t_g, u + B_u t_u).
+// (LORA_MMA_WARPS + 1) 2 LORA_CHUNK rp floats (rp: max_rank rounded up to 16; the warps' partial
+// t, then t; lora_chunk_act's staging reuses the parts). The grouped path's lora_gate_up_act
+// (same slots and outputs): a tile's positions without an adapter get act(g, u); those with
+// one, a chunk at a time, t = s A x_e for gate and up, then act(g + B_g t_g, u + B_u t_u).
 __global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
 lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
                          const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
@@ -528,7 +602,7 @@ lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe
     extern __shared__ __align__(16) float parts[];
     if ((int)blockIdx.x >= *num_tiles) return;
     const int4 ti = tile_info[blockIdx.x];
-    const int I = inter[ti.x], rp = (max_rank + 15) & ~15, n = 2 * 16 * rp;
+    const int I = inter[ti.x], rp = (max_rank + 15) & ~15, n = 2 * LORA_CHUNK * rp;
     const bf16* in = ti.x == n_local ? x : xe;  // the shared expert reads x
     float* t = parts + LORA_MMA_WARPS * n;
     float* gs = parts + (threadIdx.x >> 5) * LORA_STAGE;
@@ -542,10 +616,8 @@ lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe
         for (int c = 0; c < b.chunks; ++c) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
-            const bf16* v0 = r.pos[0] < 0 ? nullptr : in + (size_t)sorted_row[r.pos[0]] * H;
-            const bf16* v1 = r.pos[1] < 0 ? nullptr : in + (size_t)sorted_row[r.pos[1]] * H;
             lora_mma_shrink_part<2>(parts + (threadIdx.x >> 5) * n, rp, gate_a + ks * max_rank * H,
-                                    up_a + ks * max_rank * H, v0, v1, H, H, max_rank);
+                                    up_a + ks * max_rank * H, lora_inputs(r, in, sorted_row, H), H, H, max_rank);
             __syncthreads();
             lora_sum_parts(t, parts, n, rp, scale[ks * 3], scale[ks * 3 + 1]);
             __syncthreads();
@@ -557,9 +629,9 @@ lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe
 }
 
 // grid (the last down GEMM's tile bound), block LORA_MMA_WARPS warps, shared memory
-// (LORA_MMA_WARPS + 1) 16 rp floats. The grouped path's lora_down_delta: for a tile's positions
-// with an adapter, a chunk at a time, t = s A act[pos], then yw = bf16(yw + w B t) (w: the
-// pair's routing weight, 1 for the shared expert, which the reduce scales).
+// (LORA_MMA_WARPS + 1) LORA_CHUNK rp floats. The grouped path's lora_down_delta: for a tile's
+// positions with an adapter, a chunk at a time, t = s A act[pos], then yw = bf16(yw + w B t) (w:
+// the pair's routing weight, 1 for the shared expert, which the reduce scales).
 __global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
 lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids,
                         const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
@@ -572,7 +644,7 @@ lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lo
     extern __shared__ __align__(16) float parts[];
     if ((int)blockIdx.x >= *num_tiles) return;
     const int4 ti = tile_info[blockIdx.x];
-    const int I = inter[ti.x], rp = (max_rank + 15) & ~15, n = 16 * rp;
+    const int I = inter[ti.x], rp = (max_rank + 15) & ~15, n = LORA_CHUNK * rp;
     float* t = parts + LORA_MMA_WARPS * n;
     for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
         const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
@@ -583,16 +655,18 @@ lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lo
         for (int c = 0; c < b.chunks; ++c) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
-            const bf16* v0 = r.pos[0] < 0 ? nullptr : act + (size_t)r.pos[0] * I_max;
-            const bf16* v1 = r.pos[1] < 0 ? nullptr : act + (size_t)r.pos[1] * I_max;
             const bf16* a0 = down_a + ks * max_rank * I_max;
-            lora_mma_shrink_part<1>(parts + (threadIdx.x >> 5) * n, rp, a0, a0, v0, v1, I, I_max, max_rank);
+            lora_mma_shrink_part<1>(parts + (threadIdx.x >> 5) * n, rp, a0, a0, lora_inputs(r, act, nullptr, I_max),
+                                    I, I_max, max_rank);
             __syncthreads();
             lora_sum_parts(t, parts, n, rp, scale[ks * 3 + 2], 0.f);
             __syncthreads();
-            float w[2];
+            float w[LORA_MT][2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) w[h] = r.pos[h] < 0 || ti.x == n_local ? 1.0f : topk_w[sorted_pair[r.pos[h]]];
+            for (int mt = 0; mt < LORA_MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    w[mt][h] = r.pos[mt][h] < 0 || ti.x == n_local ? 1.0f : topk_w[sorted_pair[r.pos[mt][h]]];
             lora_chunk_down(t, rp, r, w, down_b + ks * H * max_rank, yw, H, max_rank);
             __syncthreads();  // the next chunk's sum rewrites t
         }
@@ -601,8 +675,8 @@ lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lo
 
 // ---------------------------------------------------------------------------------------------
 // The router's delta by row spans (prefill): a block LORA_ROUTER_ROWS consecutive rows, bucketed
-// by adapter as the expert tiles are, so an adapter's fp32 A is read once a chunk of up to 16
-// rows, not once a row. The shrink on tensor cores: x is bf16 (exact), A fp32 split in three
+// by adapter as the expert tiles are, so an adapter's fp32 A is read once a chunk, not once a
+// row. The shrink on tensor cores: x is bf16 (exact), A fp32 split in three
 // bf16 parts (a = a1 + a2 + a3 to 2^-27 of a: fp32's own precision), each product exact in the
 // fp32 sums; the expand as lora_router_delta's (fp32, ranks in order).
 // ---------------------------------------------------------------------------------------------
@@ -625,43 +699,36 @@ __device__ __forceinline__ void lora_split3(const float4& lo4, const float4& hi4
 }
 
 // This warp's part of a chunk's router shrink (as lora_mma_shrink_part, one fp32 matrix a
-// [max_rank, len]): part[i][j] = a[j, cols] . v_i[cols] over the warp's columns.
+// [max_rank, len], each weight fragment's three bf16 parts serving the LORA_MT row tiles).
 __device__ __forceinline__ void lora_mma_shrink_part_f32(float* part, int rp, const float* __restrict__ a,
-                                                         const bf16* v0, const bf16* v1, int len, int max_rank) {
+                                                         const LoraInputs& in, int len, int max_rank) {
     const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3, warp = threadIdx.x >> 5;
-    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
     const float4 zf = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int kc = 0; kc < max_rank; kc += 16) {
-        float c[2][4] = {};
+        float c[2][LORA_MT][4] = {};
         for (int h0 = warp * 32; h0 < len; h0 += LORA_MMA_WARPS * 32) {
             const int h = h0 + tig * 8;
-            const bool in = h < len;
-            const uint4 x0 = in && v0 ? load_bf16x8(v0 + h).raw : z;
-            const uint4 x1 = in && v1 ? load_bf16x8(v1 + h).raw : z;
-            const unsigned f0[4] = {x0.x, x1.x, x0.y, x1.y}, f1[4] = {x0.z, x1.z, x0.w, x1.w};
+            unsigned f[LORA_MT][2][4];
+            lora_x_frags(f, in, h, len);
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
                 const int rank = kc + 8 * nt + g;  // the B fragment's n = g
-                const bool ok = in && rank < max_rank;
+                const bool ok = h < len && rank < max_rank;
                 const float* ar = a + (size_t)rank * len + h;
                 unsigned p[3][4];
                 lora_split3(ok ? __ldg(reinterpret_cast<const float4*>(ar)) : zf,
                             ok ? __ldg(reinterpret_cast<const float4*>(ar + 4)) : zf, p);
 #pragma unroll
                 for (int s = 0; s < 3; ++s) {
-                    mma_bf16(c[nt], f0, p[s][0], p[s][1]);
-                    mma_bf16(c[nt], f1, p[s][2], p[s][3]);
+#pragma unroll
+                    for (int mt = 0; mt < LORA_MT; ++mt) {
+                        mma_bf16(c[nt][mt], f[mt][0], p[s][0], p[s][1]);
+                        mma_bf16(c[nt][mt], f[mt][1], p[s][2], p[s][3]);
+                    }
                 }
             }
         }
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {  // C fragment: rows g, g + 8; ranks kc + 8 nt + 2 tig, + 1
-            float* tp = part + kc + nt * 8 + tig * 2;
-            tp[g * rp] = c[nt][0];
-            tp[g * rp + 1] = c[nt][1];
-            tp[(g + 8) * rp] = c[nt][2];
-            tp[(g + 8) * rp + 1] = c[nt][3];
-        }
+        lora_store_part(part, rp, kc, c);
     }
 }
 
@@ -679,7 +746,7 @@ __device__ __forceinline__ void lora_router_expand(const LoraBuckets& b, int c, 
 }
 
 // grid ceil(N / LORA_ROUTER_ROWS), block LORA_MMA_WARPS warps, shared memory (LORA_MMA_WARPS + 1)
-// 16 rp floats. lora_router_delta's work (same slots, ids, error bit) for a span of rows.
+// LORA_CHUNK rp floats. lora_router_delta's work (same slots, ids, error bit) for a span of rows.
 __global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
 lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lora_ids, const float* __restrict__ a,
                           const float* __restrict__ bs, float* __restrict__ logits, int* __restrict__ err, int N,
@@ -687,7 +754,7 @@ lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lo
     __shared__ LoraBuckets b;
     extern __shared__ __align__(16) float parts[];
     const int row0 = blockIdx.x * LORA_ROUTER_ROWS, m = min(LORA_ROUTER_ROWS, N - row0);
-    const int rp = (max_rank + 15) & ~15, n = 16 * rp;
+    const int rp = (max_rank + 15) & ~15, n = LORA_CHUNK * rp;
     float* t = parts + LORA_MMA_WARPS * n;
     for (int i = threadIdx.x; i < m; i += blockDim.x) {
         const int id = lora_ids[row0 + i];
@@ -700,8 +767,7 @@ lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lo
     for (int c = 0; c < b.chunks; ++c) {
         const LoraRows r = lora_chunk_rows(b, c, row0);
         lora_mma_shrink_part_f32(parts + (threadIdx.x >> 5) * n, rp, a + (size_t)b.key[c] * max_rank * H,
-                                 r.pos[0] < 0 ? nullptr : x + (size_t)r.pos[0] * H,
-                                 r.pos[1] < 0 ? nullptr : x + (size_t)r.pos[1] * H, H, max_rank);
+                                 lora_inputs(r, x, nullptr, H), H, max_rank);
         __syncthreads();
         lora_sum_parts(t, parts, n, rp, 1.0f, 0.f);
         __syncthreads();

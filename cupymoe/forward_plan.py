@@ -175,16 +175,17 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
 
 
 LORA_MMA_WARPS = 8  # cuda/lora.cu LORA_MMA_WARPS: the grouped deltas' blocks
+LORA_CHUNK = 32  # cuda/lora.cu LORA_CHUNK: rows of one adapter the grouped deltas take at once
 LORA_ROUTER_ROWS = 32  # cuda/lora.cu LORA_ROUTER_ROWS: rows a block of lora_grouped_router_delta
-LORA_GROUPED_SMEM_MAX = 40 * 1024  # dynamic shared memory under the 48 KiB default, beside the static buckets
+LORA_GROUPED_SMEM_MAX = 80 * 1024  # under every sm_80+ opt-in maximum (jit.opt_in_smem opts them in)
 
 
 def lora_grouped_smem(max_rank: int, gate_up: bool) -> int:
-    """The grouped deltas' dynamic shared memory: each warp's partial t and the summed t, [16][rp]
-    floats a projection (rp = max_rank rounded up to 16; gate/up's staging reuses the parts; the
-    router's and down's: one projection)."""
+    """The grouped deltas' dynamic shared memory: each warp's partial t and the summed t,
+    [LORA_CHUNK][rp] floats a projection (rp = max_rank rounded up to 16; gate/up's staging
+    reuses the parts; the router's and down's: one projection)."""
     rp = -(-max_rank // 16) * 16
-    return (LORA_MMA_WARPS + 1) * (2 if gate_up else 1) * 16 * rp * 4
+    return (LORA_MMA_WARPS + 1) * (2 if gate_up else 1) * LORA_CHUNK * rp * 4
 
 
 def lora_grouped(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> bool:

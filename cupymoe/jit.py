@@ -424,6 +424,8 @@ def opt_in_smem(expr: str, max_smem: int) -> int:
         return C.swapab_smem_bytes(int(m.group(1)))
     if expr.startswith("decode_wgmma_"):
         return max_smem - 1024
+    if expr.startswith("lora_grouped_"):  # its warps' partial t grow with the rank (less its static buckets)
+        return max_smem - 4096
     return 0
 
 

@@ -397,11 +397,12 @@ def _prefill_uses_grouped(layer, n, max_rank):
     return {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} <= kinds
 
 
-@pytest.mark.parametrize("max_rank, invariant", [(16, True), (12, True), (5, True), (16, False)])
+@pytest.mark.parametrize("max_rank, invariant", [(16, True), (32, True), (12, True), (5, True), (16, False)])
 def test_grouped_deltas_awkward_n(max_rank, invariant, rng):
     """The prefill path's grouped deltas at awkward N (tiles of 1 row, partial 16-row chunks, tiles
     over LORA_SUB = 128 rows at 1100), ids -1 mixed with four adapters of ranks max_rank, 3, 1, 2
-    (B rows of max_rank 5 and 12 read by the unaligned fragment loads), output poisoned first;
+    (B rows of max_rank 5 and 12 read by the unaligned fragment loads; max_rank 32: shared memory
+    past 48 KB, opted in at load), output poisoned first;
     then ids past the slots (base rows and an error bit). A row-invariant layer runs them (and
     lora_grouped_router_delta) at every prefill N; a plain one past the one-block sort (the
     per-pair kernels below it)."""

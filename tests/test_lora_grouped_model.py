@@ -19,8 +19,9 @@ import pytest
 from cupymoe import jit
 
 SRC = (jit.kernel_dir() / "lora.cu").read_text()
-WARPS, NC, SUB = (int(re.search(rf"#define {n} (\d+)", SRC).group(1))
-                   for n in ("LORA_MMA_WARPS", "LORA_NC", "LORA_SUB"))
+WARPS, NC, SUB, MT = (int(re.search(rf"#define {n} (\d+)", SRC).group(1))
+                       for n in ("LORA_MMA_WARPS", "LORA_NC", "LORA_SUB", "LORA_MT"))
+CHUNK = 16 * MT
 G, TIG = np.arange(32) >> 2, np.arange(32) & 3
 
 
@@ -46,62 +47,66 @@ def mma(c, a, b):
 @dataclass
 class Chunk:
     key: int
-    pos: list  # [lane][h]: the lane's rows g, g + 8 as positions, -1 past the chunk
+    pos: list  # [lane][mt][h]: the lane's rows 16 mt + g + 8 h as positions, -1 past the chunk
 
 
 def chunks(lid: list, pos0: int) -> list:
-    """lora_bucket and lora_chunk_rows: adapters ascending, positions in order, 16-row chunks."""
+    """lora_bucket and lora_chunk_rows: adapters ascending, positions in order, CHUNK-row chunks."""
     out, prev = [], -1
     while any(v > prev for v in lid):
         key = min(v for v in lid if v > prev)
         run = [i for i, v in enumerate(lid) if v == key]
-        for f in range(0, len(run), 16):
-            rows = run[f:f + 16]
-            out.append(Chunk(key, [[pos0 + rows[g + 8 * h] if g + 8 * h < len(rows) else -1 for h in range(2)]
-                                   for g in G]))
+        for f in range(0, len(run), CHUNK):
+            rows = run[f:f + CHUNK]
+            out.append(Chunk(key, [[[pos0 + rows[i] if i < len(rows) else -1
+                                     for i in (16 * mt + g, 16 * mt + g + 8)] for mt in range(MT)] for g in G]))
         prev = key
     return out
 
 
 def shrink_part(warp, rp, mats, vecs, length, max_rank):
-    """lora_mma_shrink_part: the warp's partial t of each matrix in mats ([max_rank, stride])."""
-    part = np.zeros((len(mats), 16, rp), np.float32)
+    """lora_mma_shrink_part: the warp's partial t of each matrix in mats ([max_rank, stride]);
+    vecs[lane][mt][h]: the lane's input rows (None past the chunk)."""
+    part = np.zeros((len(mats), CHUNK, rp), np.float32)
     for kc in range(0, max_rank, 16):
-        c = np.zeros((len(mats), 2, 32, 4), np.float32)
+        c = np.zeros((len(mats), 2, MT, 32, 4), np.float32)
         for h0 in range(warp * 32, length, WARPS * 32):
-            x = np.zeros((2, 32, 4, 2))
+            x = np.zeros((MT, 2, 32, 4, 2))
             w = np.zeros((len(mats), 2, 32, 4, 2))
             for lane in range(32):
                 h = h0 + 8 * TIG[lane]
                 if h >= length:
                     continue
-                for i in range(2):
-                    if vecs[lane][i] is not None:
-                        x[i, lane] = vecs[lane][i][h:h + 8].reshape(4, 2)
+                for mt in range(MT):
+                    for i in range(2):
+                        if vecs[lane][mt][i] is not None:
+                            x[mt, i, lane] = vecs[lane][mt][i][h:h + 8].reshape(4, 2)
                 for p, m in enumerate(mats):
                     for nt in range(2):
                         if kc + 8 * nt + G[lane] < max_rank:
                             w[p, nt, lane] = m[kc + 8 * nt + G[lane], h:h + 8].reshape(4, 2)
-            f0 = np.stack([x[0, :, 0], x[1, :, 0], x[0, :, 1], x[1, :, 1]], 1)
-            f1 = np.stack([x[0, :, 2], x[1, :, 2], x[0, :, 3], x[1, :, 3]], 1)
-            for p in range(len(mats)):
-                for nt in range(2):
-                    c[p, nt] = mma(mma(c[p, nt], f0, w[p, nt][:, 0:2]), f1, w[p, nt][:, 2:4])
+            for mt in range(MT):
+                f0 = np.stack([x[mt, 0, :, 0], x[mt, 1, :, 0], x[mt, 0, :, 1], x[mt, 1, :, 1]], 1)
+                f1 = np.stack([x[mt, 0, :, 2], x[mt, 1, :, 2], x[mt, 0, :, 3], x[mt, 1, :, 3]], 1)
+                for p in range(len(mats)):
+                    for nt in range(2):
+                        c[p, nt, mt] = mma(mma(c[p, nt, mt], f0, w[p, nt][:, 0:2]), f1, w[p, nt][:, 2:4])
         for p in range(len(mats)):
             for nt in range(2):
-                for lane in range(32):
-                    col = kc + 8 * nt + 2 * TIG[lane]
-                    part[p, G[lane], col:col + 2] = c[p, nt, lane, 0:2]
-                    part[p, G[lane] + 8, col:col + 2] = c[p, nt, lane, 2:4]
+                for mt in range(MT):
+                    for lane in range(32):
+                        col, row = kc + 8 * nt + 2 * TIG[lane], 16 * mt + G[lane]
+                        part[p, row, col:col + 2] = c[p, nt, mt, lane, 0:2]
+                        part[p, row + 8, col:col + 2] = c[p, nt, mt, lane, 2:4]
     return part
 
 
-def t_frag(t, kc):
-    """lora_t_frag: (hi, lo) registers of t's rows g, g + 8 and ranks kc + 4 tig .. + 3."""
+def t_frag(t, kc, mt):
+    """lora_t_frag: (hi, lo) registers of t's rows 16 mt + g, + 8 and ranks kc + 4 tig .. + 3."""
     hi, lo = np.zeros((32, 4, 2)), np.zeros((32, 4, 2))
     for lane in range(32):
-        r = kc + 4 * TIG[lane]
-        for reg, (row, off) in enumerate(((G[lane], 0), (G[lane] + 8, 0), (G[lane], 2), (G[lane] + 8, 2))):
+        r, g = kc + 4 * TIG[lane], 16 * mt + G[lane]
+        for reg, (row, off) in enumerate(((g, 0), (g + 8, 0), (g, 2), (g + 8, 2))):
             pair = t[row, r + off:r + off + 2]
             hi[lane, reg] = bf(pair)
             lo[lane, reg] = bf(pair - bf(pair))
@@ -109,10 +114,9 @@ def t_frag(t, kc):
 
 
 def expand(t, b, c0, cols, max_rank):
-    """lora_mma_expand: NC 8-column steps of B t (b [out, max_rank])."""
-    d = np.zeros((NC, 32, 4), np.float32)
+    """lora_mma_expand: NC 8-column steps of B t (b [out, max_rank]) for the MT row tiles."""
+    d = np.zeros((NC, MT, 32, 4), np.float32)
     for kc in range(0, max_rank, 16):
-        hi, lo = t_frag(t, kc)
         for j in range(NC):
             frag = np.zeros((32, 2, 2))
             for lane in range(32):
@@ -120,7 +124,9 @@ def expand(t, b, c0, cols, max_rank):
                     r = kc + 4 * TIG[lane]
                     frag[lane] = [[b[c0[j] + G[lane], r + i] if r + i < max_rank else 0.0
                                    for i in range(2 * q, 2 * q + 2)] for q in range(2)]
-            d[j] = mma(mma(d[j], hi, frag), lo, frag)
+            for mt in range(MT):
+                hi, lo = t_frag(t, kc, mt)
+                d[j, mt] = mma(mma(d[j, mt], hi, frag), lo, frag)
     return d
 
 
@@ -133,14 +139,15 @@ def rounds(warp, cols):
 
 
 def each_output(chunk, c0, cols, fn):
-    """fn(position, column, j, lane, h, e) for the lane's stored outputs of a round."""
+    """fn(position, column, j, mt, lane, register) for the lane's stored outputs of a round."""
     for j in range(NC):
-        for lane in range(32):
-            for h in range(2):
-                for e in range(2):
-                    c = c0[j] + 2 * TIG[lane] + e
-                    if chunk.pos[lane][h] >= 0 and c0[j] < cols:
-                        fn(chunk.pos[lane][h], c, j, lane, 2 * h + e)
+        for mt in range(MT):
+            for lane in range(32):
+                for h in range(2):
+                    for e in range(2):
+                        c = c0[j] + 2 * TIG[lane] + e
+                        if chunk.pos[lane][mt][h] >= 0 and c0[j] < cols:
+                            fn(chunk.pos[lane][mt][h], c, j, mt, lane, 2 * h + e)
 
 
 def block_t(chunk, mats, scales, vecs, length, max_rank):
@@ -158,26 +165,29 @@ class Case:
 
 
 def staged_act(act, gu, ch, c0, I, dg, du):
-    """lora_chunk_act's round: g + dg and u + du staged in gs ([2][16][8 NC]) by fragment, then
-    act stored from the staging, a lane an element (row e / W, step (e % W) / 8, column e % 8)."""
+    """lora_chunk_act's round: g + dg and u + du staged in gs ([2][CHUNK][8 NC]) by fragment
+    (lora_stage_gu), then act stored from the staging, a lane an element (row e / W, step
+    (e % W) / 8, column e % 8)."""
     W = 8 * NC
-    gs = np.full((2, 16 * W), np.nan, np.float32)
+    gs = np.full((2, CHUNK * W), np.nan, np.float32)
+    rows = {}  # chunk row -> position
     for j in range(NC):
-        for lane in range(32):
-            for h in range(2):
-                p = ch.pos[lane][h]
-                if p < 0 or c0[j] >= I:
-                    continue
-                for e in range(2):
-                    c, o = c0[j] + 2 * TIG[lane] + e, (G[lane] + 8 * h) * W + 8 * j + 2 * TIG[lane] + e
-                    gs[0, o], gs[1, o] = gu[p, c] + dg[j, lane, 2 * h + e], gu[p, I + c] + du[j, lane, 2 * h + e]
-    rows = max(g + 8 * h + 1 for g in range(8) for h in range(2) if ch.pos[g * 4][h] >= 0)
-    for e in range(rows * W):
+        for mt in range(MT):
+            for lane in range(32):
+                for h in range(2):
+                    p = ch.pos[lane][mt][h]
+                    if p < 0 or c0[j] >= I:
+                        continue
+                    rows[16 * mt + G[lane] + 8 * h] = p
+                    for e in range(2):
+                        c = c0[j] + 2 * TIG[lane] + e
+                        o = (16 * mt + G[lane] + 8 * h) * W + 8 * j + 2 * TIG[lane] + e
+                        gs[0, o] = gu[p, c] + dg[j, mt, lane, 2 * h + e]
+                        gs[1, o] = gu[p, I + c] + du[j, mt, lane, 2 * h + e]
+    for e in range(len(rows) * W):
         c = c0[0] + WARPS * 8 * ((e % W) >> 3) + (e & 7)
         if c < I:
-            i = e // W
-            p = ch.pos[4 * (i % 8)][i // 8]  # the position of chunk row i (lane 4 g holds rows g, g + 8)
-            act[p, c] = bf(silu(gs[0, e], gs[1, e]))
+            act[rows[e // W], c] = bf(silu(gs[0, e], gs[1, e]))
 
 
 def silu(g, u):
@@ -213,7 +223,8 @@ def test_grouped_gate_up_act_model(case, rng):
         for i in (i for i, v in enumerate(lid) if v < 0):
             act[s0 + i] = bf(silu(gu[s0 + i, :I], gu[s0 + i, I:]))
         for ch in chunks(lid, s0):
-            vecs = [[None if p < 0 else x[sorted_row[p]] for p in ch.pos[lane]] for lane in range(32)]
+            vecs = [[[None if p < 0 else x[sorted_row[p]] for p in tile] for tile in ch.pos[lane]]
+                    for lane in range(32)]
             tg, tu = block_t(ch, [m["gate_a"][ch.key], m["up_a"][ch.key]], scale[ch.key], vecs, H, case.max_rank)
             for warp in range(WARPS):
                 for c0 in rounds(warp, I):
@@ -241,14 +252,14 @@ def test_grouped_down_delta_model(rng):
     yw = bf(rng.standard_normal((rows, H)))
     out = yw.copy()
     for ch in chunks([int(v) for v in ids], 0):
-        vecs = [[None if p < 0 else act[p] for p in ch.pos[lane]] for lane in range(32)]
+        vecs = [[[None if p < 0 else act[p] for p in tile] for tile in ch.pos[lane]] for lane in range(32)]
         (t,) = block_t(ch, [a[ch.key]], [scale[ch.key]], vecs, I, max_rank)
         for warp in range(WARPS):
             for c0 in rounds(warp, H):
                 d = expand(t, b[ch.key], c0, H, max_rank)
 
-                def store(p, c, j, lane, r):
-                    out[p, c] = bf(out[p, c] + w[p] * d[j, lane, r])
+                def store(p, c, j, mt, lane, r):
+                    out[p, c] = bf(out[p, c] + w[p] * d[j, mt, lane, r])
                 each_output(ch, c0, H, store)
     for p in range(rows):
         k = ids[p]
@@ -262,19 +273,17 @@ def test_expand_keeps_t_past_bf16(rng):
     """B t from t's two bf16 parts stays within ~2^-16 of the fp32 t's product (one bf16 t
     would be 2^-9 off), so the reference models no rounding of t."""
     max_rank, cols = 16, 16
-    t = (rng.standard_normal((16, max_rank)) * rng.uniform(0.1, 10, (16, 1))).astype(np.float32)
+    t = (rng.standard_normal((CHUNK, max_rank)) * rng.uniform(0.1, 10, (CHUNK, 1))).astype(np.float32)
     b = bf(rng.standard_normal((cols, max_rank)))
     want = t.astype(np.float64) @ b.T.astype(np.float64)  # [row, column]
     bound = np.abs(t).astype(np.float64) @ np.abs(b.T).astype(np.float64)
     for warp in range(WARPS):
         for c0 in rounds(warp, cols):
             d = expand(t, b, c0, cols, max_rank)
-            for j in range(NC):
-                for lane in range(32):
-                    for r in range(4):
-                        row, c = G[lane] + 8 * (r // 2), c0[j] + 2 * TIG[lane] + r % 2
-                        if c0[j] < cols:
-                            assert abs(d[j, lane, r] - want[row, c]) <= 2 ** -15 * bound[row, c]
+            for j, mt, lane, r in np.ndindex(NC, MT, 32, 4):
+                row, c = 16 * mt + G[lane] + 8 * (r // 2), c0[j] + 2 * TIG[lane] + r % 2
+                if c0[j] < cols:
+                    assert abs(d[j, mt, lane, r] - want[row, c]) <= 2 ** -15 * bound[row, c]
 
 
 def test_router_shrink_keeps_fp32_a(rng):
@@ -287,8 +296,8 @@ def test_router_shrink_keeps_fp32_a(rng):
     a2 = bf(a - a1)
     a3 = bf(a - a1 - a2)
     assert np.abs(a1.astype(np.float64) + a2 + a3 - a).max() <= 2 ** -26 * np.abs(a).max()
-    vecs = [[x[g], x[g + 8]] for g in G]
-    t = sum(shrink_part(w, max_rank, [part], vecs, H, max_rank)[0] for w in range(WARPS) for part in (a1, a2, a3))
+    vecs = [[[x[g], x[g + 8]]] + [[None, None]] * (MT - 1) for g in G]
+    t = sum(shrink_part(w, max_rank, [part], vecs, H, max_rank)[0] for w in range(WARPS) for part in (a1, a2, a3))[:16]
     want = x.astype(np.float64) @ a.T.astype(np.float64)
     bound = np.abs(x).astype(np.float64) @ np.abs(a.T).astype(np.float64)
     assert (np.abs(t - want) <= 2 ** -20 * bound).all()

@@ -16,8 +16,8 @@ import pytest
 from cupymoe import jit, testing
 from cupymoe.catalog import Activation, LoraDownMode
 from cupymoe.errors import LoraError, OptionError
-from cupymoe.forward_plan import (LORA_MMA_WARPS, LORA_RED, LORA_ROUTER_ROWS, LoraShape, build_forward_plan,
-                                  lora_grouped, lora_grouped_smem)
+from cupymoe.forward_plan import (LORA_GROUPED_SMEM_MAX, LORA_MMA_WARPS, LORA_RED, LORA_ROUTER_ROWS, LoraShape,
+                                  build_forward_plan, lora_grouped, lora_grouped_smem)
 from cupymoe.knobs import Knobs
 from cupymoe.lora_slots import check_options
 from cupymoe.plan import Buf, CallValue, DeviceFacts, LayerOptions, Path, Space, Stage, plan_layer
@@ -130,8 +130,8 @@ def _check_grouped(plan, ga, dd, gemms):
     for delta, gemm in ((plan.steps[ga], gemms[-1]), (plan.steps[dd], down_gemm)):
         assert delta.grid == (gemm.grid[1],) and delta.block == (LORA_MMA_WARPS * 32,)
         assert (delta.arg("num_tiles"), delta.arg("tile_info")) == (gemm.arg("num_tiles"), gemm.arg("tile_info"))
-    assert plan.steps[ga].smem == lora_grouped_smem(16, True) == 9 * 2 * 16 * 16 * 4
-    assert plan.steps[dd].smem == lora_grouped_smem(16, False) == 9 * 16 * 16 * 4
+    assert plan.steps[ga].smem == lora_grouped_smem(16, True) == 9 * 2 * 32 * 16 * 4
+    assert plan.steps[dd].smem == lora_grouped_smem(16, False) == 9 * 32 * 16 * 4
     assert plan.steps[dd].arg("yw") == Buf(Space.SCRATCH, "yw")
 
 
@@ -179,3 +179,14 @@ def test_grouped_deltas_by_path_rows_and_rank():
                 kinds = {getattr(s, "kernel", None) for s in plan.at(n).steps}
                 assert set(DELTAS[want]) <= kinds and not set(DELTAS[not want]) & kinds, (path, n, rank)
     assert not build_forward_plan(lp, H200, 1100, Path.PREFILL).shape.one_block_sort  # both kinds were seen
+
+
+@pytest.mark.parametrize("dev", [H200, A100, DeviceFacts("sm_86", 84, 101376)], ids=["sm_90a", "sm_80", "sm_86"])
+def test_grouped_deltas_shared_memory_is_opted_in(dev):
+    """The grouped deltas' shared memory (past 48 KB from rank 32) is within what the library opts
+    each of them in to at load, beside their static buckets, on every arch."""
+    assert lora_grouped_smem(16, True) == 9 * 2 * 32 * 16 * 4 and lora_grouped_smem(32, True) > 48 * 1024
+    assert lora_grouped_smem(32, True) <= LORA_GROUPED_SMEM_MAX < lora_grouped_smem(33, True)
+    for name in (n for n in jit.MODULES["lora"].names if n.startswith("lora_grouped_")):
+        assert jit.opt_in_smem(name, dev.max_smem) >= LORA_GROUPED_SMEM_MAX, name
+        assert jit.opt_in_smem(name, dev.max_smem) + 4096 <= dev.max_smem
