@@ -600,6 +600,7 @@ lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe
                          float limit) {
     __shared__ LoraBuckets b;
     extern __shared__ __align__(16) float parts[];
+    pdl_wait_then_release_next();  // by PDL only inside a decode chain (never today): nothing read before
     if ((int)blockIdx.x >= *num_tiles) return;
     const int4 ti = tile_info[blockIdx.x];
     const int I = inter[ti.x], rp = (max_rank + 15) & ~15, n = 2 * LORA_CHUNK * rp;
@@ -642,6 +643,7 @@ lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lo
                         int max_rank, int max_loras) {
     __shared__ LoraBuckets b;
     extern __shared__ __align__(16) float parts[];
+    pdl_wait_then_release_next();  // by PDL only inside a decode chain (never today): nothing read before
     if ((int)blockIdx.x >= *num_tiles) return;
     const int4 ti = tile_info[blockIdx.x];
     const int I = inter[ti.x], rp = (max_rank + 15) & ~15, n = LORA_CHUNK * rp;
@@ -753,6 +755,7 @@ lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lo
                           int H, int R, int max_rank, int max_loras) {
     __shared__ LoraBuckets b;
     extern __shared__ __align__(16) float parts[];
+    pdl_wait_then_release_next();  // by PDL only inside a decode chain (never today): nothing read before
     const int row0 = blockIdx.x * LORA_ROUTER_ROWS, m = min(LORA_ROUTER_ROWS, N - row0);
     const int rp = (max_rank + 15) & ~15, n = LORA_CHUNK * rp;
     float* t = parts + LORA_MMA_WARPS * n;

@@ -17,7 +17,7 @@ DEST=${OUT:?set OUT to a folder for the logs}
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_lora.py > "$DEST/lora_gpu_tests.log" 2>&1
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_lora.py > "$DEST/lora_gpu_tests.log" 2>&1
 echo "test_gpu_lora rc $?: $(tail -1 "$DEST/lora_gpu_tests.log")"
 grep -E "FAILED|ERROR" "$DEST/lora_gpu_tests.log" | head -8
 
