@@ -65,8 +65,8 @@ lora_router_delta(const bf16* __restrict__ x,       // [N, H]: the router's inpu
             const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xv.x));
             const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xv.y));
 #pragma unroll
-            for (int r = 0; r < LORA_RC; ++r) {
-                if (j0 + r >= max_rank) break;
+            for (int r = 0; r < LORA_RC; ++r) {  // (a guard, not a break: the rows' loads go out together)
+                if (j0 + r >= max_rank) continue;
                 const float4 av = __ldg(reinterpret_cast<const float4*>(as + (size_t)(j0 + r) * H + i));
                 acc[r] = fmaf(av.w, x23.y, fmaf(av.z, x23.x, fmaf(av.y, x01.y, fmaf(av.x, x01.x, acc[r]))));
             }
@@ -110,12 +110,34 @@ __device__ __forceinline__ void lora_shrink(float* t, float* red, const bf16* __
             float vf[8];
             unpack_bf16x8(load_bf16x8(v + i), vf);
 #pragma unroll
-            for (int r = 0; r < LORA_RC; ++r) {
-                if (j0 + r >= max_rank) break;
-                acc[r] = dot_bf16x8(load_bf16x8(a + (size_t)(j0 + r) * stride + i), vf, acc[r]);
+            for (int r = 0; r < LORA_RC; ++r) {  // (a guard, not a break: the rows' loads go out together)
+                if (j0 + r < max_rank) acc[r] = dot_bf16x8(load_bf16x8(a + (size_t)(j0 + r) * stride + i), vf, acc[r]);
             }
         }
         lora_reduce_ranks(acc, red, t, j0, max_rank, scale);
+    }
+}
+
+// lora_shrink of gate's and up's A at once (t: gate's [max_rank], then up's): one pass over v,
+// its vectors loaded once, both projections' loads in flight together.
+__device__ __forceinline__ void lora_shrink_gate_up(float* t, float* red, const bf16* __restrict__ ga,
+                                                    const bf16* __restrict__ ua, const bf16* __restrict__ v, int len,
+                                                    int max_rank, float sg, float su) {
+    for (int j0 = 0; j0 < max_rank; j0 += LORA_RC) {
+        float acc_g[LORA_RC] = {}, acc_u[LORA_RC] = {};
+        for (int i = threadIdx.x * 8; i < len; i += blockDim.x * 8) {
+            float vf[8];
+            unpack_bf16x8(load_bf16x8(v + i), vf);
+#pragma unroll
+            for (int r = 0; r < LORA_RC; ++r) {
+                if (j0 + r < max_rank) {
+                    acc_g[r] = dot_bf16x8(load_bf16x8(ga + (size_t)(j0 + r) * len + i), vf, acc_g[r]);
+                    acc_u[r] = dot_bf16x8(load_bf16x8(ua + (size_t)(j0 + r) * len + i), vf, acc_u[r]);
+                }
+            }
+        }
+        lora_reduce_ranks(acc_g, red, t, j0, max_rank, sg);
+        lora_reduce_ranks(acc_u, red, t + max_rank, j0, max_rank, su);
     }
 }
 
@@ -161,9 +183,8 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
     const size_t ks = on ? (size_t)lid * (n_local + 1) + pr.slot : 0;
     if (on) {
         const bf16* in = (pr.slot == n_local ? x : xe) + (size_t)pr.row * H;  // the shared expert reads x
-        float* red = t + 2 * max_rank;
-        lora_shrink(t, red, gate_a + ks * max_rank * H, in, H, H, max_rank, scale[ks * 3]);
-        lora_shrink(t + max_rank, red, up_a + ks * max_rank * H, in, H, H, max_rank, scale[ks * 3 + 1]);
+        lora_shrink_gate_up(t, t + 2 * max_rank, gate_a + ks * max_rank * H, up_a + ks * max_rank * H, in, H,
+                            max_rank, scale[ks * 3], scale[ks * 3 + 1]);
     }
     __syncthreads();
     const bf16* gr = gu + (size_t)pr.pos * 2 * I_max;  // g, then u at I_max
