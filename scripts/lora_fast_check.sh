@@ -2,8 +2,8 @@
 # The GPU check of the fast LoRA deltas (vectorized per-pair kernels on decode / atomic, the
 # grouped tensor-core kernels lora_grouped_* on prefill) in one command, under 4 minutes:
 #   1. tests/test_gpu_lora.py: every path and base format against the reference, and the grouped
-#      deltas' own tests (awkward N up to 1100, ranks 16 / 12 / 5 beside 3, 1, 2, one expert with
-#      most rows, graph replay and row invariance bit for bit);
+#      deltas' own tests (awkward N up to 1100, ranks 32 / 16 / 12 / 5 beside 3, 1, 2, ids -1 and
+#      past the slots, one expert with most rows, graph replay and row invariance bit for bit);
 #   2. the expert-delta tests again with the dispatch forced onto the gate/up families the tiny
 #      configs may not reach by themselves (as scripts/lora_pair_check.sh);
 #   3. the LoRA overhead (rank 16, 4 adapters round-robin; issue 42's cells) at N = 1, 64, 1024,
