@@ -197,7 +197,7 @@ def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, dec
         BufferSpec("tile_info", tiles, "sort", "down"),
         BufferSpec("num_tiles_down", 4, "sort", "down"),  # down's where their height differs
         BufferSpec("tile_info_down", tiles, "sort", "down"),
-        BufferSpec("sorted_row", P * 4, "sort", "gate_up"),
+        BufferSpec("sorted_row", P * 4, "sort", "down"),  # lora_grouped_down_delta reads it in down
         BufferSpec("sorted_pair", P * 4, "sort", "down"),
         BufferSpec("pair_pos", (T * k + T) * 4, "sort", "reduce"),
         BufferSpec("slot_active", (n_local + 1) * 4, "sort", "gate_up"),  # decode lists: slot -> active index
