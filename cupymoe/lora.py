@@ -217,22 +217,37 @@ def _peft_config(raw: Mapping[str, Any]) -> _PeftConfig:
 # names
 # ----------------------------------------------------------------------------------
 
+_ROUTED = (LoraTarget.GATE, LoraTarget.UP, LoraTarget.DOWN)
+_SHARED = (LoraTarget.SHARED_GATE, LoraTarget.SHARED_UP, LoraTarget.SHARED_DOWN)
+
+
+def layer_keys(cfg: MoeConfig, *, experts: bool = True, shared: bool = True) -> list[LoraKey]:
+    """The keys of the maps an adapter may change: the router, each routed expert's gate, up and
+    down (`experts`), the shared expert's (`shared`, where the layer has one)."""
+    keys = [LoraKey(LoraTarget.ROUTER)]
+    if experts:
+        keys += [LoraKey(t, e) for e in range(cfg.num_experts) for t in _ROUTED]
+    if shared and cfg.has_shared_expert:
+        keys += [LoraKey(t) for t in _SHARED]
+    return keys
+
+
 def module_names(cfg: MoeConfig, layer_idx: int) -> dict[str, LoraKey]:
     """Every hub module name of layer `layer_idx` an adapter may change -> its LoraKey."""
     from .checkpoint import layer_prefix, naming_for
 
     naming, prefix = naming_for(cfg.model_type), layer_prefix(cfg.model_type, layer_idx)
-    names = {prefix + naming.router: LoraKey(LoraTarget.ROUTER)}
-    targets = (LoraTarget.GATE, LoraTarget.UP, LoraTarget.DOWN)
-    if not naming.fused_experts:  # gpt-oss's fused expert parameters are no Linear modules
-        for e in range(cfg.num_experts):
-            for t, proj in zip(targets, naming.projections):
-                names[prefix + naming.experts.format(e=e) + proj] = LoraKey(t, e)
-    if cfg.has_shared_expert and naming.shared:
-        shared = (LoraTarget.SHARED_GATE, LoraTarget.SHARED_UP, LoraTarget.SHARED_DOWN)
-        for t, proj in zip(shared, naming.projections):
-            names[prefix + naming.shared + proj] = LoraKey(t)
-    return names
+
+    def name(key: LoraKey) -> str:
+        if key.target == LoraTarget.ROUTER:
+            return prefix + naming.router
+        if key.expert is not None:
+            return prefix + naming.experts.format(e=key.expert) + naming.projections[_ROUTED.index(key.target)]
+        return prefix + naming.shared + naming.projections[_SHARED.index(key.target)]
+
+    # gpt-oss's fused expert parameters are no Linear modules
+    keys = layer_keys(cfg, experts=not naming.fused_experts, shared=bool(naming.shared))
+    return {name(k): k for k in keys}
 
 
 def _why_unknown(module_key: str) -> str:
@@ -356,11 +371,7 @@ def _names_or_keys(cfg: MoeConfig, layer_idx: int) -> dict[str, LoraKey]:
 
     if cfg.model_type in NAMING:
         return module_names(cfg, layer_idx)
-    keys = [LoraKey(LoraTarget.ROUTER)]
-    keys += [LoraKey(t, e) for e in range(cfg.num_experts) for t in (LoraTarget.GATE, LoraTarget.UP, LoraTarget.DOWN)]
-    if cfg.has_shared_expert:
-        keys += [LoraKey(t) for t in (LoraTarget.SHARED_GATE, LoraTarget.SHARED_UP, LoraTarget.SHARED_DOWN)]
-    return {f"{k.target.value}" + ("" if k.expert is None else f".{k.expert}"): k for k in keys}
+    return {k.target.value + ("" if k.expert is None else f".{k.expert}"): k for k in layer_keys(cfg)}
 
 
 def round_robin_ids(n: int, k: int) -> np.ndarray:

@@ -9,6 +9,8 @@
 #   OUT=/tmp/out PARTS="tests verify fp8" bash scripts/device_check.sh   (a subset)
 #   PARTS="equiv": the output bits against an older tree exported (git archive REV cupymoe cuda)
 #   into .old/ (carried), scripts/plan_equivalence.py; PARTS="host": the eager forward's host time
+#   PARTS="tune": the tuning sweep of the six presets, bf16 and fp8_block, N = 16-2048, into
+#   $OUT/tune.json (apply it here with `python -m cupymoe tune --apply FILE`)
 #   GRID_FLAGS=--no-peers: the grid without the torch peers (vLLM's figures still come
 #   from benchmarks/baselines)
 set -u
@@ -37,6 +39,13 @@ if want host; then
     --no-peers --repeats 3 --replays 10 --json "$OUT/host.json" > "$OUT/host.log" 2>&1
   echo "host rc $?"
   grep "N=" "$OUT/host.log"
+fi
+if want tune; then
+  timeout 420 python3 -m cupymoe tune --preset qwen3-30b-a3b qwen3-235b-a22b deepseek-v3 mixtral-8x7b qwen3-next-80b \
+    gpt-oss-120b --format bf16 fp8_block --tokens 16 32 64 128 256 512 1024 2048 --json "$OUT/tune.json" \
+    > "$OUT/tune.log" 2>&1
+  echo "tune rc $?"
+  grep -E "^\[tune|->" "$OUT/tune.log" | grep -v drawing | head -120
 fi
 if want verify; then
   timeout 150 python3 -m cupymoe verify > "$OUT/verify.log" 2>&1

@@ -325,6 +325,31 @@ def test_refusals_name_the_values_and_write_nothing(rng):
         layer(x.astype(cupy.float32))
 
 
+def test_profile_mode_refuses_a_capturing_stream_and_enqueues_nothing(rng, monkeypatch):
+    import cupy
+
+    from cupymoe import MoeCallError
+
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    monkeypatch.setenv("CUPYMOE_PROFILE", "1")  # read when a layer is built
+    layer = _layer(cfg, hw)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        x = cupy.asarray(bf16_bits(testing.random_input(rng, 3, cfg.hidden_size)))
+        out = cupy.full_like(x, 0x7FC0)
+        ids = cupy.zeros((3, cfg.num_experts_per_tok), cupy.int32)
+        w = cupy.full((3, cfg.num_experts_per_tok), 0.5, cupy.float32)
+    s.begin_capture()
+    with pytest.raises(MoeCallError, match="CUPYMOE_PROFILE / CUPYMOE_DUMP_DIR synchronise the stream"):
+        layer.forward(int(x.data.ptr), 3, int(out.data.ptr), s.ptr)
+    with pytest.raises(MoeCallError, match="CUPYMOE_PROFILE synchronises the stream"):
+        layer.forward_experts(int(x.data.ptr), 3, int(ids.data.ptr), int(w.data.ptr), int(out.data.ptr), s.ptr)
+    s.end_capture()  # nothing was enqueued into it: it ends cleanly
+    s.synchronize()
+    assert int((out != 0x7FC0).sum()) == 0
+
+
 def test_profile_mode_and_debug_dumps(tmp_path, rng, monkeypatch, caplog):
     import logging
 

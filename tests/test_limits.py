@@ -93,3 +93,13 @@ def test_a_router_wider_than_the_gpu_opts_in_is_refused_when_built():
     with pytest.raises(UnsupportedModelError, match=r"R = 4096: the top-k kernel needs 132096 bytes.*allows 101376"):
         check_smem_fits(wide, 64, small)
     check_smem_fits(testing.tiny_config("qwen3_moe", num_experts=1504), 64, small)
+
+
+def test_more_local_experts_than_the_sort_block_holds_are_refused_when_built():
+    small = DeviceFacts("sm_86", 84, 101376)
+    fits = small.max_smem // C.sort_place_smem_bytes(1)  # bytes grow linearly with the local experts
+    cfg = testing.tiny_config("qwen3_moe", num_experts=fits + 1)
+    with pytest.raises(UnsupportedModelError, match=rf"{fits + 1} routed experts on one GPU: the grouped path's sort "
+                                                    rf"needs \d+ bytes of shared memory a block, this GPU allows 101376"):
+        check_smem_fits(cfg, fits + 1, small)
+    check_smem_fits(cfg, fits, small)
