@@ -125,6 +125,24 @@ def swapab_smem_bytes(token_tile: int) -> int:
     return 1024 + stages * (SWAPAB_ROWS + token_tile) * SWAPAB_BK * 2 + 16 * stages
 
 
+# decode_swapab_fp8_sm90.cu (SwapAbFp8Config<NT>): fp8-block weights as w8a8, the bf16 scheme on
+# e4m3 codes; a stage is one k128 step (128-byte rows, as the bf16 stage's 64 bf16), so the
+# bf16 stage counts; NT stops at 64 (a step's fresh products and the promoted sums: 2 NT floats)
+SWAPAB_FP8_TOKEN_TILES = (8, 16, 32, 64)
+SWAPAB_FP8_STAGES = {8: 5, 16: 5, 32: 5, 64: 4}
+SWAPAB_FP8_BLOCKS_PER_SM = 2
+SWAPAB_FP8_BK = 128
+SWAPAB_FORMATS = (WeightFormat.BF16, WeightFormat.FP8_BLOCK)  # the formats a swap-AB kernel serves (fp8: as w8a8)
+
+
+def swapab_fp8_smem_bytes(token_tile: int) -> int:
+    """decode_swapab_fp8_*<token_tile>: 1024 to align the ring, its stages (128 weight rows and the
+    pass's rows, 128 codes of K each), each stage's scales (the tokens' and the two tiles'),
+    two mbarriers a stage."""
+    stages = SWAPAB_FP8_STAGES[token_tile]
+    stage = (SWAPAB_ROWS + token_tile) * SWAPAB_FP8_BK + 4 * (token_tile + 2)
+    return 1024 + stages * stage + 16 * stages
+
 # decode.cu / decode_common.cuh
 ROUTE_LISTS_MAX_ROWS = 8  # rows up to which routing and the lists are one launch (decode_route_lists)
 ROUTE_LISTS_THREADS = 256  # one routing warp a row

@@ -133,10 +133,10 @@ def router_on_tensor_cores(lp: LayerPlan, n: int) -> bool:
 def decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, fmt: WeightFormat, rows_per_expert: float,
                   max_active: int, n_rows: int = 0) -> DecodeKernel:
     """A decode stage ("gate_up" or "down") of a forward of `n_rows` rows for the experts of format
-    `fmt`: the wgmma kernels where they take it (fp8 as w8a8, fp4, bf16 by swap-AB where chosen),
-    else decode_mma.cu's or decode.cu's."""
-    if fmt == WeightFormat.BF16 and swapab_decode(lp, n_rows):
-        return swapab_decode_kernel(lp, stage, n_rows)
+    `fmt`: the swap-AB kernels where chosen (bf16, fp8 as w8a8), else the wgmma kernels where they
+    take it (fp8 as w8a8, fp4), else decode_mma.cu's or decode.cu's."""
+    if fmt in C.SWAPAB_FORMATS and swapab_decode(lp, n_rows):
+        return swapab_decode_kernel(lp, stage, n_rows, fmt)
     wg = (w8a8_decode_kernel(lp, dev, stage, rows_per_expert, max_active, n_rows)
           if fmt == WeightFormat.FP8_BLOCK
           else fp4_wgmma_decode_kernel(lp, dev, stage, fmt, rows_per_expert, max_active, n_rows)
@@ -149,7 +149,8 @@ def decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, fmt: WeightFormat
 
 
 def swapab_decode(lp: LayerPlan, n_rows: int) -> bool:
-    """Whether bf16 decode of `n_rows` rows runs decode_swapab_sm90.cu: where it serves (lp.swapab_ok),
+    """Whether the decode of `n_rows` rows runs the swap-AB kernels (decode_swapab_sm90.cu for bf16,
+    decode_swapab_fp8_sm90.cu for fp8 as w8a8): where they serve (lp.swapab_ok),
     CUPYMOE_DECODE_KERNEL's choice, else the tuning table's for the N bucket (off where it has none)."""
     if not lp.swapab_ok:
         return False
@@ -166,15 +167,19 @@ def swapab_busy_rows(lp: LayerPlan, n_rows: int) -> float:
     return mean + 4.0 * mean ** 0.5 + 2.0
 
 
-def swapab_decode_kernel(lp: LayerPlan, stage: str, n_rows: int) -> DecodeKernel:
-    """decode_swapab_{stage}<NT>: NT the smallest token tile holding swapab_busy_rows (an expert
-    with more, or the shared expert's N rows, takes passes of NT). gate/up: 64 activation
-    columns a block; down: 128 hidden columns."""
-    nt = row_tile(swapab_busy_rows(lp, n_rows), C.SWAPAB_TOKEN_TILES)
+def swapab_decode_kernel(lp: LayerPlan, stage: str, n_rows: int,
+                         fmt: WeightFormat = WeightFormat.BF16) -> DecodeKernel:
+    """decode_swapab_{stage}<NT> (bf16) or decode_swapab_fp8_{stage}<NT> (fp8 as w8a8): NT the
+    smallest token tile of the format's holding swapab_busy_rows (an expert with more, or the
+    shared expert's N rows, takes passes of NT). gate/up: 64 activation columns a block; down:
+    128 hidden columns."""
+    fp8 = fmt == WeightFormat.FP8_BLOCK
+    nt = row_tile(swapab_busy_rows(lp, n_rows), C.SWAPAB_FP8_TOKEN_TILES if fp8 else C.SWAPAB_TOKEN_TILES)
     columns, per_block = ((lp.i_max, C.SWAPAB_GATE_UP_COLUMNS) if stage == "gate_up"
                           else (lp.cfg.hidden_size, C.SWAPAB_ROWS))
-    return DecodeKernel(f"decode_swapab_{stage}<{nt}>", -(-columns // per_block), C.SWAPAB_THREADS,
-                        C.swapab_smem_bytes(nt))
+    name = f"decode_swapab_fp8_{stage}<{nt}>" if fp8 else f"decode_swapab_{stage}<{nt}>"
+    smem = C.swapab_fp8_smem_bytes(nt) if fp8 else C.swapab_smem_bytes(nt)
+    return DecodeKernel(name, -(-columns // per_block), C.SWAPAB_THREADS, smem)
 
 
 def _wgmma_gate_up_blocks(lp: LayerPlan) -> int:

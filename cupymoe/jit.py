@@ -103,6 +103,9 @@ def _modules() -> dict[str, ModuleSpec]:
         "decode_swapab_sm90": ModuleSpec(
             "decode_swapab_sm90.cu", tuple(f"decode_swapab_{m}<{nt}>" for m in ("gate_up", "down")
                                            for nt in C.SWAPAB_TOKEN_TILES), archs=hopper),
+        "decode_swapab_fp8_sm90": ModuleSpec(
+            "decode_swapab_fp8_sm90.cu", tuple(f"decode_swapab_fp8_{m}<{nt}>" for m in ("gate_up", "down")
+                                               for nt in C.SWAPAB_FP8_TOKEN_TILES), archs=hopper),
         "repack": ModuleSpec("repack.cu", ("fp4_repack_words",)),  # the fp4 device layout, made at load
         "lora": ModuleSpec("lora.cu", ("lora_router_delta", "lora_gate_up_act", "lora_down_delta",
                                         "lora_grouped_gate_up_act", "lora_grouped_down_delta",
@@ -422,6 +425,9 @@ def opt_in_smem(expr: str, max_smem: int) -> int:
     m = re.fullmatch(r"decode_swapab_(?:gate_up|down)<(\d+)>", expr)
     if m:  # its ring, sized by the token tile
         return C.swapab_smem_bytes(int(m.group(1)))
+    m = re.fullmatch(r"decode_swapab_fp8_(?:gate_up|down)<(\d+)>", expr)
+    if m:  # the w8a8 ring, sized by the token tile
+        return C.swapab_fp8_smem_bytes(int(m.group(1)))
     if expr.startswith("decode_wgmma_"):
         return max_smem - 1024
     if expr.startswith("lora_grouped_"):  # its warps' partial t grow with the rank (less its static buckets)

@@ -37,7 +37,7 @@ class W8a8Decode(str, enum.Enum):
 class Bf16Decode(str, enum.Enum):
     AUTO = "auto"  # the tuning table's choice for the shape and N bucket, else register
     REGISTER = "register"  # decode.cu's CUDA-core streams
-    SWAPAB = "swapab"  # decode_swapab_sm90.cu (sm_90a; the decode path then serves up to SWAPAB_MAX_ROWS rows)
+    SWAPAB = "swapab"  # decode_swapab_sm90.cu, fp8 as w8a8: _fp8_sm90.cu (sm_90a; decode up to SWAPAB_MAX_ROWS rows)
 
 
 class DecodeRouter(str, enum.Enum):
@@ -101,8 +101,9 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                    Fp8Decode.MMA),
     "w8a8_decode": ("CUPYMOE_W8A8_DECODE", "w8a8 decode kernels: auto | mma | wgmma", _choice(W8a8Decode),
                     W8a8Decode.AUTO),
-    "decode_kernel": ("CUPYMOE_DECODE_KERNEL", "bf16 decode kernels: auto | register | swapab (sm_90a wgmma, "
-                      "weights as M by TMA; auto then takes the decode path up to 256 rows)", _choice(Bf16Decode),
+    "decode_kernel": ("CUPYMOE_DECODE_KERNEL", "bf16 and w8a8 fp8 decode kernels: auto | register (bf16: "
+                      "decode.cu; fp8: CUPYMOE_W8A8_DECODE's) | swapab (sm_90a wgmma, weights as M by TMA; auto "
+                      "then takes the decode path up to 256 rows)", _choice(Bf16Decode),
                       Bf16Decode.AUTO),
     "decode_router": ("CUPYMOE_DECODE_ROUTER", "decode router: auto | mma (tensor cores, sm_90a) | cores",
                       _choice(DecodeRouter), DecodeRouter.AUTO),

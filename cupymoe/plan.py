@@ -262,7 +262,7 @@ class LayerPlan:
     auto_decode_max: int  # auto takes decode up to this many rows where the table has no entry
     tuned: TunedBuckets = ()  # the tuning table's measured choices for this shape and format
     decode_kernel: Bf16Decode = Bf16Decode.AUTO  # CUPYMOE_DECODE_KERNEL
-    swapab_ok: bool = False  # sm_90a, not row-invariant, every expert bf16: the swap-AB decode may serve
+    swapab_ok: bool = False  # sm_90a, not row-invariant, every expert bf16 or fp8-block as w8a8: swap-AB may serve
 
     @property
     def swapab_chosen(self) -> bool:
@@ -399,7 +399,7 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
     formats = tuple(dict.fromkeys([routed] + ([shared] if shared is not None else [])))
     fp8 = resolve_fp8_compute(options.fp8_compute, formats, arch)
     auto_dmax = options.decode_max_tokens
-    swapab_ok = arch == "sm_90a" and not options.row_invariant and set(formats) == {WeightFormat.BF16}
+    swapab_ok = swapab_serves(formats, fp8, arch, options.row_invariant)
     auto_dmax = max(1, int(_default_decode_max(routed, knobs, swapab_ok) if auto_dmax is None else auto_dmax))
     n_local = cfg.experts_per_rank if n_local is None else int(n_local)
     tuned = tuned_buckets(cfg, routed, n_local, fp8 == Fp8Compute.W8A8, knobs, options.row_invariant, table)
@@ -429,6 +429,15 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
         pdl=knobs.pdl and cc >= 90, all_reduce=bool(options.all_reduce), auto_decode_max=auto_dmax, tuned=tuned,
         decode_kernel=knobs.decode_kernel, swapab_ok=swapab_ok,
     )
+
+
+def swapab_serves(formats: tuple[WeightFormat, ...], fp8: Optional[Fp8Compute], arch: str,
+                   row_invariant: bool) -> bool:
+    """Whether the swap-AB decode may serve a layer: sm_90a (wgmma, TMA), not row-invariant (its
+    sums differ from the grouped path's), and every expert bf16 (decode_swapab_sm90.cu) or
+    fp8-block as w8a8 (decode_swapab_fp8_sm90.cu, on the activations' e4m3 codes)."""
+    served = {WeightFormat.BF16} | ({WeightFormat.FP8_BLOCK} if fp8 == Fp8Compute.W8A8 else set())
+    return arch == "sm_90a" and not row_invariant and set(formats) <= served
 
 
 def _default_decode_max(routed: WeightFormat, knobs: Knobs, swapab_ok: bool) -> int:

@@ -18,10 +18,13 @@ from typing import Optional, Sequence
 TMA_MAPS = ("a_gate_up", "a_down", "shared_a_down", "gate", "up", "down", "shared_gate", "shared_up", "shared_down",
             "yw")
 MAP_BYTES = 128
-BOX_K = 64  # bf16 elements of K per box row: 128 bytes, one 128-byte swizzle row
+BOX_BYTES = 128  # bytes of K per box row: one 128-byte swizzle row (64 bf16, or 128 e4m3 codes)
+BOX_K = BOX_BYTES // 2  # bf16 elements of K per box row
 
 # CUtensorMap enums (cuda.h)
+_DTYPE_UINT8 = 0  # e4m3 codes
 _DTYPE_UINT16 = 1  # bf16 bits; the zero fill is 0 either way
+_DTYPES = {1: _DTYPE_UINT8, 2: _DTYPE_UINT16}  # by element bytes
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
@@ -33,18 +36,24 @@ from .errors import TmaError  # noqa: F401 (re-exported)
 
 @dataclass(frozen=True)
 class Matrix2D:
-    """A row-major bf16 matrix in device memory: `rows` rows of `cols` elements, rows
-    `pitch` elements apart (default `cols`; more where a matrix reads the leading columns
-    of a wider buffer, so the zero fill starts at its own K)."""
+    """A row-major matrix in device memory: `rows` rows of `cols` elements of `elem` bytes (2:
+    bf16, 1: e4m3 codes), rows `pitch` elements apart (default `cols`; more where a matrix reads
+    the leading columns of a wider buffer, so the zero fill starts at its own K)."""
 
     ptr: int
     rows: int
     cols: int
     pitch: int = 0
+    elem: int = 2
 
     @property
     def row_bytes(self) -> int:
-        return 2 * (self.pitch or self.cols)
+        return self.elem * (self.pitch or self.cols)
+
+    @property
+    def box_k(self) -> int:
+        """Elements of K a box row holds: one 128-byte swizzle row."""
+        return BOX_BYTES // self.elem
 
 
 _encode = None
@@ -69,11 +78,14 @@ def _driver_encode():
 
 def check_matrix(m: Matrix2D, box_rows: int, what: str) -> None:
     """What TMA needs of a matrix and a box: 16-byte aligned base and row pitch, extents
-    below 2^32, boxes of at most 256 rows; a 128-byte swizzled box row of 64 elements."""
+    below 2^32, boxes of at most 256 rows; a 128-byte swizzled box row (64 bf16, 128 codes)."""
+    if m.elem not in _DTYPES:
+        raise TmaError(f"{what}: elements of {m.elem} bytes; the maps hold 1 (e4m3) or 2 (bf16)")
     if m.ptr % 16:
         raise TmaError(f"{what}: base address {m.ptr:#x} is not 16-byte aligned")
-    if m.row_bytes % 16 or m.row_bytes < 2 * m.cols:
-        raise TmaError(f"{what}: row pitch {m.row_bytes} bytes is not a multiple of 16 of at least {2 * m.cols}")
+    if m.row_bytes % 16 or m.row_bytes < m.elem * m.cols:
+        raise TmaError(f"{what}: row pitch {m.row_bytes} bytes is not a multiple of 16 of at least "
+                       f"{m.elem * m.cols}")
     if not (0 < m.rows < 2**32 and 0 < m.cols < 2**32):
         raise TmaError(f"{what}: extents {m.rows} x {m.cols} outside 1 .. 2^32 - 1")
     if not 0 < box_rows <= 256:
@@ -81,18 +93,18 @@ def check_matrix(m: Matrix2D, box_rows: int, what: str) -> None:
 
 
 def encode(m: Matrix2D, box_rows: int, what: str = "matrix") -> bytes:
-    """The tensor map of `m` read in boxes of `box_rows` rows x 64 columns, 128-byte
-    swizzled (the layout wgmma_desc describes), zeros past the extents."""
+    """The tensor map of `m` read in boxes of `box_rows` rows x one 128-byte row of K (64 bf16
+    or 128 codes), 128-byte swizzled (the layout wgmma_desc describes), zeros past the extents."""
     check_matrix(m, box_rows, what)
     out = (ctypes.c_uint8 * MAP_BYTES)()
     dims = (ctypes.c_uint64 * 2)(m.cols, m.rows)
     strides = (ctypes.c_uint64 * 1)(m.row_bytes)
-    box = (ctypes.c_uint32 * 2)(BOX_K, box_rows)
+    box = (ctypes.c_uint32 * 2)(m.box_k, box_rows)
     elem = (ctypes.c_uint32 * 2)(1, 1)
-    rc = _driver_encode()(ctypes.addressof(out), _DTYPE_UINT16, 2, ctypes.c_void_p(m.ptr), dims, strides, box, elem,
+    rc = _driver_encode()(ctypes.addressof(out), _DTYPES[m.elem], 2, ctypes.c_void_p(m.ptr), dims, strides, box, elem,
                           _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO)
     if rc != 0:
-        raise TmaError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for {what}: {m}, box {box_rows} x {BOX_K}")
+        raise TmaError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for {what}: {m}, box {box_rows} x {m.box_k}")
     return bytes(out)
 
 
@@ -105,25 +117,29 @@ def encode_table(maps: Sequence[Optional[tuple[Matrix2D, int]]]) -> bytes:
                     for name, spec in zip(TMA_MAPS, maps))
 
 
-# the swap-AB decode's maps (cuda/decode_swapab_sm90.cu SA_MAP_*), in order: each projection's
-# weights in boxes of SWAPAB_BOX_ROWS rows (one m64 wgmma tile)
+# the swap-AB decode's maps (cuda/decode_swapab_sm90.cu SA_MAP_*, decode_swapab_fp8_sm90.cu
+# SF_MAP_*), in order: each projection's weights in boxes of SWAPAB_BOX_ROWS rows (one m64 wgmma tile)
 SWAPAB_MAPS = ("gate", "up", "down", "shared_gate", "shared_up", "shared_down")
 SWAPAB_BOX_ROWS = 64
 
 
 def swapab_table(lp, slot_ptrs: dict) -> bytes:
-    """The maps of the swap-AB decode (`lp` a plan.LayerPlan whose experts are bf16): the stacked
-    routed weights ([n_local * rows, K]) and the shared expert's, 64-row boxes, in SWAPAB_MAPS
-    order; a map the layer has no matrix for stays zero. Its tokens come by cp.async: no scratch map."""
+    """The maps of the swap-AB decode (`lp` a plan.LayerPlan whose experts are bf16 or fp8-block
+    as w8a8): the stacked routed weights ([n_local * rows, K]) and the shared expert's, 64-row
+    boxes, bf16 bits or e4m3 codes by each one's format, in SWAPAB_MAPS order; a map the layer
+    has no matrix for stays zero. Its tokens come by cp.async: no scratch map."""
     cfg, n = lp.cfg, lp.n_local
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     Is = cfg.shared_expert_intermediate_size if cfg.has_shared_expert else 0
     box = SWAPAB_BOX_ROWS
+    elem = {slot: 1 if f is not None and f.label == "fp8_block" else 2
+            for slot, f in ((0, lp.routed_format), (n, lp.shared_format))}
 
     def one(p, slot, rows, cols, used):
         if not used:
             return bytes(MAP_BYTES)
-        return encode(Matrix2D(int(slot_ptrs[p][slot]), rows, cols), box, f"swapab {p} of slot {slot}")
+        return encode(Matrix2D(int(slot_ptrs[p][slot]), rows, cols, elem=elem[slot]), box,
+                      f"swapab {p} of slot {slot}")
 
     return b"".join([one("gate", 0, n * I, H, n), one("up", 0, n * I, H, n), one("down", 0, n * H, I, n),
                      one("gate", n, Is, H, Is), one("up", n, Is, H, Is), one("down", n, H, Is, Is)])

@@ -8,7 +8,8 @@ replays over the copies, the steady state, the median of repetitions). The choic
     path            decode (up to DECODE_CAP rows), atomic (up to ATOMIC_CAP), prefill
     grouped         math (from MATH_MIN_ROWS rows an expert) or stream (up to STREAM_MAX_ROWS); not w8a8
     w8a8_decode     mma or wgmma (fp8_block as w8a8, on the decode paths)
-    decode_kernel   swapab (bf16 on sm_90a, decode and atomic paths up to SWAPAB_CAP rows) or the register decode
+    decode_kernel   swapab (bf16 and fp8 as w8a8 on sm_90a, decode and atomic paths up to SWAPAB_CAP rows)
+                    or the format's other decode kernels
 
 Candidates whose launches equal another's are timed once; where the default (what the
 heuristics pick today) already runs at FLOOR_PRUNE_PCT of the floor, nothing else is timed. A
@@ -36,7 +37,7 @@ from .tuning import Choice, format_key, n_bucket, shape_key
 
 # decode candidates only up to the rows `python -m cupymoe verify` checks that path at (fp4: its default cap)
 DECODE_CAP = {"bf16": 64, "fp8_block:w8a8": 64, "fp8_block:w8a16": 64, "nvfp4": 256, "mxfp4": 256}
-SWAPAB_CAP = 256  # bf16 decode candidates on the swap-AB kernels up to this many rows (C.SWAPAB_MAX_ROWS)
+SWAPAB_CAP = 256  # bf16 and w8a8 decode candidates on the swap-AB kernels up to this many rows (C.SWAPAB_MAX_ROWS)
 ATOMIC_CAP = 16  # the atomic path's fp32 accumulator pays off, if anywhere, at few rows
 MATH_MIN_ROWS = 16  # rows an expert below which 128-row tiles are mostly empty
 STREAM_MAX_ROWS = 1024  # rows an expert above which 64-row tiles only double the weight reads
@@ -232,7 +233,7 @@ def _tune_format(shape: str, cfg, fmt: str, args, ceilings: dict, skipped: list)
     try:
         w8a8 = fmt == "fp8_block" and args.fp8_compute != "w8a16"
         cap = DECODE_CAP.get(format_key(fmt, w8a8), 0)
-        cap = max(cap, SWAPAB_CAP) if fmt == "bf16" else cap  # the swap-AB candidates' rows (sm_90a only)
+        cap = max(cap, SWAPAB_CAP) if fmt == "bf16" or w8a8 else cap  # the swap-AB candidates' rows (sm_90a only)
         try:
             layers = build_layers(cfg, fmt, args, tag, **layer_options(fmt, args, decode_max_tokens=cap,
                                                                         atomic_max_tokens=min(ATOMIC_CAP, cap)))

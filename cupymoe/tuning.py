@@ -50,7 +50,7 @@ class Choice:
     path: Optional[str] = None
     grouped: Optional[str] = None  # the grouped GEMMs' configuration (prefill, not w8a8)
     w8a8_decode: Optional[str] = None  # the w8a8 decode kernels (decode and atomic)
-    decode_kernel: Optional[str] = None  # the bf16 decode kernels (decode and atomic)
+    decode_kernel: Optional[str] = None  # the bf16 and w8a8 decode kernels (decode and atomic)
 
     def __post_init__(self):
         for name, allowed in (("path", TUNED_PATHS), ("grouped", TUNED_GROUPED), ("w8a8_decode", TUNED_W8A8_DECODE),

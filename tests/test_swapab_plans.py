@@ -83,10 +83,13 @@ def test_every_family_plans_and_names_compiled_kernels():
                 assert len(kernels) == 2 and set(kernels) <= names, (family, path, n, kernels)
 
 
-def test_only_bf16_on_sm90a_and_not_row_invariant():
+def test_only_bf16_or_w8a8_on_sm90a_and_not_row_invariant():
+    """fp8 as w8a8 has its own swap-AB kernels (tests/test_swapab_fp8_plans.py); w8a16 and fp4 none."""
     cfg = bench.preset_config("qwen3-30b-a3b")
-    for lp in (_lp(cfg, arch="sm_80"), _lp(cfg, fmt="fp8_block"), _lp(cfg, row_invariant=True)):
+    for lp in (_lp(cfg, arch="sm_80"), _lp(cfg, fmt="fp8_block", fp8_compute="w8a16"), _lp(cfg, fmt="nvfp4"),
+               _lp(cfg, row_invariant=True)):
         assert not lp.swapab_ok and not lp.swapab_chosen
+    assert _lp(cfg, fmt="fp8_block").swapab_ok
     lp = _lp(cfg, arch="sm_80", decode_max_tokens=64)
     plan = build_forward_plan(lp, DeviceFacts("sm_80", 108, 166912), 16, Path.DECODE).at(16)
     assert not any("swapab" in s.kernel for s in plan.launches)

@@ -52,8 +52,13 @@ def test_candidates_by_rows_per_expert_and_caps():
         plan_layer(bench.preset_config("qwen3-30b-a3b"), "bf16", None, "sm_80", knobs=Knobs(), table={}), 8))
     assert label(1024) == ["prefill/math", "prefill/stream"]
     f0, fd = _plans("qwen3-30b-a3b", "fp8_block")
-    assert [c.label() for c in tune.candidates(f0, 16)] == ["decode/mma", "decode/wgmma", "atomic", "prefill"]
+    assert [c.label() for c in tune.candidates(f0, 16)] == ["decode/mma", "decode/wgmma", "decode/swapab", "atomic",
+                                                            "atomic/swapab", "prefill"]
     assert [c.label() for c in tune.candidates(f0, 512)] == ["prefill"]  # w8a8 tiles are 64 rows, one config
+    # the sweep's w8a8 plan admits the swap-AB decode up to SWAPAB_CAP rows, the other decode kernels to 64
+    fwide = plan_layer(bench.preset_config("qwen3-30b-a3b"), "fp8_block", None, "sm_90a",
+                       options=LayerOptions(decode_max_tokens=tune.SWAPAB_CAP), knobs=Knobs(), table={})
+    assert [c.label() for c in tune.candidates(fwide, 256)] == ["decode/swapab", "prefill"]
 
 
 def test_the_default_choice_is_what_the_layer_runs():
