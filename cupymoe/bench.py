@@ -865,8 +865,8 @@ def lora_meta(args, rows: list[dict]) -> Optional[dict]:
 def _time_lora(layers, x, out, n: int, args) -> dict:
     """The LoRA run of one cell (after the base run, the GPU already under the same load)."""
     ids = lora_ids_on_device(n, args.lora)
-    times, _, touched = _time_cell(layers, x, out, n, args, lora_ids=int(ids.data.ptr))
-    return dict(lora_times=times, lora_touched=touched)
+    times, stage_us, touched = _time_cell(layers, x, out, n, args, lora_ids=int(ids.data.ptr))
+    return dict(lora_times=times, lora_touched=touched, lora_stage_us=stage_us)
 
 
 def _bench_cell(layers, shape: str, fmt: str, n: int, args, ceilings: dict, baselines: dict, torch_peers) -> dict:
@@ -884,6 +884,8 @@ def _bench_cell(layers, shape: str, fmt: str, n: int, args, ceilings: dict, base
     if lora:
         row.update(lora_columns(times, lora["lora_times"], lora["lora_touched"]),
                    lora_targets=[t.value for t in lora_targets(layers[0])])
+        if lora["lora_stage_us"]:  # --stages: where the adapters' time goes, stage by stage
+            row["lora_stages_us"] = {st: round(t, 2) for st, t in lora["lora_stage_us"].items()}
     if getattr(args, "host", False):
         row.update(time_host(layers[0], x, out, n, args.host_calls))
     if torch_peers:
@@ -891,6 +893,8 @@ def _bench_cell(layers, shape: str, fmt: str, n: int, args, ceilings: dict, base
     print(format_row(row), flush=True)
     if row.get("stages"):
         print("           stages: " + format_stages(row["stages"]), flush=True)
+    if row.get("lora_stages_us"):
+        print("      LoRA stages: " + "  ".join(f"{st} {t:.1f}" for st, t in row["lora_stages_us"].items()), flush=True)
     return row
 
 
