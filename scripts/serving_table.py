@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Issue 39's table: each tuned cell of `python -m cupymoe tune` beside vLLM and the byte floor.
+
+    python scripts/serving_table.py TUNE.json [TUNE.json ...] [--peers PEER.json PEER_FP8.json]
+
+vLLM's figure is the one timed in the same device call (peer_bench.py's peer.json for bf16,
+peer_bench_fp8.py's peer_fp8.json for fp8_block) where --peers has the cell, else the stored
+baseline (benchmarks/baselines/h200-{bf16,fp8}-peers.json), marked "b". Columns: the chosen
+plan, its µs, ours over the floor (x floor) and vLLM's time over ours (> 1: we are faster).
+Prints a Markdown table and the cells that miss either bar (at or below vLLM; within 1.15x of
+the floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINES = {"bf16": ("h200-bf16-peers.json", "vllm_compute_only"),
+             "fp8_block": ("h200-fp8-peers.json", "vllm_fp8_gemms_only")}
+FLOOR_BAR = 1.15
+
+
+def peer_times(path: Path, key: str) -> dict:
+    rows = json.loads(path.read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    return {(r["shape"], r["N"]): r[key] for r in rows if r.get(key)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tune", nargs="+", type=Path)
+    ap.add_argument("--peers", nargs="*", type=Path, default=[])
+    args = ap.parse_args()
+    same_call = {}
+    for p in args.peers:
+        fmt = "fp8_block" if "fp8" in p.name else "bf16"
+        same_call[fmt] = peer_times(p, BASELINES[fmt][1])
+    stored = {fmt: peer_times(ROOT / "benchmarks" / "baselines" / f, key) for fmt, (f, key) in BASELINES.items()}
+    print("| shape | format | N | plan | µs | x floor | vs vLLM |\n|---|---|---|---|---|---|---|")
+    misses = []
+    for t in args.tune:
+        for c in json.loads(t.read_text())["cells"]:
+            fmt = c["format_key"].split(":")[0]
+            ch, key = c["chosen"], (c["shape"], c["N"])
+            v, mark = same_call.get(fmt, {}).get(key), ""
+            if v is None:
+                v, mark = stored[fmt].get(key), " b"
+            x_floor = 100.0 / ch["pct_of_floor"]
+            vs = v / ch["us"] if v else None
+            vs_s = f"{vs:.2f}{mark}" if vs else "-"
+            print(f"| {c['shape']} | {fmt} | {c['N']} | {ch['label']} | {ch['us']:.1f} | {x_floor:.2f} | {vs_s} |")
+            if (vs is not None and vs < 1.0) or x_floor > FLOOR_BAR:
+                misses.append(f"{c['shape']} {fmt} N={c['N']}: {ch['us']:.1f} us, x floor {x_floor:.2f}, vs vLLM {vs_s}")
+    print(f"\n{len(misses)} cells miss a bar:")
+    print("\n".join(misses))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""scripts/serving_table.py on the committed sweep: one row a tuned cell, vLLM from the same call first."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+R = ROOT / "benchmarks" / "results"
+
+
+def test_serving_table_reads_the_committed_sweep():
+    tune = sorted(R.glob("20261202-h200-s4-tune-*.json"))
+    peers = sorted(R.glob("20261202-h200-s4-peers-vllm-*.json"))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "serving_table.py"), *map(str, tune),
+                          "--peers", *map(str, peers)], capture_output=True, text=True, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| shape")]
+    assert len(rows) == 96  # six presets x two formats x eight N
+    same_call = [r for r in rows if r.startswith(("| qwen3-30b-a3b |", "| deepseek-v3 |"))]
+    assert same_call and not any(r.endswith(" b |") for r in same_call)
+    assert "cells miss a bar" in out
