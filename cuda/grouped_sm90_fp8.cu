@@ -18,27 +18,13 @@
 // Both operands are K-major e4m3 tiles of 128-byte rows (128 codes), 128-byte swizzled,
 // loaded by cp.async: the activations gathered through sorted_row (gate/up) or by position
 // (down), the weights as the checkpoint stores them.
-#include "gemm_common.cuh"
-#include "wgmma.cuh"
+#include "fp8_gemm.cuh"
 
 #define F8_BM 64
 #define F8_BN 256  // weight rows per tile: 128 per warpgroup
 #define F8_BK 128  // codes (bytes) per stage row: one 128 x 128 weight scale block
 #define F8_STAGES 4
 #define F8_THREADS 256
-
-// d[64] (m64 x n128, fp32) = (scale_d ? d : 0) + A (64 x 32, e4m3) * B (32 x 128, e4m3).
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, u64 da, u64 db, int scale_d) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "r"(scale_d));
-}
 
 // The operand loads of one stage: 64 A rows and 256 B rows of 8 chunks each, 2 + 8 chunks a
 // thread. Rows past the tile or the columns and chunks past K are zero-filled. B row r
@@ -92,59 +78,25 @@ struct Fp8TileLoader {
     }
 };
 
-// The gate/up epilogue with the activation quantized: warpgroup wg's accumulator holds, for
-// rows 16 warp + g + 8 h, gate columns 8 j + 2 t4 + e (j < 8) and the same up columns (j >= 8)
-// of activation columns n0 + 64 wg + ... . Each activation is rounded to bf16 (stored: the
-// bf16 activation stays inspectable, verify.W8a8Stages reads it) and quantized from that
-// bf16 value, its group's amax taken over the row's 128 columns of both warpgroups.
+// The gate/up epilogue with the activation quantized (fp8_gemm.cuh): warpgroup wg holds
+// activation columns n0 + 64 wg .. + 63 of all 64 rows, so a row's 128-column amax is the
+// larger of the two warpgroups' halves, met through shared memory.
 template <int ACT>
-__device__ __forceinline__ void emit_gate_up_fp8(const GemmTile& t, const float* d, int wg, float (*row_amax)[F8_BM],
+__device__ __forceinline__ void emit_gate_up_fp8(const GemmTile& t, float* d, int wg, float (*row_amax)[F8_BM],
                                                  u8* __restrict__ qact, float* __restrict__ sact, GEMM_ARGS) {
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-    const int g = lane >> 2, t4 = lane & 3;
+    const FragRows fr(0, t.rows);
     GemmTile tw = t;
     tw.n0 = t.n0 + wg * 64;
-    float v[2][16];
+    float m[2];
+    fp8_gate_up_act<ACT>(tw, d, 0, m, GEMM_ARG_NAMES);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 + g + 8 * h;
-        float m = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int c = j * 8 + 2 * t4;
-            float2 a = make_float2(0.0f, 0.0f);  // columns past the matrix stay out of the amax
-            if (tw.n0 + c < tw.ncols)
-                a = gate_up_pair<ACT>(tw, c, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], d[(j + 8) * 4 + h * 2],
-                                 d[(j + 8) * 4 + h * 2 + 1], GEMM_ARG_NAMES);
-            const __nv_bfloat162 b = __floats2bfloat162_rn(a.x, a.y);
-            if (r < t.rows && tw.n0 + c < tw.ncols)
-                *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)(t.pos0 + r) * I_max + tw.n0 +
-                                                   c) = b;
-            v[h][2 * j] = __low2float(b);
-            v[h][2 * j + 1] = __high2float(b);
-            m = fmaxf(m, fmaxf(fabsf(v[h][2 * j]), fabsf(v[h][2 * j + 1])));
-        }
-        m = fmaxf(m, __shfl_xor_sync(CUPYMOE_FULL_MASK, m, 1));  // the quad holds the row's 64 columns
-        m = fmaxf(m, __shfl_xor_sync(CUPYMOE_FULL_MASK, m, 2));
-        if (t4 == 0) row_amax[wg][r] = m;
-    }
+    for (int h = 0; h < 2; ++h)
+        if (fr.t4 == 0) row_amax[wg][fr.r + 8 * h] = m[h];
     __syncthreads();
-    const int KB = (I_max + 127) >> 7;
+    float amax[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 + g + 8 * h;
-        if (r >= t.rows) continue;
-        const float sc = fmaxf(row_amax[0][r], row_amax[1][r]) / 448.0f;
-        const size_t pos = t.pos0 + r;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int col = tw.n0 + j * 8 + 2 * t4;
-            if (col < tw.ncols)
-                *reinterpret_cast<unsigned short*>(qact + pos * I_max + col) =
-                    (unsigned short)e4m3x2_quantize(v[h][2 * j], v[h][2 * j + 1], sc);
-        }
-        if (wg == 0 && t4 == 0) sact[pos * KB + (t.n0 >> 7)] = sc;
-    }
+    for (int h = 0; h < 2; ++h) amax[h] = fmaxf(row_amax[0][fr.r + 8 * h], row_amax[1][fr.r + 8 * h]);
+    fp8_quantize_act(tw, d, 0, amax, wg == 0, qact, sact, I_max);
 }
 
 // grid (column tiles, M-tiles of 64 rows), block 256, dynamic smem kernels.sm90_fp8_smem_bytes().
@@ -214,25 +166,9 @@ grouped_gemm_sm90_fp8(GEMM_ARGS, const u8* __restrict__ qa, const float* __restr
         cp_async_commit();
         const u64 da = wgmma_desc(sA + (kt % S) * BM * BK);
         const u64 db = wgmma_desc(sB + (kt % S) * BN * BK + wg * 128 * BK);
-        fence_acc(blk);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 32; ++kk) wgmma_m64n128k32_e4m3(blk, da + kk * 2, db + kk * 2, kk);  // +32 bytes
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_acc(blk);
-        // promote the block's products: fp32 on the CUDA cores, both scales applied
-        const float s0 = sw0[kt], s1 = sw1[kt];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float a = sa_row[h][kt];
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const float sc = a * (MODE == MODE_GATE_UP && j >= 8 ? s1 : s0);
-                acc[j * 4 + h * 2] = fmaf(blk[j * 4 + h * 2], sc, acc[j * 4 + h * 2]);
-                acc[j * 4 + h * 2 + 1] = fmaf(blk[j * 4 + h * 2 + 1], sc, acc[j * 4 + h * 2 + 1]);
-            }
-        }
+        fp8_block_products(blk, da, db);
+        const float a[2] = {sa_row[0][kt], sa_row[1][kt]};
+        fp8_promote<MODE == MODE_GATE_UP>(acc, blk, a, sw0[kt], sw1[kt]);
     }
     cp_async_wait<0>();
 

@@ -1,0 +1,107 @@
+// What the w8a8 grouped GEMMs share (grouped_sm90_fp8.cu: every thread copies by cp.async;
+// grouped_sm90_fp8_tma.cu: TMA and a producer warpgroup): the e4m3 wgmma, one 128-code K
+// block's products and their fp32 promotion, and the gate/up epilogue's activation and e4m3
+// quantization. Both kernels run these same instructions per element, so their outputs agree
+// bit for bit.
+#pragma once
+#include "gemm_common.cuh"
+#include "wgmma.cuh"
+
+// d[64] (m64 x n128, fp32) = (scale_d ? d : 0) + A (64 x 32, e4m3) * B (32 x 128, e4m3).
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, u64 da, u64 db, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// One 128-code K block's products of a warpgroup's 64 rows and 128 weight rows: four k32
+// wgmmas into blk, the first starting it fresh, waited for (blk is then promoted).
+__device__ __forceinline__ void fp8_block_products(float* blk, u64 da, u64 db) {
+    fence_acc(blk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(blk, da + kk * 2, db + kk * 2, kk);  // +32 bytes
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(blk);
+}
+
+// The promotion every 128 products, on the CUDA cores in fp32: acc += blk * s_a[row] * s_w,
+// a[h] the activation scale of the thread's row h, s0 the weight block's scale (gate/up: the
+// gate columns', j < 8; s1 the up columns', j >= 8). DeepSeek-V3's answer to the limited
+// accumulation precision of Hopper's fp8 tensor cores.
+template <bool GATE_UP>
+__device__ __forceinline__ void fp8_promote(float* acc, const float* blk, const float (&a)[2], float s0, float s1) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const float sc = a[h] * (GATE_UP && j >= 8 ? s1 : s0);
+            acc[j * 4 + h * 2] = fmaf(blk[j * 4 + h * 2], sc, acc[j * 4 + h * 2]);
+            acc[j * 4 + h * 2 + 1] = fmaf(blk[j * 4 + h * 2 + 1], sc, acc[j * 4 + h * 2 + 1]);
+        }
+    }
+}
+
+// The gate/up epilogue's first part for one warpgroup accumulator d: rows row0 + 16 warp + g
+// + 8 h of the tile, gate columns 8 j + 2 t4 + e (j < 8) and the same up columns (j >= 8) of
+// activation columns tw.n0 + .. . Each activation is rounded to bf16 and stored (the bf16
+// activation stays inspectable, verify.W8a8Stages reads it); the rounded values replace d's
+// gate slots for fp8_quantize_act, and m[h] is the |max| of row h's 64 columns (the quad's;
+// columns past the matrix stay out).
+template <int ACT>
+__device__ __forceinline__ void fp8_gate_up_act(const GemmTile& tw, float* d, int row0, float (&m)[2], GEMM_ARGS) {
+    const FragRows fr(row0, tw.rows);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = fr.r + 8 * h;
+        float mh = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int c = j * 8 + 2 * fr.t4;
+            float2 a = make_float2(0.0f, 0.0f);
+            if (tw.n0 + c < tw.ncols)
+                a = gate_up_pair<ACT>(tw, c, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], d[(j + 8) * 4 + h * 2],
+                                      d[(j + 8) * 4 + h * 2 + 1], GEMM_ARG_NAMES);
+            const __nv_bfloat162 b = __floats2bfloat162_rn(a.x, a.y);
+            if (r < tw.rows && tw.n0 + c < tw.ncols)
+                *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)(tw.pos0 + r) * I_max +
+                                                   tw.n0 + c) = b;
+            d[j * 4 + h * 2] = __low2float(b);
+            d[j * 4 + h * 2 + 1] = __high2float(b);
+            mh = fmaxf(mh, fmaxf(fabsf(d[j * 4 + h * 2]), fabsf(d[j * 4 + h * 2 + 1])));
+        }
+        mh = fmaxf(mh, __shfl_xor_sync(CUPYMOE_FULL_MASK, mh, 1));  // the quad holds the row's 64 columns
+        m[h] = fmaxf(mh, __shfl_xor_sync(CUPYMOE_FULL_MASK, mh, 2));
+    }
+}
+
+// The second part: row h's scale amax[h] / 448 (amax over its 128-column group), its e4m3
+// codes into qact [P, I_max] and, where write_scale, the scale into sact [P, ceil(I_max / 128)]
+// (one thread a row).
+__device__ __forceinline__ void fp8_quantize_act(const GemmTile& tw, const float* d, int row0, const float (&amax)[2],
+                                                 bool write_scale, u8* __restrict__ qact, float* __restrict__ sact,
+                                                 int I_max) {
+    const FragRows fr(row0, tw.rows);
+    const int KB = (I_max + 127) >> 7;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (!fr.ok[h]) continue;
+        const float sc = amax[h] / 448.0f;
+        const size_t pos = tw.pos0 + fr.r + 8 * h;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int col = tw.n0 + j * 8 + 2 * fr.t4;
+            if (col < tw.ncols)
+                *reinterpret_cast<unsigned short*>(qact + pos * I_max + col) =
+                    (unsigned short)e4m3x2_quantize(d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], sc);
+        }
+        if (write_scale && fr.t4 == 0) sact[pos * KB + (tw.n0 >> 7)] = sc;
+    }
+}
