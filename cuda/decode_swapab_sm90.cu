@@ -149,16 +149,10 @@ __device__ __forceinline__ void sa_producer(const SaRing<NT>& ring, const SaWork
                     cp_async16(dst + swz128(lane / 8 + 4 * i, c), w.tok + (size_t)rid[i] * w.pitch + (kin ? kc : 0),
                                kin);
             cp_async_commit();
-            if (g >= LAG) {  // step g - LAG: this lane's copies have landed
-                cp_async_wait<LAG>();
-                fence_proxy_async();
-                mbar_arrive(&ring.full[(g - LAG) % S]);
-            }
+            gather_mark_full<LAG>(ring.full, g, S);
         }
     }
-    cp_async_wait<0>();
-    fence_proxy_async();
-    for (int g = max(0, T - LAG); g < T; ++g) mbar_arrive(&ring.full[g % S]);
+    gather_mark_tail<LAG>(ring.full, T, S);
 }
 
 // One pass of a consumer warpgroup: acc[m] = tile m's 64 weight rows x its WN tokens over all

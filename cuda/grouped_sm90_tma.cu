@@ -106,15 +106,9 @@ __device__ __forceinline__ void gather_producer(const GemmTile& t, bf16* sA, bf1
         for (int i = 0; i < RPL; ++i)
             if (src[i] >= 0) cp_async16(a + swz<BK>(pt / 8 + PASS * i, c), in + (size_t)src[i] * H + (kin ? kc : 0), kin);
         cp_async_commit();
-        if (kt >= LAG) {  // stage kt - LAG: this thread's copies have landed
-            cp_async_wait<LAG>();
-            fence_proxy_async();
-            mbar_arrive(&full[(kt - LAG) % S]);
-        }
+        gather_mark_full<LAG>(full, kt, S);
     }
-    cp_async_wait<0>();
-    fence_proxy_async();
-    for (int kt = max(0, KT - LAG); kt < KT; ++kt) mbar_arrive(&full[kt % S]);
+    gather_mark_tail<LAG>(full, KT, S);
 }
 
 // The TMA copies of one stage (step kt): A's 64-row boxes that hold rows (`subs` of them),

@@ -3,6 +3,7 @@
 // swizzled tile, the fences and waits.
 #pragma once
 #include "common.cuh"
+#include "gemm_common.cuh"
 
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart.
 __device__ __forceinline__ u64 wgmma_desc(const void* p) {
@@ -71,6 +72,26 @@ __device__ __forceinline__ void tma_store_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// The gathering producers' handshake (grouped_sm90_tma.cu, grouped_sm90_fp8_tma.cu,
+// decode_swapab_sm90.cu): cp.async writes through the generic proxy and wgmma reads through
+// the async one, so a thread marks a stage full only once its own copies of it have landed
+// and it has fenced. After committing step g's copies it marks step g - LAG (LAG steps of
+// copies stay in flight); gather_mark_tail marks the last LAG of T steps once all have landed.
+template <int LAG>
+__device__ __forceinline__ void gather_mark_full(u64* full, int g, int S) {
+    if (g >= LAG) {
+        cp_async_wait<LAG>();
+        fence_proxy_async();
+        mbar_arrive(&full[(g - LAG) % S]);
+    }
+}
+template <int LAG>
+__device__ __forceinline__ void gather_mark_tail(u64* full, int T, int S) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    for (int g = max(0, T - LAG); g < T; ++g) mbar_arrive(&full[g % S]);
+}
 
 // Keeps the compiler from moving accumulator uses across the asynchronous wgmmas.
 template <int N = 64>

@@ -173,6 +173,8 @@ TMA_A_BOX_ROWS = 64  # the TMA kernel's A boxes: one consumer warpgroup's rows
 SM90_QUANT_FORMATS = (WeightFormat.NVFP4, WeightFormat.MXFP4)  # dequantized into its B tiles
 SM90_FP8_TILE = (64, 256, 128, 4)  # grouped_gemm_sm90_fp8: BM, BN, BK bytes, stages
 SM90_FP8_THREADS = 256
+SM90_FP8_TMA_TILE = (128, 256, 128, 4)  # grouped_gemm_sm90_fp8_tma: BM, BN, BK bytes, stages
+SM90_FP8_TMA_THREADS = 384  # two consumer warpgroups and the producer warpgroup
 # The H200 this was tuned on: 132 SMs x 32 warps of the decode kernels (<= 64 registers)
 WARPS_PER_SM = 32
 
@@ -242,6 +244,12 @@ def sm90_fp8_smem_bytes() -> int:
     """grouped_gemm_sm90_fp8's stages of e4m3 A and B tiles, plus 1 KB to align them."""
     bm, bn, bk, st = SM90_FP8_TILE
     return st * (bm + bn) * bk + 1024
+
+
+def sm90_fp8_tma_smem_bytes() -> int:
+    """grouped_gemm_sm90_fp8_tma's stages of e4m3 A and B tiles, two mbarriers a stage, 1 KB to align."""
+    bm, bn, bk, st = SM90_FP8_TMA_TILE
+    return st * (bm + bn) * bk + 16 * st + 1024
 
 
 def sort_place_smem_bytes(n_local: int) -> int:

@@ -52,6 +52,7 @@ def f32(name: str, v) -> Arg:
 ERR = Buf(Space.LAYER, "err")
 TMA_MAPS = Buf(Space.LAYER, "tma_maps")
 SWAPAB_MAPS = Buf(Space.LAYER, "swapab_maps")  # the swap-AB decode's weight maps (cupymoe/tma.py swapab_table)
+FP8_MAPS = Buf(Space.LAYER, "fp8_maps")  # the w8a8 TMA GEMM's maps (cupymoe/tma.py fp8_table)
 LIST_OUTPUTS = ("num_active", "active_slot", "active_start", "active_len", "sorted_row", "sorted_pair", "pair_pos",
                 "slot_active")
 
@@ -64,6 +65,7 @@ class PrefillShape:
     router_splits: int
     one_block_sort: bool
     grouped_config: str
+    fp8_variant: str = "cp_async"  # the w8a8 grouped GEMM (heuristics.sm90_fp8_variant)
 
 
 def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
@@ -73,7 +75,8 @@ def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
     pairs = n * cfg.num_experts_per_tok
     lists_smem = cfg.router_width * 4 + C.expert_lists_smem_bytes(pairs, lp.n_local)
     return PrefillShape(HX.router_config(lp, dev, n), splits,
-                        pairs <= C.SMALL_SORT_PAIRS and lists_smem <= dev.max_smem, HX.grouped_config(lp, n))
+                        pairs <= C.SMALL_SORT_PAIRS and lists_smem <= dev.max_smem, HX.grouped_config(lp, n),
+                        HX.sm90_fp8_variant(lp, n))
 
 
 def prefill_buckets(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[tuple[int, int, PrefillShape]]:
@@ -502,9 +505,9 @@ class _Builder:
         k, R = cfg.num_experts_per_tok, cfg.router_width
         gate_up_bm = down_bm = 0
         if self.path == Path.PREFILL:
-            config, fmt0 = self.shape.grouped_config, lp.formats[0]
-            gate_up_bm = HX.grouped_kernel(lp, self.dev, GemmMode.GATE_UP, config, fmt0).bm
-            down_bm = HX.grouped_kernel(lp, self.dev, GemmMode.DOWN, config, fmt0).bm
+            config, fmt0, fp8 = self.shape.grouped_config, lp.formats[0], self.shape.fp8_variant
+            gate_up_bm = HX.grouped_kernel(lp, self.dev, GemmMode.GATE_UP, config, fmt0, fp8).bm
+            down_bm = HX.grouped_kernel(lp, self.dev, GemmMode.DOWN, config, fmt0, fp8).bm
             down_bm = down_bm if down_bm != gate_up_bm else 0
         one_block = self.shape.one_block_sort if self.shape else (
             self.n * k <= C.SMALL_SORT_PAIRS
@@ -645,9 +648,11 @@ class _Builder:
 
     def grouped_gate_up(self, xe, fmt: WeightFormat) -> None:
         lp, cfg = self.lp, self.cfg
-        gk = HX.grouped_kernel(lp, self.dev, GemmMode.GATE_UP, self.shape.grouped_config, fmt)
+        gk = HX.grouped_kernel(lp, self.dev, GemmMode.GATE_UP, self.shape.grouped_config, fmt, self.shape.fp8_variant)
         num_tiles, tile_info = self.tile_list(gk.bm)
         extra = self.w8a8_args() if fmt == WeightFormat.FP8_BLOCK else ()
+        if gk.name.startswith("grouped_gemm_sm90_fp8_tma<"):
+            extra += (u64("maps", FP8_MAPS),)
         if gk.name.startswith("grouped_gemm_sm90_tma<"):
             if lp.gathers_rows:  # TMA reads the inputs in sorted order
                 self.launch("gather_rows", (self.tile_bound(gk.bm),), (256,),
@@ -667,13 +672,15 @@ class _Builder:
 
     def grouped_down(self, xe, fmt: WeightFormat) -> None:
         lp, cfg = self.lp, self.cfg
-        gk = HX.grouped_kernel(lp, self.dev, GemmMode.DOWN, self.shape.grouped_config, fmt)
+        gk = HX.grouped_kernel(lp, self.dev, GemmMode.DOWN, self.shape.grouped_config, fmt, self.shape.fp8_variant)
         num_tiles, tile_info = self.tile_list(gk.bm, down=True)
         extra = ()
         if fmt == WeightFormat.FP8_BLOCK and lp.w8a8:  # the activation's codes as A; no q_out / s_out
             qact = self.w8a8_args()[4:]
             extra = (u64("qa", qact[0].value), u64("sa", qact[1].value), u64("qa_shared", qact[0].value),
                      u64("sa_shared", qact[1].value), u64("q_out", 0), u64("s_out", 0))
+        if gk.name.startswith("grouped_gemm_sm90_fp8_tma<"):
+            extra += (u64("maps", FP8_MAPS),)
         if gk.name.startswith("grouped_gemm_sm90_tma<"):
             extra = (u64("maps", TMA_MAPS),)
         self.launch(gk.name, (-(-cfg.hidden_size // gk.bn), self.tile_bound(gk.bm)), (gk.threads,),

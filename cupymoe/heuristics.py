@@ -12,7 +12,7 @@ from typing import Optional
 
 from . import catalog as C
 from .catalog import GemmMode, WeightFormat
-from .knobs import Bf16Decode, DecodeRouter, Fp4Decode, W8a8Decode
+from .knobs import Bf16Decode, DecodeRouter, Fp4Decode, Sm90Fp8, W8a8Decode
 from .plan import DeviceFacts, LayerPlan
 from .tuning import TUNING
 
@@ -85,11 +85,27 @@ def grouped_config(lp: LayerPlan, n: int) -> str:
     return "math" if n * lp.cfg.num_experts_per_tok >= lp.math_rows * lp.n_local else "stream"
 
 
+def sm90_fp8_variant(lp: LayerPlan, n: int) -> str:
+    """The w8a8 grouped GEMM of a prefill of `n` rows: "tma" (grouped_sm90_fp8_tma.cu) where it
+    serves and CUPYMOE_SM90_FP8_VARIANT or the tuning table's entry for the N bucket asks for it,
+    else "cp_async" (grouped_sm90_fp8.cu). The two give the same bits (fp8_gemm.cuh)."""
+    if not (lp.w8a8 and lp.fp8_tma_ok):
+        return "cp_async"
+    if lp.sm90_fp8 != Sm90Fp8.AUTO:
+        return lp.sm90_fp8.value
+    return lp.choice(n).sm90_fp8 or "cp_async"
+
+
 def grouped_kernel(lp: LayerPlan, dev: DeviceFacts, mode: GemmMode, config: str,
-                   fmt: WeightFormat = WeightFormat.BF16) -> GroupedKernel:
-    """fp8 as w8a8 on its own Hopper kernel; wgmma where the math config runs and the weights are
-    bf16 or fp4 (not for row-invariant layers, whose every N must run the same instructions);
-    else the mma.sync kernel (quantized weights in their streaming configuration)."""
+                   fmt: WeightFormat = WeightFormat.BF16, fp8: str = "cp_async") -> GroupedKernel:
+    """fp8 as w8a8 on its own Hopper kernels (`fp8`: sm90_fp8_variant's pick); wgmma where the
+    math config runs and the weights are bf16 or fp4 (not for row-invariant layers, whose every
+    N must run the same instructions); else the mma.sync kernel (quantized weights in their
+    streaming configuration)."""
+    if fmt == WeightFormat.FP8_BLOCK and lp.w8a8 and fp8 == "tma":
+        bm, bn = C.SM90_FP8_TMA_TILE[:2]
+        return GroupedKernel(f"grouped_gemm_sm90_fp8_tma<{int(mode)}>", C.SM90_FP8_TMA_THREADS,
+                             C.sm90_fp8_tma_smem_bytes(), bn, bm)
     if fmt == WeightFormat.FP8_BLOCK and lp.w8a8:
         bm, bn = C.SM90_FP8_TILE[:2]
         return GroupedKernel(f"grouped_gemm_sm90_fp8<{int(mode)}>", C.SM90_FP8_THREADS, C.sm90_fp8_smem_bytes(), bn, bm)

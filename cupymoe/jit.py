@@ -80,6 +80,8 @@ def _modules() -> dict[str, ModuleSpec]:
             v.kernel(m) for m in (0, 1) for v in V if v.tma)) + ("gather_rows",), archs=hopper),
         "grouped_sm90_fp8": ModuleSpec("grouped_sm90_fp8.cu", tuple(f"grouped_gemm_sm90_fp8<{m}>" for m in (0, 1)),
                                        archs=hopper),
+        "grouped_sm90_fp8_tma": ModuleSpec("grouped_sm90_fp8_tma.cu",
+                                           tuple(f"grouped_gemm_sm90_fp8_tma<{m}>" for m in (0, 1)), archs=hopper),
         "decode": ModuleSpec(
             "decode.cu",
             ("decode_build_lists", "decode_route_lists", "decode_topk_lists<0>", "decode_topk_lists<1>",
@@ -409,6 +411,8 @@ def opt_in_smem(expr: str, max_smem: int) -> int:
     m = re.fullmatch(r"grouped_gemm<\d+, (\d+), (\d+), (\d+), (\d+)>", expr)
     if m:
         return C.grouped_smem_bytes(*(int(g) for g in m.groups()))
+    if expr.startswith("grouped_gemm_sm90_fp8_tma"):
+        return C.sm90_fp8_tma_smem_bytes()
     if expr.startswith("grouped_gemm_sm90_fp8"):
         return C.sm90_fp8_smem_bytes()
     for v in TUNING.sm90_variants.values():

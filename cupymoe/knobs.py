@@ -40,6 +40,12 @@ class Bf16Decode(str, enum.Enum):
     SWAPAB = "swapab"  # decode_swapab_sm90.cu, fp8 as w8a8: _fp8_sm90.cu (sm_90a; decode up to SWAPAB_MAX_ROWS rows)
 
 
+class Sm90Fp8(str, enum.Enum):
+    AUTO = "auto"  # the tuning table's choice for the shape and N bucket, else cp_async
+    CP_ASYNC = "cp_async"  # grouped_sm90_fp8.cu: 64 x 256 tiles, every thread copies
+    TMA = "tma"  # grouped_sm90_fp8_tma.cu: 128 x 256 tiles, TMA and a producer warpgroup
+
+
 class DecodeRouter(str, enum.Enum):
     AUTO = "auto"  # tensor cores from a measured number of multiply-adds
     MMA = "mma"
@@ -120,6 +126,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                      "of the tuning table)", _variant, "auto"),
     "sm90_down_variant": ("CUPYMOE_SM90_DOWN_VARIANT", "the Hopper grouped GEMM variant of down alone", _variant,
                           "auto"),
+    "sm90_fp8_variant": ("CUPYMOE_SM90_FP8_VARIANT", "the w8a8 grouped GEMM (prefill, sm_90a): auto | cp_async | "
+                         "tma (128 x 256 tiles by TMA and a producer warpgroup)", _choice(Sm90Fp8), Sm90Fp8.AUTO),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "
@@ -155,6 +163,7 @@ class Knobs:
     fp4_down_tiles: Optional[int] = None
     sm90_variant: str = "auto"
     sm90_down_variant: str = "auto"
+    sm90_fp8_variant: Sm90Fp8 = Sm90Fp8.AUTO
     math_rows: Optional[int] = None
     gemm_band_cols: Optional[int] = None
 

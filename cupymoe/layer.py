@@ -129,6 +129,9 @@ class MoeLayer:
         self._swapab_maps = None
         if self.plan.swapab_chosen:
             self._swapab_maps = self._encode_swapab_maps()
+        self._fp8_maps = None
+        if self.plan.fp8_tma_chosen:
+            self._fp8_maps = self._encode_fp8_maps()
         self._packed: dict[tuple, PackedPlan] = {}  # (path, row count or prefill shape, separated)
         self._by_n: dict[tuple, PackedPlan] = {}  # (path asked, N) -> its plan, for the fast lookup
         self._experts_packed: dict[tuple, PackedPlan] = {}  # the experts-only entry's plans (cupymoe/experts.py)
@@ -157,6 +160,10 @@ class MoeLayer:
             if self._swapab_maps is None:  # a plan forced to the swap-AB decode after construction (tune)
                 self._swapab_maps = self._encode_swapab_maps()
             return int(self._swapab_maps.data.ptr)
+        if buf.name == "fp8_maps":
+            if self._fp8_maps is None:  # a plan forced to the w8a8 TMA GEMM after construction (tune)
+                self._fp8_maps = self._encode_fp8_maps()
+            return int(self._fp8_maps.data.ptr)
         if buf.name.startswith("lora_") and self._lora is not None:
             return self._lora.ptr(buf.name)
         raise KeyError(f"no buffer {buf}")
@@ -167,6 +174,13 @@ class MoeLayer:
 
         ptrs = {p: self.weights.tables[p].get() for p in ("gate", "up", "down")}
         return cupy.asarray(np.frombuffer(tma.swapab_table(self.plan, ptrs), np.uint8))
+
+    def _encode_fp8_maps(self):
+        """The w8a8 TMA GEMM's maps (cupymoe/tma.py fp8_table) in device memory."""
+        import cupy
+
+        ptrs = {p: self.weights.tables[p].get() for p in ("gate", "up", "down")}
+        return cupy.asarray(np.frombuffer(tma.fp8_table(self.plan, ptrs, self.scratch), np.uint8))
 
     # --- paths and plans -------------------------------------------------------------------
     @property
@@ -371,6 +385,7 @@ class MoeLayer:
         w = self.weights.memory
         state = int(self._err.nbytes) + (0 if self._tma_maps is None else int(self._tma_maps.nbytes))
         state += 0 if self._swapab_maps is None else int(self._swapab_maps.nbytes)
+        state += 0 if self._fp8_maps is None else int(self._fp8_maps.nbytes)
         state += 0 if self._lora is None else self._lora.nbytes  # the adapters' slots
         return MemoryReport(w.owned, w.borrowed, w.tables, state, self.workspace_need().total_bytes,
                             self.workspace.nbytes)

@@ -20,7 +20,7 @@ from . import catalog as C
 from .catalog import GemmMode, WeightFormat
 from .config import MoeConfig
 from .errors import OptionError, PathUnavailableError, UnsupportedFormatError
-from .knobs import Bf16Decode, DecodeRouter, Fp4Decode, Fp8Decode, Knobs, W8a8Decode
+from .knobs import Bf16Decode, DecodeRouter, Fp4Decode, Fp8Decode, Knobs, Sm90Fp8, W8a8Decode
 from .tuning import TUNING, Choice, TunedBuckets, format_key, n_bucket, shape_key
 
 
@@ -263,14 +263,24 @@ class LayerPlan:
     tuned: TunedBuckets = ()  # the tuning table's measured choices for this shape and format
     decode_kernel: Bf16Decode = Bf16Decode.AUTO  # CUPYMOE_DECODE_KERNEL
     swapab_ok: bool = False  # sm_90a, not row-invariant, every expert bf16 or fp8-block as w8a8: swap-AB may serve
+    sm90_fp8: Sm90Fp8 = Sm90Fp8.AUTO  # CUPYMOE_SM90_FP8_VARIANT
+    fp8_tma_ok: bool = False  # w8a8 with every fp8 K and row pitch a multiple of 16 bytes: the TMA GEMM may serve
+
+    @property
+    def fp8_tma_chosen(self) -> bool:
+        """Whether some N of this plan runs the w8a8 TMA GEMM (the layer then encodes its maps)."""
+        return self._runs_somewhere(self.fp8_tma_ok, self.sm90_fp8, Sm90Fp8.TMA, "sm90_fp8")
+
+    def _runs_somewhere(self, ok: bool, knob, on, field: str) -> bool:
+        """Whether a kernel that may serve (`ok`) runs at some N: its knob set to `on`, or left
+        at auto with a table row whose `field` names it (`on`'s value)."""
+        return ok and (knob == on or (knob.value == "auto" and any(getattr(c, field) == on.value
+                                                                     for _, c in self.tuned)))
 
     @property
     def swapab_chosen(self) -> bool:
         """Whether some N of this plan runs the swap-AB decode (the layer then encodes its tensor maps)."""
-        if not self.swapab_ok:
-            return False
-        return self.decode_kernel == Bf16Decode.SWAPAB or (
-            self.decode_kernel == Bf16Decode.AUTO and any(c.decode_kernel == "swapab" for _, c in self.tuned))
+        return self._runs_somewhere(self.swapab_ok, self.decode_kernel, Bf16Decode.SWAPAB, "decode_kernel")
 
     def choice(self, n: int) -> Choice:
         """The table's choice for a forward of `n` rows (Choice() where it has none)."""
@@ -361,7 +371,7 @@ def tuned_buckets(cfg: MoeConfig, routed: WeightFormat, n_local: int, w8a8: bool
                      cfg.shared_expert_intermediate_size), format_key(routed.label, w8a8))
     found = (TUNING.by_shape if table is None else table).get(key, ())
     drop = {"grouped": knobs.math_rows is not None, "w8a8_decode": knobs.w8a8_decode != W8a8Decode.AUTO,
-            "decode_kernel": knobs.decode_kernel != Bf16Decode.AUTO}
+            "decode_kernel": knobs.decode_kernel != Bf16Decode.AUTO, "sm90_fp8": knobs.sm90_fp8_variant != Sm90Fp8.AUTO}
     return tuple((b, replace(c, **{f: None for f, d in drop.items() if d})) for b, c in found)
 
 
@@ -427,7 +437,8 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
         fp4_down_tiles=knobs.fp4_down_tiles, topk_lists=knobs.topk_lists,
         decode_router=knobs.decode_router if arch == "sm_90a" else DecodeRouter.CORES,
         pdl=knobs.pdl and cc >= 90, all_reduce=bool(options.all_reduce), auto_decode_max=auto_dmax, tuned=tuned,
-        decode_kernel=knobs.decode_kernel, swapab_ok=swapab_ok,
+        decode_kernel=knobs.decode_kernel, swapab_ok=swapab_ok, sm90_fp8=knobs.sm90_fp8_variant,
+        fp8_tma_ok=fp8 == Fp8Compute.W8A8 and _fp8_tma_fits(cfg, routed, shared, i_max),
     )
 
 
@@ -438,6 +449,15 @@ def swapab_serves(formats: tuple[WeightFormat, ...], fp8: Optional[Fp8Compute], 
     fp8-block as w8a8 (decode_swapab_fp8_sm90.cu, on the activations' e4m3 codes)."""
     served = {WeightFormat.BF16} | ({WeightFormat.FP8_BLOCK} if fp8 == Fp8Compute.W8A8 else set())
     return arch == "sm_90a" and not row_invariant and set(formats) <= served
+
+
+def _fp8_tma_fits(cfg: MoeConfig, routed: WeightFormat, shared: Optional[WeightFormat], i_max: int) -> bool:
+    """Whether the w8a8 TMA GEMM can read every fp8 matrix of the layer: TMA rows (the weights'
+    K, the activation codes' I and their I_max pitch, x's gathered H) in whole 16-byte units."""
+    ks = [cfg.hidden_size, i_max] + [i for f, i in ((routed, cfg.moe_intermediate_size),
+                                                    (shared, cfg.shared_expert_intermediate_size))
+                                     if f == WeightFormat.FP8_BLOCK and i]
+    return all(k % 16 == 0 for k in ks)
 
 
 def _default_decode_max(routed: WeightFormat, knobs: Knobs, swapab_ok: bool) -> int:

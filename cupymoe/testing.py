@@ -13,7 +13,7 @@ Numpy + ml_dtypes only: no GPU needed to build a case.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import ml_dtypes
 import numpy as np
@@ -201,8 +201,54 @@ def random_token_ids(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray
 
 
 # ----------------------------------------------------------------------------------
-# CUDA graphs
+# GPU runs: the arch, a plan's expert kernels, given routings, CUDA graphs
 # ----------------------------------------------------------------------------------
+
+def on_sm90a() -> bool:
+    """Whether the current GPU runs the sm_90a kernels (wgmma, TMA, e4m3 tensor cores)."""
+    import cupy
+
+    from . import jit
+
+    cc = cupy.cuda.Device().compute_capability
+    return jit.arch_for_capability(int(cc[:-1]), int(cc[-1])) == "sm_90a"
+
+
+def expert_kernels(layer, n: int, path: str = "decode") -> list[str]:
+    """The kernels of the gate/up and down stages of `layer`'s plan for `n` rows on `path`."""
+    from .forward_plan import build_forward_plan
+    from .plan import Path
+
+    plan = build_forward_plan(layer.plan, layer.device, n, Path(path)).at(n)
+    return [s.kernel for s in plan.launches if s.stage.value in ("gate_up", "down")]
+
+
+def skewed_routing(rng: np.random.Generator, n: int, k: int, router_width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A given routing of `n` rows: every row's first pick expert 0 (one run of n rows), the
+    other k - 1 over experts 2 .. R - 1 (expert 1 chosen by nobody); weights in 0.05 .. 1."""
+    ids = np.empty((n, k), np.int32)
+    ids[:, 0] = 0
+    if k > 1:
+        ids[:, 1:] = rng.choice(np.arange(2, router_width), size=(n, k - 1), replace=True)
+    return ids, rng.uniform(0.05, 1.0, size=(n, k)).astype(np.float32)
+
+
+def run_experts_poisoned(layer, x: np.ndarray, ids: np.ndarray, w: np.ndarray, path: str,
+                         shared_expert: Optional[bool] = None) -> np.ndarray:
+    """x uploaded, the output poisoned with NaN, one experts-only forward on a stream of its
+    own; the output as float32."""
+    import cupy
+
+    from .verify import bf16_bits, bits_to_f32
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        xd, idd, wd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids), cupy.asarray(w)
+        out = cupy.full(xd.shape, 0x7FC0, dtype=cupy.uint16)
+        layer.run_experts(xd, idd, wd, out=out, stream=s.ptr, shared_expert=shared_expert, path=path)
+    s.synchronize()
+    return bits_to_f32(out.get())
+
 
 def eager_and_graph(layer, x, n: int, path, stream):
     """`layer` run on the device input `x` (bf16 bits) once eagerly and once captured into a
@@ -223,6 +269,20 @@ def eager_and_graph(layer, x, n: int, path, stream):
     graph.launch(stream)
     stream.synchronize()
     return eager, replayed, graph
+
+
+def replay_matches_eager(layer, x, n: int, path, stream) -> tuple[bool, bool]:
+    """eager_and_graph's two outputs: (every output of the eager forward written, i.e. no NaN
+    left of the poison; the replay equal to it bit for bit)."""
+    import cupy
+
+    from .verify import bits_to_f32
+
+    eager, replayed, graph = eager_and_graph(layer, x, n, path, stream)
+    written = not np.isnan(bits_to_f32(eager.get())).any()
+    equal = bool(cupy.array_equal(eager, replayed))
+    del graph
+    return written, equal
 
 
 # ----------------------------------------------------------------------------------

@@ -108,13 +108,13 @@ def encode(m: Matrix2D, box_rows: int, what: str = "matrix") -> bytes:
     return bytes(out)
 
 
-def encode_table(maps: Sequence[Optional[tuple[Matrix2D, int]]]) -> bytes:
-    """The maps in TMA_MAPS order ((matrix, box rows), or None for a map the layer never
+def encode_table(maps: Sequence[Optional[tuple[Matrix2D, int]]], names: Sequence[str] = TMA_MAPS) -> bytes:
+    """The maps in `names` order ((matrix, box rows), or None for a map the layer never
     reads, left zero), back to back: 128-byte aligned in a 256-byte aligned buffer."""
-    if len(maps) != len(TMA_MAPS):
-        raise ValueError(f"{len(maps)} maps given, the kernel reads {len(TMA_MAPS)}: {TMA_MAPS}")
+    if len(maps) != len(names):
+        raise ValueError(f"{len(maps)} maps given, the kernel reads {len(names)}: {tuple(names)}")
     return b"".join(bytes(MAP_BYTES) if spec is None else encode(spec[0], spec[1], name)
-                    for name, spec in zip(TMA_MAPS, maps))
+                    for name, spec in zip(names, maps))
 
 
 # the swap-AB decode's maps (cuda/decode_swapab_sm90.cu SA_MAP_*, decode_swapab_fp8_sm90.cu
@@ -176,3 +176,33 @@ def layer_table(lp, slot_ptrs: dict, scratch) -> bytes:
         shared("down", H, Is, bn_down, down),
         (Matrix2D(scratch.ptr("yw"), scratch.nbytes("yw") // (2 * H), H), bm) if down else None,  # down's stores
     ])
+
+
+# the w8a8 TMA GEMM's maps (cuda/grouped_sm90_fp8_tma.cu F8T_MAP_*), in order: e4m3 codes
+# in boxes of FP8_BOX_ROWS rows x 128 codes (one warpgroup's A rows, a quarter of a B tile)
+FP8_MAPS = ("a_down", "shared_a_down", "gate", "up", "down", "shared_gate", "shared_up", "shared_down")
+FP8_BOX_ROWS = 64
+
+
+def fp8_table(lp, slot_ptrs: dict, scratch) -> bytes:
+    """The maps of the w8a8 TMA GEMM (`lp` a plan.LayerPlan with fp8-block experts as w8a8):
+    down's A (the activation's codes `qact` [P, I_max], through the routed experts' I and the
+    shared expert's), the stacked routed e4m3 weights ([n_local * rows, K]) and the shared
+    expert's. Gate/up's A is gathered by cp.async: no map. A matrix the layer lacks stays zero."""
+    cfg, n, i_max = lp.cfg, lp.n_local, lp.i_max
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    Is = cfg.shared_expert_intermediate_size if cfg.has_shared_expert else 0
+    fp8 = 1 if lp.routed_format.label == "fp8_block" else 0  # routed experts of another format: no maps
+    sfp8 = 1 if Is and lp.shared_format is not None and lp.shared_format.label == "fp8_block" else 0
+    act_rows = scratch.nbytes("qact") // i_max
+    box = FP8_BOX_ROWS
+
+    def w(p, slot, rows, cols, used):
+        return (Matrix2D(int(slot_ptrs[p][slot]), rows, cols, elem=1), box) if used else None
+
+    return encode_table([
+        (Matrix2D(scratch.ptr("qact"), act_rows, I, i_max, elem=1), box) if n and fp8 else None,
+        (Matrix2D(scratch.ptr("qact"), act_rows, Is, i_max, elem=1), box) if sfp8 else None,
+        w("gate", 0, n * I, H, n and fp8), w("up", 0, n * I, H, n and fp8), w("down", 0, n * H, I, n and fp8),
+        w("gate", n, Is, H, sfp8), w("up", n, Is, H, sfp8), w("down", n, H, Is, sfp8),
+    ], FP8_MAPS)

@@ -10,6 +10,7 @@ replays over the copies, the steady state, the median of repetitions). The choic
     w8a8_decode     mma or wgmma (fp8_block as w8a8, on the decode paths)
     decode_kernel   swapab (bf16 and fp8 as w8a8 on sm_90a, decode and atomic paths up to SWAPAB_CAP rows)
                     or the format's other decode kernels
+    sm90_fp8        tma (the w8a8 grouped GEMM by TMA, 128 x 256 tiles, on the prefill path) or cp_async
 
 Candidates whose launches equal another's are timed once; where the default (what the
 heuristics pick today) already runs at FLOOR_PRUNE_PCT of the floor, nothing else is timed. A
@@ -68,7 +69,8 @@ def default_choice(lp: LayerPlan, dev: DeviceFacts, n: int) -> Choice:
     """What the layer plan `lp` runs at `n` rows, as a Choice (every field set that applies)."""
     path = choose_path(lp, "auto", n)
     if path == "prefill":
-        return Choice(path, None if lp.w8a8 else HX.grouped_config(lp, n))
+        fp8 = HX.sm90_fp8_variant(lp, n)
+        return Choice(path, None if lp.w8a8 else HX.grouped_config(lp, n), sm90_fp8="tma" if fp8 == "tma" else None)
     if not lp.w8a8:
         return Choice(path)
     k = lp.cfg.num_experts_per_tok
@@ -90,7 +92,11 @@ def candidates(lp: LayerPlan, n: int) -> list[Choice]:
         if lp.swapab_ok and n <= min(cap, SWAPAB_CAP):
             out.append(Choice(path, decode_kernel="swapab"))
     grouped = [g for g, ok in (("stream", rows <= STREAM_MAX_ROWS), ("math", rows >= MATH_MIN_ROWS)) if ok]
-    out += [Choice("prefill")] if lp.w8a8 else [Choice("prefill", g) for g in grouped or ["stream"]]
+    if lp.w8a8:
+        tma = lp.fp8_tma_ok and rows >= MATH_MIN_ROWS  # its 128-row tiles, like math's
+        out += [Choice("prefill")] + ([Choice("prefill", sm90_fp8="tma")] if tma else [])
+    else:
+        out += [Choice("prefill", g) for g in grouped or ["stream"]]
     return out
 
 
@@ -133,7 +139,7 @@ def table_rows(cells: list[dict], command: str, result: str) -> list[dict]:
         ch = c["chosen"]
         rows.append(dict(shape=c["shape_key"], format=c["format_key"], n=n_bucket(c["N"]), path=ch["path"],
                          grouped=ch["grouped"], w8a8_decode=ch["w8a8_decode"],
-                         decode_kernel=ch.get("decode_kernel"), us=ch["us"],
+                         decode_kernel=ch.get("decode_kernel"), sm90_fp8=ch.get("sm90_fp8"), us=ch["us"],
                          default=c["default"]["label"], default_us=c["default"]["us"], preset=c["shape"],
                          measured_at=c["N"], result=result, command=command))
     return rows
@@ -196,7 +202,8 @@ def _rel_err(out, ref) -> float:
 
 def _timed_dict(t: Timed) -> dict:
     return dict(label=t.choice.label(), path=t.choice.path, grouped=t.choice.grouped,
-                w8a8_decode=t.choice.w8a8_decode, decode_kernel=t.choice.decode_kernel, us=t.us,
+                w8a8_decode=t.choice.w8a8_decode, decode_kernel=t.choice.decode_kernel, sm90_fp8=t.choice.sm90_fp8,
+                us=t.us,
                 pct_of_floor=t.pct_of_floor, rel_err=t.rel_err)
 
 

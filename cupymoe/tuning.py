@@ -41,6 +41,7 @@ TUNED_PATHS = ("decode", "atomic", "prefill")
 TUNED_GROUPED = ("math", "stream")
 TUNED_W8A8_DECODE = ("mma", "wgmma")
 TUNED_DECODE_KERNEL = ("register", "swapab")
+TUNED_SM90_FP8 = ("cp_async", "tma")
 
 
 @dataclass(frozen=True)
@@ -51,16 +52,18 @@ class Choice:
     grouped: Optional[str] = None  # the grouped GEMMs' configuration (prefill, not w8a8)
     w8a8_decode: Optional[str] = None  # the w8a8 decode kernels (decode and atomic)
     decode_kernel: Optional[str] = None  # the bf16 and w8a8 decode kernels (decode and atomic)
+    sm90_fp8: Optional[str] = None  # the w8a8 grouped GEMM (prefill)
 
     def __post_init__(self):
         for name, allowed in (("path", TUNED_PATHS), ("grouped", TUNED_GROUPED), ("w8a8_decode", TUNED_W8A8_DECODE),
-                              ("decode_kernel", TUNED_DECODE_KERNEL)):
+                              ("decode_kernel", TUNED_DECODE_KERNEL), ("sm90_fp8", TUNED_SM90_FP8)):
             v = getattr(self, name)
             if v is not None and v not in allowed:
                 raise ValueError(f"tuning table: {name}={v!r} must be one of {allowed}")
 
     def label(self) -> str:
-        return "/".join(v for v in (self.path, self.grouped, self.w8a8_decode, self.decode_kernel) if v) or "default"
+        return "/".join(v for v in (self.path, self.grouped, self.w8a8_decode, self.decode_kernel, self.sm90_fp8)
+                        if v) or "default"
 
 
 # a layer's entries: (bucket, choice) by rising bucket; bucket b serves b/2 < N <= b
@@ -91,7 +94,7 @@ def parse_by_shape(rows) -> Mapping[tuple[str, str], TunedBuckets]:
         b = int(r["n"])
         if b != n_bucket(b):
             raise ValueError(f"tuning table: by_shape n={b} is not a power of two")
-        c = Choice(r.get("path"), r.get("grouped"), r.get("w8a8_decode"), r.get("decode_kernel"))
+        c = Choice(r.get("path"), r.get("grouped"), r.get("w8a8_decode"), r.get("decode_kernel"), r.get("sm90_fp8"))
         out.setdefault((r["shape"], r["format"]), {})[b] = c
     return {k: tuple(sorted(v.items())) for k, v in out.items()}
 

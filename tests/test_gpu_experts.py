@@ -51,17 +51,7 @@ def draw_routing(cfg, rng, n: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, rng.uniform(0.05, 1.0, size=(n, k)).astype(np.float32)
 
 
-def _run(layer, x, ids, w, path, shared_expert=None):
-    """x uploaded, the output poisoned with NaN, one experts-only forward; the output as float32."""
-    import cupy
-
-    s = cupy.cuda.Stream(non_blocking=True)
-    with s:
-        xd, idd, wd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids), cupy.asarray(w)
-        out = cupy.full(xd.shape, 0x7FC0, dtype=cupy.uint16)
-        layer.run_experts(xd, idd, wd, out=out, stream=s.ptr, shared_expert=shared_expert, path=path)
-    s.synchronize()
-    return bits_to_f32(out.get())
+_run = testing.run_experts_poisoned  # x uploaded, the output poisoned with NaN, one experts-only forward
 
 
 @pytest.mark.parametrize("path", ["decode", "atomic", "prefill"])

@@ -81,13 +81,7 @@ def _on_sms(layer, sm_count: int):
     return layer
 
 
-def _hopper() -> bool:
-    import cupy
-
-    from cupymoe import jit
-
-    cc = cupy.cuda.Device().compute_capability
-    return jit.arch_for_capability(int(cc[:-1]), int(cc[-1])) == "sm_90a"
+_hopper = testing.on_sm90a
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -7,11 +7,10 @@ the eager forward bit for bit. sm_90a only (elsewhere the knob leaves the regist
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from cupymoe import reference, testing
-from cupymoe.verify import bf16_bits, bits_to_f32, check, run_layer, well_separated_input
+from cupymoe.verify import bf16_bits, check, run_layer, well_separated_input
 
 pytestmark = pytest.mark.gpu
 
@@ -27,18 +26,9 @@ TOKENS = (9, 17, 64, 255)
 MAX_TOKENS = 256
 
 
-def _hopper() -> bool:
-    import cupy
-
-    from cupymoe import jit
-
-    cc = cupy.cuda.Device().compute_capability
-    return jit.arch_for_capability(int(cc[:-1]), int(cc[-1])) == "sm_90a"
-
-
 @pytest.fixture(autouse=True)
 def _swapab(monkeypatch):
-    if not _hopper():
+    if not testing.on_sm90a():
         pytest.skip("the swap-AB decode needs sm_90a")
     monkeypatch.setenv("CUPYMOE_DECODE_KERNEL", "swapab")
 
@@ -53,21 +43,13 @@ def _case(name, rng):
     return cfg, hw, layer
 
 
-def _expert_kernels(layer, n, path="decode"):
-    from cupymoe.forward_plan import build_forward_plan
-    from cupymoe.plan import Path
-
-    plan = build_forward_plan(layer.plan, layer.device, n, Path(path)).at(n)
-    return [s.kernel for s in plan.launches if s.stage.value in ("gate_up", "down")]
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_swapab_decode_matches_the_reference(name, rng):
     cfg, hw, layer = _case(name, rng)
     assert layer.plan.swapab_chosen
     for path, tokens in (("decode", TOKENS), ("atomic", (9, 17))):
         for n in tokens:
-            kernels = _expert_kernels(layer, n, path)
+            kernels = testing.expert_kernels(layer, n, path)
             assert all(k.startswith("decode_swapab_") for k in kernels), (n, kernels)
             x = well_separated_input(cfg, hw, rng, n)
             c = check(run_layer(layer, x, path), cfg, hw, x, path, layer=layer)
@@ -75,34 +57,15 @@ def test_swapab_decode_matches_the_reference(name, rng):
     layer.check_errors()
 
 
-def _run_experts(layer, x, ids, w, path="decode"):
-    """x uploaded, the output poisoned with NaN, one experts-only forward; the output as float32."""
-    import cupy
-
-    s = cupy.cuda.Stream(non_blocking=True)
-    with s:
-        xd, idd, wd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids), cupy.asarray(w)
-        out = cupy.full(xd.shape, 0x7FC0, dtype=cupy.uint16)
-        layer.run_experts(xd, idd, wd, out=out, stream=s.ptr, path=path)
-    s.synchronize()
-    return bits_to_f32(out.get())
-
-
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_one_expert_holding_most_rows_and_experts_nobody_chose(name, rng):
     """A given routing: every row's first pick expert 0 (its run of N rows takes several passes
     of the token tile the plan sized for an even spread), the rest over every expert but 1."""
     cfg, hw, layer = _case(name, rng)
-    k, R = cfg.num_experts_per_tok, cfg.router_width
-    others = np.array([e for e in range(2, R)])
     for n in (17, 255):
-        ids = np.empty((n, k), np.int32)
-        ids[:, 0] = 0
-        if k > 1:
-            ids[:, 1:] = rng.choice(others, size=(n, k - 1), replace=True)
-        w = rng.uniform(0.05, 1.0, size=(n, k)).astype(np.float32)
+        ids, w = testing.skewed_routing(rng, n, cfg.num_experts_per_tok, cfg.router_width)
         x = testing.random_input(rng, n, cfg.hidden_size)
-        out = _run_experts(layer, x, ids, w)
+        out = testing.run_experts_poisoned(layer, x, ids, w, "decode")
         c = check(out, cfg, hw, x, "decode", layer=layer, routing=reference.given_routing(cfg, ids, w))
         assert c.ok, f"{name} N={n}: {c}"
 
@@ -115,7 +78,6 @@ def test_a_captured_graph_replays_the_eager_forward(name, rng):
     s = cupy.cuda.Stream(non_blocking=True)
     for n in (17, 255):
         x = cupy.asarray(bf16_bits(well_separated_input(cfg, hw, rng, n)))
-        eager, replayed, graph = testing.eager_and_graph(layer, x, n, "decode", s)
-        assert not np.isnan(bits_to_f32(eager.get())).any(), f"{name} N={n}: unwritten outputs"
-        assert cupy.array_equal(eager, replayed), f"{name} N={n}: the replay differs from the eager forward"
-        del graph
+        written, equal = testing.replay_matches_eager(layer, x, n, "decode", s)
+        assert written, f"{name} N={n}: unwritten outputs"
+        assert equal, f"{name} N={n}: the replay differs from the eager forward"

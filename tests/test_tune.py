@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cupymoe import bench, tune
-from cupymoe.knobs import Knobs
+from cupymoe.knobs import Knobs, Sm90Fp8
 from cupymoe.plan import DeviceFacts, LayerOptions, choose_path, plan_layer
 from cupymoe.tuning import Choice, load
 
@@ -54,11 +54,15 @@ def test_candidates_by_rows_per_expert_and_caps():
     f0, fd = _plans("qwen3-30b-a3b", "fp8_block")
     assert [c.label() for c in tune.candidates(f0, 16)] == ["decode/mma", "decode/wgmma", "decode/swapab", "atomic",
                                                             "atomic/swapab", "prefill"]
-    assert [c.label() for c in tune.candidates(f0, 512)] == ["prefill"]  # w8a8 tiles are 64 rows, one config
+    # w8a8: the cp.async GEMM, and the TMA one from 16 rows an expert (its tiles are 128 rows)
+    assert [c.label() for c in tune.candidates(f0, 128)] == ["prefill"]
+    assert [c.label() for c in tune.candidates(f0, 512)] == ["prefill", "prefill/tma"]
+    assert [c.label() for c in tune.distinct(f0, H200, 512, [tune.default_choice(fd, H200, 512)]
+                                             + tune.candidates(f0, 512))] == ["prefill", "prefill/tma"]
     # the sweep's w8a8 plan admits the swap-AB decode up to SWAPAB_CAP rows, the other decode kernels to 64
     fwide = plan_layer(bench.preset_config("qwen3-30b-a3b"), "fp8_block", None, "sm_90a",
                        options=LayerOptions(decode_max_tokens=tune.SWAPAB_CAP), knobs=Knobs(), table={})
-    assert [c.label() for c in tune.candidates(fwide, 256)] == ["decode/swapab", "prefill"]
+    assert [c.label() for c in tune.candidates(fwide, 256)] == ["decode/swapab", "prefill", "prefill/tma"]
 
 
 def test_the_default_choice_is_what_the_layer_runs():
@@ -69,6 +73,10 @@ def test_the_default_choice_is_what_the_layer_runs():
     _, fd = _plans("qwen3-30b-a3b", "fp8_block")
     assert tune.default_choice(fd, H200, 4) == Choice("decode", w8a8_decode="mma")
     assert tune.default_choice(fd, H200, 64) == Choice("decode", w8a8_decode="wgmma")
+    assert tune.default_choice(fd, H200, 4096) == Choice("prefill")  # the cp.async w8a8 GEMM until measured
+    tma = plan_layer(bench.preset_config("qwen3-30b-a3b"), "fp8_block", None, "sm_90a",
+                     knobs=Knobs(sm90_fp8_variant=Sm90Fp8.TMA), table={})
+    assert tune.default_choice(tma, H200, 4096) == Choice("prefill", sm90_fp8="tma")
 
 
 def test_forcing_a_choice_goes_through_the_tables_lookup():
