@@ -13,21 +13,21 @@ want() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 OUT=${OUT:?set OUT to a folder for the logs}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-COMMON=(--format fp8_block --no-peers --repeats 5 --replays 20)
+COMMON=(--format fp8_block --no-peers --repeats 5 --replays 10)
 
 if want tests; then
   # the first call compiles the kernels (about a minute on a fresh machine; cached for the benches)
-  timeout 110 $PY -m pytest -q -m gpu tests/test_gpu_fp8_tma.py -p no:cacheprovider > "$OUT/fp8_tma_tests.log" 2>&1
+  timeout 100 $PY -m pytest -q -m gpu tests/test_gpu_fp8_tma.py -p no:cacheprovider > "$OUT/fp8_tma_tests.log" 2>&1
   echo "fp8 TMA GPU tests rc $?: $(tail -1 "$OUT/fp8_tma_tests.log")"
   grep -E "FAILED|ERROR|Error" "$OUT/fp8_tma_tests.log" | head -8
 fi
 if want bench; then
   for v in tma cp_async; do
     rm -f "$OUT/qwen3_$v.json" "$OUT/deepseek_$v.json"  # a failed run leaves no figures of an earlier one
-    CUPYMOE_SM90_FP8_VARIANT=$v timeout 30 $PY -m cupymoe bench --preset qwen3-30b-a3b --tokens 256 1024 4096 16384 \
+    CUPYMOE_SM90_FP8_VARIANT=$v timeout 40 $PY -m cupymoe bench --preset qwen3-30b-a3b --tokens 256 1024 4096 16384 \
       "${COMMON[@]}" --json "$OUT/qwen3_$v.json" > "$OUT/bench_qwen3_$v.log" 2>&1
     echo "bench qwen3-30b-a3b $v rc $?"
-    CUPYMOE_SM90_FP8_VARIANT=$v timeout 35 $PY -m cupymoe bench --preset deepseek-v3 --tokens 1024 4096 \
+    CUPYMOE_SM90_FP8_VARIANT=$v timeout 50 $PY -m cupymoe bench --preset deepseek-v3 --tokens 1024 4096 \
       "${COMMON[@]}" --json "$OUT/deepseek_$v.json" > "$OUT/bench_deepseek_$v.log" 2>&1
     echo "bench deepseek-v3 $v rc $?"
   done

@@ -1,7 +1,8 @@
 """GPU: the w8a8 TMA grouped GEMM (cuda/grouped_sm90_fp8_tma.cu, CUPYMOE_SM90_FP8_VARIANT=tma)
 on the prefill path: checked stage by stage against cupymoe.reference (verify.check_w8a8) at
-awkward N (1, 67, 300, 1100) and K (H = 96, 160 and 1040: under one 128-code step, a step and a
-quarter, nine steps wrapping the 4-stage ring with a 16-code tail; I = 64, 80 and 656), gate/up
+awkward N (1, 67, 300, 1100) and K (H = 96, 160 and 528: under one 128-code step, a step and a
+quarter, five steps wrapping the 4-stage ring with a 16-code tail; I = 64, 80 and 656, down's six
+steps wrapping it too), gate/up
 tiles whose second half lies past I, a shared fp8 expert of another I, one expert holding most
 rows, experts nobody chose, outputs poisoned with NaN first; the same bits as the cp.async
 kernel (grouped_sm90_fp8.cu: both run fp8_gemm.cuh's instructions per element); a captured
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.gpu
 # name -> (family, shared expert's format or None = the routed experts', MoeConfig overrides)
 CASES = {
     "qwen3_moe": ("qwen3_moe", None, {}),  # H = 96: one partial K step
-    "qwen3_moe-H1040-I656": ("qwen3_moe", None, {"hidden_size": 1040, "moe_intermediate_size": 656}),
+    "qwen3_moe-H528-I656": ("qwen3_moe", None, {"hidden_size": 528, "moe_intermediate_size": 656}),  # the ring wraps
     "qwen3_moe-I80": ("qwen3_moe", None, {"moe_intermediate_size": 80}),  # half a gate/up tile past I
     "qwen2_moe": ("qwen2_moe", None, {}),  # a gated fp8 shared expert of I = 96 (I_max 96, I 64)
     "deepseek_v3-bf16shared": ("deepseek_v3", "bf16", {}),  # fp8 routed, bf16 shared: two kernels, two tile heights
@@ -67,7 +68,7 @@ def test_tma_w8a8_matches_the_reference_stage_by_stage(name, rng):
     layer.check_errors()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe-H1040-I656", "qwen2_moe", "deepseek_v3-bf16shared", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen3_moe-H528-I656", "qwen2_moe", "deepseek_v3-bf16shared", "gpt_oss"])
 def test_the_same_bits_as_the_cp_async_kernel(name, rng, monkeypatch):
     """Both kernels run the same products, promotions and epilogue per element: one layer each,
     the same weights and inputs, outputs equal bit for bit."""
@@ -83,7 +84,7 @@ def test_the_same_bits_as_the_cp_async_kernel(name, rng, monkeypatch):
         assert np.array_equal(bf16_bits(a), bf16_bits(b)), f"{name} N={n}: the TMA kernel's bits differ"
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe-H1040-I656", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen3_moe-H528-I656", "qwen2_moe", "gpt_oss"])
 def test_one_expert_holding_most_rows_and_experts_nobody_chose(name, rng):
     """A given routing: every row's first pick expert 0 (a run of N rows: many 128-row tiles,
     the last one short), the rest over every expert but 1."""
@@ -97,7 +98,7 @@ def test_one_expert_holding_most_rows_and_experts_nobody_chose(name, rng):
         assert c.ok, f"{name} N={n}: {c}"
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe-H1040-I656", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe-H528-I656", "qwen2_moe"])
 def test_a_captured_graph_replays_the_eager_forward(name, rng):
     import cupy
 
@@ -117,7 +118,7 @@ def test_a_plan_forced_after_construction_encodes_the_maps(rng, monkeypatch):
     from cupymoe.tuning import Choice
 
     monkeypatch.setenv("CUPYMOE_SM90_FP8_VARIANT", "auto")
-    cfg, hw, layer = _case("qwen3_moe-H1040-I656", rng)
+    cfg, hw, layer = _case("qwen3_moe-H528-I656", rng)
     assert not layer.plan.fp8_tma_chosen and layer._fp8_maps is None
     n = 1100
     layer.plan = tune.forced(layer.plan, n, Choice("prefill", sm90_fp8="tma"))
