@@ -19,7 +19,7 @@
 // product. A warpgroup's 256 weight rows are gate/up's 128 activation columns (half h: 64 gate
 // rows, then the same 64 up rows, of columns n0 + 64 h ..), one quantization group, so the
 // epilogue's amax stays in the warpgroup's registers; down's halves are weight scale blocks
-// n0 / 128 and n0 / 128 + 1. Registers: 2 x 64 promoted + 64 block accumulators a thread,
+// n0 / 128 and n0 / 128 + 1, written through the warpgroup's A blocks (emit_wgmma_down_staged). Registers: 2 x 64 promoted + 64 block accumulators a thread,
 // hence setmaxnreg (without it a third warp on a register file caps a thread at 168).
 #include "fp8_gemm.cuh"
 
@@ -165,6 +165,8 @@ grouped_gemm_sm90_fp8_tma(GEMM_ARGS, const u8* __restrict__ qa, const float* __r
     // ---- consumers: warpgroup wg rows 64 wg .. 64 wg + 63 ----
     const int wg = threadIdx.x / 128, lane = threadIdx.x & 31;
     const bool has_rows = wg < subs;  // past the tile's rows: no wgmmas, the handshakes kept
+    float w[2];  // down: the rows' routing weights, read before the main loop (down_row_weights)
+    if (MODE == MODE_DOWN && has_rows) down_row_weights(w, t, wg * F8T_SUB, GEMM_ARG_NAMES);
     const FragRows fr(wg * F8T_SUB, t.rows);
     // the thread's two rows' activation scales ([rows, ceil(K / 128)]; clamped into the tile)
     const float* sa_row[2];
@@ -224,12 +226,14 @@ grouped_gemm_sm90_fp8_tma(GEMM_ARGS, const u8* __restrict__ qa, const float* __r
             for (int half = 0; half < 2; ++half)
                 fp8_quantize_act(tw[half], acc[half], wg * F8T_SUB, amax, half == 0, q_out, s_out, I_max);
         });
-    } else {
+    } else {  // each half's weighted bf16 outputs through the warpgroup's A blocks, 16-byte stores
+        bf16* a0 = reinterpret_cast<bf16*>(sA + wg * F8T_SUB * BK);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             GemmTile tw = t;
             tw.n0 = t.n0 + half * 128;
-            if (tw.n0 < tw.ncols) emit_wgmma_rows<MODE, GG_BN>(tw, acc[half], wg * F8T_SUB, GEMM_ARG_NAMES);
+            if (tw.n0 < tw.ncols) emit_wgmma_down_staged<GG_BN, S>(tw, acc[half], w, wg * F8T_SUB, a0, BM * BK / 2,
+                                                                   GEMM_ARG_NAMES);
         }
     }
 }
