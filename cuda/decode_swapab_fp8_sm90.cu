@@ -169,16 +169,10 @@ __device__ __forceinline__ void sf_producer(const SfRing<NT>& ring, const SfWork
             if (lane == 0 && !(ahead && g < S)) sf_copy_weights(ring, w, s, kt);
             sf_copy_tokens<NT>(ring, w, rid, s, kt);
             cp_async_commit();
-            if (g >= LAG) {  // step g - LAG: this lane's copies have landed
-                cp_async_wait<LAG>();
-                fence_proxy_async();
-                mbar_arrive(&ring.full[(g - LAG) % S]);
-            }
+            gather_mark_full<LAG>(ring.full, g, S);
         }
     }
-    cp_async_wait<0>();
-    fence_proxy_async();
-    for (int g = max(0, T - LAG); g < T; ++g) mbar_arrive(&ring.full[g % S]);
+    gather_mark_tail<LAG>(ring.full, T, S);
 }
 
 // Stage s's products: blk[m] = tile m's 64 weight rows x the NT tokens over the step's 128 k,

@@ -1,24 +1,10 @@
 // What the w8a8 grouped GEMMs share (grouped_sm90_fp8.cu: every thread copies by cp.async;
-// grouped_sm90_fp8_tma.cu: TMA and a producer warpgroup): the e4m3 wgmma, one 128-code K
-// block's products and their fp32 promotion, and the gate/up epilogue's activation and e4m3
-// quantization. Both kernels run these same instructions per element, so their outputs agree
-// bit for bit.
+// grouped_sm90_fp8_tma.cu: TMA and a producer warpgroup): one 128-code K block's products and
+// their fp32 promotion, and the gate/up epilogue's activation and e4m3 quantization. Both
+// kernels run these same instructions per element, so their outputs agree bit for bit.
 #pragma once
 #include "gemm_common.cuh"
 #include "wgmma.cuh"
-
-// d[64] (m64 x n128, fp32) = (scale_d ? d : 0) + A (64 x 32, e4m3) * B (32 x 128, e4m3).
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, u64 da, u64 db, int scale_d) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "r"(scale_d));
-}
 
 // One 128-code K block's products of a warpgroup's 64 rows and 128 weight rows: four k32
 // wgmmas into blk, the first starting it fresh, waited for (blk is then promoted).
@@ -26,7 +12,7 @@ __device__ __forceinline__ void fp8_block_products(float* blk, u64 da, u64 db) {
     fence_acc(blk);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(blk, da + kk * 2, db + kk * 2, kk);  // +32 bytes
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64nNk32_e4m3<128>(blk, da + kk * 2, db + kk * 2, kk);  // +32 bytes
     wgmma_commit();
     wgmma_wait<0>();
     fence_acc(blk);
