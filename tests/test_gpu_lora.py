@@ -32,7 +32,8 @@ def _layer(cfg, hw, **kw):
 
     kw.setdefault("decode_max_tokens", 64)  # tests force every path at every N up to 64
     kw.setdefault("atomic_max_tokens", 64)
-    return MoeLayer(cfg, hw, max_tokens=MAX_TOKENS, max_loras=K, max_lora_rank=RMAX, **kw)
+    kw.setdefault("max_lora_rank", RMAX)
+    return MoeLayer(cfg, hw, max_tokens=MAX_TOKENS, max_loras=K, **kw)
 
 
 def _adapters(cfg, rng):
@@ -483,3 +484,42 @@ def test_grouped_deltas_graph_replay_and_row_invariance(rng):
     for rows in (slice(0, 1), slice(5, 72), slice(700, 1100)):
         part = run(layer, x[rows], ids[rows], "prefill")
         np.testing.assert_array_equal(part.view(np.uint32), eager[rows].view(np.uint32))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_sliced_pair_deltas(family, rng):
+    """The per-pair kernels with their shrinks split over slices (forward_plan.lora_slices > 1,
+    lora_tickets electing each item's last block): H = 776 and I = 392 (slices of uneven vector
+    counts), ranks 16 / 12 / 5 beside 3 and 1, ids -1, 0..2 and one past the slots, on decode,
+    atomic and the one-block-sort prefill; each forward twice and the second bit for bit the
+    first (the tickets are zeros again), and the judged output against the reference."""
+    from cupymoe.forward_plan import LoraShape, build_forward_plan, lora_slices
+    from cupymoe.plan import Path
+
+    cfg = testing.tiny_config(family, hidden_size=776, moe_intermediate_size=392)
+    hw = testing.random_host_weights(cfg, rng, "bf16")
+    for ranks in ((16, 12, 5), (3, 1, 16)):
+        layer = _layer(cfg, hw, fp8_compute="w8a16", max_lora_rank=16)
+        adapters = {s: random_lora(cfg, rng, rank=r, targets=ALL_TARGETS, size=0.3) for s, r in enumerate(ranks)}
+        for slot, lw in adapters.items():
+            layer.set_lora(slot, lw)
+        for path, ns in (("decode", (1, 3, 17)), ("atomic", (5,)), ("prefill", (1, 6, 41))):
+            for n in ns:
+                plan = build_forward_plan(layer.plan, layer.device, n, Path(path), lora=LoraShape(K, 16, True)).at(n)
+                split = [s for s in plan.steps if getattr(s, "kernel", "") in
+                         ("lora_router_delta", "lora_gate_up_act", "lora_down_delta")]
+                assert split and all(s.grid[1] > 1 for s in split), (path, n, [s.grid for s in split])
+                assert split[0].grid == (n, lora_slices(n, cfg.hidden_size))
+                ids = rng.integers(-1, 3, n).astype(np.int32)
+                ids[: min(n, 4)] = [-1, 0, 1, 2][: min(n, 4)]
+                x = separated_input(cfg, hw, rng, n, adapters, ids)
+                out = run(layer, x, ids, path)
+                judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, path), f"sliced {path} N={n} {ranks}",
+                      layer)
+                again = run(layer, x, ids, path)
+                assert np.array_equal(again.view(np.uint32), out.view(np.uint32)), f"{path} N={n}: not reproducible"
+        layer.check_errors()
+        bad = np.array([0, K], np.int32)  # an id past the slots: flagged, adds nothing
+        run(layer, testing.random_input(rng, 2, cfg.hidden_size), bad, "decode")
+        with pytest.raises(MoeCallError):
+            layer.check_errors()

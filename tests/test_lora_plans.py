@@ -16,7 +16,7 @@ import pytest
 from cupymoe import jit, testing
 from cupymoe.catalog import Activation, LoraDownMode
 from cupymoe.errors import LoraError, OptionError
-from cupymoe.forward_plan import (LORA_GROUPED_SMEM_MAX, LORA_MMA_WARPS, LORA_RED, LORA_ROUTER_ROWS, LoraShape,
+from cupymoe.forward_plan import (LORA_GROUPED_SMEM_MAX, LORA_MMA_WARPS, LORA_RED, LORA_ROUTER_ROWS, LoraShape, lora_slices,
                                   build_forward_plan, lora_grouped, lora_grouped_smem)
 from cupymoe.knobs import Knobs
 from cupymoe.lora_slots import check_options
@@ -51,7 +51,9 @@ def test_lora_plan_is_the_base_plan_plus_the_router_delta(family, dev):
             assert d.grid == (-(-n // LORA_ROUTER_ROWS),) and d.block == (LORA_MMA_WARPS * 32,)
             assert d.smem == lora_grouped_smem(SHAPE.max_rank, False)
         else:
-            assert d.grid == (n,) and d.smem == (SHAPE.max_rank + LORA_RED) * 4
+            assert d.grid == (n, lora_slices(n, cfg.hidden_size)) and d.smem == (SHAPE.max_rank + LORA_RED) * 4
+            assert d.arg("part") == Buf(Space.SCRATCH, "lora_part")
+            assert d.arg("tickets") == Buf(Space.SCRATCH, "lora_tickets")
         assert d.pdl == plan.steps[at[0] + 1].pdl == (path == Path.DECODE and dev is H200)  # as its successor
         assert d.arg("lora_ids") == CallValue.LORA_IDS and d.arg("logits") == Buf(Space.SCRATCH, "logits")
         assert (d.arg("R"), d.arg("max_rank"), d.arg("max_loras"), d.arg("N")) == (cfg.router_width, 16, 3, n)
@@ -114,8 +116,10 @@ def test_expert_lora_plan(family, fmt, dev):
         if grouped:
             _check_grouped(plan, ga, dd, gemms)
         else:
-            for i in (ga, dd):
-                assert plan.steps[i].grid == (n * (cfg.num_experts_per_tok + sh),) and plan.steps[i].arg("N") == n
+            pairs = n * (cfg.num_experts_per_tok + sh)
+            for i, cols in ((ga, cfg.hidden_size), (dd, lp.i_max)):
+                assert plan.steps[i].grid == (pairs, lora_slices(pairs, cols)) and plan.steps[i].arg("N") == n
+                assert plan.steps[i].arg("part") == Buf(Space.SCRATCH, "lora_part")
             assert plan.steps[dd].arg("mode") == mode[path] and plan.steps[ga].smem == (2 * 16 + LORA_RED) * 4
         assert plan.steps[ga].arg("gu") == Buf(Space.SCRATCH, "lora_gu")
         assert plan.steps[ga].arg("act") == plan.steps[dd].arg("act") == Buf(Space.SCRATCH, "act")
