@@ -599,6 +599,15 @@ __device__ __forceinline__ void lora_chunk_down(const float* t, int rp, const Lo
         int c0[LORA_NC];
         lora_round_cols(c0, round);
         if (c0[0] >= H) break;
+        unsigned yv[LORA_NC][LORA_MT][2];  // the round's yw pairs, loaded before the expand's B (in flight together)
+#pragma unroll
+        for (int j = 0; j < LORA_NC; ++j)
+#pragma unroll
+            for (int mt = 0; mt < LORA_MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    yv[j][mt][h] = r.pos[mt][h] < 0 || c0[j] >= H ? 0u
+                        : *reinterpret_cast<const unsigned*>(yw + (size_t)r.pos[mt][h] * H + c0[j] + tig * 2);
         float d[LORA_NC][LORA_MT][4];
         lora_mma_expand(d, t, rp, db, c0, H, max_rank);
 #pragma unroll
@@ -609,7 +618,7 @@ __device__ __forceinline__ void lora_chunk_down(const float* t, int rp, const Lo
                 for (int h = 0; h < 2; ++h) {
                     if (r.pos[mt][h] < 0 || c0[j] >= H) continue;
                     unsigned* o = reinterpret_cast<unsigned*>(yw + (size_t)r.pos[mt][h] * H + c0[j] + tig * 2);
-                    const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o));
+                    const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&yv[j][mt][h]));
                     *o = pack_bf16x2(y.x + w[mt][h] * d[j][mt][2 * h], y.y + w[mt][h] * d[j][mt][2 * h + 1]);
                 }
             }
