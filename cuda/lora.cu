@@ -511,12 +511,13 @@ __device__ __forceinline__ void lora_round_cols(int (&c0)[LORA_NC], int round) {
     for (int j = 0; j < LORA_NC; ++j) c0[j] = (warp + LORA_MMA_WARPS * (round * LORA_NC + j)) * 8;
 }
 
-// act = bf16(act(g, u)) for the sub-tile's positions without an adapter, two columns a step.
+// act = bf16(act(g, u)) for the sub-tile's positions without an adapter, two columns a step;
+// the tile's gridDim.y blocks take every gridDim.y-th block-wide step (this block: blockIdx.y's).
 __device__ __forceinline__ void lora_plain_act(const LoraBuckets& b, const bf16* __restrict__ gu,
                                                bf16* __restrict__ act, int pos0, int m, int I, int I_max,
                                                int act_code, float alpha, float limit) {
     const int half = I >> 1;
-    for (int e = threadIdx.x; e < m * half; e += blockDim.x) {
+    for (int e = threadIdx.x + blockIdx.y * blockDim.x; e < m * half; e += blockDim.x * gridDim.y) {
         const int i = e / half, c = (e - i * half) * 2;
         if (b.lid[i] >= 0) continue;
         const bf16* row = gu + (size_t)(pos0 + i) * 2 * I_max + c;
@@ -589,16 +590,18 @@ __device__ __forceinline__ void lora_chunk_act(const float* t, int rp, float* gs
     }
 }
 
-// A chunk's down delta, the warp's rounds of columns: yw = bf16(yw + w B t) (w[mt][h]: the
-// lane's rows' routing weights).
+// A chunk's down delta over output columns [lo, hi) (lo a multiple of 8), the warp's rounds of
+// columns: yw = bf16(yw + w B t) (w[mt][h]: the lane's rows' routing weights).
 __device__ __forceinline__ void lora_chunk_down(const float* t, int rp, const LoraRows& r,
                                                 const float (&w)[LORA_MT][2], const bf16* __restrict__ db,
-                                                bf16* __restrict__ yw, int H, int max_rank) {
+                                                bf16* __restrict__ yw, int H, int lo, int hi, int max_rank) {
     const int tig = threadIdx.x & 3;
     for (int round = 0;; ++round) {
         int c0[LORA_NC];
         lora_round_cols(c0, round);
-        if (c0[0] >= H) break;
+#pragma unroll
+        for (int j = 0; j < LORA_NC; ++j) c0[j] += lo;
+        if (c0[0] >= hi) break;
         unsigned yv[LORA_NC][LORA_MT][2];  // the round's yw pairs, loaded before the expand's B (in flight together)
 #pragma unroll
         for (int j = 0; j < LORA_NC; ++j)
@@ -606,17 +609,17 @@ __device__ __forceinline__ void lora_chunk_down(const float* t, int rp, const Lo
             for (int mt = 0; mt < LORA_MT; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    yv[j][mt][h] = r.pos[mt][h] < 0 || c0[j] >= H ? 0u
+                    yv[j][mt][h] = r.pos[mt][h] < 0 || c0[j] >= hi ? 0u
                         : *reinterpret_cast<const unsigned*>(yw + (size_t)r.pos[mt][h] * H + c0[j] + tig * 2);
         float d[LORA_NC][LORA_MT][4];
-        lora_mma_expand(d, t, rp, db, c0, H, max_rank);
+        lora_mma_expand(d, t, rp, db, c0, hi, max_rank);
 #pragma unroll
         for (int j = 0; j < LORA_NC; ++j) {
 #pragma unroll
             for (int mt = 0; mt < LORA_MT; ++mt) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    if (r.pos[mt][h] < 0 || c0[j] >= H) continue;
+                    if (r.pos[mt][h] < 0 || c0[j] >= hi) continue;
                     unsigned* o = reinterpret_cast<unsigned*>(yw + (size_t)r.pos[mt][h] * H + c0[j] + tig * 2);
                     const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&yv[j][mt][h]));
                     *o = pack_bf16x2(y.x + w[mt][h] * d[j][mt][2 * h], y.y + w[mt][h] * d[j][mt][2 * h + 1]);
@@ -642,12 +645,14 @@ __device__ __forceinline__ LoraInputs lora_inputs(const LoraRows& r, const bf16*
     return in;
 }
 
-// grid (the last gate/up GEMM's tile bound), block LORA_MMA_WARPS warps, shared memory
+// grid (the last gate/up GEMM's tile bound, Y), block LORA_MMA_WARPS warps, shared memory
 // (LORA_MMA_WARPS + 1) 2 LORA_CHUNK rp floats (rp: max_rank rounded up to 16; the warps' partial
 // t, then t; lora_chunk_act's staging reuses the parts). The grouped path's lora_gate_up_act
-// (same slots and outputs): a tile's positions without an adapter get act(g, u); those with
-// one, a chunk at a time, t = s A x_e for gate and up, then act(g + B_g t_g, u + B_u t_u).
-__global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
+// (same slots and outputs): a tile's positions without an adapter get act(g, u) (the tile's Y
+// blocks splitting them); those with one, a chunk at a time (chunk c by the tile's block y = c
+// mod Y: each block buckets the tile alike and takes its chunks), t = s A x_e for gate and up,
+// then act(g + B_g t_g, u + B_u t_u). A chunk's work is the same whichever block does it.
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 2)
 lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
                          const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
                          const int* __restrict__ sorted_row, const int* __restrict__ inter,
@@ -672,7 +677,7 @@ lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe
         lora_bucket(b, m);
         lora_plain_act(b, gu, act, pos0, m, I, I_max, act_code, alpha, limit);
         __syncthreads();
-        for (int c = 0; c < b.chunks; ++c) {
+        for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
             lora_mma_shrink_part<2>(parts + (threadIdx.x >> 5) * n, rp, gate_a + ks * max_rank * H,
@@ -687,11 +692,15 @@ lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe
     }
 }
 
-// grid (the last down GEMM's tile bound), block LORA_MMA_WARPS warps, shared memory
+// grid (the last down GEMM's tile bound, Y, Z), block LORA_MMA_WARPS warps, shared memory
 // (LORA_MMA_WARPS + 1) LORA_CHUNK rp floats. The grouped path's lora_down_delta: for a tile's
-// positions with an adapter, a chunk at a time, t = s A act[pos], then yw = bf16(yw + w B t) (w:
-// the pair's routing weight, 1 for the shared expert, which the reduce scales).
-__global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
+// positions with an adapter, a chunk at a time (chunk c by the tile's blocks y = c mod Y), t = s
+// A act[pos], then yw = bf16(yw + w B t) (w: the pair's routing weight, 1 for the shared expert,
+// which the reduce scales) over column slice z of Z of H (lora_slice: whole 8-column vectors).
+// Each of a chunk's Z blocks computes the same t (the small shrink, A [max_rank, I] and the
+// chunk's act rows, again from L2) and expands its own columns, so an output's bits do not
+// depend on Y or Z.
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 2)
 lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids,
                         const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
                         const int* __restrict__ sorted_row, const int* __restrict__ sorted_pair,
@@ -706,13 +715,15 @@ lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lo
     const int4 ti = tile_info[blockIdx.x];
     const int I = inter[ti.x], rp = (max_rank + 15) & ~15, n = LORA_CHUNK * rp;
     float* t = parts + LORA_MMA_WARPS * n;
+    int lo, hi;
+    lora_slice(H, blockIdx.z, gridDim.z, lo, hi);
     for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
         const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
         lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
         __syncthreads();
         lora_bucket(b, m);
         __syncthreads();
-        for (int c = 0; c < b.chunks; ++c) {
+        for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
             const bf16* a0 = down_a + ks * max_rank * I_max;
@@ -727,7 +738,7 @@ lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lo
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
                     w[mt][h] = r.pos[mt][h] < 0 || ti.x == n_local ? 1.0f : topk_w[sorted_pair[r.pos[mt][h]]];
-            lora_chunk_down(t, rp, r, w, down_b + ks * H * max_rank, yw, H, max_rank);
+            lora_chunk_down(t, rp, r, w, down_b + ks * H * max_rank, yw, H, lo, hi, max_rank);
             __syncthreads();  // the next chunk's sum rewrites t
         }
     }
@@ -805,9 +816,10 @@ __device__ __forceinline__ void lora_router_expand(const LoraBuckets& b, int c, 
     }
 }
 
-// grid ceil(N / LORA_ROUTER_ROWS), block LORA_MMA_WARPS warps, shared memory (LORA_MMA_WARPS + 1)
-// LORA_CHUNK rp floats. lora_router_delta's work (same slots, ids, error bit) for a span of rows.
-__global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
+// grid (ceil(N / LORA_ROUTER_ROWS), Y), block LORA_MMA_WARPS warps, shared memory (LORA_MMA_WARPS
+// + 1) LORA_CHUNK rp floats. lora_router_delta's work (same slots, ids, error bit: block y = 0)
+// for a span of rows, chunk c by the span's block y = c mod Y.
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 3)
 lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lora_ids, const float* __restrict__ a,
                           const float* __restrict__ bs, float* __restrict__ logits, int* __restrict__ err, int N,
                           int H, int R, int max_rank, int max_loras) {
@@ -819,13 +831,13 @@ lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lo
     float* t = parts + LORA_MMA_WARPS * n;
     for (int i = threadIdx.x; i < m; i += blockDim.x) {
         const int id = lora_ids[row0 + i];
-        if (id >= max_loras) atomicOr(err, ERR_LORA_ID_RANGE);
+        if (id >= max_loras && blockIdx.y == 0) atomicOr(err, ERR_LORA_ID_RANGE);
         b.lid[i] = id >= 0 && id < max_loras ? id : -1;
     }
     __syncthreads();
     lora_bucket(b, m);
     __syncthreads();
-    for (int c = 0; c < b.chunks; ++c) {
+    for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
         const LoraRows r = lora_chunk_rows(b, c, row0);
         lora_mma_shrink_part_f32(parts + (threadIdx.x >> 5) * n, rp, a + (size_t)b.key[c] * max_rank * H,
                                  lora_inputs(r, x, nullptr, H), H, max_rank);

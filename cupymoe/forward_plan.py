@@ -175,7 +175,8 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
             i32("max_loras", lora.max_loras))
     if lora_grouped(plan, lp, lora):
         spans = PerN("lora_router_spans", lambda n: -(-n // LORA_ROUTER_ROWS))
-        delta = Launch(Stage.ROUTER, "lora_grouped_router_delta", (spans,), (LORA_MMA_WARPS * 32,), args + sizes,
+        delta = Launch(Stage.ROUTER, "lora_grouped_router_delta", (spans, lora_chunk_blocks(lora.max_loras)),
+                       (LORA_MMA_WARPS * 32,), args + sizes,
                        lora_grouped_smem(lora.max_rank, False))
     else:
         H = cfg.hidden_size
@@ -195,6 +196,23 @@ LORA_MMA_WARPS = 8  # cuda/lora.cu LORA_MMA_WARPS: the grouped deltas' blocks
 LORA_CHUNK = 32  # cuda/lora.cu LORA_CHUNK: rows of one adapter the grouped deltas take at once
 LORA_ROUTER_ROWS = 32  # cuda/lora.cu LORA_ROUTER_ROWS: rows a block of lora_grouped_router_delta
 LORA_GROUPED_SMEM_MAX = 80 * 1024  # under every sm_80+ opt-in maximum (jit.opt_in_smem opts them in)
+LORA_DOWN_SLICE = 512  # output columns a lora_grouped_down_delta block expands at least
+LORA_DOWN_SLICES_MAX = 4  # its column slices (grid z) at most: each recomputes the chunk's shrink
+
+
+def lora_chunk_blocks(max_loras: int) -> int:
+    """Blocks the grouped deltas give each tile (router: each row span), grid y: block y takes
+    the tile's chunks y, y + Y, ... (cuda/lora.cu), so a tile's adapters' chunks (one or more
+    each) run side by side instead of one after another in one block; 4 (8 past 4 adapters).
+    A chunk's work is the same whichever block does it: a row's bits do not depend on Y."""
+    return 4 if max_loras <= 4 else 8
+
+
+def lora_down_slices(hidden: int) -> int:
+    """lora_grouped_down_delta's column slices of H (grid z; cuda/lora.cu lora_slice): a slice
+    LORA_DOWN_SLICE columns at least, LORA_DOWN_SLICES_MAX at most (each slice's block recomputes
+    the chunk's shrink, A_down [max_rank, I] and the chunk's act rows, from L2)."""
+    return max(1, min(LORA_DOWN_SLICES_MAX, hidden // LORA_DOWN_SLICE))
 
 
 def lora_grouped_smem(max_rank: int, gate_up: bool) -> int:
@@ -316,14 +334,15 @@ def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) ->
 
 def _grouped_delta_launches(gate_up_tiles: TileList, down_tiles: TileList, lp: LayerPlan,
                             lora: LoraShape) -> tuple[Launch, Launch]:
-    """The prefill path's deltas, a block a tile of the GEMM before them (cuda/lora.cu,
-    lora_grouped_*): the same slots, inputs and outputs as lora_gate_up_act / lora_down_delta
-    in GROUPED mode."""
+    """The prefill path's deltas, lora_chunk_blocks blocks a tile of the GEMM before them
+    (cuda/lora.cu, lora_grouped_*; down's also over lora_down_slices column slices): the same
+    slots, inputs and outputs as lora_gate_up_act / lora_down_delta in GROUPED mode."""
     cfg = lp.cfg
     L = lambda name: u64(name, Buf(Space.LAYER, "lora_" + name))  # noqa: E731  (lora_slots.LoraSlots.ptr)
     sizes = (i32("H", cfg.hidden_size), i32("I_max", lp.i_max), i32("n_local", lp.n_local),
              i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras))
-    gate_up = Launch(Stage.GATE_UP, "lora_grouped_gate_up_act", (gate_up_tiles.bound,), (LORA_MMA_WARPS * 32,),
+    Y = lora_chunk_blocks(lora.max_loras)
+    gate_up = Launch(Stage.GATE_UP, "lora_grouped_gate_up_act", (gate_up_tiles.bound, Y), (LORA_MMA_WARPS * 32,),
                      (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X),
                       u64("lora_ids", CallValue.LORA_IDS), gate_up_tiles.num_tiles, gate_up_tiles.tile_info,
                       u64("sorted_row", S("sorted_row")), u64("inter", W("inter")),
@@ -331,7 +350,8 @@ def _grouped_delta_launches(gate_up_tiles: TileList, down_tiles: TileList, lp: L
                       u64("gu", S(LORA_GU)), u64("act", S("act")), *sizes,
                       i32("act_code", Activation[cfg.hidden_act.upper()]), f32("alpha", cfg.swiglu_alpha),
                       f32("limit", cfg.swiglu_limit)), lora_grouped_smem(lora.max_rank, True))
-    down = Launch(Stage.DOWN, "lora_grouped_down_delta", (down_tiles.bound,), (LORA_MMA_WARPS * 32,),
+    down = Launch(Stage.DOWN, "lora_grouped_down_delta", (down_tiles.bound, Y, lora_down_slices(cfg.hidden_size)),
+                  (LORA_MMA_WARPS * 32,),
                   (u64("act", S("act")), u64("lora_ids", CallValue.LORA_IDS), down_tiles.num_tiles,
                    down_tiles.tile_info, u64("sorted_row", S("sorted_row")), u64("sorted_pair", S("sorted_pair")),
                    u64("inter", W("inter")), L("down_a"), L("down_b"), L("scale"), u64("topk_w", S("topk_w")),

@@ -523,3 +523,43 @@ def test_sliced_pair_deltas(family, rng):
         run(layer, testing.random_input(rng, 2, cfg.hidden_size), bad, "decode")
         with pytest.raises(MoeCallError):
             layer.check_errors()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_grouped_deltas_split_grid(family, rng):
+    """The grouped deltas' grids: lora_chunk_blocks blocks a tile (a tile's chunks spread over
+    them) and lora_grouped_down_delta's column slices, here H = 1544 (3 slices of 65, 65, 63
+    vectors) and I = 392, ranks 16 / 12 / 5 beside 3 (max_rank 16, 4 slots) and, on a layer of 6
+    slots (8 blocks a tile), 16 / 1 / 2 / 5 / 3 / 12; ids -1 and past the slots; each forward
+    twice bit for bit, and a row's bits the same alone and in the batch (row_invariant)."""
+    from cupymoe import MoeLayer
+    from cupymoe.forward_plan import LoraShape, build_forward_plan, lora_chunk_blocks, lora_down_slices
+    from cupymoe.plan import Path
+
+    cfg = testing.tiny_config(family, hidden_size=1544, moe_intermediate_size=392)
+    hw = testing.random_host_weights(cfg, rng, "bf16")
+    assert lora_down_slices(cfg.hidden_size) == 3
+    for ranks in ((16, 12, 5, 3), (16, 1, 2, 5, 3, 12)):
+        K = len(ranks)
+        layer = MoeLayer(cfg, hw, max_tokens=1100, max_loras=K, max_lora_rank=16, row_invariant=True)
+        adapters = {s: random_lora(cfg, rng, rank=r, targets=ALL_TARGETS, size=0.3) for s, r in enumerate(ranks)}
+        for slot, lw in adapters.items():
+            layer.set_lora(slot, lw)
+        for n in (5, 1100):
+            plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=LoraShape(K, 16, True)).at(n)
+            grids = {s.kernel: s.grid for s in plan.steps if getattr(s, "kernel", "").startswith("lora_grouped_")}
+            y = lora_chunk_blocks(K)
+            assert grids["lora_grouped_gate_up_act"][1:] == (y,) and grids["lora_grouped_down_delta"][1:] == (y, 3)
+            assert grids["lora_grouped_router_delta"][1:] == (y,)
+            ids = rng.integers(-1, K + 1, n).astype(np.int32)  # K: past the slots
+            ids[: min(n, K + 1)] = np.arange(-1, K)[: min(n, K + 1)]
+            x = separated_input(cfg, hw, rng, n, adapters, np.where(ids < K, ids, -1))
+            out = run(layer, x, ids, "prefill")
+            judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"), f"split grid N={n} {ranks}", layer)
+            again = run(layer, x, ids, "prefill")
+            assert np.array_equal(again.view(np.uint32), out.view(np.uint32)), f"N={n}: not reproducible"
+            if n > 1:
+                one = run(layer, x[n // 2: n // 2 + 1], ids[n // 2: n // 2 + 1], "prefill")
+                assert np.array_equal(one.view(np.uint32), out[n // 2: n // 2 + 1].view(np.uint32)), f"N={n}: row"
+        with pytest.raises(MoeCallError, match="bit 2 = a LoRA id"):
+            layer.check_errors()
