@@ -492,7 +492,7 @@ def test_sliced_pair_deltas(family, rng):
     lora_tickets electing each item's last block): H = 776 and I = 392 (slices of uneven vector
     counts), ranks 16 / 12 / 5 beside 3 and 1, ids -1, 0..2 and one past the slots, on decode,
     atomic and the one-block-sort prefill; each forward twice and the second bit for bit the
-    first (the tickets are zeros again), and the judged output against the reference."""
+    first (the tickets are zeros again; decode and prefill: the atomic path adds in arrival order), and the judged output against the reference."""
     from cupymoe.forward_plan import LoraShape, build_forward_plan, lora_slices
     from cupymoe.plan import Path
 
@@ -516,6 +516,8 @@ def test_sliced_pair_deltas(family, rng):
                 out = run(layer, x, ids, path)
                 judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, path), f"sliced {path} N={n} {ranks}",
                       layer)
+                if path == "atomic":  # float atomics add the pairs in arrival order: not bit-reproducible [P2]
+                    continue
                 again = run(layer, x, ids, path)
                 assert np.array_equal(again.view(np.uint32), out.view(np.uint32)), f"{path} N={n}: not reproducible"
         layer.check_errors()
