@@ -492,7 +492,8 @@ def test_sliced_pair_deltas(family, rng):
     lora_tickets electing each item's last block): H = 776 and I = 392 (slices of uneven vector
     counts), ranks 16 / 12 / 5 beside 3 and 1, ids -1, 0..2 and one past the slots, on decode,
     atomic and the one-block-sort prefill; each forward twice and the second bit for bit the
-    first (the tickets are zeros again; decode and prefill: the atomic path adds in arrival order), and the judged output against the reference."""
+    first (the tickets are zeros again; decode and prefill: the atomic path adds in arrival
+    order), and the judged output against the reference."""
     from cupymoe.forward_plan import LoraShape, build_forward_plan, lora_slices
     from cupymoe.plan import Path
 
