@@ -8,71 +8,131 @@
 #define LORA_THREADS 256
 #define ERR_LORA_ID_RANGE 4  // routing.cuh: ERR_TOKEN_ID_RANGE 1, ERR_EXPERT_ID_RANGE 2
 
-// The per-pair shrinks' partial sums: LORA_RC ranks a thread at once (registers), reduced over
-// the block's warps through shared memory (LORA_RED floats) in a fixed order.
-#define LORA_RC 16
-#define LORA_RED (LORA_THREADS / 32 * LORA_RC)
+// The per-pair kernels split each pair's (or row's) shrink over gridDim.y blocks (slices of the
+// input columns, whole 8-column vectors): a block's threads take a rank row LORA_TPR at a time
+// (16-byte vectors of A against the slice's vectors of the input, which each thread loads once),
+// the LORA_TPR lanes' sums met by a fixed butterfly. With one slice the block has t at once; with
+// more, each block stores its rank sums in lora_part [pair][slice][NP max_rank] and takes a ticket
+// (lora_tickets [pair], zeros between forwards); the last block of the pair sums the slices in
+// slice order (a row's bits never depend on which block came last), resets the ticket and runs
+// the expand. Shared memory: LORA_RED + NP max_rank floats.
+#define LORA_TPR 8
+#define LORA_VPT 4  // vectors a lane of a rank row loads at once
+#define LORA_RED 8  // floats past t: the last-block flag
 
-// t[j0 + r] = scale * (the block's acc[r] summed) for r < LORA_RC, j0 + r < max_rank: each warp's
-// sums by butterfly, then the warps' in warp order (a row's bits depend on its own data alone).
-__device__ __forceinline__ void lora_reduce_ranks(float (&acc)[LORA_RC], float* red, float* t, int j0, int max_rank,
-                                                  float scale) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+// The block's rank sums of slice [lo, hi) of the input v (8-column vectors): red[rr] = A_p[j,
+// lo:hi] . v[lo:hi] for rank row rr = p max_rank + j of NP projections (a0, a1: [max_rank,
+// stride], bf16, or fp32 as AF32). A rank row goes to LORA_TPR lanes, each taking the slice's
+// vectors l, l + LORA_TPR, ... (LORA_VPT a step, loads in flight together; v's vectors hit L1
+// after the first rank row), their sums met by a fixed butterfly.
+template <int NP, bool AF32>
+__device__ __forceinline__ void lora_slice_shrink(float* red, const void* a0, const void* a1,
+                                                  const bf16* __restrict__ v, int lo, int hi, int stride,
+                                                  int max_rank) {
+    const int l = threadIdx.x & (LORA_TPR - 1);
+    const int rows = NP * max_rank;
+    for (int rr = threadIdx.x / LORA_TPR; rr < rows; rr += blockDim.x / LORA_TPR) {
+        const int p = NP > 1 && rr >= max_rank, j = rr - p * max_rank;
+        float acc = 0.f;
+        for (int c0 = lo + 8 * l; c0 < hi; c0 += 8 * LORA_TPR * LORA_VPT) {
 #pragma unroll
-    for (int r = 0; r < LORA_RC; ++r) acc[r] = warp_sum(acc[r]);
-    if (lane == 0) {
+            for (int i = 0; i < LORA_VPT; ++i) {
+                const int c = c0 + 8 * LORA_TPR * i;
+                if (c >= hi) continue;
+                float vf[8];
+                unpack_bf16x8(load_bf16x8(v + c), vf);
+                if (AF32) {
+                    const float* ar = static_cast<const float*>(p ? a1 : a0) + (size_t)j * stride + c;
+                    const float4 u = __ldg(reinterpret_cast<const float4*>(ar));
+                    const float4 w = __ldg(reinterpret_cast<const float4*>(ar + 4));
+                    acc = fmaf(u.x, vf[0], acc), acc = fmaf(u.y, vf[1], acc);
+                    acc = fmaf(u.z, vf[2], acc), acc = fmaf(u.w, vf[3], acc);
+                    acc = fmaf(w.x, vf[4], acc), acc = fmaf(w.y, vf[5], acc);
+                    acc = fmaf(w.z, vf[6], acc), acc = fmaf(w.w, vf[7], acc);
+                } else {
+                    const bf16* ar = static_cast<const bf16*>(p ? a1 : a0) + (size_t)j * stride + c;
+                    acc = dot_bf16x8(load_bf16x8(ar), vf, acc);
+                }
+            }
+        }
+        const unsigned group = ((1u << LORA_TPR) - 1u) << (threadIdx.x & 31 & ~(LORA_TPR - 1));  // the rank row's lanes
 #pragma unroll
-        for (int r = 0; r < LORA_RC; ++r) red[warp * LORA_RC + r] = acc[r];
+        for (int m = LORA_TPR / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(group, acc, m);
+        if (l == 0) red[rr] = acc;
     }
-    __syncthreads();
-    if (threadIdx.x < LORA_RC && j0 + (int)threadIdx.x < max_rank) {
-        float s = 0.f;
-        for (int w = 0; w < warps; ++w) s += red[w * LORA_RC + threadIdx.x];
-        t[j0 + threadIdx.x] = s * scale;
-    }
-    __syncthreads();  // red is reused by the next rank chunk
 }
 
-// One block a row: t = A[slot] x (the block's threads split H in 4-float vectors, LORA_RC ranks
-// at a time), then logits[row] += Bs[slot] t. A [K, max_rank, H] and Bs = scale * B [K, R,
-// max_rank] are fp32, zero past an adapter's rank (and all zero in an empty slot), so every slot
-// runs the same loops. Rows with id -1 leave at once; an id >= K sets an error bit and adds
-// nothing. A row's delta reads that row alone, so its bits depend on neither N nor the batch
-// (row_invariant holds).
+// Slice s of S of len columns (whole 8-column vectors, as even as they go): [lo, hi).
+__device__ __forceinline__ void lora_slice(int len, int s, int S, int& lo, int& hi) {
+    const int vecs = (len + 7) >> 3, per = (vecs + S - 1) / S;
+    lo = min(len, 8 * per * s);
+    hi = min(len, 8 * per * (s + 1));
+}
+
+// After lora_slice_shrink into t (n = NP max_rank floats): whether this block goes on to the
+// expand, with t = the pair's rank sums (slices in order) times scale (s0 for rows < max_rank,
+// s1 past). One slice: at once. More: publish, ticket, the last block sums.
+__device__ __forceinline__ bool lora_slices_meet(float* t, int n, int max_rank, float s0, float s1,
+                                                 float* __restrict__ part, int* __restrict__ tickets, int q) {
+    const int S = gridDim.y, s = blockIdx.y;
+    __syncthreads();
+    if (S == 1) {
+        for (int e = threadIdx.x; e < n; e += blockDim.x) t[e] *= e < max_rank ? s0 : s1;
+        __syncthreads();
+        return true;
+    }
+    int* last = reinterpret_cast<int*>(t + n);
+    float* mine = part + ((size_t)q * S + s) * n;
+    for (int e = threadIdx.x; e < n; e += blockDim.x) mine[e] = t[e];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int done = atomicAdd(tickets + q, 1) == S - 1;
+        if (done) tickets[q] = 0;  // zeros between forwards
+        *last = done;
+    }
+    __syncthreads();
+    if (!*last) return false;
+    __threadfence();
+    for (int e = threadIdx.x; e < n; e += blockDim.x) {
+        const float* pe = part + (size_t)q * S * n + e;
+        float sum = 0.f;
+        for (int i = 0; i < S; ++i) sum += __ldcg(pe + (size_t)i * n);
+        t[e] = sum * (e < max_rank ? s0 : s1);
+    }
+    __syncthreads();
+    return true;
+}
+
+// grid (N, slices), block LORA_THREADS, max_rank + LORA_RED floats of shared memory: t = A[slot] x
+// (x's slice a block), then logits[row] += Bs[slot] t by the row's last block. A [K, max_rank, H]
+// and Bs = scale * B [K, R, max_rank] are fp32, zero past an adapter's rank (and all zero in an
+// empty slot), so every slot runs the same loops. Rows with id -1 leave at once; an id >= K sets
+// an error bit and adds nothing. A row's delta reads that row alone (row_invariant holds at a
+// fixed slice count).
 __global__ void __launch_bounds__(LORA_THREADS)
 lora_router_delta(const bf16* __restrict__ x,       // [N, H]: the router's input
                   const int* __restrict__ lora_ids,  // [N]: -1 = base only
                   const float* __restrict__ a,       // [K, max_rank, H]
                   const float* __restrict__ bs,      // [K, R, max_rank]
                   float* __restrict__ logits,        // [N, R] (a split router's copy 0)
-                  int* __restrict__ err, int N, int H, int R, int max_rank, int max_loras) {
-    extern __shared__ float t[];  // [max_rank], then LORA_RED floats of partial sums
+                  float* __restrict__ part, int* __restrict__ tickets, int* __restrict__ err, int N, int H, int R,
+                  int max_rank, int max_loras) {
+    extern __shared__ float t[];  // [max_rank], then LORA_RED
     pdl_wait_then_release_next();  // in a decode chain by PDL (its successor's flag): nothing read before
     const int row = blockIdx.x;
     if (row >= N) return;
     const int slot = lora_ids[row];
     if (slot < 0) return;
     if (slot >= max_loras) {
-        if (threadIdx.x == 0) atomicOr(err, ERR_LORA_ID_RANGE);
+        if (threadIdx.x == 0 && blockIdx.y == 0) atomicOr(err, ERR_LORA_ID_RANGE);
         return;
     }
-    const bf16* xr = x + (size_t)row * H;
+    int lo, hi;
+    lora_slice(H, blockIdx.y, gridDim.y, lo, hi);
     const float* as = a + (size_t)slot * max_rank * H;
-    for (int j0 = 0; j0 < max_rank; j0 += LORA_RC) {
-        float acc[LORA_RC] = {};
-        for (int i = threadIdx.x * 4; i < H; i += blockDim.x * 4) {  // H is a multiple of 8
-            const uint2 xv = __ldg(reinterpret_cast<const uint2*>(xr + i));
-            const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xv.x));
-            const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xv.y));
-#pragma unroll
-            for (int r = 0; r < LORA_RC; ++r) {  // (a guard, not a break: the rows' loads go out together)
-                if (j0 + r >= max_rank) continue;
-                const float4 av = __ldg(reinterpret_cast<const float4*>(as + (size_t)(j0 + r) * H + i));
-                acc[r] = fmaf(av.w, x23.y, fmaf(av.z, x23.x, fmaf(av.y, x01.y, fmaf(av.x, x01.x, acc[r]))));
-            }
-        }
-        lora_reduce_ranks(acc, t + max_rank, t, j0, max_rank, 1.0f);
-    }
+    lora_slice_shrink<1, true>(t, as, as, x + (size_t)row * H, lo, hi, H, max_rank);
+    if (!lora_slices_meet(t, max_rank, max_rank, 1.0f, 1.0f, part, tickets, row)) return;
     float* l = logits + (size_t)row * R;
     for (int e = threadIdx.x; e < R; e += blockDim.x) {
         const float* be = bs + ((size_t)slot * R + e) * max_rank;
@@ -97,50 +157,6 @@ __device__ __forceinline__ LoraPair lora_pair(int q, int N, int k, const int* __
     return q < P ? LoraPair{pos, q / k, slot_of[ids[q]]} : LoraPair{pos, q - P, n_local};
 }
 
-// t[j] = scale * A[j, :len] . v for j < max_rank; A bf16 [max_rank, stride] (stride: the slot
-// array's padded width, len: this expert's; both multiples of 8). The block's threads split len
-// in 16-byte vectors (8 bf16 of v against 8 of each rank row), LORA_RC ranks at a time, fp32
-// sums reduced over the warps (lora_reduce_ranks, red: LORA_RED floats).
-__device__ __forceinline__ void lora_shrink(float* t, float* red, const bf16* __restrict__ a,
-                                            const bf16* __restrict__ v, int len, int stride, int max_rank,
-                                            float scale) {
-    for (int j0 = 0; j0 < max_rank; j0 += LORA_RC) {
-        float acc[LORA_RC] = {};
-        for (int i = threadIdx.x * 8; i < len; i += blockDim.x * 8) {
-            float vf[8];
-            unpack_bf16x8(load_bf16x8(v + i), vf);
-#pragma unroll
-            for (int r = 0; r < LORA_RC; ++r) {  // (a guard, not a break: the rows' loads go out together)
-                if (j0 + r < max_rank) acc[r] = dot_bf16x8(load_bf16x8(a + (size_t)(j0 + r) * stride + i), vf, acc[r]);
-            }
-        }
-        lora_reduce_ranks(acc, red, t, j0, max_rank, scale);
-    }
-}
-
-// lora_shrink of gate's and up's A at once (t: gate's [max_rank], then up's): one pass over v,
-// its vectors loaded once, both projections' loads in flight together.
-__device__ __forceinline__ void lora_shrink_gate_up(float* t, float* red, const bf16* __restrict__ ga,
-                                                    const bf16* __restrict__ ua, const bf16* __restrict__ v, int len,
-                                                    int max_rank, float sg, float su) {
-    for (int j0 = 0; j0 < max_rank; j0 += LORA_RC) {
-        float acc_g[LORA_RC] = {}, acc_u[LORA_RC] = {};
-        for (int i = threadIdx.x * 8; i < len; i += blockDim.x * 8) {
-            float vf[8];
-            unpack_bf16x8(load_bf16x8(v + i), vf);
-#pragma unroll
-            for (int r = 0; r < LORA_RC; ++r) {
-                if (j0 + r < max_rank) {
-                    acc_g[r] = dot_bf16x8(load_bf16x8(ga + (size_t)(j0 + r) * len + i), vf, acc_g[r]);
-                    acc_u[r] = dot_bf16x8(load_bf16x8(ua + (size_t)(j0 + r) * len + i), vf, acc_u[r]);
-                }
-            }
-        }
-        lora_reduce_ranks(acc_g, red, t, j0, max_rank, sg);
-        lora_reduce_ranks(acc_u, red, t + max_rank, j0, max_rank, su);
-    }
-}
-
 // B bf16 [out, max_rank] row c times t: the delta of output column c (16-byte loads of the rank
 // row where max_rank is a multiple of 8; the sum in rank order either way).
 __device__ __forceinline__ float lora_expand(const bf16* __restrict__ b, const float* t, int c, int max_rank) {
@@ -159,21 +175,23 @@ __device__ __forceinline__ float lora_expand(const bf16* __restrict__ b, const f
     return d;
 }
 
-// grid (N k + N has_shared), block LORA_THREADS, 2 max_rank + LORA_RED floats of shared memory.
-// gu [positions, 2 I_max] holds the pair's g and u (bf16, stored in one pass by gate/up with
-// ACT_PAIR: g at column c, u at I_max + c); this adds each adapter's gate / up delta (rows with
-// an adapter) and writes act = act(g, u) in bf16 for every pair the gate/up stored, with or
-// without an adapter. Slots: A [K, S, max_rank, H], B [K, S, I_max, max_rank] bf16 (S =
-// n_local + 1 table slots), scale [K, S, 3] fp32 (gate, up, down); zeros past an adapter's
-// rank and for modules it does not name. A pair reads its own row only (row_invariant holds).
+// grid (N k + N has_shared, slices), block LORA_THREADS, 2 max_rank + LORA_RED floats of shared
+// memory. gu [positions, 2 I_max] holds the pair's g and u (bf16, stored in one pass by gate/up
+// with ACT_PAIR: g at column c, u at I_max + c); this adds each adapter's gate / up delta (rows
+// with an adapter: the shrinks' H split over the pair's slices, the expand by its last block) and
+// writes act = act(g, u) in bf16 for every pair the gate/up stored, with or without an adapter
+// (without: slice 0's block alone). Slots: A [K, S, max_rank, H], B [K, S, I_max, max_rank] bf16
+// (S = n_local + 1 table slots), scale [K, S, 3] fp32 (gate, up, down); zeros past an adapter's
+// rank and for modules it does not name. A pair reads its own row only.
 __global__ void __launch_bounds__(LORA_THREADS)
 lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
                  const int* __restrict__ ids, const int* __restrict__ pair_pos, const int* __restrict__ slot_of,
                  const int* __restrict__ inter, const bf16* __restrict__ gate_a, const bf16* __restrict__ gate_b,
                  const bf16* __restrict__ up_a, const bf16* __restrict__ up_b, const float* __restrict__ scale,
-                 const bf16* __restrict__ gu, bf16* __restrict__ act, int N, int k, int H, int I_max,
-                 int n_local, int max_rank, int max_loras, int act_code, float alpha, float limit) {
-    extern __shared__ float t[];  // [2 max_rank]: gate's, then up's; then LORA_RED partial sums
+                 const bf16* __restrict__ gu, bf16* __restrict__ act, float* __restrict__ part,
+                 int* __restrict__ tickets, int N, int k, int H, int I_max, int n_local, int max_rank, int max_loras,
+                 int act_code, float alpha, float limit) {
+    extern __shared__ float t[];  // [2 max_rank]: gate's, then up's; then LORA_RED
     pdl_wait_then_release_next();  // in a decode chain by PDL (its successor's flag): nothing read before
     const LoraPair pr = lora_pair(blockIdx.x, N, k, ids, pair_pos, slot_of, n_local);
     if (pr.pos < 0) return;
@@ -183,10 +201,16 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
     const size_t ks = on ? (size_t)lid * (n_local + 1) + pr.slot : 0;
     if (on) {
         const bf16* in = (pr.slot == n_local ? x : xe) + (size_t)pr.row * H;  // the shared expert reads x
-        lora_shrink_gate_up(t, t + 2 * max_rank, gate_a + ks * max_rank * H, up_a + ks * max_rank * H, in, H,
-                            max_rank, scale[ks * 3], scale[ks * 3 + 1]);
+        int lo, hi;
+        lora_slice(H, blockIdx.y, gridDim.y, lo, hi);
+        lora_slice_shrink<2, false>(t, gate_a + ks * max_rank * H, up_a + ks * max_rank * H, in, lo, hi, H,
+                                    max_rank);
+        if (!lora_slices_meet(t, 2 * max_rank, max_rank, scale[ks * 3], scale[ks * 3 + 1], part, tickets,
+                              blockIdx.x))
+            return;
+    } else if (blockIdx.y != 0) {
+        return;
     }
-    __syncthreads();
     const bf16* gr = gu + (size_t)pr.pos * 2 * I_max;  // g, then u at I_max
     bf16* ar = act + (size_t)pr.pos * I_max;
     for (int c = threadIdx.x; c < I; c += blockDim.x) {
@@ -203,27 +227,31 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
 #define LORA_DOWN_ATOMIC 1   // routed pairs: acc [row, H] += w d; the shared expert's y as decode
 #define LORA_DOWN_GROUPED 2  // yw [pos, H] bf16, weighted: yw = bf16(yw + w d)
 
-// grid (N k + N has_shared), block LORA_THREADS, max_rank + LORA_RED floats of shared memory. The down
-// delta of each pair with an adapter: t = s A act[pos], d = B t, added to the expert's output
-// before the routing weight multiplies (mode: where the path keeps that output).
-// A [K, S, max_rank, I_max], B [K, S, H, max_rank] bf16.
+// grid (N k + N has_shared, slices), block LORA_THREADS, max_rank + LORA_RED floats of shared
+// memory. The down delta of each pair with an adapter: t = s A act[pos] (I split over the pair's
+// slices), d = B t by its last block, added to the expert's output before the routing weight
+// multiplies (mode: where the path keeps that output). A [K, S, max_rank, I_max], B [K, S, H,
+// max_rank] bf16.
 __global__ void __launch_bounds__(LORA_THREADS)
 lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, const int* __restrict__ ids,
                 const int* __restrict__ pair_pos, const int* __restrict__ slot_of, const int* __restrict__ inter,
                 const bf16* __restrict__ down_a, const bf16* __restrict__ down_b, const float* __restrict__ scale,
                 const float* __restrict__ topk_w, float* __restrict__ y, float* __restrict__ acc,
-                bf16* __restrict__ yw, int N, int k, int H, int I_max, int n_local, int max_rank, int max_loras,
-                int mode) {
-    extern __shared__ float t[];  // [max_rank], then LORA_RED partial sums
+                bf16* __restrict__ yw, float* __restrict__ part, int* __restrict__ tickets, int N, int k, int H,
+                int I_max, int n_local, int max_rank, int max_loras, int mode) {
+    extern __shared__ float t[];  // [max_rank], then LORA_RED
     pdl_wait_then_release_next();  // in a decode chain by PDL (its successor's flag): nothing read before
     const LoraPair pr = lora_pair(blockIdx.x, N, k, ids, pair_pos, slot_of, n_local);
     if (pr.pos < 0) return;
     const int lid = lora_ids[pr.row];
     if (lid < 0 || lid >= max_loras) return;
     const size_t ks = (size_t)lid * (n_local + 1) + pr.slot;
-    lora_shrink(t, t + max_rank, down_a + ks * max_rank * I_max, act + (size_t)pr.pos * I_max, inter[pr.slot],
-                I_max, max_rank, scale[ks * 3 + 2]);
-    __syncthreads();
+    int lo, hi;
+    lora_slice(inter[pr.slot], blockIdx.y, gridDim.y, lo, hi);
+    const bf16* a0 = down_a + ks * max_rank * I_max;
+    lora_slice_shrink<1, false>(t, a0, a0, act + (size_t)pr.pos * I_max, lo, hi, I_max, max_rank);
+    const float s = scale[ks * 3 + 2];
+    if (!lora_slices_meet(t, max_rank, max_rank, s, s, part, tickets, blockIdx.x)) return;
     const bool routed = (int)blockIdx.x < N * k;
     const float w = routed ? topk_w[blockIdx.x] : 1.0f;  // the shared expert is scaled in the reduce
     const bf16* b = down_b + ks * H * max_rank;
@@ -483,12 +511,13 @@ __device__ __forceinline__ void lora_round_cols(int (&c0)[LORA_NC], int round) {
     for (int j = 0; j < LORA_NC; ++j) c0[j] = (warp + LORA_MMA_WARPS * (round * LORA_NC + j)) * 8;
 }
 
-// act = bf16(act(g, u)) for the sub-tile's positions without an adapter, two columns a step.
+// act = bf16(act(g, u)) for the sub-tile's positions without an adapter, two columns a step;
+// the tile's gridDim.y blocks take every gridDim.y-th block-wide step (this block: blockIdx.y's).
 __device__ __forceinline__ void lora_plain_act(const LoraBuckets& b, const bf16* __restrict__ gu,
                                                bf16* __restrict__ act, int pos0, int m, int I, int I_max,
                                                int act_code, float alpha, float limit) {
     const int half = I >> 1;
-    for (int e = threadIdx.x; e < m * half; e += blockDim.x) {
+    for (int e = threadIdx.x + blockIdx.y * blockDim.x; e < m * half; e += blockDim.x * gridDim.y) {
         const int i = e / half, c = (e - i * half) * 2;
         if (b.lid[i] >= 0) continue;
         const bf16* row = gu + (size_t)(pos0 + i) * 2 * I_max + c;
@@ -561,27 +590,38 @@ __device__ __forceinline__ void lora_chunk_act(const float* t, int rp, float* gs
     }
 }
 
-// A chunk's down delta, the warp's rounds of columns: yw = bf16(yw + w B t) (w[mt][h]: the
-// lane's rows' routing weights).
+// A chunk's down delta over output columns [lo, hi) (lo a multiple of 8), the warp's rounds of
+// columns: yw = bf16(yw + w B t) (w[mt][h]: the lane's rows' routing weights).
 __device__ __forceinline__ void lora_chunk_down(const float* t, int rp, const LoraRows& r,
                                                 const float (&w)[LORA_MT][2], const bf16* __restrict__ db,
-                                                bf16* __restrict__ yw, int H, int max_rank) {
+                                                bf16* __restrict__ yw, int H, int lo, int hi, int max_rank) {
     const int tig = threadIdx.x & 3;
     for (int round = 0;; ++round) {
         int c0[LORA_NC];
         lora_round_cols(c0, round);
-        if (c0[0] >= H) break;
+#pragma unroll
+        for (int j = 0; j < LORA_NC; ++j) c0[j] += lo;
+        if (c0[0] >= hi) break;
+        unsigned yv[LORA_NC][LORA_MT][2];  // the round's yw pairs, loaded before the expand's B (in flight together)
+#pragma unroll
+        for (int j = 0; j < LORA_NC; ++j)
+#pragma unroll
+            for (int mt = 0; mt < LORA_MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    yv[j][mt][h] = r.pos[mt][h] < 0 || c0[j] >= hi ? 0u
+                        : *reinterpret_cast<const unsigned*>(yw + (size_t)r.pos[mt][h] * H + c0[j] + tig * 2);
         float d[LORA_NC][LORA_MT][4];
-        lora_mma_expand(d, t, rp, db, c0, H, max_rank);
+        lora_mma_expand(d, t, rp, db, c0, hi, max_rank);
 #pragma unroll
         for (int j = 0; j < LORA_NC; ++j) {
 #pragma unroll
             for (int mt = 0; mt < LORA_MT; ++mt) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    if (r.pos[mt][h] < 0 || c0[j] >= H) continue;
+                    if (r.pos[mt][h] < 0 || c0[j] >= hi) continue;
                     unsigned* o = reinterpret_cast<unsigned*>(yw + (size_t)r.pos[mt][h] * H + c0[j] + tig * 2);
-                    const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o));
+                    const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&yv[j][mt][h]));
                     *o = pack_bf16x2(y.x + w[mt][h] * d[j][mt][2 * h], y.y + w[mt][h] * d[j][mt][2 * h + 1]);
                 }
             }
@@ -605,12 +645,14 @@ __device__ __forceinline__ LoraInputs lora_inputs(const LoraRows& r, const bf16*
     return in;
 }
 
-// grid (the last gate/up GEMM's tile bound), block LORA_MMA_WARPS warps, shared memory
+// grid (the last gate/up GEMM's tile bound, Y), block LORA_MMA_WARPS warps, shared memory
 // (LORA_MMA_WARPS + 1) 2 LORA_CHUNK rp floats (rp: max_rank rounded up to 16; the warps' partial
 // t, then t; lora_chunk_act's staging reuses the parts). The grouped path's lora_gate_up_act
-// (same slots and outputs): a tile's positions without an adapter get act(g, u); those with
-// one, a chunk at a time, t = s A x_e for gate and up, then act(g + B_g t_g, u + B_u t_u).
-__global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
+// (same slots and outputs): a tile's positions without an adapter get act(g, u) (the tile's Y
+// blocks splitting them); those with one, a chunk at a time (chunk c by the tile's block y = c
+// mod Y: each block buckets the tile alike and takes its chunks), t = s A x_e for gate and up,
+// then act(g + B_g t_g, u + B_u t_u). A chunk's work is the same whichever block does it.
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 2)
 lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
                          const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
                          const int* __restrict__ sorted_row, const int* __restrict__ inter,
@@ -635,7 +677,7 @@ lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe
         lora_bucket(b, m);
         lora_plain_act(b, gu, act, pos0, m, I, I_max, act_code, alpha, limit);
         __syncthreads();
-        for (int c = 0; c < b.chunks; ++c) {
+        for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
             lora_mma_shrink_part<2>(parts + (threadIdx.x >> 5) * n, rp, gate_a + ks * max_rank * H,
@@ -650,11 +692,15 @@ lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe
     }
 }
 
-// grid (the last down GEMM's tile bound), block LORA_MMA_WARPS warps, shared memory
+// grid (the last down GEMM's tile bound, Y, Z), block LORA_MMA_WARPS warps, shared memory
 // (LORA_MMA_WARPS + 1) LORA_CHUNK rp floats. The grouped path's lora_down_delta: for a tile's
-// positions with an adapter, a chunk at a time, t = s A act[pos], then yw = bf16(yw + w B t) (w:
-// the pair's routing weight, 1 for the shared expert, which the reduce scales).
-__global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
+// positions with an adapter, a chunk at a time (chunk c by the tile's blocks y = c mod Y), t = s
+// A act[pos], then yw = bf16(yw + w B t) (w: the pair's routing weight, 1 for the shared expert,
+// which the reduce scales) over column slice z of Z of H (lora_slice: whole 8-column vectors).
+// Each of a chunk's Z blocks computes the same t (the small shrink, A [max_rank, I] and the
+// chunk's act rows, again from L2) and expands its own columns, so an output's bits do not
+// depend on Y or Z.
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 2)
 lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids,
                         const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
                         const int* __restrict__ sorted_row, const int* __restrict__ sorted_pair,
@@ -669,13 +715,15 @@ lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lo
     const int4 ti = tile_info[blockIdx.x];
     const int I = inter[ti.x], rp = (max_rank + 15) & ~15, n = LORA_CHUNK * rp;
     float* t = parts + LORA_MMA_WARPS * n;
+    int lo, hi;
+    lora_slice(H, blockIdx.z, gridDim.z, lo, hi);
     for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
         const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
         lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
         __syncthreads();
         lora_bucket(b, m);
         __syncthreads();
-        for (int c = 0; c < b.chunks; ++c) {
+        for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
             const bf16* a0 = down_a + ks * max_rank * I_max;
@@ -690,7 +738,7 @@ lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lo
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
                     w[mt][h] = r.pos[mt][h] < 0 || ti.x == n_local ? 1.0f : topk_w[sorted_pair[r.pos[mt][h]]];
-            lora_chunk_down(t, rp, r, w, down_b + ks * H * max_rank, yw, H, max_rank);
+            lora_chunk_down(t, rp, r, w, down_b + ks * H * max_rank, yw, H, lo, hi, max_rank);
             __syncthreads();  // the next chunk's sum rewrites t
         }
     }
@@ -768,9 +816,10 @@ __device__ __forceinline__ void lora_router_expand(const LoraBuckets& b, int c, 
     }
 }
 
-// grid ceil(N / LORA_ROUTER_ROWS), block LORA_MMA_WARPS warps, shared memory (LORA_MMA_WARPS + 1)
-// LORA_CHUNK rp floats. lora_router_delta's work (same slots, ids, error bit) for a span of rows.
-__global__ void __launch_bounds__(LORA_MMA_WARPS * 32)
+// grid (ceil(N / LORA_ROUTER_ROWS), Y), block LORA_MMA_WARPS warps, shared memory (LORA_MMA_WARPS
+// + 1) LORA_CHUNK rp floats. lora_router_delta's work (same slots, ids, error bit: block y = 0)
+// for a span of rows, chunk c by the span's block y = c mod Y.
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 3)
 lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lora_ids, const float* __restrict__ a,
                           const float* __restrict__ bs, float* __restrict__ logits, int* __restrict__ err, int N,
                           int H, int R, int max_rank, int max_loras) {
@@ -782,13 +831,13 @@ lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lo
     float* t = parts + LORA_MMA_WARPS * n;
     for (int i = threadIdx.x; i < m; i += blockDim.x) {
         const int id = lora_ids[row0 + i];
-        if (id >= max_loras) atomicOr(err, ERR_LORA_ID_RANGE);
+        if (id >= max_loras && blockIdx.y == 0) atomicOr(err, ERR_LORA_ID_RANGE);
         b.lid[i] = id >= 0 && id < max_loras ? id : -1;
     }
     __syncthreads();
     lora_bucket(b, m);
     __syncthreads();
-    for (int c = 0; c < b.chunks; ++c) {
+    for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
         const LoraRows r = lora_chunk_rows(b, c, row0);
         lora_mma_shrink_part_f32(parts + (threadIdx.x >> 5) * n, rp, a + (size_t)b.key[c] * max_rank * H,
                                  lora_inputs(r, x, nullptr, H), H, max_rank);

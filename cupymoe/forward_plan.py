@@ -22,6 +22,7 @@ from . import catalog as C
 from . import heuristics as HX
 from .catalog import Activation, GemmMode, LoraDownMode, Scoring, WeightFormat
 from .errors import LoraError
+from .workspace import LORA_TICKETS
 from .tuning import TUNING
 from .plan import (AllReduce, Arg, ArgType, Buf, CallValue, DeviceFacts, ForwardPlan, Launch, LayerPlan, Memset,
                    Path, PerN, Space, Stage)
@@ -146,7 +147,19 @@ class LoraShape:
 
 
 LORA_THREADS = 256  # cuda/lora.cu
-LORA_RED = LORA_THREADS // 32 * 16  # cuda/lora.cu LORA_RED: the per-pair shrinks' partial sums (floats)
+LORA_RED = 8  # cuda/lora.cu LORA_RED: floats of the per-pair kernels' shared memory past t (the last-block flag)
+LORA_BLOCKS = LORA_TICKETS  # the per-pair kernels split items' shrinks while fewer items than this
+LORA_SLICE_MIN = 128  # input columns a slice takes at least
+
+
+def lora_slices(items: int, cols: int) -> int:
+    """Blocks a per-pair LoRA kernel splits each item's (pair's or row's) shrink over `cols`
+    input columns into (its grid's y; cuda/lora.cu lora_slice): enough for about LORA_BLOCKS
+    blocks, slices of LORA_SLICE_MIN columns at least; 1 from LORA_BLOCKS items (so fewer than
+    2 LORA_BLOCKS slices' sums ever sit in lora_part and fewer than LORA_BLOCKS tickets count)."""
+    if items >= LORA_BLOCKS:
+        return 1
+    return max(1, min(-(-cols // LORA_SLICE_MIN), -(-LORA_BLOCKS // max(items, 1))))
 LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16 (ACT_PAIR)
 
 
@@ -159,16 +172,21 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
     cfg = lp.cfg
     rows = PerN("N", lambda n: n) if plan.shape is not None else plan.built_for
     args = (u64("x", X), u64("lora_ids", CallValue.LORA_IDS), u64("a", Buf(Space.LAYER, "lora_router_a")),
-            u64("bs", Buf(Space.LAYER, "lora_router_bs")), u64("logits", S("logits")), u64("err", ERR),
-            i32("N", rows), i32("H", cfg.hidden_size), i32("R", cfg.router_width), i32("max_rank", lora.max_rank),
+            u64("bs", Buf(Space.LAYER, "lora_router_bs")), u64("logits", S("logits")))
+    slice_args = (u64("part", S("lora_part")), u64("tickets", S("lora_tickets")))
+    sizes = (u64("err", ERR), i32("N", rows), i32("H", cfg.hidden_size), i32("R", cfg.router_width), i32("max_rank", lora.max_rank),
             i32("max_loras", lora.max_loras))
     if lora_grouped(plan, lp, lora):
         spans = PerN("lora_router_spans", lambda n: -(-n // LORA_ROUTER_ROWS))
-        delta = Launch(Stage.ROUTER, "lora_grouped_router_delta", (spans,), (LORA_MMA_WARPS * 32,), args,
+        delta = Launch(Stage.ROUTER, "lora_grouped_router_delta", (spans, lora_chunk_blocks(lora.max_loras)),
+                       (LORA_MMA_WARPS * 32,), args + sizes,
                        lora_grouped_smem(lora.max_rank, False))
     else:
-        delta = Launch(Stage.ROUTER, "lora_router_delta", (rows,), (LORA_THREADS,), args,
-                       (lora.max_rank + LORA_RED) * 4)
+        H = cfg.hidden_size
+        slices = (lora_slices(rows, H) if isinstance(rows, int)
+                  else PerN("lora_router_slices", lambda n: lora_slices(n, H)))
+        delta = Launch(Stage.ROUTER, "lora_router_delta", (rows, slices), (LORA_THREADS,),
+                       args + slice_args + sizes, (lora.max_rank + LORA_RED) * 4)
     steps = list(plan.steps)
     at = next(i for i, s in enumerate(steps) if s.stage != Stage.ROUTER)  # the first launch past the router
     steps.insert(at, _as_successor(delta, steps[at]))
@@ -181,6 +199,23 @@ LORA_MMA_WARPS = 8  # cuda/lora.cu LORA_MMA_WARPS: the grouped deltas' blocks
 LORA_CHUNK = 32  # cuda/lora.cu LORA_CHUNK: rows of one adapter the grouped deltas take at once
 LORA_ROUTER_ROWS = 32  # cuda/lora.cu LORA_ROUTER_ROWS: rows a block of lora_grouped_router_delta
 LORA_GROUPED_SMEM_MAX = 80 * 1024  # under every sm_80+ opt-in maximum (jit.opt_in_smem opts them in)
+LORA_DOWN_SLICE = 512  # output columns a lora_grouped_down_delta block expands at least
+LORA_DOWN_SLICES_MAX = 4  # its column slices (grid z) at most: each recomputes the chunk's shrink
+
+
+def lora_chunk_blocks(max_loras: int) -> int:
+    """Blocks the grouped deltas give each tile (router: each row span), grid y: block y takes
+    the tile's chunks y, y + Y, ... (cuda/lora.cu), so a tile's adapters' chunks (one or more
+    each) run side by side instead of one after another in one block; 4 (8 past 4 adapters).
+    A chunk's work is the same whichever block does it: a row's bits do not depend on Y."""
+    return 4 if max_loras <= 4 else 8
+
+
+def lora_down_slices(hidden: int) -> int:
+    """lora_grouped_down_delta's column slices of H (grid z; cuda/lora.cu lora_slice): a slice
+    LORA_DOWN_SLICE columns at least, LORA_DOWN_SLICES_MAX at most (each slice's block recomputes
+    the chunk's shrink, A_down [max_rank, I] and the chunk's act rows, from L2)."""
+    return max(1, min(LORA_DOWN_SLICES_MAX, hidden // LORA_DOWN_SLICE))
 
 
 def lora_grouped_smem(max_rank: int, gate_up: bool) -> int:
@@ -272,36 +307,45 @@ def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) ->
     exact = plan.shape is None
     rows = plan.built_for if exact else PerN("N", lambda n: n)
     pairs = plan.built_for * (k + sh) if exact else PerN("lora_pairs", lambda n: n * (k + sh))
+    I_max = lp.i_max
+    if exact:
+        gate_up_slices, down_slices = lora_slices(pairs, H), lora_slices(pairs, I_max)
+    else:
+        gate_up_slices = PerN("lora_gate_up_slices", lambda n: lora_slices(n * (k + sh), H))
+        down_slices = PerN("lora_down_slices", lambda n: lora_slices(n * (k + sh), I_max))
+    slice_args = (u64("part", S("lora_part")), u64("tickets", S("lora_tickets")))
     where = (u64("lora_ids", CallValue.LORA_IDS), u64("ids", S("topk_ids")), u64("pair_pos", S("pair_pos")),
              u64("slot_of", W("slot_of")), u64("inter", W("inter")))
     sizes = (i32("N", rows), i32("k", k), i32("H", H), i32("I_max", lp.i_max), i32("n_local", lp.n_local),
              i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras))
     L = lambda name: u64(name, Buf(Space.LAYER, "lora_" + name))  # noqa: E731  (lora_slots.LoraSlots.ptr)
-    gate_up = Launch(Stage.GATE_UP, "lora_gate_up_act", (pairs,), (LORA_THREADS,),
+    gate_up = Launch(Stage.GATE_UP, "lora_gate_up_act", (pairs, gate_up_slices), (LORA_THREADS,),
                      (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X), *where,
                       *(L(f"{p}_{m}") for p in ("gate", "up") for m in "ab"), L("scale"),
-                      u64("gu", S(LORA_GU)), u64("act", S("act")), *sizes,
+                      u64("gu", S(LORA_GU)), u64("act", S("act")), *slice_args, *sizes,
                       i32("act_code", Activation[cfg.hidden_act.upper()]), f32("alpha", cfg.swiglu_alpha),
                       f32("limit", cfg.swiglu_limit)), (2 * lora.max_rank + LORA_RED) * 4)
     mode = {Path.DECODE: LoraDownMode.DECODE, Path.ATOMIC: LoraDownMode.ATOMIC,
             Path.PREFILL: LoraDownMode.GROUPED}[plan.path]
-    down = Launch(Stage.DOWN, "lora_down_delta", (pairs,), (LORA_THREADS,),
+    down = Launch(Stage.DOWN, "lora_down_delta", (pairs, down_slices), (LORA_THREADS,),
                   (u64("act", S("act")), *where, L("down_a"), L("down_b"), L("scale"), u64("topk_w", S("topk_w")),
-                   u64("y", S("y")), u64("acc", S("acc")), u64("yw", S("yw")), *sizes, i32("mode", int(mode))),
+                   u64("y", S("y")), u64("acc", S("acc")), u64("yw", S("yw")), *slice_args, *sizes,
+                   i32("mode", int(mode))),
                   (lora.max_rank + LORA_RED) * 4)
     return gate_up, down
 
 
 def _grouped_delta_launches(gate_up_tiles: TileList, down_tiles: TileList, lp: LayerPlan,
                             lora: LoraShape) -> tuple[Launch, Launch]:
-    """The prefill path's deltas, a block a tile of the GEMM before them (cuda/lora.cu,
-    lora_grouped_*): the same slots, inputs and outputs as lora_gate_up_act / lora_down_delta
-    in GROUPED mode."""
+    """The prefill path's deltas, lora_chunk_blocks blocks a tile of the GEMM before them
+    (cuda/lora.cu, lora_grouped_*; down's also over lora_down_slices column slices): the same
+    slots, inputs and outputs as lora_gate_up_act / lora_down_delta in GROUPED mode."""
     cfg = lp.cfg
     L = lambda name: u64(name, Buf(Space.LAYER, "lora_" + name))  # noqa: E731  (lora_slots.LoraSlots.ptr)
     sizes = (i32("H", cfg.hidden_size), i32("I_max", lp.i_max), i32("n_local", lp.n_local),
              i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras))
-    gate_up = Launch(Stage.GATE_UP, "lora_grouped_gate_up_act", (gate_up_tiles.bound,), (LORA_MMA_WARPS * 32,),
+    Y = lora_chunk_blocks(lora.max_loras)
+    gate_up = Launch(Stage.GATE_UP, "lora_grouped_gate_up_act", (gate_up_tiles.bound, Y), (LORA_MMA_WARPS * 32,),
                      (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X),
                       u64("lora_ids", CallValue.LORA_IDS), gate_up_tiles.num_tiles, gate_up_tiles.tile_info,
                       u64("sorted_row", S("sorted_row")), u64("inter", W("inter")),
@@ -309,7 +353,8 @@ def _grouped_delta_launches(gate_up_tiles: TileList, down_tiles: TileList, lp: L
                       u64("gu", S(LORA_GU)), u64("act", S("act")), *sizes,
                       i32("act_code", Activation[cfg.hidden_act.upper()]), f32("alpha", cfg.swiglu_alpha),
                       f32("limit", cfg.swiglu_limit)), lora_grouped_smem(lora.max_rank, True))
-    down = Launch(Stage.DOWN, "lora_grouped_down_delta", (down_tiles.bound,), (LORA_MMA_WARPS * 32,),
+    down = Launch(Stage.DOWN, "lora_grouped_down_delta", (down_tiles.bound, Y, lora_down_slices(cfg.hidden_size)),
+                  (LORA_MMA_WARPS * 32,),
                   (u64("act", S("act")), u64("lora_ids", CallValue.LORA_IDS), down_tiles.num_tiles,
                    down_tiles.tile_info, u64("sorted_row", S("sorted_row")), u64("sorted_pair", S("sorted_pair")),
                    u64("inter", W("inter")), L("down_a"), L("down_b"), L("scale"), u64("topk_w", S("topk_w")),

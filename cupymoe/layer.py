@@ -29,7 +29,7 @@ from .plan import (Buf, CallValue, DeviceFacts, ForwardPlan, LayerOptions, Path,
                    choose_path, plan_layer)
 from .warmup import WarmupReport, warm_up
 from .weights import DeviceWeights, MemoryReport
-from .workspace import GUARD_BYTES, ScratchView, Workspace, WorkspaceNeed, layer_need
+from .workspace import GUARD_BYTES, ScratchView, Workspace, WorkspaceNeed, layer_need, layer_tickets_offset
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +112,15 @@ class MoeLayer:
     # --- scratch -------------------------------------------------------------------------
     def workspace_need(self, max_tokens: Optional[int] = None) -> WorkspaceNeed:
         """What this layer needs of a workspace at `max_tokens` (default its own)."""
-        return layer_need(self.plan, max_tokens or self.max_tokens, self._guard, self._lora_experts)[1]
+        return layer_need(self.plan, max_tokens or self.max_tokens, self._guard, self._lora_experts,
+                          self._lora_rank)[1]
 
     def _bind(self, ws: Workspace) -> None:
         if ws.device_id != self.device_id:
             raise WorkspaceError(f"workspace is on device {ws.device_id}, the layer on device {self.device_id}")
-        plan, need = layer_need(self.plan, self.max_tokens, self._guard, self._lora_experts)
+        plan, need = layer_need(self.plan, self.max_tokens, self._guard, self._lora_experts, self._lora_rank)
         ws.check_fits(need, f"a {self.cfg.model_type or 'MoE'} layer at max_tokens={self.max_tokens}")
-        self.workspace, self.scratch = ws, ScratchView.on(plan, ws)
+        self.workspace, self.scratch = ws, ScratchView.on(plan, ws, layer_tickets_offset(self.plan))
         self._tma_maps = None
         if self.plan.tma:
             import cupy
@@ -290,6 +291,11 @@ class MoeLayer:
     def _lora_experts(self) -> bool:
         """Whether the LoRA plans add the experts' deltas (their slots and scratch exist)."""
         return self._lora is not None and self._lora.experts is not None
+
+    @property
+    def _lora_rank(self) -> int:
+        """The reserved adapter slots' rank (0: none): the per-pair LoRA kernels' scratch."""
+        return self._lora.max_rank if self._lora is not None else 0
 
     def _lora_slots(self, what: str) -> "lora_slots.LoraSlots":
         if self._lora is None:

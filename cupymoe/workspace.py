@@ -168,14 +168,20 @@ def plan_scratch(stages: Sequence[str], buffers: Iterable[BufferSpec],
     return plan
 
 
+LORA_TICKETS = 1056  # forward_plan.LORA_BLOCKS: the per-pair LoRA kernels split fewer items than this
+
+
 def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, decode_max_tokens: int,
                   w8a8: bool = False, w8a8_shared_x: bool = False, gathered_inputs: bool = False,
-                  guard: int = 0, lora_experts: bool = False) -> ScratchPlan:
+                  guard: int = 0, lora_experts: bool = False, lora_rank: int = 0) -> ScratchPlan:
     """A layer's buffers, their live stages and the ONE alias table. `w8a8`: the e4m3 copies of
     the expert input and of the activation with their scales a 128 columns; `w8a8_shared_x`: x's
     too (an fp8 shared expert behind a pre-expert norm); `gathered_inputs`: xg, the expert
     inputs in sorted order (the TMA GEMM's gate/up A); `guard`: red zones (plan_scratch);
-    `lora_experts`: lora_gu, the LoRA plans' pre-activation g and u, a row 2 i_max wide."""
+    `lora_experts`: lora_gu, the LoRA plans' pre-activation g and u, a row 2 i_max wide;
+    `lora_rank` (> 0: the layer reserved adapter slots of that rank): lora_part, the per-pair
+    LoRA kernels' slice sums (forward_plan.lora_slices: fewer than 2 LORA_TICKETS items' slices,
+    2 rank rows an item at most)."""
     T, k, H, R = max_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.router_width
     sh = 1 if cfg.has_shared_expert else 0
     P = T * k + sh * T  # expert positions: every routed pair, plus one shared row a token
@@ -217,14 +223,24 @@ def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, dec
     ]
     if lora_experts:  # last, so a layer's other buffers sit where they would without it
         buffers.append(BufferSpec("lora_gu", P * 2 * i_max * 2, "gate_up", "gate_up"))
+    if lora_rank:  # written and read inside one LoRA launch: route (the router's delta) to down
+        buffers.append(BufferSpec("lora_part", 2 * LORA_TICKETS * 2 * lora_rank * 4, "route", "down"))
     # logits die once top-k has read them, act is born at gate_up; xg dies in gate_up, yw is born in down
     return plan_scratch(STAGES, buffers, [("logits", "act"), ("xg", "yw")], guard)
 
 
-def zeroed_bytes(n_local: int, i_max: int, w8a8: bool) -> int:
+def zeroed_bytes(n_local: int, i_max: int, w8a8: bool, lora: bool = False) -> int:
     """The zeroed region a layer needs: the w8a8 decode gate/up's tickets (a counter a slot and
-    128 activation columns; its last blocks reset them, so they are zeros between forwards)."""
-    return (n_local + 1) * -(-i_max // 128) * 4 if w8a8 else 0
+    128 activation columns; its last blocks reset them, so they are zeros between forwards),
+    then (`lora`) the per-pair LoRA kernels' tickets (a counter an item, reset likewise) at
+    lora_tickets_offset."""
+    act = (n_local + 1) * -(-i_max // 128) * 4 if w8a8 else 0
+    return lora_tickets_offset(act) + LORA_TICKETS * 4 if lora else act
+
+
+def lora_tickets_offset(act_ticket_bytes: int) -> int:
+    """Where lora_tickets start in the zeroed region (past the w8a8 tickets)."""
+    return _align(act_ticket_bytes)
 
 
 @dataclass(frozen=True)
@@ -330,28 +346,37 @@ def _order_after(event: int, new: int, ws: Workspace) -> None:
         Driver.wait(new, event)
 
 
-def layer_need(lp, max_tokens: int, guard: int = 0, lora_experts: bool = False) -> tuple[ScratchPlan, WorkspaceNeed]:
+def layer_need(lp, max_tokens: int, guard: int = 0, lora_experts: bool = False,
+               lora_rank: int = 0) -> tuple[ScratchPlan, WorkspaceNeed]:
     """A layer's scratch plan (`lp` a plan.LayerPlan) and what it needs of a workspace at `max_tokens`
-    (`guard`: with red zones; `lora_experts`: the LoRA plans' expert deltas' scratch too)."""
+    (`guard`: with red zones; `lora_experts`: the LoRA plans' expert deltas' scratch too;
+    `lora_rank`: the reserved adapter slots' rank, 0 for none: the per-pair kernels' scratch)."""
     plan = layer_scratch(lp.cfg, max_tokens, lp.n_local, lp.i_max, lp.decode_max_tokens, lp.w8a8,
-                         lp.w8a8_shared_x, lp.gathers_rows, guard, lora_experts)
-    return plan, WorkspaceNeed(plan.total_bytes, zeroed_bytes(lp.n_local, lp.i_max, lp.w8a8))
+                         lp.w8a8_shared_x, lp.gathers_rows, guard, lora_experts, lora_rank)
+    return plan, WorkspaceNeed(plan.total_bytes, zeroed_bytes(lp.n_local, lp.i_max, lp.w8a8, lora_rank > 0))
+
+
+def layer_tickets_offset(lp) -> int:
+    """lora_tickets' offset in the zeroed region for layer `lp`."""
+    return lora_tickets_offset(zeroed_bytes(lp.n_local, lp.i_max, lp.w8a8))
 
 
 class ScratchView:
     """A layer's scratch plan laid over a workspace: its buffers by name, as addresses (the
     scratch from `scratch_base`, the w8a8 tickets at the zeroed region's `zeroed_base`)."""
 
-    def __init__(self, plan: ScratchPlan, scratch_base: int, zeroed_base: int, zeroed_bytes: int):
+    def __init__(self, plan: ScratchPlan, scratch_base: int, zeroed_base: int, zeroed_bytes: int,
+                 lora_tickets_at: int = 0):
         self.plan = plan
         self.zeroed_bytes = zeroed_bytes
         self._ptrs = {name: scratch_base + p.offset for name, p in plan.placements.items()}
         self._ptrs["act_tickets"] = zeroed_base
+        self._ptrs["lora_tickets"] = zeroed_base + lora_tickets_at
         self.zones = tuple((z, scratch_base + z.offset) for z in plan.zones)  # guard mode: (zone, address)
 
     @classmethod
-    def on(cls, plan: ScratchPlan, ws: "Workspace") -> "ScratchView":
-        return cls(plan, ws.scratch_base, ws.base, ws.zeroed_bytes)
+    def on(cls, plan: ScratchPlan, ws: "Workspace", lora_tickets_at: int = 0) -> "ScratchView":
+        return cls(plan, ws.scratch_base, ws.base, ws.zeroed_bytes, lora_tickets_at)
 
     def ptr(self, name: str) -> int:
         try:
@@ -362,6 +387,8 @@ class ScratchView:
     def nbytes(self, name: str) -> int:
         if name == "act_tickets":
             return self.zeroed_bytes
+        if name == "lora_tickets":
+            return max(0, self.zeroed_bytes - (self._ptrs["lora_tickets"] - self._ptrs["act_tickets"]))
         return self.plan.placements[name].nbytes
 
     def require(self, name: str, nbytes: int) -> int:

@@ -32,7 +32,8 @@ def _layer(cfg, hw, **kw):
 
     kw.setdefault("decode_max_tokens", 64)  # tests force every path at every N up to 64
     kw.setdefault("atomic_max_tokens", 64)
-    return MoeLayer(cfg, hw, max_tokens=MAX_TOKENS, max_loras=K, max_lora_rank=RMAX, **kw)
+    kw.setdefault("max_lora_rank", RMAX)
+    return MoeLayer(cfg, hw, max_tokens=MAX_TOKENS, max_loras=K, **kw)
 
 
 def _adapters(cfg, rng):
@@ -504,3 +505,85 @@ def test_grouped_deltas_graph_replay_and_row_invariance(rng):
     for rows in (slice(0, 1), slice(5, 72), slice(700, 1100)):
         part = run(layer, x[rows], ids[rows], "prefill")
         np.testing.assert_array_equal(part.view(np.uint32), eager[rows].view(np.uint32))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_sliced_pair_deltas(family, rng):
+    """The per-pair kernels with their shrinks split over slices (forward_plan.lora_slices > 1,
+    lora_tickets electing each item's last block): H = 776 and I = 392 (slices of uneven vector
+    counts), ranks 16 / 12 / 5 beside 3 and 1, ids -1, 0..2 and one past the slots, on decode,
+    atomic and the one-block-sort prefill; each forward twice and the second bit for bit the
+    first (the tickets are zeros again; decode and prefill: the atomic path adds in arrival
+    order), and the judged output against the reference."""
+    from cupymoe.forward_plan import LoraShape, build_forward_plan, lora_slices
+    from cupymoe.plan import Path
+
+    cfg = testing.tiny_config(family, hidden_size=776, moe_intermediate_size=392)
+    hw = testing.random_host_weights(cfg, rng, "bf16")
+    for ranks in ((16, 12, 5), (3, 1, 16)):
+        layer = _layer(cfg, hw, fp8_compute="w8a16", max_lora_rank=16)
+        adapters = {s: random_lora(cfg, rng, rank=r, targets=ALL_TARGETS, size=0.3) for s, r in enumerate(ranks)}
+        for slot, lw in adapters.items():
+            layer.set_lora(slot, lw)
+        for path, ns in (("decode", (1, 3, 17)), ("atomic", (5,)), ("prefill", (1, 6, 41))):
+            for n in ns:
+                plan = build_forward_plan(layer.plan, layer.device, n, Path(path), lora=LoraShape(K, 16, True)).at(n)
+                split = [s for s in plan.steps if getattr(s, "kernel", "") in
+                         ("lora_router_delta", "lora_gate_up_act", "lora_down_delta")]
+                assert split and all(s.grid[1] > 1 for s in split), (path, n, [s.grid for s in split])
+                assert split[0].grid == (n, lora_slices(n, cfg.hidden_size))
+                ids = rng.integers(-1, 3, n).astype(np.int32)
+                ids[: min(n, 4)] = [-1, 0, 1, 2][: min(n, 4)]
+                x = separated_input(cfg, hw, rng, n, adapters, ids)
+                out = run(layer, x, ids, path)
+                judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, path), f"sliced {path} N={n} {ranks}",
+                      layer)
+                if path == "atomic":  # float atomics add the pairs in arrival order: not bit-reproducible [P2]
+                    continue
+                again = run(layer, x, ids, path)
+                assert np.array_equal(again.view(np.uint32), out.view(np.uint32)), f"{path} N={n}: not reproducible"
+        layer.check_errors()
+        bad = np.array([0, K], np.int32)  # an id past the slots: flagged, adds nothing
+        run(layer, testing.random_input(rng, 2, cfg.hidden_size), bad, "decode")
+        with pytest.raises(MoeCallError):
+            layer.check_errors()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_grouped_deltas_split_grid(family, rng):
+    """The grouped deltas' grids: lora_chunk_blocks blocks a tile (a tile's chunks spread over
+    them) and lora_grouped_down_delta's column slices, here H = 1544 (3 slices of 65, 65, 63
+    vectors) and I = 392, ranks 16 / 12 / 5 beside 3 (max_rank 16, 4 slots) and, on a layer of 6
+    slots (8 blocks a tile), 16 / 1 / 2 / 5 / 3 / 12; ids -1 and past the slots; each forward
+    twice bit for bit, and a row's bits the same alone and in the batch (row_invariant)."""
+    from cupymoe import MoeLayer
+    from cupymoe.forward_plan import LoraShape, build_forward_plan, lora_chunk_blocks, lora_down_slices
+    from cupymoe.plan import Path
+
+    cfg = testing.tiny_config(family, hidden_size=1544, moe_intermediate_size=392)
+    hw = testing.random_host_weights(cfg, rng, "bf16")
+    assert lora_down_slices(cfg.hidden_size) == 3
+    for ranks in ((16, 12, 5, 3), (16, 1, 2, 5, 3, 12)):
+        K = len(ranks)
+        layer = MoeLayer(cfg, hw, max_tokens=1100, max_loras=K, max_lora_rank=16, row_invariant=True)
+        adapters = {s: random_lora(cfg, rng, rank=r, targets=ALL_TARGETS, size=0.3) for s, r in enumerate(ranks)}
+        for slot, lw in adapters.items():
+            layer.set_lora(slot, lw)
+        for n in (5, 1100):
+            plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=LoraShape(K, 16, True)).at(n)
+            grids = {s.kernel: s.grid for s in plan.steps if getattr(s, "kernel", "").startswith("lora_grouped_")}
+            y = lora_chunk_blocks(K)
+            assert grids["lora_grouped_gate_up_act"][1:] == (y,) and grids["lora_grouped_down_delta"][1:] == (y, 3)
+            assert grids["lora_grouped_router_delta"][1:] == (y,)
+            ids = rng.integers(-1, K + 1, n).astype(np.int32)  # K: past the slots
+            ids[: min(n, K + 1)] = np.arange(-1, K)[: min(n, K + 1)]
+            x = separated_input(cfg, hw, rng, n, adapters, np.where(ids < K, ids, -1))
+            out = run(layer, x, ids, "prefill")
+            judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"), f"split grid N={n} {ranks}", layer)
+            again = run(layer, x, ids, "prefill")
+            assert np.array_equal(again.view(np.uint32), out.view(np.uint32)), f"N={n}: not reproducible"
+            if n > 1:
+                one = run(layer, x[n // 2: n // 2 + 1], ids[n // 2: n // 2 + 1], "prefill")
+                assert np.array_equal(one.view(np.uint32), out[n // 2: n // 2 + 1].view(np.uint32)), f"N={n}: row"
+        with pytest.raises(MoeCallError, match="bit 2 = a LoRA id"):
+            layer.check_errors()

@@ -130,12 +130,19 @@ def expand(t, b, c0, cols, max_rank):
     return d
 
 
-def rounds(warp, cols):
-    """lora_round_cols: the warp's rounds of NC 8-column steps."""
+def rounds(warp, cols, lo=0):
+    """lora_round_cols: the warp's rounds of NC 8-column steps of columns [lo, cols)."""
     r = 0
-    while (warp + WARPS * r * NC) * 8 < cols:
-        yield [(warp + WARPS * (r * NC + j)) * 8 for j in range(NC)]
+    while lo + (warp + WARPS * r * NC) * 8 < cols:
+        yield [lo + (warp + WARPS * (r * NC + j)) * 8 for j in range(NC)]
         r += 1
+
+
+def col_slice(length, s, S):
+    """lora_slice: slice s of S of length columns, whole 8-column vectors: [lo, hi)."""
+    vecs = (length + 7) >> 3
+    per = -(-vecs // S)
+    return min(length, 8 * per * s), min(length, 8 * per * (s + 1))
 
 
 def each_output(chunk, c0, cols, fn):
@@ -218,11 +225,18 @@ def test_grouped_gate_up_act_model(case, rng):
     sorted_row = rng.permutation(N)[:case.rows]
     gu = bf(rng.standard_normal((case.rows, 2 * I)))
     act = np.full((case.rows, I), np.nan, np.float32)
+    Y, threads = 3, 32 * WARPS  # the tile's blocks (grid y): block y, chunks y, y + Y, ...
     for s0 in range(0, case.rows, SUB):
         lid = [int(v) if 0 <= v < K else -1 for v in ids[sorted_row[s0:s0 + SUB]]]
+        half, seen = I // 2, np.zeros(len(lid) * (I // 2), int)
+        for y in range(Y):  # lora_plain_act: block y's steps e = tid + y threads, stride Y threads
+            for e in range(y * threads, len(lid) * half, Y * threads):
+                seen[e:e + threads] += 1
+        assert (seen == 1).all()
         for i in (i for i, v in enumerate(lid) if v < 0):
             act[s0 + i] = bf(silu(gu[s0 + i, :I], gu[s0 + i, I:]))
-        for ch in chunks(lid, s0):
+        cs = chunks(lid, s0)
+        for ch in (ch for y in range(Y) for ch in cs[y::Y]):
             vecs = [[[None if p < 0 else x[sorted_row[p]] for p in tile] for tile in ch.pos[lane]]
                     for lane in range(32)]
             tg, tu = block_t(ch, [m["gate_a"][ch.key], m["up_a"][ch.key]], scale[ch.key], vecs, H, case.max_rank)
@@ -241,7 +255,10 @@ def test_grouped_gate_up_act_model(case, rng):
 
 
 def test_grouped_down_delta_model(rng):
-    K, H, I, max_rank, rows = 3, 96, 40, 16, 41
+    """lora_grouped_down_delta over its grid (tile, Y, Z): block (y, z) takes the chunks c with c
+    mod Y = y and expands columns lora_slice(H, z, Z), recomputing the chunk's t; each output
+    written once, the same bits at every (Y, Z), and the plain math's values."""
+    K, H, I, max_rank, rows = 3, 200, 40, 16, 41  # H: 25 vectors, uneven slices
     a = bf(rng.standard_normal((K, max_rank, I)) * 0.3)
     b = bf(rng.standard_normal((K, H, max_rank)) * 0.3)
     a[1, 3:], b[1, :, 3:] = 0, 0
@@ -250,17 +267,29 @@ def test_grouped_down_delta_model(rng):
     ids = rng.integers(-1, K, rows)
     w = rng.uniform(0, 1, rows).astype(np.float32)  # each position's routing weight
     yw = bf(rng.standard_normal((rows, H)))
-    out = yw.copy()
-    for ch in chunks([int(v) for v in ids], 0):
-        vecs = [[[None if p < 0 else act[p] for p in tile] for tile in ch.pos[lane]] for lane in range(32)]
-        (t,) = block_t(ch, [a[ch.key]], [scale[ch.key]], vecs, I, max_rank)
-        for warp in range(WARPS):
-            for c0 in rounds(warp, H):
-                d = expand(t, b[ch.key], c0, H, max_rank)
+    cs = chunks([int(v) for v in ids], 0)
 
-                def store(p, c, j, mt, lane, r):
-                    out[p, c] = bf(out[p, c] + w[p] * d[j, mt, lane, r])
-                each_output(ch, c0, H, store)
+    def grid(Y, Z):
+        out, writes = yw.copy(), np.zeros((rows, H), int)
+        for y, z in np.ndindex(Y, Z):
+            lo, hi = col_slice(H, z, Z)
+            for ch in cs[y::Y]:
+                vecs = [[[None if p < 0 else act[p] for p in tile] for tile in ch.pos[lane]] for lane in range(32)]
+                (t,) = block_t(ch, [a[ch.key]], [scale[ch.key]], vecs, I, max_rank)
+                for warp in range(WARPS):
+                    for c0 in rounds(warp, hi, lo):
+                        d = expand(t, b[ch.key], c0, hi, max_rank)
+
+                        def store(p, c, j, mt, lane, r):
+                            out[p, c] = bf(out[p, c] + w[p] * d[j, mt, lane, r])
+                            writes[p, c] += 1
+                        each_output(ch, c0, hi, store)
+        np.testing.assert_array_equal(writes, np.repeat((ids >= 0)[:, None].astype(int), H, 1), err_msg=f"{Y} {Z}")
+        return out
+
+    out = grid(1, 1)
+    for Y, Z in ((2, 3), (4, 2)):
+        np.testing.assert_array_equal(grid(Y, Z).view(np.uint32), out.view(np.uint32), err_msg=f"Y {Y} Z {Z}")
     for p in range(rows):
         k = ids[p]
         want = yw[p].astype(np.float64)

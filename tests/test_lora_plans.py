@@ -16,8 +16,9 @@ import pytest
 from cupymoe import jit, testing
 from cupymoe.catalog import Activation, LoraDownMode
 from cupymoe.errors import LoraError, OptionError
-from cupymoe.forward_plan import (LORA_GROUPED_SMEM_MAX, LORA_MMA_WARPS, LORA_RED, LORA_ROUTER_ROWS, LoraShape,
-                                  build_forward_plan, lora_grouped, lora_grouped_smem)
+from cupymoe.forward_plan import (LORA_GROUPED_SMEM_MAX, LORA_MMA_WARPS, LORA_RED, LORA_ROUTER_ROWS, LoraShape, lora_slices,
+                                  build_forward_plan, lora_chunk_blocks, lora_down_slices, lora_grouped,
+                                  lora_grouped_smem)
 from cupymoe.knobs import Knobs
 from cupymoe.lora_slots import check_options
 from cupymoe.plan import Buf, CallValue, DeviceFacts, LayerOptions, Path, Space, Stage, plan_layer
@@ -47,11 +48,14 @@ def test_lora_plan_is_the_base_plan_plus_the_router_delta(family, dev):
         assert plan.steps[:at[0]] + plan.steps[at[0] + 1:] == base.steps
         d = plan.steps[at[0]]
         assert d.kernel == kernel and d.kernel in names
-        if grouped:  # a block LORA_ROUTER_ROWS rows, 8 warps
-            assert d.grid == (-(-n // LORA_ROUTER_ROWS),) and d.block == (LORA_MMA_WARPS * 32,)
+        if grouped:  # lora_chunk_blocks blocks LORA_ROUTER_ROWS rows, 8 warps
+            assert d.grid == (-(-n // LORA_ROUTER_ROWS), lora_chunk_blocks(SHAPE.max_loras))
+            assert d.block == (LORA_MMA_WARPS * 32,)
             assert d.smem == lora_grouped_smem(SHAPE.max_rank, False)
         else:
-            assert d.grid == (n,) and d.smem == (SHAPE.max_rank + LORA_RED) * 4
+            assert d.grid == (n, lora_slices(n, cfg.hidden_size)) and d.smem == (SHAPE.max_rank + LORA_RED) * 4
+            assert d.arg("part") == Buf(Space.SCRATCH, "lora_part")
+            assert d.arg("tickets") == Buf(Space.SCRATCH, "lora_tickets")
         assert d.pdl == plan.steps[at[0] + 1].pdl == (path == Path.DECODE and dev is H200)  # as its successor
         assert d.arg("lora_ids") == CallValue.LORA_IDS and d.arg("logits") == Buf(Space.SCRATCH, "logits")
         assert (d.arg("R"), d.arg("max_rank"), d.arg("max_loras"), d.arg("N")) == (cfg.router_width, 16, 3, n)
@@ -112,10 +116,12 @@ def test_expert_lora_plan(family, fmt, dev):
             assert s.pdl == plan.steps[i + 1].pdl == (path == Path.DECODE and dev is H200)  # as its successor
             assert s.arg("lora_ids") == CallValue.LORA_IDS
         if grouped:
-            _check_grouped(plan, ga, dd, gemms)
+            _check_grouped(plan, ga, dd, gemms, cfg.hidden_size)
         else:
-            for i in (ga, dd):
-                assert plan.steps[i].grid == (n * (cfg.num_experts_per_tok + sh),) and plan.steps[i].arg("N") == n
+            pairs = n * (cfg.num_experts_per_tok + sh)
+            for i, cols in ((ga, cfg.hidden_size), (dd, lp.i_max)):
+                assert plan.steps[i].grid == (pairs, lora_slices(pairs, cols)) and plan.steps[i].arg("N") == n
+                assert plan.steps[i].arg("part") == Buf(Space.SCRATCH, "lora_part")
             assert plan.steps[dd].arg("mode") == mode[path] and plan.steps[ga].smem == (2 * 16 + LORA_RED) * 4
         assert plan.steps[ga].arg("gu") == Buf(Space.SCRATCH, "lora_gu")
         assert plan.steps[ga].arg("act") == plan.steps[dd].arg("act") == Buf(Space.SCRATCH, "act")
@@ -123,12 +129,14 @@ def test_expert_lora_plan(family, fmt, dev):
         assert others == [s for s in router_only.steps if s not in base_gemms]
 
 
-def _check_grouped(plan, ga, dd, gemms):
-    """The grouped deltas: a block a tile of the GEMM right before (its tile list, its grid's tile
-    bound), 8 warps, the warps' partial t and the summed t in shared memory; down adds into yw."""
+def _check_grouped(plan, ga, dd, gemms, hidden):
+    """The grouped deltas: lora_chunk_blocks blocks a tile of the GEMM right before (its tile list,
+    its grid's tile bound), down's also over lora_down_slices column slices of H, 8 warps, the
+    warps' partial t and the summed t in shared memory; down adds into yw."""
     down_gemm = plan.steps[dd - 1]
-    for delta, gemm in ((plan.steps[ga], gemms[-1]), (plan.steps[dd], down_gemm)):
-        assert delta.grid == (gemm.grid[1],) and delta.block == (LORA_MMA_WARPS * 32,)
+    y = lora_chunk_blocks(EXPERTS.max_loras)
+    for delta, gemm, z in ((plan.steps[ga], gemms[-1], ()), (plan.steps[dd], down_gemm, (lora_down_slices(hidden),))):
+        assert delta.grid == (gemm.grid[1], y, *z) and delta.block == (LORA_MMA_WARPS * 32,)
         assert (delta.arg("num_tiles"), delta.arg("tile_info")) == (gemm.arg("num_tiles"), gemm.arg("tile_info"))
     assert plan.steps[ga].smem == lora_grouped_smem(16, True) == 9 * 2 * 32 * 16 * 4
     assert plan.steps[dd].smem == lora_grouped_smem(16, False) == 9 * 32 * 16 * 4
@@ -190,3 +198,10 @@ def test_grouped_deltas_shared_memory_is_opted_in(dev):
     for name in (n for n in jit.MODULES["lora"].names if n.startswith("lora_grouped_")):
         assert jit.opt_in_smem(name, dev.max_smem) >= LORA_GROUPED_SMEM_MAX, name
         assert jit.opt_in_smem(name, dev.max_smem) + 4096 <= dev.max_smem
+
+
+def test_grouped_split_counts():
+    """lora_chunk_blocks: 4 blocks a tile up to 4 adapters, 8 past; lora_down_slices: slices of
+    LORA_DOWN_SLICE columns at least, at most LORA_DOWN_SLICES_MAX."""
+    assert [lora_chunk_blocks(k) for k in (1, 4, 5, 16)] == [4, 4, 8, 8]
+    assert [lora_down_slices(h) for h in (64, 776, 1024, 2048, 4096, 7168)] == [1, 1, 2, 4, 4, 4]
