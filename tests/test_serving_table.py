@@ -9,7 +9,7 @@ R = ROOT / "benchmarks" / "results"
 
 
 def test_serving_table_reads_the_committed_sweep():
-    tune = sorted(R.glob("20261202-h200-s4-tune-*.json"))
+    tune = [R / "20261202-h200-s4-tune-qwen3-deepseek.json", R / "20261202-h200-s4-tune-rest.json"]
     peers = sorted(R.glob("20261202-h200-s4-peers-vllm-*.json"))
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "serving_table.py"), *map(str, tune),
                           "--peers", *map(str, peers)], capture_output=True, text=True, check=True).stdout
