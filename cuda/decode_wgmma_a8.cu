@@ -32,38 +32,6 @@
 // with passes of 8 and 16 rows, 1 with 32 (kernels.wgmma_decode_smem_bytes)
 #define WG_MIN_BLOCKS(NTOK) ((NTOK) <= 16 ? 2 : 1)
 
-// d[N / 2] (m64 x nN, fp32) = (scale_d ? d : 0) + A (64 x 32, e4m3) * B (32 x N, e4m3), both
-// K-major from shared memory.
-template <int N>
-__device__ __forceinline__ void wgmma_m64k32_e4m3(float* d, u64 da, u64 db, int scale_d);
-
-template <>
-__device__ __forceinline__ void wgmma_m64k32_e4m3<8>(float* d, u64 da, u64 db, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "l"(da), "l"(db), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_m64k32_e4m3<16>(float* d, u64 da, u64 db, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(da), "l"(db), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_m64k32_e4m3<32>(float* d, u64 da, u64 db, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
-        "%12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(da), "l"(db), "r"(scale_d));
-}
-
 // A stage: WG_KSUB k steps of the 128 weight rows (each step's 128 x 128 codes a tile,
 // 128-byte swizzled: wgmma_desc), then the same steps of the pass's NTOK rows; after the
 // WG_STAGES stages the scales of every k step of K: the two weight tiles' (gate, up;
@@ -188,8 +156,8 @@ struct WgA8Block {
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < WG_BK / 32; ++kk) {  // +32 bytes of K each
-                    wgmma_m64k32_e4m3<NTOK>(blk[0], da0 + 2 * kk, db + 2 * kk, kk);
-                    wgmma_m64k32_e4m3<NTOK>(blk[1], da1 + 2 * kk, db + 2 * kk, kk);
+                    wgmma_m64nNk32_e4m3<NTOK>(blk[0], da0 + 2 * kk, db + 2 * kk, kk);
+                    wgmma_m64nNk32_e4m3<NTOK>(blk[1], da1 + 2 * kk, db + 2 * kk, kk);
                 }
                 wgmma_commit();
                 wgmma_wait<0>();

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check of exp/lora-bandwidth and exp/lora-grouped-bw (per-pair LoRA kernels with each
-# item's shrink split over slices and a ticket-elected last block; the grouped deltas' chunks over
-# grid y and down's columns over grid z; issue 42) in one command, under 4.5 minutes:
+# The LoRA kernels' GPU check (per-pair kernels with each item's shrink split over slices and a
+# ticket-elected last block; the grouped deltas' chunks over grid y and down's columns over grid
+# z; issue 42) in one command, under 4.5 minutes:
 #   1. tests/test_gpu_lora.py (with test_sliced_pair_deltas: H = 776, I = 392, slices > 1 on
 #      decode, atomic and one-block prefill, ranks 16 / 12 / 5 / 3 / 1, ids -1 and past the slots,
 #      each forward twice bit for bit; test_grouped_deltas_split_grid: H = 1544 in 3 uneven
 #      column slices, 4 and 6 slots (4 and 8 blocks a tile), row invariance bit for bit);
 #   2. the expert-delta tests with the dispatch forced onto other gate/up families;
 #   3. bench --lora 4 --lora-rank 16 at N = 1, 64, 1024, 4096 for qwen3-30b-a3b and deepseek-v3,
-#      bf16 and fp8_block (w8a16), JSON into $OUT/lora_bw_<preset>_<format>.json.
+#      bf16 and fp8_block (w8a16), JSON into $OUT/lora_<preset>_<format>.json.
 #
-#   OUT=/tmp/out bash scripts/lora_bw_check.sh
+#   OUT=/tmp/out bash scripts/lora_check.sh
 set -u
 DEST=${OUT:?set OUT to a folder for the logs}
 cd "$(dirname "$0")/.."
@@ -35,10 +35,10 @@ bench() {
   local preset=$1 fmt=$2
   shift 2
   timeout 40 python3 -m cupymoe bench --preset "$preset" --format "$fmt" --tokens 1 64 1024 4096 --lora 4 \
-    --lora-rank 16 --no-peers --repeats 5 --replays 10 --json "$DEST/lora_bw_${preset}_$fmt.json" "$@" \
-    > "$DEST/lora_bw_${preset}_$fmt.log" 2>&1
+    --lora-rank 16 --no-peers --repeats 5 --replays 10 --json "$DEST/lora_${preset}_$fmt.json" "$@" \
+    > "$DEST/lora_${preset}_$fmt.log" 2>&1
   echo "bench $preset $fmt rc $?"
-  grep "N=" "$DEST/lora_bw_${preset}_$fmt.log"
+  grep "N=" "$DEST/lora_${preset}_$fmt.log"
 }
 bench qwen3-30b-a3b bf16
 bench qwen3-30b-a3b fp8_block --fp8-compute w8a16
