@@ -645,6 +645,28 @@ __device__ __forceinline__ LoraInputs lora_inputs(const LoraRows& r, const bf16*
     return in;
 }
 
+// A sub-tile's positions pos0 .. pos0 + m - 1 bucketed by adapter (lid by every thread, then the
+// buckets by warp 0: the caller syncs before reading them).
+__device__ __forceinline__ void lora_sub_tile(LoraBuckets& b, const int* __restrict__ lora_ids,
+                                              const int* __restrict__ sorted_row, int pos0, int m, int max_loras) {
+    lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
+    __syncthreads();
+    lora_bucket(b, m);
+}
+
+// A chunk's scaled t (NP projections, [LORA_CHUNK][rp] each, at t): the warps' parts of the
+// shrink, then their sum scaled by s[0] (and s[1]: projection 1), the block met after each.
+template <int NP>
+__device__ __forceinline__ void lora_chunk_t(float* parts, float* t, int rp, const bf16* a0, const bf16* a1,
+                                             const LoraInputs& in, int len, int stride, int max_rank,
+                                             const float* __restrict__ s) {
+    const int n = NP * LORA_CHUNK * rp;
+    lora_mma_shrink_part<NP>(parts + (threadIdx.x >> 5) * n, rp, a0, a1, in, len, stride, max_rank);
+    __syncthreads();
+    lora_sum_parts(t, parts, n, rp, s[0], NP > 1 ? s[1] : 0.f);
+    __syncthreads();
+}
+
 // grid (the last gate/up GEMM's tile bound, Y), block LORA_MMA_WARPS warps, shared memory
 // (LORA_MMA_WARPS + 1) 2 LORA_CHUNK rp floats (rp: max_rank rounded up to 16; the warps' partial
 // t, then t; lora_chunk_act's staging reuses the parts). The grouped path's lora_gate_up_act
@@ -672,19 +694,14 @@ lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe
     float* gs = parts + (threadIdx.x >> 5) * LORA_STAGE;
     for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
         const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
-        lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
-        __syncthreads();
-        lora_bucket(b, m);
+        lora_sub_tile(b, lora_ids, sorted_row, pos0, m, max_loras);
         lora_plain_act(b, gu, act, pos0, m, I, I_max, act_code, alpha, limit);
         __syncthreads();
         for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
-            lora_mma_shrink_part<2>(parts + (threadIdx.x >> 5) * n, rp, gate_a + ks * max_rank * H,
-                                    up_a + ks * max_rank * H, lora_inputs(r, in, sorted_row, H), H, H, max_rank);
-            __syncthreads();
-            lora_sum_parts(t, parts, n, rp, scale[ks * 3], scale[ks * 3 + 1]);
-            __syncthreads();
+            lora_chunk_t<2>(parts, t, rp, gate_a + ks * max_rank * H, up_a + ks * max_rank * H,
+                            lora_inputs(r, in, sorted_row, H), H, H, max_rank, scale + ks * 3);
             lora_chunk_act(t, rp, gs, b, c, pos0, r, gate_b + ks * I_max * max_rank, up_b + ks * I_max * max_rank,
                            gu, act, I, I_max, max_rank, act_code, alpha, limit);
             __syncthreads();  // the next chunk's parts overwrite the staging
@@ -719,19 +736,14 @@ lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lo
     lora_slice(H, blockIdx.z, gridDim.z, lo, hi);
     for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
         const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
-        lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
-        __syncthreads();
-        lora_bucket(b, m);
+        lora_sub_tile(b, lora_ids, sorted_row, pos0, m, max_loras);
         __syncthreads();
         for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
             const bf16* a0 = down_a + ks * max_rank * I_max;
-            lora_mma_shrink_part<1>(parts + (threadIdx.x >> 5) * n, rp, a0, a0, lora_inputs(r, act, nullptr, I_max),
-                                    I, I_max, max_rank);
-            __syncthreads();
-            lora_sum_parts(t, parts, n, rp, scale[ks * 3 + 2], 0.f);
-            __syncthreads();
+            lora_chunk_t<1>(parts, t, rp, a0, a0, lora_inputs(r, act, nullptr, I_max), I, I_max, max_rank,
+                            scale + ks * 3 + 2);
             float w[LORA_MT][2];
 #pragma unroll
             for (int mt = 0; mt < LORA_MT; ++mt)
@@ -816,19 +828,14 @@ lora_stack_t_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, co
     float* t = parts_ + LORA_MMA_WARPS * n;
     for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
         const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
-        lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
-        __syncthreads();
-        lora_bucket(b, m);
+        lora_sub_tile(b, lora_ids, sorted_row, pos0, m, max_loras);
         lora_stack_zero_rows(b, T, pos0, m, 2 * KS);
         __syncthreads();
         for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
-            lora_mma_shrink_part<2>(parts_ + (threadIdx.x >> 5) * n, rp, gate_a + ks * max_rank * H,
-                                    up_a + ks * max_rank * H, lora_inputs(r, in, sorted_row, H), H, H, max_rank);
-            __syncthreads();
-            lora_sum_parts(t, parts_, n, rp, scale[ks * 3], scale[ks * 3 + 1]);
-            __syncthreads();
+            lora_chunk_t<2>(parts_, t, rp, gate_a + ks * max_rank * H, up_a + ks * max_rank * H,
+                            lora_inputs(r, in, sorted_row, H), H, H, max_rank, scale + ks * 3);
             lora_stack_write(t, rp, 2, b, c, pos0, T, KS, parts, max_loras, max_rank);
             __syncthreads();  // the next chunk's parts and t
         }
@@ -852,20 +859,15 @@ lora_stack_t_down(const bf16* __restrict__ act, const int* __restrict__ lora_ids
     float* t = parts_ + LORA_MMA_WARPS * n;
     for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
         const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
-        lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
-        __syncthreads();
-        lora_bucket(b, m);
+        lora_sub_tile(b, lora_ids, sorted_row, pos0, m, max_loras);
         lora_stack_zero_rows(b, T, pos0, m, KS);
         __syncthreads();
         for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
             const bf16* a0 = down_a + ks * max_rank * I_max;
-            lora_mma_shrink_part<1>(parts_ + (threadIdx.x >> 5) * n, rp, a0, a0, lora_inputs(r, act, nullptr, I_max),
-                                    I, I_max, max_rank);
-            __syncthreads();
-            lora_sum_parts(t, parts_, n, rp, scale[ks * 3 + 2], 0.f);
-            __syncthreads();
+            lora_chunk_t<1>(parts_, t, rp, a0, a0, lora_inputs(r, act, nullptr, I_max), I, I_max, max_rank,
+                            scale + ks * 3 + 2);
             lora_stack_write(t, rp, 1, b, c, pos0, T, KS, parts, max_loras, max_rank);
             __syncthreads();
         }

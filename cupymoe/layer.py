@@ -81,7 +81,9 @@ class MoeLayer:
             self._lora = None
             if lora_k:
                 experts = lora_slots.expert_slot_shape(owned, self.plan.i_max, self.plan.w8a8)
-                self._lora = lora_slots.LoraSlots(cfg, lora_k, lora_r, self.device_id, experts)
+                # the stacked form's Bext where a GEMM may run it (CUPYMOE_LORA_IN_GEMM; forward_plan.lora_in_gemm)
+                stack = knobs.lora_in_gemm if self.plan.tma and not self.plan.row_invariant else 0
+                self._lora = lora_slots.LoraSlots(cfg, lora_k, lora_r, self.device_id, experts, stack)
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             self._bind(workspace or Workspace(self.workspace_need(), device=self.device_id))
             # the uploads and repacks went through the legacy default stream, which a caller's
@@ -113,12 +115,13 @@ class MoeLayer:
     def workspace_need(self, max_tokens: Optional[int] = None) -> WorkspaceNeed:
         """What this layer needs of a workspace at `max_tokens` (default its own)."""
         return layer_need(self.plan, max_tokens or self.max_tokens, self._guard, self._lora_experts,
-                          self._lora_rank)[1]
+                          self._lora_rank, self._lora_stack_ks)[1]
 
     def _bind(self, ws: Workspace) -> None:
         if ws.device_id != self.device_id:
             raise WorkspaceError(f"workspace is on device {ws.device_id}, the layer on device {self.device_id}")
-        plan, need = layer_need(self.plan, self.max_tokens, self._guard, self._lora_experts, self._lora_rank)
+        plan, need = layer_need(self.plan, self.max_tokens, self._guard, self._lora_experts, self._lora_rank,
+                                self._lora_stack_ks)
         ws.check_fits(need, f"a {self.cfg.model_type or 'MoE'} layer at max_tokens={self.max_tokens}")
         self.workspace, self.scratch = ws, ScratchView.on(plan, ws, layer_tickets_offset(self.plan))
         self._tma_maps = None
@@ -126,7 +129,8 @@ class MoeLayer:
             import cupy
 
             ptrs = {p: self.weights.tables[p].get() for p in ("gate", "up", "down")}
-            self._tma_maps = cupy.asarray(np.frombuffer(tma.layer_table(self.plan, ptrs, self.scratch), np.uint8))
+            self._tma_maps = cupy.asarray(np.frombuffer(tma.layer_table(self.plan, ptrs, self.scratch, self._lora),
+                                                        np.uint8))
         self._swapab_maps = None
         if self.plan.swapab_chosen:
             self._swapab_maps = self._encode_swapab_maps()
@@ -297,6 +301,11 @@ class MoeLayer:
         """The reserved adapter slots' rank (0: none): the per-pair LoRA kernels' scratch."""
         return self._lora.max_rank if self._lora is not None else 0
 
+    @property
+    def _lora_stack_ks(self) -> int:
+        """The LoRA stacked form's KS (0: the layer has none; cupymoe/lora_stack.py)."""
+        return self._lora.stack_width if self._lora is not None else 0
+
     def _lora_slots(self, what: str) -> "lora_slots.LoraSlots":
         if self._lora is None:
             raise LoraError(f"{what}: this layer reserved no adapter slots; build it with max_loras=K, max_lora_rank=R")
@@ -310,7 +319,8 @@ class MoeLayer:
         if packed is None:
             p = Path(self.select_path(n, path))
             plan = build_forward_plan(self.plan, self.device, n, p,
-                                      lora=LoraShape(slots.max_loras, slots.max_rank, self._lora_experts))
+                                      lora=LoraShape(slots.max_loras, slots.max_rank, self._lora_experts,
+                                                     slots.stack_parts))
             packed = self._lora_plans[(path, n)] = PackedPlan(plan, self._resolve, self.lib.pointer, self._reduce())
         packed.set_call_value(CallValue.LORA_IDS, lora_ids)
         self.workspace.use(stream)

@@ -6,6 +6,7 @@ numbered by function order, so a kernel added before another renumbers its label
     python scripts/ptx_equal.py OLD_TREE NEW_TREE MODULE [MODULE ...]   (no GPU: NVRTC on the CPU)
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -33,7 +34,7 @@ def entries(ptx: str) -> dict:
 def ptx_of(tree: str, module: str, tmp: Path) -> str:
     dst = tmp / f"{Path(tree).name}-{module}.ptx"
     subprocess.run([sys.executable, "-c", COMPILE, module, str(dst)], check=True, cwd=tree,
-                   env={"PYTHONPATH": tree, "PATH": "/usr/bin:/bin"})
+                   env=dict(os.environ, PYTHONPATH=tree))
     return dst.read_text()
 
 
@@ -44,8 +45,10 @@ def main(old: str, new: str, modules: list) -> int:
             (Path(d) / "old").mkdir(exist_ok=True), (Path(d) / "new").mkdir(exist_ok=True)
             a, b = entries(ptx_of(old, m, Path(d) / "old")), entries(ptx_of(new, m, Path(d) / "new"))
             diff = [k for k in a if a[k] != b.get(k)]
+            moved = [k for k in diff if k in b and sorted(a[k]) == sorted(b[k])]  # the same instructions, reordered
             bad += len(diff)
-            print(f"{m}: {len(a)} entries of {old} in {new}: {len(diff)} differ {diff}; new only: {len(set(b) - set(a))}")
+            print(f"{m}: {len(a)} entries of {old} in {new}: {len(diff)} differ {diff} (of which the same "
+                  f"instructions in another order: {moved}); new only: {len(set(b) - set(a))}")
     return 1 if bad else 0
 
 

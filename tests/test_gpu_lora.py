@@ -192,21 +192,28 @@ def test_graph_captured_before_set_lora_replays_the_new_adapter(rng):
         s.begin_capture()
         layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(idd.data.ptr))
         graph = s.end_capture()
-        for slot, lw in adapters.items():  # after the capture, on the replaying stream
-            layer.set_lora(slot, lw, stream=s.ptr)
-        with s:
-            out.fill(0x7FC0)
-        graph.launch(s)
-        s.synchronize()
-        replayed = bits_to_f32(out.get())
-        judge(replayed, cfg, hw, x, ids, adapters, layer.select_path(n, path), f"replay {path} N={n}", layer)
-        eager = run(layer, x, ids, path)
-        np.testing.assert_array_equal(replayed.view(np.uint32), eager.view(np.uint32))
-        layer.clear_lora(1, stream=s.ptr)  # and emptied again: slot 1's rows get the base layer
-        graph.launch(s)
-        s.synchronize()
-        judge(bits_to_f32(out.get()), cfg, hw, x, ids, {0: adapters[0]}, layer.select_path(n, path),
-              f"replay after clear {path} N={n}", layer)
+        _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, path, f"replay {path} N={n}")
+
+
+def _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, path, what):
+    """The adapters set after `graph`'s capture, on its stream; its replay judged and equal to the
+    eager forward bit for bit; slot 1 emptied again and the replay judged without it."""
+    for slot, lw in adapters.items():  # after the capture, on the replaying stream
+        layer.set_lora(slot, lw, stream=s.ptr)
+    with s:
+        out.fill(0x7FC0)
+    graph.launch(s)
+    s.synchronize()
+    replayed = bits_to_f32(out.get())
+    n = x.shape[0]
+    judge(replayed, cfg, hw, x, ids, adapters, layer.select_path(n, path), what, layer)
+    eager = run(layer, x, ids, path)
+    np.testing.assert_array_equal(replayed.view(np.uint32), eager.view(np.uint32))
+    layer.clear_lora(1, stream=s.ptr)  # and emptied again: slot 1's rows get the base layer
+    graph.launch(s)
+    s.synchronize()
+    rest = {k: v for k, v in adapters.items() if k != 1}
+    judge(bits_to_f32(out.get()), cfg, hw, x, ids, rest, layer.select_path(n, path), f"{what} after clear", layer)
 
 
 def test_row_invariant_with_lora(rng):
@@ -398,6 +405,23 @@ def _prefill_uses_grouped(layer, n, max_rank):
     return {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} <= kinds
 
 
+def _captured_prefill(layer, x, ids):
+    """A prefill forward of x with ids run once eagerly and once under capture on a new stream:
+    (the stream, the output, the graph, the uploads the graph reads)."""
+    import cupy
+
+    n = x.shape[0]
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        xd, idd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids)
+        out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
+    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="prefill", lora_ids_ptr=int(idd.data.ptr))
+    s.begin_capture()
+    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="prefill", lora_ids_ptr=int(idd.data.ptr))
+    graph = s.end_capture()
+    return s, out, graph, (xd, idd)  # keep the uploads alive while the graph replays
+
+
 @pytest.mark.parametrize("max_rank, invariant", [(16, True), (32, True), (12, True), (5, True), (16, False)])
 def test_grouped_deltas_awkward_n(max_rank, invariant, rng):
     """The prefill path's grouped deltas at awkward N (tiles of 1 row, partial 16-row chunks, tiles
@@ -415,20 +439,41 @@ def test_grouped_deltas_awkward_n(max_rank, invariant, rng):
         layer.set_lora(slot, lw)
     for n in (1, 5, 67, 300, 1100):
         assert _prefill_uses_grouped(layer, n, max_rank) == (invariant or n * cfg.num_experts_per_tok > 1024)
-        ids = rng.integers(-1, 4, n).astype(np.int32)
-        ids[: min(n, 5)] = [-1, 0, 1, 2, 3][: min(n, 5)]
-        x = separated_input(cfg, hw, rng, n, adapters, ids)
-        judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"),
-              f"grouped r{max_rank} N={n}", layer)
+        _judge_ranked(layer, cfg, hw, rng, adapters, n, f"grouped r{max_rank}")
     layer.check_errors()
-    n = 1100  # an id past the slots: that row gets the base layer and the call an error bit
+    _judge_id_past_slots(layer, cfg, hw, rng, adapters, f"grouped r{max_rank}")
+
+
+def _judge_ranked(layer, cfg, hw, rng, adapters, n, what):
+    """A prefill of n rows, ids -1 .. 3 (each present where N allows), judged."""
+    ids = rng.integers(-1, 4, n).astype(np.int32)
+    ids[: min(n, 5)] = [-1, 0, 1, 2, 3][: min(n, 5)]
+    x = separated_input(cfg, hw, rng, n, adapters, ids)
+    judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"), f"{what} N={n}",
+          layer)
+
+
+def _judge_id_past_slots(layer, cfg, hw, rng, adapters, what, n=1100):
+    """Ids -1 .. 3 and every 97th row 4 (past the 4 slots): that row gets the base layer and the
+    call an error bit."""
     ids = rng.integers(-1, 4, n).astype(np.int32)
     ids[::97] = 4
     x = separated_input(cfg, hw, rng, n, adapters, np.where(ids < 4, ids, -1))
     judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"),
-          f"grouped r{max_rank} N={n} with id 4", layer)
+          f"{what} N={n} with id 4", layer)
     with pytest.raises(MoeCallError, match="bit 2 = a LoRA id"):
         layer.check_errors()
+
+
+def _near_copies(cfg, hw, rng, adapters, n):
+    """n near-copies of one row (ids 0, 1, -1, 2, 0, 3 over and over), those routing with a clear
+    margin kept (over half of them): a few experts take ~all rows."""
+    ids = np.resize(np.array([0, 1, -1, 2, 0, 3], np.int32), n)
+    base = testing.random_input(rng, 1, cfg.hidden_size)
+    x = (base + 0.01 * testing.random_input(rng, n, cfg.hidden_size)).astype(base.dtype)
+    keep = reference.route(cfg, hw, x, lora=adapters, lora_ids=ids).margin >= ROUTING_MARGIN
+    assert keep.sum() > n // 2, "the near-copies should route with a clear margin"
+    return x[keep], ids[keep]
 
 
 def test_grouped_deltas_one_expert_takes_most_rows(rng):
@@ -439,14 +484,7 @@ def test_grouped_deltas_one_expert_takes_most_rows(rng):
     layer, adapters = _grouped_layer(cfg, hw, 16, row_invariant=True), _ranked_adapters(cfg, rng, 16)
     for slot, lw in adapters.items():
         layer.set_lora(slot, lw)
-    n = 600
-    ids = np.resize(np.array([0, 1, -1, 2, 0, 3], np.int32), n)
-    base = testing.random_input(rng, 1, cfg.hidden_size)
-    x = (base + 0.01 * testing.random_input(rng, n, cfg.hidden_size)).astype(base.dtype)
-    routing = reference.route(cfg, hw, x, lora=adapters, lora_ids=ids)
-    keep = routing.margin >= ROUTING_MARGIN
-    x, ids = x[keep], ids[keep]
-    assert x.shape[0] > n // 2, "the near-copies should route with a clear margin"
+    x, ids = _near_copies(cfg, hw, rng, adapters, 600)
     counts = np.bincount(reference.route(cfg, hw, x, lora=adapters, lora_ids=ids).ids.ravel(),
                          minlength=cfg.num_experts)
     assert counts.max() > 128
@@ -457,8 +495,6 @@ def test_grouped_deltas_one_expert_takes_most_rows(rng):
 def test_grouped_deltas_graph_replay_and_row_invariance(rng):
     """Graph replay of a grouped-delta prefill equals the eager forward bit for bit, and a row's
     bits do not depend on the batch (each mma row is its own sum)."""
-    import cupy
-
     cfg = testing.tiny_config("qwen3_moe")
     hw = testing.random_host_weights(cfg, rng)
     layer, adapters = _grouped_layer(cfg, hw, 16, row_invariant=True), _ranked_adapters(cfg, rng, 16)
@@ -468,14 +504,7 @@ def test_grouped_deltas_graph_replay_and_row_invariance(rng):
     ids = rng.integers(-1, 4, n).astype(np.int32)
     x = testing.random_input(rng, n, cfg.hidden_size)
     eager = run(layer, x, ids, "prefill")
-    s = cupy.cuda.Stream(non_blocking=True)
-    with s:
-        xd, idd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids)
-        out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
-    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="prefill", lora_ids_ptr=int(idd.data.ptr))
-    s.begin_capture()
-    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="prefill", lora_ids_ptr=int(idd.data.ptr))
-    graph = s.end_capture()
+    s, out, graph, _inputs = _captured_prefill(layer, x, ids)
     with s:
         out.fill(0x7FC0)
     graph.launch(s)
@@ -566,3 +595,122 @@ def test_grouped_deltas_split_grid(family, rng):
                 assert np.array_equal(one.view(np.uint32), out[n // 2: n // 2 + 1].view(np.uint32)), f"N={n}: row"
         with pytest.raises(MoeCallError, match="bit 2 = a LoRA id"):
             layer.check_errors()
+
+
+# --- the stacked form (CUPYMOE_LORA_IN_GEMM; cupymoe/lora_stack.py) ---------------------------------
+# The experts' deltas as extra K of the TMA GEMMs: gate/up activates g + B_g t_g and u + B_u t_u from
+# fp32 accumulators and down stores bf16(w (y + B t)) once, so the form makes fewer roundings than
+# LORA_PLAN_ROUNDINGS["grouped"] grants; s t is rounded to bf16 (parts 1: ~2^-9 of a delta that is
+# ~0.3-0.5 of its map's output) or kept to ~2^-17 (parts 2). The judge and its tolerances are the
+# grouped deltas' own.
+
+STACK_VARIANTS = ("auto", "tma", "tma_wide", "tma_192")  # auto: gather_wide gate/up, tma_192 down
+
+
+def _stacked_layer(monkeypatch, cfg, hw, max_rank, parts, variant="auto", **kw):
+    monkeypatch.setenv("CUPYMOE_LORA_IN_GEMM", str(parts))
+    if variant != "auto":
+        monkeypatch.setenv("CUPYMOE_SM90_VARIANT", variant)
+    layer = _grouped_layer(cfg, hw, max_rank, **kw)
+    assert layer._lora.stack_parts == parts
+    return layer
+
+
+def _prefill_uses_stacked(layer, n, max_rank):
+    from cupymoe.forward_plan import LoraShape, build_forward_plan
+    from cupymoe.plan import Path
+
+    shape = LoraShape(4, max_rank, True, layer._lora.stack_parts)
+    plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=shape).at(n)
+    kinds = [getattr(s, "kernel", "") for s in plan.steps]
+    stacked = {"lora_stack_t_gate_up", "lora_stack_t_down"} <= set(kinds)
+    assert stacked == (sum(k.startswith("grouped_gemm_sm90_tma_lora<") for k in kinds) == 2)
+    return stacked and not {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} & set(kinds)
+
+
+@pytest.mark.parametrize("variant", STACK_VARIANTS)
+@pytest.mark.parametrize("max_rank, parts", [(16, 1), (16, 2), (5, 1)])
+def test_stacked_awkward_n(max_rank, parts, variant, rng, monkeypatch):
+    """The stacked form at N 300 and 1100 (past the one-block sort; below it today's kernels), ids -1
+    mixed with four adapters of ranks max_rank, 3, 1 and 2 (the last on two experts only), the
+    output poisoned first, judged against the reference; then ids past the slots (base rows and an
+    error bit)."""
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _stacked_layer(monkeypatch, cfg, hw, max_rank, parts, variant)
+    adapters = _ranked_adapters(cfg, rng, max_rank)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    for n in (67, 300, 1100):
+        assert _prefill_uses_stacked(layer, n, max_rank) == (n * cfg.num_experts_per_tok > 1024)
+        _judge_ranked(layer, cfg, hw, rng, adapters, n, f"stacked {variant} r{max_rank} parts {parts}")
+    layer.check_errors()
+    _judge_id_past_slots(layer, cfg, hw, rng, adapters, f"stacked {variant} r{max_rank} parts {parts}")
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_stacked_one_expert_takes_most_rows(parts, rng, monkeypatch):
+    """Near-copies of one row: a few experts (and the shared expert's run) get ~all rows, tiles of
+    many LORA_SUB passes for the shrinks, many M tiles of one expert for the GEMMs."""
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _stacked_layer(monkeypatch, cfg, hw, 16, parts), _ranked_adapters(cfg, rng, 16)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    x, ids = _near_copies(cfg, hw, rng, adapters, 1000)
+    assert _prefill_uses_stacked(layer, x.shape[0], 16)
+    counts = np.bincount(reference.route(cfg, hw, x, lora=adapters, lora_ids=ids).ids.ravel(),
+                         minlength=cfg.num_experts)
+    assert counts.max() > 256
+    judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(x.shape[0], "prefill"),
+          f"stacked parts {parts}: one expert most rows", layer)
+
+
+def test_stacked_bext_packing(rng, monkeypatch):
+    """Each Bext on the device is lora_stack.stacked_b of the slots' B (every part's columns), after
+    set_lora of four adapters and after a clear (its columns zeros again, the others untouched)."""
+    from cupymoe import lora_stack
+
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    for parts in (1, 2):
+        layer = _stacked_layer(monkeypatch, cfg, hw, 5, parts)
+        for slot, lw in _ranked_adapters(cfg, rng, 5).items():
+            layer.set_lora(slot, lw)
+        for cleared in (None, 1):
+            if cleared is not None:
+                layer.clear_lora(cleared)
+            slots = layer._lora
+            for p in ("gate", "up", "down"):
+                b = slots._arrays[f"lora_{p}_b"].get()  # [K, S, out, R] bf16 bits
+                want = lora_stack.stacked_b(b, parts).reshape(-1, slots.stack_width)
+                np.testing.assert_array_equal(slots._stacked[f"lora_{p}_bx"].get(), want, err_msg=f"{p} {cleared}")
+
+
+def test_stacked_without_adapters_is_the_base_layer(rng, monkeypatch):
+    """Ids all -1 and an empty slot: T is zeros, so the extra K adds exact zeros to every
+    accumulator: the base plan's values (and the router's zero delta leaves the logits)."""
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _stacked_layer(monkeypatch, cfg, hw, 16, 1)
+    layer.set_lora(0, random_lora(cfg, rng, rank=4, targets=ALL_TARGETS))
+    for n in (300, 1100):
+        assert _prefill_uses_stacked(layer, n, 16)
+        x = testing.random_input(rng, n, cfg.hidden_size)
+        base = run(layer, x, None, "prefill")
+        for ids in (np.full(n, -1), np.full(n, 2)):  # slot 2 was never filled
+            np.testing.assert_array_equal(run(layer, x, ids, "prefill"), base)  # -0 == +0
+
+
+def test_stacked_graph_captured_before_set_lora(rng, monkeypatch):
+    """A graph captured with empty slots replays the adapters set after it (Bext's columns filled in
+    place), equal to the eager forward bit for bit; cleared again, slot 1's rows get the base layer."""
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _stacked_layer(monkeypatch, cfg, hw, 16, 1), _ranked_adapters(cfg, rng, 16)
+    n = 1100
+    assert _prefill_uses_stacked(layer, n, 16)
+    ids = rng.integers(-1, 4, n).astype(np.int32)
+    x = separated_input(cfg, hw, rng, n, adapters, ids, also_base=True)
+    s, out, graph, _inputs = _captured_prefill(layer, x, ids)
+    _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, "prefill", "stacked replay")
