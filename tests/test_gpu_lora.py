@@ -604,7 +604,6 @@ def test_grouped_deltas_split_grid(family, rng):
 # ~0.3-0.5 of its map's output) or kept to ~2^-17 (parts 2). The judge and its tolerances are the
 # grouped deltas' own.
 
-STACK_VARIANTS = ("auto", "tma", "tma_wide", "tma_192")  # auto: gather_wide gate/up, tma_192 down
 
 
 def _stacked_layer(monkeypatch, cfg, hw, max_rank, parts, variant="auto", **kw):
@@ -628,10 +627,10 @@ def _prefill_uses_stacked(layer, n, max_rank):
     return stacked and not {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} & set(kinds)
 
 
-@pytest.mark.parametrize("variant", STACK_VARIANTS)
-@pytest.mark.parametrize("max_rank, parts", [(16, 1), (16, 2), (5, 1)])
-def test_stacked_awkward_n(max_rank, parts, variant, rng, monkeypatch):
-    """The stacked form at N 300 and 1100 (past the one-block sort; below it today's kernels), ids -1
+@pytest.mark.parametrize("variant, max_rank, parts", [("auto", 16, 1), ("auto", 16, 2), ("auto", 5, 1),
+                                                     ("tma", 16, 1), ("tma_wide", 16, 2), ("tma_192", 5, 1)])
+def test_stacked_awkward_n(variant, max_rank, parts, rng, monkeypatch):
+    """The stacked form on each TMA variant (auto: gather_wide gate/up, tma_192 down) at N 300 and 1100 (past the one-block sort; below it today's kernels), ids -1
     mixed with four adapters of ranks max_rank, 3, 1 and 2 (the last on two experts only), the
     output poisoned first, judged against the reference; then ids past the slots (base rows and an
     error bit)."""

@@ -250,3 +250,47 @@ def test_lora_maps_span_t_and_bext():
     from cupymoe.catalog import GemmMode
     assert (bg, bu, bdn) == (lp.sm90[GemmMode.GATE_UP].bn // 2, lp.sm90[GemmMode.GATE_UP].bn // 2,
                              lp.sm90[GemmMode.DOWN].bn)
+
+
+def _kernel_params(src: str, name: str) -> list[tuple[str, str]]:
+    """(name, kind) of each parameter of __global__ `name` in `src` (kind: ptr, int, float),
+    GEMM_ARGS expanded from gemm_common.cuh."""
+    import re
+
+    m = re.search(r"__global__[^;{]*?\b" + name + r"\(([^)]*)\)\s*\{", src, re.S)
+    assert m, name
+    params = m.group(1)
+    if "GEMM_ARGS" in params:
+        common = (jit.kernel_dir() / "gemm_common.cuh").read_text()
+        body = re.search(r"#define GEMM_ARGS\s+(.*?)\n#define", common, re.S).group(1).replace("\\", " ")
+        params = params.replace("GEMM_ARGS", body)
+    out = []
+    for p in params.split(","):
+        p = " ".join(p.split())
+        ident = re.findall(r"\w+", p)[-1]
+        out.append((ident, "ptr" if "*" in p else "float" if p.startswith("float") else "int"))
+    return out
+
+
+def test_stacked_launches_match_the_kernels_parameters():
+    """Each stacked-form launch passes the kernel's parameters in order, by name and by kind (u64 for a
+    pointer, i32 for an int, f32 for a float): NVRTC cannot check what the plan packs."""
+    from cupymoe.plan import ArgType
+
+    kinds = {ArgType.U64: "ptr", ArgType.I32: "int", ArgType.F32: "float"}
+    srcs = {"lora_stack_t": (jit.kernel_dir() / "lora.cu").read_text(),
+            "grouped_gemm_sm90_tma_lora": (jit.kernel_dir() / "grouped_sm90_tma.cu").read_text()}
+    seen = set()
+    for preset in ("qwen3-30b-a3b", "deepseek-v3"):
+        plan = _plans(preset, 1100, 1)[3]
+        for s in plan.steps:
+            k = getattr(s, "kernel", "")
+            base = k.split("<")[0]
+            src = next((v for p, v in srcs.items() if base.startswith(p)), None)
+            if src is None:
+                continue
+            seen.add(base)
+            want = _kernel_params(src, base)
+            got = [(a.name, kinds[a.type]) for a in s.args]
+            assert got == want, k
+    assert seen == {"lora_stack_t_gate_up", "lora_stack_t_down", "grouped_gemm_sm90_tma_lora"}
