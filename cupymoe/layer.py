@@ -140,7 +140,7 @@ class MoeLayer:
         self._graphs: dict[PackedPlan, Optional[PlanGraph]] = {}  # None: the plan launches step by step
         self._capture_status = CaptureStatus()
         self._checked: tuple = (None, None)  # (arguments, what _check_call made of them) of the last forward
-        self._lora_plans: dict[tuple, PackedPlan] = {}  # (path asked, N) -> its LoRA plan
+        self._lora_plans: dict[tuple, PackedPlan] = {}  # (path asked, N, separated) -> its LoRA plan
 
     def with_workspace(self, workspace: Workspace) -> "MoeLayer":
         """This layer on another workspace (e.g. a second stream's): the same weights, its own scratch."""
@@ -303,16 +303,21 @@ class MoeLayer:
         return self._lora
 
     def _lora_forward(self, x: int, n: int, out: int, stream: int, token_ids: int, lora_ids: int, path) -> None:
-        """A forward with per-row adapters: the LoRA plan variant (built once per (path, N)), run
-        unobserved (no stage ranges or dumps yet)."""
+        """A forward with per-row adapters: the LoRA plan variant (built once per (path, N)); watched
+        (NVTX, stage events, profile, dumps) as a base forward is."""
         slots = self._lora_slots("forward(lora_ids_ptr=...)")
-        packed = self._lora_plans.get((path, n))
+        observed = self._watched or profiling.observed()
+        separated = observed and (self._profile or profiling.recording_events())
+        key = (path, n, separated)
+        packed = self._lora_plans.get(key)
         if packed is None:
             p = Path(self.select_path(n, path))
-            plan = build_forward_plan(self.plan, self.device, n, p,
+            plan = build_forward_plan(self.plan, self.device, n, p, separated=separated,
                                       lora=LoraShape(slots.max_loras, slots.max_rank, self._lora_experts))
-            packed = self._lora_plans[(path, n)] = PackedPlan(plan, self._resolve, self.lib.pointer, self._reduce())
+            packed = self._lora_plans[key] = PackedPlan(plan, self._resolve, self.lib.pointer, self._reduce())
         packed.set_call_value(CallValue.LORA_IDS, lora_ids)
+        if observed:
+            return self._run_observed(packed, x, n, out, stream, token_ids)
         self.workspace.use(stream)
         packed.run(x, out, token_ids, n, stream)
         self.workspace.done(stream)
@@ -335,6 +340,11 @@ class MoeLayer:
     def _observed_forward(self, x: int, n: int, out: int, stream: int, token_ids: int, path) -> None:
         """A forward whose stages something watches: NVTX ranges, stage events, profile syncs, dumps,
         the red zones (filled before the launches)."""
+        separated = self._profile or profiling.recording_events()
+        self._run_observed(self.plan_for(n, path, separated=separated), x, n, out, stream, token_ids)
+
+    def _run_observed(self, packed: PackedPlan, x: int, n: int, out: int, stream: int, token_ids: int) -> None:
+        """`packed` stage by stage, each stage in its NVTX range (and events / profile syncs)."""
         from .debug import cupy_stream, dump_forward
 
         debug = self._profile or self._dump_dir is not None
@@ -342,8 +352,6 @@ class MoeLayer:
         if debug and s.is_capturing():
             raise MoeCallError("CUPYMOE_PROFILE / CUPYMOE_DUMP_DIR synchronise the stream; unset them while "
                                "capturing a graph")
-        separated = self._profile or profiling.recording_events()
-        packed = self.plan_for(n, path, separated=separated)
         self.workspace.use(stream)
         guard.arm_zones(self.scratch.zones, stream)
         packed.prepare(x, out, token_ids, n, stream)
