@@ -244,3 +244,28 @@ def test_swapab_gate_up_stores_act_pair(path):
     assert any(s in body for s in _PAIR_STORES), "decode_swapab_gate_up ignores ACT_PAIR"
     assert "apply_activation(" not in body
 
+
+def test_row_invariant_per_pair_deltas_do_not_split_with_n():
+    """A row-invariant layer past the grouped kernels' ranks (shared memory over
+    LORA_GROUPED_SMEM_MAX) runs the per-pair LoRA kernels at every prefill N; their slice count
+    sets the shrink's summation order (lora_slice, then the slices added in order), so it must
+    not change with N (review: 16 slices at N = 1, 11 at N = 100, 1 at N = 2000 for H = 2048,
+    rank 64; a row's bits then depended on the other rows)."""
+    import dataclasses
+    cfg = dataclasses.replace(testing.tiny_config("qwen3_moe"), hidden_size=2048)
+    rank = 64
+    assert lora_grouped_smem(rank, True) > LORA_GROUPED_SMEM_MAX
+    shape = LoraShape(max_loras=3, max_rank=rank, experts=True)
+    for ri in (True, False):
+        lp = plan_layer(cfg, "bf16", None, H200.arch, options=LayerOptions(row_invariant=ri), knobs=Knobs())
+        grids = {}
+        for n in (1, 3, 100, 2000):
+            plan = build_forward_plan(lp, H200, n, Path.PREFILL, lora=shape).at(n)
+            for s in plan.steps:
+                if getattr(s, "kernel", "") in ("lora_router_delta", "lora_gate_up_act", "lora_down_delta"):
+                    grids.setdefault(s.kernel, set()).add(s.grid[1])
+        assert set(grids) == {"lora_router_delta", "lora_gate_up_act", "lora_down_delta"}
+        if ri:
+            assert all(ys == {1} for ys in grids.values()), grids
+        else:  # elsewhere the split stays (bits may differ by N off row_invariant)
+            assert max(grids["lora_router_delta"]) > 1
