@@ -34,6 +34,11 @@ from .workspace import GUARD_BYTES, ScratchView, Workspace, WorkspaceNeed, layer
 log = logging.getLogger(__name__)
 
 _UNTRIED = object()  # a plan whose forward graph was not captured yet
+# the tensor-map tables a plan's kernels may read, by buffer name: (plan, weight tables' pointers,
+# scratch) -> the table's bytes
+MAP_TABLES = {"tma_maps": tma.layer_table,
+              "swapab_maps": lambda plan, ptrs, scratch: tma.swapab_table(plan, ptrs),
+              "fp8_maps": tma.fp8_table}
 
 
 class MoeLayer:
@@ -121,18 +126,10 @@ class MoeLayer:
         plan, need = layer_need(self.plan, self.max_tokens, self._guard, self._lora_experts, self._lora_rank)
         ws.check_fits(need, f"a {self.cfg.model_type or 'MoE'} layer at max_tokens={self.max_tokens}")
         self.workspace, self.scratch = ws, ScratchView.on(plan, ws, layer_tickets_offset(self.plan))
-        self._tma_maps = None
-        if self.plan.tma:
-            import cupy
-
-            ptrs = {p: self.weights.tables[p].get() for p in ("gate", "up", "down")}
-            self._tma_maps = cupy.asarray(np.frombuffer(tma.layer_table(self.plan, ptrs, self.scratch), np.uint8))
-        self._swapab_maps = None
-        if self.plan.swapab_chosen:
-            self._swapab_maps = self._encode_swapab_maps()
-        self._fp8_maps = None
-        if self.plan.fp8_tma_chosen:
-            self._fp8_maps = self._encode_fp8_maps()
+        # the tensor-map tables of the kernels the plan picks, encoded now; others on first use
+        self._maps = {name: self._encode_maps(name) for name, chosen in
+                      (("tma_maps", self.plan.tma), ("swapab_maps", self.plan.swapab_chosen),
+                       ("fp8_maps", self.plan.fp8_tma_chosen)) if chosen}
         self._packed: dict[tuple, PackedPlan] = {}  # (path, row count or prefill shape, separated)
         self._by_n: dict[tuple, PackedPlan] = {}  # (path asked, N) -> its plan, for the fast lookup
         self._experts_packed: dict[tuple, PackedPlan] = {}  # the experts-only entry's plans (cupymoe/experts.py)
@@ -155,33 +152,21 @@ class MoeLayer:
             return self.scratch.ptr(buf.name)
         if buf.name == "err":
             return int(self._err.data.ptr)
-        if buf.name == "tma_maps":
-            return int(self._tma_maps.data.ptr)
-        if buf.name == "swapab_maps":
-            if self._swapab_maps is None:  # a plan forced to the swap-AB decode after construction (tune)
-                self._swapab_maps = self._encode_swapab_maps()
-            return int(self._swapab_maps.data.ptr)
-        if buf.name == "fp8_maps":
-            if self._fp8_maps is None:  # a plan forced to the w8a8 TMA GEMM after construction (tune)
-                self._fp8_maps = self._encode_fp8_maps()
-            return int(self._fp8_maps.data.ptr)
+        if buf.name in MAP_TABLES:
+            maps = self._maps.get(buf.name)
+            if maps is None:  # a plan forced onto these kernels after construction (tune)
+                maps = self._maps[buf.name] = self._encode_maps(buf.name)
+            return int(maps.data.ptr)
         if buf.name.startswith("lora_") and self._lora is not None:
             return self._lora.ptr(buf.name)
         raise KeyError(f"no buffer {buf}")
 
-    def _encode_swapab_maps(self):
-        """The swap-AB decode's weight maps (cupymoe/tma.py swapab_table) in device memory."""
+    def _encode_maps(self, name: str):
+        """One of the kernels' tensor-map tables (cupymoe/tma.py, MAP_TABLES) in device memory."""
         import cupy
 
         ptrs = {p: self.weights.tables[p].get() for p in ("gate", "up", "down")}
-        return cupy.asarray(np.frombuffer(tma.swapab_table(self.plan, ptrs), np.uint8))
-
-    def _encode_fp8_maps(self):
-        """The w8a8 TMA GEMM's maps (cupymoe/tma.py fp8_table) in device memory."""
-        import cupy
-
-        ptrs = {p: self.weights.tables[p].get() for p in ("gate", "up", "down")}
-        return cupy.asarray(np.frombuffer(tma.fp8_table(self.plan, ptrs, self.scratch), np.uint8))
+        return cupy.asarray(np.frombuffer(MAP_TABLES[name](self.plan, ptrs, self.scratch), np.uint8))
 
     # --- paths and plans -------------------------------------------------------------------
     @property
@@ -389,9 +374,7 @@ class MoeLayer:
         """The device memory this layer uses: its own weight copies, the caller's tensors it borrows,
         its tables and state, and its workspace (cupymoe/weights.py says what is borrowed)."""
         w = self.weights.memory
-        state = int(self._err.nbytes) + (0 if self._tma_maps is None else int(self._tma_maps.nbytes))
-        state += 0 if self._swapab_maps is None else int(self._swapab_maps.nbytes)
-        state += 0 if self._fp8_maps is None else int(self._fp8_maps.nbytes)
+        state = int(self._err.nbytes) + sum(int(m.nbytes) for m in self._maps.values())
         state += 0 if self._lora is None else self._lora.nbytes  # the adapters' slots
         return MemoryReport(w.owned, w.borrowed, w.tables, state, self.workspace_need().total_bytes,
                             self.workspace.nbytes)
