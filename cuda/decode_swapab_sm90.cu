@@ -250,7 +250,9 @@ decode_swapab_gate_up(DECODE_GATE_UP_ARGS, const u8* __restrict__ maps) {
             const int col = c0 + f.row, t = t0 + f.tok;
             if (col < I && t < w.len) {
                 const float gv = acc[0][i] + (bg ? bg[col] : 0.0f), uv = acc[1][i] + (bu ? bu[col] : 0.0f);
-                act[(size_t)(w.start + t) * I_max + col] = __float2bfloat16(apply_activation(act_code, gv, uv, alpha, limit));
+                // ACT_PAIR (a LoRA plan's gate/up): g and u side by side into lora_gu, as every
+                // non-w8a8 gate/up stores them (common.cuh store_gate_up); else act(g, u)
+                store_gate_up(act, (size_t)(w.start + t), col, I_max, act_code, gv, uv, alpha, limit);
             }
         }
     }

@@ -153,12 +153,15 @@ LORA_BLOCKS = LORA_TICKETS  # the per-pair kernels split items' shrinks while fe
 LORA_SLICE_MIN = 128  # input columns a slice takes at least
 
 
-def lora_slices(items: int, cols: int) -> int:
+def lora_slices(items: int, cols: int, row_invariant: bool = False) -> int:
     """Blocks a per-pair LoRA kernel splits each item's (pair's or row's) shrink over `cols`
     input columns into (its grid's y; cuda/lora.cu lora_slice): enough for about LORA_BLOCKS
     blocks, slices of LORA_SLICE_MIN columns at least; 1 from LORA_BLOCKS items (so fewer than
-    2 LORA_BLOCKS slices' sums ever sit in lora_part and fewer than LORA_BLOCKS tickets count)."""
-    if items >= LORA_BLOCKS:
+    2 LORA_BLOCKS slices' sums ever sit in lora_part and fewer than LORA_BLOCKS tickets count).
+    A row-invariant layer's are always 1: the slice count sets the shrink's summation order, and
+    it would change with N (its prefill plans take the per-pair kernels past the grouped
+    kernels' ranks, so a row's bits would depend on how many rows came with it)."""
+    if items >= LORA_BLOCKS or row_invariant:
         return 1
     return max(1, min(-(-cols // LORA_SLICE_MIN), -(-LORA_BLOCKS // max(items, 1))))
 LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16 (ACT_PAIR)
@@ -184,8 +187,9 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
                        lora_grouped_smem(lora.max_rank, False))
     else:
         H = cfg.hidden_size
-        slices = (lora_slices(rows, H) if isinstance(rows, int)
-                  else PerN("lora_router_slices", lambda n: lora_slices(n, H)))
+        ri = lp.row_invariant
+        slices = (lora_slices(rows, H, ri) if isinstance(rows, int)
+                  else PerN("lora_router_slices", lambda n: lora_slices(n, H, ri)))
         delta = Launch(Stage.ROUTER, "lora_router_delta", (rows, slices), (LORA_THREADS,),
                        args + slice_args + sizes, (lora.max_rank + LORA_RED) * 4)
     steps = list(plan.steps)
@@ -371,11 +375,12 @@ def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) ->
     rows = plan.built_for if exact else PerN("N", lambda n: n)
     pairs = plan.built_for * (k + sh) if exact else PerN("lora_pairs", lambda n: n * (k + sh))
     I_max = lp.i_max
+    ri = lp.row_invariant
     if exact:
-        gate_up_slices, down_slices = lora_slices(pairs, H), lora_slices(pairs, I_max)
+        gate_up_slices, down_slices = lora_slices(pairs, H, ri), lora_slices(pairs, I_max, ri)
     else:
-        gate_up_slices = PerN("lora_gate_up_slices", lambda n: lora_slices(n * (k + sh), H))
-        down_slices = PerN("lora_down_slices", lambda n: lora_slices(n * (k + sh), I_max))
+        gate_up_slices = PerN("lora_gate_up_slices", lambda n: lora_slices(n * (k + sh), H, ri))
+        down_slices = PerN("lora_down_slices", lambda n: lora_slices(n * (k + sh), I_max, ri))
     slice_args = (u64("part", S("lora_part")), u64("tickets", S("lora_tickets")))
     where = (u64("lora_ids", CallValue.LORA_IDS), u64("ids", S("topk_ids")), u64("pair_pos", S("pair_pos")),
              u64("slot_of", W("slot_of")), u64("inter", W("inter")))

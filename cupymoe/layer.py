@@ -34,6 +34,11 @@ from .workspace import GUARD_BYTES, ScratchView, Workspace, WorkspaceNeed, layer
 log = logging.getLogger(__name__)
 
 _UNTRIED = object()  # a plan whose forward graph was not captured yet
+# the tensor-map tables a plan's kernels may read, by buffer name: (plan, weight tables' pointers,
+# scratch, LoRA slots) -> the table's bytes
+MAP_TABLES = {"tma_maps": tma.layer_table,  # with the LoRA stacked form's maps where the slots have them
+              "swapab_maps": lambda plan, ptrs, scratch, lora: tma.swapab_table(plan, ptrs),
+              "fp8_maps": lambda plan, ptrs, scratch, lora: tma.fp8_table(plan, ptrs, scratch)}
 
 
 class MoeLayer:
@@ -124,19 +129,10 @@ class MoeLayer:
                                 self._lora_stack_ks)
         ws.check_fits(need, f"a {self.cfg.model_type or 'MoE'} layer at max_tokens={self.max_tokens}")
         self.workspace, self.scratch = ws, ScratchView.on(plan, ws, layer_tickets_offset(self.plan))
-        self._tma_maps = None
-        if self.plan.tma:
-            import cupy
-
-            ptrs = {p: self.weights.tables[p].get() for p in ("gate", "up", "down")}
-            self._tma_maps = cupy.asarray(np.frombuffer(tma.layer_table(self.plan, ptrs, self.scratch, self._lora),
-                                                        np.uint8))
-        self._swapab_maps = None
-        if self.plan.swapab_chosen:
-            self._swapab_maps = self._encode_swapab_maps()
-        self._fp8_maps = None
-        if self.plan.fp8_tma_chosen:
-            self._fp8_maps = self._encode_fp8_maps()
+        # the tensor-map tables of the kernels the plan picks, encoded now; others on first use
+        self._maps = {name: self._encode_maps(name) for name, chosen in
+                      (("tma_maps", self.plan.tma), ("swapab_maps", self.plan.swapab_chosen),
+                       ("fp8_maps", self.plan.fp8_tma_chosen)) if chosen}
         self._packed: dict[tuple, PackedPlan] = {}  # (path, row count or prefill shape, separated)
         self._by_n: dict[tuple, PackedPlan] = {}  # (path asked, N) -> its plan, for the fast lookup
         self._experts_packed: dict[tuple, PackedPlan] = {}  # the experts-only entry's plans (cupymoe/experts.py)
@@ -144,7 +140,7 @@ class MoeLayer:
         self._graphs: dict[PackedPlan, Optional[PlanGraph]] = {}  # None: the plan launches step by step
         self._capture_status = CaptureStatus()
         self._checked: tuple = (None, None)  # (arguments, what _check_call made of them) of the last forward
-        self._lora_plans: dict[tuple, PackedPlan] = {}  # (path asked, N) -> its LoRA plan
+        self._lora_plans: dict[tuple, PackedPlan] = {}  # (path asked, N, separated) -> its LoRA plan
 
     def with_workspace(self, workspace: Workspace) -> "MoeLayer":
         """This layer on another workspace (e.g. a second stream's): the same weights, its own scratch."""
@@ -159,33 +155,21 @@ class MoeLayer:
             return self.scratch.ptr(buf.name)
         if buf.name == "err":
             return int(self._err.data.ptr)
-        if buf.name == "tma_maps":
-            return int(self._tma_maps.data.ptr)
-        if buf.name == "swapab_maps":
-            if self._swapab_maps is None:  # a plan forced to the swap-AB decode after construction (tune)
-                self._swapab_maps = self._encode_swapab_maps()
-            return int(self._swapab_maps.data.ptr)
-        if buf.name == "fp8_maps":
-            if self._fp8_maps is None:  # a plan forced to the w8a8 TMA GEMM after construction (tune)
-                self._fp8_maps = self._encode_fp8_maps()
-            return int(self._fp8_maps.data.ptr)
+        if buf.name in MAP_TABLES:
+            maps = self._maps.get(buf.name)
+            if maps is None:  # a plan forced onto these kernels after construction (tune)
+                maps = self._maps[buf.name] = self._encode_maps(buf.name)
+            return int(maps.data.ptr)
         if buf.name.startswith("lora_") and self._lora is not None:
             return self._lora.ptr(buf.name)
         raise KeyError(f"no buffer {buf}")
 
-    def _encode_swapab_maps(self):
-        """The swap-AB decode's weight maps (cupymoe/tma.py swapab_table) in device memory."""
+    def _encode_maps(self, name: str):
+        """One of the kernels' tensor-map tables (cupymoe/tma.py, MAP_TABLES) in device memory."""
         import cupy
 
         ptrs = {p: self.weights.tables[p].get() for p in ("gate", "up", "down")}
-        return cupy.asarray(np.frombuffer(tma.swapab_table(self.plan, ptrs), np.uint8))
-
-    def _encode_fp8_maps(self):
-        """The w8a8 TMA GEMM's maps (cupymoe/tma.py fp8_table) in device memory."""
-        import cupy
-
-        ptrs = {p: self.weights.tables[p].get() for p in ("gate", "up", "down")}
-        return cupy.asarray(np.frombuffer(tma.fp8_table(self.plan, ptrs, self.scratch), np.uint8))
+        return cupy.asarray(np.frombuffer(MAP_TABLES[name](self.plan, ptrs, self.scratch, self._lora), np.uint8))
 
     # --- paths and plans -------------------------------------------------------------------
     @property
@@ -312,17 +296,22 @@ class MoeLayer:
         return self._lora
 
     def _lora_forward(self, x: int, n: int, out: int, stream: int, token_ids: int, lora_ids: int, path) -> None:
-        """A forward with per-row adapters: the LoRA plan variant (built once per (path, N)), run
-        unobserved (no stage ranges or dumps yet)."""
+        """A forward with per-row adapters: the LoRA plan variant (built once per (path, N)); watched
+        (NVTX, stage events, profile, dumps) as a base forward is."""
         slots = self._lora_slots("forward(lora_ids_ptr=...)")
-        packed = self._lora_plans.get((path, n))
+        observed = self._watched or profiling.observed()
+        separated = observed and (self._profile or profiling.recording_events())
+        key = (path, n, separated)
+        packed = self._lora_plans.get(key)
         if packed is None:
             p = Path(self.select_path(n, path))
-            plan = build_forward_plan(self.plan, self.device, n, p,
+            plan = build_forward_plan(self.plan, self.device, n, p, separated=separated,
                                       lora=LoraShape(slots.max_loras, slots.max_rank, self._lora_experts,
                                                      slots.stack_parts))
-            packed = self._lora_plans[(path, n)] = PackedPlan(plan, self._resolve, self.lib.pointer, self._reduce())
+            packed = self._lora_plans[key] = PackedPlan(plan, self._resolve, self.lib.pointer, self._reduce())
         packed.set_call_value(CallValue.LORA_IDS, lora_ids)
+        if observed:
+            return self._run_observed(packed, x, n, out, stream, token_ids)
         self.workspace.use(stream)
         packed.run(x, out, token_ids, n, stream)
         self.workspace.done(stream)
@@ -345,6 +334,11 @@ class MoeLayer:
     def _observed_forward(self, x: int, n: int, out: int, stream: int, token_ids: int, path) -> None:
         """A forward whose stages something watches: NVTX ranges, stage events, profile syncs, dumps,
         the red zones (filled before the launches)."""
+        separated = self._profile or profiling.recording_events()
+        self._run_observed(self.plan_for(n, path, separated=separated), x, n, out, stream, token_ids)
+
+    def _run_observed(self, packed: PackedPlan, x: int, n: int, out: int, stream: int, token_ids: int) -> None:
+        """`packed` stage by stage, each stage in its NVTX range (and events / profile syncs)."""
         from .debug import cupy_stream, dump_forward
 
         debug = self._profile or self._dump_dir is not None
@@ -352,8 +346,6 @@ class MoeLayer:
         if debug and s.is_capturing():
             raise MoeCallError("CUPYMOE_PROFILE / CUPYMOE_DUMP_DIR synchronise the stream; unset them while "
                                "capturing a graph")
-        separated = self._profile or profiling.recording_events()
-        packed = self.plan_for(n, path, separated=separated)
         self.workspace.use(stream)
         guard.arm_zones(self.scratch.zones, stream)
         packed.prepare(x, out, token_ids, n, stream)
@@ -391,9 +383,7 @@ class MoeLayer:
         """The device memory this layer uses: its own weight copies, the caller's tensors it borrows,
         its tables and state, and its workspace (cupymoe/weights.py says what is borrowed)."""
         w = self.weights.memory
-        state = int(self._err.nbytes) + (0 if self._tma_maps is None else int(self._tma_maps.nbytes))
-        state += 0 if self._swapab_maps is None else int(self._swapab_maps.nbytes)
-        state += 0 if self._fp8_maps is None else int(self._fp8_maps.nbytes)
+        state = int(self._err.nbytes) + sum(int(m.nbytes) for m in self._maps.values())
         state += 0 if self._lora is None else self._lora.nbytes  # the adapters' slots
         return MemoryReport(w.owned, w.borrowed, w.tables, state, self.workspace_need().total_bytes,
                             self.workspace.nbytes)

@@ -90,14 +90,15 @@ _libcuda = None
 
 
 def _record_external(event, stream) -> None:
-    """cuEventRecordWithFlags(..., CU_EVENT_RECORD_EXTERNAL): inside stream capture a plain
-    event record only orders streams; the external flag makes it a real record node, so
-    the event's time can be read after each replay of the graph."""
+    """cuEventRecordWithFlags(..., CU_EVENT_RECORD_EXTERNAL) under capture: there a plain event
+    record only orders streams; the external flag makes it a real record node, so the event's
+    time can be read after each replay of the graph. Outside capture the flag is invalid (the
+    driver refuses it), so an eager forward records plainly."""
     global _libcuda
     if _libcuda is None:
         _libcuda = ctypes.CDLL("libcuda.so.1")
         _libcuda.cuEventRecordWithFlags.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-    rc = _libcuda.cuEventRecordWithFlags(event.ptr, stream.ptr, 1)
+    rc = _libcuda.cuEventRecordWithFlags(event.ptr, stream.ptr, 1 if stream.is_capturing() else 0)
     if rc != 0:
         raise LaunchError(f"cuEventRecordWithFlags failed with CUresult {rc}")
 

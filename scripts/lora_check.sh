@@ -30,6 +30,7 @@ forced() {
 }
 forced twin_wgmma CUPYMOE_MATH_ROWS=1 CUPYMOE_SM90_VARIANT=twin CUPYMOE_FP4_DECODE=wgmma
 forced cores CUPYMOE_FP4_DECODE=cores CUPYMOE_FP8_DECODE=cores
+forced swapab CUPYMOE_DECODE_KERNEL=swapab  # bf16 decode by the swap-AB kernel (ACT_PAIR into lora_gu)
 
 bench() {
   local preset=$1 fmt=$2

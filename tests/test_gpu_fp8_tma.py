@@ -119,7 +119,7 @@ def test_a_plan_forced_after_construction_encodes_the_maps(rng, monkeypatch):
 
     monkeypatch.setenv("CUPYMOE_SM90_FP8_VARIANT", "auto")
     cfg, hw, layer = _case("qwen3_moe-H528-I656", rng)
-    assert not layer.plan.fp8_tma_chosen and layer._fp8_maps is None
+    assert not layer.plan.fp8_tma_chosen and layer._maps.get("fp8_maps") is None
     n = 1100
     layer.plan = tune.forced(layer.plan, n, Choice("prefill", sm90_fp8="tma"))
     layer._packed.clear()
@@ -127,4 +127,4 @@ def test_a_plan_forced_after_construction_encodes_the_maps(rng, monkeypatch):
     assert all(k.startswith("grouped_gemm_sm90_fp8_tma<") for k in _expert_kernels(layer, n))
     x = well_separated_input(cfg, hw, rng, n)
     c = check(run_layer(layer, x, "prefill"), cfg, hw, x, "prefill", layer=layer)
-    assert c.ok and layer._fp8_maps is not None, f"N={n}: {c}"
+    assert c.ok and layer._maps.get("fp8_maps") is not None, f"N={n}: {c}"

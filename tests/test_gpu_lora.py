@@ -173,6 +173,27 @@ def test_no_ids_and_base_ids_are_the_base_bits(rng):
         assert c.normwise <= verify.EXACT_NORMWISE, f"{path} N={n}: {c}"
 
 
+def test_a_watched_lora_forward_records_its_stages_and_keeps_the_bits(rng):
+    """Stage events (bench --stages, NVTX tools) watch a LoRA forward as they watch a base one:
+    the separated plan (no PDL between stages) gives the same bits and a time for every stage."""
+    from cupymoe.profiling import record_stage_events
+
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _layer(cfg, hw)
+    layer.set_lora(0, random_lora(cfg, rng, rank=4, targets=ALL_TARGETS))
+    for path, n in (("decode", 5), ("prefill", 200)):
+        x = testing.random_input(rng, n, cfg.hidden_size)
+        ids = np.where(np.arange(n) % 2 == 0, 0, -1)
+        plain = run(layer, x, ids, path)
+        events: list = []
+        with record_stage_events(events):
+            watched = run(layer, x, ids, path)
+        np.testing.assert_array_equal(watched.view(np.uint32), plain.view(np.uint32))
+        stages = [st for st, _, _ in events]
+        assert {"router", "gate_up", "down", "reduce"} <= set(stages), f"{path} N={n}: {stages}"
+
+
 def test_graph_captured_before_set_lora_replays_the_new_adapter(rng):
     import cupy
 

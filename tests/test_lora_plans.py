@@ -205,3 +205,67 @@ def test_grouped_split_counts():
     LORA_DOWN_SLICE columns at least, at most LORA_DOWN_SLICES_MAX."""
     assert [lora_chunk_blocks(k) for k in (1, 4, 5, 16)] == [4, 4, 8, 8]
     assert [lora_down_slices(h) for h in (64, 776, 1024, 2048, 4096, 7168)] == [1, 1, 2, 4, 4, 4]
+
+
+# Every gate/up family a LoRA plan launches with ACT_PAIR must store g and u side by side into
+# lora_gu (common.cuh store_gate_up, or with_activation<true> in the GEMM epilogues); a kernel
+# that ran apply_activation(ACT_PAIR, ..) would store silu(g) u at act's stride instead, and
+# lora_gate_up_act would read garbage as g and u.
+_PAIR_STORES = ("store_gate_up(", "store_gate_up_act<", "emit_wgmma_rows<", "with_activation<true>")
+
+
+def _kernel_body(src: str, name: str) -> str:
+    """The text of __global__ kernel `name` in `src`, up to the next __global__ (its own body)."""
+    at = src.index(f"\n{name}(")
+    end = src.find("__global__", at)
+    return src[at:end if end > 0 else len(src)]
+
+
+@pytest.mark.parametrize("path", [Path.DECODE, Path.ATOMIC])
+def test_swapab_gate_up_stores_act_pair(path):
+    """The bf16 swap-AB decode (chosen by CUPYMOE_DECODE_KERNEL=swapab or a by_shape row, N = 16-128
+    on the measured shapes) serves LoRA plans too: its gate/up gets ACT_PAIR and lora_gu as
+    `act`, so its epilogue must store through store_gate_up (review: it called apply_activation
+    with code 4, silu(g) u at stride I_max, so every LoRA forward on those cells was wrong)."""
+    import dataclasses
+    from pathlib import Path as FsPath
+
+    from cupymoe.knobs import Bf16Decode
+    cfg = testing.tiny_config("qwen3_moe")
+    lp = plan_layer(cfg, "bf16", None, H200.arch, options=LayerOptions(decode_max_tokens=64),
+                    knobs=dataclasses.replace(Knobs(), decode_kernel=Bf16Decode.SWAPAB))
+    plan = build_forward_plan(lp, H200, 32, path, lora=EXPERTS).at(32)
+    gemms = _gate_up_gemms(plan)
+    assert gemms and all(g.kernel.startswith("decode_swapab_gate_up<") for g in gemms)
+    for g in gemms:
+        assert g.arg("act_code") == int(Activation.PAIR) and g.arg("act") == Buf(Space.SCRATCH, "lora_gu")
+    src = (FsPath(jit.__file__).resolve().parent.parent / "cuda" / "decode_swapab_sm90.cu").read_text()
+    body = _kernel_body(src, "decode_swapab_gate_up")
+    assert any(s in body for s in _PAIR_STORES), "decode_swapab_gate_up ignores ACT_PAIR"
+    assert "apply_activation(" not in body
+
+
+def test_row_invariant_per_pair_deltas_do_not_split_with_n():
+    """A row-invariant layer past the grouped kernels' ranks (shared memory over
+    LORA_GROUPED_SMEM_MAX) runs the per-pair LoRA kernels at every prefill N; their slice count
+    sets the shrink's summation order (lora_slice, then the slices added in order), so it must
+    not change with N (review: 16 slices at N = 1, 11 at N = 100, 1 at N = 2000 for H = 2048,
+    rank 64; a row's bits then depended on the other rows)."""
+    import dataclasses
+    cfg = dataclasses.replace(testing.tiny_config("qwen3_moe"), hidden_size=2048)
+    rank = 64
+    assert lora_grouped_smem(rank, True) > LORA_GROUPED_SMEM_MAX
+    shape = LoraShape(max_loras=3, max_rank=rank, experts=True)
+    for ri in (True, False):
+        lp = plan_layer(cfg, "bf16", None, H200.arch, options=LayerOptions(row_invariant=ri), knobs=Knobs())
+        grids = {}
+        for n in (1, 3, 100, 2000):
+            plan = build_forward_plan(lp, H200, n, Path.PREFILL, lora=shape).at(n)
+            for s in plan.steps:
+                if getattr(s, "kernel", "") in ("lora_router_delta", "lora_gate_up_act", "lora_down_delta"):
+                    grids.setdefault(s.kernel, set()).add(s.grid[1])
+        assert set(grids) == {"lora_router_delta", "lora_gate_up_act", "lora_down_delta"}
+        if ri:
+            assert all(ys == {1} for ys in grids.values()), grids
+        else:  # elsewhere the split stays (bits may differ by N off row_invariant)
+            assert max(grids["lora_router_delta"]) > 1

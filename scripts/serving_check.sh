@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 39's measurement in one device call: vLLM timed beside us, then the tune sweep, then the table.
+#   1. vLLM's compute-only bf16 time and its fp8 GEMMs (the shared peers' peer_bench.py /
+#      peer_bench_fp8.py) for PEER_PRESETS at N = 16-2048;
+#   2. `python -m cupymoe tune` of PRESETS in bf16 and fp8_block at the same N (apply its rows
+#      here with `python -m cupymoe tune --apply FILE`);
+#   3. scripts/serving_table.py over both: each cell's plan, µs, x floor and vs vLLM.
+# Needs .peer/ (ignored, carried to the GPU machine): vllm_kernel.py and configs/ from the shared
+# get_vllm_kernel.sh, and peer_bench.py, peer_bench_fp8.py copied beside them.
+#
+#   OUT=/tmp/out bash scripts/serving_check.sh
+#   OUT=/tmp/out PRESETS="qwen3-30b-a3b" PEER_PRESETS="qwen3-30b-a3b" bash scripts/serving_check.sh
+set -u
+OUT=${OUT:?set OUT to a folder for the results}
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PEER_DIR=${PEER_DIR:-$PWD/.peer}
+PRESETS=${PRESETS:-"qwen3-30b-a3b deepseek-v3 mixtral-8x7b qwen3-next-80b qwen3-235b-a22b gpt-oss-120b"}
+PEER_PRESETS=${PEER_PRESETS:-"qwen3-30b-a3b deepseek-v3"}
+T=${TOKENS:-"16 32 64 128 256 512 1024 2048"}
+mkdir -p "$OUT"
+shapes=${PEER_PRESETS// /,}
+(cd "$OUT" && OUT=$OUT timeout 150 python3 "$PEER_DIR/peer_bench.py" --shapes "$shapes" --tokens "${T// /,}" \
+  --impls vllm_compute_only > "$OUT/peer.log" 2>&1)
+echo "vLLM bf16 rc $?"
+(cd "$OUT" && OUT=$OUT FP8_SHAPES=$shapes FP8_TOKENS=${T// /,} timeout 120 python3 "$PEER_DIR/peer_bench_fp8.py" \
+  > "$OUT/peer_fp8.log" 2>&1)
+echo "vLLM fp8 rc $?"
+timeout 400 python3 -m cupymoe tune --preset $PRESETS --format bf16 fp8_block --tokens $T --json "$OUT/tune.json" \
+  > "$OUT/tune.log" 2>&1
+echo "tune rc $?"
+python3 scripts/serving_table.py "$OUT/tune.json" --peers "$OUT/peer.json" "$OUT/peer_fp8.json" | tee "$OUT/table.md" | tail -30
