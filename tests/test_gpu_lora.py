@@ -12,13 +12,15 @@ an fp32 delta to fp32 logits, far inside them). Rows whose LoRA routing is a nea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 
 from _lora import ALL_TARGETS, merged, random_lora
 from cupymoe import reference, testing, verify
 from cupymoe.errors import LoraError, MoeCallError
-from cupymoe.lora import LoraTarget, LoraWeights
+from cupymoe.lora import LoraModule, LoraTarget, LoraWeights
 from cupymoe.verify import ROUTING_MARGIN, bf16_bits, bits_to_f32, check
 
 pytestmark = pytest.mark.gpu
@@ -77,20 +79,25 @@ def run(layer, x, ids, path=None, stream=None):
 # and u before the gate / up deltas), and on the grouped path round each term again after
 # down's delta: verify's accounting (module docstring), one ~1.6e-3 rms rounding each.
 LORA_PLAN_ROUNDINGS = {"decode": 2, "grouped": 3}
+# The stacked form (CUPYMOE_LORA_IN_GEMM) adds the expert deltas in the GEMMs' fp32 accumulators,
+# so it stores what the base plan stores; its one more rounding is s t's in T (the delta's only).
+STACKED_ROUNDINGS = 1
 
 
 def judge(out, cfg, hw, x, ids, adapters, taken, what, layer=None):
     """`out` of the forward just run (call before the layer runs again: the grouped path's check
     reads its stored activation) against the exact layer with the rows' adapters and the faithful
-    one of the LoRA plan (reference.moe_forward(lora_plan=True)), by verify.compare's rule with
-    LORA_PLAN_ROUNDINGS more roundings in the exact envelope; the envelope's cancellation terms
+    one of the LoRA plan (reference.moe_forward(lora_plan=True); the stacked form's: the base
+    plan's stores, s t rounded as T holds it), by verify.compare's rule with LORA_PLAN_ROUNDINGS
+    (STACKED_ROUNDINGS) more roundings in the exact envelope; the envelope's cancellation terms
     (spread, the grouped terms) from each adapter's merged layer, as verify.check takes them."""
     rounding = verify.PATH_ROUNDING[taken]
     ids = np.where(np.isin(ids, list(adapters)), ids, -1)  # an empty slot adds nothing
     exact = reference.moe_forward(cfg, hw, x, lora=adapters, lora_ids=ids)
     acts = verify.KernelActivations(layer, cfg, x.shape[0]) if layer is not None and rounding == "grouped" else None
-    faithful = reference.moe_forward(cfg, hw, x, rounding=rounding, lora=adapters, lora_ids=ids, lora_plan=True,
-                                     kernel_acts=acts.feed if acts else None)
+    parts = _stacked_parts(layer, x.shape[0]) if acts else 0
+    faithful = reference.moe_forward(cfg, hw, x, rounding=rounding, lora=_as_stacked(adapters, parts) if parts else adapters,
+                                     lora_ids=ids, lora_plan=not parts, kernel_acts=acts.feed if acts else None)
     spread, terms = np.zeros_like(exact), np.zeros_like(exact)
     for slot in np.unique(ids):
         rows = ids == slot
@@ -98,7 +105,8 @@ def judge(out, cfg, hw, x, ids, adapters, taken, what, layer=None):
         spread[rows] = reference.moe_forward(cfg, w, x[rows], absolute="down")
         terms[rows] = reference.moe_forward(cfg, w, x[rows], absolute=True)
     c = verify.compare(out, exact, faithful,
-                       roundings=verify.path_roundings(hw, taken) + LORA_PLAN_ROUNDINGS[rounding],
+                       roundings=verify.path_roundings(hw, taken) + (STACKED_ROUNDINGS if parts else
+                                                                     LORA_PLAN_ROUNDINGS[rounding]),
                        partials=[terms] if rounding == "grouped" else None, spread=spread)
     if acts is not None:
         c.stages = acts.comparison()
@@ -399,13 +407,18 @@ def test_the_torch_module_passes_lora_ids_bit_for_bit(rng):
 
 # --- the grouped (prefill) deltas: lora_grouped_gate_up_act / lora_grouped_down_delta ----------
 
-def _grouped_layer(cfg, hw, max_rank, **kw):
+def _grouped_layer(cfg, hw, max_rank, stack=0, **kw):
+    """A layer for the grouped deltas (stack 0: CUPYMOE_LORA_IN_GEMM off, read at build) or the stacked form."""
+    import os
+    from unittest import mock
+
     from cupymoe import MoeLayer
 
     if not kw.get("row_invariant"):
         kw.setdefault("decode_max_tokens", 64)
         kw.setdefault("atomic_max_tokens", 64)
-    return MoeLayer(cfg, hw, max_tokens=1100, max_loras=4, max_lora_rank=max_rank, **kw)
+    with mock.patch.dict(os.environ, {"CUPYMOE_LORA_IN_GEMM": str(stack)}):
+        return MoeLayer(cfg, hw, max_tokens=1100, max_loras=4, max_lora_rank=max_rank, **kw)
 
 
 def _ranked_adapters(cfg, rng, max_rank):
@@ -627,11 +640,42 @@ def test_grouped_deltas_split_grid(family, rng):
 
 
 
+@dataclass(frozen=True)
+class _StackedModule(LoraModule):
+    """A routed or shared expert's module as the stacked form computes it: B (s t) with s t held
+    as T holds it (`parts` bf16 values, lora_stack.split_parts)."""
+
+    parts: int = 1
+
+    def delta(self, x):
+        from cupymoe import lora_stack
+
+        st = (x @ self.a.astype(x.dtype).T * x.dtype.type(self.scale)).astype(np.float32)
+        t = sum(lora_stack.split_parts(st, self.parts)).astype(x.dtype)
+        return t @ self.b.astype(x.dtype).T
+
+
+def _as_stacked(adapters, parts):
+    """The adapters with each expert map's s t rounded as the stacked form's T (the router's delta is not stacked)."""
+    def mod(k, m):
+        if k.target == LoraTarget.ROUTER:
+            return m
+        return _StackedModule(m.name, m.a, m.b, m.scale, parts)
+    return {slot: LoraWeights({k: mod(k, m) for k, m in lw.modules.items()}, lw.source) for slot, lw in adapters.items()}
+
+
+def _stacked_parts(layer, n):
+    """The stacked form's parts where `layer`'s prefill of n rows runs it, else 0."""
+    slots = getattr(layer, "_lora", None)
+    if slots is None or not slots.stack_parts:
+        return 0
+    return slots.stack_parts if _prefill_uses_stacked(layer, n, slots.max_rank) else 0
+
+
 def _stacked_layer(monkeypatch, cfg, hw, max_rank, parts, variant="auto", **kw):
-    monkeypatch.setenv("CUPYMOE_LORA_IN_GEMM", str(parts))
     if variant != "auto":
         monkeypatch.setenv("CUPYMOE_SM90_VARIANT", variant)
-    layer = _grouped_layer(cfg, hw, max_rank, **kw)
+    layer = _grouped_layer(cfg, hw, max_rank, stack=parts, **kw)
     assert layer._lora.stack_parts == parts
     return layer
 
@@ -640,7 +684,7 @@ def _prefill_uses_stacked(layer, n, max_rank):
     from cupymoe.forward_plan import LoraShape, build_forward_plan
     from cupymoe.plan import Path
 
-    shape = LoraShape(4, max_rank, True, layer._lora.stack_parts)
+    shape = LoraShape(layer._lora.max_loras, max_rank, True, layer._lora.stack_parts)
     plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=shape).at(n)
     kinds = [getattr(s, "kernel", "") for s in plan.steps]
     stacked = {"lora_stack_t_gate_up", "lora_stack_t_down"} <= set(kinds)

@@ -131,7 +131,7 @@ def test_extra_k_steps_give_the_deltas(K, R, parts):
 
 
 def test_knob_parses_parts():
-    assert Knobs.from_env({}).lora_in_gemm == 0
+    assert Knobs.from_env({}).lora_in_gemm == 1
     assert Knobs.from_env({"CUPYMOE_LORA_IN_GEMM": "2"}).lora_in_gemm == 2
     with pytest.raises(OptionError, match="CUPYMOE_LORA_IN_GEMM"):
         Knobs.from_env({"CUPYMOE_LORA_IN_GEMM": "3"})
