@@ -50,6 +50,12 @@
 #define TMA_MAP_SHARED_UP 7
 #define TMA_MAP_SHARED_DOWN 8
 #define TMA_MAP_YW 9             // down's output (TMA stores of full 64-row blocks)
+// the LoRA stacked form's extra K (grouped_gemm_sm90_tma_lora; cupymoe/lora_stack.py)
+#define TMA_MAP_LORA_T_GU 10     // gate/up's extra A: T [P, 2 KS] (gate's KS columns, then up's)
+#define TMA_MAP_LORA_T_DOWN 11   // down's extra A: T [P, KS]
+#define TMA_MAP_LORA_B_GATE 12   // Bext of gate [S I_max, KS] (every table slot, the shared expert's too)
+#define TMA_MAP_LORA_B_UP 13     // Bext of up [S I_max, KS]
+#define TMA_MAP_LORA_B_DOWN 14   // Bext of down [S H, KS]
 
 // The gathering producer (GATHER): the whole producer warp copies the A rows of gate/up
 // straight from x / xe through sorted_row by cp.async, 16 bytes a lane, into the layout
@@ -68,15 +74,76 @@ struct GatherLag {
     static_assert(S >= 3, "the gathering producer keeps at least one stage of copies in flight");
 };
 
+// The TMA copies of one stage (step kt): A's 64-row boxes that hold rows (`subs` of them),
+// then B (gate/up: BN / 2 gate rows and as many up rows; down: BN rows), all counted on
+// the stage's `full` barrier after one arrival announcing `bytes`.
+template <int MODE, int BM, int BN>
+__device__ __forceinline__ void tma_copy_stage(bf16* sA, bf16* sB, u64* full, int kt, int S, int subs, unsigned bytes,
+                                               const u8* mapA, const u8* mapB0, const u8* mapB1, int arow, int brow) {
+    constexpr int BK = TMA_BK;
+    const int s = kt % S;
+    mbar_arrive_expect_tx(&full[s], bytes);
+    for (int j = 0; j < subs; ++j)
+        tma_load_2d(sA + (s * BM + j * TMA_SUB) * BK, mapA, kt * BK, arow + j * TMA_SUB, &full[s]);
+    if (MODE == MODE_GATE_UP) {  // BN / 2 gate rows, then as many up rows
+        tma_load_2d(sB + s * BN * BK, mapB0, kt * BK, brow, &full[s]);
+        tma_load_2d(sB + s * BN * BK + (BN / 2) * BK, mapB1, kt * BK, brow, &full[s]);
+    } else {
+        tma_load_2d(sB + s * BN * BK, mapB0, kt * BK, brow, &full[s]);
+    }
+}
+
+// The LoRA stacked form's extra K steps (LORA): after the KT steps of K, `lora_steps` steps of
+// 64 columns (down) or 2 lora_steps (gate/up) whose A is the shrink's T (cuda/lora.cu
+// lora_stack_t_*: row pos's s t in the columns of its adapter, zeros elsewhere) and whose B is
+// the experts' stacked B (Bext: row c of table slot e, column (q K + a) R + r = B_{a,e}[c, r]).
+// Gate/up: T's first KS = 64 lora_steps columns are gate's, the next KS up's; the gate half of
+// the B tile reads gate's Bext at k = 64 j and the up half up's at k = 64 j - KS, so each half
+// is zeros (TMA's fill: the box lies past its map's KS columns) on the other's steps and the
+// accumulator gets g + B_g t_g in gate's columns, u + B_u t_u in up's. Bytes as a base step.
+// The coordinates of a box wholly out of its map stay non-negative (KS + 64 j for up's first
+// steps): the fill needs no negative coordinate.
+template <int MODE, int BM, int BN>
+__device__ __forceinline__ void tma_copy_stage_lora(bf16* sA, bf16* sB, u64* full, int kt, int j, int KS, int S,
+                                                    int subs, unsigned bytes, const u8* maps, int arow,
+                                                    int brow) {
+    constexpr int BK = TMA_BK;
+    const int s = kt % S;
+    const u8* mapA = maps + TMA_MAP_BYTES * (MODE == MODE_GATE_UP ? TMA_MAP_LORA_T_GU : TMA_MAP_LORA_T_DOWN);
+    mbar_arrive_expect_tx(&full[s], bytes);
+    for (int i = 0; i < subs; ++i)
+        tma_load_2d(sA + (s * BM + i * TMA_SUB) * BK, mapA, j * BK, arow + i * TMA_SUB, &full[s]);
+    if (MODE == MODE_GATE_UP) {
+        const int kg = j * BK, ku = kg < KS ? kg + KS : kg - KS;  // past KS: that half's zeros
+        tma_load_2d(sB + s * BN * BK, maps + TMA_MAP_BYTES * TMA_MAP_LORA_B_GATE, kg, brow, &full[s]);
+        tma_load_2d(sB + s * BN * BK + (BN / 2) * BK, maps + TMA_MAP_BYTES * TMA_MAP_LORA_B_UP, ku, brow, &full[s]);
+    } else {
+        tma_load_2d(sB + s * BN * BK, maps + TMA_MAP_BYTES * TMA_MAP_LORA_B_DOWN, j * BK, brow, &full[s]);
+    }
+}
+
+// Step kt's copies: K's (kt < KT) or, with LORA, the extra K's (lora_brow: the tile's first
+// row in the Bext maps).
+template <int MODE, int BM, int BN, int LORA>
+__device__ __forceinline__ void tma_copy_step(bf16* sA, bf16* sB, u64* full, int kt, int KT, int KS, int S, int subs,
+                                              unsigned bytes, const u8* mapA, const u8* mapB0, const u8* mapB1,
+                                              const u8* maps, int arow, int brow, int lora_brow) {
+    if (LORA && kt >= KT)
+        tma_copy_stage_lora<MODE, BM, BN>(sA, sB, full, kt, kt - KT, KS, S, subs, bytes, maps, arow, lora_brow);
+    else
+        tma_copy_stage<MODE, BM, BN>(sA, sB, full, kt, S, subs, bytes, mapA, mapB0, mapB1, arow, brow);
+}
+
 // The gathering producer's main loop (GATHER_WARPS warps): thread T copies 16-byte chunk
 // T % 8 of the tile's rows T / 8 + 4 GATHER_WARPS i, skipping rows past the tile's
 // (their outputs are masked; a row's products never mix with another's) and zero-filling
 // chunks past K (B's are zeros there, and garbage times zero could be NaN). Its thread 0
 // also brings the stage's B tile by TMA, as the plain producer does. Four warps, because one
 // alone (32 copies a lane a stage) keeps too few copies in flight.
-template <int S, int BN>
+template <int S, int BN, int LORA = 0>
 __device__ __forceinline__ void gather_producer(const GemmTile& t, bf16* sA, bf16* sB, u64* full, u64* empty, int KT,
-                                                unsigned b_bytes, const u8* maps, GEMM_ARGS) {
+                                                unsigned b_bytes, const u8* maps, GEMM_ARGS, int KX = 0,
+                                                int lora_brow = 0) {
     constexpr int BM = 2 * TMA_SUB, BK = TMA_BK, LAG = GatherLag<S>::value;  // beside two consumer warpgroups
     constexpr int PASS = GATHER_WARPS * 32 / 8, RPL = BM / PASS;  // rows a pass, rows a thread
     const int pt = threadIdx.x - 256, c = pt & 7;
@@ -108,26 +175,19 @@ __device__ __forceinline__ void gather_producer(const GemmTile& t, bf16* sA, bf1
         cp_async_commit();
         gather_mark_full<LAG>(full, kt, S);
     }
-    gather_mark_tail<LAG>(full, KT, S);
-}
-
-// The TMA copies of one stage (step kt): A's 64-row boxes that hold rows (`subs` of them),
-// then B (gate/up: BN / 2 gate rows and as many up rows; down: BN rows), all counted on
-// the stage's `full` barrier after one arrival announcing `bytes`.
-template <int MODE, int BM, int BN>
-__device__ __forceinline__ void tma_copy_stage(bf16* sA, bf16* sB, u64* full, int kt, int S, int subs, unsigned bytes,
-                                               const u8* mapA, const u8* mapB0, const u8* mapB1, int arow, int brow) {
-    constexpr int BK = TMA_BK;
-    const int s = kt % S;
-    mbar_arrive_expect_tx(&full[s], bytes);
-    for (int j = 0; j < subs; ++j)
-        tma_load_2d(sA + (s * BM + j * TMA_SUB) * BK, mapA, kt * BK, arow + j * TMA_SUB, &full[s]);
-    if (MODE == MODE_GATE_UP) {  // BN / 2 gate rows, then as many up rows
-        tma_load_2d(sB + s * BN * BK, mapB0, kt * BK, brow, &full[s]);
-        tma_load_2d(sB + s * BN * BK + (BN / 2) * BK, mapB1, kt * BK, brow, &full[s]);
-    } else {
-        tma_load_2d(sB + s * BN * BK, mapB0, kt * BK, brow, &full[s]);
+    if (LORA) {  // the extra K's steps: T is in sorted order already, so A comes by TMA too
+        const int subs = (t.rows + TMA_SUB - 1) / TMA_SUB;
+        for (int kt = KT; kt < KT + KX; ++kt) {
+            const int s = kt % S;
+            if (kt >= S) mbar_wait(&empty[s], ((kt / S) - 1) & 1);
+            if (pt == 0)
+                tma_copy_stage_lora<MODE_GATE_UP, BM, BN>(sA, sB, full, kt, kt - KT, KX / 2 * BK, S, subs,
+                                                          b_bytes + subs * TMA_SUB * BK * 2, maps, t.pos0, lora_brow);
+            cp_async_commit();  // no copies of its own: the group keeps gather_mark_full's count
+            gather_mark_full<LAG>(full, kt, S);
+        }
     }
+    gather_mark_tail<LAG>(full, KT + KX, S);
 }
 
 // The down epilogue of a warpgroup whose 64 rows all lie in the tile, by TMA store: the
@@ -175,9 +235,8 @@ __device__ __forceinline__ void emit_wgmma_down_tma(const GemmTile& t, const flo
 // Why 192 rows: the GEMMs run at L2's throughput, and a tile's L2 bytes a stage are
 // (BM + BN) rows: 192 x 256 tiles read 23 % fewer bytes per product than 128 x 256, and an
 // expert of 257-384 rows takes 2 tiles, not 3.
-template <int MODE, int STAGES, int BN, int BLOCKS_PER_SM, int GATHER = 0, int WGS = 2>
-__global__ void __launch_bounds__(WGS * 128 + (WGS == 3 ? 0 : GATHER ? 32 * GATHER_WARPS : 32), BLOCKS_PER_SM)
-grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
+template <int MODE, int STAGES, int BN, int GATHER, int WGS, int LORA>
+__device__ __forceinline__ void grouped_sm90_tma_body(GEMM_ARGS, const u8* __restrict__ maps, int lora_steps) {
     constexpr int BM = WGS * TMA_SUB, BK = TMA_BK, S = STAGES, NACC = BN / 2, CONSUMERS = WGS * 128;
     static_assert(MODE == MODE_GATE_UP || MODE == MODE_DOWN, "the router keeps grouped_sm90.cu");
     static_assert(!GATHER || MODE == MODE_GATE_UP, "down reads act in sorted order already");
@@ -196,6 +255,9 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
     GemmTile t;
     if (!gemm_tile<MODE, BM, BN>(t, GEMM_ARG_NAMES)) return;
     const int KT = (t.K + BK - 1) / BK;
+    // LORA: the extra K's steps (tma_copy_stage_lora), after K's; KS: T's columns a projection
+    const int KX = LORA ? (MODE == MODE_GATE_UP ? 2 : 1) * lora_steps : 0, KS = LORA ? lora_steps * BK : 0;
+    const int KTT = KT + KX;
     // A arrives in 64-row boxes, only those holding rows: a run's short last tile reads and
     // multiplies no more than its rows round up to (whole boxes count, zero-filled or not)
     const int subs = (t.rows + TMA_SUB - 1) / TMA_SUB;
@@ -213,7 +275,8 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
     __syncthreads();
 
     if (GATHER && threadIdx.x >= CONSUMERS) {  // ---- the gathering producer ----
-        gather_producer<S, BN>(t, sA, sB, full, empty, KT, stage_bytes, maps, GEMM_ARG_NAMES);
+        gather_producer<S, BN, LORA>(t, sA, sB, full, empty, KT, stage_bytes, maps, GEMM_ARG_NAMES, KX,
+                                     t.slot * I_max + t.n0);
         return;
     }
     if (!INLINE && threadIdx.x > CONSUMERS) return;
@@ -225,16 +288,20 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
     const u8* mapB1 = maps + TMA_MAP_BYTES * (sh ? TMA_MAP_SHARED_UP : TMA_MAP_UP);
     // the slot's first weight row in its map: routed experts are stacked, t.ncols rows each
     const int brow = (sh ? 0 : t.slot * t.ncols) + t.n0;
+    // LORA: the slot's first row in the Bext maps (every table slot I_max rows for gate/up, H for down)
+    const int lora_brow = LORA ? t.slot * (MODE == MODE_GATE_UP ? I_max : H) + t.n0 : 0;
     if (!INLINE && threadIdx.x == CONSUMERS) {  // ---- the producer ----
-        for (int kt = 0; kt < KT; ++kt) {
+        for (int kt = 0; kt < KTT; ++kt) {
             if (kt >= S) mbar_wait(&empty[kt % S], ((kt / S) - 1) & 1);  // its previous use is read
-            tma_copy_stage<MODE, BM, BN>(sA, sB, full, kt, S, subs, stage_bytes, mapA, mapB0, mapB1, t.pos0, brow);
+            tma_copy_step<MODE, BM, BN, LORA>(sA, sB, full, kt, KT, KS, S, subs, stage_bytes, mapA, mapB0, mapB1, maps,
+                                              t.pos0, brow, lora_brow);
         }
         return;
     }
     if (INLINE && threadIdx.x == 0)  // the first stages
-        for (int kt = 0; kt < min(S, KT); ++kt)
-            tma_copy_stage<MODE, BM, BN>(sA, sB, full, kt, S, subs, stage_bytes, mapA, mapB0, mapB1, t.pos0, brow);
+        for (int kt = 0; kt < min(S, KTT); ++kt)
+            tma_copy_step<MODE, BM, BN, LORA>(sA, sB, full, kt, KT, KS, S, subs, stage_bytes, mapA, mapB0, mapB1, maps,
+                                              t.pos0, brow, lora_brow);
 
     // ---- consumers: warpgroup w rows 64 w .. 64 w + 63 ----
     const int wg = threadIdx.x / 128, lane = threadIdx.x & 31;
@@ -246,7 +313,7 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
     float d[NACC];
 #pragma unroll
     for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
-    for (int kt = 0; kt < KT; ++kt) {
+    for (int kt = 0; kt < KTT; ++kt) {
         const int s = kt % S;
         mbar_wait(&full[s], (kt / S) & 1);
         const u64 da = wgmma_desc(sA + (s * BM + wg * TMA_SUB) * BK);
@@ -254,12 +321,12 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
         if (has_rows) wgmma_k64_bf16<BN>(d, da, db);
         wgmma_wait<1>();  // this warp's wgmmas of step kt - 1 are done: free their stage for
         // the producer, when it refills it (step kt - 1 + S exists)
-        if (kt > 0 && kt - 1 + S < KT && lane == 0) {
+        if (kt > 0 && kt - 1 + S < KTT && lane == 0) {
             mbar_arrive(&empty[(kt - 1) % S]);
             if (INLINE && threadIdx.x == 0) {  // every warp freed it: refill for step kt - 1 + S
                 mbar_wait(&empty[(kt - 1) % S], ((kt - 1) / S) & 1);
-                tma_copy_stage<MODE, BM, BN>(sA, sB, full, kt - 1 + S, S, subs, stage_bytes, mapA, mapB0, mapB1,
-                                             t.pos0, brow);
+                tma_copy_step<MODE, BM, BN, LORA>(sA, sB, full, kt - 1 + S, KT, KS, S, subs, stage_bytes, mapA,
+                                                  mapB0, mapB1, maps, t.pos0, brow, lora_brow);
             }
         }
     }
@@ -273,6 +340,22 @@ grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
         emit_wgmma_down_staged<BN, S>(t, d, w, wg * TMA_SUB, sA + wg * TMA_SUB * BK, BM * BK, GEMM_ARG_NAMES);
     else
         emit_wgmma_rows<MODE, BN>(t, d, wg * TMA_SUB, GEMM_ARG_NAMES);
+}
+
+template <int MODE, int STAGES, int BN, int BLOCKS_PER_SM, int GATHER = 0, int WGS = 2>
+__global__ void __launch_bounds__(WGS * 128 + (WGS == 3 ? 0 : GATHER ? 32 * GATHER_WARPS : 32), BLOCKS_PER_SM)
+grouped_gemm_sm90_tma(GEMM_ARGS, const u8* __restrict__ maps) {
+    grouped_sm90_tma_body<MODE, STAGES, BN, GATHER, WGS, 0>(GEMM_ARG_NAMES, maps, 0);
+}
+
+// The LoRA stacked form (docs/DESIGN.md, LoRA): grouped_gemm_sm90_tma with the experts' deltas as
+// lora_steps (down) or 2 lora_steps (gate/up) extra K steps of 64 (tma_copy_stage_lora): gate/up's
+// activation sees g + B_g t_g and u + B_u t_u, down's epilogue weights and stores y + B t. A
+// kernel of its own, so the base kernels' code and names stay what they were.
+template <int MODE, int STAGES, int BN, int BLOCKS_PER_SM, int GATHER, int WGS>
+__global__ void __launch_bounds__(WGS * 128 + (WGS == 3 ? 0 : GATHER ? 32 * GATHER_WARPS : 32), BLOCKS_PER_SM)
+grouped_gemm_sm90_tma_lora(GEMM_ARGS, const u8* __restrict__ maps, int lora_steps) {
+    grouped_sm90_tma_body<MODE, STAGES, BN, GATHER, WGS, 1>(GEMM_ARG_NAMES, maps, lora_steps);
 }
 
 // xg[pos] = the expert input of sorted position pos (x for the shared expert's rows, else

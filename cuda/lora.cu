@@ -645,6 +645,28 @@ __device__ __forceinline__ LoraInputs lora_inputs(const LoraRows& r, const bf16*
     return in;
 }
 
+// A sub-tile's positions pos0 .. pos0 + m - 1 bucketed by adapter (lid by every thread, then the
+// buckets by warp 0: the caller syncs before reading them).
+__device__ __forceinline__ void lora_sub_tile(LoraBuckets& b, const int* __restrict__ lora_ids,
+                                              const int* __restrict__ sorted_row, int pos0, int m, int max_loras) {
+    lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
+    __syncthreads();
+    lora_bucket(b, m);
+}
+
+// A chunk's scaled t (NP projections, [LORA_CHUNK][rp] each, at t): the warps' parts of the
+// shrink, then their sum scaled by s[0] (and s[1]: projection 1), the block met after each.
+template <int NP>
+__device__ __forceinline__ void lora_chunk_t(float* parts, float* t, int rp, const bf16* a0, const bf16* a1,
+                                             const LoraInputs& in, int len, int stride, int max_rank,
+                                             const float* __restrict__ s) {
+    const int n = NP * LORA_CHUNK * rp;
+    lora_mma_shrink_part<NP>(parts + (threadIdx.x >> 5) * n, rp, a0, a1, in, len, stride, max_rank);
+    __syncthreads();
+    lora_sum_parts(t, parts, n, rp, s[0], NP > 1 ? s[1] : 0.f);
+    __syncthreads();
+}
+
 // grid (the last gate/up GEMM's tile bound, Y), block LORA_MMA_WARPS warps, shared memory
 // (LORA_MMA_WARPS + 1) 2 LORA_CHUNK rp floats (rp: max_rank rounded up to 16; the warps' partial
 // t, then t; lora_chunk_act's staging reuses the parts). The grouped path's lora_gate_up_act
@@ -672,19 +694,14 @@ lora_grouped_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe
     float* gs = parts + (threadIdx.x >> 5) * LORA_STAGE;
     for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
         const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
-        lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
-        __syncthreads();
-        lora_bucket(b, m);
+        lora_sub_tile(b, lora_ids, sorted_row, pos0, m, max_loras);
         lora_plain_act(b, gu, act, pos0, m, I, I_max, act_code, alpha, limit);
         __syncthreads();
         for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
-            lora_mma_shrink_part<2>(parts + (threadIdx.x >> 5) * n, rp, gate_a + ks * max_rank * H,
-                                    up_a + ks * max_rank * H, lora_inputs(r, in, sorted_row, H), H, H, max_rank);
-            __syncthreads();
-            lora_sum_parts(t, parts, n, rp, scale[ks * 3], scale[ks * 3 + 1]);
-            __syncthreads();
+            lora_chunk_t<2>(parts, t, rp, gate_a + ks * max_rank * H, up_a + ks * max_rank * H,
+                            lora_inputs(r, in, sorted_row, H), H, H, max_rank, scale + ks * 3);
             lora_chunk_act(t, rp, gs, b, c, pos0, r, gate_b + ks * I_max * max_rank, up_b + ks * I_max * max_rank,
                            gu, act, I, I_max, max_rank, act_code, alpha, limit);
             __syncthreads();  // the next chunk's parts overwrite the staging
@@ -719,19 +736,14 @@ lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lo
     lora_slice(H, blockIdx.z, gridDim.z, lo, hi);
     for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
         const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
-        lora_load_ids(b, lora_ids, sorted_row, pos0, m, max_loras);
-        __syncthreads();
-        lora_bucket(b, m);
+        lora_sub_tile(b, lora_ids, sorted_row, pos0, m, max_loras);
         __syncthreads();
         for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
             const LoraRows r = lora_chunk_rows(b, c, pos0);
             const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
             const bf16* a0 = down_a + ks * max_rank * I_max;
-            lora_mma_shrink_part<1>(parts + (threadIdx.x >> 5) * n, rp, a0, a0, lora_inputs(r, act, nullptr, I_max),
-                                    I, I_max, max_rank);
-            __syncthreads();
-            lora_sum_parts(t, parts, n, rp, scale[ks * 3 + 2], 0.f);
-            __syncthreads();
+            lora_chunk_t<1>(parts, t, rp, a0, a0, lora_inputs(r, act, nullptr, I_max), I, I_max, max_rank,
+                            scale + ks * 3 + 2);
             float w[LORA_MT][2];
 #pragma unroll
             for (int mt = 0; mt < LORA_MT; ++mt)
@@ -740,6 +752,124 @@ lora_grouped_down_delta(const bf16* __restrict__ act, const int* __restrict__ lo
                     w[mt][h] = r.pos[mt][h] < 0 || ti.x == n_local ? 1.0f : topk_w[sorted_pair[r.pos[mt][h]]];
             lora_chunk_down(t, rp, r, w, down_b + ks * H * max_rank, yw, H, lo, hi, max_rank);
             __syncthreads();  // the next chunk's sum rewrites t
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The stacked form's shrinks (forward_plan.lora_in_gemm): the experts' deltas go into the TMA
+// grouped GEMMs as extra K (grouped_sm90_tma.cu, grouped_gemm_sm90_tma_lora), whose A is T, one
+// row a sorted position, NP KS bf16 columns (NP projections: gate/up 2, down 1; KS a multiple of
+// 64): projection p's column p KS + (q K + a) R + r (K = max_loras, R = max_rank, q < parts) holds
+// part q of s t_r (t = A_{a,e} v, s the slot's scale; part 0 = bf16(s t), part 1 = bf16(s t -
+// part 0), so two parts keep s t to ~16 bits, as lora_t_frag's split does) where the row's adapter
+// is a, zeros elsewhere (other adapters, rows without one, columns past parts K R). The GEMM's
+// Bext rows hold B_{a,e}[c, r] at the same columns (cupymoe/lora_stack.py), so T Bext^T = s B t.
+// A chunk's t as lora_grouped_*'s (the same shrink; a row's bits do not depend on its chunk).
+// ---------------------------------------------------------------------------------------------
+
+// T's rows of the sub-tile's positions without an adapter: zeros (16-byte stores), the tile's
+// gridDim.y blocks splitting them.
+__device__ __forceinline__ void lora_stack_zero_rows(const LoraBuckets& b, bf16* __restrict__ T, int pos0, int m,
+                                                     int width) {
+    const int V = width >> 3;
+    for (int e = threadIdx.x + blockIdx.y * blockDim.x; e < m * V; e += blockDim.x * gridDim.y) {
+        const int i = e / V;
+        if (b.lid[i] >= 0) continue;
+        *reinterpret_cast<uint4*>(T + (size_t)(pos0 + i) * width + 8 * (e - i * V)) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// Column col of T (of np KS) for row i of a chunk of adapter `key`: part q of t's rank r, or 0.
+__device__ __forceinline__ float lora_stack_elem(const float* t, int rp, int i, int col, int KS, int parts, int key,
+                                                 int max_loras, int max_rank) {
+    const int p = col / KS, u = col - p * KS, kr = max_loras * max_rank;
+    if (u >= parts * kr) return 0.f;
+    const int q = u / kr, rem = u - q * kr, a = rem / max_rank, r = rem - a * max_rank;
+    if (a != key) return 0.f;
+    const float v = t[(p * LORA_CHUNK + i) * rp + r];
+    const float hi = __bfloat162float(__float2bfloat16(v));
+    return q == 0 ? hi : v - hi;  // rounded to bf16 by the store
+}
+
+// T's whole rows of chunk c (t: the chunk's scaled t, np projections of [LORA_CHUNK][rp]).
+__device__ __forceinline__ void lora_stack_write(const float* t, int rp, int np, const LoraBuckets& b, int c,
+                                                 int pos0, bf16* __restrict__ T, int KS, int parts, int max_loras,
+                                                 int max_rank) {
+    const int width = np * KS, V = width >> 3, key = b.key[c];
+    for (int e = threadIdx.x; e < b.rows[c] * V; e += blockDim.x) {
+        const int i = e / V, c0 = 8 * (e - i * V);
+        unsigned w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            w[j] = pack_bf16x2(lora_stack_elem(t, rp, i, c0 + 2 * j, KS, parts, key, max_loras, max_rank),
+                               lora_stack_elem(t, rp, i, c0 + 2 * j + 1, KS, parts, key, max_loras, max_rank));
+        *reinterpret_cast<uint4*>(T + (size_t)(pos0 + b.list[b.first[c] + i]) * width + c0) =
+            make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+// grid (the gate/up GEMM's tile bound, Y), block LORA_MMA_WARPS warps, shared memory as
+// lora_grouped_gate_up_act's. T [P, 2 KS] of the tile's positions (lora_grouped_gate_up_act's
+// buckets, chunks and shrink; the tile's Y blocks split its chunks and its rows without an adapter).
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 2)
+lora_stack_t_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
+                     const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
+                     const int* __restrict__ sorted_row, const bf16* __restrict__ gate_a,
+                     const bf16* __restrict__ up_a, const float* __restrict__ scale, bf16* __restrict__ T, int H,
+                     int n_local, int max_rank, int max_loras, int parts, int KS) {
+    __shared__ LoraBuckets b;
+    extern __shared__ __align__(16) float parts_[];
+    pdl_wait_then_release_next();  // by PDL only inside a decode chain (never today): nothing read before
+    if ((int)blockIdx.x >= *num_tiles) return;
+    const int4 ti = tile_info[blockIdx.x];
+    const int rp = (max_rank + 15) & ~15, n = 2 * LORA_CHUNK * rp;
+    const bf16* in = ti.x == n_local ? x : xe;  // the shared expert reads x
+    float* t = parts_ + LORA_MMA_WARPS * n;
+    for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
+        const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
+        lora_sub_tile(b, lora_ids, sorted_row, pos0, m, max_loras);
+        lora_stack_zero_rows(b, T, pos0, m, 2 * KS);
+        __syncthreads();
+        for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
+            const LoraRows r = lora_chunk_rows(b, c, pos0);
+            const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
+            lora_chunk_t<2>(parts_, t, rp, gate_a + ks * max_rank * H, up_a + ks * max_rank * H,
+                            lora_inputs(r, in, sorted_row, H), H, H, max_rank, scale + ks * 3);
+            lora_stack_write(t, rp, 2, b, c, pos0, T, KS, parts, max_loras, max_rank);
+            __syncthreads();  // the next chunk's parts and t
+        }
+    }
+}
+
+// grid (the down GEMM's tile bound, Y), block LORA_MMA_WARPS warps, shared memory as
+// lora_grouped_down_delta's. T [P, KS] of the tile's positions: t = s A_down act[pos]
+// (the routing weight is the GEMM epilogue's, applied to base and delta alike).
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 2)
+lora_stack_t_down(const bf16* __restrict__ act, const int* __restrict__ lora_ids, const int* __restrict__ num_tiles,
+                  const int4* __restrict__ tile_info, const int* __restrict__ sorted_row,
+                  const int* __restrict__ inter, const bf16* __restrict__ down_a, const float* __restrict__ scale,
+                  bf16* __restrict__ T, int I_max, int n_local, int max_rank, int max_loras, int parts, int KS) {
+    __shared__ LoraBuckets b;
+    extern __shared__ __align__(16) float parts_[];
+    pdl_wait_then_release_next();  // by PDL only inside a decode chain (never today): nothing read before
+    if ((int)blockIdx.x >= *num_tiles) return;
+    const int4 ti = tile_info[blockIdx.x];
+    const int I = inter[ti.x], rp = (max_rank + 15) & ~15, n = LORA_CHUNK * rp;
+    float* t = parts_ + LORA_MMA_WARPS * n;
+    for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
+        const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
+        lora_sub_tile(b, lora_ids, sorted_row, pos0, m, max_loras);
+        lora_stack_zero_rows(b, T, pos0, m, KS);
+        __syncthreads();
+        for (int c = blockIdx.y; c < b.chunks; c += gridDim.y) {
+            const LoraRows r = lora_chunk_rows(b, c, pos0);
+            const size_t ks = (size_t)b.key[c] * (n_local + 1) + ti.x;
+            const bf16* a0 = down_a + ks * max_rank * I_max;
+            lora_chunk_t<1>(parts_, t, rp, a0, a0, lora_inputs(r, act, nullptr, I_max), I, I_max, max_rank,
+                            scale + ks * 3 + 2);
+            lora_stack_write(t, rp, 1, b, c, pos0, T, KS, parts, max_loras, max_rank);
+            __syncthreads();
         }
     }
 }

@@ -221,6 +221,14 @@ class Sm90Variant:
         tail = f", {int(fmt)}" if fmt else ""
         return f"grouped_gemm_sm90<{int(mode)}, {self.stages}, {self.blocks_per_sm}, {self.bn}{tail}>"
 
+    def kernel_lora(self, mode: int) -> str:
+        """The LoRA stacked form of a TMA variant's kernel (grouped_gemm_sm90_tma_lora: the experts'
+        deltas as extra K steps; forward_plan.lora_in_gemm), every template argument spelled."""
+        assert self.tma, self
+        gather = 1 if self.gather and mode == GemmMode.GATE_UP else 0
+        return (f"grouped_gemm_sm90_tma_lora<{int(mode)}, {self.stages}, {self.bn}, {self.blocks_per_sm}, {gather}, "
+                f"{self.wgs}>")
+
     def smem_bytes(self, fmt: int = 0) -> int:
         """Stages of A and B tiles, fp4's raw code stages, TMA's two mbarriers a stage, 1 KB to align."""
         raw = self.stages * self.bn * SM90_BK * 4 // 8 if fmt else 0

@@ -144,6 +144,7 @@ class LoraShape:
     max_loras: int
     max_rank: int
     experts: bool = False
+    stack_parts: int = 0  # the stacked form's parts of s t where the layer has its Bext (lora_in_gemm); 0: none
 
 
 LORA_THREADS = 256  # cuda/lora.cu
@@ -275,10 +276,13 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
     if lp.w8a8:  # the w8a8 gate/up quantizes the activation in its epilogue, before any delta
         raise LoraError("LoRA on the experts with fp8_compute='w8a8' is not implemented; build the layer with "
                         "fp8_compute='w8a16' or use router-only adapters")
+    stacked = {stage: lora_in_gemm(plan, lp, lora, steps, stage) for stage in (Stage.GATE_UP, Stage.DOWN)}
     out: list = []
     for s in steps:
-        if isinstance(s, Launch) and s.stage == Stage.GATE_UP and any(a.name == "act_code" for a in s.args):
+        if _is_gemm(s, Stage.GATE_UP) and not stacked[Stage.GATE_UP]:
             out.append(_pair(s))
+        elif _is_gemm(s, Stage.GATE_UP) or _is_gemm(s, Stage.DOWN):
+            out.extend(_stacked_gemm(s, lp, lora) if stacked[s.stage] else (s,))
         else:
             out.append(s)
     if lora_grouped(plan, lp, lora):
@@ -286,11 +290,70 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
                                                     lora)
     else:
         gate_up_act, down = _expert_delta_launches(plan, lp, lora)
-    at = max(i for i, s in enumerate(out) if s.stage == Stage.GATE_UP) + 1
-    out.insert(at, _as_successor(gate_up_act, out[at]))
-    at = next(i for i, s in enumerate(out) if s.stage == Stage.REDUCE)
-    out.insert(at, _as_successor(down, out[at]))
+    if not stacked[Stage.GATE_UP]:
+        at = max(i for i, s in enumerate(out) if s.stage == Stage.GATE_UP) + 1
+        out.insert(at, _as_successor(gate_up_act, out[at]))
+    if not stacked[Stage.DOWN]:
+        at = next(i for i, s in enumerate(out) if s.stage == Stage.REDUCE)
+        out.insert(at, _as_successor(down, out[at]))
     return out
+
+
+def _is_gemm(step, stage: Stage) -> bool:
+    """Whether `step` is a grouped or decode GEMM of `stage` (gate/up or down: they take act_code)."""
+    return isinstance(step, Launch) and step.stage == stage and any(a.name == "act_code" for a in step.args)
+
+
+TMA_GEMM = "grouped_gemm_sm90_tma<"
+
+
+def lora_in_gemm(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, steps, stage: Stage) -> bool:
+    """Whether `stage`'s expert deltas go in the stacked form (cupymoe/lora_stack.py: extra K of the
+    GEMM, T from lora_stack_t_*): where the layer holds Bext (lora.stack_parts: CUPYMOE_LORA_IN_GEMM,
+    a TMA layer, not row-invariant), the grouped deltas would serve (lora_grouped: past the one-block
+    sort; a bucket plan's shape fixes it) and the stage's one GEMM launch is the bf16 TMA kernel
+    (grouped_gemm_sm90_tma: every variant, gathering or 192-row too). Else today's delta kernels."""
+    if not (lora.experts and lora.stack_parts and not lp.row_invariant and lora_grouped(plan, lp, lora)):
+        return False
+    gemms = [s for s in steps if _is_gemm(s, stage)]
+    return len(gemms) == 1 and gemms[0].kernel.startswith(TMA_GEMM)
+
+
+def lora_kernel_name(kernel: str) -> str:
+    """grouped_gemm_sm90_tma<...> as its stacked form grouped_gemm_sm90_tma_lora<...>, every template
+    argument spelled (gather 0 and 2 warpgroups where the base name leaves them to their defaults)."""
+    args = [a.strip() for a in kernel[len(TMA_GEMM):-1].split(",")]
+    args += ["0", "2"][len(args) - 4:]
+    return f"grouped_gemm_sm90_tma_lora<{', '.join(args)}>"
+
+
+def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> tuple[Launch, Launch]:
+    """A TMA GEMM in the stacked form: its shrink (T of the GEMM's tiles, lora_stack_t_*, lora_chunk_blocks
+    blocks a tile) and the GEMM as grouped_gemm_sm90_tma_lora, lora_steps past its arguments."""
+    from .lora_stack import lora_steps, stack_width
+
+    cfg = lp.cfg
+    L = lambda name: u64(name, Buf(Space.LAYER, "lora_" + name))  # noqa: E731  (lora_slots.LoraSlots.ptr)
+    tiles = (gemm.arg("num_tiles"), gemm.arg("tile_info"))
+    tail = (i32("n_local", lp.n_local), i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras),
+            i32("parts", lora.stack_parts), i32("KS", stack_width(lora.max_loras, lora.max_rank, lora.stack_parts)))
+    grid = (gemm.grid[1], lora_chunk_blocks(lora.max_loras))
+    if gemm.stage == Stage.GATE_UP:
+        shrink = Launch(Stage.GATE_UP, "lora_stack_t_gate_up", grid, (LORA_MMA_WARPS * 32,),
+                        (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X),
+                         u64("lora_ids", CallValue.LORA_IDS), u64("num_tiles", tiles[0]), u64("tile_info", tiles[1]),
+                         u64("sorted_row", S("sorted_row")), L("gate_a"), L("up_a"), L("scale"),
+                         u64("T", S("lora_t_gu")), i32("H", cfg.hidden_size), *tail),
+                        lora_grouped_smem(lora.max_rank, True))
+    else:
+        shrink = Launch(Stage.DOWN, "lora_stack_t_down", grid, (LORA_MMA_WARPS * 32,),
+                        (u64("act", S("act")), u64("lora_ids", CallValue.LORA_IDS), u64("num_tiles", tiles[0]),
+                         u64("tile_info", tiles[1]), u64("sorted_row", S("sorted_row")), u64("inter", W("inter")),
+                         L("down_a"), L("scale"), u64("T", S("lora_t_down")), i32("I_max", lp.i_max), *tail),
+                        lora_grouped_smem(lora.max_rank, False))
+    steps = lora_steps(lora.max_loras, lora.max_rank, lora.stack_parts)
+    return (_as_successor(shrink, gemm),
+            replace(gemm, kernel=lora_kernel_name(gemm.kernel), args=gemm.args + (i32("lora_steps", steps),)))
 
 
 def _pair(launch: Launch) -> Launch:

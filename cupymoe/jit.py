@@ -77,7 +77,8 @@ def _modules() -> dict[str, ModuleSpec]:
             + [v.kernel(m, f) for m in (0, 1) for f in C.SM90_QUANT_FORMATS for v in V if v.serves(f)])),
                                    archs=hopper),
         "grouped_sm90_tma": ModuleSpec("grouped_sm90_tma.cu", tuple(dict.fromkeys(
-            v.kernel(m) for m in (0, 1) for v in V if v.tma)) + ("gather_rows",), archs=hopper),
+            [v.kernel(m) for m in (0, 1) for v in V if v.tma] + [v.kernel_lora(m) for m in (0, 1) for v in V if v.tma]))
+            + ("gather_rows",), archs=hopper),
         "grouped_sm90_fp8": ModuleSpec("grouped_sm90_fp8.cu", tuple(f"grouped_gemm_sm90_fp8<{m}>" for m in (0, 1)),
                                        archs=hopper),
         "grouped_sm90_fp8_tma": ModuleSpec("grouped_sm90_fp8_tma.cu",
@@ -111,7 +112,8 @@ def _modules() -> dict[str, ModuleSpec]:
         "repack": ModuleSpec("repack.cu", ("fp4_repack_words",)),  # the fp4 device layout, made at load
         "lora": ModuleSpec("lora.cu", ("lora_router_delta", "lora_gate_up_act", "lora_down_delta",
                                         "lora_grouped_gate_up_act", "lora_grouped_down_delta",
-                                        "lora_grouped_router_delta")),  # LoRA (lora_slots.py)
+                                        "lora_grouped_router_delta", "lora_stack_t_gate_up",
+                                        "lora_stack_t_down")),  # LoRA (lora_slots.py, lora_stack.py)
         "decode_wgmma_fp4": ModuleSpec(
             "decode_wgmma_fp4.cu", tuple(f"decode_wgmma_{m}_fp4<{int(f)}, {nt}>" for m in ("gate_up", "down")
                                          for f in C.FP4_DECODE_FORMATS for nt in C.WGMMA_FP4_DECODE_TOKEN_TILES),
@@ -418,7 +420,8 @@ def opt_in_smem(expr: str, max_smem: int) -> int:
     for v in TUNING.sm90_variants.values():
         for mode in GemmMode:
             for f in (WeightFormat.BF16,) + C.SM90_QUANT_FORMATS:
-                if v.kernel(mode, f) == expr:
+                if v.kernel(mode, f) == expr or (v.tma and f == WeightFormat.BF16 and mode != GemmMode.ROUTER
+                                                 and v.kernel_lora(mode) == expr):
                     return v.smem_bytes(f)
     # sized per launch: sort_place's and the list builders' by the layer's experts, the wgmma
     # decode's by its K (less 1 KB: its static shared memory counts against the opt-in maximum)
@@ -434,7 +437,7 @@ def opt_in_smem(expr: str, max_smem: int) -> int:
         return C.swapab_fp8_smem_bytes(int(m.group(1)))
     if expr.startswith("decode_wgmma_"):
         return max_smem - 1024
-    if expr.startswith("lora_grouped_"):  # its warps' partial t grow with the rank (less its static buckets)
+    if expr.startswith(("lora_grouped_", "lora_stack_t_")):  # its warps' partial t grow with the rank (less its static buckets)
         return max_smem - 4096
     return 0
 

@@ -35,10 +35,10 @@ log = logging.getLogger(__name__)
 
 _UNTRIED = object()  # a plan whose forward graph was not captured yet
 # the tensor-map tables a plan's kernels may read, by buffer name: (plan, weight tables' pointers,
-# scratch) -> the table's bytes
-MAP_TABLES = {"tma_maps": tma.layer_table,
-              "swapab_maps": lambda plan, ptrs, scratch: tma.swapab_table(plan, ptrs),
-              "fp8_maps": tma.fp8_table}
+# scratch, LoRA slots) -> the table's bytes
+MAP_TABLES = {"tma_maps": tma.layer_table,  # with the LoRA stacked form's maps where the slots have them
+              "swapab_maps": lambda plan, ptrs, scratch, lora: tma.swapab_table(plan, ptrs),
+              "fp8_maps": lambda plan, ptrs, scratch, lora: tma.fp8_table(plan, ptrs, scratch)}
 
 
 class MoeLayer:
@@ -86,7 +86,9 @@ class MoeLayer:
             self._lora = None
             if lora_k:
                 experts = lora_slots.expert_slot_shape(owned, self.plan.i_max, self.plan.w8a8)
-                self._lora = lora_slots.LoraSlots(cfg, lora_k, lora_r, self.device_id, experts)
+                # the stacked form's Bext where a GEMM may run it (CUPYMOE_LORA_IN_GEMM; forward_plan.lora_in_gemm)
+                stack = knobs.lora_in_gemm if self.plan.tma and not self.plan.row_invariant else 0
+                self._lora = lora_slots.LoraSlots(cfg, lora_k, lora_r, self.device_id, experts, stack)
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             self._bind(workspace or Workspace(self.workspace_need(), device=self.device_id))
             # the uploads and repacks went through the legacy default stream, which a caller's
@@ -118,12 +120,13 @@ class MoeLayer:
     def workspace_need(self, max_tokens: Optional[int] = None) -> WorkspaceNeed:
         """What this layer needs of a workspace at `max_tokens` (default its own)."""
         return layer_need(self.plan, max_tokens or self.max_tokens, self._guard, self._lora_experts,
-                          self._lora_rank)[1]
+                          self._lora_rank, self._lora_stack_ks)[1]
 
     def _bind(self, ws: Workspace) -> None:
         if ws.device_id != self.device_id:
             raise WorkspaceError(f"workspace is on device {ws.device_id}, the layer on device {self.device_id}")
-        plan, need = layer_need(self.plan, self.max_tokens, self._guard, self._lora_experts, self._lora_rank)
+        plan, need = layer_need(self.plan, self.max_tokens, self._guard, self._lora_experts, self._lora_rank,
+                                self._lora_stack_ks)
         ws.check_fits(need, f"a {self.cfg.model_type or 'MoE'} layer at max_tokens={self.max_tokens}")
         self.workspace, self.scratch = ws, ScratchView.on(plan, ws, layer_tickets_offset(self.plan))
         # the tensor-map tables of the kernels the plan picks, encoded now; others on first use
@@ -166,7 +169,7 @@ class MoeLayer:
         import cupy
 
         ptrs = {p: self.weights.tables[p].get() for p in ("gate", "up", "down")}
-        return cupy.asarray(np.frombuffer(MAP_TABLES[name](self.plan, ptrs, self.scratch), np.uint8))
+        return cupy.asarray(np.frombuffer(MAP_TABLES[name](self.plan, ptrs, self.scratch, self._lora), np.uint8))
 
     # --- paths and plans -------------------------------------------------------------------
     @property
@@ -282,6 +285,11 @@ class MoeLayer:
         """The reserved adapter slots' rank (0: none): the per-pair LoRA kernels' scratch."""
         return self._lora.max_rank if self._lora is not None else 0
 
+    @property
+    def _lora_stack_ks(self) -> int:
+        """The LoRA stacked form's KS (0: the layer has none; cupymoe/lora_stack.py)."""
+        return self._lora.stack_width if self._lora is not None else 0
+
     def _lora_slots(self, what: str) -> "lora_slots.LoraSlots":
         if self._lora is None:
             raise LoraError(f"{what}: this layer reserved no adapter slots; build it with max_loras=K, max_lora_rank=R")
@@ -298,7 +306,8 @@ class MoeLayer:
         if packed is None:
             p = Path(self.select_path(n, path))
             plan = build_forward_plan(self.plan, self.device, n, p, separated=separated,
-                                      lora=LoraShape(slots.max_loras, slots.max_rank, self._lora_experts))
+                                      lora=LoraShape(slots.max_loras, slots.max_rank, self._lora_experts,
+                                                     slots.stack_parts))
             packed = self._lora_plans[key] = PackedPlan(plan, self._resolve, self.lib.pointer, self._reduce())
         packed.set_call_value(CallValue.LORA_IDS, lora_ids)
         if observed:

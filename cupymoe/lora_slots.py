@@ -22,6 +22,7 @@ import numpy as np
 from .config import MoeConfig
 from .errors import LoraError, OptionError
 from .formats import BF16
+from . import lora_stack
 from .lora import LoraTarget, LoraWeights
 
 NOT_ON_GPU = "LoRA on the GPU path is not implemented yet"
@@ -58,11 +59,14 @@ class LoraSlots:
     table slot (bf16, module docstring). `ptr(name)` gives the kernels' addresses by plan name."""
 
     def __init__(self, cfg: MoeConfig, max_loras: int, max_rank: int, device_id: int,
-                 experts: Optional[ExpertSlotShape] = None):
+                 experts: Optional[ExpertSlotShape] = None, stack_parts: int = 0):
         import cupy
 
         self.cfg, self.max_loras, self.max_rank, self.device_id = cfg, max_loras, max_rank, device_id
         self.experts = experts
+        # the stacked form's Bext (cupymoe/lora_stack.py), parts of s t its T keeps; 0: none
+        self.stack_parts = int(stack_parts) if experts is not None else 0
+        self._stacked: dict[str, object] = {}  # Bext by name: every slot's columns, no K axis
         H, K, R = cfg.hidden_size, max_loras, max_rank
         self._arrays: dict[str, object] = {}
         with cupy.cuda.Device(device_id):
@@ -72,6 +76,8 @@ class LoraSlots:
                 for name, shape in self._expert_shapes().items():  # bf16 as uint16 (CuPy has no bf16)
                     self._arrays[name] = cupy.zeros((K, *shape), cupy.uint16)
                 self._arrays["lora_scale"] = cupy.zeros((K, experts.table_slots, 3), cupy.float32)
+                for name, shape in self._stacked_shapes().items():
+                    self._stacked[name] = cupy.zeros(shape, cupy.uint16)
         self.loaded: dict[int, LoraWeights] = {}
 
     def _expert_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -81,11 +87,28 @@ class LoraSlots:
         return {"lora_gate_a": (S, R, H), "lora_gate_b": (S, I, R), "lora_up_a": (S, R, H), "lora_up_b": (S, I, R),
                 "lora_down_a": (S, R, I), "lora_down_b": (S, H, R)}
 
+    def _stacked_shapes(self) -> dict[str, tuple[int, int]]:
+        """Bext of each projection (lora_stack.py), [S rows, KS] (gate, up: I_max rows a table slot;
+        down: H), named after the B slots they stack (lora_gate_b -> lora_gate_bx)."""
+        if not self.stack_parts:
+            return {}
+        H, S, I = self.cfg.hidden_size, self.experts.table_slots, self.experts.i_max
+        ks = lora_stack.stack_width(self.max_loras, self.max_rank, self.stack_parts)
+        return {"lora_gate_bx": (S * I, ks), "lora_up_bx": (S * I, ks), "lora_down_bx": (S * H, ks)}
+
+    @property
+    def stack_width(self) -> int:
+        """KS of the stacked form (0: none)."""
+        return lora_stack.stack_width(self.max_loras, self.max_rank, self.stack_parts) if self.stack_parts else 0
+
     @property
     def nbytes(self) -> int:
-        return int(sum(a.nbytes for a in self._arrays.values()))
+        return int(sum(a.nbytes for a in self._arrays.values())
+                   + sum(a.nbytes for a in self._stacked.values()))
 
     def ptr(self, name: str) -> int:
+        if name in self._stacked:
+            return int(self._stacked[name].data.ptr)
         return int(self._arrays[name].data.ptr)
 
     def _slot(self, slot) -> int:
@@ -156,8 +179,22 @@ class LoraSlots:
                         dst[slot].fill(0)
                     else:
                         dst[slot].set(np.ascontiguousarray(host[name]), stream=s)
+                self._copy_stacked(slot, host, cupy)
             if stream is None:
                 s.synchronize()
+
+
+    def _copy_stacked(self, slot: int, host: Optional[dict[str, np.ndarray]], cupy) -> None:
+        """Slot's columns of each Bext (lora_stack.stacked_b's): its B [S, out, R] at each part's
+        R columns, or zeros; on the current stream (a device copy of the uploaded B, stream-ordered)."""
+        for name, dst in self._stacked.items():
+            R = self.max_rank
+            src = None if host is None else cupy.asarray(np.ascontiguousarray(host[name[:-1]])).reshape(-1, R)
+            for c in lora_stack.slot_columns(slot, self.max_loras, R, self.stack_parts):
+                if src is None:
+                    dst[:, c:c + R].fill(0)
+                else:
+                    dst[:, c:c + R] = src
 
 
 def expert_slot_shape(owned: Sequence[int], i_max: int, w8a8: bool) -> Optional[ExpertSlotShape]:

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 # the kernel's TMA_MAP_* indices, in order
 TMA_MAPS = ("a_gate_up", "a_down", "shared_a_down", "gate", "up", "down", "shared_gate", "shared_up", "shared_down",
-            "yw")
+            "yw", "lora_t_gu", "lora_t_down", "lora_b_gate", "lora_b_up", "lora_b_down")
 MAP_BYTES = 128
 BOX_BYTES = 128  # bytes of K per box row: one 128-byte swizzle row (64 bf16, or 128 e4m3 codes)
 BOX_K = BOX_BYTES // 2  # bf16 elements of K per box row
@@ -145,11 +145,13 @@ def swapab_table(lp, slot_ptrs: dict) -> bytes:
                      one("gate", n, Is, H, Is), one("up", n, Is, H, Is), one("down", n, H, Is, Is)])
 
 
-def layer_table(lp, slot_ptrs: dict, scratch) -> bytes:
+def layer_table(lp, slot_ptrs: dict, scratch, lora=None) -> bytes:
     """The maps of a layer's TMA GEMMs (`lp` a plan.LayerPlan): A of gate/up (xg) and of down (act,
     through the routed and the shared expert's K), the stacked routed weights and the shared
     expert's, and down's output (yw). `slot_ptrs[p]`: each table slot's weight address of
-    projection p; `scratch`: the layer's ScratchView. The A maps span their buffers exactly."""
+    projection p; `scratch`: the layer's ScratchView. The A maps span their buffers exactly. `lora`
+    (lora_slots.LoraSlots with a stacked form): the LoRA stacked form's maps (cupymoe/lora_stack.py):
+    T of gate/up and of down (A boxes) and each projection's Bext (its B tiles' boxes); else zeros."""
     from .catalog import TMA_A_BOX_ROWS, GemmMode
 
     cfg, n, i_max = lp.cfg, lp.n_local, lp.i_max
@@ -175,7 +177,26 @@ def layer_table(lp, slot_ptrs: dict, scratch) -> bytes:
         shared("gate", Is, H, bn // 2, gate_up), shared("up", Is, H, bn // 2, gate_up),
         shared("down", H, Is, bn_down, down),
         (Matrix2D(scratch.ptr("yw"), scratch.nbytes("yw") // (2 * H), H), bm) if down else None,  # down's stores
+        *lora_maps(lp, scratch, lora),
     ])
+
+
+def lora_maps(lp, scratch, lora) -> list:
+    """The stacked form's five maps (TMA_MAPS' lora_*), None each where the layer has none."""
+    from .catalog import TMA_A_BOX_ROWS, GemmMode
+
+    ks = lora.stack_width if lora is not None else 0
+    if not ks:
+        return [None] * 5
+    H, i_max, bm = lp.cfg.hidden_size, lp.i_max, TMA_A_BOX_ROWS
+    bn, bn_down = lp.sm90[GemmMode.GATE_UP].bn, lp.sm90[GemmMode.DOWN].bn
+    rows_gu, rows_down = scratch.nbytes("lora_t_gu") // (4 * ks), scratch.nbytes("lora_t_down") // (2 * ks)
+    slots = lora.experts.table_slots
+    return [(Matrix2D(scratch.ptr("lora_t_gu"), rows_gu, 2 * ks), bm),
+            (Matrix2D(scratch.ptr("lora_t_down"), rows_down, ks), bm),
+            (Matrix2D(lora.ptr("lora_gate_bx"), slots * i_max, ks), bn // 2),
+            (Matrix2D(lora.ptr("lora_up_bx"), slots * i_max, ks), bn // 2),
+            (Matrix2D(lora.ptr("lora_down_bx"), slots * H, ks), bn_down)]
 
 
 # the w8a8 TMA GEMM's maps (cuda/grouped_sm90_fp8_tma.cu F8T_MAP_*), in order: e4m3 codes

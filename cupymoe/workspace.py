@@ -173,7 +173,8 @@ LORA_TICKETS = 1056  # forward_plan.LORA_BLOCKS: the per-pair LoRA kernels split
 
 def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, decode_max_tokens: int,
                   w8a8: bool = False, w8a8_shared_x: bool = False, gathered_inputs: bool = False,
-                  guard: int = 0, lora_experts: bool = False, lora_rank: int = 0) -> ScratchPlan:
+                  guard: int = 0, lora_experts: bool = False, lora_rank: int = 0,
+                  lora_stack_ks: int = 0) -> ScratchPlan:
     """A layer's buffers, their live stages and the ONE alias table. `w8a8`: the e4m3 copies of
     the expert input and of the activation with their scales a 128 columns; `w8a8_shared_x`: x's
     too (an fp8 shared expert behind a pre-expert norm); `gathered_inputs`: xg, the expert
@@ -181,7 +182,8 @@ def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, dec
     `lora_experts`: lora_gu, the LoRA plans' pre-activation g and u, a row 2 i_max wide;
     `lora_rank` (> 0: the layer reserved adapter slots of that rank): lora_part, the per-pair
     LoRA kernels' slice sums (forward_plan.lora_slices: fewer than 2 LORA_TICKETS items' slices,
-    2 rank rows an item at most)."""
+    2 rank rows an item at most); `lora_stack_ks` (> 0: the LoRA stacked form's KS, cupymoe/lora_stack.py):
+    its shrinks' T of gate/up [P, 2 KS] and of down [P, KS], bf16 (the TMA GEMMs' extra A)."""
     T, k, H, R = max_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.router_width
     sh = 1 if cfg.has_shared_expert else 0
     P = T * k + sh * T  # expert positions: every routed pair, plus one shared row a token
@@ -225,6 +227,9 @@ def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, dec
         buffers.append(BufferSpec("lora_gu", P * 2 * i_max * 2, "gate_up", "gate_up"))
     if lora_rank:  # written and read inside one LoRA launch: route (the router's delta) to down
         buffers.append(BufferSpec("lora_part", 2 * LORA_TICKETS * 2 * lora_rank * 4, "route", "down"))
+    if lora_stack_ks:  # written just before the GEMM that reads it; last, as lora_gu
+        buffers.append(BufferSpec("lora_t_gu", P * 2 * lora_stack_ks * 2, "gate_up", "gate_up"))
+        buffers.append(BufferSpec("lora_t_down", P * lora_stack_ks * 2, "down", "down"))
     # logits die once top-k has read them, act is born at gate_up; xg dies in gate_up, yw is born in down
     return plan_scratch(STAGES, buffers, [("logits", "act"), ("xg", "yw")], guard)
 
@@ -347,12 +352,13 @@ def _order_after(event: int, new: int, ws: Workspace) -> None:
 
 
 def layer_need(lp, max_tokens: int, guard: int = 0, lora_experts: bool = False,
-               lora_rank: int = 0) -> tuple[ScratchPlan, WorkspaceNeed]:
+               lora_rank: int = 0, lora_stack_ks: int = 0) -> tuple[ScratchPlan, WorkspaceNeed]:
     """A layer's scratch plan (`lp` a plan.LayerPlan) and what it needs of a workspace at `max_tokens`
     (`guard`: with red zones; `lora_experts`: the LoRA plans' expert deltas' scratch too;
-    `lora_rank`: the reserved adapter slots' rank, 0 for none: the per-pair kernels' scratch)."""
+    `lora_rank`: the reserved adapter slots' rank, 0 for none: the per-pair kernels' scratch;
+    `lora_stack_ks`: the LoRA stacked form's T, 0 for none)."""
     plan = layer_scratch(lp.cfg, max_tokens, lp.n_local, lp.i_max, lp.decode_max_tokens, lp.w8a8,
-                         lp.w8a8_shared_x, lp.gathers_rows, guard, lora_experts, lora_rank)
+                         lp.w8a8_shared_x, lp.gathers_rows, guard, lora_experts, lora_rank, lora_stack_ks)
     return plan, WorkspaceNeed(plan.total_bytes, zeroed_bytes(lp.n_local, lp.i_max, lp.w8a8, lora_rank > 0))
 
 

@@ -12,13 +12,15 @@ an fp32 delta to fp32 logits, far inside them). Rows whose LoRA routing is a nea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 
 from _lora import ALL_TARGETS, merged, random_lora
 from cupymoe import reference, testing, verify
 from cupymoe.errors import LoraError, MoeCallError
-from cupymoe.lora import LoraTarget, LoraWeights
+from cupymoe.lora import LoraModule, LoraTarget, LoraWeights
 from cupymoe.verify import ROUTING_MARGIN, bf16_bits, bits_to_f32, check
 
 pytestmark = pytest.mark.gpu
@@ -77,20 +79,25 @@ def run(layer, x, ids, path=None, stream=None):
 # and u before the gate / up deltas), and on the grouped path round each term again after
 # down's delta: verify's accounting (module docstring), one ~1.6e-3 rms rounding each.
 LORA_PLAN_ROUNDINGS = {"decode": 2, "grouped": 3}
+# The stacked form (CUPYMOE_LORA_IN_GEMM) adds the expert deltas in the GEMMs' fp32 accumulators,
+# so it stores what the base plan stores; its one more rounding is s t's in T (the delta's only).
+STACKED_ROUNDINGS = 1
 
 
 def judge(out, cfg, hw, x, ids, adapters, taken, what, layer=None):
     """`out` of the forward just run (call before the layer runs again: the grouped path's check
     reads its stored activation) against the exact layer with the rows' adapters and the faithful
-    one of the LoRA plan (reference.moe_forward(lora_plan=True)), by verify.compare's rule with
-    LORA_PLAN_ROUNDINGS more roundings in the exact envelope; the envelope's cancellation terms
+    one of the LoRA plan (reference.moe_forward(lora_plan=True); the stacked form's: the base
+    plan's stores, s t rounded as T holds it), by verify.compare's rule with LORA_PLAN_ROUNDINGS
+    (STACKED_ROUNDINGS) more roundings in the exact envelope; the envelope's cancellation terms
     (spread, the grouped terms) from each adapter's merged layer, as verify.check takes them."""
     rounding = verify.PATH_ROUNDING[taken]
     ids = np.where(np.isin(ids, list(adapters)), ids, -1)  # an empty slot adds nothing
     exact = reference.moe_forward(cfg, hw, x, lora=adapters, lora_ids=ids)
     acts = verify.KernelActivations(layer, cfg, x.shape[0]) if layer is not None and rounding == "grouped" else None
-    faithful = reference.moe_forward(cfg, hw, x, rounding=rounding, lora=adapters, lora_ids=ids, lora_plan=True,
-                                     kernel_acts=acts.feed if acts else None)
+    parts = _stacked_parts(layer, x.shape[0]) if acts else 0
+    faithful = reference.moe_forward(cfg, hw, x, rounding=rounding, lora=_as_stacked(adapters, parts) if parts else adapters,
+                                     lora_ids=ids, lora_plan=not parts, kernel_acts=acts.feed if acts else None)
     spread, terms = np.zeros_like(exact), np.zeros_like(exact)
     for slot in np.unique(ids):
         rows = ids == slot
@@ -98,7 +105,8 @@ def judge(out, cfg, hw, x, ids, adapters, taken, what, layer=None):
         spread[rows] = reference.moe_forward(cfg, w, x[rows], absolute="down")
         terms[rows] = reference.moe_forward(cfg, w, x[rows], absolute=True)
     c = verify.compare(out, exact, faithful,
-                       roundings=verify.path_roundings(hw, taken) + LORA_PLAN_ROUNDINGS[rounding],
+                       roundings=verify.path_roundings(hw, taken) + (STACKED_ROUNDINGS if parts else
+                                                                     LORA_PLAN_ROUNDINGS[rounding]),
                        partials=[terms] if rounding == "grouped" else None, spread=spread)
     if acts is not None:
         c.stages = acts.comparison()
@@ -213,21 +221,28 @@ def test_graph_captured_before_set_lora_replays_the_new_adapter(rng):
         s.begin_capture()
         layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(idd.data.ptr))
         graph = s.end_capture()
-        for slot, lw in adapters.items():  # after the capture, on the replaying stream
-            layer.set_lora(slot, lw, stream=s.ptr)
-        with s:
-            out.fill(0x7FC0)
-        graph.launch(s)
-        s.synchronize()
-        replayed = bits_to_f32(out.get())
-        judge(replayed, cfg, hw, x, ids, adapters, layer.select_path(n, path), f"replay {path} N={n}", layer)
-        eager = run(layer, x, ids, path)
-        np.testing.assert_array_equal(replayed.view(np.uint32), eager.view(np.uint32))
-        layer.clear_lora(1, stream=s.ptr)  # and emptied again: slot 1's rows get the base layer
-        graph.launch(s)
-        s.synchronize()
-        judge(bits_to_f32(out.get()), cfg, hw, x, ids, {0: adapters[0]}, layer.select_path(n, path),
-              f"replay after clear {path} N={n}", layer)
+        _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, path, f"replay {path} N={n}")
+
+
+def _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, path, what):
+    """The adapters set after `graph`'s capture, on its stream; its replay judged and equal to the
+    eager forward bit for bit; slot 1 emptied again and the replay judged without it."""
+    for slot, lw in adapters.items():  # after the capture, on the replaying stream
+        layer.set_lora(slot, lw, stream=s.ptr)
+    with s:
+        out.fill(0x7FC0)
+    graph.launch(s)
+    s.synchronize()
+    replayed = bits_to_f32(out.get())
+    n = x.shape[0]
+    judge(replayed, cfg, hw, x, ids, adapters, layer.select_path(n, path), what, layer)
+    eager = run(layer, x, ids, path)
+    np.testing.assert_array_equal(replayed.view(np.uint32), eager.view(np.uint32))
+    layer.clear_lora(1, stream=s.ptr)  # and emptied again: slot 1's rows get the base layer
+    graph.launch(s)
+    s.synchronize()
+    rest = {k: v for k, v in adapters.items() if k != 1}
+    judge(bits_to_f32(out.get()), cfg, hw, x, ids, rest, layer.select_path(n, path), f"{what} after clear", layer)
 
 
 def test_row_invariant_with_lora(rng):
@@ -392,13 +407,18 @@ def test_the_torch_module_passes_lora_ids_bit_for_bit(rng):
 
 # --- the grouped (prefill) deltas: lora_grouped_gate_up_act / lora_grouped_down_delta ----------
 
-def _grouped_layer(cfg, hw, max_rank, **kw):
+def _grouped_layer(cfg, hw, max_rank, stack=0, **kw):
+    """A layer for the grouped deltas (stack 0: CUPYMOE_LORA_IN_GEMM off, read at build) or the stacked form."""
+    import os
+    from unittest import mock
+
     from cupymoe import MoeLayer
 
     if not kw.get("row_invariant"):
         kw.setdefault("decode_max_tokens", 64)
         kw.setdefault("atomic_max_tokens", 64)
-    return MoeLayer(cfg, hw, max_tokens=1100, max_loras=4, max_lora_rank=max_rank, **kw)
+    with mock.patch.dict(os.environ, {"CUPYMOE_LORA_IN_GEMM": str(stack)}):
+        return MoeLayer(cfg, hw, max_tokens=1100, max_loras=4, max_lora_rank=max_rank, **kw)
 
 
 def _ranked_adapters(cfg, rng, max_rank):
@@ -419,6 +439,23 @@ def _prefill_uses_grouped(layer, n, max_rank):
     return {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} <= kinds
 
 
+def _captured_prefill(layer, x, ids):
+    """A prefill forward of x with ids run once eagerly and once under capture on a new stream:
+    (the stream, the output, the graph, the uploads the graph reads)."""
+    import cupy
+
+    n = x.shape[0]
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        xd, idd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids)
+        out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
+    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="prefill", lora_ids_ptr=int(idd.data.ptr))
+    s.begin_capture()
+    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="prefill", lora_ids_ptr=int(idd.data.ptr))
+    graph = s.end_capture()
+    return s, out, graph, (xd, idd)  # keep the uploads alive while the graph replays
+
+
 @pytest.mark.parametrize("max_rank, invariant", [(16, True), (32, True), (12, True), (5, True), (16, False)])
 def test_grouped_deltas_awkward_n(max_rank, invariant, rng):
     """The prefill path's grouped deltas at awkward N (tiles of 1 row, partial 16-row chunks, tiles
@@ -436,20 +473,41 @@ def test_grouped_deltas_awkward_n(max_rank, invariant, rng):
         layer.set_lora(slot, lw)
     for n in (1, 5, 67, 300, 1100):
         assert _prefill_uses_grouped(layer, n, max_rank) == (invariant or n * cfg.num_experts_per_tok > 1024)
-        ids = rng.integers(-1, 4, n).astype(np.int32)
-        ids[: min(n, 5)] = [-1, 0, 1, 2, 3][: min(n, 5)]
-        x = separated_input(cfg, hw, rng, n, adapters, ids)
-        judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"),
-              f"grouped r{max_rank} N={n}", layer)
+        _judge_ranked(layer, cfg, hw, rng, adapters, n, f"grouped r{max_rank}")
     layer.check_errors()
-    n = 1100  # an id past the slots: that row gets the base layer and the call an error bit
+    _judge_id_past_slots(layer, cfg, hw, rng, adapters, f"grouped r{max_rank}")
+
+
+def _judge_ranked(layer, cfg, hw, rng, adapters, n, what):
+    """A prefill of n rows, ids -1 .. 3 (each present where N allows), judged."""
+    ids = rng.integers(-1, 4, n).astype(np.int32)
+    ids[: min(n, 5)] = [-1, 0, 1, 2, 3][: min(n, 5)]
+    x = separated_input(cfg, hw, rng, n, adapters, ids)
+    judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"), f"{what} N={n}",
+          layer)
+
+
+def _judge_id_past_slots(layer, cfg, hw, rng, adapters, what, n=1100):
+    """Ids -1 .. 3 and every 97th row 4 (past the 4 slots): that row gets the base layer and the
+    call an error bit."""
     ids = rng.integers(-1, 4, n).astype(np.int32)
     ids[::97] = 4
     x = separated_input(cfg, hw, rng, n, adapters, np.where(ids < 4, ids, -1))
     judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"),
-          f"grouped r{max_rank} N={n} with id 4", layer)
+          f"{what} N={n} with id 4", layer)
     with pytest.raises(MoeCallError, match="bit 2 = a LoRA id"):
         layer.check_errors()
+
+
+def _near_copies(cfg, hw, rng, adapters, n):
+    """n near-copies of one row (ids 0, 1, -1, 2, 0, 3 over and over), those routing with a clear
+    margin kept (over half of them): a few experts take ~all rows."""
+    ids = np.resize(np.array([0, 1, -1, 2, 0, 3], np.int32), n)
+    base = testing.random_input(rng, 1, cfg.hidden_size)
+    x = (base + 0.01 * testing.random_input(rng, n, cfg.hidden_size)).astype(base.dtype)
+    keep = reference.route(cfg, hw, x, lora=adapters, lora_ids=ids).margin >= ROUTING_MARGIN
+    assert keep.sum() > n // 2, "the near-copies should route with a clear margin"
+    return x[keep], ids[keep]
 
 
 def test_grouped_deltas_one_expert_takes_most_rows(rng):
@@ -460,14 +518,7 @@ def test_grouped_deltas_one_expert_takes_most_rows(rng):
     layer, adapters = _grouped_layer(cfg, hw, 16, row_invariant=True), _ranked_adapters(cfg, rng, 16)
     for slot, lw in adapters.items():
         layer.set_lora(slot, lw)
-    n = 600
-    ids = np.resize(np.array([0, 1, -1, 2, 0, 3], np.int32), n)
-    base = testing.random_input(rng, 1, cfg.hidden_size)
-    x = (base + 0.01 * testing.random_input(rng, n, cfg.hidden_size)).astype(base.dtype)
-    routing = reference.route(cfg, hw, x, lora=adapters, lora_ids=ids)
-    keep = routing.margin >= ROUTING_MARGIN
-    x, ids = x[keep], ids[keep]
-    assert x.shape[0] > n // 2, "the near-copies should route with a clear margin"
+    x, ids = _near_copies(cfg, hw, rng, adapters, 600)
     counts = np.bincount(reference.route(cfg, hw, x, lora=adapters, lora_ids=ids).ids.ravel(),
                          minlength=cfg.num_experts)
     assert counts.max() > 128
@@ -478,8 +529,6 @@ def test_grouped_deltas_one_expert_takes_most_rows(rng):
 def test_grouped_deltas_graph_replay_and_row_invariance(rng):
     """Graph replay of a grouped-delta prefill equals the eager forward bit for bit, and a row's
     bits do not depend on the batch (each mma row is its own sum)."""
-    import cupy
-
     cfg = testing.tiny_config("qwen3_moe")
     hw = testing.random_host_weights(cfg, rng)
     layer, adapters = _grouped_layer(cfg, hw, 16, row_invariant=True), _ranked_adapters(cfg, rng, 16)
@@ -489,14 +538,7 @@ def test_grouped_deltas_graph_replay_and_row_invariance(rng):
     ids = rng.integers(-1, 4, n).astype(np.int32)
     x = testing.random_input(rng, n, cfg.hidden_size)
     eager = run(layer, x, ids, "prefill")
-    s = cupy.cuda.Stream(non_blocking=True)
-    with s:
-        xd, idd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids)
-        out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
-    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="prefill", lora_ids_ptr=int(idd.data.ptr))
-    s.begin_capture()
-    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="prefill", lora_ids_ptr=int(idd.data.ptr))
-    graph = s.end_capture()
+    s, out, graph, _inputs = _captured_prefill(layer, x, ids)
     with s:
         out.fill(0x7FC0)
     graph.launch(s)
@@ -587,3 +629,152 @@ def test_grouped_deltas_split_grid(family, rng):
                 assert np.array_equal(one.view(np.uint32), out[n // 2: n // 2 + 1].view(np.uint32)), f"N={n}: row"
         with pytest.raises(MoeCallError, match="bit 2 = a LoRA id"):
             layer.check_errors()
+
+
+# --- the stacked form (CUPYMOE_LORA_IN_GEMM; cupymoe/lora_stack.py) ---------------------------------
+# The experts' deltas as extra K of the TMA GEMMs: gate/up activates g + B_g t_g and u + B_u t_u from
+# fp32 accumulators and down stores bf16(w (y + B t)) once, so the form makes fewer roundings than
+# LORA_PLAN_ROUNDINGS["grouped"] grants; s t is rounded to bf16 (parts 1: ~2^-9 of a delta that is
+# ~0.3-0.5 of its map's output) or kept to ~2^-17 (parts 2). The judge and its tolerances are the
+# grouped deltas' own.
+
+
+
+@dataclass(frozen=True)
+class _StackedModule(LoraModule):
+    """A routed or shared expert's module as the stacked form computes it: B (s t) with s t held
+    as T holds it (`parts` bf16 values, lora_stack.split_parts)."""
+
+    parts: int = 1
+
+    def delta(self, x):
+        from cupymoe import lora_stack
+
+        st = (x @ self.a.astype(x.dtype).T * x.dtype.type(self.scale)).astype(np.float32)
+        t = sum(lora_stack.split_parts(st, self.parts)).astype(x.dtype)
+        return t @ self.b.astype(x.dtype).T
+
+
+def _as_stacked(adapters, parts):
+    """The adapters with each expert map's s t rounded as the stacked form's T (the router's delta is not stacked)."""
+    def mod(k, m):
+        if k.target == LoraTarget.ROUTER:
+            return m
+        return _StackedModule(m.name, m.a, m.b, m.scale, parts)
+    return {slot: LoraWeights({k: mod(k, m) for k, m in lw.modules.items()}, lw.source) for slot, lw in adapters.items()}
+
+
+def _stacked_parts(layer, n):
+    """The stacked form's parts where `layer`'s prefill of n rows runs it, else 0."""
+    slots = getattr(layer, "_lora", None)
+    if slots is None or not slots.stack_parts:
+        return 0
+    return slots.stack_parts if _prefill_uses_stacked(layer, n, slots.max_rank) else 0
+
+
+def _stacked_layer(monkeypatch, cfg, hw, max_rank, parts, variant="auto", **kw):
+    if variant != "auto":
+        monkeypatch.setenv("CUPYMOE_SM90_VARIANT", variant)
+    layer = _grouped_layer(cfg, hw, max_rank, stack=parts, **kw)
+    assert layer._lora.stack_parts == parts
+    return layer
+
+
+def _prefill_uses_stacked(layer, n, max_rank):
+    from cupymoe.forward_plan import LoraShape, build_forward_plan
+    from cupymoe.plan import Path
+
+    shape = LoraShape(layer._lora.max_loras, max_rank, True, layer._lora.stack_parts)
+    plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=shape).at(n)
+    kinds = [getattr(s, "kernel", "") for s in plan.steps]
+    stacked = {"lora_stack_t_gate_up", "lora_stack_t_down"} <= set(kinds)
+    assert stacked == (sum(k.startswith("grouped_gemm_sm90_tma_lora<") for k in kinds) == 2)
+    return stacked and not {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} & set(kinds)
+
+
+@pytest.mark.parametrize("variant, max_rank, parts", [("auto", 16, 1), ("auto", 16, 2), ("auto", 5, 1),
+                                                     ("tma", 16, 1), ("tma_wide", 16, 2), ("tma_192", 5, 1)])
+def test_stacked_awkward_n(variant, max_rank, parts, rng, monkeypatch):
+    """The stacked form on each TMA variant (auto: gather_wide gate/up, tma_192 down) at N 300 and 1100 (past the one-block sort; below it today's kernels), ids -1
+    mixed with four adapters of ranks max_rank, 3, 1 and 2 (the last on two experts only), the
+    output poisoned first, judged against the reference; then ids past the slots (base rows and an
+    error bit)."""
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _stacked_layer(monkeypatch, cfg, hw, max_rank, parts, variant)
+    adapters = _ranked_adapters(cfg, rng, max_rank)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    for n in (67, 300, 1100):
+        assert _prefill_uses_stacked(layer, n, max_rank) == (n * cfg.num_experts_per_tok > 1024)
+        _judge_ranked(layer, cfg, hw, rng, adapters, n, f"stacked {variant} r{max_rank} parts {parts}")
+    layer.check_errors()
+    _judge_id_past_slots(layer, cfg, hw, rng, adapters, f"stacked {variant} r{max_rank} parts {parts}")
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_stacked_one_expert_takes_most_rows(parts, rng, monkeypatch):
+    """Near-copies of one row: a few experts (and the shared expert's run) get ~all rows, tiles of
+    many LORA_SUB passes for the shrinks, many M tiles of one expert for the GEMMs."""
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _stacked_layer(monkeypatch, cfg, hw, 16, parts), _ranked_adapters(cfg, rng, 16)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    x, ids = _near_copies(cfg, hw, rng, adapters, 1000)
+    assert _prefill_uses_stacked(layer, x.shape[0], 16)
+    counts = np.bincount(reference.route(cfg, hw, x, lora=adapters, lora_ids=ids).ids.ravel(),
+                         minlength=cfg.num_experts)
+    assert counts.max() > 256
+    judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(x.shape[0], "prefill"),
+          f"stacked parts {parts}: one expert most rows", layer)
+
+
+def test_stacked_bext_packing(rng, monkeypatch):
+    """Each Bext on the device is lora_stack.stacked_b of the slots' B (every part's columns), after
+    set_lora of four adapters and after a clear (its columns zeros again, the others untouched)."""
+    from cupymoe import lora_stack
+
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    for parts in (1, 2):
+        layer = _stacked_layer(monkeypatch, cfg, hw, 5, parts)
+        for slot, lw in _ranked_adapters(cfg, rng, 5).items():
+            layer.set_lora(slot, lw)
+        for cleared in (None, 1):
+            if cleared is not None:
+                layer.clear_lora(cleared)
+            slots = layer._lora
+            for p in ("gate", "up", "down"):
+                b = slots._arrays[f"lora_{p}_b"].get()  # [K, S, out, R] bf16 bits
+                want = lora_stack.stacked_b(b, parts).reshape(-1, slots.stack_width)
+                np.testing.assert_array_equal(slots._stacked[f"lora_{p}_bx"].get(), want, err_msg=f"{p} {cleared}")
+
+
+def test_stacked_without_adapters_is_the_base_layer(rng, monkeypatch):
+    """Ids all -1 and an empty slot: T is zeros, so the extra K adds exact zeros to every
+    accumulator: the base plan's values (and the router's zero delta leaves the logits)."""
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _stacked_layer(monkeypatch, cfg, hw, 16, 1)
+    layer.set_lora(0, random_lora(cfg, rng, rank=4, targets=ALL_TARGETS))
+    for n in (300, 1100):
+        assert _prefill_uses_stacked(layer, n, 16)
+        x = testing.random_input(rng, n, cfg.hidden_size)
+        base = run(layer, x, None, "prefill")
+        for ids in (np.full(n, -1), np.full(n, 2)):  # slot 2 was never filled
+            np.testing.assert_array_equal(run(layer, x, ids, "prefill"), base)  # -0 == +0
+
+
+def test_stacked_graph_captured_before_set_lora(rng, monkeypatch):
+    """A graph captured with empty slots replays the adapters set after it (Bext's columns filled in
+    place), equal to the eager forward bit for bit; cleared again, slot 1's rows get the base layer."""
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _stacked_layer(monkeypatch, cfg, hw, 16, 1), _ranked_adapters(cfg, rng, 16)
+    n = 1100
+    assert _prefill_uses_stacked(layer, n, 16)
+    ids = rng.integers(-1, 4, n).astype(np.int32)
+    x = separated_input(cfg, hw, rng, n, adapters, ids, also_base=True)
+    s, out, graph, _inputs = _captured_prefill(layer, x, ids)
+    _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, "prefill", "stacked replay")

@@ -27,10 +27,11 @@ def test_matrix_requirements_name_the_values():
 
 
 def test_table_holds_every_kernel_map_in_order():
-    assert len(tma.TMA_MAPS) == 10 and tma.TMA_MAPS[0] == "a_gate_up" and tma.TMA_MAPS[-1] == "yw"
+    assert len(tma.TMA_MAPS) == 15 and tma.TMA_MAPS[0] == "a_gate_up" and tma.TMA_MAPS[9] == "yw"
+    assert tma.TMA_MAPS[10:] == ("lora_t_gu", "lora_t_down", "lora_b_gate", "lora_b_up", "lora_b_down")  # LoRA's
     table = tma.encode_table([None] * len(tma.TMA_MAPS))  # maps the layer never reads stay zero
     assert table == bytes(tma.MAP_BYTES * len(tma.TMA_MAPS))
-    with pytest.raises(ValueError, match="the kernel reads 10"):
+    with pytest.raises(ValueError, match="the kernel reads 15"):
         tma.encode_table([None] * 8)
 
 
