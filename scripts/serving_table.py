@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Issue 39's table: each tuned cell of `python -m cupymoe tune` beside vLLM and the byte floor.
 
-    python scripts/serving_table.py TUNE.json [TUNE.json ...] [--peers PEER.json PEER_FP8.json]
+    python scripts/serving_table.py TUNE.json [TUNE.json ...] [--peers PEER.json PEER_FP8.json] [--max-n 2048]
+
+A later TUNE file's cell replaces an earlier one's of the same (shape, format, N) in place (a
+re-tune of some presets over a whole sweep); --max-n leaves out larger N (a prefill sweep's).
 
 vLLM's figure is the one timed in the same device call (peer_bench.py's peer.json for bf16,
 peer_bench_fp8.py's peer_fp8.json for fp8_block) where --peers has the cell, else the stored
@@ -29,10 +32,21 @@ def peer_times(path: Path, key: str) -> dict:
     return {(r["shape"], r["N"]): r[key] for r in rows if r.get(key)}
 
 
+def latest_cells(paths: list, max_n=None) -> list:
+    """The tune files' cells in first-seen order, each (shape, format, N) as its last file has it."""
+    cells = {}
+    for t in paths:
+        for c in json.loads(Path(t).read_text())["cells"]:
+            if max_n is None or c["N"] <= max_n:
+                cells[(c["shape"], c["format_key"].split(":")[0], c["N"])] = c
+    return list(cells.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("tune", nargs="+", type=Path)
     ap.add_argument("--peers", nargs="*", type=Path, default=[])
+    ap.add_argument("--max-n", type=int, default=None, help="leave out cells of more rows")
     args = ap.parse_args()
     same_call = {}
     for p in args.peers:
@@ -41,19 +55,18 @@ def main() -> None:
     stored = {fmt: peer_times(ROOT / "benchmarks" / "baselines" / f, key) for fmt, (f, key) in BASELINES.items()}
     print("| shape | format | N | plan | µs | x floor | vs vLLM |\n|---|---|---|---|---|---|---|")
     misses = []
-    for t in args.tune:
-        for c in json.loads(t.read_text())["cells"]:
-            fmt = c["format_key"].split(":")[0]
-            ch, key = c["chosen"], (c["shape"], c["N"])
-            v, mark = same_call.get(fmt, {}).get(key), ""
-            if v is None:
-                v, mark = stored[fmt].get(key), " b"
-            x_floor = 100.0 / ch["pct_of_floor"]
-            vs = v / ch["us"] if v else None
-            vs_s = f"{vs:.2f}{mark}" if vs else "-"
-            print(f"| {c['shape']} | {fmt} | {c['N']} | {ch['label']} | {ch['us']:.1f} | {x_floor:.2f} | {vs_s} |")
-            if (vs is not None and vs < 1.0) or x_floor > FLOOR_BAR:
-                misses.append(f"{c['shape']} {fmt} N={c['N']}: {ch['us']:.1f} us, x floor {x_floor:.2f}, vs vLLM {vs_s}")
+    for c in latest_cells(args.tune, args.max_n):
+        fmt = c["format_key"].split(":")[0]
+        ch, key = c["chosen"], (c["shape"], c["N"])
+        v, mark = same_call.get(fmt, {}).get(key), ""
+        if v is None:
+            v, mark = stored[fmt].get(key), " b"
+        x_floor = 100.0 / ch["pct_of_floor"]
+        vs = v / ch["us"] if v else None
+        vs_s = f"{vs:.2f}{mark}" if vs else "-"
+        print(f"| {c['shape']} | {fmt} | {c['N']} | {ch['label']} | {ch['us']:.1f} | {x_floor:.2f} | {vs_s} |")
+        if (vs is not None and vs < 1.0) or x_floor > FLOOR_BAR:
+            misses.append(f"{c['shape']} {fmt} N={c['N']}: {ch['us']:.1f} us, x floor {x_floor:.2f}, vs vLLM {vs_s}")
     print(f"\n{len(misses)} cells miss a bar:")
     print("\n".join(misses))
 

@@ -18,3 +18,13 @@ def test_serving_table_reads_the_committed_sweep():
     same_call = [r for r in rows if r.startswith(("| qwen3-30b-a3b |", "| deepseek-v3 |"))]
     assert same_call and not any(r.endswith(" b |") for r in same_call)
     assert "cells miss a bar" in out
+
+
+def test_a_later_sweep_replaces_its_cells_in_place():
+    tune = [R / "20261202-h200-s4-tune-qwen3-deepseek.json", R / "20261202-h200-s4-tune-rest.json",
+            R / "20261202-h200-s5-tune-fp8-235b-mixtral.json"]
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "serving_table.py"), *map(str, tune),
+                          "--max-n", "2048"], capture_output=True, text=True, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| shape")]
+    assert len(rows) == 96  # the re-tuned cells replace theirs; 4096 and 16384 left out
+    assert "| mixtral-8x7b | fp8_block | 1024 | prefill/tma | 1270.7 |" in out
