@@ -3,6 +3,7 @@
     ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
         python3 scripts/stage_times.py --preset qwen3-30b-a3b --tokens 1 [--format fp8_block]
         [--lora 4 --lora-rank 16]   (the bench's adapters, rows round-robin over the slots)
+        [--path decode --decode-max-tokens 256]   (with CUPYMOE_DECODE_KERNEL=swapab: that kernel at 256 rows)
 
 Per-kernel durations come from ncu; this script only builds the layer and launches.
 """
@@ -26,10 +27,13 @@ ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--lora", type=int, default=0, help="adapters in the layer's slots (0: none)")
 ap.add_argument("--lora-rank", type=int, default=16)
 ap.add_argument("--fp8-compute", default="auto")
+ap.add_argument("--decode-max-tokens", type=int, default=None, help="the layer's decode_max_tokens (with --path decode)")
 args = ap.parse_args()
 
 cfg = preset_config(args.preset)
 opts = dict(max_loras=args.lora, max_lora_rank=args.lora_rank) if args.lora else {}
+if args.decode_max_tokens:
+    opts["decode_max_tokens"] = args.decode_max_tokens
 layer = MoeLayer(cfg, random_device_weights(cfg, 0, args.format), max_tokens=max(args.tokens),
                  fp8_compute=args.fp8_compute, **opts)
 if args.lora:
