@@ -282,7 +282,7 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
 #define LORA_MMA_WARPS 8
 #define LORA_MT 2                                          // 16-row mma tiles a chunk
 #define LORA_CHUNK (16 * LORA_MT)                          // rows a chunk (of one adapter)
-#define LORA_SUB 128                                       // positions a block buckets at once (taller tiles: passes)
+#define LORA_SUB 192                                       // positions a block buckets at once: a 192-row TMA tile in one pass
 #define LORA_MAX_CHUNKS (LORA_SUB / LORA_CHUNK + LORA_SUB)  // full chunks, plus one partial chunk an adapter
 #define LORA_NC 2                                          // 8-column steps a warp has in flight in an expand
 

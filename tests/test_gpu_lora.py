@@ -489,7 +489,7 @@ def _captured_prefill(layer, x, ids):
 @pytest.mark.parametrize("max_rank, invariant", [(16, True), (32, True), (12, True), (5, True), (16, False)])
 def test_grouped_deltas_awkward_n(max_rank, invariant, rng):
     """The prefill path's grouped deltas at awkward N (tiles of 1 row, partial 16-row chunks, tiles
-    over LORA_SUB = 128 rows at 1100), ids -1 mixed with four adapters of ranks max_rank, 3, 1, 2
+    of up to 192 rows, one LORA_SUB pass each, at 1100), ids -1 mixed with four adapters of ranks max_rank, 3, 1, 2
     (B rows of max_rank 5 and 12 read by the unaligned fragment loads; max_rank 32: shared memory
     past 48 KB, opted in at load), output poisoned first;
     then ids past the slots (base rows and an error bit). A row-invariant layer runs them (and
@@ -541,8 +541,8 @@ def _near_copies(cfg, hw, rng, adapters, n):
 
 
 def test_grouped_deltas_one_expert_takes_most_rows(rng):
-    """Near-copies of one row route alike: a few experts get ~all 600 rows (tiles of many
-    LORA_SUB passes, chunks of one adapter back to back); the shared expert's run too."""
+    """Near-copies of one row route alike: a few experts get ~all 600 rows (full tiles,
+    chunks of one adapter back to back); the shared expert's run too."""
     cfg = testing.tiny_config("qwen2_moe")
     hw = testing.random_host_weights(cfg, rng)
     layer, adapters = _grouped_layer(cfg, hw, 16, row_invariant=True), _ranked_adapters(cfg, rng, 16)
@@ -744,8 +744,8 @@ def test_stacked_awkward_n(variant, max_rank, parts, rng, monkeypatch):
 
 @pytest.mark.parametrize("parts", [1, 2])
 def test_stacked_one_expert_takes_most_rows(parts, rng, monkeypatch):
-    """Near-copies of one row: a few experts (and the shared expert's run) get ~all rows, tiles of
-    many LORA_SUB passes for the shrinks, many M tiles of one expert for the GEMMs."""
+    """Near-copies of one row: a few experts (and the shared expert's run) get ~all rows, full tiles
+    for the shrinks, many M tiles of one expert for the GEMMs."""
     cfg = testing.tiny_config("qwen2_moe")
     hw = testing.random_host_weights(cfg, rng)
     layer, adapters = _stacked_layer(monkeypatch, cfg, hw, 16, parts), _ranked_adapters(cfg, rng, 16)
