@@ -900,14 +900,12 @@ lora_stack_t_down(const bf16* __restrict__ act, const int* __restrict__ lora_ids
 }
 
 // ---------------------------------------------------------------------------------------------
-// The router's delta by row spans (prefill): a block LORA_ROUTER_ROWS consecutive rows, bucketed
-// by adapter as the expert tiles are, so an adapter's fp32 A is read once a chunk, not once a
-// row. The shrink on tensor cores: x is bf16 (exact), A fp32 split in three
+// The router's delta by row spans (prefill): a block `span` consecutive rows (at most LORA_SUB;
+// forward_plan.lora_router_span), bucketed by adapter as the expert tiles are, so an adapter's
+// fp32 A is read once a chunk, not once a row. The shrink on tensor cores: x is bf16 (exact), A fp32 split in three
 // bf16 parts (a = a1 + a2 + a3 to 2^-27 of a: fp32's own precision), each product exact in the
 // fp32 sums; the expand as lora_router_delta's (fp32, ranks in order).
 // ---------------------------------------------------------------------------------------------
-#define LORA_ROUTER_ROWS 32
-
 // v (8 fp32) as three sets of four bf16 pair registers: v = p[0] + p[1] + p[2] per element.
 __device__ __forceinline__ void lora_split3(const float4& lo4, const float4& hi4, unsigned (&p)[3][4]) {
     float r[8] = {lo4.x, lo4.y, lo4.z, lo4.w, hi4.x, hi4.y, hi4.z, hi4.w};
@@ -996,17 +994,17 @@ __device__ __forceinline__ void lora_router_expand(const LoraBuckets& b, int c, 
     }
 }
 
-// grid (ceil(N / LORA_ROUTER_ROWS), Y), block LORA_MMA_WARPS warps, shared memory (LORA_MMA_WARPS
+// grid (ceil(N / span), Y), block LORA_MMA_WARPS warps, shared memory (LORA_MMA_WARPS
 // + 1) LORA_CHUNK rp floats. lora_router_delta's work (same slots, ids, error bit: block y = 0)
 // for a span of rows, chunk c by the span's block y = c mod Y.
 __global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 3)
 lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lora_ids, const float* __restrict__ a,
                           const float* __restrict__ bs, float* __restrict__ logits, int* __restrict__ err, int N,
-                          int H, int R, int max_rank, int max_loras) {
+                          int H, int R, int max_rank, int max_loras, int span) {
     __shared__ LoraBuckets b;
     extern __shared__ __align__(16) float parts[];
     pdl_wait_then_release_next();  // by PDL only inside a decode chain (never today): nothing read before
-    const int row0 = blockIdx.x * LORA_ROUTER_ROWS, m = min(LORA_ROUTER_ROWS, N - row0);
+    const int row0 = blockIdx.x * span, m = min(span, N - row0);
     const int rp = (max_rank + 15) & ~15, n = LORA_CHUNK * rp;
     float* t = parts + LORA_MMA_WARPS * n;
     for (int i = threadIdx.x; i < m; i += blockDim.x) {

@@ -262,33 +262,32 @@ def test_row_invariant_with_lora(rng):
 
 
 @pytest.mark.parametrize("experts", [288, 48])
-def test_grouped_router_delta_row_groups(experts, rng):
-    """lora_grouped_router_delta's expand (a thread a column, every G-th row of a chunk, two rows at
-    once): a router wider than the block (288: one group walking the columns twice) and narrower
-    (48: five groups, 16 threads idle), chunks' rows not a multiple of the groups (N 1, 37, 300),
-    ids -1 mixed, the output poisoned: judged; the same rows at another N bit for bit."""
-    from cupymoe.forward_plan import LoraShape, build_forward_plan
+def test_grouped_router_delta_spans_and_row_groups(experts, rng):
+    """lora_grouped_router_delta at spans of 32 rows (N 1, 37, 300) and 48 (N 3500: one wave of
+    blocks, the last span 44 rows), its expand (a thread a column, every G-th row of a chunk, two
+    rows at once) for a router wider than the block (288: one group walking the columns twice) and
+    narrower (48: five groups, 16 threads idle), ids -1 mixed, the output poisoned: judged; rows of
+    the 3500-row call equal the same rows run alone (another span) bit for bit."""
+    from cupymoe import MoeLayer
+    from cupymoe.forward_plan import LoraShape, build_forward_plan, lora_chunk_blocks, lora_router_span
     from cupymoe.plan import Path
 
     cfg = testing.tiny_config("qwen3_moe", num_experts=experts)
     hw = testing.random_host_weights(cfg, rng)
-    layer, adapters = _layer(cfg, hw, row_invariant=True, decode_max_tokens=None, atomic_max_tokens=None), \
-        _adapters(cfg, rng)
+    layer = MoeLayer(cfg, hw, max_tokens=3500, max_loras=K, max_lora_rank=RMAX, row_invariant=True)
+    adapters = _adapters(cfg, rng)
     for slot, lw in adapters.items():
         layer.set_lora(slot, lw)
-    whole = None
-    for n in (1, 37, 300):
+    assert [lora_router_span(n, lora_chunk_blocks(K)) for n in (300, 3500)] == [32, 48]
+    for n in (1, 37, 300, 3500):
         plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=LoraShape(K, RMAX, False)).at(n)
         assert "lora_grouped_router_delta" in {getattr(s, "kernel", None) for s in plan.steps}
         ids = _ids(rng, n)
         x = separated_input(cfg, hw, rng, n, adapters, ids)
         out = run(layer, x, ids, "prefill")
         judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"), f"router E={experts} N={n}", layer)
-        if n == 300:
-            whole = (x, ids, out)
-    x, ids, out = whole
-    np.testing.assert_array_equal(run(layer, x[5:42], ids[5:42], "prefill").view(np.uint32),
-                                  out[5:42].view(np.uint32))
+    rows = slice(3450, 3500)
+    np.testing.assert_array_equal(run(layer, x[rows], ids[rows], "prefill").view(np.uint32), out[rows].view(np.uint32))
 
 
 def test_refusals(rng):
