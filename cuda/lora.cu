@@ -282,7 +282,7 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
 #define LORA_MMA_WARPS 8
 #define LORA_MT 2                                          // 16-row mma tiles a chunk
 #define LORA_CHUNK (16 * LORA_MT)                          // rows a chunk (of one adapter)
-#define LORA_SUB 192                                       // positions a block buckets at once: a 192-row TMA tile in one pass
+#define LORA_SUB 192                                       // positions a block buckets at once (a tma_192 tile)
 #define LORA_MAX_CHUNKS (LORA_SUB / LORA_CHUNK + LORA_SUB)  // full chunks, plus one partial chunk an adapter
 #define LORA_NC 2                                          // 8-column steps a warp has in flight in an expand
 
@@ -902,8 +902,8 @@ lora_stack_t_down(const bf16* __restrict__ act, const int* __restrict__ lora_ids
 // ---------------------------------------------------------------------------------------------
 // The router's delta by row spans (prefill): a block `span` consecutive rows (at most LORA_SUB;
 // forward_plan.lora_router_span), bucketed by adapter as the expert tiles are, so an adapter's
-// fp32 A is read once a chunk, not once a row. The shrink on tensor cores: x is bf16 (exact), A fp32 split in three
-// bf16 parts (a = a1 + a2 + a3 to 2^-27 of a: fp32's own precision), each product exact in the
+// fp32 A is read once a chunk, not once a row. The shrink on tensor cores: x is bf16 (exact), A
+// fp32 split in three bf16 parts (a = a1 + a2 + a3 to 2^-27 of a: fp32's own precision), each product exact in the
 // fp32 sums; the expand as lora_router_delta's (fp32, ranks in order).
 // ---------------------------------------------------------------------------------------------
 // v (8 fp32) as three sets of four bf16 pair registers: v = p[0] + p[1] + p[2] per element.
