@@ -282,7 +282,7 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
 #define LORA_MMA_WARPS 8
 #define LORA_MT 2                                          // 16-row mma tiles a chunk
 #define LORA_CHUNK (16 * LORA_MT)                          // rows a chunk (of one adapter)
-#define LORA_SUB 128                                       // positions a block buckets at once (taller tiles: passes)
+#define LORA_SUB 192                                       // positions a block buckets at once (a tma_192 tile)
 #define LORA_MAX_CHUNKS (LORA_SUB / LORA_CHUNK + LORA_SUB)  // full chunks, plus one partial chunk an adapter
 #define LORA_NC 2                                          // 8-column steps a warp has in flight in an expand
 
@@ -792,6 +792,36 @@ __device__ __forceinline__ float lora_stack_elem(const float* t, int rp, int i, 
     return q == 0 ? hi : v - hi;  // rounded to bf16 by the store
 }
 
+// T's vector of columns c0 .. c0 + 7 (c0 a multiple of 8) for row i of a chunk of adapter `key`, as
+// lora_stack_elem's: where max_rank is a multiple of 8 the vector lies in one (projection, part,
+// adapter) block (KS and K R are too), so it is decoded once, not per element.
+__device__ __forceinline__ uint4 lora_stack_vec(const float* t, int rp, int i, int c0, int KS, int parts, int key,
+                                                int max_loras, int max_rank) {
+    unsigned w[4];
+    if ((max_rank & 7) == 0) {
+        const int p = c0 / KS, u = c0 - p * KS, kr = max_loras * max_rank;
+        const int q = u / kr, rem = u - q * kr, a = rem / max_rank;
+        if (u >= parts * kr || a != key) return make_uint4(0u, 0u, 0u, 0u);
+        const float* v = t + (p * LORA_CHUNK + i) * rp + rem - a * max_rank;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float e[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float x = v[2 * j + h], hi = __bfloat162float(__float2bfloat16(x));
+                e[h] = q == 0 ? hi : x - hi;  // rounded to bf16 by the store
+            }
+            w[j] = pack_bf16x2(e[0], e[1]);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            w[j] = pack_bf16x2(lora_stack_elem(t, rp, i, c0 + 2 * j, KS, parts, key, max_loras, max_rank),
+                               lora_stack_elem(t, rp, i, c0 + 2 * j + 1, KS, parts, key, max_loras, max_rank));
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // T's whole rows of chunk c (t: the chunk's scaled t, np projections of [LORA_CHUNK][rp]).
 __device__ __forceinline__ void lora_stack_write(const float* t, int rp, int np, const LoraBuckets& b, int c,
                                                  int pos0, bf16* __restrict__ T, int KS, int parts, int max_loras,
@@ -799,13 +829,8 @@ __device__ __forceinline__ void lora_stack_write(const float* t, int rp, int np,
     const int width = np * KS, V = width >> 3, key = b.key[c];
     for (int e = threadIdx.x; e < b.rows[c] * V; e += blockDim.x) {
         const int i = e / V, c0 = 8 * (e - i * V);
-        unsigned w[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            w[j] = pack_bf16x2(lora_stack_elem(t, rp, i, c0 + 2 * j, KS, parts, key, max_loras, max_rank),
-                               lora_stack_elem(t, rp, i, c0 + 2 * j + 1, KS, parts, key, max_loras, max_rank));
         *reinterpret_cast<uint4*>(T + (size_t)(pos0 + b.list[b.first[c] + i]) * width + c0) =
-            make_uint4(w[0], w[1], w[2], w[3]);
+            lora_stack_vec(t, rp, i, c0, KS, parts, key, max_loras, max_rank);
     }
 }
 
@@ -875,14 +900,12 @@ lora_stack_t_down(const bf16* __restrict__ act, const int* __restrict__ lora_ids
 }
 
 // ---------------------------------------------------------------------------------------------
-// The router's delta by row spans (prefill): a block LORA_ROUTER_ROWS consecutive rows, bucketed
-// by adapter as the expert tiles are, so an adapter's fp32 A is read once a chunk, not once a
-// row. The shrink on tensor cores: x is bf16 (exact), A fp32 split in three
-// bf16 parts (a = a1 + a2 + a3 to 2^-27 of a: fp32's own precision), each product exact in the
+// The router's delta by row spans (prefill): a block `span` consecutive rows (at most LORA_SUB;
+// forward_plan.lora_router_span), bucketed by adapter as the expert tiles are, so an adapter's
+// fp32 A is read once a chunk, not once a row. The shrink on tensor cores: x is bf16 (exact), A
+// fp32 split in three bf16 parts (a = a1 + a2 + a3 to 2^-27 of a: fp32's own precision), each product exact in the
 // fp32 sums; the expand as lora_router_delta's (fp32, ranks in order).
 // ---------------------------------------------------------------------------------------------
-#define LORA_ROUTER_ROWS 32
-
 // v (8 fp32) as three sets of four bf16 pair registers: v = p[0] + p[1] + p[2] per element.
 __device__ __forceinline__ void lora_split3(const float4& lo4, const float4& hi4, unsigned (&p)[3][4]) {
     float r[8] = {lo4.x, lo4.y, lo4.z, lo4.w, hi4.x, hi4.y, hi4.z, hi4.w};
@@ -907,6 +930,7 @@ __device__ __forceinline__ void lora_mma_shrink_part_f32(float* part, int rp, co
     const float4 zf = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int kc = 0; kc < max_rank; kc += 16) {
         float c[2][LORA_MT][4] = {};
+#pragma unroll 2  // two steps' loads in flight
         for (int h0 = warp * 32; h0 < len; h0 += LORA_MMA_WARPS * 32) {
             const int h = h0 + tig * 8;
             unsigned f[LORA_MT][2][4];
@@ -933,30 +957,54 @@ __device__ __forceinline__ void lora_mma_shrink_part_f32(float* part, int rp, co
     }
 }
 
-// logits[row] += Bs[key] t_i for the chunk's rows (fp32, ranks in order, as lora_router_delta).
+// logits[row] += Bs[key] t_i for the chunk's rows (fp32, ranks in order, as lora_router_delta):
+// a thread a column and every G-th row (G = blockDim / R groups of R threads, or one group walking
+// the columns), LORA_RX rows at once so that each Bs element is loaded once for them and their
+// logits loads are in flight together.
+#define LORA_RX 2
 __device__ __forceinline__ void lora_router_expand(const LoraBuckets& b, int c, int row0, const float* t, int rp,
                                                    const float* __restrict__ bs, float* __restrict__ logits, int R,
                                                    int max_rank) {
-    for (int e = threadIdx.x; e < b.rows[c] * R; e += blockDim.x) {
-        const int i = e / R, col = e - i * R;
+    const int W = min(R, (int)blockDim.x), G = (int)blockDim.x / W, g = (int)threadIdx.x / W;
+    if (g >= G) return;
+    const int rows = b.rows[c];
+    for (int col = threadIdx.x % W; col < R; col += W) {
         const float* be = bs + ((size_t)b.key[c] * R + col) * max_rank;
-        float d = 0.f;
-        for (int j = 0; j < max_rank; ++j) d = fmaf(be[j], t[i * rp + j], d);
-        logits[(size_t)(row0 + b.list[b.first[c] + i]) * R + col] += d;
+        for (int i0 = g; i0 < rows; i0 += LORA_RX * G) {
+            float d[LORA_RX], l[LORA_RX];
+            size_t o[LORA_RX];
+            const float* ti[LORA_RX];
+#pragma unroll
+            for (int u = 0; u < LORA_RX; ++u) {
+                const int i = min(i0 + u * G, rows - 1);  // rows past the chunk: computed, not stored
+                o[u] = (size_t)(row0 + b.list[b.first[c] + i]) * R + col;
+                l[u] = logits[o[u]];
+                ti[u] = t + i * rp;
+                d[u] = 0.f;
+            }
+            for (int j = 0; j < max_rank; ++j) {
+                const float bj = __ldg(be + j);
+#pragma unroll
+                for (int u = 0; u < LORA_RX; ++u) d[u] = fmaf(bj, ti[u][j], d[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < LORA_RX; ++u)
+                if (i0 + u * G < rows) logits[o[u]] = l[u] + d[u];
+        }
     }
 }
 
-// grid (ceil(N / LORA_ROUTER_ROWS), Y), block LORA_MMA_WARPS warps, shared memory (LORA_MMA_WARPS
+// grid (ceil(N / span), Y), block LORA_MMA_WARPS warps, shared memory (LORA_MMA_WARPS
 // + 1) LORA_CHUNK rp floats. lora_router_delta's work (same slots, ids, error bit: block y = 0)
 // for a span of rows, chunk c by the span's block y = c mod Y.
 __global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 3)
 lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lora_ids, const float* __restrict__ a,
                           const float* __restrict__ bs, float* __restrict__ logits, int* __restrict__ err, int N,
-                          int H, int R, int max_rank, int max_loras) {
+                          int H, int R, int max_rank, int max_loras, int span) {
     __shared__ LoraBuckets b;
     extern __shared__ __align__(16) float parts[];
     pdl_wait_then_release_next();  // by PDL only inside a decode chain (never today): nothing read before
-    const int row0 = blockIdx.x * LORA_ROUTER_ROWS, m = min(LORA_ROUTER_ROWS, N - row0);
+    const int row0 = blockIdx.x * span, m = min(span, N - row0);
     const int rp = (max_rank + 15) & ~15, n = LORA_CHUNK * rp;
     float* t = parts + LORA_MMA_WARPS * n;
     for (int i = threadIdx.x; i < m; i += blockDim.x) {

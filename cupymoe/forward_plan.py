@@ -170,7 +170,7 @@ LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16
 def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
     """`plan` with the router's LoRA delta launched right after the router (its logits' copy 0,
     before the routing stage reads them): a block a row, or where the deltas go grouped
-    (lora_grouped) a block LORA_ROUTER_ROWS rows bucketed by adapter. Each LoRA launch goes as the
+    (lora_grouped) a block lora_router_span rows bucketed by adapter. Each LoRA launch goes as the
     launch it precedes does (_as_successor): by PDL inside the decode chain, plainly elsewhere.
     With `lora.experts`, the expert deltas too (_with_expert_deltas)."""
     cfg = lp.cfg
@@ -181,10 +181,11 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
     sizes = (u64("err", ERR), i32("N", rows), i32("H", cfg.hidden_size), i32("R", cfg.router_width), i32("max_rank", lora.max_rank),
             i32("max_loras", lora.max_loras))
     if lora_grouped(plan, lp, lora):
-        spans = PerN("lora_router_spans", lambda n: -(-n // LORA_ROUTER_ROWS))
-        delta = Launch(Stage.ROUTER, "lora_grouped_router_delta", (spans, lora_chunk_blocks(lora.max_loras)),
-                       (LORA_MMA_WARPS * 32,), args + sizes,
-                       lora_grouped_smem(lora.max_rank, False))
+        Y = lora_chunk_blocks(lora.max_loras)
+        span = PerN("lora_router_span", lambda n: lora_router_span(n, Y))
+        spans = PerN("lora_router_spans", lambda n: -(-n // lora_router_span(n, Y)))
+        delta = Launch(Stage.ROUTER, "lora_grouped_router_delta", (spans, Y), (LORA_MMA_WARPS * 32,),
+                       args + sizes + (i32("span", span),), lora_grouped_smem(lora.max_rank, False))
     else:
         H = cfg.hidden_size
         ri = lp.row_invariant
@@ -202,7 +203,9 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
 
 LORA_MMA_WARPS = 8  # cuda/lora.cu LORA_MMA_WARPS: the grouped deltas' blocks
 LORA_CHUNK = 32  # cuda/lora.cu LORA_CHUNK: rows of one adapter the grouped deltas take at once
-LORA_ROUTER_ROWS = 32  # cuda/lora.cu LORA_ROUTER_ROWS: rows a block of lora_grouped_router_delta
+LORA_ROUTER_ROWS = 32  # rows a block of lora_grouped_router_delta at least (one chunk's)
+LORA_SUB = 192  # cuda/lora.cu LORA_SUB: positions a block buckets at once (a router span at most)
+LORA_ROUTER_WAVE = 3 * 132  # lora_grouped_router_delta's blocks resident at once on 132 SMs (3 an SM)
 LORA_GROUPED_SMEM_MAX = 80 * 1024  # under every sm_80+ opt-in maximum (jit.opt_in_smem opts them in)
 LORA_DOWN_SLICE = 512  # output columns a lora_grouped_down_delta block expands at least
 LORA_DOWN_SLICES_MAX = 4  # its column slices (grid z) at most: each recomputes the chunk's shrink
@@ -214,6 +217,15 @@ def lora_chunk_blocks(max_loras: int) -> int:
     each) run side by side instead of one after another in one block; 4 (8 past 4 adapters).
     A chunk's work is the same whichever block does it: a row's bits do not depend on Y."""
     return 4 if max_loras <= 4 else 8
+
+
+def lora_router_span(n: int, blocks_per_span: int) -> int:
+    """Rows a block of lora_grouped_router_delta buckets: LORA_ROUTER_ROWS, or more (a multiple of
+    16, LORA_SUB at most) where that many would take more than LORA_ROUTER_WAVE blocks, so its
+    grid stays one wave while it can (each block's trips are mostly its own latency; a second
+    round doubles them). A row's bits do not depend on its span."""
+    return next((r for r in range(LORA_ROUTER_ROWS, LORA_SUB, 16) if -(-n // r) * blocks_per_span <= LORA_ROUTER_WAVE),
+                LORA_SUB)
 
 
 def lora_down_slices(hidden: int) -> int:

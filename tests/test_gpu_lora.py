@@ -261,6 +261,35 @@ def test_row_invariant_with_lora(rng):
         np.testing.assert_array_equal(part.view(np.uint32), whole[rows].view(np.uint32))
 
 
+@pytest.mark.parametrize("experts", [288, 48])
+def test_grouped_router_delta_spans_and_row_groups(experts, rng):
+    """lora_grouped_router_delta at spans of 32 rows (N 1, 37, 300) and 48 (N 3500: one wave of
+    blocks, the last span 44 rows), its expand (a thread a column, every G-th row of a chunk, two
+    rows at once) for a router wider than the block (288: one group walking the columns twice) and
+    narrower (48: five groups, 16 threads idle), ids -1 mixed, the output poisoned: judged; rows of
+    the 3500-row call equal the same rows run alone (another span) bit for bit."""
+    from cupymoe import MoeLayer
+    from cupymoe.forward_plan import LoraShape, build_forward_plan, lora_chunk_blocks, lora_router_span
+    from cupymoe.plan import Path
+
+    cfg = testing.tiny_config("qwen3_moe", num_experts=experts)
+    hw = testing.random_host_weights(cfg, rng)
+    layer = MoeLayer(cfg, hw, max_tokens=3500, max_loras=K, max_lora_rank=RMAX, row_invariant=True)
+    adapters = _adapters(cfg, rng)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    assert [lora_router_span(n, lora_chunk_blocks(K)) for n in (300, 3500)] == [32, 48]
+    for n in (1, 37, 300, 3500):
+        plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=LoraShape(K, RMAX, False)).at(n)
+        assert "lora_grouped_router_delta" in {getattr(s, "kernel", None) for s in plan.steps}
+        ids = _ids(rng, n)
+        x = separated_input(cfg, hw, rng, n, adapters, ids)
+        out = run(layer, x, ids, "prefill")
+        judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"), f"router E={experts} N={n}", layer)
+    rows = slice(3450, 3500)
+    np.testing.assert_array_equal(run(layer, x[rows], ids[rows], "prefill").view(np.uint32), out[rows].view(np.uint32))
+
+
 def test_refusals(rng):
     import cupy
 
@@ -459,7 +488,7 @@ def _captured_prefill(layer, x, ids):
 @pytest.mark.parametrize("max_rank, invariant", [(16, True), (32, True), (12, True), (5, True), (16, False)])
 def test_grouped_deltas_awkward_n(max_rank, invariant, rng):
     """The prefill path's grouped deltas at awkward N (tiles of 1 row, partial 16-row chunks, tiles
-    over LORA_SUB = 128 rows at 1100), ids -1 mixed with four adapters of ranks max_rank, 3, 1, 2
+    of up to 192 rows, one LORA_SUB pass each, at 1100), ids -1 mixed with four adapters of ranks max_rank, 3, 1, 2
     (B rows of max_rank 5 and 12 read by the unaligned fragment loads; max_rank 32: shared memory
     past 48 KB, opted in at load), output poisoned first;
     then ids past the slots (base rows and an error bit). A row-invariant layer runs them (and
@@ -511,8 +540,8 @@ def _near_copies(cfg, hw, rng, adapters, n):
 
 
 def test_grouped_deltas_one_expert_takes_most_rows(rng):
-    """Near-copies of one row route alike: a few experts get ~all 600 rows (tiles of many
-    LORA_SUB passes, chunks of one adapter back to back); the shared expert's run too."""
+    """Near-copies of one row route alike: a few experts get ~all 600 rows (full tiles,
+    chunks of one adapter back to back); the shared expert's run too."""
     cfg = testing.tiny_config("qwen2_moe")
     hw = testing.random_host_weights(cfg, rng)
     layer, adapters = _grouped_layer(cfg, hw, 16, row_invariant=True), _ranked_adapters(cfg, rng, 16)
@@ -714,8 +743,8 @@ def test_stacked_awkward_n(variant, max_rank, parts, rng, monkeypatch):
 
 @pytest.mark.parametrize("parts", [1, 2])
 def test_stacked_one_expert_takes_most_rows(parts, rng, monkeypatch):
-    """Near-copies of one row: a few experts (and the shared expert's run) get ~all rows, tiles of
-    many LORA_SUB passes for the shrinks, many M tiles of one expert for the GEMMs."""
+    """Near-copies of one row: a few experts (and the shared expert's run) get ~all rows, full tiles
+    for the shrinks, many M tiles of one expert for the GEMMs."""
     cfg = testing.tiny_config("qwen2_moe")
     hw = testing.random_host_weights(cfg, rng)
     layer, adapters = _stacked_layer(monkeypatch, cfg, hw, 16, parts), _ranked_adapters(cfg, rng, 16)

@@ -330,3 +330,24 @@ def test_router_shrink_keeps_fp32_a(rng):
     want = x.astype(np.float64) @ a.T.astype(np.float64)
     bound = np.abs(x).astype(np.float64) @ np.abs(a.T).astype(np.float64)
     assert (np.abs(t - want) <= 2 ** -20 * bound).all()
+
+
+def test_router_expand_writes_each_logit_once():
+    """lora_router_expand's threads (a column each, every G-th row of the chunk, LORA_RX rows a
+    step, rows past the chunk clamped for the loads and not stored): each (row, column) of a chunk
+    stored once, by routers narrower and wider than the block's 256 threads."""
+    RX = int(re.search(r"#define LORA_RX (\d+)", SRC).group(1))
+    threads = WARPS * 32
+    for R in (8, 48, 100, 128, 256, 288, 600):
+        W = min(R, threads)
+        G = threads // W
+        for rows in range(1, CHUNK + 1):
+            stores = []
+            for tid in range(threads):
+                g = tid // W
+                if g >= G:
+                    continue
+                for col in range(tid % W, R, W):
+                    for i0 in range(g, rows, RX * G):
+                        stores += [(i0 + u * G, col) for u in range(RX) if i0 + u * G < rows]
+            assert sorted(stores) == [(i, c) for i in range(rows) for c in range(R)], (R, rows)

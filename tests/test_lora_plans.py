@@ -16,9 +16,9 @@ import pytest
 from cupymoe import jit, testing
 from cupymoe.catalog import Activation, LoraDownMode
 from cupymoe.errors import LoraError, OptionError
-from cupymoe.forward_plan import (LORA_GROUPED_SMEM_MAX, LORA_MMA_WARPS, LORA_RED, LORA_ROUTER_ROWS, LoraShape, lora_slices,
-                                  build_forward_plan, lora_chunk_blocks, lora_down_slices, lora_grouped,
-                                  lora_grouped_smem)
+from cupymoe.forward_plan import (LORA_GROUPED_SMEM_MAX, LORA_MMA_WARPS, LORA_RED, LORA_ROUTER_ROWS, LORA_ROUTER_WAVE,
+                                  LORA_SUB, LoraShape, build_forward_plan, lora_chunk_blocks, lora_down_slices,
+                                  lora_grouped, lora_grouped_smem, lora_router_span, lora_slices)
 from cupymoe.knobs import Knobs
 from cupymoe.lora_slots import check_options
 from cupymoe.plan import Buf, CallValue, DeviceFacts, LayerOptions, Path, Space, Stage, plan_layer
@@ -48,8 +48,9 @@ def test_lora_plan_is_the_base_plan_plus_the_router_delta(family, dev):
         assert plan.steps[:at[0]] + plan.steps[at[0] + 1:] == base.steps
         d = plan.steps[at[0]]
         assert d.kernel == kernel and d.kernel in names
-        if grouped:  # lora_chunk_blocks blocks LORA_ROUTER_ROWS rows, 8 warps
-            assert d.grid == (-(-n // LORA_ROUTER_ROWS), lora_chunk_blocks(SHAPE.max_loras))
+        if grouped:  # lora_chunk_blocks blocks lora_router_span rows, 8 warps
+            Y = lora_chunk_blocks(SHAPE.max_loras)
+            assert d.grid == (-(-n // lora_router_span(n, Y)), Y) and d.arg("span") == lora_router_span(n, Y)
             assert d.block == (LORA_MMA_WARPS * 32,)
             assert d.smem == lora_grouped_smem(SHAPE.max_rank, False)
         else:
@@ -269,3 +270,19 @@ def test_row_invariant_per_pair_deltas_do_not_split_with_n():
             assert all(ys == {1} for ys in grids.values()), grids
         else:  # elsewhere the split stays (bits may differ by N off row_invariant)
             assert max(grids["lora_router_delta"]) > 1
+
+
+def test_router_span_keeps_one_wave_while_it_can():
+    """lora_router_span: 32 rows up to one wave of blocks, then the least multiple of 16 that keeps
+    ceil(N / span) Y blocks within LORA_ROUTER_WAVE, LORA_SUB at most; cuda/lora.cu's bucket holds it."""
+    src = (jit.kernel_dir() / "lora.cu").read_text()
+    assert f"#define LORA_SUB {LORA_SUB} " in src
+    for Y in (4, 8):
+        for n in list(range(1, 40)) + [1024, 3168, 3169, 4096, 5000, 8192, 16384, 50000, 10 ** 6]:
+            s = lora_router_span(n, Y)
+            assert LORA_ROUTER_ROWS <= s <= LORA_SUB and s % 16 == 0
+            fits = lambda r: -(-n // r) * Y <= LORA_ROUTER_WAVE  # noqa: E731
+            if s == LORA_ROUTER_ROWS:
+                continue
+            assert s == LORA_SUB or (fits(s) and not fits(s - 16)), (n, Y, s)
+    assert lora_router_span(1024, 4) == 32 and lora_router_span(4096, 4) == 48 and lora_router_span(4096, 8) == 96

@@ -59,6 +59,23 @@ def test_stacked_b_against_brute_force(parts):
         np.testing.assert_array_equal(ext[:, :, u], want)
 
 
+@pytest.mark.parametrize("K, R, parts", [(4, 16, 1), (4, 16, 2), (8, 8, 2), (3, 24, 1), (5, 32, 2), (1, 8, 1)])
+def test_vector_decode_where_the_rank_is_a_multiple_of_8(K, R, parts):
+    """cuda/lora.cu lora_stack_vec's one decode a vector (max_rank % 8 == 0): an 8-column vector of
+    gate/up's 2 KS columns lies in one (projection, part, adapter) block, its ranks r0 .. r0 + 7, as
+    the element decode (lora_stack_elem) says column by column; past parts K R or another adapter: zeros."""
+    ks, kr = LS.stack_width(K, R, parts), K * R
+    for c0 in range(0, 2 * ks, 8):
+        p = c0 // ks
+        u = c0 - p * ks
+        q, rem = u // kr, u % kr
+        a = rem // R
+        for j in range(8):
+            assert (u + j) // ks == 0  # the vector stays in projection p
+            want = LS.decode_column(u + j, K, R, parts)
+            assert (None if u >= parts * kr else (q, a, rem - a * R + j)) == want
+
+
 def _stack_elem(t_row, u, parts, key, K, R):
     """cuda/lora.cu lora_stack_elem, element by element."""
     d = LS.decode_column(u, K, R, parts)
