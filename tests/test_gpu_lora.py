@@ -807,3 +807,90 @@ def test_stacked_graph_captured_before_set_lora(rng, monkeypatch):
     x = separated_input(cfg, hw, rng, n, adapters, ids, also_base=True)
     s, out, graph, _inputs = _captured_prefill(layer, x, ids)
     _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, "prefill", "stacked replay")
+
+
+# --- the per-pair kernels' early start (cuda/lora.cu "Early start"; DECISIONS.md "LoRA: the decode
+# deltas start beside the base kernels"): the shrink, the ticket and the expand of the held columns
+# run before the PDL wait, only the base output's read-modify-write after it.
+EARLY_CASES = (("decode", (1, 5, 37, 64)), ("atomic", (5,)), ("prefill", (3,)))
+
+
+def _early_check(layer, cfg, hw, rng, adapters, what):
+    """Every EARLY_CASES path and N: mixed ids, output poisoned, judged; each forward again bit for
+    bit (not atomic: arrival order, DECISIONS P2) and, on decode, equal bit for bit to the separated
+    plan's (stage events: no PDL, so each wait is a no-op and the launch order covers everything);
+    then an id past the slots flagged."""
+    from cupymoe.profiling import record_stage_events
+
+    for path, ns in EARLY_CASES:
+        for n in ns:
+            ids = _ids(rng, n)
+            x = separated_input(cfg, hw, rng, n, adapters, ids)
+            out = run(layer, x, ids, path)
+            judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, path), f"{what} {path} N={n}", layer)
+            if path == "atomic":
+                continue
+            again = run(layer, x, ids, path)
+            assert np.array_equal(again.view(np.uint32), out.view(np.uint32)), f"{what} {path} N={n}: not reproducible"
+            if path == "decode":
+                with record_stage_events([]):
+                    watched = run(layer, x, ids, path)
+                assert np.array_equal(watched.view(np.uint32), out.view(np.uint32)), f"{what} N={n}: separated differs"
+    layer.check_errors()
+    bad = np.array([0, K, -1], np.int32)  # an id past the slots: flagged, adds nothing
+    run(layer, testing.random_input(rng, 3, cfg.hidden_size), bad, "decode")
+    with pytest.raises(MoeCallError):
+        layer.check_errors()
+
+
+@pytest.mark.parametrize("decode_kernel, fmt, max_rank", [("auto", "bf16", 8), ("register", "bf16", 12),
+                                                          ("swapab", "bf16", 8), ("auto", "fp8_block", 12)])
+def test_early_start_held_and_rest_columns(decode_kernel, fmt, max_rank, rng, monkeypatch):
+    """H = 4104 (down's expand past its LORA_HOLD_DOWN 16 x 256 held columns) and the shared
+    expert's I = 2056 (gate/up's past LORA_HOLD 8 x 256), routed I = 136 (held alone), ranks 8 and
+    3 in slots of max_rank 8 (16-byte B rows) or 12 (the scalar rank loop), on each decode kernel
+    the knob picks (bf16; fp8_block as w8a16), judged by `judge`."""
+    monkeypatch.setenv("CUPYMOE_DECODE_KERNEL", decode_kernel)  # read when the layer is built
+    cfg = testing.tiny_config("qwen2_moe", hidden_size=4104, moe_intermediate_size=136,
+                              shared_expert_intermediate_size=2056)
+    hw = testing.random_host_weights(cfg, rng, fmt)
+    layer = _layer(cfg, hw, fp8_compute="w8a16", max_lora_rank=max_rank)
+    adapters = _expert_adapters(cfg, rng)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    _early_check(layer, cfg, hw, rng, adapters, f"{decode_kernel} {fmt} rank {max_rank}")
+
+
+def test_early_start_router_past_held_logits(rng):
+    """A router of 288 experts: lora_router_delta holds LORA_HOLD_ROUTER x 256 logits a row before
+    its wait and adds the other 32 after it; expert deltas on too, judged as above."""
+    cfg = testing.tiny_config("qwen3_moe", num_experts=288)
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _layer(cfg, hw), _expert_adapters(cfg, rng)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    _early_check(layer, cfg, hw, rng, adapters, "288 experts")
+
+
+def test_early_start_graph_replay(rng):
+    """A decode graph (the PDL chain with early starts) captured with empty slots replays the
+    adapters set after it, judged and equal to the eager forward bit for bit (_set_replay_clear)."""
+    import cupy
+
+    cfg = testing.tiny_config("deepseek_v3", hidden_size=4104)
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _layer(cfg, hw), _expert_adapters(cfg, rng)
+    for n in (1, 33):
+        ids = _ids(rng, n)
+        x = separated_input(cfg, hw, rng, n, adapters, ids, also_base=True)
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:
+            xd, idd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids)
+            out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
+        layer.clear_lora(0, stream=s.ptr)
+        layer.clear_lora(1, stream=s.ptr)
+        layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="decode", lora_ids_ptr=int(idd.data.ptr))
+        s.begin_capture()
+        layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="decode", lora_ids_ptr=int(idd.data.ptr))
+        graph = s.end_capture()
+        _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, "decode", f"early replay N={n}")
