@@ -9,28 +9,9 @@
 #      and fp8_block (w8a16), JSON into $OUT/ldc_<preset>_<format>.json, then the overhead table.
 #
 #   OUT=/tmp/out bash scripts/lora_decode_check.sh
-set -u
-DEST=${OUT:?set OUT to a folder for the logs}
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-
-timeout 84 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_lora.py > "$DEST/ldc_tests.log" 2>&1
-echo "test_gpu_lora rc $?: $(tail -1 "$DEST/ldc_tests.log")"
-grep -E "FAILED|ERROR|Error" "$DEST/ldc_tests.log" | head -8
-
-bench() {
-  local limit=$1 preset=$2 fmt=$3
-  shift 3
-  timeout "$limit" python3 -m cupymoe bench --preset "$preset" --format "$fmt" --tokens 1 8 64 256 --lora 4 \
-    --lora-rank 16 --no-peers --repeats 5 --replays 10 --json "$DEST/ldc_${preset}_$fmt.json" "$@" \
-    > "$DEST/ldc_${preset}_$fmt.log" 2>&1
-  echo "bench $preset $fmt rc $?"
-  grep "N=" "$DEST/ldc_${preset}_$fmt.log"
-}
-bench 18 qwen3-30b-a3b bf16
-bench 18 qwen3-30b-a3b fp8_block --fp8-compute w8a16
-bench 30 deepseek-v3 bf16
-bench 30 deepseek-v3 fp8_block --fp8-compute w8a16
+. "$(dirname "$0")/lora_bench.sh"  # DEST, the repository root, lora_tests, lora_bench
+lora_tests 84 ldc
+lora_bench_presets 18 30 ldc "1 8 64 256"
 
 # the overhead table (bar: <= 25 % at N = 1, <= 15 % from N = 64)
 python3 - "$DEST" <<'PY'

@@ -119,10 +119,13 @@ def _ids(rng, n):
     return ids
 
 
-def _mixed(layer, cfg, hw, rng, adapters, n, path):
+def _mixed(layer, cfg, hw, rng, adapters, n, path, what=""):
+    """One judged forward of N rows with mixed ids (_ids) on `path`: (ids, x, out)."""
     ids = _ids(rng, n)
     x = separated_input(cfg, hw, rng, n, adapters, ids)
-    judge(run(layer, x, ids, path), cfg, hw, x, ids, adapters, layer.select_path(n, path), f"{path} N={n}", layer)
+    out = run(layer, x, ids, path)
+    judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, path), f"{what} {path} N={n}".strip(), layer)
+    return ids, x, out
 
 
 @pytest.mark.parametrize("family", testing.FAMILIES)
@@ -203,25 +206,30 @@ def test_a_watched_lora_forward_records_its_stages_and_keeps_the_bits(rng):
 
 
 def test_graph_captured_before_set_lora_replays_the_new_adapter(rng):
-    import cupy
-
     cfg = testing.tiny_config("qwen3_moe")
     hw = testing.random_host_weights(cfg, rng)
     layer, adapters = _layer(cfg, hw), _adapters(cfg, rng)
     for path, n in (("decode", 7), ("prefill", 100)):
-        ids = _ids(rng, n)
-        x = separated_input(cfg, hw, rng, n, adapters, ids, also_base=True)  # judged with slot 1 empty too
-        s = cupy.cuda.Stream(non_blocking=True)
-        with s:
-            xd, idd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids)
-            out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
-        layer.clear_lora(0, stream=s.ptr)
-        layer.clear_lora(1, stream=s.ptr)
-        layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(idd.data.ptr))
-        s.begin_capture()
-        layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(idd.data.ptr))
-        graph = s.end_capture()
-        _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, path, f"replay {path} N={n}")
+        _captured_with_empty_slots(layer, cfg, hw, rng, adapters, path, n, "replay")
+
+
+def _captured_with_empty_slots(layer, cfg, hw, rng, adapters, path, n, what):
+    """A forward of N mixed-id rows captured with slots 0 and 1 empty, then _set_replay_clear."""
+    import cupy
+
+    ids = _ids(rng, n)
+    x = separated_input(cfg, hw, rng, n, adapters, ids, also_base=True)  # judged with slot 1 empty too
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        xd, idd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids)
+        out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
+    layer.clear_lora(0, stream=s.ptr)
+    layer.clear_lora(1, stream=s.ptr)
+    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(idd.data.ptr))
+    s.begin_capture()
+    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(idd.data.ptr))
+    graph = s.end_capture()
+    _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, path, f"{what} {path} N={n}")
 
 
 def _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, path, what):
@@ -350,10 +358,7 @@ def test_expert_deltas_every_path(family, fmt, rng):
         layer.set_lora(slot, lw)
     for path, ns in EXPERT_CASES:
         for n in ns:
-            ids = _ids(rng, n)
-            x = separated_input(cfg, hw, rng, n, adapters, ids)
-            out = run(layer, x, ids, path)
-            judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, path), f"{family} {fmt} {path} N={n}", layer)
+            ids, x, out = _mixed(layer, cfg, hw, rng, adapters, n, path, f"{family} {fmt}")
             lora_rows = ids >= 0
             if lora_rows.any() and experts_named:  # the same rows through the merged router alone: far off
                 router_only = {s: LoraWeights({k: m for k, m in lw.modules.items() if k.target == LoraTarget.ROUTER})
@@ -824,10 +829,7 @@ def _early_check(layer, cfg, hw, rng, adapters, what):
 
     for path, ns in EARLY_CASES:
         for n in ns:
-            ids = _ids(rng, n)
-            x = separated_input(cfg, hw, rng, n, adapters, ids)
-            out = run(layer, x, ids, path)
-            judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, path), f"{what} {path} N={n}", layer)
+            ids, x, out = _mixed(layer, cfg, hw, rng, adapters, n, path, what)
             if path == "atomic":
                 continue
             again = run(layer, x, ids, path)
@@ -875,22 +877,8 @@ def test_early_start_router_past_held_logits(rng):
 def test_early_start_graph_replay(rng):
     """A decode graph (the PDL chain with early starts) captured with empty slots replays the
     adapters set after it, judged and equal to the eager forward bit for bit (_set_replay_clear)."""
-    import cupy
-
     cfg = testing.tiny_config("deepseek_v3", hidden_size=4104)
     hw = testing.random_host_weights(cfg, rng)
     layer, adapters = _layer(cfg, hw), _expert_adapters(cfg, rng)
     for n in (1, 33):
-        ids = _ids(rng, n)
-        x = separated_input(cfg, hw, rng, n, adapters, ids, also_base=True)
-        s = cupy.cuda.Stream(non_blocking=True)
-        with s:
-            xd, idd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids)
-            out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
-        layer.clear_lora(0, stream=s.ptr)
-        layer.clear_lora(1, stream=s.ptr)
-        layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="decode", lora_ids_ptr=int(idd.data.ptr))
-        s.begin_capture()
-        layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path="decode", lora_ids_ptr=int(idd.data.ptr))
-        graph = s.end_capture()
-        _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, "decode", f"early replay N={n}")
+        _captured_with_empty_slots(layer, cfg, hw, rng, adapters, "decode", n, "early replay")
