@@ -33,6 +33,14 @@
 #define LORA_HOLD_ROUTER 1  // logits a thread holds: R <= 256 at LORA_THREADS
 #define LORA_HOLD 8         // gate/up columns a thread holds (g's and u's deltas): I <= 2048
 #define LORA_HOLD_DOWN 16   // down columns a thread holds: H <= 4096
+// The held kernels' bounds on sm_90 (PDL): 4 blocks an SM, 64 registers, so one fits beside two
+// swap-AB decode blocks (decode_swapab_*<64>: 148 registers x 160 threads each), where it starts
+// early; sm_80 (no PDL, nothing starts early) keeps the registers it wants (64 would spill).
+#if CUPYMOE_SM >= 90
+#define LORA_HELD_BOUNDS __launch_bounds__(LORA_THREADS, 4)
+#else
+#define LORA_HELD_BOUNDS __launch_bounds__(LORA_THREADS)
+#endif
 
 // Whether this is the grid's block 0: the one that waits (PDL) even with nothing to add.
 __device__ __forceinline__ bool lora_block0() { return (blockIdx.x | blockIdx.y | blockIdx.z) == 0; }
@@ -258,7 +266,7 @@ __device__ __forceinline__ void lora_expand_held(float (&d)[HOLD], const bf16* _
 // (S = n_local + 1 table slots), scale [K, S, 3] fp32 (gate, up, down); zeros past an adapter's
 // rank and for modules it does not name. A pair reads its own row only. Early start (above): the
 // shrink and the first LORA_HOLD column steps' expand go beside gate/up.
-__global__ void __launch_bounds__(LORA_THREADS)
+__global__ void LORA_HELD_BOUNDS
 lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
                  const int* __restrict__ ids, const int* __restrict__ pair_pos, const int* __restrict__ slot_of,
                  const int* __restrict__ inter, const bf16* __restrict__ gate_a, const bf16* __restrict__ gate_b,
@@ -323,7 +331,7 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
 // multiplies (mode: where the path keeps that output). A [K, S, max_rank, I_max], B [K, S, H,
 // max_rank] bf16. Early start (above): act is lora_gate_up_act's, done before down's wait, so the
 // shrink and the first LORA_HOLD_DOWN column steps' expand go beside down.
-__global__ void __launch_bounds__(LORA_THREADS)
+__global__ void LORA_HELD_BOUNDS
 lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, const int* __restrict__ ids,
                 const int* __restrict__ pair_pos, const int* __restrict__ slot_of, const int* __restrict__ inter,
                 const bf16* __restrict__ down_a, const bf16* __restrict__ down_b, const float* __restrict__ scale,
