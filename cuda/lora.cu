@@ -25,7 +25,8 @@
 // before that base kernel is done: the forward's input, the routing, act for down (and lora_part,
 // lora_tickets, which no kernel in between uses). So the shrink, the ticket and the expand of the
 // first LORA_HOLD* block-wide column steps (held in registers) run beside the base kernel, and the
-// PDL wait comes only before the base output is read (g, u; y / acc / yw; the logits). A block
+// PDL wait comes only before the base output is read (g, u; y / acc / yw; the logits); wider
+// outputs go on after it in rounds of as many columns, each round's loads together. A block
 // with nothing to add leaves before it, but block 0 always waits (pdl_leave_early's rule: the grid
 // never completes before the kernel it follows), through the one wait site. Launched plainly
 // (prefill, separated plans) the wait is a no-op and the launch order covers everything. The
@@ -198,24 +199,6 @@ __device__ __forceinline__ LoraPair lora_pair(int q, int N, int k, const int* __
     return q < P ? LoraPair{pos, q / k, slot_of[ids[q]]} : LoraPair{pos, q - P, n_local};
 }
 
-// B bf16 [out, max_rank] row c times t: the delta of output column c (16-byte loads of the rank
-// row where max_rank is a multiple of 8; the sum in rank order either way).
-__device__ __forceinline__ float lora_expand(const bf16* __restrict__ b, const float* t, int c, int max_rank) {
-    const bf16* bc = b + (size_t)c * max_rank;
-    float d = 0.f;
-    int j = 0;
-    if ((max_rank & 7) == 0) {
-        for (; j < max_rank; j += 8) {
-            float f[8];
-            unpack_bf16x8(load_bf16x8(bc + j), f);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) d = fmaf(f[e], t[j + e], d);
-        }
-    }
-    for (; j < max_rank; ++j) d = fmaf(__bfloat162float(bc[j]), t[j], d);
-    return d;
-}
-
 // v = d[i] (i < HOLD, not known at compile time) by selects, so d stays in registers.
 template <int HOLD>
 __device__ __forceinline__ void lora_pick(const float (&d)[HOLD], int i, float& v) {
@@ -224,10 +207,11 @@ __device__ __forceinline__ void lora_pick(const float (&d)[HOLD], int i, float& 
         if (k == i) v = d[k];
 }
 
-// Early start's held expand: d[i] = lora_expand(b, t, c, max_rank) for the thread's columns c =
-// threadIdx.x + i blockDim.x below cols (zero past), the rank loop outside so that the HOLD rows'
-// loads go out together and the code stays one rolled loop (HOLD unrolled expands moved the
-// grouped kernels' PTX); the sums in rank order, as lora_expand's.
+// The per-pair expand, a round of columns at once: d[i] = B row c (bf16 [out, max_rank]) . t for
+// the thread's columns c = threadIdx.x + i blockDim.x below cols (zero past), ranks in order
+// (16-byte loads of a rank row where max_rank is a multiple of 8). The rank loop outside, so the
+// HOLD rows' loads go out together and the code stays one rolled loop (HOLD unrolled expands
+// moved the grouped kernels' PTX through NVVM's module-wide choices).
 template <int HOLD>
 __device__ __forceinline__ void lora_expand_held(float (&d)[HOLD], const bf16* __restrict__ b, const float* t,
                                                  int cols, int max_rank) {
@@ -293,31 +277,32 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
     if (!go && !lora_block0()) return;  // block 0 waits anyway; one wait site (two made ptxas spill)
     const bf16* gb = gate_b + ks * I_max * max_rank;
     const bf16* ub = up_b + ks * I_max * max_rank;
-    float hg[LORA_HOLD], hu[LORA_HOLD];
-    lora_expand_held(hg, gb, t, go && on ? I : 0, max_rank);
-    lora_expand_held(hu, ub, t + max_rank, go && on ? I : 0, max_rank);
-    pdl_wait_then_release_next();  // gate/up's g and u from here on
-    if (!go) return;
     const bf16* gr = gu + (size_t)pr.pos * 2 * I_max;  // g, then u at I_max
     bf16* ar = act + (size_t)pr.pos * I_max;
-    float gv[LORA_HOLD], uv[LORA_HOLD];  // the held columns' g and u, loaded together: one round trip
-#pragma unroll
-    for (int i = 0; i < LORA_HOLD; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        gv[i] = c < I ? __bfloat162float(gr[c]) : 0.f;
-        uv[i] = c < I ? __bfloat162float(gr[I_max + c]) : 0.f;
-    }
-    for (int i = 0, c = threadIdx.x; c < I; ++i, c += blockDim.x) {  // rolled: one activation site
-        float g = 0.f, u = 0.f, dg = 0.f, du = 0.f;
-        if (i < LORA_HOLD) {
-            lora_pick(gv, i, g), lora_pick(uv, i, u);
-            lora_pick(hg, i, dg), lora_pick(hu, i, du);
-        } else {
-            g = __bfloat162float(gr[c]), u = __bfloat162float(gr[I_max + c]);
-            if (on) dg = lora_expand(gb, t, c, max_rank), du = lora_expand(ub, t + max_rank, c, max_rank);
+    const int round = LORA_HOLD * blockDim.x;  // columns a round: the held ones, then as many again
+    for (int c0 = 0;; c0 += round) {
+        float hg[LORA_HOLD], hu[LORA_HOLD];  // the round's expand, its loads together (round 0 beside gate/up)
+        const int cols = go && on ? I - c0 : 0;
+        lora_expand_held(hg, gb + (size_t)c0 * max_rank, t, cols, max_rank);
+        lora_expand_held(hu, ub + (size_t)c0 * max_rank, t + max_rank, cols, max_rank);
+        if (c0 == 0) {
+            pdl_wait_then_release_next();  // gate/up's g and u from here on
+            if (!go) return;
         }
-        if (on) g += dg, u += du;
-        ar[c] = __float2bfloat16(apply_activation(act_code, g, u, alpha, limit));
+        float gv[LORA_HOLD], uv[LORA_HOLD];  // the round's g and u, loaded together: one round trip
+#pragma unroll
+        for (int i = 0; i < LORA_HOLD; ++i) {
+            const int c = c0 + threadIdx.x + i * blockDim.x;
+            gv[i] = c < I ? __bfloat162float(gr[c]) : 0.f;
+            uv[i] = c < I ? __bfloat162float(gr[I_max + c]) : 0.f;
+        }
+        for (int i = 0, c = c0 + threadIdx.x; i < LORA_HOLD && c < I; ++i, c += blockDim.x) {  // rolled: one activation site
+            float g = 0.f, u = 0.f, dg = 0.f, du = 0.f;
+            lora_pick(gv, i, g), lora_pick(uv, i, u);
+            if (on) lora_pick(hg, i, dg), lora_pick(hu, i, du), g += dg, u += du;
+            ar[c] = __float2bfloat16(apply_activation(act_code, g, u, alpha, limit));
+        }
+        if (c0 + round >= I) break;
     }
 }
 
@@ -355,34 +340,35 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
     const bool routed = (int)blockIdx.x < N * k;
     const float w = go && routed ? topk_w[blockIdx.x] : 1.0f;  // the shared expert is scaled in the reduce
     const bf16* b = down_b + ks * H * max_rank;
-    float held[LORA_HOLD_DOWN];
-    lora_expand_held(held, b, t, go ? H : 0, max_rank);
-    pdl_wait_then_release_next();  // down's output from here on
-    if (!go) return;
     const bool to_y = mode == LORA_DOWN_DECODE || (mode == LORA_DOWN_ATOMIC && !routed);  // y += d
     float* yr = y + (size_t)pr.pos * H;
-    float yv[LORA_HOLD_DOWN];  // the held columns' y, loaded together: one round trip
+    const int round = LORA_HOLD_DOWN * blockDim.x;  // columns a round: the held ones, then as many again
+    for (int h0 = 0;; h0 += round) {
+        float held[LORA_HOLD_DOWN];  // the round's expand, its loads together (round 0 beside down)
+        lora_expand_held(held, b + (size_t)h0 * max_rank, t, go ? H - h0 : 0, max_rank);
+        if (h0 == 0) {
+            pdl_wait_then_release_next();  // down's output from here on
+            if (!go) return;
+        }
+        float yv[LORA_HOLD_DOWN];  // the round's y, loaded together: one round trip
 #pragma unroll
-    for (int i = 0; i < LORA_HOLD_DOWN; ++i) {
-        const int h = threadIdx.x + i * blockDim.x;
-        yv[i] = to_y && h < H ? yr[h] : 0.f;
-    }
-    for (int i = 0, h = threadIdx.x; h < H; ++i, h += blockDim.x) {  // rolled: one store site
-        float d = 0.f, v = 0.f;
-        if (i < LORA_HOLD_DOWN) {
+        for (int i = 0; i < LORA_HOLD_DOWN; ++i) {
+            const int h = h0 + threadIdx.x + i * blockDim.x;
+            yv[i] = to_y && h < H ? yr[h] : 0.f;
+        }
+        for (int i = 0, h = h0 + threadIdx.x; i < LORA_HOLD_DOWN && h < H; ++i, h += blockDim.x) {  // rolled: one store site
+            float d = 0.f, v = 0.f;
             lora_pick(held, i, d), lora_pick(yv, i, v);
-        } else {
-            d = lora_expand(b, t, h, max_rank);
-            if (to_y) v = yr[h];
+            if (to_y) {
+                yr[h] = v + d;
+            } else if (mode == LORA_DOWN_GROUPED) {
+                bf16* o = yw + (size_t)pr.pos * H + h;
+                *o = __float2bfloat16(__bfloat162float(*o) + w * d);
+            } else {
+                atomicAdd(acc + (size_t)pr.row * H + h, w * d);
+            }
         }
-        if (to_y) {
-            yr[h] = v + d;
-        } else if (mode == LORA_DOWN_GROUPED) {
-            bf16* o = yw + (size_t)pr.pos * H + h;
-            *o = __float2bfloat16(__bfloat162float(*o) + w * d);
-        } else {
-            atomicAdd(acc + (size_t)pr.row * H + h, w * d);
-        }
+        if (h0 + round >= H) break;
     }
 }
 
