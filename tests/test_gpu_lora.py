@@ -817,7 +817,7 @@ def test_stacked_graph_captured_before_set_lora(rng, monkeypatch):
 # --- the per-pair kernels' early start (cuda/lora.cu "Early start"; DECISIONS.md "LoRA: the decode
 # deltas start beside the base kernels"): the shrink, the ticket and the expand of the held columns
 # run before the PDL wait, only the base output's read-modify-write after it.
-EARLY_CASES = (("decode", (1, 5, 37, 64)), ("atomic", (5,)), ("prefill", (3,)))
+EARLY_CASES = (("decode", (1, 37)), ("atomic", (5,)), ("prefill", (3,)))  # 37: swap-AB's 64-row tile
 
 
 def _early_check(layer, cfg, hw, rng, adapters, what):
@@ -845,22 +845,28 @@ def _early_check(layer, cfg, hw, rng, adapters, what):
         layer.check_errors()
 
 
-@pytest.mark.parametrize("decode_kernel, fmt, max_rank", [("auto", "bf16", 8), ("register", "bf16", 12),
-                                                          ("swapab", "bf16", 8), ("auto", "fp8_block", 12)])
-def test_early_start_held_and_rest_columns(decode_kernel, fmt, max_rank, rng, monkeypatch):
-    """H = 4104 (down's expand past its LORA_HOLD_DOWN 16 x 256 held columns) and the shared
-    expert's I = 2056 (gate/up's past LORA_HOLD 8 x 256), routed I = 136 (held alone), ranks 8 and
-    3 in slots of max_rank 8 (16-byte B rows) or 12 (the scalar rank loop), on each decode kernel
-    the knob picks (bf16; fp8_block as w8a16), judged by `judge`."""
+# Past the held columns, each on a small layer (the float64 reference's cost): H = 4104 (down's
+# expand past LORA_HOLD_DOWN 16 x 256 columns) or the shared expert's I = 2056 (gate/up's past
+# LORA_HOLD 8 x 256; routed I = 64, held alone).
+WIDE = {"H": dict(hidden_size=4104), "I": dict(shared_expert_intermediate_size=2056)}
+
+
+@pytest.mark.parametrize("decode_kernel, fmt, max_rank, wide", [("register", "bf16", 12, "H"),
+                                                                ("register", "bf16", 8, "I"),
+                                                                ("swapab", "bf16", 8, "H"),
+                                                                ("auto", "fp8_block", 12, "I")])
+def test_early_start_held_and_rest_columns(decode_kernel, fmt, max_rank, wide, rng, monkeypatch):
+    """The per-pair kernels' second round of columns after the wait (WIDE), ranks 8 and 3 in slots
+    of max_rank 8 (16-byte B rows) or 12 (the scalar rank loop), on the decode kernel the knob
+    picks (bf16; fp8_block as w8a16), judged by `judge` (_early_check)."""
     monkeypatch.setenv("CUPYMOE_DECODE_KERNEL", decode_kernel)  # read when the layer is built
-    cfg = testing.tiny_config("qwen2_moe", hidden_size=4104, moe_intermediate_size=136,
-                              shared_expert_intermediate_size=2056)
+    cfg = testing.tiny_config("qwen2_moe", **WIDE[wide])
     hw = testing.random_host_weights(cfg, rng, fmt)
     layer = _layer(cfg, hw, fp8_compute="w8a16", max_lora_rank=max_rank)
     adapters = _expert_adapters(cfg, rng)
     for slot, lw in adapters.items():
         layer.set_lora(slot, lw)
-    _early_check(layer, cfg, hw, rng, adapters, f"{decode_kernel} {fmt} rank {max_rank}")
+    _early_check(layer, cfg, hw, rng, adapters, f"{decode_kernel} {fmt} rank {max_rank} wide {wide}")
 
 
 def test_early_start_router_past_held_logits(rng):
@@ -877,7 +883,7 @@ def test_early_start_router_past_held_logits(rng):
 def test_early_start_graph_replay(rng):
     """A decode graph (the PDL chain with early starts) captured with empty slots replays the
     adapters set after it, judged and equal to the eager forward bit for bit (_set_replay_clear)."""
-    cfg = testing.tiny_config("deepseek_v3", hidden_size=4104)
+    cfg = testing.tiny_config("deepseek_v3")
     hw = testing.random_host_weights(cfg, rng)
     layer, adapters = _layer(cfg, hw), _expert_adapters(cfg, rng)
     for n in (1, 33):
