@@ -2,7 +2,7 @@
 # The LoRA decode deltas' early start (DECISIONS.md "LoRA: the decode deltas start beside the base
 # kernels"; issue 42) in one GPU command, under 3 minutes:
 #   0. the kernel cache compiled (a fresh machine's is cold);
-#   1. tests/test_gpu_lora.py whole, the test_early_start_* cases first ( H = 4104 or I = 2056 past
+#   1. tests/test_gpu_lora.py whole, the test_early_start_* cases first (H = 4104 or I = 2056 past
 #      the held columns, a 288-expert router, ranks 8 and 12, ids -1 / 0 / 1 and past the slots,
 #      forced register and swap-AB decodes, fp8_block w8a16, each forward twice bit for bit and
 #      equal to the separated plan's, decode graph replay);
