@@ -243,6 +243,26 @@ def lora_grouped_smem(max_rank: int, gate_up: bool) -> int:
     return (LORA_MMA_WARPS + 1) * (2 if gate_up else 1) * LORA_CHUNK * rp * 4
 
 
+LORA_STACK_MAX_WIDTH = 128  # KS past which the grouped deltas serve: every row pays the extra K (measured at 64)
+
+
+def lora_grouped_rank_ok(max_rank: int) -> bool:
+    """Whether the grouped delta kernels (and so the stacked form) serve this rank: its shared
+    memory within LORA_GROUPED_SMEM_MAX (the per-pair kernels serve any rank)."""
+    return lora_grouped_smem(max_rank, True) <= LORA_GROUPED_SMEM_MAX
+
+
+def lora_stack_parts(lp: LayerPlan, knob_parts: int, max_loras: int, max_rank: int) -> int:
+    """The stacked form's parts a layer holds Bext and T for (0: none): CUPYMOE_LORA_IN_GEMM's,
+    where a bf16 TMA GEMM can run it (a TMA layer, not row-invariant, a rank the grouped kernels
+    serve) and its K steps stay within LORA_STACK_MAX_WIDTH columns."""
+    from .lora_stack import stack_width
+
+    if not knob_parts or not lp.tma or lp.row_invariant or not lora_grouped_rank_ok(max_rank):
+        return 0
+    return knob_parts if stack_width(max_loras, max_rank, knob_parts) <= LORA_STACK_MAX_WIDTH else 0
+
+
 def lora_grouped(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> bool:
     """Whether the expert deltas go grouped (a block a GEMM tile, on tensor cores): on the prefill
     path past the one-block sort's pairs (fewer rows leave a tile a chunk or two, which the
@@ -250,7 +270,7 @@ def lora_grouped(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> bool:
     layer (whose rows' kernels must not change with N); never where the rank's shared memory
     passes LORA_GROUPED_SMEM_MAX (the per-pair kernels serve any rank). A bucket plan's shape
     fixes the choice, so every N of a bucket runs the same kernels."""
-    if plan.path != Path.PREFILL or lora_grouped_smem(lora.max_rank, True) > LORA_GROUPED_SMEM_MAX:
+    if plan.path != Path.PREFILL or not lora_grouped_rank_ok(lora.max_rank):
         return False
     return lp.row_invariant or not plan.shape.one_block_sort
 

@@ -135,8 +135,9 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
     "sm90_fp8_variant": ("CUPYMOE_SM90_FP8_VARIANT", "the w8a8 grouped GEMM (prefill, sm_90a): auto | cp_async | "
                          "tma (128 x 256 tiles by TMA and a producer warpgroup)", _choice(Sm90Fp8), Sm90Fp8.AUTO),
     "lora_in_gemm": ("CUPYMOE_LORA_IN_GEMM", "LoRA experts' deltas as extra K of the TMA grouped GEMMs (prefill; "
-                     "cupymoe/lora_stack.py): 0 off | 1 (s t as one bf16; default) | 2 (as two bf16 parts); read "
-                     "when a layer is built", _lora_parts, 1),
+                     "cupymoe/lora_stack.py): 0 off | 1 (s t as one bf16; default) | 2 (as two bf16 parts); only "
+                     "where it can run (forward_plan.lora_stack_parts: rank <= 32, KS <= 128), else the "
+                     "grouped deltas; read when a layer is built", _lora_parts, 1),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "

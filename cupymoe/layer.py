@@ -17,7 +17,7 @@ import numpy as np
 from . import arrays, guard, jit, lora_slots, profiling, tma
 from .config import MoeConfig
 from .errors import LaunchError, LoraError, MoeCallError, OptionError, WorkspaceError
-from .forward_plan import LoraShape, build_forward_plan, prefill_shape
+from .forward_plan import LoraShape, build_forward_plan, lora_stack_parts, prefill_shape
 from .graph_launch import PlanGraph
 from .host_weights import HostWeights
 from .knobs import Knobs
@@ -86,8 +86,8 @@ class MoeLayer:
             self._lora = None
             if lora_k:
                 experts = lora_slots.expert_slot_shape(owned, self.plan.i_max, self.plan.w8a8)
-                # the stacked form's Bext where a GEMM may run it (CUPYMOE_LORA_IN_GEMM; forward_plan.lora_in_gemm)
-                stack = knobs.lora_in_gemm if self.plan.tma and not self.plan.row_invariant else 0
+                # the stacked form's Bext only where a GEMM may run it (forward_plan.lora_stack_parts)
+                stack = lora_stack_parts(self.plan, knobs.lora_in_gemm, lora_k, lora_r)
                 self._lora = lora_slots.LoraSlots(cfg, lora_k, lora_r, self.device_id, experts, stack)
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             self._bind(workspace or Workspace(self.workspace_need(), device=self.device_id))

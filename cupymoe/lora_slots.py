@@ -9,7 +9,9 @@ K (E_local + 1) R (3 H + 3 I), and PEFT adapters are trained and shipped in bf16
 values are kept exactly (an fp32 adapter is rounded once a value). Zeros past an adapter's
 rank and for modules it does not name, so an empty slot adds nothing. A w8a8 layer refuses an
 adapter naming an expert module by name at `fill`, before anything is copied (its gate/up
-quantizes the activation in the GEMM's epilogue, before a delta could be added).
+quantizes the activation in the GEMM's epilogue, before a delta could be added). Where the
+layer runs the stacked form (forward_plan.lora_stack_parts), each projection's B also lies in
+Bext [E_local + 1, rows, KS] (cupymoe/lora_stack.py), filled and cleared with the slot.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupymoe import reference, testing
+from _gpu_checks import check_replay_matches_eager, check_skewed_routing
+from cupymoe import testing
 from cupymoe.verify import bf16_bits, check, run_layer, well_separated_input
 
 pytestmark = pytest.mark.gpu
@@ -89,26 +90,13 @@ def test_one_expert_holding_most_rows_and_experts_nobody_chose(name, rng):
     """A given routing: every row's first pick expert 0 (a run of N rows: many 128-row tiles,
     the last one short), the rest over every expert but 1."""
     cfg, hw, layer = _case(name, rng)
-    for n in (67, 1100):
-        ids, w = testing.skewed_routing(rng, n, cfg.num_experts_per_tok, cfg.router_width)
-        x = testing.random_input(rng, n, cfg.hidden_size)
-        out = testing.run_experts_poisoned(layer, x, ids, w, "prefill")
-        assert not np.isnan(out).any(), f"{name} N={n}: unwritten outputs"
-        c = check(out, cfg, hw, x, "prefill", layer=layer, routing=reference.given_routing(cfg, ids, w))
-        assert c.ok, f"{name} N={n}: {c}"
+    check_skewed_routing(layer, cfg, hw, rng, (67, 1100), "prefill", name, assert_written=True)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe-H528-I656", "qwen2_moe"])
 def test_a_captured_graph_replays_the_eager_forward(name, rng):
-    import cupy
-
     cfg, hw, layer = _case(name, rng)
-    s = cupy.cuda.Stream(non_blocking=True)
-    for n in (67, 1100):
-        x = cupy.asarray(bf16_bits(well_separated_input(cfg, hw, rng, n)))
-        written, equal = testing.replay_matches_eager(layer, x, n, "prefill", s)
-        assert written, f"{name} N={n}: unwritten outputs"
-        assert equal, f"{name} N={n}: the replay differs from the eager forward"
+    check_replay_matches_eager(layer, cfg, hw, rng, (67, 1100), "prefill", name)
 
 
 def test_a_plan_forced_after_construction_encodes_the_maps(rng, monkeypatch):

@@ -764,6 +764,30 @@ def test_stacked_one_expert_takes_most_rows(parts, rng, monkeypatch):
           f"stacked parts {parts}: one expert most rows", layer)
 
 
+@pytest.mark.parametrize("variant", ["tma", "tma_192"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_stacked_several_column_tiles(variant, family, rng, monkeypatch):
+    """The stacked form where both GEMMs have several column tiles (H = 1544, I = 392: 4-13 tiles,
+    so Bext's boxes past the first tile and the B row n0 of the extra steps are read), with and
+    without the shared expert; ids -1 .. 3, judged, and the forward twice bit for bit."""
+    cfg = testing.tiny_config(family, hidden_size=1544, moe_intermediate_size=392)
+    hw = testing.random_host_weights(cfg, rng, "bf16")
+    layer = _stacked_layer(monkeypatch, cfg, hw, 16, 1, variant)
+    adapters = _ranked_adapters(cfg, rng, 16)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    n = 1100
+    assert _prefill_uses_stacked(layer, n, 16)
+    ids = rng.integers(-1, 4, n).astype(np.int32)
+    ids[:5] = [-1, 0, 1, 2, 3]
+    x = separated_input(cfg, hw, rng, n, adapters, ids)
+    out = run(layer, x, ids, "prefill")
+    judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"), f"stacked {variant} {family} tiles", layer)
+    again = run(layer, x, ids, "prefill")
+    assert np.array_equal(again.view(np.uint32), out.view(np.uint32)), "not reproducible"
+    layer.check_errors()
+
+
 def test_stacked_bext_packing(rng, monkeypatch):
     """Each Bext on the device is lora_stack.stacked_b of the slots' B (every part's columns), after
     set_lora of four adapters and after a clear (its columns zeros again, the others untouched)."""

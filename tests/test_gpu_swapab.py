@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from cupymoe import reference, testing
-from cupymoe.verify import bf16_bits, check, run_layer, well_separated_input
+from _gpu_checks import check_replay_matches_eager, check_skewed_routing
+from cupymoe import testing
+from cupymoe.verify import check, run_layer, well_separated_input
 
 pytestmark = pytest.mark.gpu
 
@@ -62,22 +63,10 @@ def test_one_expert_holding_most_rows_and_experts_nobody_chose(name, rng):
     """A given routing: every row's first pick expert 0 (its run of N rows takes several passes
     of the token tile the plan sized for an even spread), the rest over every expert but 1."""
     cfg, hw, layer = _case(name, rng)
-    for n in (17, 255):
-        ids, w = testing.skewed_routing(rng, n, cfg.num_experts_per_tok, cfg.router_width)
-        x = testing.random_input(rng, n, cfg.hidden_size)
-        out = testing.run_experts_poisoned(layer, x, ids, w, "decode")
-        c = check(out, cfg, hw, x, "decode", layer=layer, routing=reference.given_routing(cfg, ids, w))
-        assert c.ok, f"{name} N={n}: {c}"
+    check_skewed_routing(layer, cfg, hw, rng, (17, 255), "decode", name)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_a_captured_graph_replays_the_eager_forward(name, rng):
-    import cupy
-
     cfg, hw, layer = _case(name, rng)
-    s = cupy.cuda.Stream(non_blocking=True)
-    for n in (17, 255):
-        x = cupy.asarray(bf16_bits(well_separated_input(cfg, hw, rng, n)))
-        written, equal = testing.replay_matches_eager(layer, x, n, "decode", s)
-        assert written, f"{name} N={n}: unwritten outputs"
-        assert equal, f"{name} N={n}: the replay differs from the eager forward"
+    check_replay_matches_eager(layer, cfg, hw, rng, (17, 255), "decode", name)

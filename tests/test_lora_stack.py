@@ -311,3 +311,23 @@ def test_stacked_launches_match_the_kernels_parameters():
             got = [(a.name, kinds[a.type]) for a in s.args]
             assert got == want, k
     assert seen == {"lora_stack_t_gate_up", "lora_stack_t_down", "grouped_gemm_sm90_tma_lora"}
+
+
+@pytest.mark.parametrize("K, R, parts, want", [(4, 16, 1, 1), (4, 16, 2, 2), (8, 16, 1, 1), (4, 32, 1, 1),
+                                               (16, 16, 1, 0), (4, 32, 2, 0), (4, 48, 1, 0), (8, 64, 1, 0)])
+def test_the_stacked_form_only_where_a_gemm_may_run_it(K, R, parts, want):
+    """Bext and T only where the stacked form can run: a rank the grouped kernels serve (past 32 the
+    per-pair kernels serve it alone) and at most LORA_STACK_MAX_WIDTH columns of extra K; never on
+    a row-invariant or non-TMA layer."""
+    from cupymoe.forward_plan import lora_stack_parts
+
+    cfg = preset_config("qwen3-30b-a3b")
+    h200 = DeviceFacts.h200()
+    lp = plan_layer(cfg, "bf16", None, h200.arch, options=LayerOptions(), knobs=Knobs())
+    assert lp.tma
+    assert lora_stack_parts(lp, parts, K, R) == want
+    assert lora_stack_parts(lp, 0, K, R) == 0
+    ri = plan_layer(cfg, "bf16", None, h200.arch, options=LayerOptions(row_invariant=True), knobs=Knobs())
+    assert lora_stack_parts(ri, parts, K, R) == 0
+    a100 = plan_layer(cfg, "bf16", None, "sm_80", options=LayerOptions(), knobs=Knobs())
+    assert lora_stack_parts(a100, parts, K, R) == 0

@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from _kernel_source import define as source_define, map_indices
 from cupymoe import bench, catalog as C, heuristics as HX, jit, testing
 from cupymoe.catalog import WeightFormat
 from cupymoe.forward_plan import SWAPAB_MAPS, build_forward_plan
@@ -149,11 +150,10 @@ def test_kernel_file_and_catalog_agree():
     from cupymoe import tma
 
     src = (jit.kernel_dir() / "decode_swapab_fp8_sm90.cu").read_text()
-    define = lambda name: int(re.search(rf"^#define {name} (\d+)", src, re.M).group(1))  # noqa: E731
+    define = lambda name: source_define(src, name)  # noqa: E731
     assert define("SF_BK") == C.SWAPAB_FP8_BK and define("SF_ROWS") == C.SWAPAB_ROWS
     assert define("SF_GATE_UP_COLUMNS") == C.SWAPAB_GATE_UP_COLUMNS
-    maps = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(r"#define SF_MAP_(\w+) (\d+)", src)
-            if m.group(1) != "BYTES"}
+    maps = map_indices(src, "SF_")
     assert maps == {name: i for i, name in enumerate(tma.SWAPAB_MAPS)}
     stages = re.search(r"STAGES = NT <= 32 \? (\d+) : (\d+);", src).groups()
     assert all(C.SWAPAB_FP8_STAGES[nt] == int(stages[0 if nt <= 32 else 1]) for nt in C.SWAPAB_FP8_TOKEN_TILES)

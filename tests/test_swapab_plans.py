@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from _kernel_source import define as source_define, map_indices
 from cupymoe import bench, catalog as C, heuristics as HX, jit, testing, tma
 from cupymoe.errors import OptionError
 from cupymoe.forward_plan import SWAPAB_MAPS, build_forward_plan
@@ -122,11 +123,10 @@ def test_shared_memory_fits_the_opt_in_limit_and_the_blocks_an_sm(nt):
 def test_kernel_file_and_catalog_agree():
     """The kernel's SwapAbConfig and #defines against the catalog's mirror and tma.SWAPAB_MAPS."""
     src = (jit.kernel_dir() / "decode_swapab_sm90.cu").read_text()
-    define = lambda name: int(re.search(rf"^#define {name} (\d+)", src, re.M).group(1))  # noqa: E731
+    define = lambda name: source_define(src, name)  # noqa: E731
     assert define("SA_BK") == C.SWAPAB_BK and define("SA_ROWS") == C.SWAPAB_ROWS
     assert define("SA_GATE_UP_COLUMNS") == C.SWAPAB_GATE_UP_COLUMNS
-    maps = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(r"#define SA_MAP_(\w+) (\d+)", src)
-            if m.group(1) != "BYTES"}
+    maps = map_indices(src, "SA_")
     assert maps == {name: i for i, name in enumerate(tma.SWAPAB_MAPS)}
     cfg = re.search(r"STAGES = NT <= 32 \? (\d+) : NT <= 64 \? (\d+) : (\d+);", src)
     stages = dict(zip((32, 64, 128), map(int, cfg.groups())))
