@@ -871,14 +871,16 @@ def _early_check(layer, cfg, hw, rng, adapters, what):
 
 # Past the held columns, each on a small layer (the float64 reference's cost): H = 4104 (down's
 # expand past LORA_HOLD_DOWN 16 x 256 columns) or the shared expert's I = 2056 (gate/up's past
-# LORA_HOLD 8 x 256; routed I = 64, held alone).
-WIDE = {"H": dict(hidden_size=4104), "I": dict(shared_expert_intermediate_size=2056)}
+# LORA_HOLD 8 x 256; routed I = 64, held alone); fp8_block's I = 2064, whole 16-byte chunks of codes
+# (the layer refuses 2056 with UnsupportedFormatError).
+WIDE = {"H": dict(hidden_size=4104), "I": dict(shared_expert_intermediate_size=2056),
+        "I16": dict(shared_expert_intermediate_size=2064)}
 
 
 @pytest.mark.parametrize("decode_kernel, fmt, max_rank, wide", [("register", "bf16", 12, "H"),
                                                                 ("register", "bf16", 8, "I"),
                                                                 ("swapab", "bf16", 8, "H"),
-                                                                ("auto", "fp8_block", 12, "I")])
+                                                                ("auto", "fp8_block", 12, "I16")])
 def test_early_start_held_and_rest_columns(decode_kernel, fmt, max_rank, wide, rng, monkeypatch):
     """The per-pair kernels' second round of columns after the wait (WIDE), ranks 8 and 3 in slots
     of max_rank 8 (16-byte B rows) or 12 (the scalar rank loop), on the decode kernel the knob
