@@ -20,6 +20,32 @@
 #define LORA_VPT 4  // vectors a lane of a rank row loads at once
 #define LORA_RED 8  // floats past t: the last-block flag
 
+// Early start (DESIGN.md section 9): in the decode chain a per-pair kernel follows by PDL a base
+// kernel that released it only after that kernel's own wait, so when its blocks start everything
+// before that base kernel is done: the forward's input, the routing, act for down (and lora_part,
+// lora_tickets, which no kernel in between uses). So the shrink, the ticket and the expand of the
+// first LORA_HOLD* block-wide column steps (held in registers) run beside the base kernel, and the
+// PDL wait comes only before the base output is read (g, u; y / acc / yw; the logits); wider
+// outputs go on after it in rounds of as many columns, each round's loads together. A block
+// with nothing to add leaves before it, but block 0 always waits (pdl_leave_early's rule: the grid
+// never completes before the kernel it follows), through the one wait site. Launched plainly
+// (prefill, separated plans) the wait is a no-op and the launch order covers everything. The
+// arithmetic is the waiting form's (same operations, same order), so the bits are too.
+#define LORA_HOLD_ROUTER 1  // logits a thread holds: R <= 256 at LORA_THREADS
+#define LORA_HOLD 8         // gate/up columns a thread holds (g's and u's deltas): I <= 2048
+#define LORA_HOLD_DOWN 16   // down columns a thread holds: H <= 4096
+// The held kernels' bounds on sm_90 (PDL): 4 blocks an SM, 64 registers, so one fits beside two
+// swap-AB decode blocks (decode_swapab_*<64>: 148 registers x 160 threads each), where it starts
+// early; sm_80 (no PDL, nothing starts early) keeps the registers it wants (64 would spill).
+#if CUPYMOE_SM >= 90
+#define LORA_HELD_BOUNDS __launch_bounds__(LORA_THREADS, 4)
+#else
+#define LORA_HELD_BOUNDS __launch_bounds__(LORA_THREADS)
+#endif
+
+// Whether this is the grid's block 0: the one that waits (PDL) even with nothing to add.
+__device__ __forceinline__ bool lora_block0() { return (blockIdx.x | blockIdx.y | blockIdx.z) == 0; }
+
 // The block's rank sums of slice [lo, hi) of the input v (8-column vectors): red[rr] = A_p[j,
 // lo:hi] . v[lo:hi] for rank row rr = p max_rank + j of NP projections (a0, a1: [max_rank,
 // stride], bf16, or fp32 as AF32). A rank row goes to LORA_TPR lanes, each taking the slice's
@@ -104,12 +130,20 @@ __device__ __forceinline__ bool lora_slices_meet(float* t, int n, int max_rank, 
     return true;
 }
 
+// Bs[slot] row e (fp32, max_rank) times t: the router delta of logit e, ranks in order.
+__device__ __forceinline__ float lora_router_dot(const float* __restrict__ be, const float* t, int max_rank) {
+    float d = 0.f;
+    for (int j = 0; j < max_rank; ++j) d = fmaf(be[j], t[j], d);
+    return d;
+}
+
 // grid (N, slices), block LORA_THREADS, max_rank + LORA_RED floats of shared memory: t = A[slot] x
 // (x's slice a block), then logits[row] += Bs[slot] t by the row's last block. A [K, max_rank, H]
 // and Bs = scale * B [K, R, max_rank] are fp32, zero past an adapter's rank (and all zero in an
 // empty slot), so every slot runs the same loops. Rows with id -1 leave at once; an id >= K sets
 // an error bit and adds nothing. A row's delta reads that row alone (row_invariant holds at a
-// fixed slice count).
+// fixed slice count). Early start (above): everything but the logits' read-modify-write goes
+// beside the router.
 __global__ void __launch_bounds__(LORA_THREADS)
 lora_router_delta(const bf16* __restrict__ x,       // [N, H]: the router's input
                   const int* __restrict__ lora_ids,  // [N]: -1 = base only
@@ -119,27 +153,35 @@ lora_router_delta(const bf16* __restrict__ x,       // [N, H]: the router's inpu
                   float* __restrict__ part, int* __restrict__ tickets, int* __restrict__ err, int N, int H, int R,
                   int max_rank, int max_loras) {
     extern __shared__ float t[];  // [max_rank], then LORA_RED
-    pdl_wait_then_release_next();  // in a decode chain by PDL (its successor's flag): nothing read before
     const int row = blockIdx.x;
-    if (row >= N) return;
-    const int slot = lora_ids[row];
-    if (slot < 0) return;
-    if (slot >= max_loras) {
-        if (threadIdx.x == 0 && blockIdx.y == 0) atomicOr(err, ERR_LORA_ID_RANGE);
-        return;
+    const int slot = row < N ? lora_ids[row] : -1;
+    if (slot >= max_loras && blockIdx.y == 0 && threadIdx.x == 0) atomicOr(err, ERR_LORA_ID_RANGE);  // err only ORed
+    bool add = slot >= 0 && slot < max_loras;  // block-uniform
+    if (add) {
+        int lo, hi;
+        lora_slice(H, blockIdx.y, gridDim.y, lo, hi);
+        const float* as = a + (size_t)slot * max_rank * H;
+        lora_slice_shrink<1, true>(t, as, as, x + (size_t)row * H, lo, hi, H, max_rank);
+        add = lora_slices_meet(t, max_rank, max_rank, 1.0f, 1.0f, part, tickets, row);
     }
-    int lo, hi;
-    lora_slice(H, blockIdx.y, gridDim.y, lo, hi);
-    const float* as = a + (size_t)slot * max_rank * H;
-    lora_slice_shrink<1, true>(t, as, as, x + (size_t)row * H, lo, hi, H, max_rank);
-    if (!lora_slices_meet(t, max_rank, max_rank, 1.0f, 1.0f, part, tickets, row)) return;
+    if (!add && !lora_block0()) return;  // block 0 waits anyway; one wait site (two made ptxas spill)
+    const float* b = bs + (size_t)(add ? slot : 0) * R * max_rank;
+    float held[LORA_HOLD_ROUTER];
+#pragma unroll
+    for (int i = 0; i < LORA_HOLD_ROUTER; ++i) {
+        const int e = threadIdx.x + i * blockDim.x;
+        held[i] = add && e < R ? lora_router_dot(b + (size_t)e * max_rank, t, max_rank) : 0.f;
+    }
+    pdl_wait_then_release_next();  // the router's logits from here on
+    if (!add) return;
     float* l = logits + (size_t)row * R;
-    for (int e = threadIdx.x; e < R; e += blockDim.x) {
-        const float* be = bs + ((size_t)slot * R + e) * max_rank;
-        float d = 0.f;
-        for (int j = 0; j < max_rank; ++j) d = fmaf(be[j], t[j], d);
-        l[e] += d;
+#pragma unroll
+    for (int i = 0; i < LORA_HOLD_ROUTER; ++i) {
+        const int e = threadIdx.x + i * blockDim.x;
+        if (e < R) l[e] += held[i];
     }
+    for (int e = threadIdx.x + LORA_HOLD_ROUTER * blockDim.x; e < R; e += blockDim.x)
+        l[e] += lora_router_dot(b + (size_t)e * max_rank, t, max_rank);
 }
 
 // The expert deltas' per-pair geometry: pair q of N k routed pairs, then (has_shared) the shared
@@ -157,22 +199,46 @@ __device__ __forceinline__ LoraPair lora_pair(int q, int N, int k, const int* __
     return q < P ? LoraPair{pos, q / k, slot_of[ids[q]]} : LoraPair{pos, q - P, n_local};
 }
 
-// B bf16 [out, max_rank] row c times t: the delta of output column c (16-byte loads of the rank
-// row where max_rank is a multiple of 8; the sum in rank order either way).
-__device__ __forceinline__ float lora_expand(const bf16* __restrict__ b, const float* t, int c, int max_rank) {
-    const bf16* bc = b + (size_t)c * max_rank;
-    float d = 0.f;
-    int j = 0;
-    if ((max_rank & 7) == 0) {
-        for (; j < max_rank; j += 8) {
-            float f[8];
-            unpack_bf16x8(load_bf16x8(bc + j), f);
+// v = d[i] (i < HOLD, not known at compile time) by selects, so d stays in registers.
+template <int HOLD>
+__device__ __forceinline__ void lora_pick(const float (&d)[HOLD], int i, float& v) {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) d = fmaf(f[e], t[j + e], d);
+    for (int k = 0; k < HOLD; ++k)
+        if (k == i) v = d[k];
+}
+
+// The per-pair expand, a round of columns at once: d[i] = B row c (bf16 [out, max_rank]) . t for
+// the thread's columns c = threadIdx.x + i blockDim.x below cols (zero past), ranks in order
+// (16-byte loads of a rank row where max_rank is a multiple of 8). The rank loop outside, so the
+// HOLD rows' loads go out together and the code stays one rolled loop (HOLD unrolled expands
+// moved the grouped kernels' PTX through NVVM's module-wide choices).
+template <int HOLD>
+__device__ __forceinline__ void lora_expand_held(float (&d)[HOLD], const bf16* __restrict__ b, const float* t,
+                                                 int cols, int max_rank) {
+#pragma unroll
+    for (int i = 0; i < HOLD; ++i) d[i] = 0.f;
+    if ((max_rank & 7) == 0) {
+        for (int j = 0; j < max_rank; j += 8) {
+#pragma unroll
+            for (int i = 0; i < HOLD; ++i) {
+                const int c = threadIdx.x + i * blockDim.x;
+                if (c >= cols) break;
+                float f[8];
+                unpack_bf16x8(load_bf16x8(b + (size_t)c * max_rank + j), f);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) d[i] = fmaf(f[e], t[j + e], d[i]);
+            }
+        }
+    } else {
+        for (int j = 0; j < max_rank; ++j) {
+#pragma unroll
+            for (int i = 0; i < HOLD; ++i) {
+                const int c = threadIdx.x + i * blockDim.x;
+                if (c >= cols) break;
+                d[i] = fmaf(__bfloat162float(b[(size_t)c * max_rank + j]), t[j], d[i]);
+            }
         }
     }
-    for (; j < max_rank; ++j) d = fmaf(__bfloat162float(bc[j]), t[j], d);
-    return d;
 }
 
 // grid (N k + N has_shared, slices), block LORA_THREADS, 2 max_rank + LORA_RED floats of shared
@@ -182,8 +248,9 @@ __device__ __forceinline__ float lora_expand(const bf16* __restrict__ b, const f
 // writes act = act(g, u) in bf16 for every pair the gate/up stored, with or without an adapter
 // (without: slice 0's block alone). Slots: A [K, S, max_rank, H], B [K, S, I_max, max_rank] bf16
 // (S = n_local + 1 table slots), scale [K, S, 3] fp32 (gate, up, down); zeros past an adapter's
-// rank and for modules it does not name. A pair reads its own row only.
-__global__ void __launch_bounds__(LORA_THREADS)
+// rank and for modules it does not name. A pair reads its own row only. Early start (above): the
+// shrink and the first LORA_HOLD column steps' expand go beside gate/up.
+__global__ void LORA_HELD_BOUNDS
 lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
                  const int* __restrict__ ids, const int* __restrict__ pair_pos, const int* __restrict__ slot_of,
                  const int* __restrict__ inter, const bf16* __restrict__ gate_a, const bf16* __restrict__ gate_b,
@@ -192,34 +259,50 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
                  int* __restrict__ tickets, int N, int k, int H, int I_max, int n_local, int max_rank, int max_loras,
                  int act_code, float alpha, float limit) {
     extern __shared__ float t[];  // [2 max_rank]: gate's, then up's; then LORA_RED
-    pdl_wait_then_release_next();  // in a decode chain by PDL (its successor's flag): nothing read before
     const LoraPair pr = lora_pair(blockIdx.x, N, k, ids, pair_pos, slot_of, n_local);
-    if (pr.pos < 0) return;
-    const int I = inter[pr.slot];
-    const int lid = lora_ids[pr.row];
+    const int I = pr.pos < 0 ? 0 : inter[pr.slot];
+    const int lid = pr.pos < 0 ? -1 : lora_ids[pr.row];
     const bool on = lid >= 0 && lid < max_loras;  // an id >= K was flagged by lora_router_delta
     const size_t ks = on ? (size_t)lid * (n_local + 1) + pr.slot : 0;
+    bool go = pr.pos >= 0 && (on || blockIdx.y == 0);  // block-uniform: this block writes act
     if (on) {
         const bf16* in = (pr.slot == n_local ? x : xe) + (size_t)pr.row * H;  // the shared expert reads x
         int lo, hi;
         lora_slice(H, blockIdx.y, gridDim.y, lo, hi);
         lora_slice_shrink<2, false>(t, gate_a + ks * max_rank * H, up_a + ks * max_rank * H, in, lo, hi, H,
                                     max_rank);
-        if (!lora_slices_meet(t, 2 * max_rank, max_rank, scale[ks * 3], scale[ks * 3 + 1], part, tickets,
-                              blockIdx.x))
-            return;
-    } else if (blockIdx.y != 0) {
-        return;
+        go = lora_slices_meet(t, 2 * max_rank, max_rank, scale[ks * 3], scale[ks * 3 + 1], part, tickets,
+                              blockIdx.x);
     }
+    if (!go && !lora_block0()) return;  // block 0 waits anyway; one wait site (two made ptxas spill)
+    const bf16* gb = gate_b + ks * I_max * max_rank;
+    const bf16* ub = up_b + ks * I_max * max_rank;
     const bf16* gr = gu + (size_t)pr.pos * 2 * I_max;  // g, then u at I_max
     bf16* ar = act + (size_t)pr.pos * I_max;
-    for (int c = threadIdx.x; c < I; c += blockDim.x) {
-        float g = __bfloat162float(gr[c]), u = __bfloat162float(gr[I_max + c]);
-        if (on) {
-            g += lora_expand(gate_b + ks * I_max * max_rank, t, c, max_rank);
-            u += lora_expand(up_b + ks * I_max * max_rank, t + max_rank, c, max_rank);
+    const int round = LORA_HOLD * blockDim.x;  // columns a round: the held ones, then as many again
+    for (int c0 = 0;; c0 += round) {
+        float hg[LORA_HOLD], hu[LORA_HOLD];  // the round's expand, its loads together (round 0 beside gate/up)
+        const int cols = go && on ? I - c0 : 0;
+        lora_expand_held(hg, gb + (size_t)c0 * max_rank, t, cols, max_rank);
+        lora_expand_held(hu, ub + (size_t)c0 * max_rank, t + max_rank, cols, max_rank);
+        if (c0 == 0) {
+            pdl_wait_then_release_next();  // gate/up's g and u from here on
+            if (!go) return;
         }
-        ar[c] = __float2bfloat16(apply_activation(act_code, g, u, alpha, limit));
+        float gv[LORA_HOLD], uv[LORA_HOLD];  // the round's g and u, loaded together: one round trip
+#pragma unroll
+        for (int i = 0; i < LORA_HOLD; ++i) {
+            const int c = c0 + threadIdx.x + i * blockDim.x;
+            gv[i] = c < I ? __bfloat162float(gr[c]) : 0.f;
+            uv[i] = c < I ? __bfloat162float(gr[I_max + c]) : 0.f;
+        }
+        for (int i = 0, c = c0 + threadIdx.x; i < LORA_HOLD && c < I; ++i, c += blockDim.x) {  // rolled: one activation site
+            float g = 0.f, u = 0.f, dg = 0.f, du = 0.f;
+            lora_pick(gv, i, g), lora_pick(uv, i, u);
+            if (on) lora_pick(hg, i, dg), lora_pick(hu, i, du), g += dg, u += du;
+            ar[c] = __float2bfloat16(apply_activation(act_code, g, u, alpha, limit));
+        }
+        if (c0 + round >= I) break;
     }
 }
 
@@ -231,8 +314,9 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
 // memory. The down delta of each pair with an adapter: t = s A act[pos] (I split over the pair's
 // slices), d = B t by its last block, added to the expert's output before the routing weight
 // multiplies (mode: where the path keeps that output). A [K, S, max_rank, I_max], B [K, S, H,
-// max_rank] bf16.
-__global__ void __launch_bounds__(LORA_THREADS)
+// max_rank] bf16. Early start (above): act is lora_gate_up_act's, done before down's wait, so the
+// shrink and the first LORA_HOLD_DOWN column steps' expand go beside down.
+__global__ void LORA_HELD_BOUNDS
 lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, const int* __restrict__ ids,
                 const int* __restrict__ pair_pos, const int* __restrict__ slot_of, const int* __restrict__ inter,
                 const bf16* __restrict__ down_a, const bf16* __restrict__ down_b, const float* __restrict__ scale,
@@ -240,33 +324,53 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
                 bf16* __restrict__ yw, float* __restrict__ part, int* __restrict__ tickets, int N, int k, int H,
                 int I_max, int n_local, int max_rank, int max_loras, int mode) {
     extern __shared__ float t[];  // [max_rank], then LORA_RED
-    pdl_wait_then_release_next();  // in a decode chain by PDL (its successor's flag): nothing read before
     const LoraPair pr = lora_pair(blockIdx.x, N, k, ids, pair_pos, slot_of, n_local);
-    if (pr.pos < 0) return;
-    const int lid = lora_ids[pr.row];
-    if (lid < 0 || lid >= max_loras) return;
-    const size_t ks = (size_t)lid * (n_local + 1) + pr.slot;
-    int lo, hi;
-    lora_slice(inter[pr.slot], blockIdx.y, gridDim.y, lo, hi);
-    const bf16* a0 = down_a + ks * max_rank * I_max;
-    lora_slice_shrink<1, false>(t, a0, a0, act + (size_t)pr.pos * I_max, lo, hi, I_max, max_rank);
-    const float s = scale[ks * 3 + 2];
-    if (!lora_slices_meet(t, max_rank, max_rank, s, s, part, tickets, blockIdx.x)) return;
+    const int lid = pr.pos < 0 ? -1 : lora_ids[pr.row];
+    bool go = lid >= 0 && lid < max_loras;  // block-uniform: this block adds a delta
+    const size_t ks = go ? (size_t)lid * (n_local + 1) + pr.slot : 0;
+    if (go) {
+        int lo, hi;
+        lora_slice(inter[pr.slot], blockIdx.y, gridDim.y, lo, hi);
+        const bf16* a0 = down_a + ks * max_rank * I_max;
+        lora_slice_shrink<1, false>(t, a0, a0, act + (size_t)pr.pos * I_max, lo, hi, I_max, max_rank);
+        const float s = scale[ks * 3 + 2];
+        go = lora_slices_meet(t, max_rank, max_rank, s, s, part, tickets, blockIdx.x);
+    }
+    if (!go && !lora_block0()) return;  // block 0 waits anyway; one wait site (two made ptxas spill)
     const bool routed = (int)blockIdx.x < N * k;
-    const float w = routed ? topk_w[blockIdx.x] : 1.0f;  // the shared expert is scaled in the reduce
+    const float w = go && routed ? topk_w[blockIdx.x] : 1.0f;  // the shared expert is scaled in the reduce
     const bf16* b = down_b + ks * H * max_rank;
-    for (int h = threadIdx.x; h < H; h += blockDim.x) {
-        const float d = lora_expand(b, t, h, max_rank);
-        const size_t o = (size_t)pr.pos * H + h;
-        if (mode == LORA_DOWN_GROUPED)
-            yw[o] = __float2bfloat16(__bfloat162float(yw[o]) + w * d);
-        else if (mode == LORA_DOWN_ATOMIC && routed)
-            atomicAdd(acc + (size_t)pr.row * H + h, w * d);
-        else
-            y[o] += d;
+    const bool to_y = mode == LORA_DOWN_DECODE || (mode == LORA_DOWN_ATOMIC && !routed);  // y += d
+    float* yr = y + (size_t)pr.pos * H;
+    const int round = LORA_HOLD_DOWN * blockDim.x;  // columns a round: the held ones, then as many again
+    for (int h0 = 0;; h0 += round) {
+        float held[LORA_HOLD_DOWN];  // the round's expand, its loads together (round 0 beside down)
+        lora_expand_held(held, b + (size_t)h0 * max_rank, t, go ? H - h0 : 0, max_rank);
+        if (h0 == 0) {
+            pdl_wait_then_release_next();  // down's output from here on
+            if (!go) return;
+        }
+        float yv[LORA_HOLD_DOWN];  // the round's y, loaded together: one round trip
+#pragma unroll
+        for (int i = 0; i < LORA_HOLD_DOWN; ++i) {
+            const int h = h0 + threadIdx.x + i * blockDim.x;
+            yv[i] = to_y && h < H ? yr[h] : 0.f;
+        }
+        for (int i = 0, h = h0 + threadIdx.x; i < LORA_HOLD_DOWN && h < H; ++i, h += blockDim.x) {  // rolled: one store site
+            float d = 0.f, v = 0.f;
+            lora_pick(held, i, d), lora_pick(yv, i, v);
+            if (to_y) {
+                yr[h] = v + d;
+            } else if (mode == LORA_DOWN_GROUPED) {
+                bf16* o = yw + (size_t)pr.pos * H + h;
+                *o = __float2bfloat16(__bfloat162float(*o) + w * d);
+            } else {
+                atomicAdd(acc + (size_t)pr.row * H + h, w * d);
+            }
+        }
+        if (h0 + round >= H) break;
     }
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // The grouped (prefill) path's deltas: a block a tile of the grouped GEMMs' own tile list

@@ -11,14 +11,8 @@
 #      bf16 and fp8_block (w8a16), JSON into $OUT/lora_<preset>_<format>.json.
 #
 #   OUT=/tmp/out bash scripts/lora_check.sh
-set -u
-DEST=${OUT:?set OUT to a folder for the logs}
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_lora.py > "$DEST/lora_gpu_tests.log" 2>&1
-echo "test_gpu_lora rc $?: $(tail -1 "$DEST/lora_gpu_tests.log")"
-grep -E "FAILED|ERROR" "$DEST/lora_gpu_tests.log" | head -8
+. "$(dirname "$0")/lora_bench.sh"  # DEST, the repository root, lora_tests, lora_bench
+lora_tests 170 lora_gpu
 
 forced() {
   local name=$1
@@ -32,16 +26,4 @@ forced twin_wgmma CUPYMOE_MATH_ROWS=1 CUPYMOE_SM90_VARIANT=twin CUPYMOE_FP4_DECO
 forced cores CUPYMOE_FP4_DECODE=cores CUPYMOE_FP8_DECODE=cores
 forced swapab CUPYMOE_DECODE_KERNEL=swapab  # bf16 decode by the swap-AB kernel (ACT_PAIR into lora_gu)
 
-bench() {
-  local preset=$1 fmt=$2
-  shift 2
-  timeout 40 python3 -m cupymoe bench --preset "$preset" --format "$fmt" --tokens 1 64 1024 4096 --lora 4 \
-    --lora-rank 16 --no-peers --repeats 5 --replays 10 --json "$DEST/lora_${preset}_$fmt.json" "$@" \
-    > "$DEST/lora_${preset}_$fmt.log" 2>&1
-  echo "bench $preset $fmt rc $?"
-  grep "N=" "$DEST/lora_${preset}_$fmt.log"
-}
-bench qwen3-30b-a3b bf16
-bench qwen3-30b-a3b fp8_block --fp8-compute w8a16
-bench deepseek-v3 bf16
-bench deepseek-v3 fp8_block --fp8-compute w8a16
+lora_bench_presets 40 40 lora "1 64 1024 4096"

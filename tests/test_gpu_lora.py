@@ -119,10 +119,13 @@ def _ids(rng, n):
     return ids
 
 
-def _mixed(layer, cfg, hw, rng, adapters, n, path):
+def _mixed(layer, cfg, hw, rng, adapters, n, path, what=""):
+    """One judged forward of N rows with mixed ids (_ids) on `path`: (ids, x, out)."""
     ids = _ids(rng, n)
     x = separated_input(cfg, hw, rng, n, adapters, ids)
-    judge(run(layer, x, ids, path), cfg, hw, x, ids, adapters, layer.select_path(n, path), f"{path} N={n}", layer)
+    out = run(layer, x, ids, path)
+    judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, path), f"{what} {path} N={n}".strip(), layer)
+    return ids, x, out
 
 
 @pytest.mark.parametrize("family", testing.FAMILIES)
@@ -203,25 +206,30 @@ def test_a_watched_lora_forward_records_its_stages_and_keeps_the_bits(rng):
 
 
 def test_graph_captured_before_set_lora_replays_the_new_adapter(rng):
-    import cupy
-
     cfg = testing.tiny_config("qwen3_moe")
     hw = testing.random_host_weights(cfg, rng)
     layer, adapters = _layer(cfg, hw), _adapters(cfg, rng)
     for path, n in (("decode", 7), ("prefill", 100)):
-        ids = _ids(rng, n)
-        x = separated_input(cfg, hw, rng, n, adapters, ids, also_base=True)  # judged with slot 1 empty too
-        s = cupy.cuda.Stream(non_blocking=True)
-        with s:
-            xd, idd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids)
-            out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
-        layer.clear_lora(0, stream=s.ptr)
-        layer.clear_lora(1, stream=s.ptr)
-        layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(idd.data.ptr))
-        s.begin_capture()
-        layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(idd.data.ptr))
-        graph = s.end_capture()
-        _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, path, f"replay {path} N={n}")
+        _captured_with_empty_slots(layer, cfg, hw, rng, adapters, path, n, "replay")
+
+
+def _captured_with_empty_slots(layer, cfg, hw, rng, adapters, path, n, what):
+    """A forward of N mixed-id rows captured with slots 0 and 1 empty, then _set_replay_clear."""
+    import cupy
+
+    ids = _ids(rng, n)
+    x = separated_input(cfg, hw, rng, n, adapters, ids, also_base=True)  # judged with slot 1 empty too
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        xd, idd = cupy.asarray(bf16_bits(x)), cupy.asarray(ids)
+        out = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
+    layer.clear_lora(0, stream=s.ptr)
+    layer.clear_lora(1, stream=s.ptr)
+    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(idd.data.ptr))
+    s.begin_capture()
+    layer.forward(int(xd.data.ptr), n, int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(idd.data.ptr))
+    graph = s.end_capture()
+    _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, path, f"{what} {path} N={n}")
 
 
 def _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, path, what):
@@ -350,10 +358,7 @@ def test_expert_deltas_every_path(family, fmt, rng):
         layer.set_lora(slot, lw)
     for path, ns in EXPERT_CASES:
         for n in ns:
-            ids = _ids(rng, n)
-            x = separated_input(cfg, hw, rng, n, adapters, ids)
-            out = run(layer, x, ids, path)
-            judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, path), f"{family} {fmt} {path} N={n}", layer)
+            ids, x, out = _mixed(layer, cfg, hw, rng, adapters, n, path, f"{family} {fmt}")
             lora_rows = ids >= 0
             if lora_rows.any() and experts_named:  # the same rows through the merged router alone: far off
                 router_only = {s: LoraWeights({k: m for k, m in lw.modules.items() if k.target == LoraTarget.ROUTER})
@@ -831,3 +836,81 @@ def test_stacked_graph_captured_before_set_lora(rng, monkeypatch):
     x = separated_input(cfg, hw, rng, n, adapters, ids, also_base=True)
     s, out, graph, _inputs = _captured_prefill(layer, x, ids)
     _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, "prefill", "stacked replay")
+
+
+# --- the per-pair kernels' early start (cuda/lora.cu "Early start"; DECISIONS.md "LoRA: the decode
+# deltas start beside the base kernels"): the shrink, the ticket and the expand of the held columns
+# run before the PDL wait, only the base output's read-modify-write after it.
+EARLY_CASES = (("decode", (1, 37)), ("atomic", (5,)), ("prefill", (3,)))  # 37: swap-AB's 64-row tile
+
+
+def _early_check(layer, cfg, hw, rng, adapters, what):
+    """Every EARLY_CASES path and N: mixed ids, output poisoned, judged; each forward again bit for
+    bit (not atomic: arrival order, DECISIONS P2) and, on decode, equal bit for bit to the separated
+    plan's (stage events: no PDL, so each wait is a no-op and the launch order covers everything);
+    then an id past the slots flagged."""
+    from cupymoe.profiling import record_stage_events
+
+    for path, ns in EARLY_CASES:
+        for n in ns:
+            ids, x, out = _mixed(layer, cfg, hw, rng, adapters, n, path, what)
+            if path == "atomic":
+                continue
+            again = run(layer, x, ids, path)
+            assert np.array_equal(again.view(np.uint32), out.view(np.uint32)), f"{what} {path} N={n}: not reproducible"
+            if path == "decode":
+                with record_stage_events([]):
+                    watched = run(layer, x, ids, path)
+                assert np.array_equal(watched.view(np.uint32), out.view(np.uint32)), f"{what} N={n}: separated differs"
+    layer.check_errors()
+    bad = np.array([0, K, -1], np.int32)  # an id past the slots: flagged, adds nothing
+    run(layer, testing.random_input(rng, 3, cfg.hidden_size), bad, "decode")
+    with pytest.raises(MoeCallError):
+        layer.check_errors()
+
+
+# Past the held columns, each on a small layer (the float64 reference's cost): H = 4104 (down's
+# expand past LORA_HOLD_DOWN 16 x 256 columns) or the shared expert's I = 2056 (gate/up's past
+# LORA_HOLD 8 x 256; routed I = 64, held alone); fp8_block's I = 2064, whole 16-byte chunks of codes
+# (the layer refuses 2056 with UnsupportedFormatError).
+WIDE = {"H": dict(hidden_size=4104), "I": dict(shared_expert_intermediate_size=2056),
+        "I16": dict(shared_expert_intermediate_size=2064)}
+
+
+@pytest.mark.parametrize("decode_kernel, fmt, max_rank, wide", [("register", "bf16", 12, "H"),
+                                                                ("register", "bf16", 8, "I"),
+                                                                ("swapab", "bf16", 8, "H"),
+                                                                ("auto", "fp8_block", 12, "I16")])
+def test_early_start_held_and_rest_columns(decode_kernel, fmt, max_rank, wide, rng, monkeypatch):
+    """The per-pair kernels' second round of columns after the wait (WIDE), ranks 8 and 3 in slots
+    of max_rank 8 (16-byte B rows) or 12 (the scalar rank loop), on the decode kernel the knob
+    picks (bf16; fp8_block as w8a16), judged by `judge` (_early_check)."""
+    monkeypatch.setenv("CUPYMOE_DECODE_KERNEL", decode_kernel)  # read when the layer is built
+    cfg = testing.tiny_config("qwen2_moe", **WIDE[wide])
+    hw = testing.random_host_weights(cfg, rng, fmt)
+    layer = _layer(cfg, hw, fp8_compute="w8a16", max_lora_rank=max_rank)
+    adapters = _expert_adapters(cfg, rng)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    _early_check(layer, cfg, hw, rng, adapters, f"{decode_kernel} {fmt} rank {max_rank} wide {wide}")
+
+
+def test_early_start_router_past_held_logits(rng):
+    """A router of 288 experts: lora_router_delta holds LORA_HOLD_ROUTER x 256 logits a row before
+    its wait and adds the other 32 after it; expert deltas on too, judged as above."""
+    cfg = testing.tiny_config("qwen3_moe", num_experts=288)
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _layer(cfg, hw), _expert_adapters(cfg, rng)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    _early_check(layer, cfg, hw, rng, adapters, "288 experts")
+
+
+def test_early_start_graph_replay(rng):
+    """A decode graph (the PDL chain with early starts) captured with empty slots replays the
+    adapters set after it, judged and equal to the eager forward bit for bit (_set_replay_clear)."""
+    cfg = testing.tiny_config("deepseek_v3")
+    hw = testing.random_host_weights(cfg, rng)
+    layer, adapters = _layer(cfg, hw), _expert_adapters(cfg, rng)
+    for n in (1, 33):
+        _captured_with_empty_slots(layer, cfg, hw, rng, adapters, "decode", n, "early replay")

@@ -286,3 +286,26 @@ def test_router_span_keeps_one_wave_while_it_can():
                 continue
             assert s == LORA_SUB or (fits(s) and not fits(s - 16)), (n, Y, s)
     assert lora_router_span(1024, 4) == 32 and lora_router_span(4096, 4) == 48 and lora_router_span(4096, 8) == 96
+
+
+def test_early_start_rests_on_release_after_wait():
+    """The per-pair kernels' early start (cuda/lora.cu: shrink, ticket and held expand before the
+    PDL wait) reads what the kernels before its predecessor wrote, so every kernel must release
+    its successor only after its own wait: griddepcontrol.launch_dependents appears once in cuda/,
+    after the wait in pdl_wait_then_release_next. Each per-pair kernel waits at one site, and any
+    return before it spares block 0 (the grid never completes before the kernel it follows)."""
+    from pathlib import Path as P
+
+    src = {f.name: f.read_text() for f in (P(jit.kernel_dir())).glob("*.cu*")}
+    assert [n for n, s in src.items() if "launch_dependents" in s] == ["common.cuh"]
+    common = src["common.cuh"]
+    assert common.count("launch_dependents") == 1
+    body = common[common.index("void pdl_wait_then_release_next()"):]
+    assert body.index("griddepcontrol.wait") < body.index("griddepcontrol.launch_dependents")
+    lora = src["lora.cu"]
+    for kernel in ("lora_router_delta", "lora_gate_up_act", "lora_down_delta"):
+        k = lora[lora.index(f"\n{kernel}("):]
+        k = k[:k.index("\n}\n")]
+        assert k.count("pdl_wait_then_release_next()") == 1 and "pdl_leave_early" not in k, kernel
+        before = k[:k.index("pdl_wait_then_release_next()")]
+        assert all("!lora_block0()" in line for line in before.splitlines() if "return" in line), kernel

@@ -88,3 +88,32 @@ def test_sliced_sum_is_the_dot_product(length, items, rng):
     exact = float(np.dot(a.astype(np.float64), v.astype(np.float64)))
     bound = 2 * length * np.finfo(np.float32).eps * float(np.abs(a.astype(np.float64)) @ np.abs(v))
     assert abs(float(t) - exact) <= bound
+
+
+HOLDS = {n: int(re.search(rf"#define {n} (\d+)", SRC).group(1)) for n in ("LORA_HOLD", "LORA_HOLD_DOWN")}
+
+
+def held_rounds(width, hold, threads=256):
+    """The columns of lora_gate_up_act's / lora_down_delta's rounds as their loops take them: round
+    c0 = 0, hold threads, ...; thread x's held slot i < hold is column c0 + x + i threads (< width);
+    [(round, thread, slot, column)]; round 0 is the one computed before the PDL wait."""
+    out, c0 = [], 0
+    while True:
+        out += [(c0 // (hold * threads), x, i, c0 + x + i * threads)
+                for x in range(threads) for i in range(hold) if c0 + x + i * threads < width]
+        if c0 + hold * threads >= width:
+            return out
+        c0 += hold * threads
+
+
+@pytest.mark.parametrize("hold", sorted(HOLDS.values()))
+@pytest.mark.parametrize("width", [1, 255, 256, 768, 2047, 2048, 2049, 2056, 4096, 4104, 7168, 12345])
+def test_held_rounds_cover_each_column_once(width, hold):
+    """Every output column in exactly one (round, thread, slot); a slot's index below HOLD (the
+    register arrays' size); round 0 alone where width <= HOLD x 256 (qwen3's 768 and 2048,
+    deepseek's gate/up 2048: all before the wait), deepseek's H = 7168 at HOLD_DOWN in two."""
+    cols = held_rounds(width, hold)
+    assert sorted(c for *_, c in cols) == list(range(width))
+    assert all(i < hold for _, _, i, _ in cols)
+    assert max(r for r, *_ in cols) == (width - 1) // (hold * 256)
+    assert HOLDS == {"LORA_HOLD": 8, "LORA_HOLD_DOWN": 16}  # DECISIONS' figures (2048 and 4096 columns)
