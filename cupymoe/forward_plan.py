@@ -149,21 +149,26 @@ class LoraShape:
 
 LORA_THREADS = 256  # cuda/lora.cu
 LORA_RED = 8  # cuda/lora.cu LORA_RED: floats of the per-pair kernels' shared memory past t (the last-block flag)
-LORA_BLOCKS = LORA_TICKETS  # the per-pair kernels split items' shrinks while fewer items than this
+LORA_BLOCKS = LORA_TICKETS  # the per-pair kernels' tickets and slice sums bound their splits (workspace.py)
+# blocks the slices aim at: two an SM on 132 (measured against 528 and 1056: results/20261202-h200-s6-lora-slices.json)
+LORA_SLICE_TARGET = 264
 LORA_SLICE_MIN = 128  # input columns a slice takes at least
 
 
 def lora_slices(items: int, cols: int, row_invariant: bool = False) -> int:
     """Blocks a per-pair LoRA kernel splits each item's (pair's or row's) shrink over `cols`
-    input columns into (its grid's y; cuda/lora.cu lora_slice): enough for about LORA_BLOCKS
-    blocks, slices of LORA_SLICE_MIN columns at least; 1 from LORA_BLOCKS items (so fewer than
-    2 LORA_BLOCKS slices' sums ever sit in lora_part and fewer than LORA_BLOCKS tickets count).
-    A row-invariant layer's are always 1: the slice count sets the shrink's summation order, and
-    it would change with N (its prefill plans take the per-pair kernels past the grouped
-    kernels' ranks, so a row's bits would depend on how many rows came with it)."""
-    if items >= LORA_BLOCKS or row_invariant:
+    input columns into (its grid's y; cuda/lora.cu lora_slice): enough for about
+    LORA_SLICE_TARGET blocks, slices of LORA_SLICE_MIN columns at least; 1 from
+    LORA_SLICE_TARGET items (so fewer than 2 LORA_BLOCKS slices' sums ever sit in lora_part and
+    fewer than LORA_BLOCKS tickets count). A row-invariant layer's are always 1: the slice count
+    sets the shrink's summation order, and it would change with N (its prefill plans take the
+    per-pair kernels past the grouped kernels' ranks, so a row's bits would depend on how many
+    rows came with it)."""
+    if items >= LORA_SLICE_TARGET or row_invariant:
         return 1
-    return max(1, min(-(-cols // LORA_SLICE_MIN), -(-LORA_BLOCKS // max(items, 1))))
+    return max(1, min(-(-cols // LORA_SLICE_MIN), -(-LORA_SLICE_TARGET // max(items, 1))))
+
+
 LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16 (ACT_PAIR)
 
 
