@@ -626,12 +626,23 @@ def resolve_ceilings(measure: bool) -> tuple[dict[str, float], dict[str, bool]]:
     return ceilings, measured
 
 
-def _git_commit() -> str:
-    if os.environ.get("CUPYMOE_COMMIT"):  # a copy of the tree without .git (a lent GPU machine)
+def _git(root: Path, *args: str) -> str:
+    return subprocess.check_output(["git", *args], cwd=root, stderr=subprocess.DEVNULL, text=True).strip()
+
+
+def _git_commit(root: Optional[Path] = None) -> str:
+    """The commit the package's tree (`root`: the folder holding cupymoe/ and cuda/) is at, with
+    "+changes" where its cupymoe/ or cuda/ differ from it; "unknown" where the tree is not its
+    repository's top (a copy inside another checkout, whose HEAD says nothing about it) or git
+    cannot tell. CUPYMOE_COMMIT names it where the copy has no .git (a lent GPU machine)."""
+    if os.environ.get("CUPYMOE_COMMIT"):
         return os.environ["CUPYMOE_COMMIT"]
+    root = (root or Path(__file__).parent.parent).resolve()
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                                       stderr=subprocess.DEVNULL, text=True).strip()
+        if Path(_git(root, "rev-parse", "--show-toplevel")).resolve() != root:
+            return "unknown"
+        changed = _git(root, "status", "--porcelain", "--", "cupymoe", "cuda")
+        return _git(root, "rev-parse", "--short", "HEAD") + ("+changes" if changed else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

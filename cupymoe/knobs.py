@@ -148,7 +148,7 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
 TOOL_KNOBS = {
     "CUPYMOE_TEST_SEED": "the GPU tests' random seed (replays a failing module's draws)",
     "CUPYMOE_BASELINES": "a folder of peer baselines for python -m cupymoe bench",
-    "CUPYMOE_COMMIT": "the commit python -m cupymoe bench records where the tree has no .git",
+    "CUPYMOE_COMMIT": "the commit python -m cupymoe bench and tune record where the tree is not its own git checkout",
 }
 
 

@@ -436,3 +436,34 @@ def test_random_lora_serves_every_preset(preset):
     lw = random_lora(cfg, np.random.default_rng(0), 2)
     assert lw.targets == {LoraTarget.ROUTER, LoraTarget.GATE, LoraTarget.UP, LoraTarget.DOWN}
     assert sum(k.target.per_expert for k in lw.modules) == 3 * cfg.num_experts
+
+
+def _git_tree(path, files):
+    """A git repository at `path` holding `files` ({relative path: text}), committed."""
+    for rel, text in files.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_text(text)
+    run = lambda *a: subprocess.run(["git", *a], cwd=path, check=True, capture_output=True)  # noqa: E731
+    run("init", "-q")
+    run("add", "-A")
+    run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "t")
+    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=path, text=True).strip()
+
+
+def test_the_recorded_commit_is_the_trees_own(tmp_path, monkeypatch):
+    """A results file names the commit its code was at: "+changes" where cupymoe/ or cuda/ differ
+    from it, "unknown" for a copy inside another checkout (whose HEAD is not the copy's)."""
+    monkeypatch.delenv("CUPYMOE_COMMIT", raising=False)
+    own = tmp_path / "own"
+    head = _git_tree(own, {"cupymoe/a.py": "x = 1\n", "cuda/k.cu": "//\n", "notes.txt": "n\n"})
+    assert bench._git_commit(own) == head
+    (own / "notes.txt").write_text("other\n")  # outside the code: the same commit
+    assert bench._git_commit(own) == head
+    (own / "cuda" / "k.cu").write_text("// changed\n")
+    assert bench._git_commit(own) == head + "+changes"
+    outer = tmp_path / "outer"
+    _git_tree(outer, {"readme": "r\n", "copy/cupymoe/a.py": "x = 2\n"})
+    assert bench._git_commit(outer / "copy") == "unknown"
+    assert bench._git_commit(tmp_path / "no-repo-here") == "unknown"
+    monkeypatch.setenv("CUPYMOE_COMMIT", "abc1234")
+    assert bench._git_commit(outer / "copy") == "abc1234"
