@@ -541,15 +541,13 @@ def random_device_weights(cfg: MoeConfig, seed: int, fmt: str = "bf16"):
 # ceilings
 # ----------------------------------------------------------------------------------
 
-def measure_ceilings() -> dict[str, Optional[float]]:
-    """copy TB/s (bytes read + written), bf16 8192^3 TFLOP/s and fp8 e4m3 8192^3 TFLOP/s
-    (torch._scaled_mm, per-tensor float32 scales, bf16 out; None where this GPU or torch
-    build has no fp8 matrix product), each in the steady state (the key itself: after
-    STEADY_WARM_S of load, the median of CEILING_REPEATS repetitions) and as a burst
-    (`<key>_burst`: three warm-ups, the mean of ten). Needs torch with CUDA."""
+def torch_seconds_a_call(fn) -> tuple[float, float]:
+    """Seconds a call of `fn` (work on torch's current stream), timed by CUDA events: (steady,
+    burst). Steady: after STEADY_WARM_S of calls, the median of CEILING_REPEATS repetitions of
+    CEILING_CALLS calls; burst: three warm-ups, the mean of ten. Needs torch with CUDA."""
     import torch
 
-    def repetition(fn, calls):
+    def repetition(calls):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         for _ in range(calls):
@@ -558,18 +556,25 @@ def measure_ceilings() -> dict[str, Optional[float]]:
         torch.cuda.synchronize()
         return e0.elapsed_time(e1) / 1e3 / calls
 
-    def timed(fn) -> tuple[float, float]:
-        """seconds a call: (steady, burst)"""
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        burst = repetition(fn, 10)
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < STEADY_WARM_S:
-            repetition(fn, 5)
-        steady = statistics.median(repetition(fn, CEILING_CALLS) for _ in range(CEILING_REPEATS))
-        return steady, burst
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    burst = repetition(10)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < STEADY_WARM_S:
+        repetition(5)
+    return statistics.median(repetition(CEILING_CALLS) for _ in range(CEILING_REPEATS)), burst
 
+
+def measure_ceilings() -> dict[str, Optional[float]]:
+    """copy TB/s (bytes read + written), bf16 8192^3 TFLOP/s and fp8 e4m3 8192^3 TFLOP/s
+    (torch._scaled_mm, per-tensor float32 scales, bf16 out; None where this GPU or torch
+    build has no fp8 matrix product), each in the steady state (the key itself: after
+    STEADY_WARM_S of load, the median of CEILING_REPEATS repetitions) and as a burst
+    (`<key>_burst`: three warm-ups, the mean of ten). Needs torch with CUDA."""
+    import torch
+
+    timed = torch_seconds_a_call
     n = 8192
 
     def copy_tbps():

@@ -1,37 +1,23 @@
 """Read-only stream rates on this GPU beside the copy rate: the ceiling a weight stream can reach,
 which the floors (bytes at the copy rate, read + written) understate by a few percent.
 
-    python3 scripts/read_rate.py OUT.json        (a GPU, torch and CuPy; ~20 s)
+    PYTHONPATH=. python3 scripts/read_rate.py OUT.json        (a GPU, torch and CuPy; ~20 s)
 
 readv: one 16-byte load a thread a trip; readv4: four in flight (grids of 2-16 blocks an SM on 132
 SMs); torch's sum and amax; torch's copy. Each in the steady state (0.3 s of load, then the median of
-7 repetitions of 20 calls), over 4 GiB (far past the L2)."""
+7 repetitions of 20 calls: cupymoe.bench.torch_seconds_a_call, the ceilings' method), over 4 GiB
+(far past the L2). Run from the repository root (PYTHONPATH=.)."""
 import json
-import statistics
 import sys
-import time
 
 import cupy
 import torch
 
-
-def rep(fn, calls):
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(calls):
-        fn()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / 1e3 / calls
+from cupymoe.bench import torch_seconds_a_call
 
 
 def steady(fn):
-    for _ in range(3):
-        fn()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < 0.3:
-        rep(fn, 5)
-    return statistics.median(rep(fn, 20) for _ in range(7))
+    return torch_seconds_a_call(fn)[0]
 
 
 a = torch.empty(2**31, dtype=torch.bfloat16, device="cuda").normal_()  # 4 GiB
