@@ -36,7 +36,7 @@
 #define LORA_HOLD_DOWN 16   // down columns a thread holds: H <= 4096
 // The held kernels' bounds on sm_90 (PDL): 4 blocks an SM, 64 registers, so one fits beside two
 // swap-AB decode blocks (decode_swapab_*<64>: 148 registers x 160 threads each), where it starts
-// early; sm_80 (no PDL, nothing starts early) keeps the registers it wants (64 would spill).
+// early; sm_80 (no PDL, nothing starts early) is left unbounded.
 #if CUPYMOE_SM >= 90
 #define LORA_HELD_BOUNDS __launch_bounds__(LORA_THREADS, 4)
 #else

@@ -299,8 +299,9 @@ def _tile_list(steps: list, stage: Stage) -> TileList:
 
 def _as_successor(launch: Launch, successor) -> Launch:
     """`launch`, inserted before `successor`, with its PDL flag: inside a PDL chain the new kernel
-    waits at its top (cuda/lora.cu: nothing read before), so the chain stays transitively
-    ordered; before a plain launch (prefill, separated plans) it goes plainly too."""
+    releases its successor only after its own wait and reads before that wait only what the
+    launches before its predecessor wrote (cuda/lora.cu "Early start"), so the chain stays
+    transitively ordered; before a plain launch (prefill, separated plans) it goes plainly too."""
     return replace(launch, pdl=bool(getattr(successor, "pdl", False)))
 
 

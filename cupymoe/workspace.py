@@ -168,7 +168,9 @@ def plan_scratch(stages: Sequence[str], buffers: Iterable[BufferSpec],
     return plan
 
 
-LORA_TICKETS = 1056  # forward_plan.LORA_BLOCKS: the per-pair LoRA kernels split fewer items than this
+# forward_plan.LORA_BLOCKS: room for the per-pair LoRA kernels' splits (they split fewer than
+# forward_plan.LORA_SLICE_TARGET items, so fewer than that many tickets and 2x slices' sums are used)
+LORA_TICKETS = 1056
 
 
 def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, decode_max_tokens: int,

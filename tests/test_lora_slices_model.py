@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupymoe.forward_plan import LORA_BLOCKS, LORA_RED, LORA_SLICE_MIN, lora_slices
+from cupymoe.forward_plan import LORA_BLOCKS, LORA_RED, LORA_SLICE_MIN, LORA_SLICE_TARGET, lora_slices
 from cupymoe.workspace import LORA_TICKETS
 
 SRC = (Path(__file__).parents[1] / "cuda" / "lora.cu").read_text()
@@ -22,6 +22,7 @@ TPR, VPT = (int(re.search(rf"#define {n} (\d+)", SRC).group(1)) for n in ("LORA_
 def test_constants_match_the_kernels():
     assert int(re.search(r"#define LORA_RED (\d+)", SRC).group(1)) == LORA_RED
     assert LORA_BLOCKS == LORA_TICKETS and 32 % TPR == 0
+    assert LORA_SLICE_TARGET <= LORA_TICKETS  # the splits stay inside the tickets and lora_part
 
 
 def lora_slice(length, s, S):
