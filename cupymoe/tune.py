@@ -36,8 +36,9 @@ from .forward_plan import build_forward_plan
 from .plan import DeviceFacts, LayerPlan, choose_path
 from .tuning import Choice, format_key, n_bucket, shape_key
 
-# decode candidates only up to the rows `python -m cupymoe verify` checks that path at (fp4: its default cap)
-DECODE_CAP = {"bf16": 64, "fp8_block:w8a8": 64, "fp8_block:w8a16": 64, "nvfp4": 256, "mxfp4": 256}
+# decode candidates only up to the rows the GPU tests check that path at (`python -m cupymoe verify`:
+# 64; w8a8 to 255: tests/test_gpu_quant.py test_w8a8_decode_kernels_past_64_rows; fp4: its default cap)
+DECODE_CAP = {"bf16": 64, "fp8_block:w8a8": 256, "fp8_block:w8a16": 64, "nvfp4": 256, "mxfp4": 256}
 SWAPAB_CAP = 256  # bf16 and w8a8 decode candidates on the swap-AB kernels up to this many rows (C.SWAPAB_MAX_ROWS)
 ATOMIC_CAP = 16  # the atomic path's fp32 accumulator pays off, if anywhere, at few rows
 MATH_MIN_ROWS = 16  # rows an expert below which 128-row tiles are mostly empty

@@ -54,15 +54,19 @@ def test_candidates_by_rows_per_expert_and_caps():
     f0, fd = _plans("qwen3-30b-a3b", "fp8_block")
     assert [c.label() for c in tune.candidates(f0, 16)] == ["decode/mma", "decode/wgmma", "decode/swapab", "atomic",
                                                             "atomic/swapab", "prefill"]
-    # w8a8: the cp.async GEMM, and the TMA one from 16 rows an expert (its tiles are 128 rows)
-    assert [c.label() for c in tune.candidates(f0, 128)] == ["prefill"]
+    # w8a8: every decode kernel up to 256 rows (tune.DECODE_CAP: the GPU tests check them to 255);
+    # the cp.async GEMM, and the TMA one from 16 rows an expert (its tiles are 128 rows)
+    assert [c.label() for c in tune.candidates(f0, 128)] == ["decode/mma", "decode/wgmma", "decode/swapab", "prefill"]
+    assert [c.label() for c in tune.candidates(f0, 256)] == ["decode/mma", "decode/wgmma", "decode/swapab", "prefill",
+                                                             "prefill/tma"]
     assert [c.label() for c in tune.candidates(f0, 512)] == ["prefill", "prefill/tma"]
     assert [c.label() for c in tune.distinct(f0, H200, 512, [tune.default_choice(fd, H200, 512)]
                                              + tune.candidates(f0, 512))] == ["prefill", "prefill/tma"]
-    # the sweep's w8a8 plan admits the swap-AB decode up to SWAPAB_CAP rows, the other decode kernels to 64
+    # the sweep's w8a8 plan admits every decode kernel up to SWAPAB_CAP rows
     fwide = plan_layer(bench.preset_config("qwen3-30b-a3b"), "fp8_block", None, "sm_90a",
                        options=LayerOptions(decode_max_tokens=tune.SWAPAB_CAP), knobs=Knobs(), table={})
-    assert [c.label() for c in tune.candidates(fwide, 256)] == ["decode/swapab", "prefill", "prefill/tma"]
+    assert [c.label() for c in tune.candidates(fwide, 256)] == ["decode/mma", "decode/wgmma", "decode/swapab", "prefill",
+                                                                "prefill/tma"]
 
 
 def test_the_default_choice_is_what_the_layer_runs():
