@@ -181,22 +181,19 @@ class LoraSlots:
                         dst[slot].fill(0)
                     else:
                         dst[slot].set(np.ascontiguousarray(host[name]), stream=s)
-                self._copy_stacked(slot, host, cupy)
+                self._copy_stacked(slot)
             if stream is None:
                 s.synchronize()
 
-
-    def _copy_stacked(self, slot: int, host: Optional[dict[str, np.ndarray]], cupy) -> None:
-        """Slot's columns of each Bext (lora_stack.stacked_b's): its B [S, out, R] at each part's
-        R columns, or zeros; on the current stream (a device copy of the uploaded B, stream-ordered)."""
+    def _copy_stacked(self, slot: int) -> None:
+        """Slot's columns of each Bext (lora_stack.stacked_b's): its B [S, out, R] as just written
+        to the slot arrays (zeros for a cleared slot), at each part's R columns; a device copy on
+        the current stream, ordered after the upload."""
+        R = self.max_rank
         for name, dst in self._stacked.items():
-            R = self.max_rank
-            src = None if host is None else cupy.asarray(np.ascontiguousarray(host[name[:-1]])).reshape(-1, R)
+            src = self._arrays[name[:-1]][slot].reshape(-1, R)  # lora_gate_bx <- lora_gate_b
             for c in lora_stack.slot_columns(slot, self.max_loras, R, self.stack_parts):
-                if src is None:
-                    dst[:, c:c + R].fill(0)
-                else:
-                    dst[:, c:c + R] = src
+                dst[:, c:c + R] = src
 
 
 def expert_slot_shape(owned: Sequence[int], i_max: int, w8a8: bool) -> Optional[ExpertSlotShape]:
