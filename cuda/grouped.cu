@@ -211,9 +211,86 @@ make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_sl
 // FMT (quant.cuh) is the weights' format. bf16 weights go to the MMA tiles by cp.async;
 // quantized ones arrive raw (QuantBLoader) and are turned into bf16 B tiles, double
 // buffered, right before the step that reads them.
-template <int MODE, int BM, int BK, int STAGES, int FMT>
-__global__ void __launch_bounds__(BM * 2)
-grouped_gemm(GEMM_ARGS) {
+// One BK step of a warp's 32 x 64 accumulators (rows wm 32 .., columns by brow) from stage tiles tA, tB.
+template <int MODE, int BK>
+__device__ __forceinline__ void grouped_mma_step(float (&acc)[2][8][4], const bf16* tA, const bf16* tB, int wm, int wn,
+                                                 int lane) {
+    // B rows (in the stage tile) of this warp's 8 n-tiles of 8 columns
+    auto brow = [&](int j) -> int {
+        if (MODE == MODE_GATE_UP) return (j < 4 ? 0 : 64) + wn * 32 + (j & 3) * 8;
+        return wn * 64 + j * 8;
+    };
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        unsigned af[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            const int r = wm * 32 + mt * 16 + (lane & 15);
+            ldmatrix_x4(af[mt][0], af[mt][1], af[mt][2], af[mt][3], tA + swz<BK>(r, kk * 2 + (lane >> 4)));
+        }
+#pragma unroll
+        for (int jp = 0; jp < 4; ++jp) {  // pairs of n-tiles (2 jp, 2 jp + 1)
+            const int r = brow(2 * jp) + (lane & 7) + ((lane >> 4) << 3);
+            unsigned b0, b1, b2, b3;
+            ldmatrix_x4(b0, b1, b2, b3, tB + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                mma_bf16(acc[mt][2 * jp], af[mt], b0, b1);
+                mma_bf16(acc[mt][2 * jp + 1], af[mt], b2, b3);
+            }
+        }
+    }
+}
+
+// The stacked form's extra K steps (grouped_gemm_lora), after the main loop: a two-stage cp.async
+// pipeline through the first two A and B stage tiles (bf16 both: T's rows and Bext's), the
+// same mma steps. Step j reads T's columns j BK .. (j + 1) BK - 1 of the tile's rows; gate/up's
+// B tile holds gate's Bext rows (columns j BK of gate's KS, zeros past it) in its first GG_BN / 2
+// rows and up's (columns j BK - KS, zeros before) in the rest, so each projection's block of T
+// meets only its own B; down's, Bext rows slot H + column.
+template <int MODE, int BM, int BK, class Step>
+__device__ __forceinline__ void grouped_lora_steps(const GemmTile& t, bf16* sA, bf16* sB, Step& mma_step,
+                                                   const bf16* __restrict__ lora_t, const bf16* __restrict__ lora_b0,
+                                                   const bf16* __restrict__ lora_b1, int KS, GEMM_ARGS) {
+    constexpr int THREADS = BM * 2, CHUNKS = BK / 8, NP = MODE == MODE_GATE_UP ? 2 : 1;
+    constexpr int A_PER = BM * CHUNKS / THREADS, B_PER = GG_BN * CHUNKS / THREADS;
+    const int width = NP * KS, steps = width / BK, chunk = threadIdx.x % CHUNKS;
+    auto load = [&](int s, int j) {
+        const int kc = j * BK + chunk * 8;  // this thread's column of T (of NP KS)
+#pragma unroll
+        for (int i = 0; i < A_PER; ++i) {
+            const int r = (threadIdx.x + i * THREADS) / CHUNKS;
+            const int pos = t.pos0 + min(r, t.rows - 1);
+            cp_async16(sA + s * BM * BK + swz<BK>(r, chunk), lora_t + (size_t)pos * width + kc, r < t.rows);
+        }
+#pragma unroll
+        for (int i = 0; i < B_PER; ++i) {
+            const int r = (threadIdx.x + i * THREADS) / CHUNKS;
+            const bool up = MODE == MODE_GATE_UP && r >= GG_BN / 2;
+            const int n = t.n0 + (MODE == MODE_GATE_UP ? (r & (GG_BN / 2 - 1)) : r);
+            const int c = up ? kc - KS : kc;  // the column of this half's Bext
+            const bool ok = n < t.ncols && c >= 0 && c < KS;
+            const size_t row = (size_t)t.slot * (MODE == MODE_GATE_UP ? I_max : H) + min(n, t.ncols - 1);
+            cp_async16(sB + s * GG_BN * BK + swz<BK>(r, chunk), (up ? lora_b1 : lora_b0) + row * KS + (ok ? c : 0), ok);
+        }
+    };
+    load(0, 0);
+    cp_async_commit();
+    for (int j = 0; j < steps; ++j) {
+        if (j + 1 < steps) load((j + 1) & 1, j + 1);
+        cp_async_commit();
+        cp_async_wait<1>();  // step j's copies have landed
+        __syncthreads();
+        mma_step(sA + (j & 1) * BM * BK, sB + (j & 1) * GG_BN * BK);
+        __syncthreads();  // its tiles are refilled by step j + 2's copies
+    }
+    cp_async_wait<0>();
+}
+
+template <int MODE, int BM, int BK, int STAGES, int FMT, int LORA>
+__device__ __forceinline__ void grouped_gemm_body(GEMM_ARGS, const bf16* __restrict__ lora_t,
+                                                  const bf16* __restrict__ lora_b0, const bf16* __restrict__ lora_b1,
+                                                  int KS) {
     constexpr int THREADS = BM * 2;
     constexpr bool QUANT = FMT != FMT_BF16;
     // dynamic (kernels.grouped_smem_bytes): A stages, then bf16 B stages (2 when quantized),
@@ -241,11 +318,7 @@ grouped_gemm(GEMM_ARGS) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.0f;
 
-    // B rows (in the stage tile) of this warp's 8 n-tiles of 8 columns
-    auto brow = [&](int j) -> int {
-        if (MODE == MODE_GATE_UP) return (j < 4 ? 0 : 64) + wn * 32 + (j & 3) * 8;
-        return wn * 64 + j * 8;
-    };
+    auto mma_step = [&](const bf16* tA, const bf16* tB) { grouped_mma_step<MODE, BK>(acc, tA, tB, wm, wn, lane); };
 
     const int KT = (t.K - t.k_lo + BK - 1) / BK;
 #pragma unroll
@@ -263,30 +336,13 @@ grouped_gemm(GEMM_ARGS) {
         const int kn = kt + STAGES - 1;
         if (kn < KT) load_stage(kn % STAGES, kn * BK);
         cp_async_commit();
-        const bf16* tA = sA + (kt % STAGES) * BM * BK;
-        const bf16* tB = sB + (QUANT ? (kt & 1) : (kt % STAGES)) * GG_BN * BK;
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            unsigned af[2][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                const int r = wm * 32 + mt * 16 + (lane & 15);
-                ldmatrix_x4(af[mt][0], af[mt][1], af[mt][2], af[mt][3], tA + swz<BK>(r, kk * 2 + (lane >> 4)));
-            }
-#pragma unroll
-            for (int jp = 0; jp < 4; ++jp) {  // pairs of n-tiles (2 jp, 2 jp + 1)
-                const int r = brow(2 * jp) + (lane & 7) + ((lane >> 4) << 3);
-                unsigned b0, b1, b2, b3;
-                ldmatrix_x4(b0, b1, b2, b3, tB + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)));
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    mma_bf16(acc[mt][2 * jp], af[mt], b0, b1);
-                    mma_bf16(acc[mt][2 * jp + 1], af[mt], b2, b3);
-                }
-            }
-        }
+        mma_step(sA + (kt % STAGES) * BM * BK, sB + (QUANT ? (kt & 1) : (kt % STAGES)) * GG_BN * BK);
     }
     cp_async_wait<0>();
+    if constexpr (LORA) {  // the stacked form's extra K: T's columns against Bext's, after the weights' K
+        __syncthreads();  // every warp is done with the main loop's tiles
+        grouped_lora_steps<MODE, BM, BK>(t, sA, sB, mma_step, lora_t, lora_b0, lora_b1, KS, GEMM_ARG_NAMES);
+    }
 
     // Epilogue: accumulator (mt, j, h * 2 + e) is row wm*32 + mt*16 + g + 8h, column
     // (wn's 64 or gate/up 32 + 32) + j*8 + 2*t4 + e. Gate/up switches on the activation
@@ -314,6 +370,24 @@ grouped_gemm(GEMM_ARGS) {
                     emit_out<MODE>(t, wm * 32 + mt * 16 + g + h * 8, wn * 64 + j * 8 + t4 * 2, acc[mt][j][h * 2],
                                    acc[mt][j][h * 2 + 1], GEMM_ARG_NAMES);
     }
+}
+
+template <int MODE, int BM, int BK, int STAGES, int FMT>
+__global__ void __launch_bounds__(BM * 2)
+grouped_gemm(GEMM_ARGS) {
+    grouped_gemm_body<MODE, BM, BK, STAGES, FMT, 0>(GEMM_ARG_NAMES, nullptr, nullptr, nullptr, 0);
+}
+
+// The LoRA stacked form (cupymoe/lora_stack.py) on this kernel: grouped_gemm with NP KS / BK more
+// K steps past the weights' (NP: gate/up 2, down 1) whose A is T ([P, NP KS], lora_t) and whose
+// B is Bext (lora_b0: gate's or down's, lora_b1: up's, [S rows, KS] bf16); gate/up's activation
+// sees g + B_g t_g and u + B_u t_u, down stores w (y + B t). A kernel of its own, so the base
+// instances' code stays what it was.
+template <int MODE, int BM, int BK, int STAGES, int FMT>
+__global__ void __launch_bounds__(BM * 2)
+grouped_gemm_lora(GEMM_ARGS, const bf16* __restrict__ lora_t, const bf16* __restrict__ lora_b0,
+                  const bf16* __restrict__ lora_b1, int KS) {
+    grouped_gemm_body<MODE, BM, BK, STAGES, FMT, 1>(GEMM_ARG_NAMES, lora_t, lora_b0, lora_b1, KS);
 }
 
 // grid N, block 256: out[row] = sum_s yw[pos(row, s)] + identity terms + scale * shared.

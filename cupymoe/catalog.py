@@ -248,6 +248,15 @@ def grouped_kernel(mode: int, bm: int, bk: int, stages: int, fmt: int = 0) -> tu
     return f"grouped_gemm<{int(mode)}, {bm}, {bk}, {stages}, {int(fmt)}>", 2 * bm, grouped_smem_bytes(bm, bk, stages, fmt)
 
 
+LORA_GROUPED_FORMATS = (WeightFormat.FP8_BLOCK,)  # grouped_gemm's formats with a stacked-form twin (w8a16)
+
+
+def lora_grouped_kernel(kernel: str) -> str:
+    """grouped_gemm<...> as its stacked form grouped_gemm_lora<...> (the same template arguments)."""
+    assert kernel.startswith("grouped_gemm<"), kernel
+    return "grouped_gemm_lora<" + kernel[len("grouped_gemm<"):]
+
+
 def sm90_fp8_smem_bytes() -> int:
     """grouped_gemm_sm90_fp8's stages of e4m3 A and B tiles, plus 1 KB to align them."""
     bm, bn, bk, st = SM90_FP8_TILE

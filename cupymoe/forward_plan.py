@@ -259,13 +259,19 @@ def lora_grouped_rank_ok(max_rank: int) -> bool:
 
 def lora_stack_parts(lp: LayerPlan, knob_parts: int, max_loras: int, max_rank: int) -> int:
     """The stacked form's parts a layer holds Bext and T for (0: none): CUPYMOE_LORA_IN_GEMM's,
-    where a bf16 TMA GEMM can run it (a TMA layer, not row-invariant, a rank the grouped kernels
-    serve) and its K steps stay within LORA_STACK_MAX_WIDTH columns."""
+    where a GEMM can run it (stacked_gemms: not row-invariant, a rank the grouped kernels serve)
+    and its K steps stay within LORA_STACK_MAX_WIDTH columns."""
     from .lora_stack import stack_width
 
-    if not knob_parts or not lp.tma or lp.row_invariant or not lora_grouped_rank_ok(max_rank):
+    if not knob_parts or not stacked_gemms(lp) or lp.row_invariant or not lora_grouped_rank_ok(max_rank):
         return 0
     return knob_parts if stack_width(max_loras, max_rank, knob_parts) <= LORA_STACK_MAX_WIDTH else 0
+
+
+def stacked_gemms(lp: LayerPlan) -> bool:
+    """Whether the layer's prefill GEMMs have a stacked form: the bf16 TMA kernels (a TMA layer), or
+    grouped.cu's on fp8 experts with bf16 activations (w8a16: grouped_gemm_lora)."""
+    return lp.tma or (not lp.w8a8 and bool(lp.formats) and all(f in C.LORA_GROUPED_FORMATS for f in lp.formats))
 
 
 def lora_grouped(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> bool:
@@ -348,13 +354,23 @@ TMA_GEMM = "grouped_gemm_sm90_tma<"
 def lora_in_gemm(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, steps, stage: Stage) -> bool:
     """Whether `stage`'s expert deltas go in the stacked form (cupymoe/lora_stack.py: extra K of the
     GEMM, T from lora_stack_t_*): where the layer holds Bext (lora.stack_parts: CUPYMOE_LORA_IN_GEMM,
-    a TMA layer, not row-invariant), the grouped deltas would serve (lora_grouped: past the one-block
-    sort; a bucket plan's shape fixes it) and the stage's one GEMM launch is the bf16 TMA kernel
-    (grouped_gemm_sm90_tma: every variant, gathering or 192-row too). Else today's delta kernels."""
+    stacked_gemms, not row-invariant), the grouped deltas would serve (lora_grouped: past the
+    one-block sort; a bucket plan's shape fixes it) and the stage's one GEMM launch has a stacked
+    twin: the bf16 TMA kernel (grouped_gemm_sm90_tma: every variant, gathering or 192-row too) or
+    grouped.cu's on fp8 weights (w8a16). Else today's delta kernels."""
     if not (lora.experts and lora.stack_parts and not lp.row_invariant and lora_grouped(plan, lp, lora)):
         return False
     gemms = [s for s in steps if _is_gemm(s, stage)]
-    return len(gemms) == 1 and gemms[0].kernel.startswith(TMA_GEMM)
+    return len(gemms) == 1 and (gemms[0].kernel.startswith(TMA_GEMM) or _grouped_lora_twin(gemms[0].kernel))
+
+
+def _grouped_lora_twin(kernel: str) -> bool:
+    """Whether `kernel` is a grouped.cu GEMM whose stacked form is built (grouped_gemm_lora: gate/up or
+    down on C.LORA_GROUPED_FORMATS' weights)."""
+    if not kernel.startswith("grouped_gemm<"):
+        return False
+    mode, *_, fmt = (int(a) for a in kernel[len("grouped_gemm<"):-1].split(","))
+    return mode in (GemmMode.GATE_UP, GemmMode.DOWN) and WeightFormat(fmt) in C.LORA_GROUPED_FORMATS
 
 
 def lora_kernel_name(kernel: str) -> str:
@@ -366,8 +382,9 @@ def lora_kernel_name(kernel: str) -> str:
 
 
 def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> tuple[Launch, Launch]:
-    """A TMA GEMM in the stacked form: its shrink (T of the GEMM's tiles, lora_stack_t_*, lora_chunk_blocks
-    blocks a tile) and the GEMM as grouped_gemm_sm90_tma_lora, lora_steps past its arguments."""
+    """A GEMM in the stacked form: its shrink (T of the GEMM's tiles, lora_stack_t_*, lora_chunk_blocks
+    blocks a tile) and the GEMM as its twin: grouped_gemm_sm90_tma_lora (lora_steps past its
+    arguments) or grouped_gemm_lora (T, gate's or down's Bext, up's, KS past them)."""
     from .lora_stack import lora_steps, stack_width
 
     cfg = lp.cfg
@@ -389,9 +406,18 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> tuple[Launch,
                          u64("tile_info", tiles[1]), u64("sorted_row", S("sorted_row")), u64("inter", W("inter")),
                          L("down_a"), L("scale"), u64("T", S("lora_t_down")), i32("I_max", lp.i_max), *tail),
                         lora_grouped_smem(lora.max_rank, False))
-    steps = lora_steps(lora.max_loras, lora.max_rank, lora.stack_parts)
-    return (_as_successor(shrink, gemm),
-            replace(gemm, kernel=lora_kernel_name(gemm.kernel), args=gemm.args + (i32("lora_steps", steps),)))
+    if gemm.kernel.startswith(TMA_GEMM):  # T and Bext by its tensor maps
+        steps = lora_steps(lora.max_loras, lora.max_rank, lora.stack_parts)
+        stacked = replace(gemm, kernel=lora_kernel_name(gemm.kernel), args=gemm.args + (i32("lora_steps", steps),))
+    else:  # grouped_gemm_lora: T and Bext by address
+        gate_up = gemm.stage == Stage.GATE_UP
+        b0, b1 = ("gate_bx", "up_bx") if gate_up else ("down_bx", "down_bx")
+        stacked = replace(gemm, kernel=C.lora_grouped_kernel(gemm.kernel),
+                          args=gemm.args + (u64("lora_t", S("lora_t_gu" if gate_up else "lora_t_down")),
+                                            u64("lora_b0", Buf(Space.LAYER, "lora_" + b0)),
+                                            u64("lora_b1", Buf(Space.LAYER, "lora_" + b1)),
+                                            i32("KS", stack_width(lora.max_loras, lora.max_rank, lora.stack_parts))))
+    return _as_successor(shrink, gemm), stacked
 
 
 def _pair(launch: Launch) -> Launch:

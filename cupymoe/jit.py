@@ -58,7 +58,9 @@ def _grouped_names() -> tuple[str, ...]:
     return (("sort_count", "sort_scan", "sort_place", "make_tiles", "grouped_reduce")
             + tuple(name(GemmMode.ROUTER, c) for c in ("stream", "math"))
             + tuple(name(m, c) for m in (0, 1) for c in ("stream", "math"))
-            + tuple(name(m, c, f) for m in (0, 1) for c in ("stream_q", "math") for f in quant))
+            + tuple(name(m, c, f) for m in (0, 1) for c in ("stream_q", "math") for f in quant)
+            + tuple(C.lora_grouped_kernel(name(m, c, WeightFormat.FP8_BLOCK)) for m in (0, 1)
+                    for c in ("stream_q", "math")))  # the stacked form on w8a16 (lora_stack.py)
 
 
 def _modules() -> dict[str, ModuleSpec]:
@@ -410,7 +412,7 @@ def format_report(modules: list[CompiledModule]) -> str:
 
 def opt_in_smem(expr: str, max_smem: int) -> int:
     """The dynamic shared memory a kernel is opted in to once at load (0: none past 48 KB)."""
-    m = re.fullmatch(r"grouped_gemm<\d+, (\d+), (\d+), (\d+), (\d+)>", expr)
+    m = re.fullmatch(r"grouped_gemm(?:_lora)?<\d+, (\d+), (\d+), (\d+), (\d+)>", expr)
     if m:
         return C.grouped_smem_bytes(*(int(g) for g in m.groups()))
     if expr.startswith("grouped_gemm_sm90_fp8_tma"):

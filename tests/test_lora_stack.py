@@ -296,10 +296,12 @@ def test_stacked_launches_match_the_kernels_parameters():
 
     kinds = {ArgType.U64: "ptr", ArgType.I32: "int", ArgType.F32: "float"}
     srcs = {"lora_stack_t": (jit.kernel_dir() / "lora.cu").read_text(),
-            "grouped_gemm_sm90_tma_lora": (jit.kernel_dir() / "grouped_sm90_tma.cu").read_text()}
+            "grouped_gemm_sm90_tma_lora": (jit.kernel_dir() / "grouped_sm90_tma.cu").read_text(),
+            "grouped_gemm_lora": (jit.kernel_dir() / "grouped.cu").read_text()}
     seen = set()
-    for preset in ("qwen3-30b-a3b", "deepseek-v3"):
-        plan = _plans(preset, 1100, 1)[3]
+    plans = [_plans(p, 1100, 1)[3] for p in ("qwen3-30b-a3b", "deepseek-v3")]
+    plans += [_w8a16_plan(p, 1100, 1) for p in ("qwen3-30b-a3b", "deepseek-v3")]
+    for plan in plans:
         for s in plan.steps:
             k = getattr(s, "kernel", "")
             base = k.split("<")[0]
@@ -310,7 +312,46 @@ def test_stacked_launches_match_the_kernels_parameters():
             want = _kernel_params(src, base)
             got = [(a.name, kinds[a.type]) for a in s.args]
             assert got == want, k
-    assert seen == {"lora_stack_t_gate_up", "lora_stack_t_down", "grouped_gemm_sm90_tma_lora"}
+    assert seen == {"lora_stack_t_gate_up", "lora_stack_t_down", "grouped_gemm_sm90_tma_lora", "grouped_gemm_lora"}
+
+
+def _w8a16_plan(preset, n, parts):
+    cfg = preset_config(preset)
+    lp = plan_layer(cfg, "fp8_block", None, H200.arch, options=LayerOptions(fp8_compute="w8a16"), knobs=Knobs())
+    return build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(4, 16, True, parts)).at(n)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("n, parts", [(1100, 1), (4096, 2)])
+def test_stacked_w8a16_plan(preset, n, parts):
+    """A w8a16 layer (fp8 experts, bf16 activations: grouped.cu's GEMMs) holds Bext and runs each
+    GEMM as grouped_gemm_lora with T, gate's / down's Bext, up's and KS past its own arguments,
+    after the shrink; a w8a8 layer has no stacked form (no expert adapters)."""
+    from cupymoe.catalog import lora_grouped_kernel
+    from cupymoe.forward_plan import lora_stack_parts, stacked_gemms
+
+    cfg = preset_config(preset)
+    lp = plan_layer(cfg, "fp8_block", None, H200.arch, options=LayerOptions(fp8_compute="w8a16"), knobs=Knobs())
+    assert stacked_gemms(lp) and lora_stack_parts(lp, parts, 4, 16) == parts
+    w8a8 = plan_layer(cfg, "fp8_block", None, H200.arch, options=LayerOptions(fp8_compute="w8a8"), knobs=Knobs())
+    assert not stacked_gemms(w8a8) and lora_stack_parts(w8a8, parts, 4, 16) == 0
+    base = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(4, 16, False)).at(n)
+    plan = _w8a16_plan(preset, n, parts)
+    gemms = [s for s in base.steps if getattr(s, "kernel", "").startswith("grouped_gemm<") and s.stage != Stage.ROUTER]
+    assert len(gemms) == 2
+    for g in gemms:
+        i = next(i for i, s in enumerate(plan.steps) if getattr(s, "kernel", "") == lora_grouped_kernel(g.kernel))
+        s, shrink = plan.steps[i], plan.steps[i - 1]
+        gu = g.stage == Stage.GATE_UP
+        assert s.args[:len(g.args)] == g.args and (s.grid, s.block, s.smem) == (g.grid, g.block, g.smem)
+        assert [a.name for a in s.args[len(g.args):]] == ["lora_t", "lora_b0", "lora_b1", "KS"]
+        assert s.arg("lora_t") == Buf(Space.SCRATCH, "lora_t_gu" if gu else "lora_t_down")
+        b0, b1 = ("lora_gate_bx", "lora_up_bx") if gu else ("lora_down_bx", "lora_down_bx")
+        assert (s.arg("lora_b0"), s.arg("lora_b1")) == (Buf(Space.LAYER, b0), Buf(Space.LAYER, b1))
+        assert s.arg("KS") == LS.stack_width(4, 16, parts)
+        assert shrink.kernel == ("lora_stack_t_gate_up" if gu else "lora_stack_t_down")
+    kinds = {getattr(s, "kernel", None) for s in plan.steps}
+    assert not {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} & kinds
 
 
 @pytest.mark.parametrize("K, R, parts, want", [(4, 16, 1, 1), (4, 16, 2, 2), (8, 16, 1, 1), (4, 32, 1, 1),
