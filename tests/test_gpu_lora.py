@@ -726,6 +726,18 @@ def _prefill_uses_stacked(layer, n, max_rank):
     return stacked and not {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} & set(kinds)
 
 
+def _judge_stacked_ns(layer, cfg, hw, rng, max_rank, what):
+    """Four ranked adapters into the layer's slots, then prefills of N 67 (below the one-block sort:
+    today's kernels), 300 and 1100 (the stacked form) judged; returns the adapters."""
+    adapters = _ranked_adapters(cfg, rng, max_rank)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    for n in (67, 300, 1100):
+        assert _prefill_uses_stacked(layer, n, max_rank) == (n * cfg.num_experts_per_tok > 1024)
+        _judge_ranked(layer, cfg, hw, rng, adapters, n, what)
+    return adapters
+
+
 @pytest.mark.parametrize("variant, max_rank, parts", [("auto", 16, 1), ("auto", 16, 2), ("auto", 5, 1),
                                                      ("tma", 16, 1), ("tma_wide", 16, 2), ("tma_192", 5, 1)])
 def test_stacked_awkward_n(variant, max_rank, parts, rng, monkeypatch):
@@ -736,12 +748,7 @@ def test_stacked_awkward_n(variant, max_rank, parts, rng, monkeypatch):
     cfg = testing.tiny_config("qwen3_moe")
     hw = testing.random_host_weights(cfg, rng)
     layer = _stacked_layer(monkeypatch, cfg, hw, max_rank, parts, variant)
-    adapters = _ranked_adapters(cfg, rng, max_rank)
-    for slot, lw in adapters.items():
-        layer.set_lora(slot, lw)
-    for n in (67, 300, 1100):
-        assert _prefill_uses_stacked(layer, n, max_rank) == (n * cfg.num_experts_per_tok > 1024)
-        _judge_ranked(layer, cfg, hw, rng, adapters, n, f"stacked {variant} r{max_rank} parts {parts}")
+    adapters = _judge_stacked_ns(layer, cfg, hw, rng, max_rank, f"stacked {variant} r{max_rank} parts {parts}")
     layer.check_errors()
     _judge_id_past_slots(layer, cfg, hw, rng, adapters, f"stacked {variant} r{max_rank} parts {parts}")
 
@@ -757,12 +764,7 @@ def test_stacked_w8a16(family, max_rank, parts, rng):
     hw = testing.random_host_weights(cfg, rng, "fp8_block")
     layer = _grouped_layer(cfg, hw, max_rank, stack=parts, fp8_compute="w8a16")
     assert layer._lora.stack_parts == parts
-    adapters = _ranked_adapters(cfg, rng, max_rank)
-    for slot, lw in adapters.items():
-        layer.set_lora(slot, lw)
-    for n in (67, 300, 1100):
-        assert _prefill_uses_stacked(layer, n, max_rank) == (n * cfg.num_experts_per_tok > 1024)
-        _judge_ranked(layer, cfg, hw, rng, adapters, n, f"stacked w8a16 {family} r{max_rank} parts {parts}")
+    adapters = _judge_stacked_ns(layer, cfg, hw, rng, max_rank, f"stacked w8a16 {family} r{max_rank} parts {parts}")
     ids = rng.integers(-1, 4, 1100).astype(np.int32)
     x = separated_input(cfg, hw, rng, 1100, adapters, ids)
     out = run(layer, x, ids, "prefill")
