@@ -202,15 +202,7 @@ make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_sl
 // ---------------------------------------------------------------------------------------
 // Tensor-core grouped GEMM, mma.sync (any sm_80+). Hopper's wgmma version: grouped_sm90.cu.
 // ---------------------------------------------------------------------------------------
-// Block: BM rows x GG_BN columns, BM / 16 warps as (BM / 32) x 2, each 32 rows x 64 columns;
-// K in BK-wide steps through a STAGES-deep cp.async pipeline. Two configurations are built
-// (kernels.GROUPED_CONFIGS): deep 64-wide steps where the weights stream (few rows per
-// expert: bytes in flight decide), 128-row tiles with 3 shallow stages where the math
-// decides (fewer registers: two blocks per SM). Arguments: GEMM_ARGS (gemm_common.cuh).
-//
-// FMT (quant.cuh) is the weights' format. bf16 weights go to the MMA tiles by cp.async;
-// quantized ones arrive raw (QuantBLoader) and are turned into bf16 B tiles, double
-// buffered, right before the step that reads them.
+
 // One BK step of a warp's 32 x 64 accumulators (rows wm 32 .., columns by brow) from stage tiles tA, tB.
 template <int MODE, int BK>
 __device__ __forceinline__ void grouped_mma_step(float (&acc)[2][8][4], const bf16* tA, const bf16* tB, int wm, int wn,
@@ -287,6 +279,16 @@ __device__ __forceinline__ void grouped_lora_steps(const GemmTile& t, bf16* sA, 
     cp_async_wait<0>();
 }
 
+// Block: BM rows x GG_BN columns, BM / 16 warps as (BM / 32) x 2, each 32 rows x 64 columns;
+// K in BK-wide steps through a STAGES-deep cp.async pipeline. Two configurations are built
+// (kernels.GROUPED_CONFIGS): deep 64-wide steps where the weights stream (few rows per
+// expert: bytes in flight decide), 128-row tiles with 3 shallow stages where the math
+// decides (fewer registers: two blocks per SM). Arguments: GEMM_ARGS (gemm_common.cuh).
+//
+// FMT (quant.cuh) is the weights' format. bf16 weights go to the MMA tiles by cp.async;
+// quantized ones arrive raw (QuantBLoader) and are turned into bf16 B tiles, double
+// buffered, right before the step that reads them.
+// (grouped_gemm and its stacked-form twin grouped_gemm_lora, below, share this body.)
 template <int MODE, int BM, int BK, int STAGES, int FMT, int LORA>
 __device__ __forceinline__ void grouped_gemm_body(GEMM_ARGS, const bf16* __restrict__ lora_t,
                                                   const bf16* __restrict__ lora_b0, const bf16* __restrict__ lora_b1,
