@@ -44,17 +44,31 @@ __device__ __forceinline__ void fp8_promote(float* acc, const float* blk, const 
 template <int ACT>
 __device__ __forceinline__ void fp8_gate_up_act(const GemmTile& tw, float* d, int row0, float (&m)[2], GEMM_ARGS) {
     const FragRows fr(row0, tw.rows);
+    // the slot's bias pointers read once, not again for every column pair behind the stores
+    // (gate_up_scaled's arithmetic, in its order)
+    const float* bg = reinterpret_cast<const float*>(b0_ptrs[tw.slot]);
+    const float* bu = reinterpret_cast<const float*>(b1_ptrs[tw.slot]);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = fr.r + 8 * h;
         float mh = 0.0f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const int c = j * 8 + 2 * fr.t4;
+            const int c = j * 8 + 2 * fr.t4, col = tw.n0 + c;
             float2 a = make_float2(0.0f, 0.0f);
-            if (tw.n0 + c < tw.ncols)
-                a = gate_up_pair<ACT>(tw, c, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], d[(j + 8) * 4 + h * 2],
-                                      d[(j + 8) * 4 + h * 2 + 1], GEMM_ARG_NAMES);
+            if (col < tw.ncols) {
+                float g0 = d[j * 4 + h * 2] * tw.g0, g1 = d[j * 4 + h * 2 + 1] * tw.g0;
+                float u0 = d[(j + 8) * 4 + h * 2] * tw.g1, u1 = d[(j + 8) * 4 + h * 2 + 1] * tw.g1;
+                if (bg) {
+                    g0 += __ldg(bg + col);
+                    g1 += __ldg(bg + col + 1);
+                }
+                if (bu) {
+                    u0 += __ldg(bu + col);
+                    u1 += __ldg(bu + col + 1);
+                }
+                a = make_float2(activation<ACT>(g0, u0, alpha, limit), activation<ACT>(g1, u1, alpha, limit));
+            }
             const __nv_bfloat162 b = __floats2bfloat162_rn(a.x, a.y);
             if (r < tw.rows && tw.n0 + c < tw.ncols)
                 *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)(tw.pos0 + r) * I_max +
