@@ -44,17 +44,31 @@ __device__ __forceinline__ void fp8_promote(float* acc, const float* blk, const 
 template <int ACT>
 __device__ __forceinline__ void fp8_gate_up_act(const GemmTile& tw, float* d, int row0, float (&m)[2], GEMM_ARGS) {
     const FragRows fr(row0, tw.rows);
+    // the slot's bias pointers read once, not again for every column pair behind the stores
+    // (gate_up_scaled's arithmetic, in its order)
+    const float* bg = reinterpret_cast<const float*>(b0_ptrs[tw.slot]);
+    const float* bu = reinterpret_cast<const float*>(b1_ptrs[tw.slot]);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = fr.r + 8 * h;
         float mh = 0.0f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const int c = j * 8 + 2 * fr.t4;
+            const int c = j * 8 + 2 * fr.t4, col = tw.n0 + c;
             float2 a = make_float2(0.0f, 0.0f);
-            if (tw.n0 + c < tw.ncols)
-                a = gate_up_pair<ACT>(tw, c, d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], d[(j + 8) * 4 + h * 2],
-                                      d[(j + 8) * 4 + h * 2 + 1], GEMM_ARG_NAMES);
+            if (col < tw.ncols) {
+                float g0 = d[j * 4 + h * 2] * tw.g0, g1 = d[j * 4 + h * 2 + 1] * tw.g0;
+                float u0 = d[(j + 8) * 4 + h * 2] * tw.g1, u1 = d[(j + 8) * 4 + h * 2 + 1] * tw.g1;
+                if (bg) {
+                    g0 += __ldg(bg + col);
+                    g1 += __ldg(bg + col + 1);
+                }
+                if (bu) {
+                    u0 += __ldg(bu + col);
+                    u1 += __ldg(bu + col + 1);
+                }
+                a = make_float2(activation<ACT>(g0, u0, alpha, limit), activation<ACT>(g1, u1, alpha, limit));
+            }
             const __nv_bfloat162 b = __floats2bfloat162_rn(a.x, a.y);
             if (r < tw.rows && tw.n0 + c < tw.ncols)
                 *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)(tw.pos0 + r) * I_max +
@@ -68,9 +82,25 @@ __device__ __forceinline__ void fp8_gate_up_act(const GemmTile& tw, float* d, in
     }
 }
 
+// a / b as div.rn.f32 rounds it, without div.rn's slow-path branch (a branch an element kept the
+// epilogue's elements from interleaving), given binv = 1 / b and b >= 2^-90: q = a binv lies
+// within 1.5 ulps of a / b, so a / b rounded is q or a neighbour, the one whose remainder a - b q
+// (exact by fma) is least (no quotient of two floats lies exactly between two floats but where it
+// is a float). Quotients under 2^-11 are q itself: under 2^-10 the e4m3 code is a signed zero either
+// way. tests/test_fp8_epilogue.py checks the rule against division on 60 M quotients.
+__device__ __forceinline__ float div_rn_nearest(float a, float b, float binv) {
+    const float q = a * binv;
+    const float lo = __int_as_float(__float_as_int(q) - 1), hi = __int_as_float(__float_as_int(q) + 1);
+    const float r = fabsf(fmaf(-b, q, a)), rl = fabsf(fmaf(-b, lo, a)), rh = fabsf(fmaf(-b, hi, a));
+    float best = rl < r ? lo : q;
+    best = rh < fminf(r, rl) ? hi : best;
+    return fabsf(q) < 0x1p-11f ? q : best;
+}
+
 // The second part: row h's scale amax[h] / 448 (amax over its 128-column group), its e4m3
 // codes into qact [P, I_max] and, where write_scale, the scale into sact [P, ceil(I_max / 128)]
-// (one thread a row).
+// (one thread a row). The codes are e4m3x2_quantize's, bit for bit: a row whose scale is at least
+// 2^-90 (every row but those of near-zero activations) divides by div_rn_nearest.
 __device__ __forceinline__ void fp8_quantize_act(const GemmTile& tw, const float* d, int row0, const float (&amax)[2],
                                                  bool write_scale, u8* __restrict__ qact, float* __restrict__ sact,
                                                  int I_max) {
@@ -81,12 +111,24 @@ __device__ __forceinline__ void fp8_quantize_act(const GemmTile& tw, const float
         if (!fr.ok[h]) continue;
         const float sc = amax[h] / 448.0f;
         const size_t pos = tw.pos0 + fr.r + 8 * h;
+        u8* q = qact + pos * I_max + tw.n0 + 2 * fr.t4;
+        const int cols = tw.ncols - tw.n0 - 2 * fr.t4;  // the row's columns from q on
+        if (sc >= 0x1p-90f) {
+            const float binv = 1.0f / sc;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int col = tw.n0 + j * 8 + 2 * fr.t4;
-            if (col < tw.ncols)
-                *reinterpret_cast<unsigned short*>(qact + pos * I_max + col) =
-                    (unsigned short)e4m3x2_quantize(d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], sc);
+            for (int j = 0; j < 8; ++j) {
+                unsigned short p;  // cvt puts its first source in the upper byte
+                asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+                    : "=h"(p)
+                    : "f"(div_rn_nearest(d[j * 4 + h * 2 + 1], sc, binv)), "f"(div_rn_nearest(d[j * 4 + h * 2], sc, binv)));
+                if (j * 8 < cols) *reinterpret_cast<unsigned short*>(q + j * 8) = p;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (j * 8 < cols)
+                    *reinterpret_cast<unsigned short*>(q + j * 8) =
+                        (unsigned short)e4m3x2_quantize(d[j * 4 + h * 2], d[j * 4 + h * 2 + 1], sc);
         }
         if (write_scale && fr.t4 == 0) sact[pos * KB + (tw.n0 >> 7)] = sc;
     }

@@ -144,6 +144,10 @@ grouped_gemm_sm90_fp8_tma(GEMM_ARGS, const u8* __restrict__ qa, const float* __r
 
     if (threadIdx.x >= 256) {  // ---- the producer warpgroup ----
         setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 256) {  // the tensor maps into the TMA unit's cache before their first copies
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"(mapB0) : "memory");
+            if (MODE == MODE_GATE_UP) asm volatile("prefetch.tensormap [%0];\n" ::"l"(mapB1) : "memory");
+        }
         if (MODE == MODE_GATE_UP) {
             fp8_gather_producer<S>(t, sA, sB, full, empty, KT, sh ? qa_shared : qa, H, sorted_row, mapB0, mapB1, brow);
         } else if (threadIdx.x == 256) {
@@ -191,11 +195,18 @@ grouped_gemm_sm90_fp8_tma(GEMM_ARGS, const u8* __restrict__ qa, const float* __r
     float acc[2][64], blk[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[0][i] = acc[1][i] = blk[i] = 0.0f;
+    // the scales a step ahead: step kt + 1's loads are in flight through step kt's products
+    float a_next[2] = {sa_row[0][0], sa_row[1][0]}, s0_next = sw0[0], s1_next = sw1[0];
     for (int kt = 0; kt < KT; ++kt) {
         const int s = kt % S;
-        // the step's scales first: their loads land while the stage is awaited
-        const float a[2] = {sa_row[0][kt], sa_row[1][kt]};
-        const float s0 = sw0[kt], s1 = sw1[kt];
+        const float a[2] = {a_next[0], a_next[1]};
+        const float s0 = s0_next, s1 = s1_next;
+        if (kt + 1 < KT) {
+            a_next[0] = sa_row[0][kt + 1];
+            a_next[1] = sa_row[1][kt + 1];
+            s0_next = sw0[kt + 1];
+            s1_next = sw1[kt + 1];
+        }
         mbar_wait(&full[s], (kt / S) & 1);
         if (has_rows) {
             const u64 da = wgmma_desc(sA + (s * BM + wg * F8T_SUB) * BK);
