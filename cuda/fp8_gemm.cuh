@@ -117,10 +117,9 @@ __device__ __forceinline__ void fp8_quantize_act(const GemmTile& tw, const float
             const float binv = 1.0f / sc;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                unsigned short p;  // cvt puts its first source in the upper byte
-                asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
-                    : "=h"(p)
-                    : "f"(div_rn_nearest(d[j * 4 + h * 2 + 1], sc, binv)), "f"(div_rn_nearest(d[j * 4 + h * 2], sc, binv)));
+                // the upper byte's quotient first, the order cvt takes them in
+                const float tb = div_rn_nearest(d[j * 4 + h * 2 + 1], sc, binv);
+                const unsigned short p = e4m3x2_codes(div_rn_nearest(d[j * 4 + h * 2], sc, binv), tb);
                 if (j * 8 < cols) *reinterpret_cast<unsigned short*>(q + j * 8) = p;
             }
         } else {

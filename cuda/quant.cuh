@@ -318,12 +318,16 @@ __device__ __forceinline__ constexpr float gemm_weight_unscale() { return FMT ==
 // nearest even, saturating; a group of zeros has s = 0 and codes 0.
 // ---------------------------------------------------------------------------------------
 #if CUPYMOE_SM >= 89
-// Two values -> two e4m3 codes (a in the low byte) under scale sc.
-__device__ __forceinline__ unsigned e4m3x2_quantize(float a, float b, float sc) {
-    const float ta = sc > 0.0f ? a / sc : 0.0f, tb = sc > 0.0f ? b / sc : 0.0f;
+// Two scaled values -> two e4m3 codes (ta in the low byte), rounded to nearest, saturating.
+__device__ __forceinline__ unsigned short e4m3x2_codes(float ta, float tb) {
     unsigned short p;  // cvt puts its first source in the upper byte
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(p) : "f"(tb), "f"(ta));
     return p;
+}
+
+// Two values -> two e4m3 codes (a in the low byte) under scale sc.
+__device__ __forceinline__ unsigned e4m3x2_quantize(float a, float b, float sc) {
+    return e4m3x2_codes(sc > 0.0f ? a / sc : 0.0f, sc > 0.0f ? b / sc : 0.0f);
 }
 
 // One 128-column group held by 16 consecutive lanes, 8 values a lane; every lane of the
