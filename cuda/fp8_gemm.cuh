@@ -35,47 +35,93 @@ __device__ __forceinline__ void fp8_promote(float* acc, const float* blk, const 
     }
 }
 
+// 1 / y as rcp.rn.f32 rounds it, without rcp.rn's slow-path branch (the SiLU's sigmoid: a branch an
+// element kept the epilogue's elements from interleaving), for 1 <= y < 2^125 (1 / y a normal float,
+// which rcp.approx.ftz keeps): q lies within 1 ulp of 1 / y, so 1 / y rounded is q or a neighbour, the
+// one whose remainder 1 - y q (exact by fma) is least (no reciprocal lies exactly between two floats).
+// tests/test_fp8_epilogue.py checks the rule against division, tests/test_gpu_fp8_epilogue.py every y.
+__device__ __forceinline__ float rcp_rn_nearest(float y) {
+    float q;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(q) : "f"(y));
+    const float lo = __int_as_float(__float_as_int(q) - 1), hi = __int_as_float(__float_as_int(q) + 1);
+    const float r = fabsf(fmaf(-y, q, 1.0f)), rl = fabsf(fmaf(-y, lo, 1.0f)), rh = fabsf(fmaf(-y, hi, 1.0f));
+    const float best = rl < r ? lo : q;
+    return rh < fminf(r, rl) ? hi : best;
+}
+
+// activation<ACT_SILU>'s g * sigmoidf_(g) * u, the same bits, its 1 / y by rcp_rn_nearest: for g > -80
+// (then 1 + e^-g < 2^125)
+__device__ __forceinline__ float silu_rn_nearest(float g, float u) { return g * rcp_rn_nearest(1.0f + expf(-g)) * u; }
+
 // The gate/up epilogue's first part for one warpgroup accumulator d: rows row0 + 16 warp + g
 // + 8 h of the tile, gate columns 8 j + 2 t4 + e (j < 8) and the same up columns (j >= 8) of
 // activation columns tw.n0 + .. . Each activation is rounded to bf16 and stored (the bf16
 // activation stays inspectable, verify.W8a8Stages reads it); the rounded values replace d's
 // gate slots for fp8_quantize_act, and m[h] is the |max| of row h's 64 columns (the quad's;
-// columns past the matrix stay out).
+// columns past the matrix stay out). Slot i < 32 holds a gate column, slot i + 32 its up column.
 template <int ACT>
 __device__ __forceinline__ void fp8_gate_up_act(const GemmTile& tw, float* d, int row0, float (&m)[2], GEMM_ARGS) {
     const FragRows fr(row0, tw.rows);
     // the slot's bias pointers read once, not again for every column pair behind the stores
-    // (gate_up_scaled's arithmetic, in its order)
     const float* bg = reinterpret_cast<const float*>(b0_ptrs[tw.slot]);
     const float* bu = reinterpret_cast<const float*>(b1_ptrs[tw.slot]);
+    // gate_up_scaled's arithmetic, in its order: g and u of gate slots i, i + 1 (up slots i + 32, i + 33)
+    const auto gate_up = [&](int i, int col, float& g0, float& g1, float& u0, float& u1) {
+        g0 = d[i] * tw.g0, g1 = d[i + 1] * tw.g0;
+        u0 = d[i + 32] * tw.g1, u1 = d[i + 33] * tw.g1;
+        if (bg) {
+            g0 += __ldg(bg + col);
+            g1 += __ldg(bg + col + 1);
+        }
+        if (bu) {
+            u0 += __ldg(bu + col);
+            u1 += __ldg(bu + col + 1);
+        }
+    };
+    if (ACT == ACT_SILU) {
+        // every g and u first (columns past the matrix: 0), so that one test of all the thread's g
+        // picks the branch-free path
+        bool fast = true;  // every g > -80: 1 + e^-g < 2^125, in rcp_rn_nearest's range (a NaN g fails it)
+#pragma unroll
+        for (int i = 0; i < 32; i += 2) {
+            const int col = tw.n0 + (i >> 2) * 8 + 2 * fr.t4;
+            float g0 = 0.0f, g1 = 0.0f, u0 = 0.0f, u1 = 0.0f;
+            if (col < tw.ncols) gate_up(i, col, g0, g1, u0, u1);
+            d[i] = g0, d[i + 1] = g1, d[i + 32] = u0, d[i + 33] = u1;
+            fast = fast && g0 > -80.0f && g1 > -80.0f;
+        }
+        // the activations into the gate slots (g = u = 0 gives +0, as a column past the matrix needs):
+        // one branch a thread, not one an element
+        if (fast) {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) d[i] = silu_rn_nearest(d[i], d[i + 32]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) d[i] = activation<ACT>(d[i], d[i + 32], alpha, limit);
+        }
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = fr.r + 8 * h;
+        bf16* const row = reinterpret_cast<bf16*>(out) + (size_t)(tw.pos0 + r) * I_max + tw.n0;
         float mh = 0.0f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const int c = j * 8 + 2 * fr.t4, col = tw.n0 + c;
-            float2 a = make_float2(0.0f, 0.0f);
-            if (col < tw.ncols) {
-                float g0 = d[j * 4 + h * 2] * tw.g0, g1 = d[j * 4 + h * 2 + 1] * tw.g0;
-                float u0 = d[(j + 8) * 4 + h * 2] * tw.g1, u1 = d[(j + 8) * 4 + h * 2 + 1] * tw.g1;
-                if (bg) {
-                    g0 += __ldg(bg + col);
-                    g1 += __ldg(bg + col + 1);
+            const int i = j * 4 + h * 2, c = j * 8 + 2 * fr.t4, col = tw.n0 + c;
+            float2 a = make_float2(d[i], d[i + 1]);  // the SiLU's, above
+            if (ACT != ACT_SILU) {
+                a = make_float2(0.0f, 0.0f);
+                if (col < tw.ncols) {
+                    float g0, g1, u0, u1;
+                    gate_up(i, col, g0, g1, u0, u1);
+                    a = make_float2(activation<ACT>(g0, u0, alpha, limit), activation<ACT>(g1, u1, alpha, limit));
                 }
-                if (bu) {
-                    u0 += __ldg(bu + col);
-                    u1 += __ldg(bu + col + 1);
-                }
-                a = make_float2(activation<ACT>(g0, u0, alpha, limit), activation<ACT>(g1, u1, alpha, limit));
             }
             const __nv_bfloat162 b = __floats2bfloat162_rn(a.x, a.y);
-            if (r < tw.rows && tw.n0 + c < tw.ncols)
-                *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<bf16*>(out) + (size_t)(tw.pos0 + r) * I_max +
-                                                   tw.n0 + c) = b;
-            d[j * 4 + h * 2] = __low2float(b);
-            d[j * 4 + h * 2 + 1] = __high2float(b);
-            mh = fmaxf(mh, fmaxf(fabsf(d[j * 4 + h * 2]), fabsf(d[j * 4 + h * 2 + 1])));
+            if (r < tw.rows && col < tw.ncols) *reinterpret_cast<__nv_bfloat162*>(row + c) = b;
+            d[i] = __low2float(b);
+            d[i + 1] = __high2float(b);
+            mh = fmaxf(mh, fmaxf(fabsf(d[i]), fabsf(d[i + 1])));
         }
         mh = fmaxf(mh, __shfl_xor_sync(CUPYMOE_FULL_MASK, mh, 1));  // the quad holds the row's 64 columns
         m[h] = fmaxf(mh, __shfl_xor_sync(CUPYMOE_FULL_MASK, mh, 2));
