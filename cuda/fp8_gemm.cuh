@@ -55,11 +55,12 @@ __device__ __forceinline__ float silu_rn_nearest(float g, float u) { return g * 
 
 // The gate/up epilogue's first part for one warpgroup accumulator d: rows row0 + 16 warp + g
 // + 8 h of the tile, gate columns 8 j + 2 t4 + e (j < 8) and the same up columns (j >= 8) of
-// activation columns tw.n0 + .. . Each activation is rounded to bf16 and stored (the bf16
-// activation stays inspectable, verify.W8a8Stages reads it); the rounded values replace d's
-// gate slots for fp8_quantize_act, and m[h] is the |max| of row h's 64 columns (the quad's;
-// columns past the matrix stay out). Slot i < 32 holds a gate column, slot i + 32 its up column.
-template <int ACT>
+// activation columns tw.n0 + .. . Each activation is rounded to bf16 (and, with STORE_ACT, stored
+// into `out`, so that verify.W8a8Stages can read it: MoeLayer(keep_w8a8_activation=True)); the
+// rounded values replace d's gate slots for fp8_quantize_act, and m[h] is the |max| of row h's 64
+// columns (the quad's; columns past the matrix stay out). Slot i < 32 holds a gate column, slot
+// i + 32 its up column.
+template <int ACT, bool STORE_ACT>
 __device__ __forceinline__ void fp8_gate_up_act(const GemmTile& tw, float* d, int row0, float (&m)[2], GEMM_ARGS) {
     const FragRows fr(row0, tw.rows);
     // the slot's bias pointers read once, not again for every column pair behind the stores
@@ -118,7 +119,7 @@ __device__ __forceinline__ void fp8_gate_up_act(const GemmTile& tw, float* d, in
                 }
             }
             const __nv_bfloat162 b = __floats2bfloat162_rn(a.x, a.y);
-            if (r < tw.rows && col < tw.ncols) *reinterpret_cast<__nv_bfloat162*>(row + c) = b;
+            if (STORE_ACT && r < tw.rows && col < tw.ncols) *reinterpret_cast<__nv_bfloat162*>(row + c) = b;
             d[i] = __low2float(b);
             d[i + 1] = __high2float(b);
             mh = fmaxf(mh, fmaxf(fabsf(d[i]), fabsf(d[i + 1])));

@@ -81,14 +81,14 @@ struct Fp8TileLoader {
 // The gate/up epilogue with the activation quantized (fp8_gemm.cuh): warpgroup wg holds
 // activation columns n0 + 64 wg .. + 63 of all 64 rows, so a row's 128-column amax is the
 // larger of the two warpgroups' halves, met through shared memory.
-template <int ACT>
+template <int ACT, bool STORE_ACT>
 __device__ __forceinline__ void emit_gate_up_fp8(const GemmTile& t, float* d, int wg, float (*row_amax)[F8_BM],
                                                  u8* __restrict__ qact, float* __restrict__ sact, GEMM_ARGS) {
     const FragRows fr(0, t.rows);
     GemmTile tw = t;
     tw.n0 = t.n0 + wg * 64;
     float m[2];
-    fp8_gate_up_act<ACT>(tw, d, 0, m, GEMM_ARG_NAMES);
+    fp8_gate_up_act<ACT, STORE_ACT>(tw, d, 0, m, GEMM_ARG_NAMES);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
         if (fr.t4 == 0) row_amax[wg][fr.r + 8 * h] = m[h];
@@ -104,14 +104,16 @@ __device__ __forceinline__ void emit_gate_up_fp8(const GemmTile& t, float* d, in
 // `qa` / `sa` are the expert input's (indexed by token row), `qa_shared` / `sa_shared` x's
 // for the shared expert (the same buffers unless a pre-expert norm makes them differ), and
 // `q_out` / `s_out` receive the activation's codes and scales ([P, I_max], [P, ceil(I_max /
-// 128)]) next to its bf16 values in `out`; for down, `qa` / `sa` are the activation's
-// (indexed by position, row stride I_max) and `q_out` / `s_out` are unused.
-template <int MODE>
+// 128)]), and with STORE_ACT its bf16 values `out` (read by no kernel: for inspection,
+// MoeLayer(keep_w8a8_activation=True)); for down, `qa` / `sa` are the activation's (indexed by
+// position, row stride I_max) and `q_out` / `s_out` are unused.
+template <int MODE, bool STORE_ACT = false>
 __global__ void __launch_bounds__(F8_THREADS, 1)
 grouped_gemm_sm90_fp8(GEMM_ARGS, const u8* __restrict__ qa, const float* __restrict__ sa,
                       const u8* __restrict__ qa_shared, const float* __restrict__ sa_shared, u8* __restrict__ q_out,
                       float* __restrict__ s_out) {
     constexpr int BM = F8_BM, BN = F8_BN, BK = F8_BK, S = F8_STAGES;
+    static_assert(MODE == MODE_GATE_UP || !STORE_ACT, "only gate/up has an activation to store");
     extern __shared__ __align__(1024) unsigned char f8_smem[];
     __shared__ float row_amax[2][F8_BM];  // gate/up: each warpgroup's amax of a row's 64 columns
     const unsigned pad = (1024u - ((unsigned)__cvta_generic_to_shared(f8_smem) & 1023u)) & 1023u;
@@ -174,7 +176,7 @@ grouped_gemm_sm90_fp8(GEMM_ARGS, const u8* __restrict__ qa, const float* __restr
 
     if (MODE == MODE_GATE_UP) {
         with_activation(act_code, [&](auto act) {  // one switch, not one per element
-            emit_gate_up_fp8<decltype(act)::value>(t, acc, wg, row_amax, q_out, s_out, GEMM_ARG_NAMES);
+            emit_gate_up_fp8<decltype(act)::value, STORE_ACT>(t, acc, wg, row_amax, q_out, s_out, GEMM_ARG_NAMES);
         });
     } else {
         GemmTile tw = t;

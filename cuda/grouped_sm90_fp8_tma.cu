@@ -105,14 +105,16 @@ __device__ __forceinline__ void fp8_gather_producer(const GemmTile& t, u8* sA, u
 // grid (column tiles, M-tiles of 128 rows), block 384, dynamic smem
 // catalog.sm90_fp8_tma_smem_bytes(). The arguments of grouped_gemm_sm90_fp8 (GEMM_ARGS, the
 // inputs' codes and scales, the activation's codes and scales out), then `maps`: the
-// layer's FP8_MAPS (cupymoe/tma.py).
-template <int MODE>
+// layer's FP8_MAPS (cupymoe/tma.py). STORE_ACT: gate/up also stores the bf16 activation into
+// `out`, as grouped_gemm_sm90_fp8's does.
+template <int MODE, bool STORE_ACT = false>
 __global__ void __launch_bounds__(F8T_THREADS, 1)
 grouped_gemm_sm90_fp8_tma(GEMM_ARGS, const u8* __restrict__ qa, const float* __restrict__ sa,
                           const u8* __restrict__ qa_shared, const float* __restrict__ sa_shared,
                           u8* __restrict__ q_out, float* __restrict__ s_out, const u8* __restrict__ maps) {
     constexpr int BM = F8T_BM, BN = F8T_BN, BK = F8T_BK, S = F8T_STAGES;
     static_assert(MODE == MODE_GATE_UP || MODE == MODE_DOWN, "the router keeps grouped_sm90.cu");
+    static_assert(MODE == MODE_GATE_UP || !STORE_ACT, "only gate/up has an activation to store");
     extern __shared__ __align__(1024) unsigned char f8t_smem[];
     // the swizzle atoms must start on 1024-byte boundaries of the shared window
     const unsigned pad = (1024u - (smem_u32(f8t_smem) & 1023u)) & 1023u;
@@ -230,7 +232,8 @@ grouped_gemm_sm90_fp8_tma(GEMM_ARGS, const u8* __restrict__ qa, const float* __r
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 tw[half].n0 = t.n0 + half * 64;
-                fp8_gate_up_act<decltype(act)::value>(tw[half], acc[half], wg * F8T_SUB, m[half], GEMM_ARG_NAMES);
+                fp8_gate_up_act<decltype(act)::value, STORE_ACT>(tw[half], acc[half], wg * F8T_SUB, m[half],
+                                                                 GEMM_ARG_NAMES);
             }
             const float amax[2] = {fmaxf(m[0][0], m[1][0]), fmaxf(m[0][1], m[1][1])};  // the row's 128 columns
 #pragma unroll

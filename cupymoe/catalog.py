@@ -257,6 +257,21 @@ def lora_grouped_kernel(kernel: str) -> str:
     return "grouped_gemm_lora<" + kernel[len("grouped_gemm<"):]
 
 
+def sm90_fp8_kernel(mode: int, tma: bool = False, keep_activation: bool = False) -> str:
+    """The w8a8 grouped GEMM's name expression: grouped_gemm_sm90_fp8<mode> (grouped_sm90_fp8.cu; _tma:
+    grouped_sm90_fp8_tma.cu); gate/up that also stores the bf16 activation, which no kernel reads
+    (MoeLayer(keep_w8a8_activation=True): verify reads it), is <0, true>."""
+    assert not keep_activation or mode == GemmMode.GATE_UP, mode
+    return f"grouped_gemm_sm90_fp8{'_tma' if tma else ''}<{int(mode)}{', true' if keep_activation else ''}>"
+
+
+def sm90_fp8_kernels(tma: bool) -> tuple[str, ...]:
+    """Every instance of one w8a8 grouped GEMM (jit.MODULES): gate/up without and with the stored
+    activation, down."""
+    return (sm90_fp8_kernel(GemmMode.GATE_UP, tma), sm90_fp8_kernel(GemmMode.DOWN, tma),
+            sm90_fp8_kernel(GemmMode.GATE_UP, tma, True))
+
+
 def sm90_fp8_smem_bytes() -> int:
     """grouped_gemm_sm90_fp8's stages of e4m3 A and B tiles, plus 1 KB to align them."""
     bm, bn, bk, st = SM90_FP8_TILE

@@ -31,6 +31,11 @@ class OptionError(Error, ValueError):
     """A bad keyword option or CUPYMOE_* environment knob."""
 
 
+class ActivationNotKeptError(OptionError):
+    """A check read the bf16 activation of a w8a8 prefill forward that did not store it: build the
+    layer with keep_w8a8_activation=True (verify's checks do)."""
+
+
 # --- checkpoints and weights -------------------------------------------------------------
 
 class CheckpointError(Error, ValueError):

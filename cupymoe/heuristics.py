@@ -102,13 +102,15 @@ def grouped_kernel(lp: LayerPlan, dev: DeviceFacts, mode: GemmMode, config: str,
     math config runs and the weights are bf16 or fp4 (not for row-invariant layers, whose every
     N must run the same instructions); else the mma.sync kernel (quantized weights in their
     streaming configuration)."""
+    keep = mode == GemmMode.GATE_UP and lp.keep_w8a8_activation  # the bf16 activation stored too (inspection)
     if fmt == WeightFormat.FP8_BLOCK and lp.w8a8 and fp8 == "tma":
         bm, bn = C.SM90_FP8_TMA_TILE[:2]
-        return GroupedKernel(f"grouped_gemm_sm90_fp8_tma<{int(mode)}>", C.SM90_FP8_TMA_THREADS,
+        return GroupedKernel(C.sm90_fp8_kernel(mode, True, keep), C.SM90_FP8_TMA_THREADS,
                              C.sm90_fp8_tma_smem_bytes(), bn, bm)
     if fmt == WeightFormat.FP8_BLOCK and lp.w8a8:
         bm, bn = C.SM90_FP8_TILE[:2]
-        return GroupedKernel(f"grouped_gemm_sm90_fp8<{int(mode)}>", C.SM90_FP8_THREADS, C.sm90_fp8_smem_bytes(), bn, bm)
+        return GroupedKernel(C.sm90_fp8_kernel(mode, False, keep), C.SM90_FP8_THREADS, C.sm90_fp8_smem_bytes(), bn,
+                             bm)
     v = lp.sm90[mode]
     if config == "math" and v.serves(fmt, mode) and dev.hopper and not lp.row_invariant:
         return GroupedKernel(v.kernel(mode, fmt), v.threads(mode), v.smem_bytes(fmt), v.bn, v.bm)

@@ -81,10 +81,8 @@ def _modules() -> dict[str, ModuleSpec]:
         "grouped_sm90_tma": ModuleSpec("grouped_sm90_tma.cu", tuple(dict.fromkeys(
             [v.kernel(m) for m in (0, 1) for v in V if v.tma] + [v.kernel_lora(m) for m in (0, 1) for v in V if v.tma]))
             + ("gather_rows",), archs=hopper),
-        "grouped_sm90_fp8": ModuleSpec("grouped_sm90_fp8.cu", tuple(f"grouped_gemm_sm90_fp8<{m}>" for m in (0, 1)),
-                                       archs=hopper),
-        "grouped_sm90_fp8_tma": ModuleSpec("grouped_sm90_fp8_tma.cu",
-                                           tuple(f"grouped_gemm_sm90_fp8_tma<{m}>" for m in (0, 1)), archs=hopper),
+        "grouped_sm90_fp8": ModuleSpec("grouped_sm90_fp8.cu", C.sm90_fp8_kernels(tma=False), archs=hopper),
+        "grouped_sm90_fp8_tma": ModuleSpec("grouped_sm90_fp8_tma.cu", C.sm90_fp8_kernels(tma=True), archs=hopper),
         "decode": ModuleSpec(
             "decode.cu",
             ("decode_build_lists", "decode_route_lists", "decode_topk_lists<0>", "decode_topk_lists<1>",

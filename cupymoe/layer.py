@@ -49,15 +49,19 @@ class MoeLayer:
                  atomic_max_tokens: Optional[int] = None, decode_max_tokens: Optional[int] = None,
                  comm: Optional[Communicator] = None, expert_owner: Optional[Sequence[int]] = None,
                  fp8_compute: str = "auto", workspace: Optional[Workspace] = None, max_loras: int = 0,
-                 max_lora_rank: int = 0):
+                 max_lora_rank: int = 0, keep_w8a8_activation: bool = False):
         """Options: `path` ("auto", "decode", "atomic", "prefill"), `row_invariant` (the grouped path at
         every N: a row's bits never depend on N or the batch), `decode_max_tokens` / `atomic_max_tokens`
         (default: the measured crossover for the routed experts' format), `comm` (sums the
         expert-parallel partials), `expert_owner[e]` (the rank computing expert e), `fp8_compute`
         ("auto", "w8a8", "w8a16"), `workspace` (scratch shared with other layers run in turn on one
         stream; default: the layer's own), `max_loras` / `max_lora_rank` (adapter slots reserved once:
-        set_lora, clear_lora, forward's lora_ids_ptr)."""
+        set_lora, clear_lora, forward's lora_ids_ptr), `keep_w8a8_activation` (inspection: a w8a8
+        layer's prefill gate/up also stores its bf16 activation, which down never reads (it reads the
+        e4m3 codes), so that cupymoe.verify can check it; the output bits are the same either way)."""
         check_options(cfg, max_tokens, path, row_invariant)
+        options = LayerOptions(row_invariant, fp8_compute, decode_max_tokens, atomic_max_tokens, comm is not None,
+                               keep_w8a8_activation)
         owned = owned_experts(cfg, expert_owner)
         check_token_limit(cfg, max_tokens, len(owned))
         lora_k, lora_r = lora_slots.check_options(max_loras, max_lora_rank)
@@ -77,7 +81,6 @@ class MoeLayer:
             self.device = DeviceFacts(self.lib.arch, self.lib.sm_count, self.lib.max_smem)
             check_smem_fits(cfg, len(owned), self.device)
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
-            options = LayerOptions(row_invariant, fp8_compute, decode_max_tokens, atomic_max_tokens, comm is not None)
             self.plan = plan_layer(cfg, self.weights.format, self.weights.shared_format, self.lib.arch,
                                    n_local=len(owned), options=options, knobs=knobs,
                                    mxfp4_scale_bytes=self.weights.mxfp4_scale_bytes)
@@ -187,6 +190,11 @@ class MoeLayer:
     @property
     def fp8_compute(self) -> Optional[str]:
         return None if self.plan.fp8_compute is None else self.plan.fp8_compute.value
+
+    @property
+    def keep_w8a8_activation(self) -> bool:
+        """Whether the w8a8 prefill gate/up stores the bf16 activation (False on every other layer)."""
+        return self.plan.keep_w8a8_activation
 
     def select_path(self, num_tokens: int, path: Optional[str] = None) -> str:
         """The path a forward of `num_tokens` rows takes (a forced one is validated)."""

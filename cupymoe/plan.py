@@ -265,6 +265,8 @@ class LayerPlan:
     swapab_ok: bool = False  # sm_90a, not row-invariant, every expert bf16 or fp8-block as w8a8: swap-AB may serve
     sm90_fp8: Sm90Fp8 = Sm90Fp8.AUTO  # CUPYMOE_SM90_FP8_VARIANT
     fp8_tma_ok: bool = False  # w8a8 with every fp8 K and row pitch a multiple of 16 bytes: the TMA GEMM may serve
+    # w8a8: the grouped gate/up also stores the bf16 activation, which no kernel reads (verify.W8a8Stages does)
+    keep_w8a8_activation: bool = False
 
     @property
     def fp8_tma_chosen(self) -> bool:
@@ -394,6 +396,11 @@ class LayerOptions:
     decode_max_tokens: Optional[int] = None
     atomic_max_tokens: Optional[int] = None
     all_reduce: bool = False
+    keep_w8a8_activation: bool = False  # MoeLayer(keep_w8a8_activation=True): LayerPlan.keep_w8a8_activation
+
+    def __post_init__(self):
+        if not isinstance(self.keep_w8a8_activation, bool):
+            raise OptionError(f"keep_w8a8_activation={self.keep_w8a8_activation!r}: must be True or False")
 
 
 def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str], arch: str, *,
@@ -439,6 +446,7 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
         pdl=knobs.pdl and cc >= 90, all_reduce=bool(options.all_reduce), auto_decode_max=auto_dmax, tuned=tuned,
         decode_kernel=knobs.decode_kernel, swapab_ok=swapab_ok, sm90_fp8=knobs.sm90_fp8_variant,
         fp8_tma_ok=fp8 == Fp8Compute.W8A8 and _fp8_tma_fits(cfg, routed, shared, i_max),
+        keep_w8a8_activation=fp8 == Fp8Compute.W8A8 and options.keep_w8a8_activation,
     )
 
 

@@ -94,6 +94,7 @@ import numpy as np
 
 from . import formats, reference, testing
 from .config import MoeConfig
+from .errors import ActivationNotKeptError
 from .formats import BF16
 from .host_weights import HostWeights
 
@@ -299,16 +300,15 @@ def _by_pair(entries: list) -> dict:
     return out
 
 
-def _stored_activations(layer, cfg: MoeConfig, n: int):
-    """(key, token, position, width) of each activation row the grouped GEMM stored in the
-    layer's last forward of n tokens, and the bf16 `act` buffer as float32: routed pair
-    p = token * k + j sits at pair_pos[p] (-1: an identity expert or another rank's), the
-    shared expert's row of token t at pair_pos[n k + t]; key: the expert id or "shared"."""
+def _stored_rows(layer, cfg: MoeConfig, n: int) -> list:
+    """(key, token, position, width) of each expert row of the layer's last forward of n
+    tokens: routed pair p = token * k + j sits at pair_pos[p] (-1: an identity expert or
+    another rank's), the shared expert's row of token t at pair_pos[n k + t]; key: the expert
+    id or "shared"."""
     k = cfg.num_experts_per_tok
     P = n * k + (n if cfg.has_shared_expert else 0)
     ids = _read_scratch(layer, "topk_ids", np.int32, (n * k,))
     pair_pos = _read_scratch(layer, "pair_pos", np.int32, (P,))
-    act = bits_to_f32(_read_scratch(layer, "act", np.uint16, (P, layer.weights.i_max)))
     rows = []
     for p in range(P):
         pos = int(pair_pos[p])
@@ -318,7 +318,26 @@ def _stored_activations(layer, cfg: MoeConfig, n: int):
         token = p - n * k if p >= n * k else p // k
         width = cfg.shared_expert_intermediate_size if key == "shared" else cfg.moe_intermediate_size
         rows.append((key, token, pos, width))
-    return rows, act
+    return rows
+
+
+def require_kept_activation(layer, path: str) -> None:
+    """Refuse to read the bf16 activation of a w8a8 forward that took the grouped `path` on a layer
+    built without keep_w8a8_activation=True: its gate/up stored only the e4m3 codes, so the `act`
+    scratch holds another forward's bytes."""
+    if layer.plan.w8a8 and PATH_ROUNDING[path] == "grouped" and not layer.plan.keep_w8a8_activation:
+        raise ActivationNotKeptError(
+            f"the w8a8 {path} forward stored no bf16 activation to check: build the layer with "
+            "MoeLayer(..., keep_w8a8_activation=True) to inspect it (cupymoe.verify's checks do)")
+
+
+def _stored_activations(layer, cfg: MoeConfig, n: int, path: str):
+    """_stored_rows of the layer's last forward of n tokens (which took `path`), and the bf16
+    `act` buffer they index as float32 (require_kept_activation first)."""
+    require_kept_activation(layer, path)
+    P = n * cfg.num_experts_per_tok + (n if cfg.has_shared_expert else 0)
+    rows = _stored_rows(layer, cfg, n)
+    return rows, bits_to_f32(_read_scratch(layer, "act", np.uint16, (P, layer.weights.i_max)))
 
 
 class StoredRows:
@@ -370,7 +389,7 @@ class KernelActivations(StoredRows):
     the faithful reference fed the kernels' activation), for `kernel_acts`."""
 
     def __init__(self, layer, cfg: MoeConfig, n: int):
-        rows, act = _stored_activations(layer, cfg, n)
+        rows, act = _stored_activations(layer, cfg, n, "prefill")
         super().__init__(_by_pair([((key, token), act[pos, :width]) for key, token, pos, width in rows]))
 
 
@@ -380,7 +399,7 @@ class KernelTerms(StoredRows):
     ulp of the reference's (TERM_TIGHT)."""
 
     def __init__(self, layer, cfg: MoeConfig, n: int):
-        rows, _ = _stored_activations(layer, cfg, n)
+        rows = _stored_rows(layer, cfg, n)
         P, H = n * cfg.num_experts_per_tok + (n if cfg.has_shared_expert else 0), cfg.hidden_size
         yw = bits_to_f32(_read_scratch(layer, "yw", np.uint16, (P, H)))
         super().__init__(_by_pair([((key, token), yw[pos]) for key, token, pos, _ in rows]), TERM_TIGHT)
@@ -416,21 +435,23 @@ class KernelOutputs(StoredRows):
     fp32 every 128 k) must stay within it."""
 
     def __init__(self, layer, cfg: MoeConfig, n: int):
-        rows, _ = _stored_activations(layer, cfg, n)
+        rows = _stored_rows(layer, cfg, n)
         P, H = n * cfg.num_experts_per_tok + (n if cfg.has_shared_expert else 0), cfg.hidden_size
         y = _read_scratch(layer, "y", np.float32, (P, H))
         super().__init__(_by_pair([((key, token), y[pos]) for key, token, pos, _ in rows]))
 
 
 class W8a8Stages:
-    """The w8a8 grouped path's intermediates of the layer's last forward (on input `x`),
+    """The w8a8 path's intermediates of the layer's last forward (on input `x`, taking `path`),
     read from its scratch: the e4m3 codes of the expert input (by token) and of the
     activation (by expert and token; the shared expert's key is "shared"), and the bf16
     activation, for the experts whose weights are fp8 (the others take no codes). `codes_differ` counts codes and scales unlike quantizing the kernels' own
     bf16 values. `feed` is reference.moe_forward's `w8a8_inputs`: it hands the reference
-    the kernels' codes and keeps the reference's activation rows next to the kernels'."""
+    the kernels' codes and keeps the reference's activation rows next to the kernels'. On the
+    grouped path the layer must keep its bf16 activation (require_kept_activation)."""
 
-    def __init__(self, layer, cfg: MoeConfig, hw: HostWeights, x: np.ndarray):
+    def __init__(self, layer, cfg: MoeConfig, hw: HostWeights, x: np.ndarray, path: str = "prefill"):
+        require_kept_activation(layer, path)  # before any scratch is read
         n, H, k = x.shape[0], cfg.hidden_size, cfg.num_experts_per_tok
         i_max, kb_h, kb_i = layer.weights.i_max, -(-H // formats.FP8_BLOCK), -(-layer.weights.i_max // formats.FP8_BLOCK)
         x_bf16 = bits_to_f32(bf16_bits(x))
@@ -450,7 +471,7 @@ class W8a8Stages:
             self.inputs[key] = _dequantize_rows_fp8(q, sc)
         # the activations (and their codes), by position (_stored_activations)
         P = n * k + (n if cfg.has_shared_expert else 0)
-        rows, act = _stored_activations(layer, cfg, n)
+        rows, act = _stored_activations(layer, cfg, n, path)
         qact, sact = _read_scratch(layer, "qact", np.uint8, (P, i_max)), _read_scratch(layer, "sact", np.float32, (P, kb_i))
         fp8 = {"routed": formats.weight_format(hw.down) == "fp8_block",
                "shared": formats.weight_format(hw.shared_down) == "fp8_block"}
@@ -507,7 +528,7 @@ def check_w8a8(out: np.ndarray, layer, cfg: MoeConfig, hw: HostWeights, x: np.nd
     outlier (discount_flips: the fp8 accumulation may round an output to its other
     neighbour)."""
     rounding = PATH_ROUNDING[path]
-    stages = W8a8Stages(layer, cfg, hw, x)
+    stages = W8a8Stages(layer, cfg, hw, x, path)
     terms = (KernelTerms(layer, cfg, x.shape[0]) if rounding == "grouped"
              else KernelOutputs(layer, cfg, x.shape[0]) if path == "decode" else None)
     exact = reference.moe_forward(cfg, hw, x, token_ids, owned_experts=owned_experts, routing=routing)
@@ -597,7 +618,9 @@ def verify_families(families, tokens, paths, *, formats_=("bf16",), seed: Option
         for fmt in formats_:
             hw = testing.random_host_weights(cfg, rng, fmt)
             t0 = time.perf_counter()
-            layer = MoeLayer(cfg, hw, max_tokens=max(tokens), decode_max_tokens=small, atomic_max_tokens=small)
+            # the w8a8 checks read the prefill gate/up's bf16 activation (require_kept_activation)
+            layer = MoeLayer(cfg, hw, max_tokens=max(tokens), decode_max_tokens=small, atomic_max_tokens=small,
+                             keep_w8a8_activation=True)
             print(f"  {fam} {fmt}: layer built in {time.perf_counter() - t0:.2f} s", flush=True)
             for n in tokens:
                 tids = testing.random_token_ids(rng, n, cfg.hash_vocab_size) if cfg.hash_routing else None

@@ -49,7 +49,8 @@ def collect(out: str, draws: int, seed: int, fmts) -> None:
         for ci, name in enumerate(CONFIGS):
             wseed = seed + 100 * fi + ci
             cfg, hw = _weights(name, wseed, fmt)
-            layer = MoeLayer(cfg, hw, max_tokens=max(TOKENS), decode_max_tokens=max(TOKENS))
+            layer = MoeLayer(cfg, hw, max_tokens=max(TOKENS), decode_max_tokens=max(TOKENS),
+                             keep_w8a8_activation=True)  # verify.check reads the w8a8 bf16 activation
             rng = np.random.default_rng(seed + 1000 + 100 * fi + ci)
             for d in range(draws):
                 for n in TOKENS:

@@ -42,7 +42,9 @@ def main() -> int:
         cfg = testing.tiny_config(fam, **SHAPES[fam])
         for fmt in args.formats:
             hw = testing.random_host_weights(cfg, rng, fmt)
-            layer = MoeLayer(cfg, hw, max_tokens=max(args.tokens), decode_max_tokens=64, atomic_max_tokens=8)
+            # --check reads the w8a8 prefill's bf16 activation, which only then is stored
+            layer = MoeLayer(cfg, hw, max_tokens=max(args.tokens), decode_max_tokens=64, atomic_max_tokens=8,
+                             keep_w8a8_activation=bool(args.check))
             for n in args.tokens:
                 paths = ["decode", "atomic", "prefill"] if n <= 8 else ["decode", "prefill"] if n <= 64 else ["prefill"]
                 for path in (p for p in paths if p in args.paths):

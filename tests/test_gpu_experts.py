@@ -37,7 +37,8 @@ def _case(name, rng):
     family, fmt, shared_fmt = CASES[name]
     cfg = testing.tiny_config(family)
     hw = testing.random_host_weights(cfg, rng, fmt, shared_fmt=shared_fmt)
-    return cfg, hw, MoeLayer(cfg, hw, max_tokens=MAX_TOKENS, decode_max_tokens=SMALL, atomic_max_tokens=SMALL)
+    return cfg, hw, MoeLayer(cfg, hw, max_tokens=MAX_TOKENS, decode_max_tokens=SMALL, atomic_max_tokens=SMALL,
+                             keep_w8a8_activation=True)  # the w8a8 prefill checks read the bf16 activation
 
 
 def draw_routing(cfg, rng, n: int) -> tuple[np.ndarray, np.ndarray]:

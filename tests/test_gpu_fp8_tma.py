@@ -40,14 +40,16 @@ def _tma(monkeypatch):
     monkeypatch.setenv("CUPYMOE_SM90_FP8_VARIANT", "tma")
 
 
-def _case(name, rng, hw=None):
+def _case(name, rng, hw=None, keep=True):
+    """`keep`: the gate/up also stores the bf16 activation, which verify.check reads (False: the
+    production kernels, for the bitwise checks)."""
     from cupymoe import MoeLayer
 
     family, shared_fmt, overrides = CASES[name]
     cfg = testing.tiny_config(family, **overrides)
     if hw is None:
         hw = testing.random_host_weights(cfg, rng, "fp8_block", shared_fmt=shared_fmt)
-    layer = MoeLayer(cfg, hw, max_tokens=MAX_TOKENS, fp8_compute="w8a8")
+    layer = MoeLayer(cfg, hw, max_tokens=MAX_TOKENS, fp8_compute="w8a8", keep_w8a8_activation=keep)
     assert layer.fp8_compute == "w8a8"
     return cfg, hw, layer
 
@@ -73,9 +75,9 @@ def test_tma_w8a8_matches_the_reference_stage_by_stage(name, rng):
 def test_the_same_bits_as_the_cp_async_kernel(name, rng, monkeypatch):
     """Both kernels run the same products, promotions and epilogue per element: one layer each,
     the same weights and inputs, outputs equal bit for bit."""
-    cfg, hw, tma_layer = _case(name, rng)
+    cfg, hw, tma_layer = _case(name, rng, keep=False)
     monkeypatch.setenv("CUPYMOE_SM90_FP8_VARIANT", "cp_async")
-    _, _, ref_layer = _case(name, rng, hw)
+    _, _, ref_layer = _case(name, rng, hw, keep=False)
     assert not ref_layer.plan.fp8_tma_chosen
     for n in TOKENS:
         assert any(k.startswith("grouped_gemm_sm90_fp8<") for k in _expert_kernels(ref_layer, n))
@@ -95,7 +97,7 @@ def test_one_expert_holding_most_rows_and_experts_nobody_chose(name, rng):
 
 @pytest.mark.parametrize("name", ["qwen3_moe-H528-I656", "qwen2_moe"])
 def test_a_captured_graph_replays_the_eager_forward(name, rng):
-    cfg, hw, layer = _case(name, rng)
+    cfg, hw, layer = _case(name, rng, keep=False)
     check_replay_matches_eager(layer, cfg, hw, rng, (67, 1100), "prefill", name)
 
 

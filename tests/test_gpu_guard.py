@@ -31,7 +31,8 @@ def _guarded(monkeypatch, rng, family="qwen2_moe", fmt="bf16", **overrides):
     monkeypatch.setenv("CUPYMOE_GUARD", "1")  # read when the layer is built
     cfg = testing.tiny_config(family, **overrides)
     hw = testing.random_host_weights(cfg, rng, fmt)
-    layer = MoeLayer(cfg, hw, max_tokens=1000, decode_max_tokens=64, atomic_max_tokens=64)
+    # the w8a8 check reads the stored activation (its store a superset of the production kernel's writes)
+    layer = MoeLayer(cfg, hw, max_tokens=1000, decode_max_tokens=64, atomic_max_tokens=64, keep_w8a8_activation=True)
     assert len(layer.scratch.zones) == len(layer.scratch.plan.zones) > 10
     return cfg, hw, layer
 

@@ -49,6 +49,7 @@ def _case(name, rng, **layer_kw):
     layer_kw.setdefault("max_tokens", max(LARGE))
     layer_kw.setdefault("decode_max_tokens", max(SMALL))
     layer_kw.setdefault("atomic_max_tokens", max(SMALL))
+    layer_kw.setdefault("keep_w8a8_activation", True)  # the w8a8 prefill checks read the bf16 activation
     return cfg, hw, MoeLayer(cfg, hw, **layer_kw)
 
 
@@ -335,7 +336,7 @@ def test_from_pretrained_quantized_checkpoint(tmp_path, rng, inspect_scratch, fa
     hw = testing.random_host_weights(cfg, rng, fmt)
     checkpoint.save_layer(tmp_path, testing.hf_config_dict(family), 1, hw)
     want_cfg, loaded = checkpoint.load_layer(tmp_path, 1)
-    layer = MoeLayer.from_pretrained(tmp_path, 1, max_tokens=300)
+    layer = MoeLayer.from_pretrained(tmp_path, 1, max_tokens=300, keep_w8a8_activation=True)
     assert layer.cfg == want_cfg and layer.weights.format == fmt
     assert inspect_scratch(tmp_path, "--layer", 1, "--max-tokens", 300, "--arch", layer.lib.arch) == \
         {300: layer.workspace.nbytes}
@@ -362,7 +363,8 @@ def test_quantized_expert_parallel_partials_sum_to_full_layer(rng, fmt, fp8_comp
     hw = testing.random_host_weights(cfg, rng, fmt, shared_fmt="bf16")
     owner = [e % 2 for e in range(cfg.num_experts)]
     layers = [MoeLayer(cfg.replace(ep_world_size=2, ep_rank=r), hw, max_tokens=300, decode_max_tokens=64,
-                       atomic_max_tokens=64, expert_owner=owner, fp8_compute=fp8_compute) for r in range(2)]
+                       atomic_max_tokens=64, expert_owner=owner, fp8_compute=fp8_compute, keep_w8a8_activation=True)
+              for r in range(2)]
     for path, n in (("decode", 17), ("atomic", 17), ("prefill", 300)):
         x = well_separated_input(cfg, hw, rng, n)
         parts = []

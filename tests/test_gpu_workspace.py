@@ -131,7 +131,7 @@ def test_prebuilt_plans_give_the_bits_of_plans_built_afresh(rng):
     hw = testing.random_host_weights(cfg, rng, "fp8_block")
     from cupymoe import MoeLayer
 
-    layer = MoeLayer(cfg, hw, max_tokens=1000, decode_max_tokens=16, atomic_max_tokens=16)
+    layer = MoeLayer(cfg, hw, max_tokens=1000, decode_max_tokens=16, atomic_max_tokens=16, keep_w8a8_activation=True)
     report = layer.warmup()
     assert report.plans == len(layer._packed) and report.plans >= 16 + 16
     built = len(layer._packed)
