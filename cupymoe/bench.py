@@ -664,44 +664,70 @@ def _time_cell(layers, x, out, n: int, args, warm_s: float = STEADY_WARM_S,
     `lora_ids`: the rows' adapter slots ([n] int32 on the device; 0: the base plans)."""
     import cupy
 
-    cfg = layers[0].cfg
-    k, E = cfg.num_experts_per_tok, cfg.num_experts
     s = cupy.cuda.Stream(non_blocking=True)
-    for L in layers:
-        L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr, lora_ids_ptr=lora_ids)
-    s.synchronize()
-    # every copy holds the same weights, so the last layer's routing is every layer's
-    ids = cupy.ndarray((n, k), cupy.int32, cupy.cuda.MemoryPointer(
-        cupy.cuda.UnownedMemory(layers[-1].scratch.ptr("topk_ids"), n * k * 4, None), 0)).get()
-    touched = len(np.unique(ids[ids < E]))
-    stage_events: list = []
-    s.begin_capture()
-    with record_stage_events(stage_events) if args.stages else contextlib.nullcontext():
+    run = _CapturedRun(layers, x, out, n, args, s, lora_ids)
+    _steady(s, [run], warm_s)
+    times = [run.time_once(args) for _ in range(args.repeats)]
+    return times, run.stage_us(), run.touched
+
+
+class _CapturedRun:
+    """One timed configuration: the layers' forwards captured as one graph (after one eager
+    pass, whose routing gives the touched experts), with its stage events under --stages."""
+
+    def __init__(self, layers, x, out, n: int, args, s, lora_ids: int = 0):
+        import cupy
+
+        cfg = layers[0].cfg
+        k, E = cfg.num_experts_per_tok, cfg.num_experts
+        self.s, self.layers = s, len(layers)
         for L in layers:
             L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr, lora_ids_ptr=lora_ids)
-    g = s.end_capture()
-    g.upload(s)
-    for _ in range(3):
-        g.launch(s)
-    s.synchronize()
-    t0 = time.perf_counter()  # the steady state (module docstring): replays until STEADY_WARM_S has passed
-    while time.perf_counter() - t0 < warm_s:
-        g.launch(s)
         s.synchronize()
-    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(args.repeats):
-        e0.record(s)
+        # every copy holds the same weights, so the last layer's routing is every layer's
+        ids = cupy.ndarray((n, k), cupy.int32, cupy.cuda.MemoryPointer(
+            cupy.cuda.UnownedMemory(layers[-1].scratch.ptr("topk_ids"), n * k * 4, None), 0)).get()
+        self.touched = len(np.unique(ids[ids < E]))
+        self.stage_events: list = []
+        s.begin_capture()
+        with record_stage_events(self.stage_events) if args.stages else contextlib.nullcontext():
+            for L in layers:
+                L.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr, lora_ids_ptr=lora_ids)
+        self.graph = s.end_capture()
+        self.graph.upload(s)
+        for _ in range(3):
+            self.graph.launch(s)
+        s.synchronize()
+
+    def time_once(self, args) -> float:
+        """One repetition: per-layer µs over args.replays replays."""
+        import cupy
+
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record(self.s)
         for _ in range(args.replays):
-            g.launch(s)
-        e1.record(s)
+            self.graph.launch(self.s)
+        e1.record(self.s)
         e1.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / args.replays / len(layers))
-    stage_us: dict[str, float] = {}
-    for st, a, z in stage_events:  # after the last replay: each stage's time, averaged over the layers
-        stage_us[st] = stage_us.get(st, 0.0) + cupy.cuda.get_elapsed_time(a, z) * 1e3 / len(layers)
-    del g
-    return times, stage_us, touched
+        return cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / args.replays / self.layers
+
+    def stage_us(self) -> dict[str, float]:
+        """Each stage's µs in the last replay of this graph, averaged over the layers."""
+        import cupy
+
+        out: dict[str, float] = {}
+        for st, a, z in self.stage_events:
+            out[st] = out.get(st, 0.0) + cupy.cuda.get_elapsed_time(a, z) * 1e3 / self.layers
+        return out
+
+
+def _steady(s, runs: list, warm_s: float) -> None:
+    """The steady state (module docstring): the runs' graphs replayed in turn until warm_s has passed."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warm_s:
+        for r in runs:
+            r.graph.launch(s)
+        s.synchronize()
 
 
 def time_host(layer, x, out, n: int, calls: int = HOST_CALLS) -> dict:
@@ -818,13 +844,15 @@ def cell_input(cfg: MoeConfig, n: int, seed: int):
 
 LORA_ALPHA = 32.0  # the adapters' lora_alpha (scale alpha / r; it changes values, not the time)
 LORA_METHOD = ("each cell timed twice in one run on the same layer copies (built with max_loras=K, "
-               "max_lora_rank=R): base_us with lora_ids_ptr=0 (the base plans), lora_us with the rows' "
+               "max_lora_rank=R), both graphs captured first and their repetitions interleaved (base, "
+               "LoRA, base, ...) after STEADY_WARM_S of both in turn: base_us with lora_ids_ptr=0 (the "
+               "base plans), lora_us with the rows' "
                "adapter ids (row i -> slot i mod K, int32 on the device) passed to every forward inside "
                "the captured graph; the K slots hold cupymoe.lora.random_lora adapters of rank R on "
                "lora_targets (every module the layer has: router, routed experts, shared expert; a w8a8 "
                "layer serves the router's alone); overhead_pct = 100 (lora_us / base_us - 1); the row's "
                "us, floor and touched are the base run's, lora_touched the LoRA run's (the router's "
-               "delta changes the routing)")
+               "delta changes the routing); overhead_paired_pct = 100 (median of lora_i / base_i - 1)")
 
 
 def lora_targets(layer) -> tuple:
@@ -860,9 +888,12 @@ def lora_ids_on_device(n: int, k: int):
 
 
 def lora_columns(base_us: list[float], lora_us: list[float], touched: int) -> dict:
-    """A row's LoRA columns from the two runs' repetitions (medians)."""
+    """A row's LoRA columns from the two runs' interleaved repetitions: the medians' ratio, and
+    the median of each pair's ratio (repetition i of both, timed back to back)."""
     b, l_ = statistics.median(base_us), statistics.median(lora_us)
+    paired = statistics.median(lt / bt for bt, lt in zip(base_us, lora_us))
     return dict(base_us=round(b, 2), lora_us=round(l_, 2), overhead_pct=round(100.0 * (l_ / b - 1.0), 1),
+                overhead_paired_pct=round(100.0 * (paired - 1.0), 1),
                 lora_touched=touched, lora_reps_us=[round(t, 2) for t in lora_us])
 
 
@@ -878,11 +909,23 @@ def lora_meta(args, rows: list[dict]) -> Optional[dict]:
                 method=LORA_METHOD)
 
 
-def _time_lora(layers, x, out, n: int, args) -> dict:
-    """The LoRA run of one cell (after the base run, the GPU already under the same load)."""
+def _time_base_and_lora(layers, x, out, n: int, args) -> dict:
+    """A --lora cell: the base graph and the LoRA graph captured side by side and their
+    repetitions interleaved (base, LoRA, base, ...), so both see the same clocks under the power
+    cap (LORA_METHOD)."""
+    import cupy
+
+    s = cupy.cuda.Stream(non_blocking=True)
     ids = lora_ids_on_device(n, args.lora)
-    times, stage_us, touched = _time_cell(layers, x, out, n, args, lora_ids=int(ids.data.ptr))
-    return dict(lora_times=times, lora_touched=touched, lora_stage_us=stage_us)
+    base = _CapturedRun(layers, x, out, n, args, s)
+    lora = _CapturedRun(layers, x, out, n, args, s, lora_ids=int(ids.data.ptr))
+    _steady(s, [base, lora], STEADY_WARM_S)
+    times, lora_times = [], []
+    for _ in range(args.repeats):
+        times.append(base.time_once(args))
+        lora_times.append(lora.time_once(args))
+    return dict(times=times, stage_us=base.stage_us(), touched=base.touched, lora_times=lora_times,
+                lora_touched=lora.touched, lora_stage_us=lora.stage_us())
 
 
 def _bench_cell(layers, shape: str, fmt: str, n: int, args, ceilings: dict, baselines: dict, torch_peers) -> dict:
@@ -890,8 +933,11 @@ def _bench_cell(layers, shape: str, fmt: str, n: int, args, ceilings: dict, base
     (--lora: timed again with the adapters, lora_columns)."""
     cfg = layers[0].cfg
     x, out = cell_input(cfg, n, args.seed)
-    times, stage_us, touched = _time_cell(layers, x, out, n, args)
-    lora = _time_lora(layers, x, out, n, args) if getattr(args, "lora", 0) else None
+    lora = _time_base_and_lora(layers, x, out, n, args) if getattr(args, "lora", 0) else None
+    if lora:
+        times, stage_us, touched = lora["times"], lora["stage_us"], lora["touched"]
+    else:
+        times, stage_us, touched = _time_cell(layers, x, out, n, args)
     row = bench_row(cfg, shape, fmt, n, touched, times, ceilings, baselines, path=args.path,
                     layers=len(layers), stage_us=stage_us, path_taken=layers[0].select_path(n),
                     w8a8=layers[0].plan.w8a8)

@@ -414,6 +414,8 @@ def test_round_robin_ids_and_the_lora_columns():
     cols = bench.lora_columns([100.0, 102.0, 101.0], [110.0, 111.0, 112.0], touched=37)
     assert cols["base_us"] == 101.0 and cols["lora_us"] == 111.0 and cols["overhead_pct"] == 9.9
     assert cols["lora_touched"] == 37 and cols["lora_reps_us"] == [110.0, 111.0, 112.0]
+    # each pair's ratio: 1.100, 1.088, 1.109 -> the median pair 1.100 (repetitions timed back to back)
+    assert cols["overhead_paired_pct"] == 10.0
 
 
 def test_lora_meta_says_how_and_which_fp8_compute():
