@@ -152,6 +152,9 @@ def add_bench_args(ap) -> None:
                     help="also time each cell with K random adapters in the layer's slots, one a row round-robin "
                          "(lora_ids_ptr inside the captured graph): lora_us, base_us, overhead_pct of the same layer")
     ap.add_argument("--lora-rank", type=_int_at_least(1), default=16, metavar="R", help="the adapters' rank (--lora)")
+    ap.add_argument("--lora-timing", choices=LORA_TIMINGS, default="interleaved",
+                    help="--lora: the base and LoRA repetitions interleaved, or all base repetitions then all LoRA "
+                         "ones (each after its own warm-up)")
     ap.add_argument("--seed", type=int, default=0)
 
 
@@ -842,6 +845,7 @@ def cell_input(cfg: MoeConfig, n: int, seed: int):
 # LoRA (--lora K --lora-rank R): the same layers timed with and without adapters
 # ----------------------------------------------------------------------------------
 
+LORA_TIMINGS = ("interleaved", "sequential")  # --lora-timing
 LORA_ALPHA = 32.0  # the adapters' lora_alpha (scale alpha / r; it changes values, not the time)
 LORA_METHOD = ("each cell timed twice in one run on the same layer copies (built with max_loras=K, "
                "max_lora_rank=R), both graphs captured first and their repetitions interleaved (base, "
@@ -852,7 +856,8 @@ LORA_METHOD = ("each cell timed twice in one run on the same layer copies (built
                "lora_targets (every module the layer has: router, routed experts, shared expert; a w8a8 "
                "layer serves the router's alone); overhead_pct = 100 (lora_us / base_us - 1); the row's "
                "us, floor and touched are the base run's, lora_touched the LoRA run's (the router's "
-               "delta changes the routing); overhead_paired_pct = 100 (median of lora_i / base_i - 1)")
+               "delta changes the routing); overhead_paired_pct = 100 (median of lora_i / base_i - 1); "
+               "timing 'sequential' (--lora-timing): each graph warmed and timed alone, base first")
 
 
 def lora_targets(layer) -> tuple:
@@ -903,6 +908,7 @@ def lora_meta(args, rows: list[dict]) -> Optional[dict]:
         return None
     computes = sorted({r["fp8_compute"] for r in rows if r.get("fp8_compute")})
     return dict(max_loras=args.lora, max_lora_rank=args.lora_rank, adapters=args.lora, rank=args.lora_rank,
+                timing=getattr(args, "lora_timing", "interleaved"),
                 lora_alpha=LORA_ALPHA, ids="row i -> slot i mod K", fp8_compute=computes or None,
                 fp8_note="fp8_block layers are built with fp8_compute='w8a16' unless --fp8-compute names one: "
                          "w8a8 layers serve router adapters alone (lora_targets says so per row)",
@@ -912,11 +918,16 @@ def lora_meta(args, rows: list[dict]) -> Optional[dict]:
 def _time_base_and_lora(layers, x, out, n: int, args) -> dict:
     """A --lora cell: the base graph and the LoRA graph captured side by side and their
     repetitions interleaved (base, LoRA, base, ...), so both see the same clocks under the power
-    cap (LORA_METHOD)."""
+    cap (LORA_METHOD); --lora-timing sequential: each graph timed alone in turn."""
     import cupy
 
-    s = cupy.cuda.Stream(non_blocking=True)
     ids = lora_ids_on_device(n, args.lora)
+    if getattr(args, "lora_timing", "interleaved") == "sequential":
+        times, stage_us, touched = _time_cell(layers, x, out, n, args)
+        lora_times, lora_stage_us, lora_touched = _time_cell(layers, x, out, n, args, lora_ids=int(ids.data.ptr))
+        return dict(times=times, stage_us=stage_us, touched=touched, lora_times=lora_times,
+                    lora_touched=lora_touched, lora_stage_us=lora_stage_us)
+    s = cupy.cuda.Stream(non_blocking=True)
     base = _CapturedRun(layers, x, out, n, args, s)
     lora = _CapturedRun(layers, x, out, n, args, s, lora_ids=int(ids.data.ptr))
     _steady(s, [base, lora], STEADY_WARM_S)

@@ -424,6 +424,8 @@ def test_lora_meta_says_how_and_which_fp8_compute():
     assert (meta["adapters"], meta["rank"], meta["fp8_compute"]) == (4, 16, ["w8a16"])
     assert "inside the captured graph" in meta["method"] and "i mod K" in meta["ids"]
     assert bench.lora_meta(_bench_args(), []) is None
+    assert meta["timing"] == "interleaved"
+    assert bench.lora_meta(_bench_args("--lora", "2", "--lora-timing", "sequential"), [])["timing"] == "sequential"
     row = dict(format="bf16", N=64, us=100.0, floor_us=50.0, pct_of_floor=50.0, TBps=1.0, TFLOPs=1.0, touched=9,
                lora_us=110.0, base_us=100.0, overhead_pct=10.0)
     assert "LoRA 110.0 us (+10.0% over 100.0)" in bench.format_row(row)
