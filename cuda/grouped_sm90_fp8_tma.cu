@@ -23,16 +23,30 @@
 // hence setmaxnreg (without it a third warp on a register file caps a thread at 168).
 #include "fp8_gemm.cuh"
 
-#define F8T_BM 128   // token rows a tile: 64 a consumer warpgroup
 #define F8T_BN 256   // weight rows a tile: two halves of 128
 #define F8T_BK 128   // codes (bytes) a stage row: one 128 x 128 weight scale block
-#define F8T_STAGES 4
 #define F8T_SUB 64   // rows of an A box and of one warpgroup's wgmmas
 #define F8T_BOX 64   // weight rows of a B box
-#define F8T_THREADS 384
-#define PRODUCER_REGS 40
-#define CONSUMER_REGS 232
 #define F8T_MAP_BYTES 128
+
+// The two shapes (WGS consumer warpgroups; cupymoe/catalog.py Fp8TmaShape mirrors it):
+//   WGS 2  128 x 256 tiles, 4 stages, one block an SM: the two warpgroups share each B stage.
+//   WGS 1  64 x 256 tiles, 2 stages, two blocks an SM (80 KB of stages and 128 registers a
+//          thread at launch each; the producer gives back to 32, the consumers take 224): one
+//          block's epilogue and pipeline fill run while the other's wgmmas do, at twice the B
+//          bytes from L2 a product.
+template <int WGS>
+struct Fp8TmaShape {
+    static_assert(WGS == 1 || WGS == 2, "one or two consumer warpgroups");
+    static constexpr int BM = 64 * WGS;  // token rows a tile: 64 a consumer warpgroup
+    static constexpr int STAGES = WGS == 2 ? 4 : 2;
+    static constexpr int THREADS = 128 * (WGS + 1);
+    static constexpr int BLOCKS_PER_SM = 3 - WGS;
+    // registers after setmaxnreg: the consumers take what the producer warpgroup gives back of the
+    // block's launch share (65536 / blocks / threads a thread); 216 / 40 spilled down's consumers
+    static constexpr int CONSUMER_REGS = WGS == 2 ? 232 : 224;
+    static constexpr int PRODUCER_REGS = WGS == 2 ? 40 : 32;
+};
 
 // tensor-map indices (cupymoe/tma.py: FP8_MAPS)
 #define F8T_MAP_A_DOWN 0         // the activation's codes, the routed experts' I columns
@@ -70,13 +84,15 @@ __device__ __forceinline__ void fp8_tma_b(u8* sB, const u8* mapB0, const u8* map
 // masked; a row's products never mix with another's) and zero-filling chunks past K (B's
 // are zeros there: codes times zero stay finite). Thread 0 also brings B by TMA. A thread
 // marks stage kt full LAG steps later, once its copies have landed and it has fenced.
-template <int S>
+template <int S, int BM>
 __device__ __forceinline__ void fp8_gather_producer(const GemmTile& t, u8* sA, u8* sB, u64* full, u64* empty, int KT,
                                                     const u8* in, int H, const int* __restrict__ sorted_row,
                                                     const u8* mapB0, const u8* mapB1, int brow) {
-    constexpr int BM = F8T_BM, BK = F8T_BK, LAG = S - 2, PASS = 128 / 8, RPL = BM / PASS;
-    static_assert(S >= 3, "at least one stage of copies in flight");
-    const int pt = threadIdx.x - 256, c = pt & 7;
+    // LAG: steps a stage's copies stay in flight before it is marked full (two stages: one, so
+    // that the next stage's copies go out before this one's are awaited)
+    constexpr int BK = F8T_BK, LAG = S >= 3 ? S - 2 : S - 1, PASS = 128 / 8, RPL = BM / PASS;
+    static_assert(S >= 2 && LAG >= 1, "at least one stage of copies in flight");
+    const int pt = threadIdx.x - 2 * BM, c = pt & 7;  // the producer warpgroup follows BM / 64 consumer ones
     int src[RPL];  // the thread's rows' input rows, -1 past the tile
 #pragma unroll
     for (int i = 0; i < RPL; ++i) {
@@ -107,12 +123,13 @@ __device__ __forceinline__ void fp8_gather_producer(const GemmTile& t, u8* sA, u
 // inputs' codes and scales, the activation's codes and scales out), then `maps`: the
 // layer's FP8_MAPS (cupymoe/tma.py). STORE_ACT: gate/up also stores the bf16 activation into
 // `out`, as grouped_gemm_sm90_fp8's does.
-template <int MODE, bool STORE_ACT = false>
-__global__ void __launch_bounds__(F8T_THREADS, 1)
+template <int MODE, bool STORE_ACT = false, int WGS = 2>
+__global__ void __launch_bounds__(Fp8TmaShape<WGS>::THREADS, Fp8TmaShape<WGS>::BLOCKS_PER_SM)
 grouped_gemm_sm90_fp8_tma(GEMM_ARGS, const u8* __restrict__ qa, const float* __restrict__ sa,
                           const u8* __restrict__ qa_shared, const float* __restrict__ sa_shared,
                           u8* __restrict__ q_out, float* __restrict__ s_out, const u8* __restrict__ maps) {
-    constexpr int BM = F8T_BM, BN = F8T_BN, BK = F8T_BK, S = F8T_STAGES;
+    using Shape = Fp8TmaShape<WGS>;
+    constexpr int BM = Shape::BM, BN = F8T_BN, BK = F8T_BK, S = Shape::STAGES, CONSUMERS = 128 * WGS;
     static_assert(MODE == MODE_GATE_UP || MODE == MODE_DOWN, "the router keeps grouped_sm90.cu");
     static_assert(MODE == MODE_GATE_UP || !STORE_ACT, "only gate/up has an activation to store");
     extern __shared__ __align__(1024) unsigned char f8t_smem[];
@@ -131,7 +148,7 @@ grouped_gemm_sm90_fp8_tma(GEMM_ARGS, const u8* __restrict__ qa, const float* __r
         for (int s = 0; s < S; ++s) {
             // the producer's arrive.expect_tx, then the bytes (gate/up: and each gathering thread's arrival)
             mbar_init(&full[s], MODE == MODE_GATE_UP ? 1 + 128 : 1);
-            mbar_init(&empty[s], 8);  // every consumer warp, once its wgmmas have read the stage
+            mbar_init(&empty[s], 4 * WGS);  // every consumer warp, once its wgmmas have read the stage
         }
         mbar_init_fence();
     }
@@ -144,15 +161,15 @@ grouped_gemm_sm90_fp8_tma(GEMM_ARGS, const u8* __restrict__ qa, const float* __r
     // the slot's first weight row in its map: routed experts are stacked, t.ncols rows each
     const int brow = (sh ? 0 : t.slot * t.ncols) + t.n0;
 
-    if (threadIdx.x >= 256) {  // ---- the producer warpgroup ----
-        setmaxnreg_dec<PRODUCER_REGS>();
-        if (threadIdx.x == 256) {  // the tensor maps into the TMA unit's cache before their first copies
+    if (threadIdx.x >= CONSUMERS) {  // ---- the producer warpgroup ----
+        setmaxnreg_dec<Shape::PRODUCER_REGS>();
+        if (threadIdx.x == CONSUMERS) {  // the tensor maps into the TMA unit's cache before their first copies
             asm volatile("prefetch.tensormap [%0];\n" ::"l"(mapB0) : "memory");
             if (MODE == MODE_GATE_UP) asm volatile("prefetch.tensormap [%0];\n" ::"l"(mapB1) : "memory");
         }
         if (MODE == MODE_GATE_UP) {
-            fp8_gather_producer<S>(t, sA, sB, full, empty, KT, sh ? qa_shared : qa, H, sorted_row, mapB0, mapB1, brow);
-        } else if (threadIdx.x == 256) {
+            fp8_gather_producer<S, BM>(t, sA, sB, full, empty, KT, sh ? qa_shared : qa, H, sorted_row, mapB0, mapB1, brow);
+        } else if (threadIdx.x == CONSUMERS) {
             const u8* mapA = maps + F8T_MAP_BYTES * (sh ? F8T_MAP_SHARED_A_DOWN : F8T_MAP_A_DOWN);
             const unsigned bytes = (subs * F8T_SUB + BN) * BK;
             for (int kt = 0; kt < KT; ++kt) {
@@ -166,7 +183,7 @@ grouped_gemm_sm90_fp8_tma(GEMM_ARGS, const u8* __restrict__ qa, const float* __r
         }
         return;
     }
-    setmaxnreg_inc<CONSUMER_REGS>();
+    setmaxnreg_inc<Shape::CONSUMER_REGS>();
 
     // ---- consumers: warpgroup wg rows 64 wg .. 64 wg + 63 ----
     const int wg = threadIdx.x / 128, lane = threadIdx.x & 31;

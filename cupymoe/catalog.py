@@ -8,6 +8,7 @@ measurements of cupymoe/tuning.py) or compiles them (cupymoe/jit.py).
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 
@@ -173,7 +174,7 @@ TMA_A_BOX_ROWS = 64  # the TMA kernel's A boxes: one consumer warpgroup's rows
 SM90_QUANT_FORMATS = (WeightFormat.NVFP4, WeightFormat.MXFP4)  # dequantized into its B tiles
 SM90_FP8_TILE = (64, 256, 128, 4)  # grouped_gemm_sm90_fp8: BM, BN, BK bytes, stages
 SM90_FP8_THREADS = 256
-SM90_FP8_TMA_TILE = (128, 256, 128, 4)  # grouped_gemm_sm90_fp8_tma: BM, BN, BK bytes, stages
+SM90_FP8_TMA_TILE = (128, 256, 128, 4)  # grouped_gemm_sm90_fp8_tma (two warpgroups): BM, BN, BK bytes, stages
 SM90_FP8_TMA_THREADS = 384  # two consumer warpgroups and the producer warpgroup
 # The H200 this was tuned on: 132 SMs x 32 warps of the decode kernels (<= 64 registers)
 WARPS_PER_SM = 32
@@ -257,19 +258,61 @@ def lora_grouped_kernel(kernel: str) -> str:
     return "grouped_gemm_lora<" + kernel[len("grouped_gemm<"):]
 
 
-def sm90_fp8_kernel(mode: int, tma: bool = False, keep_activation: bool = False) -> str:
+@dataclass(frozen=True)
+class Fp8TmaShape:
+    """One form of the w8a8 TMA grouped GEMM (grouped_sm90_fp8_tma.cu's Fp8TmaShape<WGS>): `wgs`
+    consumer warpgroups of 64 token rows beside the producer warpgroup, 256 weight rows a tile."""
+
+    wgs: int
+
+    @property
+    def bm(self) -> int:
+        return 64 * self.wgs
+
+    @property
+    def stages(self) -> int:  # two warpgroups: one block an SM; one: two blocks an SM
+        return 4 if self.wgs == 2 else 2
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.wgs + 1)
+
+    def smem_bytes(self) -> int:
+        """Stages of e4m3 A and B tiles, two mbarriers a stage, 1 KB to align."""
+        return self.stages * (self.bm + SM90_FP8_TMA_TILE[1]) * SM90_FP8_TMA_TILE[2] + 16 * self.stages + 1024
+
+
+# the w8a8 TMA GEMM's forms by their knob value (knobs.Sm90Fp8): "tma" 128 x 256 tiles, one block an
+# SM; "tma64" 64 x 256 tiles, two blocks an SM (one block's epilogue under the other's wgmmas)
+FP8_TMA_SHAPES = {"tma": Fp8TmaShape(2), "tma64": Fp8TmaShape(1)}
+
+
+def sm90_fp8_kernel(mode: int, tma: bool = False, keep_activation: bool = False, wgs: int = 2) -> str:
     """The w8a8 grouped GEMM's name expression: grouped_gemm_sm90_fp8<mode> (grouped_sm90_fp8.cu; _tma:
     grouped_sm90_fp8_tma.cu); gate/up that also stores the bf16 activation, which no kernel reads
-    (MoeLayer(keep_w8a8_activation=True): verify reads it), is <0, true>."""
+    (MoeLayer(keep_w8a8_activation=True): verify reads it), is <0, true>; the TMA kernel's one-warpgroup
+    form (wgs 1) is <mode, keep, 1>."""
     assert not keep_activation or mode == GemmMode.GATE_UP, mode
+    assert tma or wgs == 2, wgs
+    if wgs != 2:
+        return f"grouped_gemm_sm90_fp8_tma<{int(mode)}, {'true' if keep_activation else 'false'}, {wgs}>"
     return f"grouped_gemm_sm90_fp8{'_tma' if tma else ''}<{int(mode)}{', true' if keep_activation else ''}>"
 
 
 def sm90_fp8_kernels(tma: bool) -> tuple[str, ...]:
     """Every instance of one w8a8 grouped GEMM (jit.MODULES): gate/up without and with the stored
-    activation, down."""
-    return (sm90_fp8_kernel(GemmMode.GATE_UP, tma), sm90_fp8_kernel(GemmMode.DOWN, tma),
-            sm90_fp8_kernel(GemmMode.GATE_UP, tma, True))
+    activation, down; the TMA kernel's in each of its forms."""
+    forms = [shape.wgs for shape in FP8_TMA_SHAPES.values()] if tma else [2]
+    return tuple(name for wgs in forms for name in (
+        sm90_fp8_kernel(GemmMode.GATE_UP, tma, wgs=wgs), sm90_fp8_kernel(GemmMode.DOWN, tma, wgs=wgs),
+        sm90_fp8_kernel(GemmMode.GATE_UP, tma, True, wgs=wgs)))
+
+
+def sm90_fp8_tma_shape(expr: str) -> Fp8TmaShape:
+    """The form of a grouped_gemm_sm90_fp8_tma name expression (a third template argument: its wgs)."""
+    m = re.fullmatch(r"grouped_gemm_sm90_fp8_tma<\d+(?:, (?:true|false))?(?:, (\d))?>", expr)
+    assert m, expr
+    return Fp8TmaShape(int(m.group(1) or 2))
 
 
 def sm90_fp8_smem_bytes() -> int:
@@ -279,9 +322,8 @@ def sm90_fp8_smem_bytes() -> int:
 
 
 def sm90_fp8_tma_smem_bytes() -> int:
-    """grouped_gemm_sm90_fp8_tma's stages of e4m3 A and B tiles, two mbarriers a stage, 1 KB to align."""
-    bm, bn, bk, st = SM90_FP8_TMA_TILE
-    return st * (bm + bn) * bk + 16 * st + 1024
+    """grouped_gemm_sm90_fp8_tma's (two warpgroups) stages of e4m3 A and B tiles, two mbarriers a stage, 1 KB to align."""
+    return FP8_TMA_SHAPES["tma"].smem_bytes()
 
 
 def sort_place_smem_bytes(n_local: int) -> int:

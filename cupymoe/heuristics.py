@@ -86,9 +86,9 @@ def grouped_config(lp: LayerPlan, n: int) -> str:
 
 
 def sm90_fp8_variant(lp: LayerPlan, n: int) -> str:
-    """The w8a8 grouped GEMM of a prefill of `n` rows: "tma" (grouped_sm90_fp8_tma.cu) where it
-    serves and CUPYMOE_SM90_FP8_VARIANT or the tuning table's entry for the N bucket asks for it,
-    else "cp_async" (grouped_sm90_fp8.cu). The two give the same bits (fp8_gemm.cuh)."""
+    """The w8a8 grouped GEMM of a prefill of `n` rows: "tma" or "tma64" (grouped_sm90_fp8_tma.cu's two
+    forms) where it serves and CUPYMOE_SM90_FP8_VARIANT or the tuning table's entry for the N bucket
+    asks for it, else "cp_async" (grouped_sm90_fp8.cu). All give the same bits (fp8_gemm.cuh)."""
     if not (lp.w8a8 and lp.fp8_tma_ok):
         return "cp_async"
     if lp.sm90_fp8 != Sm90Fp8.AUTO:
@@ -103,10 +103,10 @@ def grouped_kernel(lp: LayerPlan, dev: DeviceFacts, mode: GemmMode, config: str,
     N must run the same instructions); else the mma.sync kernel (quantized weights in their
     streaming configuration)."""
     keep = mode == GemmMode.GATE_UP and lp.keep_w8a8_activation  # the bf16 activation stored too (inspection)
-    if fmt == WeightFormat.FP8_BLOCK and lp.w8a8 and fp8 == "tma":
-        bm, bn = C.SM90_FP8_TMA_TILE[:2]
-        return GroupedKernel(C.sm90_fp8_kernel(mode, True, keep), C.SM90_FP8_TMA_THREADS,
-                             C.sm90_fp8_tma_smem_bytes(), bn, bm)
+    if fmt == WeightFormat.FP8_BLOCK and lp.w8a8 and fp8 in C.FP8_TMA_SHAPES:
+        shape = C.FP8_TMA_SHAPES[fp8]
+        return GroupedKernel(C.sm90_fp8_kernel(mode, True, keep, shape.wgs), shape.threads, shape.smem_bytes(),
+                             C.SM90_FP8_TMA_TILE[1], shape.bm)
     if fmt == WeightFormat.FP8_BLOCK and lp.w8a8:
         bm, bn = C.SM90_FP8_TILE[:2]
         return GroupedKernel(C.sm90_fp8_kernel(mode, False, keep), C.SM90_FP8_THREADS, C.sm90_fp8_smem_bytes(), bn,

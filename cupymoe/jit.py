@@ -414,7 +414,7 @@ def opt_in_smem(expr: str, max_smem: int) -> int:
     if m:
         return C.grouped_smem_bytes(*(int(g) for g in m.groups()))
     if expr.startswith("grouped_gemm_sm90_fp8_tma"):
-        return C.sm90_fp8_tma_smem_bytes()
+        return C.sm90_fp8_tma_shape(expr).smem_bytes()
     if expr.startswith("grouped_gemm_sm90_fp8"):
         return C.sm90_fp8_smem_bytes()
     for v in TUNING.sm90_variants.values():

@@ -44,6 +44,7 @@ class Sm90Fp8(str, enum.Enum):
     AUTO = "auto"  # the tuning table's choice for the shape and N bucket, else cp_async
     CP_ASYNC = "cp_async"  # grouped_sm90_fp8.cu: 64 x 256 tiles, every thread copies
     TMA = "tma"  # grouped_sm90_fp8_tma.cu: 128 x 256 tiles, TMA and a producer warpgroup
+    TMA64 = "tma64"  # ... its 64 x 256 tiles, one consumer warpgroup, two blocks an SM
 
 
 class DecodeRouter(str, enum.Enum):
@@ -133,7 +134,7 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
     "sm90_down_variant": ("CUPYMOE_SM90_DOWN_VARIANT", "the Hopper grouped GEMM variant of down alone", _variant,
                           "auto"),
     "sm90_fp8_variant": ("CUPYMOE_SM90_FP8_VARIANT", "the w8a8 grouped GEMM (prefill, sm_90a): auto | cp_async | "
-                         "tma (128 x 256 tiles by TMA and a producer warpgroup)", _choice(Sm90Fp8), Sm90Fp8.AUTO),
+                         "tma (128 x 256 tiles by TMA and a producer warpgroup) | tma64 (64 x 256 tiles, two blocks an SM)", _choice(Sm90Fp8), Sm90Fp8.AUTO),
     "lora_in_gemm": ("CUPYMOE_LORA_IN_GEMM", "LoRA experts' deltas as extra K of the TMA grouped GEMMs (prefill; "
                      "cupymoe/lora_stack.py): 0 off | 1 (s t as one bf16; default) | 2 (as two bf16 parts); only "
                      "where it can run (forward_plan.lora_stack_parts: rank <= 32, KS <= 128), else the "

@@ -271,7 +271,8 @@ class LayerPlan:
     @property
     def fp8_tma_chosen(self) -> bool:
         """Whether some N of this plan runs the w8a8 TMA GEMM (the layer then encodes its maps)."""
-        return self._runs_somewhere(self.fp8_tma_ok, self.sm90_fp8, Sm90Fp8.TMA, "sm90_fp8")
+        return any(self._runs_somewhere(self.fp8_tma_ok, self.sm90_fp8, form, "sm90_fp8")
+                   for form in (Sm90Fp8.TMA, Sm90Fp8.TMA64))
 
     def _runs_somewhere(self, ok: bool, knob, on, field: str) -> bool:
         """Whether a kernel that may serve (`ok`) runs at some N: its knob set to `on`, or left

@@ -71,7 +71,7 @@ def default_choice(lp: LayerPlan, dev: DeviceFacts, n: int) -> Choice:
     path = choose_path(lp, "auto", n)
     if path == "prefill":
         fp8 = HX.sm90_fp8_variant(lp, n)
-        return Choice(path, None if lp.w8a8 else HX.grouped_config(lp, n), sm90_fp8="tma" if fp8 == "tma" else None)
+        return Choice(path, None if lp.w8a8 else HX.grouped_config(lp, n), sm90_fp8=None if fp8 == "cp_async" else fp8)
     if not lp.w8a8:
         return Choice(path)
     k = lp.cfg.num_experts_per_tok
@@ -95,7 +95,8 @@ def candidates(lp: LayerPlan, n: int) -> list[Choice]:
     grouped = [g for g, ok in (("stream", rows <= STREAM_MAX_ROWS), ("math", rows >= MATH_MIN_ROWS)) if ok]
     if lp.w8a8:
         tma = lp.fp8_tma_ok and rows >= MATH_MIN_ROWS  # its 128-row tiles, like math's
-        out += [Choice("prefill")] + ([Choice("prefill", sm90_fp8="tma")] if tma else [])
+        out += [Choice("prefill")] + ([Choice("prefill", sm90_fp8="tma64")] if lp.fp8_tma_ok else [])
+        out += [Choice("prefill", sm90_fp8="tma")] if tma else []
     else:
         out += [Choice("prefill", g) for g in grouped or ["stream"]]
     return out

@@ -41,7 +41,7 @@ TUNED_PATHS = ("decode", "atomic", "prefill")
 TUNED_GROUPED = ("math", "stream")
 TUNED_W8A8_DECODE = ("mma", "wgmma")
 TUNED_DECODE_KERNEL = ("register", "swapab")
-TUNED_SM90_FP8 = ("cp_async", "tma")
+TUNED_SM90_FP8 = ("cp_async", "tma", "tma64")
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,15 @@ Make the input on the device (the image has ncu):
     ncu -i f.ncu-rep --page source --csv --print-source sass > f.sass.csv
 then here: python scripts/ncu_sass_stalls.py f.sass.csv [lines]
 
-Each kernel with wgmmas is also split at its last HGMMA line (address order): what comes before
-(setup, producer, main loop) and after (the epilogue), as shares of the stall samples and of the
-instructions executed: the epilogue's share decides whether a ping-pong schedule (one warpgroup's
-epilogue under the other's main loop) is worth building (DECISIONS, "Next for #40").
+Each kernel with wgmmas (SASS HGMMA for bf16, QGMMA for fp8) is also split at its last wgmma line
+(address order): what comes before (setup, main loop) and after (the epilogue; and the producer
+warpgroup's code where the compiler placed it after, `--region` splits that off), as shares of the
+stall samples and of the instructions executed: the epilogue's share decides whether a schedule
+that hides it is worth building (DECISIONS, "Next for #40").
 """
 import collections
 import csv
+import re
 import sys
 
 
@@ -35,6 +37,9 @@ def kernels(path):
         yield name, header, rows
 
 
+WGMMA = re.compile(r"\b[HQI]GMMA\.")  # the wgmma's SASS: bf16 / fp16 HGMMA, e4m3 / e5m2 QGMMA, s8 IGMMA
+
+
 def _count(r: dict, key: str) -> int:
     return int((r.get(key) or "0").replace(",", "") or 0)
 
@@ -43,7 +48,7 @@ def regions(rows: list) -> dict | None:
     """Shares of samples and executed instructions before and after the last HGMMA line (None
     without wgmmas)."""
     rows = sorted(rows, key=lambda r: int(r["Address"], 16))
-    last = max((i for i, r in enumerate(rows) if "HGMMA" in r["Source"]), default=None)
+    last = max((i for i, r in enumerate(rows) if WGMMA.search(r["Source"])), default=None)
     if last is None:
         return None
     out = {}
@@ -54,13 +59,28 @@ def regions(rows: list) -> dict | None:
     return out
 
 
+def address_blocks(rows: list, block: int = 0x4000, least: float = 0.005) -> list:
+    """(offset from the kernel's first line, share of samples, instructions executed) of each `block`
+    bytes of SASS holding at least `least` of the samples: where a kernel's regions lie (its main
+    loop, epilogue and producer code are contiguous stretches)."""
+    rows = sorted(rows, key=lambda r: int(r["Address"], 16))
+    base = int(rows[0]["Address"], 16)
+    samples, executed = collections.Counter(), collections.Counter()
+    for r in rows:
+        b = (int(r["Address"], 16) - base) // block * block
+        samples[b] += _count(r, "Warp Stall Sampling (All Samples)")
+        executed[b] += _count(r, "Instructions Executed")
+    total = sum(samples.values()) or 1
+    return [(b, samples[b] / total, executed[b]) for b in sorted(samples) if samples[b] >= least * total]
+
+
 def main(path: str, lines: int = 15) -> None:
     seen = set()
     for name, header, rows in kernels(path):
-        short = name.split("(")[0]
-        if short in seen:  # the same kernel profiled again
+        if name in seen:  # the same kernel profiled again
             continue
-        seen.add(short)
+        seen.add(name)
+        short = name.split("(const")[0]  # the name with its template arguments
         reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
         total = collections.Counter()
         for r in rows:
@@ -71,9 +91,11 @@ def main(path: str, lines: int = 15) -> None:
         print("   " + ", ".join(f"{k[6:]} {v * 100 / samples:.0f}%" for k, v in total.most_common(8) if v))
         split = regions(rows)
         if split:
-            print("   up to the last HGMMA / after it (the epilogue): samples "
+            print("   up to the last wgmma / after it (the epilogue, and code placed after it): samples "
                   f"{split['samples'][0] * 100:.1f}% / {split['samples'][1] * 100:.1f}%, executed "
                   f"{split['executed'][0] * 100:.1f}% / {split['executed'][1] * 100:.1f}%")
+        print("   by 16 KB of SASS (offset: samples, executed): " + ", ".join(
+            f"{b:#x}: {share * 100:.1f}% {ex}" for b, share, ex in address_blocks(rows)))
         top = sorted(rows, key=lambda r: -int(r["Warp Stall Sampling (All Samples)"] or 0))[:lines]
         for r in top:
             s = int(r["Warp Stall Sampling (All Samples)"] or 0)

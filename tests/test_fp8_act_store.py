@@ -54,13 +54,16 @@ def test_production_skips_the_store_and_keeping_it_changes_only_gate_ups_name(pr
 
 
 def test_every_w8a8_instance_is_listed_for_nvrtc_with_its_shared_memory():
-    for tma, smem in ((False, C.sm90_fp8_smem_bytes()), (True, C.sm90_fp8_tma_smem_bytes())):
-        names = C.sm90_fp8_kernels(tma)
-        module = "grouped_sm90_fp8_tma" if tma else "grouped_sm90_fp8"
-        assert jit.MODULES[module].names == names and len(set(names)) == 3
-        assert C.sm90_fp8_kernel(GemmMode.GATE_UP, tma, True) in names
-        for name in names:
-            assert jit.opt_in_smem(name, H200.max_smem) == smem
+    names = C.sm90_fp8_kernels(False)
+    assert jit.MODULES["grouped_sm90_fp8"].names == names and len(set(names)) == 3
+    assert C.sm90_fp8_kernel(GemmMode.GATE_UP, False, True) in names
+    assert all(jit.opt_in_smem(name, H200.max_smem) == C.sm90_fp8_smem_bytes() for name in names)
+    names = C.sm90_fp8_kernels(True)  # three a form of the TMA kernel
+    assert jit.MODULES["grouped_sm90_fp8_tma"].names == names and len(set(names)) == 3 * len(C.FP8_TMA_SHAPES)
+    for shape in C.FP8_TMA_SHAPES.values():
+        form = [C.sm90_fp8_kernel(m, True, keep, shape.wgs) for m, keep in ((0, False), (1, False), (0, True))]
+        assert set(form) <= set(names)
+        assert all(jit.opt_in_smem(name, H200.max_smem) == shape.smem_bytes() for name in form)
     with pytest.raises(AssertionError):  # down has no activation to store
         C.sm90_fp8_kernel(GemmMode.DOWN, False, True)
 
@@ -94,7 +97,7 @@ def test_the_kernels_store_the_activation_only_under_the_flag():
     assert len(stores) == 1 and "if (STORE_ACT && " in stores[0], stores
     for f in ("grouped_sm90_fp8.cu", "grouped_sm90_fp8_tma.cu"):
         kernel = (jit.kernel_dir() / f).read_text()
-        assert "template <int MODE, bool STORE_ACT = false>" in kernel, f
+        assert re.search(r"template <int MODE, bool STORE_ACT = false(, int WGS = 2)?>", kernel), f
         assert re.search(r"fp8_gate_up_act<[^<>]*, STORE_ACT>|emit_gate_up_fp8<[^<>]*, STORE_ACT>", kernel), f
 
 
@@ -118,6 +121,9 @@ def test_the_production_gate_up_has_no_bf16_stores(module):
     off, on = e[f"grouped_gemm_sm90_fp8{tma}<0>"], e[f"grouped_gemm_sm90_fp8{tma}<0, true>"]
     bf16x2 = re.compile(r"st\.global(\.\w+)*\.(u32|b32)\s")
     assert not bf16x2.search(off) and bf16x2.search(on)
+    if tma:  # the one-warpgroup form alike
+        assert not bf16x2.search(e["grouped_gemm_sm90_fp8_tma<0, false, 1>"])
+        assert bf16x2.search(e["grouped_gemm_sm90_fp8_tma<0, true, 1>"])
     for op in ("st.global.u16", "st.global.f32"):
         assert off.count(op) == on.count(op) > 0, op
 

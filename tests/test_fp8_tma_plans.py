@@ -33,6 +33,7 @@ def _experts(plan):
 
 def test_the_knob_is_read_and_refused_by_name():
     assert Knobs().sm90_fp8_variant == Sm90Fp8.AUTO and TMA.sm90_fp8_variant == Sm90Fp8.TMA
+    assert Knobs.from_env({"CUPYMOE_SM90_FP8_VARIANT": "tma64"}).sm90_fp8_variant == Sm90Fp8.TMA64
     with pytest.raises(OptionError, match="CUPYMOE_SM90_FP8_VARIANT='wide'"):
         Knobs.from_env({"CUPYMOE_SM90_FP8_VARIANT": "wide"})
 
@@ -124,20 +125,73 @@ def test_shared_memory_fits_the_opt_in_limit():
         assert jit.opt_in_smem(f"grouped_gemm_sm90_fp8<{m}>", H200.max_smem) == C.sm90_fp8_smem_bytes()
 
 
+def _shape_constants(src: str) -> dict:
+    """Fp8TmaShape<WGS>'s constants as the kernel file spells them (`WGS == 2 ? a : b`, `64 * WGS`, ...),
+    evaluated for WGS 1 and 2: {wgs: {name: value}}."""
+    body = re.search(r"struct Fp8TmaShape \{(.*?)\n\};", src, re.S).group(1)
+    out = {}
+    for wgs in (1, 2):
+        consts = {}
+        for name, expr in re.findall(r"static constexpr int (\w+) = ([^;]+);", body):
+            py = re.sub(r"(.+?) \? (.+?) : (.+)", r"(\2 if \1 else \3)", expr)
+            consts[name] = eval(py, {}, {"WGS": wgs})
+        out[wgs] = consts
+    return out
+
+
 def test_kernel_file_and_catalog_agree():
-    """The kernel's #defines against the catalog's tile, threads and the maps of tma.FP8_MAPS."""
+    """The kernel's #defines and Fp8TmaShape against the catalog's tiles, threads and the maps of tma.FP8_MAPS."""
     src = (jit.kernel_dir() / "grouped_sm90_fp8_tma.cu").read_text()
     define = lambda name: int(re.search(rf"^#define {name} (\d+)", src, re.M).group(1))  # noqa: E731
-    assert (define("F8T_BM"), define("F8T_BN"), define("F8T_BK"), define("F8T_STAGES")) == C.SM90_FP8_TMA_TILE
-    assert define("F8T_THREADS") == C.SM90_FP8_TMA_THREADS
+    shapes = _shape_constants(src)
+    assert (shapes[2]["BM"], define("F8T_BN"), define("F8T_BK"), shapes[2]["STAGES"]) == C.SM90_FP8_TMA_TILE
+    assert shapes[2]["THREADS"] == C.SM90_FP8_TMA_THREADS
+    for shape in C.FP8_TMA_SHAPES.values():
+        k = shapes[shape.wgs]
+        assert (k["BM"], k["STAGES"], k["THREADS"]) == (shape.bm, shape.stages, shape.threads)
+        # blocks_per_sm blocks fit an SM: their shared memory, and the registers setmaxnreg shares out
+        # (the consumers take what the producer gives back of the launch share, a multiple of 8)
+        assert k["BLOCKS_PER_SM"] * (shape.smem_bytes() + 1024) <= 228 * 1024
+        share = 65536 // k["BLOCKS_PER_SM"] // k["THREADS"] // 8 * 8
+        assert 128 * shape.wgs * k["CONSUMER_REGS"] + 128 * k["PRODUCER_REGS"] <= share * k["THREADS"]
+        assert k["PRODUCER_REGS"] % 8 == 0 and k["CONSUMER_REGS"] % 8 == 0
     assert define("F8T_BOX") == define("F8T_SUB") == tma.FP8_BOX_ROWS
     assert define("F8T_MAP_BYTES") == tma.MAP_BYTES
     maps = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(r"#define F8T_MAP_(\w+) (\d+)", src)
             if m.group(1) != "BYTES"}
     assert maps == {name: i for i, name in enumerate(tma.FP8_MAPS)}
-    # the register split setmaxnreg makes: 2 consumer warps and the producer warp on a register file
-    prod, cons = define("PRODUCER_REGS"), define("CONSUMER_REGS")
-    assert 2 * 32 * cons + 32 * prod <= 16384 and prod % 8 == 0 and cons % 8 == 0
+
+
+@pytest.mark.parametrize("preset, n", [("qwen3-30b-a3b", 256), ("qwen3-30b-a3b", 4096), ("deepseek-v3", 1024),
+                                       ("mixtral-8x7b", 64)])
+def test_tma64_names_its_form_with_64_row_tiles(preset, n):
+    """CUPYMOE_SM90_FP8_VARIANT=tma64: <mode, false, 1> on the cp.async kernel's 64-row tile list,
+    256 threads, two stages' shared memory; every other argument the cp.async kernel's."""
+    cfg = bench.preset_config(preset)
+    lp = _lp(cfg, Knobs.from_env({"CUPYMOE_SM90_FP8_VARIANT": "tma64"}))
+    assert lp.fp8_tma_chosen and HX.sm90_fp8_variant(lp, n) == "tma64"
+    plan = build_forward_plan(lp, H200, n, Path.PREFILL).at(n)
+    gate_up, down = _experts(plan)
+    assert gate_up.kernel == "grouped_gemm_sm90_fp8_tma<0, false, 1>"
+    assert down.kernel == "grouped_gemm_sm90_fp8_tma<1, false, 1>"
+    shape = C.FP8_TMA_SHAPES["tma64"]
+    assert (shape.bm, shape.threads, shape.stages) == (64, 256, 2)
+    tiles = C.max_tiles(n, cfg.num_experts_per_tok, lp.n_local, cfg.has_shared_expert, 64)
+    assert gate_up.grid == (-(-lp.i_max // 128), tiles) and down.grid == (-(-cfg.hidden_size // 256), tiles)
+    for launch in (gate_up, down):
+        assert launch.block == (256,) and launch.smem == shape.smem_bytes() == jit.opt_in_smem(launch.kernel, 0)
+        assert launch.arg("maps") == FP8_MAPS
+    ref = build_forward_plan(_lp(cfg, Knobs()), H200, n, Path.PREFILL).at(n)
+    for a, b in zip((gate_up, down), _experts(ref)):  # the cp.async kernel's tiles too
+        assert [x for x in a.args if x.name != "maps"] == list(b.args)
+    names = set(jit.MODULES["grouped_sm90_fp8_tma"].names)
+    assert {gate_up.kernel, down.kernel, C.sm90_fp8_kernel(0, True, True, 1)} <= names
+
+
+def test_the_forms_names_parse_back():
+    for form, shape in C.FP8_TMA_SHAPES.items():
+        for mode, keep in ((0, False), (1, False), (0, True)):
+            assert C.sm90_fp8_tma_shape(C.sm90_fp8_kernel(mode, True, keep, shape.wgs)) == shape, form
 
 
 class _Scratch:

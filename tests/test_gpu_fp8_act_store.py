@@ -70,15 +70,18 @@ def _act_codes(layer, cfg, hw, n) -> dict:
     return out
 
 
-@pytest.mark.parametrize("variant", ["cp_async", "tma"])
+@pytest.mark.parametrize("variant", ["cp_async", "tma", "tma64"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_store_changes_no_output_bit_and_no_code(name, variant, rng, monkeypatch):
     cfg, hw, off, on = _pair(name, rng, variant, monkeypatch)
-    tma = "_tma" if variant == "tma" and off.plan.fp8_tma_ok else ""
+    tma = "_tma" if variant != "cp_async" and off.plan.fp8_tma_ok else ""
+    form = ", 1" if tma and variant == "tma64" else ""
     for n in TOKENS:
         gate_up = [[k for k in testing.expert_kernels(layer, n, "prefill") if k.startswith("grouped_gemm_sm90_fp8")][0]
                    for layer in (off, on)]
-        assert gate_up == [f"grouped_gemm_sm90_fp8{tma}<0>", f"grouped_gemm_sm90_fp8{tma}<0, true>"], (n, gate_up)
+        names = ([f"grouped_gemm_sm90_fp8_tma<0, false{form}>", f"grouped_gemm_sm90_fp8_tma<0, true{form}>"] if form
+                 else [f"grouped_gemm_sm90_fp8{tma}<0>", f"grouped_gemm_sm90_fp8{tma}<0, true>"])
+        assert gate_up == names, (n, gate_up)
         x = well_separated_input(cfg, hw, rng, n)
         a = run_layer(off, x, "prefill")
         codes_off = _act_codes(off, cfg, hw, n)

@@ -1,5 +1,5 @@
-"""GPU: the w8a8 TMA grouped GEMM (cuda/grouped_sm90_fp8_tma.cu, CUPYMOE_SM90_FP8_VARIANT=tma)
-on the prefill path: checked stage by stage against cupymoe.reference (verify.check_w8a8) at
+"""GPU: the w8a8 TMA grouped GEMM (cuda/grouped_sm90_fp8_tma.cu, CUPYMOE_SM90_FP8_VARIANT=tma and
+its 64-row form tma64) on the prefill path: checked stage by stage against cupymoe.reference (verify.check_w8a8) at
 awkward N (1, 67, 300, 1100) and K (H = 96, 160 and 528: under one 128-code step, a step and a
 quarter, five steps wrapping the 4-stage ring with a 16-code tail; I = 64, 80 and 656, down's six
 steps wrapping it too), gate/up
@@ -33,11 +33,14 @@ TOKENS = (1, 67, 300, 1100)
 MAX_TOKENS = 1100
 
 
-@pytest.fixture(autouse=True)
-def _tma(monkeypatch):
+@pytest.fixture(autouse=True, params=["tma", "tma64"])
+def form(request, monkeypatch):
+    """Each test on both forms of the kernel: 128-row tiles (4 stages, one block an SM) and 64-row
+    tiles (2 stages, two blocks an SM)."""
     if not testing.on_sm90a():
         pytest.skip("w8a8 needs sm_90a")
-    monkeypatch.setenv("CUPYMOE_SM90_FP8_VARIANT", "tma")
+    monkeypatch.setenv("CUPYMOE_SM90_FP8_VARIANT", request.param)
+    return request.param
 
 
 def _case(name, rng, hw=None, keep=True):
@@ -59,12 +62,13 @@ def _expert_kernels(layer, n):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_tma_w8a8_matches_the_reference_stage_by_stage(name, rng):
+def test_tma_w8a8_matches_the_reference_stage_by_stage(name, rng, form):
     cfg, hw, layer = _case(name, rng)
     assert layer.plan.fp8_tma_chosen
     for n in TOKENS:
         kernels = _expert_kernels(layer, n)
         assert sum(k.startswith("grouped_gemm_sm90_fp8_tma<") for k in kernels) == 2, (n, kernels)
+        assert all(k.endswith(", 1>") == (form == "tma64") for k in kernels if "_tma<" in k), kernels
         x = well_separated_input(cfg, hw, rng, n)
         c = check(run_layer(layer, x, "prefill"), cfg, hw, x, "prefill", layer=layer)
         assert c.ok, f"{name} N={n} prefill on the TMA w8a8 GEMM: {c}"
@@ -101,7 +105,7 @@ def test_a_captured_graph_replays_the_eager_forward(name, rng):
     check_replay_matches_eager(layer, cfg, hw, rng, (67, 1100), "prefill", name)
 
 
-def test_a_plan_forced_after_construction_encodes_the_maps(rng, monkeypatch):
+def test_a_plan_forced_after_construction_encodes_the_maps(rng, monkeypatch, form):
     """python -m cupymoe tune forces a built layer's plan onto the TMA kernel: the maps are
     encoded on first use."""
     from cupymoe import tune
@@ -111,10 +115,11 @@ def test_a_plan_forced_after_construction_encodes_the_maps(rng, monkeypatch):
     cfg, hw, layer = _case("qwen3_moe-H528-I656", rng)
     assert not layer.plan.fp8_tma_chosen and layer._maps.get("fp8_maps") is None
     n = 1100
-    layer.plan = tune.forced(layer.plan, n, Choice("prefill", sm90_fp8="tma"))
+    layer.plan = tune.forced(layer.plan, n, Choice("prefill", sm90_fp8=form))
     layer._packed.clear()
     layer._by_n.clear()
-    assert all(k.startswith("grouped_gemm_sm90_fp8_tma<") for k in _expert_kernels(layer, n))
+    assert all(k.startswith("grouped_gemm_sm90_fp8_tma<") and k.endswith(", 1>") == (form == "tma64")
+               for k in _expert_kernels(layer, n))
     x = well_separated_input(cfg, hw, rng, n)
     c = check(run_layer(layer, x, "prefill"), cfg, hw, x, "prefill", layer=layer)
     assert c.ok and layer._maps.get("fp8_maps") is not None, f"N={n}: {c}"

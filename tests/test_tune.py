@@ -53,20 +53,21 @@ def test_candidates_by_rows_per_expert_and_caps():
     assert label(1024) == ["prefill/math", "prefill/stream"]
     f0, fd = _plans("qwen3-30b-a3b", "fp8_block")
     assert [c.label() for c in tune.candidates(f0, 16)] == ["decode/mma", "decode/wgmma", "decode/swapab", "atomic",
-                                                            "atomic/swapab", "prefill"]
+                                                            "atomic/swapab", "prefill", "prefill/tma64"]
     # w8a8: every decode kernel up to 256 rows (tune.DECODE_CAP: the GPU tests check them to 255);
-    # the cp.async GEMM, and the TMA one from 16 rows an expert (its tiles are 128 rows)
-    assert [c.label() for c in tune.candidates(f0, 128)] == ["decode/mma", "decode/wgmma", "decode/swapab", "prefill"]
+    # the cp.async GEMM and the TMA one's 64-row form, and its 128-row form from 16 rows an expert
+    assert [c.label() for c in tune.candidates(f0, 128)] == ["decode/mma", "decode/wgmma", "decode/swapab", "prefill",
+                                                             "prefill/tma64"]
     assert [c.label() for c in tune.candidates(f0, 256)] == ["decode/mma", "decode/wgmma", "decode/swapab", "prefill",
-                                                             "prefill/tma"]
-    assert [c.label() for c in tune.candidates(f0, 512)] == ["prefill", "prefill/tma"]
+                                                             "prefill/tma64", "prefill/tma"]
+    assert [c.label() for c in tune.candidates(f0, 512)] == ["prefill", "prefill/tma64", "prefill/tma"]
     assert [c.label() for c in tune.distinct(f0, H200, 512, [tune.default_choice(fd, H200, 512)]
-                                             + tune.candidates(f0, 512))] == ["prefill", "prefill/tma"]
+                                             + tune.candidates(f0, 512))] == ["prefill", "prefill/tma64", "prefill/tma"]
     # the sweep's w8a8 plan admits every decode kernel up to SWAPAB_CAP rows
     fwide = plan_layer(bench.preset_config("qwen3-30b-a3b"), "fp8_block", None, "sm_90a",
                        options=LayerOptions(decode_max_tokens=tune.SWAPAB_CAP), knobs=Knobs(), table={})
     assert [c.label() for c in tune.candidates(fwide, 256)] == ["decode/mma", "decode/wgmma", "decode/swapab", "prefill",
-                                                                "prefill/tma"]
+                                                                "prefill/tma64", "prefill/tma"]
 
 
 def test_the_default_choice_is_what_the_layer_runs():
