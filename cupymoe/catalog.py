@@ -174,8 +174,7 @@ TMA_A_BOX_ROWS = 64  # the TMA kernel's A boxes: one consumer warpgroup's rows
 SM90_QUANT_FORMATS = (WeightFormat.NVFP4, WeightFormat.MXFP4)  # dequantized into its B tiles
 SM90_FP8_TILE = (64, 256, 128, 4)  # grouped_gemm_sm90_fp8: BM, BN, BK bytes, stages
 SM90_FP8_THREADS = 256
-SM90_FP8_TMA_TILE = (128, 256, 128, 4)  # grouped_gemm_sm90_fp8_tma (two warpgroups): BM, BN, BK bytes, stages
-SM90_FP8_TMA_THREADS = 384  # two consumer warpgroups and the producer warpgroup
+SM90_FP8_TMA_BN, SM90_FP8_TMA_BK = 256, 128  # grouped_gemm_sm90_fp8_tma, both forms: weight rows a tile, codes a stage row
 # The H200 this was tuned on: 132 SMs x 32 warps of the decode kernels (<= 64 registers)
 WARPS_PER_SM = 32
 
@@ -279,12 +278,15 @@ class Fp8TmaShape:
 
     def smem_bytes(self) -> int:
         """Stages of e4m3 A and B tiles, two mbarriers a stage, 1 KB to align."""
-        return self.stages * (self.bm + SM90_FP8_TMA_TILE[1]) * SM90_FP8_TMA_TILE[2] + 16 * self.stages + 1024
+        return self.stages * (self.bm + SM90_FP8_TMA_BN) * SM90_FP8_TMA_BK + 16 * self.stages + 1024
 
 
 # the w8a8 TMA GEMM's forms by their knob value (knobs.Sm90Fp8): "tma" 128 x 256 tiles, one block an
 # SM; "tma64" 64 x 256 tiles, two blocks an SM (one block's epilogue under the other's wgmmas)
 FP8_TMA_SHAPES = {"tma": Fp8TmaShape(2), "tma64": Fp8TmaShape(1)}
+_TWO = FP8_TMA_SHAPES["tma"]
+SM90_FP8_TMA_TILE = (_TWO.bm, SM90_FP8_TMA_BN, SM90_FP8_TMA_BK, _TWO.stages)  # the two-warpgroup form: BM, BN, BK, stages
+SM90_FP8_TMA_THREADS = _TWO.threads  # two consumer warpgroups and the producer warpgroup
 
 
 def sm90_fp8_kernel(mode: int, tma: bool = False, keep_activation: bool = False, wgs: int = 2) -> str:
@@ -323,7 +325,7 @@ def sm90_fp8_smem_bytes() -> int:
 
 def sm90_fp8_tma_smem_bytes() -> int:
     """grouped_gemm_sm90_fp8_tma's (two warpgroups) stages of e4m3 A and B tiles, two mbarriers a stage, 1 KB to align."""
-    return FP8_TMA_SHAPES["tma"].smem_bytes()
+    return _TWO.smem_bytes()
 
 
 def sort_place_smem_bytes(n_local: int) -> int:

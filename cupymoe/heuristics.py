@@ -106,7 +106,7 @@ def grouped_kernel(lp: LayerPlan, dev: DeviceFacts, mode: GemmMode, config: str,
     if fmt == WeightFormat.FP8_BLOCK and lp.w8a8 and fp8 in C.FP8_TMA_SHAPES:
         shape = C.FP8_TMA_SHAPES[fp8]
         return GroupedKernel(C.sm90_fp8_kernel(mode, True, keep, shape.wgs), shape.threads, shape.smem_bytes(),
-                             C.SM90_FP8_TMA_TILE[1], shape.bm)
+                             C.SM90_FP8_TMA_BN, shape.bm)
     if fmt == WeightFormat.FP8_BLOCK and lp.w8a8:
         bm, bn = C.SM90_FP8_TILE[:2]
         return GroupedKernel(C.sm90_fp8_kernel(mode, False, keep), C.SM90_FP8_THREADS, C.sm90_fp8_smem_bytes(), bn,
