@@ -7,8 +7,8 @@
 #
 #   OUT=/tmp/out bash scripts/device_check.sh
 #   OUT=/tmp/out PARTS="tests verify fp8" bash scripts/device_check.sh   (a subset)
-#   PARTS="tests": the GPU tests in five shards side by side, SHARD_S seconds each (default 420;
-#   ~6.5 minutes in all on a warm H200)
+#   PARTS="tests": the GPU tests in SHARDS (default 12) shards side by side, SHARD_S seconds each
+#   (default 420)
 #   PARTS="equiv": the output bits against an older tree exported (git archive REV cupymoe cuda)
 #   into .old/ (carried), scripts/plan_equivalence.py; PARTS="host": the eager forward's host time
 #   PARTS="tune": the tuning sweep of the six presets, bf16 and fp8_block, N = 16-2048, into
@@ -25,21 +25,24 @@ OUT=$(mktemp -d)
 mkdir -p "$OUT/plots"
 trap 'tar czf "$DEST/check.tgz" -C "$OUT" .' EXIT
 if want tests; then
-  # the kernels built once, then the GPU tests in five shards side by side (serially they take
-  # ~20 minutes; a shard that hits SHARD_S ends without its summary line: say so, never count it)
+  # the kernels built once, then the GPU tests collected and cut into SHARDS contiguous runs of
+  # equal count, side by side (serially they take ~20 minutes; contiguous so a module's fixtures
+  # are built by one or two shards; a shard that hits SHARD_S ends without its summary line: say
+  # so, never count it)
   t0=$(date +%s)
   timeout 200 python3 -m cupymoe kernels > "$OUT/kernels.log" 2>&1
   echo "kernels rc $? ($(( $(date +%s) - t0 )) s)"
-  SHARDS=("tests/test_gpu_layer.py" "tests/test_gpu_quant.py tests/test_gpu_sizes.py tests/test_gpu_router.py tests/test_gpu_routing.py"
-          "tests/test_gpu_lora.py" "tests/test_gpu_swapab.py tests/test_gpu_swapab_fp8.py tests/test_gpu_experts.py tests/test_gpu_fp8_tma.py tests/test_gpu_fp8_act_store.py")
-  ignore=()
-  for i in "${!SHARDS[@]}"; do
-    for f in ${SHARDS[$i]}; do ignore+=("--ignore=$f"); done
-    # shellcheck disable=SC2086  # a shard's files split on purpose
-    timeout "${SHARD_S:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf ${SHARDS[$i]} > "$OUT/gpu_tests_$i.log" 2>&1 &
+  python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only tests 2>/dev/null | grep "::" > "$OUT/gpu_test_ids.txt"
+  mapfile -t ids < "$OUT/gpu_test_ids.txt"
+  shards=${SHARDS:-12}
+  per=$(( (${#ids[@]} + shards - 1) / shards ))
+  echo "gpu tests: ${#ids[@]} collected, $shards shards of <= $per"
+  for ((i = 0; i < shards; i++)); do
+    part=("${ids[@]:$((i * per)):$per}")
+    [ ${#part[@]} -gt 0 ] || continue
+    OMP_NUM_THREADS=2 timeout "${SHARD_S:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf "${part[@]}" \
+      > "$OUT/gpu_tests_$i.log" 2>&1 &
   done
-  timeout "${SHARD_S:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests "${ignore[@]}" \
-    > "$OUT/gpu_tests_${#SHARDS[@]}.log" 2>&1 &
   wait
   for log in "$OUT"/gpu_tests_*.log; do
     last=$(tail -1 "$log")

@@ -107,7 +107,7 @@ def test_tensor_core_decode_with_every_k_split(k_splits, fp8_compute, rng, monke
     activation, the last one quantizes it) and as w8a16. (w8a8 on decode_mma.cu at every N:
     where their grid fills two waves "auto" takes decode_wgmma_a8.cu's kernels, which
     test_w8a8_decode_kernels_by_knob covers.)"""
-    from cupymoe import catalog
+    from cupymoe import catalog, jit  # noqa: F401  (jit's module lists are made on import: every K split, before the patch)
 
     monkeypatch.setattr(catalog, "MMA_DECODE_K_SPLITS", (k_splits,))
     monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "mma")
