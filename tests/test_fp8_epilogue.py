@@ -51,9 +51,23 @@ def test_the_rule_rounds_as_division_on_random_rows():
         assert np.array_equal(_codes(want), _codes(got)), trial
 
 
+def _e4m3_midpoints():
+    """Every point where the e4m3 rounding changes: halfway between neighbouring normal codes
+    ((1 + (2 m + 1) / 16) 2^e, e = -6 .. 8, up to 432: 448 is the largest code) and subnormal ones
+    ((k + 1/2) 2^-9, the last one halfway to 2^-6)."""
+    normal = [(1 + (2 * m + 1) / 16) * 2.0 ** e for e in range(-6, 9) for m in range(8)]
+    return np.array([v for v in normal if v < 464] + [(k + 0.5) * 2.0 ** -9 for k in range(8)])
+
+
+def test_the_midpoints_are_where_the_codes_change():
+    mids = _e4m3_midpoints()
+    below, above = (mids * (1 - 2.0 ** -20)).astype(F32), (mids * (1 + 2.0 ** -20)).astype(F32)
+    assert mids.size == 8 * 15 - 2 + 8 and np.all(_codes(below) + 1 == _codes(above))
+
+
 def test_the_rule_at_e4m3_midpoints():
     rng = np.random.default_rng(8)
-    mids = np.array([(1 + (2 * m + 1) / 16) * 2.0 ** e for e in range(-9, 9) for m in range(16)])
+    mids = _e4m3_midpoints()
     for _ in range(20):
         sc = (np.exp2(rng.uniform(-60, 60, mids.size)) / 448).astype(F32)
         base = (mids * sc.astype(np.float64)).astype(F32)
