@@ -12,7 +12,7 @@ set -u
 DEST=${OUT:?set OUT to a folder for the logs}
 W=$(mktemp -d)
 save() { tar czf "$DEST/probe.tgz" -C "$W" .; }
-for t in no_epi no_promo; do
+for t in ${PROBES:-no_epi no_promo}; do
   mkdir -p "$W/$t" && cp -r cupymoe cuda "$W/$t/"
   python3 - "$W/$t/cuda/grouped_sm90_fp8_tma.cu" "$t" <<'PY'
 import sys
@@ -33,13 +33,13 @@ if which == "no_promo":
 open(path, "w").write(s)
 PY
 done
-for t in . "$W/no_epi" "$W/no_promo"; do
-  PYTHONPATH=$t timeout 150 python3 -m cupymoe kernels > "$W/kernels-$(basename "$t").log" 2>&1 || echo "kernels $t failed"
+for t in . $(for p in ${PROBES:-no_epi no_promo}; do echo "$W/$p"; done); do
+  PYTHONPATH=$t timeout 150 python3 -P -m cupymoe kernels > "$W/kernels-$(basename "$t").log" 2>&1 || echo "kernels $t failed"
 done
 for round in ${ROUNDS:-1 2}; do
-  for t in . "$W/no_epi" "$W/no_promo"; do
+  for t in . $(for p in ${PROBES:-no_epi no_promo}; do echo "$W/$p"; done); do
     name=$([ "$t" = . ] && echo full || basename "$t")
-    CUPYMOE_SM90_FP8_VARIANT=tma PYTHONPATH=$t timeout 60 python3 -m cupymoe bench --preset qwen3-30b-a3b --format fp8_block \
+    CUPYMOE_SM90_FP8_VARIANT=tma PYTHONPATH=$t timeout 60 python3 -P -m cupymoe bench --preset qwen3-30b-a3b --format fp8_block \
       --tokens 4096 16384 --no-peers --repeats 5 --replays 10 --stages --json "$W/$name-$round.json" > "$W/$name-$round.log" 2>&1
     echo "$name round $round:"; grep -E "N=|gate_up|down" "$W/$name-$round.log" | cut -c1-110
     save
