@@ -1019,13 +1019,15 @@ def run_bench(args) -> int:
     skipped: list[dict] = []
     from . import jit
 
+    print(f"cupymoe from {Path(jit.__file__).parent} (sources {jit.tree_digest()})", flush=True)
     print(f"compiling or loading the kernels for {gpu} (cache: {jit.cache_dir()}) ...", flush=True)
     jit.library(cupy.cuda.runtime.getDevice(), progress=lambda line: print("  " + line, flush=True))
     for shape in args.preset:
         cfg = preset_config(shape, routed_only=not args.full_layer)
         for fmt in fmts:
             results += _bench_format(shape, cfg, fmt, args, ceilings, baselines, skipped)
-    meta = dict(gpu=gpu, commit=_git_commit(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    meta = dict(gpu=gpu, commit=_git_commit(), sources=jit.tree_digest(),
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 python=platform.python_version(), cupy=cupy.__version__, formats=fmts,
                 full_layer=bool(args.full_layer), **ceilings, ceilings_measured=measured,
                 floors="floor_us: bytes of the format actually touched / copy_TBps vs FLOPs / bf16_TFLOPs "

@@ -235,6 +235,19 @@ class CompiledModule:
         return self._resources
 
 
+def tree_digest() -> str:
+    """12 hex digits over the imported package's Python files, its data and its cuda/ kernels: which
+    tree a result came from where commits read alike (a copy without .git, uncommitted changes, or a
+    PYTHONPATH that `python -m` overrode with the working folder)."""
+    pkg, kd = Path(__file__).resolve().parent, kernel_dir()
+    files = [(f.relative_to(pkg).as_posix(), f) for f in sorted(pkg.rglob("*")) if f.suffix in (".py", ".json")]
+    files += [("cuda/" + f.name, f) for f in sorted(kd.iterdir()) if f.suffix in (".cu", ".cuh")]
+    h = hashlib.sha256()
+    for name, f in files:
+        h.update(name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def _source_digest(spec: ModuleSpec, options: Iterable[str], arch: str, version: tuple[int, int]) -> str:
     h = hashlib.sha256()
     kd = kernel_dir()

@@ -271,6 +271,7 @@ def run_tune(args) -> int:
 
     ceilings, measured = resolve_ceilings(args.measure_ceilings)
     gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"cupymoe from {Path(jit.__file__).parent} (sources {jit.tree_digest()})", flush=True)
     jit.library(cupy.cuda.runtime.getDevice(), progress=lambda line: print("  " + line, flush=True))
     path = Path(args.json) if args.json else Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-tune.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -292,10 +293,12 @@ def _write_result(path: Path, args, gpu: str, cells: list, skipped: list, ceilin
     """The result file of the cells so far (meta, cells, table rows); returns the rows."""
     import cupy
 
+    from . import jit
     from .bench import _git_commit
 
     command = sweep_command(args)
-    meta = dict(gpu=gpu, commit=_git_commit(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    meta = dict(gpu=gpu, commit=_git_commit(), sources=jit.tree_digest(),
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 python=platform.python_version(), cupy=cupy.__version__, command=command, **ceilings,
                 ceilings_measured=measured, seconds=round(seconds, 1), skipped=skipped or None,
                 method=f"bench's cells (CUDA-graph replays over the layer copies, the median of {args.repeats} "

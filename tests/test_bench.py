@@ -471,3 +471,26 @@ def test_the_recorded_commit_is_the_trees_own(tmp_path, monkeypatch):
     assert bench._git_commit(tmp_path / "no-repo-here") == "unknown"
     monkeypatch.setenv("CUPYMOE_COMMIT", "abc1234")
     assert bench._git_commit(outer / "copy") == "abc1234"
+
+
+def test_the_tree_digest_names_the_imported_sources(tmp_path):
+    """Results carry jit.tree_digest(): the same for the same sources, another for a copy whose
+    kernels differ, and the copy's own when PYTHONPATH names it under `python -P` (plain `python -m`
+    from a checkout's root would import the checkout's package instead)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from cupymoe import jit
+
+    root = jit.kernel_dir().parent
+    digest = jit.tree_digest()
+    assert len(digest) == 12 and int(digest, 16) >= 0 and jit.tree_digest() == digest
+    for d in ("cupymoe", "cuda"):
+        shutil.copytree(root / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    probe = [sys.executable, "-P", "-c", "from cupymoe import jit; print(jit.tree_digest())"]
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    run = lambda: subprocess.run(probe, env=env, cwd=root, capture_output=True, text=True, check=True).stdout.strip()  # noqa: E731
+    assert run() == digest
+    (tmp_path / "cuda" / "common.cuh").write_text((tmp_path / "cuda" / "common.cuh").read_text() + "\n// changed\n")
+    assert run() != digest
