@@ -473,6 +473,7 @@ def test_the_recorded_commit_is_the_trees_own(tmp_path, monkeypatch):
     assert bench._git_commit(outer / "copy") == "abc1234"
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P (3.11+): what the A/B scripts run on the device")
 def test_the_tree_digest_names_the_imported_sources(tmp_path):
     """Results carry jit.tree_digest(): the same for the same sources, another for a copy whose
     kernels differ, and the copy's own when PYTHONPATH names it under `python -P` (plain `python -m`
@@ -494,3 +495,26 @@ def test_the_tree_digest_names_the_imported_sources(tmp_path):
     assert run() == digest
     (tmp_path / "cuda" / "common.cuh").write_text((tmp_path / "cuda" / "common.cuh").read_text() + "\n// changed\n")
     assert run() != digest
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P (3.11+): what the A/B scripts run on the device")
+def test_ab_bench_refuses_two_trees_with_the_same_sources(tmp_path):
+    """scripts/ab_bench.sh compares the trees' source digests before any GPU work: two copies of
+    one tree stop it (exit 3), whatever the working folder."""
+    import shutil
+    import subprocess
+
+    from cupymoe import jit
+
+    root = jit.kernel_dir().parent
+    for name in ("a", "b"):
+        for d in ("cupymoe", "cuda"):
+            shutil.copytree(root / d, tmp_path / name / d, ignore=shutil.ignore_patterns("__pycache__"))
+    import os
+    import sys
+
+    env = {**os.environ, "OUT": str(tmp_path), "A": str(tmp_path / "a"), "B": str(tmp_path / "b"),
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}  # this python3
+    done = subprocess.run(["bash", str(root / "scripts" / "ab_bench.sh"), "--tokens", "1"], env=env, cwd=root,
+                          capture_output=True, text=True)
+    assert done.returncode == 3 and "same sources" in done.stderr, (done.returncode, done.stdout, done.stderr)
