@@ -1019,7 +1019,7 @@ def run_bench(args) -> int:
     skipped: list[dict] = []
     from . import jit
 
-    print(f"cupymoe from {Path(jit.__file__).parent} (sources {jit.tree_digest()})", flush=True)
+    print(jit.tree_line(), flush=True)
     print(f"compiling or loading the kernels for {gpu} (cache: {jit.cache_dir()}) ...", flush=True)
     jit.library(cupy.cuda.runtime.getDevice(), progress=lambda line: print("  " + line, flush=True))
     for shape in args.preset:

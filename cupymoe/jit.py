@@ -13,6 +13,7 @@ atomic (temp file + rename): processes starting at once at worst compile twice.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -235,6 +236,7 @@ class CompiledModule:
         return self._resources
 
 
+@functools.cache  # the imported sources do not change within a process
 def tree_digest() -> str:
     """12 hex digits over the imported package's Python files, its data and its cuda/ kernels: which
     tree a result came from where commits read alike (a copy without .git, uncommitted changes, or a
@@ -246,6 +248,11 @@ def tree_digest() -> str:
     for name, f in files:
         h.update(name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:12]
+
+
+def tree_line() -> str:
+    """The console's first words of a run: which package it imported, and its sources' digest."""
+    return f"cupymoe from {Path(__file__).resolve().parent} (sources {tree_digest()})"
 
 
 def _source_digest(spec: ModuleSpec, options: Iterable[str], arch: str, version: tuple[int, int]) -> str:

@@ -271,7 +271,7 @@ def run_tune(args) -> int:
 
     ceilings, measured = resolve_ceilings(args.measure_ceilings)
     gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"cupymoe from {Path(jit.__file__).parent} (sources {jit.tree_digest()})", flush=True)
+    print(jit.tree_line(), flush=True)
     jit.library(cupy.cuda.runtime.getDevice(), progress=lambda line: print("  " + line, flush=True))
     path = Path(args.json) if args.json else Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-tune.json"
     path.parent.mkdir(parents=True, exist_ok=True)

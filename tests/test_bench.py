@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 
@@ -473,24 +475,28 @@ def test_the_recorded_commit_is_the_trees_own(tmp_path, monkeypatch):
     assert bench._git_commit(outer / "copy") == "abc1234"
 
 
+def _copy_tree(dest):
+    """The package and its kernels copied to `dest` (what a carried .old holds)."""
+    from cupymoe import jit
+
+    root = jit.kernel_dir().parent
+    for d in ("cupymoe", "cuda"):
+        shutil.copytree(root / d, dest / d, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    return root
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P (3.11+): what the A/B scripts run on the device")
 def test_the_tree_digest_names_the_imported_sources(tmp_path):
     """Results carry jit.tree_digest(): the same for the same sources, another for a copy whose
     kernels differ, and the copy's own when PYTHONPATH names it under `python -P` (plain `python -m`
     from a checkout's root would import the checkout's package instead)."""
-    import shutil
-    import subprocess
-    import sys
-
     from cupymoe import jit
 
-    root = jit.kernel_dir().parent
     digest = jit.tree_digest()
     assert len(digest) == 12 and int(digest, 16) >= 0 and jit.tree_digest() == digest
-    for d in ("cupymoe", "cuda"):
-        shutil.copytree(root / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    root = _copy_tree(tmp_path)
     probe = [sys.executable, "-P", "-c", "from cupymoe import jit; print(jit.tree_digest())"]
-    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     run = lambda: subprocess.run(probe, env=env, cwd=root, capture_output=True, text=True, check=True).stdout.strip()  # noqa: E731
     assert run() == digest
     (tmp_path / "cuda" / "common.cuh").write_text((tmp_path / "cuda" / "common.cuh").read_text() + "\n// changed\n")
@@ -501,18 +507,8 @@ def test_the_tree_digest_names_the_imported_sources(tmp_path):
 def test_ab_bench_refuses_two_trees_with_the_same_sources(tmp_path):
     """scripts/ab_bench.sh compares the trees' source digests before any GPU work: two copies of
     one tree stop it (exit 3), whatever the working folder."""
-    import shutil
-    import subprocess
-
-    from cupymoe import jit
-
-    root = jit.kernel_dir().parent
-    for name in ("a", "b"):
-        for d in ("cupymoe", "cuda"):
-            shutil.copytree(root / d, tmp_path / name / d, ignore=shutil.ignore_patterns("__pycache__"))
-    import os
-    import sys
-
+    root = _copy_tree(tmp_path / "a")
+    _copy_tree(tmp_path / "b")
     env = {**os.environ, "OUT": str(tmp_path), "A": str(tmp_path / "a"), "B": str(tmp_path / "b"),
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}  # this python3
     done = subprocess.run(["bash", str(root / "scripts" / "ab_bench.sh"), "--tokens", "1"], env=env, cwd=root,
