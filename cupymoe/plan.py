@@ -20,7 +20,7 @@ from . import catalog as C
 from .catalog import GemmMode, WeightFormat
 from .config import MoeConfig
 from .errors import OptionError, PathUnavailableError, UnsupportedFormatError
-from .knobs import Bf16Decode, DecodeRouter, Fp4Decode, Fp8Decode, Knobs, Sm90Fp8, W8a8Decode
+from .knobs import Bf16Decode, DecodeRouter, Fp4Decode, Fp8Decode, Knobs, L2Promotion, Sm90Fp8, W8a8Decode
 from .tuning import TUNING, Choice, TunedBuckets, format_key, n_bucket, shape_key
 
 
@@ -267,6 +267,7 @@ class LayerPlan:
     fp8_tma_ok: bool = False  # w8a8 with every fp8 K and row pitch a multiple of 16 bytes: the TMA GEMM may serve
     # w8a8: the grouped gate/up also stores the bf16 activation, which no kernel reads (verify.W8a8Stages does)
     keep_w8a8_activation: bool = False
+    weight_l2_promotion: L2Promotion = L2Promotion.B256  # the weight tensor maps' (CUPYMOE_WEIGHT_L2_PROMOTION)
 
     @property
     def fp8_tma_chosen(self) -> bool:
@@ -446,6 +447,7 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
         decode_router=knobs.decode_router if arch == "sm_90a" else DecodeRouter.CORES,
         pdl=knobs.pdl and cc >= 90, all_reduce=bool(options.all_reduce), auto_decode_max=auto_dmax, tuned=tuned,
         decode_kernel=knobs.decode_kernel, swapab_ok=swapab_ok, sm90_fp8=knobs.sm90_fp8_variant,
+        weight_l2_promotion=knobs.weight_l2_promotion,
         fp8_tma_ok=fp8 == Fp8Compute.W8A8 and _fp8_tma_fits(cfg, routed, shared, i_max),
         keep_w8a8_activation=fp8 == Fp8Compute.W8A8 and options.keep_w8a8_activation,
     )

@@ -27,7 +27,7 @@ _DTYPE_UINT16 = 1  # bf16 bits; the zero fill is 0 either way
 _DTYPES = {1: _DTYPE_UINT8, 2: _DTYPE_UINT16}  # by element bytes
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
-_L2_PROMOTION_256B = 3
+_L2_PROMOTION = {"none": 0, "64": 1, "128": 2, "256": 3}  # by knobs.L2Promotion value
 _OOB_FILL_ZERO = 0
 
 
@@ -38,13 +38,15 @@ from .errors import TmaError  # noqa: F401 (re-exported)
 class Matrix2D:
     """A row-major matrix in device memory: `rows` rows of `cols` elements of `elem` bytes (2:
     bf16, 1: e4m3 codes), rows `pitch` elements apart (default `cols`; more where a matrix reads
-    the leading columns of a wider buffer, so the zero fill starts at its own K)."""
+    the leading columns of a wider buffer, so the zero fill starts at its own K). `l2_promotion`:
+    how far the L2 widens each box row's read from DRAM ("none", "64", "128", "256" bytes)."""
 
     ptr: int
     rows: int
     cols: int
     pitch: int = 0
     elem: int = 2
+    l2_promotion: str = "256"
 
     @property
     def row_bytes(self) -> int:
@@ -102,7 +104,7 @@ def encode(m: Matrix2D, box_rows: int, what: str = "matrix") -> bytes:
     box = (ctypes.c_uint32 * 2)(m.box_k, box_rows)
     elem = (ctypes.c_uint32 * 2)(1, 1)
     rc = _driver_encode()(ctypes.addressof(out), _DTYPES[m.elem], 2, ctypes.c_void_p(m.ptr), dims, strides, box, elem,
-                          _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO)
+                          _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION[m.l2_promotion], _OOB_FILL_ZERO)
     if rc != 0:
         raise TmaError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for {what}: {m}, box {box_rows} x {m.box_k}")
     return bytes(out)
@@ -138,8 +140,8 @@ def swapab_table(lp, slot_ptrs: dict) -> bytes:
     def one(p, slot, rows, cols, used):
         if not used:
             return bytes(MAP_BYTES)
-        return encode(Matrix2D(int(slot_ptrs[p][slot]), rows, cols, elem=elem[slot]), box,
-                      f"swapab {p} of slot {slot}")
+        return encode(Matrix2D(int(slot_ptrs[p][slot]), rows, cols, elem=elem[slot],
+                               l2_promotion=lp.weight_l2_promotion.value), box, f"swapab {p} of slot {slot}")
 
     return b"".join([one("gate", 0, n * I, H, n), one("up", 0, n * I, H, n), one("down", 0, n * H, I, n),
                      one("gate", n, Is, H, Is), one("up", n, Is, H, Is), one("down", n, H, Is, Is)])
@@ -162,11 +164,13 @@ def layer_table(lp, slot_ptrs: dict, scratch, lora=None) -> bytes:
     xg_rows, act_rows = scratch.nbytes("xg") // (2 * H), scratch.nbytes("act") // (2 * i_max)
     bm = TMA_A_BOX_ROWS
 
+    promo = lp.weight_l2_promotion.value
+
     def routed(p, rows, cols, box, used):
-        return (Matrix2D(int(slot_ptrs[p][0]), n * rows, cols), box) if n and used else None
+        return (Matrix2D(int(slot_ptrs[p][0]), n * rows, cols, l2_promotion=promo), box) if n and used else None
 
     def shared(p, rows, cols, box, used):
-        return (Matrix2D(int(slot_ptrs[p][n]), rows, cols), box) if Is and used else None
+        return (Matrix2D(int(slot_ptrs[p][n]), rows, cols, l2_promotion=promo), box) if Is and used else None
 
     return encode_table([
         (Matrix2D(scratch.ptr("xg"), xg_rows, H), bm) if lp.gathers_rows else None,
@@ -218,8 +222,10 @@ def fp8_table(lp, slot_ptrs: dict, scratch) -> bytes:
     act_rows = scratch.nbytes("qact") // i_max
     box = FP8_BOX_ROWS
 
+    promo = lp.weight_l2_promotion.value
+
     def w(p, slot, rows, cols, used):
-        return (Matrix2D(int(slot_ptrs[p][slot]), rows, cols, elem=1), box) if used else None
+        return (Matrix2D(int(slot_ptrs[p][slot]), rows, cols, elem=1, l2_promotion=promo), box) if used else None
 
     return encode_table([
         (Matrix2D(scratch.ptr("qact"), act_rows, I, i_max, elem=1), box) if n and fp8 else None,

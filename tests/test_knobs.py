@@ -11,7 +11,7 @@ from cupymoe.knobs import DecodeRouter, Fp4Decode, Knobs, W8a8Decode
 BAD = {"build_jobs": "0", "quiet": "yes", "fp4_decode": "tensor", "fp8_decode": "cuda", "w8a8_decode": "tma",
        "decode_router": "tensor", "pdl": "2", "topk_lists": "yes", "mma_down_pairs": "on",
        "mma_blocks_per_sm": "0", "fp4_down_tiles": "-1", "sm90_variant": "fast", "sm90_down_variant": "slim",
-       "math_rows": "0", "gemm_band_cols": "x", "guard": "on"}
+       "math_rows": "0", "gemm_band_cols": "x", "guard": "on", "weight_l2_promotion": "512"}
 
 
 def test_unset_knobs_take_their_defaults():
