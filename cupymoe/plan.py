@@ -267,7 +267,7 @@ class LayerPlan:
     fp8_tma_ok: bool = False  # w8a8 with every fp8 K and row pitch a multiple of 16 bytes: the TMA GEMM may serve
     # w8a8: the grouped gate/up also stores the bf16 activation, which no kernel reads (verify.W8a8Stages does)
     keep_w8a8_activation: bool = False
-    weight_l2_promotion: L2Promotion = L2Promotion.B256  # the weight tensor maps' (CUPYMOE_WEIGHT_L2_PROMOTION)
+    weight_l2_promotion: L2Promotion = L2Promotion.B128  # the weight tensor maps' (CUPYMOE_WEIGHT_L2_PROMOTION)
 
     @property
     def fp8_tma_chosen(self) -> bool:
