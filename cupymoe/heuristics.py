@@ -185,14 +185,31 @@ def swapab_busy_rows(lp: LayerPlan, n_rows: int) -> float:
     return mean + 4.0 * mean ** 0.5 + 2.0
 
 
+def swapab_token_tile(lp: LayerPlan, n_rows: int, fp8: bool) -> int:
+    """The swap-AB decodes' token tile at `n_rows` rows: the tuning table's for the N bucket where it
+    names one the format's kernels have, else the smallest holding swapab_busy_rows."""
+    tiles = C.SWAPAB_FP8_TOKEN_TILES if fp8 else C.SWAPAB_TOKEN_TILES
+    tuned = lp.choice(n_rows).token_tile if n_rows else None
+    return tuned if tuned in tiles else row_tile(swapab_busy_rows(lp, n_rows), tiles)
+
+
+def swapab_tile_candidates(lp: LayerPlan, n_rows: int, fp8: bool) -> tuple[int, ...]:
+    """The token tiles worth timing at `n_rows` rows: from the smallest holding an expert one Poisson
+    deviation above the mean up to the rule's (swapab_busy_rows, four); a smaller tile sends its
+    busier experts through more passes, a larger one carries more token bytes and fewer stages."""
+    tiles = C.SWAPAB_FP8_TOKEN_TILES if fp8 else C.SWAPAB_TOKEN_TILES
+    mean = n_rows * lp.cfg.num_experts_per_tok / max(lp.n_local, 1)
+    lo, hi = row_tile(mean + mean ** 0.5, tiles), row_tile(swapab_busy_rows(lp, n_rows), tiles)
+    return tuple(t for t in tiles if lo <= t <= hi)
+
+
 def swapab_decode_kernel(lp: LayerPlan, stage: str, n_rows: int,
                          fmt: WeightFormat = WeightFormat.BF16) -> DecodeKernel:
-    """decode_swapab_{stage}<NT> (bf16) or decode_swapab_fp8_{stage}<NT> (fp8 as w8a8): NT the
-    smallest token tile of the format's holding swapab_busy_rows (an expert with more, or the
-    shared expert's N rows, takes passes of NT). gate/up: 64 activation columns a block; down:
+    """decode_swapab_{stage}<NT> (bf16) or decode_swapab_fp8_{stage}<NT> (fp8 as w8a8): NT
+    swapab_token_tile's (an expert with more rows, or the shared expert's N rows, takes passes of NT). gate/up: 64 activation columns a block; down:
     128 hidden columns."""
     fp8 = fmt == WeightFormat.FP8_BLOCK
-    nt = row_tile(swapab_busy_rows(lp, n_rows), C.SWAPAB_FP8_TOKEN_TILES if fp8 else C.SWAPAB_TOKEN_TILES)
+    nt = swapab_token_tile(lp, n_rows, fp8)
     columns, per_block = ((lp.i_max, C.SWAPAB_GATE_UP_COLUMNS) if stage == "gate_up"
                           else (lp.cfg.hidden_size, C.SWAPAB_ROWS))
     name = f"decode_swapab_fp8_{stage}<{nt}>" if fp8 else f"decode_swapab_{stage}<{nt}>"

@@ -10,6 +10,8 @@ replays over the copies, the steady state, the median of repetitions). The choic
     w8a8_decode     mma or wgmma (fp8_block as w8a8, on the decode paths)
     decode_kernel   swapab (bf16 and fp8 as w8a8 on sm_90a, decode and atomic paths up to SWAPAB_CAP rows)
                     or the format's other decode kernels
+    token_tile      the swap-AB decodes' token tile: the rule's (heuristics.swapab_busy_rows) and each
+                    smaller one that holds an expert's mean rows
     sm90_fp8        tma (the w8a8 grouped GEMM by TMA, 128 x 256 tiles, on the prefill path) or cp_async
 
 Candidates whose launches equal another's are timed once; where the default (what the
@@ -91,7 +93,11 @@ def candidates(lp: LayerPlan, n: int) -> list[Choice]:
             kernels = ("mma", "wgmma") if lp.w8a8 and path == "decode" else (None,)
             out += [Choice(path, w8a8_decode=w) for w in kernels]
         if lp.swapab_ok and n <= min(cap, SWAPAB_CAP):
-            out.append(Choice(path, decode_kernel="swapab"))
+            # the rule's token tile, then each smaller one that still holds an expert's mean rows
+            rule = HX.swapab_token_tile(replace(lp, tuned=()), n, lp.w8a8)
+            out += [Choice(path, decode_kernel="swapab")]
+            out += [Choice(path, decode_kernel="swapab", token_tile=t)
+                    for t in HX.swapab_tile_candidates(lp, n, lp.w8a8) if t != rule]
     grouped = [g for g, ok in (("stream", rows <= STREAM_MAX_ROWS), ("math", rows >= MATH_MIN_ROWS)) if ok]
     if lp.w8a8:
         tma = lp.fp8_tma_ok and rows >= MATH_MIN_ROWS  # its 128-row tiles, like math's
@@ -141,7 +147,8 @@ def table_rows(cells: list[dict], command: str, result: str) -> list[dict]:
         ch = c["chosen"]
         rows.append(dict(shape=c["shape_key"], format=c["format_key"], n=n_bucket(c["N"]), path=ch["path"],
                          grouped=ch["grouped"], w8a8_decode=ch["w8a8_decode"],
-                         decode_kernel=ch.get("decode_kernel"), sm90_fp8=ch.get("sm90_fp8"), us=ch["us"],
+                         decode_kernel=ch.get("decode_kernel"), sm90_fp8=ch.get("sm90_fp8"),
+                         token_tile=ch.get("token_tile"), us=ch["us"],
                          default=c["default"]["label"], default_us=c["default"]["us"], preset=c["shape"],
                          measured_at=c["N"], result=result, command=command))
     return rows
@@ -205,7 +212,7 @@ def _rel_err(out, ref) -> float:
 def _timed_dict(t: Timed) -> dict:
     return dict(label=t.choice.label(), path=t.choice.path, grouped=t.choice.grouped,
                 w8a8_decode=t.choice.w8a8_decode, decode_kernel=t.choice.decode_kernel, sm90_fp8=t.choice.sm90_fp8,
-                us=t.us,
+                token_tile=t.choice.token_tile, us=t.us,
                 pct_of_floor=t.pct_of_floor, rel_err=t.rel_err)
 
 

@@ -42,6 +42,7 @@ TUNED_GROUPED = ("math", "stream")
 TUNED_W8A8_DECODE = ("mma", "wgmma")
 TUNED_DECODE_KERNEL = ("register", "swapab")
 TUNED_SM90_FP8 = ("cp_async", "tma", "tma64")
+TUNED_TOKEN_TILES = (8, 16, 32, 64, 128)  # the swap-AB decodes' token tiles (catalog.SWAPAB_TOKEN_TILES)
 
 
 @dataclass(frozen=True)
@@ -53,17 +54,23 @@ class Choice:
     w8a8_decode: Optional[str] = None  # the w8a8 decode kernels (decode and atomic)
     decode_kernel: Optional[str] = None  # the bf16 and w8a8 decode kernels (decode and atomic)
     sm90_fp8: Optional[str] = None  # the w8a8 grouped GEMM (prefill)
+    token_tile: Optional[int] = None  # the swap-AB decodes' token tile (None: heuristics.swapab_busy_rows' rule)
 
     def __post_init__(self):
         for name, allowed in (("path", TUNED_PATHS), ("grouped", TUNED_GROUPED), ("w8a8_decode", TUNED_W8A8_DECODE),
-                              ("decode_kernel", TUNED_DECODE_KERNEL), ("sm90_fp8", TUNED_SM90_FP8)):
+                              ("decode_kernel", TUNED_DECODE_KERNEL), ("sm90_fp8", TUNED_SM90_FP8),
+                              ("token_tile", TUNED_TOKEN_TILES)):
             v = getattr(self, name)
             if v is not None and v not in allowed:
                 raise ValueError(f"tuning table: {name}={v!r} must be one of {allowed}")
+        if self.token_tile is not None and self.decode_kernel != "swapab":
+            raise ValueError(f"tuning table: token_tile={self.token_tile} needs decode_kernel='swapab', "
+                             f"found {self.decode_kernel!r}")
 
     def label(self) -> str:
-        return "/".join(v for v in (self.path, self.grouped, self.w8a8_decode, self.decode_kernel, self.sm90_fp8)
-                        if v) or "default"
+        tile = f"nt{self.token_tile}" if self.token_tile else None
+        return "/".join(v for v in (self.path, self.grouped, self.w8a8_decode, self.decode_kernel, tile,
+                                    self.sm90_fp8) if v) or "default"
 
 
 # a layer's entries: (bucket, choice) by rising bucket; bucket b serves b/2 < N <= b
@@ -94,7 +101,8 @@ def parse_by_shape(rows) -> Mapping[tuple[str, str], TunedBuckets]:
         b = int(r["n"])
         if b != n_bucket(b):
             raise ValueError(f"tuning table: by_shape n={b} is not a power of two")
-        c = Choice(r.get("path"), r.get("grouped"), r.get("w8a8_decode"), r.get("decode_kernel"), r.get("sm90_fp8"))
+        c = Choice(r.get("path"), r.get("grouped"), r.get("w8a8_decode"), r.get("decode_kernel"), r.get("sm90_fp8"),
+                   r.get("token_tile"))
         out.setdefault((r["shape"], r["format"]), {})[b] = c
     return {k: tuple(sorted(v.items())) for k, v in out.items()}
 

@@ -47,7 +47,8 @@ def test_candidates_by_rows_per_expert_and_caps():
     assert label(128) == ["prefill/stream"]  # past the plan's decode cap, under 16 rows an expert
     wide = plan_layer(bench.preset_config("qwen3-30b-a3b"), "bf16", None, "sm_90a",
                       options=LayerOptions(decode_max_tokens=tune.SWAPAB_CAP), knobs=Knobs(), table={})
-    assert [c.label() for c in tune.candidates(wide, 128)] == ["decode/swapab", "prefill/stream"]
+    # 8 rows an expert: the rule's token tile (32) and 16, which holds an expert one deviation up
+    assert [c.label() for c in tune.candidates(wide, 128)] == ["decode/swapab", "decode/swapab/nt16", "prefill/stream"]
     assert not any(c.decode_kernel for c in tune.candidates(
         plan_layer(bench.preset_config("qwen3-30b-a3b"), "bf16", None, "sm_80", knobs=Knobs(), table={}), 8))
     assert label(1024) == ["prefill/math", "prefill/stream"]
@@ -56,18 +57,20 @@ def test_candidates_by_rows_per_expert_and_caps():
                                                             "atomic/swapab", "prefill", "prefill/tma64"]
     # w8a8: every decode kernel up to 256 rows (tune.DECODE_CAP: the GPU tests check them to 255);
     # the cp.async GEMM and the TMA one's 64-row form, and its 128-row form from 16 rows an expert
-    assert [c.label() for c in tune.candidates(f0, 128)] == ["decode/mma", "decode/wgmma", "decode/swapab", "prefill",
-                                                             "prefill/tma64"]
-    assert [c.label() for c in tune.candidates(f0, 256)] == ["decode/mma", "decode/wgmma", "decode/swapab", "prefill",
-                                                             "prefill/tma64", "prefill/tma"]
+    assert [c.label() for c in tune.candidates(f0, 128)] == ["decode/mma", "decode/wgmma", "decode/swapab",
+                                                             "decode/swapab/nt16", "prefill", "prefill/tma64"]
+    assert [c.label() for c in tune.candidates(f0, 256)] == ["decode/mma", "decode/wgmma", "decode/swapab",
+                                                             "decode/swapab/nt32", "prefill", "prefill/tma64",
+                                                             "prefill/tma"]
     assert [c.label() for c in tune.candidates(f0, 512)] == ["prefill", "prefill/tma64", "prefill/tma"]
     assert [c.label() for c in tune.distinct(f0, H200, 512, [tune.default_choice(fd, H200, 512)]
                                              + tune.candidates(f0, 512))] == ["prefill", "prefill/tma64", "prefill/tma"]
     # the sweep's w8a8 plan admits every decode kernel up to SWAPAB_CAP rows
     fwide = plan_layer(bench.preset_config("qwen3-30b-a3b"), "fp8_block", None, "sm_90a",
                        options=LayerOptions(decode_max_tokens=tune.SWAPAB_CAP), knobs=Knobs(), table={})
-    assert [c.label() for c in tune.candidates(fwide, 256)] == ["decode/mma", "decode/wgmma", "decode/swapab", "prefill",
-                                                                "prefill/tma64", "prefill/tma"]
+    assert [c.label() for c in tune.candidates(fwide, 256)] == ["decode/mma", "decode/wgmma", "decode/swapab",
+                                                                "decode/swapab/nt32", "prefill", "prefill/tma64",
+                                                                "prefill/tma"]
 
 
 def test_the_default_choice_is_what_the_layer_runs():
@@ -180,3 +183,30 @@ def test_the_tune_arguments_hold_every_field_the_bench_cell_timer_reads():
     for fn in (bench._time_cell, bench.build_layers, bench.cell_input):
         read |= set(re.findall(r"args\.([a-z_]+)", inspect.getsource(fn)))
     assert read and all(hasattr(args, name) for name in read), sorted(n for n in read if not hasattr(args, n))
+
+
+def test_a_tuned_token_tile_reaches_the_swapab_kernels():
+    """A table row's token_tile replaces the rule's tile in the swap-AB launches of its bucket (bf16
+    and fp8 as w8a8); a tile the format's kernels lack (fp8 has none of 128) leaves the rule's;
+    token_tile without decode_kernel='swapab' is refused by name; the label names it."""
+    from dataclasses import replace
+
+    from cupymoe import heuristics as HX
+    from cupymoe.catalog import WeightFormat
+
+    for fmt, fp8 in (("bf16", False), ("fp8_block", True)):
+        lp = plan_layer(bench.preset_config("qwen3-30b-a3b"), fmt, None, "sm_90a",
+                        options=LayerOptions(decode_max_tokens=tune.SWAPAB_CAP), knobs=Knobs(), table={})
+        assert HX.swapab_token_tile(lp, 256, fp8) == 64  # the rule: 16 + 4 x 4 + 2 rows
+        tuned = replace(lp, tuned=((256, Choice("decode", decode_kernel="swapab", token_tile=32)),))
+        assert HX.swapab_token_tile(tuned, 256, fp8) == 32
+        assert HX.swapab_token_tile(tuned, 64, fp8) == 16  # another bucket: the rule's
+        name = HX.swapab_decode_kernel(tuned, "down", 256, WeightFormat.FP8_BLOCK if fp8 else WeightFormat.BF16).name
+        assert name.endswith("<32>"), name
+        too_wide = replace(lp, tuned=((256, Choice("decode", decode_kernel="swapab", token_tile=128)),))
+        assert HX.swapab_token_tile(too_wide, 256, fp8) == (64 if fp8 else 128)
+    with pytest.raises(ValueError, match="token_tile=32 needs decode_kernel='swapab'"):
+        Choice("decode", token_tile=32)
+    with pytest.raises(ValueError, match="token_tile=24"):
+        Choice("decode", decode_kernel="swapab", token_tile=24)
+    assert Choice("decode", decode_kernel="swapab", token_tile=32).label() == "decode/swapab/nt32"

@@ -118,3 +118,15 @@ def test_prefill_buckets_cut_at_the_tables_buckets():
     for a, b, shape in runs:
         assert all(prefill_shape(lp, H200, n) == shape for n in list(range(a, b + 1, 7)) + [b])
     assert [s.grouped_config for _, _, s in runs] == ["stream", "math", "stream", "math"]
+
+
+def test_a_row_names_the_swapab_token_tile():
+    """by_shape rows carry token_tile (the tune's `decode/swapab/ntT` choices) into the Choice."""
+    rows = [dict(shape="H2048 I768 E128/128 k8", format="bf16", n=256, path="decode", decode_kernel="swapab",
+                 token_tile=32),
+            dict(shape="H2048 I768 E128/128 k8", format="bf16", n=128, path="decode", decode_kernel="swapab",
+                 token_tile=None)]
+    buckets = dict(parse_by_shape(rows)[("H2048 I768 E128/128 k8", "bf16")])
+    assert buckets[256].token_tile == 32 and buckets[128].token_tile is None
+    with pytest.raises(ValueError, match="token_tile"):
+        parse_by_shape([{**rows[0], "decode_kernel": None}])
