@@ -193,20 +193,22 @@ def swapab_token_tile(lp: LayerPlan, n_rows: int, fp8: bool) -> int:
     return tuned if tuned in tiles else row_tile(swapab_busy_rows(lp, n_rows), tiles)
 
 
-def swapab_tile_candidates(lp: LayerPlan, n_rows: int, fp8: bool) -> tuple[int, ...]:
-    """The token tiles worth timing at `n_rows` rows: from the smallest holding an expert one Poisson
-    deviation above the mean up to the rule's (swapab_busy_rows, four); a smaller tile sends its
-    busier experts through more passes, a larger one carries more token bytes and fewer stages."""
+def swapab_smaller_tiles(lp: LayerPlan, n_rows: int, fp8: bool) -> tuple[int, ...]:
+    """The token tiles below the rule's (swapab_busy_rows: four Poisson deviations) worth timing at
+    `n_rows` rows: down to the smallest holding an expert one deviation above its mean. A smaller
+    tile sends the busier experts (and a shared expert's N rows) through more passes; a wider one
+    carries more token bytes a stage and, at 64, one stage fewer."""
     tiles = C.SWAPAB_FP8_TOKEN_TILES if fp8 else C.SWAPAB_TOKEN_TILES
     mean = n_rows * lp.cfg.num_experts_per_tok / max(lp.n_local, 1)
-    lo, hi = row_tile(mean + mean ** 0.5, tiles), row_tile(swapab_busy_rows(lp, n_rows), tiles)
-    return tuple(t for t in tiles if lo <= t <= hi)
+    lo, rule = row_tile(mean + mean ** 0.5, tiles), row_tile(swapab_busy_rows(lp, n_rows), tiles)
+    return tuple(t for t in tiles if lo <= t < rule)
 
 
 def swapab_decode_kernel(lp: LayerPlan, stage: str, n_rows: int,
                          fmt: WeightFormat = WeightFormat.BF16) -> DecodeKernel:
     """decode_swapab_{stage}<NT> (bf16) or decode_swapab_fp8_{stage}<NT> (fp8 as w8a8): NT
-    swapab_token_tile's (an expert with more rows, or the shared expert's N rows, takes passes of NT). gate/up: 64 activation columns a block; down:
+    swapab_token_tile's (an expert with more rows, or the shared expert's N rows, takes passes of
+    NT). gate/up: 64 activation columns a block; down:
     128 hidden columns."""
     fp8 = fmt == WeightFormat.FP8_BLOCK
     nt = swapab_token_tile(lp, n_rows, fp8)

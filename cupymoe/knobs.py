@@ -143,9 +143,9 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                           "auto"),
     "sm90_fp8_variant": ("CUPYMOE_SM90_FP8_VARIANT", "the w8a8 grouped GEMM (prefill, sm_90a): auto | cp_async | "
                          "tma (128 x 256 tiles by TMA and a producer warpgroup) | tma64 (64 x 256 tiles, two blocks an SM)", _choice(Sm90Fp8), Sm90Fp8.AUTO),
-    "weight_l2_promotion": ("CUPYMOE_WEIGHT_L2_PROMOTION", "L2 promotion of the expert weights' TMA maps (swap-AB "
-                            "decodes, TMA grouped GEMMs): none | 64 | 128 | 256 bytes (DECISIONS: \"The weight maps' L2 "
-                            "promotion\")", _choice(L2Promotion), L2Promotion.B128),
+    "weight_l2_promotion": ("CUPYMOE_WEIGHT_L2_PROMOTION", "L2 promotion of the expert weights' TMA maps "
+                            "(swap-AB decodes, TMA grouped GEMMs): none | 64 | 128 | 256 bytes (DECISIONS: "
+                            "\"The weight maps' L2 promotion\")", _choice(L2Promotion), L2Promotion.B128),
     "lora_in_gemm": ("CUPYMOE_LORA_IN_GEMM", "LoRA experts' deltas as extra K of the TMA grouped GEMMs (prefill; "
                      "cupymoe/lora_stack.py): 0 off | 1 (s t as one bf16; default) | 2 (as two bf16 parts); only "
                      "where it can run (forward_plan.lora_stack_parts: rank <= 32, KS <= 128), else the "

@@ -39,7 +39,8 @@ class Matrix2D:
     """A row-major matrix in device memory: `rows` rows of `cols` elements of `elem` bytes (2:
     bf16, 1: e4m3 codes), rows `pitch` elements apart (default `cols`; more where a matrix reads
     the leading columns of a wider buffer, so the zero fill starts at its own K). `l2_promotion`:
-    how far the L2 widens each box row's read from DRAM ("none", "64", "128", "256" bytes)."""
+    how far the L2 widens each box row's read from DRAM ("none", "64", "128", "256" bytes): the
+    experts' weight maps take the plan's (CUPYMOE_WEIGHT_L2_PROMOTION), the rest 256."""
 
     ptr: int
     rows: int

@@ -11,7 +11,7 @@ replays over the copies, the steady state, the median of repetitions). The choic
     decode_kernel   swapab (bf16 and fp8 as w8a8 on sm_90a, decode and atomic paths up to SWAPAB_CAP rows)
                     or the format's other decode kernels
     token_tile      the swap-AB decodes' token tile: the rule's (heuristics.swapab_busy_rows) and each
-                    smaller one that holds an expert's mean rows
+                    smaller one that holds an expert one Poisson deviation above its mean rows
     sm90_fp8        tma (the w8a8 grouped GEMM by TMA, 128 x 256 tiles, on the prefill path) or cp_async
 
 Candidates whose launches equal another's are timed once; where the default (what the
@@ -93,11 +93,9 @@ def candidates(lp: LayerPlan, n: int) -> list[Choice]:
             kernels = ("mma", "wgmma") if lp.w8a8 and path == "decode" else (None,)
             out += [Choice(path, w8a8_decode=w) for w in kernels]
         if lp.swapab_ok and n <= min(cap, SWAPAB_CAP):
-            # the rule's token tile, then each smaller one that still holds an expert's mean rows
-            rule = HX.swapab_token_tile(replace(lp, tuned=()), n, lp.w8a8)
+            # the rule's token tile, then each smaller one worth timing
             out += [Choice(path, decode_kernel="swapab")]
-            out += [Choice(path, decode_kernel="swapab", token_tile=t)
-                    for t in HX.swapab_tile_candidates(lp, n, lp.w8a8) if t != rule]
+            out += [Choice(path, decode_kernel="swapab", token_tile=t) for t in HX.swapab_smaller_tiles(lp, n, lp.w8a8)]
     grouped = [g for g, ok in (("stream", rows <= STREAM_MAX_ROWS), ("math", rows >= MATH_MIN_ROWS)) if ok]
     if lp.w8a8:
         tma = lp.fp8_tma_ok and rows >= MATH_MIN_ROWS  # its 128-row tiles, like math's

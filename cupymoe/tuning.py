@@ -8,11 +8,11 @@ the command that measured them (benchmarks/DECISIONS.md has the figures). The pl
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from importlib import resources
 from typing import Mapping, Optional
 
-from .catalog import Sm90Variant
+from .catalog import SWAPAB_TOKEN_TILES, Sm90Variant
 
 TUNING_FILE = "tuning.json"
 
@@ -42,7 +42,7 @@ TUNED_GROUPED = ("math", "stream")
 TUNED_W8A8_DECODE = ("mma", "wgmma")
 TUNED_DECODE_KERNEL = ("register", "swapab")
 TUNED_SM90_FP8 = ("cp_async", "tma", "tma64")
-TUNED_TOKEN_TILES = (8, 16, 32, 64, 128)  # the swap-AB decodes' token tiles (catalog.SWAPAB_TOKEN_TILES)
+TUNED_TOKEN_TILES = SWAPAB_TOKEN_TILES  # the swap-AB decodes' token tiles
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Choice:
                               ("decode_kernel", TUNED_DECODE_KERNEL), ("sm90_fp8", TUNED_SM90_FP8),
                               ("token_tile", TUNED_TOKEN_TILES)):
             v = getattr(self, name)
-            if v is not None and v not in allowed:
+            if v is not None and (v not in allowed or type(v) is not type(allowed[0])):
                 raise ValueError(f"tuning table: {name}={v!r} must be one of {allowed}")
         if self.token_tile is not None and self.decode_kernel != "swapab":
             raise ValueError(f"tuning table: token_tile={self.token_tile} needs decode_kernel='swapab', "
@@ -101,8 +101,7 @@ def parse_by_shape(rows) -> Mapping[tuple[str, str], TunedBuckets]:
         b = int(r["n"])
         if b != n_bucket(b):
             raise ValueError(f"tuning table: by_shape n={b} is not a power of two")
-        c = Choice(r.get("path"), r.get("grouped"), r.get("w8a8_decode"), r.get("decode_kernel"), r.get("sm90_fp8"),
-                   r.get("token_tile"))
+        c = Choice(**{f.name: r.get(f.name) for f in fields(Choice)})
         out.setdefault((r["shape"], r["format"]), {})[b] = c
     return {k: tuple(sorted(v.items())) for k, v in out.items()}
 

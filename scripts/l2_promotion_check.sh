@@ -31,7 +31,9 @@ for round in 1 2; do
   for promo in $promos; do
     run $promo $round q3 --preset qwen3-30b-a3b --format bf16 fp8_block --tokens 16 64 128 1024 4096
     run $promo $round big --preset qwen3-235b-a22b gpt-oss-120b --format bf16 --tokens 64 128 256
-    [ $round = 1 ] && run $promo $round mix --preset mixtral-8x7b --format bf16 --tokens 16 32
-    [ $round = 1 ] && run $promo $round oss8 --preset gpt-oss-120b --format fp8_block --tokens 128 1024
+    if [ $round = 1 ]; then
+      run $promo $round mix --preset mixtral-8x7b --format bf16 --tokens 16 32
+      run $promo $round oss8 --preset gpt-oss-120b --format fp8_block --tokens 128 1024
+    fi
   done
 done

@@ -10,7 +10,8 @@ an SM, 128 weight rows a block) and varies:
   stages  the ring's depth (bytes in flight a block: stages x bks x 16 KB)
   tiled   the matrix laid out in 64 x 64 tiles, each box 8 KB contiguous (the upper bound of a
           repacked layout)
-  promo   the tensor map's L2 promotion (none, 64, 128, 256 bytes; the layer's maps use 256)
+  promo   the tensor map's L2 promotion (none, 128, 256 bytes; the layer's weight maps took 256 before
+          this probe, 128 since: benchmarks/DECISIONS.md "The weight maps' L2 promotion")
 
 and prints each form's TB/s beside the read ceiling (16-byte loads, four in flight; DECISIONS "The
 read ceiling"). Needs a GPU and CuPy.
@@ -18,7 +19,6 @@ read ceiling"). Needs a GPU and CuPy.
     python3 scripts/tma_stream_probe.py [OUT.json]
 """
 
-import ctypes
 import json
 import sys
 from datetime import datetime, timezone
@@ -85,7 +85,6 @@ __global__ void __launch_bounds__(160, 2) stream(const unsigned char* maps, int 
 }
 '''
 
-PROMOS = {"none": 0, "64": 1, "128": 2, "256": 3}
 FORMS = [  # (bks, stages, tiled, promo)
     (1, 5, False, "256"), (1, 5, False, "none"), (1, 5, False, "128"), (1, 3, False, "256"),
     (2, 3, False, "256"), (2, 2, False, "256"), (2, 3, False, "none"),
@@ -94,18 +93,10 @@ FORMS = [  # (bks, stages, tiled, promo)
 
 
 def encode(ptr, rows, cols, promo):
+    """The layer's map of a [rows, cols] bf16 matrix in 64-row boxes, at L2 promotion `promo`."""
     from cupymoe import tma
 
-    out = (ctypes.c_uint8 * 128)()
-    dims = (ctypes.c_uint64 * 2)(cols, rows)
-    strides = (ctypes.c_uint64 * 1)(cols * 2)
-    boxd = (ctypes.c_uint32 * 2)(64, 64)
-    elem = (ctypes.c_uint32 * 2)(1, 1)
-    rc = tma._driver_encode()(ctypes.addressof(out), 1, 2, ctypes.c_void_p(ptr), dims, strides, boxd, elem, 0, 3,
-                              PROMOS[promo], 0)
-    if rc:
-        raise SystemExit(f"cuTensorMapEncodeTiled: CUresult {rc}")
-    return bytes(out)
+    return tma.encode(tma.Matrix2D(ptr, rows, cols, l2_promotion=promo), 64, "probe weights")
 
 
 def main():
@@ -127,7 +118,8 @@ def main():
     sink = cupy.zeros(1, cupy.uint32)
     out = {"meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "sources": jit.tree_digest(),
                     "command": "python3 scripts/tma_stream_probe.py", "bytes": nbytes,
-                    "what": "qwen3-30b-a3b gate+up bf16 weights streamed by 64-row TMA boxes through a swap-AB-shaped ring"},
+                    "what": "qwen3-30b-a3b gate+up bf16 weights streamed by 64-row TMA boxes through a "
+                            "swap-AB-shaped ring"},
            "forms": []}
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     for (bks, stages, tiled, promo), name in zip(FORMS, names):
@@ -154,7 +146,8 @@ def main():
             times.append(cupy.cuda.get_elapsed_time(start, end) / 20 * 1e-3)
         t = float(np.median(times))
         row = {"bks": bks, "stages": stages, "tiled": tiled, "l2_promotion": promo,
-               "bytes_in_flight_a_block": stages * bks * 16384, "us": round(t * 1e6, 1), "TBps": round(nbytes / t / 1e12, 3)}
+               "bytes_in_flight_a_block": stages * bks * 16384, "us": round(t * 1e6, 1),
+               "TBps": round(nbytes / t / 1e12, 3)}
         out["forms"].append(row)
         print(json.dumps(row), flush=True)
     if len(sys.argv) > 1:

@@ -258,13 +258,14 @@ def test_the_weight_maps_take_the_knobs_l2_promotion(monkeypatch):
     with pytest.raises(OptionError, match="CUPYMOE_WEIGHT_L2_PROMOTION='32'"):
         Knobs.from_env({"CUPYMOE_WEIGHT_L2_PROMOTION": "32"})
     cfg = bench.preset_config("qwen3-30b-a3b")
-    lp = dataclasses.replace(_lp(cfg), weight_l2_promotion=L2Promotion.B128)
+    assert _lp(cfg).weight_l2_promotion == L2Promotion.B128  # the default
+    lp = dataclasses.replace(_lp(cfg), weight_l2_promotion=L2Promotion.B64)
     seen = {}
     monkeypatch.setattr(tma, "encode", lambda m, box, what: seen.setdefault(what, m) and bytes(tma.MAP_BYTES))
     ptrs = {p: [0x100000 * (i + 1) for i in range(lp.n_local + lp.has_shared)] for p in ("gate", "up", "down")}
     tma.fp8_table(lp, ptrs, _Scratch({"qact": 4096 * 8 * lp.i_max}))
-    assert {seen[p].l2_promotion for p in ("gate", "up", "down")} == {"128"}
+    assert {seen[p].l2_promotion for p in ("gate", "up", "down")} == {"64"}
     assert seen["a_down"].l2_promotion == "256"
     seen.clear()
     tma.swapab_table(lp, ptrs)
-    assert {m.l2_promotion for m in seen.values()} == {"128"}
+    assert {m.l2_promotion for m in seen.values()} == {"64"}

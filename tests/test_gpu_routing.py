@@ -68,6 +68,14 @@ def _separated(c: np.ndarray, k: int) -> np.ndarray:
     return gaps > 2e-6 * (1.0 + np.abs(top).max(axis=-1))
 
 
+def _chosen_apart(c: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Rows whose chosen experts' scores lie apart by more than float32 resolves: the ids are listed
+    best first, and closer ones may be listed in either order (a selection margin judges only which
+    ids are chosen)."""
+    chosen = c[np.arange(c.shape[0])[:, None], ids]
+    return np.abs(np.diff(chosen, axis=-1)).min(axis=-1) > 2e-6 * (1.0 + np.abs(c).max(axis=-1))
+
+
 def _expected(logits: np.ndarray, k: int, scoring: str, tts: bool, bias, renorm: bool, scale: float):
     l = logits.astype(np.float64)
     rows = np.arange(l.shape[0])[:, None]
@@ -184,11 +192,7 @@ def test_topk_route_groups_as_the_reference(case, variant, rng):
 
     got_ids, got_w = _run_topk_route(variant, logits, bias, k, SCORING[scoring], n_group, topk_group, False, renorm,
                                      scale)
-    tol = 2e-6 * (1.0 + np.abs(c).max(axis=-1))
-    # the ids are listed best first: rows whose chosen scores lie closer than float32 resolves may
-    # list them in either order (the margin judges only which ids are chosen)
-    chosen = c[np.arange(n)[:, None], ids_exp]
-    judged = (margin > tol) & (np.abs(np.diff(chosen, axis=-1)).min(axis=-1) > tol)
+    judged = (margin > 2e-6 * (1.0 + np.abs(c).max(axis=-1))) & _chosen_apart(c, ids_exp)
     if not has_bias:  # every entry tied; k + 2 tied at the top: exact ties in float32 too
         judged[[0, 2]] = True
     assert judged[PLANTED:].mean() > 0.8, f"only {judged[PLANTED:].sum()} of {n - PLANTED} random rows separated"
