@@ -177,18 +177,27 @@ def swapab_decode(lp: LayerPlan, n_rows: int) -> bool:
     return bool(n_rows) and lp.choice(n_rows).decode_kernel == "swapab"
 
 
+def expert_mean_rows(lp: LayerPlan, n_rows: int) -> float:
+    """Rows a routed expert gets on average at `n_rows` rows (k picks a row over the local experts)."""
+    return n_rows * lp.cfg.num_experts_per_tok / max(lp.n_local, 1)
+
+
 def swapab_busy_rows(lp: LayerPlan, n_rows: int) -> float:
     """Rows a busy routed expert gets at `n_rows` rows: the mean plus four of its Poisson
     deviations, plus 2. An expert past its token tile streams its weights once more a pass,
     while a wider tile costs only shared memory and idle tensor-core work."""
-    mean = n_rows * lp.cfg.num_experts_per_tok / max(lp.n_local, 1)
+    mean = expert_mean_rows(lp, n_rows)
     return mean + 4.0 * mean ** 0.5 + 2.0
+
+
+def _swapab_tiles(fp8: bool) -> tuple[int, ...]:
+    return C.SWAPAB_FP8_TOKEN_TILES if fp8 else C.SWAPAB_TOKEN_TILES
 
 
 def swapab_token_tile(lp: LayerPlan, n_rows: int, fp8: bool) -> int:
     """The swap-AB decodes' token tile at `n_rows` rows: the tuning table's for the N bucket where it
     names one the format's kernels have, else the smallest holding swapab_busy_rows."""
-    tiles = C.SWAPAB_FP8_TOKEN_TILES if fp8 else C.SWAPAB_TOKEN_TILES
+    tiles = _swapab_tiles(fp8)
     tuned = lp.choice(n_rows).token_tile if n_rows else None
     return tuned if tuned in tiles else row_tile(swapab_busy_rows(lp, n_rows), tiles)
 
@@ -198,8 +207,7 @@ def swapab_smaller_tiles(lp: LayerPlan, n_rows: int, fp8: bool) -> tuple[int, ..
     `n_rows` rows: down to the smallest holding an expert one deviation above its mean. A smaller
     tile sends the busier experts (and a shared expert's N rows) through more passes; a wider one
     carries more token bytes a stage and, at 64, one stage fewer."""
-    tiles = C.SWAPAB_FP8_TOKEN_TILES if fp8 else C.SWAPAB_TOKEN_TILES
-    mean = n_rows * lp.cfg.num_experts_per_tok / max(lp.n_local, 1)
+    tiles, mean = _swapab_tiles(fp8), expert_mean_rows(lp, n_rows)
     lo, rule = row_tile(mean + mean ** 0.5, tiles), row_tile(swapab_busy_rows(lp, n_rows), tiles)
     return tuple(t for t in tiles if lo <= t < rule)
 

@@ -62,6 +62,11 @@ class Matrix2D:
 _encode = None
 
 
+def weight_matrix(lp, ptr, rows: int, cols: int, elem: int = 2) -> Matrix2D:
+    """An expert weight matrix at the L2 promotion of the layer plan `lp` (CUPYMOE_WEIGHT_L2_PROMOTION)."""
+    return Matrix2D(int(ptr), rows, cols, elem=elem, l2_promotion=lp.weight_l2_promotion.value)
+
+
 def _driver_encode():
     global _encode
     if _encode is None:
@@ -141,8 +146,7 @@ def swapab_table(lp, slot_ptrs: dict) -> bytes:
     def one(p, slot, rows, cols, used):
         if not used:
             return bytes(MAP_BYTES)
-        return encode(Matrix2D(int(slot_ptrs[p][slot]), rows, cols, elem=elem[slot],
-                               l2_promotion=lp.weight_l2_promotion.value), box, f"swapab {p} of slot {slot}")
+        return encode(weight_matrix(lp, slot_ptrs[p][slot], rows, cols, elem[slot]), box, f"swapab {p} of slot {slot}")
 
     return b"".join([one("gate", 0, n * I, H, n), one("up", 0, n * I, H, n), one("down", 0, n * H, I, n),
                      one("gate", n, Is, H, Is), one("up", n, Is, H, Is), one("down", n, H, Is, Is)])
@@ -165,13 +169,11 @@ def layer_table(lp, slot_ptrs: dict, scratch, lora=None) -> bytes:
     xg_rows, act_rows = scratch.nbytes("xg") // (2 * H), scratch.nbytes("act") // (2 * i_max)
     bm = TMA_A_BOX_ROWS
 
-    promo = lp.weight_l2_promotion.value
-
     def routed(p, rows, cols, box, used):
-        return (Matrix2D(int(slot_ptrs[p][0]), n * rows, cols, l2_promotion=promo), box) if n and used else None
+        return (weight_matrix(lp, slot_ptrs[p][0], n * rows, cols), box) if n and used else None
 
     def shared(p, rows, cols, box, used):
-        return (Matrix2D(int(slot_ptrs[p][n]), rows, cols, l2_promotion=promo), box) if Is and used else None
+        return (weight_matrix(lp, slot_ptrs[p][n], rows, cols), box) if Is and used else None
 
     return encode_table([
         (Matrix2D(scratch.ptr("xg"), xg_rows, H), bm) if lp.gathers_rows else None,
@@ -223,10 +225,8 @@ def fp8_table(lp, slot_ptrs: dict, scratch) -> bytes:
     act_rows = scratch.nbytes("qact") // i_max
     box = FP8_BOX_ROWS
 
-    promo = lp.weight_l2_promotion.value
-
     def w(p, slot, rows, cols, used):
-        return (Matrix2D(int(slot_ptrs[p][slot]), rows, cols, elem=1, l2_promotion=promo), box) if used else None
+        return (weight_matrix(lp, slot_ptrs[p][slot], rows, cols, elem=1), box) if used else None
 
     return encode_table([
         (Matrix2D(scratch.ptr("qact"), act_rows, I, i_max, elem=1), box) if n and fp8 else None,

@@ -84,7 +84,7 @@ def default_choice(lp: LayerPlan, dev: DeviceFacts, n: int) -> Choice:
 def candidates(lp: LayerPlan, n: int) -> list[Choice]:
     """Every choice admissible at `n` rows on a layer plan whose caps admit them, pruned by rows an expert."""
     fkey = layer_keys(lp)[1]
-    rows = n * lp.cfg.num_experts_per_tok / max(lp.n_local, 1)
+    rows = HX.expert_mean_rows(lp, n)
     out: list[Choice] = []
     caps = {"decode": lp.decode_max_tokens, "atomic": min(lp.atomic_max_tokens, ATOMIC_CAP)}
     for path, cap in caps.items():
