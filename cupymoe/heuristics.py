@@ -202,6 +202,13 @@ def swapab_token_tile(lp: LayerPlan, n_rows: int, fp8: bool) -> int:
     return tuned if tuned in tiles else row_tile(swapab_busy_rows(lp, n_rows), tiles)
 
 
+def swapab_holds_busy_expert(lp: LayerPlan, n_rows: int, fp8: bool) -> bool:
+    """Whether the format's widest swap-AB token tile holds a busy expert's rows (swapab_busy_rows) at
+    `n_rows` rows: past it every expert streams its weights once a pass, and the grouped GEMMs'
+    tiles are full enough to take over."""
+    return swapab_busy_rows(lp, n_rows) <= _swapab_tiles(fp8)[-1]
+
+
 def swapab_smaller_tiles(lp: LayerPlan, n_rows: int, fp8: bool) -> tuple[int, ...]:
     """The token tiles below the rule's (swapab_busy_rows: four Poisson deviations) worth timing at
     `n_rows` rows: down to the smallest holding an expert one deviation above its mean. A smaller

@@ -8,8 +8,8 @@ replays over the copies, the steady state, the median of repetitions). The choic
     path            decode (up to DECODE_CAP rows), atomic (up to ATOMIC_CAP), prefill
     grouped         math (from MATH_MIN_ROWS rows an expert) or stream (up to STREAM_MAX_ROWS); not w8a8
     w8a8_decode     mma or wgmma (fp8_block as w8a8, on the decode paths)
-    decode_kernel   swapab (bf16 and fp8 as w8a8 on sm_90a, decode and atomic paths up to SWAPAB_CAP rows)
-                    or the format's other decode kernels
+    decode_kernel   swapab (bf16 and fp8 as w8a8 on sm_90a, decode and atomic paths up to SWAPAB_CAP rows,
+                    where the largest token tile holds a busy expert) or the format's other decode kernels
     token_tile      the swap-AB decodes' token tile: the rule's (heuristics.swapab_busy_rows) and each
                     smaller one that holds an expert one Poisson deviation above its mean rows
     sm90_fp8        tma (the w8a8 grouped GEMM by TMA, 128 x 256 tiles, on the prefill path) or cp_async
@@ -41,7 +41,9 @@ from .tuning import Choice, format_key, n_bucket, shape_key
 # decode candidates only up to the rows the GPU tests check that path at (`python -m cupymoe verify`:
 # 64; w8a8 to 255: tests/test_gpu_quant.py test_w8a8_decode_kernels_past_64_rows; fp4: its default cap)
 DECODE_CAP = {"bf16": 64, "fp8_block:w8a8": 256, "fp8_block:w8a16": 64, "nvfp4": 256, "mxfp4": 256}
-SWAPAB_CAP = 256  # bf16 and w8a8 decode candidates on the swap-AB kernels up to this many rows (C.SWAPAB_MAX_ROWS)
+# bf16 and w8a8 decode candidates on the swap-AB kernels up to this many rows (tests/test_gpu_swapab*.py
+# test_swapab_past_256_rows: 2047), where heuristics.swapab_holds_busy_expert
+SWAPAB_CAP = 2048
 ATOMIC_CAP = 16  # the atomic path's fp32 accumulator pays off, if anywhere, at few rows
 MATH_MIN_ROWS = 16  # rows an expert below which 128-row tiles are mostly empty
 STREAM_MAX_ROWS = 1024  # rows an expert above which 64-row tiles only double the weight reads
@@ -92,7 +94,7 @@ def candidates(lp: LayerPlan, n: int) -> list[Choice]:
             # atomic differs from decode only in down's accumulation: its kernels are left to the rule
             kernels = ("mma", "wgmma") if lp.w8a8 and path == "decode" else (None,)
             out += [Choice(path, w8a8_decode=w) for w in kernels]
-        if lp.swapab_ok and n <= min(cap, SWAPAB_CAP):
+        if lp.swapab_ok and n <= min(cap, SWAPAB_CAP) and HX.swapab_holds_busy_expert(lp, n, lp.w8a8):
             # the rule's token tile, then each smaller one worth timing
             out += [Choice(path, decode_kernel="swapab")]
             out += [Choice(path, decode_kernel="swapab", token_tile=t) for t in HX.swapab_smaller_tiles(lp, n, lp.w8a8)]

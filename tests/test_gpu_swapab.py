@@ -66,6 +66,25 @@ def test_one_expert_holding_most_rows_and_experts_nobody_chose(name, rng):
     check_skewed_routing(layer, cfg, hw, rng, (17, 255), "decode", name)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_swapab_past_256_rows(name, rng):
+    """The rows the tune sweep offers the swap-AB decode at (tune.SWAPAB_CAP): every expert's run and
+    the shared expert's N rows in many passes, the lists by the three-pass sort (past 1024 pairs)."""
+    from cupymoe import MoeLayer
+
+    family, overrides = CASES[name]
+    cfg = testing.tiny_config(family, **overrides)
+    hw = testing.random_host_weights(cfg, rng, "bf16")
+    layer = MoeLayer(cfg, hw, max_tokens=2048, decode_max_tokens=2048)
+    for n in (513, 2047):
+        kernels = testing.expert_kernels(layer, n, "decode")
+        assert all(k.startswith("decode_swapab_") for k in kernels), (n, kernels)
+        x = well_separated_input(cfg, hw, rng, n)
+        c = check(run_layer(layer, x, "decode"), cfg, hw, x, "decode", layer=layer)
+        assert c.ok, f"{name} N={n} ({kernels[0]}): {c}"
+    layer.check_errors()
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_a_captured_graph_replays_the_eager_forward(name, rng):
     cfg, hw, layer = _case(name, rng)

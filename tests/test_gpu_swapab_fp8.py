@@ -109,6 +109,25 @@ def test_swapab_fp8_decode_matches_the_reference(name, rng):
     layer.check_errors()
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe-longK", "qwen2_moe"])
+def test_swapab_past_256_rows(name, rng):
+    """The rows the tune sweep offers the swap-AB decode at (tune.SWAPAB_CAP): every expert's run and
+    the shared expert's N rows in many passes, the lists by the three-pass sort (past 1024 pairs)."""
+    from cupymoe import MoeLayer
+
+    family, overrides, shared_fmt = CASES[name]
+    cfg = testing.tiny_config(family, **overrides)
+    hw = testing.random_host_weights(cfg, rng, "fp8_block", shared_fmt=shared_fmt)
+    layer = MoeLayer(cfg, hw, max_tokens=2048, decode_max_tokens=2048, fp8_compute="w8a8")
+    for n in (513, 2047):
+        kernels = _expert_kernels(layer, n)
+        assert all(k.startswith("decode_swapab_fp8_") for k in kernels), (n, kernels)
+        x = well_separated_input(cfg, hw, rng, n)
+        c = check(run_layer(layer, x, "decode"), cfg, hw, x, "decode", layer=layer)
+        assert c.ok, f"{name} N={n} ({kernels[0]}): {c}"
+    layer.check_errors()
+
+
 def _run_experts(layer, x, ids, w, path="decode"):
     """x uploaded, the output poisoned with NaN, one experts-only forward; the output as float32."""
     import cupy

@@ -71,6 +71,12 @@ def test_candidates_by_rows_per_expert_and_caps():
     assert [c.label() for c in tune.candidates(fwide, 256)] == ["decode/mma", "decode/wgmma", "decode/swapab",
                                                                 "decode/swapab/nt32", "prefill", "prefill/tma64",
                                                                 "prefill/tma"]
+    # past 256 rows the swap-AB decode while the widest token tile (bf16 128, fp8 64) holds a busy
+    # expert: qwen3-30b-a3b 64 rows an expert at 1024 (bf16: 98 busy), 32 at 512 (fp8: 57 busy)
+    assert [c.label() for c in tune.candidates(wide, 1024) if c.decode_kernel] == ["decode/swapab"]
+    assert not any(c.decode_kernel for c in tune.candidates(wide, 2048))
+    assert [c.label() for c in tune.candidates(fwide, 512) if c.decode_kernel] == ["decode/swapab"]
+    assert not any(c.decode_kernel for c in tune.candidates(fwide, 1024))
 
 
 def test_the_default_choice_is_what_the_layer_runs():
