@@ -76,6 +76,8 @@ def default_choice(lp: LayerPlan, dev: DeviceFacts, n: int) -> Choice:
     if path == "prefill":
         fp8 = HX.sm90_fp8_variant(lp, n)
         return Choice(path, None if lp.w8a8 else HX.grouped_config(lp, n), sm90_fp8=None if fp8 == "cp_async" else fp8)
+    if HX.swapab_decode(lp, n):
+        return Choice(path, decode_kernel="swapab", token_tile=lp.choice(n).token_tile)
     if not lp.w8a8:
         return Choice(path)
     k = lp.cfg.num_experts_per_tok

@@ -7,6 +7,7 @@ import argparse
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,12 @@ def test_the_default_choice_is_what_the_layer_runs():
     tma = plan_layer(bench.preset_config("qwen3-30b-a3b"), "fp8_block", None, "sm_90a",
                      knobs=Knobs(sm90_fp8_variant=Sm90Fp8.TMA), table={})
     assert tune.default_choice(tma, H200, 4096) == Choice("prefill", sm90_fp8="tma")
+    # a table row on the swap-AB decode (its token tile too): the default the sweep must beat
+    swapab = Choice("decode", decode_kernel="swapab", token_tile=16)
+    for fmt in ("bf16", "fp8_block"):
+        lp = plan_layer(bench.preset_config("qwen3-30b-a3b"), fmt, None, "sm_90a",
+                        options=LayerOptions(decode_max_tokens=256), knobs=Knobs(), table={})
+        assert tune.default_choice(replace(lp, tuned=((128, swapab),)), H200, 128) == swapab
 
 
 def test_forcing_a_choice_goes_through_the_tables_lookup():
