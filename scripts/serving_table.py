@@ -2,13 +2,16 @@
 """Issue 39's table: each tuned cell of `python -m cupymoe tune` beside vLLM and the byte floor.
 
     python scripts/serving_table.py TUNE.json [TUNE.json ...] [--peers PEER.json PEER_FP8.json] [--max-n 2048]
+    python scripts/serving_table.py --call TUNE.json PEER.json PEER_FP8.json --call TUNE2.json PEER2.json ...
 
 A later TUNE file's cell replaces an earlier one's of the same (shape, format, N) in place (a
 re-tune of some presets over a whole sweep); --max-n leaves out larger N (a prefill sweep's).
 
 vLLM's figure is the one timed in the same device call (peer_bench.py's peer.json for bf16,
-peer_bench_fp8.py's peer_fp8.json for fp8_block) where --peers has the cell, else the stored
-baseline (benchmarks/baselines/h200-{bf16,fp8}-peers.json), marked "b". Columns: the chosen
+peer_bench_fp8.py's peer_fp8.json for fp8_block): each --call names one call's files (tune
+results and peer files, told apart by their contents) and its cells take only its own peers'
+figures (the positional TUNE files and --peers are one such call); where the call timed no vLLM
+figure for a cell, the stored baseline (benchmarks/baselines/h200-{bf16,fp8}-peers.json), marked "b". Columns: the chosen
 plan, its µs, ours over the floor (x floor) and vLLM's time over ours (> 1: we are faster).
 Prints a Markdown table and the cells that miss either bar (at or below vLLM; within 1.15x of
 the floor).
@@ -32,30 +35,49 @@ def peer_times(path: Path, key: str) -> dict:
     return {(r["shape"], r["N"]): r[key] for r in rows if r.get(key)}
 
 
-def latest_cells(paths: list, max_n=None) -> list:
-    """The tune files' cells in first-seen order, each (shape, format, N) as its last file has it."""
+def call_peers(paths: list) -> dict:
+    """{format: {(shape, N): vLLM µs}} of one call's peer files (rows carrying a baseline key)."""
+    out: dict = {}
+    for p in paths:
+        for fmt, (_, key) in BASELINES.items():
+            out.setdefault(fmt, {}).update(peer_times(p, key))
+    return out
+
+
+def latest_cells(calls: list, max_n=None) -> list:
+    """(cell, its call's vLLM figures) in first-seen order, each (shape, format, N) as its last
+    call's last tune file has it; `calls` lists (tune files, peer files) a device call."""
     cells = {}
-    for t in paths:
-        for c in json.loads(Path(t).read_text())["cells"]:
-            if max_n is None or c["N"] <= max_n:
-                cells[(c["shape"], c["format_key"].split(":")[0], c["N"])] = c
+    for tunes, peers in calls:
+        vllm = call_peers(peers)
+        for t in tunes:
+            for c in json.loads(Path(t).read_text())["cells"]:
+                if max_n is None or c["N"] <= max_n:
+                    cells[(c["shape"], c["format_key"].split(":")[0], c["N"])] = (c, vllm)
     return list(cells.values())
+
+
+def split_call(paths: list) -> tuple[list, list]:
+    """A call's files as (tune results, peer files): a tune result has "cells"."""
+    tunes = [p for p in paths if "cells" in json.loads(Path(p).read_text())]
+    return tunes, [p for p in paths if p not in tunes]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("tune", nargs="+", type=Path)
+    ap.add_argument("tune", nargs="*", type=Path)
     ap.add_argument("--peers", nargs="*", type=Path, default=[])
+    ap.add_argument("--call", nargs="+", type=Path, action="append", default=[],
+                    help="one device call's tune results and peer files (repeat for each call)")
     ap.add_argument("--max-n", type=int, default=None, help="leave out cells of more rows")
     args = ap.parse_args()
-    same_call = {}
-    for p in args.peers:
-        fmt = "fp8_block" if "fp8" in p.name else "bf16"
-        same_call.setdefault(fmt, {}).update(peer_times(p, BASELINES[fmt][1]))  # later files' cells win
+    calls = ([(args.tune, args.peers)] if args.tune else []) + [split_call(c) for c in args.call]
+    if not calls:
+        ap.error("no tune results: give TUNE files or --call")
     stored = {fmt: peer_times(ROOT / "benchmarks" / "baselines" / f, key) for fmt, (f, key) in BASELINES.items()}
     print("| shape | format | N | plan | µs | x floor | vs vLLM |\n|---|---|---|---|---|---|---|")
     misses = []
-    for c in latest_cells(args.tune, args.max_n):
+    for c, same_call in latest_cells(calls, args.max_n):
         fmt = c["format_key"].split(":")[0]
         ch, key = c["chosen"], (c["shape"], c["N"])
         v, mark = same_call.get(fmt, {}).get(key), ""

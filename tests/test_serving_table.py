@@ -28,3 +28,14 @@ def test_a_later_sweep_replaces_its_cells_in_place():
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| shape")]
     assert len(rows) == 96  # the re-tuned cells replace theirs; 4096 and 16384 left out
     assert "| mixtral-8x7b | fp8_block | 1024 | prefill/tma | 1270.7 |" in out
+
+
+def test_each_call_takes_its_own_peers():
+    """A cell pairs with vLLM timed in its own call, not a later call's figure for the same cell."""
+    s12 = [R / "20261203-h200-s12-tune-bf16-deepseek.json", R / "20261203-h200-s12-peers-vllm-bf16.json"]
+    s13 = [R / "20261203-h200-s13-peers-vllm-bf16.json", R / "20261203-h200-s13-tune-token-tile-deepseek.json"]
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "serving_table.py"), "--call", *map(str, s12),
+                          "--call", *map(str, s13)], capture_output=True, text=True, check=True).stdout
+    # N = 64 was swept in the first call only: its vLLM figure (4270.6 µs), not the second's (4395.8)
+    assert "| deepseek-v3 | bf16 | 64 | decode/swapab | 4341.9 | 0.95 | 0.98 |" in out
+    assert "| deepseek-v3 | bf16 | 512 | decode/swapab/nt32 | 5544.2 | 1.05 | 1.00 |" in out  # the second call's
