@@ -165,8 +165,9 @@ def test_lora_kernel_names_are_compiled(base, want):
 
 def _plans(preset, n, parts, row_invariant=False):
     cfg = preset_config(preset)
+    # the TMA GEMMs (128-row tiles) at every N, whatever the tuning table picks for the bucket
     lp = plan_layer(cfg, "bf16", "bf16" if cfg.has_shared_expert else None, H200.arch,
-                    options=LayerOptions(row_invariant=row_invariant), knobs=Knobs())
+                    options=LayerOptions(row_invariant=row_invariant), knobs=Knobs(math_rows=1), table={})
     today = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(4, 16, True)).at(n)
     stacked = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(4, 16, True, parts)).at(n)
     return cfg, lp, today, stacked
