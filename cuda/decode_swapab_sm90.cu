@@ -119,9 +119,10 @@ __device__ __forceinline__ void sa_copy_weights(const SaRing<NT>& ring, const Sa
 // of rows L / 8 + 4 i, zeros past K; rows past the pass are not copied, their outputs are
 // masked and a column's products never mix with another's). A lane marks a stage full
 // LAG steps after its copies went out, once they have landed and been fenced for the async
-// proxy. row_of(t): the index of run row t in w.tok's rows.
+// proxy. row_of(t): the index of run row t in w.tok's rows; `ahead`: the first steps whose
+// weight boxes lane 0 already issued (sa_copy_ahead).
 template <int NT, class RowOf>
-__device__ __forceinline__ void sa_producer(const SaRing<NT>& ring, const SaWork& w, RowOf row_of, bool ahead) {
+__device__ __forceinline__ void sa_producer(const SaRing<NT>& ring, const SaWork& w, RowOf row_of, int ahead) {
     using Cfg = SwapAbConfig<NT>;
     constexpr int S = Cfg::STAGES, LAG = Cfg::LAG;
     const int lane = threadIdx.x & 31, c = lane & 7;
@@ -139,7 +140,7 @@ __device__ __forceinline__ void sa_producer(const SaRing<NT>& ring, const SaWork
         for (int kt = 0; kt < w.KT; ++kt) {
             const int g = p * w.KT + kt, s = g % S;
             if (g >= S) mbar_wait(&ring.empty[s], ((g / S) - 1) & 1);  // its previous use is read
-            if (lane == 0 && !(ahead && g < S)) sa_copy_weights(ring, w, s, kt);
+            if (lane == 0 && g >= ahead) sa_copy_weights(ring, w, s, kt);
             const int kc = kt * SA_BK + c * 8;
             const bool kin = kc < w.K;
             unsigned char* dst = ring.tokens(s);
@@ -153,6 +154,26 @@ __device__ __forceinline__ void sa_producer(const SaRing<NT>& ring, const SaWork
         }
     }
     gather_mark_tail<LAG>(ring.full, T, S);
+}
+
+// Lane 0 of the producer, before the PDL wait: the weight boxes of the ring's first `steps`
+// steps (step g: pass g / KT's k step g % KT), which need nothing from the launches before.
+template <int NT>
+__device__ __forceinline__ int sa_copy_ahead(const SaRing<NT>& ring, const SaWork& w, int steps) {
+    if ((threadIdx.x & 31) == 0)
+        for (int g = 0; g < steps; ++g) sa_copy_weights(ring, w, g, g % w.KT);
+    return steps;
+}
+
+// The producer warp of a block whose expert nobody chose: the `steps` stages copied ahead
+// must land before the block's shared memory is given back (every lane's arrival completes
+// each stage's phase once its bytes are in).
+template <int NT>
+__device__ __forceinline__ void sa_drain_ahead(const SaRing<NT>& ring, int steps) {
+    for (int g = 0; g < steps; ++g) {
+        mbar_arrive(&ring.full[g]);
+        mbar_wait(&ring.full[g], 0);
+    }
 }
 
 // One pass of a consumer warpgroup: acc[m] = tile m's 64 weight rows x its WN tokens over all
@@ -210,30 +231,50 @@ struct SaFrag {
 
 // grid (ceil(I_max / 64), max_active), block SwapAbConfig<NT>::THREADS, dynamic shared memory
 // catalog.swapab_smem_bytes(NT). Arguments: DECODE_GATE_UP_ARGS, then the layer's swap-AB
-// tensor maps (bf16 experts only: a block of another format's expert leaves).
+// tensor maps (bf16 experts only: a block of another format's expert leaves), then
+// `slot_active`: where set (the lists' slot -> active index), the grid's y is the table slot
+// (n_local, and the shared expert's) and a block's first weight stages go out before it waits
+// for the lists (PDL), so the stream is in flight while routing runs; a slot nobody chose
+// copies them for nothing (forward_plan takes this where that comes to few bytes). Else y is
+// the active expert and the block waits first.
 template <int NT>
 __global__ void __launch_bounds__(SwapAbConfig<NT>::THREADS, SwapAbConfig<NT>::BLOCKS_PER_SM)
-decode_swapab_gate_up(DECODE_GATE_UP_ARGS, const u8* __restrict__ maps) {
+decode_swapab_gate_up(DECODE_GATE_UP_ARGS, const u8* __restrict__ maps, const int* __restrict__ slot_active) {
     using Cfg = SwapAbConfig<NT>;
     extern __shared__ unsigned char sa_smem[];
-    pdl_wait_then_release_next();
-    const int j = blockIdx.y;
-    const int slot = decode_block_slot<FMT_BF16>(j, num_active, active_slot, slot_fmt);
-    if (slot < 0) return;
+    int j = blockIdx.y, slot = blockIdx.y;
+    if (slot_active) {
+        if (slot_fmt[slot] != FMT_BF16) return pdl_leave_early();  // another format's launch serves it
+    } else {
+        pdl_wait_then_release_next();
+        slot = decode_block_slot<FMT_BF16>(j, num_active, active_slot, slot_fmt);
+        if (slot < 0) return;
+    }
     const int I = inter[slot], c0 = blockIdx.x * SA_GATE_UP_COLUMNS;
-    if (c0 >= I) return;
+    if (c0 >= I) return pdl_leave_early();  // (after the wait above: a no-op but for block 0)
     const SaRing<NT> ring = sa_ring<NT>(sa_smem);
     const bool sh = slot == shared_slot;  // the shared expert reads x and its own maps
     SaWork w;
     w.map0 = maps + SA_MAP_BYTES * (sh ? SA_MAP_SHARED_GATE : SA_MAP_GATE);
     w.map1 = maps + SA_MAP_BYTES * (sh ? SA_MAP_SHARED_UP : SA_MAP_UP);
     w.row0 = w.row1 = (sh ? 0 : slot * I) + c0;  // routed experts stacked, I rows each
-    w.start = active_start[j], w.len = active_len[j];
     w.K = H, w.KT = (H + SA_BK - 1) / SA_BK;
     w.tok = sh ? x : xe, w.pitch = H;
-    if (threadIdx.x >= Cfg::CWG * 128) {
+    const bool producer = threadIdx.x >= Cfg::CWG * 128;
+    // by slot: pass 0's first steps (every chosen expert has one), then the lists
+    const int ahead = slot_active && producer ? sa_copy_ahead(ring, w, min(Cfg::STAGES, w.KT)) : 0;
+    if (slot_active) {
+        pdl_wait_then_release_next();
+        j = slot_active[slot];
+        if (j < 0) {  // nobody chose the expert: the copies were for nothing
+            if (producer) sa_drain_ahead(ring, ahead);
+            return;
+        }
+    }
+    w.start = active_start[j], w.len = active_len[j];
+    if (producer) {
         const int start = w.start;
-        sa_producer<NT>(ring, w, [&](int t) { return sorted_row[start + t]; }, false);
+        sa_producer<NT>(ring, w, [&](int t) { return sorted_row[start + t]; }, ahead);
         return;
     }
     const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
@@ -285,11 +326,10 @@ decode_swapab_down(DECODE_DOWN_ARGS, const u8* __restrict__ maps, int shared_slo
     w.tok = act, w.pitch = I_max;
     if (threadIdx.x >= Cfg::CWG * 128) {
         const int T = (w.len + NT - 1) / NT * w.KT;
-        if ((threadIdx.x & 31) == 0)
-            for (int g = 0; g < min(Cfg::STAGES, T); ++g) sa_copy_weights(ring, w, g, g % w.KT);  // the first steps
+        const int ahead = sa_copy_ahead(ring, w, min(Cfg::STAGES, T));  // the first steps
         pdl_wait_then_release_next();  // gate/up's act from here on
         const int start = w.start;
-        sa_producer<NT>(ring, w, [&](int t) { return start + t; }, true);
+        sa_producer<NT>(ring, w, [&](int t) { return start + t; }, ahead);
         return;
     }
     pdl_wait_then_release_next();

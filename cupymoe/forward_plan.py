@@ -23,7 +23,6 @@ from . import heuristics as HX
 from .catalog import Activation, GemmMode, LoraDownMode, Scoring, WeightFormat
 from .errors import LoraError
 from .workspace import LORA_TICKETS
-from .tuning import TUNING
 from .plan import (AllReduce, Arg, ArgType, Buf, CallValue, DeviceFacts, ForwardPlan, Launch, LayerPlan, Memset,
                    Path, PerN, Space, Stage)
 
@@ -727,17 +726,14 @@ class _Builder:
         k = cfg.num_experts_per_tok
         max_active = max(1, min(lp.n_local, n * k) + self.has_shared)
         rows_per_expert = max(1.0, 2.0 * n * k / max(lp.n_local, 1))
-        # the w8a8 wgmma gate/up's blocks go by table slot (weights in flight before the lists land)
-        # where one list builder made slot_active and few bytes would be copied for nothing
-        waste = HX.gate_up_ahead_waste(lp.n_local, cfg.num_experts, k, n, lp.i_max)
-        by_slot = (n * k <= C.SMALL_SORT_PAIRS and waste <= TUNING.wgmma_gate_up_ahead_max_waste
-                   and max_active == lp.n_local + self.has_shared)
         self.stage = Stage.GATE_UP
         for fmt in lp.formats:  # a launch a weight format; each skips the others' experts
             dk = HX.decode_kernel(lp, self.dev, "gate_up", fmt, rows_per_expert, max_active, n)
+            # by table slot: the blocks' first weight stages in flight before the lists land
+            by_slot = HX.gate_up_by_slot(lp, n, max_active, self.has_shared, dk)
             args = self.decode_gate_up_args(xe, fmt, by_slot and dk.name.startswith("decode_wgmma_gate_up_a8"))
-            self.launch(dk.name, (dk.blocks, max_active), (dk.threads,), args + self.swapab_args(dk, "gate_up"),
-                        dk.smem, self.pdl)
+            self.launch(dk.name, (dk.blocks, max_active), (dk.threads,),
+                        args + self.swapab_args(dk, "gate_up", by_slot), dk.smem, self.pdl)
         self.stage = Stage.DOWN
         for fmt in lp.formats:
             dk = HX.decode_kernel(lp, self.dev, "down", fmt, rows_per_expert, max_active, n)
@@ -746,12 +742,17 @@ class _Builder:
         self.stage = Stage.REDUCE
         self.decode_reduce(xe, OUT)
 
-    def swapab_args(self, dk: HX.DecodeKernel, stage: str) -> tuple:
+    def swapab_args(self, dk: HX.DecodeKernel, stage: str, by_slot: bool = False) -> tuple:
         """The swap-AB decode's arguments past the decode kernels' own: its weight maps (down: and
-        the shared expert's slot, which picks its maps); none for the other decode kernels."""
+        the shared expert's slot, which picks its maps; the bf16 gate/up: slot_active where its
+        grid goes by table slot, else 0); none for the other decode kernels."""
         if not dk.name.startswith("decode_swapab_"):
             return ()
-        return (u64("maps", SWAPAB_MAPS),) + ((i32("shared_slot", self.lp.n_local),) if stage == "down" else ())
+        if stage == "down":
+            return (u64("maps", SWAPAB_MAPS), i32("shared_slot", self.lp.n_local))
+        if dk.name.startswith("decode_swapab_fp8_"):
+            return (u64("maps", SWAPAB_MAPS),)
+        return (u64("maps", SWAPAB_MAPS), u64("slot_active", S("slot_active") if by_slot else 0))
 
     def expert_list_args(self) -> tuple:
         return tuple(u64(b, S(b)) for b in ("num_active", "active_slot", "active_start", "active_len"))

@@ -55,6 +55,14 @@ class L2Promotion(str, enum.Enum):
     B256 = "256"
 
 
+class GateUpAhead(str, enum.Enum):
+    """Whether the decode gate/up's blocks go by table slot, their first weight stages copied
+    before they wait for the lists (the w8a8 wgmma and the bf16 swap-AB gate/up)."""
+    AUTO = "auto"  # where the experts nobody chose would copy at most the tuning table's bytes for nothing
+    ON = "on"  # wherever the lists allow it (one list builder, every slot a block row)
+    OFF = "off"
+
+
 class DecodeRouter(str, enum.Enum):
     AUTO = "auto"  # tensor cores from a measured number of multiply-adds
     MMA = "mma"
@@ -126,6 +134,9 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                       "decode.cu; fp8: CUPYMOE_W8A8_DECODE's) | swapab (sm_90a wgmma, weights as M by TMA; auto "
                       "then takes the decode path up to 256 rows)", _choice(Bf16Decode),
                       Bf16Decode.AUTO),
+    "gate_up_ahead": ("CUPYMOE_GATE_UP_AHEAD", "decode gate/up blocks by table slot, weights copied before the "
+                      "lists land (w8a8 wgmma, bf16 swap-AB): auto (where few bytes go for nothing) | on | off",
+                      _choice(GateUpAhead), GateUpAhead.AUTO),
     "decode_router": ("CUPYMOE_DECODE_ROUTER", "decode router: auto | mma (tensor cores, sm_90a) | cores",
                       _choice(DecodeRouter), DecodeRouter.AUTO),
     "pdl": ("CUPYMOE_PDL", "0: launch the decode chain without programmatic dependent launch", _on_off, True),
@@ -177,6 +188,7 @@ class Knobs:
     fp8_decode: Fp8Decode = Fp8Decode.MMA
     w8a8_decode: W8a8Decode = W8a8Decode.AUTO
     decode_kernel: Bf16Decode = Bf16Decode.AUTO
+    gate_up_ahead: GateUpAhead = GateUpAhead.AUTO
     decode_router: DecodeRouter = DecodeRouter.AUTO
     pdl: bool = True
     topk_lists: bool = True

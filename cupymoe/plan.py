@@ -20,7 +20,8 @@ from . import catalog as C
 from .catalog import GemmMode, WeightFormat
 from .config import MoeConfig
 from .errors import OptionError, PathUnavailableError, UnsupportedFormatError
-from .knobs import Bf16Decode, DecodeRouter, Fp4Decode, Fp8Decode, Knobs, L2Promotion, Sm90Fp8, W8a8Decode
+from .knobs import (Bf16Decode, DecodeRouter, Fp4Decode, Fp8Decode, GateUpAhead, Knobs, L2Promotion, Sm90Fp8,
+                    W8a8Decode)
 from .tuning import TUNING, Choice, TunedBuckets, format_key, n_bucket, shape_key
 
 
@@ -262,6 +263,7 @@ class LayerPlan:
     auto_decode_max: int  # auto takes decode up to this many rows where the table has no entry
     tuned: TunedBuckets = ()  # the tuning table's measured choices for this shape and format
     decode_kernel: Bf16Decode = Bf16Decode.AUTO  # CUPYMOE_DECODE_KERNEL
+    gate_up_ahead: GateUpAhead = GateUpAhead.AUTO  # CUPYMOE_GATE_UP_AHEAD
     swapab_ok: bool = False  # sm_90a, not row-invariant, every expert bf16 or fp8-block as w8a8: swap-AB may serve
     sm90_fp8: Sm90Fp8 = Sm90Fp8.AUTO  # CUPYMOE_SM90_FP8_VARIANT
     fp8_tma_ok: bool = False  # w8a8 with every fp8 K and row pitch a multiple of 16 bytes: the TMA GEMM may serve
@@ -447,7 +449,8 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
         fp4_down_tiles=knobs.fp4_down_tiles, topk_lists=knobs.topk_lists,
         decode_router=knobs.decode_router if arch == "sm_90a" else DecodeRouter.CORES,
         pdl=knobs.pdl and cc >= 90, all_reduce=bool(options.all_reduce), auto_decode_max=auto_dmax, tuned=tuned,
-        decode_kernel=knobs.decode_kernel, swapab_ok=swapab_ok, sm90_fp8=knobs.sm90_fp8_variant,
+        decode_kernel=knobs.decode_kernel, gate_up_ahead=knobs.gate_up_ahead, swapab_ok=swapab_ok,
+        sm90_fp8=knobs.sm90_fp8_variant,
         weight_l2_promotion=knobs.weight_l2_promotion,
         fp8_tma_ok=fp8 == Fp8Compute.W8A8 and _fp8_tma_fits(cfg, routed, shared, i_max),
         keep_w8a8_activation=fp8 == Fp8Compute.W8A8 and options.keep_w8a8_activation,

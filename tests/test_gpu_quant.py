@@ -580,31 +580,26 @@ def test_wgmma_gate_up_by_slot_matches_by_active_expert(name, monkeypatch):
     before it waits for the lists, its active index looked up in slot_active after) gives
     the very bits of its grid by active expert, on the decode path, and matches the
     reference on the decode and atomic paths; forced at every N where the grid covers every
-    slot (the tuning table's wgmma_gate_up_ahead_max_waste unbounded), so N = 4 and 5 leave experts nobody
+    slot (CUPYMOE_GATE_UP_AHEAD=on against off), so N = 4 and 5 leave experts nobody
     chose (their blocks copy and leave), with a bf16 shared expert beside (its slot's block
     leaves the fp8 launch), zero experts, and an fp8 shared expert beside nvfp4 routed ones
     (the fp8 launch's only slot)."""
-    import dataclasses
-
-    from cupymoe import forward_plan
-    from cupymoe.tuning import TUNING
-
     if not _hopper():
         pytest.skip("w8a8 needs sm_90a")
     monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "wgmma")
     outs = {}
-    for cap in (float("inf"), -1.0):  # every slot's block where the grid covers them all; never
-        monkeypatch.setattr(forward_plan, "TUNING", dataclasses.replace(TUNING, wgmma_gate_up_ahead_max_waste=cap))
+    for cap in ("on", "off"):  # every slot's block where the grid covers them all; never
+        monkeypatch.setenv("CUPYMOE_GATE_UP_AHEAD", cap)
         cfg, hw, layer = _case(name, np.random.default_rng(3), fp8_compute="w8a8")
         for path in ("decode", "atomic"):
             for n in (1, 4, 5, 17, 64):
                 x = well_separated_input(cfg, hw, np.random.default_rng(n), n)
                 outs[cap, path, n] = run_layer(layer, x, path)
                 c = check(outs[cap, path, n], cfg, hw, x, path, layer=layer)
-                assert c.ok, f"{name} N={n} {path} waste <= {cap}: {c}"
+                assert c.ok, f"{name} N={n} {path} CUPYMOE_GATE_UP_AHEAD={cap}: {c}"
     for (cap, path, n), out in outs.items():
         if path == "decode":  # the atomic path's float atomics may sum in any order
-            assert np.array_equal(out, outs[-1.0, path, n]), f"{name} N={n}: by slot, bits differ"
+            assert np.array_equal(out, outs["off", path, n]), f"{name} N={n}: by slot, bits differ"
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared", "longcat_flash-fp8",

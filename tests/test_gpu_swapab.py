@@ -66,6 +66,33 @@ def test_one_expert_holding_most_rows_and_experts_nobody_chose(name, rng):
     check_skewed_routing(layer, cfg, hw, rng, (17, 255), "decode", name)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral"])
+def test_gate_up_by_slot_matches_by_active_expert(name, monkeypatch):
+    """decode_swapab_gate_up's grid by table slot (CUPYMOE_GATE_UP_AHEAD=on: each block's first
+    weight stages copied before it waits for the lists, a slot nobody chose waiting for them to
+    land and leaving; K of 1.5 and 2.5 steps, so fewer steps ahead than the ring's stages) gives
+    the very bits of its grid by active expert (off) on the decode path, and both match the
+    reference on the decode and atomic paths, with a shared expert's slot (qwen2_moe); N = 9
+    leaves experts nobody chose (skewed routing: always one)."""
+    import numpy as np
+
+    outs = {}
+    for mode in ("on", "off"):
+        monkeypatch.setenv("CUPYMOE_GATE_UP_AHEAD", mode)
+        cfg, hw, layer = _case(name, np.random.default_rng(11))
+        for path, tokens in (("decode", (9, 17, 64)), ("atomic", (9, 17))):
+            for n in tokens:
+                x = well_separated_input(cfg, hw, np.random.default_rng(n), n)
+                outs[mode, path, n] = run_layer(layer, x, path)
+                c = check(outs[mode, path, n], cfg, hw, x, path, layer=layer)
+                assert c.ok, f"{name} N={n} {path} CUPYMOE_GATE_UP_AHEAD={mode}: {c}"
+        check_skewed_routing(layer, cfg, hw, np.random.default_rng(5), (9, 17), "decode", f"{name} {mode}")
+        layer.check_errors()
+    for (mode, path, n), out in outs.items():
+        if mode == "on" and path == "decode":  # the atomic path's float atomics may sum in any order
+            assert np.array_equal(out, outs["off", path, n]), f"{name} N={n}: by slot, bits differ"
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
 def test_swapab_past_256_rows(name, rng):
     """The rows the tune sweep offers the swap-AB decode at (tune.SWAPAB_CAP): every expert's run and

@@ -65,11 +65,36 @@ def test_the_knob_names_the_kernels_with_their_grids_and_args(preset, n, nt):
     assert down.grid == (-(-cfg.hidden_size // 128), max_active)
     for launch in (gate_up, down):
         assert launch.block == (C.SWAPAB_THREADS,) and launch.smem == C.swapab_smem_bytes(nt) and launch.pdl
-    assert gate_up.args[-1].name == "maps" and gate_up.arg("maps") == SWAPAB_MAPS
+    assert [a.name for a in gate_up.args[-2:]] == ["maps", "slot_active"] and gate_up.arg("maps") == SWAPAB_MAPS
     assert [a.name for a in down.args[-2:]] == ["maps", "shared_slot"] and down.arg("shared_slot") == lp.n_local
     reg = build_forward_plan(_lp(cfg, Knobs(), decode_max_tokens=256), H200, n, Path.DECODE).at(n)
     reg_gate_up, reg_down = _expert_launches(reg)
-    assert gate_up.args[:-1] == reg_gate_up.args and down.args[:-2] == reg_down.args
+    assert gate_up.args[:-2] == reg_gate_up.args and down.args[:-2] == reg_down.args
+
+
+@pytest.mark.parametrize("preset, n, by_slot", [
+    ("qwen3-30b-a3b", 16, False),  # ~45 of 128 experts idle: 12 blocks x 80 KB each copied for nothing
+    ("qwen3-30b-a3b", 64, True), ("qwen3-30b-a3b", 128, True),
+    ("qwen3-30b-a3b", 129, False),  # past one block's sort: no slot_active
+    ("mixtral-8x7b", 16, True),  # 8 experts, every one chosen
+    ("deepseek-v3", 32, False),  # 256 experts: most idle
+])
+def test_gate_up_goes_by_slot_where_few_bytes_are_copied_for_nothing(preset, n, by_slot):
+    """decode_swapab_gate_up's grid by table slot (first stages before the lists land,
+    CUPYMOE_GATE_UP_AHEAD=auto): where one list builder made slot_active, every slot is a grid row
+    and the experts nobody chose would copy at most wgmma_gate_up_ahead_max_waste bytes; on:
+    wherever the lists allow; off: never. The grid's shape is the same either way."""
+    cfg = bench.preset_config(preset)
+    slot_arg = {}
+    for mode in ("auto", "on", "off"):
+        knobs = Knobs.from_env({"CUPYMOE_DECODE_KERNEL": "swapab", "CUPYMOE_GATE_UP_AHEAD": mode})
+        lp = _lp(cfg, knobs)
+        gate_up, _ = _expert_launches(build_forward_plan(lp, H200, n, Path.DECODE).at(n))
+        slot_arg[mode] = gate_up.arg("slot_active")
+    assert (slot_arg["auto"] != 0) == by_slot
+    allowed = n * cfg.num_experts_per_tok <= C.SMALL_SORT_PAIRS and n * cfg.num_experts_per_tok >= cfg.num_experts
+    assert (slot_arg["on"] != 0) == allowed and slot_arg["off"] == 0
+    assert not by_slot or slot_arg["on"] == slot_arg["auto"]  # both name the lists' slot_active
 
 
 def test_every_family_plans_and_names_compiled_kernels():
