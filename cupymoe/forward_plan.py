@@ -66,6 +66,8 @@ class PrefillShape:
     one_block_sort: bool
     grouped_config: str
     fp8_variant: str = "cp_async"  # the w8a8 grouped GEMM (heuristics.sm90_fp8_variant)
+    sm90_gate_up: Optional[str] = None  # the bf16 TMA GEMM variants where the table names them (heuristics.sm90_variant)
+    sm90_down: Optional[str] = None
 
 
 def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
@@ -76,7 +78,8 @@ def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
     lists_smem = cfg.router_width * 4 + C.expert_lists_smem_bytes(pairs, lp.n_local)
     return PrefillShape(HX.router_config(lp, dev, n), splits,
                         pairs <= C.SMALL_SORT_PAIRS and lists_smem <= dev.max_smem, HX.grouped_config(lp, n),
-                        HX.sm90_fp8_variant(lp, n))
+                        HX.sm90_fp8_variant(lp, n), HX.sm90_variant(lp, GemmMode.GATE_UP, n),
+                        HX.sm90_variant(lp, GemmMode.DOWN, n))
 
 
 def prefill_buckets(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[tuple[int, int, PrefillShape]]:
@@ -682,8 +685,8 @@ class _Builder:
         gate_up_bm = down_bm = 0
         if self.path == Path.PREFILL:
             config, fmt0, fp8 = self.shape.grouped_config, lp.formats[0], self.shape.fp8_variant
-            gate_up_bm = HX.grouped_kernel(lp, self.dev, GemmMode.GATE_UP, config, fmt0, fp8).bm
-            down_bm = HX.grouped_kernel(lp, self.dev, GemmMode.DOWN, config, fmt0, fp8).bm
+            gate_up_bm = HX.grouped_kernel(lp, self.dev, GemmMode.GATE_UP, config, fmt0, fp8, self.shape.sm90_gate_up).bm
+            down_bm = HX.grouped_kernel(lp, self.dev, GemmMode.DOWN, config, fmt0, fp8, self.shape.sm90_down).bm
             down_bm = down_bm if down_bm != gate_up_bm else 0
         one_block = self.shape.one_block_sort if self.shape else (
             self.n * k <= C.SMALL_SORT_PAIRS
@@ -826,13 +829,14 @@ class _Builder:
 
     def grouped_gate_up(self, xe, fmt: WeightFormat) -> None:
         lp, cfg = self.lp, self.cfg
-        gk = HX.grouped_kernel(lp, self.dev, GemmMode.GATE_UP, self.shape.grouped_config, fmt, self.shape.fp8_variant)
+        gk = HX.grouped_kernel(lp, self.dev, GemmMode.GATE_UP, self.shape.grouped_config, fmt, self.shape.fp8_variant,
+                               self.shape.sm90_gate_up)
         num_tiles, tile_info = self.tile_list(gk.bm)
         extra = self.w8a8_args() if fmt == WeightFormat.FP8_BLOCK else ()
         if gk.name.startswith("grouped_gemm_sm90_fp8_tma<"):
             extra += (u64("maps", FP8_MAPS),)
         if gk.name.startswith("grouped_gemm_sm90_tma<"):
-            if lp.gathers_rows:  # TMA reads the inputs in sorted order
+            if HX.gate_up_reads_xg(lp, self.shape.sm90_gate_up):  # TMA reads the inputs in sorted order
                 self.launch("gather_rows", (self.tile_bound(gk.bm),), (256,),
                             (u64("x", X), u64("xe", xe), num_tiles, tile_info, u64("sorted_row", S("sorted_row")),
                              i32("shared_slot", lp.n_local), i32("H", cfg.hidden_size), u64("xg", S("xg"))))
@@ -850,7 +854,8 @@ class _Builder:
 
     def grouped_down(self, xe, fmt: WeightFormat) -> None:
         lp, cfg = self.lp, self.cfg
-        gk = HX.grouped_kernel(lp, self.dev, GemmMode.DOWN, self.shape.grouped_config, fmt, self.shape.fp8_variant)
+        gk = HX.grouped_kernel(lp, self.dev, GemmMode.DOWN, self.shape.grouped_config, fmt, self.shape.fp8_variant,
+                               self.shape.sm90_down)
         num_tiles, tile_info = self.tile_list(gk.bm, down=True)
         extra = ()
         if fmt == WeightFormat.FP8_BLOCK and lp.w8a8:  # the activation's codes as A; no q_out / s_out

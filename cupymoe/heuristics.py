@@ -114,12 +114,36 @@ def sm90_fp8_variant(lp: LayerPlan, n: int) -> str:
     return lp.choice(n).sm90_fp8 or "cp_async"
 
 
+def sm90_variant_fits(lp: LayerPlan, mode: GemmMode, name: str) -> bool:
+    """Whether the bf16 TMA GEMM variant `name` may serve the layer's gate/up or down in place of its
+    own (lp.sm90): both by TMA, the same weight rows a tile (the layer's tensor maps' boxes), and
+    for gate/up one that gathers its rows itself unless the layer keeps the gathered inputs (xg)."""
+    v, own = TUNING.sm90_variants[name], lp.sm90[mode]
+    return v.tma and own.tma and v.bn == own.bn and (mode == GemmMode.DOWN or v.gather or lp.gathers_rows)
+
+
+def sm90_variant(lp: LayerPlan, mode: GemmMode, n: int) -> Optional[str]:
+    """The tuning table's bf16 TMA GEMM variant of gate/up or down for a prefill of `n` rows where
+    it fits the layer (sm90_variant_fits), else None: the layer's own (lp.sm90)."""
+    c = lp.choice(n)
+    name = c.sm90_gate_up if mode == GemmMode.GATE_UP else c.sm90_down
+    return name if name and sm90_variant_fits(lp, mode, name) else None
+
+
+def gate_up_reads_xg(lp: LayerPlan, variant: Optional[str]) -> bool:
+    """Whether the bf16 TMA gate/up (`variant`, or the layer's) reads its inputs gathered into xg by
+    gather_rows (the gathering variants copy the rows themselves)."""
+    v = TUNING.sm90_variants[variant] if variant else lp.sm90[GemmMode.GATE_UP]
+    return v.tma and not v.gather
+
+
 def grouped_kernel(lp: LayerPlan, dev: DeviceFacts, mode: GemmMode, config: str,
-                   fmt: WeightFormat = WeightFormat.BF16, fp8: str = "cp_async") -> GroupedKernel:
+                   fmt: WeightFormat = WeightFormat.BF16, fp8: str = "cp_async",
+                   variant: Optional[str] = None) -> GroupedKernel:
     """fp8 as w8a8 on its own Hopper kernels (`fp8`: sm90_fp8_variant's pick); wgmma where the
     math config runs and the weights are bf16 or fp4 (not for row-invariant layers, whose every
-    N must run the same instructions); else the mma.sync kernel (quantized weights in their
-    streaming configuration)."""
+    N must run the same instructions; `variant`: sm90_variant's name in place of the layer's);
+    else the mma.sync kernel (quantized weights in their streaming configuration)."""
     keep = mode == GemmMode.GATE_UP and lp.keep_w8a8_activation  # the bf16 activation stored too (inspection)
     if fmt == WeightFormat.FP8_BLOCK and lp.w8a8 and fp8 in C.FP8_TMA_SHAPES:
         shape = C.FP8_TMA_SHAPES[fp8]
@@ -129,7 +153,7 @@ def grouped_kernel(lp: LayerPlan, dev: DeviceFacts, mode: GemmMode, config: str,
         bm, bn = C.SM90_FP8_TILE[:2]
         return GroupedKernel(C.sm90_fp8_kernel(mode, False, keep), C.SM90_FP8_THREADS, C.sm90_fp8_smem_bytes(), bn,
                              bm)
-    v = lp.sm90[mode]
+    v = TUNING.sm90_variants[variant] if variant else lp.sm90[mode]
     if config == "math" and v.serves(fmt, mode) and dev.hopper and not lp.row_invariant:
         return GroupedKernel(v.kernel(mode, fmt), v.threads(mode), v.smem_bytes(fmt), v.bn, v.bm)
     config = TUNING.quant_grouped_config[config] if fmt else config

@@ -13,6 +13,9 @@ replays over the copies, the steady state, the median of repetitions). The choic
     token_tile      the swap-AB decodes' token tile: the rule's (heuristics.swapab_busy_rows) and each
                     smaller one that holds an expert one Poisson deviation above its mean rows
     sm90_fp8        tma (the w8a8 grouped GEMM by TMA, 128 x 256 tiles, on the prefill path) or cp_async
+    sm90_gate_up,   the bf16 TMA GEMM's variant of gate/up and of down on the prefill path's math tiles
+    sm90_down       (sm_90a): each pair of the TUNED_SM90 variants that fit the layer
+                    (heuristics.sm90_variant_fits: its tensor maps and gathered inputs)
 
 Candidates whose launches equal another's are timed once; where the default (what the
 heuristics pick today) already runs at FLOOR_PRUNE_PCT of the floor, nothing else is timed. A
@@ -36,7 +39,8 @@ from pathlib import Path
 from . import heuristics as HX
 from .forward_plan import build_forward_plan
 from .plan import DeviceFacts, LayerPlan, choose_path
-from .tuning import Choice, format_key, n_bucket, shape_key
+from .catalog import GemmMode
+from .tuning import TUNED_SM90, Choice, format_key, n_bucket, shape_key
 
 # decode candidates only up to the rows the GPU tests check that path at (`python -m cupymoe verify`:
 # 64; w8a8 to 255: tests/test_gpu_quant.py test_w8a8_decode_kernels_past_64_rows; fp4: its default cap)
@@ -77,7 +81,9 @@ def default_choice(lp: LayerPlan, dev: DeviceFacts, n: int) -> Choice:
     path = choose_path(lp, "auto", n)
     if path == "prefill":
         fp8 = HX.sm90_fp8_variant(lp, n)
-        return Choice(path, None if lp.w8a8 else HX.grouped_config(lp, n), sm90_fp8=None if fp8 == "cp_async" else fp8)
+        return Choice(path, None if lp.w8a8 else HX.grouped_config(lp, n), sm90_fp8=None if fp8 == "cp_async" else fp8,
+                      sm90_gate_up=HX.sm90_variant(lp, GemmMode.GATE_UP, n),
+                      sm90_down=HX.sm90_variant(lp, GemmMode.DOWN, n))
     if HX.swapab_decode(lp, n):
         return Choice(path, decode_kernel="swapab", token_tile=lp.choice(n).token_tile)
     if not lp.w8a8:
@@ -109,7 +115,16 @@ def candidates(lp: LayerPlan, n: int) -> list[Choice]:
         out += [Choice("prefill", sm90_fp8="tma")] if tma else []
     else:
         out += [Choice("prefill", g) for g in grouped or ["stream"]]
+        if "math" in grouped and not lp.row_invariant:
+            out += [Choice("prefill", "math", sm90_gate_up=gu, sm90_down=dn) for gu, dn in sm90_pairs(lp)]
     return out
+
+
+def sm90_pairs(lp: LayerPlan) -> list[tuple[str, str]]:
+    """(gate/up, down) bf16 TMA GEMM variants of TUNED_SM90 that fit the layer, every pair (distinct()
+    drops those that launch what another does: gather_wide's down is tma_wide's)."""
+    fits = {m: [v for v in TUNED_SM90 if HX.sm90_variant_fits(lp, m, v)] for m in (GemmMode.GATE_UP, GemmMode.DOWN)}
+    return [(gu, dn) for gu in fits[GemmMode.GATE_UP] for dn in fits[GemmMode.DOWN]]
 
 
 def forced(lp: LayerPlan, n: int, choice: Choice) -> LayerPlan:
@@ -152,7 +167,8 @@ def table_rows(cells: list[dict], command: str, result: str) -> list[dict]:
         rows.append(dict(shape=c["shape_key"], format=c["format_key"], n=n_bucket(c["N"]), path=ch["path"],
                          grouped=ch["grouped"], w8a8_decode=ch["w8a8_decode"],
                          decode_kernel=ch.get("decode_kernel"), sm90_fp8=ch.get("sm90_fp8"),
-                         token_tile=ch.get("token_tile"), us=ch["us"],
+                         token_tile=ch.get("token_tile"), sm90_gate_up=ch.get("sm90_gate_up"),
+                         sm90_down=ch.get("sm90_down"), us=ch["us"],
                          default=c["default"]["label"], default_us=c["default"]["us"], preset=c["shape"],
                          measured_at=c["N"], result=result, command=command))
     return rows
@@ -216,7 +232,8 @@ def _rel_err(out, ref) -> float:
 def _timed_dict(t: Timed) -> dict:
     return dict(label=t.choice.label(), path=t.choice.path, grouped=t.choice.grouped,
                 w8a8_decode=t.choice.w8a8_decode, decode_kernel=t.choice.decode_kernel, sm90_fp8=t.choice.sm90_fp8,
-                token_tile=t.choice.token_tile, us=t.us,
+                token_tile=t.choice.token_tile, sm90_gate_up=t.choice.sm90_gate_up, sm90_down=t.choice.sm90_down,
+                us=t.us,
                 pct_of_floor=t.pct_of_floor, rel_err=t.rel_err)
 
 

@@ -43,6 +43,9 @@ TUNED_W8A8_DECODE = ("mma", "wgmma")
 TUNED_DECODE_KERNEL = ("register", "swapab")
 TUNED_SM90_FP8 = ("cp_async", "tma", "tma64")
 TUNED_TOKEN_TILES = SWAPAB_TOKEN_TILES  # the swap-AB decodes' token tiles
+# the bf16 TMA GEMM's variants a bucket may name for gate/up or down: the 256-row-wide ones, whose
+# weight maps' boxes agree (heuristics.sm90_variant_fits says which serve a layer)
+TUNED_SM90 = ("tma_wide", "gather_wide", "tma_192")
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,14 @@ class Choice:
     decode_kernel: Optional[str] = None  # the bf16 and w8a8 decode kernels (decode and atomic)
     sm90_fp8: Optional[str] = None  # the w8a8 grouped GEMM (prefill)
     token_tile: Optional[int] = None  # the swap-AB decodes' token tile (None: heuristics.swapab_busy_rows' rule)
+    sm90_gate_up: Optional[str] = None  # the bf16 TMA GEMM variant of gate/up (prefill math; None: the layer's)
+    sm90_down: Optional[str] = None  # ... of down
 
     def __post_init__(self):
         for name, allowed in (("path", TUNED_PATHS), ("grouped", TUNED_GROUPED), ("w8a8_decode", TUNED_W8A8_DECODE),
                               ("decode_kernel", TUNED_DECODE_KERNEL), ("sm90_fp8", TUNED_SM90_FP8),
-                              ("token_tile", TUNED_TOKEN_TILES)):
+                              ("token_tile", TUNED_TOKEN_TILES), ("sm90_gate_up", TUNED_SM90),
+                              ("sm90_down", TUNED_SM90)):
             v = getattr(self, name)
             if v is not None and (v not in allowed or type(v) is not type(allowed[0])):
                 raise ValueError(f"tuning table: {name}={v!r} must be one of {allowed}")
@@ -69,8 +75,10 @@ class Choice:
 
     def label(self) -> str:
         tile = f"nt{self.token_tile}" if self.token_tile else None
+        gu = f"gate_up={self.sm90_gate_up}" if self.sm90_gate_up else None
+        dn = f"down={self.sm90_down}" if self.sm90_down else None
         return "/".join(v for v in (self.path, self.grouped, self.w8a8_decode, self.decode_kernel, tile,
-                                    self.sm90_fp8) if v) or "default"
+                                    self.sm90_fp8, gu, dn) if v) or "default"
 
 
 # a layer's entries: (bucket, choice) by rising bucket; bucket b serves b/2 < N <= b

@@ -52,7 +52,9 @@ def test_candidates_by_rows_per_expert_and_caps():
     assert [c.label() for c in tune.candidates(wide, 128)] == ["decode/swapab", "decode/swapab/nt16", "prefill/stream"]
     assert not any(c.decode_kernel for c in tune.candidates(
         plan_layer(bench.preset_config("qwen3-30b-a3b"), "bf16", None, "sm_80", knobs=Knobs(), table={}), 8))
-    assert label(1024) == ["prefill/math", "prefill/stream"]
+    # math tiles: the layer's bf16 TMA GEMM (gather_wide gate/up, tma_192 down at I = 768) and each pair
+    # of variants that fits it (gate/up must gather its rows: the layer keeps no xg)
+    assert label(1024) == ["prefill/math", "prefill/math/gate_up=gather_wide/down=tma_wide", "prefill/stream"]
     f0, fd = _plans("qwen3-30b-a3b", "fp8_block")
     assert [c.label() for c in tune.candidates(f0, 16)] == ["decode/mma", "decode/wgmma", "decode/swapab", "atomic",
                                                             "atomic/swapab", "prefill", "prefill/tma64"]
@@ -223,3 +225,36 @@ def test_a_tuned_token_tile_reaches_the_swapab_kernels():
     with pytest.raises(ValueError, match="token_tile=24"):
         Choice("decode", decode_kernel="swapab", token_tile=24)
     assert Choice("decode", decode_kernel="swapab", token_tile=32).label() == "decode/swapab/nt32"
+
+
+def test_a_tuned_sm90_variant_reaches_the_bf16_grouped_gemms():
+    """A table row's sm90_gate_up / sm90_down replace the layer's bf16 TMA GEMM variant in its
+    bucket's prefill launches where it fits the layer (the same 256-row weight boxes; a gate/up
+    reading xg only where the layer keeps it): mixtral-8x7b (tma_192 gate/up with xg, tma_wide down)
+    takes gather_wide's gate/up without gather_rows and tma_192's down with 192-row down tiles;
+    qwen3-30b-a3b (gather_wide gate/up, no xg) leaves a tma_192 gate/up to its own; a variant outside
+    TUNED_SM90 is refused by name; the knobs drop the table's variants."""
+    from cupymoe.forward_plan import build_forward_plan
+    from cupymoe.plan import Path as P
+
+    def gemms(lp, n):
+        plan = build_forward_plan(lp, H200, n, P.PREFILL).at(n)
+        return [s.kernel for s in plan.launches
+                if s.stage.value in ("gate_up", "down") and s.kernel.startswith(("grouped_gemm", "gather_rows"))]
+
+    cfg = bench.preset_config("mixtral-8x7b")
+    lp = plan_layer(cfg, "bf16", None, "sm_90a", knobs=Knobs(), table={})
+    own = gemms(lp, 512)
+    assert own == ["gather_rows", "grouped_gemm_sm90_tma<0, 4, 256, 1, 0, 3>", "grouped_gemm_sm90_tma<1, 4, 256, 1>"]
+    tuned = replace(lp, tuned=((512, Choice("prefill", "math", sm90_gate_up="gather_wide", sm90_down="tma_192")),))
+    assert gemms(tuned, 512) == ["grouped_gemm_sm90_tma<0, 4, 256, 1, 1>", "grouped_gemm_sm90_tma<1, 4, 256, 1, 0, 3>"]
+    assert gemms(tuned, 1024) == own  # another bucket: the layer's
+    qwen = plan_layer(bench.preset_config("qwen3-30b-a3b"), "bf16", None, "sm_90a", knobs=Knobs(), table={})
+    lone = replace(qwen, tuned=((1024, Choice("prefill", "math", sm90_gate_up="tma_192", sm90_down="tma_wide")),))
+    assert gemms(lone, 1024) == ["grouped_gemm_sm90_tma<0, 4, 256, 1, 1>", "grouped_gemm_sm90_tma<1, 4, 256, 1>"]
+    with pytest.raises(ValueError, match="sm90_down='tma'"):
+        Choice("prefill", "math", sm90_down="tma")
+    forced = plan_layer(cfg, "bf16", None, "sm_90a", knobs=Knobs(sm90_down_variant="tma_wide"),
+                        table={tune.layer_keys(lp): ((512, Choice("prefill", "math", sm90_gate_up="gather_wide",
+                                                                       sm90_down="tma_192")),)})
+    assert forced.choice(512) == Choice("prefill", "math", sm90_gate_up="gather_wide")
