@@ -43,6 +43,23 @@ __device__ __forceinline__ int decode_block_slot(int j, const int* __restrict__ 
     return slot_fmt[slot] == FMT ? slot : -1;
 }
 
+// A decode gate/up block's table slot, or -1 where it leaves: by table slot where `slot_active` is
+// set (the grid's y is the slot; another format's slot leaves before any wait, its launch serves
+// it), else by active expert y, once the lists have landed (the PDL wait first).
+template <int FMT>
+__device__ __forceinline__ int gate_up_block_slot(const int* __restrict__ slot_active,
+                                                  const int* __restrict__ num_active,
+                                                  const int* __restrict__ active_slot,
+                                                  const int* __restrict__ slot_fmt) {
+    if (slot_active) {
+        if (slot_fmt[blockIdx.y] == FMT) return blockIdx.y;
+        pdl_leave_early();
+        return -1;
+    }
+    pdl_wait_then_release_next();
+    return decode_block_slot<FMT>(blockIdx.y, num_active, active_slot, slot_fmt);
+}
+
 // A down kernel's output: position pos's value v at hidden column h, stored as y[pos, h],
 // or (atomic) a routed pair's w * v added into acc[row, h] (the shared expert's positions,
 // pair >= P, still store y).

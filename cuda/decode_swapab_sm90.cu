@@ -242,14 +242,9 @@ __global__ void __launch_bounds__(SwapAbConfig<NT>::THREADS, SwapAbConfig<NT>::B
 decode_swapab_gate_up(DECODE_GATE_UP_ARGS, const u8* __restrict__ maps, const int* __restrict__ slot_active) {
     using Cfg = SwapAbConfig<NT>;
     extern __shared__ unsigned char sa_smem[];
-    int j = blockIdx.y, slot = blockIdx.y;
-    if (slot_active) {
-        if (slot_fmt[slot] != FMT_BF16) return pdl_leave_early();  // another format's launch serves it
-    } else {
-        pdl_wait_then_release_next();
-        slot = decode_block_slot<FMT_BF16>(j, num_active, active_slot, slot_fmt);
-        if (slot < 0) return;
-    }
+    const int slot = gate_up_block_slot<FMT_BF16>(slot_active, num_active, active_slot, slot_fmt);
+    if (slot < 0) return;
+    int j = blockIdx.y;
     const int I = inter[slot], c0 = blockIdx.x * SA_GATE_UP_COLUMNS;
     if (c0 >= I) return pdl_leave_early();  // (after the wait above: a no-op but for block 0)
     const SaRing<NT> ring = sa_ring<NT>(sa_smem);

@@ -208,14 +208,9 @@ __device__ __forceinline__ WgA8Block<NTOK> wg_block(unsigned char* smem, int K) 
 template <int NTOK>
 __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_gate_up_a8(DECODE_A8_GATE_UP_ARGS) {
     extern __shared__ unsigned char wg_smem[];
-    int j = blockIdx.y, slot = blockIdx.y;
-    if (slot_active) {
-        if (slot_fmt[slot] != FMT_FP8) return pdl_leave_early();  // another format's launch serves it
-    } else {
-        pdl_wait_then_release_next();
-        slot = decode_block_slot<FMT_FP8>(j, num_active, active_slot, slot_fmt);
-        if (slot < 0) return;
-    }
+    const int slot = gate_up_block_slot<FMT_FP8>(slot_active, num_active, active_slot, slot_fmt);
+    if (slot < 0) return;
+    int j = blockIdx.y;
     const int I = inter[slot], c0 = blockIdx.x * 64;
     if (c0 >= I) return pdl_leave_early();  // past the columns: no ticket to take either
     WgA8Block<NTOK> b = wg_block<NTOK>(wg_smem, H);
