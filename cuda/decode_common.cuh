@@ -83,7 +83,8 @@ __device__ __forceinline__ void store_down_value(float v, int pos, int h, const 
 // hash token) are nobody's. Unowned pairs get pair_pos = -1.
 // Stable: positions within an expert follow pair order, so the layout is deterministic.
 // slot_active[slot] (n_local + 1 of them): the slot's active index, -1 where nobody chose
-// it (the wgmma gate/up's blocks by slot look theirs up: decode_wgmma_a8.cu).
+// it (a decode gate/up's blocks by slot look theirs up: gate_up_block_slot's callers,
+// decode_wgmma_a8.cu and decode_swapab_sm90.cu).
 // A pair's rank among its expert's pairs is sort_place's (common.cuh warp_slot_rank: a
 // match in its warp and the warps' counts before it), which also gives each expert's count;
 // one warp then places the experts: each lane a run of ceil(n_local / 32) of them, one warp

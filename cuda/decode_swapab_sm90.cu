@@ -246,7 +246,7 @@ decode_swapab_gate_up(DECODE_GATE_UP_ARGS, const u8* __restrict__ maps, const in
     if (slot < 0) return;
     int j = blockIdx.y;
     const int I = inter[slot], c0 = blockIdx.x * SA_GATE_UP_COLUMNS;
-    if (c0 >= I) return pdl_leave_early();  // (after the wait above: a no-op but for block 0)
+    if (c0 >= I) return pdl_leave_early();  // (by active expert the wait came first: then a no-op)
     const SaRing<NT> ring = sa_ring<NT>(sa_smem);
     const bool sh = slot == shared_slot;  // the shared expert reads x and its own maps
     SaWork w;

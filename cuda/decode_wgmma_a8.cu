@@ -203,7 +203,7 @@ __device__ __forceinline__ WgA8Block<NTOK> wg_block(unsigned char* smem, int K) 
 // With `slot_active` a block is a table slot's: its weight rows, their scales and the first
 // stages' weight copies go out before it waits for the lists (PDL; the launch right before
 // makes them), so the stream is in flight as they land; a slot nobody chose wastes that
-// (the layer takes this where those copies come to little: layer.gate_up_ahead_waste).
+// (the layer takes this where those copies come to little: heuristics.gate_up_by_slot).
 // Else a block is an active expert's and it waits first.
 template <int NTOK>
 __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_gate_up_a8(DECODE_A8_GATE_UP_ARGS) {

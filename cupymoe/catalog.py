@@ -98,6 +98,8 @@ WGMMA_DECODE_KSUB = 2
 WGMMA_DECODE_ROWS = 128
 WGMMA_DECODE_THREADS = 128
 WGMMA_DECODE_GATE_UP_COLUMNS = WGMMA_DECODE_ROWS // 2  # a gate/up block's 128 rows: 64 gate, 64 up
+# the weight bytes a w8a8 wgmma gate/up block by table slot copies before the lists land: all stages but one
+WGMMA_DECODE_AHEAD_BYTES = (WGMMA_DECODE_STAGES - 1) * WGMMA_DECODE_ROWS * 128 * WGMMA_DECODE_KSUB
 # decode_wgmma_fp4.cu (WF_STAGES / WF_KSUB); three blocks fit an SM
 WGMMA_FP4_DECODE_TOKEN_TILES = (8, 16)
 WGMMA_FP4_DECODE_STAGES = 3

@@ -32,7 +32,7 @@ class GroupedKernel:
 @dataclass(frozen=True)
 class DecodeKernel:
     name: str
-    blocks: int  # column blocks (the grid's x; its y is the active experts)
+    blocks: int  # column blocks (the grid's x; its y the active experts, or the table slots: gate_up_by_slot)
     threads: int
     smem: int
     # gate/up: the weight bytes a block copies before the lists land where its grid goes by table
@@ -58,29 +58,29 @@ def cols_per_warp(warp_columns: int, rt: int, variants) -> int:
     return allowed[-1]
 
 
-def gate_up_ahead_waste(n_local: int, num_experts: int, k: int, num_tokens: int, i_max: int,
+def gate_up_ahead_waste(n_local: int, num_experts: int, k: int, num_tokens: int, blocks: int,
                         block_bytes: int) -> float:
     """Bytes a decode gate/up by table slot is expected to copy for nothing at `num_tokens` rows:
-    the experts nobody chose (each with chance (1 - k/E)^N), each its column blocks' (64
-    activation columns a block) `block_bytes` of first weight stages."""
+    the experts nobody chose (each with chance (1 - k/E)^N), each its `blocks` column blocks'
+    `block_bytes` of first weight stages."""
     E = max(num_experts, 1)
     idle = n_local * (1.0 - min(k, E) / E) ** num_tokens
-    return idle * -(-i_max // C.WGMMA_DECODE_GATE_UP_COLUMNS) * block_bytes
+    return idle * blocks * block_bytes
 
 
 def gate_up_by_slot(lp: LayerPlan, n: int, max_active: int, has_shared: bool, dk: DecodeKernel) -> bool:
     """Whether a decode gate/up of `n` rows goes by table slot (its blocks' first weight stages in
     flight before the lists land): a kernel with that form (dk.ahead_bytes), one list builder
     made slot_active (the small sort), every slot a row of the grid; then the knob, or in auto
-    where the experts nobody chose would copy at most wgmma_gate_up_ahead_max_waste bytes."""
+    where the experts nobody chose would copy at most gate_up_ahead_max_waste bytes."""
     k = lp.cfg.num_experts_per_tok
     if (not dk.ahead_bytes or lp.gate_up_ahead == GateUpAhead.OFF or n * k > C.SMALL_SORT_PAIRS
             or max_active != lp.n_local + has_shared):
         return False
     if lp.gate_up_ahead == GateUpAhead.ON:
         return True
-    waste = gate_up_ahead_waste(lp.n_local, lp.cfg.num_experts, k, n, lp.i_max, dk.ahead_bytes)
-    return waste <= TUNING.wgmma_gate_up_ahead_max_waste
+    waste = gate_up_ahead_waste(lp.n_local, lp.cfg.num_experts, k, n, dk.blocks, dk.ahead_bytes)
+    return waste <= TUNING.gate_up_ahead_max_waste
 
 
 def route_lists_quantizes(num_tokens: int, hidden_size: int) -> bool:
@@ -274,7 +274,8 @@ def swapab_decode_kernel(lp: LayerPlan, stage: str, n_rows: int,
     name = f"decode_swapab_fp8_{stage}<{nt}>" if fp8 else f"decode_swapab_{stage}<{nt}>"
     smem = C.swapab_fp8_smem_bytes(nt) if fp8 else C.swapab_smem_bytes(nt)
     # the bf16 gate/up's by-slot form copies its ring's first stages (two m64 weight tiles each) ahead
-    ahead = C.SWAPAB_STAGES[nt] * C.SWAPAB_ROWS * C.SWAPAB_BK * 2 if stage == "gate_up" and not fp8 else 0
+    steps = min(C.SWAPAB_STAGES[nt], -(-lp.cfg.hidden_size // C.SWAPAB_BK))
+    ahead = steps * C.SWAPAB_ROWS * C.SWAPAB_BK * 2 if stage == "gate_up" and not fp8 else 0
     return DecodeKernel(name, -(-columns // per_block), C.SWAPAB_THREADS, smem, ahead)
 
 
@@ -310,7 +311,7 @@ def w8a8_decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, rows_per_exp
     nt = 8 if rows_per_expert <= 8 else 16 if rows_per_expert <= 16 else 32
     blocks, k = (gate_up_blocks, H) if stage == "gate_up" else (-(-H // C.WGMMA_DECODE_ROWS), i_max)
     # its gate/up's by-slot form copies the ring's first stages but one ahead
-    ahead = (C.WGMMA_DECODE_STAGES - 1) * C.WGMMA_DECODE_ROWS * 128 * C.WGMMA_DECODE_KSUB if stage == "gate_up" else 0
+    ahead = C.WGMMA_DECODE_AHEAD_BYTES if stage == "gate_up" else 0
     return DecodeKernel(f"decode_wgmma_{stage}_a8<{nt}>", blocks, C.WGMMA_DECODE_THREADS,
                         C.wgmma_decode_smem_bytes(nt, -(-k // 128)), ahead)
 

@@ -72,6 +72,9 @@ class Choice:
         if self.token_tile is not None and self.decode_kernel != "swapab":
             raise ValueError(f"tuning table: token_tile={self.token_tile} needs decode_kernel='swapab', "
                              f"found {self.decode_kernel!r}")
+        if (self.sm90_gate_up or self.sm90_down) and (self.path != "prefill" or self.grouped not in (None, "math")):
+            raise ValueError(f"tuning table: sm90_gate_up={self.sm90_gate_up!r} / sm90_down={self.sm90_down!r} need "
+                             f"path='prefill' on the math tiles, found path={self.path!r}, grouped={self.grouped!r}")
 
     def label(self) -> str:
         tile = f"nt{self.token_tile}" if self.token_tile else None
@@ -121,7 +124,7 @@ class Tuning:
     wgmma_decode_min_waves: float
     wgmma_fp4_decode_min_waves: float
     fp4_down_tiles_max_stages: int
-    wgmma_gate_up_ahead_max_waste: int
+    gate_up_ahead_max_waste: int
     decode_router_mma_min_macs: int
     route_lists_quant_units: int
     math_rows_per_expert: Mapping[str, int]
@@ -142,7 +145,7 @@ class Tuning:
             wgmma_decode_min_waves=float(v["wgmma_decode_min_waves"]),
             wgmma_fp4_decode_min_waves=float(v["wgmma_fp4_decode_min_waves"]),
             fp4_down_tiles_max_stages=int(v["fp4_down_tiles_max_stages"]),
-            wgmma_gate_up_ahead_max_waste=int(v["wgmma_gate_up_ahead_max_waste"]),
+            gate_up_ahead_max_waste=int(v["gate_up_ahead_max_waste"]),
             decode_router_mma_min_macs=int(v["decode_router_mma_min_macs"]),
             route_lists_quant_units=int(v["route_lists_quant_units"]),
             math_rows_per_expert=dict(v["math_rows_per_expert"]),

@@ -25,9 +25,9 @@ def _hopper():
 @pytest.mark.parametrize("intermediate", [1040, 64])
 def test_tuned_variants_match_the_reference(intermediate, rng):
     from cupymoe import MoeLayer, tune
-    from cupymoe.heuristics import sm90_variant_fits
     from cupymoe.catalog import GemmMode
-    from cupymoe.tuning import Choice
+    from cupymoe.heuristics import gate_up_reads_xg, sm90_variant_fits
+    from cupymoe.tuning import TUNING, Choice
 
     cfg = testing.tiny_config("qwen3_moe", moe_intermediate_size=intermediate)
     hw = testing.random_host_weights(cfg, rng, "bf16")
@@ -42,7 +42,9 @@ def test_tuned_variants_match_the_reference(intermediate, rng):
             layer._packed.clear()
             layer._by_n.clear()
             kernels = testing.expert_kernels(layer, n, "prefill")
-            assert any(k.startswith("grouped_gemm_sm90_tma<") for k in kernels), kernels
+            v = TUNING.sm90_variants
+            assert v[gate_up].kernel(GemmMode.GATE_UP) in kernels and v[down].kernel(GemmMode.DOWN) in kernels, kernels
+            assert ("gather_rows" in kernels) == gate_up_reads_xg(base, gate_up), kernels
             x = well_separated_input(cfg, hw, rng, n)
             c = check(run_layer(layer, x, "prefill"), cfg, hw, x, "prefill", layer=layer)
             assert c.ok, f"I={intermediate} N={n} gate/up {gate_up} down {down} ({kernels}): {c}"

@@ -22,6 +22,7 @@ CASES = {
     "qwen3_moe-I40": ("qwen3_moe", {"moe_intermediate_size": 40}),  # I not a multiple of 64
     "qwen2_moe": ("qwen2_moe", {}),  # a gated shared expert of I = 96: N rows in passes
     "gpt_oss": ("gpt_oss", {}),  # expert biases, swiglu_oai
+    "qwen3_moe-H512": ("qwen3_moe", {"hidden_size": 512}),  # gate/up's K of 8 steps: the ring wraps
 }
 TOKENS = (9, 17, 64, 255)
 MAX_TOKENS = 256
@@ -66,15 +67,19 @@ def test_one_expert_holding_most_rows_and_experts_nobody_chose(name, rng):
     check_skewed_routing(layer, cfg, hw, rng, (17, 255), "decode", name)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "qwen3_moe-H512"])
 def test_gate_up_by_slot_matches_by_active_expert(name, monkeypatch):
     """decode_swapab_gate_up's grid by table slot (CUPYMOE_GATE_UP_AHEAD=on: each block's first
     weight stages copied before it waits for the lists, a slot nobody chose waiting for them to
-    land and leaving; K of 1.5 and 2.5 steps, so fewer steps ahead than the ring's stages) gives
+    land and leaving; K of 1.5 and 2.5 steps, fewer than the ring's stages, and of 8, where the ring
+    wraps onto the stages copied ahead) gives
     the very bits of its grid by active expert (off) on the decode path, and both match the
     reference on the decode and atomic paths, with a shared expert's slot (qwen2_moe); N = 9
     leaves experts nobody chose (skewed routing: always one)."""
     import numpy as np
+
+    from cupymoe.forward_plan import build_forward_plan
+    from cupymoe.plan import Path
 
     outs = {}
     for mode in ("on", "off"):
@@ -82,6 +87,9 @@ def test_gate_up_by_slot_matches_by_active_expert(name, monkeypatch):
         cfg, hw, layer = _case(name, np.random.default_rng(11))
         for path, tokens in (("decode", (9, 17, 64)), ("atomic", (9, 17))):
             for n in tokens:
+                plan = build_forward_plan(layer.plan, layer.device, n, Path(path)).at(n)
+                gate_up = next(s for s in plan.launches if s.kernel.startswith("decode_swapab_gate_up<"))
+                assert (gate_up.arg("slot_active") != 0) == (mode == "on"), (name, mode, path, n)
                 x = well_separated_input(cfg, hw, np.random.default_rng(n), n)
                 outs[mode, path, n] = run_layer(layer, x, path)
                 c = check(outs[mode, path, n], cfg, hw, x, path, layer=layer)

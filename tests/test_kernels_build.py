@@ -278,9 +278,10 @@ def test_wgmma_gate_up_by_slot_where_little_is_copied_for_nothing():
     def waste(preset, n):
         cfg = bench.preset_config(preset)
         return gate_up_ahead_waste(cfg.num_experts, cfg.num_experts, cfg.num_experts_per_tok, n,
-                                   cfg.moe_intermediate_size, 2 * 128 * 256)
+                                   -(-cfg.moe_intermediate_size // C.WGMMA_DECODE_GATE_UP_COLUMNS),
+                                   C.WGMMA_DECODE_AHEAD_BYTES)
 
-    cap = TUNING.wgmma_gate_up_ahead_max_waste
+    cap = TUNING.gate_up_ahead_max_waste
     assert waste("qwen3-30b-a3b", 64) < waste("qwen3-30b-a3b", 32) <= cap
     assert waste("qwen3-30b-a3b", 16) > cap and waste("deepseek-v3", 64) > cap
     # 128 experts, 8 a row, 64 rows: 128 (15/16)^64 idle, 12 blocks of 2 stages of 128 x 256 bytes

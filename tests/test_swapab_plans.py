@@ -82,15 +82,17 @@ def test_the_knob_names_the_kernels_with_their_grids_and_args(preset, n, nt):
 def test_gate_up_goes_by_slot_where_few_bytes_are_copied_for_nothing(preset, n, by_slot):
     """decode_swapab_gate_up's grid by table slot (first stages before the lists land,
     CUPYMOE_GATE_UP_AHEAD=auto): where one list builder made slot_active, every slot is a grid row
-    and the experts nobody chose would copy at most wgmma_gate_up_ahead_max_waste bytes; on:
+    and the experts nobody chose would copy at most gate_up_ahead_max_waste bytes; on:
     wherever the lists allow; off: never. The grid's shape is the same either way."""
     cfg = bench.preset_config(preset)
-    slot_arg = {}
+    slot_arg, grids = {}, set()
     for mode in ("auto", "on", "off"):
         knobs = Knobs.from_env({"CUPYMOE_DECODE_KERNEL": "swapab", "CUPYMOE_GATE_UP_AHEAD": mode})
         lp = _lp(cfg, knobs)
         gate_up, _ = _expert_launches(build_forward_plan(lp, H200, n, Path.DECODE).at(n))
         slot_arg[mode] = gate_up.arg("slot_active")
+        grids.add(gate_up.grid)
+    assert len(grids) == 1
     assert (slot_arg["auto"] != 0) == by_slot
     allowed = n * cfg.num_experts_per_tok <= C.SMALL_SORT_PAIRS and n * cfg.num_experts_per_tok >= cfg.num_experts
     assert (slot_arg["on"] != 0) == allowed and slot_arg["off"] == 0
