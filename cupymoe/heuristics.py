@@ -130,10 +130,15 @@ def sm90_variant(lp: LayerPlan, mode: GemmMode, n: int) -> Optional[str]:
     return name if name and sm90_variant_fits(lp, mode, name) else None
 
 
+def sm90_of(lp: LayerPlan, mode: GemmMode, variant: Optional[str]) -> C.Sm90Variant:
+    """The Hopper GEMM configuration named `variant` (sm90_variant's pick), or the layer's own for `mode`."""
+    return TUNING.sm90_variants[variant] if variant else lp.sm90[mode]
+
+
 def gate_up_reads_xg(lp: LayerPlan, variant: Optional[str]) -> bool:
     """Whether the bf16 TMA gate/up (`variant`, or the layer's) reads its inputs gathered into xg by
     gather_rows (the gathering variants copy the rows themselves)."""
-    v = TUNING.sm90_variants[variant] if variant else lp.sm90[GemmMode.GATE_UP]
+    v = sm90_of(lp, GemmMode.GATE_UP, variant)
     return v.tma and not v.gather
 
 
@@ -153,7 +158,7 @@ def grouped_kernel(lp: LayerPlan, dev: DeviceFacts, mode: GemmMode, config: str,
         bm, bn = C.SM90_FP8_TILE[:2]
         return GroupedKernel(C.sm90_fp8_kernel(mode, False, keep), C.SM90_FP8_THREADS, C.sm90_fp8_smem_bytes(), bn,
                              bm)
-    v = TUNING.sm90_variants[variant] if variant else lp.sm90[mode]
+    v = sm90_of(lp, mode, variant)
     if config == "math" and v.serves(fmt, mode) and dev.hopper and not lp.row_invariant:
         return GroupedKernel(v.kernel(mode, fmt), v.threads(mode), v.smem_bytes(fmt), v.bn, v.bm)
     config = TUNING.quant_grouped_config[config] if fmt else config
