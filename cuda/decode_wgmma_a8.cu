@@ -7,7 +7,9 @@
 //                       expert's run NTOK rows a pass; writes the bf16 activation and, the
 //                       last block of each 128-column group, its e4m3 codes (decode_a8.cuh)
 //   decode_wgmma_down_a8<NTOK>     y[pos, h] = act[pos] . W_down[h] (or, atomic, w * y added
-//                       into acc[row, h]) for 128 hidden columns a block
+//                       into acc[row, h]) for 128 hidden columns a tile, one or more tiles a
+//                       block through one ring (K = I is a few stages: the ring runs on into
+//                       the next tile instead of draining)
 //
 // Why: decode_mma.cu's _a8 kernels load the weights into registers and keep one k128 step a
 // warp in flight, below what their read pattern alone streams, and sm_90 runs their
@@ -46,8 +48,11 @@ struct WgRow {
 };
 
 // Everything a block needs besides the stages' bytes: its weight rows, its pass's rows and
-// the scales of both.
-template <int NTOK>
+// the scales of both. TILED (down): the block takes `tiles` weight tiles one after another in
+// one run of its ring, tile t WG_ROWS rows of K codes on from tile 0 (every row inside the
+// matrix: the layer takes more than one tile only where H is a multiple of 128); stage s of
+// the run is stage s % KS of tile s / KS, and tile t's weight scales are sw[t * KT ..].
+template <int NTOK, bool TILED = false>
 struct WgA8Block {
     static constexpr int CHUNKS = WG_BK * WG_KSUB / 16;                          // 16-byte chunks a row and stage
     static constexpr int ROWS_PER = WG_THREADS / CHUNKS;                         // rows a round of copies covers
@@ -59,8 +64,10 @@ struct WgA8Block {
     bool b_ok[B_PER];
     int chunk, K, KT, KS;  // this thread's chunk of a row; K, its k steps, its stages
     u8* stages;
-    float* sw;  // [2][KT]: the two tiles' weight scales
+    float* sw;  // [2][KT]: the two m64 tiles' weight scales (TILED: [tiles][KT], one a weight tile)
     float* sx;  // [NTOK][KT]: the pass's rows' group scales (0 past the run)
+    int tiles = 1;
+    __device__ __forceinline__ int run_stages() const { return TILED ? KS * tiles : KS; }
 
     // the i-th row (of the weight tile, or of the pass) whose chunk this thread copies: a
     // warp's copies are ROWS_PER / 4 whole rows of a stage, 256 contiguous bytes each
@@ -83,21 +90,23 @@ struct WgA8Block {
         }
     }
 
-    // The 16-byte copies of stage s, its weight rows' (WEIGHTS) and its pass rows' (ROWS);
+    // The 16-byte copies of run stage s into its ring slot: stage ts of weight tile `tile`
+    // (TILED, else tile 0 and ts = s), its weight rows' (WEIGHTS) and its pass rows' (ROWS);
     // chunks past K and rows past the matrix or the run arrive as zeros (nothing read).
     // Chunk c of a row lands in k step c / 8's tile.
     template <bool WEIGHTS, bool ROWS>
-    __device__ __forceinline__ void copy_stage(int s) const {
+    __device__ __forceinline__ void copy_stage(int s, int tile = 0, int ts = 0) const {
         u8* st = stage(s);
-        const int kc = s * WG_BK * WG_KSUB + chunk * 16;
+        const int kc = (TILED ? ts : s) * WG_BK * WG_KSUB + chunk * 16;
         const bool kin = kc < K;
         const int sub = chunk / 8, c = chunk % 8;
         u8* a_dst = st + sub * WG_ROWS * WG_BK;
         u8* b_dst = st + WG_KSUB * WG_ROWS * WG_BK + sub * NTOK * WG_BK;
+        const size_t toff = TILED && kin ? (size_t)tile * WG_ROWS * K : 0;
         if (WEIGHTS)
 #pragma unroll
             for (int i = 0; i < A_PER; ++i)
-                cp_async16(a_dst + swz128(row(i), c), a_src[i] + (kin ? kc : 0), a_ok[i] && kin);
+                cp_async16(a_dst + swz128(row(i), c), a_src[i] + toff + (kin ? kc : 0), a_ok[i] && kin);
         if (ROWS)
 #pragma unroll
             for (int i = 0; i < B_PER; ++i)
@@ -109,7 +118,7 @@ struct WgA8Block {
     __device__ __forceinline__ void copy_weights_ahead() const {
 #pragma unroll
         for (int s = 0; s < WG_STAGES - 1; ++s)
-            if (s < KS) copy_stage<true, false>(s);
+            if (s < run_stages()) copy_stage<true, false>(s, TILED ? s / KS : 0, TILED ? s % KS : 0);
         cp_async_commit();
     }
 
@@ -118,34 +127,44 @@ struct WgA8Block {
     // visible and frees the stage read before it. The caller has filled sw / sx (the
     // first barrier orders them too). `weights_ahead`: copy_weights_ahead issued the first
     // stages' weight rows (an older group than these stages' own, so every wait below that
-    // covers a stage's group covers its weights too).
-    __device__ __forceinline__ void pass(float (&acc)[2][NTOK / 2], bool weights_ahead = false) const {
+    // covers a stage's group covers its weights too). TILED: tile_done(tile, acc) as each
+    // tile's sums are whole but the last's (then zeroed for the next; the last stay in acc),
+    // while the next tile's first stages are in flight.
+    template <class TileDone>
+    __device__ __forceinline__ void pass(float (&acc)[2][NTOK / 2], bool weights_ahead, TileDone tile_done) const {
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int i = 0; i < NTOK / 2; ++i) acc[m][i] = 0.0f;
         const int t4 = threadIdx.x & 3;
+        const int RS = run_stages();
 #pragma unroll
         for (int s = 0; s < WG_STAGES - 1; ++s) {
-            if (s < KS) {
+            if (s < RS) {
                 if (weights_ahead)
-                    copy_stage<false, true>(s);
+                    copy_stage<false, true>(s, TILED ? s / KS : 0, TILED ? s % KS : 0);
                 else
-                    copy_stage<true, true>(s);
+                    copy_stage<true, true>(s, TILED ? s / KS : 0, TILED ? s % KS : 0);
             }
             cp_async_commit();
         }
+        // TILED: the tile and its stage of run stage s (tile, ts) and of the stage ahead (at,
+        // ats), counted on (no division a stage)
+        int tile = 0, ts = 0, at = 0, ats = WG_STAGES - 1;
+        if (TILED)
+            while (ats >= KS) ats -= KS, ++at;
 #pragma unroll 1
-        for (int s = 0; s < KS; ++s) {
+        for (int s = 0; s < RS; ++s) {
             cp_async_wait<WG_STAGES - 2>();  // this thread's copies of stage s have landed
             fence_proxy_async();             // ... visible to the tensor cores (async proxy)
             __syncthreads();                 // everyone's; the stage of s - 1 is free
-            if (s + WG_STAGES - 1 < KS) copy_stage<true, true>(s + WG_STAGES - 1);
+            if (s + WG_STAGES - 1 < RS) copy_stage<true, true>(s + WG_STAGES - 1, at, ats);
             cp_async_commit();
             const u8* st = stage(s);
+            const float* swt = sw + (TILED ? tile * KT : 0);
 #pragma unroll
             for (int sub = 0; sub < WG_KSUB; ++sub) {
-                const int kt = s * WG_KSUB + sub;
+                const int kt = (TILED ? ts : s) * WG_KSUB + sub;
                 if (kt >= KT) break;
                 const u8* a = st + sub * WG_ROWS * WG_BK;
                 const u64 da0 = wgmma_desc(a), da1 = wgmma_desc(a + 64 * WG_BK);
@@ -171,11 +190,22 @@ struct WgA8Block {
                         const float x = sx[(8 * j + 2 * t4 + e) * KT + kt];
 #pragma unroll
                         for (int m = 0; m < 2; ++m) {
-                            const float f = x * sw[m * KT + kt];
+                            const float f = x * swt[(TILED ? 0 : m * KT) + kt];
                             acc[m][j * 4 + e] = fmaf(blk[m][j * 4 + e], f, acc[m][j * 4 + e]);
                             acc[m][j * 4 + 2 + e] = fmaf(blk[m][j * 4 + 2 + e], f, acc[m][j * 4 + 2 + e]);
                         }
                     }
+            }
+            if (TILED) {
+                if (ts == KS - 1 && tile + 1 < tiles) {
+                    tile_done(tile, acc);
+#pragma unroll
+                    for (int m = 0; m < 2; ++m)
+#pragma unroll
+                        for (int i = 0; i < NTOK / 2; ++i) acc[m][i] = 0.0f;
+                }
+                if (++ts == KS) ts = 0, ++tile;
+                if (++ats == KS) ats = 0, ++at;
             }
         }
         cp_async_wait<0>();
@@ -183,16 +213,17 @@ struct WgA8Block {
     }
 };
 
-template <int NTOK>
-__device__ __forceinline__ WgA8Block<NTOK> wg_block(unsigned char* smem, int K) {
-    WgA8Block<NTOK> b;
+template <int NTOK, bool TILED = false>
+__device__ __forceinline__ WgA8Block<NTOK, TILED> wg_block(unsigned char* smem, int K, int tiles = 1) {
+    WgA8Block<NTOK, TILED> b;
     const unsigned pad = (1024u - ((unsigned)__cvta_generic_to_shared(smem) & 1023u)) & 1023u;
     b.stages = smem + pad;
     b.K = K;
     b.KT = (K + WG_BK - 1) / WG_BK;
     b.KS = (b.KT + WG_KSUB - 1) / WG_KSUB;
+    b.tiles = tiles;
     b.sw = reinterpret_cast<float*>(b.stages + WG_STAGES * wg_stage_bytes<NTOK>());
-    b.sx = b.sw + 2 * b.KT;
+    b.sx = b.sw + max(2, tiles) * b.KT;
     b.chunk = threadIdx.x % b.CHUNKS;
     return b;
 }
@@ -252,7 +283,7 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
             return WgRow{q_in + row * H, s_in + row * KT};
         });
         float acc[2][NTOK / 2];  // gate, up
-        b.pass(acc, r0 == 0 && slot_active);
+        b.pass(acc, r0 == 0 && slot_active, [](int, float (&)[2][NTOK / 2]) {});
 #pragma unroll
         for (int i = 0; i < NTOK / 2; ++i) {  // element (j, h, e) = 4 j + 2 h + e
             const int col = c0 + 16 * warp + g + 8 * ((i >> 1) & 1), t = r0 + 8 * (i >> 2) + 2 * t4 + (i & 1);
@@ -266,9 +297,11 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
     quantize_act_group_if_last(act, qact, sact, act_tickets, j, c0, 64, I, I_max, start, len);
 }
 
-// grid (ceil(H / 128), max_active), block WG_THREADS, dynamic shared memory
-// kernels.wgmma_decode_smem_bytes(NTOK, ceil(I_max / 128)): the stages, aligned to 1024 bytes
-// (the swizzle's atom), and every k step's scales. Arguments: DECODE_A8_DOWN_ARGS; outputs as
+// grid (ceil(H / 128) / T, max_active), block WG_THREADS, dynamic shared memory
+// kernels.wgmma_decode_smem_bytes(NTOK, ceil(I_max / 128), T): the stages, aligned to 1024
+// bytes (the swizzle's atom), and every k step's scales. A block takes T = ceil(H / 128) /
+// gridDim.x tiles of 128 hidden columns through one ring (T > 1 only where H is a multiple
+// of 128 that T tiles divide). Arguments: DECODE_A8_DOWN_ARGS; outputs as
 // decode_mma_down_a8's: y[pos, h], or with `atomic` the routed pairs' w * y added into
 // acc[row, h] (the shared expert still stores y).
 template <int NTOK>
@@ -281,10 +314,10 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
     const int j = blockIdx.y;
     const int slot = decode_block_slot<FMT_FP8>(j, num_active, active_slot, slot_fmt);
     if (slot < 0) return pdl_leave_early();
-    const int h0 = blockIdx.x * WG_ROWS;
+    const int tiles = max(1, (H + WG_ROWS - 1) / WG_ROWS / (int)gridDim.x), h0 = blockIdx.x * WG_ROWS * tiles;
     if (h0 >= H) return pdl_leave_early();
     const int I = inter[slot];
-    WgA8Block<NTOK> b = wg_block<NTOK>(wg_smem, I);
+    WgA8Block<NTOK, true> b = wg_block<NTOK, true>(wg_smem, I, tiles);
     const u8* down = reinterpret_cast<const u8*>(down_ptrs[slot]);
 #pragma unroll
     for (int i = 0; i < b.A_PER; ++i) {
@@ -292,10 +325,10 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
         b.a_ok[i] = h < H;
         b.a_src[i] = down + (size_t)min(h, H - 1) * I;
     }
-    // rows h0 .. h0 + 127 are one weight scale block: both tiles take its scales
+    // each tile's 128 rows are one weight scale block: its two m64 halves take its scales
     const int KT = b.KT, KBI = (I_max + 127) >> 7;
-    for (int i = threadIdx.x; i < 2 * KT; i += WG_THREADS)
-        b.sw[i] = reinterpret_cast<const float*>(down_scale_ptrs[slot])[(size_t)(h0 >> 7) * KT + i % KT];
+    for (int i = threadIdx.x; i < tiles * KT; i += WG_THREADS)
+        b.sw[i] = reinterpret_cast<const float*>(down_scale_ptrs[slot])[(size_t)(h0 >> 7) * KT + i];
     const float gsd = down_gscale[slot];
     const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
@@ -308,16 +341,20 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
             const size_t pos = start + t;
             return WgRow{qact + pos * I_max, sact + pos * KBI};
         });
-        float c[2][NTOK / 2];  // hidden columns h0 + 0..63, h0 + 64..127
-        b.pass(c, r0 == 0);
+        auto store = [&](int tile, float (&c)[2][NTOK / 2]) {  // hidden columns +0..63, +64..127 of the tile
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
+            for (int m = 0; m < 2; ++m)
 #pragma unroll
-            for (int i = 0; i < NTOK / 2; ++i) {
-                const int h = h0 + 64 * m + 16 * warp + g + 8 * ((i >> 1) & 1), t = r0 + 8 * (i >> 2) + 2 * t4 + (i & 1);
-                if (h < H && t < len)
-                    store_down_value(c[m][i] * gsd + (bd ? bd[h] : 0.0f), start + t, h, sorted_pair, topk_w, y, acc,
-                                     H, k, P, atomic);
-            }
+                for (int i = 0; i < NTOK / 2; ++i) {
+                    const int h = h0 + WG_ROWS * tile + 64 * m + 16 * warp + g + 8 * ((i >> 1) & 1);
+                    const int t = r0 + 8 * (i >> 2) + 2 * t4 + (i & 1);
+                    if (h < H && t < len)
+                        store_down_value(c[m][i] * gsd + (bd ? bd[h] : 0.0f), start + t, h, sorted_pair, topk_w, y,
+                                         acc, H, k, P, atomic);
+                }
+        };
+        float c[2][NTOK / 2];
+        b.pass(c, r0 == 0, store);
+        store(tiles - 1, c);
     }
 }

@@ -356,11 +356,12 @@ def topk_lists_smem_bytes(pairs: int, n_local: int, router_width: int) -> int:
     return (TOPK_LISTS_WARPS * (2 * router_width + 64) + router_width) * 4 + expert_lists_smem_bytes(pairs, n_local)
 
 
-def wgmma_decode_smem_bytes(token_tile: int, k_steps: int) -> int:
+def wgmma_decode_smem_bytes(token_tile: int, k_steps: int, weight_tiles: int = 1) -> int:
     """decode_wgmma_*_a8<token_tile> over `k_steps` k128 steps: 1024 to align the ring, its
-    stages (weight rows and the pass's rows, 128 codes a k step) and every step's scales."""
+    stages (weight rows and the pass's rows, 128 codes a k step) and every step's scales (the
+    weights': two m64 halves, or down's `weight_tiles` 128-row tiles, whichever is more)."""
     stage = (WGMMA_DECODE_ROWS + token_tile) * 128 * WGMMA_DECODE_KSUB
-    return 1024 + WGMMA_DECODE_STAGES * stage + (2 + token_tile) * k_steps * 4
+    return 1024 + WGMMA_DECODE_STAGES * stage + (max(2, weight_tiles) + token_tile) * k_steps * 4
 
 
 def wgmma_fp4_decode_smem_bytes(fmt: int, token_tile: int) -> int:

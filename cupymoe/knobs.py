@@ -148,6 +148,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                           "for", _count, 1),
     "fp4_down_tiles": ("CUPYMOE_FP4_DOWN_TILES", "128-row tiles a block of the wgmma fp4 down takes (default: the "
                        "measured rule)", _count, None),
+    "a8_down_tiles": ("CUPYMOE_A8_DOWN_TILES", "128-row tiles a block of the w8a8 wgmma decode's down takes "
+                      "(default: the measured rule; one where it does not divide H / 128)", _count, None),
     "sm90_variant": ("CUPYMOE_SM90_VARIANT", "the Hopper grouped GEMM variant of gate/up and down (auto or a name "
                      "of the tuning table)", _variant, "auto"),
     "sm90_down_variant": ("CUPYMOE_SM90_DOWN_VARIANT", "the Hopper grouped GEMM variant of down alone", _variant,
@@ -195,6 +197,7 @@ class Knobs:
     mma_down_pairs: bool = True
     mma_blocks_per_sm: int = 1
     fp4_down_tiles: Optional[int] = None
+    a8_down_tiles: Optional[int] = None
     sm90_variant: str = "auto"
     sm90_down_variant: str = "auto"
     sm90_fp8_variant: Sm90Fp8 = Sm90Fp8.AUTO

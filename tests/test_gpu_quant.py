@@ -460,6 +460,52 @@ def test_w8a8_decode_kernels_past_64_rows(mode, rng, monkeypatch):
         layer.check_errors()
 
 
+# w8a8 layers whose H is a multiple of 128, so decode_wgmma_down_a8's blocks may take several
+# 128-row tiles: (case, hidden_size, moe_intermediate_size, shared_expert_intermediate_size or None)
+WGMMA_A8_TILE_CASES = (
+    ("qwen3_moe-fp8", 512, 384, None),  # K = 384: a stage half past K, each tile's run 2 stages
+    ("deepseek_v3-fp8-fp8router-bf16shared", 384, 256, 128),  # K of one stage: the ring spans three tiles
+)
+
+
+@pytest.mark.parametrize("tiles", [2, 3, 4])
+def test_w8a8_decode_down_tiles(tiles, rng, monkeypatch):
+    """CUPYMOE_A8_DOWN_TILES: decode_wgmma_down_a8's blocks take T 128-row tiles of H in one run of
+    their ring where T divides H / 128 (H = 512: two and four; H = 384: three; else one tile a
+    block), every tile's epilogue between stages of the next, at passes of 8, 16 and 32 rows and
+    runs longer than a pass (N = 255), on the decode and atomic paths, against the reference."""
+    from cupymoe import MoeLayer
+    from cupymoe.catalog import WeightFormat
+    from cupymoe.heuristics import decode_kernel
+
+    if not _hopper():
+        pytest.skip("w8a8 needs sm_90a")
+    monkeypatch.setenv("CUPYMOE_W8A8_DECODE", "wgmma")
+    monkeypatch.setenv("CUPYMOE_A8_DOWN_TILES", str(tiles))
+    tiled = set()
+    for name, H, I, Is in WGMMA_A8_TILE_CASES:
+        family, fmt, router_fmt, shared_fmt = CASES[name]
+        over = dict(hidden_size=H, moe_intermediate_size=I)
+        if Is is not None:
+            over["shared_expert_intermediate_size"] = Is
+        cfg = testing.tiny_config(family, **over)
+        hw = testing.random_host_weights(cfg, rng, fmt, router_fmt=router_fmt, shared_fmt=shared_fmt)
+        layer = MoeLayer(cfg, hw, max_tokens=256, decode_max_tokens=256, atomic_max_tokens=max(SMALL),
+                         fp8_compute="w8a8")
+        for n in SMALL:
+            max_active, rows, _ = _decode_grid(layer, cfg, n)
+            dk = decode_kernel(layer.plan, layer.device, "down", WeightFormat.FP8_BLOCK, rows, max_active, n)
+            t = tiles if (H // 128) % tiles == 0 else 1
+            assert dk.name.startswith("decode_wgmma_down_a8<") and dk.blocks == H // (128 * t), (name, n, dk)
+            tiled.add(t)
+        _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} w8a8 down tiles {tiles}")
+        x = well_separated_input(cfg, hw, rng, 255)
+        c = check(run_layer(layer, x, "decode"), cfg, hw, x, "decode", layer=layer)
+        assert c.ok, f"{name} N=255 decode w8a8 down tiles {tiles}: {c}"
+        layer.check_errors()
+    assert tiles in tiled
+
+
 # fp4 layers whose every K is a multiple of 128, as decode_wgmma_fp4.cu reads them:
 # (case, hidden_size, moe_intermediate_size, shared_expert_intermediate_size or None)
 WGMMA_FP4_CASES = (

@@ -134,6 +134,43 @@ def test_fp4_down_blocks_take_two_tiles_where_a_wave_of_them_is_expected():
     assert tiles("qwen3-30b-a3b", 64, env={"CUPYMOE_FP4_DOWN_TILES": "3"}) == 1  # 3 does not divide 16
 
 
+def test_w8a8_down_blocks_take_the_knobs_tiles_where_they_divide_h():
+    """CUPYMOE_A8_DOWN_TILES: decode_wgmma_down_a8's blocks take that many 128-row tiles where the
+    count divides H / 128 (H a multiple of 128: gpt-oss-120b's 2880 is not), else one; the grid
+    shrinks by it and the shared memory holds each tile's scales."""
+    from cupymoe import catalog as C
+
+    def down(preset, env=None):
+        cfg = bench.preset_config(preset)
+        lp = plan_layer(cfg, "fp8_block", None, "sm_90a", knobs=Knobs.from_env(env or {}))
+        return HX.w8a8_decode_kernel(lp, H200, "down", 2.0, 64, 64)
+
+    assert down("qwen3-30b-a3b", {"CUPYMOE_A8_DOWN_TILES": "1"}).blocks == 16
+    assert down("qwen3-30b-a3b", {"CUPYMOE_A8_DOWN_TILES": "2"}).blocks == 8
+    assert down("qwen3-30b-a3b", {"CUPYMOE_A8_DOWN_TILES": "3"}).blocks == 16  # 3 does not divide 16
+    four = down("mixtral-8x7b", {"CUPYMOE_A8_DOWN_TILES": "4"})
+    assert four.blocks == 8 and four.smem == C.wgmma_decode_smem_bytes(8, 14336 // 128, 4)
+    assert down("gpt-oss-120b", {"CUPYMOE_A8_DOWN_TILES": "2"}).blocks == 23
+    assert C.wgmma_decode_smem_bytes(8, 6, 4) - C.wgmma_decode_smem_bytes(8, 6) == 2 * 6 * 4
+
+
+def test_w8a8_down_blocks_take_four_or_two_tiles_where_waves_of_them_are_expected():
+    """By default decode_wgmma_down_a8's blocks take the most of 4 and 2 tiles whose grid over the
+    experts the rows are expected to choose still holds a8_down_tiles_min_waves waves, where I is
+    a few ring stages: qwen3-30b-a3b (I = 768: three stages) 2 at 8-16 rows and 4 from 32,
+    qwen3-next-80b (I = 512) 4 from 16; one tile where I is longer (qwen3-235b-a22b, deepseek-v3,
+    mixtral-8x7b) or H is no multiple of 128 (gpt-oss-120b), or with half the experts on a rank."""
+    def tiles(preset, n, n_local=None):
+        lp = plan_layer(bench.preset_config(preset), "fp8_block", None, "sm_90a", n_local=n_local, knobs=Knobs())
+        return HX.a8_down_tiles(lp, H200, n)
+
+    assert [tiles("qwen3-30b-a3b", n) for n in (1, 4, 8, 16, 32, 128)] == [1, 1, 2, 2, 4, 4]
+    assert [tiles("qwen3-next-80b", n) for n in (4, 8, 16, 64)] == [1, 2, 4, 4]
+    assert tiles("qwen3-30b-a3b", 16, n_local=64) == 1
+    for preset in ("qwen3-235b-a22b", "deepseek-v3", "mixtral-8x7b", "gpt-oss-120b"):
+        assert tiles(preset, 64) == 1, preset
+
+
 def test_w8a8_decode_takes_wgmma_from_the_measured_waves():
     """decode_wgmma_a8.cu where the gate/up grid holds wgmma_decode_min_waves waves of two blocks an
     SM, decode_mma.cu's _a8 kernels below: deepseek-v3 from N = 2 (512 blocks), qwen3-30b-a3b from 8."""
