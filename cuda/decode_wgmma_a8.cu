@@ -13,7 +13,7 @@
 //
 // Why: decode_mma.cu's _a8 kernels load the weights into registers and keep one k128 step a
 // warp in flight, below what their read pattern alone streams, and sm_90 runs their
-// mma.sync e4m3 as a conversion plus an f16 MMA. Here the copies of WG_STAGES - 1 stages are in flight while a
+// mma.sync e4m3 as a conversion plus an f16 MMA. Here the copies of all stages but one are in flight while a
 // stage computes, the copying threads do nothing else with them, and the products are
 // native e4m3 wgmmas: a block's 128 weight rows are two m64 tiles, its NTOK rows the n side.
 //
@@ -27,19 +27,22 @@
 
 #define WG_ROWS 128    // weight rows a block streams: two m64 tiles
 #define WG_BK 128      // codes of a k step: one weight scale block, one activation group
-#define WG_KSUB 2      // k steps a stage: 256 contiguous bytes of each weight row a copy
-#define WG_STAGES 3    // 2 stages (64 KB of weights) in flight a block
+// The ring by pass height: k steps a stage and stages. 8 and 16 rows: two steps (256 contiguous
+// bytes of each weight row a copy), three stages; 32 rows: one step, five stages, so that two
+// blocks fit an SM there too. Either way 64 KB of weights are in flight a block.
+#define WG_KSUB(NTOK) ((NTOK) <= 16 ? 2 : 1)
+#define WG_STAGES(NTOK) ((NTOK) <= 16 ? 3 : 5)
 #define WG_THREADS 128 // one warpgroup: it copies, multiplies and stores
-// blocks an SM the registers are capped for: the ring's shared memory leaves room for 2
-// with passes of 8 and 16 rows, 1 with 32 (kernels.wgmma_decode_smem_bytes)
-#define WG_MIN_BLOCKS(NTOK) ((NTOK) <= 16 ? 2 : 1)
+// blocks an SM the registers are capped for: the ring's shared memory leaves room for 2 up to
+// H = 7168 (catalog.wgmma_decode_smem_bytes)
+#define WG_MIN_BLOCKS(NTOK) 2
 
-// A stage: WG_KSUB k steps of the 128 weight rows (each step's 128 x 128 codes a tile,
+// A stage: WG_KSUB(NTOK) k steps of the 128 weight rows (each step's 128 x 128 codes a tile,
 // 128-byte swizzled: wgmma_desc), then the same steps of the pass's NTOK rows; after the
-// WG_STAGES stages the scales of every k step of K: the two weight tiles' (gate, up;
+// WG_STAGES(NTOK) stages the scales of every k step of K: the two weight tiles' (gate, up;
 // down's two tiles share one block, both point at it) and each row's.
 template <int NTOK>
-__host__ __device__ constexpr int wg_stage_bytes() { return (WG_ROWS + NTOK) * WG_BK * WG_KSUB; }
+__host__ __device__ constexpr int wg_stage_bytes() { return (WG_ROWS + NTOK) * WG_BK * WG_KSUB(NTOK); }
 
 // A row of the pass: its e4m3 codes and its group scales (one per k128 step).
 struct WgRow {
@@ -54,7 +57,8 @@ struct WgRow {
 // the run is stage s % KS of tile s / KS, and tile t's weight scales are sw[t * KT ..].
 template <int NTOK, bool TILED = false>
 struct WgA8Block {
-    static constexpr int CHUNKS = WG_BK * WG_KSUB / 16;                          // 16-byte chunks a row and stage
+    static constexpr int KSUB = WG_KSUB(NTOK), STAGES = WG_STAGES(NTOK);
+    static constexpr int CHUNKS = WG_BK * KSUB / 16;                          // 16-byte chunks a row and stage
     static constexpr int ROWS_PER = WG_THREADS / CHUNKS;                         // rows a round of copies covers
     static constexpr int A_PER = WG_ROWS / ROWS_PER;                             // a thread's weight rows
     static constexpr int B_PER = (NTOK + ROWS_PER - 1) / ROWS_PER;              // and pass rows
@@ -72,7 +76,7 @@ struct WgA8Block {
     // the i-th row (of the weight tile, or of the pass) whose chunk this thread copies: a
     // warp's copies are ROWS_PER / 4 whole rows of a stage, 256 contiguous bytes each
     __device__ __forceinline__ int row(int i) const { return threadIdx.x / CHUNKS + ROWS_PER * i; }
-    __device__ __forceinline__ u8* stage(int s) const { return stages + (s % WG_STAGES) * wg_stage_bytes<NTOK>(); }
+    __device__ __forceinline__ u8* stage(int s) const { return stages + (s % STAGES) * wg_stage_bytes<NTOK>(); }
 
     // The pass's rows from run row r0 (rows past the run read its last row, as zeros) and
     // their group scales (0 past the run): row_of(t) gives run row t's codes and scales.
@@ -97,11 +101,11 @@ struct WgA8Block {
     template <bool WEIGHTS, bool ROWS>
     __device__ __forceinline__ void copy_stage(int s, int tile = 0, int ts = 0) const {
         u8* st = stage(s);
-        const int kc = (TILED ? ts : s) * WG_BK * WG_KSUB + chunk * 16;
+        const int kc = (TILED ? ts : s) * WG_BK * KSUB + chunk * 16;
         const bool kin = kc < K;
         const int sub = chunk / 8, c = chunk % 8;
         u8* a_dst = st + sub * WG_ROWS * WG_BK;
-        u8* b_dst = st + WG_KSUB * WG_ROWS * WG_BK + sub * NTOK * WG_BK;
+        u8* b_dst = st + KSUB * WG_ROWS * WG_BK + sub * NTOK * WG_BK;
         const size_t toff = TILED && kin ? (size_t)tile * WG_ROWS * K : 0;
         if (WEIGHTS)
 #pragma unroll
@@ -113,17 +117,17 @@ struct WgA8Block {
                 if (row(i) < NTOK) cp_async16(b_dst + swz128(row(i), c), b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
     }
 
-    // The weight rows of the first WG_STAGES - 1 stages, as one group of copies ahead of a
+    // The weight rows of the first STAGES - 1 stages, as one group of copies ahead of a
     // first pass that takes `weights_ahead` (down: issued before the block waits for gate/up).
     __device__ __forceinline__ void copy_weights_ahead() const {
 #pragma unroll
-        for (int s = 0; s < WG_STAGES - 1; ++s)
+        for (int s = 0; s < STAGES - 1; ++s)
             if (s < run_stages()) copy_stage<true, false>(s, TILED ? s / KS : 0, TILED ? s % KS : 0);
         cp_async_commit();
     }
 
     // One pass: acc[m] (tile m's m64 x NTOK sums, fp32) over all of K. Every thread copies
-    // its chunks WG_STAGES - 1 stages ahead; a stage's barrier makes everyone's copies of it
+    // its chunks STAGES - 1 stages ahead; a stage's barrier makes everyone's copies of it
     // visible and frees the stage read before it. The caller has filled sw / sx (the
     // first barrier orders them too). `weights_ahead`: copy_weights_ahead issued the first
     // stages' weight rows (an older group than these stages' own, so every wait below that
@@ -139,7 +143,7 @@ struct WgA8Block {
         const int t4 = threadIdx.x & 3;
         const int RS = run_stages();
 #pragma unroll
-        for (int s = 0; s < WG_STAGES - 1; ++s) {
+        for (int s = 0; s < STAGES - 1; ++s) {
             if (s < RS) {
                 if (weights_ahead)
                     copy_stage<false, true>(s, TILED ? s / KS : 0, TILED ? s % KS : 0);
@@ -150,25 +154,25 @@ struct WgA8Block {
         }
         // TILED: the tile and its stage of run stage s (tile, ts) and of the stage ahead (at,
         // ats), counted on (no division a stage)
-        int tile = 0, ts = 0, at = 0, ats = WG_STAGES - 1;
+        int tile = 0, ts = 0, at = 0, ats = STAGES - 1;
         if (TILED)
             while (ats >= KS) ats -= KS, ++at;
 #pragma unroll 1
         for (int s = 0; s < RS; ++s) {
-            cp_async_wait<WG_STAGES - 2>();  // this thread's copies of stage s have landed
+            cp_async_wait<STAGES - 2>();  // this thread's copies of stage s have landed
             fence_proxy_async();             // ... visible to the tensor cores (async proxy)
             __syncthreads();                 // everyone's; the stage of s - 1 is free
-            if (s + WG_STAGES - 1 < RS) copy_stage<true, true>(s + WG_STAGES - 1, at, ats);
+            if (s + STAGES - 1 < RS) copy_stage<true, true>(s + STAGES - 1, at, ats);
             cp_async_commit();
             const u8* st = stage(s);
             const float* swt = sw + (TILED ? tile * KT : 0);
 #pragma unroll
-            for (int sub = 0; sub < WG_KSUB; ++sub) {
-                const int kt = (TILED ? ts : s) * WG_KSUB + sub;
+            for (int sub = 0; sub < KSUB; ++sub) {
+                const int kt = (TILED ? ts : s) * KSUB + sub;
                 if (kt >= KT) break;
                 const u8* a = st + sub * WG_ROWS * WG_BK;
                 const u64 da0 = wgmma_desc(a), da1 = wgmma_desc(a + 64 * WG_BK);
-                const u64 db = wgmma_desc(st + WG_KSUB * WG_ROWS * WG_BK + sub * NTOK * WG_BK);
+                const u64 db = wgmma_desc(st + KSUB * WG_ROWS * WG_BK + sub * NTOK * WG_BK);
                 float blk[2][NTOK / 2] = {};  // overwritten (scale_d = 0 at kk = 0); zeroed so no value is undefined
                 fence_acc<NTOK / 2>(blk[0]);
                 fence_acc<NTOK / 2>(blk[1]);
@@ -220,9 +224,9 @@ __device__ __forceinline__ WgA8Block<NTOK, TILED> wg_block(unsigned char* smem, 
     b.stages = smem + pad;
     b.K = K;
     b.KT = (K + WG_BK - 1) / WG_BK;
-    b.KS = (b.KT + WG_KSUB - 1) / WG_KSUB;
+    b.KS = (b.KT + b.KSUB - 1) / b.KSUB;
     b.tiles = tiles;
-    b.sw = reinterpret_cast<float*>(b.stages + WG_STAGES * wg_stage_bytes<NTOK>());
+    b.sw = reinterpret_cast<float*>(b.stages + b.STAGES * wg_stage_bytes<NTOK>());
     b.sx = b.sw + max(2, tiles) * b.KT;
     b.chunk = threadIdx.x % b.CHUNKS;
     return b;

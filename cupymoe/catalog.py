@@ -90,16 +90,20 @@ MMA_DECODE_FORMATS = FP4_DECODE_FORMATS + (WeightFormat.FP8_BLOCK,)
 # mxfp4 scale bytes the tensor-core decode serves (it scales by 2^-64 on the way and the
 # weights must stay normal bf16 numbers); outside, the CUDA-core readers take them
 FP4_MMA_MXFP4_SCALE_BYTES = (66, 192)
-# decode_wgmma_a8.cu: rows of an expert's run a pass, ring stages, k128 steps a stage,
-# weight rows a block, threads a block (WG_STAGES / WG_KSUB / WG_ROWS / WG_THREADS)
+# decode_wgmma_a8.cu: rows of an expert's run a pass, and per pass height its ring (WG_STAGES(NT),
+# WG_KSUB(NT): stages, k128 steps a stage), weight rows a block, threads a block (WG_ROWS / WG_THREADS)
 WGMMA_DECODE_TOKEN_TILES = (8, 16, 32)
-WGMMA_DECODE_STAGES = 3
-WGMMA_DECODE_KSUB = 2
+WGMMA_DECODE_RING = {8: (3, 2), 16: (3, 2), 32: (5, 1)}  # token tile -> (stages, k128 steps a stage)
 WGMMA_DECODE_ROWS = 128
 WGMMA_DECODE_THREADS = 128
 WGMMA_DECODE_GATE_UP_COLUMNS = WGMMA_DECODE_ROWS // 2  # a gate/up block's 128 rows: 64 gate, 64 up
-# the weight bytes a w8a8 wgmma gate/up block by table slot copies before the lists land: all stages but one
-WGMMA_DECODE_AHEAD_BYTES = (WGMMA_DECODE_STAGES - 1) * WGMMA_DECODE_ROWS * 128 * WGMMA_DECODE_KSUB
+
+
+def wgmma_decode_ahead_bytes(token_tile: int) -> int:
+    """The weight bytes a w8a8 wgmma gate/up block by table slot copies before the lists land: all
+    its ring's stages but one."""
+    stages, ksub = WGMMA_DECODE_RING[token_tile]
+    return (stages - 1) * WGMMA_DECODE_ROWS * 128 * ksub
 # decode_wgmma_fp4.cu (WF_STAGES / WF_KSUB); three blocks fit an SM
 WGMMA_FP4_DECODE_TOKEN_TILES = (8, 16)
 WGMMA_FP4_DECODE_STAGES = 3
@@ -360,8 +364,9 @@ def wgmma_decode_smem_bytes(token_tile: int, k_steps: int, weight_tiles: int = 1
     """decode_wgmma_*_a8<token_tile> over `k_steps` k128 steps: 1024 to align the ring, its
     stages (weight rows and the pass's rows, 128 codes a k step) and every step's scales (the
     weights': two m64 halves, or down's `weight_tiles` 128-row tiles, whichever is more)."""
-    stage = (WGMMA_DECODE_ROWS + token_tile) * 128 * WGMMA_DECODE_KSUB
-    return 1024 + WGMMA_DECODE_STAGES * stage + (max(2, weight_tiles) + token_tile) * k_steps * 4
+    stages, ksub = WGMMA_DECODE_RING[token_tile]
+    stage = (WGMMA_DECODE_ROWS + token_tile) * 128 * ksub
+    return 1024 + stages * stage + (max(2, weight_tiles) + token_tile) * k_steps * 4
 
 
 def wgmma_fp4_decode_smem_bytes(fmt: int, token_tile: int) -> int:

@@ -317,7 +317,7 @@ def w8a8_decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, rows_per_exp
     tiles = 1 if stage == "gate_up" else a8_down_tiles(lp, dev, n_rows)
     blocks, k = (gate_up_blocks, H) if stage == "gate_up" else (-(-H // C.WGMMA_DECODE_ROWS) // tiles, i_max)
     # its gate/up's by-slot form copies the ring's first stages but one ahead
-    ahead = C.WGMMA_DECODE_AHEAD_BYTES if stage == "gate_up" else 0
+    ahead = C.wgmma_decode_ahead_bytes(nt) if stage == "gate_up" else 0
     return DecodeKernel(f"decode_wgmma_{stage}_a8<{nt}>", blocks, C.WGMMA_DECODE_THREADS,
                         C.wgmma_decode_smem_bytes(nt, -(-k // 128), tiles), ahead)
 
@@ -326,15 +326,14 @@ def a8_down_tiles(lp: LayerPlan, dev: DeviceFacts, n_rows: int) -> int:
     """128-row tiles a block of decode_wgmma_down_a8 takes through one ring (H must be a multiple
     of 128 whose tiles the count divides: the kernel's rows all lie in the matrix, else one):
     CUPYMOE_A8_DOWN_TILES's count, else the most of 4 and 2 where the experts' I is at most
-    a8_down_tiles_max_stages ring stages and the experts `n_rows` rows are expected to choose
+    a8_down_tiles_max_k_steps k128 steps and the experts `n_rows` rows are expected to choose
     still give a8_down_tiles_min_waves waves of such blocks, else one."""
     cfg = lp.cfg
     tiles_h, whole = divmod(cfg.hidden_size, C.WGMMA_DECODE_ROWS)
     if lp.a8_down_tiles is not None:
         t = lp.a8_down_tiles
         return t if whole == 0 and tiles_h % t == 0 else 1
-    stages = -(-cfg.moe_intermediate_size // (C.WGMMA_DECODE_KSUB * 128))
-    if whole or stages > TUNING.a8_down_tiles_max_stages:
+    if whole or -(-cfg.moe_intermediate_size // 128) > TUNING.a8_down_tiles_max_k_steps:
         return 1
     k, E = cfg.num_experts_per_tok, cfg.num_experts
     active = lp.n_local * (1.0 - (1.0 - min(1.0, k / E)) ** max(1, n_rows))

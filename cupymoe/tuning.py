@@ -124,7 +124,7 @@ class Tuning:
     wgmma_decode_min_waves: float
     wgmma_fp4_decode_min_waves: float
     fp4_down_tiles_max_stages: int
-    a8_down_tiles_max_stages: int
+    a8_down_tiles_max_k_steps: int
     a8_down_tiles_min_waves: float
     gate_up_ahead_max_waste: int
     decode_router_mma_min_macs: int
@@ -147,7 +147,7 @@ class Tuning:
             wgmma_decode_min_waves=float(v["wgmma_decode_min_waves"]),
             wgmma_fp4_decode_min_waves=float(v["wgmma_fp4_decode_min_waves"]),
             fp4_down_tiles_max_stages=int(v["fp4_down_tiles_max_stages"]),
-            a8_down_tiles_max_stages=int(v["a8_down_tiles_max_stages"]),
+            a8_down_tiles_max_k_steps=int(v["a8_down_tiles_max_k_steps"]),
             a8_down_tiles_min_waves=float(v["a8_down_tiles_min_waves"]),
             gate_up_ahead_max_waste=int(v["gate_up_ahead_max_waste"]),
             decode_router_mma_min_macs=int(v["decode_router_mma_min_macs"]),

@@ -445,15 +445,15 @@ def test_w8a8_decode_kernels_by_knob(mode, rng, monkeypatch):
 def test_w8a8_decode_kernels_past_64_rows(mode, rng, monkeypatch):
     """The w8a8 decode kernels at the rows the tuning table sends them (deepseek-v3 and
     qwen3-next-80b fp8 take decode/wgmma at 256 rows) and `python -m cupymoe tune` offers them
-    (tune.DECODE_CAP, up to 256): N = 65, 129 and 255 on the decode path (the atomic one is
-    tuned up to 16 rows), a layer whose decode cap is 256, against the reference."""
+    (tune.DECODE_CAP, up to 512): N = 65, 129, 255 and 511 on the decode path (the atomic one is
+    tuned up to 16 rows), a layer whose decode cap is 512, against the reference."""
     if not _hopper():
         pytest.skip("w8a8 needs sm_90a")
     monkeypatch.setenv("CUPYMOE_W8A8_DECODE", mode)
     for name in ("qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared"):
-        cfg, hw, layer = _case(name, rng, fp8_compute="w8a8", decode_max_tokens=256)
+        cfg, hw, layer = _case(name, rng, fp8_compute="w8a8", decode_max_tokens=512, max_tokens=512)
         assert layer.fp8_compute == "w8a8"
-        for n in (65, 129, 255):
+        for n in (65, 129, 255, 511):
             x = well_separated_input(cfg, hw, rng, n)
             c = check(run_layer(layer, x, "decode"), cfg, hw, x, "decode", layer=layer)
             assert c.ok, f"{name} N={n} decode w8a8 on {mode}: {c}"

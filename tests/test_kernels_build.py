@@ -201,25 +201,27 @@ def test_w8a8_decode_quantizes_x_beside_the_routing_only_at_a_row_or_two():
 
 def test_wgmma_decode_constants_match_the_kernel_file():
     """C.py sizes decode_wgmma_a8.cu's launches (threads, blocks, the ring's shared
-    memory) from constants that must be the file's #defines; 8- and 16-row passes fit two
+    memory) from constants that must be the file's #defines; passes of every height fit two
     blocks an SM up to H = 7168 (228 KB an SM, 1 KB of it reserved a block), as the file's
-    register cap assumes, 32-row ones one."""
+    register cap assumes, and each ring keeps 64 KB of weights in flight (all stages but one)."""
     import re
 
     src = (jit.kernel_dir() / "decode_wgmma_a8.cu").read_text()
     defined = {m.group(1): int(m.group(2)) for m in re.finditer(r"^#define (WG_\w+) (\d+)", src, re.M)}
     assert defined["WG_ROWS"] == C.WGMMA_DECODE_ROWS == 2 * C.WGMMA_DECODE_GATE_UP_COLUMNS
-    assert defined["WG_STAGES"] == C.WGMMA_DECODE_STAGES
-    assert defined["WG_KSUB"] == C.WGMMA_DECODE_KSUB
+    assert "#define WG_KSUB(NTOK) ((NTOK) <= 16 ? 2 : 1)" in src and "#define WG_MIN_BLOCKS(NTOK) 2" in src
+    assert "#define WG_STAGES(NTOK) ((NTOK) <= 16 ? 3 : 5)" in src
+    assert C.WGMMA_DECODE_RING == {nt: ((3, 2) if nt <= 16 else (5, 1)) for nt in C.WGMMA_DECODE_TOKEN_TILES}
     assert defined["WG_THREADS"] == C.WGMMA_DECODE_THREADS
     assert defined["WG_BK"] == 128
     names = set(jit.MODULES["decode_wgmma_a8"].names)
     assert names == {f"decode_wgmma_{m}_a8<{nt}>" for m in ("gate_up", "down") for nt in C.WGMMA_DECODE_TOKEN_TILES}
     sm_bytes = 228 * 1024
-    for nt, blocks in ((8, 2), (16, 2), (32, 1)):
+    for nt in C.WGMMA_DECODE_TOKEN_TILES:
         for hidden in (2048, 7168):
             need = C.wgmma_decode_smem_bytes(nt, hidden // 128) + 1024
-            assert blocks * need <= sm_bytes < (blocks + 1) * need, (nt, hidden, need)
+            assert 2 * need <= sm_bytes < 3 * need, (nt, hidden, need)
+        assert C.wgmma_decode_ahead_bytes(nt) == 64 * 1024
     # 1024 to align, 3 stages of (128 + 16) rows of 2 x 128 codes, 18 scales a k128 step
     assert C.wgmma_decode_smem_bytes(16, 16) == 1024 + 3 * 144 * 256 + 18 * 16 * 4
 
@@ -279,7 +281,7 @@ def test_wgmma_gate_up_by_slot_where_little_is_copied_for_nothing():
         cfg = bench.preset_config(preset)
         return gate_up_ahead_waste(cfg.num_experts, cfg.num_experts, cfg.num_experts_per_tok, n,
                                    -(-cfg.moe_intermediate_size // C.WGMMA_DECODE_GATE_UP_COLUMNS),
-                                   C.WGMMA_DECODE_AHEAD_BYTES)
+                                   C.wgmma_decode_ahead_bytes(8))
 
     cap = TUNING.gate_up_ahead_max_waste
     assert waste("qwen3-30b-a3b", 64) < waste("qwen3-30b-a3b", 32) <= cap

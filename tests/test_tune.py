@@ -58,16 +58,18 @@ def test_candidates_by_rows_per_expert_and_caps():
     f0, fd = _plans("qwen3-30b-a3b", "fp8_block")
     assert [c.label() for c in tune.candidates(f0, 16)] == ["decode/mma", "decode/wgmma", "decode/swapab", "atomic",
                                                             "atomic/swapab", "prefill", "prefill/tma64"]
-    # w8a8: every decode kernel up to 256 rows (tune.DECODE_CAP: the GPU tests check them to 255);
+    # w8a8: every decode kernel up to 512 rows (tune.DECODE_CAP: the GPU tests check them to 511);
     # the cp.async GEMM and the TMA one's 64-row form, and its 128-row form from 16 rows an expert
     assert [c.label() for c in tune.candidates(f0, 128)] == ["decode/mma", "decode/wgmma", "decode/swapab",
                                                              "decode/swapab/nt16", "prefill", "prefill/tma64"]
     assert [c.label() for c in tune.candidates(f0, 256)] == ["decode/mma", "decode/wgmma", "decode/swapab",
                                                              "decode/swapab/nt32", "prefill", "prefill/tma64",
                                                              "prefill/tma"]
-    assert [c.label() for c in tune.candidates(f0, 512)] == ["prefill", "prefill/tma64", "prefill/tma"]
-    assert [c.label() for c in tune.distinct(f0, H200, 512, [tune.default_choice(fd, H200, 512)]
-                                             + tune.candidates(f0, 512))] == ["prefill", "prefill/tma64", "prefill/tma"]
+    assert [c.label() for c in tune.candidates(f0, 512)] == ["decode/mma", "decode/wgmma", "decode/swapab", "prefill",
+                                                             "prefill/tma64", "prefill/tma"]
+    assert [c.label() for c in tune.candidates(f0, 1024)] == ["prefill", "prefill/tma64", "prefill/tma"]
+    assert [c.label() for c in tune.distinct(f0, H200, 1024, [tune.default_choice(fd, H200, 1024)]
+                                             + tune.candidates(f0, 1024))] == ["prefill", "prefill/tma64", "prefill/tma"]
     # the sweep's w8a8 plan admits every decode kernel up to SWAPAB_CAP rows
     fwide = plan_layer(bench.preset_config("qwen3-30b-a3b"), "fp8_block", None, "sm_90a",
                        options=LayerOptions(decode_max_tokens=tune.SWAPAB_CAP), knobs=Knobs(), table={})
