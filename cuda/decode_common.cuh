@@ -7,6 +7,32 @@
 #define DECODE_WARPS 8
 #define LISTS_THREADS 1024
 
+// Where a decode block's ring is in its run through `tiles` weight tiles of KS stages each (the
+// wgmma downs, whose K is a few stages): the tile and its stage of the run stage being multiplied
+// (tile, ts) and of the one copied `ahead` stages on (at, ats), counted on (no division a stage).
+struct TileRun {
+    int KS, tiles, tile = 0, ts = 0, at = 0, ats = 0;
+    __device__ __forceinline__ TileRun(int ks, int n) : KS(ks), tiles(n) {}
+    __device__ __forceinline__ void start(int ahead) {
+        ats = ahead;
+        while (ats >= KS) ats -= KS, ++at;
+    }
+    // After run stage (tile, ts) is multiplied: a tile's sums, whole but for the last tile's, go
+    // to done(tile, acc) and are zeroed for the next; then both positions step on.
+    template <int N, class Done>
+    __device__ __forceinline__ void step(float (&acc)[2][N], Done& done) {
+        if (ts == KS - 1 && tile + 1 < tiles) {
+            done(tile, acc);
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int i = 0; i < N; ++i) acc[m][i] = 0.0f;
+        }
+        if (++ts == KS) ts = 0, ++tile;
+        if (++ats == KS) ats = 0, ++at;
+    }
+};
+
 // The decode expert kernels' argument lists: the layer launches the CUDA-core and the
 // tensor-core kernels of a stage with one argument tuple, so they share one list.
 // gate/up: x (the shared expert's input) and xe (the routed experts'), the active lists,

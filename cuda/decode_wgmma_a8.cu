@@ -152,23 +152,20 @@ struct WgA8Block {
             }
             cp_async_commit();
         }
-        // TILED: the tile and its stage of run stage s (tile, ts) and of the stage ahead (at,
-        // ats), counted on (no division a stage)
-        int tile = 0, ts = 0, at = 0, ats = STAGES - 1;
-        if (TILED)
-            while (ats >= KS) ats -= KS, ++at;
+        TileRun run(KS, tiles);  // TILED: where the run is
+        if (TILED) run.start(STAGES - 1);
 #pragma unroll 1
         for (int s = 0; s < RS; ++s) {
             cp_async_wait<STAGES - 2>();  // this thread's copies of stage s have landed
             fence_proxy_async();             // ... visible to the tensor cores (async proxy)
             __syncthreads();                 // everyone's; the stage of s - 1 is free
-            if (s + STAGES - 1 < RS) copy_stage<true, true>(s + STAGES - 1, at, ats);
+            if (s + STAGES - 1 < RS) copy_stage<true, true>(s + STAGES - 1, run.at, run.ats);
             cp_async_commit();
             const u8* st = stage(s);
-            const float* swt = sw + (TILED ? tile * KT : 0);
+            const float* swt = sw + (TILED ? run.tile * KT : 0);
 #pragma unroll
             for (int sub = 0; sub < KSUB; ++sub) {
-                const int kt = (TILED ? ts : s) * KSUB + sub;
+                const int kt = (TILED ? run.ts : s) * KSUB + sub;
                 if (kt >= KT) break;
                 const u8* a = st + sub * WG_ROWS * WG_BK;
                 const u64 da0 = wgmma_desc(a), da1 = wgmma_desc(a + 64 * WG_BK);
@@ -200,17 +197,7 @@ struct WgA8Block {
                         }
                     }
             }
-            if (TILED) {
-                if (ts == KS - 1 && tile + 1 < tiles) {
-                    tile_done(tile, acc);
-#pragma unroll
-                    for (int m = 0; m < 2; ++m)
-#pragma unroll
-                        for (int i = 0; i < NTOK / 2; ++i) acc[m][i] = 0.0f;
-                }
-                if (++ts == KS) ts = 0, ++tile;
-                if (++ats == KS) ats = 0, ++at;
-            }
+            if (TILED) run.step(acc, tile_done);
         }
         cp_async_wait<0>();
         __syncthreads();  // the stages and sx are free for the next pass

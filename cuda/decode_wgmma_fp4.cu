@@ -335,11 +335,8 @@ struct WfBlock {
 #pragma unroll
         for (int s = 0; s < WF_STAGES - 1; ++s)
             if (s < RS) store_rows(s, first[s]);
-        // TILED: the tile and its stage of stage s (tile, ts) and of the stage ahead (at, ats),
-        // counted on (no division a stage)
-        int tile = 0, ts = 0, at = 0, ats = WF_STAGES - 1;
-        if (TILED)
-            while (ats >= KS) ats -= KS, ++at;
+        TileRun run(KS, tiles);  // TILED: where the run is
+        if (TILED) run.start(WF_STAGES - 1);
 #pragma unroll 1
         for (int s = 0; s < RS; ++s) {
             cp_async_wait<WF_STAGES - 2>();  // this thread's copies of stage s have landed
@@ -348,27 +345,17 @@ struct WfBlock {
             const int ahead = s + WF_STAGES - 1;
             uint4 v[X_PER];
             if (ahead < RS) {
-                copy_weights(ahead, at, ats);
-                load_rows(TILED ? ats : ahead, v);
+                copy_weights(ahead, run.at, run.ats);
+                load_rows(TILED ? run.ats : ahead, v);
             }
             cp_async_commit();
             u8* st = stage(s);
-            const int k0 = (TILED ? ts : s) * WF_KSUB;
+            const int k0 = (TILED ? run.ts : s) * WF_KSUB;
 #pragma unroll
             for (int sub = 0; sub < WF_KSUB; ++sub)
                 if (k0 + sub < KT) step(acc, st, sub);
             if (ahead < RS) store_rows(ahead, v);
-            if (TILED) {
-                if (ts == KS - 1 && tile + 1 < tiles) {
-                    tile_done(tile, acc);
-#pragma unroll
-                    for (int m = 0; m < 2; ++m)
-#pragma unroll
-                        for (int i = 0; i < NTOK / 2; ++i) acc[m][i] = 0.0f;
-                }
-                if (++ts == KS) ts = 0, ++tile;
-                if (++ats == KS) ats = 0, ++at;
-            }
+            if (TILED) run.step(acc, tile_done);
         }
         cp_async_wait<0>();
         __syncthreads();  // the stages are free for the next pass

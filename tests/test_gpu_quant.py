@@ -53,6 +53,19 @@ def _case(name, rng, **layer_kw):
     return cfg, hw, MoeLayer(cfg, hw, **layer_kw)
 
 
+def _sized_case(name, H, I, Is, rng, **layer_kw):
+    """CASES[name]'s family at hidden size H, expert width I and, where not None, shared expert width Is."""
+    from cupymoe import MoeLayer
+
+    family, fmt, router_fmt, shared_fmt = CASES[name]
+    over = dict(hidden_size=H, moe_intermediate_size=I)
+    if Is is not None:
+        over["shared_expert_intermediate_size"] = Is
+    cfg = testing.tiny_config(family, **over)
+    hw = testing.random_host_weights(cfg, rng, fmt, router_fmt=router_fmt, shared_fmt=shared_fmt)
+    return cfg, hw, MoeLayer(cfg, hw, **layer_kw)
+
+
 def _check_decode_paths(layer, cfg, hw, rng, tokens, label: str) -> None:
     """The layer on the decode and atomic paths at each N of `tokens`, against the reference."""
     for path in ("decode", "atomic"):
@@ -474,7 +487,6 @@ def test_w8a8_decode_down_tiles(tiles, rng, monkeypatch):
     their ring where T divides H / 128 (H = 512: two and four; H = 384: three; else one tile a
     block), every tile's epilogue between stages of the next, at passes of 8, 16 and 32 rows and
     runs longer than a pass (N = 255), on the decode and atomic paths, against the reference."""
-    from cupymoe import MoeLayer
     from cupymoe.catalog import WeightFormat
     from cupymoe.heuristics import decode_kernel
 
@@ -484,14 +496,8 @@ def test_w8a8_decode_down_tiles(tiles, rng, monkeypatch):
     monkeypatch.setenv("CUPYMOE_A8_DOWN_TILES", str(tiles))
     tiled = set()
     for name, H, I, Is in WGMMA_A8_TILE_CASES:
-        family, fmt, router_fmt, shared_fmt = CASES[name]
-        over = dict(hidden_size=H, moe_intermediate_size=I)
-        if Is is not None:
-            over["shared_expert_intermediate_size"] = Is
-        cfg = testing.tiny_config(family, **over)
-        hw = testing.random_host_weights(cfg, rng, fmt, router_fmt=router_fmt, shared_fmt=shared_fmt)
-        layer = MoeLayer(cfg, hw, max_tokens=256, decode_max_tokens=256, atomic_max_tokens=max(SMALL),
-                         fp8_compute="w8a8")
+        cfg, hw, layer = _sized_case(name, H, I, Is, rng, max_tokens=256, decode_max_tokens=256,
+                                     atomic_max_tokens=max(SMALL), fp8_compute="w8a8")
         for n in SMALL:
             max_active, rows, _ = _decode_grid(layer, cfg, n)
             dk = decode_kernel(layer.plan, layer.device, "down", WeightFormat.FP8_BLOCK, rows, max_active, n)
@@ -548,16 +554,9 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
         monkeypatch.setenv("CUPYMOE_FP4_DOWN_TILES", tiles)
     heights, chosen, tiled = set(), set(), set()
     for name, H, I, Is in WGMMA_FP4_CASES:
-        from cupymoe import MoeLayer
-
-        family, fmt, router_fmt, shared_fmt = CASES[name]
-        over = dict(hidden_size=H, moe_intermediate_size=I)
-        if Is is not None:
-            over["shared_expert_intermediate_size"] = Is
-        cfg = testing.tiny_config(family, **over)
-        hw = testing.random_host_weights(cfg, rng, fmt, router_fmt=router_fmt, shared_fmt=shared_fmt)
-        layer = MoeLayer(cfg, hw, max_tokens=max(SMALL), decode_max_tokens=max(SMALL),
-                         atomic_max_tokens=max(SMALL))
+        fmt = CASES[name][1]
+        cfg, hw, layer = _sized_case(name, H, I, Is, rng, max_tokens=max(SMALL), decode_max_tokens=max(SMALL),
+                                     atomic_max_tokens=max(SMALL))
         code = WeightFormat.named(fmt)
         assert layer.plan.fp4_wgmma_ok and code in layer.plan.mma_decode_formats, name
         _on_sms(layer, 8)
