@@ -28,13 +28,13 @@
 #define WG_ROWS 128    // weight rows a block streams: two m64 tiles
 #define WG_BK 128      // codes of a k step: one weight scale block, one activation group
 // The ring by pass height: k steps a stage and stages. 8 and 16 rows: two steps (256 contiguous
-// bytes of each weight row a copy), three stages; 32 rows: one step, five stages, so that two
-// blocks fit an SM there too. Either way 64 KB of weights are in flight a block.
+// bytes of each weight row a copy), three stages; 32 rows: one step, five stages (128 bytes a
+// copy), so that two blocks fit an SM there too. Either way 64 KB of weights are in flight a block.
 #define WG_KSUB(NTOK) ((NTOK) <= 16 ? 2 : 1)
 #define WG_STAGES(NTOK) ((NTOK) <= 16 ? 3 : 5)
 #define WG_THREADS 128 // one warpgroup: it copies, multiplies and stores
-// blocks an SM the registers are capped for: the ring's shared memory leaves room for 2 up to
-// H = 7168 (catalog.wgmma_decode_smem_bytes)
+// blocks an SM the registers are capped for: the ring and K's scales leave room for 2 up to K =
+// 7168 (catalog.wgmma_decode_smem_bytes; mixtral-8x7b's down, K = 14336, runs one an SM)
 #define WG_MIN_BLOCKS(NTOK) 2
 
 // A stage: WG_KSUB(NTOK) k steps of the 128 weight rows (each step's 128 x 128 codes a tile,
@@ -74,7 +74,7 @@ struct WgA8Block {
     __device__ __forceinline__ int run_stages() const { return TILED ? KS * tiles : KS; }
 
     // the i-th row (of the weight tile, or of the pass) whose chunk this thread copies: a
-    // warp's copies are ROWS_PER / 4 whole rows of a stage, 256 contiguous bytes each
+    // warp's copies are ROWS_PER / 4 whole rows of a stage, WG_BK * KSUB contiguous bytes each
     __device__ __forceinline__ int row(int i) const { return threadIdx.x / CHUNKS + ROWS_PER * i; }
     __device__ __forceinline__ u8* stage(int s) const { return stages + (s % STAGES) * wg_stage_bytes<NTOK>(); }
 

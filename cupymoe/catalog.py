@@ -104,6 +104,8 @@ def wgmma_decode_ahead_bytes(token_tile: int) -> int:
     its ring's stages but one."""
     stages, ksub = WGMMA_DECODE_RING[token_tile]
     return (stages - 1) * WGMMA_DECODE_ROWS * 128 * ksub
+
+
 # decode_wgmma_fp4.cu (WF_STAGES / WF_KSUB); three blocks fit an SM
 WGMMA_FP4_DECODE_TOKEN_TILES = (8, 16)
 WGMMA_FP4_DECODE_STAGES = 3

@@ -325,7 +325,7 @@ def w8a8_decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, rows_per_exp
 def a8_down_tiles(lp: LayerPlan, dev: DeviceFacts, n_rows: int) -> int:
     """128-row tiles a block of decode_wgmma_down_a8 takes through one ring (H must be a multiple
     of 128 whose tiles the count divides: the kernel's rows all lie in the matrix, else one):
-    CUPYMOE_A8_DOWN_TILES's count, else the most of 4 and 2 where the experts' I is at most
+    CUPYMOE_A8_DOWN_TILES's count, else the most of 4 and 2 where every expert's I is at most
     a8_down_tiles_max_k_steps k128 steps and the experts `n_rows` rows are expected to choose
     still give a8_down_tiles_min_waves waves of such blocks, else one."""
     cfg = lp.cfg
@@ -333,7 +333,7 @@ def a8_down_tiles(lp: LayerPlan, dev: DeviceFacts, n_rows: int) -> int:
     if lp.a8_down_tiles is not None:
         t = lp.a8_down_tiles
         return t if whole == 0 and tiles_h % t == 0 else 1
-    if whole or -(-cfg.moe_intermediate_size // 128) > TUNING.a8_down_tiles_max_k_steps:
+    if whole or -(-lp.i_max // 128) > TUNING.a8_down_tiles_max_k_steps:  # K of every expert in the launch
         return 1
     k, E = cfg.num_experts_per_tok, cfg.num_experts
     active = lp.n_local * (1.0 - (1.0 - min(1.0, k / E)) ** max(1, n_rows))

@@ -476,8 +476,9 @@ def test_w8a8_decode_kernels_past_64_rows(mode, rng, monkeypatch):
 # w8a8 layers whose H is a multiple of 128, so decode_wgmma_down_a8's blocks may take several
 # 128-row tiles: (case, hidden_size, moe_intermediate_size, shared_expert_intermediate_size or None)
 WGMMA_A8_TILE_CASES = (
-    ("qwen3_moe-fp8", 512, 384, None),  # K = 384: a stage half past K, each tile's run 2 stages
-    ("deepseek_v3-fp8-fp8router-bf16shared", 384, 256, 128),  # K of one stage: the ring spans three tiles
+    ("qwen3_moe-fp8", 512, 384, None),  # K = 384: 8-16-row passes a stage half past K, 2 stages a tile
+    ("deepseek_v3-fp8-fp8router-bf16shared", 384, 256, 128),  # K of one stage (8-16 rows): the ring spans three tiles
+    ("longcat_flash-fp8", 512, 128, None),  # K = 128: one stage a tile at every pass height (32 rows: N = 255)
 )
 
 
