@@ -26,9 +26,10 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 PRESETS=${PRESETS:-mixtral-8x7b qwen3-30b-a3b qwen3-235b-a22b}
 TOKENS=${TOKENS:-16 32 64 128}
+mkdir -p "$W/ab"
 OUT=$W/ab A=$OLD B=$ROOT NAMES="old new" ROUNDS=${ROUNDS:-2} bash scripts/ab_bench.sh \
   --format fp8_block --preset $PRESETS --tokens $TOKENS
-mkdir -p "$W/ab" && tar xzf "$W/ab/ab.tgz" -C "$W/ab" 2>/dev/null
+tar xzf "$W/ab/ab.tgz" -C "$W/ab" && rm "$W/ab/ab.tgz"
 echo "A/B done ($(( $(date +%s) - t0 )) s)"
 if [ -n "${FORCED_TOKENS-64 128 256}" ]; then
   export CUPYMOE_W8A8_DECODE=wgmma CUPYMOE_DECODE_KERNEL=register
