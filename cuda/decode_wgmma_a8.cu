@@ -300,7 +300,8 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
 
 // grid (ceil(H / 128) / T, max_active), block WG_THREADS, dynamic shared memory
 // kernels.wgmma_decode_smem_bytes(NTOK, ceil(I_max / 128), T): the stages, aligned to 1024
-// bytes (the swizzle's atom), and every k step's scales. A block takes T = ceil(H / 128) /
+// bytes (the swizzle's atom), every k step's weight scales and each ring slot's rows' scales.
+// A block takes T = ceil(H / 128) /
 // gridDim.x tiles of 128 hidden columns through one ring (T > 1 only where H is a multiple
 // of 128 that T tiles divide). Arguments: DECODE_A8_DOWN_ARGS; outputs as
 // decode_mma_down_a8's: y[pos, h], or with `atomic` the routed pairs' w * y added into

@@ -100,8 +100,8 @@ WGMMA_DECODE_GATE_UP_COLUMNS = WGMMA_DECODE_ROWS // 2  # a gate/up block's 128 r
 
 
 def wgmma_decode_ahead_bytes(token_tile: int) -> int:
-    """The weight bytes a w8a8 wgmma gate/up block by table slot copies before the lists land: all
-    its ring's stages but one."""
+    """The weight bytes a w8a8 wgmma gate/up block copies ahead of its first pass, all its ring's stages
+    but one: by table slot before the lists land, which a slot nobody chose wastes (what this sizes)."""
     stages, ksub = WGMMA_DECODE_RING[token_tile]
     return (stages - 1) * WGMMA_DECODE_ROWS * 128 * ksub
 

@@ -202,7 +202,7 @@ def test_w8a8_decode_quantizes_x_beside_the_routing_only_at_a_row_or_two():
 def test_wgmma_decode_constants_match_the_kernel_file():
     """C.py sizes decode_wgmma_a8.cu's launches (threads, blocks, the ring's shared
     memory) from constants that must be the file's #defines; passes of every height fit two
-    blocks an SM up to H = 7168 (228 KB an SM, 1 KB of it reserved a block), as the file's
+    blocks an SM up to K = 14336 (228 KB an SM, 1 KB of it reserved a block), as the file's
     register cap assumes, and each ring keeps 64 KB of weights in flight (all stages but one)."""
     import re
 
