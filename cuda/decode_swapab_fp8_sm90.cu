@@ -117,9 +117,6 @@ __device__ __forceinline__ void sf_copy_weights(const SfRing<NT>& ring, const Sf
     tma_load_2d(ring.weights(s) + SF_TILE_BYTES, w.map1, kt * SF_BK, w.row1, &ring.full[s]);
 }
 
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(smem)), "l"(gmem));
-}
 
 // A producer lane's cp.async share of step kt into stage s: chunk c = lane % 8 of its rows
 // lane / 8 + 4 i (zeros past K), their group scales (lanes 0, 8, 16, 24), the tiles' block

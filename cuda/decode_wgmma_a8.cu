@@ -33,14 +33,15 @@
 #define WG_KSUB(NTOK) ((NTOK) <= 16 ? 2 : 1)
 #define WG_STAGES(NTOK) ((NTOK) <= 16 ? 3 : 5)
 #define WG_THREADS 128 // one warpgroup: it copies, multiplies and stores
-// blocks an SM the registers are capped for: the ring and K's scales leave room for 2 up to K =
-// 7168 (catalog.wgmma_decode_smem_bytes; mixtral-8x7b's down, K = 14336, runs one an SM)
+// blocks an SM the registers are capped for: the ring and K's weight scales leave room for 2 up
+// to K = 14336 at every pass height (catalog.wgmma_decode_smem_bytes: mixtral-8x7b's down)
 #define WG_MIN_BLOCKS(NTOK) 2
 
 // A stage: WG_KSUB(NTOK) k steps of the 128 weight rows (each step's 128 x 128 codes a tile,
-// 128-byte swizzled: wgmma_desc), then the same steps of the pass's NTOK rows; after the
-// WG_STAGES(NTOK) stages the scales of every k step of K: the two weight tiles' (gate, up;
-// down's two tiles share one block, both point at it) and each row's.
+// 128-byte swizzled: wgmma_desc), then the same steps of the pass's NTOK rows. After the
+// WG_STAGES(NTOK) stages, the scales of every k step of K of the two weight tiles (gate, up;
+// down's two tiles share one block, both point at it), then each ring slot's rows' group scales
+// ([NTOK][KSUB], copied with the stage: so the window grows with K only by the weights' scales).
 template <int NTOK>
 __host__ __device__ constexpr int wg_stage_bytes() { return (WG_ROWS + NTOK) * WG_BK * WG_KSUB(NTOK); }
 
@@ -66,10 +67,12 @@ struct WgA8Block {
     bool a_ok[A_PER];
     const u8* b_src[B_PER];
     bool b_ok[B_PER];
+    const float* x_src;  // this thread's row scales (threads below NTOK * KSUB: row tid / KSUB, step tid % KSUB)
+    bool x_ok;
     int chunk, K, KT, KS;  // this thread's chunk of a row; K, its k steps, its stages
     u8* stages;
     float* sw;  // [2][KT]: the two m64 tiles' weight scales (TILED: [tiles][KT], one a weight tile)
-    float* sx;  // [NTOK][KT]: the pass's rows' group scales (0 past the run)
+    float* sx;  // [STAGES][NTOK][KSUB]: each slot's rows' group scales (0 past the run or K)
     int tiles = 1;
     __device__ __forceinline__ int run_stages() const { return TILED ? KS * tiles : KS; }
 
@@ -78,8 +81,8 @@ struct WgA8Block {
     __device__ __forceinline__ int row(int i) const { return threadIdx.x / CHUNKS + ROWS_PER * i; }
     __device__ __forceinline__ u8* stage(int s) const { return stages + (s % STAGES) * wg_stage_bytes<NTOK>(); }
 
-    // The pass's rows from run row r0 (rows past the run read its last row, as zeros) and
-    // their group scales (0 past the run): row_of(t) gives run row t's codes and scales.
+    // The pass's rows from run row r0 (rows past the run read its last row, as zeros, and
+    // their scales as 0): row_of(t) gives run row t's codes and scales.
     template <class RowOf>
     __device__ __forceinline__ void set_rows(int r0, int len, RowOf row_of) {
 #pragma unroll
@@ -88,10 +91,9 @@ struct WgA8Block {
             b_ok[i] = t < len;
             b_src[i] = row_of(min(t, len - 1)).codes;
         }
-        for (int i = threadIdx.x; i < NTOK * KT; i += WG_THREADS) {
-            const int t = r0 + i / KT;
-            sx[i] = t < len ? row_of(t).scales[i % KT] : 0.0f;
-        }
+        const int t = r0 + (int)threadIdx.x / KSUB;
+        x_ok = threadIdx.x < NTOK * KSUB && t < len;
+        x_src = row_of(min(t, len - 1)).scales + threadIdx.x % KSUB;
     }
 
     // The 16-byte copies of run stage s into its ring slot: stage ts of weight tile `tile`
@@ -111,11 +113,17 @@ struct WgA8Block {
 #pragma unroll
             for (int i = 0; i < A_PER; ++i)
                 cp_async16(a_dst + swz128(row(i), c), a_src[i] + toff + (kin ? kc : 0), a_ok[i] && kin);
-        if (ROWS)
+        if (ROWS) {
 #pragma unroll
             for (int i = 0; i < B_PER; ++i)
                 if (row(i) < NTOK) cp_async16(b_dst + swz128(row(i), c), b_src[i] + (kin ? kc : 0), b_ok[i] && kin);
+            const int kt = (TILED ? ts : s) * KSUB;  // + this thread's step (x_src holds it)
+            const bool xin = kt + (int)threadIdx.x % KSUB < KT;
+            if (threadIdx.x < NTOK * KSUB)
+                cp_async4(slot_scales(s) + threadIdx.x, x_src + (xin ? kt : 0), x_ok && xin);
+        }
     }
+    __device__ __forceinline__ float* slot_scales(int s) const { return sx + (s % STAGES) * NTOK * KSUB; }
 
     // The weight rows of the first STAGES - 1 stages, as one group of copies ahead of a
     // first pass that takes `weights_ahead` (down: issued before the block waits for gate/up).
@@ -128,10 +136,10 @@ struct WgA8Block {
 
     // One pass: acc[m] (tile m's m64 x NTOK sums, fp32) over all of K. Every thread copies
     // its chunks STAGES - 1 stages ahead; a stage's barrier makes everyone's copies of it
-    // visible and frees the stage read before it. The caller has filled sw / sx (the
-    // first barrier orders them too). `weights_ahead`: copy_weights_ahead issued the first
+    // visible and frees the stage read before it. The caller has filled sw (the
+    // first barrier orders it too). `weights_ahead`: copy_weights_ahead issued the first
     // stages' weight rows (an older group than these stages' own, so every wait below that
-    // covers a stage's group covers its weights too). TILED: tile_done(tile, acc) as each
+    // covers a stage's group covers its weights too). A stage's rows' scales come with its rows. TILED: tile_done(tile, acc) as each
     // tile's sums are whole but the last's (then zeroed for the next; the last stay in acc),
     // while the next tile's first stages are in flight.
     template <class TileDone>
@@ -162,6 +170,7 @@ struct WgA8Block {
             if (s + STAGES - 1 < RS) copy_stage<true, true>(s + STAGES - 1, run.at, run.ats);
             cp_async_commit();
             const u8* st = stage(s);
+            const float* sxs = slot_scales(s);
             const float* swt = sw + (TILED ? run.tile * KT : 0);
 #pragma unroll
             for (int sub = 0; sub < KSUB; ++sub) {
@@ -188,7 +197,7 @@ struct WgA8Block {
                 for (int j = 0; j < NTOK / 8; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float x = sx[(8 * j + 2 * t4 + e) * KT + kt];
+                        const float x = sxs[(8 * j + 2 * t4 + e) * KSUB + sub];
 #pragma unroll
                         for (int m = 0; m < 2; ++m) {
                             const float f = x * swt[(TILED ? 0 : m * KT) + kt];
@@ -200,7 +209,7 @@ struct WgA8Block {
             if (TILED) run.step(acc, tile_done);
         }
         cp_async_wait<0>();
-        __syncthreads();  // the stages and sx are free for the next pass
+        __syncthreads();  // the stages are free for the next pass
     }
 };
 
@@ -214,7 +223,7 @@ __device__ __forceinline__ WgA8Block<NTOK, TILED> wg_block(unsigned char* smem, 
     b.KS = (b.KT + b.KSUB - 1) / b.KSUB;
     b.tiles = tiles;
     b.sw = reinterpret_cast<float*>(b.stages + b.STAGES * wg_stage_bytes<NTOK>());
-    b.sx = b.sw + max(2, tiles) * b.KT;
+    b.sx = b.sw + max(2, tiles) * b.KT;  // 4-byte aligned, as cp_async4 wants
     b.chunk = threadIdx.x % b.CHUNKS;
     return b;
 }
@@ -226,7 +235,8 @@ __device__ __forceinline__ WgA8Block<NTOK, TILED> wg_block(unsigned char* smem, 
 // stages' weight copies go out before it waits for the lists (PDL; the launch right before
 // makes them), so the stream is in flight as they land; a slot nobody chose wastes that
 // (the layer takes this where those copies come to little: heuristics.gate_up_by_slot).
-// Else a block is an active expert's and it waits first.
+// Else a block is an active expert's: it waits for the lists first, then its first stages'
+// weight copies go out before its other loads.
 template <int NTOK>
 __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_gate_up_a8(DECODE_A8_GATE_UP_ARGS) {
     extern __shared__ unsigned char wg_smem[];
@@ -244,6 +254,7 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
         b.a_ok[i] = col < I;
         b.a_src[i] = (r < 64 ? gate : up) + (size_t)min(col, I - 1) * H;
     }
+    b.copy_weights_ahead();  // the stream first: the loads below are round trips it need not wait for
     // the tiles' weight scale rows: columns c0 .. c0 + 63 lie in block c0 / 128 of each matrix
     const int KT = b.KT;
     for (int i = threadIdx.x; i < 2 * KT; i += WG_THREADS) {
@@ -257,7 +268,6 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
     const float* bg = reinterpret_cast<const float*>(gate_bias_ptrs[slot]);
     const float* bu = reinterpret_cast<const float*>(up_bias_ptrs[slot]);
     if (slot_active) {
-        b.copy_weights_ahead();
         pdl_wait_then_release_next();  // the lists from here on
         j = slot_active[slot];
         if (j < 0) {  // nobody chose the expert: the copies were for nothing
@@ -274,7 +284,7 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
             return WgRow{q_in + row * H, s_in + row * KT};
         });
         float acc[2][NTOK / 2];  // gate, up
-        b.pass(acc, r0 == 0 && slot_active, [](int, float (&)[2][NTOK / 2]) {});
+        b.pass(acc, r0 == 0, [](int, float (&)[2][NTOK / 2]) {});
 #pragma unroll
         for (int i = 0; i < NTOK / 2; ++i) {  // element (j, h, e) = 4 j + 2 h + e
             const int col = c0 + 16 * warp + g + 8 * ((i >> 1) & 1), t = r0 + 8 * (i >> 2) + 2 * t4 + (i & 1);
@@ -290,7 +300,8 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
 
 // grid (ceil(H / 128) / T, max_active), block WG_THREADS, dynamic shared memory
 // kernels.wgmma_decode_smem_bytes(NTOK, ceil(I_max / 128), T): the stages, aligned to 1024
-// bytes (the swizzle's atom), and every k step's scales. A block takes T = ceil(H / 128) /
+// bytes (the swizzle's atom), every k step's weight scales and each ring slot's rows' scales.
+// A block takes T = ceil(H / 128) /
 // gridDim.x tiles of 128 hidden columns through one ring (T > 1 only where H is a multiple
 // of 128 that T tiles divide). Arguments: DECODE_A8_DOWN_ARGS; outputs as
 // decode_mma_down_a8's: y[pos, h], or with `atomic` the routed pairs' w * y added into
@@ -316,6 +327,7 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
         b.a_ok[i] = h < H;
         b.a_src[i] = down + (size_t)min(h, H - 1) * I;
     }
+    b.copy_weights_ahead();
     // each tile's 128 rows are one weight scale block: its two m64 halves take its scales
     const int KT = b.KT, KBI = (I_max + 127) >> 7;
     for (int i = threadIdx.x; i < tiles * KT; i += WG_THREADS)
@@ -324,7 +336,6 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
     const float* bd = reinterpret_cast<const float*>(down_bias_ptrs[slot]);
     const int start = active_start[j], len = active_len[j];
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
-    b.copy_weights_ahead();
     pdl_wait_then_release_next();  // gate/up's activation codes and scales from here on
 
     for (int r0 = 0; r0 < len; r0 += NTOK) {

@@ -84,15 +84,6 @@ __device__ __forceinline__ void wgmma_m64k16_bf16_rs<16>(float* d, const unsigne
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
-}
-
 // The bf16x2 multipliers of a lane's 32 codes of a k step (decode_mma.cu Fp4Row32::word's
 // values): its group scales times 2^62, from its scale bytes `s` (nvfp4: two, groups 2 t4
 // and 2 t4 + 1, as one pair; mxfp4: one). scale2(j) multiplies word j (codes 8 j .. + 7).

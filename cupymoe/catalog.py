@@ -100,8 +100,8 @@ WGMMA_DECODE_GATE_UP_COLUMNS = WGMMA_DECODE_ROWS // 2  # a gate/up block's 128 r
 
 
 def wgmma_decode_ahead_bytes(token_tile: int) -> int:
-    """The weight bytes a w8a8 wgmma gate/up block by table slot copies before the lists land: all
-    its ring's stages but one."""
+    """The weight bytes a w8a8 wgmma gate/up block copies ahead of its first pass, all its ring's stages
+    but one: by table slot before the lists land, which a slot nobody chose wastes (what this sizes)."""
     stages, ksub = WGMMA_DECODE_RING[token_tile]
     return (stages - 1) * WGMMA_DECODE_ROWS * 128 * ksub
 
@@ -364,11 +364,12 @@ def topk_lists_smem_bytes(pairs: int, n_local: int, router_width: int) -> int:
 
 def wgmma_decode_smem_bytes(token_tile: int, k_steps: int, weight_tiles: int = 1) -> int:
     """decode_wgmma_*_a8<token_tile> over `k_steps` k128 steps: 1024 to align the ring, its
-    stages (weight rows and the pass's rows, 128 codes a k step) and every step's scales (the
-    weights': two m64 halves, or down's `weight_tiles` 128-row tiles, whichever is more)."""
+    stages (weight rows and the pass's rows, 128 codes a k step), the weights' scales of every
+    step (two m64 halves, or down's `weight_tiles` 128-row tiles, whichever is more) and each
+    ring slot's rows' group scales (one a row and k step of the stage)."""
     stages, ksub = WGMMA_DECODE_RING[token_tile]
     stage = (WGMMA_DECODE_ROWS + token_tile) * 128 * ksub
-    return 1024 + stages * stage + (max(2, weight_tiles) + token_tile) * k_steps * 4
+    return 1024 + stages * stage + max(2, weight_tiles) * k_steps * 4 + stages * token_tile * ksub * 4
 
 
 def wgmma_fp4_decode_smem_bytes(fmt: int, token_tile: int) -> int:

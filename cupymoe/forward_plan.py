@@ -728,7 +728,7 @@ class _Builder:
         lp, cfg, n = self.lp, self.cfg, self.n
         k = cfg.num_experts_per_tok
         max_active = max(1, min(lp.n_local, n * k) + self.has_shared)
-        rows_per_expert = max(1.0, 2.0 * n * k / max(lp.n_local, 1))
+        rows_per_expert = HX.decode_rows_per_expert(lp, n)
         self.stage = Stage.GATE_UP
         for fmt in lp.formats:  # a launch a weight format; each skips the others' experts
             dk = HX.decode_kernel(lp, self.dev, "gate_up", fmt, rows_per_expert, max_active, n)

@@ -229,6 +229,11 @@ def expert_mean_rows(lp: LayerPlan, n_rows: int) -> float:
     return n_rows * lp.cfg.num_experts_per_tok / max(lp.n_local, 1)
 
 
+def decode_rows_per_expert(lp: LayerPlan, n_rows: int) -> float:
+    """The rows an expert the decode kernels' rules size their passes for: twice the mean, at least 1."""
+    return max(1.0, 2.0 * expert_mean_rows(lp, n_rows))
+
+
 def swapab_busy_rows(lp: LayerPlan, n_rows: int) -> float:
     """Rows a busy routed expert gets at `n_rows` rows: the mean plus four of its Poisson
     deviations, plus 2. An expert past its token tile streams its weights once more a pass,
@@ -242,10 +247,11 @@ def _swapab_tiles(fp8: bool) -> tuple[int, ...]:
 
 
 def swapab_token_tile(lp: LayerPlan, n_rows: int, fp8: bool) -> int:
-    """The swap-AB decodes' token tile at `n_rows` rows: the tuning table's for the N bucket where it
-    names one the format's kernels have, else the smallest holding swapab_busy_rows."""
+    """The swap-AB decodes' token tile at `n_rows` rows: the tuning table's for the N bucket where its
+    row chose the swap-AB kernels and names a tile they have, else the smallest holding swapab_busy_rows."""
     tiles = _swapab_tiles(fp8)
-    tuned = lp.choice(n_rows).token_tile if n_rows else None
+    choice = lp.choice(n_rows) if n_rows else None
+    tuned = choice.token_tile if choice and choice.decode_kernel == "swapab" else None
     return tuned if tuned in tiles else row_tile(swapab_busy_rows(lp, n_rows), tiles)
 
 
@@ -309,17 +315,34 @@ def w8a8_decode_wgmma(lp: LayerPlan, dev: DeviceFacts, max_active: int, n_rows: 
 def w8a8_decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, rows_per_expert: float,
                        max_active: int, n_rows: int = 0) -> Optional[DecodeKernel]:
     """decode_wgmma_a8.cu's launch, or None where decode_mma.cu's _a8 kernels serve (w8a16, or
-    w8a8_decode_wgmma says no). A pass takes 8, 16 or 32 rows."""
+    w8a8_decode_wgmma says no). A pass takes a8_token_tile's rows."""
     if not lp.w8a8 or not w8a8_decode_wgmma(lp, dev, max_active, n_rows):
         return None
     H, i_max, gate_up_blocks = lp.cfg.hidden_size, lp.i_max, _wgmma_gate_up_blocks(lp)
-    nt = 8 if rows_per_expert <= 8 else 16 if rows_per_expert <= 16 else 32
+    nt = a8_token_tile(lp, rows_per_expert, n_rows)
     tiles = 1 if stage == "gate_up" else a8_down_tiles(lp, dev, n_rows)
     blocks, k = (gate_up_blocks, H) if stage == "gate_up" else (-(-H // C.WGMMA_DECODE_ROWS) // tiles, i_max)
     # its gate/up's by-slot form copies the ring's first stages but one ahead
     ahead = C.wgmma_decode_ahead_bytes(nt) if stage == "gate_up" else 0
     return DecodeKernel(f"decode_wgmma_{stage}_a8<{nt}>", blocks, C.WGMMA_DECODE_THREADS,
                         C.wgmma_decode_smem_bytes(nt, -(-k // 128), tiles), ahead)
+
+
+def a8_token_tile(lp: LayerPlan, rows_per_expert: float, n_rows: int = 0) -> int:
+    """Rows a pass of the w8a8 wgmma decode takes at `n_rows` rows: the tuning table's tile for the N
+    bucket where its row chose decode/wgmma and names one, else the smallest of 8, 16, 32 holding
+    `rows_per_expert` (an expert with more rows takes more passes, each streaming its weights again)."""
+    choice = lp.choice(n_rows) if n_rows else None
+    if choice and choice.w8a8_decode == "wgmma" and choice.token_tile in C.WGMMA_DECODE_TOKEN_TILES:
+        return choice.token_tile
+    return row_tile(rows_per_expert, C.WGMMA_DECODE_TOKEN_TILES)
+
+
+def a8_token_tiles_to_time(lp: LayerPlan, rows_per_expert: float) -> tuple[int, ...]:
+    """The wgmma decode's token tiles other than the rule's (a8_token_tile) worth timing: the wider ones,
+    which take the busy experts' rows in fewer passes for a few more rows' bytes a stage."""
+    rule = row_tile(rows_per_expert, C.WGMMA_DECODE_TOKEN_TILES)
+    return tuple(t for t in C.WGMMA_DECODE_TOKEN_TILES if t > rule)
 
 
 def a8_down_tiles(lp: LayerPlan, dev: DeviceFacts, n_rows: int) -> int:

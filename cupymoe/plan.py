@@ -379,10 +379,16 @@ def tuned_buckets(cfg: MoeConfig, routed: WeightFormat, n_local: int, w8a8: bool
     found = (TUNING.by_shape if table is None else table).get(key, ())
     drop = {"grouped": knobs.math_rows is not None, "w8a8_decode": knobs.w8a8_decode != W8a8Decode.AUTO,
             "decode_kernel": knobs.decode_kernel != Bf16Decode.AUTO, "sm90_fp8": knobs.sm90_fp8_variant != Sm90Fp8.AUTO}
-    drop["token_tile"] = drop["decode_kernel"]  # a swap-AB tile goes with the table's swap-AB choice
     drop["sm90_gate_up"] = knobs.sm90_variant != "auto"
     drop["sm90_down"] = knobs.sm90_variant != "auto" or knobs.sm90_down_variant != "auto"
-    return tuple((b, replace(c, **{f: None for f, d in drop.items() if d})) for b, c in found)
+
+    def kept(c: Choice) -> Choice:
+        # a token tile goes with the table's choice of the kernels it sizes (swap-AB, or the w8a8 wgmma decode)
+        owner = "decode_kernel" if c.decode_kernel == "swapab" else "w8a8_decode"
+        gone = {f for f, d in drop.items() if d} | ({"token_tile"} if drop[owner] else set())
+        return replace(c, **{f: None for f in gone})
+
+    return tuple((b, kept(c)) for b, c in found)
 
 
 def _path_caps(tuned: TunedBuckets, options: "LayerOptions", default_dmax: int) -> tuple[int, int]:

@@ -11,7 +11,8 @@ replays over the copies, the steady state, the median of repetitions). The choic
     decode_kernel   swapab (bf16 and fp8 as w8a8 on sm_90a, decode and atomic paths up to SWAPAB_CAP rows,
                     where the largest token tile holds a busy expert) or the format's other decode kernels
     token_tile      the swap-AB decodes' token tile: the rule's (heuristics.swapab_busy_rows) and each
-                    smaller one that holds an expert one Poisson deviation above its mean rows
+                    smaller one that holds an expert one Poisson deviation above its mean rows; the w8a8
+                    wgmma decode's: the rule's (heuristics.a8_token_tile) and each wider one
     sm90_fp8        tma (the w8a8 grouped GEMM by TMA, 128 x 256 tiles, on the prefill path) or cp_async
     sm90_gate_up,   the bf16 TMA GEMM's variant of gate/up and of down on the prefill path's math tiles
     sm90_down       (sm_90a): each pair of the TUNED_SM90 variants that fit the layer
@@ -104,6 +105,9 @@ def candidates(lp: LayerPlan, n: int) -> list[Choice]:
             # atomic differs from decode only in down's accumulation: its kernels are left to the rule
             kernels = ("mma", "wgmma") if lp.w8a8 and path == "decode" else (None,)
             out += [Choice(path, w8a8_decode=w) for w in kernels]
+            if lp.w8a8 and path == "decode":  # and the wgmma decode's wider token tiles
+                out += [Choice(path, w8a8_decode="wgmma", token_tile=t)
+                        for t in HX.a8_token_tiles_to_time(lp, HX.decode_rows_per_expert(lp, n))]
         if lp.swapab_ok and n <= min(cap, SWAPAB_CAP) and HX.swapab_holds_busy_expert(lp, n, lp.w8a8):
             # the rule's token tile, then each smaller one worth timing
             out += [Choice(path, decode_kernel="swapab")]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from importlib import resources
 from typing import Mapping, Optional
 
-from .catalog import SWAPAB_TOKEN_TILES, Sm90Variant
+from .catalog import SWAPAB_TOKEN_TILES, WGMMA_DECODE_TOKEN_TILES, Sm90Variant
 
 TUNING_FILE = "tuning.json"
 
@@ -57,7 +57,9 @@ class Choice:
     w8a8_decode: Optional[str] = None  # the w8a8 decode kernels (decode and atomic)
     decode_kernel: Optional[str] = None  # the bf16 and w8a8 decode kernels (decode and atomic)
     sm90_fp8: Optional[str] = None  # the w8a8 grouped GEMM (prefill)
-    token_tile: Optional[int] = None  # the swap-AB decodes' token tile (None: heuristics.swapab_busy_rows' rule)
+    # the token tile (rows a pass) of the swap-AB decodes (None: heuristics.swapab_busy_rows' rule) or of the
+    # w8a8 wgmma decode (None: heuristics.w8a8_decode_kernel's rule)
+    token_tile: Optional[int] = None
     sm90_gate_up: Optional[str] = None  # the bf16 TMA GEMM variant of gate/up (prefill math; None: the layer's)
     sm90_down: Optional[str] = None  # ... of down
 
@@ -70,8 +72,13 @@ class Choice:
             if v is not None and (v not in allowed or type(v) is not type(allowed[0])):
                 raise ValueError(f"tuning table: {name}={v!r} must be one of {allowed}")
         if self.token_tile is not None and self.decode_kernel != "swapab":
-            raise ValueError(f"tuning table: token_tile={self.token_tile} needs decode_kernel='swapab', "
-                             f"found {self.decode_kernel!r}")
+            if self.w8a8_decode != "wgmma" or self.decode_kernel is not None:
+                raise ValueError(f"tuning table: token_tile={self.token_tile} needs decode_kernel='swapab' or "
+                                 f"w8a8_decode='wgmma', found decode_kernel={self.decode_kernel!r}, "
+                                 f"w8a8_decode={self.w8a8_decode!r}")
+            if self.token_tile not in WGMMA_DECODE_TOKEN_TILES:
+                raise ValueError(f"tuning table: token_tile={self.token_tile} with w8a8_decode='wgmma' must be one "
+                                 f"of {WGMMA_DECODE_TOKEN_TILES}")
         if (self.sm90_gate_up or self.sm90_down) and (self.path != "prefill" or self.grouped not in (None, "math")):
             raise ValueError(f"tuning table: sm90_gate_up={self.sm90_gate_up!r} / sm90_down={self.sm90_down!r} need "
                              f"path='prefill' on the math tiles, found path={self.path!r}, grouped={self.grouped!r}")

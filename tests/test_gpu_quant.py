@@ -473,6 +473,34 @@ def test_w8a8_decode_kernels_past_64_rows(mode, rng, monkeypatch):
         layer.check_errors()
 
 
+@pytest.mark.parametrize("tile", [16, 32])
+def test_w8a8_decode_tuned_token_tile(tile, rng, monkeypatch):
+    """A tuning-table row of decode/wgmma naming a token tile: passes of that many rows at every N
+    of its bucket, far more rows than the experts hold (N = 1, 3) as well as runs longer than a pass
+    (N = 64: the shared expert's), on the decode and atomic paths, against the reference."""
+    from dataclasses import replace
+
+    from cupymoe import plan as plan_mod, tune
+    from cupymoe.forward_plan import build_forward_plan
+    from cupymoe.plan import Path
+    from cupymoe.tuning import TUNING, Choice, n_bucket
+
+    if not _hopper():
+        pytest.skip("w8a8 needs sm_90a")
+    for name in ("qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared"):
+        _, _, probe = _case(name, rng, fp8_compute="w8a8", max_tokens=64)
+        row = Choice("decode", w8a8_decode="wgmma", token_tile=tile)
+        table = {**TUNING.by_shape, tune.layer_keys(probe.plan): tuple((n_bucket(n), row) for n in SMALL)}
+        monkeypatch.setattr(plan_mod, "TUNING", replace(TUNING, by_shape=table))
+        cfg, hw, layer = _case(name, rng, fp8_compute="w8a8", max_tokens=64)
+        for n in SMALL:
+            launches = build_forward_plan(layer.plan, layer.device, n, Path.DECODE).at(n).launches
+            kernels = [s.kernel for s in launches if s.stage.value in ("gate_up", "down") and "_a8" in s.kernel]
+            assert kernels == [f"decode_wgmma_gate_up_a8<{tile}>", f"decode_wgmma_down_a8<{tile}>"], (name, n, kernels)
+        _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} w8a8 decode, token tile {tile}")
+        layer.check_errors()
+
+
 # w8a8 layers whose H is a multiple of 128, so decode_wgmma_down_a8's blocks may take several
 # 128-row tiles: (case, hidden_size, moe_intermediate_size, shared_expert_intermediate_size or None)
 WGMMA_A8_TILE_CASES = (

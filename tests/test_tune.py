@@ -56,12 +56,16 @@ def test_candidates_by_rows_per_expert_and_caps():
     # of variants that fits it (gate/up must gather its rows: the layer keeps no xg)
     assert label(1024) == ["prefill/math", "prefill/math/gate_up=gather_wide/down=tma_wide", "prefill/stream"]
     f0, fd = _plans("qwen3-30b-a3b", "fp8_block")
-    assert [c.label() for c in tune.candidates(f0, 16)] == ["decode/mma", "decode/wgmma", "decode/swapab", "atomic",
+    # the wgmma decode's rule takes 8-row passes at 16 rows (twice the mean: 2), 16 at 128 (16): each
+    # wider tile is timed too
+    assert [c.label() for c in tune.candidates(f0, 16)] == ["decode/mma", "decode/wgmma", "decode/wgmma/nt16",
+                                                            "decode/wgmma/nt32", "decode/swapab", "atomic",
                                                             "atomic/swapab", "prefill", "prefill/tma64"]
     # w8a8: every decode kernel up to 512 rows (tune.DECODE_CAP: the GPU tests check them to 511);
     # the cp.async GEMM and the TMA one's 64-row form, and its 128-row form from 16 rows an expert
-    assert [c.label() for c in tune.candidates(f0, 128)] == ["decode/mma", "decode/wgmma", "decode/swapab",
-                                                             "decode/swapab/nt16", "prefill", "prefill/tma64"]
+    assert [c.label() for c in tune.candidates(f0, 128)] == ["decode/mma", "decode/wgmma", "decode/wgmma/nt32",
+                                                             "decode/swapab", "decode/swapab/nt16", "prefill",
+                                                             "prefill/tma64"]
     assert [c.label() for c in tune.candidates(f0, 256)] == ["decode/mma", "decode/wgmma", "decode/swapab",
                                                              "decode/swapab/nt32", "prefill", "prefill/tma64",
                                                              "prefill/tma"]
@@ -222,7 +226,7 @@ def test_a_tuned_token_tile_reaches_the_swapab_kernels():
         assert name.endswith("<32>"), name
         too_wide = replace(lp, tuned=((256, Choice("decode", decode_kernel="swapab", token_tile=128)),))
         assert HX.swapab_token_tile(too_wide, 256, fp8) == (64 if fp8 else 128)
-    with pytest.raises(ValueError, match="token_tile=32 needs decode_kernel='swapab'"):
+    with pytest.raises(ValueError, match="token_tile=32 needs decode_kernel='swapab' or w8a8_decode='wgmma'"):
         Choice("decode", token_tile=32)
     with pytest.raises(ValueError, match="token_tile=24"):
         Choice("decode", decode_kernel="swapab", token_tile=24)
@@ -260,3 +264,30 @@ def test_a_tuned_sm90_variant_reaches_the_bf16_grouped_gemms():
                         table={tune.layer_keys(lp): ((512, Choice("prefill", "math", sm90_gate_up="gather_wide",
                                                                        sm90_down="tma_192")),)})
     assert forced.choice(512) == Choice("prefill", "math", sm90_gate_up="gather_wide")
+
+
+def test_a_tuned_token_tile_reaches_the_wgmma_decode():
+    """A table row of decode/wgmma naming token_tile sizes both w8a8 wgmma decode launches of its bucket
+    (passes of that many rows); the swap-AB kernels never take a wgmma row's tile; tiles the wgmma
+    kernels lack, or a tile on a decode/mma row, are refused by name."""
+    from dataclasses import replace
+
+    from cupymoe import heuristics as HX
+
+    lp = plan_layer(bench.preset_config("qwen3-30b-a3b"), "fp8_block", None, "sm_90a",
+                    options=LayerOptions(decode_max_tokens=512), knobs=Knobs(), table={})
+    rows = HX.decode_rows_per_expert(lp, 64)  # twice the mean: 8 rows
+    assert rows == 8.0 and HX.a8_token_tile(lp, rows, 64) == 8
+    assert HX.a8_token_tiles_to_time(lp, rows) == (16, 32)
+    tuned = replace(lp, tuned=((64, Choice("decode", w8a8_decode="wgmma", token_tile=16)),))
+    assert HX.a8_token_tile(tuned, rows, 64) == 16
+    assert HX.a8_token_tile(tuned, rows, 16) == 8  # another bucket: the rule's
+    for stage in ("gate_up", "down"):
+        dk = HX.w8a8_decode_kernel(tuned, H200, stage, rows, 64, 64)
+        assert dk.name == f"decode_wgmma_{stage}_a8<16>", dk.name
+    assert HX.swapab_token_tile(tuned, 64, True) == HX.swapab_token_tile(lp, 64, True)
+    with pytest.raises(ValueError, match="token_tile=64 with w8a8_decode='wgmma' must be one of"):
+        Choice("decode", w8a8_decode="wgmma", token_tile=64)
+    with pytest.raises(ValueError, match="w8a8_decode='mma'"):
+        Choice("decode", w8a8_decode="mma", token_tile=16)
+    assert Choice("decode", w8a8_decode="wgmma", token_tile=16).label() == "decode/wgmma/nt16"

@@ -130,3 +130,24 @@ def test_a_row_names_the_swapab_token_tile():
     assert buckets[256].token_tile == 32 and buckets[128].token_tile is None
     with pytest.raises(ValueError, match="token_tile"):
         parse_by_shape([{**rows[0], "decode_kernel": None}])
+
+
+def test_a_wgmma_token_tile_goes_with_its_kernel_under_the_knobs():
+    """A decode/wgmma row's token_tile is dropped with the row's w8a8_decode when CUPYMOE_W8A8_DECODE
+    forces the kernels, and kept when only CUPYMOE_DECODE_KERNEL is forced (a swap-AB row's tile goes
+    with decode_kernel, as before)."""
+    from cupymoe.catalog import WeightFormat
+    from cupymoe.plan import tuned_buckets
+
+    key = ("H2048 I768 E128/128 k8", "fp8_block:w8a8")
+    table = {key: ((64, Choice("decode", w8a8_decode="wgmma", token_tile=16)),
+                   (128, Choice("decode", decode_kernel="swapab", token_tile=32)))}
+    cfg = bench.preset_config("qwen3-30b-a3b")
+
+    def buckets(env):
+        return dict(tuned_buckets(cfg, WeightFormat.FP8_BLOCK, 128, True, Knobs.from_env(env), False, table))
+    assert buckets({})[64].token_tile == 16 and buckets({})[128].token_tile == 32
+    forced_wgmma = buckets({"CUPYMOE_W8A8_DECODE": "wgmma"})
+    assert forced_wgmma[64] == Choice("decode") and forced_wgmma[128].token_tile == 32
+    forced_kernel = buckets({"CUPYMOE_DECODE_KERNEL": "register"})
+    assert forced_kernel[64].token_tile == 16 and forced_kernel[128] == Choice("decode")
