@@ -16,14 +16,7 @@ export PYTHONPATH=$ROOT PEER_DIR=${PEER_DIR:-$ROOT/.peer}
 W=$(mktemp -d)
 trap 'tar czf "$DEST/run.tgz" -C "$W" .' EXIT
 t0=$(date +%s)
-if [ "${TESTS:-1}" = 1 ]; then
-  timeout 200 python3 -P -m cupymoe kernels > "$W/kernels.log" 2>&1
-  echo "kernels rc $? ($(( $(date +%s) - t0 )) s)"
-  timeout 300 python3 -P -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_gpu_quant.py \
-    -k "down_tiles or w8a8_decode_kernels" > "$W/tests.log" 2>&1
-  echo "w8a8 decode tests rc $?: $(tail -1 "$W/tests.log")"
-  grep -E "^FAILED|^ERROR" "$W/tests.log" | head -5
-fi
+[ "${TESTS:-1}" = 1 ] && bash scripts/gpu_tests.sh "$W" "down_tiles or w8a8_decode_kernels"
 PRESETS=${PRESETS:-qwen3-30b-a3b qwen3-next-80b qwen3-235b-a22b mixtral-8x7b}
 TOKENS=${TOKENS:-16 32 64 128}
 if [ "${PEERS:-0}" = 1 ]; then

@@ -12,14 +12,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PEER_DIR=${PEER_DIR:-$PWD/.peer}
 W=$DEST
 t0=$(date +%s)
-if [ "${TESTS:-1}" = 1 ]; then
-  timeout 200 python3 -P -m cupymoe kernels > "$W/kernels.log" 2>&1
-  echo "kernels rc $? ($(( $(date +%s) - t0 )) s)"
-  timeout 200 python3 -P -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_gpu_quant.py \
-    -k "tuned_token_tile or w8a8_decode_kernels_by_knob" > "$W/tests.log" 2>&1
-  echo "tests rc $? ($(( $(date +%s) - t0 )) s): $(tail -1 "$W/tests.log")"
-  grep -E "^FAILED|^ERROR" "$W/tests.log" | head -5
-fi
+[ "${TESTS:-1}" = 1 ] && bash scripts/gpu_tests.sh "$W" "tuned_token_tile or w8a8_decode_kernels_by_knob"
 PEER_SHAPES=${PEER_SHAPES:-qwen3-30b-a3b,qwen3-235b-a22b,mixtral-8x7b,qwen3-next-80b}
 PEER_TOKENS=${PEER_TOKENS:-16,32,64,128,256}
 if [ -n "$PEER_SHAPES" ]; then

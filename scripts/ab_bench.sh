@@ -5,7 +5,8 @@
 # python3 -P -m cupymoe`: plain `-m` puts the working folder first on sys.path, so from the
 # checkout's root both runs would be the checkout's own package. The trees' source digests
 # (jit.tree_digest, also in each result's meta) are compared first: the same digest stops the
-# script (exit 3) before any GPU work. Logs and JSON as $OUT/ab.tgz, rewritten after each run.
+# script (exit 3) before any GPU work. The rounds are scripts/trees_bench.sh's; logs and JSON as
+# $OUT/ab.tgz.
 #
 #   OUT=/tmp/out A=.old B=. bash scripts/ab_bench.sh --preset qwen3-30b-a3b --format fp8_block --tokens 4096
 #   (ROUNDS, default 2; NAMES, default "a b": the runs' file names; any bench option passes through)
@@ -22,16 +23,8 @@ if [ "$DA" = "$DB" ]; then
   exit 3
 fi
 W=$(mktemp -d)
-save() { tar czf "$DEST/ab.tgz" -C "$W" .; }
+trap 'tar czf "$DEST/ab.tgz" -C "$W" .' EXIT
 for t in "$A" "$B"; do
   PYTHONPATH=$t timeout 200 python3 -P -m cupymoe kernels > "$W/kernels-$(basename "$t").log" 2>&1 || echo "kernels of $t failed"
 done
-for round in $(seq 1 "${ROUNDS:-2}"); do
-  for pair in "$NA:$A" "$NB:$B"; do
-    name=${pair%%:*} t=${pair#*:}
-    PYTHONPATH=$t timeout 300 python3 -P -m cupymoe bench --no-peers "$@" --json "$W/$name-$round.json" \
-      > "$W/$name-$round.log" 2>&1
-    echo "$name round $round:"; grep -E "^cupymoe from| N=" "$W/$name-$round.log" | cut -c1-110
-    save
-  done
-done
+OUT=$W TEST_K="" TREES="$NA:$A $NB:$B" ROUNDS=${ROUNDS:-2} bash "$(dirname "$0")/trees_bench.sh" "$@"

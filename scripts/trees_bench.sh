@@ -13,16 +13,13 @@ t0=$(date +%s)
 for pair in $TREES; do
   name=${pair%%:*} t=${pair#*:}
   if [ -n "${TEST_K-down_tiles or w8a8_decode_kernels_by_knob}" ]; then
-    PYTHONPATH=$t timeout 200 python3 -P -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_gpu_quant.py \
-      -k "${TEST_K-down_tiles or w8a8_decode_kernels_by_knob}" > "$DEST/tests-$name.log" 2>&1
-    echo "tests $name rc $? ($(( $(date +%s) - t0 )) s): $(tail -1 "$DEST/tests-$name.log")"
-    grep -E "^FAILED|^ERROR" "$DEST/tests-$name.log" | head -3
+    PYTHONPATH=$t KERNELS=0 bash scripts/gpu_tests.sh "$DEST" "${TEST_K-down_tiles or w8a8_decode_kernels_by_knob}" "tests-$name"
   fi
 done
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for pair in $TREES; do
     name=${pair%%:*} t=${pair#*:}
-    PYTHONPATH=$t timeout 200 python3 -P -m cupymoe bench --no-peers "$@" --json "$DEST/$name-$round.json" \
+    PYTHONPATH=$t timeout "${BENCH_S:-300}" python3 -P -m cupymoe bench --no-peers "$@" --json "$DEST/$name-$round.json" \
       > "$DEST/$name-$round.log" 2>&1
     echo "$name round $round ($(( $(date +%s) - t0 )) s):"; grep -E " N=" "$DEST/$name-$round.log" | cut -c1-100
   done
