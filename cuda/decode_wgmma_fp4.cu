@@ -40,7 +40,7 @@
 #define WF_KSUB 2       // k steps a stage: 128 contiguous bytes of each weight row a copy
 #define WF_STAGES 3     // 2 stages (32 KB of codes) in flight a block
 #define WF_THREADS 128  // one warpgroup: it copies, dequantizes, multiplies and stores
-// blocks an SM the registers are capped for (kernels.wgmma_fp4_decode_smem_bytes: 3 fit
+// blocks an SM the registers are capped for (catalog.wgmma_fp4_decode_smem_bytes: 3 fit
 // with passes of 8 rows, 2 with 16)
 #define WF_MIN_BLOCKS(NTOK) ((NTOK) <= 8 ? 3 : 2)
 

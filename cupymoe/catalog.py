@@ -110,7 +110,7 @@ def wgmma_decode_ahead_bytes(token_tile: int) -> int:
 WGMMA_FP4_DECODE_TOKEN_TILES = (8, 16)
 WGMMA_FP4_DECODE_STAGES = 3
 WGMMA_FP4_DECODE_KSUB = 2
-WGMMA_FP4_DECODE_BLOCKS_PER_SM = 3
+WGMMA_FP4_DECODE_BLOCKS_PER_SM = 3  # at 8-row passes (16-row ones fit 2); the waves rules were tuned with it
 WGMMA_DECODE_BLOCKS_PER_SM = 2
 # decode_swapab_sm90.cu (SwapAbConfig<NT>): bf16 weights as the wgmma's M side by TMA, the
 # tokens as its N side; token tiles, and per tile its ring stages, blocks an SM and consumer

@@ -809,12 +809,24 @@ def _routed_format(hw: HostWeights) -> Optional[str]:
     return fmts.pop() if len(fmts) == 1 else None
 
 
+# names of tensors that are parts of an MoE layer (a shared expert and its gate, DeepSeek's routing bias)
+_LAYER_PART_MARKERS = ("shared_expert", "e_score_correction_bias")
+
+
 def _load(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[MoeConfig, HostWeights]:
     if not cfg.model_type:
         raise CheckpointError("MoeConfig.model_type is empty: it picks the hub naming; build the config "
                               "with MoeConfig.from_hf or set model_type")
     readers, used = _plan(cfg, src, prefix)
     unused = sorted(set(src.names(prefix)) - used)
+    # a part of the layer the config leaves out would be served without it: refused, not ignored
+    described = [n for n in unused if any(m in n for m in _LAYER_PART_MARKERS)]
+    if described:
+        raise CheckpointError(f"{len(described)} tensor(s) under {prefix!r} belong to a part of the {cfg.model_type} "
+                              f"layer its config leaves out (a shared expert, the routing bias): "
+                              f"{', '.join(described[:4])}{' ...' if len(described) > 4 else ''}; the config has "
+                              f"shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}, "
+                              f"has_correction_bias={cfg.has_correction_bias}")
     if unused:
         logger.warning("%d tensor(s) under %r are not part of the %s layer and were ignored: %s",
                        len(unused), prefix, cfg.model_type, ", ".join(unused[:8]) + (" ..." if len(unused) > 8 else ""))

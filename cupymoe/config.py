@@ -409,8 +409,8 @@ def _qwen_fields(r: _HfReader) -> dict[str, Any]:
         hidden_act=r.act(),
         scoring_func="softmax",
     )
-    if model_type != "qwen3_moe":
-        sh = r.count("shared_expert_intermediate_size", default=0)
+    if model_type != "qwen3_moe":  # required: transformers' default for an absent key is not 0
+        sh = r.count("shared_expert_intermediate_size")
         kw.update(shared_expert_intermediate_size=sh, has_shared_expert_gate=sh > 0)
     return kw
 

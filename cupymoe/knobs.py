@@ -115,7 +115,7 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
     "build_jobs": ("CUPYMOE_BUILD_JOBS", "threads compiling kernel modules at once (default: the CPUs)", _count,
                    None),
     "profile": ("CUPYMOE_PROFILE", "1: synchronise around each stage and log its microseconds (never under "
-                "capture)", lambda n, v: v not in ("", "0"), False),
+                "capture)", _on_off, False),
     "dump_dir": ("CUPYMOE_DUMP_DIR", "write the debug dumps of each forward here as .npy (never under capture)",
                  _text, None),
     "graph_launch": ("CUPYMOE_GRAPH_LAUNCH", "0: an eager forward launches step by step, not as one captured graph",
@@ -173,7 +173,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
 TOOL_KNOBS = {
     "CUPYMOE_TEST_SEED": "the GPU tests' random seed (replays a failing module's draws)",
     "CUPYMOE_BASELINES": "a folder of peer baselines for python -m cupymoe bench",
-    "CUPYMOE_COMMIT": "the commit python -m cupymoe bench and tune record where the tree is not its own git checkout",
+    "CUPYMOE_COMMIT": "the commit python -m cupymoe bench and tune record (else git rev-parse of the tree)",
+    "CUPYMOE_PROPERTY_SCALE": "the property tests' example counts, multiplied (tests/test_properties.py)",
 }
 
 
@@ -210,6 +211,11 @@ class Knobs:
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Knobs":
         """The knobs as `env` (default os.environ) sets them; a bad value is an OptionError naming it."""
         env = os.environ if env is None else env
+        known = {t[0] for t in TABLE.values()} | set(TOOL_KNOBS)
+        unknown = sorted(k for k in env if k.startswith("CUPYMOE_") and k not in known)
+        if unknown:  # a misspelt knob would otherwise leave its default in place, unnoticed
+            raise OptionError(f"unknown environment variable(s) {', '.join(unknown)}: `python -m cupymoe knobs` "
+                              "lists the known ones")
         values = {}
         for f in fields(cls):
             name, _, parse, default = TABLE[f.name]

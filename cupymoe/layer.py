@@ -52,7 +52,8 @@ class MoeLayer:
                  max_lora_rank: int = 0, keep_w8a8_activation: bool = False):
         """Options: `path` ("auto", "decode", "atomic", "prefill"), `row_invariant` (the grouped path at
         every N: a row's bits never depend on N or the batch), `decode_max_tokens` / `atomic_max_tokens`
-        (default: the measured crossover for the routed experts' format), `comm` (sums the
+        (default: the measured crossover for the routed experts' format, raised to the tuning table's
+        decode-path buckets for the layer's shape on the arch it was measured on), `comm` (sums the
         expert-parallel partials), `expert_owner[e]` (the rank computing expert e), `fp8_compute`
         ("auto", "w8a8", "w8a16"), `workspace` (scratch shared with other layers run in turn on one
         stream; default: the layer's own), `max_loras` / `max_lora_rank` (adapter slots reserved once:

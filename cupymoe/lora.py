@@ -287,8 +287,28 @@ def load_peft(adapter_dir: Union[str, Path], layer_idx: int, cfg: MoeConfig, *,
                         "not adapter_model.bin)")
     pc = _peft_config(raw)
     tensors = _read_layer_tensors(weights, PEFT_PREFIX + f"model.layers.{int(layer_idx)}.")
+    if not tensors:
+        _check_layout(weights)  # none for this layer: fine where the adapter leaves it out, not where it nests elsewhere
     modules = _assemble(cfg, layer_idx, tensors, pc)
     return LoraWeights(modules, source=f"{root} layer {layer_idx}").check(cfg, max_rank)
+
+
+_LAYERS_LAYOUT = re.compile(re.escape(PEFT_PREFIX) + r"model\.layers\.\d+\.")
+
+
+def _check_layout(path: Path) -> None:
+    """A LoraError unless some LoRA tensor of the file lies under PEFT's base_model.model.model.layers.<i>.:
+    an adapter whose base model nests its layers elsewhere would give every layer an empty adapter."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            keys = [k for k in f.keys() if _KEY.match(k)]
+    except Exception as e:
+        raise LoraError(f"{path}: not a readable safetensors file ({e})") from None
+    if keys and not any(_LAYERS_LAYOUT.match(k) for k in keys):
+        raise LoraError(f"{path}: no LoRA tensor lies under {PEFT_PREFIX}model.layers.<i>. (e.g. {keys[0]}): "
+                        "the adapter's base model nests its decoder layers elsewhere, which is not read")
 
 
 def _read_layer_tensors(path: Path, prefix: str) -> dict[str, np.ndarray]:

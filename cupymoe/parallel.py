@@ -22,9 +22,11 @@ pointer `ptr`, enqueued on the raw `cudaStream_t` `stream`). Two are provided:
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Protocol, Sequence
 
 from .config import MoeConfig
+from .errors import OptionError
 
 DTYPES = ("bf16", "fp32")
 _ELEM = {"bf16": 2, "fp32": 4}
@@ -42,12 +44,16 @@ def owned_experts(cfg: MoeConfig, expert_owner: Optional[Sequence[int]] = None) 
     E / ep_world_size by default, or those with `expert_owner[e] == ep_rank`."""
     if expert_owner is None:
         return list(cfg.owned_experts())
-    owner = [int(r) for r in expert_owner]
+    owner = list(expert_owner)
     if len(owner) != cfg.num_experts:
-        raise ValueError(f"expert_owner has {len(owner)} entries; the layer has num_experts={cfg.num_experts}")
+        raise OptionError(f"expert_owner has {len(owner)} entries; the layer has num_experts={cfg.num_experts}")
+    not_ranks = [(e, r) for e, r in enumerate(owner) if isinstance(r, bool) or not isinstance(r, numbers.Integral)]
+    if not_ranks:
+        raise OptionError(f"expert_owner holds entries that are not whole rank numbers: (expert, entry) {not_ranks[:5]}")
+    owner = [int(r) for r in owner]
     bad = [(e, r) for e, r in enumerate(owner) if not 0 <= r < cfg.ep_world_size]
     if bad:
-        raise ValueError(f"expert_owner maps experts to ranks outside 0..{cfg.ep_world_size - 1}: "
+        raise OptionError(f"expert_owner maps experts to ranks outside 0..{cfg.ep_world_size - 1}: "
                          f"(expert, rank) {bad[:5]}")
     return [e for e, r in enumerate(owner) if r == cfg.ep_rank]
 
@@ -55,7 +61,7 @@ def owned_experts(cfg: MoeConfig, expert_owner: Optional[Sequence[int]] = None) 
 def check_communicator(cfg: MoeConfig, comm: Communicator) -> None:
     """A communicator must span exactly the config's EP world, at the config's rank."""
     if comm.world_size != cfg.ep_world_size or comm.rank != cfg.ep_rank:
-        raise ValueError(f"communicator is rank {comm.rank} of {comm.world_size}, but the layer is "
+        raise OptionError(f"communicator is rank {comm.rank} of {comm.world_size}, but the layer is "
                          f"ep_rank={cfg.ep_rank} of ep_world_size={cfg.ep_world_size}")
 
 

@@ -12,9 +12,12 @@ plan, and cupymoe/launch.py binds it to addresses once. cupymoe/forward_plan.py 
 from __future__ import annotations
 
 import enum
+import numbers
 import re
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Union
+
+import numpy as np
 
 from . import catalog as C
 from .catalog import GemmMode, WeightFormat
@@ -413,8 +416,19 @@ class LayerOptions:
     keep_w8a8_activation: bool = False  # MoeLayer(keep_w8a8_activation=True): LayerPlan.keep_w8a8_activation
 
     def __post_init__(self):
-        if not isinstance(self.keep_w8a8_activation, bool):
-            raise OptionError(f"keep_w8a8_activation={self.keep_w8a8_activation!r}: must be True or False")
+        for name in ("row_invariant", "all_reduce", "keep_w8a8_activation"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionError(f"{name}={getattr(self, name)!r}: must be True or False")
+        for name, least in (("decode_max_tokens", 1), ("atomic_max_tokens", 0)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral) or v < least):
+                raise OptionError(f"{name}={v!r}: must be a whole number of rows, at least {least} (None: the "
+                                  "measured crossover)")
+        if (self.decode_max_tokens is not None and self.atomic_max_tokens is not None
+                and self.atomic_max_tokens > self.decode_max_tokens):
+            raise OptionError(f"atomic_max_tokens={self.atomic_max_tokens} exceeds decode_max_tokens="
+                              f"{self.decode_max_tokens}: the atomic path is the decode path's variant, "
+                              "for at most as many rows")
 
 
 def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str], arch: str, *,
@@ -433,7 +447,10 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
     swapab_ok = swapab_serves(formats, fp8, arch, options.row_invariant)
     auto_dmax = max(1, int(_default_decode_max(routed, knobs, swapab_ok) if auto_dmax is None else auto_dmax))
     n_local = cfg.experts_per_rank if n_local is None else int(n_local)
-    tuned = tuned_buckets(cfg, routed, n_local, fp8 == Fp8Compute.W8A8, knobs, options.row_invariant, table)
+    # the package table's per-shape rows were measured on one arch and name its kernels: elsewhere, the rules
+    measured_here = table is not None or arch == TUNING.by_shape_arch
+    tuned = (tuned_buckets(cfg, routed, n_local, fp8 == Fp8Compute.W8A8, knobs, options.row_invariant, table)
+             if measured_here else ())
     if swapab_ok and knobs.decode_kernel == Bf16Decode.SWAPAB:  # the table's paths were measured without it
         tuned = tuple((b, replace(c, path=None) if b <= C.SWAPAB_MAX_ROWS else c) for b, c in tuned)
     dmax, amax = _path_caps(tuned, options, auto_dmax)

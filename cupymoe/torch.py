@@ -94,6 +94,9 @@ class MoeModule(torch.nn.Module):
                 lora_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [..., H] bf16; token_ids and lora_ids (each row's adapter slot, -1 = base) one a row,
         any integer dtype (int32 passed as it is)."""
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
+            raise MoeCallError(f"x has shape {tuple(x.shape)}: its last dimension must be the layer's hidden "
+                               f"size {self.hidden_size}")
         rows = x.reshape(-1, self.hidden_size)
         if not rows.is_contiguous():
             rows = rows.contiguous()

@@ -8,11 +8,13 @@ the command that measured them (benchmarks/DECISIONS.md has the figures). The pl
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, fields
 from importlib import resources
 from typing import Mapping, Optional
 
 from .catalog import SWAPAB_TOKEN_TILES, WGMMA_DECODE_TOKEN_TILES, Sm90Variant
+from .errors import ConfigError
 
 TUNING_FILE = "tuning.json"
 
@@ -112,15 +114,35 @@ def format_key(label: str, w8a8: bool) -> str:
     return f"{label}:{'w8a8' if w8a8 else 'w8a16'}" if label == "fp8_block" else label
 
 
+# what a by_shape row may hold besides its Choice's fields: its key and its record of the measurement
+ROW_KEYS = ("shape", "format", "n", "us", "default", "default_us", "preset", "measured_at", "result", "command")
+ROW_FORMATS = ("bf16", "fp8_block:w8a8", "fp8_block:w8a16", "nvfp4", "mxfp4")
+SHAPE_KEY = re.compile(r"H\d+ I\d+ E\d+/\d+ k\d+( S\d+)?")
+
+
 def parse_by_shape(rows) -> Mapping[tuple[str, str], TunedBuckets]:
-    """The by_shape entry's rows -> {(shape key, format key): buckets by rising N}."""
+    """The by_shape entry's rows -> {(shape key, format key): buckets by rising N}; a row with an unknown
+    field, a key no layer has, or a second row for its (shape, format, N bucket) is a ConfigError naming it."""
     out: dict[tuple[str, str], dict[int, Choice]] = {}
+    allowed = set(ROW_KEYS) | {f.name for f in fields(Choice)}
     for r in rows:
-        b = int(r["n"])
-        if b != n_bucket(b):
-            raise ValueError(f"tuning table: by_shape n={b} is not a power of two")
-        c = Choice(**{f.name: r.get(f.name) for f in fields(Choice)})
-        out.setdefault((r["shape"], r["format"]), {})[b] = c
+        shape, fmt, b = r.get("shape"), r.get("format"), r.get("n")
+        where = f"tuning table: by_shape row shape={shape!r} format={fmt!r} n={b!r}"
+        if unknown := sorted(set(r) - allowed):
+            raise ConfigError(f"{where}: unknown field(s) {unknown} (a row holds {sorted(allowed)})")
+        if not isinstance(shape, str) or not SHAPE_KEY.fullmatch(shape):
+            raise ConfigError(f"{where}: shape must read like 'H2048 I768 E128/128 k8' (tuning.shape_key)")
+        if fmt not in ROW_FORMATS:
+            raise ConfigError(f"{where}: format must be one of {ROW_FORMATS}")
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1 or b != n_bucket(b):
+            raise ConfigError(f"{where}: n={b!r} is not a power of two")
+        try:
+            c = Choice(**{f.name: r.get(f.name) for f in fields(Choice)})
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if b in out.setdefault((shape, fmt), {}):
+            raise ConfigError(f"{where}: a second row for this shape, format and N bucket")
+        out[(shape, fmt)][b] = c
     return {k: tuple(sorted(v.items())) for k, v in out.items()}
 
 
@@ -143,6 +165,7 @@ class Tuning:
     sm90_variants: Mapping[str, Sm90Variant]
     sm90_auto: Sm90Auto
     by_shape: Mapping[tuple[str, str], TunedBuckets]  # measured per (shape, format, N bucket); may be empty
+    by_shape_arch: str  # the architecture by_shape was measured on (its rows name that arch's kernels)
     sources: Mapping[str, Mapping]  # entry -> {"decides", "result", "command"}
 
     @classmethod
@@ -166,6 +189,7 @@ class Tuning:
             sm90_variants={k: Sm90Variant(**c) for k, c in v["sm90_variants"].items()},
             sm90_auto=Sm90Auto(**v["sm90_auto"]),
             by_shape=parse_by_shape(v.get("by_shape", [])),
+            by_shape_arch=str(data.get("arch", "sm_90a")),
             sources={k: {f: e[f] for f in ("decides", "result", "command") if f in e}
                      for k, e in data.items() if isinstance(e, dict)},
         )

@@ -25,6 +25,7 @@ from cupymoe import checkpoint
 from cupymoe.checkpoint import (CheckpointError, CheckpointFileError, MissingTensorError, load_layer,
                                 load_layer_from_tensors, read_config, save_layer)
 from cupymoe.config import DenseLayerError, MoeConfig, UnsupportedModelError
+from cupymoe.errors import ConfigError
 from cupymoe.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from cupymoe.host_weights import HostWeights
 from cupymoe.testing import FAMILIES, hf_config_dict, random_host_weights, tiny_config
@@ -1144,3 +1145,25 @@ def test_malformed_inputs_found_by_the_property_suite_are_checkpoint_errors(tmp_
     index_path.write_text(index_path.read_text().replace("model-00002-of-00002.safetensors", "x" * 300))
     with pytest.raises(CheckpointFileError, match=r"maps tensors to 'xxxx.*', which cannot be opened \(File name too long\)"):
         load_layer(root, LAYER)
+
+
+def test_a_shared_expert_the_config_leaves_out_is_refused(tmp_path):
+    """The checkpoint holds a shared expert and its gate but config.json says there is none
+    (shared_expert_intermediate_size 0): serving without it would be wrong, so the loader refuses,
+    naming the tensors; a config without the key at all is refused too (transformers' default for it
+    is not 0)."""
+    rng = np.random.default_rng(13)
+    config = hf_config_dict("qwen2_moe")  # E=10, H=160, I=64, Is=96
+    p = "model.layers.1.mlp."
+    t = {f"{p}gate.weight": rand_bf16(rng, 10, 160),
+         f"{p}shared_expert.gate_proj.weight": rand_bf16(rng, 96, 160),
+         f"{p}shared_expert.up_proj.weight": rand_bf16(rng, 96, 160),
+         f"{p}shared_expert.down_proj.weight": rand_bf16(rng, 160, 96),
+         f"{p}shared_expert_gate.weight": rand_bf16(rng, 1, 160)}
+    t.update(per_expert_bf16(rng, p, 10, 160, 64))
+    with pytest.raises(CheckpointError, match=r"4 tensor\(s\) under 'model.layers.1.mlp.' belong to a part of the "
+                                              r"qwen2_moe layer its config leaves out .*shared_expert_intermediate_size=0"):
+        load_layer(write_checkpoint(tmp_path / "zero", {**config, "shared_expert_intermediate_size": 0}, t), LAYER)
+    absent = {k: v for k, v in config.items() if k != "shared_expert_intermediate_size"}
+    with pytest.raises(ConfigError, match="lacks shared_expert_intermediate_size"):
+        load_layer(write_checkpoint(tmp_path / "absent", absent, t), LAYER)

@@ -38,3 +38,18 @@ def test_every_knob_is_listed_once():
     for name, (env, *_rest) in knobs.TABLE.items():
         assert text.count(env + " ") == 1, env
     assert set(knobs.TABLE) == {f for f in Knobs.__dataclass_fields__}
+
+
+def test_an_unknown_cupymoe_variable_is_refused_by_name():
+    """A misspelt knob would leave its default in place unnoticed: any CUPYMOE_* name that is neither
+    a knob nor a tool's variable is refused, naming it; the tools' variables pass."""
+    with pytest.raises(OptionError, match="unknown environment variable\\(s\\) CUPYMOE_FP4_DECOD:"):
+        Knobs.from_env({"CUPYMOE_FP4_DECOD": "cores"})
+    assert Knobs.from_env({"CUPYMOE_TEST_SEED": "3", "CUPYMOE_COMMIT": "abc", "OTHER": "x"}) == Knobs()
+
+
+@pytest.mark.parametrize("value", ["false", "off", "", "2"])
+def test_profile_takes_only_0_or_1(value):
+    with pytest.raises(OptionError, match=f"CUPYMOE_PROFILE={value!r}: must be '0' or '1'"):
+        Knobs.from_env({"CUPYMOE_PROFILE": value})
+    assert Knobs.from_env({"CUPYMOE_PROFILE": "1"}).profile and not Knobs.from_env({"CUPYMOE_PROFILE": "0"}).profile

@@ -192,3 +192,24 @@ def test_check_by_hand_records():
     with pytest.raises(LoraError, match="exactly when its target is per expert"):
         LoraWeights({LoraKey(LoraTarget.GATE): m}).check(cfg)
     assert lora_scale(16, 4, True) == 8.0 and lora_scale(16, 4, False) == 4.0
+
+
+def test_an_adapter_nesting_its_layers_elsewhere_is_refused(tmp_path):
+    """An adapter whose keys lie under another path (a multimodal model's
+    base_model.model.model.language_model.layers...) would give every layer an empty adapter: refused,
+    naming a key; an adapter that simply leaves this layer out loads as empty."""
+    cfg = _cfg()
+    lw = random_lora(cfg, np.random.default_rng(5), 2, layer_idx=LAYER)
+    good = write_peft(tmp_path / "good", lw, {"r": 2, "lora_alpha": 2})
+    assert load_peft(good, LAYER, cfg).modules and not load_peft(good, LAYER + 1, cfg).modules
+    from safetensors.numpy import load_file, save_file
+
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    (nested / "adapter_config.json").write_text((good / "adapter_config.json").read_text())
+    t = load_file(str(good / "adapter_model.safetensors"))
+    save_file({k.replace("model.model.layers.", "model.model.language_model.layers."): v for k, v in t.items()},
+              str(nested / "adapter_model.safetensors"))
+    with pytest.raises(LoraError, match=r"no LoRA tensor lies under base_model.model.model.layers.<i>. \(e.g. "
+                                        r"base_model.model.model.language_model.layers"):
+        load_peft(nested, LAYER, cfg)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cupymoe import reference, testing
+from cupymoe.errors import OptionError
 from cupymoe.parallel import check_communicator, owned_experts
 from cupymoe.verify import PATH_ROUNDING, bf16_bits, bits_to_f32, compare, run_layer, well_separated_input
 
@@ -16,10 +17,12 @@ def test_owned_experts_contiguous_by_default_or_from_a_map():
     cfg = testing.tiny_config("qwen2_moe", ep_world_size=2, ep_rank=1)  # E = 10
     assert owned_experts(cfg) == [5, 6, 7, 8, 9]
     assert owned_experts(cfg, [e % 2 for e in range(10)]) == [1, 3, 5, 7, 9]
-    with pytest.raises(ValueError, match="has 3 entries; the layer has num_experts=10"):
+    with pytest.raises(OptionError, match="has 3 entries; the layer has num_experts=10"):
         owned_experts(cfg, [0, 1, 0])
-    with pytest.raises(ValueError, match=r"ranks outside 0..1: \(expert, rank\) \[\(2, 5\)\]"):
+    with pytest.raises(OptionError, match=r"ranks outside 0..1: \(expert, rank\) \[\(2, 5\)\]"):
         owned_experts(cfg, [0, 1, 5] + [0] * 7)
+    with pytest.raises(OptionError, match=r"not whole rank numbers: \(expert, entry\) \[\(1, 1.7\)\]"):
+        owned_experts(cfg, [0, 1.7] + [0] * 8)  # int() would have made it rank 1
 
 
 def test_communicator_must_match_the_ep_world():
@@ -30,7 +33,7 @@ def test_communicator_must_match_the_ep_world():
             raise AssertionError("not called")
 
     check_communicator(testing.tiny_config("qwen2_moe", ep_world_size=2, ep_rank=0), Fake())
-    with pytest.raises(ValueError, match="rank 0 of 2, but the layer is ep_rank=1 of ep_world_size=2"):
+    with pytest.raises(OptionError, match="rank 0 of 2, but the layer is ep_rank=1 of ep_world_size=2"):
         check_communicator(testing.tiny_config("qwen2_moe", ep_world_size=2, ep_rank=1), Fake())
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 
 from cupymoe import bench, heuristics as HX, jit, testing
@@ -243,3 +244,23 @@ def test_packed_plans_patch_the_call_values_and_the_row_count_in_place():
     assert reduce["x"] == 0xA100 and reduce["N"] == 1500
     router = _cells(packed, 0)
     assert router["x"] == 0xA100 and router["P"] == 1500  # one cell every launch shares
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(decode_max_tokens=0), r"decode_max_tokens=0: must be a whole number of rows, at least 1"),
+    (dict(decode_max_tokens=2.7), r"decode_max_tokens=2.7: must be a whole number"),
+    (dict(atomic_max_tokens=-3), r"atomic_max_tokens=-3: must be a whole number of rows, at least 0"),
+    (dict(decode_max_tokens=True), r"decode_max_tokens=True"),
+    (dict(decode_max_tokens=8, atomic_max_tokens=100), r"atomic_max_tokens=100 exceeds decode_max_tokens=8"),
+    (dict(row_invariant="no"), r"row_invariant='no': must be True or False"),
+    (dict(all_reduce=1), r"all_reduce=1: must be True or False"),
+])
+def test_layer_options_out_of_range_are_refused_by_name(options, message):
+    """MoeLayer's plan options are refused, naming the value, where they used to be clamped (0 rows ->
+    1, 2.7 -> 2, atomic past decode -> decode's) or read as truthy ('no' -> True)."""
+    from cupymoe.errors import OptionError
+    from cupymoe.plan import LayerOptions
+
+    with pytest.raises(OptionError, match=message):
+        LayerOptions(**options)
+    assert LayerOptions(decode_max_tokens=np.int64(8), atomic_max_tokens=0).decode_max_tokens == 8

@@ -20,3 +20,17 @@ def test_the_ops_take_token_and_lora_ids_and_fake_their_output():
         y = torch.ops.cupymoe.moe_forward(x, 1, None, ids)
         z = torch.ops.cupymoe.moe_experts(x, 1, torch.empty(5, 2, dtype=torch.int32), torch.empty(5, 2), None)
     assert y.shape == z.shape == x.shape and y.dtype == x.dtype
+
+
+def test_the_module_refuses_rows_that_are_not_the_layers_width():
+    """x [N, 2H] would reshape into 2N rows of H and pass the layer's own shape check: refused by
+    name before any launch (a stand-in layer: nothing reaches a GPU)."""
+    from types import SimpleNamespace
+
+    from cupymoe.errors import MoeCallError
+    from cupymoe.torch import MoeModule
+
+    module = MoeModule(SimpleNamespace(cfg=SimpleNamespace(hidden_size=64)))
+    with pytest.raises(MoeCallError, match=r"x has shape \(5, 128\): its last dimension must be the layer's "
+                                           r"hidden size 64"):
+        module(torch.empty(5, 128, dtype=torch.bfloat16))

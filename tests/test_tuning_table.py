@@ -16,6 +16,7 @@ from cupymoe import bench, heuristics as HX
 from cupymoe.forward_plan import build_forward_plan
 from cupymoe.knobs import Knobs
 from cupymoe.plan import DeviceFacts, LayerOptions, choose_path, plan_layer
+from cupymoe.errors import ConfigError
 from cupymoe.tuning import Choice, format_key, load, n_bucket, parse_by_shape, shape_key
 
 H200 = DeviceFacts.h200()
@@ -98,9 +99,39 @@ def test_row_invariant_layers_ignore_the_table():
 def test_bad_entries_are_refused_by_name():
     with pytest.raises(ValueError, match="path='warp'"):
         Choice(path="warp")
-    with pytest.raises(ValueError, match="n=24 is not a power of two"):
-        parse_by_shape([dict(shape="H1", format="bf16", n=24, path="decode")])
+    row = dict(shape="H2048 I768 E128/128 k8", format="bf16", n=16, path="decode")
+    with pytest.raises(ConfigError, match="n=24 is not a power of two"):
+        parse_by_shape([{**row, "n": 24}])
     assert n_bucket(1) == 1 and n_bucket(9) == 16 and n_bucket(16) == 16 and n_bucket(17) == 32
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(decode_kernal="swapab"), r"unknown field\(s\) \['decode_kernal'\]"),
+    (dict(shape="H1"), "shape must read like"),
+    (dict(format="fp8_block"), "format must be one of"),
+    (dict(n=True), "n=True is not a power of two"),
+    (dict(path="warp"), "path='warp'"),
+])
+def test_a_bad_row_is_refused_naming_the_row(change, message):
+    """A by_shape row with an unknown field (a misspelt choice would be dropped), a key no layer has
+    (the row would never apply), or a bad choice is a ConfigError naming the row; so is a second row
+    of one (shape, format, N bucket), which would otherwise replace the first unnoticed."""
+    row = dict(shape="H2048 I768 E128/128 k8", format="bf16", n=16, path="decode")
+    with pytest.raises(ConfigError, match=message) as e:
+        parse_by_shape([{**row, **change}])
+    assert "by_shape row shape=" in str(e.value)
+    with pytest.raises(ConfigError, match="a second row for this shape, format and N bucket"):
+        parse_by_shape([row, {**row, "path": "prefill"}])
+
+
+def test_the_tables_rows_apply_on_the_arch_they_were_measured_on():
+    """The package table's by_shape rows name sm_90a kernels and were timed there: on sm_80 the layer
+    takes the global rules alone (the caps included)."""
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    hopper = plan_layer(cfg, "bf16", None, "sm_90a", knobs=Knobs())
+    ampere = plan_layer(cfg, "bf16", None, "sm_80", knobs=Knobs())
+    assert hopper.tuned and not ampere.tuned
+    assert ampere.decode_max_tokens == plan_layer(cfg, "bf16", None, "sm_80", knobs=Knobs(), table={}).decode_max_tokens
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..config import SUPPORTED_MODEL_TYPES
-from ..errors import CheckpointError, UnsupportedModelError
+from ..errors import CheckpointError, MoeCallError, UnsupportedModelError
 
 __all__ = ["MoeBlockRef", "BlockOutput", "BLOCK_OUTPUT", "moe_blocks", "block_tensors", "replace_moe_blocks"]
 
@@ -135,7 +135,10 @@ def replace_moe_blocks(model: Any, *, max_tokens: int, **options: Any) -> int:
 
         try:
             layer = build(shared.get(device))
-        except WorkspaceError:  # larger than the layers before it: its own for now, one for all below
+        except WorkspaceError as e:  # larger than the layers before it: its own for now, one for all below
+            if given is not None and shared.get(device) is given:  # the caller's: never swapped for another
+                raise WorkspaceError(f"the workspace passed to replace_moe_blocks (device {given.device_id}) "
+                                     f"cannot serve {ref.path}: {e}") from e
             layer = build(None)
         shared.setdefault(device, layer.workspace)
         layers.append(layer)
@@ -178,6 +181,9 @@ def _block_module(layer, family: str):
 
         def forward(self, hidden_states, *args, **kwargs):
             shape, dtype = hidden_states.shape, hidden_states.dtype
+            if len(shape) == 0 or shape[-1] != self.hidden_size:
+                raise MoeCallError(f"hidden_states has shape {tuple(shape)}: its last dimension must be the "
+                                   f"layer's hidden size {self.hidden_size}")
             rows = hidden_states.reshape(-1, self.hidden_size).to(torch.bfloat16)
             limit = self.layer.max_tokens
             parts = [MoeModule.forward(self, rows[i:i + limit]) for i in range(0, rows.shape[0], limit)]
