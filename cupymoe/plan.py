@@ -12,6 +12,7 @@ plan, and cupymoe/launch.py binds it to addresses once. cupymoe/forward_plan.py 
 from __future__ import annotations
 
 import enum
+import logging
 import numbers
 import re
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,8 @@ from .errors import OptionError, PathUnavailableError, UnsupportedFormatError
 from .knobs import (Bf16Decode, DecodeRouter, Fp4Decode, Fp8Decode, GateUpAhead, Knobs, L2Promotion, Sm90Fp8,
                     W8a8Decode)
 from .tuning import TUNING, Choice, TunedBuckets, format_key, n_bucket, shape_key
+
+log = logging.getLogger(__name__)
 
 
 class Path(str, enum.Enum):
@@ -462,7 +465,7 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
                                                  (shared, cfg.shared_expert_intermediate_size))
                                   if f is not None and f.is_fp4]
     cc = int(re.match(r"sm_(\d+)", arch).group(1))
-    return LayerPlan(
+    lp = LayerPlan(
         cfg=cfg, n_local=n_local, i_max=i_max,
         routed_format=routed, shared_format=shared, decode_max_tokens=dmax,
         atomic_max_tokens=min(amax, dmax), row_invariant=bool(options.row_invariant), formats=formats,
@@ -481,6 +484,33 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
         fp8_tma_ok=fp8 == Fp8Compute.W8A8 and _fp8_tma_fits(cfg, routed, shared, i_max),
         keep_w8a8_activation=fp8 == Fp8Compute.W8A8 and options.keep_w8a8_activation,
     )
+    for note in unserved_knobs(lp, arch, knobs):
+        log.warning("%s", note)
+    return lp
+
+
+def unserved_knobs(lp: LayerPlan, arch: str, knobs: Knobs) -> list[str]:
+    """The forced knobs this layer cannot take, each a line saying what runs instead (a sweep setting a
+    knob over several presets runs on; its log says where the knob did not apply)."""
+    fp4 = [f for f in lp.formats if f.is_fp4]
+    whole = lp.cfg.hidden_size % C.WGMMA_DECODE_ROWS == 0
+    notes = []
+    if lp.decode_kernel == Bf16Decode.SWAPAB and not lp.swapab_ok:
+        notes.append(f"CUPYMOE_DECODE_KERNEL=swapab: the swap-AB decodes serve bf16 and fp8 as w8a8 on sm_90a, not "
+                     f"this layer ({'/'.join(f.label for f in lp.formats)}, {arch}): the formats' own decode kernels run")
+    if knobs.decode_router == DecodeRouter.MMA and lp.decode_router != DecodeRouter.MMA:
+        notes.append(f"CUPYMOE_DECODE_ROUTER=mma: the tensor-core router is sm_90a's, not {arch}'s: the CUDA cores route")
+    if lp.fp4_decode == Fp4Decode.WGMMA and fp4 and not lp.fp4_wgmma_ok:
+        notes.append(f"CUPYMOE_FP4_DECODE=wgmma: decode_wgmma_fp4 needs sm_90a and every K a multiple of 128 "
+                     f"({arch}, H={lp.cfg.hidden_size}, I={lp.i_max}): decode_mma runs")
+    if lp.sm90_fp8 != Sm90Fp8.AUTO and not lp.w8a8:
+        notes.append(f"CUPYMOE_SM90_FP8_VARIANT={lp.sm90_fp8.value}: the layer has no w8a8 GEMMs (fp8_compute="
+                     f"{lp.fp8_compute.value if lp.fp8_compute else None}): nothing takes it")
+    for name, count, takes in (("CUPYMOE_A8_DOWN_TILES", lp.a8_down_tiles, lp.w8a8),
+                               ("CUPYMOE_FP4_DOWN_TILES", lp.fp4_down_tiles, bool(fp4))):
+        if takes and count is not None and (not whole or (lp.cfg.hidden_size // C.WGMMA_DECODE_ROWS) % count):
+            notes.append(f"{name}={count}: it does not divide H / 128 (H={lp.cfg.hidden_size}): one tile a block")
+    return notes
 
 
 def swapab_serves(formats: tuple[WeightFormat, ...], fp8: Optional[Fp8Compute], arch: str,

@@ -100,10 +100,8 @@ class MoeModule(torch.nn.Module):
         rows = x.reshape(-1, self.hidden_size)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        if lora_ids is not None and lora_ids.dtype != torch.int32:
-            lora_ids = lora_ids.to(torch.int32)
-        ids = None if lora_ids is None else lora_ids.reshape(-1).contiguous()
-        return torch.ops.cupymoe.moe_forward(rows, self.layer_id, token_ids, ids).reshape(x.shape)
+        tokens, ids = (None if t is None else t.to(torch.int32).reshape(-1).contiguous() for t in (token_ids, lora_ids))
+        return torch.ops.cupymoe.moe_forward(rows, self.layer_id, tokens, ids).reshape(x.shape)
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 shared_expert: Optional[bool] = None) -> torch.Tensor:

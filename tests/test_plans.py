@@ -264,3 +264,27 @@ def test_layer_options_out_of_range_are_refused_by_name(options, message):
     with pytest.raises(OptionError, match=message):
         LayerOptions(**options)
     assert LayerOptions(decode_max_tokens=np.int64(8), atomic_max_tokens=0).decode_max_tokens == 8
+
+
+@pytest.mark.parametrize("env, fmt, arch, says", [
+    ({"CUPYMOE_DECODE_KERNEL": "swapab"}, "nvfp4", "sm_90a", "CUPYMOE_DECODE_KERNEL=swapab: the swap-AB decodes serve"),
+    ({"CUPYMOE_DECODE_ROUTER": "mma"}, "bf16", "sm_80", "CUPYMOE_DECODE_ROUTER=mma: the tensor-core router is sm_90a's"),
+    ({"CUPYMOE_FP4_DECODE": "wgmma"}, "nvfp4", "sm_80", "CUPYMOE_FP4_DECODE=wgmma: decode_wgmma_fp4 needs sm_90a"),
+    ({"CUPYMOE_SM90_FP8_VARIANT": "tma"}, "bf16", "sm_90a", "CUPYMOE_SM90_FP8_VARIANT=tma: the layer has no w8a8"),
+    ({"CUPYMOE_A8_DOWN_TILES": "3"}, "fp8_block", "sm_90a", "CUPYMOE_A8_DOWN_TILES=3: it does not divide H / 128"),
+])
+def test_a_forced_knob_the_layer_cannot_take_is_logged(env, fmt, arch, says, caplog):
+    """A knob forcing a kernel the layer has not falls back to what serves it (a sweep sets knobs over
+    several presets): the plan logs a warning naming the knob and what runs instead; a knob that
+    applies, and no knob, log nothing."""
+    from cupymoe.knobs import Knobs
+
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    with caplog.at_level("WARNING", logger="cupymoe.plan"):
+        plan_layer(cfg, fmt, None, arch, knobs=Knobs.from_env(env))
+    assert any(says in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cupymoe.plan"):
+        plan_layer(cfg, "fp8_block", None, "sm_90a", knobs=Knobs.from_env({"CUPYMOE_A8_DOWN_TILES": "4"}))
+        plan_layer(cfg, fmt, None, arch, knobs=Knobs())
+    assert not caplog.records, [r.getMessage() for r in caplog.records]

@@ -34,3 +34,28 @@ def test_the_module_refuses_rows_that_are_not_the_layers_width():
     with pytest.raises(MoeCallError, match=r"x has shape \(5, 128\): its last dimension must be the layer's "
                                            r"hidden size 64"):
         module(torch.empty(5, 128, dtype=torch.bfloat16))
+
+
+def test_the_module_passes_token_and_lora_ids_as_int32_rows(monkeypatch):
+    """Its docstring's promise: token_ids and lora_ids of any integer dtype and shape reach the op as
+    contiguous int32 rows (int32 ones as they are); a stand-in op and layer, nothing reaches a GPU."""
+    from types import SimpleNamespace
+
+    from cupymoe.torch import MoeModule
+
+    seen = {}
+
+    def fake_op(rows, layer_id, token_ids, lora_ids):
+        seen.update(token_ids=token_ids, lora_ids=lora_ids)
+        return rows
+
+    monkeypatch.setattr(torch.ops.cupymoe, "moe_forward", fake_op)
+    module = MoeModule(SimpleNamespace(cfg=SimpleNamespace(hidden_size=8)))
+    x = torch.zeros(2, 3, 8, dtype=torch.bfloat16)
+    tokens = torch.arange(6, dtype=torch.int64).reshape(2, 3)
+    lora = torch.tensor([[0, -1, 1], [1, 0, -1]], dtype=torch.int32)
+    assert module(x, tokens, lora).shape == x.shape
+    assert seen["token_ids"].dtype == torch.int32 and seen["token_ids"].tolist() == list(range(6))
+    assert seen["lora_ids"].dtype == torch.int32 and seen["lora_ids"].tolist() == [0, -1, 1, 1, 0, -1]
+    module(x.reshape(6, 8))
+    assert seen == {"token_ids": None, "lora_ids": None}
