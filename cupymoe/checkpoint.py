@@ -813,6 +813,14 @@ def _routed_format(hw: HostWeights) -> Optional[str]:
 _LAYER_PART_MARKERS = ("shared_expert", "e_score_correction_bias")
 
 
+def _holds_values(src: "_Source", name: str) -> bool:
+    """Whether a tensor the config leaves out would change the layer: transformers saves zero-width shared
+    experts (n_shared_experts 0) and an all-zero correction bias under greedy routing, which change nothing."""
+    if int(np.prod(src.shape(name))) == 0:
+        return False
+    return "e_score_correction_bias" not in name or bool(np.any(np.asarray(src.read(name), dtype=np.float32)))
+
+
 def _load(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[MoeConfig, HostWeights]:
     if not cfg.model_type:
         raise CheckpointError("MoeConfig.model_type is empty: it picks the hub naming; build the config "
@@ -820,7 +828,7 @@ def _load(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[MoeConfig, HostWei
     readers, used = _plan(cfg, src, prefix)
     unused = sorted(set(src.names(prefix)) - used)
     # a part of the layer the config leaves out would be served without it: refused, not ignored
-    described = [n for n in unused if any(m in n for m in _LAYER_PART_MARKERS)]
+    described = [n for n in unused if any(m in n for m in _LAYER_PART_MARKERS) and _holds_values(src, n)]
     if described:
         raise CheckpointError(f"{len(described)} tensor(s) under {prefix!r} belong to a part of the {cfg.model_type} "
                               f"layer its config leaves out (a shared expert, the routing bias): "

@@ -294,6 +294,7 @@ def load_peft(adapter_dir: Union[str, Path], layer_idx: int, cfg: MoeConfig, *,
 
 
 _LAYERS_LAYOUT = re.compile(re.escape(PEFT_PREFIX) + r"model\.layers\.\d+\.")
+_ANY_LAYERS = re.compile(r"\.layers\.\d+\.")
 
 
 def _check_layout(path: Path) -> None:
@@ -306,8 +307,9 @@ def _check_layout(path: Path) -> None:
             keys = [k for k in f.keys() if _KEY.match(k)]
     except Exception as e:
         raise LoraError(f"{path}: not a readable safetensors file ({e})") from None
-    if keys and not any(_LAYERS_LAYOUT.match(k) for k in keys):
-        raise LoraError(f"{path}: no LoRA tensor lies under {PEFT_PREFIX}model.layers.<i>. (e.g. {keys[0]}): "
+    nested = [k for k in keys if _ANY_LAYERS.search(k)]  # adapters of lm_head or embeddings alone are fine
+    if nested and not any(_LAYERS_LAYOUT.match(k) for k in nested):
+        raise LoraError(f"{path}: no LoRA tensor lies under {PEFT_PREFIX}model.layers.<i>. (e.g. {nested[0]}): "
                         "the adapter's base model nests its decoder layers elsewhere, which is not read")
 
 

@@ -22,7 +22,7 @@ pointer `ptr`, enqueued on the raw `cudaStream_t` `stream`). Two are provided:
 
 from __future__ import annotations
 
-import numbers
+import operator
 from typing import Optional, Protocol, Sequence
 
 from .config import MoeConfig
@@ -39,6 +39,16 @@ class Communicator(Protocol):
     def all_reduce(self, ptr: int, nbytes: int, dtype: str, stream: int) -> None: ...
 
 
+def _rank(r) -> Optional[int]:
+    """An owner entry as a rank: any integer (numpy, a 0-d integer tensor), not a bool or a float."""
+    if isinstance(r, bool):
+        return None
+    try:
+        return operator.index(r)
+    except TypeError:
+        return None
+
+
 def owned_experts(cfg: MoeConfig, expert_owner: Optional[Sequence[int]] = None) -> list[int]:
     """The routed experts rank `cfg.ep_rank` computes: the contiguous block of
     E / ep_world_size by default, or those with `expert_owner[e] == ep_rank`."""
@@ -47,10 +57,10 @@ def owned_experts(cfg: MoeConfig, expert_owner: Optional[Sequence[int]] = None) 
     owner = list(expert_owner)
     if len(owner) != cfg.num_experts:
         raise OptionError(f"expert_owner has {len(owner)} entries; the layer has num_experts={cfg.num_experts}")
-    not_ranks = [(e, r) for e, r in enumerate(owner) if isinstance(r, bool) or not isinstance(r, numbers.Integral)]
+    not_ranks = [(e, r) for e, r in enumerate(owner) if _rank(r) is None]
     if not_ranks:
         raise OptionError(f"expert_owner holds entries that are not whole rank numbers: (expert, entry) {not_ranks[:5]}")
-    owner = [int(r) for r in owner]
+    owner = [_rank(r) for r in owner]
     bad = [(e, r) for e, r in enumerate(owner) if not 0 <= r < cfg.ep_world_size]
     if bad:
         raise OptionError(f"expert_owner maps experts to ranks outside 0..{cfg.ep_world_size - 1}: "

@@ -484,9 +484,17 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
         fp8_tma_ok=fp8 == Fp8Compute.W8A8 and _fp8_tma_fits(cfg, routed, shared, i_max),
         keep_w8a8_activation=fp8 == Fp8Compute.W8A8 and options.keep_w8a8_activation,
     )
+    if options.atomic_max_tokens is not None and options.atomic_max_tokens > lp.atomic_max_tokens:
+        log.warning("atomic_max_tokens=%d exceeds the layer's decode cap: the atomic path serves at most %d rows",
+                    options.atomic_max_tokens, lp.atomic_max_tokens)
     for note in unserved_knobs(lp, arch, knobs):
-        log.warning("%s", note)
+        if note not in _LOGGED:  # once a process: a model's layers, a bench's copies share their notes
+            _LOGGED.add(note)
+            log.warning("%s", note)
     return lp
+
+
+_LOGGED: set[str] = set()
 
 
 def unserved_knobs(lp: LayerPlan, arch: str, knobs: Knobs) -> list[str]:
@@ -501,15 +509,22 @@ def unserved_knobs(lp: LayerPlan, arch: str, knobs: Knobs) -> list[str]:
     if knobs.decode_router == DecodeRouter.MMA and lp.decode_router != DecodeRouter.MMA:
         notes.append(f"CUPYMOE_DECODE_ROUTER=mma: the tensor-core router is sm_90a's, not {arch}'s: the CUDA cores route")
     if lp.fp4_decode == Fp4Decode.WGMMA and fp4 and not lp.fp4_wgmma_ok:
-        notes.append(f"CUPYMOE_FP4_DECODE=wgmma: decode_wgmma_fp4 needs sm_90a and every K a multiple of 128 "
-                     f"({arch}, H={lp.cfg.hidden_size}, I={lp.i_max}): decode_mma runs")
-    if lp.sm90_fp8 != Sm90Fp8.AUTO and not lp.w8a8:
-        notes.append(f"CUPYMOE_SM90_FP8_VARIANT={lp.sm90_fp8.value}: the layer has no w8a8 GEMMs (fp8_compute="
-                     f"{lp.fp8_compute.value if lp.fp8_compute else None}): nothing takes it")
+        ks = sorted({lp.cfg.hidden_size} | {i for f, i in ((lp.routed_format, lp.cfg.moe_intermediate_size),
+                                                           (lp.shared_format, lp.cfg.shared_expert_intermediate_size))
+                                            if f is not None and f.is_fp4})
+        notes.append(f"CUPYMOE_FP4_DECODE=wgmma: decode_wgmma_fp4 needs sm_90a and every fp4 K a multiple of 128 "
+                     f"({arch}, K = {ks}): decode_mma runs")
+    if lp.sm90_fp8 != Sm90Fp8.AUTO and not (lp.w8a8 and (lp.sm90_fp8 == Sm90Fp8.CP_ASYNC or lp.fp8_tma_ok)):
+        notes.append(f"CUPYMOE_SM90_FP8_VARIANT={lp.sm90_fp8.value}: the layer's w8a8 GEMMs cannot take it (fp8_compute="
+                     f"{lp.fp8_compute.value if lp.fp8_compute else None}, the TMA forms' K and pitches: "
+                     f"{lp.fp8_tma_ok}): the cp.async GEMM or none runs")
     for name, count, takes in (("CUPYMOE_A8_DOWN_TILES", lp.a8_down_tiles, lp.w8a8),
-                               ("CUPYMOE_FP4_DOWN_TILES", lp.fp4_down_tiles, bool(fp4))):
+                               ("CUPYMOE_FP4_DOWN_TILES", lp.fp4_down_tiles, bool(fp4) and lp.fp4_wgmma_ok)):
         if takes and count is not None and (not whole or (lp.cfg.hidden_size // C.WGMMA_DECODE_ROWS) % count):
             notes.append(f"{name}={count}: it does not divide H / 128 (H={lp.cfg.hidden_size}): one tile a block")
+    if lp.fp4_down_tiles is not None and fp4 and not lp.fp4_wgmma_ok:
+        notes.append(f"CUPYMOE_FP4_DOWN_TILES={lp.fp4_down_tiles}: the fp4 wgmma decode does not run here ({arch}): "
+                     "nothing takes it")
     return notes
 
 

@@ -100,6 +100,9 @@ class MoeModule(torch.nn.Module):
         rows = x.reshape(-1, self.hidden_size)
         if not rows.is_contiguous():
             rows = rows.contiguous()
+        for name, t in (("token_ids", token_ids), ("lora_ids", lora_ids)):
+            if t is not None and (t.dtype == torch.bool or t.is_floating_point() or t.is_complex()):
+                raise MoeCallError(f"{name}: an integer tensor is required, got {t.dtype}")
         tokens, ids = (None if t is None else t.to(torch.int32).reshape(-1).contiguous() for t in (token_ids, lora_ids))
         return torch.ops.cupymoe.moe_forward(rows, self.layer_id, tokens, ids).reshape(x.shape)
 

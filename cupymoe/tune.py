@@ -41,6 +41,7 @@ from . import heuristics as HX
 from .forward_plan import build_forward_plan
 from .plan import DeviceFacts, LayerPlan, choose_path
 from .catalog import GemmMode
+from .errors import ConfigError
 from .tuning import TUNED_SM90, Choice, format_key, n_bucket, shape_key
 
 # decode candidates only up to the rows the GPU tests check that path at (`python -m cupymoe verify`:
@@ -191,10 +192,14 @@ def merge_rows(tuning: dict, rows: list[dict]) -> dict:
 
 def apply_result(result_path: Path, tuning_path: Path) -> int:
     """Merge a sweep's result file's table rows into the tuning table file; the rows' count."""
-    rows = json.loads(Path(result_path).read_text())["table"]
+    result = json.loads(Path(result_path).read_text())
+    rows = result["table"]
+    tuning = json.loads(Path(tuning_path).read_text())
+    measured, table_arch = result.get("meta", {}).get("arch"), tuning.get("arch", "sm_90a")
+    if measured is not None and measured != table_arch:  # the rows name that arch's kernels and its timings
+        raise ConfigError(f"{result_path}: measured on {measured}, but the tuning table's rows are {table_arch}'s")
     name = f"benchmarks/results/{Path(result_path).name}"  # where the result is committed
     rows = [{**r, "result": name} for r in rows]
-    tuning = json.loads(Path(tuning_path).read_text())
     Path(tuning_path).write_text(json.dumps(merge_rows(tuning, rows), indent=2) + "\n")
     return len(rows)
 
@@ -302,7 +307,9 @@ def run_tune(args) -> int:
     from .bench import preset_config, resolve_ceilings
 
     ceilings, measured = resolve_ceilings(args.measure_ceilings)
-    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    gpu = props["name"].decode()
+    args.arch_measured = jit.arch_for_capability(props["major"], props["minor"])  # the result's rows are its
     print(jit.tree_line(), flush=True)
     jit.library(cupy.cuda.runtime.getDevice(), progress=lambda line: print("  " + line, flush=True))
     path = Path(args.json) if args.json else Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-tune.json"
@@ -329,7 +336,7 @@ def _write_result(path: Path, args, gpu: str, cells: list, skipped: list, ceilin
     from .bench import _git_commit
 
     command = sweep_command(args)
-    meta = dict(gpu=gpu, commit=_git_commit(), sources=jit.tree_digest(),
+    meta = dict(gpu=gpu, arch=args.arch_measured, commit=_git_commit(), sources=jit.tree_digest(),
                 date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 python=platform.python_version(), cupy=cupy.__version__, command=command, **ceilings,
                 ceilings_measured=measured, seconds=round(seconds, 1), skipped=skipped or None,

@@ -1167,3 +1167,25 @@ def test_a_shared_expert_the_config_leaves_out_is_refused(tmp_path):
     absent = {k: v for k, v in config.items() if k != "shared_expert_intermediate_size"}
     with pytest.raises(ConfigError, match="lacks shared_expert_intermediate_size"):
         load_layer(write_checkpoint(tmp_path / "absent", absent, t), LAYER)
+
+
+def test_parts_that_change_nothing_load_with_a_warning(tmp_path, caplog):
+    """What transformers saves for parts a config leaves out but that change nothing loads: a greedy
+    DeepSeek router's all-zero e_score_correction_bias buffer and zero-width shared experts
+    (n_shared_experts 0); a correction bias holding values under greedy routing is refused."""
+    rng = np.random.default_rng(14)
+    config = {**hf_config_dict("deepseek_v3"), "topk_method": "greedy", "n_shared_experts": 0}  # E=16, H=160, I=64
+    p = "model.layers.1.mlp."
+    t = {f"{p}gate.weight": rand_bf16(rng, 16, 160),
+         f"{p}gate.e_score_correction_bias": np.zeros(16, np.float32),
+         f"{p}shared_experts.gate_proj.weight": np.zeros((0, 160), BF16),
+         f"{p}shared_experts.up_proj.weight": np.zeros((0, 160), BF16),
+         f"{p}shared_experts.down_proj.weight": np.zeros((160, 0), BF16)}
+    t.update(per_expert_bf16(rng, p, 16, 160, 64))
+    with caplog.at_level("WARNING"):
+        cfg, _ = load_layer(write_checkpoint(tmp_path / "zeros", config, t), LAYER)
+    assert not cfg.has_shared_expert and not cfg.has_correction_bias
+    assert any("were ignored" in r.getMessage() for r in caplog.records)
+    t[f"{p}gate.e_score_correction_bias"] = np.full(16, 0.5, np.float32)
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) under .*: model.layers.1.mlp.gate.e_score_correction_bias"):
+        load_layer(write_checkpoint(tmp_path / "bias", config, t), LAYER)

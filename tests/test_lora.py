@@ -213,3 +213,18 @@ def test_an_adapter_nesting_its_layers_elsewhere_is_refused(tmp_path):
     with pytest.raises(LoraError, match=r"no LoRA tensor lies under base_model.model.model.layers.<i>. \(e.g. "
                                         r"base_model.model.model.language_model.layers"):
         load_peft(nested, LAYER, cfg)
+
+
+def test_an_adapter_of_other_modules_alone_loads_empty(tmp_path):
+    """An adapter of lm_head alone (no decoder layer's module) gives the MoE layer nothing to add and
+    is not mistaken for one nesting its layers elsewhere."""
+    from safetensors.numpy import save_file
+
+    cfg = _cfg()
+    d = tmp_path / "lm_head"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2}))
+    save_file({"base_model.model.lm_head.lora_A.weight": np.ones((2, cfg.hidden_size), np.float32),
+               "base_model.model.lm_head.lora_B.weight": np.ones((8, 2), np.float32)},
+              str(d / "adapter_model.safetensors"))
+    assert not load_peft(d, LAYER, cfg).modules

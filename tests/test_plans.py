@@ -270,19 +270,24 @@ def test_layer_options_out_of_range_are_refused_by_name(options, message):
     ({"CUPYMOE_DECODE_KERNEL": "swapab"}, "nvfp4", "sm_90a", "CUPYMOE_DECODE_KERNEL=swapab: the swap-AB decodes serve"),
     ({"CUPYMOE_DECODE_ROUTER": "mma"}, "bf16", "sm_80", "CUPYMOE_DECODE_ROUTER=mma: the tensor-core router is sm_90a's"),
     ({"CUPYMOE_FP4_DECODE": "wgmma"}, "nvfp4", "sm_80", "CUPYMOE_FP4_DECODE=wgmma: decode_wgmma_fp4 needs sm_90a"),
-    ({"CUPYMOE_SM90_FP8_VARIANT": "tma"}, "bf16", "sm_90a", "CUPYMOE_SM90_FP8_VARIANT=tma: the layer has no w8a8"),
+    ({"CUPYMOE_SM90_FP8_VARIANT": "tma"}, "bf16", "sm_90a", "CUPYMOE_SM90_FP8_VARIANT=tma: the layer's w8a8 GEMMs"),
+    ({"CUPYMOE_FP4_DOWN_TILES": "2"}, "nvfp4", "sm_80", "CUPYMOE_FP4_DOWN_TILES=2: the fp4 wgmma decode does not run"),
     ({"CUPYMOE_A8_DOWN_TILES": "3"}, "fp8_block", "sm_90a", "CUPYMOE_A8_DOWN_TILES=3: it does not divide H / 128"),
 ])
 def test_a_forced_knob_the_layer_cannot_take_is_logged(env, fmt, arch, says, caplog):
     """A knob forcing a kernel the layer has not falls back to what serves it (a sweep sets knobs over
     several presets): the plan logs a warning naming the knob and what runs instead; a knob that
     applies, and no knob, log nothing."""
+    from cupymoe import plan as plan_mod
     from cupymoe.knobs import Knobs
 
     cfg = bench.preset_config("qwen3-30b-a3b")
+    plan_mod._LOGGED.clear()  # each note is logged once a process
     with caplog.at_level("WARNING", logger="cupymoe.plan"):
         plan_layer(cfg, fmt, None, arch, knobs=Knobs.from_env(env))
-    assert any(says in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        plan_layer(cfg, fmt, None, arch, knobs=Knobs.from_env(env))
+    said = [r.getMessage() for r in caplog.records if says in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
     caplog.clear()
     with caplog.at_level("WARNING", logger="cupymoe.plan"):
         plan_layer(cfg, "fp8_block", None, "sm_90a", knobs=Knobs.from_env({"CUPYMOE_A8_DOWN_TILES": "4"}))

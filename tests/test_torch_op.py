@@ -59,3 +59,17 @@ def test_the_module_passes_token_and_lora_ids_as_int32_rows(monkeypatch):
     assert seen["lora_ids"].dtype == torch.int32 and seen["lora_ids"].tolist() == [0, -1, 1, 1, 0, -1]
     module(x.reshape(6, 8))
     assert seen == {"token_ids": None, "lora_ids": None}
+
+
+def test_the_module_refuses_ids_that_are_not_integers():
+    from types import SimpleNamespace
+
+    from cupymoe.errors import MoeCallError
+    from cupymoe.torch import MoeModule
+
+    module = MoeModule(SimpleNamespace(cfg=SimpleNamespace(hidden_size=8)))
+    x = torch.zeros(3, 8, dtype=torch.bfloat16)
+    with pytest.raises(MoeCallError, match="token_ids: an integer tensor is required, got torch.float32"):
+        module(x, torch.zeros(3))
+    with pytest.raises(MoeCallError, match="lora_ids: an integer tensor is required, got torch.bool"):
+        module(x, None, torch.zeros(3, dtype=torch.bool))

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from cupymoe.errors import ConfigError
+
 from cupymoe import bench, tune
 from cupymoe.knobs import Knobs, Sm90Fp8
 from cupymoe.plan import DeviceFacts, LayerOptions, choose_path, plan_layer
@@ -139,6 +141,10 @@ def test_rows_merge_into_the_table_and_the_layer_reads_them(tmp_path):
     table = _empty_table(tmp_path)
     assert tune.apply_result(result, table) == 2
     assert tune.apply_result(result, table) == 2  # the same rows again replace, not add
+    other = tmp_path / "20261202-a100-tune-x.json"  # rows timed on another arch name its kernels, not the table's
+    other.write_text(json.dumps(dict(json.loads(result.read_text()), meta={"arch": "sm_80"})))
+    with pytest.raises(ConfigError, match="measured on sm_80, but the tuning table's rows are sm_90a's"):
+        tune.apply_result(other, table)
     data = json.loads(table.read_text())
     rows = data["by_shape"]["value"]
     assert [(r["n"], r["path"], r["grouped"]) for r in rows] == [(16, "decode", None), (64, "prefill", "math")]
