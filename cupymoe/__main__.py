@@ -61,9 +61,21 @@ def cmd_kernels(args) -> int:
 
 
 def cmd_knobs(args) -> int:
+    """The knob table, then this environment's CUPYMOE_* settings as a layer would read them (exit 2 and the
+    refusal's line where one is unknown or its value bad)."""
+    import os
+
     from . import knobs
+    from .errors import OptionError
 
     print(knobs.describe())
+    set_here = sorted(k for k in os.environ if k.startswith("CUPYMOE_"))
+    try:
+        knobs.Knobs.from_env()
+    except OptionError as e:
+        print(f"\nthis environment: {e}")
+        return 2
+    print("\nthis environment: " + (", ".join(f"{k}={os.environ[k]}" for k in set_here) or "no CUPYMOE_* variable set"))
     return 0
 
 

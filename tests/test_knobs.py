@@ -53,3 +53,18 @@ def test_profile_takes_only_0_or_1(value):
     with pytest.raises(OptionError, match=f"CUPYMOE_PROFILE={value!r}: must be '0' or '1'"):
         Knobs.from_env({"CUPYMOE_PROFILE": value})
     assert Knobs.from_env({"CUPYMOE_PROFILE": "1"}).profile and not Knobs.from_env({"CUPYMOE_PROFILE": "0"}).profile
+
+
+def test_the_knobs_command_reads_this_environment(monkeypatch, capsys):
+    """`python -m cupymoe knobs` lists the table, then this environment's settings as a layer reads
+    them; an unknown name is its refusal's line and exit status 2."""
+    from cupymoe.__main__ import main
+
+    for k in [k for k in __import__("os").environ if k.startswith("CUPYMOE_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("CUPYMOE_PDL", "0")
+    assert main(["knobs"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("this environment: CUPYMOE_PDL=0")
+    monkeypatch.setenv("CUPYMOE_PLD", "0")
+    assert main(["knobs"]) == 2
+    assert "this environment: unknown environment variable(s) CUPYMOE_PLD" in capsys.readouterr().out
