@@ -99,6 +99,13 @@ WGMMA_DECODE_THREADS = 128
 WGMMA_DECODE_GATE_UP_COLUMNS = WGMMA_DECODE_ROWS // 2  # a gate/up block's 128 rows: 64 gate, 64 up
 
 
+def forced_down_tiles(count: int, hidden: int) -> int:
+    """A knob's count of 128-row tiles a wgmma decode down block takes: itself where it divides the
+    H / 128 tiles (H a multiple of 128: every row of a block's tiles lies in the matrix), else one."""
+    tiles_h, whole = divmod(hidden, WGMMA_DECODE_ROWS)
+    return count if whole == 0 and tiles_h % count == 0 else 1
+
+
 def wgmma_decode_ahead_bytes(token_tile: int) -> int:
     """The weight bytes a w8a8 wgmma gate/up block copies ahead of its first pass, all its ring's stages
     but one: by table slot before the lists land, which a slot nobody chose wastes (what this sizes)."""

@@ -353,7 +353,7 @@ def a8_down_tiles(lp: LayerPlan, dev: DeviceFacts, n_rows: int) -> int:
     still give a8_down_tiles_min_waves waves of such blocks, else one."""
     tiles_h, whole = divmod(lp.cfg.hidden_size, C.WGMMA_DECODE_ROWS)
     if lp.a8_down_tiles is not None:
-        return _forced_down_tiles(lp.a8_down_tiles, lp.cfg.hidden_size)
+        return C.forced_down_tiles(lp.a8_down_tiles, lp.cfg.hidden_size)
     if whole or -(-lp.i_max // 128) > TUNING.a8_down_tiles_max_k_steps:  # K of every expert in the launch
         return 1
     active = expected_experts(lp, max(1, n_rows))
@@ -368,13 +368,6 @@ def expected_experts(lp: LayerPlan, n_rows: int) -> float:
     """Local experts that `n_rows` rows are expected to choose (each with chance 1 - (1 - k/E)^N)."""
     k, E = lp.cfg.num_experts_per_tok, lp.cfg.num_experts
     return lp.n_local * (1.0 - (1.0 - min(1.0, k / E)) ** n_rows)
-
-
-def _forced_down_tiles(count: int, hidden: int) -> int:
-    """A knob's count of 128-row tiles a wgmma decode down block takes: itself where it divides the
-    H / 128 tiles (H a multiple of 128: every row of a block's tiles lies in the matrix), else one."""
-    tiles_h, whole = divmod(hidden, C.WGMMA_DECODE_ROWS)
-    return count if whole == 0 and tiles_h % count == 0 else 1
 
 
 def fp4_wgmma_decode_kernel(lp: LayerPlan, dev: DeviceFacts, stage: str, fmt: WeightFormat, rows_per_expert: float,
@@ -401,7 +394,7 @@ def fp4_down_tiles(lp: LayerPlan, dev: DeviceFacts, n_rows: int) -> int:
     cfg = lp.cfg
     tiles_h = cfg.hidden_size // C.WGMMA_DECODE_ROWS  # a multiple of 128 where this kernel serves (fp4_wgmma_ok)
     if lp.fp4_down_tiles is not None:
-        return _forced_down_tiles(lp.fp4_down_tiles, cfg.hidden_size)
+        return C.forced_down_tiles(lp.fp4_down_tiles, cfg.hidden_size)
     stages = -(-cfg.moe_intermediate_size // (C.WGMMA_FP4_DECODE_KSUB * 128))
     if tiles_h % 2 or stages > TUNING.fp4_down_tiles_max_stages:
         return 1

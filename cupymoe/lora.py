@@ -286,9 +286,9 @@ def load_peft(adapter_dir: Union[str, Path], layer_idx: int, cfg: MoeConfig, *,
         raise LoraError(f"{root / ADAPTER_WEIGHTS} not found (only safetensors adapters are read, "
                         "not adapter_model.bin)")
     pc = _peft_config(raw)
-    tensors = _read_layer_tensors(weights, PEFT_PREFIX + f"model.layers.{int(layer_idx)}.")
-    if not tensors:
-        _check_layout(weights)  # none for this layer: fine where the adapter leaves it out, not where it nests elsewhere
+    tensors, lora_keys = _read_layer_tensors(weights, PEFT_PREFIX + f"model.layers.{int(layer_idx)}.")
+    if not tensors:  # none for this layer: fine where the adapter leaves it out, not where it nests elsewhere
+        _check_layout(weights, lora_keys)
     modules = _assemble(cfg, layer_idx, tensors, pc)
     return LoraWeights(modules, source=f"{root} layer {layer_idx}").check(cfg, max_rank)
 
@@ -297,30 +297,26 @@ _LAYERS_LAYOUT = re.compile(re.escape(PEFT_PREFIX) + r"model\.layers\.\d+\.")
 _ANY_LAYERS = re.compile(r"\.layers\.\d+\.")
 
 
-def _check_layout(path: Path) -> None:
-    """A LoraError unless some LoRA tensor of the file lies under PEFT's base_model.model.model.layers.<i>.:
-    an adapter whose base model nests its layers elsewhere would give every layer an empty adapter."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            keys = [k for k in f.keys() if _KEY.match(k)]
-    except Exception as e:
-        raise LoraError(f"{path}: not a readable safetensors file ({e})") from None
-    nested = [k for k in keys if _ANY_LAYERS.search(k)]  # adapters of lm_head or embeddings alone are fine
+def _check_layout(path: Path, lora_keys: list[str]) -> None:
+    """A LoraError unless some decoder layer's LoRA tensor of the file (`lora_keys`) lies under PEFT's
+    base_model.model.model.layers.<i>.: an adapter whose base model nests its layers elsewhere would give
+    every layer an empty adapter."""
+    nested = [k for k in lora_keys if _ANY_LAYERS.search(k)]  # adapters of lm_head or embeddings alone are fine
     if nested and not any(_LAYERS_LAYOUT.match(k) for k in nested):
         raise LoraError(f"{path}: no LoRA tensor lies under {PEFT_PREFIX}model.layers.<i>. (e.g. {nested[0]}): "
                         "the adapter's base model nests its decoder layers elsewhere, which is not read")
 
 
-def _read_layer_tensors(path: Path, prefix: str) -> dict[str, np.ndarray]:
+def _read_layer_tensors(path: Path, prefix: str) -> tuple[dict[str, np.ndarray], list[str]]:
     """The MLP tensors under the layer's `prefix` (PEFT names, stripped of PEFT_PREFIX), as float32;
-    both MLP spellings (`mlp.`, mixtral's `block_sparse_moe.`), so another layout is refused, not skipped."""
+    both MLP spellings (`mlp.`, mixtral's `block_sparse_moe.`), so another layout is refused, not skipped;
+    and the names of every LoRA tensor in the file."""
     from safetensors import safe_open
 
-    out = {}
+    out, lora_keys = {}, []
     try:
         with safe_open(str(path), framework="numpy") as f:
+            lora_keys = [k for k in f.keys() if _KEY.match(k)]
             for key in f.keys():
                 if not key.startswith(prefix) or not key[len(prefix):].startswith(_MLP_PREFIXES):
                     continue
@@ -332,7 +328,7 @@ def _read_layer_tensors(path: Path, prefix: str) -> dict[str, np.ndarray]:
         raise
     except Exception as e:  # safetensors' own errors (a truncated or corrupt file) name no file
         raise LoraError(f"{path}: not a readable safetensors file ({e})") from None
-    return out
+    return out, lora_keys
 
 
 def _assemble(cfg: MoeConfig, layer_idx: int, tensors: Mapping[str, np.ndarray],

@@ -57,10 +57,11 @@ def owned_experts(cfg: MoeConfig, expert_owner: Optional[Sequence[int]] = None) 
     owner = list(expert_owner)
     if len(owner) != cfg.num_experts:
         raise OptionError(f"expert_owner has {len(owner)} entries; the layer has num_experts={cfg.num_experts}")
-    not_ranks = [(e, r) for e, r in enumerate(owner) if _rank(r) is None]
+    ranks = [_rank(r) for r in owner]
+    not_ranks = [(e, r) for e, (r, rank) in enumerate(zip(owner, ranks)) if rank is None]
     if not_ranks:
         raise OptionError(f"expert_owner holds entries that are not whole rank numbers: (expert, entry) {not_ranks[:5]}")
-    owner = [_rank(r) for r in owner]
+    owner = ranks
     bad = [(e, r) for e, r in enumerate(owner) if not 0 <= r < cfg.ep_world_size]
     if bad:
         raise OptionError(f"expert_owner maps experts to ranks outside 0..{cfg.ep_world_size - 1}: "

@@ -501,7 +501,6 @@ def unserved_knobs(lp: LayerPlan, arch: str, knobs: Knobs) -> list[str]:
     """The forced knobs this layer cannot take, each a line saying what runs instead (a sweep setting a
     knob over several presets runs on; its log says where the knob did not apply)."""
     fp4 = [f for f in lp.formats if f.is_fp4]
-    whole = lp.cfg.hidden_size % C.WGMMA_DECODE_ROWS == 0
     notes = []
     if lp.decode_kernel == Bf16Decode.SWAPAB and not lp.swapab_ok:
         notes.append(f"CUPYMOE_DECODE_KERNEL=swapab: the swap-AB decodes serve bf16 and fp8 as w8a8 on sm_90a, not "
@@ -520,7 +519,7 @@ def unserved_knobs(lp: LayerPlan, arch: str, knobs: Knobs) -> list[str]:
                      f"{lp.fp8_tma_ok}): the cp.async GEMM or none runs")
     for name, count, takes in (("CUPYMOE_A8_DOWN_TILES", lp.a8_down_tiles, lp.w8a8),
                                ("CUPYMOE_FP4_DOWN_TILES", lp.fp4_down_tiles, bool(fp4) and lp.fp4_wgmma_ok)):
-        if takes and count is not None and (not whole or (lp.cfg.hidden_size // C.WGMMA_DECODE_ROWS) % count):
+        if takes and count is not None and C.forced_down_tiles(count, lp.cfg.hidden_size) != count:
             notes.append(f"{name}={count}: it does not divide H / 128 (H={lp.cfg.hidden_size}): one tile a block")
     if lp.fp4_down_tiles is not None and fp4 and not lp.fp4_wgmma_ok:
         notes.append(f"CUPYMOE_FP4_DOWN_TILES={lp.fp4_down_tiles}: the fp4 wgmma decode does not run here ({arch}): "
