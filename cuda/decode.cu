@@ -247,8 +247,8 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
 }
 
 // The routing stage and the expert lists in one launch past decode_route_lists' rows (up to
-// TOPK_LISTS_WARPS rows, one a warp: at 64 rows, four a warp, it measured slower than the
-// two launches): its warps route the rows as topk_route does
+// TOPK_LISTS_WARPS rows, one a warp: two a warp past that measured slower than the two
+// launches): its warps route the rows as topk_route does
 // (the register path where it serves, routing.cuh: the same choices and weights), then the
 // block builds the lists from the ids they left in shared memory (build_expert_lists; read
 // back from ids_out they were a global round trip after the barrier). One kernel boundary
@@ -258,10 +258,10 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
 // from it in their last bits.
 // The slot table is copied into shared memory before the wait for the router, as
 // decode_route_lists does.
-// grid 1, block LISTS_THREADS, dynamic smem TOPK_LISTS_WARPS (2 R + TOPK_MAX_K) floats + R
-// ints + build_expert_lists'; N <= TOPK_LISTS_WARPS, R <= TOPK_LISTS_MAX_R.
+// grid 1, block LISTS_THREADS, dynamic smem N (2 R + TOPK_MAX_K) floats (a row's scratch) + R
+// ints + build_expert_lists' (opted in past 48 KB); N <= TOPK_LISTS_WARPS, R <= TOPK_LISTS_MAX_R.
 #define TOPK_LISTS_MAX_R 256
-#define TOPK_LISTS_WARPS 16
+#define TOPK_LISTS_WARPS 32  // every warp of the block
 // sm_80 names its one block an SM: without it ptxas held the kernel at 32 registers and
 // spilled (sm_90a's allocation, measured, left as it is).
 #if CUPYMOE_SM >= 90
@@ -283,7 +283,7 @@ decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ co
     // [R] past the routing scratch (its address made again after the routing: kept live
     // across it, it made decode_topk_lists<1> spill at its 64 registers)
     const auto slot_table = [&] {
-        return reinterpret_cast<int*>(topk_lists_smem + (size_t)TOPK_LISTS_WARPS * (2 * R + TOPK_MAX_K));
+        return reinterpret_cast<int*>(topk_lists_smem + (size_t)N * (2 * R + TOPK_MAX_K));
     };
     for (int e = threadIdx.x; e < R; e += LISTS_THREADS) slot_table()[e] = slot_of[e];  // the layer's, constant
     pdl_wait_then_release_next();  // (the barrier below orders the copies)

@@ -163,7 +163,7 @@ def swapab_fp8_smem_bytes(token_tile: int) -> int:
 ROUTE_LISTS_MAX_ROWS = 8  # rows up to which routing and the lists are one launch (decode_route_lists)
 ROUTE_LISTS_THREADS = 256  # one routing warp a row
 LISTS_THREADS = 1024  # the one-block list builders' block
-TOPK_LISTS_WARPS = 16  # decode_topk_lists' routing warps
+TOPK_LISTS_WARPS = 32  # decode_topk_lists' routing warps: its rows, one a warp
 TOPK_LISTS_MAX_R = 256  # the widest router decode_topk_lists routes as topk_route does
 REDUCE_THREADS = 256  # decode_reduce's block; a thread writes 4 columns a step
 TOPK_WARPS = 4  # topk_route's warps a block, a row each
@@ -364,9 +364,9 @@ def route_lists_smem_bytes(rows: int, k: int, router_width: int) -> int:
     return (rows * (2 * router_width + 64) + 2 * rows * k + router_width) * 4
 
 
-def topk_lists_smem_bytes(pairs: int, n_local: int, router_width: int) -> int:
-    """decode_topk_lists: its warps' routing scratch, the slot table, then the lists'."""
-    return (TOPK_LISTS_WARPS * (2 * router_width + 64) + router_width) * 4 + expert_lists_smem_bytes(pairs, n_local)
+def topk_lists_smem_bytes(rows: int, k: int, n_local: int, router_width: int) -> int:
+    """decode_topk_lists of `rows` rows: their warps' routing scratch, the slot table, then the lists'."""
+    return (rows * (2 * router_width + 64) + router_width) * 4 + expert_lists_smem_bytes(rows * k, n_local)
 
 
 def wgmma_decode_smem_bytes(token_tile: int, k_steps: int, weight_tiles: int = 1) -> int:

@@ -585,7 +585,7 @@ class _Builder:
             qx = (0, 0)
         topk_lists = (self.lp.topk_lists and not prefill and not route_lists and n <= C.TOPK_LISTS_WARPS
                       and n * k <= C.SMALL_SORT_PAIRS and splits == 1 and R <= C.TOPK_LISTS_MAX_R
-                      and C.topk_lists_smem_bytes(n * k, self.lp.n_local, R) <= C.STATIC_SMEM_LIMIT)
+                      and C.topk_lists_smem_bytes(n, k, self.lp.n_local, R) <= self.dev.max_smem)
         self.stage = Stage.TOPK
         self.routing(route_lists, topk_lists, qx, splits)
         return route_lists, topk_lists
@@ -661,7 +661,7 @@ class _Builder:
             assert qx == (0, 0), "x's codes are the router's past decode_route_lists' rows"
             self.launch(f"decode_topk_lists<{group_regs}>", (1,), (C.LISTS_THREADS,),
                         self.routing_args() + self.list_args(),
-                        C.topk_lists_smem_bytes(n * k, self.lp.n_local, R), self.pdl)
+                        C.topk_lists_smem_bytes(n, k, self.lp.n_local, R), self.pdl)
         else:
             warps = C.TOPK_WARPS
             self.launch(f"topk_route<{group_regs}>", (self.v(f"ceil(N/{warps})", lambda m: -(-m // warps)),),

@@ -445,7 +445,7 @@ def opt_in_smem(expr: str, max_smem: int) -> int:
                     return v.smem_bytes(f)
     # sized per launch: sort_place's and the list builders' by the layer's experts, the wgmma
     # decode's by its K (less 1 KB: its static shared memory counts against the opt-in maximum)
-    if expr in ("sort_place", "decode_build_lists"):
+    if expr in ("sort_place", "decode_build_lists") or expr.startswith("decode_topk_lists"):
         return max_smem
     if expr.startswith("topk_route"):  # its warps' scratch grows with the router's width
         return min(max_smem, C.topk_route_smem_bytes(C.MAX_ROUTER_WIDTH))

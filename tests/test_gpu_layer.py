@@ -553,9 +553,9 @@ def _model_expert_lists(ids: np.ndarray, slot_of: np.ndarray, n_local: int, has_
 def test_route_lists_expert_lists_match_a_model_of_them(case, rng):
     """Every list builder's expert lists are the model's, made from the same top-k ids:
     decode_route_lists' (the decode path at N <= 8: at N = 1 the routing warp builds them
-    alone, cuda/decode.cu warp_expert_lists; past that the block), decode_topk_lists' (to 16
-    rows) and decode_build_lists' (the prefill path's up to 1024 pairs, the decode path's
-    past 16 rows: several warps of pairs, whose ranks come from the warps' counts), on the
+    alone, cuda/decode.cu warp_expert_lists; past that the block), decode_topk_lists' (to 32
+    rows, one a warp) and decode_build_lists' (the prefill path's up to 1024 pairs, the decode path's
+    past 32 rows: several warps of pairs, whose ranks come from the warps' counts), on the
     decode, atomic and prefill paths: a shared expert (deepseek-v3, qwen2-moe), zero experts
     (longcat), softmax after top-k (gpt-oss), EP rank 1's slots (the other rank's experts
     nobody's here), a hash table whose rows repeat an expert, and 301 experts (an odd count
@@ -577,7 +577,7 @@ def test_route_lists_expert_lists_match_a_model_of_them(case, rng):
     layer = _layer(cfg, hw, max_tokens=250)
     slot_of = layer.weights.slot_of.get()
     k, n_local = cfg.num_experts_per_tok, layer.weights.n_local
-    for n in (1, 2, 3, 8, 13, 17, 64, 250):  # 250 rows: 1000 pairs, 32 warps of them
+    for n in (1, 2, 3, 8, 13, 17, 32, 45, 64, 250):  # 250 rows: 1000 pairs, 32 warps of them
         token_ids = testing.random_token_ids(rng, n, 20) if cfg.hash_routing else None
         for path in ("decode", "atomic") if n <= 16 else ("decode", "atomic", "prefill"):
             _check(layer, cfg, hw, rng, n, path, token_ids)
