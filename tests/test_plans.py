@@ -172,6 +172,28 @@ def test_w8a8_down_blocks_take_four_or_two_tiles_where_waves_of_them_are_expecte
         assert tiles(preset, 64) == 1, preset
 
 
+def test_decode_routing_takes_one_launch_while_every_row_has_a_warp():
+    """The decode path routes and builds the expert lists in one launch up to 8 rows
+    (decode_route_lists), then up to 32 (decode_topk_lists, a warp a row, its scratch sized by the
+    launch's rows and opted in past 48 KB: deepseek-v3's 256-wide router at 32 rows), and in two past
+    that (topk_route, decode_build_lists); a router wider than 256 (qwen3-next-80b's 512) takes two."""
+    from cupymoe import catalog as C
+
+    def routing(preset, n):
+        lp = plan_layer(bench.preset_config(preset), "bf16", None, "sm_90a", knobs=Knobs())
+        steps = build_forward_plan(lp, H200, n, Path.DECODE).at(n).launches
+        return [(s.kernel.split("<")[0], s.smem) for s in steps if s.stage.value in ("topk", "sort")]
+
+    assert [k for k, _ in routing("qwen3-30b-a3b", 8)] == ["decode_route_lists"]
+    for n in (9, 17, 32):
+        (kernel, smem), = routing("qwen3-30b-a3b", n)
+        assert kernel == "decode_topk_lists" and smem == C.topk_lists_smem_bytes(n, 8, 128, 128), n
+    assert [k for k, _ in routing("qwen3-30b-a3b", 33)] == ["topk_route", "decode_build_lists"]
+    (kernel, smem), = routing("deepseek-v3", 32)
+    assert kernel == "decode_topk_lists" and C.STATIC_SMEM_LIMIT < smem <= H200.max_smem
+    assert [k for k, _ in routing("qwen3-next-80b", 16)] == ["topk_route", "decode_build_lists"]
+
+
 def test_w8a8_decode_takes_wgmma_from_the_measured_waves():
     """decode_wgmma_a8.cu where the gate/up grid holds wgmma_decode_min_waves waves of two blocks an
     SM, decode_mma.cu's _a8 kernels below: deepseek-v3 from N = 2 (512 blocks), qwen3-30b-a3b from 8."""
