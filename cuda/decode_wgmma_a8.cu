@@ -136,12 +136,12 @@ struct WgA8Block {
 
     // One pass: acc[m] (tile m's m64 x NTOK sums, fp32) over all of K. Every thread copies
     // its chunks STAGES - 1 stages ahead; a stage's barrier makes everyone's copies of it
-    // visible and frees the stage read before it. The caller has filled sw (the
-    // first barrier orders it too). `weights_ahead`: copy_weights_ahead issued the first
-    // stages' weight rows (an older group than these stages' own, so every wait below that
-    // covers a stage's group covers its weights too). A stage's rows' scales come with its rows. TILED: tile_done(tile, acc) as each
-    // tile's sums are whole but the last's (then zeroed for the next; the last stay in acc),
-    // while the next tile's first stages are in flight.
+    // visible and frees the stage read before it. The caller has filled sw (the first barrier
+    // orders it too); a stage's rows' scales come with its rows. `weights_ahead`:
+    // copy_weights_ahead issued the first stages' weight rows (an older group than these
+    // stages' own, so every wait below that covers a stage's group covers its weights too).
+    // TILED: tile_done(tile, acc) as each tile's sums are whole but the last's (then zeroed for
+    // the next; the last stay in acc), while the next tile's first stages are in flight.
     template <class TileDone>
     __device__ __forceinline__ void pass(float (&acc)[2][NTOK / 2], bool weights_ahead, TileDone tile_done) const {
 #pragma unroll
@@ -301,9 +301,8 @@ __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS(NTOK)) decode_wgmma_
 // grid (ceil(H / 128) / T, max_active), block WG_THREADS, dynamic shared memory
 // kernels.wgmma_decode_smem_bytes(NTOK, ceil(I_max / 128), T): the stages, aligned to 1024
 // bytes (the swizzle's atom), every k step's weight scales and each ring slot's rows' scales.
-// A block takes T = ceil(H / 128) /
-// gridDim.x tiles of 128 hidden columns through one ring (T > 1 only where H is a multiple
-// of 128 that T tiles divide). Arguments: DECODE_A8_DOWN_ARGS; outputs as
+// A block takes T = ceil(H / 128) / gridDim.x tiles of 128 hidden columns through one ring
+// (T > 1 only where H is a multiple of 128 that T tiles divide). Arguments: DECODE_A8_DOWN_ARGS; outputs as
 // decode_mma_down_a8's: y[pos, h], or with `atomic` the routed pairs' w * y added into
 // acc[row, h] (the shared expert still stores y).
 template <int NTOK>

@@ -461,9 +461,7 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
     hopper = arch == "sm_90a" and not options.row_invariant
     wgmma = hopper and sm90[GemmMode.GATE_UP].serves(routed)
     i_max = max(cfg.moe_intermediate_size if n_local else 0, cfg.shared_expert_intermediate_size)
-    fp4_ks = [cfg.hidden_size] + [i for f, i in ((routed, cfg.moe_intermediate_size),
-                                                 (shared, cfg.shared_expert_intermediate_size))
-                                  if f is not None and f.is_fp4]
+    fp4_ks = _fp4_ks(cfg, routed, shared)
     cc = int(re.match(r"sm_(\d+)", arch).group(1))
     lp = LayerPlan(
         cfg=cfg, n_local=n_local, i_max=i_max,
@@ -508,9 +506,7 @@ def unserved_knobs(lp: LayerPlan, arch: str, knobs: Knobs) -> list[str]:
     if knobs.decode_router == DecodeRouter.MMA and lp.decode_router != DecodeRouter.MMA:
         notes.append(f"CUPYMOE_DECODE_ROUTER=mma: the tensor-core router is sm_90a's, not {arch}'s: the CUDA cores route")
     if lp.fp4_decode == Fp4Decode.WGMMA and fp4 and not lp.fp4_wgmma_ok:
-        ks = sorted({lp.cfg.hidden_size} | {i for f, i in ((lp.routed_format, lp.cfg.moe_intermediate_size),
-                                                           (lp.shared_format, lp.cfg.shared_expert_intermediate_size))
-                                            if f is not None and f.is_fp4})
+        ks = sorted(set(_fp4_ks(lp.cfg, lp.routed_format, lp.shared_format)))
         notes.append(f"CUPYMOE_FP4_DECODE=wgmma: decode_wgmma_fp4 needs sm_90a and every fp4 K a multiple of 128 "
                      f"({arch}, K = {ks}): decode_mma runs")
     if lp.sm90_fp8 != Sm90Fp8.AUTO and not (lp.w8a8 and (lp.sm90_fp8 == Sm90Fp8.CP_ASYNC or lp.fp8_tma_ok)):
@@ -534,6 +530,13 @@ def swapab_serves(formats: tuple[WeightFormat, ...], fp8: Optional[Fp8Compute], 
     fp8-block as w8a8 (decode_swapab_fp8_sm90.cu, on the activations' e4m3 codes)."""
     served = {WeightFormat.BF16} | ({WeightFormat.FP8_BLOCK} if fp8 == Fp8Compute.W8A8 else set())
     return arch == "sm_90a" and not row_invariant and set(formats) <= served
+
+
+def _fp4_ks(cfg: MoeConfig, routed: WeightFormat, shared: Optional[WeightFormat]) -> list[int]:
+    """The K sizes decode_wgmma_fp4 reads: H (gate/up), and I of each fp4 expert kind (down)."""
+    return [cfg.hidden_size] + [i for f, i in ((routed, cfg.moe_intermediate_size),
+                                               (shared, cfg.shared_expert_intermediate_size))
+                                if f is not None and f.is_fp4]
 
 
 def _fp8_tma_fits(cfg: MoeConfig, routed: WeightFormat, shared: Optional[WeightFormat], i_max: int) -> bool:

@@ -90,14 +90,19 @@ class MoeModule(torch.nn.Module):
     def from_pretrained(cls, checkpoint_dir, layer_idx: int, *, max_tokens: int, **options) -> "MoeModule":
         return cls(MoeLayer.from_pretrained(checkpoint_dir, layer_idx, max_tokens=max_tokens, **options))
 
+    def rows_of(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x [..., H] as rows [N, H]; a MoeCallError naming `name` where its last dimension is not H
+        (a reshape alone would turn [N, 2H] into 2N rows)."""
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
+            raise MoeCallError(f"{name} has shape {tuple(x.shape)}: its last dimension must be the layer's "
+                               f"hidden size {self.hidden_size}")
+        return x.reshape(-1, self.hidden_size)
+
     def forward(self, x: torch.Tensor, token_ids: Optional[torch.Tensor] = None,
                 lora_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [..., H] bf16; token_ids and lora_ids (each row's adapter slot, -1 = base) one a row,
         any integer dtype (int32 passed as it is)."""
-        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
-            raise MoeCallError(f"x has shape {tuple(x.shape)}: its last dimension must be the layer's hidden "
-                               f"size {self.hidden_size}")
-        rows = x.reshape(-1, self.hidden_size)
+        rows = self.rows_of(x, "x")
         if not rows.is_contiguous():
             rows = rows.contiguous()
         for name, t in (("token_ids", token_ids), ("lora_ids", lora_ids)):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..config import SUPPORTED_MODEL_TYPES
-from ..errors import CheckpointError, MoeCallError, UnsupportedModelError
+from ..errors import CheckpointError, UnsupportedModelError
 
 __all__ = ["MoeBlockRef", "BlockOutput", "BLOCK_OUTPUT", "moe_blocks", "block_tensors", "replace_moe_blocks"]
 
@@ -181,10 +181,7 @@ def _block_module(layer, family: str):
 
         def forward(self, hidden_states, *args, **kwargs):
             shape, dtype = hidden_states.shape, hidden_states.dtype
-            if len(shape) == 0 or shape[-1] != self.hidden_size:
-                raise MoeCallError(f"hidden_states has shape {tuple(shape)}: its last dimension must be the "
-                                   f"layer's hidden size {self.hidden_size}")
-            rows = hidden_states.reshape(-1, self.hidden_size).to(torch.bfloat16)
+            rows = self.rows_of(hidden_states, "hidden_states").to(torch.bfloat16)
             limit = self.layer.max_tokens
             parts = [MoeModule.forward(self, rows[i:i + limit]) for i in range(0, rows.shape[0], limit)]
             out = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(shape).to(dtype)
