@@ -8,6 +8,7 @@ for each kernel it prints the median start, end and duration, in µs from the fo
 kernel's start. Under PDL a kernel starts early and waits: its end is what the chain sees.
 
     python3 scripts/graph_timeline.py --preset qwen3-30b-a3b --format fp8_block --tokens 1
+    python3 scripts/graph_timeline.py --preset qwen3-30b-a3b --tokens 64 --lora 4   (bench --lora's adapters)
 
 Needs a GPU, CuPy and torch (the profiler).
 """
@@ -19,7 +20,7 @@ import re
 import statistics
 
 
-def forward_timeline(kernels: list[tuple[float, float, str]], first: str = r"router") -> dict:
+def forward_timeline(kernels: list[tuple[float, float, str]], first: str = r"^(void )?router") -> dict:
     """Kernel records (start µs, duration µs, name) of many forwards -> each position's median
     start, end and duration from its forward's first start, plus the median span (first start
     to last end) and period (first start to the next forward's). A forward starts at a kernel
@@ -60,8 +61,8 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from cupymoe.bench import (PRESETS, expected_touched, expert_bytes, layer_weight_bytes, layers_needed,
-                               preset_config, random_device_weights)
+    from cupymoe.bench import (PRESETS, expected_touched, expert_bytes, install_adapters, layer_weight_bytes,
+                               layers_needed, lora_ids_on_device, preset_config, random_device_weights)
     from cupymoe.layer import MoeLayer
     from cupymoe.verify import bf16_bits
 
@@ -69,7 +70,11 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     ap.add_argument("--format", default="bf16", choices=["bf16", "fp8_block", "nvfp4", "mxfp4"])
     ap.add_argument("--tokens", type=int, default=1)
-    ap.add_argument("--first", default=r"router", help="regex of a forward's first kernel's name")
+    ap.add_argument("--first", default=r"^(void )?router", help="regex of a forward's first kernel's name")
+    ap.add_argument("--lora", type=int, default=0, metavar="K",
+                    help="K random adapters of rank --lora-rank over the rows (bench --lora's), 0: none")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     cfg, n = preset_config(args.preset), args.tokens
@@ -78,20 +83,25 @@ def main() -> None:
     free = 0.6 * cupy.cuda.runtime.memGetInfo()[1] - lb
     nl = layers_needed(lb, expected_touched(E, k, n) * expert_bytes(args.format, H, I), free)
     hw = random_device_weights(cfg, 0, args.format)
-    layers = [MoeLayer(cfg, hw, max_tokens=n) for _ in range(nl)]  # copies that L2 cannot hold together
+    opts = dict(max_loras=args.lora, max_lora_rank=args.lora_rank) if args.lora else {}
+    layers = [MoeLayer(cfg, hw, max_tokens=n, **opts) for _ in range(nl)]  # copies that L2 cannot hold together
     del hw
     for layer in layers:
         layer.warmup()
+    ids = lora_ids_on_device(n, args.lora) if args.lora else None
+    if args.lora:
+        install_adapters(layers, args)
+    lora_ids = int(ids.data.ptr) if ids is not None else 0
     x = cupy.asarray(bf16_bits(np.random.default_rng([0, n]).standard_normal((n, H), dtype=np.float32)))
     out = cupy.empty_like(x)
     cupy.cuda.runtime.deviceSynchronize()
     s = cupy.cuda.Stream(non_blocking=True)
     for layer in layers:
-        layer.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
+        layer.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr, lora_ids_ptr=lora_ids)
     s.synchronize()
     s.begin_capture()
     for layer in layers:
-        layer.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
+        layer.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr, lora_ids_ptr=lora_ids)
     g = s.end_capture()
     g.upload(s)
     t0 = time.perf_counter()
@@ -115,7 +125,8 @@ def main() -> None:
     records = [(e["ts"], e["dur"], re.sub(r"\(.*", "", e["name"])) for e in events
                if e.get("cat") == "kernel" and e.get("ph") == "X"]
     tl = forward_timeline(records, args.first)
-    print(f"{args.preset} {args.format} N={n}: {nl} layer copies, {per_layer:.2f} µs a layer by events "
+    lora = f" LoRA {args.lora}x r{args.lora_rank}" if args.lora else ""
+    print(f"{args.preset} {args.format}{lora} N={n}: {nl} layer copies, {per_layer:.2f} µs a layer by events "
           f"(torch {torch.__version__}); {tl['forwards']} forwards, µs from the first kernel's start (medians)")
     for r in tl["kernels"]:
         print(f"  {r['name'][:58]:58s} start {r['start']:7.2f}  end {r['end']:7.2f}  dur {r['dur']:7.2f}")

@@ -304,7 +304,8 @@ def test_graph_timeline_splits_forwards_and_takes_medians():
     """scripts/graph_timeline.py's forward_timeline (NOTES.md v41): kernel records of several
     forwards, out of order and the first forward cut by the profiler's window, become each
     position's median start / end / duration from its forward's first kernel, the span and the
-    period; a router name that matches nothing is refused by name."""
+    period; a router name that matches nothing is refused by name; the router's LoRA kernels
+    do not start a forward."""
     import importlib.util
     from pathlib import Path
 
@@ -328,6 +329,8 @@ def test_graph_timeline_splits_forwards_and_takes_medians():
     assert tl["span"] == 24.5 and tl["period"] == 30.0
     with pytest.raises(ValueError, match="router_mma"):
         mod.forward_timeline(records, first="router_mma")
+    lora = records + [(t0 + 1.5, 1.0, "void lora_router_expand<16>") for t0 in (10.0, 40.0, 70.0, 100.0)]
+    assert mod.forward_timeline(lora)["forwards"] == 3  # a LoRA kernel named after the router starts no forward
 
 
 # --- --lora K --lora-rank R: the argument plumbing and the adapters (no GPU) -------------
