@@ -20,7 +20,12 @@ import re
 import statistics
 
 
-def forward_timeline(kernels: list[tuple[float, float, str]], first: str = r"^(void )?router") -> dict:
+# a forward's first kernel: the router (decode's router_*; prefill's ROUTER-mode GEMM, mode 2),
+# never the router's LoRA delta (lora_router_*)
+FIRST = r"^(void )?(router|grouped_gemm(_sm90)?<2,)"
+
+
+def forward_timeline(kernels: list[tuple[float, float, str]], first: str = FIRST) -> dict:
     """Kernel records (start µs, duration µs, name) of many forwards -> each position's median
     start, end and duration from its forward's first start, plus the median span (first start
     to last end) and period (first start to the next forward's). A forward starts at a kernel
@@ -62,7 +67,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from cupymoe.bench import (PRESETS, expected_touched, expert_bytes, install_adapters, layer_weight_bytes,
-                               layers_needed, lora_ids_on_device, preset_config, random_device_weights)
+                               layer_options, layers_needed, lora_ids_on_device, preset_config, random_device_weights)
     from cupymoe.layer import MoeLayer
     from cupymoe.verify import bf16_bits
 
@@ -70,11 +75,13 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     ap.add_argument("--format", default="bf16", choices=["bf16", "fp8_block", "nvfp4", "mxfp4"])
     ap.add_argument("--tokens", type=int, default=1)
-    ap.add_argument("--first", default=r"^(void )?router", help="regex of a forward's first kernel's name")
+    ap.add_argument("--first", default=FIRST, help="regex of a forward's first kernel's name")
     ap.add_argument("--lora", type=int, default=0, metavar="K",
                     help="K random adapters of rank --lora-rank over the rows (bench --lora's), 0: none")
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fp8-compute", default="auto", choices=["auto", "w8a8", "w8a16"],
+                    help="fp8_block layers' compute (bench's; with --lora, auto is w8a16)")
     args = ap.parse_args()
 
     cfg, n = preset_config(args.preset), args.tokens
@@ -83,7 +90,7 @@ def main() -> None:
     free = 0.6 * cupy.cuda.runtime.memGetInfo()[1] - lb
     nl = layers_needed(lb, expected_touched(E, k, n) * expert_bytes(args.format, H, I), free)
     hw = random_device_weights(cfg, 0, args.format)
-    opts = dict(max_loras=args.lora, max_lora_rank=args.lora_rank) if args.lora else {}
+    opts = layer_options(args.format, args)
     layers = [MoeLayer(cfg, hw, max_tokens=n, **opts) for _ in range(nl)]  # copies that L2 cannot hold together
     del hw
     for layer in layers:

@@ -331,6 +331,9 @@ def test_graph_timeline_splits_forwards_and_takes_medians():
         mod.forward_timeline(records, first="router_mma")
     lora = records + [(t0 + 1.5, 1.0, "void lora_router_expand<16>") for t0 in (10.0, 40.0, 70.0, 100.0)]
     assert mod.forward_timeline(lora)["forwards"] == 3  # a LoRA kernel named after the router starts no forward
+    prefill = [(t, d, n.replace("router_logits_bf16<1, 4>", "grouped_gemm<2, 64, 64, 4, 0>")) for t, d, n in records]
+    prefill += [(t0 + 3.0, 9.0, "void grouped_gemm_lora<0, 128, 32, 3, 1>") for t0 in (10.0, 40.0, 70.0, 100.0)]
+    assert mod.forward_timeline(prefill)["forwards"] == 3  # prefill's router is a ROUTER-mode (2) GEMM
 
 
 # --- --lora K --lora-rank R: the argument plumbing and the adapters (no GPU) -------------
