@@ -117,6 +117,14 @@ def _int_at_least(lo: int):
     return parse
 
 
+def add_lora_args(ap) -> None:
+    """--lora K and --lora-rank R: the adapters install_adapters draws (bench's, scripts/graph_timeline.py's)."""
+    ap.add_argument("--lora", type=_int_at_least(0), default=0, metavar="K",
+                    help="also time each cell with K random adapters in the layer's slots, one a row round-robin "
+                         "(lora_ids_ptr inside the captured graph): lora_us, base_us, overhead_pct of the same layer")
+    ap.add_argument("--lora-rank", type=_int_at_least(1), default=16, metavar="R", help="the adapters' rank (--lora)")
+
+
 def add_bench_args(ap) -> None:
     ap.add_argument("--preset", nargs="+", default=["qwen3-30b-a3b"], choices=sorted(PRESETS))
     ap.add_argument("--format", dest="formats", nargs="+", default=["bf16"], choices=FORMATS,
@@ -148,10 +156,7 @@ def add_bench_args(ap) -> None:
                     help="also time each cell's eager forward on the host (enqueue only; over --host-calls calls "
                          "in batches of 20, the median of the batch means) and the plan's build")
     ap.add_argument("--host-calls", type=int, default=HOST_CALLS, help="eager forwards timed for --host")
-    ap.add_argument("--lora", type=_int_at_least(0), default=0, metavar="K",
-                    help="also time each cell with K random adapters in the layer's slots, one a row round-robin "
-                         "(lora_ids_ptr inside the captured graph): lora_us, base_us, overhead_pct of the same layer")
-    ap.add_argument("--lora-rank", type=_int_at_least(1), default=16, metavar="R", help="the adapters' rank (--lora)")
+    add_lora_args(ap)
     ap.add_argument("--lora-timing", choices=LORA_TIMINGS, default="interleaved",
                     help="--lora: the base and LoRA repetitions interleaved, or all base repetitions then all LoRA "
                          "ones (each after its own warm-up)")

@@ -66,8 +66,9 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from cupymoe.bench import (PRESETS, expected_touched, expert_bytes, install_adapters, layer_weight_bytes,
-                               layer_options, layers_needed, lora_ids_on_device, preset_config, random_device_weights)
+    from cupymoe.bench import (PRESETS, add_lora_args, expected_touched, expert_bytes, install_adapters,
+                               layer_options, layer_weight_bytes, layers_needed, lora_ids_on_device, preset_config,
+                               random_device_weights)
     from cupymoe.layer import MoeLayer
     from cupymoe.verify import bf16_bits
 
@@ -76,10 +77,8 @@ def main() -> None:
     ap.add_argument("--format", default="bf16", choices=["bf16", "fp8_block", "nvfp4", "mxfp4"])
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--first", default=FIRST, help="regex of a forward's first kernel's name")
-    ap.add_argument("--lora", type=int, default=0, metavar="K",
-                    help="K random adapters of rank --lora-rank over the rows (bench --lora's), 0: none")
-    ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
+    add_lora_args(ap)
+    ap.add_argument("--seed", type=int, default=0, help="the adapters' draw (--lora)")
     ap.add_argument("--fp8-compute", default="auto", choices=["auto", "w8a8", "w8a16"],
                     help="fp8_block layers' compute (bench's; with --lora, auto is w8a16)")
     args = ap.parse_args()
@@ -95,10 +94,11 @@ def main() -> None:
     del hw
     for layer in layers:
         layer.warmup()
-    ids = lora_ids_on_device(n, args.lora) if args.lora else None
+    lora_ids = 0  # the rows' adapter slots (bench --lora's), 0: the base plans
     if args.lora:
         install_adapters(layers, args)
-    lora_ids = int(ids.data.ptr) if ids is not None else 0
+        ids = lora_ids_on_device(n, args.lora)  # held for the graph's replays
+        lora_ids = int(ids.data.ptr)
     x = cupy.asarray(bf16_bits(np.random.default_rng([0, n]).standard_normal((n, H), dtype=np.float32)))
     out = cupy.empty_like(x)
     cupy.cuda.runtime.deviceSynchronize()

@@ -146,11 +146,12 @@ def forward(mode):
         main.wait_event(ev2)
     elif mode == "alone":
         launch(k_stream, (A_BLOCKS,), (160,), 88 * 1024, main.ptr, a_args(), pdl=True)
-    else:  # fork_hi_attr: B forked after k_small at the higher priority, A its PDL successor
-        s = side[hi]
+    else:  # fork_lo / fork_hi / fork_hi_attr: B forked after k_small (that stream's priority, and the
+        # launch's), A the first kernel's PDL successor
+        s = side[lo if mode == "fork_lo" else hi]
         ev1.record(main)
         s.wait_event(ev1)
-        launch(k_stream, (B_BLOCKS,), (256,), 1024, s.ptr, b_args(0), priority=hi)
+        launch(k_stream, (B_BLOCKS,), (256,), 1024, s.ptr, b_args(0), priority=hi if mode == "fork_hi_attr" else None)
         ev2.record(s)
         launch(k_stream, (A_BLOCKS,), (160,), 88 * 1024, main.ptr, a_args(), pdl=True)
         main.wait_event(ev2)
@@ -158,7 +159,7 @@ def forward(mode):
 
 
 out = {"priority_range": [lo, hi]}
-for mode in ("alone", "chain", "fork_hi_attr", "fork_early", "b_first", "b_first_wait"):
+for mode in ("alone", "chain", "fork_lo", "fork_hi", "fork_hi_attr", "fork_early", "b_first", "b_first_wait"):
     main.begin_capture()
     forward(mode)
     g = main.end_capture()

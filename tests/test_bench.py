@@ -301,7 +301,7 @@ def test_random_correction_bias_leaves_deepseek_routing_balanced():
 
 
 def test_graph_timeline_splits_forwards_and_takes_medians():
-    """scripts/graph_timeline.py's forward_timeline (NOTES.md v41): kernel records of several
+    """scripts/graph_timeline.py's forward_timeline: kernel records of several
     forwards, out of order and the first forward cut by the profiler's window, become each
     position's median start / end / duration from its forward's first kernel, the span and the
     period; a router name that matches nothing is refused by name; the router's LoRA kernels
