@@ -1004,6 +1004,197 @@ lora_stack_t_down(const bf16* __restrict__ act, const int* __restrict__ lora_ids
 }
 
 // ---------------------------------------------------------------------------------------------
+// The stacked form's shrink as a dense GEMM a tile (CUPYMOE_LORA_STACK_SHRINK=gemm): block (tile,
+// y, z) takes LSG_BM positions of a GEMM tile (its rows y LSG_BM ..) against every adapter's A rows
+// of the tile's expert at once, C [LSG_BM, PPB K R] = v A_e^T (PPB projections a block: NP where NP
+// K R <= LSG_BN, else one, projection z; K R <= LSG_BN by the stacked form's width), mma.sync on
+// grouped.cu's cp.async ring and warp tiles. The epilogue scales each column by its (adapter,
+// expert, projection) slot's s and writes T's whole rows as lora_stack_t_* do: part q of s t where
+// the column's adapter is the row's, zeros elsewhere. Every row pays all K adapters' products
+// (K R of them a projection) instead of its own R, for a pipelined tile in place of per-chunk
+// latency chains; a row's t is its own row's K-order sum, whatever shares its tile.
+// ---------------------------------------------------------------------------------------------
+#define LSG_BM 64
+#define LSG_BN 128
+#define LSG_BK 64
+#define LSG_STAGES 3
+#define LSG_THREADS (LSG_BM * 2)  // grouped.cu's warp tiles: 2 x 2 warps of 32 x 64
+
+// The block's cp.async copies of a stage: its A chunks (the tile's input rows, zero past them)
+// and B chunks (column c's A row: (p ? a1 : a0) row (a (n_local + 1) + e) R + r, zero past the
+// block's columns), each thread's sources resolved once.
+struct LoraShrinkLoader {
+    static constexpr int CHUNKS = LSG_BK / 8;
+    static constexpr int A_PER = LSG_BM * CHUNKS / LSG_THREADS, B_PER = LSG_BN * CHUNKS / LSG_THREADS;
+    const bf16* a_src[A_PER];
+    unsigned b_off[B_PER];  // column's A row: element offset from b0 (gate, down) or b1 (up), by b_up's bit
+    const bf16* b0;
+    const bf16* b1;
+    unsigned a_ok, b_ok, b_up;  // bit i: chunk i's row exists / is up's
+    int chunk;
+
+    __device__ __forceinline__ void load(bf16* sA, bf16* sB, int k0, int K) const {
+        const int kc = k0 + chunk * 8;
+        const bool kin = kc < K;
+        const int k = kin ? kc : 0;
+#pragma unroll
+        for (int i = 0; i < A_PER; ++i)
+            cp_async16(sA + swz<LSG_BK>((threadIdx.x + i * LSG_THREADS) / CHUNKS, chunk), a_src[i] + k,
+                       ((a_ok >> i) & 1) && kin);
+#pragma unroll
+        for (int i = 0; i < B_PER; ++i)
+            cp_async16(sB + swz<LSG_BK>((threadIdx.x + i * LSG_THREADS) / CHUNKS, chunk),
+                       ((b_up >> i) & 1 ? b1 : b0) + b_off[i] + k, ((b_ok >> i) & 1) && kin);
+    }
+};
+
+// One LSG_BM-row slice of a tile (rows r0 ..; expert e = ti.x) for the block's projections p0 ..
+// (lora_stack_t_gemm's arguments; lsg_smem the stages, then the staging; lid: the rows' adapters,
+// col_scale: the columns' s).
+template <int NP>
+__device__ __forceinline__ void lora_shrink_slice(unsigned char* lsg_smem, int* lid, float* col_scale, int4 ti, int r0,
+                                                  const bf16* __restrict__ x, const bf16* __restrict__ xe,
+                                                  const bf16* __restrict__ act, const int* __restrict__ lora_ids,
+                                                  const int* __restrict__ sorted_row, const int* __restrict__ inter,
+                                                  const bf16* __restrict__ a0, const bf16* __restrict__ a1,
+                                                  const float* __restrict__ scale, bf16* __restrict__ T, int H,
+                                                  int I_max, int n_local, int max_rank, int max_loras, int parts,
+                                                  int KS) {
+    const int rows = min(LSG_BM, ti.z - r0);
+    const int e = ti.x, pos0 = ti.y + r0, KR = max_loras * max_rank;
+    const int ppb = NP * KR <= LSG_BN ? NP : 1, p0 = blockIdx.z * ppb, cols = ppb * KR;
+    const int K = NP == 2 ? H : inter[e], stride = NP == 2 ? H : I_max;
+    bf16* sA = reinterpret_cast<bf16*>(lsg_smem);
+    bf16* sB = sA + LSG_STAGES * LSG_BM * LSG_BK;
+
+    LoraShrinkLoader ld;
+    ld.chunk = threadIdx.x % LoraShrinkLoader::CHUNKS;
+    ld.a_ok = ld.b_ok = ld.b_up = 0u;
+    ld.b0 = a0;
+    ld.b1 = a1;
+    const bf16* in = NP == 2 ? (e == n_local ? x : xe) : act;  // the shared expert reads x
+#pragma unroll
+    for (int i = 0; i < LoraShrinkLoader::A_PER; ++i) {
+        const int r = (threadIdx.x + i * LSG_THREADS) / LoraShrinkLoader::CHUNKS;
+        const int pos = pos0 + min(r, rows - 1);
+        ld.a_ok |= (unsigned)(r < rows) << i;
+        ld.a_src[i] = in + (size_t)(NP == 2 ? sorted_row[pos] : pos) * stride;
+    }
+#pragma unroll
+    for (int i = 0; i < LoraShrinkLoader::B_PER; ++i) {
+        const int c = (threadIdx.x + i * LSG_THREADS) / LoraShrinkLoader::CHUNKS, cc = min(c, cols - 1);
+        const int p = p0 + cc / KR, a = (cc % KR) / max_rank, r = cc % max_rank;
+        ld.b_ok |= (unsigned)(c < cols) << i;
+        ld.b_up |= (unsigned)(p == 1) << i;
+        // K R <= 128 (the stacked form's width) rows an expert: the offsets stay under 2^32 elements
+        ld.b_off[i] = (unsigned)(((size_t)a * (n_local + 1) + e) * max_rank + r) * (unsigned)stride;
+    }
+    for (int i = threadIdx.x; i < rows; i += LSG_THREADS) {
+        const int id = lora_ids[sorted_row[pos0 + i]];
+        lid[i] = id >= 0 && id < max_loras ? id : -1;  // an id >= K was flagged by the router delta
+    }
+    for (int c = threadIdx.x; c < LSG_BN; c += LSG_THREADS) {  // column c's s: its (adapter, expert, projection) slot's
+        const int p = p0 + c / KR, a = (c % KR) / max_rank;
+        col_scale[c] = c < cols ? scale[((size_t)a * (n_local + 1) + e) * 3 + (NP == 2 ? p : 2)] : 0.f;
+    }
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
+    float acc[2][8][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+    const int KT = (K + LSG_BK - 1) / LSG_BK;
+#pragma unroll
+    for (int s = 0; s < LSG_STAGES - 1; ++s) {
+        if (s < KT) ld.load(sA + s * LSG_BM * LSG_BK, sB + s * LSG_BN * LSG_BK, s * LSG_BK, K);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait<LSG_STAGES - 2>();
+        __syncthreads();  // stage kt has landed for every thread; the stage refilled below was read in kt - 1
+        const int kn = kt + LSG_STAGES - 1;
+        if (kn < KT) {
+            const int s = kn % LSG_STAGES;
+            ld.load(sA + s * LSG_BM * LSG_BK, sB + s * LSG_BN * LSG_BK, kn * LSG_BK, K);
+        }
+        cp_async_commit();
+        const int s = kt % LSG_STAGES;
+        grouped_mma_step<MODE_DOWN, LSG_BK>(acc, sA + s * LSG_BM * LSG_BK, sB + s * LSG_BN * LSG_BK, wm, wn, lane);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the stages: they become the fp32 staging of s t
+
+    // s t [LSG_BM][LSG_BN + 4] (C fragment: row wm 32 + mt 16 + g + 8 h, column wn 64 + 8 j + 2 t4 + u)
+    constexpr int LD = LSG_BN + 4;
+    float* st = reinterpret_cast<float*>(lsg_smem);
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int c = wn * 64 + 8 * j + 2 * t4 + u;
+            const float s = col_scale[c];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) st[(wm * 32 + mt * 16 + g + 8 * h) * LD + c] = acc[mt][j][2 * h + u] * s;
+        }
+    }
+    __syncthreads();
+
+    // T's rows, the block's projections' KS columns each (16-byte stores): part q of s t where the
+    // column's adapter is the row's, zeros elsewhere and past parts K R
+    const int V = KS >> 3;
+    for (int idx = threadIdx.x; idx < rows * ppb * V; idx += LSG_THREADS) {
+        const int i = idx / (ppb * V), rest = idx - i * ppb * V, pl = rest / V, c0 = 8 * (rest - pl * V);
+        const int key = lid[i];
+        unsigned w[4];
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            float el[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int u = c0 + 2 * v + h, q = u / KR, rem = u - q * KR, a = rem / max_rank;
+                float val = 0.f;
+                if (key >= 0 && q < parts && a == key) {
+                    const float y = st[i * LD + pl * KR + rem], hi = __bfloat162float(__float2bfloat16(y));
+                    val = q == 0 ? hi : y - hi;  // rounded to bf16 by the store
+                }
+                el[h] = val;
+            }
+            w[v] = pack_bf16x2(el[0], el[1]);
+        }
+        *reinterpret_cast<uint4*>(T + (size_t)(pos0 + i) * NP * KS + (p0 + pl) * KS + c0) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+// grid (the GEMM's tile bound, Y, NP / PPB), block LSG_THREADS, dynamic shared memory
+// lora_shrink_gemm_smem() (forward_plan). Block (t, y, z) takes tile t's LSG_BM-row slices y, y + Y,
+// ... for projections z PPB ... NP 2: gate/up (x's rows through sorted_row, xe for routed
+// experts; gate_a, up_a; K = H); NP 1: down (act's rows by position; down_a; K = the expert's I,
+// row stride I_max). T as lora_stack_t_gate_up / lora_stack_t_down write it.
+template <int NP>
+__global__ void __launch_bounds__(LSG_THREADS, 2)  // two blocks an SM: three spill (168 registers)
+lora_stack_t_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16* __restrict__ act,
+                  const int* __restrict__ lora_ids, const int* __restrict__ num_tiles,
+                  const int4* __restrict__ tile_info, const int* __restrict__ sorted_row,
+                  const int* __restrict__ inter, const bf16* __restrict__ a0, const bf16* __restrict__ a1,
+                  const float* __restrict__ scale, bf16* __restrict__ T, int H, int I_max, int n_local, int max_rank,
+                  int max_loras, int parts, int KS) {
+    extern __shared__ __align__(128) unsigned char lsg_smem[];
+    __shared__ int lid[LSG_BM];
+    __shared__ float col_scale[LSG_BN];
+    if ((int)blockIdx.x >= *num_tiles) return;
+    const int4 ti = tile_info[blockIdx.x];
+    for (int r0 = blockIdx.y * LSG_BM; r0 < ti.z; r0 += gridDim.y * LSG_BM) {
+        lora_shrink_slice<NP>(lsg_smem, lid, col_scale, ti, r0, x, xe, act, lora_ids, sorted_row, inter, a0, a1, scale, T, H,
+                              I_max, n_local, max_rank, max_loras, parts, KS);
+        __syncthreads();  // the next slice's stages overwrite the staging
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The router's delta by row spans (prefill): a block `span` consecutive rows (at most LORA_SUB;
 // forward_plan.lora_router_span), bucketed by adapter as the expert tiles are, so an adapter's
 // fp32 A is read once a chunk, not once a row. The shrink on tensor cores: x is bf16 (exact), A

@@ -22,6 +22,7 @@ from . import catalog as C
 from . import heuristics as HX
 from .catalog import Activation, GemmMode, LoraDownMode, Scoring, WeightFormat
 from .errors import LoraError
+from .knobs import LoraShrink
 from .workspace import LORA_TICKETS
 from .plan import (AllReduce, Arg, ArgType, Buf, CallValue, DeviceFacts, ForwardPlan, Launch, LayerPlan, Memset,
                    Path, PerN, Space, Stage)
@@ -147,6 +148,7 @@ class LoraShape:
     max_rank: int
     experts: bool = False
     stack_parts: int = 0  # the stacked form's parts of s t where the layer has its Bext (lora_in_gemm); 0: none
+    stack_shrink: LoraShrink = LoraShrink.CHUNKS  # how the stacked form makes T (CUPYMOE_LORA_STACK_SHRINK)
 
 
 LORA_THREADS = 256  # cuda/lora.cu
@@ -395,7 +397,9 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> tuple[Launch,
     tail = (i32("n_local", lp.n_local), i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras),
             i32("parts", lora.stack_parts), i32("KS", stack_width(lora.max_loras, lora.max_rank, lora.stack_parts)))
     grid = (gemm.grid[1], lora_chunk_blocks(lora.max_loras))
-    if gemm.stage == Stage.GATE_UP:
+    if lora.stack_shrink == LoraShrink.GEMM:
+        shrink = _shrink_gemm(gemm, lp, lora, L, tiles, tail)
+    elif gemm.stage == Stage.GATE_UP:
         shrink = Launch(Stage.GATE_UP, "lora_stack_t_gate_up", grid, (LORA_MMA_WARPS * 32,),
                         (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X),
                          u64("lora_ids", CallValue.LORA_IDS), u64("num_tiles", tiles[0]), u64("tile_info", tiles[1]),
@@ -420,6 +424,27 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> tuple[Launch,
                                             u64("lora_b1", Buf(Space.LAYER, "lora_" + b1)),
                                             i32("KS", stack_width(lora.max_loras, lora.max_rank, lora.stack_parts))))
     return _as_successor(shrink, gemm), stacked
+
+
+def _shrink_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, L, tiles, tail) -> Launch:
+    """The stacked form's shrink as lora_stack_t_gemm<NP>: grid (the GEMM's tile bound, Y, NP / PPB),
+    block y taking a tile's 64-row slices y, y + Y, ... (Y covers a LORA_SUB-row tile), PPB projections
+    a block (both where their K R columns fit one block's LORA_SHRINK_GEMM_BN)."""
+    cfg = lp.cfg
+    gate_up = gemm.stage == Stage.GATE_UP
+    np_ = 2 if gate_up else 1
+    ppb = np_ if np_ * lora.max_loras * lora.max_rank <= C.LORA_SHRINK_GEMM_BN else 1
+    grid = (gemm.grid[1], -(-LORA_SUB // C.LORA_SHRINK_GEMM_BM), np_ // ppb)
+    inputs = ((u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X), u64("act", 0)) if gate_up
+              else (u64("x", 0), u64("xe", 0), u64("act", S("act"))))
+    a = ((u64("a0", Buf(Space.LAYER, "lora_gate_a")), u64("a1", Buf(Space.LAYER, "lora_up_a"))) if gate_up
+         else (u64("a0", Buf(Space.LAYER, "lora_down_a")), u64("a1", 0)))
+    return Launch(gemm.stage, f"lora_stack_t_gemm<{np_}>", grid, (C.LORA_SHRINK_GEMM_THREADS,),
+                  inputs + (u64("lora_ids", CallValue.LORA_IDS), u64("num_tiles", tiles[0]), u64("tile_info", tiles[1]),
+                            u64("sorted_row", S("sorted_row")), u64("inter", W("inter")), *a, L("scale"),
+                            u64("T", S("lora_t_gu" if gate_up else "lora_t_down")), i32("H", cfg.hidden_size),
+                            i32("I_max", lp.i_max), *tail),
+                  C.LORA_SHRINK_GEMM_SMEM)
 
 
 def _pair(launch: Launch) -> Launch:
