@@ -1005,29 +1005,36 @@ lora_stack_t_down(const bf16* __restrict__ act, const int* __restrict__ lora_ids
 
 // ---------------------------------------------------------------------------------------------
 // The stacked form's shrink as a dense GEMM a tile (CUPYMOE_LORA_STACK_SHRINK=gemm): block (tile,
-// y, z) takes LSG_BM positions of a GEMM tile (its rows y LSG_BM ..) against every adapter's A rows
-// of the tile's expert at once, C [LSG_BM, PPB K R] = v A_e^T (PPB projections a block: NP where NP
-// K R <= LSG_BN, else one, projection z; K R <= LSG_BN by the stacked form's width), mma.sync on
-// grouped.cu's cp.async ring and warp tiles. The epilogue scales each column by its (adapter,
-// expert, projection) slot's s and writes T's whole rows as lora_stack_t_* do: part q of s t where
-// the column's adapter is the row's, zeros elsewhere. Every row pays all K adapters' products
-// (K R of them a projection) instead of its own R, for a pipelined tile in place of per-chunk
-// latency chains; a row's t is its own row's K-order sum, whatever shares its tile.
+// y, z) takes BM positions of a GEMM tile (its rows y BM ..) against every adapter's A rows of the
+// tile's expert at once, C [BM, PPB K R] = v A_e^T (PPB projections a block: NP where NP K R <= BN,
+// else one, projection z; K R <= BN: forward_plan.lora_shrink_gemm_shape), mma.sync on grouped.cu's
+// cp.async ring and 32 x 64 warp tiles. The epilogue scales each column by its (adapter, expert,
+// projection) slot's s and writes T's whole rows as lora_stack_t_* do: part q of s t where the
+// column's adapter is the row's, zeros elsewhere. Every row pays all K adapters' products (K R a
+// projection) instead of its own R, for a pipelined tile in place of per-chunk latency chains; a
+// row's t is its own row's K-order sum, whatever shares its tile.
 // ---------------------------------------------------------------------------------------------
-#define LSG_BM 64
-#define LSG_BN 128
 #define LSG_BK 64
 #define LSG_STAGES 3
-#define LSG_THREADS (LSG_BM * 2)  // grouped.cu's warp tiles: 2 x 2 warps of 32 x 64
+
+template <int BM, int BN>
+struct LsgShape {
+    static_assert(BM % 32 == 0 && (BN == 64 || BN == 128), "32-row x 64-column warp tiles");
+    static constexpr int THREADS = 32 * (BM / 32) * (BN / 64);
+    static constexpr int CHUNKS = LSG_BK / 8;  // 16-byte chunks a stage row
+    static constexpr int A_PER = BM * CHUNKS / THREADS, B_PER = BN * CHUNKS / THREADS;
+    static constexpr int LD = BN + 4;  // the fp32 staging's row stride
+    static_assert(A_PER * THREADS == BM * CHUNKS && B_PER * THREADS == BN * CHUNKS, "tile / threads");
+    static_assert(BM * LD * 4 <= LSG_STAGES * (BM + BN) * LSG_BK * 2, "the staging fits the stages");
+};
 
 // The block's cp.async copies of a stage: its A chunks (the tile's input rows, zero past them)
-// and B chunks (column c's A row: (p ? a1 : a0) row (a (n_local + 1) + e) R + r, zero past the
-// block's columns), each thread's sources resolved once.
+// and B chunks (column c's A row, zero past the block's columns), each thread's sources resolved once.
+template <int BM, int BN>
 struct LoraShrinkLoader {
-    static constexpr int CHUNKS = LSG_BK / 8;
-    static constexpr int A_PER = LSG_BM * CHUNKS / LSG_THREADS, B_PER = LSG_BN * CHUNKS / LSG_THREADS;
-    const bf16* a_src[A_PER];
-    unsigned b_off[B_PER];  // column's A row: element offset from b0 (gate, down) or b1 (up), by b_up's bit
+    using Shape = LsgShape<BM, BN>;
+    const bf16* a_src[Shape::A_PER];
+    unsigned b_off[Shape::B_PER];  // column's A row: element offset from b0 (gate, down) or b1 (up), by b_up's bit
     const bf16* b0;
     const bf16* b1;
     unsigned a_ok, b_ok, b_up;  // bit i: chunk i's row exists / is up's
@@ -1038,20 +1045,20 @@ struct LoraShrinkLoader {
         const bool kin = kc < K;
         const int k = kin ? kc : 0;
 #pragma unroll
-        for (int i = 0; i < A_PER; ++i)
-            cp_async16(sA + swz<LSG_BK>((threadIdx.x + i * LSG_THREADS) / CHUNKS, chunk), a_src[i] + k,
+        for (int i = 0; i < Shape::A_PER; ++i)
+            cp_async16(sA + swz<LSG_BK>((threadIdx.x + i * Shape::THREADS) / Shape::CHUNKS, chunk), a_src[i] + k,
                        ((a_ok >> i) & 1) && kin);
 #pragma unroll
-        for (int i = 0; i < B_PER; ++i)
-            cp_async16(sB + swz<LSG_BK>((threadIdx.x + i * LSG_THREADS) / CHUNKS, chunk),
+        for (int i = 0; i < Shape::B_PER; ++i)
+            cp_async16(sB + swz<LSG_BK>((threadIdx.x + i * Shape::THREADS) / Shape::CHUNKS, chunk),
                        ((b_up >> i) & 1 ? b1 : b0) + b_off[i] + k, ((b_ok >> i) & 1) && kin);
     }
 };
 
-// One LSG_BM-row slice of a tile (rows r0 ..; expert e = ti.x) for the block's projections p0 ..
+// One BM-row slice of a tile (rows r0 ..; expert e = ti.x) for the block's projections p0 ..
 // (lora_stack_t_gemm's arguments; lsg_smem the stages, then the staging; lid: the rows' adapters,
 // col_scale: the columns' s).
-template <int NP>
+template <int NP, int BM, int BN>
 __device__ __forceinline__ void lora_shrink_slice(unsigned char* lsg_smem, int* lid, float* col_scale, int4 ti, int r0,
                                                   const bf16* __restrict__ x, const bf16* __restrict__ xe,
                                                   const bf16* __restrict__ act, const int* __restrict__ lora_ids,
@@ -1060,45 +1067,47 @@ __device__ __forceinline__ void lora_shrink_slice(unsigned char* lsg_smem, int* 
                                                   const float* __restrict__ scale, bf16* __restrict__ T, int H,
                                                   int I_max, int n_local, int max_rank, int max_loras, int parts,
                                                   int KS) {
-    const int rows = min(LSG_BM, ti.z - r0);
+    using Shape = LsgShape<BM, BN>;
+    constexpr int THREADS = Shape::THREADS, LD = Shape::LD;
+    const int rows = min(BM, ti.z - r0);
     const int e = ti.x, pos0 = ti.y + r0, KR = max_loras * max_rank;
-    const int ppb = NP * KR <= LSG_BN ? NP : 1, p0 = blockIdx.z * ppb, cols = ppb * KR;
+    const int ppb = NP * KR <= BN ? NP : 1, p0 = blockIdx.z * ppb, cols = ppb * KR;
     const int K = NP == 2 ? H : inter[e], stride = NP == 2 ? H : I_max;
     bf16* sA = reinterpret_cast<bf16*>(lsg_smem);
-    bf16* sB = sA + LSG_STAGES * LSG_BM * LSG_BK;
+    bf16* sB = sA + LSG_STAGES * BM * LSG_BK;
 
-    LoraShrinkLoader ld;
-    ld.chunk = threadIdx.x % LoraShrinkLoader::CHUNKS;
+    LoraShrinkLoader<BM, BN> ld;
+    ld.chunk = threadIdx.x % Shape::CHUNKS;
     ld.a_ok = ld.b_ok = ld.b_up = 0u;
     ld.b0 = a0;
     ld.b1 = a1;
     const bf16* in = NP == 2 ? (e == n_local ? x : xe) : act;  // the shared expert reads x
 #pragma unroll
-    for (int i = 0; i < LoraShrinkLoader::A_PER; ++i) {
-        const int r = (threadIdx.x + i * LSG_THREADS) / LoraShrinkLoader::CHUNKS;
+    for (int i = 0; i < Shape::A_PER; ++i) {
+        const int r = (threadIdx.x + i * THREADS) / Shape::CHUNKS;
         const int pos = pos0 + min(r, rows - 1);
         ld.a_ok |= (unsigned)(r < rows) << i;
         ld.a_src[i] = in + (size_t)(NP == 2 ? sorted_row[pos] : pos) * stride;
     }
 #pragma unroll
-    for (int i = 0; i < LoraShrinkLoader::B_PER; ++i) {
-        const int c = (threadIdx.x + i * LSG_THREADS) / LoraShrinkLoader::CHUNKS, cc = min(c, cols - 1);
+    for (int i = 0; i < Shape::B_PER; ++i) {
+        const int c = (threadIdx.x + i * THREADS) / Shape::CHUNKS, cc = min(c, cols - 1);
         const int p = p0 + cc / KR, a = (cc % KR) / max_rank, r = cc % max_rank;
         ld.b_ok |= (unsigned)(c < cols) << i;
         ld.b_up |= (unsigned)(p == 1) << i;
         // K R <= 128 (the stacked form's width) rows an expert: the offsets stay under 2^32 elements
         ld.b_off[i] = (unsigned)(((size_t)a * (n_local + 1) + e) * max_rank + r) * (unsigned)stride;
     }
-    for (int i = threadIdx.x; i < rows; i += LSG_THREADS) {
+    for (int i = threadIdx.x; i < rows; i += THREADS) {
         const int id = lora_ids[sorted_row[pos0 + i]];
         lid[i] = id >= 0 && id < max_loras ? id : -1;  // an id >= K was flagged by the router delta
     }
-    for (int c = threadIdx.x; c < LSG_BN; c += LSG_THREADS) {  // column c's s: its (adapter, expert, projection) slot's
+    for (int c = threadIdx.x; c < BN; c += THREADS) {  // column c's s: its (adapter, expert, projection) slot's
         const int p = p0 + c / KR, a = (c % KR) / max_rank;
         col_scale[c] = c < cols ? scale[((size_t)a * (n_local + 1) + e) * 3 + (NP == 2 ? p : 2)] : 0.f;
     }
 
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp / (BN / 64), wn = warp % (BN / 64);
     float acc[2][8][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -1107,7 +1116,7 @@ __device__ __forceinline__ void lora_shrink_slice(unsigned char* lsg_smem, int* 
     const int KT = (K + LSG_BK - 1) / LSG_BK;
 #pragma unroll
     for (int s = 0; s < LSG_STAGES - 1; ++s) {
-        if (s < KT) ld.load(sA + s * LSG_BM * LSG_BK, sB + s * LSG_BN * LSG_BK, s * LSG_BK, K);
+        if (s < KT) ld.load(sA + s * BM * LSG_BK, sB + s * BN * LSG_BK, s * LSG_BK, K);
         cp_async_commit();
     }
     for (int kt = 0; kt < KT; ++kt) {
@@ -1116,17 +1125,16 @@ __device__ __forceinline__ void lora_shrink_slice(unsigned char* lsg_smem, int* 
         const int kn = kt + LSG_STAGES - 1;
         if (kn < KT) {
             const int s = kn % LSG_STAGES;
-            ld.load(sA + s * LSG_BM * LSG_BK, sB + s * LSG_BN * LSG_BK, kn * LSG_BK, K);
+            ld.load(sA + s * BM * LSG_BK, sB + s * BN * LSG_BK, kn * LSG_BK, K);
         }
         cp_async_commit();
         const int s = kt % LSG_STAGES;
-        grouped_mma_step<MODE_DOWN, LSG_BK>(acc, sA + s * LSG_BM * LSG_BK, sB + s * LSG_BN * LSG_BK, wm, wn, lane);
+        grouped_mma_step<MODE_DOWN, LSG_BK>(acc, sA + s * BM * LSG_BK, sB + s * BN * LSG_BK, wm, wn, lane);
     }
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the stages: they become the fp32 staging of s t
 
-    // s t [LSG_BM][LSG_BN + 4] (C fragment: row wm 32 + mt 16 + g + 8 h, column wn 64 + 8 j + 2 t4 + u)
-    constexpr int LD = LSG_BN + 4;
+    // s t [BM][LD] (C fragment: row wm 32 + mt 16 + g + 8 h, column wn 64 + 8 j + 2 t4 + u)
     float* st = reinterpret_cast<float*>(lsg_smem);
     const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
@@ -1146,7 +1154,7 @@ __device__ __forceinline__ void lora_shrink_slice(unsigned char* lsg_smem, int* 
     // T's rows, the block's projections' KS columns each (16-byte stores): part q of s t where the
     // column's adapter is the row's, zeros elsewhere and past parts K R
     const int V = KS >> 3;
-    for (int idx = threadIdx.x; idx < rows * ppb * V; idx += LSG_THREADS) {
+    for (int idx = threadIdx.x; idx < rows * ppb * V; idx += THREADS) {
         const int i = idx / (ppb * V), rest = idx - i * ppb * V, pl = rest / V, c0 = 8 * (rest - pl * V);
         const int key = lid[i];
         unsigned w[4];
@@ -1169,13 +1177,13 @@ __device__ __forceinline__ void lora_shrink_slice(unsigned char* lsg_smem, int* 
     }
 }
 
-// grid (the GEMM's tile bound, Y, NP / PPB), block LSG_THREADS, dynamic shared memory
-// lora_shrink_gemm_smem() (forward_plan). Block (t, y, z) takes tile t's LSG_BM-row slices y, y + Y,
-// ... for projections z PPB ... NP 2: gate/up (x's rows through sorted_row, xe for routed
-// experts; gate_a, up_a; K = H); NP 1: down (act's rows by position; down_a; K = the expert's I,
-// row stride I_max). T as lora_stack_t_gate_up / lora_stack_t_down write it.
-template <int NP>
-__global__ void __launch_bounds__(LSG_THREADS, 2)  // two blocks an SM: three spill (168 registers)
+// grid (the GEMM's tile bound, Y, NP / PPB), block LsgShape<BM, BN>::THREADS, dynamic shared memory
+// LSG_STAGES (BM + BN) LSG_BK bf16 (catalog.lora_shrink_gemm_smem). Block (t, y, z) takes tile t's
+// BM-row slices y, y + Y, ... for projections z PPB ... NP 2: gate/up (x's rows through sorted_row,
+// xe for routed experts; gate_a, up_a; K = H); NP 1: down (act's rows by position; down_a; K = the
+// expert's I, row stride I_max). T as lora_stack_t_gate_up / lora_stack_t_down write it.
+template <int NP, int BM, int BN>
+__global__ void __launch_bounds__(LsgShape<BM, BN>::THREADS)
 lora_stack_t_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16* __restrict__ act,
                   const int* __restrict__ lora_ids, const int* __restrict__ num_tiles,
                   const int4* __restrict__ tile_info, const int* __restrict__ sorted_row,
@@ -1183,13 +1191,13 @@ lora_stack_t_gemm(const bf16* __restrict__ x, const bf16* __restrict__ xe, const
                   const float* __restrict__ scale, bf16* __restrict__ T, int H, int I_max, int n_local, int max_rank,
                   int max_loras, int parts, int KS) {
     extern __shared__ __align__(128) unsigned char lsg_smem[];
-    __shared__ int lid[LSG_BM];
-    __shared__ float col_scale[LSG_BN];
+    __shared__ int lid[BM];
+    __shared__ float col_scale[BN];
     if ((int)blockIdx.x >= *num_tiles) return;
     const int4 ti = tile_info[blockIdx.x];
-    for (int r0 = blockIdx.y * LSG_BM; r0 < ti.z; r0 += gridDim.y * LSG_BM) {
-        lora_shrink_slice<NP>(lsg_smem, lid, col_scale, ti, r0, x, xe, act, lora_ids, sorted_row, inter, a0, a1, scale, T, H,
-                              I_max, n_local, max_rank, max_loras, parts, KS);
+    for (int r0 = blockIdx.y * BM; r0 < ti.z; r0 += gridDim.y * BM) {
+        lora_shrink_slice<NP, BM, BN>(lsg_smem, lid, col_scale, ti, r0, x, xe, act, lora_ids, sorted_row, inter, a0, a1,
+                                      scale, T, H, I_max, n_local, max_rank, max_loras, parts, KS);
         __syncthreads();  // the next slice's stages overwrite the staging
     }
 }

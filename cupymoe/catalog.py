@@ -263,12 +263,22 @@ def grouped_kernel(mode: int, bm: int, bk: int, stages: int, fmt: int = 0) -> tu
     return f"grouped_gemm<{int(mode)}, {bm}, {bk}, {stages}, {int(fmt)}>", 2 * bm, grouped_smem_bytes(bm, bk, stages, fmt)
 
 
-# cuda/lora.cu lora_stack_t_gemm (CUPYMOE_LORA_STACK_SHRINK=gemm): 64-row slices of a GEMM tile against
-# 128 columns (every adapter's ranks of one or both projections), 64-column K steps, three stages
-LORA_SHRINK_GEMM_BM = 64
-LORA_SHRINK_GEMM_BN = 128
-LORA_SHRINK_GEMM_THREADS = 128
-LORA_SHRINK_GEMM_SMEM = 3 * (LORA_SHRINK_GEMM_BM + LORA_SHRINK_GEMM_BN) * 64 * 2
+# cuda/lora.cu lora_stack_t_gemm<NP, BM, BN> (CUPYMOE_LORA_STACK_SHRINK=gemm): BM-row slices of a GEMM
+# tile against BN columns (every adapter's ranks of one or both projections), 32 x 64 warp tiles,
+# 64-column K steps, three stages
+LORA_SHRINK_GEMM_BMS = (64, 128)
+LORA_SHRINK_GEMM_BNS = (64, 128)
+LORA_SHRINK_GEMM_STAGES = 3
+
+
+def lora_shrink_gemm_threads(bm: int, bn: int) -> int:
+    return 32 * (bm // 32) * (bn // 64)
+
+
+def lora_shrink_gemm_smem(bm: int, bn: int) -> int:
+    return LORA_SHRINK_GEMM_STAGES * (bm + bn) * 64 * 2
+
+
 LORA_GROUPED_FORMATS = (WeightFormat.FP8_BLOCK,)  # grouped_gemm's formats with a stacked-form twin (w8a16)
 
 

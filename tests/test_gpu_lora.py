@@ -722,9 +722,9 @@ def _prefill_uses_stacked(layer, n, max_rank):
     shape = LoraShape(layer._lora.max_loras, max_rank, True, layer._lora.stack_parts, layer._lora_stack_shrink)
     plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=shape).at(n)
     kinds = [getattr(s, "kernel", "") for s in plan.steps]
-    shrinks = (("lora_stack_t_gemm<2>", "lora_stack_t_gemm<1>") if layer._lora_stack_shrink == "gemm"
+    shrinks = (("lora_stack_t_gemm<2,", "lora_stack_t_gemm<1,") if layer._lora_stack_shrink != "chunks"
                else ("lora_stack_t_gate_up", "lora_stack_t_down"))
-    stacked = set(shrinks) <= set(kinds)
+    stacked = all(any(k.startswith(s) for k in kinds) for s in shrinks)
     assert stacked == (sum(k.startswith(("grouped_gemm_sm90_tma_lora<", "grouped_gemm_lora<")) for k in kinds) == 2)
     return stacked and not {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} & set(kinds)
 
@@ -741,7 +741,7 @@ def _judge_stacked_ns(layer, cfg, hw, rng, max_rank, what):
     return adapters
 
 
-SHRINKS = ("chunks", "gemm")  # CUPYMOE_LORA_STACK_SHRINK
+SHRINKS = ("chunks", "gemm", "gemm64")  # CUPYMOE_LORA_STACK_SHRINK
 
 
 @pytest.mark.parametrize("shrink", SHRINKS)

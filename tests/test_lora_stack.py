@@ -215,17 +215,19 @@ def test_stacked_plan(preset, n, parts):
 
 
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3"])
-@pytest.mark.parametrize("K, R", [(4, 16), (8, 16)])
-def test_stacked_plan_with_the_shrink_gemm(preset, K, R):
-    """CUPYMOE_LORA_STACK_SHRINK=gemm: each shrink is lora_stack_t_gemm<NP> over its GEMM's tile list,
-    three 64-row slices a tile, both projections in one block where 2 K R <= 128 (else one each,
-    grid z), the layer's A matrices and the same T; the rest of the plan is the chunks form's."""
+@pytest.mark.parametrize("K, R", [(4, 16), (8, 16), (2, 16)])
+@pytest.mark.parametrize("shrink, bm", [(LoraShrink.GEMM, 128), (LoraShrink.GEMM64, 64)])
+def test_stacked_plan_with_the_shrink_gemm(preset, K, R, shrink, bm):
+    """CUPYMOE_LORA_STACK_SHRINK=gemm / gemm64: each shrink is lora_stack_t_gemm<NP, BM, BN> over its
+    GEMM's tile list, BM-row slices covering a 192-row tile, BN 64 where a projection pair's (or
+    down's) K R columns fit it, else 128, both projections in one block where 2 K R <= 128 (else one
+    each, grid z), the layer's A matrices and the same T; the rest of the plan is the chunks form's."""
     cfg = preset_config(preset)
     lp = plan_layer(cfg, "bf16", "bf16" if cfg.has_shared_expert else None, H200.arch,
                     options=LayerOptions(), knobs=Knobs(math_rows=1), table={})
     n = 1100
     chunks = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(K, R, True, 1)).at(n)
-    plan = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(K, R, True, 1, LoraShrink.GEMM)).at(n)
+    plan = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(K, R, True, 1, shrink)).at(n)
     assert len(plan.steps) == len(chunks.steps)
     names = {k for m in jit.modules_for("sm_90a") for k in jit.MODULES[m].names}
     seen = 0
@@ -235,9 +237,12 @@ def test_stacked_plan_with_the_shrink_gemm(preset, K, R):
             continue
         seen += 1
         gu = old.stage == Stage.GATE_UP
-        assert new.kernel == f"lora_stack_t_gemm<{2 if gu else 1}>" and new.kernel in names
-        z = 1 if not gu or 2 * K * R <= 128 else 2
-        assert new.grid == (old.grid[0], 3, z) and new.block == (128,) and new.smem == 3 * (64 + 128) * 64 * 2
+        np_ = 2 if gu else 1
+        bn = 64 if np_ * K * R <= 64 else 128
+        assert new.kernel == f"lora_stack_t_gemm<{np_}, {bm}, {bn}>" and new.kernel in names
+        z = 2 if np_ * K * R > 128 else 1
+        assert new.grid == (old.grid[0], -(-192 // bm), z) and new.block == (32 * (bm // 32) * (bn // 64),)
+        assert new.smem == 3 * (bm + bn) * 64 * 2 == jit.opt_in_smem(new.kernel, 227 * 1024)
         for a in ("num_tiles", "tile_info", "lora_ids", "sorted_row", "T", "KS", "parts", "max_rank", "max_loras"):
             assert new.arg(a) == old.arg(a), a
         want = ("lora_gate_a", "lora_up_a") if gu else ("lora_down_a", None)
