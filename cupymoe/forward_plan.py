@@ -397,8 +397,8 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> tuple[Launch,
     tail = (i32("n_local", lp.n_local), i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras),
             i32("parts", lora.stack_parts), i32("KS", stack_width(lora.max_loras, lora.max_rank, lora.stack_parts)))
     grid = (gemm.grid[1], lora_chunk_blocks(lora.max_loras))
-    if lora.stack_shrink != LoraShrink.CHUNKS:
-        shrink = _shrink_gemm(gemm, lp, lora, L, tiles, tail)
+    if lora.stack_shrink == LoraShrink.SEGMENTS:
+        shrink = _shrink_segments(gemm, lp, lora, L, tiles, tail)
     elif gemm.stage == Stage.GATE_UP:
         shrink = Launch(Stage.GATE_UP, "lora_stack_t_gate_up", grid, (LORA_MMA_WARPS * 32,),
                         (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X),
@@ -426,28 +426,23 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> tuple[Launch,
     return _as_successor(shrink, gemm), stacked
 
 
-def _shrink_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, L, tiles, tail) -> Launch:
-    """The stacked form's shrink as lora_stack_t_gemm<NP, BM, BN>: grid (the GEMM's tile bound, Y,
-    NP / PPB), block y taking a tile's BM-row slices y, y + Y, ... (Y covers a LORA_SUB-row tile), PPB
-    projections a block (both where their K R columns fit BN: 64 where they fit 64, else 128)."""
+def _shrink_segments(gemm: Launch, lp: LayerPlan, lora: LoraShape, L, tiles, tail) -> Launch:
+    """The stacked form's shrink as lora_stack_t_seg<NP, BN>: grid (the GEMM's tile bound, max_loras),
+    block (t, a) taking tile t's rows of adapter a against a's NP R A rows (BN: catalog.lora_seg_bn)."""
     cfg = lp.cfg
     gate_up = gemm.stage == Stage.GATE_UP
     np_ = 2 if gate_up else 1
-    kr = lora.max_loras * lora.max_rank
-    bm = 64 if lora.stack_shrink == LoraShrink.GEMM64 else 128
-    bn = 64 if np_ * kr <= 64 else 128
-    ppb = np_ if np_ * kr <= bn else 1
-    grid = (gemm.grid[1], -(-LORA_SUB // bm), np_ // ppb)
+    bn = C.lora_seg_bn(np_, lora.max_rank)
     inputs = ((u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X), u64("act", 0)) if gate_up
               else (u64("x", 0), u64("xe", 0), u64("act", S("act"))))
     a = ((u64("a0", Buf(Space.LAYER, "lora_gate_a")), u64("a1", Buf(Space.LAYER, "lora_up_a"))) if gate_up
          else (u64("a0", Buf(Space.LAYER, "lora_down_a")), u64("a1", 0)))
-    return Launch(gemm.stage, f"lora_stack_t_gemm<{np_}, {bm}, {bn}>", grid, (C.lora_shrink_gemm_threads(bm, bn),),
+    return Launch(gemm.stage, f"lora_stack_t_seg<{np_}, {bn}>", (gemm.grid[1], lora.max_loras), (C.LORA_SEG_THREADS,),
                   inputs + (u64("lora_ids", CallValue.LORA_IDS), u64("num_tiles", tiles[0]), u64("tile_info", tiles[1]),
                             u64("sorted_row", S("sorted_row")), u64("inter", W("inter")), *a, L("scale"),
                             u64("T", S("lora_t_gu" if gate_up else "lora_t_down")), i32("H", cfg.hidden_size),
                             i32("I_max", lp.i_max), *tail),
-                  C.lora_shrink_gemm_smem(bm, bn))
+                  C.lora_seg_smem(bn))
 
 
 def _pair(launch: Launch) -> Launch:

@@ -58,8 +58,7 @@ class L2Promotion(str, enum.Enum):
 class LoraShrink(str, enum.Enum):
     """How the stacked form makes T (forward_plan._stacked_gemm)."""
     CHUNKS = "chunks"  # lora_stack_t_gate_up / _down: a tile's rows bucketed by adapter, a chunk's shrink at a time
-    GEMM = "gemm"  # lora_stack_t_gemm: a dense GEMM a tile (128-row slices) against every adapter's A rows of its expert
-    GEMM64 = "gemm64"  # ... in 64-row slices
+    SEGMENTS = "segments"  # lora_stack_t_seg: a block a (tile, adapter), its rows against that adapter's A rows, pipelined
 
 
 class GateUpAhead(str, enum.Enum):
@@ -171,8 +170,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                      "where it can run (forward_plan.lora_stack_parts: rank <= 32, KS <= 128), else the "
                      "grouped deltas; read when a layer is built", _lora_parts, 1),
     "lora_stack_shrink": ("CUPYMOE_LORA_STACK_SHRINK", "how the stacked form's shrinks make T: chunks (a tile's "
-                          "rows bucketed by adapter) | gemm | gemm64 (a dense GEMM a tile, in 128- or 64-row slices, against "
-                          "every adapter's A rows); "
+                          "rows bucketed by adapter, a chunk's latency chain at a time) | segments (a block a tile's rows of "
+                          "one adapter, on a cp.async ring); "
                           "read when a layer is built", _choice(LoraShrink), LoraShrink.CHUNKS),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),

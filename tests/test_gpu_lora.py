@@ -722,7 +722,7 @@ def _prefill_uses_stacked(layer, n, max_rank):
     shape = LoraShape(layer._lora.max_loras, max_rank, True, layer._lora.stack_parts, layer._lora_stack_shrink)
     plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=shape).at(n)
     kinds = [getattr(s, "kernel", "") for s in plan.steps]
-    shrinks = (("lora_stack_t_gemm<2,", "lora_stack_t_gemm<1,") if layer._lora_stack_shrink != "chunks"
+    shrinks = (("lora_stack_t_seg<2,", "lora_stack_t_seg<1,") if layer._lora_stack_shrink == "segments"
                else ("lora_stack_t_gate_up", "lora_stack_t_down"))
     stacked = all(any(k.startswith(s) for k in kinds) for s in shrinks)
     assert stacked == (sum(k.startswith(("grouped_gemm_sm90_tma_lora<", "grouped_gemm_lora<")) for k in kinds) == 2)
@@ -741,7 +741,7 @@ def _judge_stacked_ns(layer, cfg, hw, rng, max_rank, what):
     return adapters
 
 
-SHRINKS = ("chunks", "gemm", "gemm64")  # CUPYMOE_LORA_STACK_SHRINK
+SHRINKS = ("chunks", "segments")  # CUPYMOE_LORA_STACK_SHRINK
 
 
 @pytest.mark.parametrize("shrink", SHRINKS)
@@ -752,7 +752,7 @@ def test_stacked_awkward_n(variant, max_rank, parts, shrink, rng, monkeypatch):
     """The stacked form on each TMA variant (auto: gather_wide gate/up, tma_192 down) at N 300 and 1100 (past the one-block sort; below it today's kernels), ids -1
     mixed with four adapters of ranks max_rank, 3, 1 and 2 (the last on two experts only), the
     output poisoned first, judged against the reference; then ids past the slots (base rows and an
-    error bit). Rank 32: the shrink GEMM's projections in two blocks (2 K R > 128)."""
+    error bit). Rank 32: the segments' widest B (2 R = 64 columns)."""
     cfg = testing.tiny_config("qwen3_moe")
     hw = testing.random_host_weights(cfg, rng)
     layer = _stacked_layer(monkeypatch, cfg, hw, max_rank, parts, variant, shrink)

@@ -156,7 +156,7 @@ def test_knob_parses_parts():
 
 def test_knob_parses_the_shrink_form():
     assert Knobs.from_env({}).lora_stack_shrink == LoraShrink.CHUNKS
-    assert Knobs.from_env({"CUPYMOE_LORA_STACK_SHRINK": "gemm"}).lora_stack_shrink == LoraShrink.GEMM
+    assert Knobs.from_env({"CUPYMOE_LORA_STACK_SHRINK": "segments"}).lora_stack_shrink == LoraShrink.SEGMENTS
     with pytest.raises(OptionError, match="CUPYMOE_LORA_STACK_SHRINK"):
         Knobs.from_env({"CUPYMOE_LORA_STACK_SHRINK": "dense"})
 
@@ -215,19 +215,17 @@ def test_stacked_plan(preset, n, parts):
 
 
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3"])
-@pytest.mark.parametrize("K, R", [(4, 16), (8, 16), (2, 16)])
-@pytest.mark.parametrize("shrink, bm", [(LoraShrink.GEMM, 128), (LoraShrink.GEMM64, 64)])
-def test_stacked_plan_with_the_shrink_gemm(preset, K, R, shrink, bm):
-    """CUPYMOE_LORA_STACK_SHRINK=gemm / gemm64: each shrink is lora_stack_t_gemm<NP, BM, BN> over its
-    GEMM's tile list, BM-row slices covering a 192-row tile, BN 64 where a projection pair's (or
-    down's) K R columns fit it, else 128, both projections in one block where 2 K R <= 128 (else one
-    each, grid z), the layer's A matrices and the same T; the rest of the plan is the chunks form's."""
+@pytest.mark.parametrize("K, R", [(4, 16), (8, 16), (2, 32), (4, 5)])
+def test_stacked_plan_with_the_shrink_segments(preset, K, R):
+    """CUPYMOE_LORA_STACK_SHRINK=segments: each shrink is lora_stack_t_seg<NP, BN> over its GEMM's
+    tile list, a block a (tile, adapter slot), BN the least of 16 / 32 / 64 holding NP R columns, the
+    layer's A matrices and the same T; the rest of the plan is the chunks form's."""
     cfg = preset_config(preset)
     lp = plan_layer(cfg, "bf16", "bf16" if cfg.has_shared_expert else None, H200.arch,
                     options=LayerOptions(), knobs=Knobs(math_rows=1), table={})
     n = 1100
     chunks = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(K, R, True, 1)).at(n)
-    plan = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(K, R, True, 1, shrink)).at(n)
+    plan = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(K, R, True, 1, LoraShrink.SEGMENTS)).at(n)
     assert len(plan.steps) == len(chunks.steps)
     names = {k for m in jit.modules_for("sm_90a") for k in jit.MODULES[m].names}
     seen = 0
@@ -238,11 +236,10 @@ def test_stacked_plan_with_the_shrink_gemm(preset, K, R, shrink, bm):
         seen += 1
         gu = old.stage == Stage.GATE_UP
         np_ = 2 if gu else 1
-        bn = 64 if np_ * K * R <= 64 else 128
-        assert new.kernel == f"lora_stack_t_gemm<{np_}, {bm}, {bn}>" and new.kernel in names
-        z = 2 if np_ * K * R > 128 else 1
-        assert new.grid == (old.grid[0], -(-192 // bm), z) and new.block == (32 * (bm // 32) * (bn // 64),)
-        assert new.smem == 3 * (bm + bn) * 64 * 2 == jit.opt_in_smem(new.kernel, 227 * 1024)
+        bn = next(b for b in (16, 32, 64) if np_ * R <= b)
+        assert new.kernel == f"lora_stack_t_seg<{np_}, {bn}>" and new.kernel in names
+        assert new.grid == (old.grid[0], K) and new.block == (128,)
+        assert new.smem == 4 * (64 + bn) * 64 * 2 == jit.opt_in_smem(new.kernel, 227 * 1024)
         for a in ("num_tiles", "tile_info", "lora_ids", "sorted_row", "T", "KS", "parts", "max_rank", "max_loras"):
             assert new.arg(a) == old.arg(a), a
         want = ("lora_gate_a", "lora_up_a") if gu else ("lora_down_a", None)
@@ -346,7 +343,7 @@ def test_stacked_launches_match_the_kernels_parameters():
     seen = set()
     plans = [_plans(p, 1100, 1)[3] for p in ("qwen3-30b-a3b", "deepseek-v3")]
     plans += [_w8a16_plan(p, 1100, 1) for p in ("qwen3-30b-a3b", "deepseek-v3")]
-    plans += [_w8a16_plan(p, 1100, 1, LoraShrink.GEMM) for p in ("qwen3-30b-a3b", "deepseek-v3")]
+    plans += [_w8a16_plan(p, 1100, 1, LoraShrink.SEGMENTS) for p in ("qwen3-30b-a3b", "deepseek-v3")]
     for plan in plans:
         for s in plan.steps:
             k = getattr(s, "kernel", "")
@@ -358,7 +355,7 @@ def test_stacked_launches_match_the_kernels_parameters():
             want = _kernel_params(src, base)
             got = [(a.name, kinds[a.type]) for a in s.args]
             assert got == want, k
-    assert seen == {"lora_stack_t_gate_up", "lora_stack_t_down", "lora_stack_t_gemm", "grouped_gemm_sm90_tma_lora",
+    assert seen == {"lora_stack_t_gate_up", "lora_stack_t_down", "lora_stack_t_seg", "grouped_gemm_sm90_tma_lora",
                     "grouped_gemm_lora"}
 
 
