@@ -1025,6 +1025,8 @@ struct LssShape {
     static constexpr int CHUNKS = LSS_BK / 8;  // 16-byte chunks a stage row
     static constexpr int A_PER = LSS_BM * CHUNKS / LSS_THREADS, B_PER = BN * CHUNKS / LSS_THREADS;
     static constexpr int LD = BN + 4;  // the fp32 staging's row stride
+    // the blocks an SM its stages allow (48 or 64 KB): bounding ptxas to them keeps its registers from spilling
+    static constexpr int MIN_BLOCKS = BN == 64 ? 3 : 4;
     static_assert(A_PER * LSS_THREADS == LSS_BM * CHUNKS && B_PER * LSS_THREADS == BN * CHUNKS, "tile / threads");
     static_assert(LSS_BM * LD * 4 <= LSS_STAGES * (LSS_BM + BN) * LSS_BK * 2, "the staging fits the stages");
 };
@@ -1102,7 +1104,7 @@ __device__ __forceinline__ int lora_seg_list(const int* lid, int* list, int* war
 // xe for routed experts; gate_a, up_a; K = H); NP 1: down (act's rows by position; down_a; K = the
 // expert's I, row stride I_max). T as lora_stack_t_gate_up / lora_stack_t_down write it.
 template <int NP, int BN>
-__global__ void __launch_bounds__(LSS_THREADS)
+__global__ void __launch_bounds__(LSS_THREADS, LssShape<BN>::MIN_BLOCKS)
 lora_stack_t_seg(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16* __restrict__ act,
                  const int* __restrict__ lora_ids, const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
                  const int* __restrict__ sorted_row, const int* __restrict__ inter, const bf16* __restrict__ a0,

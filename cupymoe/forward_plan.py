@@ -69,6 +69,7 @@ class PrefillShape:
     fp8_variant: str = "cp_async"  # the w8a8 grouped GEMM (heuristics.sm90_fp8_variant)
     sm90_gate_up: Optional[str] = None  # the bf16 TMA GEMM variants where the table names them (heuristics.sm90_variant)
     sm90_down: Optional[str] = None
+    lora_segments: bool = False  # the stacked LoRA shrinks by segments where the knob is auto (heuristics.lora_shrink_segments)
 
 
 def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
@@ -80,7 +81,7 @@ def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
     return PrefillShape(HX.router_config(lp, dev, n), splits,
                         pairs <= C.SMALL_SORT_PAIRS and lists_smem <= dev.max_smem, HX.grouped_config(lp, n),
                         HX.sm90_fp8_variant(lp, n), HX.sm90_variant(lp, GemmMode.GATE_UP, n),
-                        HX.sm90_variant(lp, GemmMode.DOWN, n))
+                        HX.sm90_variant(lp, GemmMode.DOWN, n), HX.lora_shrink_segments(n))
 
 
 def prefill_buckets(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[tuple[int, int, PrefillShape]]:
@@ -148,7 +149,7 @@ class LoraShape:
     max_rank: int
     experts: bool = False
     stack_parts: int = 0  # the stacked form's parts of s t where the layer has its Bext (lora_in_gemm); 0: none
-    stack_shrink: LoraShrink = LoraShrink.CHUNKS  # how the stacked form makes T (CUPYMOE_LORA_STACK_SHRINK)
+    stack_shrink: LoraShrink = LoraShrink.AUTO  # how the stacked form makes T (CUPYMOE_LORA_STACK_SHRINK)
 
 
 LORA_THREADS = 256  # cuda/lora.cu
@@ -330,7 +331,7 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
         if _is_gemm(s, Stage.GATE_UP) and not stacked[Stage.GATE_UP]:
             out.append(_pair(s))
         elif _is_gemm(s, Stage.GATE_UP) or _is_gemm(s, Stage.DOWN):
-            out.extend(_stacked_gemm(s, lp, lora) if stacked[s.stage] else (s,))
+            out.extend(_stacked_gemm(s, lp, lora, _segments(plan, lora)) if stacked[s.stage] else (s,))
         else:
             out.append(s)
     if lora_grouped(plan, lp, lora):
@@ -385,7 +386,14 @@ def lora_kernel_name(kernel: str) -> str:
     return f"grouped_gemm_sm90_tma_lora<{', '.join(args)}>"
 
 
-def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> tuple[Launch, Launch]:
+def _segments(plan: ForwardPlan, lora: LoraShape) -> bool:
+    """Whether the stacked form's shrinks go by segments (lora_stack_t_seg) or by chunks."""
+    if lora.stack_shrink == LoraShrink.AUTO:
+        return plan.shape is not None and plan.shape.lora_segments
+    return lora.stack_shrink == LoraShrink.SEGMENTS
+
+
+def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, segments: bool) -> tuple[Launch, Launch]:
     """A GEMM in the stacked form: its shrink (T of the GEMM's tiles, lora_stack_t_*, lora_chunk_blocks
     blocks a tile) and the GEMM as its twin: grouped_gemm_sm90_tma_lora (lora_steps past its
     arguments) or grouped_gemm_lora (T, gate's or down's Bext, up's, KS past them)."""
@@ -397,7 +405,7 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> tuple[Launch,
     tail = (i32("n_local", lp.n_local), i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras),
             i32("parts", lora.stack_parts), i32("KS", stack_width(lora.max_loras, lora.max_rank, lora.stack_parts)))
     grid = (gemm.grid[1], lora_chunk_blocks(lora.max_loras))
-    if lora.stack_shrink == LoraShrink.SEGMENTS:
+    if segments:
         shrink = _shrink_segments(gemm, lp, lora, L, tiles, tail)
     elif gemm.stage == Stage.GATE_UP:
         shrink = Launch(Stage.GATE_UP, "lora_stack_t_gate_up", grid, (LORA_MMA_WARPS * 32,),

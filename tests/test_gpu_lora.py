@@ -722,9 +722,10 @@ def _prefill_uses_stacked(layer, n, max_rank):
     shape = LoraShape(layer._lora.max_loras, max_rank, True, layer._lora.stack_parts, layer._lora_stack_shrink)
     plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=shape).at(n)
     kinds = [getattr(s, "kernel", "") for s in plan.steps]
-    shrinks = (("lora_stack_t_seg<2,", "lora_stack_t_seg<1,") if layer._lora_stack_shrink == "segments"
-               else ("lora_stack_t_gate_up", "lora_stack_t_down"))
-    stacked = all(any(k.startswith(s) for k in kinds) for s in shrinks)
+    stacked = any(all(any(k.startswith(s) for k in kinds) for s in shrinks)
+                  for shrinks in (("lora_stack_t_seg<2,", "lora_stack_t_seg<1,"), ("lora_stack_t_gate_up", "lora_stack_t_down")))
+    if layer._lora_stack_shrink == "segments":
+        assert not stacked or "lora_stack_t_gate_up" not in kinds
     assert stacked == (sum(k.startswith(("grouped_gemm_sm90_tma_lora<", "grouped_gemm_lora<")) for k in kinds) == 2)
     return stacked and not {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} & set(kinds)
 

@@ -155,7 +155,8 @@ def test_knob_parses_parts():
 
 
 def test_knob_parses_the_shrink_form():
-    assert Knobs.from_env({}).lora_stack_shrink == LoraShrink.CHUNKS
+    assert Knobs.from_env({}).lora_stack_shrink == LoraShrink.AUTO
+    assert Knobs.from_env({"CUPYMOE_LORA_STACK_SHRINK": "chunks"}).lora_stack_shrink == LoraShrink.CHUNKS
     assert Knobs.from_env({"CUPYMOE_LORA_STACK_SHRINK": "segments"}).lora_stack_shrink == LoraShrink.SEGMENTS
     with pytest.raises(OptionError, match="CUPYMOE_LORA_STACK_SHRINK"):
         Knobs.from_env({"CUPYMOE_LORA_STACK_SHRINK": "dense"})
@@ -202,10 +203,14 @@ def test_stacked_plan(preset, n, parts):
         assert s.args == g.args + (s.args[-1],) and s.args[-1].name == "lora_steps"
         assert s.arg("lora_steps") == LS.lora_steps(4, 16, parts)
         assert (s.grid, s.block, s.smem, s.pdl) == (g.grid, g.block, g.smem, g.pdl)
-        assert shrink.kernel == ("lora_stack_t_gate_up" if g.stage == Stage.GATE_UP else "lora_stack_t_down")
-        assert shrink.stage == g.stage and shrink.grid == (g.grid[1], lora_chunk_blocks(4))
-        assert shrink.block == (LORA_MMA_WARPS * 32,)
-        assert shrink.smem == lora_grouped_smem(16, g.stage == Stage.GATE_UP)
+        if n > 2048:  # CUPYMOE_LORA_STACK_SHRINK=auto: by segments (heuristics.lora_shrink_segments)
+            assert shrink.kernel == ("lora_stack_t_seg<2, 32>" if g.stage == Stage.GATE_UP else "lora_stack_t_seg<1, 16>")
+            assert shrink.stage == g.stage and shrink.grid == (g.grid[1], 4) and shrink.block == (128,)
+        else:
+            assert shrink.kernel == ("lora_stack_t_gate_up" if g.stage == Stage.GATE_UP else "lora_stack_t_down")
+            assert shrink.stage == g.stage and shrink.grid == (g.grid[1], lora_chunk_blocks(4))
+            assert shrink.block == (LORA_MMA_WARPS * 32,)
+            assert shrink.smem == lora_grouped_smem(16, g.stage == Stage.GATE_UP)
         assert (shrink.arg("num_tiles"), shrink.arg("tile_info")) == (g.arg("num_tiles"), g.arg("tile_info"))
         assert shrink.arg("lora_ids") == CallValue.LORA_IDS and shrink.arg("parts") == parts
         assert shrink.arg("KS") == LS.stack_width(4, 16, parts)
@@ -246,6 +251,18 @@ def test_stacked_plan_with_the_shrink_segments(preset, K, R):
         assert new.arg("a0") == Buf(Space.LAYER, want[0])
         assert new.arg("a1") == (Buf(Space.LAYER, want[1]) if gu else 0)
     assert seen == 2
+
+
+@pytest.mark.parametrize("n, segments", [(2048, False), (2049, True), (16384, True)])
+def test_auto_takes_the_segments_past_2048_rows(n, segments):
+    """CUPYMOE_LORA_STACK_SHRINK=auto: chunks to 2048 rows, segments past them; the prefill shapes
+    split there, so a bucket plan never spans both."""
+    from cupymoe.forward_plan import prefill_shape
+
+    cfg, lp, _, plan = _plans("qwen3-30b-a3b", n, 1)
+    kinds = {getattr(s, "kernel", "") for s in plan.steps}
+    assert ("lora_stack_t_seg<2, 32>" in kinds) == segments and ("lora_stack_t_gate_up" in kinds) == (not segments)
+    assert prefill_shape(lp, H200, n).lora_segments == segments
 
 
 def test_stacked_form_only_where_it_serves():
