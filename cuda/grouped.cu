@@ -203,6 +203,37 @@ make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_sl
 // Tensor-core grouped GEMM, mma.sync (any sm_80+). Hopper's wgmma version: grouped_sm90.cu.
 // ---------------------------------------------------------------------------------------
 
+// One BK step of a warp's 32 x 64 accumulators (rows wm 32 .., columns by brow) from stage tiles tA, tB.
+template <int MODE, int BK>
+__device__ __forceinline__ void grouped_mma_step(float (&acc)[2][8][4], const bf16* tA, const bf16* tB, int wm, int wn,
+                                                 int lane) {
+    // B rows (in the stage tile) of this warp's 8 n-tiles of 8 columns
+    auto brow = [&](int j) -> int {
+        if (MODE == MODE_GATE_UP) return (j < 4 ? 0 : 64) + wn * 32 + (j & 3) * 8;
+        return wn * 64 + j * 8;
+    };
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        unsigned af[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            const int r = wm * 32 + mt * 16 + (lane & 15);
+            ldmatrix_x4(af[mt][0], af[mt][1], af[mt][2], af[mt][3], tA + swz<BK>(r, kk * 2 + (lane >> 4)));
+        }
+#pragma unroll
+        for (int jp = 0; jp < 4; ++jp) {  // pairs of n-tiles (2 jp, 2 jp + 1)
+            const int r = brow(2 * jp) + (lane & 7) + ((lane >> 4) << 3);
+            unsigned b0, b1, b2, b3;
+            ldmatrix_x4(b0, b1, b2, b3, tB + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                mma_bf16(acc[mt][2 * jp], af[mt], b0, b1);
+                mma_bf16(acc[mt][2 * jp + 1], af[mt], b2, b3);
+            }
+        }
+    }
+}
+
 // The stacked form's extra K steps (grouped_gemm_lora), after the main loop: a two-stage cp.async
 // pipeline through the first two A and B stage tiles (bf16 both: T's rows and Bext's), the
 // same mma steps. Step j reads T's columns j BK .. (j + 1) BK - 1 of the tile's rows; gate/up's
