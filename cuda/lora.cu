@@ -1004,6 +1004,226 @@ lora_stack_t_down(const bf16* __restrict__ act, const int* __restrict__ lora_ids
 }
 
 // ---------------------------------------------------------------------------------------------
+// The stacked form's shrink by adapter segments (CUPYMOE_LORA_STACK_SHRINK=segments): block (tile,
+// a) takes the tile's positions whose adapter is a (in position order), LSS_BM at a time, against
+// adapter a's A rows of the tile's expert, C [rows, NP R] = v A_{a,e}^T: a cp.async ring of LSS_STAGES
+// 64-column K steps (the rows' inputs and the NP R A rows), mma.sync with a warp 16 rows x BN
+// columns (BN: NP R rounded up to 16), so each stage's loads are in flight while earlier ones
+// multiply. The epilogue scales each column by its projection's s and writes the rows' whole T rows
+// as lora_stack_t_* do (part q of s t in adapter a's columns, zeros elsewhere); the tile's rows
+// without an adapter get zero rows, its blocks splitting them. A row's t is its own row's K-order
+// sum, whatever shares its block.
+// ---------------------------------------------------------------------------------------------
+#define LSS_BM 64
+#define LSS_BK 64
+#define LSS_STAGES 4
+#define LSS_THREADS 128  // four warps of 16 rows
+
+template <int BN>
+struct LssShape {
+    static_assert(BN == 16 || BN == 32 || BN == 64, "whole ldmatrix pairs of 8-column n-tiles");
+    static constexpr int CHUNKS = LSS_BK / 8;  // 16-byte chunks a stage row
+    static constexpr int A_PER = LSS_BM * CHUNKS / LSS_THREADS, B_PER = BN * CHUNKS / LSS_THREADS;
+    static constexpr int LD = BN + 4;  // the fp32 staging's row stride
+    // the blocks an SM its stages allow (48 or 64 KB): bounding ptxas to them keeps its registers from spilling
+    static constexpr int MIN_BLOCKS = BN == 64 ? 3 : 4;
+    static_assert(A_PER * LSS_THREADS == LSS_BM * CHUNKS && B_PER * LSS_THREADS == BN * CHUNKS, "tile / threads");
+    static_assert(LSS_BM * LD * 4 <= LSS_STAGES * (LSS_BM + BN) * LSS_BK * 2, "the staging fits the stages");
+};
+
+// A slice's cp.async copies of a stage: its rows' inputs (zeros past the slice's rows) and the
+// block's A rows (zeros past NP R), each thread's sources resolved once.
+template <int BN>
+struct LssLoader {
+    using Shape = LssShape<BN>;
+    const bf16* a_src[Shape::A_PER];
+    const bf16* b_src[Shape::B_PER];
+    unsigned a_ok, b_ok;  // bit i: chunk i's row exists
+    int chunk;
+
+    __device__ __forceinline__ void load(bf16* sA, bf16* sB, int k0, int K) const {
+        const int kc = k0 + chunk * 8;
+        const bool kin = kc < K;
+        const int k = kin ? kc : 0;
+#pragma unroll
+        for (int i = 0; i < Shape::A_PER; ++i)
+            cp_async16(sA + swz<LSS_BK>((threadIdx.x + i * LSS_THREADS) / Shape::CHUNKS, chunk), a_src[i] + k,
+                       ((a_ok >> i) & 1) && kin);
+#pragma unroll
+        for (int i = 0; i < Shape::B_PER; ++i)
+            cp_async16(sB + swz<LSS_BK>((threadIdx.x + i * LSS_THREADS) / Shape::CHUNKS, chunk), b_src[i] + k,
+                       ((b_ok >> i) & 1) && kin);
+    }
+};
+
+// One LSS_BK step of the warp's 16 x BN accumulators from stage tiles tA (rows 16 warp ..) and tB.
+template <int BN>
+__device__ __forceinline__ void lora_seg_mma_step(float (&acc)[BN / 8][4], const bf16* tA, const bf16* tB, int warp,
+                                                  int lane) {
+#pragma unroll
+    for (int kk = 0; kk < LSS_BK / 16; ++kk) {
+        unsigned af[4];
+        ldmatrix_x4(af[0], af[1], af[2], af[3], tA + swz<LSS_BK>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+        for (int jp = 0; jp < BN / 16; ++jp) {  // pairs of n-tiles (2 jp, 2 jp + 1)
+            unsigned b0, b1, b2, b3;
+            ldmatrix_x4(b0, b1, b2, b3, tB + swz<LSS_BK>(16 * jp + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+            mma_bf16(acc[2 * jp], af, b0, b1);
+            mma_bf16(acc[2 * jp + 1], af, b2, b3);
+        }
+    }
+}
+
+// The tile's positions (sub-tile pos0 .., m of them) of adapter a into list[0, n) in position
+// order (a ballot a warp, the warps' counts met in shared memory); returns n. lid must be
+// written and the block met.
+__device__ __forceinline__ int lora_seg_list(const int* lid, int* list, int* warp_n, int m, int a) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int n = 0;
+    for (int i0 = 0; i0 < m; i0 += LSS_THREADS) {
+        const int i = i0 + threadIdx.x;
+        const bool mine = i < m && lid[i] == a;
+        const unsigned bal = __ballot_sync(CUPYMOE_FULL_MASK, mine);
+        if (lane == 0) warp_n[warp] = __popc(bal);
+        __syncthreads();
+        int before = n, total = n;
+#pragma unroll
+        for (int w = 0; w < LSS_THREADS / 32; ++w) {
+            before += w < warp ? warp_n[w] : 0;
+            total += warp_n[w];
+        }
+        if (mine) list[before + __popc(bal & ((1u << lane) - 1u))] = i;
+        n = total;
+        __syncthreads();  // warp_n is rewritten next round
+    }
+    return n;
+}
+
+// grid (the GEMM's tile bound, max_loras), block LSS_THREADS, dynamic shared memory LSS_STAGES
+// (LSS_BM + BN) LSS_BK bf16 (catalog.lora_seg_smem). NP 2: gate/up (x's rows through sorted_row,
+// xe for routed experts; gate_a, up_a; K = H); NP 1: down (act's rows by position; down_a; K = the
+// expert's I, row stride I_max). T as lora_stack_t_gate_up / lora_stack_t_down write it.
+template <int NP, int BN>
+__global__ void __launch_bounds__(LSS_THREADS, LssShape<BN>::MIN_BLOCKS)
+lora_stack_t_seg(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16* __restrict__ act,
+                 const int* __restrict__ lora_ids, const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
+                 const int* __restrict__ sorted_row, const int* __restrict__ inter, const bf16* __restrict__ a0,
+                 const bf16* __restrict__ a1, const float* __restrict__ scale, bf16* __restrict__ T, int H, int I_max,
+                 int n_local, int max_rank, int max_loras, int parts, int KS) {
+    using Shape = LssShape<BN>;
+    constexpr int LD = Shape::LD;
+    extern __shared__ __align__(128) unsigned char lss_smem[];
+    __shared__ int lid[LORA_SUB], list[LORA_SUB], warp_n[LSS_THREADS / 32];
+    __shared__ float col_scale[BN];
+    if ((int)blockIdx.x >= *num_tiles) return;
+    const int4 ti = tile_info[blockIdx.x];
+    const int e = ti.x, a = blockIdx.y, R = max_rank, KR = max_loras * max_rank, width = NP * KS;
+    const int K = NP == 2 ? H : inter[e], stride = NP == 2 ? H : I_max, KT = (K + LSS_BK - 1) / LSS_BK;
+    const bf16* in = NP == 2 ? (e == n_local ? x : xe) : act;  // the shared expert reads x
+    const size_t slot = (size_t)a * (n_local + 1) + e;
+    bf16* sA = reinterpret_cast<bf16*>(lss_smem);
+    bf16* sB = sA + LSS_STAGES * LSS_BM * LSS_BK;
+    float* st = reinterpret_cast<float*>(lss_smem);  // after a slice's main loop: s t [LSS_BM][LD]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+
+    // the B rows (a's NP R A rows, zeros past them) and the columns' s: the same for every slice
+    LssLoader<BN> ld;
+    ld.chunk = threadIdx.x % Shape::CHUNKS;
+    ld.b_ok = 0u;
+#pragma unroll
+    for (int i = 0; i < Shape::B_PER; ++i) {
+        const int c = (threadIdx.x + i * LSS_THREADS) / Shape::CHUNKS, cc = min(c, NP * R - 1);
+        ld.b_ok |= (unsigned)(c < NP * R) << i;
+        ld.b_src[i] = (cc >= R ? a1 : a0) + (slot * R + cc % R) * stride;
+    }
+    for (int c = threadIdx.x; c < BN; c += LSS_THREADS)
+        col_scale[c] = c < NP * R ? scale[slot * 3 + (NP == 2 ? c / R : 2)] : 0.f;
+
+    for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
+        const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
+        for (int i = threadIdx.x; i < m; i += LSS_THREADS) {
+            const int id = lora_ids[sorted_row[pos0 + i]];
+            lid[i] = id >= 0 && id < max_loras ? id : -1;  // an id >= K was flagged by the router delta
+        }
+        __syncthreads();
+        // the rows without an adapter: zero rows, the tile's blocks splitting them
+        for (int v = threadIdx.x + blockIdx.y * LSS_THREADS; v < m * (width >> 3); v += LSS_THREADS * gridDim.y) {
+            const int i = v / (width >> 3);
+            if (lid[i] < 0)
+                *reinterpret_cast<uint4*>(T + (size_t)(pos0 + i) * width + 8 * (v - i * (width >> 3))) = make_uint4(0u, 0u, 0u, 0u);
+        }
+        const int n = lora_seg_list(lid, list, warp_n, m, a);
+        for (int r0 = 0; r0 < n; r0 += LSS_BM) {
+            const int rows = min(LSS_BM, n - r0);
+            ld.a_ok = 0u;
+#pragma unroll
+            for (int i = 0; i < Shape::A_PER; ++i) {
+                const int r = (threadIdx.x + i * LSS_THREADS) / Shape::CHUNKS;
+                const int pos = pos0 + list[r0 + min(r, rows - 1)];
+                ld.a_ok |= (unsigned)(r < rows) << i;
+                ld.a_src[i] = in + (size_t)(NP == 2 ? sorted_row[pos] : pos) * stride;
+            }
+            float acc[BN / 8][4];
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+            for (int s = 0; s < LSS_STAGES - 1; ++s) {
+                if (s < KT) ld.load(sA + s * LSS_BM * LSS_BK, sB + s * BN * LSS_BK, s * LSS_BK, K);
+                cp_async_commit();
+            }
+            for (int kt = 0; kt < KT; ++kt) {
+                cp_async_wait<LSS_STAGES - 2>();
+                __syncthreads();  // stage kt has landed for every thread; the stage refilled below was read in kt - 1
+                const int kn = kt + LSS_STAGES - 1;
+                if (kn < KT) {
+                    const int sn = kn % LSS_STAGES;
+                    ld.load(sA + sn * LSS_BM * LSS_BK, sB + sn * BN * LSS_BK, kn * LSS_BK, K);
+                }
+                cp_async_commit();
+                const int s = kt % LSS_STAGES;
+                lora_seg_mma_step<BN>(acc, sA + s * LSS_BM * LSS_BK, sB + s * BN * LSS_BK, warp, lane);
+            }
+            cp_async_wait<0>();
+            __syncthreads();  // every warp is done with the stages: they become the staging
+            // C fragment: row 16 warp + g + 8 h, column 8 j + 2 t4 + u
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        const int c = 8 * j + 2 * t4 + u;
+                        st[(warp * 16 + g + 8 * h) * LD + c] = acc[j][2 * h + u] * col_scale[c];
+                    }
+            __syncthreads();
+            // the rows' whole T rows (16-byte stores): part q of s t in adapter a's columns, zeros elsewhere
+            const int V = width >> 3;
+            for (int v = threadIdx.x; v < rows * V; v += LSS_THREADS) {
+                const int i = v / V, c0 = 8 * (v - i * V), p = c0 / KS;
+                unsigned w[4];
+#pragma unroll
+                for (int q2 = 0; q2 < 4; ++q2) {
+                    float el[2];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int u = c0 + 2 * q2 + h - p * KS, q = u / KR, rem = u - q * KR;
+                        float val = 0.f;
+                        if (q < parts && rem / R == a) {
+                            const float y = st[i * LD + p * R + rem % R], hi = __bfloat162float(__float2bfloat16(y));
+                            val = q == 0 ? hi : y - hi;  // rounded to bf16 by the store
+                        }
+                        el[h] = val;
+                    }
+                    w[q2] = pack_bf16x2(el[0], el[1]);
+                }
+                *reinterpret_cast<uint4*>(T + (size_t)(pos0 + list[r0 + i]) * width + c0) = make_uint4(w[0], w[1], w[2], w[3]);
+            }
+            __syncthreads();  // the next slice's stages overwrite the staging
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The router's delta by row spans (prefill): a block `span` consecutive rows (at most LORA_SUB;
 // forward_plan.lora_router_span), bucketed by adapter as the expert tiles are, so an adapter's
 // fp32 A is read once a chunk, not once a row. The shrink on tensor cores: x is bf16 (exact), A

@@ -263,6 +263,21 @@ def grouped_kernel(mode: int, bm: int, bk: int, stages: int, fmt: int = 0) -> tu
     return f"grouped_gemm<{int(mode)}, {bm}, {bk}, {stages}, {int(fmt)}>", 2 * bm, grouped_smem_bytes(bm, bk, stages, fmt)
 
 
+# cuda/lora.cu lora_stack_t_seg<NP, BN> (CUPYMOE_LORA_STACK_SHRINK=segments): 64 rows of one adapter a
+# slice against its NP R A rows (BN: NP R rounded up to one of these), four 64-column K stages
+LORA_SEG_BNS = (16, 32, 64)
+LORA_SEG_THREADS = 128
+
+
+def lora_seg_bn(np_: int, max_rank: int) -> int:
+    """lora_stack_t_seg's BN for NP projections of max_rank ranks (the stacked form's ranks <= 32)."""
+    return next(bn for bn in LORA_SEG_BNS if np_ * max_rank <= bn)
+
+
+def lora_seg_smem(bn: int) -> int:
+    return 4 * (64 + bn) * 64 * 2
+
+
 LORA_GROUPED_FORMATS = (WeightFormat.FP8_BLOCK,)  # grouped_gemm's formats with a stacked-form twin (w8a16)
 
 

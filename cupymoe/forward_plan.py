@@ -22,6 +22,7 @@ from . import catalog as C
 from . import heuristics as HX
 from .catalog import Activation, GemmMode, LoraDownMode, Scoring, WeightFormat
 from .errors import LoraError
+from .knobs import LoraShrink
 from .workspace import LORA_TICKETS
 from .plan import (AllReduce, Arg, ArgType, Buf, CallValue, DeviceFacts, ForwardPlan, Launch, LayerPlan, Memset,
                    Path, PerN, Space, Stage)
@@ -68,6 +69,7 @@ class PrefillShape:
     fp8_variant: str = "cp_async"  # the w8a8 grouped GEMM (heuristics.sm90_fp8_variant)
     sm90_gate_up: Optional[str] = None  # the bf16 TMA GEMM variants where the table names them (heuristics.sm90_variant)
     sm90_down: Optional[str] = None
+    lora_segments: bool = False  # the stacked LoRA shrinks by segments where the knob is auto (heuristics.lora_shrink_segments)
 
 
 def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
@@ -79,7 +81,7 @@ def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
     return PrefillShape(HX.router_config(lp, dev, n), splits,
                         pairs <= C.SMALL_SORT_PAIRS and lists_smem <= dev.max_smem, HX.grouped_config(lp, n),
                         HX.sm90_fp8_variant(lp, n), HX.sm90_variant(lp, GemmMode.GATE_UP, n),
-                        HX.sm90_variant(lp, GemmMode.DOWN, n))
+                        HX.sm90_variant(lp, GemmMode.DOWN, n), HX.lora_shrink_segments(n))
 
 
 def prefill_buckets(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[tuple[int, int, PrefillShape]]:
@@ -147,6 +149,7 @@ class LoraShape:
     max_rank: int
     experts: bool = False
     stack_parts: int = 0  # the stacked form's parts of s t where the layer has its Bext (lora_in_gemm); 0: none
+    stack_shrink: LoraShrink = LoraShrink.AUTO  # how the stacked form makes T (CUPYMOE_LORA_STACK_SHRINK)
 
 
 LORA_THREADS = 256  # cuda/lora.cu
@@ -328,7 +331,7 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
         if _is_gemm(s, Stage.GATE_UP) and not stacked[Stage.GATE_UP]:
             out.append(_pair(s))
         elif _is_gemm(s, Stage.GATE_UP) or _is_gemm(s, Stage.DOWN):
-            out.extend(_stacked_gemm(s, lp, lora) if stacked[s.stage] else (s,))
+            out.extend(_stacked_gemm(s, lp, lora, _segments(plan, lora)) if stacked[s.stage] else (s,))
         else:
             out.append(s)
     if lora_grouped(plan, lp, lora):
@@ -383,7 +386,14 @@ def lora_kernel_name(kernel: str) -> str:
     return f"grouped_gemm_sm90_tma_lora<{', '.join(args)}>"
 
 
-def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> tuple[Launch, Launch]:
+def _segments(plan: ForwardPlan, lora: LoraShape) -> bool:
+    """Whether the stacked form's shrinks go by segments (lora_stack_t_seg) or by chunks."""
+    if lora.stack_shrink == LoraShrink.AUTO:
+        return plan.shape is not None and plan.shape.lora_segments
+    return lora.stack_shrink == LoraShrink.SEGMENTS
+
+
+def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, segments: bool) -> tuple[Launch, Launch]:
     """A GEMM in the stacked form: its shrink (T of the GEMM's tiles, lora_stack_t_*, lora_chunk_blocks
     blocks a tile) and the GEMM as its twin: grouped_gemm_sm90_tma_lora (lora_steps past its
     arguments) or grouped_gemm_lora (T, gate's or down's Bext, up's, KS past them)."""
@@ -395,7 +405,9 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> tuple[Launch,
     tail = (i32("n_local", lp.n_local), i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras),
             i32("parts", lora.stack_parts), i32("KS", stack_width(lora.max_loras, lora.max_rank, lora.stack_parts)))
     grid = (gemm.grid[1], lora_chunk_blocks(lora.max_loras))
-    if gemm.stage == Stage.GATE_UP:
+    if segments:
+        shrink = _shrink_segments(gemm, lp, lora, L, tiles, tail)
+    elif gemm.stage == Stage.GATE_UP:
         shrink = Launch(Stage.GATE_UP, "lora_stack_t_gate_up", grid, (LORA_MMA_WARPS * 32,),
                         (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X),
                          u64("lora_ids", CallValue.LORA_IDS), u64("num_tiles", tiles[0]), u64("tile_info", tiles[1]),
@@ -420,6 +432,25 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> tuple[Launch,
                                             u64("lora_b1", Buf(Space.LAYER, "lora_" + b1)),
                                             i32("KS", stack_width(lora.max_loras, lora.max_rank, lora.stack_parts))))
     return _as_successor(shrink, gemm), stacked
+
+
+def _shrink_segments(gemm: Launch, lp: LayerPlan, lora: LoraShape, L, tiles, tail) -> Launch:
+    """The stacked form's shrink as lora_stack_t_seg<NP, BN>: grid (the GEMM's tile bound, max_loras),
+    block (t, a) taking tile t's rows of adapter a against a's NP R A rows (BN: catalog.lora_seg_bn)."""
+    cfg = lp.cfg
+    gate_up = gemm.stage == Stage.GATE_UP
+    np_ = 2 if gate_up else 1
+    bn = C.lora_seg_bn(np_, lora.max_rank)
+    inputs = ((u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X), u64("act", 0)) if gate_up
+              else (u64("x", 0), u64("xe", 0), u64("act", S("act"))))
+    a = ((u64("a0", Buf(Space.LAYER, "lora_gate_a")), u64("a1", Buf(Space.LAYER, "lora_up_a"))) if gate_up
+         else (u64("a0", Buf(Space.LAYER, "lora_down_a")), u64("a1", 0)))
+    return Launch(gemm.stage, f"lora_stack_t_seg<{np_}, {bn}>", (gemm.grid[1], lora.max_loras), (C.LORA_SEG_THREADS,),
+                  inputs + (u64("lora_ids", CallValue.LORA_IDS), u64("num_tiles", tiles[0]), u64("tile_info", tiles[1]),
+                            u64("sorted_row", S("sorted_row")), u64("inter", W("inter")), *a, L("scale"),
+                            u64("T", S("lora_t_gu" if gate_up else "lora_t_down")), i32("H", cfg.hidden_size),
+                            i32("I_max", lp.i_max), *tail),
+                  C.lora_seg_smem(bn))
 
 
 def _pair(launch: Launch) -> Launch:

@@ -103,6 +103,17 @@ def grouped_config(lp: LayerPlan, n: int) -> str:
     return "math" if n * lp.cfg.num_experts_per_tok >= lp.math_rows * lp.n_local else "stream"
 
 
+# The stacked LoRA form's shrinks by (tile, adapter) segments from this many rows, by chunks below
+# (CUPYMOE_LORA_STACK_SHRINK=auto; benchmarks/DECISIONS.md "LoRA: the stacked shrinks by segments"):
+# qwen3-30b-a3b bf16 / w8a16 4096 rows -0.5..-2.7 / -1.3 points of overhead, w8a16 1024 +1.6.
+LORA_SEGMENTS_FROM_ROWS = 2049
+
+
+def lora_shrink_segments(n: int) -> bool:
+    """Whether CUPYMOE_LORA_STACK_SHRINK=auto takes the segments form at a prefill of n rows."""
+    return n >= LORA_SEGMENTS_FROM_ROWS
+
+
 def sm90_fp8_variant(lp: LayerPlan, n: int) -> str:
     """The w8a8 grouped GEMM of a prefill of `n` rows: "tma" or "tma64" (grouped_sm90_fp8_tma.cu's two
     forms) where it serves and CUPYMOE_SM90_FP8_VARIANT or the tuning table's entry for the N bucket

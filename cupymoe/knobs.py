@@ -55,6 +55,13 @@ class L2Promotion(str, enum.Enum):
     B256 = "256"
 
 
+class LoraShrink(str, enum.Enum):
+    """How the stacked form makes T (forward_plan._stacked_gemm)."""
+    AUTO = "auto"  # segments past heuristics.LORA_SEGMENTS_FROM_ROWS rows, chunks below
+    CHUNKS = "chunks"  # lora_stack_t_gate_up / _down: a tile's rows bucketed by adapter, a chunk's shrink at a time
+    SEGMENTS = "segments"  # lora_stack_t_seg: a block a (tile, adapter), its rows against that adapter's A rows, pipelined
+
+
 class GateUpAhead(str, enum.Enum):
     """Whether the decode gate/up's blocks go by table slot, their first weight stages copied
     before they wait for the lists (the w8a8 wgmma and the bf16 swap-AB gate/up)."""
@@ -163,6 +170,11 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                      "cupymoe/lora_stack.py): 0 off | 1 (s t as one bf16; default) | 2 (as two bf16 parts); only "
                      "where it can run (forward_plan.lora_stack_parts: rank <= 32, KS <= 128), else the "
                      "grouped deltas; read when a layer is built", _lora_parts, 1),
+    "lora_stack_shrink": ("CUPYMOE_LORA_STACK_SHRINK", "how the stacked form's shrinks make T: auto (segments from "
+                          "heuristics.LORA_SEGMENTS_FROM_ROWS rows, chunks below) | chunks (a tile's "
+                          "rows bucketed by adapter, a chunk's latency chain at a time) | segments (a block a tile's rows of "
+                          "one adapter, on a cp.async ring); "
+                          "read when a layer is built", _choice(LoraShrink), LoraShrink.AUTO),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "
@@ -204,6 +216,7 @@ class Knobs:
     sm90_fp8_variant: Sm90Fp8 = Sm90Fp8.AUTO
     weight_l2_promotion: L2Promotion = L2Promotion.B128
     lora_in_gemm: int = 1
+    lora_stack_shrink: LoraShrink = LoraShrink.AUTO
     math_rows: Optional[int] = None
     gemm_band_cols: Optional[int] = None
 

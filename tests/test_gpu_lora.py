@@ -441,8 +441,9 @@ def test_the_torch_module_passes_lora_ids_bit_for_bit(rng):
 
 # --- the grouped (prefill) deltas: lora_grouped_gate_up_act / lora_grouped_down_delta ----------
 
-def _grouped_layer(cfg, hw, max_rank, stack=0, **kw):
-    """A layer for the grouped deltas (stack 0: CUPYMOE_LORA_IN_GEMM off, read at build) or the stacked form."""
+def _grouped_layer(cfg, hw, max_rank, stack=0, shrink="chunks", **kw):
+    """A layer for the grouped deltas (stack 0: CUPYMOE_LORA_IN_GEMM off, read at build) or the stacked form
+    (its shrinks as CUPYMOE_LORA_STACK_SHRINK says)."""
     import os
     from unittest import mock
 
@@ -451,7 +452,7 @@ def _grouped_layer(cfg, hw, max_rank, stack=0, **kw):
     if not kw.get("row_invariant"):
         kw.setdefault("decode_max_tokens", 64)
         kw.setdefault("atomic_max_tokens", 64)
-    with mock.patch.dict(os.environ, {"CUPYMOE_LORA_IN_GEMM": str(stack)}):
+    with mock.patch.dict(os.environ, {"CUPYMOE_LORA_IN_GEMM": str(stack), "CUPYMOE_LORA_STACK_SHRINK": shrink}):
         return MoeLayer(cfg, hw, max_tokens=1100, max_loras=4, max_lora_rank=max_rank, **kw)
 
 
@@ -706,10 +707,10 @@ def _stacked_parts(layer, n):
     return slots.stack_parts if _prefill_uses_stacked(layer, n, slots.max_rank) else 0
 
 
-def _stacked_layer(monkeypatch, cfg, hw, max_rank, parts, variant="auto", **kw):
+def _stacked_layer(monkeypatch, cfg, hw, max_rank, parts, variant="auto", shrink="chunks", **kw):
     if variant != "auto":
         monkeypatch.setenv("CUPYMOE_SM90_VARIANT", variant)
-    layer = _grouped_layer(cfg, hw, max_rank, stack=parts, **kw)
+    layer = _grouped_layer(cfg, hw, max_rank, stack=parts, shrink=shrink, **kw)
     assert layer._lora.stack_parts == parts
     return layer
 
@@ -718,10 +719,13 @@ def _prefill_uses_stacked(layer, n, max_rank):
     from cupymoe.forward_plan import LoraShape, build_forward_plan
     from cupymoe.plan import Path
 
-    shape = LoraShape(layer._lora.max_loras, max_rank, True, layer._lora.stack_parts)
+    shape = LoraShape(layer._lora.max_loras, max_rank, True, layer._lora.stack_parts, layer._lora_stack_shrink)
     plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=shape).at(n)
     kinds = [getattr(s, "kernel", "") for s in plan.steps]
-    stacked = {"lora_stack_t_gate_up", "lora_stack_t_down"} <= set(kinds)
+    stacked = any(all(any(k.startswith(s) for k in kinds) for s in shrinks)
+                  for shrinks in (("lora_stack_t_seg<2,", "lora_stack_t_seg<1,"), ("lora_stack_t_gate_up", "lora_stack_t_down")))
+    if layer._lora_stack_shrink == "segments":
+        assert not stacked or "lora_stack_t_gate_up" not in kinds
     assert stacked == (sum(k.startswith(("grouped_gemm_sm90_tma_lora<", "grouped_gemm_lora<")) for k in kinds) == 2)
     return stacked and not {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} & set(kinds)
 
@@ -738,48 +742,57 @@ def _judge_stacked_ns(layer, cfg, hw, rng, max_rank, what):
     return adapters
 
 
+SHRINKS = ("chunks", "segments")  # CUPYMOE_LORA_STACK_SHRINK
+
+
+@pytest.mark.parametrize("shrink", SHRINKS)
 @pytest.mark.parametrize("variant, max_rank, parts", [("auto", 16, 1), ("auto", 16, 2), ("auto", 5, 1),
-                                                     ("tma", 16, 1), ("tma_wide", 16, 2), ("tma_192", 5, 1)])
-def test_stacked_awkward_n(variant, max_rank, parts, rng, monkeypatch):
+                                                     ("tma", 16, 1), ("tma_wide", 16, 2), ("tma_192", 5, 1),
+                                                     ("auto", 32, 1)])
+def test_stacked_awkward_n(variant, max_rank, parts, shrink, rng, monkeypatch):
     """The stacked form on each TMA variant (auto: gather_wide gate/up, tma_192 down) at N 300 and 1100 (past the one-block sort; below it today's kernels), ids -1
     mixed with four adapters of ranks max_rank, 3, 1 and 2 (the last on two experts only), the
     output poisoned first, judged against the reference; then ids past the slots (base rows and an
-    error bit)."""
+    error bit). Rank 32: the segments' widest B (2 R = 64 columns)."""
     cfg = testing.tiny_config("qwen3_moe")
     hw = testing.random_host_weights(cfg, rng)
-    layer = _stacked_layer(monkeypatch, cfg, hw, max_rank, parts, variant)
-    adapters = _judge_stacked_ns(layer, cfg, hw, rng, max_rank, f"stacked {variant} r{max_rank} parts {parts}")
+    layer = _stacked_layer(monkeypatch, cfg, hw, max_rank, parts, variant, shrink)
+    what = f"stacked {shrink} {variant} r{max_rank} parts {parts}"
+    adapters = _judge_stacked_ns(layer, cfg, hw, rng, max_rank, what)
     layer.check_errors()
-    _judge_id_past_slots(layer, cfg, hw, rng, adapters, f"stacked {variant} r{max_rank} parts {parts}")
+    _judge_id_past_slots(layer, cfg, hw, rng, adapters, what)
 
 
+@pytest.mark.parametrize("shrink", SHRINKS)
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("max_rank, parts", [(16, 1), (5, 2)])
-def test_stacked_w8a16(family, max_rank, parts, rng):
+def test_stacked_w8a16(family, max_rank, parts, shrink, rng):
     """The stacked form on fp8_block experts with bf16 activations (grouped_gemm_lora: grouped.cu's
     GEMM and its extra K pass over T and Bext) at N 67 (today's per-pair kernels), 300 and 1100,
     with and without the shared expert, ids -1 mixed with four adapters of ranks max_rank, 3, 1,
     2, judged against the reference; the forward twice bit for bit; then ids past the slots."""
     cfg = testing.tiny_config(family)
     hw = testing.random_host_weights(cfg, rng, "fp8_block")
-    layer = _grouped_layer(cfg, hw, max_rank, stack=parts, fp8_compute="w8a16")
+    layer = _grouped_layer(cfg, hw, max_rank, stack=parts, shrink=shrink, fp8_compute="w8a16")
     assert layer._lora.stack_parts == parts
-    adapters = _judge_stacked_ns(layer, cfg, hw, rng, max_rank, f"stacked w8a16 {family} r{max_rank} parts {parts}")
+    what = f"stacked {shrink} w8a16 {family} r{max_rank} parts {parts}"
+    adapters = _judge_stacked_ns(layer, cfg, hw, rng, max_rank, what)
     ids = rng.integers(-1, 4, 1100).astype(np.int32)
     x = separated_input(cfg, hw, rng, 1100, adapters, ids)
     out = run(layer, x, ids, "prefill")
     assert np.array_equal(run(layer, x, ids, "prefill").view(np.uint32), out.view(np.uint32)), "not reproducible"
     layer.check_errors()
-    _judge_id_past_slots(layer, cfg, hw, rng, adapters, f"stacked w8a16 {family} r{max_rank} parts {parts}")
+    _judge_id_past_slots(layer, cfg, hw, rng, adapters, what)
 
 
+@pytest.mark.parametrize("shrink", SHRINKS)
 @pytest.mark.parametrize("parts", [1, 2])
-def test_stacked_one_expert_takes_most_rows(parts, rng, monkeypatch):
+def test_stacked_one_expert_takes_most_rows(parts, shrink, rng, monkeypatch):
     """Near-copies of one row: a few experts (and the shared expert's run) get ~all rows, full tiles
     for the shrinks, many M tiles of one expert for the GEMMs."""
     cfg = testing.tiny_config("qwen2_moe")
     hw = testing.random_host_weights(cfg, rng)
-    layer, adapters = _stacked_layer(monkeypatch, cfg, hw, 16, parts), _ranked_adapters(cfg, rng, 16)
+    layer, adapters = _stacked_layer(monkeypatch, cfg, hw, 16, parts, shrink=shrink), _ranked_adapters(cfg, rng, 16)
     for slot, lw in adapters.items():
         layer.set_lora(slot, lw)
     x, ids = _near_copies(cfg, hw, rng, adapters, 1000)
@@ -788,18 +801,19 @@ def test_stacked_one_expert_takes_most_rows(parts, rng, monkeypatch):
                          minlength=cfg.num_experts)
     assert counts.max() > 256
     judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(x.shape[0], "prefill"),
-          f"stacked parts {parts}: one expert most rows", layer)
+          f"stacked {shrink} parts {parts}: one expert most rows", layer)
 
 
+@pytest.mark.parametrize("shrink", SHRINKS)
 @pytest.mark.parametrize("variant", ["tma", "tma_192"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_stacked_several_column_tiles(variant, family, rng, monkeypatch):
+def test_stacked_several_column_tiles(variant, family, shrink, rng, monkeypatch):
     """The stacked form where both GEMMs have several column tiles (H = 1544, I = 392: 4-13 tiles,
     so Bext's boxes past the first tile and the B row n0 of the extra steps are read), with and
     without the shared expert; ids -1 .. 3, judged, and the forward twice bit for bit."""
     cfg = testing.tiny_config(family, hidden_size=1544, moe_intermediate_size=392)
     hw = testing.random_host_weights(cfg, rng, "bf16")
-    layer = _stacked_layer(monkeypatch, cfg, hw, 16, 1, variant)
+    layer = _stacked_layer(monkeypatch, cfg, hw, 16, 1, variant, shrink)
     adapters = _ranked_adapters(cfg, rng, 16)
     for slot, lw in adapters.items():
         layer.set_lora(slot, lw)
@@ -809,7 +823,8 @@ def test_stacked_several_column_tiles(variant, family, rng, monkeypatch):
     ids[:5] = [-1, 0, 1, 2, 3]
     x = separated_input(cfg, hw, rng, n, adapters, ids)
     out = run(layer, x, ids, "prefill")
-    judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"), f"stacked {variant} {family} tiles", layer)
+    judge(out, cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"), f"stacked {shrink} {variant} {family} tiles",
+          layer)
     again = run(layer, x, ids, "prefill")
     assert np.array_equal(again.view(np.uint32), out.view(np.uint32)), "not reproducible"
     layer.check_errors()

@@ -13,7 +13,7 @@ from cupymoe.bench import preset_config
 from cupymoe.errors import OptionError
 from cupymoe.forward_plan import (LORA_MMA_WARPS, LoraShape, build_forward_plan, lora_chunk_blocks, lora_grouped_smem,
                                   lora_kernel_name)
-from cupymoe.knobs import Knobs
+from cupymoe.knobs import Knobs, LoraShrink
 from cupymoe.plan import Buf, CallValue, DeviceFacts, LayerOptions, Path, Space, Stage, plan_layer
 from cupymoe.formats import BF16
 from cupymoe.workspace import layer_need
@@ -154,6 +154,14 @@ def test_knob_parses_parts():
         Knobs.from_env({"CUPYMOE_LORA_IN_GEMM": "3"})
 
 
+def test_knob_parses_the_shrink_form():
+    assert Knobs.from_env({}).lora_stack_shrink == LoraShrink.AUTO
+    assert Knobs.from_env({"CUPYMOE_LORA_STACK_SHRINK": "chunks"}).lora_stack_shrink == LoraShrink.CHUNKS
+    assert Knobs.from_env({"CUPYMOE_LORA_STACK_SHRINK": "segments"}).lora_stack_shrink == LoraShrink.SEGMENTS
+    with pytest.raises(OptionError, match="CUPYMOE_LORA_STACK_SHRINK"):
+        Knobs.from_env({"CUPYMOE_LORA_STACK_SHRINK": "dense"})
+
+
 @pytest.mark.parametrize("base, want", [("grouped_gemm_sm90_tma<0, 4, 256, 1, 1>", "<0, 4, 256, 1, 1, 2>"),
                                         ("grouped_gemm_sm90_tma<1, 4, 256, 1, 0, 3>", "<1, 4, 256, 1, 0, 3>"),
                                         ("grouped_gemm_sm90_tma<0, 3, 128, 2>", "<0, 3, 128, 2, 0, 2>")])
@@ -195,16 +203,66 @@ def test_stacked_plan(preset, n, parts):
         assert s.args == g.args + (s.args[-1],) and s.args[-1].name == "lora_steps"
         assert s.arg("lora_steps") == LS.lora_steps(4, 16, parts)
         assert (s.grid, s.block, s.smem, s.pdl) == (g.grid, g.block, g.smem, g.pdl)
-        assert shrink.kernel == ("lora_stack_t_gate_up" if g.stage == Stage.GATE_UP else "lora_stack_t_down")
-        assert shrink.stage == g.stage and shrink.grid == (g.grid[1], lora_chunk_blocks(4))
-        assert shrink.block == (LORA_MMA_WARPS * 32,)
-        assert shrink.smem == lora_grouped_smem(16, g.stage == Stage.GATE_UP)
+        if n > 2048:  # CUPYMOE_LORA_STACK_SHRINK=auto: by segments (heuristics.lora_shrink_segments)
+            assert shrink.kernel == ("lora_stack_t_seg<2, 32>" if g.stage == Stage.GATE_UP else "lora_stack_t_seg<1, 16>")
+            assert shrink.stage == g.stage and shrink.grid == (g.grid[1], 4) and shrink.block == (128,)
+        else:
+            assert shrink.kernel == ("lora_stack_t_gate_up" if g.stage == Stage.GATE_UP else "lora_stack_t_down")
+            assert shrink.stage == g.stage and shrink.grid == (g.grid[1], lora_chunk_blocks(4))
+            assert shrink.block == (LORA_MMA_WARPS * 32,)
+            assert shrink.smem == lora_grouped_smem(16, g.stage == Stage.GATE_UP)
         assert (shrink.arg("num_tiles"), shrink.arg("tile_info")) == (g.arg("num_tiles"), g.arg("tile_info"))
         assert shrink.arg("lora_ids") == CallValue.LORA_IDS and shrink.arg("parts") == parts
         assert shrink.arg("KS") == LS.stack_width(4, 16, parts)
         assert shrink.arg("T") == Buf(Space.SCRATCH, "lora_t_gu" if g.stage == Stage.GATE_UP else "lora_t_down")
     rest = [s for s in plan.steps if not getattr(s, "kernel", "").startswith(("lora_stack_t", "grouped_gemm_sm90"))]
     assert rest == [s for s in base.steps if s not in gemms]  # the router-LoRA plan's other launches, in order
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("K, R", [(4, 16), (8, 16), (2, 32), (4, 5)])
+def test_stacked_plan_with_the_shrink_segments(preset, K, R):
+    """CUPYMOE_LORA_STACK_SHRINK=segments: each shrink is lora_stack_t_seg<NP, BN> over its GEMM's
+    tile list, a block a (tile, adapter slot), BN the least of 16 / 32 / 64 holding NP R columns, the
+    layer's A matrices and the same T; the rest of the plan is the chunks form's."""
+    cfg = preset_config(preset)
+    lp = plan_layer(cfg, "bf16", "bf16" if cfg.has_shared_expert else None, H200.arch,
+                    options=LayerOptions(), knobs=Knobs(math_rows=1), table={})
+    n = 1100
+    chunks = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(K, R, True, 1)).at(n)
+    plan = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(K, R, True, 1, LoraShrink.SEGMENTS)).at(n)
+    assert len(plan.steps) == len(chunks.steps)
+    names = {k for m in jit.modules_for("sm_90a") for k in jit.MODULES[m].names}
+    seen = 0
+    for old, new in zip(chunks.steps, plan.steps):
+        if not getattr(old, "kernel", "").startswith("lora_stack_t_"):
+            assert new == old
+            continue
+        seen += 1
+        gu = old.stage == Stage.GATE_UP
+        np_ = 2 if gu else 1
+        bn = next(b for b in (16, 32, 64) if np_ * R <= b)
+        assert new.kernel == f"lora_stack_t_seg<{np_}, {bn}>" and new.kernel in names
+        assert new.grid == (old.grid[0], K) and new.block == (128,)
+        assert new.smem == 4 * (64 + bn) * 64 * 2 == jit.opt_in_smem(new.kernel, 227 * 1024)
+        for a in ("num_tiles", "tile_info", "lora_ids", "sorted_row", "T", "KS", "parts", "max_rank", "max_loras"):
+            assert new.arg(a) == old.arg(a), a
+        want = ("lora_gate_a", "lora_up_a") if gu else ("lora_down_a", None)
+        assert new.arg("a0") == Buf(Space.LAYER, want[0])
+        assert new.arg("a1") == (Buf(Space.LAYER, want[1]) if gu else 0)
+    assert seen == 2
+
+
+@pytest.mark.parametrize("n, segments", [(2048, False), (2049, True), (16384, True)])
+def test_auto_takes_the_segments_past_2048_rows(n, segments):
+    """CUPYMOE_LORA_STACK_SHRINK=auto: chunks to 2048 rows, segments past them; the prefill shapes
+    split there, so a bucket plan never spans both."""
+    from cupymoe.forward_plan import prefill_shape
+
+    cfg, lp, _, plan = _plans("qwen3-30b-a3b", n, 1)
+    kinds = {getattr(s, "kernel", "") for s in plan.steps}
+    assert ("lora_stack_t_seg<2, 32>" in kinds) == segments and ("lora_stack_t_gate_up" in kinds) == (not segments)
+    assert prefill_shape(lp, H200, n).lora_segments == segments
 
 
 def test_stacked_form_only_where_it_serves():
@@ -302,6 +360,7 @@ def test_stacked_launches_match_the_kernels_parameters():
     seen = set()
     plans = [_plans(p, 1100, 1)[3] for p in ("qwen3-30b-a3b", "deepseek-v3")]
     plans += [_w8a16_plan(p, 1100, 1) for p in ("qwen3-30b-a3b", "deepseek-v3")]
+    plans += [_w8a16_plan(p, 1100, 1, LoraShrink.SEGMENTS) for p in ("qwen3-30b-a3b", "deepseek-v3")]
     for plan in plans:
         for s in plan.steps:
             k = getattr(s, "kernel", "")
@@ -313,13 +372,14 @@ def test_stacked_launches_match_the_kernels_parameters():
             want = _kernel_params(src, base)
             got = [(a.name, kinds[a.type]) for a in s.args]
             assert got == want, k
-    assert seen == {"lora_stack_t_gate_up", "lora_stack_t_down", "grouped_gemm_sm90_tma_lora", "grouped_gemm_lora"}
+    assert seen == {"lora_stack_t_gate_up", "lora_stack_t_down", "lora_stack_t_seg", "grouped_gemm_sm90_tma_lora",
+                    "grouped_gemm_lora"}
 
 
-def _w8a16_plan(preset, n, parts):
+def _w8a16_plan(preset, n, parts, shrink=LoraShrink.CHUNKS):
     cfg = preset_config(preset)
     lp = plan_layer(cfg, "fp8_block", None, H200.arch, options=LayerOptions(fp8_compute="w8a16"), knobs=Knobs())
-    return build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(4, 16, True, parts)).at(n)
+    return build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(4, 16, True, parts, shrink)).at(n)
 
 
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3"])

@@ -148,7 +148,9 @@ def test_prefill_buckets_cut_at_the_tables_buckets():
     assert all(b + 1 == c for (_, b, _), (c, _, _) in zip(runs, runs[1:]))
     for a, b, shape in runs:
         assert all(prefill_shape(lp, H200, n) == shape for n in list(range(a, b + 1, 7)) + [b])
-    assert [s.grouped_config for _, _, s in runs] == ["stream", "math", "stream", "math"]
+    # the last cut is the stacked LoRA shrinks' (heuristics.LORA_SEGMENTS_FROM_ROWS)
+    assert [s.grouped_config for _, _, s in runs] == ["stream", "math", "stream", "math", "math"]
+    assert runs[-1][0] == 2049 and runs[-1][2].lora_segments and not runs[-2][2].lora_segments
 
 
 def test_a_row_names_the_swapab_token_tile():
