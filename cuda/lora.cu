@@ -1004,7 +1004,7 @@ lora_stack_t_down(const bf16* __restrict__ act, const int* __restrict__ lora_ids
 }
 
 // ---------------------------------------------------------------------------------------------
-// The stacked form's shrink by adapter segments (CUPYMOE_LORA_STACK_SHRINK=segments): block (tile,
+// The stacked form's shrink by adapter segments (CUPYMOE_LORA_STACK_SHRINK=segments; auto past 2048 rows): block (tile,
 // a) takes the tile's positions whose adapter is a (in position order), LSS_BM at a time, against
 // adapter a's A rows of the tile's expert, C [rows, NP R] = v A_{a,e}^T: a cp.async ring of LSS_STAGES
 // 64-column K steps (the rows' inputs and the NP R A rows), mma.sync with a warp 16 rows x BN
