@@ -1007,12 +1007,12 @@ lora_stack_t_down(const bf16* __restrict__ act, const int* __restrict__ lora_ids
 // The stacked form's shrink by adapter segments (CUPYMOE_LORA_STACK_SHRINK=segments; auto past 2048
 // rows): block (tile, a) takes the tile's positions whose adapter is a (in position order), LSS_BM at
 // a time, against adapter a's A rows of the tile's expert, C [rows, NP R] = v A_{a,e}^T: a cp.async
-// ring of LSS_STAGES 64-column K steps (the rows' inputs and the NP R A rows), mma.sync with a warp 16 rows x BN
-// columns (BN: NP R rounded up to 16), so each stage's loads are in flight while earlier ones
-// multiply. The epilogue scales each column by its projection's s and writes the rows' whole T rows
-// as lora_stack_t_* do (part q of s t in adapter a's columns, zeros elsewhere); the tile's rows
-// without an adapter get zero rows, its blocks splitting them. A row's t is its own row's K-order
-// sum, whatever shares its block.
+// ring of LSS_STAGES 64-column K steps (the rows' inputs and the NP R A rows), mma.sync with a warp 16
+// rows x BN columns (BN: NP R rounded up to 16), so each stage's loads are in flight while earlier
+// ones multiply. The epilogue scales each column by its projection's s and writes the rows' whole T
+// rows as lora_stack_t_* do (part q of s t in adapter a's columns, zeros elsewhere); the tile's rows
+// without an adapter get zero rows, its blocks splitting them. A row's t is its own row's K-order sum,
+// whatever shares its block.
 // ---------------------------------------------------------------------------------------------
 #define LSS_BM 64
 #define LSS_BK 64
