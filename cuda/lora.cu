@@ -1025,7 +1025,8 @@ struct LssShape {
     static constexpr int CHUNKS = LSS_BK / 8;  // 16-byte chunks a stage row
     static constexpr int A_PER = LSS_BM * CHUNKS / LSS_THREADS, B_PER = BN * CHUNKS / LSS_THREADS;
     static constexpr int LD = BN + 4;  // the fp32 staging's row stride
-    // the blocks an SM its stages allow (48 or 64 KB): bounding ptxas to them keeps its registers from spilling
+    // the blocks an SM its stages allow on sm_90 (48 or 64 KB; fewer fit on sm_80 / 8x): bounding ptxas
+    // to them keeps its registers from spilling
     static constexpr int MIN_BLOCKS = BN == 64 ? 3 : 4;
     static_assert(A_PER * LSS_THREADS == LSS_BM * CHUNKS && B_PER * LSS_THREADS == BN * CHUNKS, "tile / threads");
     static_assert(LSS_BM * LD * 4 <= LSS_STAGES * (LSS_BM + BN) * LSS_BK * 2, "the staging fits the stages");
@@ -1115,6 +1116,7 @@ lora_stack_t_seg(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
     extern __shared__ __align__(128) unsigned char lss_smem[];
     __shared__ int lid[LORA_SUB], list[LORA_SUB], warp_n[LSS_THREADS / 32];
     __shared__ float col_scale[BN];
+    pdl_wait_then_release_next();  // by PDL only inside a decode chain (never today): nothing read before
     if ((int)blockIdx.x >= *num_tiles) return;
     const int4 ti = tile_info[blockIdx.x];
     const int e = ti.x, a = blockIdx.y, R = max_rank, KR = max_loras * max_rank, width = NP * KS;

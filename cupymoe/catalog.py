@@ -271,7 +271,10 @@ LORA_SEG_THREADS = 128
 
 def lora_seg_bn(np_: int, max_rank: int) -> int:
     """lora_stack_t_seg's BN for NP projections of max_rank ranks (the stacked form's ranks <= 32)."""
-    return next(bn for bn in LORA_SEG_BNS if np_ * max_rank <= bn)
+    bn = next((bn for bn in LORA_SEG_BNS if np_ * max_rank <= bn), None)
+    if bn is None:
+        raise ValueError(f"lora_stack_t_seg serves NP R <= {LORA_SEG_BNS[-1]}: NP={np_}, max_rank={max_rank}")
+    return bn
 
 
 def lora_seg_smem(bn: int) -> int:

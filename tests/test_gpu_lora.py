@@ -441,7 +441,7 @@ def test_the_torch_module_passes_lora_ids_bit_for_bit(rng):
 
 # --- the grouped (prefill) deltas: lora_grouped_gate_up_act / lora_grouped_down_delta ----------
 
-def _grouped_layer(cfg, hw, max_rank, stack=0, shrink="chunks", **kw):
+def _grouped_layer(cfg, hw, max_rank, stack=0, shrink="chunks", max_loras=4, **kw):
     """A layer for the grouped deltas (stack 0: CUPYMOE_LORA_IN_GEMM off, read at build) or the stacked form
     (its shrinks as CUPYMOE_LORA_STACK_SHRINK says)."""
     import os
@@ -453,7 +453,7 @@ def _grouped_layer(cfg, hw, max_rank, stack=0, shrink="chunks", **kw):
         kw.setdefault("decode_max_tokens", 64)
         kw.setdefault("atomic_max_tokens", 64)
     with mock.patch.dict(os.environ, {"CUPYMOE_LORA_IN_GEMM": str(stack), "CUPYMOE_LORA_STACK_SHRINK": shrink}):
-        return MoeLayer(cfg, hw, max_tokens=1100, max_loras=4, max_lora_rank=max_rank, **kw)
+        return MoeLayer(cfg, hw, max_tokens=1100, max_loras=max_loras, max_lora_rank=max_rank, **kw)
 
 
 def _ranked_adapters(cfg, rng, max_rank):
@@ -761,6 +761,31 @@ def test_stacked_awkward_n(variant, max_rank, parts, shrink, rng, monkeypatch):
     adapters = _judge_stacked_ns(layer, cfg, hw, rng, max_rank, what)
     layer.check_errors()
     _judge_id_past_slots(layer, cfg, hw, rng, adapters, what)
+
+
+@pytest.mark.parametrize("shrink", SHRINKS)
+def test_stacked_eight_slots_rank_12(shrink, rng):
+    """Eight slots of rank 12 (K R = 96: KS 128 at one part; the segments' gate/up BN 32 for 24
+    columns), adapters in slots 1, 3, 6 and 7 only, I = 200 (down's K past its last whole 64-column
+    step), the shared expert, ids -1 .. 7 mixed (an empty slot's rows get the base layer), N 1100
+    judged against the reference, and again bit for bit."""
+    cfg = testing.tiny_config("qwen2_moe", moe_intermediate_size=200)
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _grouped_layer(cfg, hw, 12, stack=1, shrink=shrink, max_loras=8)
+    assert layer._lora.stack_parts == 1
+    adapters = dict(zip((1, 3, 6, 7), _ranked_adapters(cfg, rng, 12).values()))
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    n = 1100
+    assert _prefill_uses_stacked(layer, n, 12)
+    ids = rng.integers(-1, 8, n).astype(np.int32)
+    ids[:9] = np.arange(-1, 8)
+    ref_ids = np.where(np.isin(ids, list(adapters)), ids, -1)
+    x = separated_input(cfg, hw, rng, n, adapters, ref_ids)
+    out = run(layer, x, ids, "prefill")
+    judge(out, cfg, hw, x, ref_ids, adapters, layer.select_path(n, "prefill"), f"stacked {shrink} eight slots r12", layer)
+    assert np.array_equal(run(layer, x, ids, "prefill").view(np.uint32), out.view(np.uint32)), "not reproducible"
+    layer.check_errors()
 
 
 @pytest.mark.parametrize("shrink", SHRINKS)
