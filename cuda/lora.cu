@@ -1116,7 +1116,7 @@ lora_stack_t_seg(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
     extern __shared__ __align__(128) unsigned char lss_smem[];
     __shared__ int lid[LORA_SUB], list[LORA_SUB], warp_n[LSS_THREADS / 32];
     __shared__ float col_scale[BN];
-    pdl_wait_then_release_next();  // by PDL only inside a decode chain (never today): nothing read before
+    // no PDL wait: the stacked form runs on the prefill path alone, launched plainly (forward_plan.lora_grouped)
     if ((int)blockIdx.x >= *num_tiles) return;
     const int4 ti = tile_info[blockIdx.x];
     const int e = ti.x, a = blockIdx.y, R = max_rank, KR = max_loras * max_rank, width = NP * KS;
