@@ -253,6 +253,15 @@ def test_stacked_plan_with_the_shrink_segments(preset, K, R):
     assert seen == 2
 
 
+def test_the_segments_width_refuses_past_64_columns():
+    from cupymoe.catalog import lora_seg_bn
+
+    assert [lora_seg_bn(2, r) for r in (1, 8, 9, 16, 17, 32)] == [16, 16, 32, 32, 64, 64]
+    assert [lora_seg_bn(1, r) for r in (5, 16, 17, 32, 33)] == [16, 16, 32, 32, 64]
+    with pytest.raises(ValueError, match="NP=2, max_rank=33"):
+        lora_seg_bn(2, 33)
+
+
 @pytest.mark.parametrize("n, segments", [(2048, False), (2049, True), (16384, True)])
 def test_auto_takes_the_segments_past_2048_rows(n, segments):
     """CUPYMOE_LORA_STACK_SHRINK=auto: chunks to 2048 rows, segments past them; the prefill shapes
