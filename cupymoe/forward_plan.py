@@ -404,7 +404,7 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, segments: bool) 
     tiles = (gemm.arg("num_tiles"), gemm.arg("tile_info"))
     tail = (i32("n_local", lp.n_local), i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras),
             i32("parts", lora.stack_parts), i32("KS", stack_width(lora.max_loras, lora.max_rank, lora.stack_parts)))
-    grid = (gemm.grid[1], lora_chunk_blocks(lora.max_loras))
+    grid = (gemm.grid[1], lora_chunk_blocks(lora.max_loras))  # the chunks form's
     if segments:
         shrink = _shrink_segments(gemm, lp, lora, L, tiles, tail)
     elif gemm.stage == Stage.GATE_UP:

@@ -104,8 +104,8 @@ def grouped_config(lp: LayerPlan, n: int) -> str:
 
 
 # The stacked LoRA form's shrinks by (tile, adapter) segments from this many rows, by chunks below
-# (CUPYMOE_LORA_STACK_SHRINK=auto; benchmarks/DECISIONS.md "LoRA: the stacked shrinks by segments"):
-# qwen3-30b-a3b bf16 / w8a16 4096 rows -0.5..-2.7 / -1.3 points of overhead, w8a16 1024 +1.6.
+# (CUPYMOE_LORA_STACK_SHRINK=auto): segments won at 4096 rows and lost at 1024 in w8a16
+# (benchmarks/DECISIONS.md "LoRA: the stacked shrinks by segments").
 LORA_SEGMENTS_FROM_ROWS = 2049
 
 

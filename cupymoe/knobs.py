@@ -171,10 +171,9 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                      "where it can run (forward_plan.lora_stack_parts: rank <= 32, KS <= 128), else the "
                      "grouped deltas; read when a layer is built", _lora_parts, 1),
     "lora_stack_shrink": ("CUPYMOE_LORA_STACK_SHRINK", "how the stacked form's shrinks make T: auto (segments from "
-                          "heuristics.LORA_SEGMENTS_FROM_ROWS rows, chunks below) | chunks (a tile's "
-                          "rows bucketed by adapter, a chunk's latency chain at a time) | segments (a block a tile's rows of "
-                          "one adapter, on a cp.async ring); "
-                          "read when a layer is built", _choice(LoraShrink), LoraShrink.AUTO),
+                          "heuristics.LORA_SEGMENTS_FROM_ROWS rows, chunks below) | chunks (a tile's rows bucketed "
+                          "by adapter, a chunk at a time) | segments (a block a tile's rows of one adapter, on a "
+                          "cp.async ring); read when a layer is built", _choice(LoraShrink), LoraShrink.AUTO),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "
