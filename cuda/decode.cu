@@ -23,6 +23,7 @@
 #include "decode_common.cuh"
 #include "quant.cuh"
 #include "routing.cuh"
+#include "lora_common.cuh"  // the folded LoRA router delta (decode_route_lists_lora)
 
 // One block per SM at minimum: ptxas may then give each variant the registers it needs
 // (with no minimum it capped some variants at 64 and spilled; with 2, gate_up<1, 4> spilled
@@ -203,23 +204,18 @@ __device__ __forceinline__ void warp_expert_lists(const int* ids, int k, const i
 // grid 1, block ROUTE_LISTS_THREADS (>= 32 N), dynamic smem N (2 R + TOPK_MAX_K) floats +
 // 2 N k + R ints.
 #define ROUTE_LISTS_THREADS 256
-__global__ void __launch_bounds__(ROUTE_LISTS_THREADS)
-decode_route_lists(const float* __restrict__ logits, const float* __restrict__ corr_bias,
-                   const int* __restrict__ tid2eid, const int* __restrict__ token_ids, int* __restrict__ ids_out,
-                   float* __restrict__ w_out, int* __restrict__ err, int N, int R, int E, int k, int scoring,
-                   int n_group, int topk_group, int topk_then_softmax, int renorm, float scale, int vocab,
-                   const int* __restrict__ slot_of, int n_local, int has_shared, int* __restrict__ num_active,
-                   int* __restrict__ active_slot, int* __restrict__ active_start, int* __restrict__ active_len,
-                   int* __restrict__ sorted_row, int* __restrict__ sorted_pair, int* __restrict__ pair_pos,
-                   int* __restrict__ slot_active, const bf16* __restrict__ x, int H, u8* __restrict__ qx,
-                   float* __restrict__ sx) {
-    extern __shared__ float route_smem[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+// decode_route_lists after its wait: the rows' routing from `logits` (the router's, or
+// decode_route_lists_lora's rows with the LoRA delta added), the w8a8 quantization and the lists.
+__device__ __forceinline__ void route_lists_body(
+    float* route_smem, const int* slot_tab, const float* logits, const float* __restrict__ corr_bias,
+    const int* __restrict__ tid2eid, const int* __restrict__ token_ids, int* __restrict__ ids_out,
+    float* __restrict__ w_out, int* __restrict__ err, int N, int R, int E, int k, int scoring, int n_group,
+    int topk_group, int topk_then_softmax, int renorm, float scale, int vocab, int n_local, int has_shared,
+    int* __restrict__ num_active, int* __restrict__ active_slot, int* __restrict__ active_start,
+    int* __restrict__ active_len, int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
+    int* __restrict__ pair_pos, int* __restrict__ slot_active, const bf16* __restrict__ x, int H,
+    u8* __restrict__ qx, float* __restrict__ sx, int warp, int lane) {
     const int stride = 2 * R + TOPK_MAX_K;  // a row's scratch; its ids at 2 R (route_row)
-    int* slot_tab = reinterpret_cast<int*>(route_smem + (size_t)N * stride) + 2 * N * k;  // [R]
-    for (int e = threadIdx.x; e < R; e += ROUTE_LISTS_THREADS) slot_tab[e] = slot_of[e];  // the layer's, constant
-    __syncthreads();
-    pdl_wait_then_release_next();
     if (warp < N)
         route_row(warp, route_smem + (size_t)warp * stride, logits, corr_bias, tid2eid, token_ids, ids_out, w_out,
                   err, R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab, lane, true);
@@ -244,6 +240,72 @@ decode_route_lists(const float* __restrict__ logits, const float* __restrict__ c
                            reinterpret_cast<const int*>(route_smem) + 2 * R, stride, N, k, slot_tab, R, n_local,
                            has_shared, num_active, active_slot, active_start, active_len, sorted_row, sorted_pair,
                            pair_pos, slot_active);
+}
+
+#define ROUTE_LISTS_ARGS                                                                                             \
+    const float *__restrict__ logits, const float *__restrict__ corr_bias, const int *__restrict__ tid2eid,          \
+        const int *__restrict__ token_ids, int *__restrict__ ids_out, float *__restrict__ w_out,                     \
+        int *__restrict__ err, int N, int R, int E, int k, int scoring, int n_group, int topk_group,                 \
+        int topk_then_softmax, int renorm, float scale, int vocab, const int *__restrict__ slot_of, int n_local,     \
+        int has_shared, int *__restrict__ num_active, int *__restrict__ active_slot,                                 \
+        int *__restrict__ active_start, int *__restrict__ active_len, int *__restrict__ sorted_row,                  \
+        int *__restrict__ sorted_pair, int *__restrict__ pair_pos, int *__restrict__ slot_active,                    \
+        const bf16 *__restrict__ x, int H, u8 *__restrict__ qx, float *__restrict__ sx
+#define ROUTE_LISTS_BODY_ARGS(LOGITS)                                                                                \
+    LOGITS, corr_bias, tid2eid, token_ids, ids_out, w_out, err, N, R, E, k, scoring, n_group, topk_group,            \
+        topk_then_softmax, renorm, scale, vocab, n_local, has_shared, num_active, active_slot, active_start,         \
+        active_len, sorted_row, sorted_pair, pair_pos, slot_active, x, H, qx, sx, warp, lane
+
+__global__ void __launch_bounds__(ROUTE_LISTS_THREADS) decode_route_lists(ROUTE_LISTS_ARGS) {
+    extern __shared__ float route_smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int stride = 2 * R + TOPK_MAX_K;
+    int* slot_tab = reinterpret_cast<int*>(route_smem + (size_t)N * stride) + 2 * N * k;  // [R]
+    for (int e = threadIdx.x; e < R; e += ROUTE_LISTS_THREADS) slot_tab[e] = slot_of[e];  // the layer's, constant
+    __syncthreads();
+    pdl_wait_then_release_next();
+    route_lists_body(route_smem, slot_tab, ROUTE_LISTS_BODY_ARGS(logits));
+}
+
+// decode_route_lists with the router's LoRA delta folded in (forward_plan.lora_fold: the decode
+// chain's fewest rows), one launch fewer than lora_router_delta + decode_route_lists: its router,
+// router_logits_bf16_lora, left S <= LORA_FOLD_SLICES shares of each delta in part [row][s][R]
+// (rows with an adapter). After the wait a row's logit plus its shares summed in slice order (all
+// S loads in flight together) goes to shared memory, which the warps route. Rows with id -1 (or
+// >= K, flagged by the router) add nothing; the ids go to shared memory before the wait (the
+// call's input: their load is off the chain). Dynamic smem: decode_route_lists', then (16-byte
+// aligned) N R floats and N ints (catalog.route_lists_lora_smem_bytes).
+__global__ void __launch_bounds__(ROUTE_LISTS_THREADS)
+decode_route_lists_lora(ROUTE_LISTS_ARGS, const int* __restrict__ lora_ids, const float* __restrict__ part, int S,
+                        int max_loras) {
+    extern __shared__ float route_smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int stride = 2 * R + TOPK_MAX_K;
+    int* slot_tab = reinterpret_cast<int*>(route_smem + (size_t)N * stride) + 2 * N * k;  // [R]
+    float* rows = route_smem + (((size_t)N * stride + 2 * N * k + R + 3) & ~(size_t)3);  // [N][R]: what the warps route
+    int* ids = reinterpret_cast<int*>(rows + (size_t)N * R);                             // [N]: the rows' adapters
+    for (int e = threadIdx.x; e < R; e += ROUTE_LISTS_THREADS) slot_tab[e] = slot_of[e];  // the layer's, constant
+    for (int r = threadIdx.x; r < N; r += ROUTE_LISTS_THREADS) ids[r] = lora_ids[r];   // the call's, before the chain
+    __syncthreads();
+    pdl_wait_then_release_next();  // the router's logits and delta shares from here on
+    for (int e = threadIdx.x; e < N * R; e += ROUTE_LISTS_THREADS) {
+        const int r = e / R, id = ids[r];
+        float v = logits[e];
+        if (id >= 0 && id < max_loras) {
+            const float* share = part + (size_t)r * S * R + (e - r * R);
+            float d[LORA_FOLD_SLICES];
+#pragma unroll
+            for (int i = 0; i < LORA_FOLD_SLICES; ++i) d[i] = i < S ? __ldcg(share + (size_t)i * R) : 0.f;
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < LORA_FOLD_SLICES; ++i)
+                if (i < S) sum += d[i];
+            v += sum;
+        }
+        rows[e] = v;
+    }
+    __syncthreads();
+    route_lists_body(route_smem, slot_tab, ROUTE_LISTS_BODY_ARGS(rows));
 }
 
 // The routing stage and the expert lists in one launch past decode_route_lists' rows (up to

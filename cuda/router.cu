@@ -5,6 +5,7 @@
 // fixed 8-element slice pattern of H, so a row's logit has the same accumulation order
 // whatever N or ROWS is (row invariance: a row's bits never depend on its batch).
 #include "common.cuh"
+#include "lora_common.cuh"  // router_logits_bf16_lora's shrink
 #include "quant.cuh"
 
 // A block is 2 router columns x SPLIT warps splitting H. The split is fixed by H alone
@@ -23,14 +24,14 @@
 // and the chain gains no launch (one warp quantizing a whole row after routing it was on the
 // chain's path). At one or two rows decode_route_lists' idle warps do it instead, hidden
 // behind the routing.
+// Block bx's two router columns of the row tile blockIdx.y (router_logits_bf16's products).
 template <int ROWS, int ROUTER_SPLIT>
-__global__ void __launch_bounds__(ROUTER_COLS * ROUTER_SPLIT * 32)
-router_logits_bf16(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
-                   float* __restrict__ logits, int N, int R, int H, u8* __restrict__ qx, float* __restrict__ sx) {
+__device__ __forceinline__ void router_logits_cols(const bf16* __restrict__ x, const bf16* __restrict__ W,
+                                                   const float* __restrict__ bias, float* __restrict__ logits, int N,
+                                                   int R, int H, int bx) {
     __shared__ float part[ROUTER_COLS * ROUTER_SPLIT][ROWS];
-    pdl_wait_then_release_next();  // (the chain's first kernel: only the release does anything)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int r = blockIdx.x * ROUTER_COLS + warp / ROUTER_SPLIT;
+    const int r = bx * ROUTER_COLS + warp / ROUTER_SPLIT;
     const int split = warp % ROUTER_SPLIT;
     const int chunk = ((H / 8 + ROUTER_SPLIT - 1) / ROUTER_SPLIT) * 8;
     const int k0 = split * chunk, k1 = min(H, k0 + chunk);
@@ -75,19 +76,77 @@ router_logits_bf16(const bf16* __restrict__ x, const bf16* __restrict__ W, const
     __syncthreads();
     for (int t = threadIdx.x; t < ROUTER_COLS * ROWS; t += blockDim.x) {
         const int c = t / ROWS, i = t % ROWS;
-        const int rc = blockIdx.x * ROUTER_COLS + c, row = row0 + i;
+        const int rc = bx * ROUTER_COLS + c, row = row0 + i;
         if (rc >= R || row >= N) continue;
         float v = 0.0f;
 #pragma unroll
         for (int s = 0; s < ROUTER_SPLIT; ++s) v += part[c * ROUTER_SPLIT + s][i];
         logits[(size_t)row * R + rc] = v + (bias ? bias[rc] : 0.0f);
     }
+}
+
+// w8a8: the grid's share of x's e4m3 codes (above), every block of the grid taking units.
+__device__ __forceinline__ void router_quantize_x(const bf16* __restrict__ x, int N, int H, u8* __restrict__ qx,
+                                                  float* __restrict__ sx, int warps_per_block) {
 #if CUPYMOE_SM >= 89
     if (qx) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int blocks = gridDim.x * gridDim.y, block = blockIdx.y * gridDim.x + blockIdx.x;
-        e4m3_quantize_units(x, N, H, qx, sx, block + blocks * warp, blocks * (ROUTER_COLS * ROUTER_SPLIT), lane);
+        e4m3_quantize_units(x, N, H, qx, sx, block + blocks * warp, blocks * warps_per_block, lane);
     }
 #endif
+}
+
+template <int ROWS, int ROUTER_SPLIT>
+__global__ void __launch_bounds__(ROUTER_COLS * ROUTER_SPLIT * 32)
+router_logits_bf16(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
+                   float* __restrict__ logits, int N, int R, int H, u8* __restrict__ qx, float* __restrict__ sx) {
+    pdl_wait_then_release_next();  // (the chain's first kernel: only the release does anything)
+    router_logits_cols<ROWS, ROUTER_SPLIT>(x, W, bias, logits, N, R, H, blockIdx.x);
+    router_quantize_x(x, N, H, qx, sx, ROUTER_COLS * ROUTER_SPLIT);
+}
+
+// router_logits_bf16 with the router's LoRA delta beside it (forward_plan.lora_fold: the decode
+// chain's fewest rows): grid x (R + 1) / 2 router blocks, then S <= LORA_FOLD_SLICES LoRA blocks.
+// LoRA block s takes slice s of H (lora_slice) of each row of its tile that has an adapter: t_s =
+// A[slot][:, slice] x[row, slice] (lora_slice_shrink), then its share of the expand, part
+// [row][s][e] = Bs[slot] row e . t_s for every logit e (the expand is linear in t, so the slices
+// need not meet: decode_route_lists_lora sums the S shares in slice order). No block waits for
+// another, so the work is one shrink slice and one expand long, beside the router's. An id >= K
+// sets the error bit (slice 0's block) and adds nothing. Dynamic smem: max_rank floats.
+template <int ROWS, int ROUTER_SPLIT>
+__global__ void __launch_bounds__(ROUTER_COLS * ROUTER_SPLIT * 32, 1)  // 1: ptxas held sm_80's at 48 and spilled
+router_logits_bf16_lora(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
+                        float* __restrict__ logits, int N, int R, int H, u8* __restrict__ qx, float* __restrict__ sx,
+                        const int* __restrict__ lora_ids, const float* __restrict__ lora_a,
+                        const float* __restrict__ lora_bs, float* __restrict__ part, int* __restrict__ err,
+                        int max_rank, int max_loras) {
+    extern __shared__ float lora_t[];  // [max_rank]
+    pdl_wait_then_release_next();  // (the chain's first kernel: only the release does anything)
+    const int rb = (R + 1) / 2, S = gridDim.x - rb, s = blockIdx.x - rb;
+    if (s < 0) {
+        router_logits_cols<ROWS, ROUTER_SPLIT>(x, W, bias, logits, N, R, H, blockIdx.x);
+    } else {
+        int lo, hi;
+        lora_slice(H, s, S, lo, hi);
+        for (int i = 0; i < ROWS; ++i) {  // block-uniform: every thread reads the row's id
+            const int row = blockIdx.y * ROWS + i;
+            const int id = row < N ? lora_ids[row] : -1;
+            if (id >= max_loras && s == 0 && threadIdx.x == 0) atomicOr(err, ERR_LORA_ID_RANGE);
+            if (id < 0 || id >= max_loras) continue;
+            const float* b = lora_bs + (size_t)id * R * max_rank;
+            // the first B row a thread expands, into L1 while the shrink's loads are out
+            if ((int)threadIdx.x < R) asm volatile("prefetch.global.L1 [%0];" ::"l"(b + (size_t)threadIdx.x * max_rank));
+            const float* as = lora_a + (size_t)id * max_rank * H;
+            lora_slice_shrink<1, true>(lora_t, as, as, x + (size_t)row * H, lo, hi, H, max_rank);
+            __syncthreads();
+            float* share = part + ((size_t)row * S + s) * R;
+            for (int e = threadIdx.x; e < R; e += blockDim.x)
+                share[e] = lora_router_dot(b + (size_t)e * max_rank, lora_t, max_rank);
+            __syncthreads();  // lora_t again for the next row
+        }
+    }
+    router_quantize_x(x, N, H, qx, sx, ROUTER_COLS * ROUTER_SPLIT);
 }
 
 // y[n, :] = bf16(x[n, :] * rsqrt(mean(x[n, :]^2) + eps) * w), one block per row. w8a8

@@ -382,6 +382,12 @@ def route_lists_smem_bytes(rows: int, k: int, router_width: int) -> int:
     return (rows * (2 * router_width + 64) + 2 * rows * k + router_width) * 4
 
 
+def route_lists_lora_smem_bytes(rows: int, k: int, router_width: int) -> int:
+    """decode_route_lists_lora: decode_route_lists' (16-byte aligned), then the rows' logits with
+    the LoRA delta added and their adapter ids."""
+    return -(-route_lists_smem_bytes(rows, k, router_width) // 16) * 16 + rows * (router_width + 1) * 4
+
+
 def topk_lists_smem_bytes(rows: int, k: int, n_local: int, router_width: int) -> int:
     """decode_topk_lists of `rows` rows: their warps' routing scratch, the slot table, then the lists'."""
     return (rows * (2 * router_width + 64) + router_width) * 4 + expert_lists_smem_bytes(rows * k, n_local)

@@ -150,6 +150,7 @@ class LoraShape:
     experts: bool = False
     stack_parts: int = 0  # the stacked form's parts of s t where the layer has its Bext (lora_in_gemm); 0: none
     stack_shrink: LoraShrink = LoraShrink.AUTO  # how the stacked form makes T (CUPYMOE_LORA_STACK_SHRINK)
+    fold: bool = True  # the router delta inside the router and routing launches at the fewest rows (CUPYMOE_LORA_FOLD)
 
 
 LORA_THREADS = 256  # cuda/lora.cu
@@ -205,10 +206,64 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
                        args + slice_args + sizes, (lora.max_rank + LORA_RED) * 4)
     steps = list(plan.steps)
     at = next(i for i, s in enumerate(steps) if s.stage != Stage.ROUTER)  # the first launch past the router
-    steps.insert(at, _as_successor(delta, steps[at]))
+    if lora_fold(plan, lp, lora):
+        steps[at - 1], steps[at] = _router_lora(steps[at - 1], lp, lora), _route_lists_lora(steps[at], lp, lora)
+    else:
+        steps.insert(at, _as_successor(delta, steps[at]))
     if lora.experts:
         steps = _with_expert_deltas(steps, plan, lp, lora)
     return replace(plan, steps=tuple(steps))
+
+
+def lora_fold(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> bool:
+    """Whether the plan folds the router's LoRA delta into the router and routing launches
+    (router_logits_bf16_lora: lora_fold_slices blocks more in the router's grid, each a slice of
+    the shrink and its share of the expand; decode_route_lists_lora: the shares added to the logits
+    it routes): the decode path up to heuristics.LORA_FOLD_ROWS rows, where lora_router_delta's
+    launch is a link of the chain whose shrink, meeting and expand run one after another."""
+    if not (lora.fold and plan.path == Path.DECODE and plan.shape is None and plan.built_for <= HX.LORA_FOLD_ROWS):
+        return False
+    at = next(i for i, s in enumerate(plan.steps) if s.stage != Stage.ROUTER)
+    router, route = plan.steps[at - 1], plan.steps[at]
+    n, cfg = plan.built_for, lp.cfg
+    shares = n * lora_fold_slices(n, lp) * cfg.router_width
+    return (getattr(router, "kernel", "").startswith("router_logits_bf16<1, ")
+            and getattr(route, "kernel", "") == "decode_route_lists"
+            and C.route_lists_lora_smem_bytes(n, cfg.num_experts_per_tok, cfg.router_width) <= C.STATIC_SMEM_LIMIT
+            and shares <= 2 * LORA_TICKETS * 2 * lora.max_rank)  # lora_part's floats (workspace.layer_scratch)
+
+
+LORA_FOLD_SLICES = 16  # cuda/lora_common.cuh: the folded router delta's slices at most
+
+
+def lora_fold_slices(n: int, lp: LayerPlan) -> int:
+    """The folded router delta's slices of H: lora_router_delta's, at most LORA_FOLD_SLICES (each
+    a share decode_route_lists_lora loads at once)."""
+    return min(lora_slices(n, lp.cfg.hidden_size, lp.row_invariant), LORA_FOLD_SLICES)
+
+
+def _router_lora(router: Launch, lp: LayerPlan, lora: LoraShape) -> Launch:
+    """router_logits_bf16 with the router's LoRA delta as lora_fold_slices more blocks of its grid
+    (cuda/router.cu router_logits_bf16_lora): its arguments, then the row ids, the router slots' A
+    and scale * B, lora_part (the delta's shares), the error word and the sizes."""
+    n = router.arg("N")
+    extra = (u64("lora_ids", CallValue.LORA_IDS), u64("lora_a", Buf(Space.LAYER, "lora_router_a")),
+             u64("lora_bs", Buf(Space.LAYER, "lora_router_bs")), u64("part", S("lora_part")), u64("err", ERR),
+             i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras))
+    grid = (router.grid[0] + lora_fold_slices(n, lp),) + tuple(router.grid[1:])
+    return replace(router, kernel=router.kernel.replace("router_logits_bf16<", "router_logits_bf16_lora<"),
+                   grid=grid, args=router.args + extra, smem=lora.max_rank * 4)
+
+
+def _route_lists_lora(route: Launch, lp: LayerPlan, lora: LoraShape) -> Launch:
+    """decode_route_lists adding the delta's shares router_logits_bf16_lora left in lora_part to the
+    logits it routes (cuda/decode.cu decode_route_lists_lora): its arguments, then the row ids,
+    lora_part, the shares' count and the slots' count."""
+    cfg, n = lp.cfg, route.arg("N")
+    extra = (u64("lora_ids", CallValue.LORA_IDS), u64("part", S("lora_part")), i32("S", lora_fold_slices(n, lp)),
+             i32("max_loras", lora.max_loras))
+    smem = C.route_lists_lora_smem_bytes(n, cfg.num_experts_per_tok, cfg.router_width)
+    return replace(route, kernel="decode_route_lists_lora", args=route.args + extra, smem=smem)
 
 
 LORA_MMA_WARPS = 8  # cuda/lora.cu LORA_MMA_WARPS: the grouped deltas' blocks

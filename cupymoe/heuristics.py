@@ -109,6 +109,12 @@ def grouped_config(lp: LayerPlan, n: int) -> str:
 LORA_SEGMENTS_FROM_ROWS = 2049
 
 
+# The LoRA router delta folded into the router and routing launches up to this many decode rows
+# (CUPYMOE_LORA_FOLD; forward_plan.lora_fold): measured at one row, where the chain's links bound
+# the LoRA cost (benchmarks/DECISIONS.md "LoRA: the router delta folded into the router and routing").
+LORA_FOLD_ROWS = 1
+
+
 def lora_shrink_segments(n: int) -> bool:
     """Whether CUPYMOE_LORA_STACK_SHRINK=auto takes the segments form at a prefill of n rows."""
     return n >= LORA_SEGMENTS_FROM_ROWS

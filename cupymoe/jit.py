@@ -70,7 +70,8 @@ def _modules() -> dict[str, ModuleSpec]:
     hopper = ("sm_90a",)
     return {
         "router": ModuleSpec("router.cu", tuple(f"router_logits_bf16<{r}, {sp}>" for r in C.ROW_TILES
-                                                for sp in C.ROUTER_SPLITS) + ("rmsnorm_bf16",)),
+                                                for sp in C.ROUTER_SPLITS) + ("rmsnorm_bf16",)
+                             + tuple(f"router_logits_bf16_lora<1, {sp}>" for sp in C.ROUTER_SPLITS)),
         "router_mma": ModuleSpec("router_mma.cu", tuple(f"router_logits_mma<{nt}>" for nt in C.ROUTER_MMA_TILES),
                                  archs=hopper),
         "topk": ModuleSpec("topk.cu", ("topk_route<0>", "topk_route<1>", "experts_route_in")),  # <1>: group-limited
@@ -87,7 +88,7 @@ def _modules() -> dict[str, ModuleSpec]:
         "decode": ModuleSpec(
             "decode.cu",
             ("decode_build_lists", "decode_route_lists", "decode_topk_lists<0>", "decode_topk_lists<1>",
-             "decode_reduce")
+             "decode_reduce", "decode_route_lists_lora")
             + tuple(f"decode_gate_up<{r}, {c}, {int(f)}>" for f in fmts for r, c in C.GATE_UP_VARIANTS)
             + tuple(f"decode_down<{r}, {c}, {int(f)}>" for f in fmts for r, c in C.DOWN_VARIANTS)),
         "decode_mma": ModuleSpec(

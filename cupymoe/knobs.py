@@ -174,6 +174,9 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                           "heuristics.LORA_SEGMENTS_FROM_ROWS rows, chunks below) | chunks (a tile's rows bucketed "
                           "by adapter, a chunk at a time) | segments (a block a tile's rows of one adapter, on a "
                           "cp.async ring); read when a layer is built", _choice(LoraShrink), LoraShrink.AUTO),
+    "lora_fold": ("CUPYMOE_LORA_FOLD", "1: at the decode chain's fewest rows (heuristics.LORA_FOLD_ROWS) the "
+                  "LoRA router delta runs as more blocks of the router's launch and is added inside the routing "
+                  "launch; 0: lora_router_delta, a launch of its own; read when a layer is built", _on_off, True),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "
@@ -216,6 +219,7 @@ class Knobs:
     weight_l2_promotion: L2Promotion = L2Promotion.B128
     lora_in_gemm: int = 1
     lora_stack_shrink: LoraShrink = LoraShrink.AUTO
+    lora_fold: bool = True
     math_rows: Optional[int] = None
     gemm_band_cols: Optional[int] = None
 

@@ -1,5 +1,6 @@
-# Sourced first by the LoRA GPU checks (lora_check.sh, lora_decode_check.sh): DEST from $OUT, the
-# repository root as the working folder and on PYTHONPATH, then the steps they share.
+# Sourced first by the LoRA GPU checks (lora_check.sh, lora_decode_check.sh, lora_shrink_check.sh,
+# lora_fold_check.sh): DEST from $OUT, the repository root as the working folder and on
+# PYTHONPATH, then the steps they share.
 set -u
 DEST=${OUT:?set OUT to a folder for the logs}
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -36,4 +37,13 @@ lora_bench_presets() {
     lora_bench "$limit" "$3" "$preset" bf16 "$4"
     lora_bench "$limit" "$3" "$preset" fp8_block "$4" --fp8-compute w8a16
   done
+}
+
+# lora_scratch: the carried nvtx wheel installed, a scratch folder W (more files than the device tool
+# brings back) handed back as $DEST/run.tgz at exit, and t0 for the steps' elapsed seconds.
+lora_scratch() {
+  pip install -q .whl/nvtx*.whl > /dev/null 2>&1
+  W=$(mktemp -d)
+  trap 'tar czf "$DEST/run.tgz" -C "$W" .' EXIT
+  t0=$(date +%s)
 }

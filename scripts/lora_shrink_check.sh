@@ -8,14 +8,8 @@
 # Logs and JSON as $OUT/run.tgz.
 #
 #   OUT=/tmp/out bash scripts/lora_shrink_gemm_check.sh    (.whl carried; ROUNDS, default 2; TESTS=0 skips them)
-set -u
-DEST=${OUT:?set OUT to a folder for the results}
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD
-pip install -q .whl/nvtx*.whl > /dev/null 2>&1
-W=$(mktemp -d)
-trap 'tar czf "$DEST/run.tgz" -C "$W" .' EXIT
-t0=$(date +%s)
+. "$(dirname "$0")/lora_bench.sh"
+lora_scratch
 if [ "${TESTS:-1}" = 1 ]; then
   KERNELS=0 TESTS_S=260 bash scripts/gpu_tests.sh "$W" "stacked and segments" tests tests/test_gpu_lora.py
 fi

@@ -585,7 +585,7 @@ def test_grouped_deltas_graph_replay_and_row_invariance(rng):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_sliced_pair_deltas(family, rng):
+def test_sliced_pair_deltas(family, rng, monkeypatch):
     """The per-pair kernels with their shrinks split over slices (forward_plan.lora_slices > 1,
     lora_tickets electing each item's last block): H = 776 and I = 392 (slices of uneven vector
     counts), ranks 16 / 12 / 5 beside 3 and 1, ids -1, 0..2 and one past the slots, on decode,
@@ -595,6 +595,7 @@ def test_sliced_pair_deltas(family, rng):
     from cupymoe.forward_plan import LoraShape, build_forward_plan, lora_slices
     from cupymoe.plan import Path
 
+    monkeypatch.setenv("CUPYMOE_LORA_FOLD", "0")  # lora_router_delta at one row too (the fold: its own test)
     cfg = testing.tiny_config(family, hidden_size=776, moe_intermediate_size=392)
     hw = testing.random_host_weights(cfg, rng, "bf16")
     for ranks in ((16, 12, 5), (3, 1, 16)):
@@ -604,7 +605,8 @@ def test_sliced_pair_deltas(family, rng):
             layer.set_lora(slot, lw)
         for path, ns in (("decode", (1, 3, 17)), ("atomic", (5,)), ("prefill", (1, 6, 41))):
             for n in ns:
-                plan = build_forward_plan(layer.plan, layer.device, n, Path(path), lora=LoraShape(K, 16, True)).at(n)
+                plan = build_forward_plan(layer.plan, layer.device, n, Path(path),
+                                          lora=LoraShape(K, 16, True, fold=False)).at(n)
                 split = [s for s in plan.steps if getattr(s, "kernel", "") in
                          ("lora_router_delta", "lora_gate_up_act", "lora_down_delta")]
                 assert split and all(s.grid[1] > 1 for s in split), (path, n, [s.grid for s in split])
@@ -981,3 +983,75 @@ def test_early_start_graph_replay(rng):
     layer, adapters = _layer(cfg, hw), _expert_adapters(cfg, rng)
     for n in (1, 33):
         _captured_with_empty_slots(layer, cfg, hw, rng, adapters, "decode", n, "early replay")
+
+
+# --- the router's delta folded in at the decode chain's fewest rows (forward_plan.lora_fold): each
+# block of a slice of its shrink and that slice's share of its expand more blocks of the router's
+# grid (router_logits_bf16_lora), the shares added inside the routing launch
+# (decode_route_lists_lora). The tests above judge it wherever they run one decode row (the knob's
+# default); this one takes it against the unfolded launches too.
+FOLD_CASES = [("qwen3_moe", "bf16"), ("qwen2_moe", "bf16"), ("deepseek_v3", "bf16"), ("mixtral", "bf16"),
+              ("deepseek_v3", "fp8_block"), ("qwen3_next", "bf16")]
+
+
+@pytest.mark.parametrize("family, fmt", FOLD_CASES)
+def test_decode_fold_against_the_unfolded_form(family, fmt, rng, monkeypatch):
+    """H = 776 (seven uneven slices at one row; 896 in fp8_block, seven of 128 columns): for each id
+    (-1, slot 0, slot 1) the folded layer's output and the unfolded layer's are each judged
+    (`judge`) and agree to fp32 summation order (a slice's share expanded on its own, the shares
+    then summed); a decode graph of the folded layer captured with empty slots replays the adapters
+    set after it, bit for bit the eager forward, twice; an id past the slots is flagged (by the
+    router's LoRA blocks) and adds nothing."""
+    import cupy
+
+    from cupymoe.forward_plan import LoraShape, build_forward_plan
+    from cupymoe.plan import Path
+
+    cfg = testing.tiny_config(family, hidden_size=776 if fmt == "bf16" else 896)  # fp8_block: 128-column blocks
+    hw = testing.random_host_weights(cfg, rng, fmt)
+    adapters = _expert_adapters(cfg, rng)
+    layers = {}
+    for fold in ("1", "0"):
+        monkeypatch.setenv("CUPYMOE_LORA_FOLD", fold)  # read when the layer is built
+        layers[fold] = _layer(cfg, hw, fp8_compute="w8a16")
+    layer = layers["1"]
+    kinds = [getattr(s, "kernel", "") for s in
+             build_forward_plan(layer.plan, layer.device, 1, Path.DECODE, lora=LoraShape(K, RMAX, True)).at(1).steps]
+    assert kinds[1] == "decode_route_lists_lora" and kinds[0].startswith("router_logits_bf16_lora<"), kinds
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:  # captured before any adapter is set
+        xd = cupy.zeros((1, cfg.hidden_size), dtype=cupy.uint16)
+        idd = cupy.zeros(1, dtype=cupy.int32)
+        out = cupy.full(xd.shape, 0x7FC0, dtype=cupy.uint16)
+        args = (int(xd.data.ptr), 1, int(out.data.ptr), s.ptr)
+        layer.forward(*args, path="decode", lora_ids_ptr=int(idd.data.ptr))
+        s.begin_capture()
+        layer.forward(*args, path="decode", lora_ids_ptr=int(idd.data.ptr))
+        graph = s.end_capture()
+    s.synchronize()
+    for fold_layer in layers.values():
+        for slot, lw in adapters.items():
+            fold_layer.set_lora(slot, lw)
+    for lid in (-1, 0, 1):
+        ids = np.array([lid], np.int32)
+        x = separated_input(cfg, hw, rng, 1, adapters, ids)
+        apart = run(layers["0"], x, ids, "decode")
+        judge(apart, cfg, hw, x, ids, adapters, "decode", f"{family} {fmt} unfolded id {lid}", layers["0"])
+        folded = run(layer, x, ids, "decode")
+        judge(folded, cfg, hw, x, ids, adapters, "decode", f"{family} {fmt} folded id {lid}", layer)
+        gap = verify.compare(folded, apart).normwise
+        assert gap <= verify.EXACT_NORMWISE, f"{family} {fmt} id {lid}: folded and unfolded {gap:.2e} apart"
+        if lid < 0:  # no delta at all: the same logits, the same bits
+            assert np.array_equal(folded.view(np.uint32), apart.view(np.uint32))
+        with s:
+            xd.set(bf16_bits(x))
+            idd.set(ids)
+            for _ in range(2):
+                out.fill(0x7FC0)
+                graph.launch(s)
+                s.synchronize()
+                assert np.array_equal(bits_to_f32(out.get()).view(np.uint32), folded.view(np.uint32)), f"replay {lid}"
+    layer.check_errors()
+    run(layer, x, np.array([K], np.int32), "decode")  # an id past the slots: flagged
+    with pytest.raises(MoeCallError):
+        layer.check_errors()

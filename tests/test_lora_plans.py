@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from cupymoe import catalog as C
 from cupymoe import jit, testing
 from cupymoe.catalog import Activation, LoraDownMode
 from cupymoe.errors import LoraError, OptionError
@@ -26,7 +27,7 @@ from cupymoe.workspace import layer_need
 
 H200 = DeviceFacts.h200()
 A100 = DeviceFacts("sm_80", 108, 166912)
-SHAPE = LoraShape(max_loras=3, max_rank=16)
+SHAPE = LoraShape(max_loras=3, max_rank=16, fold=False)  # the deltas as launches of their own (the fold: below)
 
 
 @pytest.mark.parametrize("dev", [H200, A100], ids=["sm_90a", "sm_80"])
@@ -70,7 +71,7 @@ def test_lora_options_refused(k, r, match):
     assert check_options(0, 0) == (0, 0) and check_options(4, 16) == (4, 16)
 
 
-EXPERTS = LoraShape(max_loras=3, max_rank=16, experts=True)
+EXPERTS = LoraShape(max_loras=3, max_rank=16, experts=True, fold=False)
 
 
 def _gate_up_gemms(plan):
@@ -309,3 +310,61 @@ def test_early_start_rests_on_release_after_wait():
         assert k.count("pdl_wait_then_release_next()") == 1 and "pdl_leave_early" not in k, kernel
         before = k[:k.index("pdl_wait_then_release_next()")]
         assert all("!lora_block0()" in line for line in before.splitlines() if "return" in line), kernel
+    from cupymoe.forward_plan import LORA_FOLD_SLICES
+
+    assert f"#define LORA_FOLD_SLICES {LORA_FOLD_SLICES}\n" in src["lora_common.cuh"]
+    decode = src["decode.cu"]  # the folded delta: every block waits, at one site, nothing returns before it
+    for kernel in ("decode_route_lists_lora",):
+        k = decode[decode.index(f"\n{kernel}("):]
+        k = k[:k.index("\n}\n")]
+        assert k.count("pdl_wait_then_release_next()") == 1, kernel
+        before = k[:k.index("pdl_wait_then_release_next()")].splitlines()
+        assert not [line for line in before if "return" in line and "[&]" not in line], kernel  # lambdas' own
+
+
+@pytest.mark.parametrize("dev", [H200, A100], ids=["sm_90a", "sm_80"])
+@pytest.mark.parametrize("family", testing.FAMILIES)
+def test_decode_fold(family, dev):
+    """At the decode path's fewest rows (heuristics.LORA_FOLD_ROWS) the router's delta folds into
+    the router and routing launches: router_logits_bf16_lora (the router's grid, then
+    lora_fold_slices blocks, each a slice of the shrink and its share of the expand; its arguments,
+    then the ids, the slots' A and scale * B, lora_part, the error word, the sizes) and
+    decode_route_lists_lora (its arguments, then the ids, lora_part, the shares' count, the slots');
+    lora_router_delta is gone and every other launch is the unfolded plan's. Past those rows, with
+    the knob off, or on another path, the plan is unfolded."""
+    from cupymoe import heuristics as HX
+    from cupymoe.forward_plan import LORA_FOLD_SLICES, lora_fold_slices
+
+    cfg = testing.tiny_config(family)
+    lp = plan_layer(cfg, "bf16", "bf16" if cfg.has_shared_expert else None, dev.arch,
+                    options=LayerOptions(decode_max_tokens=64, fp8_compute="w8a16"), knobs=Knobs())
+    names = {n for m in jit.modules_for(dev.arch) for n in jit.MODULES[m].names}
+    n, H = HX.LORA_FOLD_ROWS, cfg.hidden_size
+    for experts in (False, True):
+        fold = LoraShape(max_loras=3, max_rank=16, experts=experts)
+        apart = LoraShape(max_loras=3, max_rank=16, experts=experts, fold=False)
+        folded = build_forward_plan(lp, dev, n, Path.DECODE, lora=fold).at(n)
+        unfolded = build_forward_plan(lp, dev, n, Path.DECODE, lora=apart).at(n)
+        kinds = [getattr(s, "kernel", "") for s in folded.steps]
+        assert "lora_router_delta" not in kinds and kinds[1] == "decode_route_lists_lora", kinds
+        router, route = folded.steps[:2]
+        base_router, delta, base_route = unfolded.steps[:3]
+        assert delta.kernel == "lora_router_delta" and base_route.kernel == "decode_route_lists"
+        assert router.kernel == base_router.kernel.replace("router_logits_bf16<", "router_logits_bf16_lora<")
+        assert router.kernel in names and route.kernel in names
+        slices = lora_fold_slices(n, lp)
+        assert slices == min(lora_slices(n, H), LORA_FOLD_SLICES) and delta.grid == (n, lora_slices(n, H))
+        assert router.grid == (base_router.grid[0] + slices,) + base_router.grid[1:]
+        assert router.args[:len(base_router.args)] == base_router.args and router.smem == 16 * 4
+        assert [a.name for a in router.args[len(base_router.args):]] == ["lora_ids", "lora_a", "lora_bs", "part",
+                                                                          "err", "max_rank", "max_loras"]
+        assert route.args[:len(base_route.args)] == base_route.args
+        assert [a.name for a in route.args[len(base_route.args):]] == ["lora_ids", "part", "S", "max_loras"]
+        assert router.arg("part") == route.arg("part") == delta.arg("part") and route.arg("S") == slices
+        assert router.arg("lora_a") == delta.arg("a") and router.arg("lora_bs") == delta.arg("bs")
+        assert route.smem == C.route_lists_lora_smem_bytes(n, cfg.num_experts_per_tok, cfg.router_width)
+        assert (router.pdl, route.pdl) == (base_router.pdl, base_route.pdl)
+        assert folded.steps[2:] == unfolded.steps[3:]
+        for path, m, shape in ((Path.DECODE, n + 1, fold), (Path.ATOMIC, n, fold), (Path.DECODE, n, apart)):
+            kinds = [getattr(s, "kernel", "") for s in build_forward_plan(lp, dev, m, path, lora=shape).at(m).steps]
+            assert not any(k.endswith("_lora") or "_lora<" in k for k in kinds[:2]), (path, m, kinds)

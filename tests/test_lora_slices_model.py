@@ -1,4 +1,4 @@
-"""CPU model of the per-pair LoRA kernels' sliced shrinks (cuda/lora.cu lora_slice,
+"""CPU model of the per-pair LoRA kernels' sliced shrinks (cuda/lora_common.cuh lora_slice,
 lora_slice_shrink, lora_slices_meet; forward_plan.lora_slices): the slices cover every input
 vector once and in order, the scratch and ticket counts bound every plan's use, and the fixed
 summation order (a lane's vectors, the LORA_TPR-lane butterfly, the slices in order) gives the
@@ -15,7 +15,8 @@ import pytest
 from cupymoe.forward_plan import LORA_BLOCKS, LORA_RED, LORA_SLICE_MIN, LORA_SLICE_TARGET, lora_slices
 from cupymoe.workspace import LORA_TICKETS
 
-SRC = (Path(__file__).parents[1] / "cuda" / "lora.cu").read_text()
+KERNELS = Path(__file__).parents[1] / "cuda"
+SRC = (KERNELS / "lora_common.cuh").read_text() + (KERNELS / "lora.cu").read_text()  # the shrink, its constants, the kernels
 TPR, VPT = (int(re.search(rf"#define {n} (\d+)", SRC).group(1)) for n in ("LORA_TPR", "LORA_VPT"))
 
 
