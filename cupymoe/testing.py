@@ -289,10 +289,13 @@ def replay_matches_eager(layer, x, n: int, path, stream) -> tuple[bool, bool]:
 # expert parallelism: one rank's part of the multi-GPU test (cupymoe.parallel.spawn_ranks)
 # ----------------------------------------------------------------------------------
 
-def ep_rank_check(rank: int, world_size: int, unique_id, family: str, seed: int, tokens, paths) -> dict:
-    """Build `family`'s tiny layer as EP rank `rank` with an NCCL communicator, run every
-    (N, path) eagerly and as a replayed CUDA graph, and return the inputs and outputs.
-    Every rank draws the same weights and inputs from `seed`, in the same order."""
+def ep_rank_check(rank: int, world_size: int, unique_id, family: str, seed: int, tokens, paths, fmt: str = "bf16",
+                  interleaved: bool = False, fp8_compute: str = "auto") -> dict:
+    """Build `family`'s tiny layer in `fmt` (a bf16 shared expert) as EP rank `rank` with an NCCL
+    communicator, its experts the contiguous block or (`interleaved`) every world_size-th, run every
+    (N, path) eagerly and as a replayed CUDA graph, and return the inputs and outputs, plus
+    "fp8_compute": what the layer runs. Every rank draws the same weights and inputs from `seed`,
+    in the same order."""
     import cupy
 
     from .layer import MoeLayer
@@ -301,11 +304,12 @@ def ep_rank_check(rank: int, world_size: int, unique_id, family: str, seed: int,
 
     rng = np.random.default_rng(seed)
     cfg = tiny_config(family)
-    hw = random_host_weights(cfg, rng)
+    hw = random_host_weights(cfg, rng, fmt, shared_fmt="bf16" if fmt != "bf16" else None)
+    owner = [e % world_size for e in range(cfg.num_experts)] if interleaved else None
     comm = NcclCommunicator(world_size, rank, unique_id)
     layer = MoeLayer(cfg.replace(ep_world_size=world_size, ep_rank=rank), hw, max_tokens=max(tokens),
-                     decode_max_tokens=64, comm=comm)
-    out: dict = {}
+                     decode_max_tokens=64, comm=comm, expert_owner=owner, fp8_compute=fp8_compute)
+    out: dict = {"fp8_compute": layer.fp8_compute}
     s = cupy.cuda.Stream(non_blocking=True)
     for n in tokens:
         x = well_separated_input(cfg, hw, rng, n)

@@ -119,30 +119,53 @@ def test_one_rank_nccl_communicator_eager_and_captured(rng):
         assert np.array_equal(bits_to_f32(out.get()), want)
 
 
+# (family, format, experts dealt every other one, fp8_compute): bf16 with contiguous blocks, the
+# quantized formats with the interleaved map (the selection an index array, not a slice)
+TWO_RANK_CASES = [("qwen2_moe", "bf16", False, "auto"), ("longcat_flash", "bf16", False, "auto"),
+                  ("deepseek_v3", "fp8_block", True, "w8a16"), ("deepseek_v3", "fp8_block", True, "auto"),
+                  ("qwen3_next", "nvfp4", True, "auto"), ("mixtral", "mxfp4", True, "auto")]  # E even: E / 2 a rank
+
+
 @pytest.mark.gpu
-def test_two_ranks_over_nccl_equal_the_single_gpu_layer():
-    """Two processes, one GPU each: every rank's output is the full layer's, eager and replayed."""
+@pytest.mark.parametrize("family, fmt, interleaved, fp8_compute", TWO_RANK_CASES)
+def test_two_ranks_over_nccl_equal_the_single_gpu_layer(family, fmt, interleaved, fp8_compute):
+    """Two processes, one GPU each, decode and prefill at N = 1, 7, 64, 1000, for each case: the
+    ranks' outputs agree bit for bit, eager and replayed, and equal the full layer within the
+    envelope of two bf16 partials (bf16: against the faithful sum of the rounded partials too;
+    quantized: each partial's rounding, w8a8's activation codes, as the one-GPU partials test)."""
     import cupy
 
     if cupy.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs 2 GPUs (NCCL refuses two ranks on one GPU)")
     from cupymoe.parallel import spawn_ranks
+    from cupymoe.verify import path_roundings
 
     seed = time.time_ns() % 2**31
-    for family in ("qwen2_moe", "longcat_flash"):
-        outs = spawn_ranks(testing.ep_rank_check, 2, family, seed, (1, 7, 64, 1000), ("decode", "prefill"))
-        cfg = testing.tiny_config(family)
-        hw = testing.random_host_weights(cfg, np.random.default_rng(seed))
-        for key, (x, eager0, graph0) in outs[0].items():
-            _, eager1, graph1 = outs[1][key]
-            assert np.array_equal(eager0, eager1), f"{family} {key}: ranks disagree"
-            assert np.array_equal(eager0, graph0) and np.array_equal(eager1, graph1), f"{family} {key}: graph != eager"
-            # each rank's partial is rounded to bf16 before the sum (cupymoe.verify)
-            path = key[1]
-            ep = cfg.replace(ep_world_size=2)
-            partials = [reference.moe_forward(ep, hw, x, ep_rank=r) for r in (0, 1)]
-            faithful = sum(bits_to_f32(bf16_bits(reference.moe_forward(ep, hw, x, ep_rank=r,
+    what = f"{family} {fmt} {'interleaved' if interleaved else 'contiguous'} {fp8_compute} (seed {seed})"
+    outs = spawn_ranks(testing.ep_rank_check, 2, family, seed, (1, 7, 64, 1000), ("decode", "prefill"), fmt,
+                       interleaved, fp8_compute)
+    w8a8 = outs[0].pop("fp8_compute") == "w8a8"
+    outs[1].pop("fp8_compute")
+    cfg = testing.tiny_config(family)
+    hw = testing.random_host_weights(cfg, np.random.default_rng(seed), fmt,
+                                     shared_fmt="bf16" if fmt != "bf16" else None)
+    owner = [e % 2 for e in range(cfg.num_experts)] if interleaved else None
+    ep = [cfg.replace(ep_world_size=2, ep_rank=r) for r in (0, 1)]
+    for key, (x, eager0, graph0) in outs[0].items():
+        _, eager1, graph1 = outs[1][key]
+        assert np.array_equal(eager0, eager1), f"{what} {key}: ranks disagree"
+        assert np.array_equal(eager0, graph0) and np.array_equal(eager1, graph1), f"{what} {key}: graph != eager"
+        path = key[1]
+        mine = [owned_experts(c, owner) for c in ep]
+        partials = [reference.moe_forward(c, hw, x, owned_experts=m) for c, m in zip(ep, mine)]
+        exact = reference.moe_forward(cfg, hw, x)
+        if fmt == "bf16":  # each rank's partial is rounded to bf16 before the sum (cupymoe.verify)
+            faithful = sum(bits_to_f32(bf16_bits(reference.moe_forward(c, hw, x, owned_experts=m,
                                                                       rounding=PATH_ROUNDING[path])))
-                           for r in (0, 1))
-            c = compare(eager0, reference.moe_forward(cfg, hw, x), faithful, partials=partials)
-            assert c.ok, f"{family} {key} (seed {seed}): {c}"
+                           for c, m in zip(ep, mine))
+            c = compare(eager0, exact, faithful, partials=partials)
+        else:
+            if PATH_ROUNDING[path] == "grouped":
+                partials.append(reference.moe_forward(cfg, hw, x, rounding="grouped", absolute=True))
+            c = compare(eager0, exact, roundings=path_roundings(hw, path), partials=partials, w8a8=w8a8)
+        assert c.ok, f"{what} {key}: {c}"
