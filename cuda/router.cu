@@ -17,13 +17,6 @@
 #define ROUTER_COLS 2
 #define ROUTER_UNROLL(ROWS) ((ROWS) <= 2 ? 4 : 2)  // steps of 256 columns whose loads a lane issues together
 
-//
-// w8a8 (qx set): the launch also quantizes x into qx / sx (quant.cuh's rule) for the experts,
-// since it reads x anyway: 256 columns of a row are a warp's unit, dealt over the grid's
-// warps block by block (unit u to block u % blocks), so no block takes more than its share
-// and the chain gains no launch (one warp quantizing a whole row after routing it was on the
-// chain's path). At one or two rows decode_route_lists' idle warps do it instead, hidden
-// behind the routing.
 // Block bx's two router columns of the row tile blockIdx.y (router_logits_bf16's products).
 template <int ROWS, int ROUTER_SPLIT>
 __device__ __forceinline__ void router_logits_cols(const bf16* __restrict__ x, const bf16* __restrict__ W,
@@ -85,7 +78,13 @@ __device__ __forceinline__ void router_logits_cols(const bf16* __restrict__ x, c
     }
 }
 
-// w8a8: the grid's share of x's e4m3 codes (above), every block of the grid taking units.
+// w8a8 (qx set): the launch also quantizes x into qx / sx (quant.cuh's rule) for the experts,
+// since it reads x anyway: 256 columns of a row are a warp's unit, dealt over the grid's
+// warps block by block (unit u to block u % blocks), so no block takes more than its share
+// and the chain gains no launch (one warp quantizing a whole row after routing it was on the
+// chain's path). At one or two rows decode_route_lists' idle warps do it instead, hidden
+// behind the routing.
+// Every block of the grid takes its units (router_logits_bf16_lora's LoRA blocks too).
 __device__ __forceinline__ void router_quantize_x(const bf16* __restrict__ x, int N, int H, u8* __restrict__ qx,
                                                   float* __restrict__ sx, int warps_per_block) {
 #if CUPYMOE_SM >= 89

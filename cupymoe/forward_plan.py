@@ -23,7 +23,7 @@ from . import heuristics as HX
 from .catalog import Activation, GemmMode, LoraDownMode, Scoring, WeightFormat
 from .errors import LoraError
 from .knobs import LoraShrink
-from .workspace import LORA_TICKETS
+from .workspace import LORA_TICKETS, lora_part_floats
 from .plan import (AllReduce, Arg, ArgType, Buf, CallValue, DeviceFacts, ForwardPlan, Launch, LayerPlan, Memset,
                    Path, PerN, Space, Stage)
 
@@ -181,9 +181,29 @@ LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16
 def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
     """`plan` with the router's LoRA delta launched right after the router (its logits' copy 0,
     before the routing stage reads them): a block a row, or where the deltas go grouped
-    (lora_grouped) a block lora_router_span rows bucketed by adapter. Each LoRA launch goes as the
+    (lora_grouped) a block lora_router_span rows bucketed by adapter (_router_delta); at the decode
+    chain's fewest rows folded into the router and routing launches instead (lora_fold). Each LoRA launch goes as the
     launch it precedes does (_as_successor): by PDL inside the decode chain, plainly elsewhere.
     With `lora.experts`, the expert deltas too (_with_expert_deltas)."""
+    steps = list(plan.steps)
+    at = _past_router(steps)
+    if lora_fold(plan, lp, lora):
+        steps[at - 1], steps[at] = _router_lora(steps[at - 1], lp, lora), _route_lists_lora(steps[at], lp, lora)
+    else:
+        steps.insert(at, _as_successor(_router_delta(plan, lp, lora), steps[at]))
+    if lora.experts:
+        steps = _with_expert_deltas(steps, plan, lp, lora)
+    return replace(plan, steps=tuple(steps))
+
+
+def _past_router(steps) -> int:
+    """The index of the first launch past the router's."""
+    return next(i for i, s in enumerate(steps) if s.stage != Stage.ROUTER)
+
+
+def _router_delta(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> Launch:
+    """The router's delta as a launch of its own: lora_router_delta (a block a row, its H split over
+    lora_slices blocks), or lora_grouped_router_delta where the deltas go grouped."""
     cfg = lp.cfg
     rows = PerN("N", lambda n: n) if plan.shape is not None else plan.built_for
     args = (u64("x", X), u64("lora_ids", CallValue.LORA_IDS), u64("a", Buf(Space.LAYER, "lora_router_a")),
@@ -195,24 +215,13 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
         Y = lora_chunk_blocks(lora.max_loras)
         span = PerN("lora_router_span", lambda n: lora_router_span(n, Y))
         spans = PerN("lora_router_spans", lambda n: -(-n // lora_router_span(n, Y)))
-        delta = Launch(Stage.ROUTER, "lora_grouped_router_delta", (spans, Y), (LORA_MMA_WARPS * 32,),
-                       args + sizes + (i32("span", span),), lora_grouped_smem(lora.max_rank, False))
-    else:
-        H = cfg.hidden_size
-        ri = lp.row_invariant
-        slices = (lora_slices(rows, H, ri) if isinstance(rows, int)
-                  else PerN("lora_router_slices", lambda n: lora_slices(n, H, ri)))
-        delta = Launch(Stage.ROUTER, "lora_router_delta", (rows, slices), (LORA_THREADS,),
-                       args + slice_args + sizes, (lora.max_rank + LORA_RED) * 4)
-    steps = list(plan.steps)
-    at = next(i for i, s in enumerate(steps) if s.stage != Stage.ROUTER)  # the first launch past the router
-    if lora_fold(plan, lp, lora):
-        steps[at - 1], steps[at] = _router_lora(steps[at - 1], lp, lora), _route_lists_lora(steps[at], lp, lora)
-    else:
-        steps.insert(at, _as_successor(delta, steps[at]))
-    if lora.experts:
-        steps = _with_expert_deltas(steps, plan, lp, lora)
-    return replace(plan, steps=tuple(steps))
+        return Launch(Stage.ROUTER, "lora_grouped_router_delta", (spans, Y), (LORA_MMA_WARPS * 32,),
+                      args + sizes + (i32("span", span),), lora_grouped_smem(lora.max_rank, False))
+    H, ri = cfg.hidden_size, lp.row_invariant
+    slices = (lora_slices(rows, H, ri) if isinstance(rows, int)
+              else PerN("lora_router_slices", lambda n: lora_slices(n, H, ri)))
+    return Launch(Stage.ROUTER, "lora_router_delta", (rows, slices), (LORA_THREADS,), args + slice_args + sizes,
+                  (lora.max_rank + LORA_RED) * 4)
 
 
 def lora_fold(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> bool:
@@ -223,14 +232,14 @@ def lora_fold(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> bool:
     launch is a link of the chain whose shrink, meeting and expand run one after another."""
     if not (lora.fold and plan.path == Path.DECODE and plan.shape is None and plan.built_for <= HX.LORA_FOLD_ROWS):
         return False
-    at = next(i for i, s in enumerate(plan.steps) if s.stage != Stage.ROUTER)
+    at = _past_router(plan.steps)
     router, route = plan.steps[at - 1], plan.steps[at]
     n, cfg = plan.built_for, lp.cfg
     shares = n * lora_fold_slices(n, lp) * cfg.router_width
     return (getattr(router, "kernel", "").startswith("router_logits_bf16<1, ")
             and getattr(route, "kernel", "") == "decode_route_lists"
             and C.route_lists_lora_smem_bytes(n, cfg.num_experts_per_tok, cfg.router_width) <= C.STATIC_SMEM_LIMIT
-            and shares <= 2 * LORA_TICKETS * 2 * lora.max_rank)  # lora_part's floats (workspace.layer_scratch)
+            and shares <= lora_part_floats(lora.max_rank))
 
 
 LORA_FOLD_SLICES = 16  # cuda/lora_common.cuh: the folded router delta's slices at most

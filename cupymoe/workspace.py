@@ -228,12 +228,18 @@ def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, dec
     if lora_experts:  # last, so a layer's other buffers sit where they would without it
         buffers.append(BufferSpec("lora_gu", P * 2 * i_max * 2, "gate_up", "gate_up"))
     if lora_rank:  # written and read inside one LoRA launch: route (the router's delta) to down
-        buffers.append(BufferSpec("lora_part", 2 * LORA_TICKETS * 2 * lora_rank * 4, "route", "down"))
+        buffers.append(BufferSpec("lora_part", lora_part_floats(lora_rank) * 4, "route", "down"))
     if lora_stack_ks:  # written just before the GEMM that reads it; last, as lora_gu
         buffers.append(BufferSpec("lora_t_gu", P * 2 * lora_stack_ks * 2, "gate_up", "gate_up"))
         buffers.append(BufferSpec("lora_t_down", P * lora_stack_ks * 2, "down", "down"))
     # logits die once top-k has read them, act is born at gate_up; xg dies in gate_up, yw is born in down
     return plan_scratch(STAGES, buffers, [("logits", "act"), ("xg", "yw")], guard)
+
+
+def lora_part_floats(lora_rank: int) -> int:
+    """lora_part's floats: fewer than 2 LORA_TICKETS items' slices of 2 rank rows each (and the
+    folded router delta's shares, forward_plan.lora_fold)."""
+    return 2 * LORA_TICKETS * 2 * lora_rank
 
 
 def zeroed_bytes(n_local: int, i_max: int, w8a8: bool, lora: bool = False) -> int:
