@@ -29,15 +29,25 @@
 #define LORA_HELD_BOUNDS __launch_bounds__(LORA_THREADS)
 #endif
 
+// B rows lo .. hi (bf16 [rows, max_rank]) into L2, a 128-byte line a thread: a block's expand
+// rows fetched while its shrink runs, their loads coming only after it.
+__device__ __forceinline__ void lora_prefetch_rows(const bf16* b, int lo, int hi, int max_rank) {
+    const char* p = reinterpret_cast<const char*>(b + (size_t)lo * max_rank);
+    const int bytes = (hi - lo) * max_rank * (int)sizeof(bf16);
+    for (int o = threadIdx.x * 128; o < bytes; o += blockDim.x * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+}
+
 // Whether this is the grid's block 0: the one that waits (PDL) even with nothing to add.
 __device__ __forceinline__ bool lora_block0() { return (blockIdx.x | blockIdx.y | blockIdx.z) == 0; }
 
-// After lora_slice_shrink into t (n = NP max_rank floats): whether this block goes on to the
-// expand, with t = the pair's rank sums (slices in order) times scale (s0 for rows < max_rank,
-// s1 past). One slice: at once. More: publish, ticket, the last block sums.
+// After lora_slice_shrink into t (n = NP max_rank floats) over slice blockIdx.y of S: whether this
+// block goes on to the expand, with t = the pair's rank sums (slices in order) times scale (s0 for
+// rows < max_rank, s1 past). One slice: at once. More: publish, ticket, the last block sums.
 __device__ __forceinline__ bool lora_slices_meet(float* t, int n, int max_rank, float s0, float s1,
-                                                 float* __restrict__ part, int* __restrict__ tickets, int q) {
-    const int S = gridDim.y, s = blockIdx.y;
+                                                 float* __restrict__ part, int* __restrict__ tickets, int q,
+                                                 int S) {
+    const int s = blockIdx.y;
     __syncthreads();
     if (S == 1) {
         for (int e = threadIdx.x; e < n; e += blockDim.x) t[e] *= e < max_rank ? s0 : s1;
@@ -92,7 +102,7 @@ lora_router_delta(const bf16* __restrict__ x,       // [N, H]: the router's inpu
         lora_slice(H, blockIdx.y, gridDim.y, lo, hi);
         const float* as = a + (size_t)slot * max_rank * H;
         lora_slice_shrink<1, true>(t, as, as, x + (size_t)row * H, lo, hi, H, max_rank);
-        add = lora_slices_meet(t, max_rank, max_rank, 1.0f, 1.0f, part, tickets, row);
+        add = lora_slices_meet(t, max_rank, max_rank, 1.0f, 1.0f, part, tickets, row, gridDim.y);
     }
     if (!add && !lora_block0()) return;  // block 0 waits anyway; one wait site (two made ptxas spill)
     const float* b = bs + (size_t)(add ? slot : 0) * R * max_rank;
@@ -202,7 +212,7 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
         lora_slice_shrink<2, false>(t, gate_a + ks * max_rank * H, up_a + ks * max_rank * H, in, lo, hi, H,
                                     max_rank);
         go = lora_slices_meet(t, 2 * max_rank, max_rank, scale[ks * 3], scale[ks * 3 + 1], part, tickets,
-                              blockIdx.x);
+                              blockIdx.x, gridDim.y);
     }
     if (!go && !lora_block0()) return;  // block 0 waits anyway; one wait site (two made ptxas spill)
     const bf16* gb = gate_b + ks * I_max * max_rank;
@@ -240,43 +250,53 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
 #define LORA_DOWN_ATOMIC 1   // routed pairs: acc [row, H] += w d; the shared expert's y as decode
 #define LORA_DOWN_GROUPED 2  // yw [pos, H] bf16, weighted: yw = bf16(yw + w d)
 
-// grid (N k + N has_shared, slices), block LORA_THREADS, max_rank + LORA_RED floats of shared
-// memory. The down delta of each pair with an adapter: t = s A act[pos] (I split over the pair's
-// slices), d = B t by its last block, added to the expert's output before the routing weight
-// multiplies (mode: where the path keeps that output). A [K, S, max_rank, I_max], B [K, S, H,
-// max_rank] bf16. Early start (above): act is lora_gate_up_act's, done before down's wait, so the
-// shrink and the first LORA_HOLD_DOWN column steps' expand go beside down.
+// grid (N k + N has_shared, Y), block LORA_THREADS, max_rank + LORA_RED floats of shared memory.
+// The down delta of each pair with an adapter: t = s A act[pos], d = B t, added to the expert's
+// output before the routing weight multiplies (mode: where the path keeps that output). Y splits
+// the pair's work: by_cols (forward_plan.lora_down_cols), its H output columns (lora_slice), each
+// block the whole shrink, its B rows fetched into L2 meanwhile, so no block meets another and no
+// block expands all of H alone (a chain of loads at 64 registers); else the shrink's I (slices),
+// d by the last block. A [K, S, max_rank, I_max], B [K, S, H, max_rank] bf16. Early start (above):
+// act is lora_gate_up_act's, done before down's wait, so the shrink and the first LORA_HOLD_DOWN
+// column steps' expand go beside down.
 __global__ void LORA_HELD_BOUNDS
 lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, const int* __restrict__ ids,
                 const int* __restrict__ pair_pos, const int* __restrict__ slot_of, const int* __restrict__ inter,
                 const bf16* __restrict__ down_a, const bf16* __restrict__ down_b, const float* __restrict__ scale,
                 const float* __restrict__ topk_w, float* __restrict__ y, float* __restrict__ acc,
                 bf16* __restrict__ yw, float* __restrict__ part, int* __restrict__ tickets, int N, int k, int H,
-                int I_max, int n_local, int max_rank, int max_loras, int mode) {
+                int I_max, int n_local, int max_rank, int max_loras, int mode, int by_cols) {
     extern __shared__ float t[];  // [max_rank], then LORA_RED
     const LoraPair pr = lora_pair(blockIdx.x, N, k, ids, pair_pos, slot_of, n_local);
     const int lid = pr.pos < 0 ? -1 : lora_ids[pr.row];
     bool go = lid >= 0 && lid < max_loras;  // block-uniform: this block adds a delta
     const size_t ks = go ? (size_t)lid * (n_local + 1) + pr.slot : 0;
+    const bf16* b = down_b + ks * H * max_rank;
+    int h_lo = 0, h_hi = H;  // the output columns this block adds to
+    if (by_cols) lora_slice(H, blockIdx.y, gridDim.y, h_lo, h_hi);
     if (go) {
-        int lo, hi;
-        lora_slice(inter[pr.slot], blockIdx.y, gridDim.y, lo, hi);
+        const int len = inter[pr.slot];
+        int lo = 0, hi = len;
+        if (by_cols) {
+            lora_prefetch_rows(b, h_lo, h_hi, max_rank);
+        } else {
+            lora_slice(len, blockIdx.y, gridDim.y, lo, hi);
+        }
         const bf16* a0 = down_a + ks * max_rank * I_max;
         lora_slice_shrink<1, false>(t, a0, a0, act + (size_t)pr.pos * I_max, lo, hi, I_max, max_rank);
         const float s = scale[ks * 3 + 2];
-        go = lora_slices_meet(t, max_rank, max_rank, s, s, part, tickets, blockIdx.x);
+        go = lora_slices_meet(t, max_rank, max_rank, s, s, part, tickets, blockIdx.x, by_cols ? 1 : gridDim.y);
     }
     if (!go && !lora_block0()) return;  // block 0 waits anyway; one wait site (two made ptxas spill)
     const bool routed = (int)blockIdx.x < N * k;
     const float w = go && routed ? topk_w[blockIdx.x] : 1.0f;  // the shared expert is scaled in the reduce
-    const bf16* b = down_b + ks * H * max_rank;
     const bool to_y = mode == LORA_DOWN_DECODE || (mode == LORA_DOWN_ATOMIC && !routed);  // y += d
     float* yr = y + (size_t)pr.pos * H;
     const int round = LORA_HOLD_DOWN * blockDim.x;  // columns a round: the held ones, then as many again
-    for (int h0 = 0;; h0 += round) {
+    for (int h0 = h_lo;; h0 += round) {
         float held[LORA_HOLD_DOWN];  // the round's expand, its loads together (round 0 beside down)
-        lora_expand_held(held, b + (size_t)h0 * max_rank, t, go ? H - h0 : 0, max_rank);
-        if (h0 == 0) {
+        lora_expand_held(held, b + (size_t)h0 * max_rank, t, go ? h_hi - h0 : 0, max_rank);
+        if (h0 == h_lo) {
             pdl_wait_then_release_next();  // down's output from here on
             if (!go) return;
         }
@@ -284,9 +304,9 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
 #pragma unroll
         for (int i = 0; i < LORA_HOLD_DOWN; ++i) {
             const int h = h0 + threadIdx.x + i * blockDim.x;
-            yv[i] = to_y && h < H ? yr[h] : 0.f;
+            yv[i] = to_y && h < h_hi ? yr[h] : 0.f;
         }
-        for (int i = 0, h = h0 + threadIdx.x; i < LORA_HOLD_DOWN && h < H; ++i, h += blockDim.x) {  // rolled: one store site
+        for (int i = 0, h = h0 + threadIdx.x; i < LORA_HOLD_DOWN && h < h_hi; ++i, h += blockDim.x) {  // rolled: one store site
             float d = 0.f, v = 0.f;
             lora_pick(held, i, d), lora_pick(yv, i, v);
             if (to_y) {
@@ -298,7 +318,7 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
                 atomicAdd(acc + (size_t)pr.row * H + h, w * d);
             }
         }
-        if (h0 + round >= H) break;
+        if (h0 + round >= h_hi) break;
     }
 }
 

@@ -22,7 +22,7 @@ from . import catalog as C
 from . import heuristics as HX
 from .catalog import Activation, GemmMode, LoraDownMode, Scoring, WeightFormat
 from .errors import LoraError
-from .knobs import LoraShrink
+from .knobs import LoraDownSplit, LoraShrink
 from .workspace import LORA_TICKETS, lora_part_floats
 from .plan import (AllReduce, Arg, ArgType, Buf, CallValue, DeviceFacts, ForwardPlan, Launch, LayerPlan, Memset,
                    Path, PerN, Space, Stage)
@@ -151,6 +151,7 @@ class LoraShape:
     stack_parts: int = 0  # the stacked form's parts of s t where the layer has its Bext (lora_in_gemm); 0: none
     stack_shrink: LoraShrink = LoraShrink.AUTO  # how the stacked form makes T (CUPYMOE_LORA_STACK_SHRINK)
     fold: bool = True  # the router delta inside the router and routing launches at the fewest rows (CUPYMOE_LORA_FOLD)
+    down_split: LoraDownSplit = LoraDownSplit.COLS  # what lora_down_delta's grid y splits (CUPYMOE_LORA_DOWN_SPLIT)
 
 
 LORA_THREADS = 256  # cuda/lora.cu
@@ -173,6 +174,14 @@ def lora_slices(items: int, cols: int, row_invariant: bool = False) -> int:
     if items >= LORA_SLICE_TARGET or row_invariant:
         return 1
     return max(1, min(-(-cols // LORA_SLICE_MIN), -(-LORA_SLICE_TARGET // max(items, 1))))
+
+
+def lora_down_cols(items: int, cols: int) -> int:
+    """Blocks lora_down_delta splits each pair's expand over its `cols` output columns into (by_cols:
+    its grid's y; cuda/lora.cu): enough for about LORA_SLICE_TARGET blocks, a column a thread at
+    least; no tickets, so no bound but the grid's. Each block does the pair's whole shrink, so a
+    pair's bits are the unsplit kernel's at any count (row_invariant holds)."""
+    return max(1, min(-(-cols // LORA_THREADS), -(-LORA_SLICE_TARGET // max(items, 1))))
 
 
 LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16 (ACT_PAIR)
@@ -537,11 +546,13 @@ def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) ->
     pairs = plan.built_for * (k + sh) if exact else PerN("lora_pairs", lambda n: n * (k + sh))
     I_max = lp.i_max
     ri = lp.row_invariant
+    by_cols = lora.down_split == LoraDownSplit.COLS
+    down_split = (lambda n: lora_down_cols(n, H)) if by_cols else (lambda n: lora_slices(n, I_max, ri))
     if exact:
-        gate_up_slices, down_slices = lora_slices(pairs, H, ri), lora_slices(pairs, I_max, ri)
+        gate_up_slices, down_slices = lora_slices(pairs, H, ri), down_split(pairs)
     else:
         gate_up_slices = PerN("lora_gate_up_slices", lambda n: lora_slices(n * (k + sh), H, ri))
-        down_slices = PerN("lora_down_slices", lambda n: lora_slices(n * (k + sh), I_max, ri))
+        down_slices = PerN("lora_down_slices", lambda n: down_split(n * (k + sh)))
     slice_args = (u64("part", S("lora_part")), u64("tickets", S("lora_tickets")))
     where = (u64("lora_ids", CallValue.LORA_IDS), u64("ids", S("topk_ids")), u64("pair_pos", S("pair_pos")),
              u64("slot_of", W("slot_of")), u64("inter", W("inter")))
@@ -559,7 +570,7 @@ def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) ->
     down = Launch(Stage.DOWN, "lora_down_delta", (pairs, down_slices), (LORA_THREADS,),
                   (u64("act", S("act")), *where, L("down_a"), L("down_b"), L("scale"), u64("topk_w", S("topk_w")),
                    u64("y", S("y")), u64("acc", S("acc")), u64("yw", S("yw")), *slice_args, *sizes,
-                   i32("mode", int(mode))),
+                   i32("mode", int(mode)), i32("by_cols", int(by_cols))),
                   (lora.max_rank + LORA_RED) * 4)
     return gate_up, down
 

@@ -62,6 +62,12 @@ class LoraShrink(str, enum.Enum):
     SEGMENTS = "segments"  # lora_stack_t_seg: a block a (tile, adapter), its rows against that adapter's A rows, pipelined
 
 
+class LoraDownSplit(str, enum.Enum):
+    """What lora_down_delta's blocks of one pair split (cuda/lora.cu: by_cols; forward_plan.lora_down_cols)."""
+    COLS = "cols"  # the expand's H output columns, each block the pair's whole shrink
+    SHRINK = "shrink"  # the shrink's I input columns, the slices meeting at a ticket, the last block expanding
+
+
 class GateUpAhead(str, enum.Enum):
     """Whether the decode gate/up's blocks go by table slot, their first weight stages copied
     before they wait for the lists (the w8a8 wgmma and the bf16 swap-AB gate/up)."""
@@ -177,6 +183,10 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
     "lora_fold": ("CUPYMOE_LORA_FOLD", "1: at the decode chain's fewest rows (heuristics.LORA_FOLD_ROWS) the "
                   "LoRA router delta runs as more blocks of the router's launch and is added inside the routing "
                   "launch; 0: lora_router_delta, a launch of its own; read when a layer is built", _on_off, True),
+    "lora_down_split": ("CUPYMOE_LORA_DOWN_SPLIT", "what lora_down_delta's blocks of one pair split: cols (its "
+                        "expand's output columns, each block the whole shrink) | shrink (the shrink's input "
+                        "columns, the slices meeting at a ticket); read when a layer is built",
+                        _choice(LoraDownSplit), LoraDownSplit.COLS),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "
@@ -220,6 +230,7 @@ class Knobs:
     lora_in_gemm: int = 1
     lora_stack_shrink: LoraShrink = LoraShrink.AUTO
     lora_fold: bool = True
+    lora_down_split: LoraDownSplit = LoraDownSplit.COLS
     math_rows: Optional[int] = None
     gemm_band_cols: Optional[int] = None
 
