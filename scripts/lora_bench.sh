@@ -1,5 +1,5 @@
 # Sourced first by the LoRA GPU checks (lora_check.sh, lora_decode_check.sh, lora_shrink_check.sh,
-# lora_fold_check.sh): DEST from $OUT, the repository root as the working folder and on
+# lora_knob_check.sh): DEST from $OUT, the repository root as the working folder and on
 # PYTHONPATH, then the steps they share.
 set -u
 DEST=${OUT:?set OUT to a folder for the logs}

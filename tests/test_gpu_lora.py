@@ -985,6 +985,16 @@ def test_early_start_graph_replay(rng):
         _captured_with_empty_slots(layer, cfg, hw, rng, adapters, "decode", n, "early replay")
 
 
+def _layers_by_knob(monkeypatch, knob, values, cfg, hw):
+    """{value: a layer built with the environment variable `knob` set to it} (fp8_block as w8a16;
+    the LoRA knobs are read when a layer is built)."""
+    layers = {}
+    for v in values:
+        monkeypatch.setenv(knob, v)
+        layers[v] = _layer(cfg, hw, fp8_compute="w8a16")
+    return layers
+
+
 # --- the router's delta folded in at the decode chain's fewest rows (forward_plan.lora_fold): each
 # block of a slice of its shrink and that slice's share of its expand more blocks of the router's
 # grid (router_logits_bf16_lora), the shares added inside the routing launch
@@ -1010,10 +1020,7 @@ def test_decode_fold_against_the_unfolded_form(family, fmt, rng, monkeypatch):
     cfg = testing.tiny_config(family, hidden_size=776 if fmt == "bf16" else 896)  # fp8_block: 128-column blocks
     hw = testing.random_host_weights(cfg, rng, fmt)
     adapters = _expert_adapters(cfg, rng)
-    layers = {}
-    for fold in ("1", "0"):
-        monkeypatch.setenv("CUPYMOE_LORA_FOLD", fold)  # read when the layer is built
-        layers[fold] = _layer(cfg, hw, fp8_compute="w8a16")
+    layers = _layers_by_knob(monkeypatch, "CUPYMOE_LORA_FOLD", ("1", "0"), cfg, hw)
     layer = layers["1"]
     kinds = [getattr(s, "kernel", "") for s in
              build_forward_plan(layer.plan, layer.device, 1, Path.DECODE, lora=LoraShape(K, RMAX, True)).at(1).steps]
@@ -1078,12 +1085,10 @@ def test_decode_down_by_columns_against_the_sliced_form(family, fmt, rng, monkey
                               moe_intermediate_size=584 if fmt == "bf16" else 640)
     hw = testing.random_host_weights(cfg, rng, fmt)
     adapters = _expert_adapters(cfg, rng)
-    layers = {}
-    for form in ("cols", "shrink"):
-        monkeypatch.setenv("CUPYMOE_LORA_DOWN_SPLIT", form)  # read when the layer is built
-        layers[form] = _layer(cfg, hw, fp8_compute="w8a16")
+    layers = _layers_by_knob(monkeypatch, "CUPYMOE_LORA_DOWN_SPLIT", ("cols", "shrink"), cfg, hw)
+    for lay in layers.values():
         for slot, lw in adapters.items():
-            layers[form].set_lora(slot, lw)
+            lay.set_lora(slot, lw)
     layer = layers["cols"]
     steps = build_forward_plan(layer.plan, layer.device, 1, Path.DECODE, lora=LoraShape(K, RMAX, True)).at(1).steps
     down = next(s for s in steps if getattr(s, "kernel", "") == "lora_down_delta")
