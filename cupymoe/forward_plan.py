@@ -173,7 +173,7 @@ def lora_slices(items: int, cols: int, row_invariant: bool = False) -> int:
     rows came with it)."""
     if items >= LORA_SLICE_TARGET or row_invariant:
         return 1
-    return max(1, min(-(-cols // LORA_SLICE_MIN), -(-LORA_SLICE_TARGET // max(items, 1))))
+    return _blocks_an_item(items, cols, LORA_SLICE_MIN)
 
 
 def lora_down_cols(items: int, cols: int) -> int:
@@ -181,7 +181,12 @@ def lora_down_cols(items: int, cols: int) -> int:
     its grid's y; cuda/lora.cu): enough for about LORA_SLICE_TARGET blocks, a column a thread at
     least; no tickets, so no bound but the grid's. Each block does the pair's whole shrink, so a
     pair's bits are the unsplit kernel's at any count (row_invariant holds)."""
-    return max(1, min(-(-cols // LORA_THREADS), -(-LORA_SLICE_TARGET // max(items, 1))))
+    return _blocks_an_item(items, cols, LORA_THREADS)
+
+
+def _blocks_an_item(items: int, cols: int, cols_a_block: int) -> int:
+    """Blocks an item's `cols` split over: about LORA_SLICE_TARGET in all, `cols_a_block` columns each at least."""
+    return max(1, min(-(-cols // cols_a_block), -(-LORA_SLICE_TARGET // max(items, 1))))
 
 
 LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16 (ACT_PAIR)
