@@ -20,6 +20,19 @@
 #define LORA_HOLD_ROUTER 1  // logits a thread holds: R <= 256 at LORA_THREADS
 #define LORA_HOLD 8         // gate/up columns a thread holds (g's and u's deltas): I <= 2048
 #define LORA_HOLD_DOWN 16   // down columns a thread holds: H <= 4096
+// The down delta's shrink (by_cols: a block a pair's whole I, a chain of dependent loads): every
+// lane of the block on the rank rows (max_rank 16 at LORA_THREADS) and 8 vectors a lane in flight
+// (sm_90's 64 registers hold them; ptxas spills them elsewhere): fewer steps a lane (DECISIONS).
+#ifndef LORA_DOWN_TPR
+#define LORA_DOWN_TPR 16
+#endif
+#ifndef LORA_DOWN_VPT
+#if CUPYMOE_SM >= 90
+#define LORA_DOWN_VPT 8
+#else
+#define LORA_DOWN_VPT 4
+#endif
+#endif
 // The held kernels' bounds on sm_90 (PDL): 4 blocks an SM, 64 registers, so one fits beside two
 // swap-AB decode blocks (decode_swapab_*<64>: 148 registers x 160 threads each), where it starts
 // early; sm_80 (no PDL, nothing starts early) is left unbounded.
@@ -283,7 +296,8 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
             lora_slice(len, blockIdx.y, gridDim.y, lo, hi);
         }
         const bf16* a0 = down_a + ks * max_rank * I_max;
-        lora_slice_shrink<1, false>(t, a0, a0, act + (size_t)pr.pos * I_max, lo, hi, I_max, max_rank);
+        lora_slice_shrink<1, false, LORA_DOWN_TPR, LORA_DOWN_VPT>(t, a0, a0, act + (size_t)pr.pos * I_max, lo, hi,
+                                                                  I_max, max_rank);
         const float s = scale[ks * 3 + 2];
         go = lora_slices_meet(t, max_rank, max_rank, s, s, part, tickets, blockIdx.x, by_cols ? 1 : gridDim.y);
     }

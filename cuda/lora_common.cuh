@@ -24,22 +24,22 @@
 
 // The block's rank sums of slice [lo, hi) of the input v (8-column vectors): red[rr] = A_p[j,
 // lo:hi] . v[lo:hi] for rank row rr = p max_rank + j of NP projections (a0, a1: [max_rank,
-// stride], bf16, or fp32 as AF32). A rank row goes to LORA_TPR lanes, each taking the slice's
-// vectors l, l + LORA_TPR, ... (LORA_VPT a step, loads in flight together; v's vectors hit L1
-// after the first rank row), their sums met by a fixed butterfly.
-template <int NP, bool AF32>
+// stride], bf16, or fp32 as AF32). A rank row goes to TPR lanes, each taking the slice's
+// vectors l, l + TPR, ... (VPT a step, loads in flight together; v's vectors hit L1 after the
+// first rank row), their sums met by a fixed butterfly.
+template <int NP, bool AF32, int TPR = LORA_TPR, int VPT = LORA_VPT>
 __device__ __forceinline__ void lora_slice_shrink(float* red, const void* a0, const void* a1,
                                                   const bf16* __restrict__ v, int lo, int hi, int stride,
                                                   int max_rank) {
-    const int l = threadIdx.x & (LORA_TPR - 1);
+    const int l = threadIdx.x & (TPR - 1);
     const int rows = NP * max_rank;
-    for (int rr = threadIdx.x / LORA_TPR; rr < rows; rr += blockDim.x / LORA_TPR) {
+    for (int rr = threadIdx.x / TPR; rr < rows; rr += blockDim.x / TPR) {
         const int p = NP > 1 && rr >= max_rank, j = rr - p * max_rank;
         float acc = 0.f;
-        for (int c0 = lo + 8 * l; c0 < hi; c0 += 8 * LORA_TPR * LORA_VPT) {
+        for (int c0 = lo + 8 * l; c0 < hi; c0 += 8 * TPR * VPT) {
 #pragma unroll
-            for (int i = 0; i < LORA_VPT; ++i) {
-                const int c = c0 + 8 * LORA_TPR * i;
+            for (int i = 0; i < VPT; ++i) {
+                const int c = c0 + 8 * TPR * i;
                 if (c >= hi) continue;
                 float vf[8];
                 unpack_bf16x8(load_bf16x8(v + c), vf);
@@ -57,9 +57,9 @@ __device__ __forceinline__ void lora_slice_shrink(float* red, const void* a0, co
                 }
             }
         }
-        const unsigned group = ((1u << LORA_TPR) - 1u) << (threadIdx.x & 31 & ~(LORA_TPR - 1));  // the rank row's lanes
+        const unsigned group = ((1u << TPR) - 1u) << (threadIdx.x & 31 & ~(TPR - 1));  // the rank row's lanes
 #pragma unroll
-        for (int m = LORA_TPR / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(group, acc, m);
+        for (int m = TPR / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(group, acc, m);
         if (l == 0) red[rr] = acc;
     }
 }

@@ -94,6 +94,13 @@ def _count(name: str, v: str) -> int:
     return int(v)
 
 
+def _lanes(name: str, v: str) -> tuple[int, int]:
+    t, _, vpt = v.partition("x")
+    if not (t.isdigit() and vpt.isdigit() and int(t) in (1, 2, 4, 8, 16, 32) and int(vpt) >= 1):
+        raise OptionError(f"{name}={v!r}: must be TxV, T a power of two up to 32, V >= 1")
+    return int(t), int(vpt)
+
+
 def _choice(enum_type):
     def parse(name: str, v: str):
         try:
@@ -187,6 +194,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                         "expand's output columns, each block the whole shrink) | shrink (the shrink's input "
                         "columns, the slices meeting at a ticket); read when a layer is built",
                         _choice(LoraDownSplit), LoraDownSplit.COLS),
+    "lora_down_lanes": ("CUPYMOE_LORA_DOWN_LANES", "lora_down_delta's whole shrink: lanes a rank row x vectors a "
+                        "lane in flight, as TxV (compile time)", _lanes, None),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "
@@ -231,6 +240,7 @@ class Knobs:
     lora_stack_shrink: LoraShrink = LoraShrink.AUTO
     lora_fold: bool = True
     lora_down_split: LoraDownSplit = LoraDownSplit.COLS
+    lora_down_lanes: Optional[tuple[int, int]] = None
     math_rows: Optional[int] = None
     gemm_band_cols: Optional[int] = None
 
