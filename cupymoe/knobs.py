@@ -96,8 +96,8 @@ def _count(name: str, v: str) -> int:
 
 def _lanes(name: str, v: str) -> tuple[int, int]:
     t, _, vpt = v.partition("x")
-    if not (t.isdigit() and vpt.isdigit() and int(t) in (1, 2, 4, 8, 16, 32) and int(vpt) >= 1):
-        raise OptionError(f"{name}={v!r}: must be TxV, T a power of two up to 32, V >= 1")
+    if not (t.isdigit() and vpt.isdigit() and int(t) in (1, 2, 4, 8, 16) and int(vpt) >= 1):  # a rank row's lanes: one mask word
+        raise OptionError(f"{name}={v!r}: must be TxV, T a power of two up to 16, V >= 1")
     return int(t), int(vpt)
 
 
@@ -194,8 +194,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                         "expand's output columns, each block the whole shrink) | shrink (the shrink's input "
                         "columns, the slices meeting at a ticket); read when a layer is built",
                         _choice(LoraDownSplit), LoraDownSplit.COLS),
-    "lora_down_lanes": ("CUPYMOE_LORA_DOWN_LANES", "lora_down_delta's whole shrink: lanes a rank row x vectors a "
-                        "lane in flight, as TxV (compile time)", _lanes, None),
+    "lora_down_lanes": ("CUPYMOE_LORA_DOWN_LANES", "lora_down_delta's shrink: lanes a rank row x vectors a lane "
+                        "in flight, as TxV (compile time; default 16x8 on sm_90, 16x4 elsewhere)", _lanes, None),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "

@@ -68,3 +68,10 @@ def test_the_knobs_command_reads_this_environment(monkeypatch, capsys):
     monkeypatch.setenv("CUPYMOE_PLD", "0")
     assert main(["knobs"]) == 2
     assert "this environment: unknown environment variable(s) CUPYMOE_PLD" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["16", "32x8", "16x0", "12x4", "x"])
+def test_lora_down_lanes_refused_outside_one_mask_word(value):
+    with pytest.raises(OptionError, match=f"CUPYMOE_LORA_DOWN_LANES={value!r}"):
+        Knobs.from_env({"CUPYMOE_LORA_DOWN_LANES": value})
+    assert Knobs.from_env({"CUPYMOE_LORA_DOWN_LANES": "16x8"}).lora_down_lanes == (16, 8)
