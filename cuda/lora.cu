@@ -18,6 +18,11 @@
 // (prefill, separated plans) the wait is a no-op and the launch order covers everything. The
 // arithmetic is the waiting form's (same operations, same order), so the bits are too.
 #define LORA_HOLD_ROUTER 1  // logits a thread holds: R <= 256 at LORA_THREADS
+// The router delta's shrink: every lane of the block on the rank rows (16 lanes a rank row at
+// max_rank 16; 8 left half the block idle), half the dependent steps a lane.
+#ifndef LORA_ROUTER_TPR
+#define LORA_ROUTER_TPR 16
+#endif
 #define LORA_HOLD 8         // gate/up columns a thread holds (g's and u's deltas): I <= 2048
 #define LORA_HOLD_DOWN 16   // down columns a thread holds: H <= 4096
 // The down delta's shrink (by_cols: a block a pair's whole I, a chain of dependent loads): every
@@ -114,7 +119,7 @@ lora_router_delta(const bf16* __restrict__ x,       // [N, H]: the router's inpu
         int lo, hi;
         lora_slice(H, blockIdx.y, gridDim.y, lo, hi);
         const float* as = a + (size_t)slot * max_rank * H;
-        lora_slice_shrink<1, true>(t, as, as, x + (size_t)row * H, lo, hi, H, max_rank);
+        lora_slice_shrink<1, true, LORA_ROUTER_TPR>(t, as, as, x + (size_t)row * H, lo, hi, H, max_rank);
         add = lora_slices_meet(t, max_rank, max_rank, 1.0f, 1.0f, part, tickets, row, gridDim.y);
     }
     if (!add && !lora_block0()) return;  // block 0 waits anyway; one wait site (two made ptxas spill)

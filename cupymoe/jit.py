@@ -196,7 +196,7 @@ def arch_for_capability(major: int, minor: int) -> str:
 def compile_options(arch: str, knobs: Optional[Knobs] = None) -> tuple[str, ...]:
     cc, arch = parse_arch(arch)
     knobs = knobs or Knobs.from_env()
-    band, lanes = knobs.gemm_band_cols, knobs.lora_down_lanes
+    band, lanes, router_tpr = knobs.gemm_band_cols, knobs.lora_down_lanes, knobs.lora_router_tpr
     return (
         f"--gpu-architecture={arch}",
         "--std=c++17",
@@ -205,6 +205,7 @@ def compile_options(arch: str, knobs: Optional[Knobs] = None) -> tuple[str, ...]
         f"-DCUPYMOE_SM={cc}",
         *((f"-DGEMM_BAND_COLS={band}",) if band else ()),
         *((f"-DLORA_DOWN_TPR={lanes[0]}", f"-DLORA_DOWN_VPT={lanes[1]}") if lanes else ()),
+        *((f"-DLORA_ROUTER_TPR={router_tpr}",) if router_tpr else ()),
         f"-I{kernel_dir()}",
         *(f"-I{d}" for d in cuda_include_dirs()),
         "-Xptxas=-v",  # resource report in the program log (registers, spills, smem)

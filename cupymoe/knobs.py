@@ -101,6 +101,12 @@ def _lanes(name: str, v: str) -> tuple[int, int]:
     return int(t), int(vpt)
 
 
+def _rank_row_lanes(name: str, v: str) -> int:
+    if not (v.isdigit() and int(v) in (1, 2, 4, 8, 16)):  # a rank row's lanes: one shuffle mask word
+        raise OptionError(f"{name}={v!r}: must be a power of two up to 16")
+    return int(v)
+
+
 def _choice(enum_type):
     def parse(name: str, v: str):
         try:
@@ -196,6 +202,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                         _choice(LoraDownSplit), LoraDownSplit.COLS),
     "lora_down_lanes": ("CUPYMOE_LORA_DOWN_LANES", "lora_down_delta's shrink: lanes a rank row x vectors a lane "
                         "in flight, as TxV (compile time; default 16x8 on sm_90, 16x4 elsewhere)", _lanes, None),
+    "lora_router_tpr": ("CUPYMOE_LORA_ROUTER_TPR", "lora_router_delta's shrink: lanes a rank row, a power of "
+                        "two up to 16 (compile time; default 16)", _rank_row_lanes, None),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "
@@ -241,6 +249,7 @@ class Knobs:
     lora_fold: bool = True
     lora_down_split: LoraDownSplit = LoraDownSplit.COLS
     lora_down_lanes: Optional[tuple[int, int]] = None
+    lora_router_tpr: Optional[int] = None
     math_rows: Optional[int] = None
     gemm_band_cols: Optional[int] = None
 

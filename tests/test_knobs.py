@@ -75,3 +75,10 @@ def test_lora_down_lanes_refused_outside_one_mask_word(value):
     with pytest.raises(OptionError, match=f"CUPYMOE_LORA_DOWN_LANES={value!r}"):
         Knobs.from_env({"CUPYMOE_LORA_DOWN_LANES": value})
     assert Knobs.from_env({"CUPYMOE_LORA_DOWN_LANES": "16x8"}).lora_down_lanes == (16, 8)
+
+
+@pytest.mark.parametrize("value", ["32", "12", "0", "x"])
+def test_lora_router_lanes_refused_outside_one_mask_word(value):
+    with pytest.raises(OptionError, match=f"CUPYMOE_LORA_ROUTER_TPR={value!r}"):
+        Knobs.from_env({"CUPYMOE_LORA_ROUTER_TPR": value})
+    assert Knobs.from_env({"CUPYMOE_LORA_ROUTER_TPR": "8"}).lora_router_tpr == 8
