@@ -3,8 +3,8 @@
 # (SUITE=0, the default) or the GPU suite (SUITE=1: scripts/device_check.sh PARTS=tests), then bench --lora 4
 # --lora-rank 16 at TOKENS (default "1 8 32") with KNOB (an environment variable) set to each of FORMS, the values
 # alternating within each round (ROUNDS, default 2), PRESETS (default qwen3-30b-a3b) in bf16 and fp8_block as
-# w8a16, and once for ONCE's presets; then (TIMELINE=1) the LoRA forward at one row on the timeline for each
-# value. Logs and JSON as $OUT/run.tgz (the suite's as $OUT/check.tgz).
+# w8a16, and once for ONCE's presets; then (TIMELINE=1) the LoRA forward on the timeline for each
+# value (TL_TOKENS rows, default 1). Logs and JSON as $OUT/run.tgz (the suite's as $OUT/check.tgz).
 #
 #   OUT=/tmp/out KNOB=CUPYMOE_LORA_DOWN_SPLIT FORMS="cols shrink" bash scripts/lora_knob_check.sh    (.whl carried)
 . "$(dirname "$0")/lora_bench.sh"
@@ -37,9 +37,11 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
 done
 for preset in ${ONCE:-}; do values "$preset" 1; done
 if [ "${TIMELINE:-1}" = 1 ]; then
-  for value in $FORMS; do
-    env "$KNOB=$value" timeout 100 python3 -P scripts/graph_timeline.py --preset qwen3-30b-a3b --tokens 1 --lora 4 \
-      > "$W/timeline-$value.log" 2>&1
-    echo "timeline $KNOB=$value:"; grep -E "start|span" "$W/timeline-$value.log"
+  for tl in ${TL_TOKENS:-1}; do
+    for value in $FORMS; do
+      env "$KNOB=$value" timeout 100 python3 -P scripts/graph_timeline.py --preset qwen3-30b-a3b --tokens "$tl" \
+        --lora 4 > "$W/timeline-$value-$tl.log" 2>&1
+      echo "timeline N=$tl $KNOB=$value:"; grep -E "start|span" "$W/timeline-$value-$tl.log"
+    done
   done
 fi
