@@ -94,15 +94,18 @@ def _count(name: str, v: str) -> int:
     return int(v)
 
 
+RANK_ROW_LANES = (1, 2, 4, 8, 16)  # a LoRA shrink's lanes a rank row: they share one 32-bit shuffle mask
+
+
 def _lanes(name: str, v: str) -> tuple[int, int]:
     t, _, vpt = v.partition("x")
-    if not (t.isdigit() and vpt.isdigit() and int(t) in (1, 2, 4, 8, 16) and int(vpt) >= 1):  # a rank row's lanes: one mask word
+    if not (t.isdigit() and vpt.isdigit() and int(t) in RANK_ROW_LANES and int(vpt) >= 1):
         raise OptionError(f"{name}={v!r}: must be TxV, T a power of two up to 16, V >= 1")
     return int(t), int(vpt)
 
 
 def _rank_row_lanes(name: str, v: str) -> int:
-    if not (v.isdigit() and int(v) in (1, 2, 4, 8, 16)):  # a rank row's lanes: one shuffle mask word
+    if not (v.isdigit() and int(v) in RANK_ROW_LANES):
         raise OptionError(f"{name}={v!r}: must be a power of two up to 16")
     return int(v)
 
