@@ -1255,17 +1255,23 @@ __device__ __forceinline__ void lora_mma_shrink_part_f32(float* part, int rp, co
 
 // logits[row] += Bs[key] t_i for the chunk's rows (fp32, ranks in order, as lora_router_delta):
 // a thread a column and every G-th row (G = blockDim / R groups of R threads, or one group walking
-// the columns), LORA_RX rows at once so that each Bs element is loaded once for them and their
-// logits loads are in flight together.
+// the columns), LORA_RX rows at once so that their logits loads are in flight together. A column's
+// first LORA_ROUTER_HELD ranks of Bs (the slots', not the router's) are loaded together before the
+// PDL wait, so after it the rows cost their logits' trip alone.
 #define LORA_RX 2
+#define LORA_ROUTER_HELD 16
 __device__ __forceinline__ void lora_router_expand(const LoraBuckets& b, int c, int row0, const float* t, int rp,
                                                    const float* __restrict__ bs, float* __restrict__ logits, int R,
                                                    int max_rank) {
     const int W = min(R, (int)blockDim.x), G = (int)blockDim.x / W, g = (int)threadIdx.x / W;
-    if (g >= G) return;
+    if (g >= G) return;  // reads no logits: no wait
     const int rows = b.rows[c];
     for (int col = threadIdx.x % W; col < R; col += W) {
         const float* be = bs + ((size_t)b.key[c] * R + col) * max_rank;
+        float bh[LORA_ROUTER_HELD];
+#pragma unroll
+        for (int j = 0; j < LORA_ROUTER_HELD; ++j) bh[j] = j < max_rank ? __ldg(be + j) : 0.f;
+        pdl_wait_then_release_next();  // the router's logits from here on
         for (int i0 = g; i0 < rows; i0 += LORA_RX * G) {
             float d[LORA_RX], l[LORA_RX];
             size_t o[LORA_RX];
@@ -1278,7 +1284,12 @@ __device__ __forceinline__ void lora_router_expand(const LoraBuckets& b, int c, 
                 ti[u] = t + i * rp;
                 d[u] = 0.f;
             }
-            for (int j = 0; j < max_rank; ++j) {
+#pragma unroll
+            for (int j = 0; j < LORA_ROUTER_HELD; ++j)
+                if (j < max_rank)
+#pragma unroll
+                    for (int u = 0; u < LORA_RX; ++u) d[u] = fmaf(bh[j], ti[u][j], d[u]);
+            for (int j = LORA_ROUTER_HELD; j < max_rank; ++j) {
                 const float bj = __ldg(be + j);
 #pragma unroll
                 for (int u = 0; u < LORA_RX; ++u) d[u] = fmaf(bj, ti[u][j], d[u]);
@@ -1319,8 +1330,7 @@ lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lo
         __syncthreads();
         lora_sum_parts(t, parts, n, rp, 1.0f, 0.f);
         __syncthreads();
-        pdl_wait_then_release_next();  // the router's logits from here on
-        lora_router_expand(b, c, row0, t, rp, bs, logits, R, max_rank);
+        lora_router_expand(b, c, row0, t, rp, bs, logits, R, max_rank);  // waits for the router inside
         __syncthreads();  // the next chunk's sum rewrites t
     }
     pdl_leave_early();  // a block 0 without chunks: the grid never completes before the router
