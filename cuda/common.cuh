@@ -30,6 +30,14 @@ __device__ __forceinline__ void pdl_wait_then_release_next() {
 #endif
 }
 
+// The wait alone, where a kernel releases no successor of its own (the stacked GEMMs' extra K
+// read T by it: forward_plan.with_lora's prefill overlap).
+__device__ __forceinline__ void pdl_wait() {
+#if CUPYMOE_SM >= 90
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // A block that leaves before its wait (a decode block with no expert or columns to serve,
 // whose weight copies went out before the wait): the grid's first block waits anyway, so the
 // grid never completes before the kernel it follows. griddepcontrol.wait covers only the

@@ -301,8 +301,13 @@ __device__ __forceinline__ void grouped_gemm_body(GEMM_ARGS, const bf16* __restr
     bf16* sA = reinterpret_cast<bf16*>(gg_smem);
     bf16* sB = sA + STAGES * BM * BK;
     u8* sRaw = reinterpret_cast<u8*>(sB + (QUANT ? 2 : STAGES) * GG_BN * BK);
+    // the router's logits: its LoRA delta may start its shrink beside it (forward_plan.with_lora)
+    if constexpr (MODE == MODE_ROUTER) pdl_wait_then_release_next();
     GemmTile t;
-    if (!gemm_tile<MODE, BM, GG_BN, FMT>(t, GEMM_ARG_NAMES)) return;
+    if (!gemm_tile<MODE, BM, GG_BN, FMT>(t, GEMM_ARG_NAMES)) {
+        if (LORA) pdl_leave_early();  // the grid never completes before the shrink it follows
+        return;
+    }
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 1, wn = warp & 1;
     typedef StageLoader<MODE, BM, BK, THREADS, GG_BN, FMT> Loader;
@@ -343,6 +348,7 @@ __device__ __forceinline__ void grouped_gemm_body(GEMM_ARGS, const bf16* __restr
     cp_async_wait<0>();
     if constexpr (LORA) {  // the stacked form's extra K: T's columns against Bext's, after the weights' K
         __syncthreads();  // every warp is done with the main loop's tiles
+        pdl_wait();       // T is the shrink's, the launch before (by PDL on the prefill path: it may still run)
         grouped_lora_steps<MODE, BM, BK>(t, sA, sB, mma_step, lora_t, lora_b0, lora_b1, KS, GEMM_ARG_NAMES);
     }
 

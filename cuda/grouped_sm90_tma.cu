@@ -110,6 +110,7 @@ __device__ __forceinline__ void tma_copy_stage_lora(bf16* sA, bf16* sB, u64* ful
     constexpr int BK = TMA_BK;
     const int s = kt % S;
     const u8* mapA = maps + TMA_MAP_BYTES * (MODE == MODE_GATE_UP ? TMA_MAP_LORA_T_GU : TMA_MAP_LORA_T_DOWN);
+    pdl_wait();  // T is the shrink's, the launch before (by PDL on the prefill path: it may still run)
     mbar_arrive_expect_tx(&full[s], bytes);
     for (int i = 0; i < subs; ++i)
         tma_load_2d(sA + (s * BM + i * TMA_SUB) * BK, mapA, j * BK, arow + i * TMA_SUB, &full[s]);
@@ -253,7 +254,10 @@ __device__ __forceinline__ void grouped_sm90_tma_body(GEMM_ARGS, const u8* __res
     u64* empty = full + S;
 
     GemmTile t;
-    if (!gemm_tile<MODE, BM, BN>(t, GEMM_ARG_NAMES)) return;
+    if (!gemm_tile<MODE, BM, BN>(t, GEMM_ARG_NAMES)) {
+        if (LORA) pdl_leave_early();  // the grid never completes before the shrink it follows
+        return;
+    }
     const int KT = (t.K + BK - 1) / BK;
     // LORA: the extra K's steps (tma_copy_stage_lora), after K's; KS: T's columns a projection
     const int KX = LORA ? (MODE == MODE_GATE_UP ? 2 : 1) * lora_steps : 0, KS = LORA ? lora_steps * BK : 0;

@@ -918,7 +918,7 @@ lora_stack_t_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, co
                      int n_local, int max_rank, int max_loras, int parts, int KS) {
     __shared__ LoraBuckets b;
     extern __shared__ __align__(16) float parts_[];
-    pdl_wait_then_release_next();  // by PDL only inside a decode chain (never today): nothing read before
+    pdl_wait_then_release_next();  // launched plainly: the release lets its GEMM (by PDL) run its K beside it
     if ((int)blockIdx.x >= *num_tiles) return;
     const int4 ti = tile_info[blockIdx.x];
     const int rp = (max_rank + 15) & ~15, n = 2 * LORA_CHUNK * rp;
@@ -950,7 +950,7 @@ lora_stack_t_down(const bf16* __restrict__ act, const int* __restrict__ lora_ids
                   bf16* __restrict__ T, int I_max, int n_local, int max_rank, int max_loras, int parts, int KS) {
     __shared__ LoraBuckets b;
     extern __shared__ __align__(16) float parts_[];
-    pdl_wait_then_release_next();  // by PDL only inside a decode chain (never today): nothing read before
+    pdl_wait_then_release_next();  // launched plainly: the release lets its GEMM (by PDL) run its K beside it
     if ((int)blockIdx.x >= *num_tiles) return;
     const int4 ti = tile_info[blockIdx.x];
     const int I = inter[ti.x], rp = (max_rank + 15) & ~15, n = LORA_CHUNK * rp;
@@ -1085,7 +1085,8 @@ lora_stack_t_seg(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
     extern __shared__ __align__(128) unsigned char lss_smem[];
     __shared__ int lid[LORA_SUB], list[LORA_SUB], warp_n[LSS_THREADS / 32];
     __shared__ float col_scale[BN];
-    // no PDL wait: the stacked form runs on the prefill path alone, launched plainly (forward_plan.lora_grouped)
+    // launched plainly (the prefill path alone); its GEMM may follow by PDL and run its K beside it
+    pdl_wait_then_release_next();
     if ((int)blockIdx.x >= *num_tiles) return;
     const int4 ti = tile_info[blockIdx.x];
     const int e = ti.x, a = blockIdx.y, R = max_rank, KR = max_loras * max_rank, width = NP * KS;
@@ -1254,17 +1255,23 @@ __device__ __forceinline__ void lora_mma_shrink_part_f32(float* part, int rp, co
 
 // logits[row] += Bs[key] t_i for the chunk's rows (fp32, ranks in order, as lora_router_delta):
 // a thread a column and every G-th row (G = blockDim / R groups of R threads, or one group walking
-// the columns), LORA_RX rows at once so that each Bs element is loaded once for them and their
-// logits loads are in flight together.
+// the columns), LORA_RX rows at once so that their logits loads are in flight together. A column's
+// first LORA_ROUTER_HELD ranks of Bs (the slots', not the router's) are loaded together before the
+// PDL wait, so after it the rows cost their logits' trip alone.
 #define LORA_RX 2
+#define LORA_ROUTER_HELD 16
 __device__ __forceinline__ void lora_router_expand(const LoraBuckets& b, int c, int row0, const float* t, int rp,
                                                    const float* __restrict__ bs, float* __restrict__ logits, int R,
                                                    int max_rank) {
     const int W = min(R, (int)blockDim.x), G = (int)blockDim.x / W, g = (int)threadIdx.x / W;
-    if (g >= G) return;
+    if (g >= G) return;  // reads no logits: no wait
     const int rows = b.rows[c];
     for (int col = threadIdx.x % W; col < R; col += W) {
         const float* be = bs + ((size_t)b.key[c] * R + col) * max_rank;
+        float bh[LORA_ROUTER_HELD];
+#pragma unroll
+        for (int j = 0; j < LORA_ROUTER_HELD; ++j) bh[j] = j < max_rank ? __ldg(be + j) : 0.f;
+        pdl_wait_then_release_next();  // the router's logits from here on
         for (int i0 = g; i0 < rows; i0 += LORA_RX * G) {
             float d[LORA_RX], l[LORA_RX];
             size_t o[LORA_RX];
@@ -1277,7 +1284,12 @@ __device__ __forceinline__ void lora_router_expand(const LoraBuckets& b, int c, 
                 ti[u] = t + i * rp;
                 d[u] = 0.f;
             }
-            for (int j = 0; j < max_rank; ++j) {
+#pragma unroll
+            for (int j = 0; j < LORA_ROUTER_HELD; ++j)
+                if (j < max_rank)
+#pragma unroll
+                    for (int u = 0; u < LORA_RX; ++u) d[u] = fmaf(bh[j], ti[u][j], d[u]);
+            for (int j = LORA_ROUTER_HELD; j < max_rank; ++j) {
                 const float bj = __ldg(be + j);
 #pragma unroll
                 for (int u = 0; u < LORA_RX; ++u) d[u] = fmaf(bj, ti[u][j], d[u]);
@@ -1291,14 +1303,15 @@ __device__ __forceinline__ void lora_router_expand(const LoraBuckets& b, int c, 
 
 // grid (ceil(N / span), Y), block LORA_MMA_WARPS warps, shared memory (LORA_MMA_WARPS
 // + 1) LORA_CHUNK rp floats. lora_router_delta's work (same slots, ids, error bit: block y = 0)
-// for a span of rows, chunk c by the span's block y = c mod Y.
+// for a span of rows, chunk c by the span's block y = c mod Y. By PDL after the router (the
+// prefill overlap, forward_plan.with_lora) its bucketing and shrinks read only the call's x and ids
+// and the slots, so they run beside the router; the wait comes before the logits are read.
 __global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 3)
 lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lora_ids, const float* __restrict__ a,
                           const float* __restrict__ bs, float* __restrict__ logits, int* __restrict__ err, int N,
                           int H, int R, int max_rank, int max_loras, int span) {
     __shared__ LoraBuckets b;
     extern __shared__ __align__(16) float parts[];
-    pdl_wait_then_release_next();  // by PDL only inside a decode chain (never today): nothing read before
     const int row0 = blockIdx.x * span, m = min(span, N - row0);
     const int rp = (max_rank + 15) & ~15, n = LORA_CHUNK * rp;
     float* t = parts + LORA_MMA_WARPS * n;
@@ -1317,7 +1330,8 @@ lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lo
         __syncthreads();
         lora_sum_parts(t, parts, n, rp, 1.0f, 0.f);
         __syncthreads();
-        lora_router_expand(b, c, row0, t, rp, bs, logits, R, max_rank);
+        lora_router_expand(b, c, row0, t, rp, bs, logits, R, max_rank);  // waits for the router inside
         __syncthreads();  // the next chunk's sum rewrites t
     }
+    pdl_leave_early();  // a block 0 without chunks: the grid never completes before the router
 }

@@ -137,7 +137,7 @@ def build_forward_plan(lp: LayerPlan, dev: DeviceFacts, n: int, path: Path, *, s
     b.given_routing = given_routing
     b.has_shared = lp.has_shared if shared_expert else 0
     plan = b.build()
-    return plan if lora is None else with_lora(plan, lp, lora)
+    return plan if lora is None else with_lora(plan, lp, lora, separated=separated)
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,7 @@ class LoraShape:
     stack_shrink: LoraShrink = LoraShrink.AUTO  # how the stacked form makes T (CUPYMOE_LORA_STACK_SHRINK)
     fold: bool = True  # the router delta inside the router and routing launches at the fewest rows (CUPYMOE_LORA_FOLD)
     down_split: LoraDownSplit = LoraDownSplit.COLS  # what lora_down_delta's grid y splits (CUPYMOE_LORA_DOWN_SPLIT)
+    overlap: bool = True  # prefill: the router delta and the stacked GEMMs by PDL (CUPYMOE_LORA_OVERLAP; lora_overlap)
 
 
 LORA_THREADS = 256  # cuda/lora.cu
@@ -192,22 +193,34 @@ def _blocks_an_item(items: int, cols: int, cols_a_block: int) -> int:
 LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16 (ACT_PAIR)
 
 
-def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> ForwardPlan:
+def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, *, separated: bool = False) -> ForwardPlan:
     """`plan` with the router's LoRA delta launched right after the router (its logits' copy 0,
     before the routing stage reads them): a block a row, or where the deltas go grouped
     (lora_grouped) a block lora_router_span rows bucketed by adapter (_router_delta); at the decode
     chain's fewest rows folded into the router and routing launches instead (lora_fold). Each LoRA launch goes as the
     launch it precedes does (_as_successor): by PDL inside the decode chain, plainly elsewhere.
-    With `lora.experts`, the expert deltas too (_with_expert_deltas)."""
+    With `lora.experts`, the expert deltas too (_with_expert_deltas). On the prefill path with
+    lora_overlap, the router delta and each stacked GEMM go by PDL after the launch before them."""
     steps = list(plan.steps)
     at = _past_router(steps)
+    overlap = lora_overlap(plan, lp, lora, separated)
     if lora_fold(plan, lp, lora):
         steps[at - 1], steps[at] = _router_lora(steps[at - 1], lp, lora), _route_lists_lora(steps[at], lp, lora)
     else:
-        steps.insert(at, _as_successor(_router_delta(plan, lp, lora), steps[at]))
+        delta = _as_successor(_router_delta(plan, lp, lora), steps[at])
+        steps.insert(at, replace(delta, pdl=True) if overlap and isinstance(steps[at - 1], Launch) else delta)
     if lora.experts:
-        steps = _with_expert_deltas(steps, plan, lp, lora)
+        steps = _with_expert_deltas(steps, plan, lp, lora, overlap)
     return replace(plan, steps=tuple(steps))
+
+
+def lora_overlap(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, separated: bool) -> bool:
+    """Whether the prefill plan's LoRA launches overlap the launches before them by PDL (lora.overlap,
+    CUPYMOE_LORA_OVERLAP): the router delta the router (cuda/lora.cu: its bucketing and shrinks read
+    the call's x and ids alone, the logits after its wait), each stacked GEMM its shrink (cuda:
+    grouped_sm90_tma.cu, grouped.cu: T read after the wait, before the extra K). Where PDL runs
+    (sm_90, CUPYMOE_PDL) and no stage event or profile sync stands between the launches."""
+    return lora.overlap and lp.pdl and plan.path == Path.PREFILL and not separated
 
 
 def _past_router(steps) -> int:
@@ -394,12 +407,13 @@ def _as_successor(launch: Launch, successor) -> Launch:
     return replace(launch, pdl=bool(getattr(successor, "pdl", False)))
 
 
-def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> list:
+def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, overlap: bool = False) -> list:
     """The experts' deltas: each gate/up GEMM launched once with ACT_PAIR (g and u into lora_gu:
     the fused activation leaves no hook), then lora_gate_up_act (the gate / up deltas and the
     activation into act), and lora_down_delta after the down GEMMs, before the reduce (on the
     prefill path past the one-block sort, their grouped forms). The new launches take their
-    successors' PDL flags (_as_successor); the rest keep theirs."""
+    successors' PDL flags (_as_successor); the rest keep theirs, but a stacked GEMM goes by PDL after
+    its shrink where the plan overlaps (lora_overlap)."""
     if lp.w8a8:  # the w8a8 gate/up quantizes the activation in its epilogue, before any delta
         raise LoraError("LoRA on the experts with fp8_compute='w8a8' is not implemented; build the layer with "
                         "fp8_compute='w8a16' or use router-only adapters")
@@ -409,7 +423,7 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
         if _is_gemm(s, Stage.GATE_UP) and not stacked[Stage.GATE_UP]:
             out.append(_pair(s))
         elif _is_gemm(s, Stage.GATE_UP) or _is_gemm(s, Stage.DOWN):
-            out.extend(_stacked_gemm(s, lp, lora, _segments(plan, lora)) if stacked[s.stage] else (s,))
+            out.extend(_stacked_gemm(s, lp, lora, _segments(plan, lora), overlap) if stacked[s.stage] else (s,))
         else:
             out.append(s)
     if lora_grouped(plan, lp, lora):
@@ -471,10 +485,12 @@ def _segments(plan: ForwardPlan, lora: LoraShape) -> bool:
     return lora.stack_shrink == LoraShrink.SEGMENTS
 
 
-def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, segments: bool) -> tuple[Launch, Launch]:
+def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, segments: bool,
+                  overlap: bool = False) -> tuple[Launch, Launch]:
     """A GEMM in the stacked form: its shrink (T of the GEMM's tiles, lora_stack_t_*, lora_chunk_blocks
     blocks a tile) and the GEMM as its twin: grouped_gemm_sm90_tma_lora (lora_steps past its
-    arguments) or grouped_gemm_lora (T, gate's or down's Bext, up's, KS past them)."""
+    arguments) or grouped_gemm_lora (T, gate's or down's Bext, up's, KS past them); with `overlap`
+    the twin by PDL (it reads T only after its wait, before the extra K)."""
     from .lora_stack import lora_steps, stack_width
 
     cfg = lp.cfg
@@ -509,7 +525,7 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, segments: bool) 
                                             u64("lora_b0", Buf(Space.LAYER, "lora_" + b0)),
                                             u64("lora_b1", Buf(Space.LAYER, "lora_" + b1)),
                                             i32("KS", stack_width(lora.max_loras, lora.max_rank, lora.stack_parts))))
-    return _as_successor(shrink, gemm), stacked
+    return _as_successor(shrink, gemm), replace(stacked, pdl=True) if overlap else stacked
 
 
 def _shrink_segments(gemm: Launch, lp: LayerPlan, lora: LoraShape, L, tiles, tail) -> Launch:

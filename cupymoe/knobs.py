@@ -199,6 +199,10 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
     "lora_fold": ("CUPYMOE_LORA_FOLD", "1: at the decode chain's fewest rows (heuristics.LORA_FOLD_ROWS) the "
                   "LoRA router delta runs as more blocks of the router's launch and is added inside the routing "
                   "launch; 0: lora_router_delta, a launch of its own; read when a layer is built", _on_off, True),
+    "lora_overlap": ("CUPYMOE_LORA_OVERLAP", "1: on the prefill path (sm_90, PDL on, no stage events) the LoRA "
+                     "router delta follows the router by PDL and shrinks beside it, and each stacked GEMM follows "
+                     "its shrink by PDL and runs its K beside it, waiting only before its extra K; 0: both "
+                     "launched plainly; read when a layer is built", _on_off, True),
     "lora_down_split": ("CUPYMOE_LORA_DOWN_SPLIT", "what lora_down_delta's blocks of one pair split: cols (its "
                         "expand's output columns, each block the whole shrink) | shrink (the shrink's input "
                         "columns, the slices meeting at a ticket); read when a layer is built",
@@ -250,6 +254,7 @@ class Knobs:
     lora_in_gemm: int = 1
     lora_stack_shrink: LoraShrink = LoraShrink.AUTO
     lora_fold: bool = True
+    lora_overlap: bool = True
     lora_down_split: LoraDownSplit = LoraDownSplit.COLS
     lora_down_lanes: Optional[tuple[int, int]] = None
     lora_router_tpr: Optional[int] = None

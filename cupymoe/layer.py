@@ -75,7 +75,7 @@ class MoeLayer:
         knobs = Knobs.from_env()
         self._profile, self._dump_dir, self._graph_launch = knobs.profile, knobs.dump_dir, knobs.graph_launch
         self._lora_stack_shrink, self._lora_fold = knobs.lora_stack_shrink, knobs.lora_fold
-        self._lora_down_split = knobs.lora_down_split
+        self._lora_down_split, self._lora_overlap = knobs.lora_down_split, knobs.lora_overlap
         self._guard = GUARD_BYTES if knobs.guard else 0  # red zones in the scratch (guard mode)
         # forwards something watches take _observed_forward; the plain one tests this flag alone
         self._watched = self._profile or self._dump_dir is not None or bool(self._guard)
@@ -319,7 +319,7 @@ class MoeLayer:
             plan = build_forward_plan(self.plan, self.device, n, p, separated=separated,
                                       lora=LoraShape(slots.max_loras, slots.max_rank, self._lora_experts,
                                                      slots.stack_parts, self._lora_stack_shrink,
-                                                     self._lora_fold, self._lora_down_split))
+                                                     self._lora_fold, self._lora_down_split, self._lora_overlap))
             packed = self._lora_plans[key] = PackedPlan(plan, self._resolve, self.lib.pointer, self._reduce())
         packed.set_call_value(CallValue.LORA_IDS, lora_ids)
         if observed:

@@ -907,6 +907,51 @@ def test_stacked_graph_captured_before_set_lora(rng, monkeypatch):
     _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, "prefill", "stacked replay")
 
 
+# --- the prefill overlap (forward_plan.lora_overlap, CUPYMOE_LORA_OVERLAP): the router delta by PDL
+# after the router (its shrinks beside it, the logits after its wait), each stacked GEMM by PDL after
+# its shrink (T read after its wait, before the extra K). The arithmetic is the plain launches'.
+@pytest.mark.parametrize("shrink", SHRINKS)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block"])
+def test_prefill_overlap_bit_for_bit(fmt, shrink, rng, monkeypatch):
+    """qwen2_moe (its shared expert), four adapters of ranks 16, 3, 1 and 2, ids -1 .. 3 mixed: a
+    prefill graph of the overlapped layer captured with empty slots replays the adapters set after
+    it (judged, bit for bit the eager forward); then N 300 and 1100 (the stacked form; fp8_block as
+    w8a16) judged, the overlapped layer bit for bit the plainly launched one, and an id past the
+    slots flagged by the overlapped router delta."""
+    from cupymoe.forward_plan import LoraShape, build_forward_plan
+    from cupymoe.plan import Path
+
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng, fmt)
+    kw = {"fp8_compute": "w8a16"} if fmt == "fp8_block" else {}
+    layers = {}
+    for v in ("1", "0"):
+        monkeypatch.setenv("CUPYMOE_LORA_OVERLAP", v)
+        layers[v] = _grouped_layer(cfg, hw, 16, stack=1, shrink=shrink, **kw)
+    layer, adapters, n = layers["1"], _ranked_adapters(cfg, rng, 16), 1100
+    plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL,
+                              lora=LoraShape(4, 16, True, 1, layer._lora_stack_shrink)).at(n)
+    pdl = sorted(s.kernel.split("<")[0] for s in plan.steps if getattr(s, "pdl", False))
+    assert pdl == ["grouped_gemm_lora" if fmt == "fp8_block" else "grouped_gemm_sm90_tma_lora"] * 2 + \
+        ["lora_grouped_router_delta"], pdl
+    ids = rng.integers(-1, 4, n).astype(np.int32)
+    ids[:5] = [-1, 0, 1, 2, 3]
+    x = separated_input(cfg, hw, rng, n, adapters, ids, also_base=True)
+    s, out, graph, _inputs = _captured_prefill(layer, x, ids)
+    _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, "prefill", f"overlap {fmt} {shrink} replay")
+    for each in layers.values():
+        for slot, lw in adapters.items():
+            each.set_lora(slot, lw)
+    for m in (300, n):
+        assert _prefill_uses_stacked(layer, m, 16) and _prefill_uses_stacked(layers["0"], m, 16)
+        over = run(layer, x[:m], ids[:m], "prefill")
+        judge(over, cfg, hw, x[:m], ids[:m], adapters, layer.select_path(m, "prefill"), f"overlap {fmt} N={m}", layer)
+        plain = run(layers["0"], x[:m], ids[:m], "prefill")
+        assert np.array_equal(over.view(np.uint32), plain.view(np.uint32)), f"{fmt} {shrink} N={m}: not the plain bits"
+    layer.check_errors()
+    _judge_id_past_slots(layer, cfg, hw, rng, adapters, f"overlap {fmt} {shrink}")
+
+
 # --- the per-pair kernels' early start (cuda/lora.cu "Early start"; DECISIONS.md "LoRA: the decode
 # deltas start beside the base kernels"): the shrink, the ticket and the expand of the held columns
 # run before the PDL wait, only the base output's read-modify-write after it.

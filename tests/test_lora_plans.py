@@ -15,6 +15,7 @@ import pytest
 
 from cupymoe import catalog as C
 from cupymoe import jit, testing
+from cupymoe.bench import preset_config
 from cupymoe.catalog import Activation, LoraDownMode
 from cupymoe.errors import LoraError, OptionError
 from cupymoe.forward_plan import (LORA_GROUPED_SMEM_MAX, LORA_MMA_WARPS, LORA_RED, LORA_ROUTER_ROWS, LORA_ROUTER_WAVE,
@@ -58,7 +59,9 @@ def test_lora_plan_is_the_base_plan_plus_the_router_delta(family, dev):
             assert d.grid == (n, lora_slices(n, cfg.hidden_size)) and d.smem == (SHAPE.max_rank + LORA_RED) * 4
             assert d.arg("part") == Buf(Space.SCRATCH, "lora_part")
             assert d.arg("tickets") == Buf(Space.SCRATCH, "lora_tickets")
-        assert d.pdl == plan.steps[at[0] + 1].pdl == (path == Path.DECODE and dev is H200)  # as its successor
+        assert plan.steps[at[0] + 1].pdl == (path == Path.DECODE and dev is H200)
+        # as its successor, but by PDL after the router on the prefill path (lora_overlap)
+        assert d.pdl == (path in (Path.DECODE, Path.PREFILL) and dev is H200)
         assert d.arg("lora_ids") == CallValue.LORA_IDS and d.arg("logits") == Buf(Space.SCRATCH, "logits")
         assert (d.arg("R"), d.arg("max_rank"), d.arg("max_loras"), d.arg("N")) == (cfg.router_width, 16, 3, n)
 
@@ -370,3 +373,27 @@ def test_decode_fold(family, dev):
         for path, m, shape in ((Path.DECODE, n + 1, fold), (Path.ATOMIC, n, fold), (Path.DECODE, n, apart)):
             kinds = [getattr(s, "kernel", "") for s in build_forward_plan(lp, dev, m, path, lora=shape).at(m).steps]
             assert not any(k.endswith("_lora") or "_lora<" in k for k in kinds[:2]), (path, m, kinds)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("n", [300, 1100, 4096])
+def test_prefill_overlap_only_where_pdl_runs(preset, n):
+    """lora_overlap: the prefill router delta and the stacked GEMMs go by PDL on sm_90 with PDL on,
+    never with CUPYMOE_LORA_OVERLAP=0, with CUPYMOE_PDL=0, in a separated plan (stage events stand
+    between the launches) or on sm_80; every other launch keeps its flag (prefill: plain)."""
+    def plan(dev=H200, knobs=Knobs(math_rows=1), **kw):
+        cfg = preset_config(preset)
+        lp = plan_layer(cfg, "bf16", "bf16" if cfg.has_shared_expert else None, dev.arch, knobs=knobs, table={})
+        sep = kw.pop("separated", False)
+        shape = LoraShape(4, 16, True, 1, **kw)  # the stacked form, one part
+        return build_forward_plan(lp, dev, n, Path.PREFILL, lora=shape, separated=sep).at(n)
+
+    def pdl_kernels(p):
+        return sorted(s.kernel for s in p.steps if getattr(s, "pdl", False))
+
+    on = pdl_kernels(plan())
+    assert [k for k in on if "router_delta" in k] == ["lora_grouped_router_delta"]
+    assert len([k for k in on if k.startswith("grouped_gemm_sm90_tma_lora<")]) == 2 and len(on) == 3
+    assert pdl_kernels(plan(overlap=False)) == pdl_kernels(plan(separated=True)) == []
+    assert pdl_kernels(plan(knobs=Knobs(math_rows=1, pdl=False))) == []
+    assert pdl_kernels(plan(dev=A100)) == []
