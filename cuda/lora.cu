@@ -1226,7 +1226,7 @@ __device__ __forceinline__ void lora_mma_shrink_part_f32(float* part, int rp, co
     const float4 zf = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int kc = 0; kc < max_rank; kc += 16) {
         float c[2][LORA_MT][4] = {};
-#pragma unroll 2  // two steps' loads in flight
+#pragma unroll 4  // four steps' loads in flight
         for (int h0 = warp * 32; h0 < len; h0 += LORA_MMA_WARPS * 32) {
             const int h = h0 + tig * 8;
             unsigned f[LORA_MT][2][4];
@@ -1306,7 +1306,7 @@ __device__ __forceinline__ void lora_router_expand(const LoraBuckets& b, int c, 
 // for a span of rows, chunk c by the span's block y = c mod Y. By PDL after the router (the
 // prefill overlap, forward_plan.with_lora) its bucketing and shrinks read only the call's x and ids
 // and the slots, so they run beside the router; the wait comes before the logits are read.
-__global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 3)
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 2)
 lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lora_ids, const float* __restrict__ a,
                           const float* __restrict__ bs, float* __restrict__ logits, int* __restrict__ err, int N,
                           int H, int R, int max_rank, int max_loras, int span) {

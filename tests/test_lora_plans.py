@@ -291,7 +291,7 @@ def test_router_span_keeps_one_wave_while_it_can():
             if s == LORA_ROUTER_ROWS:
                 continue
             assert s == LORA_SUB or (fits(s) and not fits(s - 16)), (n, Y, s)
-    assert lora_router_span(1024, 4) == 32 and lora_router_span(4096, 4) == 48 and lora_router_span(4096, 8) == 96
+    assert lora_router_span(1024, 4) == 32 and lora_router_span(4096, 4) == 64 and lora_router_span(4096, 8) == 128
 
 
 def test_early_start_rests_on_release_after_wait():
