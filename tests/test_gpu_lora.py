@@ -271,8 +271,8 @@ def test_row_invariant_with_lora(rng):
 
 @pytest.mark.parametrize("experts", [288, 48])
 def test_grouped_router_delta_spans_and_row_groups(experts, rng):
-    """lora_grouped_router_delta at spans of 32 rows (N 1, 37, 300) and 48 (N 3500: one wave of
-    blocks, the last span 44 rows), its expand (a thread a column, every G-th row of a chunk, two
+    """lora_grouped_router_delta at spans of 32 rows (N 1, 37, 300) and 64 (N 3500: one wave of
+    blocks at two an SM, the last span 44 rows), its expand (a thread a column, every G-th row of a chunk, two
     rows at once) for a router wider than the block (288: one group walking the columns twice) and
     narrower (48: five groups, 16 threads idle), ids -1 mixed, the output poisoned: judged; rows of
     the 3500-row call equal the same rows run alone (another span) bit for bit."""
@@ -286,7 +286,7 @@ def test_grouped_router_delta_spans_and_row_groups(experts, rng):
     adapters = _adapters(cfg, rng)
     for slot, lw in adapters.items():
         layer.set_lora(slot, lw)
-    assert [lora_router_span(n, lora_chunk_blocks(K)) for n in (300, 3500)] == [32, 48]
+    assert [lora_router_span(n, lora_chunk_blocks(K)) for n in (300, 3500)] == [32, 64]
     for n in (1, 37, 300, 3500):
         plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=LoraShape(K, RMAX, False)).at(n)
         assert "lora_grouped_router_delta" in {getattr(s, "kernel", None) for s in plan.steps}
