@@ -318,8 +318,9 @@ class MoeLayer:
             p = Path(self.select_path(n, path))
             plan = build_forward_plan(self.plan, self.device, n, p, separated=separated,
                                       lora=LoraShape(slots.max_loras, slots.max_rank, self._lora_experts,
-                                                     slots.stack_parts, self._lora_stack_shrink,
-                                                     self._lora_fold, self._lora_down_split, self._lora_overlap))
+                                                     slots.stack_parts, stack_shrink=self._lora_stack_shrink,
+                                                     fold=self._lora_fold, down_split=self._lora_down_split,
+                                                     overlap=self._lora_overlap))
             packed = self._lora_plans[key] = PackedPlan(plan, self._resolve, self.lib.pointer, self._reduce())
         packed.set_call_value(CallValue.LORA_IDS, lora_ids)
         if observed:
