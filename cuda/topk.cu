@@ -4,8 +4,21 @@
 #include "common.cuh"
 #include "quant.cuh"
 #include "routing.cuh"
+#include "lora_common.cuh"  // ERR_LORA_ID_RANGE (topk_route_lora)
 
 #define TOPK_WARPS 4
+
+// The row's logits: its split copies' sum, in split order, into copy 0.
+__device__ __forceinline__ void sum_logit_splits(float* __restrict__ logits, int row, int N, int R, int splits,
+                                                 int lane) {
+    float* l = logits + (size_t)row * R;
+    for (int i = lane; i < R; i += 32) {
+        float v = l[i];
+        for (int z = 1; z < splits; ++z) v += l[(size_t)z * N * R + i];
+        l[i] = v;
+    }
+    __syncwarp();
+}
 
 template <int GROUP_REGS>
 __global__ void __launch_bounds__(TOPK_WARPS * 32, 8)  // 8: 64 registers (ptxas chose 56 and spilled)
@@ -27,15 +40,7 @@ topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * TOPK_WARPS + warp;
     if (row >= N) return;
-    if (splits > 1) {  // the row's logits: its copies' sum, in split order, into copy 0
-        float* l = logits + (size_t)row * R;
-        for (int i = lane; i < R; i += 32) {
-            float v = l[i];
-            for (int z = 1; z < splits; ++z) v += l[(size_t)z * N * R + i];
-            l[i] = v;
-        }
-        __syncwarp();
-    }
+    if (splits > 1) sum_logit_splits(logits, row, N, R, splits, lane);
     float* scratch = smem + (size_t)warp * (2 * R + TOPK_MAX_K);
     route_row_topk<4, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R,
                                        E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab,
@@ -43,6 +48,69 @@ topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router 
 #if CUPYMOE_SM >= 89
     // w8a8: x's e4m3 codes for the fp8 gate/up GEMM. x is the caller's, so no stage of ours
     // produces it; its quantization rides in this one-warp-per-row stage instead of a launch.
+    if (qx) e4m3_quantize_row(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7), lane);
+#endif
+}
+
+// The router's LoRA delta for the row, where the router GEMM made t beside the logits
+// (grouped_gemm_lora<MODE_ROUTER, ...>, forward_plan.with_lora): logits[row] += (s B)_a t with
+// a = lora_ids[row] and t its adapter's ranks of lora_t ([splits][N][K][3][R] fp32: A's three bf16
+// parts, lora_slots.py) summed over the splits, then the parts (fp32); the expand in rank order
+// from 0 as lora_router_expand's. An id >= max_loras is flagged (and gets no delta), as there.
+#define LORA_ROUTER_PARTS 3
+__device__ __forceinline__ void add_router_lora(float* __restrict__ logits, float* ts, int row, int N, int R,
+                                                int splits, const int* __restrict__ lora_ids,
+                                                const float* __restrict__ lora_t, const float* __restrict__ bs,
+                                                int* __restrict__ err, int max_rank, int max_loras, int lane) {
+    const int id = lora_ids[row];
+    if (id >= max_loras && lane == 0) atomicOr(err, ERR_LORA_ID_RANGE);
+    if (id < 0 || id >= max_loras) return;
+    const int cols = LORA_ROUTER_PARTS * max_loras * max_rank;
+    const float* ta = lora_t + (size_t)row * cols + (size_t)id * LORA_ROUTER_PARTS * max_rank;
+    for (int r = lane; r < max_rank; r += 32) {
+        float v = 0.f;
+        for (int p = 0; p < LORA_ROUTER_PARTS; ++p) {
+            float s = 0.f;
+            for (int z = 0; z < splits; ++z) s += ta[(size_t)z * N * cols + p * max_rank + r];
+            v += s;
+        }
+        ts[r] = v;
+    }
+    __syncwarp();
+    float* l = logits + (size_t)row * R;
+    for (int i = lane; i < R; i += 32) {
+        const float* be = bs + ((size_t)id * R + i) * max_rank;
+        float d = 0.f;
+        for (int j = 0; j < max_rank; ++j) d = fmaf(__ldg(be + j), ts[j], d);
+        l[i] += d;
+    }
+    __syncwarp();
+}
+
+// topk_route with the router's LoRA delta added first (add_router_lora): its arguments, then the
+// row ids, t, the slots' s B ([max_loras][R][max_rank] fp32) and the slots' shape. Shared memory:
+// topk_route's, then max_rank floats a warp.
+template <int GROUP_REGS>
+__global__ void __launch_bounds__(TOPK_WARPS * 32, 6)  // 6: the group-limited form spilled at 64 registers
+topk_route_lora(float* __restrict__ logits, const float* __restrict__ corr_bias, const int* __restrict__ tid2eid,
+                const int* __restrict__ token_ids, int* __restrict__ ids_out, float* __restrict__ w_out,
+                int* __restrict__ err, int N, int R, int E, int k, int scoring, int n_group, int topk_group,
+                int topk_then_softmax, int renorm, float scale, int vocab, const bf16* __restrict__ x, int H,
+                u8* __restrict__ qx, float* __restrict__ sx, int splits, const int* __restrict__ lora_ids,
+                const float* __restrict__ lora_t, const float* __restrict__ bs, int max_rank, int max_loras) {
+    extern __shared__ float smem[];
+    pdl_wait_then_release_next();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * TOPK_WARPS + warp;
+    if (row >= N) return;
+    if (splits > 1) sum_logit_splits(logits, row, N, R, splits, lane);
+    float* ts = smem + (size_t)TOPK_WARPS * (2 * R + TOPK_MAX_K) + (size_t)warp * max_rank;
+    add_router_lora(logits, ts, row, N, R, splits, lora_ids, lora_t, bs, err, max_rank, max_loras, lane);
+    float* scratch = smem + (size_t)warp * (2 * R + TOPK_MAX_K);
+    route_row_topk<4, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R,
+                                       E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab,
+                                       lane);
+#if CUPYMOE_SM >= 89
     if (qx) e4m3_quantize_row(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7), lane);
 #endif
 }

@@ -377,6 +377,24 @@ def topk_route_smem_bytes(router_width: int) -> int:
     return TOPK_WARPS * (2 * router_width + 64) * 4
 
 
+# The router's LoRA t beside its logits (grouped_gemm_lora<MODE_ROUTER, ...>, topk_route_lora): the
+# slots' fp32 A rows as three bf16 parts (each product exact, their sum fp32's precision), at most
+# LORA_ROUTER_T_MAX_COLS columns in all (four more column tiles of the router GEMM)
+LORA_ROUTER_PARTS = 3
+LORA_ROUTER_T_MAX_COLS = 4 * GROUPED_BN
+LORA_ROUTER_T_MAX_RANK = LORA_ROUTER_T_MAX_COLS // LORA_ROUTER_PARTS  # one slot of the largest rank
+
+
+def lora_router_t_cols(max_loras: int, max_rank: int) -> int:
+    """The router GEMM's LoRA t columns: every slot's ranks, in three parts."""
+    return LORA_ROUTER_PARTS * max_loras * max_rank
+
+
+def topk_route_lora_smem_bytes(router_width: int, max_rank: int) -> int:
+    """topk_route_lora: topk_route's, then each warp's row t (max_rank floats)."""
+    return topk_route_smem_bytes(router_width) + TOPK_WARPS * max_rank * 4
+
+
 def route_lists_smem_bytes(rows: int, k: int, router_width: int) -> int:
     """decode_route_lists: routing scratch, the lists and the slot table."""
     return (rows * (2 * router_width + 64) + 2 * rows * k + router_width) * 4
