@@ -181,7 +181,7 @@ SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_bu
 SORT_WARPS = 32
 GROUPED_BN = 128  # GG_BN
 GROUPED_BM_MIN = 64  # the smallest M tile of the grouped GEMMs
-ROUTER_MAX_SPLITS = 4  # gemm_common.cuh gemm_tile_at: K splits of the router, a logits copy each
+ROUTER_MAX_SPLITS = 4  # gemm_common.cuh gemm_tile_at: K splits of the router, a logits copy each (topk.cu LORA_ROUTER_MAX_SPLITS)
 # grouped_sm90*.cu
 SM90_BM, SM90_BK = 128, 64
 GATHER_WARPS = 4  # the TMA kernel's gathering producer warps

@@ -728,7 +728,7 @@ def _prefill_uses_stacked(layer, n, max_rank):
                   for shrinks in (("lora_stack_t_seg<2,", "lora_stack_t_seg<1,"), ("lora_stack_t_gate_up", "lora_stack_t_down")))
     if layer._lora_stack_shrink == "segments":
         assert not stacked or "lora_stack_t_gate_up" not in kinds
-    assert stacked == (sum(k.startswith(("grouped_gemm_sm90_tma_lora<", "grouped_gemm_lora<")) for k in kinds) == 2)
+    assert stacked == (sum(k.startswith(("grouped_gemm_sm90_tma_lora<", "grouped_gemm_lora<0", "grouped_gemm_lora<1")) for k in kinds) == 2)
     return stacked and not {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} & set(kinds)
 
 
