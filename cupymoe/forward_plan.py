@@ -230,8 +230,9 @@ def lora_overlap(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, separated: b
 def lora_router_t_rows(lp: LayerPlan, knob: Optional[int], max_loras: int, max_rank: int) -> int:
     """Prefill rows up to which a layer with adapter slots (max_loras of max_rank) makes the router's
     LoRA t in the router GEMM (lora_router_t): the knob's (CUPYMOE_LORA_ROUTER_T_ROWS) or
-    heuristics.LORA_ROUTER_T_ROWS; 0 where the slots' t columns pass C.LORA_ROUTER_T_MAX_COLS."""
-    if C.lora_router_t_cols(max_loras, max_rank) > C.LORA_ROUTER_T_MAX_COLS:
+    heuristics.LORA_ROUTER_T_ROWS; 0 where the slots' t columns pass C.LORA_ROUTER_T_MAX_COLS, and
+    for a row-invariant layer (a row's router delta would sum in another order past those rows)."""
+    if C.lora_router_t_cols(max_loras, max_rank) > C.LORA_ROUTER_T_MAX_COLS or lp.row_invariant:
         return 0
     return HX.LORA_ROUTER_T_ROWS if knob is None else knob
 

@@ -596,6 +596,7 @@ def test_sliced_pair_deltas(family, rng, monkeypatch):
     from cupymoe.plan import Path
 
     monkeypatch.setenv("CUPYMOE_LORA_FOLD", "0")  # lora_router_delta at one row too (the fold: its own test)
+    monkeypatch.setenv("CUPYMOE_LORA_ROUTER_T_ROWS", "0")  # and in prefill (the router's t in its GEMM: its own test)
     cfg = testing.tiny_config(family, hidden_size=776, moe_intermediate_size=392)
     hw = testing.random_host_weights(cfg, rng, "bf16")
     for ranks in ((16, 12, 5), (3, 1, 16)):

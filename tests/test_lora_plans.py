@@ -417,6 +417,9 @@ def test_prefill_router_t(family):
     cols = C.lora_router_t_cols(4, 16)
     assert cols == 192 and lora_router_t_rows(base_lp, None, 4, 16) == 1024
     assert lora_router_t_rows(base_lp, 300, 4, 16) == 300 and lora_router_t_rows(base_lp, None, 4, 43) == 0
+    invariant = plan_layer(cfg, "bf16", "bf16" if cfg.has_shared_expert else None, "sm_90a", knobs=Knobs(),
+                           options=LayerOptions(row_invariant=True))
+    assert lora_router_t_rows(invariant, 4096, 4, 16) == 0  # one form at every N
     lp = replace(base_lp, lora_router_t_rows=lora_router_t_rows(base_lp, None, 4, 16))
     names = {n for m in jit.modules_for("sm_90a") for n in jit.MODULES[m].names}
     for n, fused in ((300, True), (1024, True), (1025, False)):
