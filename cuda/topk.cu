@@ -20,36 +20,45 @@ __device__ __forceinline__ void sum_logit_splits(float* __restrict__ logits, int
     __syncwarp();
 }
 
+// topk_route's arguments (topk_route_lora's first):
+//   logits [splits, N, R] fp32 (router bias already added); corr_bias [R] or null: selection-only
+//   correction bias; tid2eid [V, k] or null: hash routing table; token_ids [N] (hash routing only);
+//   ids_out, w_out [N, k]; err: error bits; x [N, H]: quantized when qx is set; qx: w8a8 or null,
+//   x's e4m3 codes [N, H], and sx their scales [N, ceil(H / 128)]; splits: the split router's copies.
+#define TOPK_ROUTE_ARGS                                                                                         \
+    float *__restrict__ logits, const float *__restrict__ corr_bias, const int *__restrict__ tid2eid,          \
+        const int *__restrict__ token_ids, int *__restrict__ ids_out, float *__restrict__ w_out,               \
+        int *__restrict__ err, int N, int R, int E, int k, int scoring, int n_group, int topk_group,           \
+        int topk_then_softmax, int renorm, float scale, int vocab, const bf16 *__restrict__ x, int H,           \
+        u8 *__restrict__ qx, float *__restrict__ sx, int splits
+#define TOPK_ROUTE_ARG_NAMES                                                                                  \
+    logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, N, R, E, k, scoring, n_group, topk_group,     \
+        topk_then_softmax, renorm, scale, vocab, x, H, qx, sx, splits
+
+// The row's top-k from its logits' copy 0 (its warp's scratch in smem), then (w8a8) x's e4m3 codes
+// for the fp8 gate/up GEMM: x is the caller's, so no stage of ours produces it; its quantization
+// rides in this one-warp-per-row stage instead of a launch.
+template <int GROUP_REGS>
+__device__ __forceinline__ void route_row(int row, float* smem, int warp, int lane, TOPK_ROUTE_ARGS) {
+    float* scratch = smem + (size_t)warp * (2 * R + TOPK_MAX_K);
+    route_row_topk<4, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R,
+                                       E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab,
+                                       lane);
+#if CUPYMOE_SM >= 89
+    if (qx) e4m3_quantize_row(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7), lane);
+#endif
+}
+
 template <int GROUP_REGS>
 __global__ void __launch_bounds__(TOPK_WARPS * 32, 8)  // 8: 64 registers (ptxas chose 56 and spilled)
-topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router bias already added)
-           const float* __restrict__ corr_bias,  // [R] or null: selection-only correction bias
-           const int* __restrict__ tid2eid,      // [V, k] or null: hash routing table
-           const int* __restrict__ token_ids,    // [N] (hash routing only)
-           int* __restrict__ ids_out,            // [N, k]
-           float* __restrict__ w_out,            // [N, k]
-           int* __restrict__ err,                // error bits
-           int N, int R, int E, int k, int scoring, int n_group, int topk_group,
-           int topk_then_softmax, int renorm, float scale, int vocab,
-           const bf16* __restrict__ x,           // [N, H]: quantized when qx is set
-           int H, u8* __restrict__ qx,           // w8a8 or null: x's e4m3 codes [N, H]
-           float* __restrict__ sx,               // and their scales [N, ceil(H / 128)]
-           int splits) {                         // the split router's logits copies
+topk_route(TOPK_ROUTE_ARGS) {
     extern __shared__ float smem[];
     pdl_wait_then_release_next();  // the decode chain past ROUTE_LISTS_MAX_ROWS launches it by PDL
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * TOPK_WARPS + warp;
     if (row >= N) return;
     if (splits > 1) sum_logit_splits(logits, row, N, R, splits, lane);
-    float* scratch = smem + (size_t)warp * (2 * R + TOPK_MAX_K);
-    route_row_topk<4, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R,
-                                       E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab,
-                                       lane);
-#if CUPYMOE_SM >= 89
-    // w8a8: x's e4m3 codes for the fp8 gate/up GEMM. x is the caller's, so no stage of ours
-    // produces it; its quantization rides in this one-warp-per-row stage instead of a launch.
-    if (qx) e4m3_quantize_row(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7), lane);
-#endif
+    route_row<GROUP_REGS>(row, smem, warp, lane, TOPK_ROUTE_ARG_NAMES);
 }
 
 // The router's LoRA delta for the row, where the router GEMM made t beside the logits
@@ -135,12 +144,8 @@ __device__ __forceinline__ void add_router_lora(float* __restrict__ logits, floa
 // topk_route's, then max_rank floats a warp.
 template <int GROUP_REGS>
 __global__ void __launch_bounds__(TOPK_WARPS * 32, 4)  // 4: a lane's 64 loads of s B in flight
-topk_route_lora(float* __restrict__ logits, const float* __restrict__ corr_bias, const int* __restrict__ tid2eid,
-                const int* __restrict__ token_ids, int* __restrict__ ids_out, float* __restrict__ w_out,
-                int* __restrict__ err, int N, int R, int E, int k, int scoring, int n_group, int topk_group,
-                int topk_then_softmax, int renorm, float scale, int vocab, const bf16* __restrict__ x, int H,
-                u8* __restrict__ qx, float* __restrict__ sx, int splits, const int* __restrict__ lora_ids,
-                const float* __restrict__ lora_t, const float* __restrict__ bs, int max_rank, int max_loras) {
+topk_route_lora(TOPK_ROUTE_ARGS, const int* __restrict__ lora_ids, const float* __restrict__ lora_t,
+                const float* __restrict__ bs, int max_rank, int max_loras) {
     extern __shared__ float smem[];
     pdl_wait_then_release_next();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -148,13 +153,7 @@ topk_route_lora(float* __restrict__ logits, const float* __restrict__ corr_bias,
     if (row >= N) return;
     float* ts = smem + (size_t)TOPK_WARPS * (2 * R + TOPK_MAX_K) + (size_t)warp * max_rank;
     add_router_lora(logits, ts, row, N, R, splits, lora_ids, lora_t, bs, err, max_rank, max_loras, lane);
-    float* scratch = smem + (size_t)warp * (2 * R + TOPK_MAX_K);
-    route_row_topk<4, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R,
-                                       E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab,
-                                       lane);
-#if CUPYMOE_SM >= 89
-    if (qx) e4m3_quantize_row(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7), lane);
-#endif
+    route_row<GROUP_REGS>(row, smem, warp, lane, TOPK_ROUTE_ARG_NAMES);
 }
 
 // The experts-only entry's routing stage (MoeLayer.forward_experts): the caller's expert ids
