@@ -279,6 +279,25 @@ __device__ __forceinline__ void grouped_lora_steps(const GemmTile& t, bf16* sA, 
     cp_async_wait<0>();
 }
 
+// The router's LoRA form (grouped_gemm_lora<MODE_ROUTER, ...>): past the logits' column tiles
+// (I_max = R columns) the grid holds ceil(cols / GG_BN) more, whose B rows are the adapter slots'
+// A rows in three bf16 parts ([max_loras][3][max_rank] rows of H: lora_slots.py) and whose output
+// is t's split copy z ([splits][P][cols] fp32), so the shrink runs beside the router in its grid.
+template <int BM>
+__device__ __forceinline__ bool router_t_tile(GemmTile& t, bool& t_tile, const bf16* __restrict__ a3, int cols,
+                                              GEMM_ARGS) {
+    const int xr = (I_max + GG_BN - 1) / GG_BN;  // the logits' column tiles
+    const int2 ct = banded_tile(blockIdx.y * gridDim.x + blockIdx.x, gridDim.x, gridDim.y);
+    t_tile = ct.x >= xr;
+    if (!gemm_tile_at<MODE_ROUTER, BM, GG_BN>(t, t_tile ? 0 : ct.x, ct.y, GEMM_ARG_NAMES)) return false;
+    if (t_tile) {
+        t.n0 = (ct.x - xr) * GG_BN;
+        t.ncols = cols;
+        t.W0 = a3;
+    }
+    return t.n0 < t.ncols;
+}
+
 // Block: BM rows x GG_BN columns, BM / 16 warps as (BM / 32) x 2, each 32 rows x 64 columns;
 // K in BK-wide steps through a STAGES-deep cp.async pipeline. Two configurations are built
 // (kernels.GROUPED_CONFIGS): deep 64-wide steps where the weights stream (few rows per
@@ -303,9 +322,13 @@ __device__ __forceinline__ void grouped_gemm_body(GEMM_ARGS, const bf16* __restr
     u8* sRaw = reinterpret_cast<u8*>(sB + (QUANT ? 2 : STAGES) * GG_BN * BK);
     // the router's logits: its LoRA delta may start its shrink beside it (forward_plan.with_lora)
     if constexpr (MODE == MODE_ROUTER) pdl_wait_then_release_next();
+    constexpr bool STACKED = LORA && MODE != MODE_ROUTER, ROUTER_T = LORA && MODE == MODE_ROUTER;
     GemmTile t;
-    if (!gemm_tile<MODE, BM, GG_BN, FMT>(t, GEMM_ARG_NAMES)) {
-        if (LORA) pdl_leave_early();  // the grid never completes before the shrink it follows
+    bool t_tile = false;  // ROUTER_T: a tile of the LoRA t columns (router_t_tile)
+    if constexpr (ROUTER_T) {
+        if (!router_t_tile<BM>(t, t_tile, lora_b0, KS, GEMM_ARG_NAMES)) return;
+    } else if (!gemm_tile<MODE, BM, GG_BN, FMT>(t, GEMM_ARG_NAMES)) {
+        if (STACKED) pdl_leave_early();  // the grid never completes before the shrink it follows
         return;
     }
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -346,7 +369,7 @@ __device__ __forceinline__ void grouped_gemm_body(GEMM_ARGS, const bf16* __restr
         mma_step(sA + (kt % STAGES) * BM * BK, sB + (QUANT ? (kt & 1) : (kt % STAGES)) * GG_BN * BK);
     }
     cp_async_wait<0>();
-    if constexpr (LORA) {  // the stacked form's extra K: T's columns against Bext's, after the weights' K
+    if constexpr (STACKED) {  // the stacked form's extra K: T's columns against Bext's, after the weights' K
         __syncthreads();  // every warp is done with the main loop's tiles
         pdl_wait();       // T is the shrink's, the launch before (by PDL on the prefill path: it may still run)
         grouped_lora_steps<MODE, BM, BK>(t, sA, sB, mma_step, lora_t, lora_b0, lora_b1, KS, GEMM_ARG_NAMES);
@@ -368,6 +391,18 @@ __device__ __forceinline__ void grouped_gemm_body(GEMM_ARGS, const bf16* __restr
                                                            acc[mt][j][h * 2], acc[mt][j][h * 2 + 1], acc[mt][j + 4][h * 2],
                                                            acc[mt][j + 4][h * 2 + 1], GEMM_ARG_NAMES);
         });
+    } else if (ROUTER_T && t_tile) {  // t's split copy, no bias: topk_route_lora sums and expands it
+        float* tz = const_cast<float*>(reinterpret_cast<const float*>(lora_t));
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int r = wm * 32 + mt * 16 + g + h * 8, c = wn * 64 + j * 8 + t4 * 2;
+                    if (r < t.rows && t.n0 + c < t.ncols)
+                        store_logit_pair(t, t.pos0 + r, t.n0 + c, acc[mt][j][h * 2], acc[mt][j][h * 2 + 1], P, tz);
+                }
     } else {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
@@ -386,6 +421,8 @@ grouped_gemm(GEMM_ARGS) {
     grouped_gemm_body<MODE, BM, BK, STAGES, FMT, 0>(GEMM_ARG_NAMES, nullptr, nullptr, nullptr, 0);
 }
 
+// MODE_ROUTER: the router's LoRA form (router_t_tile): lora_t is t's fp32 output [splits][P][KS],
+// lora_b0 the slots' A rows in parts [KS rows, H] bf16, KS their count (lora_b1 unused).
 // The LoRA stacked form (cupymoe/lora_stack.py) on this kernel: grouped_gemm with NP KS / BK more
 // K steps past the weights' (NP: gate/up 2, down 1) whose A is T ([P, NP KS], lora_t) and whose
 // B is Bext (lora_b0: gate's or down's, lora_b1: up's, [S rows, KS] bf16); gate/up's activation

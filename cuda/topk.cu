@@ -4,47 +4,156 @@
 #include "common.cuh"
 #include "quant.cuh"
 #include "routing.cuh"
+#include "lora_common.cuh"  // ERR_LORA_ID_RANGE (topk_route_lora)
 
 #define TOPK_WARPS 4
 
-template <int GROUP_REGS>
-__global__ void __launch_bounds__(TOPK_WARPS * 32, 8)  // 8: 64 registers (ptxas chose 56 and spilled)
-topk_route(float* __restrict__ logits,           // [splits, N, R] fp32 (router bias already added)
-           const float* __restrict__ corr_bias,  // [R] or null: selection-only correction bias
-           const int* __restrict__ tid2eid,      // [V, k] or null: hash routing table
-           const int* __restrict__ token_ids,    // [N] (hash routing only)
-           int* __restrict__ ids_out,            // [N, k]
-           float* __restrict__ w_out,            // [N, k]
-           int* __restrict__ err,                // error bits
-           int N, int R, int E, int k, int scoring, int n_group, int topk_group,
-           int topk_then_softmax, int renorm, float scale, int vocab,
-           const bf16* __restrict__ x,           // [N, H]: quantized when qx is set
-           int H, u8* __restrict__ qx,           // w8a8 or null: x's e4m3 codes [N, H]
-           float* __restrict__ sx,               // and their scales [N, ceil(H / 128)]
-           int splits) {                         // the split router's logits copies
-    extern __shared__ float smem[];
-    pdl_wait_then_release_next();  // the decode chain past ROUTE_LISTS_MAX_ROWS launches it by PDL
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row = blockIdx.x * TOPK_WARPS + warp;
-    if (row >= N) return;
-    if (splits > 1) {  // the row's logits: its copies' sum, in split order, into copy 0
-        float* l = logits + (size_t)row * R;
-        for (int i = lane; i < R; i += 32) {
-            float v = l[i];
-            for (int z = 1; z < splits; ++z) v += l[(size_t)z * N * R + i];
-            l[i] = v;
-        }
-        __syncwarp();
+// The row's logits: its split copies' sum, in split order, into copy 0.
+__device__ __forceinline__ void sum_logit_splits(float* __restrict__ logits, int row, int N, int R, int splits,
+                                                 int lane) {
+    float* l = logits + (size_t)row * R;
+    for (int i = lane; i < R; i += 32) {
+        float v = l[i];
+        for (int z = 1; z < splits; ++z) v += l[(size_t)z * N * R + i];
+        l[i] = v;
     }
+    __syncwarp();
+}
+
+// topk_route's arguments (topk_route_lora's first):
+//   logits [splits, N, R] fp32 (router bias already added); corr_bias [R] or null: selection-only
+//   correction bias; tid2eid [V, k] or null: hash routing table; token_ids [N] (hash routing only);
+//   ids_out, w_out [N, k]; err: error bits; x [N, H]: quantized when qx is set; qx: w8a8 or null,
+//   x's e4m3 codes [N, H], and sx their scales [N, ceil(H / 128)]; splits: the split router's copies.
+#define TOPK_ROUTE_ARGS                                                                                         \
+    float *__restrict__ logits, const float *__restrict__ corr_bias, const int *__restrict__ tid2eid,          \
+        const int *__restrict__ token_ids, int *__restrict__ ids_out, float *__restrict__ w_out,               \
+        int *__restrict__ err, int N, int R, int E, int k, int scoring, int n_group, int topk_group,           \
+        int topk_then_softmax, int renorm, float scale, int vocab, const bf16 *__restrict__ x, int H,           \
+        u8 *__restrict__ qx, float *__restrict__ sx, int splits
+#define TOPK_ROUTE_ARG_NAMES                                                                                  \
+    logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, N, R, E, k, scoring, n_group, topk_group,     \
+        topk_then_softmax, renorm, scale, vocab, x, H, qx, sx, splits
+
+// The row's top-k from its logits' copy 0 (its warp's scratch in smem), then (w8a8) x's e4m3 codes
+// for the fp8 gate/up GEMM: x is the caller's, so no stage of ours produces it; its quantization
+// rides in this one-warp-per-row stage instead of a launch.
+template <int GROUP_REGS>
+__device__ __forceinline__ void route_row(int row, float* smem, int warp, int lane, TOPK_ROUTE_ARGS) {
     float* scratch = smem + (size_t)warp * (2 * R + TOPK_MAX_K);
     route_row_topk<4, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R,
                                        E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab,
                                        lane);
 #if CUPYMOE_SM >= 89
-    // w8a8: x's e4m3 codes for the fp8 gate/up GEMM. x is the caller's, so no stage of ours
-    // produces it; its quantization rides in this one-warp-per-row stage instead of a launch.
     if (qx) e4m3_quantize_row(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7), lane);
 #endif
+}
+
+template <int GROUP_REGS>
+__global__ void __launch_bounds__(TOPK_WARPS * 32, 8)  // 8: 64 registers (ptxas chose 56 and spilled)
+topk_route(TOPK_ROUTE_ARGS) {
+    extern __shared__ float smem[];
+    pdl_wait_then_release_next();  // the decode chain past ROUTE_LISTS_MAX_ROWS launches it by PDL
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * TOPK_WARPS + warp;
+    if (row >= N) return;
+    if (splits > 1) sum_logit_splits(logits, row, N, R, splits, lane);
+    route_row<GROUP_REGS>(row, smem, warp, lane, TOPK_ROUTE_ARG_NAMES);
+}
+
+// The router's LoRA delta for the row, where the router GEMM made t beside the logits
+// (grouped_gemm_lora<MODE_ROUTER, ...>, forward_plan.with_lora), with the split copies' sum:
+// logits[row] = (its copies' sum, in split order) + (s B)_a t, a = lora_ids[row] and t its
+// adapter's ranks of lora_t ([splits][N][K][3][R] fp32: A's three bf16 parts, lora_slots.py) summed
+// over the splits, then the parts (fp32); the expand in rank order from 0 as lora_router_expand's.
+// An id >= max_loras is flagged (and gets no delta), as there. Each lane takes four columns at
+// once, every load of theirs in flight together: the row's chain is a few trips, not one a column.
+#define LORA_ROUTER_PARTS 3
+#define LORA_ROUTER_MAX_SPLITS 4  // catalog.ROUTER_MAX_SPLITS: the router's K split copies at most
+#define LORA_ROUTER_COLS 4        // columns a lane at once
+__device__ __forceinline__ void router_lora_t(float* ts, const float* __restrict__ ta, int N, int cols, int splits,
+                                              int max_rank, int lane) {
+    for (int r = lane; r < max_rank; r += 32) {
+        float v[LORA_ROUTER_PARTS][LORA_ROUTER_MAX_SPLITS];
+#pragma unroll
+        for (int p = 0; p < LORA_ROUTER_PARTS; ++p)
+#pragma unroll
+            for (int z = 0; z < LORA_ROUTER_MAX_SPLITS; ++z)
+                v[p][z] = z < splits ? ta[(size_t)z * N * cols + p * max_rank + r] : 0.f;
+        float t = 0.f;
+#pragma unroll
+        for (int p = 0; p < LORA_ROUTER_PARTS; ++p) {
+            float s = 0.f;
+#pragma unroll
+            for (int z = 0; z < LORA_ROUTER_MAX_SPLITS; ++z)
+                if (z < splits) s += v[p][z];
+            t += s;
+        }
+        ts[r] = t;
+    }
+}
+
+__device__ __forceinline__ void add_router_lora(float* __restrict__ logits, float* ts, int row, int N, int R,
+                                                int splits, const int* __restrict__ lora_ids,
+                                                const float* __restrict__ lora_t, const float* __restrict__ bs,
+                                                int* __restrict__ err, int max_rank, int max_loras, int lane) {
+    constexpr int CC = LORA_ROUTER_COLS;
+    const int id = lora_ids[row];
+    if (id >= max_loras && lane == 0) atomicOr(err, ERR_LORA_ID_RANGE);
+    const bool has = id >= 0 && id < max_loras;
+    const int cols = LORA_ROUTER_PARTS * max_loras * max_rank;
+    if (has) router_lora_t(ts, lora_t + (size_t)row * cols + (size_t)id * LORA_ROUTER_PARTS * max_rank, N, cols,
+                           splits, max_rank, lane);
+    __syncwarp();
+    float* l = logits + (size_t)row * R;
+    for (int i0 = lane; i0 < R; i0 += CC * 32) {
+        float v[CC], d[CC];
+#pragma unroll
+        for (int c = 0; c < CC; ++c) {
+            const int i = i0 + 32 * c;
+            v[c] = i < R ? l[i] : 0.f;
+#pragma unroll
+            for (int z = 1; z < LORA_ROUTER_MAX_SPLITS; ++z)
+                if (z < splits && i < R) v[c] += l[(size_t)z * N * R + i];
+            d[c] = 0.f;
+        }
+        for (int j0 = 0; has && j0 < max_rank; j0 += 16) {  // sixteen ranks of s B a column loaded together
+            float b[CC][16];
+#pragma unroll
+            for (int c = 0; c < CC; ++c)
+#pragma unroll
+                for (int q = 0; q < 16; ++q) {
+                    const int i = i0 + 32 * c;
+                    b[c][q] = i < R && j0 + q < max_rank ? __ldg(bs + ((size_t)id * R + i) * max_rank + j0 + q) : 0.f;
+                }
+#pragma unroll
+            for (int q = 0; q < 16; ++q)
+                if (j0 + q < max_rank)
+#pragma unroll
+                    for (int c = 0; c < CC; ++c) d[c] = fmaf(b[c][q], ts[j0 + q], d[c]);
+        }
+#pragma unroll
+        for (int c = 0; c < CC; ++c)
+            if (i0 + 32 * c < R) l[i0 + 32 * c] = has ? v[c] + d[c] : v[c];
+    }
+    __syncwarp();
+}
+
+// topk_route with the router's LoRA delta added first (add_router_lora): its arguments, then the
+// row ids, t, the slots' s B ([max_loras][R][max_rank] fp32) and the slots' shape. Shared memory:
+// topk_route's, then max_rank floats a warp.
+template <int GROUP_REGS>
+__global__ void __launch_bounds__(TOPK_WARPS * 32, 4)  // 4: a lane's 64 loads of s B in flight
+topk_route_lora(TOPK_ROUTE_ARGS, const int* __restrict__ lora_ids, const float* __restrict__ lora_t,
+                const float* __restrict__ bs, int max_rank, int max_loras) {
+    extern __shared__ float smem[];
+    pdl_wait_then_release_next();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * TOPK_WARPS + warp;
+    if (row >= N) return;
+    float* ts = smem + (size_t)TOPK_WARPS * (2 * R + TOPK_MAX_K) + (size_t)warp * max_rank;
+    add_router_lora(logits, ts, row, N, R, splits, lora_ids, lora_t, bs, err, max_rank, max_loras, lane);
+    route_row<GROUP_REGS>(row, smem, warp, lane, TOPK_ROUTE_ARG_NAMES);
 }
 
 // The experts-only entry's routing stage (MoeLayer.forward_experts): the caller's expert ids

@@ -181,7 +181,7 @@ SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_bu
 SORT_WARPS = 32
 GROUPED_BN = 128  # GG_BN
 GROUPED_BM_MIN = 64  # the smallest M tile of the grouped GEMMs
-ROUTER_MAX_SPLITS = 4  # gemm_common.cuh gemm_tile_at: K splits of the router, a logits copy each
+ROUTER_MAX_SPLITS = 4  # gemm_common.cuh gemm_tile_at: K splits of the router, a logits copy each (topk.cu LORA_ROUTER_MAX_SPLITS)
 # grouped_sm90*.cu
 SM90_BM, SM90_BK = 128, 64
 GATHER_WARPS = 4  # the TMA kernel's gathering producer warps
@@ -375,6 +375,24 @@ def expert_lists_smem_bytes(pairs: int, n_local: int) -> int:
 def topk_route_smem_bytes(router_width: int) -> int:
     """topk_route: each of its warps' scores and candidates (routing.cuh)."""
     return TOPK_WARPS * (2 * router_width + 64) * 4
+
+
+# The router's LoRA t beside its logits (grouped_gemm_lora<MODE_ROUTER, ...>, topk_route_lora): the
+# slots' fp32 A rows as three bf16 parts (each product exact, their sum fp32's precision), at most
+# LORA_ROUTER_T_MAX_COLS columns in all (four more column tiles of the router GEMM)
+LORA_ROUTER_PARTS = 3
+LORA_ROUTER_T_MAX_COLS = 4 * GROUPED_BN
+LORA_ROUTER_T_MAX_RANK = LORA_ROUTER_T_MAX_COLS // LORA_ROUTER_PARTS  # one slot of the largest rank
+
+
+def lora_router_t_cols(max_loras: int, max_rank: int) -> int:
+    """The router GEMM's LoRA t columns: every slot's ranks, in three parts."""
+    return LORA_ROUTER_PARTS * max_loras * max_rank
+
+
+def topk_route_lora_smem_bytes(router_width: int, max_rank: int) -> int:
+    """topk_route_lora: topk_route's, then each warp's row t (max_rank floats)."""
+    return topk_route_smem_bytes(router_width) + TOPK_WARPS * max_rank * 4
 
 
 def route_lists_smem_bytes(rows: int, k: int, router_width: int) -> int:

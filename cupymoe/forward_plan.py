@@ -70,6 +70,7 @@ class PrefillShape:
     sm90_gate_up: Optional[str] = None  # the bf16 TMA GEMM variants where the table names them (heuristics.sm90_variant)
     sm90_down: Optional[str] = None
     lora_segments: bool = False  # the stacked LoRA shrinks by segments where the knob is auto (heuristics.lora_shrink_segments)
+    lora_router_t: bool = False  # the router's LoRA t from the router GEMM (n <= lp.lora_router_t_rows; lora_router_t)
 
 
 def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
@@ -81,7 +82,8 @@ def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
     return PrefillShape(HX.router_config(lp, dev, n), splits,
                         pairs <= C.SMALL_SORT_PAIRS and lists_smem <= dev.max_smem, HX.grouped_config(lp, n),
                         HX.sm90_fp8_variant(lp, n), HX.sm90_variant(lp, GemmMode.GATE_UP, n),
-                        HX.sm90_variant(lp, GemmMode.DOWN, n), HX.lora_shrink_segments(n))
+                        HX.sm90_variant(lp, GemmMode.DOWN, n), HX.lora_shrink_segments(n),
+                        n <= lp.lora_router_t_rows)
 
 
 def prefill_buckets(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[tuple[int, int, PrefillShape]]:
@@ -206,6 +208,8 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, *, separated: b
     overlap = lora_overlap(plan, lp, lora, separated)
     if lora_fold(plan, lp, lora):
         steps[at - 1], steps[at] = _router_lora(steps[at - 1], lp, lora), _route_lists_lora(steps[at], lp, lora)
+    elif lora_router_t(plan, lp, lora):
+        steps[at - 1], steps[at] = _router_t(steps[at - 1], lora), _topk_route_lora(steps[at], lp, lora)
     else:
         delta = _as_successor(_router_delta(plan, lp, lora), steps[at])
         steps.insert(at, replace(delta, pdl=True) if overlap and isinstance(steps[at - 1], Launch) else delta)
@@ -221,6 +225,51 @@ def lora_overlap(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, separated: b
     grouped_sm90_tma.cu, grouped.cu: T read after the wait, before the extra K). Where PDL runs
     (sm_90, CUPYMOE_PDL) and no stage event or profile sync stands between the launches."""
     return lora.overlap and lp.pdl and plan.path == Path.PREFILL and not separated
+
+
+def lora_router_t_rows(lp: LayerPlan, knob: Optional[int], max_loras: int, max_rank: int) -> int:
+    """Prefill rows up to which a layer with adapter slots (max_loras of max_rank) makes the router's
+    LoRA t in the router GEMM (lora_router_t): the knob's (CUPYMOE_LORA_ROUTER_T_ROWS) or
+    heuristics.LORA_ROUTER_T_ROWS; 0 where the slots' t columns pass C.LORA_ROUTER_T_MAX_COLS, and
+    for a row-invariant layer (a row's router delta would sum in another order past those rows)."""
+    if C.lora_router_t_cols(max_loras, max_rank) > C.LORA_ROUTER_T_MAX_COLS or lp.row_invariant:
+        return 0
+    return HX.LORA_ROUTER_T_ROWS if knob is None else knob
+
+
+def lora_router_t(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> bool:
+    """Whether the prefill plan makes the router's LoRA shrink in the router's own grid and its
+    expand in top-k (_router_t, _topk_route_lora) instead of lora_grouped_router_delta: rows up to
+    lp.lora_router_t_rows (PrefillShape.lora_router_t), where the router is grouped.cu's GEMM
+    (not the wgmma one) and top-k is topk_route. One link fewer: t's columns are a few more tiles
+    of a grid the router leaves mostly idle."""
+    if plan.path != Path.PREFILL or plan.shape is None or not plan.shape.lora_router_t:
+        return False
+    at = _past_router(plan.steps)
+    router, route = plan.steps[at - 1], plan.steps[at]
+    return (getattr(router, "kernel", "").startswith(f"grouped_gemm<{int(GemmMode.ROUTER)}, ")
+            and getattr(route, "kernel", "").startswith("topk_route<")
+            and C.lora_router_t_cols(lora.max_loras, lora.max_rank) <= C.LORA_ROUTER_T_MAX_COLS)
+
+
+def _router_t(router: Launch, lora: LoraShape) -> Launch:
+    """The router GEMM with the slots' A rows (three bf16 parts, lora_slots.py) as more column tiles,
+    their products into lora_router_t (cuda/grouped.cu router_t_tile)."""
+    cols = C.lora_router_t_cols(lora.max_loras, lora.max_rank)
+    extra = (u64("lora_t", S("lora_router_t")), u64("lora_b0", Buf(Space.LAYER, "lora_router_a3")),
+             u64("lora_b1", 0), i32("KS", cols))
+    grid = (router.grid[0] + -(-cols // C.GROUPED_BN),) + tuple(router.grid[1:])
+    return replace(router, kernel=C.lora_grouped_kernel(router.kernel), grid=grid, args=router.args + extra)
+
+
+def _topk_route_lora(route: Launch, lp: LayerPlan, lora: LoraShape) -> Launch:
+    """topk_route adding the router's delta from lora_router_t first (cuda/topk.cu topk_route_lora):
+    its arguments, then the row ids, t, the slots' s B and their shape."""
+    extra = (u64("lora_ids", CallValue.LORA_IDS), u64("lora_t", S("lora_router_t")),
+             u64("bs", Buf(Space.LAYER, "lora_router_bs")), i32("max_rank", lora.max_rank),
+             i32("max_loras", lora.max_loras))
+    return replace(route, kernel=route.kernel.replace("topk_route<", "topk_route_lora<"), args=route.args + extra,
+                   smem=C.topk_route_lora_smem_bytes(lp.cfg.router_width, lora.max_rank))
 
 
 def _past_router(steps) -> int:

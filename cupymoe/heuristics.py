@@ -115,6 +115,11 @@ LORA_SEGMENTS_FROM_ROWS = 2049
 LORA_FOLD_ROWS = 1
 
 
+# The prefill router's LoRA shrink as more column tiles of the router GEMM, its expand inside
+# top-k, up to this many rows (CUPYMOE_LORA_ROUTER_T_ROWS; forward_plan.lora_router_t)
+LORA_ROUTER_T_ROWS = 1024
+
+
 def lora_shrink_segments(n: int) -> bool:
     """Whether CUPYMOE_LORA_STACK_SHRINK=auto takes the segments form at a prefill of n rows."""
     return n >= LORA_SEGMENTS_FROM_ROWS

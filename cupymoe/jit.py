@@ -61,7 +61,8 @@ def _grouped_names() -> tuple[str, ...]:
             + tuple(name(m, c) for m in (0, 1) for c in ("stream", "math"))
             + tuple(name(m, c, f) for m in (0, 1) for c in ("stream_q", "math") for f in quant)
             + tuple(C.lora_grouped_kernel(name(m, c, WeightFormat.FP8_BLOCK)) for m in (0, 1)
-                    for c in ("stream_q", "math")))  # the stacked form on w8a16 (lora_stack.py)
+                    for c in ("stream_q", "math"))  # the stacked form on w8a16 (lora_stack.py)
+            + tuple(C.lora_grouped_kernel(name(GemmMode.ROUTER, c)) for c in ("stream", "math")))  # LoRA t beside the logits
 
 
 def _modules() -> dict[str, ModuleSpec]:
@@ -74,7 +75,8 @@ def _modules() -> dict[str, ModuleSpec]:
                              + tuple(f"router_logits_bf16_lora<1, {sp}>" for sp in C.ROUTER_SPLITS)),
         "router_mma": ModuleSpec("router_mma.cu", tuple(f"router_logits_mma<{nt}>" for nt in C.ROUTER_MMA_TILES),
                                  archs=hopper),
-        "topk": ModuleSpec("topk.cu", ("topk_route<0>", "topk_route<1>", "experts_route_in")),  # <1>: group-limited
+        "topk": ModuleSpec("topk.cu", ("topk_route<0>", "topk_route<1>", "experts_route_in",  # <1>: group-limited
+                                       "topk_route_lora<0>", "topk_route_lora<1>")),
         "grouped": ModuleSpec("grouped.cu", _grouped_names()),
         "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(dict.fromkeys(
             [v.kernel(m) for m in (0, 1, 2) for v in V if not v.tma]
@@ -452,6 +454,8 @@ def opt_in_smem(expr: str, max_smem: int) -> int:
     # decode's by its K (less 1 KB: its static shared memory counts against the opt-in maximum)
     if expr in ("sort_place", "decode_build_lists") or expr.startswith("decode_topk_lists"):
         return max_smem
+    if expr.startswith("topk_route_lora"):  # and its warps' t
+        return min(max_smem, C.topk_route_lora_smem_bytes(C.MAX_ROUTER_WIDTH, C.LORA_ROUTER_T_MAX_RANK))
     if expr.startswith("topk_route"):  # its warps' scratch grows with the router's width
         return min(max_smem, C.topk_route_smem_bytes(C.MAX_ROUTER_WIDTH))
     m = re.fullmatch(r"decode_swapab_(?:gate_up|down)<(\d+)>", expr)

@@ -88,6 +88,12 @@ def _on_off(name: str, v: str) -> bool:
     return v == "1"
 
 
+def _rows(name: str, v: str) -> int:
+    if not v.isdigit():
+        raise OptionError(f"{name}={v!r}: must be a non-negative integer")
+    return int(v)
+
+
 def _count(name: str, v: str) -> int:
     if not v.isdigit() or int(v) < 1:
         raise OptionError(f"{name}={v!r}: must be a positive integer")
@@ -209,6 +215,11 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                         _choice(LoraDownSplit), LoraDownSplit.COLS),
     "lora_down_lanes": ("CUPYMOE_LORA_DOWN_LANES", "lora_down_delta's shrink: lanes a rank row x vectors a lane "
                         "in flight, as TxV (compile time; default 16x8 on sm_90, 16x4 elsewhere)", _lanes, None),
+    "lora_router_t_rows": ("CUPYMOE_LORA_ROUTER_T_ROWS", "prefill rows up to which the router's LoRA shrink "
+                           "runs as more column tiles of the router GEMM and its expand inside top-k "
+                           "(grouped_gemm_lora<2, ...>, topk_route_lora); 0: lora_grouped_router_delta, a "
+                           "launch of its own (default: heuristics.LORA_ROUTER_T_ROWS); read when a layer is "
+                           "built", _rows, None),
     "lora_router_tpr": ("CUPYMOE_LORA_ROUTER_TPR", "lora_router_delta's shrink: lanes a rank row, a power of "
                         "two up to 16 (compile time; default 16)", _rank_row_lanes, None),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
@@ -257,6 +268,7 @@ class Knobs:
     lora_overlap: bool = True
     lora_down_split: LoraDownSplit = LoraDownSplit.COLS
     lora_down_lanes: Optional[tuple[int, int]] = None
+    lora_router_t_rows: Optional[int] = None
     lora_router_tpr: Optional[int] = None
     math_rows: Optional[int] = None
     gemm_band_cols: Optional[int] = None

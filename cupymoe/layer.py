@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 from . import arrays, guard, jit, lora_slots, profiling, tma
+from . import catalog as C
 from .config import MoeConfig
 from .errors import LaunchError, LoraError, MoeCallError, OptionError, WorkspaceError
-from .forward_plan import LoraShape, build_forward_plan, lora_stack_parts, prefill_shape
+from .forward_plan import LoraShape, build_forward_plan, lora_router_t_rows, lora_stack_parts, prefill_shape
 from .graph_launch import PlanGraph
 from .host_weights import HostWeights
 from .knobs import Knobs
@@ -95,6 +97,8 @@ class MoeLayer:
                 # the stacked form's Bext only where a GEMM may run it (forward_plan.lora_stack_parts)
                 stack = lora_stack_parts(self.plan, knobs.lora_in_gemm, lora_k, lora_r)
                 self._lora = lora_slots.LoraSlots(cfg, lora_k, lora_r, self.device_id, experts, stack)
+                self.plan = replace(self.plan, lora_router_t_rows=lora_router_t_rows(
+                    self.plan, knobs.lora_router_t_rows, lora_k, lora_r))
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             self._bind(workspace or Workspace(self.workspace_need(), device=self.device_id))
             # the uploads and repacks went through the legacy default stream, which a caller's
@@ -126,13 +130,13 @@ class MoeLayer:
     def workspace_need(self, max_tokens: Optional[int] = None) -> WorkspaceNeed:
         """What this layer needs of a workspace at `max_tokens` (default its own)."""
         return layer_need(self.plan, max_tokens or self.max_tokens, self._guard, self._lora_experts,
-                          self._lora_rank, self._lora_stack_ks)[1]
+                          self._lora_rank, self._lora_stack_ks, self._lora_router_t_cols)[1]
 
     def _bind(self, ws: Workspace) -> None:
         if ws.device_id != self.device_id:
             raise WorkspaceError(f"workspace is on device {ws.device_id}, the layer on device {self.device_id}")
         plan, need = layer_need(self.plan, self.max_tokens, self._guard, self._lora_experts, self._lora_rank,
-                                self._lora_stack_ks)
+                                self._lora_stack_ks, self._lora_router_t_cols)
         ws.check_fits(need, f"a {self.cfg.model_type or 'MoE'} layer at max_tokens={self.max_tokens}")
         self.workspace, self.scratch = ws, ScratchView.on(plan, ws, layer_tickets_offset(self.plan))
         # the tensor-map tables of the kernels the plan picks, encoded now; others on first use
@@ -300,6 +304,13 @@ class MoeLayer:
     def _lora_stack_ks(self) -> int:
         """The LoRA stacked form's KS (0: the layer has none; cupymoe/lora_stack.py)."""
         return self._lora.stack_width if self._lora is not None else 0
+
+    @property
+    def _lora_router_t_cols(self) -> int:
+        """The router GEMM's LoRA t columns (0: no plan makes t there; forward_plan.lora_router_t)."""
+        if self._lora is None or not self.plan.lora_router_t_rows:
+            return 0
+        return C.lora_router_t_cols(self._lora.max_loras, self._lora.max_rank)
 
     def _lora_slots(self, what: str) -> "lora_slots.LoraSlots":
         if self._lora is None:

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from . import catalog as C
 from .config import MoeConfig
 from .errors import LoraError, OptionError
 from .formats import BF16
@@ -41,6 +42,17 @@ def check_options(max_loras, max_lora_rank) -> tuple[int, int]:
     if (max_loras == 0) != (max_lora_rank == 0):
         raise OptionError(f"max_loras={max_loras}, max_lora_rank={max_lora_rank}: give both (LoRA on) or neither")
     return int(max_loras), int(max_lora_rank)
+
+
+def bf16_parts(a: np.ndarray, parts: int) -> np.ndarray:
+    """fp32 `a` as `parts` bf16 values (returned as float32) whose sum is `a`: each the bf16 nearest
+    the rest so far (cuda/lora.cu lora_split3's split; three parts hold fp32's 24 bits)."""
+    rest = np.asarray(a, np.float32)
+    out = np.empty((parts,) + rest.shape, np.float32)
+    for p in range(parts):
+        out[p] = rest.astype(BF16).astype(np.float32)
+        rest = rest - out[p]  # exact: out[p] is rest to 8 bits
+    return out
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,8 @@ class LoraSlots:
         with cupy.cuda.Device(device_id):
             self._arrays["lora_router_a"] = cupy.zeros((K, R, H), cupy.float32)
             self._arrays["lora_router_bs"] = cupy.zeros((K, cfg.router_width, R), cupy.float32)
+            # A in three bf16 parts, the router GEMM's LoRA columns (forward_plan.lora_router_t)
+            self._arrays["lora_router_a3"] = cupy.zeros((K, C.LORA_ROUTER_PARTS, R, H), cupy.uint16)
             if experts is not None:
                 for name, shape in self._expert_shapes().items():  # bf16 as uint16 (CuPy has no bf16)
                     self._arrays[name] = cupy.zeros((K, *shape), cupy.uint16)
@@ -139,6 +153,7 @@ class LoraSlots:
         m = adapter.get(LoraTarget.ROUTER)
         if m is not None:  # the scale folded into B in fp32 (one rounding; the reference keeps float64)
             host["lora_router_a"][:m.rank] = m.a
+            host["lora_router_a3"][:, :m.rank] = bf16_parts(m.a, C.LORA_ROUTER_PARTS)
             host["lora_router_bs"][:, :m.rank] = m.b * np.float32(m.scale)
         if self.experts is not None:
             self._host_experts(adapter, host)

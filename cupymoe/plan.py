@@ -277,6 +277,9 @@ class LayerPlan:
     # w8a8: the grouped gate/up also stores the bf16 activation, which no kernel reads (verify.W8a8Stages does)
     keep_w8a8_activation: bool = False
     weight_l2_promotion: L2Promotion = L2Promotion.B128  # the weight tensor maps' (CUPYMOE_WEIGHT_L2_PROMOTION)
+    # prefill rows up to which the router's LoRA t comes from the router GEMM (0: none; set where the
+    # layer reserves adapter slots, forward_plan.lora_router_t_rows)
+    lora_router_t_rows: int = 0
 
     @property
     def fp8_tma_chosen(self) -> bool:

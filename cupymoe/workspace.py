@@ -176,7 +176,7 @@ LORA_TICKETS = 1056
 def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, decode_max_tokens: int,
                   w8a8: bool = False, w8a8_shared_x: bool = False, gathered_inputs: bool = False,
                   guard: int = 0, lora_experts: bool = False, lora_rank: int = 0,
-                  lora_stack_ks: int = 0) -> ScratchPlan:
+                  lora_stack_ks: int = 0, lora_router_t: tuple[int, int] = (0, 0)) -> ScratchPlan:
     """A layer's buffers, their live stages and the ONE alias table. `w8a8`: the e4m3 copies of
     the expert input and of the activation with their scales a 128 columns; `w8a8_shared_x`: x's
     too (an fp8 shared expert behind a pre-expert norm); `gathered_inputs`: xg, the expert
@@ -185,7 +185,8 @@ def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, dec
     `lora_rank` (> 0: the layer reserved adapter slots of that rank): lora_part, the per-pair
     LoRA kernels' slice sums (forward_plan.lora_slices: fewer than 2 LORA_TICKETS items' slices,
     2 rank rows an item at most); `lora_stack_ks` (> 0: the LoRA stacked form's KS, cupymoe/lora_stack.py):
-    its shrinks' T of gate/up [P, 2 KS] and of down [P, KS], bf16 (the TMA GEMMs' extra A)."""
+    its shrinks' T of gate/up [P, 2 KS] and of down [P, KS], bf16 (the TMA GEMMs' extra A);
+    `lora_router_t` (rows, columns): the router GEMM's LoRA t, a copy a K split, fp32 (topk_route_lora)."""
     T, k, H, R = max_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.router_width
     sh = 1 if cfg.has_shared_expert else 0
     P = T * k + sh * T  # expert positions: every routed pair, plus one shared row a token
@@ -232,6 +233,9 @@ def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, dec
     if lora_stack_ks:  # written just before the GEMM that reads it; last, as lora_gu
         buffers.append(BufferSpec("lora_t_gu", P * 2 * lora_stack_ks * 2, "gate_up", "gate_up"))
         buffers.append(BufferSpec("lora_t_down", P * lora_stack_ks * 2, "down", "down"))
+    if lora_router_t[0]:  # beside the logits, read by top-k
+        buffers.append(BufferSpec("lora_router_t", lora_router_t[0] * lora_router_t[1] * 4 * C.ROUTER_MAX_SPLITS,
+                                  "route", "route"))
     # logits die once top-k has read them, act is born at gate_up; xg dies in gate_up, yw is born in down
     return plan_scratch(STAGES, buffers, [("logits", "act"), ("xg", "yw")], guard)
 
@@ -360,13 +364,17 @@ def _order_after(event: int, new: int, ws: Workspace) -> None:
 
 
 def layer_need(lp, max_tokens: int, guard: int = 0, lora_experts: bool = False,
-               lora_rank: int = 0, lora_stack_ks: int = 0) -> tuple[ScratchPlan, WorkspaceNeed]:
+               lora_rank: int = 0, lora_stack_ks: int = 0,
+               lora_router_t_cols: int = 0) -> tuple[ScratchPlan, WorkspaceNeed]:
     """A layer's scratch plan (`lp` a plan.LayerPlan) and what it needs of a workspace at `max_tokens`
     (`guard`: with red zones; `lora_experts`: the LoRA plans' expert deltas' scratch too;
     `lora_rank`: the reserved adapter slots' rank, 0 for none: the per-pair kernels' scratch;
-    `lora_stack_ks`: the LoRA stacked form's T, 0 for none)."""
+    `lora_stack_ks`: the LoRA stacked form's T, 0 for none; `lora_router_t_cols`: the router GEMM's
+    LoRA t columns, up to lp.lora_router_t_rows rows, 0 for none)."""
+    t_rows = min(max_tokens, lp.lora_router_t_rows) if lora_router_t_cols else 0
     plan = layer_scratch(lp.cfg, max_tokens, lp.n_local, lp.i_max, lp.decode_max_tokens, lp.w8a8,
-                         lp.w8a8_shared_x, lp.gathers_rows, guard, lora_experts, lora_rank, lora_stack_ks)
+                         lp.w8a8_shared_x, lp.gathers_rows, guard, lora_experts, lora_rank, lora_stack_ks,
+                         (t_rows, lora_router_t_cols))
     return plan, WorkspaceNeed(plan.total_bytes, zeroed_bytes(lp.n_local, lp.i_max, lp.w8a8, lora_rank > 0))
 
 

@@ -22,7 +22,7 @@ import statistics
 
 # a forward's first kernel: the router (decode's router_*; prefill's ROUTER-mode GEMM, mode 2),
 # never the router's LoRA delta (lora_router_*)
-FIRST = r"^(void )?(router|grouped_gemm(_sm90)?<2,)"
+FIRST = r"^(void )?(router|grouped_gemm(_sm90|_lora)?<2,)"
 
 
 def forward_timeline(kernels: list[tuple[float, float, str]], first: str = FIRST) -> dict:

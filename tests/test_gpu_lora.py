@@ -596,6 +596,7 @@ def test_sliced_pair_deltas(family, rng, monkeypatch):
     from cupymoe.plan import Path
 
     monkeypatch.setenv("CUPYMOE_LORA_FOLD", "0")  # lora_router_delta at one row too (the fold: its own test)
+    monkeypatch.setenv("CUPYMOE_LORA_ROUTER_T_ROWS", "0")  # and in prefill (the router's t in its GEMM: its own test)
     cfg = testing.tiny_config(family, hidden_size=776, moe_intermediate_size=392)
     hw = testing.random_host_weights(cfg, rng, "bf16")
     for ranks in ((16, 12, 5), (3, 1, 16)):
@@ -728,7 +729,7 @@ def _prefill_uses_stacked(layer, n, max_rank):
                   for shrinks in (("lora_stack_t_seg<2,", "lora_stack_t_seg<1,"), ("lora_stack_t_gate_up", "lora_stack_t_down")))
     if layer._lora_stack_shrink == "segments":
         assert not stacked or "lora_stack_t_gate_up" not in kinds
-    assert stacked == (sum(k.startswith(("grouped_gemm_sm90_tma_lora<", "grouped_gemm_lora<")) for k in kinds) == 2)
+    assert stacked == (sum(k.startswith(("grouped_gemm_sm90_tma_lora<", "grouped_gemm_lora<0", "grouped_gemm_lora<1")) for k in kinds) == 2)
     return stacked and not {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} & set(kinds)
 
 
@@ -950,6 +951,50 @@ def test_prefill_overlap_bit_for_bit(fmt, shrink, rng, monkeypatch):
         assert np.array_equal(over.view(np.uint32), plain.view(np.uint32)), f"{fmt} {shrink} N={m}: not the plain bits"
     layer.check_errors()
     _judge_id_past_slots(layer, cfg, hw, rng, adapters, f"overlap {fmt} {shrink}")
+
+
+def _router_kernels(layer, n):
+    from cupymoe.forward_plan import LoraShape, build_forward_plan
+    from cupymoe.plan import Path
+
+    shape = LoraShape(layer._lora.max_loras, layer._lora.max_rank, True, layer._lora.stack_parts,
+                      layer._lora_stack_shrink)
+    plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=shape).at(n)
+    return [s.kernel.split("<")[0] for s in plan.steps[:3] if hasattr(s, "kernel")]
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])  # topk_route_lora<0>; <1>: group-limited
+def test_prefill_router_t(family, rng, monkeypatch):
+    """The router's LoRA t as more column tiles of the router GEMM and its expand inside top-k
+    (forward_plan.lora_router_t, up to CUPYMOE_LORA_ROUTER_T_ROWS rows), four adapters of ranks 16,
+    3, 1 and 2, ids -1 .. 3 mixed: a prefill graph captured with empty slots replays the adapters set
+    after it (judged, bit for bit the eager forward); N 300 and 1000 judged (the router's K split
+    copies summed by top-k), as is the same layer with lora_grouped_router_delta (the knob 0); an id
+    past the slots flagged by topk_route_lora."""
+    cfg = testing.tiny_config(family)
+    hw = testing.random_host_weights(cfg, rng, "bf16")
+    layers = {}
+    for v in ("1024", "0"):
+        monkeypatch.setenv("CUPYMOE_LORA_ROUTER_T_ROWS", v)
+        layers[v] = _grouped_layer(cfg, hw, 16, stack=1)
+    layer, adapters, n = layers["1024"], _ranked_adapters(cfg, rng, 16), 1000
+    assert _router_kernels(layer, n)[:2] == ["grouped_gemm_lora", "topk_route_lora"]
+    assert _router_kernels(layer, 1025)[1] == "lora_grouped_router_delta"
+    assert _router_kernels(layers["0"], n)[1] == "lora_grouped_router_delta"
+    ids = rng.integers(-1, 4, n).astype(np.int32)
+    ids[:5] = [-1, 0, 1, 2, 3]
+    x = separated_input(cfg, hw, rng, n, adapters, ids, also_base=True)
+    s, out, graph, _inputs = _captured_prefill(layer, x, ids)
+    _set_replay_clear(layer, cfg, hw, x, ids, adapters, s, out, graph, "prefill", f"router t {family} replay")
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+        layers["0"].set_lora(slot, lw)
+    for m in (300, n):
+        for v, each in layers.items():
+            judge(run(each, x[:m], ids[:m], "prefill"), cfg, hw, x[:m], ids[:m], adapters,
+                  each.select_path(m, "prefill"), f"router t rows {v} {family} N={m}", each)
+    layer.check_errors()
+    _judge_id_past_slots(layer, cfg, hw, rng, adapters, f"router t {family}", n=700)
 
 
 # --- the per-pair kernels' early start (cuda/lora.cu "Early start"; DECISIONS.md "LoRA: the decode

@@ -397,3 +397,71 @@ def test_prefill_overlap_only_where_pdl_runs(preset, n):
     assert pdl_kernels(plan(overlap=False)) == pdl_kernels(plan(separated=True)) == []
     assert pdl_kernels(plan(knobs=Knobs(math_rows=1, pdl=False))) == []
     assert pdl_kernels(plan(dev=A100)) == []
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_prefill_router_t(family):
+    """Up to lp.lora_router_t_rows prefill rows the router GEMM takes the slots' A rows in three
+    parts as ceil(3 K R / 128) more column tiles (grouped_gemm_lora<2, ...>: t into lora_router_t) and
+    top-k adds the delta (topk_route_lora, its warps' t past topk_route's scratch); past them, with
+    the rows at 0 (the knob), or where the router is the wgmma GEMM, lora_grouped_router_delta. The
+    base launches are otherwise the plan's; every kernel is built; the scratch holds t's K split copies
+    for the rows the form serves."""
+    from dataclasses import replace
+
+    from cupymoe.forward_plan import lora_router_t_rows
+
+    cfg = testing.tiny_config(family)
+    base_lp = plan_layer(cfg, "bf16", "bf16" if cfg.has_shared_expert else None, "sm_90a", knobs=Knobs())
+    shape = LoraShape(max_loras=4, max_rank=16, experts=True)
+    cols = C.lora_router_t_cols(4, 16)
+    assert cols == 192 and lora_router_t_rows(base_lp, None, 4, 16) == 1024
+    assert lora_router_t_rows(base_lp, 300, 4, 16) == 300 and lora_router_t_rows(base_lp, None, 4, 43) == 0
+    invariant = plan_layer(cfg, "bf16", "bf16" if cfg.has_shared_expert else None, "sm_90a", knobs=Knobs(),
+                           options=LayerOptions(row_invariant=True))
+    assert lora_router_t_rows(invariant, 4096, 4, 16) == 0  # one form at every N
+    lp = replace(base_lp, lora_router_t_rows=lora_router_t_rows(base_lp, None, 4, 16))
+    names = {n for m in jit.modules_for("sm_90a") for n in jit.MODULES[m].names}
+    for n, fused in ((300, True), (1024, True), (1025, False)):
+        base = build_forward_plan(lp, H200, n, Path.PREFILL).at(n)
+        plan = build_forward_plan(lp, H200, n, Path.PREFILL, lora=shape).at(n)
+        router, route = plan.steps[0], plan.steps[1]
+        if not fused:
+            assert route.kernel == "lora_grouped_router_delta"
+            continue
+        b_router, b_route = base.steps[0], base.steps[1]
+        assert router.kernel == "grouped_gemm_lora<" + b_router.kernel[len("grouped_gemm<"):] and router.kernel in names
+        assert router.grid == (b_router.grid[0] + 2,) + b_router.grid[1:]
+        assert router.args[:len(b_router.args)] == b_router.args
+        assert router.arg("lora_t") == Buf(Space.SCRATCH, "lora_router_t") and router.arg("KS") == cols
+        assert router.arg("lora_b0") == Buf(Space.LAYER, "lora_router_a3")
+        assert route.kernel == b_route.kernel.replace("topk_route<", "topk_route_lora<") and route.kernel in names
+        assert route.args[:len(b_route.args)] == b_route.args and route.arg("lora_ids") == CallValue.LORA_IDS
+        assert route.smem == C.topk_route_lora_smem_bytes(cfg.router_width, 16) <= jit.opt_in_smem(route.kernel, H200.max_smem)
+        assert not any(getattr(s, "kernel", "").endswith("router_delta") for s in plan.steps)
+    off = build_forward_plan(replace(lp, lora_router_t_rows=0), H200, 300, Path.PREFILL, lora=shape).at(300)
+    assert off.steps[1].kernel == "lora_grouped_router_delta"
+    need, _ = layer_need(lp, 2000, lora_rank=16, lora_router_t_cols=cols)
+    assert need.placements["lora_router_t"].nbytes >= 1024 * cols * 4 * C.ROUTER_MAX_SPLITS
+    assert "lora_router_t" not in layer_need(lp, 2000, lora_rank=16)[0].placements
+
+
+def test_prefill_router_t_not_on_the_wgmma_router():
+    """A router on the wgmma GEMM (the math configuration, sm_90a, not row-invariant) keeps the delta launch."""
+    from dataclasses import replace
+
+    cfg = preset_config("deepseek-v3")
+    lp = plan_layer(cfg, "bf16", "bf16", "sm_90a", knobs=Knobs())
+    lp = replace(lp, lora_router_t_rows=65536)
+    shape = LoraShape(max_loras=4, max_rank=16)
+    n = 16384
+    plan = build_forward_plan(lp, H200, n, Path.PREFILL, lora=shape).at(n)
+    assert not plan.steps[0].kernel.startswith("grouped_gemm<"), plan.steps[0].kernel
+    assert plan.steps[1].kernel == "lora_grouped_router_delta"
+
+
+def test_router_t_rows_knob():
+    assert Knobs.from_env({"CUPYMOE_LORA_ROUTER_T_ROWS": "0"}).lora_router_t_rows == 0
+    assert Knobs.from_env({}).lora_router_t_rows is None
+    with pytest.raises(OptionError, match="CUPYMOE_LORA_ROUTER_T_ROWS"):
+        Knobs.from_env({"CUPYMOE_LORA_ROUTER_T_ROWS": "-1"})
