@@ -96,9 +96,11 @@ class MoeLayer:
                 experts = lora_slots.expert_slot_shape(owned, self.plan.i_max, self.plan.w8a8)
                 # the stacked form's Bext only where a GEMM may run it (forward_plan.lora_stack_parts)
                 stack = lora_stack_parts(self.plan, knobs.lora_in_gemm, lora_k, lora_r)
-                self._lora = lora_slots.LoraSlots(cfg, lora_k, lora_r, self.device_id, experts, stack)
                 self.plan = replace(self.plan, lora_router_t_rows=lora_router_t_rows(
                     self.plan, knobs.lora_router_t_rows, lora_k, lora_r))
+                # A's bf16 parts only where a plan's router GEMM reads them (forward_plan.lora_router_t)
+                self._lora = lora_slots.LoraSlots(cfg, lora_k, lora_r, self.device_id, experts, stack,
+                                                  router_parts=self.plan.lora_router_t_rows > 0)
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             self._bind(workspace or Workspace(self.workspace_need(), device=self.device_id))
             # the uploads and repacks went through the legacy default stream, which a caller's

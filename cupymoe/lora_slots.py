@@ -69,11 +69,12 @@ class ExpertSlotShape:
 
 
 class LoraSlots:
-    """K slots of rank up to R: the router's (fp32) and, with `experts`, every projection's of every
-    table slot (bf16, module docstring). `ptr(name)` gives the kernels' addresses by plan name."""
+    """K slots of rank up to R: the router's (fp32; with `router_parts` its A also as three bf16 parts,
+    lora_router_a3) and, with `experts`, every projection's of every table slot (bf16, module
+    docstring). `ptr(name)` gives the kernels' addresses by plan name."""
 
     def __init__(self, cfg: MoeConfig, max_loras: int, max_rank: int, device_id: int,
-                 experts: Optional[ExpertSlotShape] = None, stack_parts: int = 0):
+                 experts: Optional[ExpertSlotShape] = None, stack_parts: int = 0, router_parts: bool = False):
         import cupy
 
         self.cfg, self.max_loras, self.max_rank, self.device_id = cfg, max_loras, max_rank, device_id
@@ -86,8 +87,8 @@ class LoraSlots:
         with cupy.cuda.Device(device_id):
             self._arrays["lora_router_a"] = cupy.zeros((K, R, H), cupy.float32)
             self._arrays["lora_router_bs"] = cupy.zeros((K, cfg.router_width, R), cupy.float32)
-            # A in three bf16 parts, the router GEMM's LoRA columns (forward_plan.lora_router_t)
-            self._arrays["lora_router_a3"] = cupy.zeros((K, C.LORA_ROUTER_PARTS, R, H), cupy.uint16)
+            if router_parts:  # A in three bf16 parts, the router GEMM's LoRA columns (forward_plan.lora_router_t)
+                self._arrays["lora_router_a3"] = cupy.zeros((K, C.LORA_ROUTER_PARTS, R, H), cupy.uint16)
             if experts is not None:
                 for name, shape in self._expert_shapes().items():  # bf16 as uint16 (CuPy has no bf16)
                     self._arrays[name] = cupy.zeros((K, *shape), cupy.uint16)
@@ -153,7 +154,8 @@ class LoraSlots:
         m = adapter.get(LoraTarget.ROUTER)
         if m is not None:  # the scale folded into B in fp32 (one rounding; the reference keeps float64)
             host["lora_router_a"][:m.rank] = m.a
-            host["lora_router_a3"][:, :m.rank] = bf16_parts(m.a, C.LORA_ROUTER_PARTS)
+            if "lora_router_a3" in host:
+                host["lora_router_a3"][:, :m.rank] = bf16_parts(m.a, C.LORA_ROUTER_PARTS)
             host["lora_router_bs"][:, :m.rank] = m.b * np.float32(m.scale)
         if self.experts is not None:
             self._host_experts(adapter, host)
