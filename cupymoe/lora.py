@@ -6,10 +6,11 @@
 An adapter adds `scale * B @ (A @ x)` to a linear map `y = W x` of the block (A [r, in],
 B [out, r]; scale = lora_alpha / r, or lora_alpha / sqrt(r) with `use_rslora`), as PEFT
 defines it. The modules it may name are the hub names of docs/FORMATS.md: the router, each
-routed expert's gate / up / down (mixtral's w1 / w3 / w2) and the shared expert's. What this
-module cannot serve (DoRA, fused or transposed layouts, biases, other tensor names under the
-layer's MLP prefix, a rank over the caller's maximum, bad shapes or values) is a LoraError
-naming the key and the value; nothing is half loaded.
+routed expert's gate / up / down (mixtral's w1 / w3 / w2) and the shared expert's; adapters of
+transformers 5's stacked expert parameters (PEFT's `target_parameters`) are split per expert by
+cupymoe/lora_fused.py. What this module cannot serve (DoRA, vLLM's stacks, fan_in_fan_out,
+biases, other tensor names under the layer's MLP prefix, a rank over the caller's maximum, bad
+shapes or values) is a LoraError naming the key and the value; nothing is half loaded.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import numpy as np
 
 from .config import MoeConfig
 from .errors import CheckpointError, LoraError
+from .lora_fused import (NEST, in_axis_by_version, in_axis_of, nested_pairs, peft_version, per_expert, stacked_params,
+                         which_param)
 
 __all__ = ["LoraTarget", "LoraKey", "LoraModule", "LoraWeights", "load_peft", "lora_scale", "random_lora",
            "round_robin_ids", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
@@ -161,6 +164,7 @@ class _PeftConfig:
     use_rslora: bool
     rank_pattern: Mapping[str, int]
     alpha_pattern: Mapping[str, float]
+    version: Optional[tuple] = None  # peft_version (lora_fused.peft_version): the stacked experts' orientation
 
     def pattern_key(self, patterns: Mapping[str, Any], module: str) -> Optional[str]:
         """PEFT's rule: an exact key first, else the first pattern matching a dotted suffix."""
@@ -209,8 +213,9 @@ def _peft_config(raw: Mapping[str, Any]) -> _PeftConfig:
             raise LoraError(f"{ADAPTER_CONFIG}: {key}={p!r} must map module patterns to numbers")
         patterns[key] = {str(k): _number(v, f"{key}[{k!r}]", what) for k, v in p.items()}
     return _PeftConfig(r=_number(raw.get("r", 8), "r", int),
-                       alpha=_number(raw.get("lora_alpha", 8), "lora_alpha", float), use_rslora=raw.get("use_rslora", False), rank_pattern=patterns["rank_pattern"],
-                       alpha_pattern=patterns["alpha_pattern"])
+                       alpha=_number(raw.get("lora_alpha", 8), "lora_alpha", float),
+                       use_rslora=raw.get("use_rslora", False), rank_pattern=patterns["rank_pattern"],
+                       alpha_pattern=patterns["alpha_pattern"], version=peft_version(raw.get("peft_version")))
 
 
 # ----------------------------------------------------------------------------------
@@ -258,8 +263,12 @@ def _why_unknown(module_key: str) -> str:
         return "a LoRA bias (not served)"
     if re.search(r"\.lora_[AB]\.[^.]+\.weight$", module_key):
         return "an adapter-named key (save the adapter with PEFT's save_pretrained, which drops the name)"
-    if "gate_up_proj" in module_key or ".w13" in module_key or ".w2_weight" in module_key:
-        return "a fused expert layout (only per-expert gate/up/down modules are served)"
+    if re.search(r"\.experts\.(gate_up_proj|down_proj)\.", module_key):
+        return ("an adapter named after a stacked expert parameter (PEFT saves target_parameters adapters as "
+                "experts.lora_A.weight / lora_B.weight)")
+    if ".w13" in module_key or ".w2_weight" in module_key:
+        return ("vLLM's stacked expert layout (PEFT adapters of transformers' experts or of per-expert "
+                "modules are served)")
     return "no module of this layer by that name (router, experts.{e}.<proj>, shared expert)"
 
 
@@ -331,27 +340,107 @@ def _read_layer_tensors(path: Path, prefix: str) -> tuple[dict[str, np.ndarray],
     return out, lora_keys
 
 
+def _layer_names(cfg: MoeConfig, layer_idx: int) -> dict[str, LoraKey]:
+    """module_names, and the router and shared expert under transformers 5's `mlp.` where the hub's MLP
+    prefix differs (mixtral's block_sparse_moe.): transformers 5 keeps no per-expert modules there."""
+    from .checkpoint import layer_prefix
+    from .hf_layouts import TRANSFORMERS_MLP
+
+    names = module_names(cfg, layer_idx)
+    hub, moved = layer_prefix(cfg.model_type, layer_idx), f"model.layers.{int(layer_idx)}.{TRANSFORMERS_MLP}"
+    if hub != moved:
+        names.update({moved + n[len(hub):]: k for n, k in list(names.items()) if k.expert is None})
+    return names
+
+
+def _experts_modules(cfg: MoeConfig, layer_idx: int) -> list[str]:
+    """The module names PEFT's ParamWrapper on the stacked experts is saved under (both MLP spellings)."""
+    from .checkpoint import layer_prefix
+    from .hf_layouts import EXPERTS, TRANSFORMERS_MLP
+
+    prefixes = {layer_prefix(cfg.model_type, layer_idx), f"model.layers.{int(layer_idx)}.{TRANSFORMERS_MLP}"}
+    return sorted(p + EXPERTS.rstrip(".") for p in prefixes)
+
+
+def _in_nesting(module: str, base: str) -> bool:
+    """Whether `module` is `base` or one of PEFT's wrappers nested under it (base.base_layer...)."""
+    return module.startswith(base) and re.fullmatch(rf"(\.{NEST})*", module[len(base):]) is not None
+
+
+def _pair(module: str, p: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    missing = {"lora_A", "lora_B"} - set(p)
+    if missing:
+        raise LoraError(f"{PEFT_PREFIX}{module}.{missing.pop()}.weight is missing (its pair is present)")
+    return p["lora_A"], p["lora_B"]
+
+
+def _stacked(cfg: MoeConfig, layer_idx: int, parts: dict[str, dict[str, np.ndarray]],
+             pc: _PeftConfig) -> dict[LoraKey, LoraModule]:
+    """The per-expert modules of `target_parameters` adapters on the stacked experts (cupymoe/lora_fused.py);
+    their entries leave `parts`."""
+    modules: dict[LoraKey, LoraModule] = {}
+    params = stacked_params(cfg)
+    for base in _experts_modules(cfg, layer_idx):
+        found: dict[str, tuple[str, np.ndarray, np.ndarray]] = {}  # parameter -> (module, lora_A, lora_B)
+        for module, p in nested_pairs(parts, base, PEFT_PREFIX):
+            a, b = _pair(module, p)
+            name, where = which_param(cfg, a, b), f"{PEFT_PREFIX}{module}"
+            if name is None:
+                want = "; ".join(f"{q.name}: {q.input} and {q.output}" for q in params.values())
+                raise LoraError(f"{where}: lora_A {list(a.shape)} / lora_B {list(b.shape)} fit no stacked expert "
+                                f"parameter's in / out widths ({want})")
+            if name in found:
+                raise LoraError(f"{where}: a second adapter of {name} (the first under {PEFT_PREFIX}{found[name][0]})")
+            found[name] = (module, a, b)
+            del parts[module]
+        # one PEFT rule for the module: a non-square parameter's axis decides a square one's
+        axes = {in_axis_of(params[n], a) for n, (_, a, _) in found.items()} - {None}
+        if len(axes) > 1:
+            raise LoraError(f"{PEFT_PREFIX}{base}: its stacked parameters' adapters disagree on PEFT's in / out "
+                            "orientation")
+        for name, (module, a, b) in found.items():
+            where, key = f"{PEFT_PREFIX}{module}", f"{base}.{name}"  # PEFT matches patterns on the unwrapped name
+            axis = in_axis_of(params[name], a) or (next(iter(axes)) if axes else
+                                                   in_axis_by_version(params[name], pc.version, where))
+            r, alpha = pc.rank_alpha(key)
+            scale = lora_scale(alpha, r, pc.use_rslora)
+            for target, (shrink, expand) in per_expert(cfg, params[name], a, b, r, axis, where).items():
+                for e in range(cfg.num_experts):
+                    modules[LoraKey(LoraTarget(target), e)] = LoraModule(
+                        f"{key}[{e}].{target}", np.ascontiguousarray(shrink[e]), np.ascontiguousarray(expand[e]),
+                        scale)
+    return modules
+
+
 def _assemble(cfg: MoeConfig, layer_idx: int, tensors: Mapping[str, np.ndarray],
               pc: _PeftConfig) -> dict[LoraKey, LoraModule]:
-    """Pair each module's lora_A and lora_B, with its rank and alpha from the patterns."""
-    names = module_names(cfg, layer_idx)
+    """Pair each module's lora_A and lora_B, with its rank and alpha from the patterns; the stacked
+    experts' (target_parameters) split per expert."""
+    names = _layer_names(cfg, layer_idx)
+    stacked = tuple(_experts_modules(cfg, layer_idx))
     parts: dict[str, dict[str, np.ndarray]] = {}
     for key, a in tensors.items():
         m = _KEY.match(key)
-        if m is None or m.group("module") not in names:
+        module = m.group("module") if m else None
+        if module is None or (module not in names and not any(_in_nesting(module, b) for b in stacked)):
             raise LoraError(f"{PEFT_PREFIX}{key}: {_why_unknown(key)}")
-        parts.setdefault(m.group("module"), {})[m.group("part")] = a
+        parts.setdefault(module, {})[m.group("part")] = a
+    from_stacked = _stacked(cfg, layer_idx, parts, pc)
     modules = {}
     for module, p in sorted(parts.items()):
-        missing = {"lora_A", "lora_B"} - set(p)
-        if missing:
-            raise LoraError(f"{PEFT_PREFIX}{module}.{missing.pop()}.weight is missing (its pair is present)")
+        if module not in names:  # under the experts module's nesting, below a gap
+            raise LoraError(f"{PEFT_PREFIX}{module}: {_why_unknown(module)}")
+        _pair(module, p)
         r, alpha = pc.rank_alpha(module)
         if p["lora_A"].shape[0] != r:
             raise LoraError(f"{PEFT_PREFIX}{module}.lora_A.weight: {p['lora_A'].shape[0]} rows, but "
                             f"{ADAPTER_CONFIG} gives this module rank {r} (r / rank_pattern)")
-        modules[names[module]] = LoraModule(module, p["lora_A"], p["lora_B"], lora_scale(alpha, r, pc.use_rslora))
-    return modules
+        key = names[module]
+        if key in from_stacked or key in modules:
+            raise LoraError(f"{PEFT_PREFIX}{module}: {key.target.value} of expert {key.expert} is also adapted "
+                            f"under {from_stacked[key].name if key in from_stacked else modules[key].name}")
+        modules[key] = LoraModule(module, p["lora_A"], p["lora_B"], lora_scale(alpha, r, pc.use_rslora))
+    return {**modules, **from_stacked}
 
 
 # ----------------------------------------------------------------------------------

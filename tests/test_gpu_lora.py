@@ -369,6 +369,36 @@ def test_expert_deltas_every_path(family, fmt, rng):
     layer.check_errors()
 
 
+@pytest.mark.parametrize("family, fmt, version", [("gpt_oss", "bf16", "0.20.0"), ("gpt_oss", "mxfp4", "0.17.1"),
+                                                   ("qwen3_moe", "bf16", "0.18.0"), ("longcat_flash", "bf16", "0.19.1")])
+def test_stacked_expert_adapters_from_peft(family, fmt, version, tmp_path, rng):
+    """PEFT target_parameters adapters on the stacked experts (cupymoe/lora_fused.py), loaded by load_peft:
+    gpt-oss's experts take expert deltas this way only (its interleaved gate / up, its clamped
+    activation and biases); PEFT's two orientations (0.17-0.18: lora_A spans qwen's output). Mixed ids
+    on every path, judged as test_expert_deltas_every_path's, the deltas far beyond the tolerance."""
+    from _lora import STACKED_LAYER, stacked_adapter, write_stacked_peft
+    from cupymoe.lora import load_peft
+
+    cfg = testing.tiny_config(family)
+    hw = testing.random_host_weights(cfg, rng, fmt)
+    layer = _layer(cfg, hw, fp8_compute="w8a16")
+    adapters = {}
+    for slot, rank in ((0, 8), (1, 3)):
+        tensors, _ = stacked_adapter(cfg, rng, version, rank=rank, size=0.5 / rank ** 0.5)
+        adapters[slot] = load_peft(write_stacked_peft(tmp_path / f"a{slot}", tensors, version, rank=rank),
+                                   STACKED_LAYER, cfg, max_rank=RMAX)
+        assert {k.target for k in adapters[slot].modules} == {LoraTarget.GATE, LoraTarget.UP, LoraTarget.DOWN}
+        layer.set_lora(slot, adapters[slot])
+    for path, ns in EXPERT_CASES:
+        for n in ns:
+            ids, x, out = _mixed(layer, cfg, hw, rng, adapters, n, path, f"{family} {fmt} stacked")
+            lora_rows = ids >= 0
+            if lora_rows.any():  # the same rows without their adapters: far off
+                moved = verify.compare(out[lora_rows], reference.moe_forward(cfg, hw, x)[lora_rows]).normwise
+                assert moved > 8 * verify.EXACT_NORMWISE, f"{path} N={n}: expert deltas moved the output {moved:.2e}"
+    layer.check_errors()
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_expert_deltas_fp4_wgmma_decode(fmt, rng, monkeypatch):
     """The tiny configs' K are no multiples of 128, so their fp4 decode never runs

@@ -121,7 +121,8 @@ def _t(shape):
     ("qwen2_moe", "mlp.gate.lora_A.default.weight", (2, 64), "adapter-named key"),
     ("qwen2_moe", "mlp.shared_expert_gate.lora_A.weight", (2, 64), "no module of this layer"),
     ("qwen2_moe", "mlp.experts.99.gate_proj.lora_A.weight", (2, 64), "no module of this layer"),
-    ("gpt_oss", "mlp.experts.gate_up_proj.lora_A.weight", (2, 64), "fused expert layout"),
+    ("gpt_oss", "mlp.experts.gate_up_proj.lora_A.weight", (2, 64), "named after a stacked expert parameter"),
+    ("qwen3_moe", "mlp.experts.w13_weight.lora_A.weight", (2, 64), "vLLM's stacked expert layout"),
     ("mixtral", "mlp.experts.0.w1.lora_A.weight", (2, 64), "no module of this layer"),  # another layout's prefix
     ("qwen2_moe", "mlp.modules_to_save.gate.weight", (8, 64), "no module of this layer"),
 ])

@@ -1,0 +1,199 @@
+"""CPU tests of PEFT `target_parameters` adapters on stacked experts (cupymoe/lora_fused.py).
+
+Evidence: adapters written here the way PEFT's lora.ParamWrapper saves them, for each PEFT version's
+orientation (0.17-0.18, 0.19.0, 0.19.1+), and the truth taken from PEFT's own delta rule
+(`ParamWrapper.get_delta_weight`, restated in `peft_delta`): the stacked parameter's delta dP laid
+along its axes, split into each expert's gate / up / down deltas as transformers 5's forward reads
+them (hf_layouts.py). The loader's per-expert modules must give those deltas (s B A in float64,
+against dP; float32 factors, so the two sides differ by rounding only, rtol 1e-12), and the
+reference run with the adapter must equal the reference run on the merged weights (rtol 1e-10,
+test_reference_lora.py's tolerance and reason). A square parameter without the saving version,
+and every malformed layout, is refused by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _lora import STACKED_LAYER as LAYER
+from _lora import _bf16_exact as _bf16
+from _lora import peft_release as _release
+from _lora import stacked_adapter as make_adapter
+from _lora import write_stacked_peft as write
+from cupymoe import reference, testing
+from cupymoe.errors import LoraError
+from cupymoe.lora import PEFT_PREFIX, LoraKey, LoraTarget, load_peft
+from cupymoe.lora_fused import peft_version, stacked_params
+
+VERSIONS = ("0.17.1", "0.18.0", "0.19.0", "0.19.1", "0.20.0")
+
+
+def expert_deltas(cfg, deltas) -> dict[LoraKey, np.ndarray]:
+    """Each routed expert's gate / up / down delta [out, in] from dP, as transformers 5's forward reads P."""
+    specs, I, out = stacked_params(cfg), cfg.moe_intermediate_size, {}
+    for name, d in deltas.items():
+        p = specs[name]
+        for e in range(cfg.num_experts):
+            w = d[e].T if p.transposed else d[e]  # [output, input]
+            if name == "down_proj":
+                out[LoraKey(LoraTarget.DOWN, e)] = w
+            elif p.transposed:  # gpt-oss: gate = even output columns of x @ P, up = odd
+                out[LoraKey(LoraTarget.GATE, e)], out[LoraKey(LoraTarget.UP, e)] = w[0::2], w[1::2]
+            else:
+                out[LoraKey(LoraTarget.GATE, e)], out[LoraKey(LoraTarget.UP, e)] = w[:I], w[I:]
+    return out
+
+
+def _check_modules(got, want):
+    assert set(got.modules) == set(want)
+    for key, d in want.items():
+        m = got.modules[key]
+        np.testing.assert_allclose(m.scale * (m.b.astype(np.float64) @ m.a.astype(np.float64)), d, rtol=1e-12,
+                                   atol=1e-12 * float(np.max(np.abs(d))))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("family", testing.FAMILIES)
+def test_every_version_every_family(tmp_path, family, version):
+    cfg = testing.tiny_config(family)
+    tensors, deltas = make_adapter(cfg, np.random.default_rng(7), version)
+    got = load_peft(write(tmp_path / "a", tensors, version), LAYER, cfg)
+    _check_modules(got, expert_deltas(cfg, deltas))
+    assert got.max_rank == 3 and all(m.scale == 2.0 for m in got.modules.values())
+
+
+@pytest.mark.parametrize("version", ["0.17.1", "0.19.1"])
+def test_non_square_needs_no_version(tmp_path, version):
+    """Where a parameter's input and output widths differ, the shapes say which factor shrinks."""
+    cfg = testing.tiny_config("qwen3_moe")
+    tensors, deltas = make_adapter(cfg, np.random.default_rng(8), version)
+    _check_modules(load_peft(write(tmp_path / "a", tensors, None), LAYER, cfg), expert_deltas(cfg, deltas))
+
+
+SQUARE = [("gpt_oss", {"hidden_size": 64}),  # down_proj square (H = I)
+          ("qwen3_moe", {"hidden_size": 128}),  # gate_up square (H = 2I)
+          ("qwen3_moe", {"hidden_size": 64})]  # down_proj square
+
+
+@pytest.mark.parametrize("version", VERSIONS + (None,))
+@pytest.mark.parametrize("family, overrides", SQUARE)
+def test_square_follows_its_sibling(tmp_path, family, overrides, version):
+    """A square parameter takes the orientation its non-square sibling's shapes show, with or without
+    peft_version (one PEFT rule for the experts module)."""
+    cfg = testing.tiny_config(family, **overrides)
+    tensors, deltas = make_adapter(cfg, np.random.default_rng(9), version or "0.20.0")
+    _check_modules(load_peft(write(tmp_path / "a", tensors, version), LAYER, cfg), expert_deltas(cfg, deltas))
+
+
+def test_square_follows_a_patched_sibling(tmp_path):
+    """transformers 5's patch of PEFT 0.18 swaps in / out for qwen3_moe: peft_version says axis 1, the
+    sibling's shapes say 2, and the sibling wins."""
+    cfg = testing.tiny_config("qwen3_moe", hidden_size=64)
+    tensors, deltas = make_adapter(cfg, np.random.default_rng(15), "0.18.0", in_axis=2)
+    _check_modules(load_peft(write(tmp_path / "a", tensors, "0.18.0"), LAYER, cfg), expert_deltas(cfg, deltas))
+
+
+@pytest.mark.parametrize("version", VERSIONS + (None, "0.19.1.dev0"))
+@pytest.mark.parametrize("family, overrides", SQUARE)
+def test_square_alone_by_version(tmp_path, family, overrides, version):
+    """Without a sibling the saving version decides where its rule is certain, and else the adapter
+    is refused: no version, a pre-release at the change, a transposed stack from 0.19.0 on (its
+    is_transposed depends on the transformers version)."""
+    cfg = testing.tiny_config(family, **overrides)
+    square = "down_proj" if overrides["hidden_size"] == 64 else "gate_up_proj"
+    tensors, deltas = make_adapter(cfg, np.random.default_rng(10), version or "0.20.0", params=(square,))
+    d = write(tmp_path / "a", tensors, version)
+    if version is None:
+        match = "no readable peft_version"
+    elif version.endswith("dev0"):
+        match = "is a pre-release around the ParamWrapper orientation change"
+    elif family == "gpt_oss" and _release(version) >= (0, 19, 0):
+        match = "depends on the transformers version"
+    else:
+        _check_modules(load_peft(d, LAYER, cfg), expert_deltas(cfg, deltas))
+        return
+    with pytest.raises(LoraError, match=match):
+        load_peft(d, LAYER, cfg)
+
+
+def test_peft_version_parse():
+    assert peft_version("0.19.1+gabc") == (0, 19, 1, True) and peft_version("0.20.0rc1") == (0, 20, 0, False)
+    assert peft_version("x") is None and peft_version(None) is None
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "longcat_flash", "mixtral"])
+def test_reference_equals_merged_weights(tmp_path, family):
+    """The reference with the loaded adapter on every row equals the base reference on P + dP."""
+    from dataclasses import replace
+
+    from cupymoe import formats
+
+    cfg = testing.tiny_config(family)
+    rng = np.random.default_rng(11)
+    hw = testing.random_host_weights(cfg, rng, "bf16")
+    x = testing.random_input(rng, 9, cfg.hidden_size)
+    tensors, deltas = make_adapter(cfg, rng, "0.20.0")
+    lw = load_peft(write(tmp_path / "a", tensors, "0.20.0"), LAYER, cfg)
+    changes = {}
+    for key, d in expert_deltas(cfg, deltas).items():
+        w = changes.setdefault(key.target.value, formats.dequantize(getattr(hw, key.target.value), np.float64))
+        w[key.expert] += d
+    got = reference.moe_forward(cfg, hw, x, lora={0: lw}, lora_ids=np.zeros(9, np.int32))
+    want = reference.moe_forward(cfg, replace(hw, **changes), x)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12 * float(np.max(np.abs(want))))
+
+
+def test_one_parameter_and_patterns(tmp_path):
+    """down_proj alone (no nesting); rank_pattern / alpha_pattern matched on `experts.<parameter>`."""
+    cfg = testing.tiny_config("qwen2_moe")
+    tensors, deltas = make_adapter(cfg, np.random.default_rng(12), "0.19.1", rank=2, params=("down_proj",))
+    d = write(tmp_path / "a", tensors, "0.19.1", rank=5, rank_pattern={"experts.down_proj": 2},
+              alpha_pattern={"experts.down_proj": 4})
+    got = load_peft(d, LAYER, cfg)
+    _check_modules(got, expert_deltas(cfg, deltas))  # dP at scale 2 = alpha 4 / r 2
+    assert {k.target for k in got.modules} == {LoraTarget.DOWN}
+
+
+def test_with_module_adapters(tmp_path):
+    """Router and shared-expert modules beside the stacked experts, mixtral's router under transformers
+    5's `mlp.` prefix too."""
+    cfg = testing.tiny_config("mixtral")
+    rng = np.random.default_rng(13)
+    tensors, deltas = make_adapter(cfg, rng, "0.19.1")
+    H, R = cfg.hidden_size, cfg.router_width
+    router = f"{PEFT_PREFIX}model.layers.{LAYER}.mlp.gate"
+    a, b = _bf16(rng.standard_normal((3, H))), _bf16(rng.standard_normal((R, 3)))
+    tensors.update({f"{router}.lora_A.weight": a, f"{router}.lora_B.weight": b})
+    got = load_peft(write(tmp_path / "a", tensors, "0.19.1"), LAYER, cfg)
+    np.testing.assert_array_equal(got.get("router").a, a)
+    assert len(got.modules) == 1 + 3 * cfg.num_experts
+
+
+def _refused(tmp_path, cfg, tensors, match, version="0.19.1", **config):
+    with pytest.raises(LoraError, match=match):
+        load_peft(write(tmp_path / "r", tensors, version, **config), LAYER, cfg)
+
+
+def test_refusals(tmp_path):
+    cfg = testing.tiny_config("qwen3_moe")
+    rng = np.random.default_rng(14)
+    tensors, _ = make_adapter(cfg, rng, "0.19.1")
+    base = f"{PEFT_PREFIX}model.layers.{LAYER}.mlp.experts"
+    bad = dict(tensors)
+    bad[f"{base}.lora_A.weight"] = bad[f"{base}.lora_A.weight"][:, :5]
+    _refused(tmp_path, cfg, bad, r"fit no stacked expert parameter's in / out widths")
+    _refused(tmp_path, cfg, tensors, r"do not hold rank 4 for 15 experts", rank=4)
+    twice = {**tensors, f"{base}.lora_A.weight": tensors[f"{base}.base_layer.lora_A.weight"],
+             f"{base}.lora_B.weight": tensors[f"{base}.base_layer.lora_B.weight"]}
+    _refused(tmp_path, cfg, twice, r"a second adapter of gate_up_proj")
+    gap = {k.replace(".experts.base_layer.", ".experts.base_layer.base_layer."): v for k, v in tensors.items()
+           if ".base_layer." in k}
+    _refused(tmp_path, cfg, gap, r"PEFT wrappers nested below it \(base_layer\) but no lora_A")
+    half = {k: v for k, v in tensors.items() if not k.endswith("base_layer.lora_B.weight")}
+    _refused(tmp_path, cfg, half, r"experts.base_layer.lora_B.weight is missing")
+    per_expert = f"{PEFT_PREFIX}model.layers.{LAYER}.mlp.experts.0.down_proj"
+    I, H = cfg.moe_intermediate_size, cfg.hidden_size
+    both = {**tensors, f"{per_expert}.lora_A.weight": np.zeros((3, I), np.float32),
+            f"{per_expert}.lora_B.weight": np.zeros((H, 3), np.float32)}
+    _refused(tmp_path, cfg, both, r"down of expert 0 is also adapted under .*experts.down_proj\[0\]")
