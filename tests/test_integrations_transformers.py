@@ -211,3 +211,46 @@ def test_hf_layouts_names_match_transformers(family_model):
     family, model = family_model
     experts = hf.moe_blocks(model)[0].module.experts
     assert {hf_layouts.TRANSFORMERS.gate_up, hf_layouts.TRANSFORMERS.down} <= {n for n, _ in experts.named_parameters()}
+
+
+def test_stacked_adapter_matches_the_merged_block(family_model, tmp_path, monkeypatch):
+    """A PEFT target_parameters adapter (tests/_lora.py's, PEFT 0.20's orientation) loaded by load_peft
+    and run by the reference equals transformers' own block with PEFT's merge P + dP, under the
+    reference's routing (FLOAT64_BOUND); and the experts module is what cupymoe/lora_fused.py assumes:
+    gate_up_proj registered before down_proj (PEFT wraps it first: innermost), is_transposed and the
+    stacked shapes as stacked_params says."""
+    from _lora import stacked_adapter, write_stacked_peft
+    from cupymoe.lora import load_peft
+    from cupymoe.lora_fused import stacked_params
+
+    family, model = family_model
+    ref = hf.moe_blocks(model)[0]
+    cfg, hw = _convert(model, ref)
+    experts = ref.module.experts
+    names = [n for n, _ in experts.named_parameters(recurse=False)]
+    assert names.index("gate_up_proj") < names.index("down_proj")
+    for name, p in stacked_params(cfg).items():
+        assert bool(getattr(experts, "is_transposed", False)) == p.transposed, name
+        want = (p.experts, p.input, p.output) if p.transposed else (p.experts, p.output, p.input)
+        assert tuple(getattr(experts, name).shape) == want, name
+    tensors, deltas = stacked_adapter(cfg, np.random.default_rng(3), "0.20.0", layer_idx=ref.layer_idx)
+    lw = load_peft(write_stacked_peft(tmp_path / "a", tensors, "0.20.0"), ref.layer_idx, cfg)
+    x = well_separated_input(cfg, hw, np.random.default_rng(4), 37)
+    ours = reference.moe_forward(cfg, hw, x, lora={0: lw}, lora_ids=np.zeros(37, np.int32))
+    routing = reference.route(cfg, hw, x)
+    io = hf.BLOCK_OUTPUT[family]
+    monkeypatch.setattr(getattr(ref.module, io.router), "forward",
+                        lambda h: (torch.from_numpy(routing.logits), torch.from_numpy(routing.weights),
+                                   torch.from_numpy(routing.ids)))
+    saved = {name: getattr(experts, name).detach().clone() for name in deltas}
+    try:
+        with torch.no_grad():
+            for name, d in deltas.items():
+                getattr(experts, name).add_(torch.from_numpy(d))
+        out = _run(ref.module, x)
+    finally:
+        with torch.no_grad():
+            for name, p in saved.items():
+                getattr(experts, name).copy_(p)
+    err = _normwise((out[0] if io.returns_tuple else out)[0].numpy(), ours)
+    assert err < FLOAT64_BOUND, f"{family} {ref.path}: normwise {err:.3e} against PEFT's merged block"
