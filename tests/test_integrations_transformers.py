@@ -254,3 +254,20 @@ def test_stacked_adapter_matches_the_merged_block(family_model, tmp_path, monkey
                 getattr(experts, name).copy_(p)
     err = _normwise((out[0] if io.returns_tuple else out)[0].numpy(), ours)
     assert err < FLOAT64_BOUND, f"{family} {ref.path}: normwise {err:.3e} against PEFT's merged block"
+
+
+def test_refuses_a_block_with_peft_wrappers():
+    """A PEFT model's block (its experts under base_layer, lora_A / lora_B beside) is refused by name, not
+    loaded without its adapter; a state_dict in PEFT's naming stands in for PEFT (not installed here)."""
+    model = _model("qwen3_moe")
+    ref = hf.moe_blocks(model)[0]
+    wrapped = {("experts.base_layer." + k[len("experts."):] if k.startswith("experts.") else k): v
+               for k, v in ref.module.state_dict().items()}
+    wrapped["experts.lora_A.default.weight"] = torch.zeros(2, 8)
+
+    class Wrapped:
+        def state_dict(self):
+            return wrapped
+
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts\.\S+: the block carries PEFT LoRA"):
+        hf.block_tensors(model, hf.MoeBlockRef(ref.path, ref.layer_idx, ref.family, Wrapped()))

@@ -61,6 +61,8 @@ BLOCK_OUTPUT: dict[str, BlockOutput] = {
 # `<anything>.layers.<i>.<mlp>`: where a decoder layer keeps its MLP (mixtral before transformers 5:
 # block_sparse_moe); a dense MLP (DeepSeek's first layers, Qwen's mlp_only_layers) has no experts.
 _BLOCK_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)$")
+# PEFT's LoRA wrappers in a module's state_dict: the wrapped layer under base_layer, the factors beside it
+_PEFT_WRAPPED = re.compile(r"(?:^|\.)(?:base_layer|lora_A|lora_B|lora_magnitude_vector)\.")
 
 
 def _text_config(model: Any) -> Any:
@@ -95,12 +97,17 @@ def block_tensors(model: Any, ref: MoeBlockRef) -> tuple[dict[str, Any], dict[st
 
     tensors: the block's state_dict (parameters and persistent buffers, e.g. the correction
     bias) under `prefix` = `ref.path + "."`: torch tensors sharing the model's memory. Refuses
-    a block whose weights are not materialised (offloaded to the meta device), naming the tensor.
+    a block whose weights are not materialised (offloaded to the meta device) or that carries PEFT
+    LoRA wrappers (its base weights would load without the adapter), naming the tensor.
     """
     config_dict = _text_config(model).to_dict()
     prefix = ref.path + "."
     tensors: dict[str, Any] = {}
     for name, t in ref.module.state_dict().items():
+        if _PEFT_WRAPPED.search(name):
+            raise CheckpointError(f"{prefix}{name}: the block carries PEFT LoRA wrappers; merge them first "
+                                  "(merge_and_unload()), or serve the adapter with cupymoe.lora.load_peft and "
+                                  "MoeLayer.set_lora on the base model")
         if getattr(t, "is_meta", False):
             raise CheckpointError(f"{prefix}{name} is on the meta device (offloaded or not loaded): "
                                   "load the model's weights onto the CPU or a GPU first")
