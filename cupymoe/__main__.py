@@ -4,6 +4,7 @@
     python -m cupymoe info                    versions, device, the arch we compile for
     python -m cupymoe knobs                   every CUPYMOE_* variable and its default
     python -m cupymoe inspect DIR             a checkpoint's MoE layers as cupymoe reads them
+    python -m cupymoe inspect DIR --lora A    ... and a PEFT adapter's share of the layer
     python -m cupymoe verify                  every family and format on the GPU against the reference
     python -m cupymoe bench --help            decode timings against the floor
     python -m cupymoe tune --help             the dispatch choices timed per shape and N (GPU)
@@ -154,6 +155,43 @@ def cmd_inspect(args) -> int:
         print(f"  NOT served by the GPU kernels: {why}")
     _print_tensors(hw)
     _print_workspace(config, moe, cfg, plan, plan_of, arch, args.max_tokens)
+    if args.lora is not None:
+        return _print_lora(args.lora, layer, cfg, plan)
+    return 0
+
+
+def _print_lora(adapter_dir, layer: int, cfg, plan) -> int:
+    """The adapter's share of the inspected layer as load_peft reads it: per target, the modules, ranks,
+    scales and where they come from; what this layer's plan would not serve. A refusal: one line, 2."""
+    import re
+
+    from . import Error
+    from .lora import load_peft, raw_peft_config
+
+    try:
+        lw = load_peft(adapter_dir, layer, cfg)
+        raw = raw_peft_config(adapter_dir)
+    except Error as e:
+        print(f"cupymoe inspect: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(f"adapter {adapter_dir}: peft_version {raw.get('peft_version', '?')}, r {raw.get('r', '?')}, "
+          f"lora_alpha {raw.get('lora_alpha', '?')}; layer {layer}: {len(lw.modules)} modules, max rank {lw.max_rank} "
+          f"(MoeLayer(..., max_lora_rank >= {lw.max_rank}))")
+    by_target: dict = {}
+    for key, m in lw.modules.items():
+        by_target.setdefault(key.target, []).append(m)
+    for target, ms in sorted(by_target.items(), key=lambda kv: kv[0].value):
+        ranks = sorted({m.rank for m in ms})
+        scales = sorted({m.scale for m in ms})
+        # a stacked parameter's modules are named <parameter>[e].<target>, per-expert ones experts.<e>.<proj>
+        sources = sorted({re.sub(r"\.experts\.\d+\.", ".experts.{e}.", re.sub(r"\[\d+\]\.\w+$", "", m.name))
+                          for m in ms})
+        experts = f" ({len(ms)} experts)" if target.per_expert else ""
+        print(f"  {target.value:<12}{experts:<15} rank {'/'.join(map(str, ranks)):<6} "
+              f"scale {'/'.join(f'{x:g}' for x in scales):<8} from {', '.join(sources)}")
+    if plan.w8a8 and any(k.target.value != "router" for k in lw.modules):
+        print("  NOT served on this layer: expert modules with fp8_compute='w8a8' (set_lora refuses them; build the "
+              "layer with fp8_compute='w8a16')")
     return 0
 
 
@@ -322,6 +360,8 @@ def _add_inspect_parser(sub) -> None:
                         "(sm_90a: Hopper; sm_80, sm_89, ...)")
     c.add_argument("--fp8-compute", choices=FP8_COMPUTE, default="auto",
                    help="fp8-block experts' compute, as MoeLayer's fp8_compute (w8a8 adds scratch)")
+    c.add_argument("--lora", metavar="ADAPTER_DIR", default=None,
+                   help="also a PEFT adapter directory's share of the layer, as cupymoe.lora.load_peft reads it")
     c.set_defaults(fn=cmd_inspect)
 
 

@@ -302,6 +302,19 @@ def load_peft(adapter_dir: Union[str, Path], layer_idx: int, cfg: MoeConfig, *,
     return LoraWeights(modules, source=f"{root} layer {layer_idx}").check(cfg, max_rank)
 
 
+def raw_peft_config(adapter_dir: Union[str, Path]) -> dict[str, Any]:
+    """adapter_config.json as written (the checkpoint's JSON rules; LoraError when missing or unreadable)."""
+    from .checkpoint import _read_json
+
+    root = Path(adapter_dir)
+    if not (root / ADAPTER_CONFIG).is_file():
+        raise LoraError(f"{root / ADAPTER_CONFIG} not found: a PEFT adapter directory holds it")
+    try:
+        return _read_json(root, ADAPTER_CONFIG)
+    except CheckpointError as e:
+        raise LoraError(str(e)) from None
+
+
 _LAYERS_LAYOUT = re.compile(re.escape(PEFT_PREFIX) + r"model\.layers\.\d+\.")
 _ANY_LAYERS = re.compile(r"\.layers\.\d+\.")
 

@@ -197,3 +197,28 @@ def test_refusals(tmp_path):
     both = {**tensors, f"{per_expert}.lora_A.weight": np.zeros((3, I), np.float32),
             f"{per_expert}.lora_B.weight": np.zeros((H, 3), np.float32)}
     _refused(tmp_path, cfg, both, r"down of expert 0 is also adapted under .*experts.down_proj\[0\]")
+
+
+def test_inspect_shows_the_adapters_share(tmp_path, capsys):
+    """`python -m cupymoe inspect DIR --lora ADAPTER`: the layer's modules per target with ranks, scales
+    and their stacked source; on a w8a8 plan the expert modules flagged; a refused adapter: one line, 2."""
+    from cupymoe.__main__ import main
+    from cupymoe.checkpoint import save_layer
+
+    cfg = testing.tiny_config("qwen3_moe")
+    rng = np.random.default_rng(16)
+    save_layer(tmp_path / "ckpt", testing.hf_config_dict("qwen3_moe", num_hidden_layers=LAYER + 1), LAYER,
+               testing.random_host_weights(cfg, rng, "fp8_block"))
+    tensors, _ = make_adapter(cfg, rng, "0.19.1")
+    adapter = write(tmp_path / "a", tensors, "0.19.1")
+    assert main(["inspect", str(tmp_path / "ckpt"), "--layer", str(LAYER), "--lora", str(adapter),
+                 "--fp8-compute", "w8a16"]) == 0
+    out = capsys.readouterr().out
+    assert f"peft_version 0.19.1, r 3, lora_alpha 6; layer {LAYER}: {3 * cfg.num_experts} modules, max rank 3" in out
+    assert "gate         (15 experts)   rank 3      scale 2        from model.layers.2.mlp.experts.gate_up_proj\n" in out
+    assert "NOT served" not in out
+    assert main(["inspect", str(tmp_path / "ckpt"), "--layer", str(LAYER), "--lora", str(adapter),
+                 "--fp8-compute", "w8a8"]) == 0
+    assert "NOT served on this layer: expert modules with fp8_compute='w8a8'" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "ckpt"), "--layer", str(LAYER), "--lora", str(tmp_path)]) == 2
+    assert "cupymoe inspect: LoraError:" in capsys.readouterr().err
