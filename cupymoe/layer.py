@@ -288,6 +288,16 @@ class MoeLayer:
         outside capture. LoraError names what the layer cannot serve before anything is copied."""
         self._lora_slots("set_lora").fill(slot, adapter, stream)
 
+    def check_lora(self, slot: int, adapter) -> None:
+        """LoraError naming what set_lora(slot, adapter) would refuse; nothing is copied (to check an
+        adapter against many layers before any takes it)."""
+        self._lora_slots("check_lora").check(slot, adapter)
+
+    @property
+    def max_lora_rank(self) -> int:
+        """The reserved adapter slots' rank (0: none reserved)."""
+        return self._lora_rank
+
     def clear_lora(self, slot: int, stream: Optional[int] = None) -> None:
         """Empty `slot`: rows with its id get the base layer again."""
         self._lora_slots("clear_lora").clear(slot, stream)

@@ -135,6 +135,12 @@ class LoraSlots:
 
     def fill(self, slot, adapter: LoraWeights, stream: Optional[int]) -> None:
         """Check `adapter` whole, then copy it into `slot` on `stream` (None: synchronously)."""
+        slot = self.check(slot, adapter)
+        self._copy(slot, self._host_slot(adapter), stream)
+        self.loaded[slot] = adapter
+
+    def check(self, slot, adapter: LoraWeights) -> int:
+        """The slot's index if `adapter` can go into it (fill's checks, nothing copied); else LoraError."""
         slot = self._slot(slot)
         if not isinstance(adapter, LoraWeights):
             raise LoraError(f"adapter: a cupymoe.lora.LoraWeights is required, found {type(adapter).__name__}")
@@ -145,8 +151,7 @@ class LoraSlots:
                     raise LoraError(f"{NOT_ON_GPU} for {key.target.value} modules ({m.name}) with "
                                     f"fp8_compute='w8a8'; build the layer with fp8_compute='w8a16' "
                                     f"(docs/DESIGN.md, LoRA)")
-        self._copy(slot, self._host_slot(adapter), stream)
-        self.loaded[slot] = adapter
+        return slot
 
     def _host_slot(self, adapter: LoraWeights) -> dict[str, np.ndarray]:
         """One slot's contents on the host, by array name."""

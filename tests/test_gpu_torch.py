@@ -162,3 +162,54 @@ def test_a_loaded_transformers_model_with_its_moe_blocks_replaced(family, rng):
         gen = model.generate(ids[:1, :4], max_new_tokens=4, do_sample=False)
     assert gen.shape == (1, 8)
     print(f"{family}: {len(refs)} blocks, logits normwise {err:.2e} (bf16 block I/O alone {rounded:.2e})")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_replaced_model_serves_peft_adapters(family, tmp_path, rng):
+    """replace_moe_blocks(max_loras, max_lora_rank), load_lora of a PEFT target_parameters adapter (every
+    MoE block's share) and set_lora_ids: each replaced block's output equals its layer's own forward with
+    the same rows' slots bit for bit ([batch] ids spread over each sequence), moves off the base output
+    where a row has an adapter, and a generate runs with the adapter on; after clear_lora the same ids
+    run the emptied slot, still the layer's own bits."""
+    transformers = pytest.importorskip("transformers")
+    from _lora import stacked_adapter, write_stacked_peft
+    from cupymoe.integrations.transformers import (clear_lora, load_lora, moe_blocks, replace_moe_blocks,
+                                                   replaced_blocks, set_lora_ids)
+
+    config = {k: v for k, v in testing.hf_config_dict(family).items() if k != "architectures"}
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.AutoConfig.for_model(**config, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_((torch.randn_like(p) * 0.1).to(torch.bfloat16).float())
+    refs = moe_blocks(model)
+    assert replace_moe_blocks(model, max_tokens=64, max_loras=2, max_lora_rank=8) == len(refs) > 0
+    blocks = replaced_blocks(model)
+    tensors = {}
+    for _, block in blocks:
+        tensors.update(stacked_adapter(block.layer.cfg, rng, "0.20.0", layer_idx=block.layer_idx)[0])
+    assert load_lora(model, 1, write_stacked_peft(tmp_path / "a", tensors, "0.20.0")) == len(blocks)
+    lora = torch.tensor([1, -1], dtype=torch.int32, device="cuda")  # a slot a sequence
+    set_lora_ids(model, lora)
+    h = torch.randn(2, 5, model.config.hidden_size, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        for _, block in blocks:
+            out = block(h)
+            out = out[0] if isinstance(out, tuple) else out
+            rows = lora[:, None].expand(2, 5).reshape(-1).contiguous()
+            want = block.layer(h.reshape(10, -1), lora_ids=rows)
+            assert torch.equal(out.reshape(10, -1).view(torch.int16), want.view(torch.int16))
+            base = block.layer(h.reshape(10, -1))
+            assert not torch.equal(want[:5].view(torch.int16), base[:5].view(torch.int16))  # slot 1's rows
+        gen = model.generate(torch.randint(0, model.config.vocab_size, (2, 4), device="cuda"), max_new_tokens=3,
+                             do_sample=False)
+        assert gen.shape == (2, 7)
+        clear_lora(model, 1)
+        for _, block in blocks:
+            out = block(h)
+            out = out[0] if isinstance(out, tuple) else out
+            want = block.layer(h.reshape(10, -1), lora_ids=lora[:, None].expand(2, 5).reshape(-1).contiguous())
+            assert torch.equal(out.reshape(10, -1).view(torch.int16), want.view(torch.int16))
+    set_lora_ids(model, None)

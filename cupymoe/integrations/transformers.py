@@ -20,7 +20,8 @@ from typing import Any, Optional
 from ..config import SUPPORTED_MODEL_TYPES
 from ..errors import CheckpointError, UnsupportedModelError
 
-__all__ = ["MoeBlockRef", "BlockOutput", "BLOCK_OUTPUT", "moe_blocks", "block_tensors", "replace_moe_blocks"]
+__all__ = ["MoeBlockRef", "BlockOutput", "BLOCK_OUTPUT", "moe_blocks", "block_tensors", "replace_moe_blocks",
+           "replaced_blocks", "load_lora", "clear_lora", "set_lora_ids"]
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,87 @@ def replace_moe_blocks(model: Any, *, max_tokens: int, **options: Any) -> int:
     layers = _one_workspace(layers, Workspace)
     for ref, layer in zip(refs, layers):
         parent, _, name = ref.path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, name, _block_module(layer, ref.family))
+        setattr(model.get_submodule(parent) if parent else model, name,
+                _block_module(layer, ref.family, ref.layer_idx))
     return len(refs)
+
+
+# --- LoRA on the replaced blocks ------------------------------------------------------------------
+
+def replaced_blocks(model: Any) -> list[tuple[str, Any]]:
+    """(module path, block) of every MoE block replace_moe_blocks put into `model`, in module order."""
+    return [(path, m) for path, m in model.named_modules() if getattr(m, "is_cupymoe_block", False)]
+
+
+def _blocks_or_refuse(model: Any, what: str) -> list[tuple[str, Any]]:
+    from ..errors import LoraError
+
+    blocks = replaced_blocks(model)
+    if not blocks:
+        raise LoraError(f"{what}: the model has no cupymoe block; call replace_moe_blocks(model, max_tokens=..., "
+                        "max_loras=K, max_lora_rank=R) first")
+    return blocks
+
+
+def load_lora(model: Any, slot: int, adapter_dir: Any, *, stream: Optional[int] = None) -> int:
+    """A PEFT adapter directory into `slot` of every replaced block (replace_moe_blocks(..., max_loras=K,
+    max_lora_rank=R)): each block's share read by cupymoe.lora.load_peft and checked by every block
+    before any block takes it, so a refusal (LoraError, naming the block) leaves every slot as it was.
+    Outside capture; `stream` as MoeLayer.set_lora's. Returns how many blocks took it."""
+    from ..errors import LoraError
+    from ..lora import load_peft
+
+    loaded = []
+    for path, block in _blocks_or_refuse(model, "load_lora"):
+        layer = block.layer
+        try:
+            lw = load_peft(adapter_dir, block.layer_idx, layer.cfg, max_rank=layer.max_lora_rank or None)
+            layer.check_lora(slot, lw)
+        except LoraError as e:
+            raise LoraError(f"{path}: {e}") from None
+        loaded.append((layer, lw))
+    for layer, lw in loaded:
+        layer.set_lora(slot, lw, stream)
+    return len(loaded)
+
+
+def clear_lora(model: Any, slot: int, *, stream: Optional[int] = None) -> int:
+    """Empty `slot` in every replaced block; returns how many."""
+    blocks = _blocks_or_refuse(model, "clear_lora")
+    for _, block in blocks:
+        block.layer.clear_lora(slot, stream)
+    return len(blocks)
+
+
+def set_lora_ids(model: Any, ids: Any) -> int:
+    """The adapter slot of each row for the replaced blocks' forwards from now on (-1 = base model):
+    an integer tensor on the model's GPU, [batch] (each sequence's rows share its slot) or one a row
+    ([batch, seq] or [batch * seq]); None: no LoRA (the base plans' bits). Kept by reference, so a
+    captured graph replays whatever it holds then (update it in place). Returns how many blocks."""
+    from ..errors import MoeCallError
+
+    if ids is not None and not hasattr(ids, "dtype"):
+        raise MoeCallError(f"set_lora_ids: a torch integer tensor or None is required, found {type(ids).__name__}")
+    blocks = _blocks_or_refuse(model, "set_lora_ids")
+    for _, block in blocks:
+        block.lora_ids = ids
+    return len(blocks)
+
+
+def _row_ids(ids: Any, shape: tuple) -> Any:
+    """`ids` as one a row of hidden_states `shape` ([batch, seq, H] or [rows, H]): [batch] ids expanded
+    over each sequence's rows; a MoeCallError naming both shapes where they do not fit."""
+    from ..errors import MoeCallError
+
+    rows = 1
+    for d in shape[:-1]:
+        rows *= int(d)
+    if ids.numel() == rows:
+        return ids.reshape(-1)
+    if len(shape) == 3 and ids.dim() == 1 and ids.shape[0] == shape[0]:
+        return ids[:, None].expand(int(shape[0]), int(shape[1])).reshape(-1)
+    raise MoeCallError(f"lora_ids of shape {tuple(ids.shape)} fit neither the {rows} rows of hidden_states "
+                       f"{tuple(shape)} nor its {shape[0]} sequences (set_lora_ids)")
 
 
 def _cuda_index(ref: MoeBlockRef, tensors: dict) -> int:
@@ -178,19 +258,29 @@ def _one_workspace(layers: list, workspace_type) -> list:
     return [out[id(layer)] for layer in layers]
 
 
-def _block_module(layer, family: str):
+def _block_module(layer, family: str, layer_idx: int):
     import torch
 
     from ..torch import MoeModule
 
     class MoeBlock(MoeModule):
-        """A replaced MoE block: the block's call signature, the layer underneath (bf16 inside)."""
+        """A replaced MoE block: the block's call signature, the layer underneath (bf16 inside); the
+        rows' adapter slots from set_lora_ids."""
+
+        is_cupymoe_block = True
+
+        def __init__(self, layer):
+            super().__init__(layer)
+            self.layer_idx = layer_idx  # the decoder layer's index, as the adapters' names count it
+            self.lora_ids = None
 
         def forward(self, hidden_states, *args, **kwargs):
             shape, dtype = hidden_states.shape, hidden_states.dtype
             rows = self.rows_of(hidden_states, "hidden_states").to(torch.bfloat16)
+            ids = None if self.lora_ids is None else _row_ids(self.lora_ids, tuple(shape))
             limit = self.layer.max_tokens
-            parts = [MoeModule.forward(self, rows[i:i + limit]) for i in range(0, rows.shape[0], limit)]
+            parts = [MoeModule.forward(self, rows[i:i + limit], lora_ids=None if ids is None else ids[i:i + limit])
+                     for i in range(0, rows.shape[0], limit)]
             out = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(shape).to(dtype)
             return (out, None) if BLOCK_OUTPUT[family].returns_tuple else out
 

@@ -1,0 +1,136 @@
+"""CPU: LoRA on a transformers model's replaced blocks (cupymoe.integrations.transformers: load_lora,
+clear_lora, set_lora_ids), with stand-in layers and a stand-in op: nothing reaches a GPU.
+
+Evidence: every block takes its own layer's share of the adapter (load_peft at the block's layer
+index), all blocks check it before any block takes it (a refusal names the block and leaves every
+slot as it was), and each forward hands the op its rows' slots: [batch] ids spread over each
+sequence's rows, one-a-row ids as they are, cut with the rows where a call exceeds max_tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _lora import stacked_adapter, write_stacked_peft
+from cupymoe import testing
+from cupymoe.errors import LoraError, MoeCallError
+from cupymoe.lora import load_peft
+
+torch = pytest.importorskip("torch")
+
+FAMILY = "qwen3_moe"
+
+
+class StandInLayer:
+    """What the replaced block and load_lora use of a MoeLayer, recording the LoRA calls."""
+
+    def __init__(self, cfg, max_tokens=4, max_lora_rank=8, refuse=False):
+        self.cfg, self.max_tokens, self.max_lora_rank, self.refuse = cfg, max_tokens, max_lora_rank, refuse
+        self.calls = []
+
+    def check_lora(self, slot, adapter):
+        adapter.check(self.cfg, self.max_lora_rank)
+        if self.refuse:
+            raise LoraError("this stand-in refuses every adapter")
+
+    def set_lora(self, slot, adapter, stream=None):
+        self.calls.append(("set", slot, adapter))
+
+    def clear_lora(self, slot, stream=None):
+        self.calls.append(("clear", slot))
+
+
+def _model(layers):
+    """A module tree whose model.layers.<i>.mlp are replaced blocks over `layers`."""
+    from cupymoe.integrations.transformers import _block_module
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList()
+    for i, layer in enumerate(layers):
+        decoder = torch.nn.Module()
+        decoder.mlp = _block_module(layer, FAMILY, i)
+        model.model.layers.append(decoder)
+    return model
+
+
+def _adapter(tmp_path, cfg, layers=2):
+    tensors = {}
+    for i in range(layers):
+        tensors.update(stacked_adapter(cfg, np.random.default_rng(i), "0.20.0", layer_idx=i)[0])
+    return write_stacked_peft(tmp_path / "adapter", tensors, "0.20.0")
+
+
+def test_each_block_takes_its_layers_share(tmp_path):
+    from cupymoe.integrations.transformers import clear_lora, load_lora, replaced_blocks
+
+    cfg = testing.tiny_config(FAMILY)
+    layers = [StandInLayer(cfg), StandInLayer(cfg)]
+    model = _model(layers)
+    assert [p for p, _ in replaced_blocks(model)] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    d = _adapter(tmp_path, cfg)
+    assert load_lora(model, 2, d) == 2
+    for i, layer in enumerate(layers):
+        (kind, slot, got), = layer.calls
+        want = load_peft(d, i, cfg)
+        assert (kind, slot) == ("set", 2) and set(got.modules) == set(want.modules)
+        for key, m in want.modules.items():
+            np.testing.assert_array_equal(got.modules[key].a, m.a)
+    assert clear_lora(model, 2) == 2 and all(layer.calls[-1] == ("clear", 2) for layer in layers)
+
+
+def test_a_refusal_names_the_block_and_no_block_takes_the_adapter(tmp_path):
+    from cupymoe.integrations.transformers import load_lora
+
+    cfg = testing.tiny_config(FAMILY)
+    layers = [StandInLayer(cfg), StandInLayer(cfg, refuse=True)]
+    with pytest.raises(LoraError, match=r"model\.layers\.1\.mlp: this stand-in refuses"):
+        load_lora(_model(layers), 0, _adapter(tmp_path, cfg))
+    assert layers[0].calls == [] and layers[1].calls == []
+    small = [StandInLayer(cfg, max_lora_rank=2)]
+    with pytest.raises(LoraError, match=r"model\.layers\.0\.mlp: .*rank 3 exceeds the maximum rank 2"):
+        load_lora(_model(small), 0, _adapter(tmp_path, cfg, layers=1))
+
+
+def test_without_replaced_blocks_refused():
+    from cupymoe.integrations.transformers import load_lora, set_lora_ids
+
+    with pytest.raises(LoraError, match="no cupymoe block; call replace_moe_blocks"):
+        load_lora(torch.nn.Linear(2, 2), 0, "unused")
+    with pytest.raises(LoraError, match="no cupymoe block"):
+        set_lora_ids(torch.nn.Linear(2, 2), None)
+
+
+def test_forwards_carry_the_rows_slots(monkeypatch):
+    from cupymoe.integrations.transformers import set_lora_ids
+
+    cfg = testing.tiny_config(FAMILY)
+    model = _model([StandInLayer(cfg, max_tokens=4)])
+    block = model.model.layers[0].mlp
+    seen = []
+
+    def fake_op(rows, layer_id, token_ids, lora_ids):
+        seen.append(None if lora_ids is None else lora_ids.tolist())
+        return rows
+
+    monkeypatch.setattr(torch.ops.cupymoe, "moe_forward", fake_op)
+    h = torch.zeros(2, 3, cfg.hidden_size, dtype=torch.bfloat16)
+    assert block(h).shape == h.shape and seen == [None, None]  # 6 rows in calls of 4 and 2
+    seen.clear()
+    assert set_lora_ids(model, torch.tensor([1, -1])) == 1  # a slot a sequence
+    block(h)
+    assert seen == [[1, 1, 1, -1], [-1, -1]]
+    seen.clear()
+    set_lora_ids(model, torch.tensor([[0, 1, 2], [2, 1, 0]], dtype=torch.int64))  # one a row
+    block(h)
+    assert seen == [[0, 1, 2, 2], [1, 0]]
+    set_lora_ids(model, torch.tensor([0, 1, 2]))
+    with pytest.raises(MoeCallError, match=r"lora_ids of shape \(3,\) fit neither the 6 rows"):
+        block(h)
+    with pytest.raises(MoeCallError, match="a torch integer tensor or None is required, found list"):
+        set_lora_ids(model, [0, 1])
+    seen.clear()
+    set_lora_ids(model, None)
+    block(h)
+    assert seen == [None, None]
