@@ -190,8 +190,8 @@ def _print_lora(adapter_dir, layer: int, cfg, plan) -> int:
         print(f"  {target.value:<12}{experts:<15} rank {'/'.join(map(str, ranks)):<6} "
               f"scale {'/'.join(f'{x:g}' for x in scales):<8} from {', '.join(sources)}")
     if plan.w8a8 and any(k.target.value != "router" for k in lw.modules):
-        print("  NOT served on this layer: expert modules with fp8_compute='w8a8' (set_lora refuses them; build the "
-              "layer with fp8_compute='w8a16')")
+        print("  expert modules on a w8a8 layer: served with MoeLayer(lora_experts=True), whose LoRA forwards run "
+              "the experts as w8a16 (the default slots take the router's alone)")
     return 0
 
 

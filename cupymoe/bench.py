@@ -859,18 +859,18 @@ LORA_METHOD = ("each cell timed twice in one run on the same layer copies (built
                "adapter ids (row i -> slot i mod K, int32 on the device) passed to every forward inside "
                "the captured graph; the K slots hold cupymoe.lora.random_lora adapters of rank R on "
                "lora_targets (every module the layer has: router, routed experts, shared expert; a w8a8 "
-               "layer serves the router's alone); overhead_pct = 100 (lora_us / base_us - 1); the row's "
+               "layer's default slots take the router's alone); overhead_pct = 100 (lora_us / base_us - 1); the row's "
                "us, floor and touched are the base run's, lora_touched the LoRA run's (the router's "
                "delta changes the routing); overhead_paired_pct = 100 (median of lora_i / base_i - 1); "
                "timing 'sequential' (--lora-timing): each graph warmed and timed alone, base first")
 
 
 def lora_targets(layer) -> tuple:
-    """The modules the bench's adapters name: all of them, but the router's alone on a w8a8
-    layer (its gate/up quantizes the activation before a delta could be added)."""
+    """The modules the bench's adapters name: all of them, but the router's alone where the layer's
+    slots take nothing else (a w8a8 layer by default: MoeLayer(lora_experts=...))."""
     from .lora import LoraTarget
 
-    return (LoraTarget.ROUTER,) if layer.plan.w8a8 else tuple(LoraTarget)
+    return tuple(LoraTarget) if layer.lora_experts else (LoraTarget.ROUTER,)
 
 
 def install_adapters(layers, args) -> list[str]:

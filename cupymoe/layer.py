@@ -28,7 +28,7 @@ from .layer_checks import (check_options, check_path, check_smem_fits, check_str
                            cupy_module, device_of, optional_pointer)
 from .parallel import Communicator, check_communicator, owned_experts
 from .plan import (Buf, CallValue, DeviceFacts, ForwardPlan, LayerOptions, Path, Space, error_text,
-                   choose_path, plan_layer)
+                   choose_path, lora_options, plan_layer)
 from .warmup import WarmupReport, warm_up
 from .weights import DeviceWeights, MemoryReport
 from .workspace import GUARD_BYTES, ScratchView, Workspace, WorkspaceNeed, layer_need, layer_tickets_offset
@@ -51,7 +51,7 @@ class MoeLayer:
                  atomic_max_tokens: Optional[int] = None, decode_max_tokens: Optional[int] = None,
                  comm: Optional[Communicator] = None, expert_owner: Optional[Sequence[int]] = None,
                  fp8_compute: str = "auto", workspace: Optional[Workspace] = None, max_loras: int = 0,
-                 max_lora_rank: int = 0, keep_w8a8_activation: bool = False):
+                 max_lora_rank: int = 0, keep_w8a8_activation: bool = False, lora_experts: Optional[bool] = None):
         """Options: `path` ("auto", "decode", "atomic", "prefill"), `row_invariant` (the grouped path at
         every N: a row's bits never depend on N or the batch), `decode_max_tokens` / `atomic_max_tokens`
         (default: the measured crossover for the routed experts' format, raised to the tuning table's
@@ -59,9 +59,12 @@ class MoeLayer:
         expert-parallel partials), `expert_owner[e]` (the rank computing expert e), `fp8_compute`
         ("auto", "w8a8", "w8a16"), `workspace` (scratch shared with other layers run in turn on one
         stream; default: the layer's own), `max_loras` / `max_lora_rank` (adapter slots reserved once:
-        set_lora, clear_lora, forward's lora_ids_ptr), `keep_w8a8_activation` (inspection: a w8a8
-        layer's prefill gate/up also stores its bf16 activation, which down never reads (it reads the
-        e4m3 codes), so that cupymoe.verify can check it; the output bits are the same either way)."""
+        set_lora, clear_lora, forward's lora_ids_ptr), `lora_experts` (whether the slots hold the routed
+        and shared experts' adapters too, not the router's alone; None: yes but on a w8a8 layer, whose
+        LoRA forwards then run the experts as w8a16, its gate/up quantizing the activation before a
+        delta could be added), `keep_w8a8_activation` (inspection: a w8a8 layer's prefill gate/up also
+        stores its bf16 activation, which down never reads (it reads the e4m3 codes), so that
+        cupymoe.verify can check it; the output bits are the same either way)."""
         check_options(cfg, max_tokens, path, row_invariant)
         options = LayerOptions(row_invariant, fp8_compute, decode_max_tokens, atomic_max_tokens, comm is not None,
                                keep_w8a8_activation)
@@ -92,15 +95,26 @@ class MoeLayer:
             assert self.plan.i_max == self.weights.i_max, (self.plan.i_max, self.weights.i_max)
             self._err = cupy.zeros(1, cupy.int32)  # sticky error bits the kernels set (check_errors)
             self._lora = None
+            self._lora_plan = self.plan  # the LayerPlan the LoRA forwards' plans are built from
             if lora_k:
-                experts = lora_slots.expert_slot_shape(owned, self.plan.i_max, self.plan.w8a8)
+                with_experts = lora_slots.serves_experts(lora_experts, self.plan.w8a8)
+                if with_experts and self.plan.w8a8:  # the experts' deltas go before the activation: w8a16
+                    self._lora_plan = plan_layer(cfg, self.weights.format, self.weights.shared_format,
+                                                 self.lib.arch, n_local=len(owned), options=lora_options(options),
+                                                 knobs=knobs, mxfp4_scale_bytes=self.weights.mxfp4_scale_bytes)
+                    if self._lora_plan.tma or self._lora_plan.swapab_chosen:  # the maps are encoded for self.plan
+                        raise OptionError("lora_experts=True on this w8a8 layer: its w8a16 LoRA plans would read "
+                                          "tensor maps of their own, which the layer does not encode; build it "
+                                          "with fp8_compute='w8a16'")
+                experts = lora_slots.expert_slot_shape(owned, self.plan.i_max, with_experts)
                 # the stacked form's Bext only where a GEMM may run it (forward_plan.lora_stack_parts)
-                stack = lora_stack_parts(self.plan, knobs.lora_in_gemm, lora_k, lora_r)
-                self.plan = replace(self.plan, lora_router_t_rows=lora_router_t_rows(
-                    self.plan, knobs.lora_router_t_rows, lora_k, lora_r))
+                stack = lora_stack_parts(self._lora_plan, knobs.lora_in_gemm, lora_k, lora_r)
+                t_rows = lora_router_t_rows(self._lora_plan, knobs.lora_router_t_rows, lora_k, lora_r)
+                self.plan = replace(self.plan, lora_router_t_rows=t_rows)
+                self._lora_plan = replace(self._lora_plan, lora_router_t_rows=t_rows)
                 # A's bf16 parts only where a plan's router GEMM reads them (forward_plan.lora_router_t)
                 self._lora = lora_slots.LoraSlots(cfg, lora_k, lora_r, self.device_id, experts, stack,
-                                                  router_parts=self.plan.lora_router_t_rows > 0)
+                                                  router_parts=t_rows > 0)
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             self._bind(workspace or Workspace(self.workspace_need(), device=self.device_id))
             # the uploads and repacks went through the legacy default stream, which a caller's
@@ -132,13 +146,13 @@ class MoeLayer:
     def workspace_need(self, max_tokens: Optional[int] = None) -> WorkspaceNeed:
         """What this layer needs of a workspace at `max_tokens` (default its own)."""
         return layer_need(self.plan, max_tokens or self.max_tokens, self._guard, self._lora_experts,
-                          self._lora_rank, self._lora_stack_ks, self._lora_router_t_cols)[1]
+                          self._lora_rank, self._lora_stack_ks, self._lora_router_t_cols, self._lora_plan)[1]
 
     def _bind(self, ws: Workspace) -> None:
         if ws.device_id != self.device_id:
             raise WorkspaceError(f"workspace is on device {ws.device_id}, the layer on device {self.device_id}")
         plan, need = layer_need(self.plan, self.max_tokens, self._guard, self._lora_experts, self._lora_rank,
-                                self._lora_stack_ks, self._lora_router_t_cols)
+                                self._lora_stack_ks, self._lora_router_t_cols, self._lora_plan)
         ws.check_fits(need, f"a {self.cfg.model_type or 'MoE'} layer at max_tokens={self.max_tokens}")
         self.workspace, self.scratch = ws, ScratchView.on(plan, ws, layer_tickets_offset(self.plan))
         # the tensor-map tables of the kernels the plan picks, encoded now; others on first use
@@ -205,10 +219,11 @@ class MoeLayer:
         """Whether the w8a8 prefill gate/up stores the bf16 activation (False on every other layer)."""
         return self.plan.keep_w8a8_activation
 
-    def select_path(self, num_tokens: int, path: Optional[str] = None) -> str:
-        """The path a forward of `num_tokens` rows takes (a forced one is validated)."""
+    def select_path(self, num_tokens: int, path: Optional[str] = None, *, lora: bool = False) -> str:
+        """The path a forward of `num_tokens` rows takes (a forced one is validated); `lora`: with ids
+        (a w8a8 layer with expert slots chooses as its w8a16 LoRA plans)."""
         check_path(path)  # `path or ...` on an array would raise ValueError
-        return choose_path(self.plan, path or self.default_path, num_tokens)
+        return choose_path(self._lora_plan if lora else self.plan, path or self.default_path, num_tokens)
 
     def plan_for(self, num_tokens: int, path: Optional[str] = None, *, separated: bool = False) -> PackedPlan:
         """The packed plan a forward of `num_tokens` rows runs (built on first use, then kept)."""
@@ -308,6 +323,11 @@ class MoeLayer:
         return self._lora is not None and self._lora.experts is not None
 
     @property
+    def lora_experts(self) -> bool:
+        """Whether the adapter slots take the experts' modules too (MoeLayer(lora_experts=...))."""
+        return self._lora_experts
+
+    @property
     def _lora_rank(self) -> int:
         """The reserved adapter slots' rank (0: none): the per-pair LoRA kernels' scratch."""
         return self._lora.max_rank if self._lora is not None else 0
@@ -320,7 +340,7 @@ class MoeLayer:
     @property
     def _lora_router_t_cols(self) -> int:
         """The router GEMM's LoRA t columns (0: no plan makes t there; forward_plan.lora_router_t)."""
-        if self._lora is None or not self.plan.lora_router_t_rows:
+        if self._lora is None or not self._lora_plan.lora_router_t_rows:
             return 0
         return C.lora_router_t_cols(self._lora.max_loras, self._lora.max_rank)
 
@@ -338,8 +358,8 @@ class MoeLayer:
         key = (path, n, separated)
         packed = self._lora_plans.get(key)
         if packed is None:
-            p = Path(self.select_path(n, path))
-            plan = build_forward_plan(self.plan, self.device, n, p, separated=separated,
+            p = Path(self.select_path(n, path, lora=True))
+            plan = build_forward_plan(self._lora_plan, self.device, n, p, separated=separated,
                                       lora=LoraShape(slots.max_loras, slots.max_rank, self._lora_experts,
                                                      slots.stack_parts, stack_shrink=self._lora_stack_shrink,
                                                      fold=self._lora_fold, down_split=self._lora_down_split,

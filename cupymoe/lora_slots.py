@@ -2,14 +2,15 @@
 copies on a stream, so a graph captured before an adapter is loaded or replaced stays valid.
 
 The router's slots are fp32 (A [K, R, H], s B [K, Rw, R]; cuda/lora.cu lora_router_delta). The
-experts' slots (where the layer serves expert deltas: every layer but a w8a8 one) are bf16, A
+experts' slots (where the layer serves expert deltas: MoeLayer(lora_experts=...), serves_experts) are bf16, A
 and B as the adapter gives them and the scale apart in fp32, one matrix a (slot, table slot,
 projection), the shared expert at table slot n_local: bf16 halves memory that grows with
 K (E_local + 1) R (3 H + 3 I), and PEFT adapters are trained and shipped in bf16, so their
 values are kept exactly (an fp32 adapter is rounded once a value). Zeros past an adapter's
-rank and for modules it does not name, so an empty slot adds nothing. A w8a8 layer refuses an
-adapter naming an expert module by name at `fill`, before anything is copied (its gate/up
-quantizes the activation in the GEMM's epilogue, before a delta could be added). Where the
+rank and for modules it does not name, so an empty slot adds nothing. A layer of router slots
+alone refuses an adapter naming an expert module by name at `fill`, before anything is copied
+(the default on a w8a8 layer, whose gate/up quantizes the activation in the GEMM's epilogue,
+before a delta could be added: with lora_experts=True its LoRA forwards run as w8a16). Where the
 layer runs the stacked form (forward_plan.lora_stack_parts), each projection's B also lies in
 Bext [E_local + 1, rows, KS] (cupymoe/lora_stack.py), filled and cleared with the slot.
 """
@@ -28,7 +29,6 @@ from .formats import BF16
 from . import lora_stack
 from .lora import LoraTarget, LoraWeights
 
-NOT_ON_GPU = "LoRA on the GPU path is not implemented yet"
 # the experts' projections in lora_scale's order: (a routed expert's target, the shared expert's)
 PROJECTIONS = ((LoraTarget.GATE, LoraTarget.SHARED_GATE), (LoraTarget.UP, LoraTarget.SHARED_UP),
                (LoraTarget.DOWN, LoraTarget.SHARED_DOWN))
@@ -148,9 +148,9 @@ class LoraSlots:
         if self.experts is None:
             for key, m in adapter.modules.items():
                 if key.target != LoraTarget.ROUTER:
-                    raise LoraError(f"{NOT_ON_GPU} for {key.target.value} modules ({m.name}) with "
-                                    f"fp8_compute='w8a8'; build the layer with fp8_compute='w8a16' "
-                                    f"(docs/DESIGN.md, LoRA)")
+                    raise LoraError(f"{key.target.value} modules ({m.name}): this layer's slots take the "
+                                    "router's alone (lora_experts=False, the default on a w8a8 layer); build "
+                                    "it with lora_experts=True (docs/DESIGN.md, LoRA)")
         return slot
 
     def _host_slot(self, adapter: LoraWeights) -> dict[str, np.ndarray]:
@@ -218,6 +218,14 @@ class LoraSlots:
                 dst[:, c:c + R] = src
 
 
-def expert_slot_shape(owned: Sequence[int], i_max: int, w8a8: bool) -> Optional[ExpertSlotShape]:
-    """The experts' slots a layer reserves: none for a w8a8 layer (module docstring)."""
-    return None if w8a8 else ExpertSlotShape(tuple(int(e) for e in owned), int(i_max))
+def serves_experts(lora_experts: Optional[bool], w8a8: bool) -> bool:
+    """MoeLayer(lora_experts=...): whether the slots take the experts' modules; None: all but a w8a8
+    layer's (which then run their LoRA forwards' experts as w8a16, plan.lora_options)."""
+    if lora_experts is not None and not isinstance(lora_experts, bool):
+        raise OptionError(f"lora_experts={lora_experts!r}: must be True, False or None")
+    return not w8a8 if lora_experts is None else lora_experts
+
+
+def expert_slot_shape(owned: Sequence[int], i_max: int, experts: bool) -> Optional[ExpertSlotShape]:
+    """The experts' slots a layer reserves: none where its slots take the router's modules alone."""
+    return ExpertSlotShape(tuple(int(e) for e in owned), int(i_max)) if experts else None

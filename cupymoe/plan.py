@@ -320,6 +320,12 @@ class LayerPlan:
         return 1 if self.cfg.has_shared_expert else 0
 
 
+def lora_options(options: LayerOptions) -> LayerOptions:
+    """The options of a w8a8 layer's LoRA forwards with expert adapters: its fp8 experts as w8a16 (the
+    deltas go into g and u before the activation, which the w8a8 gate/up quantizes in its epilogue)."""
+    return replace(options, fp8_compute=Fp8Compute.W8A16.value, keep_w8a8_activation=False)
+
+
 def resolve_fp8_compute(fp8_compute: str, formats: tuple[WeightFormat, ...], arch: str) -> Optional[Fp8Compute]:
     """fp8-block experts: w8a8 (e4m3 tensor cores) on sm_90a unless w8a16 is asked for."""
     if fp8_compute not in FP8_COMPUTE_NAMES:

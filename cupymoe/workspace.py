@@ -364,17 +364,20 @@ def _order_after(event: int, new: int, ws: Workspace) -> None:
 
 
 def layer_need(lp, max_tokens: int, guard: int = 0, lora_experts: bool = False,
-               lora_rank: int = 0, lora_stack_ks: int = 0,
-               lora_router_t_cols: int = 0) -> tuple[ScratchPlan, WorkspaceNeed]:
+               lora_rank: int = 0, lora_stack_ks: int = 0, lora_router_t_cols: int = 0,
+               lora_lp=None) -> tuple[ScratchPlan, WorkspaceNeed]:
     """A layer's scratch plan (`lp` a plan.LayerPlan) and what it needs of a workspace at `max_tokens`
     (`guard`: with red zones; `lora_experts`: the LoRA plans' expert deltas' scratch too;
     `lora_rank`: the reserved adapter slots' rank, 0 for none: the per-pair kernels' scratch;
     `lora_stack_ks`: the LoRA stacked form's T, 0 for none; `lora_router_t_cols`: the router GEMM's
-    LoRA t columns, up to lp.lora_router_t_rows rows, 0 for none)."""
-    t_rows = min(max_tokens, lp.lora_router_t_rows) if lora_router_t_cols else 0
-    plan = layer_scratch(lp.cfg, max_tokens, lp.n_local, lp.i_max, lp.decode_max_tokens, lp.w8a8,
-                         lp.w8a8_shared_x, lp.gathers_rows, guard, lora_experts, lora_rank, lora_stack_ks,
-                         (t_rows, lora_router_t_cols))
+    LoRA t columns, up to lora_lp.lora_router_t_rows rows, 0 for none; `lora_lp`: the LayerPlan of the
+    LoRA plans where it is not `lp` (a w8a8 layer's experts as w8a16): one scratch serving both)."""
+    lora_lp = lora_lp or lp
+    t_rows = min(max_tokens, lora_lp.lora_router_t_rows) if lora_router_t_cols else 0
+    decode_rows = max(lp.decode_max_tokens, lora_lp.decode_max_tokens)
+    plan = layer_scratch(lp.cfg, max_tokens, lp.n_local, lp.i_max, decode_rows, lp.w8a8,
+                         lp.w8a8_shared_x, lp.gathers_rows or lora_lp.gathers_rows, guard, lora_experts, lora_rank,
+                         lora_stack_ks, (t_rows, lora_router_t_cols))
     return plan, WorkspaceNeed(plan.total_bytes, zeroed_bytes(lp.n_local, lp.i_max, lp.w8a8, lora_rank > 0))
 
 

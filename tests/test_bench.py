@@ -368,9 +368,9 @@ def test_bad_lora_arguments_are_refused_at_parsing(argv, capsys):
 
 class _FakeLoraLayer:
     def __init__(self, cfg, w8a8: bool):
-        from types import SimpleNamespace
+        from cupymoe.lora_slots import serves_experts
 
-        self.cfg, self.plan, self.slots = cfg, SimpleNamespace(w8a8=w8a8), {}
+        self.cfg, self.lora_experts, self.slots = cfg, serves_experts(None, w8a8), {}  # MoeLayer's default
 
     def set_lora(self, slot, adapter):
         self.slots[slot] = adapter

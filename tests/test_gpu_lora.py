@@ -425,18 +425,41 @@ def test_expert_deltas_fp4_wgmma_decode(fmt, rng, monkeypatch):
     layer.check_errors()
 
 
-def test_w8a8_layer_refuses_expert_adapters(rng):
-    """fp8 w8a8 quantizes the activation inside gate/up: its layers serve router adapters only and
-    refuse an expert module by name, before anything is copied."""
+def test_router_slots_refuse_expert_adapters(rng):
+    """fp8 w8a8 quantizes the activation inside gate/up: by default its slots take router adapters
+    alone and refuse an expert module by name, before anything is copied; so does any layer built
+    with lora_experts=False."""
     cfg = testing.tiny_config("deepseek_v3")
-    hw = testing.random_host_weights(cfg, rng, "fp8_block")
-    layer = _layer(cfg, hw, fp8_compute="w8a8")
     experts = random_lora(cfg, rng, rank=2, targets=[LoraTarget.ROUTER, LoraTarget.GATE], experts=[1])
-    with pytest.raises(LoraError, match=r"not implemented yet for gate modules "
-                                        r"\(model.layers.0.mlp.experts.1.gate_proj\) with fp8_compute='w8a8'"):
-        layer.set_lora(0, experts)
-    assert 0 not in layer._lora.loaded
-    layer.set_lora(0, random_lora(cfg, rng, rank=2, targets=[LoraTarget.ROUTER]))
+    for fmt, kw in (("fp8_block", dict(fp8_compute="w8a8")), ("bf16", dict(lora_experts=False))):
+        layer = _layer(cfg, testing.random_host_weights(cfg, rng, fmt), **kw)
+        assert not layer.lora_experts
+        with pytest.raises(LoraError, match=r"gate modules \(model.layers.0.mlp.experts.1.gate_proj\): this "
+                                            r"layer's slots take the router's alone"):
+            layer.set_lora(0, experts)
+        assert 0 not in layer._lora.loaded
+        layer.set_lora(0, random_lora(cfg, rng, rank=2, targets=[LoraTarget.ROUTER]))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_w8a8_layer_with_expert_slots(family, rng):
+    """MoeLayer(fp8_compute="w8a8", lora_experts=True): the base forwards keep the w8a8 kernels, the LoRA
+    forwards run the experts as w8a16 (plan.lora_options) on one workspace; mixed ids on every path,
+    judged as test_expert_deltas_every_path's (the w8a16 layer's roundings)."""
+    cfg = testing.tiny_config(family)
+    hw = testing.random_host_weights(cfg, rng, "fp8_block")
+    layer, adapters = _layer(cfg, hw, fp8_compute="w8a8", lora_experts=True), _expert_adapters(cfg, rng)
+    assert layer.lora_experts and layer.fp8_compute == "w8a8"
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    for path, ns in EXPERT_CASES:
+        for n in ns:
+            base = [getattr(s, "kernel", "") for s in layer.forward_plan(n, path).steps]
+            assert any("a8" in k or "fp8" in k for k in base), (path, n, base)  # the w8a8 kernels
+            _mixed(layer, cfg, hw, rng, adapters, n, path, f"{family} w8a8 layer")
+            lora = [getattr(s, "kernel", "") for s in layer._lora_plans[(path, n, False)].plan.at(n).steps]
+            assert not any("_a8" in k or "sm90_fp8" in k for k in lora), (path, n, lora)
+    layer.check_errors()
 
 
 def test_the_torch_module_passes_lora_ids_bit_for_bit(rng):

@@ -201,7 +201,8 @@ def test_refusals(tmp_path):
 
 def test_inspect_shows_the_adapters_share(tmp_path, capsys):
     """`python -m cupymoe inspect DIR --lora ADAPTER`: the layer's modules per target with ranks, scales
-    and their stacked source; on a w8a8 plan the expert modules flagged; a refused adapter: one line, 2."""
+    and their stacked source; on a w8a8 plan the option its expert modules need; a refused adapter: one
+    line, 2."""
     from cupymoe.__main__ import main
     from cupymoe.checkpoint import save_layer
 
@@ -216,9 +217,9 @@ def test_inspect_shows_the_adapters_share(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"peft_version 0.19.1, r 3, lora_alpha 6; layer {LAYER}: {3 * cfg.num_experts} modules, max rank 3" in out
     assert "gate         (15 experts)   rank 3      scale 2        from model.layers.2.mlp.experts.gate_up_proj\n" in out
-    assert "NOT served" not in out
+    assert "w8a8" not in out.split("adapter ")[-1]
     assert main(["inspect", str(tmp_path / "ckpt"), "--layer", str(LAYER), "--lora", str(adapter),
                  "--fp8-compute", "w8a8"]) == 0
-    assert "NOT served on this layer: expert modules with fp8_compute='w8a8'" in capsys.readouterr().out
+    assert "expert modules on a w8a8 layer: served with MoeLayer(lora_experts=True)" in capsys.readouterr().out
     assert main(["inspect", str(tmp_path / "ckpt"), "--layer", str(LAYER), "--lora", str(tmp_path)]) == 2
     assert "cupymoe inspect: LoraError:" in capsys.readouterr().err

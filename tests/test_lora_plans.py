@@ -3,8 +3,9 @@
 A LoRA plan is the base plan with one launch more, `lora_router_delta` (prefill past the
 one-block sort: `lora_grouped_router_delta`), right after the router and before the routing
 stage reads the logits (each LoRA launch by PDL exactly where the
-launch after it goes by PDL: inside the decode chain); with the experts' deltas (every layer
-but a w8a8 one), each gate/up GEMM runs once storing g and u side by side (ACT_PAIR, into
+launch after it goes by PDL: inside the decode chain); with the experts' deltas (a layer whose
+slots take them; a w8a8 layer's LoRA plans then come from plan.lora_options, as w8a16), each
+gate/up GEMM runs once storing g and u side by side (ACT_PAIR, into
 lora_gu), then lora_gate_up_act, and lora_down_delta before the reduce; everything else is the
 base plan's.
 """
@@ -148,7 +149,7 @@ def _check_grouped(plan, ga, dd, gemms, hidden):
     assert plan.steps[dd].arg("yw") == Buf(Space.SCRATCH, "yw")
 
 
-def test_expert_lora_plan_refuses_w8a8():
+def test_expert_lora_plan_refuses_w8a8():  # a w8a8 LayerPlan; the layer builds its LoRA plans from lora_options
     cfg = testing.tiny_config("deepseek_v3")
     lp = plan_layer(cfg, "fp8_block", "bf16" if cfg.has_shared_expert else None, "sm_90a",
                     options=LayerOptions(fp8_compute="w8a8"), knobs=Knobs())
@@ -156,6 +157,47 @@ def test_expert_lora_plan_refuses_w8a8():
     with pytest.raises(LoraError, match="LoRA on the experts with fp8_compute='w8a8' is not implemented"):
         build_forward_plan(lp, H200, 4, Path.DECODE, lora=EXPERTS)
     build_forward_plan(lp, H200, 4, Path.DECODE, lora=SHAPE)  # router-only adapters still run
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_w8a8_layer_lora_plans_as_w8a16_on_one_scratch(family):
+    """MoeLayer(fp8_compute="w8a8", lora_experts=True): the LoRA plans come from plan.lora_options's LayerPlan
+    (w8a16: no w8a8 kernel, the experts' deltas in), the base plans keep w8a8, and layer_need(lora_lp=)'s
+    one scratch holds every buffer both name (the decode rows of both plans, gathered inputs of either)."""
+    from dataclasses import replace
+
+    from cupymoe.forward_plan import lora_router_t_rows, lora_stack_parts
+    from cupymoe.lora_stack import stack_width
+    from cupymoe.plan import lora_options
+
+    cfg = testing.tiny_config(family)
+    options = LayerOptions(fp8_compute="w8a8")
+    shared = "bf16" if cfg.has_shared_expert else None
+    base = plan_layer(cfg, "fp8_block", shared, "sm_90a", options=options, knobs=Knobs())
+    lora_lp = plan_layer(cfg, "fp8_block", shared, "sm_90a", options=lora_options(options), knobs=Knobs())
+    assert base.w8a8 and not lora_lp.w8a8 and lora_lp.fp8_compute.value == "w8a16"
+    K, R = 3, 16
+    parts = lora_stack_parts(lora_lp, 1, K, R)
+    lora_lp = replace(lora_lp, lora_router_t_rows=lora_router_t_rows(lora_lp, None, K, R))
+    ks = stack_width(K, R, parts) if parts else 0
+    T = 1200
+    scratch, _ = layer_need(base, T, lora_experts=True, lora_rank=R, lora_stack_ks=ks,
+                            lora_router_t_cols=C.lora_router_t_cols(K, R) if lora_lp.lora_router_t_rows else 0,
+                            lora_lp=lora_lp)
+    shape = LoraShape(max_loras=K, max_rank=R, experts=True, stack_parts=parts)
+    for path, n in ((Path.DECODE, 1), (Path.DECODE, 7), (Path.ATOMIC, 5), (Path.PREFILL, 300), (Path.PREFILL, T)):
+        for lp, lora in ((base, None), (lora_lp, shape)):
+            plan = build_forward_plan(lp, H200, n, path, lora=lora).at(n)
+            kernels = [getattr(st, "kernel", "") for st in plan.steps]
+            if lora is not None:
+                assert not any("_a8" in k or "sm90_fp8" in k for k in kernels), kernels
+                assert any(k.startswith(("lora_", "grouped_gemm_lora")) and "router" not in k for k in kernels)
+            for st in plan.steps:
+                for a in getattr(st, "args", ()):
+                    b = getattr(a, "value", None)
+                    zeroed = ("act_tickets", "lora_tickets")  # the zeroed region's, not the scratch plan's
+                    if isinstance(b, Buf) and b.space == Space.SCRATCH and b.name not in zeroed:
+                        assert b.name in scratch.placements and scratch.placements[b.name].nbytes > 0, (path, n, b)
 
 
 def test_lora_gu_scratch_only_with_expert_lora():
@@ -465,3 +507,15 @@ def test_router_t_rows_knob():
     assert Knobs.from_env({}).lora_router_t_rows is None
     with pytest.raises(OptionError, match="CUPYMOE_LORA_ROUTER_T_ROWS"):
         Knobs.from_env({"CUPYMOE_LORA_ROUTER_T_ROWS": "-1"})
+
+
+def test_lora_experts_option():
+    """MoeLayer(lora_experts=...): None serves the experts but on a w8a8 layer; a bool as given; else refused."""
+    from cupymoe.lora_slots import expert_slot_shape, serves_experts
+
+    assert serves_experts(None, False) and not serves_experts(None, True)
+    assert serves_experts(True, True) and not serves_experts(False, False)
+    for bad in (1, "yes", 0.0):
+        with pytest.raises(OptionError, match=r"lora_experts=.*: must be True, False or None"):
+            serves_experts(bad, False)
+    assert expert_slot_shape([0, 2], 64, False) is None and expert_slot_shape([0, 2], 64, True).table_slots == 3
