@@ -160,19 +160,14 @@ topk_route_lora(TOPK_ROUTE_ARGS, const int* __restrict__ lora_ids, const float* 
 // and weights into the scratch topk_route writes, so every stage after it runs unchanged.
 // An id outside 0..R-1 sets ERR_EXPERT_ID_RANGE and goes on as -1 with weight 0, which every
 // later stage reads as no expert (no out-of-bounds access). Weights are copied as given. With
-// qx (w8a8), x's e4m3 codes too, as topk_route makes them.
-// grid ceil(N / TOPK_WARPS), block TOPK_WARPS * 32: one warp a row.
-__global__ void __launch_bounds__(TOPK_WARPS * 32)
-experts_route_in(const int* __restrict__ ids_in,   // [N, k] the caller's expert ids
-                 const float* __restrict__ w_in,   // [N, k] the caller's routing weights
-                 int* __restrict__ ids_out,        // [N, k]
-                 float* __restrict__ w_out,        // [N, k]
-                 int* __restrict__ err, int N, int R, int k,
-                 const bf16* __restrict__ x, int H, u8* __restrict__ qx, float* __restrict__ sx) {
-    pdl_wait_then_release_next();  // (the chain's first kernel: only the release does anything)
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row = blockIdx.x * TOPK_WARPS + warp;
-    if (row >= N) return;
+// qx (w8a8), x's e4m3 codes too, as topk_route makes them. ids_in [N, k] and w_in [N, k]: the
+// caller's expert ids and routing weights; ids_out, w_out [N, k]: topk_route's outputs.
+#define ROUTE_IN_ARGS                                                                                         \
+    const int *__restrict__ ids_in, const float *__restrict__ w_in, int *__restrict__ ids_out,               \
+        float *__restrict__ w_out, int *__restrict__ err, int N, int R, int k, const bf16 *__restrict__ x,   \
+        int H, u8 *__restrict__ qx, float *__restrict__ sx
+
+__device__ __forceinline__ void route_in_row(int row, int lane, ROUTE_IN_ARGS) {
     for (int j = lane; j < k; j += 32) {
         const size_t p = (size_t)row * k + j;
         const int e = ids_in[p];
@@ -184,4 +179,25 @@ experts_route_in(const int* __restrict__ ids_in,   // [N, k] the caller's expert
 #if CUPYMOE_SM >= 89
     if (qx) e4m3_quantize_row(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7), lane);
 #endif
+}
+
+// grid ceil(N / TOPK_WARPS), block TOPK_WARPS * 32: one warp a row.
+__global__ void __launch_bounds__(TOPK_WARPS * 32) experts_route_in(ROUTE_IN_ARGS) {
+    pdl_wait_then_release_next();  // (the chain's first kernel: only the release does anything)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * TOPK_WARPS + warp;
+    if (row >= N) return;
+    route_in_row(row, lane, ids_in, w_in, ids_out, w_out, err, N, R, k, x, H, qx, sx);
+}
+
+// experts_route_in with the rows' adapter slots (lora_ids [N]) checked where no router delta runs to
+// do it: an id >= max_loras sets ERR_LORA_ID_RANGE (the experts' delta kernels add nothing for it).
+__global__ void __launch_bounds__(TOPK_WARPS * 32)
+experts_route_in_lora(ROUTE_IN_ARGS, const int* __restrict__ lora_ids, int max_loras) {
+    pdl_wait_then_release_next();  // as experts_route_in
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * TOPK_WARPS + warp;
+    if (row >= N) return;
+    route_in_row(row, lane, ids_in, w_in, ids_out, w_out, err, N, R, k, x, H, qx, sx);
+    if (lane == 0 && lora_ids[row] >= max_loras) atomicOr(err, ERR_LORA_ID_RANGE);
 }

@@ -16,7 +16,10 @@ is unchanged, on every path. What the call's routing means:
   its pair adds nothing: never an out-of-bounds access;
 - a row may name an expert twice (each pair counts);
 - the layer's pre-expert norm, if any, still applies to the experts' input;
-- the shared expert (with its gate) is added as the layer has it unless `shared_expert=False`.
+- the shared expert (with its gate) is added as the layer has it unless `shared_expert=False`;
+- with `lora_ids_ptr` ([N] int32 slots, -1 = base) the experts' adapter deltas are added on the
+  layer's LoRA plans (MoeLayer(lora_experts=...)); an adapter's router delta is the caller's, as
+  its routing is; an id past the slots is flagged (ErrorBit.LORA_ID_RANGE) and adds nothing.
 
 Hash routing layers need no token ids here. CUPYMOE_PROFILE and NVTX ranges apply;
 CUPYMOE_DUMP_DIR dumps `forward` only (its dumps recompute the router).
@@ -49,15 +52,19 @@ def shared_flag(layer, shared_expert: Optional[bool]) -> bool:
     return shared_expert
 
 
-def plan_for(layer, n: int, path: Optional[str], shared: bool, separated: bool = False) -> PackedPlan:
-    """The packed experts-only plan of `n` rows (built on first use, then kept on the layer)."""
-    p = Path(layer.select_path(n, path))
-    key = (p, n if p != Path.PREFILL else prefill_shape(layer.plan, layer.device, n), shared, separated)
+def plan_for(layer, n: int, path: Optional[str], shared: bool, separated: bool = False,
+             lora: bool = False) -> PackedPlan:
+    """The packed experts-only plan of `n` rows (built on first use, then kept on the layer); `lora`:
+    its LoRA variant, from the layer's LoRA LayerPlan (the experts' deltas; MoeLayer(lora_experts=...))."""
+    lp = layer._lora_plan if lora else layer.plan
+    p = Path(layer.select_path(n, path, lora=lora))
+    key = (p, n if p != Path.PREFILL else prefill_shape(lp, layer.device, n), shared, separated, lora)
     cache = layer._experts_packed  # (reset when the layer binds a workspace)
     packed = cache.get(key)
     if packed is None:
-        plan = build_forward_plan(layer.plan, layer.device, n, p, separated=separated, given_routing=True,
-                                  shared_expert=shared)
+        shape = layer.lora_shape("forward_experts(lora_ids_ptr=...)") if lora else None
+        plan = build_forward_plan(lp, layer.device, n, p, separated=separated, given_routing=True,
+                                  shared_expert=shared, lora=shape)
         packed = cache[key] = PackedPlan(plan, layer._resolve, layer.lib.pointer, layer._reduce())
     return packed
 
@@ -76,16 +83,21 @@ def check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, out
 
 
 def forward_experts(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr, stream, *,
-                    shared_expert: Optional[bool] = None, path: Optional[str] = None) -> None:
+                    shared_expert: Optional[bool] = None, path: Optional[str] = None, lora_ids_ptr: int = 0) -> None:
     """MoeLayer.forward_experts (the module docstring says what the routing means)."""
+    from .layer_checks import optional_pointer
+
     n, x, ids, w, out = check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr)
+    lora_ids = optional_pointer("lora_ids_ptr", lora_ids_ptr, 4)
     shared = shared_flag(layer, shared_expert)
     stream = layer._stream(stream)
     check_path(path)  # before it keys the plan cache
     separated = layer._profile or profiling.recording_events()
-    packed = plan_for(layer, n, path, shared, separated)
+    packed = plan_for(layer, n, path, shared, separated, lora=bool(lora_ids))
     packed.set_call_value(CallValue.TOPK_IDS, ids)
     packed.set_call_value(CallValue.TOPK_WEIGHTS, w)
+    if lora_ids:
+        packed.set_call_value(CallValue.LORA_IDS, lora_ids)
     ws = layer.workspace
     ws.use(stream)
     if layer._guard:  # guard mode: the red zones refilled before the launches, as forward does
@@ -110,16 +122,18 @@ def _observed(layer, packed: PackedPlan, x: int, out: int, n: int, stream: int) 
 
 
 def run_experts(layer, x, topk_ids, topk_weights, *, out=None, stream=None, shared_expert: Optional[bool] = None,
-                path: Optional[str] = None):
+                path: Optional[str] = None, lora_ids=None):
     """MoeLayer.run_experts: arrays in (torch tensors or CuPy arrays), the output array back."""
     xa = arrays.view(x, "x")
     n = arrays.rows_of(xa, layer.cfg.hidden_size, layer.device_id)
     k = layer.cfg.num_experts_per_tok
     ids = arrays.checked_ptr(topk_ids, "topk_ids", device=layer.device_id, dtypes=("int32",), shape=(n, k))
     w = arrays.checked_ptr(topk_weights, "topk_weights", device=layer.device_id, dtypes=("float32",), shape=(n, k))
+    lp = 0 if lora_ids is None else arrays.checked_ptr(lora_ids, "lora_ids", device=layer.device_id,
+                                                        dtypes=("int32",), shape=(n,))
     if out is None:
         out = arrays.empty_like(x)
     op = arrays.checked_ptr(out, "out", device=layer.device_id, dtypes=arrays.BF16_BITS, shape=xa.shape)
     forward_experts(layer, xa.ptr, n, ids, w, op, arrays.current_stream(x) if stream is None else stream,
-                    shared_expert=shared_expert, path=path)
+                    shared_expert=shared_expert, path=path, lora_ids_ptr=lp)
     return out

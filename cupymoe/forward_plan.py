@@ -128,18 +128,18 @@ def build_forward_plan(lp: LayerPlan, dev: DeviceFacts, n: int, path: Path, *, s
                        shared_expert: bool = True) -> ForwardPlan:
     """The launches of a forward of `n` rows on `path`. `separated`: stage events or profile
     syncs stand between the kernels, so none goes by programmatic dependent launch. `lora`:
-    the LoRA plan variant (the router's delta added to the logits before top-k).
-    `given_routing` (the experts-only entry): no router and no routing kernel; experts_route_in
-    takes the call's expert ids and weights (CallValue.TOPK_IDS / TOPK_WEIGHTS) into the scratch
-    routing writes, and every later stage is the routed plan's. `shared_expert=False` leaves a
-    layer's shared expert out of the lists, the expert launches and the reduce."""
-    if lora is not None and given_routing:
-        raise LoraError("LoRA with the experts-only entry: the router's delta has no router to add to")
+    the LoRA plan variant (the router's delta added to the logits before top-k; the experts'
+    deltas where the slots hold them). `given_routing` (the experts-only entry): no router and no
+    routing kernel; experts_route_in takes the call's expert ids and weights (CallValue.TOPK_IDS /
+    TOPK_WEIGHTS) into the scratch routing writes, and every later stage is the routed plan's
+    (with `lora`: the experts' deltas alone, the caller's routing standing for the router's).
+    `shared_expert=False` leaves a layer's shared expert out of the lists, the expert launches and
+    the reduce."""
     b = _Builder(lp, dev, n, Path(path), separated)
     b.given_routing = given_routing
     b.has_shared = lp.has_shared if shared_expert else 0
     plan = b.build()
-    return plan if lora is None else with_lora(plan, lp, lora, separated=separated)
+    return plan if lora is None else with_lora(plan, lp, lora, separated=separated, given_routing=given_routing)
 
 
 @dataclass(frozen=True)
@@ -195,17 +195,25 @@ def _blocks_an_item(items: int, cols: int, cols_a_block: int) -> int:
 LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16 (ACT_PAIR)
 
 
-def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, *, separated: bool = False) -> ForwardPlan:
+def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, *, separated: bool = False,
+              given_routing: bool = False) -> ForwardPlan:
     """`plan` with the router's LoRA delta launched right after the router (its logits' copy 0,
     before the routing stage reads them): a block a row, or where the deltas go grouped
     (lora_grouped) a block lora_router_span rows bucketed by adapter (_router_delta); at the decode
     chain's fewest rows folded into the router and routing launches instead (lora_fold). Each LoRA launch goes as the
     launch it precedes does (_as_successor): by PDL inside the decode chain, plainly elsewhere.
     With `lora.experts`, the expert deltas too (_with_expert_deltas). On the prefill path with
-    lora_overlap, the router delta and each stacked GEMM go by PDL after the launch before them."""
+    lora_overlap, the router delta and each stacked GEMM go by PDL after the launch before them.
+    `given_routing` (the experts-only entry's plan): no router delta; experts_route_in becomes
+    experts_route_in_lora, which flags an id past the slots as the router's delta does."""
     steps = list(plan.steps)
-    at = _past_router(steps)
     overlap = lora_overlap(plan, lp, lora, separated)
+    if given_routing:
+        steps = [_route_in_lora(s, lora) if getattr(s, "kernel", "") == "experts_route_in" else s for s in steps]
+        if lora.experts:
+            steps = _with_expert_deltas(steps, plan, lp, lora, overlap)
+        return replace(plan, steps=tuple(steps))
+    at = _past_router(steps)
     if lora_fold(plan, lp, lora):
         steps[at - 1], steps[at] = _router_lora(steps[at - 1], lp, lora), _route_lists_lora(steps[at], lp, lora)
     elif lora_router_t(plan, lp, lora):
@@ -216,6 +224,12 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, *, separated: b
     if lora.experts:
         steps = _with_expert_deltas(steps, plan, lp, lora, overlap)
     return replace(plan, steps=tuple(steps))
+
+
+def _route_in_lora(step: Launch, lora: LoraShape) -> Launch:
+    """experts_route_in as experts_route_in_lora: its arguments, then the rows' slots and their count."""
+    return replace(step, kernel="experts_route_in_lora",
+                   args=step.args + (u64("lora_ids", CallValue.LORA_IDS), i32("max_loras", lora.max_loras)))
 
 
 def lora_overlap(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, separated: bool) -> bool:

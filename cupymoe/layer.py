@@ -344,6 +344,14 @@ class MoeLayer:
             return 0
         return C.lora_router_t_cols(self._lora.max_loras, self._lora.max_rank)
 
+    def lora_shape(self, what: str) -> LoraShape:
+        """What the LoRA plans take of the slots and the knobs (LoraError naming `what` where the layer
+        reserved none)."""
+        slots = self._lora_slots(what)
+        return LoraShape(slots.max_loras, slots.max_rank, self._lora_experts, slots.stack_parts,
+                         stack_shrink=self._lora_stack_shrink, fold=self._lora_fold,
+                         down_split=self._lora_down_split, overlap=self._lora_overlap)
+
     def _lora_slots(self, what: str) -> "lora_slots.LoraSlots":
         if self._lora is None:
             raise LoraError(f"{what}: this layer reserved no adapter slots; build it with max_loras=K, max_lora_rank=R")
@@ -352,18 +360,14 @@ class MoeLayer:
     def _lora_forward(self, x: int, n: int, out: int, stream: int, token_ids: int, lora_ids: int, path) -> None:
         """A forward with per-row adapters: the LoRA plan variant (built once per (path, N)); watched
         (NVTX, stage events, profile, dumps) as a base forward is."""
-        slots = self._lora_slots("forward(lora_ids_ptr=...)")
+        lora = self.lora_shape("forward(lora_ids_ptr=...)")
         observed = self._watched or profiling.observed()
         separated = observed and (self._profile or profiling.recording_events())
         key = (path, n, separated)
         packed = self._lora_plans.get(key)
         if packed is None:
             p = Path(self.select_path(n, path, lora=True))
-            plan = build_forward_plan(self._lora_plan, self.device, n, p, separated=separated,
-                                      lora=LoraShape(slots.max_loras, slots.max_rank, self._lora_experts,
-                                                     slots.stack_parts, stack_shrink=self._lora_stack_shrink,
-                                                     fold=self._lora_fold, down_split=self._lora_down_split,
-                                                     overlap=self._lora_overlap))
+            plan = build_forward_plan(self._lora_plan, self.device, n, p, separated=separated, lora=lora)
             packed = self._lora_plans[key] = PackedPlan(plan, self._resolve, self.lib.pointer, self._reduce())
         packed.set_call_value(CallValue.LORA_IDS, lora_ids)
         if observed:
@@ -447,25 +451,28 @@ class MoeLayer:
     # --- the experts-only entry (cupymoe/experts.py) ------------------------------------
     def forward_experts(self, input_ptr: int, num_tokens: int, topk_ids_ptr: int, topk_weights_ptr: int,
                         output_ptr: int, stream: int, *, shared_expert: Optional[bool] = None,
-                        path: Optional[str] = None) -> None:
+                        path: Optional[str] = None, lora_ids_ptr: int = 0) -> None:
         """Enqueue the layer's experts on `stream` for a caller that routed the rows itself:
         output[N, H] bf16 = sum_j topk_weights[r, j] * expert_{topk_ids[r, j]}(input[r]) (+ the
         shared expert unless shared_expert=False; default: as the layer has one). ids [N, k] int32,
         weights [N, k] float32, used as given (no renormalisation or scaling); an id outside
-        0..router_width-1 is flagged (check_errors) and adds nothing."""
+        0..router_width-1 is flagged (check_errors) and adds nothing. `lora_ids_ptr`: [N] int32 adapter
+        slots a row (-1 = base), the experts' deltas added (the router's are the caller's, as its routing
+        is); 0 = none."""
         from .experts import forward_experts
 
         forward_experts(self, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr, stream,
-                        shared_expert=shared_expert, path=path)
+                        shared_expert=shared_expert, path=path, lora_ids_ptr=lora_ids_ptr)
 
     def run_experts(self, x, topk_ids, topk_weights, *, out=None, stream=None, shared_expert: Optional[bool] = None,
-                    path: Optional[str] = None):
+                    path: Optional[str] = None, lora_ids=None):
         """forward_experts on torch tensors or CuPy arrays: x [N, H] bf16, topk_ids [N, k] int32,
-        topk_weights [N, k] float32, on the layer's GPU; returns `out` (allocated when not given)."""
+        topk_weights [N, k] float32, lora_ids [N] int32 or None, on the layer's GPU; returns `out`
+        (allocated when not given)."""
         from .experts import run_experts
 
         return run_experts(self, x, topk_ids, topk_weights, out=out, stream=stream, shared_expert=shared_expert,
-                           path=path)
+                           path=path, lora_ids=lora_ids)
 
     def check_errors(self) -> None:
         """Synchronise and raise if a kernel flagged bad input (e.g. a token id outside tid2eid)."""

@@ -60,20 +60,21 @@ def _moe_forward_fake(x: torch.Tensor, layer_id: int, token_ids: Optional[torch.
 
 @torch.library.custom_op("cupymoe::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                shared_expert: Optional[bool] = None) -> torch.Tensor:
+                shared_expert: Optional[bool] = None, lora_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """bf16 [N, H] -> bf16 [N, H]: the registered layer's experts on the caller's routing (topk_ids [N, k]
     int32, topk_weights [N, k] float32, used as given), on torch's current stream; `shared_expert`: None
-    adds the shared expert where the layer has one (MoeLayer.forward_experts)."""
+    adds the shared expert where the layer has one; `lora_ids` [N] int32: each row's adapter slot, the
+    experts' deltas added (MoeLayer.forward_experts)."""
     layer = _layer(layer_id)
     out = torch.empty_like(x)
     layer.run_experts(x, topk_ids, topk_weights, out=out, stream=torch.cuda.current_stream(x.device).cuda_stream,
-                      shared_expert=shared_expert)
+                      shared_expert=shared_expert, lora_ids=lora_ids)
     return out
 
 
 @moe_experts.register_fake
 def _moe_experts_fake(x: torch.Tensor, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      shared_expert: Optional[bool] = None) -> torch.Tensor:
+                      shared_expert: Optional[bool] = None, lora_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -112,15 +113,20 @@ class MoeModule(torch.nn.Module):
         return torch.ops.cupymoe.moe_forward(rows, self.layer_id, tokens, ids).reshape(x.shape)
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                shared_expert: Optional[bool] = None) -> torch.Tensor:
+                shared_expert: Optional[bool] = None, lora_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The experts alone on the caller's routing (vLLM's fused_experts): x [N, H] bf16, topk_ids
-        [N, k] (any integer dtype: int32 is passed as it is), topk_weights [N, k] (float32 as it is)."""
+        [N, k] (any integer dtype: int32 is passed as it is), topk_weights [N, k] (float32 as it is),
+        lora_ids [N] (each row's adapter slot, any integer dtype) or None."""
         if topk_ids.dtype != torch.int32:
             topk_ids = topk_ids.to(torch.int32)
         if topk_weights.dtype != torch.float32:
             topk_weights = topk_weights.float()
+        if lora_ids is not None:
+            if lora_ids.dtype == torch.bool or lora_ids.is_floating_point() or lora_ids.is_complex():
+                raise MoeCallError(f"lora_ids: an integer tensor is required, got {lora_ids.dtype}")
+            lora_ids = lora_ids.to(torch.int32).reshape(-1).contiguous()
         return torch.ops.cupymoe.moe_experts(x.contiguous(), self.layer_id, topk_ids.contiguous(),
-                                             topk_weights.contiguous(), shared_expert)
+                                             topk_weights.contiguous(), shared_expert, lora_ids)
 
     def extra_repr(self) -> str:
         cfg = self.layer.cfg

@@ -172,3 +172,62 @@ def test_the_torch_op_and_module_under_compile_and_graph_capture(rng):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out.view(torch.int16), y.view(torch.int16))
+
+
+@pytest.mark.parametrize("path", ["decode", "atomic", "prefill"])
+def test_lora_forwards_routing_given_back_reproduces_it_bit_for_bit(path, rng):
+    """forward with lora_ids (every module adapted, the router's delta re-routing rows), then its routing
+    stage's ids and weights handed to forward_experts with the same lora_ids: every stage after routing
+    is the same LoRA plan kernels on the same values (the experts' deltas; the router's is in the
+    routing given back), so the same bits (atomic: its sums' order varies, so judged by its
+    tolerance against the same call with the reference's adapters); an id past the slots is flagged."""
+    import cupy
+
+    from _lora import random_lora
+    from cupymoe import MoeLayer
+    from cupymoe.verify import check
+
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer = MoeLayer(cfg, hw, max_tokens=MAX_TOKENS, decode_max_tokens=SMALL, atomic_max_tokens=SMALL,
+                     max_loras=2, max_lora_rank=8)
+    adapters = {0: random_lora(cfg, rng, rank=8, size=0.3), 1: random_lora(cfg, rng, rank=3, size=0.5)}
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    k = cfg.num_experts_per_tok
+    for n in TOKENS[path]:
+        x = testing.random_input(rng, n, cfg.hidden_size)
+        lora = rng.integers(-1, 2, n).astype(np.int32)
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:
+            xd, ld = cupy.asarray(bf16_bits(x)), cupy.asarray(lora)
+            want_d, got_d = (cupy.full(xd.shape, 0x7FC0, cupy.uint16) for _ in range(2))
+        layer.forward(int(xd.data.ptr), n, int(want_d.data.ptr), s.ptr, path=path, lora_ids_ptr=int(ld.data.ptr))
+        s.synchronize()
+        ids = _read_scratch(layer, "topk_ids", np.int32, (n, k))
+        w = _read_scratch(layer, "topk_w", np.float32, (n, k))
+        with s:
+            idd, wd = cupy.asarray(ids), cupy.asarray(w)
+        layer.forward_experts(int(xd.data.ptr), n, int(idd.data.ptr), int(wd.data.ptr), int(got_d.data.ptr), s.ptr,
+                              path=path, lora_ids_ptr=int(ld.data.ptr))
+        s.synchronize()
+        got = bits_to_f32(got_d.get())
+        if path != "atomic":
+            assert np.array_equal(got.view(np.uint32), bits_to_f32(want_d.get()).view(np.uint32)), f"{path} N={n}"
+        exact = reference.experts_forward(cfg, hw, x, ids, w, lora=adapters, lora_ids=lora)
+        moved = np.linalg.norm(exact - reference.experts_forward(cfg, hw, x, ids, w)) / np.linalg.norm(exact)
+        err = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+        assert err < moved / 8, f"{path} N={n}: normwise {err:.2e} against the adapters' {moved:.2e}"
+    layer.check_errors()
+    bad = np.array([0, 2, -1], np.int32)  # 2: past the 2 slots
+    x = testing.random_input(rng, 3, cfg.hidden_size)
+    ids, w = draw_routing(cfg, rng, 3)
+    testing.run_experts_poisoned(layer, x, ids, w, path)  # no ids: nothing flagged
+    layer.check_errors()
+    with cupy.cuda.Stream(non_blocking=True) as s:
+        xd, idd, wd, ld = (cupy.asarray(a) for a in (bf16_bits(x), ids, w, bad))
+        out = cupy.empty_like(xd)
+        layer.run_experts(xd, idd, wd, out=out, stream=s.ptr, path=path, lora_ids=ld)
+    s.synchronize()
+    with pytest.raises(MoeCallError, match="bit 2 = a LoRA id"):
+        layer.check_errors()

@@ -519,3 +519,31 @@ def test_lora_experts_option():
         with pytest.raises(OptionError, match=r"lora_experts=.*: must be True, False or None"):
             serves_experts(bad, False)
     assert expert_slot_shape([0, 2], 64, False) is None and expert_slot_shape([0, 2], 64, True).table_slots == 3
+
+
+@pytest.mark.parametrize("path, n", [(Path.DECODE, 1), (Path.DECODE, 9), (Path.ATOMIC, 5), (Path.PREFILL, 300),
+                                     (Path.PREFILL, 5000)])
+def test_experts_only_lora_plan(path, n):
+    """The experts-only entry with lora_ids: its given-routing plan with experts_route_in_lora in place of
+    experts_route_in (the same arguments, then the rows' slots and their count) and the experts' deltas
+    as the routed LoRA plan adds them; no router delta (the caller routes)."""
+    cfg = testing.tiny_config("qwen2_moe")
+    lp = plan_layer(cfg, "bf16", "bf16", "sm_90a", options=LayerOptions(decode_max_tokens=64), knobs=Knobs())
+    base = build_forward_plan(lp, H200, n, path, given_routing=True).at(n)
+    plan = build_forward_plan(lp, H200, n, path, given_routing=True, lora=EXPERTS).at(n)
+    routed = build_forward_plan(lp, H200, n, path, lora=EXPERTS).at(n)
+    kernels = [getattr(s, "kernel", "") for s in plan.steps]
+    assert "experts_route_in" not in kernels and not any("router" in k for k in kernels)
+    i = kernels.index("experts_route_in_lora")
+    assert plan.steps[i].args[:-2] == base.steps[i].args
+    assert [a.name for a in plan.steps[i].args[-2:]] == ["lora_ids", "max_loras"]
+    assert plan.steps[i].args[-2].value == CallValue.LORA_IDS and plan.steps[i].args[-1].value == EXPERTS.max_loras
+
+    def deltas(p):
+        return [(s.kernel, s.args) for s in p.steps
+                if getattr(s, "kernel", "").startswith("lora_") and "router" not in s.kernel]
+
+    assert deltas(plan) and deltas(plan) == deltas(routed)
+    no_experts = build_forward_plan(lp, H200, n, path, given_routing=True, lora=SHAPE).at(n)
+    assert [getattr(s, "kernel", "") for s in no_experts.steps] == [
+        "experts_route_in_lora" if k == "experts_route_in" else k for k in (getattr(s, "kernel", "") for s in base.steps)]

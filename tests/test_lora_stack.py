@@ -339,20 +339,19 @@ def test_lora_maps_span_t_and_bext():
 
 
 def _kernel_params(src: str, name: str) -> list[tuple[str, str]]:
-    """(name, kind) of each parameter of __global__ `name` in `src` (kind: ptr, int, float),
-    GEMM_ARGS expanded from gemm_common.cuh, TOPK_ROUTE_ARGS from `src` (topk.cu)."""
+    """(name, kind) of each parameter of __global__ `name` in `src` (kind: ptr, int, float), an
+    argument-list macro (GEMM_ARGS from gemm_common.cuh; TOPK_ROUTE_ARGS, ROUTE_IN_ARGS of topk.cu)
+    expanded from its definition."""
     import re
 
     m = re.search(r"__global__[^;{]*?\b" + name + r"\(([^)]*)\)\s*\{", src, re.S)
     assert m, name
     params = m.group(1)
-    if "GEMM_ARGS" in params:
-        common = (jit.kernel_dir() / "gemm_common.cuh").read_text()
-        body = re.search(r"#define GEMM_ARGS\s+(.*?)\n#define", common, re.S).group(1).replace("\\", " ")
-        params = params.replace("GEMM_ARGS", body)
-    if "TOPK_ROUTE_ARGS" in params:
-        body = re.search(r"#define TOPK_ROUTE_ARGS\s+(.*?)\n#define", src, re.S).group(1).replace("\\", " ")
-        params = params.replace("TOPK_ROUTE_ARGS", body)
+    common = (jit.kernel_dir() / "gemm_common.cuh").read_text()
+    for macro in set(re.findall(r"\b[A-Z_]+_ARGS\b", params)):
+        where = src if f"#define {macro}" in src else common
+        body = re.search(rf"#define {macro}\s+((?:[^\n]*\\\n)*[^\n]*)", where).group(1).replace("\\", " ")
+        params = params.replace(macro, body)
     out = []
     for p in params.split(","):
         p = " ".join(p.split())
@@ -364,7 +363,8 @@ def _kernel_params(src: str, name: str) -> list[tuple[str, str]]:
 def test_stacked_launches_match_the_kernels_parameters():
     """Each stacked-form launch passes the kernel's parameters in order, by name and by kind (u64 for a
     pointer, i32 for an int, f32 for a float): NVRTC cannot check what the plan packs. So do the
-    router's LoRA form's (grouped_gemm_lora<2, ...>, topk_route_lora)."""
+    router's LoRA form's (grouped_gemm_lora<2, ...>, topk_route_lora) and the experts-only entry's
+    (experts_route_in and its LoRA form)."""
     from dataclasses import replace
 
     from cupymoe.forward_plan import lora_router_t_rows
@@ -374,7 +374,8 @@ def test_stacked_launches_match_the_kernels_parameters():
     srcs = {"lora_stack_t": (jit.kernel_dir() / "lora.cu").read_text(),
             "grouped_gemm_sm90_tma_lora": (jit.kernel_dir() / "grouped_sm90_tma.cu").read_text(),
             "grouped_gemm_lora": (jit.kernel_dir() / "grouped.cu").read_text(),
-            "topk_route_lora": (jit.kernel_dir() / "topk.cu").read_text()}
+            "topk_route_lora": (jit.kernel_dir() / "topk.cu").read_text(),
+            "experts_route_in": (jit.kernel_dir() / "topk.cu").read_text()}
     seen = set()
     plans = [_plans(p, 1100, 1)[3] for p in ("qwen3-30b-a3b", "deepseek-v3")]
     plans += [_w8a16_plan(p, 1100, 1) for p in ("qwen3-30b-a3b", "deepseek-v3")]
@@ -383,6 +384,8 @@ def test_stacked_launches_match_the_kernels_parameters():
         lp = _plans(p, 1000, 1)[1]
         lp = replace(lp, lora_router_t_rows=lora_router_t_rows(lp, None, 4, 16))
         plans.append(build_forward_plan(lp, H200, 1000, Path.PREFILL, lora=LoraShape(4, 16, True, 1)).at(1000))
+        for lora in (None, LoraShape(4, 16, True, 1)):  # the experts-only entry's
+            plans.append(build_forward_plan(lp, H200, 5, Path.DECODE, given_routing=True, lora=lora).at(5))
     for plan in plans:
         for s in plan.steps:
             k = getattr(s, "kernel", "")
@@ -395,7 +398,7 @@ def test_stacked_launches_match_the_kernels_parameters():
             got = [(a.name, kinds[a.type]) for a in s.args]
             assert got == want, k
     assert seen == {"lora_stack_t_gate_up", "lora_stack_t_down", "lora_stack_t_seg", "grouped_gemm_sm90_tma_lora",
-                    "grouped_gemm_lora", "topk_route_lora"}
+                    "grouped_gemm_lora", "topk_route_lora", "experts_route_in", "experts_route_in_lora"}
 
 
 def _w8a16_plan(preset, n, parts, shrink=LoraShrink.CHUNKS):

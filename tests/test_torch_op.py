@@ -13,7 +13,8 @@ def test_the_ops_take_token_and_lora_ids_and_fake_their_output():
 
     schema = str(torch.ops.cupymoe.moe_forward.default._schema)
     assert "Tensor? token_ids=None" in schema and "Tensor? lora_ids=None" in schema, schema
-    assert "Tensor topk_ids" in str(torch.ops.cupymoe.moe_experts.default._schema)
+    experts_schema = str(torch.ops.cupymoe.moe_experts.default._schema)
+    assert "Tensor topk_ids" in experts_schema and "Tensor? lora_ids=None" in experts_schema, experts_schema
     with FakeTensorMode():
         x = torch.empty(5, 64, dtype=torch.bfloat16)
         ids = torch.empty(5, dtype=torch.int32)
