@@ -9,6 +9,8 @@
 #   OUT=/tmp/out PARTS="tests verify fp8" bash scripts/device_check.sh   (a subset)
 #   PARTS="tests": the GPU tests in SHARDS (default 12) shards side by side, SHARD_S seconds each
 #   (default 420)
+#   PARTS="hf": the CPU tests that need transformers (skipped in CI and on a machine without it; the
+#   device image has it): against transformers' own MoE blocks and PEFT's merged stacked adapters
 #   PARTS="equiv": the output bits against an older tree exported (git archive REV cupymoe cuda)
 #   into .old/ (carried), scripts/plan_equivalence.py; PARTS="host": the eager forward's host time
 #   PARTS="tune": the tuning sweep of the six presets, bf16 and fp8_block, N = 16-2048, into
@@ -16,7 +18,7 @@
 #   GRID_FLAGS=--no-peers: the grid without the torch peers (vLLM's figures still come
 #   from benchmarks/baselines)
 set -u
-PARTS=${PARTS:-"tests verify grid quant fp8"}
+PARTS=${PARTS:-"tests hf verify grid quant fp8"}
 want() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 DEST=${OUT:?set OUT to a folder for the logs}
 # the device tool brings back a limited number of files: work in a scratch folder and hand
@@ -51,6 +53,12 @@ if want tests; then
     grep -E "^FAILED|^ERROR" "$log" | head -5
   done
   echo "gpu tests wall $(( $(date +%s) - t0 )) s"
+fi
+if want hf; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_integrations_transformers.py \
+    tests/test_reference_vs_transformers.py > "$OUT/hf_tests.log" 2>&1
+  echo "hf tests rc $?: $(tail -1 "$OUT/hf_tests.log")"
+  grep -E "^FAILED|^ERROR" "$OUT/hf_tests.log" | head -5
 fi
 if want equiv; then
   PYTHONPATH=.old timeout 240 python3 scripts/plan_equivalence.py --out "$OUT/equiv-old.json" > "$OUT/equiv.log" 2>&1
