@@ -71,6 +71,7 @@ class MoeLayer:
         owned = owned_experts(cfg, expert_owner)
         check_token_limit(cfg, max_tokens, len(owned))
         lora_k, lora_r = lora_slots.check_options(max_loras, max_lora_rank)
+        lora_slots.serves_experts(lora_experts, False)  # its value refused before anything is read
         cupy = cupy_module()
         self.cfg, self.max_tokens, self.default_path = cfg, int(max_tokens), path
         self.device_id = device_of(cupy, device)

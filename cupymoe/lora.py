@@ -302,6 +302,23 @@ def load_peft(adapter_dir: Union[str, Path], layer_idx: int, cfg: MoeConfig, *,
     return LoraWeights(modules, source=f"{root} layer {layer_idx}").check(cfg, max_rank)
 
 
+def adapter_lora_keys(adapter_dir: Union[str, Path]) -> list[str]:
+    """Every LoRA tensor name (`...lora_A.weight` / `lora_B.weight`) of the adapter's safetensors file."""
+    from safetensors import safe_open
+
+    from .checkpoint import _inside
+
+    root = Path(adapter_dir)
+    try:
+        path = _inside(root, ADAPTER_WEIGHTS, str(root / ADAPTER_WEIGHTS))
+        with safe_open(str(path), framework="numpy") as f:
+            return [k for k in f.keys() if _KEY.match(k)]
+    except CheckpointError as e:
+        raise LoraError(str(e)) from None
+    except Exception as e:  # a missing or corrupt file: safetensors' own errors name no file
+        raise LoraError(f"{root / ADAPTER_WEIGHTS}: not a readable safetensors file ({e})") from None
+
+
 def raw_peft_config(adapter_dir: Union[str, Path]) -> dict[str, Any]:
     """adapter_config.json as written (the checkpoint's JSON rules; LoraError when missing or unreadable)."""
     from .checkpoint import _read_json
@@ -418,6 +435,9 @@ def _stacked(cfg: MoeConfig, layer_idx: int, parts: dict[str, dict[str, np.ndarr
             r, alpha = pc.rank_alpha(key)
             scale = lora_scale(alpha, r, pc.use_rslora)
             for target, (shrink, expand) in per_expert(cfg, params[name], a, b, r, axis, where).items():
+                if LoraKey(LoraTarget(target), 0) in modules:  # both MLP spellings (mixtral's) adapt it
+                    raise LoraError(f"{where}: {name} is also adapted under "
+                                    f"{modules[LoraKey(LoraTarget(target), 0)].name.rsplit('[', 1)[0]}")
                 for e in range(cfg.num_experts):
                     modules[LoraKey(LoraTarget(target), e)] = LoraModule(
                         f"{key}[{e}].{target}", np.ascontiguousarray(shrink[e]), np.ascontiguousarray(expand[e]),

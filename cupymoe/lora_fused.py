@@ -18,8 +18,8 @@ PEFT 0.17-0.20's `ParamWrapper.update_layer` / `get_delta_weight`):
   expand in others. Where a parameter's input and output widths differ its shapes say which axis
   was `in`; the rule is one per adapter (one PEFT, one experts module), so a square parameter
   (gpt-oss's down_proj at H = I) follows its non-square sibling, and only without one the saving
-  version (`peft_version` in adapter_config.json), where that version's rule is certain; else
-  the adapter is refused by name.
+  version (`peft_version` in adapter_config.json), where that version's rule is certain (before
+  0.19.0; from 0.19.1 on a stack that is not transposed); else the adapter is refused by name.
 - Two parameters of one module nest: the first one PEFT wraps (the module's own parameter order,
   gate_up_proj before down_proj) is innermost, saved under `experts.base_layer.lora_*`, the other
   under `experts.lora_*`. The shapes tell the two apart in every family (gate_up's {2I, H} against
@@ -86,17 +86,19 @@ def in_axis_by_version(p: StackedParam, version: Optional[tuple[int, int, int, b
                         "adapter_config.json has no readable peft_version")
     major, minor, patch, final = version
     v = (major, minor, patch)
-    if not final and v in ((0, 19, 0), (0, 19, 1)):  # a pre-release on either side of the change
-        raise LoraError(f"{where}: {p.name} is square and peft_version {major}.{minor}.{patch} is a pre-release "
-                        "around the ParamWrapper orientation change (0.19.0 / 0.19.1): its layout is not known")
+    if not final and (0, 18, 1) < v <= (0, 19, 1):  # a development build around the two changes
+        raise LoraError(f"{where}: {p.name} is square and peft_version {major}.{minor}.{patch} is a development "
+                        "build around the ParamWrapper orientation changes (0.19.0 / 0.19.1): its layout is not known")
     if v < (0, 19, 0):
         return 1
-    if p.transposed:  # from 0.19.0 the rule reads the experts module's is_transposed, which older
-        # transformers versions do not set on transposed stacks: either axis is possible
+    if p.transposed or v == (0, 19, 0):
+        # from 0.19.0 the rule reads the experts module's is_transposed, which older transformers
+        # versions do not set on transposed stacks; and 0.19.0's rule is what transformers 5's own
+        # loading patches (patch_moe_parameter_targeting) for its converted families: either axis
         raise LoraError(f"{where}: {p.name} is square and the adapter holds no adapter of the other stacked "
                         f"parameter: with peft_version {major}.{minor}.{patch} its orientation depends on the "
-                        "transformers version it was trained with; adapt gate_up_proj too, or merge the adapter")
-    return 1 if v == (0, 19, 0) else 2
+                        "transformers it was trained with; adapt gate_up_proj too, or merge the adapter")
+    return 2
 
 
 def in_axis_of(p: StackedParam, a: np.ndarray) -> Optional[int]:

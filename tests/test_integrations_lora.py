@@ -93,6 +93,27 @@ def test_a_refusal_names_the_block_and_no_block_takes_the_adapter(tmp_path):
         load_lora(_model(small), 0, _adapter(tmp_path, cfg, layers=1))
 
 
+def test_lora_tensors_outside_the_blocks_refused_unless_moe_only(tmp_path):
+    """An adapter of attention modules too (or of a layer with no replaced block) would run without them:
+    refused, naming one, unless moe_only=True."""
+    from _lora import write_stacked_peft
+    from cupymoe.integrations.transformers import load_lora
+
+    cfg = testing.tiny_config(FAMILY)
+    layers = [StandInLayer(cfg), StandInLayer(cfg)]
+    tensors = {}
+    for i in range(2):
+        tensors.update(stacked_adapter(cfg, np.random.default_rng(i), "0.20.0", layer_idx=i)[0])
+    tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"] = np.zeros((3, 8), np.float32)
+    tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"] = np.zeros((8, 3), np.float32)
+    d = write_stacked_peft(tmp_path / "a", tensors, "0.20.0")
+    with pytest.raises(LoraError, match=r"2 LoRA tensors lie outside the replaced MoE blocks \(e\.g\. "
+                                        r"base_model\.model\.model\.layers\.0\.self_attn\.q_proj"):
+        load_lora(_model(layers), 0, d)
+    assert layers[0].calls == []
+    assert load_lora(_model(layers), 0, d, moe_only=True) == 2
+
+
 def test_without_replaced_blocks_refused():
     from cupymoe.integrations.transformers import load_lora, set_lora_ids
 
@@ -130,6 +151,12 @@ def test_forwards_carry_the_rows_slots(monkeypatch):
         block(h)
     with pytest.raises(MoeCallError, match="a torch integer tensor or None is required, found list"):
         set_lora_ids(model, [0, 1])
+    for bad, what in ((np.zeros(2, np.int32), "int32"), (torch.zeros(2), "torch.float32"),
+                      (torch.zeros(2, dtype=torch.bool), "torch.bool")):
+        with pytest.raises(MoeCallError, match=f"integer tensor or None is required, found {what}"):
+            set_lora_ids(model, bad)
+    with pytest.raises(MoeCallError, match="a 0-d tensor"):
+        set_lora_ids(model, torch.tensor(1))
     seen.clear()
     set_lora_ids(model, None)
     block(h)

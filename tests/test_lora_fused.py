@@ -87,29 +87,31 @@ def test_square_follows_its_sibling(tmp_path, family, overrides, version):
 
 
 def test_square_follows_a_patched_sibling(tmp_path):
-    """transformers 5's patch of PEFT 0.18 swaps in / out for qwen3_moe: peft_version says axis 1, the
-    sibling's shapes say 2, and the sibling wins."""
+    """transformers 5's loading patches PEFT 0.19.0 (patch_moe_parameter_targeting) to swap in / out for
+    qwen3_moe: peft_version's rule says axis 1, the sibling's shapes say 2, and the sibling wins."""
     cfg = testing.tiny_config("qwen3_moe", hidden_size=64)
-    tensors, deltas = make_adapter(cfg, np.random.default_rng(15), "0.18.0", in_axis=2)
-    _check_modules(load_peft(write(tmp_path / "a", tensors, "0.18.0"), LAYER, cfg), expert_deltas(cfg, deltas))
+    tensors, deltas = make_adapter(cfg, np.random.default_rng(15), "0.19.0", in_axis=2)
+    _check_modules(load_peft(write(tmp_path / "a", tensors, "0.19.0"), LAYER, cfg), expert_deltas(cfg, deltas))
 
 
-@pytest.mark.parametrize("version", VERSIONS + (None, "0.19.1.dev0"))
+@pytest.mark.parametrize("version", VERSIONS + (None, "0.19.1.dev0", "0.18.2.dev0"))
 @pytest.mark.parametrize("family, overrides", SQUARE)
 def test_square_alone_by_version(tmp_path, family, overrides, version):
     """Without a sibling the saving version decides where its rule is certain, and else the adapter
-    is refused: no version, a pre-release at the change, a transposed stack from 0.19.0 on (its
+    is refused: no version, a development build around the changes (0.18.2.dev0 already had 0.19.0's
+    rule), 0.19.0 (transformers 5's loading patches its rule), a transposed stack from 0.19.0 on (its
     is_transposed depends on the transformers version)."""
     cfg = testing.tiny_config(family, **overrides)
     square = "down_proj" if overrides["hidden_size"] == 64 else "gate_up_proj"
-    tensors, deltas = make_adapter(cfg, np.random.default_rng(10), version or "0.20.0", params=(square,))
+    made = version.split(".dev")[0] if version else "0.20.0"
+    tensors, deltas = make_adapter(cfg, np.random.default_rng(10), made, params=(square,))
     d = write(tmp_path / "a", tensors, version)
     if version is None:
         match = "no readable peft_version"
     elif version.endswith("dev0"):
-        match = "is a pre-release around the ParamWrapper orientation change"
-    elif family == "gpt_oss" and _release(version) >= (0, 19, 0):
-        match = "depends on the transformers version"
+        match = "is a development build around the ParamWrapper orientation changes"
+    elif _release(version) == (0, 19, 0) or family == "gpt_oss" and _release(version) >= (0, 19, 0):
+        match = "depends on the transformers it was trained with"
     else:
         _check_modules(load_peft(d, LAYER, cfg), expert_deltas(cfg, deltas))
         return
@@ -223,3 +225,13 @@ def test_inspect_shows_the_adapters_share(tmp_path, capsys):
     assert "expert modules on a w8a8 layer: served with MoeLayer(lora_experts=True)" in capsys.readouterr().out
     assert main(["inspect", str(tmp_path / "ckpt"), "--layer", str(LAYER), "--lora", str(tmp_path)]) == 2
     assert "cupymoe inspect: LoraError:" in capsys.readouterr().err
+
+
+def test_both_mlp_spellings_refused(tmp_path):
+    """mixtral's stacked experts adapted under both block_sparse_moe.experts and mlp.experts: refused,
+    not one silently dropped."""
+    cfg = testing.tiny_config("mixtral")
+    tensors, _ = make_adapter(cfg, np.random.default_rng(17), "0.19.1", params=("down_proj",))
+    both = {**tensors, **{k.replace(".mlp.experts", ".block_sparse_moe.experts"): v for k, v in tensors.items()}}
+    with pytest.raises(LoraError, match=r"down_proj is also adapted under .*experts\.down_proj"):
+        load_peft(write(tmp_path / "a", both, "0.19.1"), LAYER, cfg)

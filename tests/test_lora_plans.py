@@ -519,6 +519,12 @@ def test_lora_experts_option():
         with pytest.raises(OptionError, match=r"lora_experts=.*: must be True, False or None"):
             serves_experts(bad, False)
     assert expert_slot_shape([0, 2], 64, False) is None and expert_slot_shape([0, 2], 64, True).table_slots == 3
+    from cupymoe import MoeLayer  # refused before anything reaches a GPU, with slots or without
+
+    cfg = testing.tiny_config("qwen2_moe")
+    with pytest.raises(OptionError, match="lora_experts='yes'"):
+        MoeLayer(cfg, testing.random_host_weights(cfg, __import__("numpy").random.default_rng(0)), max_tokens=4,
+                 lora_experts="yes")
 
 
 @pytest.mark.parametrize("path, n", [(Path.DECODE, 1), (Path.DECODE, 9), (Path.ATOMIC, 5), (Path.PREFILL, 300),

@@ -175,16 +175,27 @@ def _blocks_or_refuse(model: Any, what: str) -> list[tuple[str, Any]]:
     return blocks
 
 
-def load_lora(model: Any, slot: int, adapter_dir: Any, *, stream: Optional[int] = None) -> int:
+def load_lora(model: Any, slot: int, adapter_dir: Any, *, stream: Optional[int] = None,
+              moe_only: bool = False) -> int:
     """A PEFT adapter directory into `slot` of every replaced block (replace_moe_blocks(..., max_loras=K,
     max_lora_rank=R)): each block's share read by cupymoe.lora.load_peft and checked by every block
     before any block takes it, so a refusal (LoraError, naming the block) leaves every slot as it was.
-    Outside capture; `stream` as MoeLayer.set_lora's. Returns how many blocks took it."""
+    An adapter with LoRA tensors outside the replaced blocks (attention, a dense MLP) is refused, the
+    model would run without them, unless `moe_only=True` (the caller serves the rest). Outside
+    capture; `stream` as MoeLayer.set_lora's. Returns how many blocks took it."""
     from ..errors import LoraError
-    from ..lora import load_peft
+    from ..lora import PEFT_PREFIX, adapter_lora_keys, load_peft
 
+    blocks = _blocks_or_refuse(model, "load_lora")
+    if not moe_only:
+        inside = tuple(f"{PEFT_PREFIX}{path}." for path, _ in blocks)
+        outside = [k for k in adapter_lora_keys(adapter_dir) if not k.startswith(inside)]
+        if outside:
+            raise LoraError(f"{adapter_dir}: {len(outside)} LoRA tensors lie outside the replaced MoE blocks "
+                            f"(e.g. {outside[0]}), which the model would run without; serve those with PEFT and "
+                            "pass moe_only=True")
     loaded = []
-    for path, block in _blocks_or_refuse(model, "load_lora"):
+    for path, block in blocks:
         layer = block.layer
         try:
             lw = load_peft(adapter_dir, block.layer_idx, layer.cfg, max_rank=layer.max_lora_rank or None)
@@ -210,10 +221,16 @@ def set_lora_ids(model: Any, ids: Any) -> int:
     an integer tensor on the model's GPU, [batch] (each sequence's rows share its slot) or one a row
     ([batch, seq] or [batch * seq]); None: no LoRA (the base plans' bits). Kept by reference, so a
     captured graph replays whatever it holds then (update it in place). Returns how many blocks."""
+    import torch
+
     from ..errors import MoeCallError
 
-    if ids is not None and not hasattr(ids, "dtype"):
-        raise MoeCallError(f"set_lora_ids: a torch integer tensor or None is required, found {type(ids).__name__}")
+    if ids is not None:
+        if not isinstance(ids, torch.Tensor) or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise MoeCallError(f"set_lora_ids: a torch integer tensor or None is required, found "
+                               f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        if ids.dim() == 0:
+            raise MoeCallError("set_lora_ids: a 0-d tensor; give one slot a sequence ([batch]) or a row")
     blocks = _blocks_or_refuse(model, "set_lora_ids")
     for _, block in blocks:
         block.lora_ids = ids
