@@ -813,12 +813,23 @@ def _routed_format(hw: HostWeights) -> Optional[str]:
 _LAYER_PART_MARKERS = ("shared_expert", "e_score_correction_bias")
 
 
+def _is_bias(name: str) -> bool:
+    """A bias vector of a linear map (the router's, an expert's), by its hub name."""
+    return name.endswith((".bias", "_bias"))
+
+
 def _holds_values(src: "_Source", name: str) -> bool:
     """Whether a tensor the config leaves out would change the layer: transformers saves zero-width shared
-    experts (n_shared_experts 0) and an all-zero correction bias under greedy routing, which change nothing."""
+    experts (n_shared_experts 0) and an all-zero correction bias under greedy routing, which change nothing;
+    a bias of zeros adds nothing either."""
     if int(np.prod(src.shape(name))) == 0:
         return False
-    return "e_score_correction_bias" not in name or bool(np.any(np.asarray(src.read(name), dtype=np.float32)))
+    if "e_score_correction_bias" not in name and not _is_bias(name):
+        return True
+    try:
+        return bool(np.any(np.asarray(src.read(name), dtype=np.float32)))
+    except (KeyError, TypeError, ValueError) as e:  # a dtype nothing here reads: it cannot be served either
+        raise CheckpointError(f"{name}: a tensor of this layer that cannot be read ({e})") from None
 
 
 def _load(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[MoeConfig, HostWeights]:
@@ -827,11 +838,12 @@ def _load(cfg: MoeConfig, src: _Source, prefix: str) -> tuple[MoeConfig, HostWei
                               "with MoeConfig.from_hf or set model_type")
     readers, used = _plan(cfg, src, prefix)
     unused = sorted(set(src.names(prefix)) - used)
-    # a part of the layer the config leaves out would be served without it: refused, not ignored
-    described = [n for n in unused if any(m in n for m in _LAYER_PART_MARKERS) and _holds_values(src, n)]
+    # a part of the layer the config leaves out (a bias too) would be served without it: refused, not ignored
+    described = [n for n in unused if (any(m in n for m in _LAYER_PART_MARKERS) or _is_bias(n))
+                 and _holds_values(src, n)]
     if described:
         raise CheckpointError(f"{len(described)} tensor(s) under {prefix!r} belong to a part of the {cfg.model_type} "
-                              f"layer its config leaves out (a shared expert, the routing bias): "
+                              f"layer its config leaves out (a shared expert, the routing bias, a bias): "
                               f"{', '.join(described[:4])}{' ...' if len(described) > 4 else ''}; the config has "
                               f"shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}, "
                               f"has_correction_bias={cfg.has_correction_bias}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -341,6 +342,8 @@ def layer_count(config: Mapping[str, Any]) -> int | None:
 def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None) -> None:
     if layer_idx is None:
         return
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+        raise ConfigError(f"layer_idx={layer_idx!r}: must be a whole number (the decoder layer's index)")
     n_layers = layer_count(cfg)
     if n_layers is not None and not 0 <= layer_idx < n_layers:
         raise ConfigError(f"layer_idx={layer_idx} is outside 0..{int(n_layers) - 1} for {model_type}")

@@ -23,8 +23,10 @@ vLLM's FusedMoE and gpt_oss.py:
   vLLM, gpt_oss: experts.w13_weight [E, 2I, H] with gate = even rows, up = odd rows (the
       hub's interleave, transposed), w13_bias [E, 2I] likewise; w2_weight [E, H, I], w2_bias [E, H].
 
-Block fp8 stacks carry `<name>_scale_inv` [E, 2 * ceil(I/128), ceil(H/128)] (transformers'
-FP8Experts, vLLM's block fp8), split like the weight when each half has its own row blocks.
+Block fp8 stacks carry `<name>_scale_inv`, split like the weight where each half has its own row
+blocks ([E, 2 * ceil(I/128), ceil(H/128)]: vLLM's block fp8; transformers' FP8Experts where I is a
+multiple of 128). FP8Experts quantizes [gate; up] whole (ceil(2I/128) row blocks): another count is
+refused by its shape, the same count (I mod 128 in (64, 128)) by name, as its blocks straddle.
 Routers, correction biases and shared experts keep their hub names in both (the loader reads
 them as usual). transformers 5 also moves Mixtral's block from `block_sparse_moe.` to `mlp.`
 (`save_pretrained(save_original_format=False)` writes it so): `layer_prefix_in` finds either.
@@ -139,6 +141,13 @@ def plan_stacked_experts(P: _Planner, cfg: MoeConfig, prefix: str) -> Optional[d
     if gate_up.lin.fmt == "fp8_block" and layout.interleaved:
         raise CheckpointError(f"{gate_up.name}: gate and up rows alternate, so they share fp8 scale blocks "
                               "and cannot be split; load the hub checkpoint instead")
+    if gate_up.lin.fmt == "fp8_block" and layout is TRANSFORMERS and I % FP8_BLOCK > FP8_BLOCK // 2:
+        # transformers' FP8Experts quantizes [gate; up] whole: ceil(2I / 128) row blocks, one straddling
+        # the halves where I is no multiple of 128; the split needs each half's own, 2 ceil(I / 128).
+        # With I mod 128 in (64, 128) the two counts are equal, so the shape cannot tell them apart
+        raise CheckpointError(f"{gate_up.name}: intermediate size {I} (mod {FP8_BLOCK} = {I % FP8_BLOCK}): its "
+                              f"{_ceil_div(2 * I, FP8_BLOCK)} fp8 scale row blocks may straddle gate and up "
+                              "(transformers' FP8Experts), which cannot be split; load the hub checkpoint instead")
     split_at = {"w": I, "q": I, "scale_inv": _ceil_div(I, FP8_BLOCK)}  # where the up half starts, per part
 
     def read_halves() -> tuple[Any, Any]:

@@ -88,14 +88,19 @@ def _on_off(name: str, v: str) -> bool:
     return v == "1"
 
 
+def _digits(v: str) -> bool:
+    """ASCII digits, at most 9 of them (str.isdigit takes superscripts, int() a 5000-digit string)."""
+    return 0 < len(v) <= 9 and all("0" <= c <= "9" for c in v)
+
+
 def _rows(name: str, v: str) -> int:
-    if not v.isdigit():
+    if not _digits(v):
         raise OptionError(f"{name}={v!r}: must be a non-negative integer")
     return int(v)
 
 
 def _count(name: str, v: str) -> int:
-    if not v.isdigit() or int(v) < 1:
+    if not _digits(v) or int(v) < 1:
         raise OptionError(f"{name}={v!r}: must be a positive integer")
     return int(v)
 
@@ -105,13 +110,13 @@ RANK_ROW_LANES = (1, 2, 4, 8, 16)  # a LoRA shrink's lanes a rank row: they shar
 
 def _lanes(name: str, v: str) -> tuple[int, int]:
     t, _, vpt = v.partition("x")
-    if not (t.isdigit() and vpt.isdigit() and int(t) in RANK_ROW_LANES and int(vpt) >= 1):
+    if not (_digits(t) and _digits(vpt) and int(t) in RANK_ROW_LANES and int(vpt) >= 1):
         raise OptionError(f"{name}={v!r}: must be TxV, T a power of two up to 16, V >= 1")
     return int(t), int(vpt)
 
 
 def _rank_row_lanes(name: str, v: str) -> int:
-    if not (v.isdigit() and int(v) in RANK_ROW_LANES):
+    if not (_digits(v) and int(v) in RANK_ROW_LANES):
         raise OptionError(f"{name}={v!r}: must be a power of two up to 16")
     return int(v)
 

@@ -102,6 +102,8 @@ class LoraWeights:
 
     def check(self, cfg: MoeConfig, max_rank: Optional[int] = None) -> "LoraWeights":
         """LoraError naming the first module whose key, shape, rank or values `cfg` cannot take."""
+        if max_rank is not None and (isinstance(max_rank, bool) or not isinstance(max_rank, (int, np.integer))):
+            raise LoraError(f"max_rank={max_rank!r}: must be a whole number or None")
         shapes = _in_out(cfg)
         for key, m in self.modules.items():
             _check_key(cfg, key, m.name)
@@ -149,8 +151,8 @@ def _check_module(m: LoraModule, inn: int, out: int, max_rank: Optional[int]) ->
         if bad.size:
             idx = np.unravel_index(int(bad[0]), t.shape)
             raise LoraError(f"{m.name}.{part}.weight: non-finite value {t[idx]} at {list(map(int, idx))}")
-    if not math.isfinite(m.scale):
-        raise LoraError(f"{m.name}: scale {m.scale} is not finite")
+    if not math.isfinite(m.scale) or abs(m.scale) > float(np.finfo(np.float32).max):
+        raise LoraError(f"{m.name}: scale {m.scale} is not a finite float32 (the kernels' scale)")
 
 
 # ----------------------------------------------------------------------------------
@@ -212,6 +214,11 @@ def _peft_config(raw: Mapping[str, Any]) -> _PeftConfig:
         if not isinstance(p, dict):
             raise LoraError(f"{ADAPTER_CONFIG}: {key}={p!r} must map module patterns to numbers")
         patterns[key] = {str(k): _number(v, f"{key}[{k!r}]", what) for k, v in p.items()}
+        for k in patterns[key]:
+            try:
+                re.compile(k)
+            except re.error as e:  # PEFT matches each key as a regular expression
+                raise LoraError(f"{ADAPTER_CONFIG}: {key}[{k!r}]: not a regular expression ({e})") from None
     return _PeftConfig(r=_number(raw.get("r", 8), "r", int),
                        alpha=_number(raw.get("lora_alpha", 8), "lora_alpha", float),
                        use_rslora=raw.get("use_rslora", False), rank_pattern=patterns["rank_pattern"],
@@ -463,7 +470,9 @@ def _assemble(cfg: MoeConfig, layer_idx: int, tensors: Mapping[str, np.ndarray],
     for module, p in sorted(parts.items()):
         if module not in names:  # under the experts module's nesting, below a gap
             raise LoraError(f"{PEFT_PREFIX}{module}: {_why_unknown(module)}")
-        _pair(module, p)
+        a, _ = _pair(module, p)
+        if a.ndim != 2:
+            raise LoraError(f"{PEFT_PREFIX}{module}.lora_A.weight: expected 2 dimensions [r, in], found {list(a.shape)}")
         r, alpha = pc.rank_alpha(module)
         if p["lora_A"].shape[0] != r:
             raise LoraError(f"{PEFT_PREFIX}{module}.lora_A.weight: {p['lora_A'].shape[0]} rows, but "

@@ -86,6 +86,9 @@ def _as_input(cfg: MoeConfig, x: Any, dtype) -> np.ndarray:
     a = np.asarray(x)
     if a.ndim != 2 or a.shape[1] != cfg.hidden_size:
         raise ValueError(f"x: expected shape [N, {cfg.hidden_size}], found {a.shape}")
+    if a.dtype.kind != "f" and a.dtype != formats.BF16:  # integers would be values here, not bf16 bits (uint16 views)
+        raise ValueError(f"x: dtype {a.dtype} is not a float (bf16 bits travel as uint16 on the device only: "
+                         "give the bf16 values)")
     return a.astype(dtype)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import fields
 
 import ml_dtypes
@@ -560,12 +561,20 @@ def test_experts_must_share_a_format(tmp_path):
 
 
 def test_unused_tensors_under_prefix_are_reported(tmp_path, caplog):
+    """A tensor the layer has no place for is logged; a bias that would add something (the router's, an
+    expert's) is refused by name, as the layer would be served without it; a bias of zeros is logged."""
     rng = np.random.default_rng(27)
     config, t = small_qwen3(rng)
-    t["model.layers.1.mlp.gate.bias"] = rand_bf16(rng, 15)
+    t["model.layers.1.mlp.gate.bias"] = np.zeros(15, BF16)
+    t["model.layers.1.mlp.gate.note"] = rand_bf16(rng, 3)
     with caplog.at_level(logging.WARNING, logger="cupymoe.checkpoint"):
-        load_layer(write_checkpoint(tmp_path, config, t), LAYER)
-    assert "model.layers.1.mlp.gate.bias" in caplog.text
+        load_layer(write_checkpoint(tmp_path / "zeros", config, t), LAYER)
+    assert "model.layers.1.mlp.gate.bias" in caplog.text and "model.layers.1.mlp.gate.note" in caplog.text
+    for name, shape in (("model.layers.1.mlp.gate.bias", 15), ("model.layers.1.mlp.experts.0.down_proj.bias", 64)):
+        bad = {**t, name: rand_bf16(rng, shape)}
+        with pytest.raises(CheckpointError, match=rf"belong to a part of the qwen3_moe layer its config leaves out "
+                                                  rf"\(a shared expert, the routing bias, a bias\): {re.escape(name)}"):
+            load_layer(write_checkpoint(tmp_path / name, config, bad), LAYER)
 
 
 def test_big_layer_logs_progress(tmp_path, caplog):

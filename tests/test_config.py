@@ -493,6 +493,9 @@ def test_from_hf_refusals_are_cupymoe_errors():
         assert isinstance(ei.value, (Error, ValueError))
     with pytest.raises(ConfigError, match="layer_idx=99 is outside"):
         MoeConfig.from_hf(DEEPSEEK_V3, 99)
+    for idx in ("0", 0.5, True):  # a layer index is a whole number, never truncated or parsed
+        with pytest.raises(ConfigError, match=f"layer_idx={idx!r}: must be a whole number"):
+            MoeConfig.from_hf(DEEPSEEK_V3, idx)
 
 
 def test_from_hf_absent_keys_take_transformers_class_defaults():

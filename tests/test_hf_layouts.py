@@ -25,11 +25,11 @@ STACKED_FAMILIES = [f for f in FAMILIES if f != "gpt_oss"]  # gpt-oss's hub layo
 FP8_QCONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
-def _hub(tmp_path, family, fmt="bf16", seed=0):
+def _hub(tmp_path, family, fmt="bf16", seed=0, **overrides):
     """(config dict, hub tensors of layer LAYER, its MLP prefix, the HostWeights they hold)."""
-    cfg = tiny_config(family)
+    cfg = tiny_config(family, **overrides)
     hw = random_host_weights(cfg, np.random.default_rng(seed), fmt)
-    config = hf_config_dict(family)
+    config = hf_config_dict(family, **overrides)
     if fmt == "fp8_block":
         config["quantization_config"] = FP8_QCONFIG
     prefix = checkpoint.layer_prefix(family, LAYER)
@@ -225,3 +225,20 @@ def test_refuses_fp8_gpt_oss_w13(tmp_path):
     stacked[w13 + "_scale_inv"] = np.ones((9, 2, 1), np.float32)
     with pytest.raises(CheckpointError, match=r"w13_weight: gate and up rows alternate"):
         checkpoint.load_layer_from_tensors(config, stacked, prefix)
+
+
+@pytest.mark.parametrize("inter, refused", [(96, True), (64, False), (256, False)])
+def test_transformers_fp8_stack_whose_scale_blocks_may_straddle_gate_and_up(tmp_path, inter, refused):
+    """transformers' FP8Experts quantizes [gate; up] whole: with I mod 128 in (64, 128) its ceil(2I / 128)
+    row blocks number 2 ceil(I / 128), as split halves' do, and one straddles the halves, so such a stack
+    is refused by name (a split would scale part of up by gate's block); elsewhere the counts differ or the
+    blocks coincide. vLLM's w13 always keeps each half's own."""
+    config, tensors, prefix, hw = _hub(tmp_path, "qwen3_moe", "fp8_block", moe_intermediate_size=inter)
+    stacked = _stacked(tensors, prefix, hw, hf_layouts.TRANSFORMERS)
+    if refused:
+        with pytest.raises(CheckpointError, match=rf"intermediate size {inter} \(mod 128 = 96\).*may straddle"):
+            checkpoint.load_layer_from_tensors(config, stacked, prefix)
+    else:
+        _assert_same(checkpoint.load_layer_from_tensors(config, stacked, prefix)[1], hw)
+    _assert_same(checkpoint.load_layer_from_tensors(config, _stacked(tensors, prefix, hw, hf_layouts.VLLM),
+                                                    prefix)[1], hw)

@@ -82,3 +82,11 @@ def test_lora_router_lanes_refused_outside_one_mask_word(value):
     with pytest.raises(OptionError, match=f"CUPYMOE_LORA_ROUTER_TPR={value!r}"):
         Knobs.from_env({"CUPYMOE_LORA_ROUTER_TPR": value})
     assert Knobs.from_env({"CUPYMOE_LORA_ROUTER_TPR": "8"}).lora_router_tpr == 8
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "1\u00b9", "9" * 5000, "", "+3", "3 "])
+def test_row_counts_are_ascii_digits(value):
+    """str.isdigit takes superscripts (int() then raises ValueError) and int() a 5000-digit string: refused
+    by name as every other bad value."""
+    with pytest.raises(OptionError, match="CUPYMOE_MATH_ROWS="):
+        Knobs.from_env({"CUPYMOE_MATH_ROWS": value})

@@ -229,3 +229,19 @@ def test_an_adapter_of_other_modules_alone_loads_empty(tmp_path):
                "base_model.model.lm_head.lora_B.weight": np.ones((8, 2), np.float32)},
               str(d / "adapter_model.safetensors"))
     assert not load_peft(d, LAYER, cfg).modules
+
+
+def test_patterns_scales_factors_and_options_refused_by_name(tmp_path):
+    """A rank / alpha pattern that is no regular expression (PEFT matches keys as ones), a 0-d lora_A, a
+    scale past float32 (the kernels' scale would be inf), a max_rank that is no whole number."""
+    cfg = _cfg()
+    lw = random_lora(cfg, np.random.default_rng(7), rank=2, layer_idx=LAYER, targets=["router"])
+    _refused(tmp_path, cfg, lw, {"r": 2, "lora_alpha": 2, "rank_pattern": {"gate(": 2}},
+             match=r"rank_pattern\['gate\('\]: not a regular expression")
+    p = f"base_model.model.model.layers.{LAYER}.mlp.gate"
+    msg = _refused(tmp_path, cfg, lw, {"r": 2, "lora_alpha": 2}, extra={f"{p}.lora_A.weight": np.array(1.0, np.float32)},
+                   match=r"lora_A.weight: expected 2 dimensions \[r, in\], found \[\]")
+    assert p in msg
+    _refused(tmp_path, cfg, lw, {"r": 2, "lora_alpha": 4e39}, match=r"scale 2e\+39 is not a finite float32")
+    with pytest.raises(LoraError, match="max_rank='3': must be a whole number"):
+        load_peft(write_peft(tmp_path / "ok", lw, {"r": 2, "lora_alpha": 2}), LAYER, cfg, max_rank="3")

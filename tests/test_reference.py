@@ -974,3 +974,15 @@ def test_the_faithful_reference_passes_the_check_on_heavy_tailed_rows():
         cfg, hw, x = _scale_bytes_draw(100 + seed, 300)
         out = verify.bits_to_f32(verify.bf16_bits(reference.moe_forward(cfg, hw, x, rounding="grouped")))
         assert verify.check(out, cfg, hw, x, "prefill").ok, seed
+
+
+def test_integer_inputs_refused():
+    """uint16 carries bf16 bits on the device; given to the reference it would be taken as values (an
+    output off by ~1e9): refused by name, as any integer, bool or complex input."""
+    cfg = tiny_config("qwen3_moe")
+    rng = np.random.default_rng(0)
+    hw = random_host_weights(cfg, rng)
+    x = random_input(rng, 3, cfg.hidden_size)
+    for bad in (x.view(np.uint16), x.astype(np.int32), x.astype(bool), x.astype(np.complex64)):
+        with pytest.raises(ValueError, match=f"x: dtype {bad.dtype} is not a float"):
+            reference.moe_forward(cfg, hw, bad)
