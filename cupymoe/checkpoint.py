@@ -287,15 +287,33 @@ class _MappingSource(_Source):
     def has(self, name: str) -> bool:
         return name in self._t
 
+    def _tensor(self, name: str) -> Any:
+        """The mapping's tensor, refused by name where nothing here can read it: a torch tensor on the
+        meta device (not loaded), of another layout than dense (sparse), or of a dtype numpy has no
+        name for (quantized qint8, packed float4)."""
+        t = self._t[name]
+        if _framework(t) == "torch":
+            if getattr(t, "is_meta", False):
+                raise CheckpointError(f"{name} is on the meta device (offloaded or not loaded): load the "
+                                      "weights onto the CPU or a GPU first")
+            if str(getattr(t, "layout", "torch.strided")) != "torch.strided":
+                raise CheckpointError(f"{name}: a {t.layout} tensor; give it dense (t.to_dense())")
+            try:
+                _foreign_dtype(t)
+            except TypeError:
+                raise CheckpointError(f"{name}: dtype {t.dtype} is not served (bf16, fp16, fp32, e4m3 or the "
+                                      "formats' integer storage)") from None
+        return t
+
     def dtype(self, name: str) -> np.dtype:
-        return _foreign_dtype(self._t[name])
+        return _foreign_dtype(self._tensor(name))
 
     def shape(self, name: str) -> tuple[int, ...]:
-        t = self._t[name]
+        t = self._tensor(name)
         return tuple(int(d) for d in (t.shape if hasattr(t, "shape") else np.shape(t)))
 
     def read(self, name: str) -> Any:
-        t = self._t[name]
+        t = self._tensor(name)
         return _to_device(t) if _on_cuda(t) else _to_numpy(t)
 
     def where(self, name: str) -> str:

@@ -1198,3 +1198,28 @@ def test_parts_that_change_nothing_load_with_a_warning(tmp_path, caplog):
     t[f"{p}gate.e_score_correction_bias"] = np.full(16, 0.5, np.float32)
     with pytest.raises(CheckpointError, match=r"1 tensor\(s\) under .*: model.layers.1.mlp.gate.e_score_correction_bias"):
         load_layer(write_checkpoint(tmp_path / "bias", config, t), LAYER)
+
+
+def _qint8(torch, t):
+    import warnings
+
+    with warnings.catch_warnings():  # torch deprecates its quantized tensors; a checkpoint may still hold one
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(t, 0.1, 0, torch.qint8)
+
+
+def test_torch_tensors_nothing_can_read_are_refused_by_name():
+    """load_layer_from_tensors given a torch tensor on the meta device, a sparse one, or one of a dtype numpy
+    has no name for (qint8): a CheckpointError naming the tensor, not torch's or numpy's own error."""
+    torch = pytest.importorskip("torch")
+    cfg = tiny_config("qwen3_moe")
+    hw = random_host_weights(cfg, np.random.default_rng(0))
+    config, prefix = hf_config_dict("qwen3_moe"), checkpoint.layer_prefix("qwen3_moe", LAYER)
+    t = {k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in checkpoint._hub_tensors(cfg, hw, prefix)[0].items()}
+    name = prefix + "gate.weight"
+    cases = ((torch.empty(t[name].shape, device="meta"), "is on the meta device"),
+             (t[name].to_sparse(), "a torch.sparse_coo tensor"),
+             (_qint8(torch, t[name]), "dtype torch.qint8 is not served"))
+    for bad, match in cases:
+        with pytest.raises(CheckpointError, match=re.escape(name) + ".*" + match):
+            load_layer_from_tensors(config, {**t, name: bad}, prefix)
