@@ -144,8 +144,8 @@ def _lora_parts(name: str, v: str) -> int:
     return int(v)
 
 
-def _text(name: str, v: str) -> str:
-    return v
+def _text(name: str, v: str) -> Optional[str]:
+    return v or None  # set but empty: as unset (an empty CUPYMOE_DUMP_DIR would dump into the current folder)
 
 
 # field name -> (environment variable, what it does, parser, default when unset)

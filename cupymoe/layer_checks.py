@@ -43,6 +43,8 @@ def check_options(cfg: MoeConfig, max_tokens, path: str, row_invariant: bool) ->
         raise OptionError(f"max_tokens={max_tokens!r}: must be a positive integer")
     if not isinstance(path, str) or path not in PATH_NAMES:  # an array's `in` would raise ValueError
         raise OptionError(f"path={path!r}: must be one of {PATH_NAMES}")
+    if not isinstance(row_invariant, bool):
+        raise OptionError(f"row_invariant={row_invariant!r}: must be True or False")
     if path in ("decode", "atomic") and row_invariant:
         raise PathUnavailableError(f"path={path!r} with row_invariant=True: row-invariant layers run the grouped "
                                    "path at every N; use path='auto' or 'prefill'")

@@ -90,3 +90,9 @@ def test_row_counts_are_ascii_digits(value):
     by name as every other bad value."""
     with pytest.raises(OptionError, match="CUPYMOE_MATH_ROWS="):
         Knobs.from_env({"CUPYMOE_MATH_ROWS": value})
+
+
+def test_an_empty_folder_knob_is_unset():
+    """CUPYMOE_DUMP_DIR="" would have dumped into the current folder: an empty folder knob is unset."""
+    k = Knobs.from_env({"CUPYMOE_DUMP_DIR": "", "CUPYMOE_CACHE_DIR": ""})
+    assert k.dump_dir is None and k.cache_dir is None
