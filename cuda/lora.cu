@@ -220,7 +220,7 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
     const LoraPair pr = lora_pair(blockIdx.x, N, k, ids, pair_pos, slot_of, n_local);
     const int I = pr.pos < 0 ? 0 : inter[pr.slot];
     const int lid = pr.pos < 0 ? -1 : lora_ids[pr.row];
-    const bool on = lid >= 0 && lid < max_loras;  // an id >= K was flagged by lora_router_delta
+    const bool on = lid >= 0 && lid < max_loras;  // an id >= K was flagged (lora_router_delta, experts_route_in_lora)
     const size_t ks = on ? (size_t)lid * (n_local + 1) + pr.slot : 0;
     bool go = pr.pos >= 0 && (on || blockIdx.y == 0);  // block-uniform: this block writes act
     if (on) {
@@ -373,7 +373,7 @@ __device__ __forceinline__ void lora_load_ids(LoraBuckets& b, const int* __restr
                                               const int* __restrict__ sorted_row, int pos0, int m, int max_loras) {
     for (int i = threadIdx.x; i < m; i += blockDim.x) {
         const int id = lora_ids[sorted_row[pos0 + i]];
-        b.lid[i] = id >= 0 && id < max_loras ? id : -1;  // an id >= K was flagged by the router delta
+        b.lid[i] = id >= 0 && id < max_loras ? id : -1;  // an id >= K was flagged (router delta, route-in)
     }
 }
 
@@ -1115,7 +1115,7 @@ lora_stack_t_seg(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
         const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
         for (int i = threadIdx.x; i < m; i += LSS_THREADS) {
             const int id = lora_ids[sorted_row[pos0 + i]];
-            lid[i] = id >= 0 && id < max_loras ? id : -1;  // an id >= K was flagged by the router delta
+            lid[i] = id >= 0 && id < max_loras ? id : -1;  // an id >= K was flagged (router delta, route-in)
         }
         __syncthreads();
         // the rows without an adapter: zero rows, the tile's blocks splitting them

@@ -844,8 +844,8 @@ def _holds_values(src: "_Source", name: str) -> bool:
         return False
     if "e_score_correction_bias" not in name and not _is_bias(name):
         return True
-    try:
-        return bool(np.any(np.asarray(src.read(name), dtype=np.float32)))
+    try:  # a GPU tensor of a mapping reads as a CuPy array: its values to the host first
+        return bool(np.any(np.asarray(_to_numpy(src.read(name)), dtype=np.float32)))
     except (KeyError, TypeError, ValueError) as e:  # a dtype nothing here reads: it cannot be served either
         raise CheckpointError(f"{name}: a tensor of this layer that cannot be read ({e})") from None
 

@@ -139,7 +139,8 @@ def build_forward_plan(lp: LayerPlan, dev: DeviceFacts, n: int, path: Path, *, s
     b.given_routing = given_routing
     b.has_shared = lp.has_shared if shared_expert else 0
     plan = b.build()
-    return plan if lora is None else with_lora(plan, lp, lora, separated=separated, given_routing=given_routing)
+    return plan if lora is None else with_lora(plan, lp, lora, separated=separated, given_routing=given_routing,
+                                               has_shared=b.has_shared)
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ LORA_GU = "lora_gu"  # the LoRA plans' pre-activation g and u, [P, 2 I_max] bf16
 
 
 def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, *, separated: bool = False,
-              given_routing: bool = False) -> ForwardPlan:
+              given_routing: bool = False, has_shared: Optional[int] = None) -> ForwardPlan:
     """`plan` with the router's LoRA delta launched right after the router (its logits' copy 0,
     before the routing stage reads them): a block a row, or where the deltas go grouped
     (lora_grouped) a block lora_router_span rows bucketed by adapter (_router_delta); at the decode
@@ -205,13 +206,15 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, *, separated: b
     With `lora.experts`, the expert deltas too (_with_expert_deltas). On the prefill path with
     lora_overlap, the router delta and each stacked GEMM go by PDL after the launch before them.
     `given_routing` (the experts-only entry's plan): no router delta; experts_route_in becomes
-    experts_route_in_lora, which flags an id past the slots as the router's delta does."""
+    experts_route_in_lora, which flags an id past the slots as the router's delta does. `has_shared`:
+    whether `plan` runs the shared expert (default the layer's; 0 where the call leaves it out)."""
+    sh = lp.has_shared if has_shared is None else has_shared
     steps = list(plan.steps)
     overlap = lora_overlap(plan, lp, lora, separated)
     if given_routing:
         steps = [_route_in_lora(s, lora) if getattr(s, "kernel", "") == "experts_route_in" else s for s in steps]
         if lora.experts:
-            steps = _with_expert_deltas(steps, plan, lp, lora, overlap)
+            steps = _with_expert_deltas(steps, plan, lp, lora, overlap, sh)
         return replace(plan, steps=tuple(steps))
     at = _past_router(steps)
     if lora_fold(plan, lp, lora):
@@ -222,7 +225,7 @@ def with_lora(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, *, separated: b
         delta = _as_successor(_router_delta(plan, lp, lora), steps[at])
         steps.insert(at, replace(delta, pdl=True) if overlap and isinstance(steps[at - 1], Launch) else delta)
     if lora.experts:
-        steps = _with_expert_deltas(steps, plan, lp, lora, overlap)
+        steps = _with_expert_deltas(steps, plan, lp, lora, overlap, sh)
     return replace(plan, steps=tuple(steps))
 
 
@@ -470,7 +473,8 @@ def _as_successor(launch: Launch, successor) -> Launch:
     return replace(launch, pdl=bool(getattr(successor, "pdl", False)))
 
 
-def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, overlap: bool = False) -> list:
+def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, overlap: bool = False,
+                        has_shared: int = 1) -> list:
     """The experts' deltas: each gate/up GEMM launched once with ACT_PAIR (g and u into lora_gu:
     the fused activation leaves no hook), then lora_gate_up_act (the gate / up deltas and the
     activation into act), and lora_down_delta after the down GEMMs, before the reduce (on the
@@ -493,7 +497,7 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
         gate_up_act, down = _grouped_delta_launches(_tile_list(out, Stage.GATE_UP), _tile_list(out, Stage.DOWN), lp,
                                                     lora)
     else:
-        gate_up_act, down = _expert_delta_launches(plan, lp, lora)
+        gate_up_act, down = _expert_delta_launches(plan, lp, lora, has_shared)
     if not stacked[Stage.GATE_UP]:
         at = max(i for i, s in enumerate(out) if s.stage == Stage.GATE_UP) + 1
         out.insert(at, _as_successor(gate_up_act, out[at]))
@@ -622,9 +626,12 @@ def _pair(launch: Launch) -> Launch:
     return replace(launch, args=tuple(arg(a) for a in launch.args))
 
 
-def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> tuple[Launch, Launch]:
+def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape,
+                           has_shared: int = 1) -> tuple[Launch, Launch]:
+    """The per-pair deltas' launches: a block (row of blocks) a routed pair, then (has_shared, where the
+    plan runs the shared expert) one a row for the shared expert's pair."""
     cfg = lp.cfg
-    k, sh, H = cfg.num_experts_per_tok, lp.has_shared, cfg.hidden_size
+    k, sh, H = cfg.num_experts_per_tok, min(lp.has_shared, has_shared), cfg.hidden_size
     exact = plan.shape is None
     rows = plan.built_for if exact else PerN("N", lambda n: n)
     pairs = plan.built_for * (k + sh) if exact else PerN("lora_pairs", lambda n: n * (k + sh))

@@ -553,3 +553,17 @@ def test_experts_only_lora_plan(path, n):
     no_experts = build_forward_plan(lp, H200, n, path, given_routing=True, lora=SHAPE).at(n)
     assert [getattr(s, "kernel", "") for s in no_experts.steps] == [
         "experts_route_in_lora" if k == "experts_route_in" else k for k in (getattr(s, "kernel", "") for s in base.steps)]
+
+
+@pytest.mark.parametrize("path, n", [(Path.DECODE, 1), (Path.DECODE, 9), (Path.ATOMIC, 5), (Path.PREFILL, 5)])
+def test_experts_only_lora_without_the_shared_expert(path, n):
+    """forward_experts(shared_expert=False) with lora_ids: the per-pair deltas cover the routed pairs alone
+    (the lists hold no shared pair, so a block for one would read another call's pair_pos)."""
+    cfg = testing.tiny_config("qwen2_moe")
+    lp = plan_layer(cfg, "bf16", "bf16", "sm_90a", options=LayerOptions(decode_max_tokens=64), knobs=Knobs())
+    k = cfg.num_experts_per_tok
+    for shared, pairs in ((False, n * k), (True, n * (k + 1))):
+        plan = build_forward_plan(lp, H200, n, path, given_routing=True, lora=EXPERTS, shared_expert=shared).at(n)
+        grids = {s.kernel: s.grid for s in plan.steps if getattr(s, "kernel", "") in ("lora_gate_up_act",
+                                                                                       "lora_down_delta")}
+        assert len(grids) == 2 and all(g[0] == pairs for g in grids.values()), (shared, grids)
