@@ -218,6 +218,14 @@ def test_lora_forwards_routing_given_back_reproduces_it_bit_for_bit(path, rng):
         moved = np.linalg.norm(exact - reference.experts_forward(cfg, hw, x, ids, w)) / np.linalg.norm(exact)
         err = np.linalg.norm(got - exact) / np.linalg.norm(exact)
         assert err < moved / 8, f"{path} N={n}: normwise {err:.2e} against the adapters' {moved:.2e}"
+        with s:  # the same call without the shared expert: its pairs' deltas left out too
+            alone_d = cupy.full(xd.shape, 0x7FC0, cupy.uint16)
+        layer.forward_experts(int(xd.data.ptr), n, int(idd.data.ptr), int(wd.data.ptr), int(alone_d.data.ptr),
+                              s.ptr, path=path, lora_ids_ptr=int(ld.data.ptr), shared_expert=False)
+        s.synchronize()
+        alone = reference.experts_forward(cfg, hw, x, ids, w, lora=adapters, lora_ids=lora, shared_expert=False)
+        err = np.linalg.norm(bits_to_f32(alone_d.get()) - alone) / np.linalg.norm(alone)
+        assert err < moved / 8, f"{path} N={n} shared_expert=False: normwise {err:.2e}"
     layer.check_errors()
     bad = np.array([0, 2, -1], np.int32)  # 2: past the 2 slots
     x = testing.random_input(rng, 3, cfg.hidden_size)
