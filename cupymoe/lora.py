@@ -276,6 +276,9 @@ def _why_unknown(module_key: str) -> str:
     if ".w13" in module_key or ".w2_weight" in module_key:
         return ("vLLM's stacked expert layout (PEFT adapters of transformers' experts or of per-expert "
                 "modules are served)")
+    if "modules_to_save" in module_key or not re.search(r"\.lora_[AB]\.", module_key):
+        return ("a whole weight of the module (PEFT's modules_to_save: a full replacement, not a low-rank "
+                "delta; not served)")
     return "no module of this layer by that name (router, experts.{e}.<proj>, shared expert)"
 
 

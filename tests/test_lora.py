@@ -124,7 +124,9 @@ def _t(shape):
     ("gpt_oss", "mlp.experts.gate_up_proj.lora_A.weight", (2, 64), "named after a stacked expert parameter"),
     ("qwen3_moe", "mlp.experts.w13_weight.lora_A.weight", (2, 64), "vLLM's stacked expert layout"),
     ("mixtral", "mlp.experts.0.w1.lora_A.weight", (2, 64), "no module of this layer"),  # another layout's prefix
-    ("qwen2_moe", "mlp.modules_to_save.gate.weight", (8, 64), "no module of this layer"),
+    ("qwen2_moe", "mlp.modules_to_save.gate.weight", (8, 64), "PEFT's modules_to_save: a full replacement"),
+    ("qwen2_moe", "mlp.gate.modules_to_save.default.weight", (8, 64), "a whole weight of the module"),
+    ("qwen2_moe", "mlp.gate.weight", (8, 64), "a whole weight of the module"),
 ])
 def test_unknown_keys_refused(tmp_path, family, name, shape, match):
     cfg = _cfg(family)
