@@ -776,7 +776,8 @@ def _prefill_uses_stacked(layer, n, max_rank):
     from cupymoe.plan import Path
 
     shape = LoraShape(layer._lora.max_loras, max_rank, True, layer._lora.stack_parts, layer._lora_stack_shrink)
-    plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=shape).at(n)
+    # the LoRA plans' LayerPlan (a w8a8 layer with expert slots: its w8a16 one)
+    plan = build_forward_plan(layer._lora_plan, layer.device, n, Path.PREFILL, lora=shape).at(n)
     kinds = [getattr(s, "kernel", "") for s in plan.steps]
     stacked = any(all(any(k.startswith(s) for k in kinds) for s in shrinks)
                   for shrinks in (("lora_stack_t_seg<2,", "lora_stack_t_seg<1,"), ("lora_stack_t_gate_up", "lora_stack_t_down")))
