@@ -448,7 +448,10 @@ def test_w8a8_layer_with_expert_slots(family, rng):
     judged as test_expert_deltas_every_path's (the w8a16 layer's roundings)."""
     cfg = testing.tiny_config(family)
     hw = testing.random_host_weights(cfg, rng, "fp8_block")
-    layer, adapters = _layer(cfg, hw, fp8_compute="w8a8", lora_experts=True), _expert_adapters(cfg, rng)
+    # keep_w8a8_activation: verify.require_kept_activation reads layer.plan (w8a8); the LoRA forwards' w8a16
+    # plans store their bf16 act either way, which judge's grouped check reads
+    layer = _layer(cfg, hw, fp8_compute="w8a8", lora_experts=True, keep_w8a8_activation=True)
+    adapters = _expert_adapters(cfg, rng)
     assert layer.lora_experts and layer.fp8_compute == "w8a8"
     for slot, lw in adapters.items():
         layer.set_lora(slot, lw)
