@@ -198,6 +198,7 @@ def test_lora_forwards_routing_given_back_reproduces_it_bit_for_bit(path, rng):
     for n in TOKENS[path]:
         x = testing.random_input(rng, n, cfg.hidden_size)
         lora = rng.integers(-1, 2, n).astype(np.int32)
+        lora[: min(n, 3)] = [0, 1, -1][: min(n, 3)]  # an adapted row whatever the draw (N = 1: slot 0)
         s = cupy.cuda.Stream(non_blocking=True)
         with s:
             xd, ld = cupy.asarray(bf16_bits(x)), cupy.asarray(lora)
