@@ -35,7 +35,7 @@ from . import arrays, guard, profiling
 from .errors import MoeCallError
 from .forward_plan import build_forward_plan, prefill_shape
 from .launch import PackedPlan
-from .layer_checks import check_path
+from .layer_checks import check_path, optional_pointer
 from .plan import CallValue, Path
 
 log = logging.getLogger(__name__)
@@ -85,8 +85,6 @@ def check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, out
 def forward_experts(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr, stream, *,
                     shared_expert: Optional[bool] = None, path: Optional[str] = None, lora_ids_ptr: int = 0) -> None:
     """MoeLayer.forward_experts (the module docstring says what the routing means)."""
-    from .layer_checks import optional_pointer
-
     n, x, ids, w, out = check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr)
     lora_ids = optional_pointer("lora_ids_ptr", lora_ids_ptr, 4)
     shared = shared_flag(layer, shared_expert)

@@ -473,8 +473,8 @@ def _as_successor(launch: Launch, successor) -> Launch:
     return replace(launch, pdl=bool(getattr(successor, "pdl", False)))
 
 
-def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, overlap: bool = False,
-                        has_shared: int = 1) -> list:
+def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, overlap: bool,
+                        has_shared: int) -> list:
     """The experts' deltas: each gate/up GEMM launched once with ACT_PAIR (g and u into lora_gu:
     the fused activation leaves no hook), then lora_gate_up_act (the gate / up deltas and the
     activation into act), and lora_down_delta after the down GEMMs, before the reduce (on the
@@ -627,11 +627,11 @@ def _pair(launch: Launch) -> Launch:
 
 
 def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape,
-                           has_shared: int = 1) -> tuple[Launch, Launch]:
+                           has_shared: int) -> tuple[Launch, Launch]:
     """The per-pair deltas' launches: a block (row of blocks) a routed pair, then (has_shared, where the
     plan runs the shared expert) one a row for the shared expert's pair."""
     cfg = lp.cfg
-    k, sh, H = cfg.num_experts_per_tok, min(lp.has_shared, has_shared), cfg.hidden_size
+    k, sh, H = cfg.num_experts_per_tok, has_shared, cfg.hidden_size
     exact = plan.shape is None
     rows = plan.built_for if exact else PerN("N", lambda n: n)
     pairs = plan.built_for * (k + sh) if exact else PerN("lora_pairs", lambda n: n * (k + sh))

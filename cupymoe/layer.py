@@ -74,6 +74,7 @@ class MoeLayer:
         lora_slots.serves_experts(lora_experts, False)  # its value refused before anything is read
         cupy = cupy_module()
         self.cfg, self.max_tokens, self.default_path = cfg, int(max_tokens), path
+        self._owned = owned  # the routed experts this layer computes (expert parallelism)
         self.device_id = device_of(cupy, device)
         self.comm = comm
         if comm is not None:
@@ -90,32 +91,12 @@ class MoeLayer:
             self.device = DeviceFacts(self.lib.arch, self.lib.sm_count, self.lib.max_smem)
             check_smem_fits(cfg, len(owned), self.device)
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
-            self.plan = plan_layer(cfg, self.weights.format, self.weights.shared_format, self.lib.arch,
-                                   n_local=len(owned), options=options, knobs=knobs,
-                                   mxfp4_scale_bytes=self.weights.mxfp4_scale_bytes)
+            self.plan = self._plan_layer(options, knobs)
             assert self.plan.i_max == self.weights.i_max, (self.plan.i_max, self.weights.i_max)
             self._err = cupy.zeros(1, cupy.int32)  # sticky error bits the kernels set (check_errors)
-            self._lora = None
-            self._lora_plan = self.plan  # the LayerPlan the LoRA forwards' plans are built from
+            self._lora, self._lora_plan = None, self.plan  # _lora_plan: the LoRA forwards' plans' LayerPlan
             if lora_k:
-                with_experts = lora_slots.serves_experts(lora_experts, self.plan.w8a8)
-                if with_experts and self.plan.w8a8:  # the experts' deltas go before the activation: w8a16
-                    self._lora_plan = plan_layer(cfg, self.weights.format, self.weights.shared_format,
-                                                 self.lib.arch, n_local=len(owned), options=lora_options(options),
-                                                 knobs=knobs, mxfp4_scale_bytes=self.weights.mxfp4_scale_bytes)
-                    if self._lora_plan.tma or self._lora_plan.swapab_chosen:  # the maps are encoded for self.plan
-                        raise OptionError("lora_experts=True on this w8a8 layer: its w8a16 LoRA plans would read "
-                                          "tensor maps of their own, which the layer does not encode; build it "
-                                          "with fp8_compute='w8a16'")
-                experts = lora_slots.expert_slot_shape(owned, self.plan.i_max, with_experts)
-                # the stacked form's Bext only where a GEMM may run it (forward_plan.lora_stack_parts)
-                stack = lora_stack_parts(self._lora_plan, knobs.lora_in_gemm, lora_k, lora_r)
-                t_rows = lora_router_t_rows(self._lora_plan, knobs.lora_router_t_rows, lora_k, lora_r)
-                self.plan = replace(self.plan, lora_router_t_rows=t_rows)
-                self._lora_plan = replace(self._lora_plan, lora_router_t_rows=t_rows)
-                # A's bf16 parts only where a plan's router GEMM reads them (forward_plan.lora_router_t)
-                self._lora = lora_slots.LoraSlots(cfg, lora_k, lora_r, self.device_id, experts, stack,
-                                                  router_parts=t_rows > 0)
+                self._reserve_lora(options, knobs, lora_k, lora_r, lora_experts)
             self._ctx = cupy.cuda.driver.ctxGetCurrent()
             self._bind(workspace or Workspace(self.workspace_need(), device=self.device_id))
             # the uploads and repacks went through the legacy default stream, which a caller's
@@ -124,6 +105,32 @@ class MoeLayer:
         log.info("MoeLayer ready on device %d (%s): %d local experts, weights %.1f MB, scratch %.1f MB",
                  self.device_id, self.lib.arch, self.plan.n_local, self.weights.nbytes / 1e6,
                  self.scratch.plan.total_bytes / 1e6)
+
+    def _plan_layer(self, options: LayerOptions, knobs: Knobs):
+        return plan_layer(self.cfg, self.weights.format, self.weights.shared_format, self.lib.arch,
+                          n_local=len(self._owned), options=options, knobs=knobs,
+                          mxfp4_scale_bytes=self.weights.mxfp4_scale_bytes)
+
+    def _reserve_lora(self, options: LayerOptions, knobs: Knobs, lora_k: int, lora_r: int,
+                      lora_experts: Optional[bool]) -> None:
+        """The adapter slots and the LayerPlan of the LoRA forwards (a w8a8 layer's experts as w8a16 where
+        its slots take expert adapters: their deltas go before the activation)."""
+        with_experts = lora_slots.serves_experts(lora_experts, self.plan.w8a8)
+        if with_experts and self.plan.w8a8:
+            self._lora_plan = self._plan_layer(lora_options(options), knobs)
+            if self._lora_plan.tma or self._lora_plan.swapab_chosen:  # the maps are encoded for self.plan
+                raise OptionError("lora_experts=True on this w8a8 layer: its w8a16 LoRA plans would read "
+                                  "tensor maps of their own, which the layer does not encode; build it "
+                                  "with fp8_compute='w8a16'")
+        experts = lora_slots.expert_slot_shape(self._owned, self.plan.i_max, with_experts)
+        # the stacked form's Bext only where a GEMM may run it (forward_plan.lora_stack_parts)
+        stack = lora_stack_parts(self._lora_plan, knobs.lora_in_gemm, lora_k, lora_r)
+        t_rows = lora_router_t_rows(self._lora_plan, knobs.lora_router_t_rows, lora_k, lora_r)
+        self.plan = replace(self.plan, lora_router_t_rows=t_rows)
+        self._lora_plan = replace(self._lora_plan, lora_router_t_rows=t_rows)
+        # A's bf16 parts only where a plan's router GEMM reads them (forward_plan.lora_router_t)
+        self._lora = lora_slots.LoraSlots(self.cfg, lora_k, lora_r, self.device_id, experts, stack,
+                                          router_parts=t_rows > 0)
 
     # --- constructors ------------------------------------------------------------------
     @classmethod

@@ -291,20 +291,9 @@ def load_peft(adapter_dir: Union[str, Path], layer_idx: int, cfg: MoeConfig, *,
     """Layer `layer_idx`'s modules of a PEFT LoRA adapter directory (adapter_config.json and
     adapter_model.safetensors); tensors of other layers and of non-MoE modules are ignored,
     unknown names under this layer's MLP prefix refused. `max_rank` refuses larger ranks."""
-    from .checkpoint import _inside, _read_json
-
     root = Path(adapter_dir)
-    try:
-        raw = _read_json(root, ADAPTER_CONFIG) if (root / ADAPTER_CONFIG).is_file() else None
-        weights = _inside(root, ADAPTER_WEIGHTS, str(root / ADAPTER_WEIGHTS))
-    except CheckpointError as e:  # the path-containment and JSON rules of checkpoints, named as LoRA errors
-        raise LoraError(str(e)) from None
-    if raw is None:
-        raise LoraError(f"{root / ADAPTER_CONFIG} not found: a PEFT adapter directory holds it")
-    if not weights.is_file():
-        raise LoraError(f"{root / ADAPTER_WEIGHTS} not found (only safetensors adapters are read, "
-                        "not adapter_model.bin)")
-    pc = _peft_config(raw)
+    pc = _peft_config(raw_peft_config(root))
+    weights = _weights_file(root)
     tensors, lora_keys = _read_layer_tensors(weights, PEFT_PREFIX + f"model.layers.{int(layer_idx)}.")
     if not tensors:  # none for this layer: fine where the adapter leaves it out, not where it nests elsewhere
         _check_layout(weights, lora_keys)
@@ -316,17 +305,12 @@ def adapter_lora_keys(adapter_dir: Union[str, Path]) -> list[str]:
     """Every LoRA tensor name (`...lora_A.weight` / `lora_B.weight`) of the adapter's safetensors file."""
     from safetensors import safe_open
 
-    from .checkpoint import _inside
-
-    root = Path(adapter_dir)
+    weights = _weights_file(Path(adapter_dir))
     try:
-        path = _inside(root, ADAPTER_WEIGHTS, str(root / ADAPTER_WEIGHTS))
-        with safe_open(str(path), framework="numpy") as f:
+        with safe_open(str(weights), framework="numpy") as f:
             return [k for k in f.keys() if _KEY.match(k)]
-    except CheckpointError as e:
-        raise LoraError(str(e)) from None
-    except Exception as e:  # a missing or corrupt file: safetensors' own errors name no file
-        raise LoraError(f"{root / ADAPTER_WEIGHTS}: not a readable safetensors file ({e})") from None
+    except Exception as e:  # a corrupt file: safetensors' own errors name no file
+        raise LoraError(f"{weights}: not a readable safetensors file ({e})") from None
 
 
 def raw_peft_config(adapter_dir: Union[str, Path]) -> dict[str, Any]:
@@ -338,8 +322,22 @@ def raw_peft_config(adapter_dir: Union[str, Path]) -> dict[str, Any]:
         raise LoraError(f"{root / ADAPTER_CONFIG} not found: a PEFT adapter directory holds it")
     try:
         return _read_json(root, ADAPTER_CONFIG)
+    except CheckpointError as e:  # the checkpoint's path-containment and JSON rules, named as a LoRA error
+        raise LoraError(str(e)) from None
+
+
+def _weights_file(root: Path) -> Path:
+    """adapter_model.safetensors under `root` (the checkpoint's path-containment rule); LoraError when absent."""
+    from .checkpoint import _inside
+
+    try:
+        weights = _inside(root, ADAPTER_WEIGHTS, str(root / ADAPTER_WEIGHTS))
     except CheckpointError as e:
         raise LoraError(str(e)) from None
+    if not weights.is_file():
+        raise LoraError(f"{root / ADAPTER_WEIGHTS} not found (only safetensors adapters are read, "
+                        "not adapter_model.bin)")
+    return weights
 
 
 _LAYERS_LAYOUT = re.compile(re.escape(PEFT_PREFIX) + r"model\.layers\.\d+\.")
@@ -475,7 +473,8 @@ def _assemble(cfg: MoeConfig, layer_idx: int, tensors: Mapping[str, np.ndarray],
             raise LoraError(f"{PEFT_PREFIX}{module}: {_why_unknown(module)}")
         a, _ = _pair(module, p)
         if a.ndim != 2:
-            raise LoraError(f"{PEFT_PREFIX}{module}.lora_A.weight: expected 2 dimensions [r, in], found {list(a.shape)}")
+            raise LoraError(f"{PEFT_PREFIX}{module}.lora_A.weight: expected 2 dimensions [r, in], "
+                            f"found {list(a.shape)}")
         r, alpha = pc.rank_alpha(module)
         if p["lora_A"].shape[0] != r:
             raise LoraError(f"{PEFT_PREFIX}{module}.lora_A.weight: {p['lora_A'].shape[0]} rows, but "

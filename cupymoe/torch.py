@@ -78,6 +78,15 @@ def _moe_experts_fake(x: torch.Tensor, layer_id: int, topk_ids: torch.Tensor, to
     return torch.empty_like(x)
 
 
+def _int32_rows(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Ids one a row as contiguous int32 (int32 ones as they are); a MoeCallError naming `name` unless integer."""
+    if t is None:
+        return None
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise MoeCallError(f"{name}: an integer tensor is required, got {t.dtype}")
+    return t.to(torch.int32).reshape(-1).contiguous()
+
+
 class MoeModule(torch.nn.Module):
     """A MoeLayer as a torch module: forward(x [..., H] bf16, token_ids=None, lora_ids=None)."""
 
@@ -106,10 +115,7 @@ class MoeModule(torch.nn.Module):
         rows = self.rows_of(x, "x")
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        for name, t in (("token_ids", token_ids), ("lora_ids", lora_ids)):
-            if t is not None and (t.dtype == torch.bool or t.is_floating_point() or t.is_complex()):
-                raise MoeCallError(f"{name}: an integer tensor is required, got {t.dtype}")
-        tokens, ids = (None if t is None else t.to(torch.int32).reshape(-1).contiguous() for t in (token_ids, lora_ids))
+        tokens, ids = _int32_rows("token_ids", token_ids), _int32_rows("lora_ids", lora_ids)
         return torch.ops.cupymoe.moe_forward(rows, self.layer_id, tokens, ids).reshape(x.shape)
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -121,12 +127,9 @@ class MoeModule(torch.nn.Module):
             topk_ids = topk_ids.to(torch.int32)
         if topk_weights.dtype != torch.float32:
             topk_weights = topk_weights.float()
-        if lora_ids is not None:
-            if lora_ids.dtype == torch.bool or lora_ids.is_floating_point() or lora_ids.is_complex():
-                raise MoeCallError(f"lora_ids: an integer tensor is required, got {lora_ids.dtype}")
-            lora_ids = lora_ids.to(torch.int32).reshape(-1).contiguous()
+        ids = _int32_rows("lora_ids", lora_ids)
         return torch.ops.cupymoe.moe_experts(x.contiguous(), self.layer_id, topk_ids.contiguous(),
-                                             topk_weights.contiguous(), shared_expert, lora_ids)
+                                             topk_weights.contiguous(), shared_expert, ids)
 
     def extra_repr(self) -> str:
         cfg = self.layer.cfg
