@@ -465,7 +465,8 @@ def _gpt_oss_fields(r: _HfReader) -> dict[str, Any]:
         has_router_bias=True,
         has_expert_bias=True,
         hidden_act="swiglu_oai",
-        swiglu_alpha=1.702,
+        # transformers from 5.18 reads both from the config (earlier ones fix 1.702 and 7.0)
+        swiglu_alpha=r.num("swiglu_alpha", 1.702),
         swiglu_limit=r.num("swiglu_limit", 7.0),
     )
 

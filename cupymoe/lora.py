@@ -167,11 +167,17 @@ class _PeftConfig:
     rank_pattern: Mapping[str, int]
     alpha_pattern: Mapping[str, float]
     version: Optional[tuple] = None  # peft_version (lora_fused.peft_version): the stacked experts' orientation
+    target_parameters: tuple[str, ...] = ()  # PEFT's `<module>.<parameter>` targets (ParamWrapper)
+
+    def pattern_name(self, module: str) -> str:
+        """The name PEFT matched rank_pattern / alpha_pattern on: `<module>.weight` where a target_parameters
+        entry took the module's weight (a router that is no Linear), else the module's."""
+        param = module + ".weight"
+        return param if any(param == t or param.endswith("." + t) for t in self.target_parameters) else module
 
     def pattern_key(self, patterns: Mapping[str, Any], module: str) -> Optional[str]:
-        """PEFT's rule: an exact key first, else the first pattern matching a dotted suffix."""
-        if module in patterns:
-            return module
+        """PEFT's rule (get_pattern_key): the first pattern, in the file's order, matching the name or a
+        dotted suffix of it (a key equal to the name is one such)."""
         for key in patterns:
             if re.fullmatch(rf"(.*\.)?(?:{key})", module):
                 return key
@@ -219,10 +225,14 @@ def _peft_config(raw: Mapping[str, Any]) -> _PeftConfig:
                 re.compile(k)
             except re.error as e:  # PEFT matches each key as a regular expression
                 raise LoraError(f"{ADAPTER_CONFIG}: {key}[{k!r}]: not a regular expression ({e})") from None
+    targets = raw.get("target_parameters") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise LoraError(f"{ADAPTER_CONFIG}: target_parameters={targets!r} must be a list of parameter names")
     return _PeftConfig(r=_number(raw.get("r", 8), "r", int),
                        alpha=_number(raw.get("lora_alpha", 8), "lora_alpha", float),
                        use_rslora=raw.get("use_rslora", False), rank_pattern=patterns["rank_pattern"],
-                       alpha_pattern=patterns["alpha_pattern"], version=peft_version(raw.get("peft_version")))
+                       alpha_pattern=patterns["alpha_pattern"], version=peft_version(raw.get("peft_version")),
+                       target_parameters=tuple(targets))
 
 
 # ----------------------------------------------------------------------------------
@@ -475,7 +485,7 @@ def _assemble(cfg: MoeConfig, layer_idx: int, tensors: Mapping[str, np.ndarray],
         if a.ndim != 2:
             raise LoraError(f"{PEFT_PREFIX}{module}.lora_A.weight: expected 2 dimensions [r, in], "
                             f"found {list(a.shape)}")
-        r, alpha = pc.rank_alpha(module)
+        r, alpha = pc.rank_alpha(pc.pattern_name(module))
         if p["lora_A"].shape[0] != r:
             raise LoraError(f"{PEFT_PREFIX}{module}.lora_A.weight: {p['lora_A'].shape[0]} rows, but "
                             f"{ADAPTER_CONFIG} gives this module rank {r} (r / rank_pattern)")

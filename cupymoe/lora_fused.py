@@ -6,7 +6,8 @@ gpt-oss on the hub too), which PEFT adapts with `target_parameters=["mlp.experts
 PEFT 0.17-0.20's `ParamWrapper.update_layer` / `get_delta_weight`):
 
 - A parameter P [E_p, d1, d2] gets lora_A [r E_p, in] and lora_B [out, r E_p], {in, out} = {d1, d2}
-  (E_p: P's expert count; longcat_flash's gate_up_proj also holds its zero experts). Expert e's
+  (E_p: P's expert count; longcat_flash's gate_up_proj also holds its zero experts up to transformers
+  5.24, the routed ones alone from 5.25, so either count is read). Expert e's
   factors: A_e = lora_A rows e r .. e r + r - 1 (expert-major), B_e = lora_B columns j E_p + e,
   j < r (rank-major). ΔP_e = scale B_e A_e, laid along P's axes so that A's columns run along the
   `in` axis. The forward uses P + ΔP.
@@ -53,9 +54,15 @@ class StackedParam:
 
     name: str  # GATE_UP or DOWN
     experts: int  # E_p, its leading axis
+    routed: int  # E, the routed experts (longcat_flash's gate_up_proj: E_p = E + Z before transformers 5.25)
     input: int  # the forward's input width (H for gate_up, I for down)
     output: int  # its output width (2I for gate_up, H for down)
     transposed: bool  # P is [E, input, output] (x @ P: gpt-oss); else [E, output, input]
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """The leading axes an adapter of P may have been trained on: E_p, or E where the version sized it so."""
+        return tuple(sorted({self.routed, self.experts}))
 
 
 def stacked_params(cfg: MoeConfig) -> dict[str, StackedParam]:
@@ -63,7 +70,7 @@ def stacked_params(cfg: MoeConfig) -> dict[str, StackedParam]:
     H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     t = cfg.model_type == "gpt_oss"
     gate_up_rows = E + (cfg.zero_expert_num if cfg.model_type == "longcat_flash" else 0)
-    return {GATE_UP: StackedParam(GATE_UP, gate_up_rows, H, 2 * I, t), DOWN: StackedParam(DOWN, E, I, H, t)}
+    return {GATE_UP: StackedParam(GATE_UP, gate_up_rows, E, H, 2 * I, t), DOWN: StackedParam(DOWN, E, E, I, H, t)}
 
 
 def peft_version(raw: Optional[str]) -> Optional[tuple[int, int, int, bool]]:
@@ -112,17 +119,19 @@ def in_axis_of(p: StackedParam, a: np.ndarray) -> Optional[int]:
 def _factors(p: StackedParam, a: np.ndarray, b: np.ndarray, rank: int, in_axis: int, where: str):
     """(shrink [E_p, r, input], expand [E_p, output, r]) of one parameter's lora_A / lora_B, A's columns
     along P's axis `in_axis`."""
-    rows = rank * p.experts
-    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != rows or b.shape[1] != rows:
+    count = a.shape[0] // rank if a.ndim == 2 and a.shape[0] % rank == 0 else 0
+    rows = rank * count
+    if count not in p.counts or b.ndim != 2 or b.shape[1] != rows:
+        want = " or ".join(f"[{rank * c}, in], lora_B [out, {rank * c}]" for c in p.counts)
         raise LoraError(f"{where}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not hold rank {rank} for "
-                        f"{p.experts} experts (expected lora_A [{rows}, in], lora_B [out, {rows}])")
+                        f"{' or '.join(map(str, p.counts))} experts (expected lora_A {want})")
     d1, d2 = (p.input, p.output) if p.transposed else (p.output, p.input)
     fin, fout = (d1, d2) if in_axis == 1 else (d2, d1)
     if (a.shape[1], b.shape[0]) != (fin, fout):
         raise LoraError(f"{where}: lora_A {list(a.shape)} / lora_B {list(b.shape)}: expected in / out widths "
                         f"{fin} / {fout} for {p.name}")
-    A = a.reshape(p.experts, rank, a.shape[1])  # expert-major rows
-    B = b.reshape(b.shape[0], rank, p.experts).transpose(2, 0, 1)  # rank-major columns -> [E_p, out, r]
+    A = a.reshape(count, rank, a.shape[1])  # expert-major rows
+    B = b.reshape(b.shape[0], rank, count).transpose(2, 0, 1)  # rank-major columns -> [E_p, out, r]
     if in_axis == (1 if p.transposed else 2):  # A's columns along the forward's input: A shrinks
         return A, B
     return B.transpose(0, 2, 1), A.transpose(0, 2, 1)  # ΔW = B A along P: the factors swap roles

@@ -10,7 +10,7 @@
 #   PARTS="tests": the GPU tests in SHARDS (default 12) shards side by side, SHARD_S seconds each
 #   (default 420)
 #   PARTS="hf": the CPU tests that need transformers (skipped in CI and on a machine without it; the
-#   device image has it): against transformers' own MoE blocks and PEFT's merged stacked adapters
+#   device image has it, and peft): against transformers' own MoE blocks, PEFT's adapters and merges
 #   PARTS="equiv": the output bits against an older tree exported (git archive REV cupymoe cuda)
 #   into .old/ (carried), scripts/plan_equivalence.py; PARTS="host": the eager forward's host time
 #   PARTS="tune": the tuning sweep of the six presets, bf16 and fp8_block, N = 16-2048, into
@@ -55,8 +55,10 @@ if want tests; then
   echo "gpu tests wall $(( $(date +%s) - t0 )) s"
 fi
 if want hf; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_integrations_transformers.py \
-    tests/test_reference_vs_transformers.py > "$OUT/hf_tests.log" 2>&1
+  python3 -c "import transformers, peft; print('transformers', transformers.__version__, 'peft', peft.__version__)" \
+    > "$OUT/hf_tests.log" 2>&1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_integrations_transformers.py \
+    tests/test_reference_vs_transformers.py tests/test_lora_peft.py >> "$OUT/hf_tests.log" 2>&1
   echo "hf tests rc $?: $(tail -1 "$OUT/hf_tests.log")"
   grep -E "^FAILED|^ERROR" "$OUT/hf_tests.log" | head -5
 fi

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -37,8 +38,6 @@ def random_lora(cfg: MoeConfig, rng: np.random.Generator, rank: int = 4, *, laye
 
 def merged(cfg: MoeConfig, hw, lw: LoraWeights):
     """The base weights with each module's delta merged in: W + s B A, in float64."""
-    from dataclasses import replace
-
     from cupymoe import formats
 
     changes = {}
@@ -114,16 +113,19 @@ def _param_shape(p) -> tuple[int, int, int]:
 
 
 def stacked_adapter(cfg, rng, version, *, rank=3, size=0.3, params=("gate_up_proj", "down_proj"), in_axis=None,
-                    layer_idx=STACKED_LAYER):
+                    layer_idx=STACKED_LAYER, counts=None):
     """{tensor name: factor} as PEFT saves target_parameters on the experts module (the first wrapped
     parameter, gate_up_proj, innermost under base_layer), and {param: dP} by PEFT's rule (scale 2);
-    `in_axis` forces PEFT's `in` axis (transformers 5's patch of older PEFT for its converted families)."""
+    `in_axis` forces PEFT's `in` axis (transformers 5's patch of older PEFT for its converted families);
+    `counts` {param: E_p} a parameter's leading axis where the transformers version sizes it otherwise."""
     specs = stacked_params(cfg)
     base = f"{PEFT_PREFIX}model.layers.{layer_idx}.mlp.experts"
     tensors, deltas = {}, {}
     wrapped = [p for p in ("gate_up_proj", "down_proj") if p in params]
     for depth, name in enumerate(wrapped):
         p = specs[name]
+        if counts and name in counts:
+            p = replace(p, experts=counts[name])
         shape = _param_shape(p)
         axis = in_axis or peft_in_axis(p.transposed, version)
         fin, fout = shape[axis], shape[3 - axis]

@@ -388,6 +388,7 @@ def test_from_hf_gpt_oss_120b():
         swiglu_alpha=1.702, swiglu_limit=7.0, rms_norm_eps=1e-5, weight_format="mxfp4",
         quant_exclude=("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"))
     assert MoeConfig.from_hf({**GPT_OSS_120B, "swiglu_limit": 3.5}).swiglu_limit == 3.5
+    assert MoeConfig.from_hf({**GPT_OSS_120B, "swiglu_alpha": 1.5}).swiglu_alpha == 1.5  # transformers >= 5.18 reads it
 
 
 def test_from_hf_longcat_flash():

@@ -25,27 +25,16 @@ from cupymoe.errors import CheckpointError, UnsupportedModelError
 from cupymoe.integrations import transformers as hf
 from cupymoe.verify import well_separated_input
 
+from _hf import ATTENTION
+from _hf import normwise as _normwise
+from _hf import run_block as _run
+from _hf import tiny_model as _model
+
 torch = pytest.importorskip("torch", reason="needs torch (the cross-check runs transformers' modules)")
 transformers = pytest.importorskip("transformers", reason="needs transformers")
 
 FLOAT64_BOUND = 1e-12  # normwise, both sides in float64
 FLOAT32_ROUTING_BOUND = 1e-6  # normwise: float32 routing weights (~6e-8 each) and nothing else
-ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # small: only the MoE blocks run
-
-
-def _model(family, dtype=torch.float64, **overrides):
-    config = {k: v for k, v in testing.hf_config_dict(family, **overrides).items() if k != "architectures"}
-    transformers.logging.set_verbosity_error()
-    cfg = transformers.AutoConfig.for_model(**config, **ATTENTION)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, experts_implementation="eager")
-    with torch.no_grad():  # bf16 values: exact in the float32 HostWeights the loader keeps
-        for p in model.parameters():
-            p.copy_((torch.randn_like(p) * 0.1).to(torch.bfloat16).to(dtype))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_((torch.randn_like(b) * 0.05).to(torch.bfloat16).to(dtype))
-    return model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,21 +55,16 @@ def family_model(request):
 
 
 def _convert(model, ref):
-    config_dict, tensors, prefix = hf.block_tensors(model, ref)
-    cfg, hw = checkpoint.load_layer_from_tensors(config_dict, tensors, prefix)
-    if ref.family == "gpt_oss":  # MoeConfig.from_hf fixes alpha at 1.702; compare with what the module holds
-        cfg = cfg.replace(swiglu_alpha=float(ref.module.experts.alpha))
-    return cfg, hw
+    return checkpoint.load_layer_from_tensors(*hf.block_tensors(model, ref))
 
 
-def _run(block, x):
+def _route_as(monkeypatch, router, routing, x):
+    """The router's forward replaced by one returning `routing` in the form the version's returns:
+    (logits, weights, ids), or (weights, ids) where the router gives two (LongCat before 5.24)."""
     with torch.no_grad():
-        out = block(torch.from_numpy(np.asarray(x).astype(np.float64))[None])
-    return out
-
-
-def _normwise(theirs, ours):
-    return np.linalg.norm(theirs - ours) / np.linalg.norm(ours)
+        arity = len(router(torch.from_numpy(np.asarray(x).astype(np.float64))))
+    parts = [routing.logits, routing.weights, routing.ids][3 - arity:]
+    monkeypatch.setattr(router, "forward", lambda h: tuple(torch.from_numpy(p) for p in parts))
 
 
 def test_finds_every_moe_block(family_model):
@@ -109,10 +93,7 @@ def test_block_matches_reference(family_model, monkeypatch):
 
         # the same block with the reference's float64 routing in place of its router's
         routing = reference.route(cfg, hw, x)
-        router = getattr(ref.module, io.router)
-        monkeypatch.setattr(router, "forward", lambda h: (torch.from_numpy(routing.logits),
-                                                          torch.from_numpy(routing.weights),
-                                                          torch.from_numpy(routing.ids)))
+        _route_as(monkeypatch, getattr(ref.module, io.router), routing, x)
         out = _run(ref.module, x)
         err = _normwise((out[0] if io.returns_tuple else out)[0].numpy(), ours)
         assert err < FLOAT64_BOUND, f"{family} {ref.path}: normwise {err:.3e} with the reference's routing"
@@ -121,10 +102,26 @@ def test_block_matches_reference(family_model, monkeypatch):
 
 def test_router_is_what_transformers_records(family_model):
     family, model = family_model
-    recorded = model.model._can_record_outputs["router_logits"]
+    recorded = model.model._can_record_outputs.get("router_logits")
+    if recorded is None:
+        pytest.skip(f"transformers {transformers.__version__} records no router_logits for {family}")
     target = getattr(recorded, "target_class", recorded)
     for ref in hf.moe_blocks(model):
         assert type(getattr(ref.module, hf.BLOCK_OUTPUT[family].router)) is target
+
+
+def test_block_config_holds_what_the_module_computes():
+    """gpt-oss's swiglu alpha and limit come from the experts module (transformers before 5.18 fixes
+    them whatever config.json says; later ones read the config), so the layer computes what the block does."""
+    model = _model("gpt_oss")
+    ref = hf.moe_blocks(model)[0]
+    with torch.no_grad():
+        ref.module.experts.alpha, ref.module.experts.limit = 1.5, 3.25
+    cfg, _ = _convert(model, ref)
+    assert (cfg.swiglu_alpha, cfg.swiglu_limit) == (1.5, 3.25)
+    qwen = _model("qwen3_moe")
+    config_dict, _, _ = hf.block_tensors(qwen, hf.moe_blocks(qwen)[0])
+    assert "swiglu_limit" not in config_dict
 
 
 def test_block_tensors_share_the_models_memory(family_model):
@@ -231,17 +228,17 @@ def test_stacked_adapter_matches_the_merged_block(family_model, tmp_path, monkey
     assert names.index("gate_up_proj") < names.index("down_proj")
     for name, p in stacked_params(cfg).items():
         assert bool(getattr(experts, "is_transposed", False)) == p.transposed, name
-        want = (p.experts, p.input, p.output) if p.transposed else (p.experts, p.output, p.input)
-        assert tuple(getattr(experts, name).shape) == want, name
-    tensors, deltas = stacked_adapter(cfg, np.random.default_rng(3), "0.20.0", layer_idx=ref.layer_idx)
+        want = (p.input, p.output) if p.transposed else (p.output, p.input)
+        shape = tuple(getattr(experts, name).shape)
+        assert shape[0] in p.counts and shape[1:] == want, name
+    counts = {name: getattr(experts, name).shape[0] for name in stacked_params(cfg)}
+    tensors, deltas = stacked_adapter(cfg, np.random.default_rng(3), "0.20.0", layer_idx=ref.layer_idx, counts=counts)
     lw = load_peft(write_stacked_peft(tmp_path / "a", tensors, "0.20.0"), ref.layer_idx, cfg)
     x = well_separated_input(cfg, hw, np.random.default_rng(4), 37)
     ours = reference.moe_forward(cfg, hw, x, lora={0: lw}, lora_ids=np.zeros(37, np.int32))
     routing = reference.route(cfg, hw, x)
     io = hf.BLOCK_OUTPUT[family]
-    monkeypatch.setattr(getattr(ref.module, io.router), "forward",
-                        lambda h: (torch.from_numpy(routing.logits), torch.from_numpy(routing.weights),
-                                   torch.from_numpy(routing.ids)))
+    _route_as(monkeypatch, getattr(ref.module, io.router), routing, x)
     saved = {name: getattr(experts, name).detach().clone() for name in deltas}
     try:
         with torch.no_grad():

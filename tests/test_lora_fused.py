@@ -177,6 +177,29 @@ def _refused(tmp_path, cfg, tensors, match, version="0.19.1", **config):
         load_peft(write(tmp_path / "r", tensors, version, **config), LAYER, cfg)
 
 
+def test_longcat_gate_up_of_the_routed_experts_alone(tmp_path):
+    """transformers 5.25 sizes LongCat's gate_up_proj for the E routed experts (earlier 5.x: E + Z with
+    the zero experts): an adapter trained on either loads to the same routed experts' factors."""
+    cfg = testing.tiny_config("longcat_flash")
+    E, Ep, r = cfg.num_experts, stacked_params(cfg)["gate_up_proj"].experts, 3
+    assert Ep > E
+    full, _ = make_adapter(cfg, np.random.default_rng(21), "0.19.1", rank=r)
+    inner = f"{PEFT_PREFIX}model.layers.{LAYER}.mlp.experts.base_layer"
+    routed = dict(full)
+    routed[f"{inner}.lora_A.weight"] = full[f"{inner}.lora_A.weight"][:r * E]  # expert-major rows
+    b = full[f"{inner}.lora_B.weight"]
+    routed[f"{inner}.lora_B.weight"] = b.reshape(b.shape[0], r, Ep)[:, :, :E].reshape(b.shape[0], r * E)
+    want = load_peft(write(tmp_path / "full", full, "0.19.1"), LAYER, cfg).modules
+    got = load_peft(write(tmp_path / "routed", routed, "0.19.1"), LAYER, cfg).modules
+    assert want.keys() == got.keys()
+    for k in want:
+        assert np.array_equal(want[k].a, got[k].a) and np.array_equal(want[k].b, got[k].b), k
+    odd = dict(full)
+    odd[f"{inner}.lora_A.weight"] = full[f"{inner}.lora_A.weight"][:r * (E + 1)]
+    odd[f"{inner}.lora_B.weight"] = b[:, :r * (E + 1)]
+    _refused(tmp_path, cfg, odd, rf"do not hold rank {r} for {E} or {Ep} experts")
+
+
 def test_refusals(tmp_path):
     cfg = testing.tiny_config("qwen3_moe")
     rng = np.random.default_rng(14)

@@ -97,7 +97,9 @@ def block_tensors(model: Any, ref: MoeBlockRef) -> tuple[dict[str, Any], dict[st
     """(config_dict, tensors, prefix) for `MoeLayer.from_hf` / `checkpoint.load_layer_from_tensors`.
 
     tensors: the block's state_dict (parameters and persistent buffers, e.g. the correction
-    bias) under `prefix` = `ref.path + "."`: torch tensors sharing the model's memory. Refuses
+    bias) under `prefix` = `ref.path + "."`: torch tensors sharing the model's memory. config_dict:
+    the text config, with the constants the module holds in place of the config's (gpt-oss's
+    swiglu alpha and limit, fixed by transformers before 5.18). Refuses
     a block whose weights are not materialised (offloaded to the meta device) or that carries PEFT
     LoRA wrappers (its base weights would load without the adapter), naming the tensor.
     """
@@ -113,7 +115,20 @@ def block_tensors(model: Any, ref: MoeBlockRef) -> tuple[dict[str, Any], dict[st
             raise CheckpointError(f"{prefix}{name} is on the meta device (offloaded or not loaded): "
                                   "load the model's weights onto the CPU or a GPU first")
         tensors[prefix + name] = t
+    config_dict.update(_module_constants(ref))
     return config_dict, tensors, prefix
+
+
+# Constants a family's experts module holds as attributes, by the config key MoeConfig.from_hf reads:
+# transformers before 5.18 fixes gpt-oss's at 1.702 and 7.0 whatever the config says
+_MODULE_CONSTANTS = {"gpt_oss": {"swiglu_alpha": "alpha", "swiglu_limit": "limit"}}
+
+
+def _module_constants(ref: MoeBlockRef) -> dict[str, float]:
+    """The config keys the block's module overrides: what it computes, not what its config says."""
+    experts = getattr(ref.module, "experts", None)
+    return {key: float(getattr(experts, attr)) for key, attr in _MODULE_CONSTANTS.get(ref.family, {}).items()
+            if isinstance(getattr(experts, attr, None), (int, float))}
 
 
 def replace_moe_blocks(model: Any, *, max_tokens: int, **options: Any) -> int:

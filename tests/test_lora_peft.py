@@ -1,0 +1,184 @@
+"""cupymoe.lora.load_peft against adapters PEFT itself makes and runs (CPU, float64).
+
+tests/_lora.py writes adapters the way PEFT's code reads; here PEFT writes them. For each family a
+tiny transformers model (tests/_hf.py) gets a PEFT LoRA on its router, its shared expert (as modules)
+and its stacked experts (`target_parameters`), random factors, rank_pattern / alpha_pattern / rsLoRA
+where a case asks; `save_pretrained` writes the directory (factors cast to float32, as a float32 or
+bf16 run saves them: load_peft refuses float64, which float32 cannot hold exactly). Then
+
+* the reference with the loaded adapter equals PEFT's own forward of the block and the block after
+  PEFT's `merge_and_unload` (FLOAT32_ROUTING_BOUND: transformers' float32 routing weights);
+* the input's rows route with a clear margin under the adapted router (the adapter may change routing).
+
+Needs torch, transformers and peft (none among the test dependencies: skipped without them; the lent
+GPU's image has all three).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from cupymoe import checkpoint, reference
+from cupymoe.integrations import transformers as hf
+from cupymoe.lora import ADAPTER_WEIGHTS, LoraKey, LoraTarget, load_peft
+from cupymoe.verify import well_separated_input
+
+from _hf import block_rows, normwise, run_block, tiny_model
+from _lora import merged
+
+torch = pytest.importorskip("torch", reason="needs torch")
+transformers = pytest.importorskip("transformers", reason="needs transformers")
+try:
+    import peft
+except Exception as e:  # absent, or not for this transformers (0.17 imports names 5 dropped; 0.21 raises on 5.10)
+    pytest.skip(f"needs peft, importable beside transformers {transformers.__version__} ({e})",
+                allow_module_level=True)
+
+FLOAT32_ROUTING_BOUND = 1e-6  # normwise: float32 routing weights (~6e-8 each) and nothing else
+STACKED = ["experts.gate_up_proj", "experts.down_proj"]
+# family -> (target_modules, target_parameters besides the stacked experts). Routers that are no
+# nn.Linear are adapted as parameters (PEFT refuses them as modules); so are the shared experts: for
+# the families transformers 5 converts from v4 naming, PEFT rewrites any target module ending in
+# gate_proj / up_proj / down_proj into the routed experts' stacked parameters, the shared expert's
+# included (test_v4_style_shared_expert_targets)
+TARGETS = {
+    "qwen3_moe": ([], ["gate.weight"]),
+    "qwen2_moe": ([], ["gate.weight", "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                       "shared_expert.down_proj.weight"]),
+    "qwen3_next": ([], ["gate.weight", "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                        "shared_expert.down_proj.weight"]),
+    "deepseek_v3": ([], ["gate.weight", "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+                         "shared_experts.down_proj.weight"]),
+    "mixtral": ([], ["gate.weight"]),
+    "gpt_oss": ([], ["router.weight"]),
+    # its router reads classifier.weight directly, past PEFT's wrappers: test_linear_router_adapter_follows_the_merge
+    "longcat_flash": ([], []),
+}
+SHARED = {"qwen2_moe", "qwen3_next", "deepseek_v3"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _adapted(family, tmp_path, modules=None, params=None, seed=1, **lora_options):
+    """(cfg, hw, block ref, PEFT model, adapter dir): the family's tiny model with a random PEFT adapter on
+    `modules` and `params` (default: TARGETS') and the stacked experts, saved."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model(family)
+    ref = hf.moe_blocks(model)[0]
+    cfg, hw = checkpoint.load_layer_from_tensors(*hf.block_tensors(model, ref))
+    modules = TARGETS[family][0] if modules is None else modules
+    params = TARGETS[family][1] if params is None else params
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=modules or None, target_parameters=params + STACKED,
+                             init_lora_weights=False, **lora_options)
+    wrapped = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if ".lora_" in name:  # bf16 values: exact in float32
+                p.copy_((torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1).to(torch.bfloat16).to(p.dtype))
+    wrapped.save_pretrained(tmp_path)
+    weights = tmp_path / ADAPTER_WEIGHTS
+    save_file({k: v.float() for k, v in load_file(weights).items()}, weights)
+    return cfg, hw, ref, wrapped, tmp_path
+
+
+def _check(family, tmp_path, **options):
+    """load_peft's adapter in the reference against PEFT's forward and merge; the loaded LoraWeights."""
+    cfg, hw, ref, wrapped, adapter = _adapted(family, tmp_path, **options)
+    lw = load_peft(adapter, ref.layer_idx, cfg)
+    x = well_separated_input(cfg, merged(cfg, hw, lw), np.random.default_rng(4), 37)
+    ours = reference.moe_forward(cfg, hw, x, lora={0: lw}, lora_ids=np.zeros(37, np.int32))
+    base = reference.moe_forward(cfg, hw, x)
+    returns_tuple = hf.BLOCK_OUTPUT[family].returns_tuple
+    assert normwise(base, ours) > 1e-2, "the adapter must move the output for the comparison to mean anything"
+
+    try:
+        unmerged = block_rows(run_block(wrapped.base_model.model.get_submodule(ref.path), x), returns_tuple)
+    except AttributeError as e:  # transformers 5.0 / 5.10 read router attributes past a ParamWrapper
+        pytest.skip(f"PEFT {peft.__version__}'s wrapped block does not run on transformers "
+                    f"{transformers.__version__}: {e}")
+    err = normwise(unmerged, ours)
+    assert err < FLOAT32_ROUTING_BOUND, f"{family}: normwise {err:.3e} against PEFT's forward"
+
+    merged_model = copy.deepcopy(wrapped).merge_and_unload()
+    theirs = block_rows(run_block(merged_model.get_submodule(ref.path), x), returns_tuple)
+    err = normwise(theirs, ours)
+    assert err < FLOAT32_ROUTING_BOUND, f"{family}: normwise {err:.3e} against PEFT's merged block"
+    return lw
+
+
+@pytest.mark.parametrize("family", sorted(TARGETS))
+def test_peft_adapter_matches_peft(family, tmp_path):
+    lw = _check(family, tmp_path)
+    targets = {k.target.value for k in lw.modules}
+    assert targets >= {"gate", "up", "down"} and ("router" in targets) == (family != "longcat_flash")
+    assert {"shared_gate", "shared_up", "shared_down"} <= targets if family in SHARED else not \
+        any(t.startswith("shared_") for t in targets)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_peft_patterns_and_rslora(family, tmp_path):
+    """rank_pattern / alpha_pattern as PEFT matches them: a parameter (router, shared expert) on
+    `<module>.weight`, the stacked experts on `experts.<parameter>`; the first matching key wins."""
+    router = "gate" if family == "qwen2_moe" else "router"
+    lw = _check(family, tmp_path, use_rslora=True,
+                rank_pattern={router: 3, f"{router}.weight": 5, "down_proj": 7, "down_proj.weight": 2},
+                alpha_pattern={"gate_up_proj": 5, "up_proj.weight": 12})
+    ranks = {(k.target.value, k.expert): m.rank for k, m in lw.modules.items()}
+    assert ranks[("router", None)] == 5 and ranks[("down", 0)] == 7 and ranks[("gate", 0)] == 4
+    if family == "qwen2_moe":
+        assert ranks[("shared_down", None)] == 2 and ranks[("shared_up", None)] == 4
+
+
+@pytest.mark.parametrize("how", ["module", "parameter"])
+def test_linear_router_adapter_follows_the_merge(how, tmp_path):
+    """LongCat's router reads its classifier's weight directly (F.linear on classifier.weight), so PEFT's
+    unmerged forward skips a LoRA on the classifier, as a module or as a parameter, while its merge
+    applies it: load_peft serves the merge's math (the adapter as PEFT defines it)."""
+    model = tiny_model("longcat_flash")
+    ref = hf.moe_blocks(model)[0]
+    cfg, hw = checkpoint.load_layer_from_tensors(*hf.block_tensors(model, ref))
+    target = dict(target_modules=["router.classifier"]) if how == "module" else \
+        dict(target_parameters=["router.classifier.weight"])
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **target))
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if ".lora_" in name:
+                p.copy_((torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1).to(torch.bfloat16).to(p.dtype))
+    from safetensors.torch import load_file, save_file
+
+    wrapped.save_pretrained(tmp_path)
+    save_file({k: v.float() for k, v in load_file(tmp_path / ADAPTER_WEIGHTS).items()}, tmp_path / ADAPTER_WEIGHTS)
+    lw = load_peft(tmp_path, ref.layer_idx, cfg)
+    x = well_separated_input(cfg, merged(cfg, hw, lw), np.random.default_rng(4), 37)
+    ours = reference.moe_forward(cfg, hw, x, lora={0: lw}, lora_ids=np.zeros(37, np.int32))
+    assert set(lw.modules) == {LoraKey(LoraTarget.ROUTER)}
+    theirs = block_rows(run_block(wrapped.merge_and_unload().get_submodule(ref.path), x), False)
+    assert normwise(theirs, ours) < FLOAT32_ROUTING_BOUND
+
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_v4_style_shared_expert_targets(family, tmp_path):
+    """The shared expert named as modules (nn.Linear wrappers). For a family transformers 5 converts
+    from v4 naming (deepseek_v3; qwen2_moe in early 5.x), PEFT from 0.19 rewrites those targets into the
+    routed experts' stacked parameters (gate_up at rank 2r and alpha 2 alpha, by rank_pattern /
+    alpha_pattern) and adapts no shared expert; otherwise the shared expert's modules are adapted.
+    Either way load_peft reads the saved config and follows PEFT's forward."""
+    shared = [f"{'shared_experts' if family == 'deepseek_v3' else 'shared_expert'}.{p}_proj"
+              for p in ("gate", "up", "down")]
+    lw = _check(family, tmp_path, modules=shared, params=[])
+    targets = {k.target.value for k in lw.modules}
+    if "shared_gate" not in targets:  # rewritten
+        assert targets == {"gate", "up", "down"} and lw.get(LoraTarget.GATE, 0).rank == 8
