@@ -100,6 +100,28 @@ def test_block_matches_reference(family_model, monkeypatch):
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("original", [True, False], ids=["hub", "stacked"])
+def test_checkpoint_transformers_writes(family_model, tmp_path, original):
+    """What save_pretrained writes (the hub's per-expert format by default; transformers 5's stacked
+    one with save_original_format=False) loads with checkpoint.load_layer to the block's own output."""
+    family, model = family_model
+    ref = hf.moe_blocks(model)[0]
+    try:
+        model.save_pretrained(tmp_path, save_original_format=original)
+    except TypeError:  # a version without the option writes its one format
+        if not original:
+            pytest.skip(f"transformers {transformers.__version__} has no save_original_format")
+        model.save_pretrained(tmp_path)
+    cfg, hw = checkpoint.load_layer(tmp_path, ref.layer_idx)
+    if family == "gpt_oss":  # transformers < 5.18 computes with 1.702 / 7.0 whatever config.json says
+        cfg = cfg.replace(swiglu_alpha=float(ref.module.experts.alpha), swiglu_limit=float(ref.module.experts.limit))
+    x = well_separated_input(cfg, hw, np.random.default_rng(5), 23)
+    out = _run(ref.module, x)
+    theirs = (out[0] if hf.BLOCK_OUTPUT[family].returns_tuple else out)[0].numpy()
+    bound = FLOAT64_BOUND if family == "gpt_oss" else FLOAT32_ROUTING_BOUND
+    assert _normwise(theirs, reference.moe_forward(cfg, hw, x)) < bound, family
+
+
 def test_router_is_what_transformers_records(family_model):
     family, model = family_model
     recorded = model.model._can_record_outputs.get("router_logits")
