@@ -103,15 +103,18 @@ def test_block_matches_reference(family_model, monkeypatch):
 @pytest.mark.parametrize("original", [True, False], ids=["hub", "stacked"])
 def test_checkpoint_transformers_writes(family_model, tmp_path, original):
     """What save_pretrained writes (the hub's per-expert format by default; transformers 5's stacked
-    one with save_original_format=False) loads with checkpoint.load_layer to the block's own output."""
+    one with save_original_format=False), in shards with their index, loads with checkpoint.load_layer
+    to the block's own output."""
     family, model = family_model
     ref = hf.moe_blocks(model)[0]
+    shards = dict(max_shard_size="64KB")
     try:
-        model.save_pretrained(tmp_path, save_original_format=original)
+        model.save_pretrained(tmp_path, save_original_format=original, **shards)
     except TypeError:  # a version without the option writes its one format
         if not original:
             pytest.skip(f"transformers {transformers.__version__} has no save_original_format")
-        model.save_pretrained(tmp_path)
+        model.save_pretrained(tmp_path, **shards)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1 and (tmp_path / checkpoint.INDEX_FILE).is_file()
     cfg, hw = checkpoint.load_layer(tmp_path, ref.layer_idx)
     if family == "gpt_oss":  # transformers < 5.18 computes with 1.702 / 7.0 whatever config.json says
         cfg = cfg.replace(swiglu_alpha=float(ref.module.experts.alpha), swiglu_limit=float(ref.module.experts.limit))
