@@ -4,6 +4,7 @@ on numpy rows, the normwise distance (CPU; the callers importorskip torch and tr
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from cupymoe import testing
 
@@ -29,6 +30,18 @@ def tiny_model(family: str, dtype=None, **overrides):
             if name.endswith("e_score_correction_bias"):
                 b.copy_((torch.randn_like(b) * 0.05).to(torch.bfloat16).to(dtype))
     return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny float64 ops: a second intra-op thread only waits (32 ms a linear instead of 60 us on 2 cores).
+    Autouse in a test module that imports it."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def run_block(block, x: np.ndarray):

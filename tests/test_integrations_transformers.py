@@ -27,6 +27,7 @@ from cupymoe.verify import well_separated_input
 
 from _hf import ATTENTION
 from _hf import normwise as _normwise
+from _hf import one_torch_thread  # noqa: F401 (autouse: one intra-op thread)
 from _hf import run_block as _run
 from _hf import tiny_model as _model
 
@@ -35,15 +36,6 @@ transformers = pytest.importorskip("transformers", reason="needs transformers")
 
 FLOAT64_BOUND = 1e-12  # normwise, both sides in float64
 FLOAT32_ROUTING_BOUND = 1e-6  # normwise: float32 routing weights (~6e-8 each) and nothing else
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny float64 ops: a second intra-op thread only waits (32 ms a linear instead of 60 us on 2 cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 MOE_LAYERS = {"deepseek_v3": [1, 2], "qwen3_next": [0, 1, 2, 3]}  # DeepSeek's layer 0 is dense

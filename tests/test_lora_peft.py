@@ -1,10 +1,11 @@
 """cupymoe.lora.load_peft against adapters PEFT itself makes and runs (CPU, float64).
 
 tests/_lora.py writes adapters the way PEFT's code reads; here PEFT writes them. For each family a
-tiny transformers model (tests/_hf.py) gets a PEFT LoRA on its router, its shared expert (as modules)
-and its stacked experts (`target_parameters`), random factors, rank_pattern / alpha_pattern / rsLoRA
-where a case asks; `save_pretrained` writes the directory (factors cast to float32, as a float32 or
-bf16 run saves them: load_peft refuses float64, which float32 cannot hold exactly). Then
+tiny transformers model (tests/_hf.py) gets a PEFT LoRA on its router, its shared expert and its
+stacked experts (`target_parameters`; modules where a case asks), random factors, rank_pattern /
+alpha_pattern / rsLoRA where a case asks; `save_pretrained` writes the directory (factors cast to
+float32, as a float32 or bf16 run saves them: load_peft refuses float64, which float32 cannot hold
+exactly). Then
 
 * the reference with the loaded adapter equals PEFT's own forward of the block and the block after
   PEFT's `merge_and_unload` (FLOAT32_ROUTING_BOUND: transformers' float32 routing weights);
@@ -27,6 +28,7 @@ from cupymoe.lora import ADAPTER_WEIGHTS, LoraKey, LoraTarget, load_peft
 from cupymoe.verify import well_separated_input
 
 from _hf import block_rows, normwise, run_block, tiny_model
+from _hf import one_torch_thread  # noqa: F401 (autouse: one intra-op thread)
 from _lora import merged
 
 torch = pytest.importorskip("torch", reason="needs torch")
@@ -39,46 +41,32 @@ except Exception as e:  # absent, or not for this transformers (0.17 imports nam
 
 FLOAT32_ROUTING_BOUND = 1e-6  # normwise: float32 routing weights (~6e-8 each) and nothing else
 STACKED = ["experts.gate_up_proj", "experts.down_proj"]
-# family -> (target_modules, target_parameters besides the stacked experts). Routers that are no
-# nn.Linear are adapted as parameters (PEFT refuses them as modules); so are the shared experts: for
-# the families transformers 5 converts from v4 naming, PEFT rewrites any target module ending in
-# gate_proj / up_proj / down_proj into the routed experts' stacked parameters, the shared expert's
-# included (test_v4_style_shared_expert_targets)
-TARGETS = {
-    "qwen3_moe": ([], ["gate.weight"]),
-    "qwen2_moe": ([], ["gate.weight", "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
-                       "shared_expert.down_proj.weight"]),
-    "qwen3_next": ([], ["gate.weight", "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
-                        "shared_expert.down_proj.weight"]),
-    "deepseek_v3": ([], ["gate.weight", "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
-                         "shared_experts.down_proj.weight"]),
-    "mixtral": ([], ["gate.weight"]),
-    "gpt_oss": ([], ["router.weight"]),
+# family -> the router's and shared expert's weights, adapted as parameters: a router that is no nn.Linear
+# must be (PEFT refuses it as a module); a shared expert named as modules is rewritten by PEFT for the
+# families transformers 5 converts from v4 naming (test_v4_style_shared_expert_targets)
+ROUTER_AND_SHARED = {
+    "qwen3_moe": ["gate.weight"],
+    "qwen2_moe": ["gate.weight"] + [f"shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")],
+    "qwen3_next": ["gate.weight"] + [f"shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")],
+    "deepseek_v3": ["gate.weight"] + [f"shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")],
+    "mixtral": ["gate.weight"],
+    "gpt_oss": ["router.weight"],
     # its router reads classifier.weight directly, past PEFT's wrappers: test_linear_router_adapter_follows_the_merge
-    "longcat_flash": ([], []),
+    "longcat_flash": [],
 }
-SHARED = {"qwen2_moe", "qwen3_next", "deepseek_v3"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _adapted(family, tmp_path, modules=None, params=None, seed=1, **lora_options):
-    """(cfg, hw, block ref, PEFT model, adapter dir): the family's tiny model with a random PEFT adapter on
-    `modules` and `params` (default: TARGETS') and the stacked experts, saved."""
+def _adapted(family, tmp_path, modules=(), params=None, seed=1, **lora_options):
+    """(cfg, hw, block ref, PEFT model): the family's tiny model with a random PEFT adapter on target
+    `modules` and target `params` (default: ROUTER_AND_SHARED's and the stacked experts), saved in
+    `tmp_path`."""
     from safetensors.torch import load_file, save_file
 
     model = tiny_model(family)
     ref = hf.moe_blocks(model)[0]
     cfg, hw = checkpoint.load_layer_from_tensors(*hf.block_tensors(model, ref))
-    modules = TARGETS[family][0] if modules is None else modules
-    params = TARGETS[family][1] if params is None else params
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=modules or None, target_parameters=params + STACKED,
+    params = ROUTER_AND_SHARED[family] + STACKED if params is None else params
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(modules) or None, target_parameters=params or None,
                              init_lora_weights=False, **lora_options)
     wrapped = peft.get_peft_model(model, config)
     gen = torch.Generator().manual_seed(seed)
@@ -89,15 +77,20 @@ def _adapted(family, tmp_path, modules=None, params=None, seed=1, **lora_options
     wrapped.save_pretrained(tmp_path)
     weights = tmp_path / ADAPTER_WEIGHTS
     save_file({k: v.float() for k, v in load_file(weights).items()}, weights)
-    return cfg, hw, ref, wrapped, tmp_path
+    return cfg, hw, ref, wrapped
+
+
+def _ours(cfg, hw, lw, n=37):
+    """(x, the reference's output with the adapter): rows that route with a clear margin under it."""
+    x = well_separated_input(cfg, merged(cfg, hw, lw), np.random.default_rng(4), n)
+    return x, reference.moe_forward(cfg, hw, x, lora={0: lw}, lora_ids=np.zeros(n, np.int32))
 
 
 def _check(family, tmp_path, **options):
     """load_peft's adapter in the reference against PEFT's forward and merge; the loaded LoraWeights."""
-    cfg, hw, ref, wrapped, adapter = _adapted(family, tmp_path, **options)
-    lw = load_peft(adapter, ref.layer_idx, cfg)
-    x = well_separated_input(cfg, merged(cfg, hw, lw), np.random.default_rng(4), 37)
-    ours = reference.moe_forward(cfg, hw, x, lora={0: lw}, lora_ids=np.zeros(37, np.int32))
+    cfg, hw, ref, wrapped = _adapted(family, tmp_path, **options)
+    lw = load_peft(tmp_path, ref.layer_idx, cfg)
+    x, ours = _ours(cfg, hw, lw)
     base = reference.moe_forward(cfg, hw, x)
     returns_tuple = hf.BLOCK_OUTPUT[family].returns_tuple
     assert normwise(base, ours) > 1e-2, "the adapter must move the output for the comparison to mean anything"
@@ -117,13 +110,13 @@ def _check(family, tmp_path, **options):
     return lw
 
 
-@pytest.mark.parametrize("family", sorted(TARGETS))
+@pytest.mark.parametrize("family", sorted(ROUTER_AND_SHARED))
 def test_peft_adapter_matches_peft(family, tmp_path):
     lw = _check(family, tmp_path)
     targets = {k.target.value for k in lw.modules}
-    assert targets >= {"gate", "up", "down"} and ("router" in targets) == (family != "longcat_flash")
-    assert {"shared_gate", "shared_up", "shared_down"} <= targets if family in SHARED else not \
-        any(t.startswith("shared_") for t in targets)
+    router = {"router"} if ROUTER_AND_SHARED[family] else set()
+    shared = {"shared_gate", "shared_up", "shared_down"} if len(ROUTER_AND_SHARED[family]) > 1 else set()
+    assert targets == {"gate", "up", "down"} | router | shared
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
@@ -145,28 +138,14 @@ def test_linear_router_adapter_follows_the_merge(how, tmp_path):
     """LongCat's router reads its classifier's weight directly (F.linear on classifier.weight), so PEFT's
     unmerged forward skips a LoRA on the classifier, as a module or as a parameter, while its merge
     applies it: load_peft serves the merge's math (the adapter as PEFT defines it)."""
-    model = tiny_model("longcat_flash")
-    ref = hf.moe_blocks(model)[0]
-    cfg, hw = checkpoint.load_layer_from_tensors(*hf.block_tensors(model, ref))
-    target = dict(target_modules=["router.classifier"]) if how == "module" else \
-        dict(target_parameters=["router.classifier.weight"])
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **target))
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in wrapped.named_parameters():
-            if ".lora_" in name:
-                p.copy_((torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1).to(torch.bfloat16).to(p.dtype))
-    from safetensors.torch import load_file, save_file
-
-    wrapped.save_pretrained(tmp_path)
-    save_file({k: v.float() for k, v in load_file(tmp_path / ADAPTER_WEIGHTS).items()}, tmp_path / ADAPTER_WEIGHTS)
+    target = dict(modules=["router.classifier"], params=[]) if how == "module" else \
+        dict(params=["router.classifier.weight"])
+    cfg, hw, ref, wrapped = _adapted("longcat_flash", tmp_path, seed=2, **target)
     lw = load_peft(tmp_path, ref.layer_idx, cfg)
-    x = well_separated_input(cfg, merged(cfg, hw, lw), np.random.default_rng(4), 37)
-    ours = reference.moe_forward(cfg, hw, x, lora={0: lw}, lora_ids=np.zeros(37, np.int32))
     assert set(lw.modules) == {LoraKey(LoraTarget.ROUTER)}
+    x, ours = _ours(cfg, hw, lw)
     theirs = block_rows(run_block(wrapped.merge_and_unload().get_submodule(ref.path), x), False)
     assert normwise(theirs, ours) < FLOAT32_ROUTING_BOUND
-
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
