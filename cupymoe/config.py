@@ -11,6 +11,7 @@ accepts all the spellings a family's config class accepts.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import numbers
 from dataclasses import dataclass, fields
@@ -301,13 +302,18 @@ def _patterns(value: Any, key: str) -> tuple[str, ...]:
     raise ConfigError(f"quantization_config.{key}={value!r}: expected a list of module-name patterns")
 
 
+def _enum_value(v: Any) -> Any:
+    """A string enum's value (a loaded model's config.to_dict() keeps transformers' QuantizationMethod.FP8)."""
+    return v.value if isinstance(v, enum.Enum) else v
+
+
 def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
     q = cfg.get("quantization_config")
     if not q:
         return "bf16", ()
     if not isinstance(q, Mapping):
         raise ConfigError(f"quantization_config={q!r}: expected an object")
-    method = str(q.get("quant_method", "")).lower()
+    method = str(_enum_value(q.get("quant_method", ""))).lower()
     if method == "fp8":
         block = q.get("weight_block_size")
         if not isinstance(block, (list, tuple)) or list(block) != [128, 128]:
@@ -316,7 +322,7 @@ def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
     if method == "modelopt":
         if q.get("quant_algo") is None:  # an export that quantizes only the KV cache: weights as stored
             return "bf16", ()
-        algo = str(q.get("quant_algo")).upper()
+        algo = str(_enum_value(q.get("quant_algo"))).upper()
         if algo != "NVFP4":
             raise ConfigError(f"quantization_config.quant_algo={algo!r}: only NVFP4 ModelOpt checkpoints are supported")
         gs = q.get("group_size", 16)

@@ -25,8 +25,8 @@ vLLM's FusedMoE and gpt_oss.py:
 
 Block fp8 stacks carry `<name>_scale_inv`, split like the weight where each half has its own row
 blocks ([E, 2 * ceil(I/128), ceil(H/128)]: vLLM's block fp8; transformers' FP8Experts where I is a
-multiple of 128). FP8Experts quantizes [gate; up] whole (ceil(2I/128) row blocks): another count is
-refused by its shape, the same count (I mod 128 in (64, 128)) by name, as its blocks straddle.
+multiple of 128). FP8Experts quantizes [gate; up] whole (ceil(2I/128) row blocks, one straddling the
+halves where I is no multiple of 128): refused by name, as no split serves it.
 Routers, correction biases and shared experts keep their hub names in both (the loader reads
 them as usual). transformers 5 also moves Mixtral's block from `block_sparse_moe.` to `mlp.`
 (`save_pretrained(save_original_format=False)` writes it so): `layer_prefix_in` finds either.
@@ -135,19 +135,14 @@ def plan_stacked_experts(P: _Planner, cfg: MoeConfig, prefix: str) -> Optional[d
                 f"holds only {_summary(found[stacked[0]])} under {base!r}")
     # transformers sizes LongCat's gate_up_proj for the zero experts too (it never reads those rows)
     rows = (E, E + cfg.zero_expert_num)
+    if layout is TRANSFORMERS:
+        _refuse_straddling_scales(P.src, base + layout.gate_up, I)
     # each half keeps its own 128-row scale blocks (vLLM: 2 * ceil(I / 128)), else no split exists
     gate_up = _StackedLinear(P, base + layout.gate_up, rows, 2 * I, H, scale_rows=2 * _ceil_div(I, FP8_BLOCK))
     down = _StackedLinear(P, base + layout.down, (E,), H, I)
     if gate_up.lin.fmt == "fp8_block" and layout.interleaved:
         raise CheckpointError(f"{gate_up.name}: gate and up rows alternate, so they share fp8 scale blocks "
                               "and cannot be split; load the hub checkpoint instead")
-    if gate_up.lin.fmt == "fp8_block" and layout is TRANSFORMERS and I % FP8_BLOCK > FP8_BLOCK // 2:
-        # transformers' FP8Experts quantizes [gate; up] whole: ceil(2I / 128) row blocks, one straddling
-        # the halves where I is no multiple of 128; the split needs each half's own, 2 ceil(I / 128).
-        # With I mod 128 in (64, 128) the two counts are equal, so the shape cannot tell them apart
-        raise CheckpointError(f"{gate_up.name}: intermediate size {I} (mod {FP8_BLOCK} = {I % FP8_BLOCK}): its "
-                              f"{_ceil_div(2 * I, FP8_BLOCK)} fp8 scale row blocks may straddle gate and up "
-                              "(transformers' FP8Experts), which cannot be split; load the hub checkpoint instead")
     split_at = {"w": I, "q": I, "scale_inv": _ceil_div(I, FP8_BLOCK)}  # where the up half starts, per part
 
     def read_halves() -> tuple[Any, Any]:
@@ -168,6 +163,20 @@ def plan_stacked_experts(P: _Planner, cfg: MoeConfig, prefix: str) -> Optional[d
         readers["up_bias"] = lambda: bias_halves()[1]
         readers["down_bias"] = P.vector(base + layout.down_bias, (E, H))
     return readers
+
+
+def _refuse_straddling_scales(src: _Source, name: str, I: int) -> None:
+    """transformers' FP8Experts quantizes [gate; up] whole: ceil(2I / 128) row blocks, one straddling the
+    halves where I is no multiple of 128, which no split serves (the halves need 2 ceil(I / 128) of their
+    own). With I mod 128 in (64, 128) the two counts are equal, so any such stack is refused; with I mod
+    128 in (0, 64] the stored count tells."""
+    if I % FP8_BLOCK == 0 or not src.has(name + SCALE):
+        return
+    whole, stored = _ceil_div(2 * I, FP8_BLOCK), src.shape(name + SCALE)
+    if I % FP8_BLOCK > FP8_BLOCK // 2 or (len(stored) == 3 and stored[1] == whole):
+        raise CheckpointError(f"{name}: intermediate size {I} (mod {FP8_BLOCK} = {I % FP8_BLOCK}): its {whole} "
+                              "fp8 scale row blocks may straddle gate and up (transformers' FP8Experts), which "
+                              "cannot be split; load the hub checkpoint instead")
 
 
 def _split(a: np.ndarray, n: int, interleaved: bool) -> tuple[np.ndarray, np.ndarray]:

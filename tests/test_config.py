@@ -363,6 +363,18 @@ def test_from_hf_refuses_mistyped_values_naming_the_key():
     assert MoeConfig.from_hf({**QWEN3_30B_A3B, "num_experts": 128.0}, 3).num_experts == 128
 
 
+def test_from_hf_quant_method_as_a_string_enum():
+    """A loaded model's config.to_dict() keeps transformers' QuantizationMethod enum (a str subclass whose
+    str() is 'QuantizationMethod.FP8'): its value is what counts."""
+    import enum
+
+    class QuantizationMethod(str, enum.Enum):
+        FP8 = "fp8"
+
+    q = {"quant_method": QuantizationMethod.FP8, "weight_block_size": (128, 128)}
+    assert MoeConfig.from_hf({**DEEPSEEK_V3, "quantization_config": q}, 3).weight_format == "fp8_block"
+
+
 def test_from_hf_exclude_list_given_as_one_string_is_one_pattern():
     q = {"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": "lm_head"}
     assert MoeConfig.from_hf({**DEEPSEEK_V3, "quantization_config": q}, 3).quant_exclude == ("lm_head",)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupymoe import checkpoint, hf_layouts, reference, testing
+from cupymoe import checkpoint, formats, hf_layouts, reference, testing
 from cupymoe.errors import CheckpointError, UnsupportedModelError
 from cupymoe.integrations import transformers as hf
 from cupymoe.verify import well_separated_input
@@ -115,6 +115,56 @@ def test_checkpoint_transformers_writes(family_model, tmp_path, original):
     theirs = (out[0] if hf.BLOCK_OUTPUT[family].returns_tuple else out)[0].numpy()
     bound = FLOAT64_BOUND if family == "gpt_oss" else FLOAT32_ROUTING_BOUND
     assert _normwise(theirs, reference.moe_forward(cfg, hw, x)) < bound, family
+
+
+def _fp8_model(family, monkeypatch, tmp_path, hidden, inter):
+    """The family's tiny model quantized by transformers' own FineGrainedFP8 quantizer on load (its GPU
+    check patched away: the quantization is torch code that runs on the CPU)."""
+    from transformers.quantizers import quantizer_finegrained_fp8 as fp8q
+
+    monkeypatch.setattr(fp8q.FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
+    sizes = dict(hidden_size=hidden, **{"intermediate_size" if family == "mixtral" else "moe_intermediate_size": inter})
+    _model(family, torch.bfloat16, **sizes).save_pretrained(tmp_path / "bf16")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "bf16", quantization_config=transformers.FineGrainedFP8Config(), dtype=torch.bfloat16,
+        device_map="cpu")
+
+
+def _dequantized(codes, scale_inv):
+    """[E, rows, cols] e4m3 codes times their 128 x 128 block scales, float32."""
+    q, s = codes.detach().float(), scale_inv.detach().float()
+    rows, cols = q.shape[1], q.shape[2]
+    return (q * s.repeat_interleave(128, 1)[:, :rows].repeat_interleave(128, 2)[:, :, :cols]).numpy()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
+def test_fp8_checkpoints_transformers_quantizes_and_writes(family, monkeypatch, tmp_path):
+    """transformers' FineGrainedFP8 model (FP8Experts: [gate; up] quantized whole): its parameters in memory
+    (block_tensors) and what save_pretrained writes in both formats load as fp8_block whose dequantized
+    gate, up and down are the module's, bit for bit; at I = 320 (a scale block straddling gate and up) the
+    stack is refused by name."""
+    model = _fp8_model(family, monkeypatch, tmp_path, 384, 256)
+    ref = hf.moe_blocks(model)[0]
+    experts = ref.module.experts
+    gate_up = _dequantized(experts.gate_up_proj, experts.gate_up_proj_scale_inv)
+    down = _dequantized(experts.down_proj, experts.down_proj_scale_inv)
+    loads = {"memory": lambda: checkpoint.load_layer_from_tensors(*hf.block_tensors(model, ref))}
+    for original in (True, False):
+        path = tmp_path / ("hub" if original else "stacked")
+        model.save_pretrained(path, save_original_format=original)
+        loads[path.name] = lambda path=path: checkpoint.load_layer(path, ref.layer_idx)
+    for where, load in loads.items():
+        cfg, hw = load()
+        assert cfg.weight_format == "fp8_block", where
+        E, I = cfg.num_experts, cfg.moe_intermediate_size
+        for name, got, want in (("gate", hw.gate, gate_up[:E, :I]), ("up", hw.up, gate_up[:E, I:]),
+                                ("down", hw.down, down[:E])):
+            assert np.array_equal(formats.dequantize(got, np.float32), want), f"{where} {name}"
+    straddling = _fp8_model(family, monkeypatch, tmp_path / "320", 384, 320)
+    ref = hf.moe_blocks(straddling)[0]
+    with pytest.raises(CheckpointError, match=r"intermediate size 320 \(mod 128 = 64\): its 5 fp8 scale row blocks "
+                                              r"may straddle gate and up"):
+        checkpoint.load_layer_from_tensors(*hf.block_tensors(straddling, ref))
 
 
 def test_router_is_what_transformers_records(family_model):
