@@ -4,7 +4,8 @@ The GPU tests compare the kernels with cupymoe.reference; this checks the refere
 against the modelling code users run. Each family's tiny layer is written as a hub checkpoint
 (checkpoint.save_layer), loaded back by cupymoe (load_layer) and by transformers
 (AutoModelForCausalLM.from_pretrained in float64, eager experts), and the layer's MLP module
-runs on the same input as reference.moe_forward. LongCat's module is filled by hand:
+runs on the same input as reference.moe_forward; quantized checkpoints (block fp8, gpt-oss's mxfp4)
+the same way through transformers' own dequantizing loaders. LongCat's module is filled by hand:
 transformers 5.24 sizes its fused gate_up_proj for the routed and the zero experts (E + Z)
 while the hub layout holds the E routed ones, so from_pretrained refuses the checkpoint.
 
@@ -84,3 +85,41 @@ def test_reference_matches_transformers_moe_block(tmp_path, family):
     ours = reference.moe_forward(got_cfg, got_hw, x)
     err = np.linalg.norm(theirs - ours) / np.linalg.norm(ours)
     assert err < FLOAT32_ROUTING_BOUND, f"{family} ({type(block).__name__}): normwise {err:.3e}"
+
+
+# fp8_block hub checkpoints of every family that has them in the wild or could, and gpt-oss's mxfp4
+QUANTIZED = [(f, "fp8_block") for f in testing.FAMILIES if f != "gpt_oss"] + [("gpt_oss", "mxfp4")]
+
+
+@pytest.mark.parametrize("family, fmt", QUANTIZED)
+def test_quantized_checkpoint_read_as_transformers_reads_it(tmp_path, family, fmt):
+    """A quantized hub checkpoint (checkpoint.save_layer: block fp8 with weight_scale_inv, gpt-oss's
+    mxfp4 blocks and scales) loaded by transformers with its quantizer's dequantize=True on the CPU
+    (in float64; mxfp4 dequantizes its experts into bf16, where its values are exact, cast back) computes
+    what the reference does on the weights cupymoe reads: codes, scales and layouts mean the same to both."""
+    from test_checkpoint import QCONFIGS
+
+    rng = np.random.default_rng(12)
+    sizes = {"hidden_size": 256} if fmt == "fp8_block" else {}  # two 128-column scale blocks
+    cfg = testing.tiny_config(family, **sizes)
+    hw = testing.random_host_weights(cfg, rng, fmt)
+    layer = 1 if family == "deepseek_v3" else 0
+    config = testing.hf_config_dict(family, **sizes)
+    config["quantization_config"] = dict(QCONFIGS[fmt])
+    checkpoint.save_layer(tmp_path, config, layer, hw)
+    got_cfg, got_hw = checkpoint.load_layer(tmp_path, layer)
+    quantizer = transformers.Mxfp4Config if fmt == "mxfp4" else transformers.FineGrainedFP8Config
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=quantizer(dequantize=True), device_map="cpu", experts_implementation="eager",
+        dtype=torch.float64).double()
+    block = model.model.layers[layer].mlp
+    if family == "gpt_oss":  # as above: the constants the module holds
+        got_cfg = got_cfg.replace(swiglu_alpha=float(block.experts.alpha), swiglu_limit=float(block.experts.limit))
+    x = well_separated_input(got_cfg, got_hw, rng, 37)
+    with torch.no_grad():
+        out = block(torch.from_numpy(np.asarray(x).astype(np.float64))[None])
+    theirs = (out[0] if isinstance(out, tuple) else out)[0].numpy()
+    ours = reference.moe_forward(got_cfg, got_hw, x)
+    err = np.linalg.norm(theirs - ours) / np.linalg.norm(ours)
+    assert err < FLOAT32_ROUTING_BOUND, f"{family} {fmt} ({type(block).__name__}): normwise {err:.3e}"
