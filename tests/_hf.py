@@ -59,3 +59,40 @@ def block_rows(out, returns_tuple: bool) -> np.ndarray:
 
 def normwise(theirs: np.ndarray, ours: np.ndarray) -> float:
     return float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours))
+
+
+# PEFT adapters (tests/test_lora_peft.py, test_gpu_torch.py): the stacked experts' parameters, and per family
+# the router's and shared expert's weights as parameters: a router that is no nn.Linear must be adapted so
+# (PEFT refuses it as a module); a shared expert named as modules is rewritten by PEFT for the families
+# transformers 5 converts from v4 naming (test_lora_peft.py::test_v4_style_shared_expert_targets)
+PEFT_STACKED = ["experts.gate_up_proj", "experts.down_proj"]
+_SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "deepseek_v3": "shared_experts"}
+PEFT_ROUTER_AND_SHARED = {
+    family: ([] if family == "longcat_flash" else ["router.weight" if family == "gpt_oss" else "gate.weight"])
+    + [f"{_SHARED[family]}.{p}_proj.weight" for p in ("gate", "up", "down") if family in _SHARED]
+    # longcat's router reads classifier.weight directly, past PEFT's wrappers (test_linear_router_...)
+    for family in testing.FAMILIES
+}
+
+
+def random_peft_adapter(model, path, params, modules=(), seed=1, size=0.1, **lora_options):
+    """`model` wrapped by PEFT (r 4, lora_alpha 8) on target `params` and `modules`, random bf16-valued
+    factors (exact in float32), saved to `path` as float32 (load_peft refuses float64); the PEFT model."""
+    import peft
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from cupymoe.lora import ADAPTER_WEIGHTS
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(modules) or None,
+                             target_parameters=list(params) or None, init_lora_weights=False, **lora_options)
+    wrapped = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if ".lora_" in name:
+                p.copy_((torch.randn(p.shape, generator=gen, dtype=p.dtype) * size).to(torch.bfloat16).to(p.dtype))
+    wrapped.save_pretrained(path)
+    weights = path / ADAPTER_WEIGHTS
+    save_file({k: v.float().contiguous() for k, v in load_file(weights).items()}, weights)
+    return wrapped

@@ -164,6 +164,50 @@ def test_a_loaded_transformers_model_with_its_moe_blocks_replaced(family, rng):
     print(f"{family}: {len(refs)} blocks, logits normwise {err:.2e} (bf16 block I/O alone {rounded:.2e})")
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_a_replaced_model_with_peft_s_own_adapter_gives_peft_s_logits(family, tmp_path):
+    """An adapter PEFT itself makes (router, shared expert and stacked experts, tests/_hf.py) on a tiny
+    float32 model: the replaced model with it loaded (load_lora) and two sequences in one batch, one on
+    the adapter and one on -1, gives PEFT's merged model's logits for the first and the base model's for
+    the second, within the bound of the base test above (3e-2, or twice what rounding the blocks' input
+    and output to bf16 alone does in either model)."""
+    pytest.importorskip("transformers")
+    try:
+        import peft  # noqa: F401
+    except Exception as e:  # absent, or not for this transformers
+        pytest.skip(f"needs peft ({e})")
+    from _hf import PEFT_ROUTER_AND_SHARED, PEFT_STACKED, random_peft_adapter, tiny_model
+    from cupymoe.integrations.transformers import load_lora, moe_blocks, replace_moe_blocks, set_lora_ids
+
+    base = tiny_model(family, torch.float32).cuda().eval()
+    ids = torch.randint(0, base.config.vocab_size, (2, 9), device="cuda")
+    with torch.no_grad():
+        want_base = base(ids).logits.float()
+        rounded_base = _logits_error_with(base, ids, want_base, moe_blocks(base),
+                                          lambda ref: _RoundedIO(ref.module.forward))
+    # factors of 0.2: the logits move by 0.25 (qwen2_moe) / 0.5 (gpt_oss) normwise on the CPU, past the bound
+    adapted = random_peft_adapter(tiny_model(family, torch.float32), tmp_path / "a",
+                                  PEFT_ROUTER_AND_SHARED[family] + PEFT_STACKED, size=0.2)
+    adapted = adapted.merge_and_unload().cuda().eval()
+    with torch.no_grad():
+        want_adapted = adapted(ids).logits.float()
+        rounded_adapted = _logits_error_with(adapted, ids, want_adapted, moe_blocks(adapted),
+                                             lambda ref: _RoundedIO(ref.module.forward))
+    assert replace_moe_blocks(base, max_tokens=64, max_loras=2, max_lora_rank=4) > 0
+    assert load_lora(base, 1, tmp_path / "a") == len(moe_blocks(adapted))
+    set_lora_ids(base, torch.tensor([1, -1], dtype=torch.int32, device="cuda"))
+    with torch.no_grad():
+        got = base(ids).logits.float()
+    set_lora_ids(base, None)
+    want = torch.cat([want_adapted[:1], want_base[1:]])
+    bound = max(3e-2, 2 * rounded_base, 2 * rounded_adapted)
+    moved = float((want_adapted[0] - want_base[0]).norm() / want_base[0].norm())
+    assert moved > 3 * bound, f"the adapter moves sequence 0's logits by {moved:.3e} only (bound {bound:.3e})"
+    for b, name in ((0, "PEFT's merged model"), (1, "the base model")):
+        err = float((got[b] - want[b]).norm() / want[b].norm())
+        assert err < bound, f"{family}: sequence {b} normwise {err:.3e} against {name} (bound {bound:.3e})"
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_a_replaced_model_serves_peft_adapters(family, tmp_path, rng):
     """replace_moe_blocks(max_loras, max_lora_rank), load_lora of a PEFT target_parameters adapter (every

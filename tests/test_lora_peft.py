@@ -24,10 +24,11 @@ import pytest
 
 from cupymoe import checkpoint, reference
 from cupymoe.integrations import transformers as hf
-from cupymoe.lora import ADAPTER_WEIGHTS, LoraKey, LoraTarget, load_peft
+from cupymoe.lora import LoraKey, LoraTarget, load_peft
 from cupymoe.verify import well_separated_input
 
-from _hf import block_rows, normwise, run_block, tiny_model
+from _hf import (PEFT_ROUTER_AND_SHARED, PEFT_STACKED, block_rows, normwise, random_peft_adapter, run_block,
+                 tiny_model)
 from _hf import one_torch_thread  # noqa: F401 (autouse: one intra-op thread)
 from _lora import merged
 
@@ -40,43 +41,17 @@ except Exception as e:  # absent, or not for this transformers (0.17 imports nam
                 allow_module_level=True)
 
 FLOAT32_ROUTING_BOUND = 1e-6  # normwise: float32 routing weights (~6e-8 each) and nothing else
-STACKED = ["experts.gate_up_proj", "experts.down_proj"]
-# family -> the router's and shared expert's weights, adapted as parameters: a router that is no nn.Linear
-# must be (PEFT refuses it as a module); a shared expert named as modules is rewritten by PEFT for the
-# families transformers 5 converts from v4 naming (test_v4_style_shared_expert_targets)
-ROUTER_AND_SHARED = {
-    "qwen3_moe": ["gate.weight"],
-    "qwen2_moe": ["gate.weight"] + [f"shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")],
-    "qwen3_next": ["gate.weight"] + [f"shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")],
-    "deepseek_v3": ["gate.weight"] + [f"shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")],
-    "mixtral": ["gate.weight"],
-    "gpt_oss": ["router.weight"],
-    # its router reads classifier.weight directly, past PEFT's wrappers: test_linear_router_adapter_follows_the_merge
-    "longcat_flash": [],
-}
 
 
 def _adapted(family, tmp_path, modules=(), params=None, seed=1, **lora_options):
     """(cfg, hw, block ref, PEFT model): the family's tiny model with a random PEFT adapter on target
-    `modules` and target `params` (default: ROUTER_AND_SHARED's and the stacked experts), saved in
-    `tmp_path`."""
-    from safetensors.torch import load_file, save_file
-
+    `modules` and target `params` (default: the router's and shared expert's weights and the stacked
+    experts, tests/_hf.py), saved in `tmp_path`."""
     model = tiny_model(family)
     ref = hf.moe_blocks(model)[0]
     cfg, hw = checkpoint.load_layer_from_tensors(*hf.block_tensors(model, ref))
-    params = ROUTER_AND_SHARED[family] + STACKED if params is None else params
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(modules) or None, target_parameters=params or None,
-                             init_lora_weights=False, **lora_options)
-    wrapped = peft.get_peft_model(model, config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in wrapped.named_parameters():
-            if ".lora_" in name:  # bf16 values: exact in float32
-                p.copy_((torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1).to(torch.bfloat16).to(p.dtype))
-    wrapped.save_pretrained(tmp_path)
-    weights = tmp_path / ADAPTER_WEIGHTS
-    save_file({k: v.float() for k, v in load_file(weights).items()}, weights)
+    params = PEFT_ROUTER_AND_SHARED[family] + PEFT_STACKED if params is None else params
+    wrapped = random_peft_adapter(model, tmp_path, params, modules, seed, **lora_options)
     return cfg, hw, ref, wrapped
 
 
@@ -110,12 +85,12 @@ def _check(family, tmp_path, **options):
     return lw
 
 
-@pytest.mark.parametrize("family", sorted(ROUTER_AND_SHARED))
+@pytest.mark.parametrize("family", sorted(PEFT_ROUTER_AND_SHARED))
 def test_peft_adapter_matches_peft(family, tmp_path):
     lw = _check(family, tmp_path)
     targets = {k.target.value for k in lw.modules}
-    router = {"router"} if ROUTER_AND_SHARED[family] else set()
-    shared = {"shared_gate", "shared_up", "shared_down"} if len(ROUTER_AND_SHARED[family]) > 1 else set()
+    router = {"router"} if PEFT_ROUTER_AND_SHARED[family] else set()
+    shared = {"shared_gate", "shared_up", "shared_down"} if len(PEFT_ROUTER_AND_SHARED[family]) > 1 else set()
     assert targets == {"gate", "up", "down"} | router | shared
 
 
