@@ -136,3 +136,16 @@ def test_v4_style_shared_expert_targets(family, tmp_path):
     targets = {k.target.value for k in lw.modules}
     if "shared_gate" not in targets:  # rewritten
         assert targets == {"gate", "up", "down"} and lw.get(LoraTarget.GATE, 0).rank == 8
+
+
+@pytest.mark.parametrize("params", [PEFT_STACKED, ["gate.weight"]], ids=["experts", "router"])
+def test_a_peft_model_s_blocks_refused_by_name(params, tmp_path):
+    """replace_moe_blocks / block_tensors on PEFT's own model (its blocks found under base_model.model.)
+    refuse a block its adapter wraps, naming the wrapped tensor, rather than load it without the adapter."""
+    from cupymoe.errors import CheckpointError
+
+    wrapped = random_peft_adapter(tiny_model("qwen3_moe"), tmp_path, params)
+    refs = hf.moe_blocks(wrapped)
+    assert [r.path for r in refs] == ["base_model.model.model.layers.0.mlp", "base_model.model.model.layers.1.mlp"]
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.\S*base_layer\S*: the block carries PEFT LoRA"):
+        hf.block_tensors(wrapped, refs[0])
