@@ -7,8 +7,9 @@ caller's stream; see README.md and docs/DESIGN.md.
 from .config import MoeConfig
 from .errors import (ActivationNotKeptError, ArenaError, BufferTooSmallError, CheckpointError, CheckpointFileError,
                      ConfigError, CudaUnavailableError, DenseLayerError, Error, GuardError, KernelBuildError,
-                     LaunchError, LoraError, MissingTensorError, MoeCallError, OptionError, PathUnavailableError,
-                     TmaError, UnsupportedFormatError, UnsupportedModelError, WeightError, WorkspaceError)
+                     LaunchError, LoraError, MissingConfigKeyError, MissingTensorError, MoeCallError, OptionError,
+                     PathUnavailableError, TmaError, UnsupportedFormatError, UnsupportedModelError, WeightError,
+                     WorkspaceError)
 from .host_weights import HostWeights
 
 __version__ = "0.1.0"
@@ -18,7 +19,7 @@ __all__ = [
     "Error", "ConfigError", "UnsupportedModelError", "DenseLayerError", "OptionError", "CheckpointError",
     "MissingTensorError", "CheckpointFileError", "WeightError", "UnsupportedFormatError", "CudaUnavailableError",
     "KernelBuildError", "LaunchError", "TmaError", "WorkspaceError", "ArenaError", "BufferTooSmallError", "GuardError",
-    "MoeCallError", "PathUnavailableError", "LoraError", "ActivationNotKeptError",
+    "MoeCallError", "PathUnavailableError", "LoraError", "ActivationNotKeptError", "MissingConfigKeyError",
 ]
 
 

@@ -31,14 +31,8 @@ SUPPORTED_MODEL_TYPES = (
 )
 
 
-from .errors import ConfigError, DenseLayerError, UnsupportedModelError  # noqa: F401 (re-exported)
-
-
-class MissingConfigKeyError(ConfigError, KeyError):
-    """config.json lacks a key the family needs. Also a KeyError, so `except KeyError` callers keep working."""
-
-    def __str__(self) -> str:  # KeyError would print the message repr-quoted
-        return str(self.args[0]) if self.args else ""
+# re-exported: callers catch them from here too
+from .errors import ConfigError, DenseLayerError, MissingConfigKeyError, UnsupportedModelError  # noqa: F401
 
 
 def _bad(field: str, value: Any, why: str) -> ConfigError:

@@ -19,6 +19,13 @@ class ConfigError(Error, ValueError):
     """A MoeConfig field or a config.json value out of range."""
 
 
+class MissingConfigKeyError(ConfigError, KeyError):
+    """config.json lacks a key the family needs. Also a KeyError, so `except KeyError` callers keep working."""
+
+    def __str__(self) -> str:  # KeyError would print the message repr-quoted
+        return str(self.args[0]) if self.args else ""
+
+
 class UnsupportedModelError(ConfigError):
     """The config's model_type (or a size) is not one cupymoe can map or serve."""
 
