@@ -26,7 +26,10 @@ vLLM's FusedMoE and gpt_oss.py:
 Block fp8 stacks carry `<name>_scale_inv`, split like the weight where each half has its own row
 blocks ([E, 2 * ceil(I/128), ceil(H/128)]: vLLM's block fp8; transformers' FP8Experts where I is a
 multiple of 128). FP8Experts quantizes [gate; up] whole (ceil(2I/128) row blocks, one straddling the
-halves where I is no multiple of 128): refused by name, as no split serves it.
+halves where I is no multiple of 128): refused by name, as no split serves it. transformers 5.25's
+save_pretrained of FP8Experts in the hub format writes each expert's codes under its hub name and the
+scales stacked beside them (`experts.gate_up_proj_scale_inv`, `experts.down_proj_scale_inv`): read as
+per-expert weights whose scales are slices of those (`_ScalesBesideExperts`).
 Routers, correction biases and shared experts keep their hub names in both (the loader reads
 them as usual). transformers 5 also moves Mixtral's block from `block_sparse_moe.` to `mlp.`
 (`save_pretrained(save_original_format=False)` writes it so): `layer_prefix_in` finds either.
@@ -40,7 +43,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .checkpoint import (FLOAT_DTYPES, U8, CheckpointError, MissingTensorError, Reader, _assemble, _ceil_div,
-                         _Linear, _once, _Planner, _Source, contiguous, layer_prefix)
+                         _Linear, _once, _Planner, _Source, contiguous, layer_prefix, naming_for)
 from .config import MoeConfig
 from .formats import E4M3, FP8_BLOCK
 
@@ -118,6 +121,9 @@ def plan_stacked_experts(P: _Planner, cfg: MoeConfig, prefix: str) -> Optional[d
     """
     base = prefix + EXPERTS
     found = found_layouts(P.src, base, cfg.model_type)
+    if _scales_beside_per_expert_codes(found):
+        P.src = _ScalesBesideExperts(P, cfg, prefix)
+        return None
     if len(found) > 1:
         listing = "; ".join(f"{kind}: {_summary(names)}" for kind, names in found.items())
         raise CheckpointError(f"{base}*: the experts are stored in {len(found)} layouts at once ({listing}); "
@@ -177,6 +183,66 @@ def _refuse_straddling_scales(src: _Source, name: str, I: int) -> None:
         raise CheckpointError(f"{name}: intermediate size {I} (mod {FP8_BLOCK} = {I % FP8_BLOCK}): its {whole} "
                               "fp8 scale row blocks may straddle gate and up (transformers' FP8Experts), which "
                               "cannot be split; load the hub checkpoint instead")
+
+
+def _scales_beside_per_expert_codes(found: dict[str, list[str]]) -> bool:
+    """Per-expert weights whose block fp8 scales lie stacked beside them (transformers 5.25's
+    save_pretrained of FP8Experts in the hub format): every transformers-5 name a `_scale_inv`, no
+    per-expert scale of its own."""
+    stacked = found.get(TRANSFORMERS.source, [])
+    hub = found.get(_HUB, [])
+    return bool(stacked and hub) and all(n.endswith(SCALE) for n in stacked) and \
+        not any(n.endswith(".weight_scale_inv") for n in hub)
+
+
+class _ScalesBesideExperts(_Source):
+    """The planner's source, with each expert's `<proj>.weight_scale_inv` a slice of the stacked
+    `experts.gate_up_proj_scale_inv` ([gate; up] row blocks: each half's own, as the split needs) and
+    `experts.down_proj_scale_inv`; those two count as used."""
+
+    def __init__(self, P: _Planner, cfg: MoeConfig, prefix: str):
+        naming, base = naming_for(cfg.model_type), prefix + EXPERTS
+        self.src, I = P.src, cfg.moe_intermediate_size
+        gate_up, down = base + TRANSFORMERS.gate_up + SCALE, base + TRANSFORMERS.down + SCALE
+        for name in (gate_up, down):
+            P.need(name)
+        _refuse_straddling_scales(self.src, base + TRANSFORMERS.gate_up, I)
+        half = _ceil_div(I, FP8_BLOCK)
+        rows = {0: (gate_up, 0, half), 1: (gate_up, half, 2 * half), 2: (down, 0, None)}  # gate, up, down
+        self.slices: dict[str, tuple[str, int, int, Optional[int]]] = {}
+        for e in range(cfg.num_experts):
+            for i, proj in enumerate(naming.projections):
+                name, lo, hi = rows[i]
+                self.slices[prefix + naming.experts.format(e=e) + proj + ".weight_scale_inv"] = (name, e, lo, hi)
+        self.stacked = {n: _once(lambda n=n: self.src.read(n)) for n in (gate_up, down)}
+
+    def has(self, name: str) -> bool:
+        return name in self.slices or self.src.has(name)
+
+    def dtype(self, name: str) -> np.dtype:
+        return self.src.dtype(self.slices[name][0] if name in self.slices else name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.slices:
+            return self.src.shape(name)
+        stacked, _, lo, hi = self.slices[name]
+        full = self.src.shape(stacked)
+        return ((hi if hi is not None else full[1]) - lo,) + tuple(full[2:])
+
+    def read(self, name: str) -> np.ndarray:
+        if name not in self.slices:
+            return self.src.read(name)
+        stacked, e, lo, hi = self.slices[name]
+        return self.stacked[stacked]()[e, lo:hi]
+
+    def where(self, name: str) -> str:
+        return self.src.where(self.slices[name][0] if name in self.slices else name)
+
+    def searched(self) -> str:
+        return self.src.searched()
+
+    def names(self, prefix: str) -> list[str]:
+        return self.src.names(prefix)
 
 
 def _split(a: np.ndarray, n: int, interleaved: bool) -> tuple[np.ndarray, np.ndarray]:

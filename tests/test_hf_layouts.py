@@ -244,3 +244,28 @@ def test_transformers_fp8_stack_whose_scale_blocks_may_straddle_gate_and_up(tmp_
         _assert_same(checkpoint.load_layer_from_tensors(config, stacked, prefix)[1], hw)
     _assert_same(checkpoint.load_layer_from_tensors(config, _stacked(tensors, prefix, hw, hf_layouts.VLLM),
                                                     prefix)[1], hw)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
+def test_per_expert_fp8_codes_with_their_scales_stacked(tmp_path, family, caplog):
+    """What transformers 5.25's save_pretrained writes for FP8Experts in the hub format: each expert's
+    codes under its hub name, the scales stacked beside them (experts.gate_up_proj_scale_inv, each half's
+    own row blocks, and experts.down_proj_scale_inv): read bit for bit, the stacked scales used; a
+    whole-quantized gate_up (a block straddling gate and up) refused by name."""
+    config, tensors, prefix, hw = _hub(tmp_path, family, "fp8_block")
+    inter = hw.gate.q.shape[1]  # 64: a whole [gate; up] has one 128-row block, the halves one each
+    base = prefix + hf_layouts.EXPERTS
+    mixed = {k: v for k, v in tensors.items() if not (k.startswith(base) and k.endswith(".weight_scale_inv"))}
+    mixed[base + "gate_up_proj" + hf_layouts.SCALE] = np.concatenate([hw.gate.scale_inv, hw.up.scale_inv], axis=1)
+    mixed[base + "down_proj" + hf_layouts.SCALE] = hw.down.scale_inv
+    _assert_same(checkpoint.load_layer_from_tensors(config, mixed, prefix)[1], hw)
+    (tmp_path / "mixed").mkdir()
+    save_file(mixed, str(tmp_path / "mixed" / checkpoint.SINGLE_FILE))
+    (tmp_path / "mixed" / checkpoint.CONFIG_FILE).write_text(json.dumps(config))
+    _assert_same(checkpoint.load_layer(tmp_path / "mixed", LAYER)[1], hw)
+    assert "were ignored" not in caplog.text  # the stacked scales count as used
+    whole = dict(mixed)
+    whole[base + "gate_up_proj" + hf_layouts.SCALE] = mixed[base + "gate_up_proj" + hf_layouts.SCALE][:, :1]
+    with pytest.raises(CheckpointError, match=rf"intermediate size {inter} \(mod 128 = {inter}\): its 1 fp8 scale "
+                                              r"row blocks may straddle gate and up"):
+        checkpoint.load_layer_from_tensors(config, whole, prefix)
