@@ -14,7 +14,7 @@ vLLM's FusedMoE and gpt_oss.py:
   transformers 5, qwen3_moe / qwen2_moe / qwen3_next / deepseek_v3 / mixtral:
       experts.gate_up_proj [E, 2I, H] = [gate; up] along axis 1 (the forward's chunk(2, -1)),
       experts.down_proj [E, H, I]; no transposes, no biases.
-  transformers 5, longcat_flash: the same, but gate_up_proj has E + Z rows (rows >= E are
+  transformers 5, longcat_flash: the same, but gate_up_proj has E + Z rows up to 5.24 (rows >= E are
       never read; down_proj has E).
   transformers 5, gpt_oss: the hub layout itself (gate_up_proj [E, H, 2I], x @ W, gate / up
       interleaved on the last axis; biases), read by checkpoint._plan_fused_experts.
@@ -171,7 +171,7 @@ def plan_stacked_experts(P: _Planner, cfg: MoeConfig, prefix: str) -> Optional[d
     return readers
 
 
-def _refuse_straddling_scales(src: _Source, name: str, I: int) -> None:
+def _refuse_straddling_scales(src: _Source, name: str, I: int, hint: str = "load the hub checkpoint instead") -> None:
     """transformers' FP8Experts quantizes [gate; up] whole: ceil(2I / 128) row blocks, one straddling the
     halves where I is no multiple of 128, which no split serves (the halves need 2 ceil(I / 128) of their
     own). With I mod 128 in (64, 128) the two counts are equal, so any such stack is refused; with I mod
@@ -182,17 +182,17 @@ def _refuse_straddling_scales(src: _Source, name: str, I: int) -> None:
     if I % FP8_BLOCK > FP8_BLOCK // 2 or (len(stored) == 3 and stored[1] == whole):
         raise CheckpointError(f"{name}: intermediate size {I} (mod {FP8_BLOCK} = {I % FP8_BLOCK}): its {whole} "
                               "fp8 scale row blocks may straddle gate and up (transformers' FP8Experts), which "
-                              "cannot be split; load the hub checkpoint instead")
+                              f"cannot be split; {hint}")
 
 
 def _scales_beside_per_expert_codes(found: dict[str, list[str]]) -> bool:
     """Per-expert weights whose block fp8 scales lie stacked beside them (transformers 5.25's
     save_pretrained of FP8Experts in the hub format): every transformers-5 name a `_scale_inv`, no
     per-expert scale of its own."""
-    stacked = found.get(TRANSFORMERS.source, [])
-    hub = found.get(_HUB, [])
-    return bool(stacked and hub) and all(n.endswith(SCALE) for n in stacked) and \
-        not any(n.endswith(".weight_scale_inv") for n in hub)
+    if set(found) != {TRANSFORMERS.source, _HUB}:
+        return False
+    return all(n.endswith(SCALE) for n in found[TRANSFORMERS.source]) and \
+        not any(n.endswith(".weight_scale_inv") for n in found[_HUB])
 
 
 class _ScalesBesideExperts(_Source):
@@ -206,8 +206,14 @@ class _ScalesBesideExperts(_Source):
         gate_up, down = base + TRANSFORMERS.gate_up + SCALE, base + TRANSFORMERS.down + SCALE
         for name in (gate_up, down):
             P.need(name)
-        _refuse_straddling_scales(self.src, base + TRANSFORMERS.gate_up, I)
-        half = _ceil_div(I, FP8_BLOCK)
+            P.check_dtype(name, FLOAT_DTYPES, "a float scale")
+        _refuse_straddling_scales(self.src, base + TRANSFORMERS.gate_up, I,
+                                  "re-save it with save_original_format=False, or from the model as quantized")
+        half, H = _ceil_div(I, FP8_BLOCK), cfg.hidden_size
+        E = cfg.num_experts
+        cols = _ceil_div(H, FP8_BLOCK)
+        P.check_shape(gate_up, (E, 2 * half, cols), (E + cfg.zero_expert_num, 2 * half, cols))  # LongCat: E + Z
+        P.check_shape(down, (E, _ceil_div(H, FP8_BLOCK), half))
         rows = {0: (gate_up, 0, half), 1: (gate_up, half, 2 * half), 2: (down, 0, None)}  # gate, up, down
         self.slices: dict[str, tuple[str, int, int, Optional[int]]] = {}
         for e in range(cfg.num_experts):

@@ -125,6 +125,11 @@ def _factors(p: StackedParam, a: np.ndarray, b: np.ndarray, rank: int, in_axis: 
         want = " or ".join(f"[{rank * c}, in], lora_B [out, {rank * c}]" for c in p.counts)
         raise LoraError(f"{where}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not hold rank {rank} for "
                         f"{' or '.join(map(str, p.counts))} experts (expected lora_A {want})")
+    if count != p.experts and rows % p.experts == 0:
+        # the rows also hold another rank on the stack with the zero experts: the config's rank alone picks
+        raise LoraError(f"{where}: lora_A's {rows} rows read as rank {rank} on {count} experts or as rank "
+                        f"{rows // p.experts} on {p.experts} (with the zero experts, transformers up to 5.24): "
+                        "which one the adapter was trained on is not certain")
     d1, d2 = (p.input, p.output) if p.transposed else (p.output, p.input)
     fin, fout = (d1, d2) if in_axis == 1 else (d2, d1)
     if (a.shape[1], b.shape[0]) != (fin, fout):

@@ -75,6 +75,23 @@ PEFT_ROUTER_AND_SHARED = {
 }
 
 
+def peft_or_skip():
+    """peft, or a skip naming why: absent, not importable beside this transformers (0.17 imports names
+    transformers 5 dropped; 0.21 raises on 5.10), or older than `target_parameters` (0.17)."""
+    import dataclasses
+
+    import transformers
+
+    try:
+        import peft
+    except Exception as e:
+        pytest.skip(f"needs peft, importable beside transformers {transformers.__version__} ({e})",
+                    allow_module_level=True)
+    if "target_parameters" not in {f.name for f in dataclasses.fields(peft.LoraConfig)}:
+        pytest.skip(f"peft {peft.__version__} has no target_parameters", allow_module_level=True)
+    return peft
+
+
 def random_peft_adapter(model, path, params, modules=(), seed=1, size=0.1, **lora_options):
     """`model` wrapped by PEFT (r 4, lora_alpha 8) on target `params` and `modules`, random bf16-valued
     factors (exact in float32), saved to `path` as float32 (load_peft refuses float64); the PEFT model."""
@@ -84,7 +101,7 @@ def random_peft_adapter(model, path, params, modules=(), seed=1, size=0.1, **lor
 
     from cupymoe.lora import ADAPTER_WEIGHTS
 
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(modules) or None,
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(modules),
                              target_parameters=list(params) or None, init_lora_weights=False, **lora_options)
     wrapped = peft.get_peft_model(model, config)
     gen = torch.Generator().manual_seed(seed)

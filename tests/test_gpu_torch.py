@@ -172,11 +172,9 @@ def test_a_replaced_model_with_peft_s_own_adapter_gives_peft_s_logits(family, tm
     the second, within the bound of the base test above (3e-2, or twice what rounding the blocks' input
     and output to bf16 alone does in either model)."""
     pytest.importorskip("transformers")
-    try:
-        import peft  # noqa: F401
-    except Exception as e:  # absent, or not for this transformers
-        pytest.skip(f"needs peft ({e})")
-    from _hf import PEFT_ROUTER_AND_SHARED, PEFT_STACKED, random_peft_adapter, tiny_model
+    from _hf import PEFT_ROUTER_AND_SHARED, PEFT_STACKED, peft_or_skip, random_peft_adapter, tiny_model
+
+    peft_or_skip()
     from cupymoe.integrations.transformers import load_lora, moe_blocks, replace_moe_blocks, set_lora_ids
 
     base = tiny_model(family, torch.float32).cuda().eval()

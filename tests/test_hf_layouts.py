@@ -264,8 +264,15 @@ def test_per_expert_fp8_codes_with_their_scales_stacked(tmp_path, family, caplog
     (tmp_path / "mixed" / checkpoint.CONFIG_FILE).write_text(json.dumps(config))
     _assert_same(checkpoint.load_layer(tmp_path / "mixed", LAYER)[1], hw)
     assert "were ignored" not in caplog.text  # the stacked scales count as used
+    fewer = dict(mixed)
+    fewer[base + "down_proj" + hf_layouts.SCALE] = hw.down.scale_inv[:-1]
+    with pytest.raises(CheckpointError, match=r"experts\.down_proj_scale_inv: expected shape"):
+        checkpoint.load_layer_from_tensors(config, fewer, prefix)
+    stray = {**mixed, base + "w13_weight": np.zeros((1, 1, 1), np.float32)}
+    with pytest.raises(CheckpointError, match=r"stored in 3 layouts at once"):
+        checkpoint.load_layer_from_tensors(config, stray, prefix)
     whole = dict(mixed)
     whole[base + "gate_up_proj" + hf_layouts.SCALE] = mixed[base + "gate_up_proj" + hf_layouts.SCALE][:, :1]
     with pytest.raises(CheckpointError, match=rf"intermediate size {inter} \(mod 128 = {inter}\): its 1 fp8 scale "
-                                              r"row blocks may straddle gate and up"):
+                                              r"row blocks may straddle gate and up .*save_original_format=False"):
         checkpoint.load_layer_from_tensors(config, whole, prefix)

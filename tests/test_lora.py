@@ -104,6 +104,7 @@ def _refused(tmp_path, cfg, lw, config=None, extra=None, match=""):
     ("lora_alpha", "x", "lora_alpha='x' must be a number"),
     ("use_rslora", "yes", "use_rslora='yes'"),
     ("rank_pattern", {"mlp.gate": 2.5}, r"rank_pattern\['mlp.gate'\]=2.5"),
+    ("target_parameters", "experts.gate_up_proj", r"target_parameters='experts.gate_up_proj' must be a list"),
 ])
 def test_config_refusals(tmp_path, key, value, match):
     cfg = _cfg()

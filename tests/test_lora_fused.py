@@ -198,6 +198,9 @@ def test_longcat_gate_up_of_the_routed_experts_alone(tmp_path):
     odd[f"{inner}.lora_A.weight"] = full[f"{inner}.lora_A.weight"][:r * (E + 1)]
     odd[f"{inner}.lora_B.weight"] = b[:, :r * (E + 1)]
     _refused(tmp_path, cfg, odd, rf"do not hold rank {r} for {E} or {Ep} experts")
+    # rank 4 on the E + Z = 15 experts is also rank 5 on E = 12: a config giving 5 cannot tell them apart
+    four, _ = make_adapter(cfg, np.random.default_rng(22), "0.19.1", rank=4, params=("gate_up_proj",))
+    _refused(tmp_path, cfg, four, r"lora_A's 60 rows read as rank 5 on 12 experts or as rank 4 on 15", rank=5)
 
 
 def test_refusals(tmp_path):

@@ -27,18 +27,14 @@ from cupymoe.integrations import transformers as hf
 from cupymoe.lora import LoraKey, LoraTarget, load_peft
 from cupymoe.verify import well_separated_input
 
-from _hf import (PEFT_ROUTER_AND_SHARED, PEFT_STACKED, block_rows, normwise, random_peft_adapter, run_block,
-                 tiny_model)
+from _hf import (PEFT_ROUTER_AND_SHARED, PEFT_STACKED, block_rows, normwise, peft_or_skip, random_peft_adapter,
+                 run_block, tiny_model)
 from _hf import one_torch_thread  # noqa: F401 (autouse: one intra-op thread)
 from _lora import merged
 
 torch = pytest.importorskip("torch", reason="needs torch")
 transformers = pytest.importorskip("transformers", reason="needs transformers")
-try:
-    import peft
-except Exception as e:  # absent, or not for this transformers (0.17 imports names 5 dropped; 0.21 raises on 5.10)
-    pytest.skip(f"needs peft, importable beside transformers {transformers.__version__} ({e})",
-                allow_module_level=True)
+peft = peft_or_skip()
 
 FLOAT32_ROUTING_BOUND = 1e-6  # normwise: float32 routing weights (~6e-8 each) and nothing else
 
