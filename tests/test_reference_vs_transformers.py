@@ -72,19 +72,24 @@ def test_reference_matches_transformers_moe_block(tmp_path, family):
         block = _longcat_module(tmp_path, got_hw)
     else:
         block = _load_float64(tmp_path).model.layers[layer].mlp
-    if family == "gpt_oss":
-        # transformers before 5.18 fixes swiglu's alpha and limit at 1.702 and 7.0 and ignores
-        # config.json's swiglu_limit (1.25 in the tiny config, so the clamp bites); 5.24 reads
-        # it, as OpenAI's reference does. Compare with the constants the module holds.
-        experts = block.experts
-        got_cfg = got_cfg.replace(swiglu_alpha=float(experts.alpha), swiglu_limit=float(experts.limit))
-    x = well_separated_input(got_cfg, got_hw, rng, 37)
+    # gpt-oss: transformers before 5.18 fixes swiglu's alpha and limit at 1.702 and 7.0 and ignores
+    # config.json's swiglu_limit (1.25 in the tiny config, so the clamp bites); 5.24 reads it, as
+    # OpenAI's reference does. Compared with the constants the module holds.
+    _assert_block_is_the_reference(block, got_cfg, got_hw, rng, family)
+
+
+def _assert_block_is_the_reference(block, cfg, hw, rng, what):
+    """The module against reference.moe_forward on well-separated rows (gpt-oss: with the constants the
+    module holds, as above)."""
+    if cfg.model_type == "gpt_oss":
+        cfg = cfg.replace(swiglu_alpha=float(block.experts.alpha), swiglu_limit=float(block.experts.limit))
+    x = well_separated_input(cfg, hw, rng, 37)
     with torch.no_grad():
         out = block(torch.from_numpy(np.asarray(x).astype(np.float64))[None])
     theirs = (out[0] if isinstance(out, tuple) else out)[0].numpy()
-    ours = reference.moe_forward(got_cfg, got_hw, x)
+    ours = reference.moe_forward(cfg, hw, x)
     err = np.linalg.norm(theirs - ours) / np.linalg.norm(ours)
-    assert err < FLOAT32_ROUTING_BOUND, f"{family} ({type(block).__name__}): normwise {err:.3e}"
+    assert err < FLOAT32_ROUTING_BOUND, f"{what} ({type(block).__name__}): normwise {err:.3e}"
 
 
 # fp8_block hub checkpoints of every family that has them in the wild or could, and gpt-oss's mxfp4
@@ -113,13 +118,4 @@ def test_quantized_checkpoint_read_as_transformers_reads_it(tmp_path, family, fm
     model = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, quantization_config=quantizer(dequantize=True), device_map="cpu", experts_implementation="eager",
         dtype=torch.float64).double()
-    block = model.model.layers[layer].mlp
-    if family == "gpt_oss":  # as above: the constants the module holds
-        got_cfg = got_cfg.replace(swiglu_alpha=float(block.experts.alpha), swiglu_limit=float(block.experts.limit))
-    x = well_separated_input(got_cfg, got_hw, rng, 37)
-    with torch.no_grad():
-        out = block(torch.from_numpy(np.asarray(x).astype(np.float64))[None])
-    theirs = (out[0] if isinstance(out, tuple) else out)[0].numpy()
-    ours = reference.moe_forward(got_cfg, got_hw, x)
-    err = np.linalg.norm(theirs - ours) / np.linalg.norm(ours)
-    assert err < FLOAT32_ROUTING_BOUND, f"{family} {fmt} ({type(block).__name__}): normwise {err:.3e}"
+    _assert_block_is_the_reference(model.model.layers[layer].mlp, got_cfg, got_hw, rng, f"{family} {fmt}")
