@@ -209,17 +209,14 @@ class _ScalesBesideExperts(_Source):
             P.check_dtype(name, FLOAT_DTYPES, "a float scale")
         _refuse_straddling_scales(self.src, base + TRANSFORMERS.gate_up, I,
                                   "re-save it with save_original_format=False, or from the model as quantized")
-        half, H = _ceil_div(I, FP8_BLOCK), cfg.hidden_size
-        E = cfg.num_experts
-        cols = _ceil_div(H, FP8_BLOCK)
+        E, half, cols = cfg.num_experts, _ceil_div(I, FP8_BLOCK), _ceil_div(cfg.hidden_size, FP8_BLOCK)
         P.check_shape(gate_up, (E, 2 * half, cols), (E + cfg.zero_expert_num, 2 * half, cols))  # LongCat: E + Z
-        P.check_shape(down, (E, _ceil_div(H, FP8_BLOCK), half))
-        rows = {0: (gate_up, 0, half), 1: (gate_up, half, 2 * half), 2: (down, 0, None)}  # gate, up, down
-        self.slices: dict[str, tuple[str, int, int, Optional[int]]] = {}
-        for e in range(cfg.num_experts):
-            for i, proj in enumerate(naming.projections):
-                name, lo, hi = rows[i]
-                self.slices[prefix + naming.experts.format(e=e) + proj + ".weight_scale_inv"] = (name, e, lo, hi)
+        P.check_shape(down, (E, cols, half))
+        # gate, up, down: (stacked tensor, its rows lo .. hi - 1)
+        row_spans = ((gate_up, 0, half), (gate_up, half, 2 * half), (down, 0, cols))
+        self.slices: dict[str, tuple[str, int, int, int]] = {
+            prefix + naming.experts.format(e=e) + proj + ".weight_scale_inv": (name, e, lo, hi)
+            for e in range(E) for proj, (name, lo, hi) in zip(naming.projections, row_spans)}
         self.stacked = {n: _once(lambda n=n: self.src.read(n)) for n in (gate_up, down)}
 
     def has(self, name: str) -> bool:
@@ -232,8 +229,7 @@ class _ScalesBesideExperts(_Source):
         if name not in self.slices:
             return self.src.shape(name)
         stacked, _, lo, hi = self.slices[name]
-        full = self.src.shape(stacked)
-        return ((hi if hi is not None else full[1]) - lo,) + tuple(full[2:])
+        return (hi - lo,) + tuple(self.src.shape(stacked)[2:])
 
     def read(self, name: str) -> np.ndarray:
         if name not in self.slices:
