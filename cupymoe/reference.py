@@ -578,10 +578,10 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     host_weights.validate(cfg, values=False)  # shapes only: a NaN in an expert nobody routes to is no error here
     host_weights = kernel_weights(host_weights, rounding, w8a8=activations == "fp8_block")
     owned, on_rank0 = _rank_share(cfg, ep_rank, owned_experts)
+    xf = _as_input(cfg, x, dtype)
+    rows = _lora_rows(cfg, lora, lora_ids, xf.shape[0])  # adapters are checked against the whole layer
     if not shared_expert:
         cfg, host_weights = without_shared_expert(cfg, host_weights)
-    xf = _as_input(cfg, x, dtype)
-    rows = _lora_rows(cfg, lora, lora_ids, xf.shape[0])
     if rows is not None and absolute:
         raise LoraError(f"absolute={absolute!r} sums base terms only; it is not defined with LoRA rows")
     out = _layer_output(cfg, host_weights, xf, token_ids, owned, on_rank0, dtype=dtype,

@@ -74,6 +74,19 @@ def test_mixed_batch_rows_each_their_own(family):
         _close(got[rows], reference.moe_forward(cfg, w, x, tids)[rows])
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_experts_alone_with_a_whole_layer_adapter(family):
+    """The experts-only entry without the shared expert takes the adapter the whole layer was tuned with
+    (shared-expert modules included, checked against the layer) and leaves the shared deltas out with the
+    shared expert: the merged layer's routed experts alone."""
+    cfg, hw, x, tids, rng = _setup(family, seed=5)
+    lw = random_lora(cfg, rng, rank=3, size=0.5)
+    assert any(k.target.value.startswith("shared") for k in lw.modules)
+    ids, w = reference.route(cfg, hw, x).ids, reference.route(cfg, hw, x).weights
+    got = reference.experts_forward(cfg, hw, x, ids, w, lora={0: lw}, lora_ids=np.zeros(N, int), shared_expert=False)
+    _close(got, reference.experts_forward(cfg, merged(cfg, hw, lw), x, ids, w, shared_expert=False))
+
+
 def test_router_adapter_changes_routing_and_routes_like_merged():
     cfg, hw, x, tids, rng = _setup("deepseek_v3", seed=2)
     lw = random_lora(cfg, rng, rank=4, targets=[LoraTarget.ROUTER], size=3.0)
