@@ -965,15 +965,17 @@ __device__ __forceinline__ bool lora_run_piece(int4& ti, const int* __restrict__
     ti = tile_info[tb];
     const int4 prev = tb > 0 ? tile_info[tb - 1] : make_int4(-1, 0, 0, 0);
     const int na = *num_active;
+    bool hit = false;
     for (int i = threadIdx.x; i <= n_local; i += blockDim.x) {
         if (i >= na) break;
         const int s = active_start[i], l = active_len[i];
         if (s <= ti.y && ti.y < s + l) {  // exactly one run holds the tile
             run_start = s;
             run_end = s + l;
+            hit = true;
         }
     }
-    __syncthreads();
+    if (!__syncthreads_or(hit)) return true;  // no run holds it (lists and tiles disagree): the tile alone
     const bool first = prev.x != ti.x;  // the run's first tile: a full one where the run has more
     const int bm = first ? ti.z : ti.y - prev.y, per = max(1, LORA_SUB / bm);
     if (!first && ((ti.y - run_start) / bm) % per != 0) return false;

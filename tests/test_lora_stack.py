@@ -208,7 +208,8 @@ def test_stacked_plan(preset, n, parts):
             assert shrink.kernel == ("lora_stack_t_seg<2, 32>" if g.stage == Stage.GATE_UP else "lora_stack_t_seg<1, 16>")
             assert shrink.stage == g.stage and shrink.grid == (g.grid[1], 4) and shrink.block == (128,)
         else:
-            assert shrink.kernel == ("lora_stack_t_gate_up_runs" if g.stage == Stage.GATE_UP else "lora_stack_t_down")
+            # the TMA GEMM's 128 / 192-row tiles: a tile a block (runs are grouped.cu's 64-row tiles')
+            assert shrink.kernel == ("lora_stack_t_gate_up" if g.stage == Stage.GATE_UP else "lora_stack_t_down")
             assert shrink.stage == g.stage and shrink.grid == (g.grid[1], lora_chunk_blocks(4))
             assert shrink.block == (LORA_MMA_WARPS * 32,)
             assert shrink.smem == lora_grouped_smem(16, g.stage == Stage.GATE_UP)
@@ -271,7 +272,7 @@ def test_auto_takes_the_segments_past_2048_rows(n, segments):
 
     cfg, lp, _, plan = _plans("qwen3-30b-a3b", n, 1)
     kinds = {getattr(s, "kernel", "") for s in plan.steps}
-    assert ("lora_stack_t_seg<2, 32>" in kinds) == segments and ("lora_stack_t_gate_up_runs" in kinds) == (not segments)
+    assert ("lora_stack_t_seg<2, 32>" in kinds) == segments and ("lora_stack_t_gate_up" in kinds) == (not segments)
     assert prefill_shape(lp, H200, n).lora_segments == segments
 
 
@@ -380,7 +381,7 @@ def test_stacked_launches_match_the_kernels_parameters():
     plans = [_plans(p, 1100, 1)[3] for p in ("qwen3-30b-a3b", "deepseek-v3")]
     plans += [_w8a16_plan(p, 1100, 1) for p in ("qwen3-30b-a3b", "deepseek-v3")]
     plans += [_w8a16_plan(p, 1100, 1, LoraShrink.SEGMENTS) for p in ("qwen3-30b-a3b", "deepseek-v3")]
-    for p in ("qwen3-30b-a3b", "deepseek-v3"):  # the router's LoRA form and the tile-a-block shrink
+    for p in ("qwen3-30b-a3b", "deepseek-v3"):  # the router's LoRA form
         lp = _plans(p, 1000, 1)[1]
         lp = replace(lp, lora_router_t_rows=lora_router_t_rows(lp, None, 4, 16))
         plans.append(build_forward_plan(lp, H200, 1000, Path.PREFILL, lora=LoraShape(4, 16, True, 1)).at(1000))
