@@ -907,20 +907,16 @@ __device__ __forceinline__ void lora_stack_write(const float* t, int rp, int np,
     }
 }
 
-// grid (the gate/up GEMM's tile bound, Y), block LORA_MMA_WARPS warps, shared memory as
-// lora_grouped_gate_up_act's. T [P, 2 KS] of the tile's positions (lora_grouped_gate_up_act's
-// buckets, chunks and shrink; the tile's Y blocks split its chunks and its rows without an adapter).
-__global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 2)
-lora_stack_t_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
-                     const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
-                     const int* __restrict__ sorted_row, const bf16* __restrict__ gate_a,
-                     const bf16* __restrict__ up_a, const float* __restrict__ scale, bf16* __restrict__ T, int H,
-                     int n_local, int max_rank, int max_loras, int parts, int KS) {
+// T [P, 2 KS] of the positions ti.y .. ti.y + ti.z - 1 of table slot ti.x (lora_grouped_gate_up_act's
+// buckets, chunks and shrink; the block's grid-y peers split its chunks and its rows without an adapter).
+__device__ __forceinline__ void lora_stack_t_gate_up_rows(int4 ti, const bf16* __restrict__ x,
+                                                          const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
+                                                          const int* __restrict__ sorted_row,
+                                                          const bf16* __restrict__ gate_a, const bf16* __restrict__ up_a,
+                                                          const float* __restrict__ scale, bf16* __restrict__ T, int H,
+                                                          int n_local, int max_rank, int max_loras, int parts, int KS) {
     __shared__ LoraBuckets b;
     extern __shared__ __align__(16) float parts_[];
-    pdl_wait_then_release_next();  // launched plainly: the release lets its GEMM (by PDL) run its K beside it
-    if ((int)blockIdx.x >= *num_tiles) return;
-    const int4 ti = tile_info[blockIdx.x];
     const int rp = (max_rank + 15) & ~15, n = 2 * LORA_CHUNK * rp;
     const bf16* in = ti.x == n_local ? x : xe;  // the shared expert reads x
     float* t = parts_ + LORA_MMA_WARPS * n;
@@ -938,6 +934,70 @@ lora_stack_t_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, co
             __syncthreads();  // the next chunk's parts and t
         }
     }
+}
+
+// grid (the gate/up GEMM's tile bound, Y), block LORA_MMA_WARPS warps, shared memory as
+// lora_grouped_gate_up_act's. T [P, 2 KS] of the tile's positions (lora_stack_t_gate_up_rows).
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 2)
+lora_stack_t_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
+                     const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
+                     const int* __restrict__ sorted_row, const bf16* __restrict__ gate_a,
+                     const bf16* __restrict__ up_a, const float* __restrict__ scale, bf16* __restrict__ T, int H,
+                     int n_local, int max_rank, int max_loras, int parts, int KS) {
+    pdl_wait_then_release_next();  // launched plainly: the release lets its GEMM (by PDL) run its K beside it
+    if ((int)blockIdx.x >= *num_tiles) return;
+    lora_stack_t_gate_up_rows(tile_info[blockIdx.x], x, xe, lora_ids, sorted_row, gate_a, up_a, scale, T, H, n_local,
+                              max_rank, max_loras, parts, KS);
+}
+
+// The rows tile b's blocks take where a run's tiles go LORA_SUB rows at a time (forward_plan:
+// CUPYMOE_LORA_SHRINK_RUNS): a run's (one table slot's) tiles are consecutive, BM rows each but its
+// last; the blocks of the run's tiles k = 0, per, 2 per, ... (per = LORA_SUB / BM) take their tile
+// and the next per - 1, the others nothing (false), so the slot's adapters' A rows are read once a
+// LORA_SUB rows, not once a tile. The run (its first position) from the sort's active lists.
+__device__ __forceinline__ bool lora_run_piece(int4& ti, const int* __restrict__ num_tiles,
+                                               const int4* __restrict__ tile_info, const int* __restrict__ num_active,
+                                               const int* __restrict__ active_start,
+                                               const int* __restrict__ active_len, int n_local) {
+    __shared__ int run_start, run_end;
+    const int tb = blockIdx.x;
+    if (tb >= *num_tiles) return false;  // the whole block alike
+    ti = tile_info[tb];
+    const int4 prev = tb > 0 ? tile_info[tb - 1] : make_int4(-1, 0, 0, 0);
+    const int na = *num_active;
+    bool hit = false;
+    for (int i = threadIdx.x; i <= n_local; i += blockDim.x) {
+        if (i >= na) break;
+        const int s = active_start[i], l = active_len[i];
+        if (s <= ti.y && ti.y < s + l) {  // exactly one run holds the tile
+            run_start = s;
+            run_end = s + l;
+            hit = true;
+        }
+    }
+    if (!__syncthreads_or(hit)) return true;  // no run holds it (lists and tiles disagree): the tile alone
+    const bool first = prev.x != ti.x;  // the run's first tile: a full one where the run has more
+    const int bm = first ? ti.z : ti.y - prev.y, per = max(1, LORA_SUB / bm);
+    if (!first && ((ti.y - run_start) / bm) % per != 0) return false;
+    ti.z = min(per * bm, run_end - ti.y);
+    return true;
+}
+
+// lora_stack_t_gate_up with a run's tiles LORA_SUB rows a block (lora_run_piece): its arguments,
+// then the sort's active lists and the table's slot count.
+__global__ void __launch_bounds__(LORA_MMA_WARPS * 32, 2)
+lora_stack_t_gate_up_runs(const bf16* __restrict__ x, const bf16* __restrict__ xe, const int* __restrict__ lora_ids,
+                          const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
+                          const int* __restrict__ sorted_row, const bf16* __restrict__ gate_a,
+                          const bf16* __restrict__ up_a, const float* __restrict__ scale, bf16* __restrict__ T, int H,
+                          int n_local, int max_rank, int max_loras, int parts, int KS,
+                          const int* __restrict__ num_active, const int* __restrict__ active_start,
+                          const int* __restrict__ active_len) {
+    pdl_wait_then_release_next();  // as lora_stack_t_gate_up
+    int4 ti;
+    if (!lora_run_piece(ti, num_tiles, tile_info, num_active, active_start, active_len, n_local)) return;
+    lora_stack_t_gate_up_rows(ti, x, xe, lora_ids, sorted_row, gate_a, up_a, scale, T, H, n_local, max_rank,
+                              max_loras, parts, KS);
 }
 
 // grid (the down GEMM's tile bound, Y), block LORA_MMA_WARPS warps, shared memory as

@@ -156,6 +156,7 @@ class LoraShape:
     fold: bool = True  # the router delta inside the router and routing launches at the fewest rows (CUPYMOE_LORA_FOLD)
     down_split: LoraDownSplit = LoraDownSplit.COLS  # what lora_down_delta's grid y splits (CUPYMOE_LORA_DOWN_SPLIT)
     overlap: bool = True  # prefill: the router delta and the stacked GEMMs by PDL (CUPYMOE_LORA_OVERLAP; lora_overlap)
+    shrink_runs: bool = True  # the chunks' gate/up shrink a run's tiles LORA_SUB rows a block (CUPYMOE_LORA_SHRINK_RUNS)
 
 
 LORA_THREADS = 256  # cuda/lora.cu
@@ -569,11 +570,17 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, segments: bool,
     if segments:
         shrink = _shrink_segments(gemm, lp, lora, L, tiles, tail)
     elif gemm.stage == Stage.GATE_UP:
-        shrink = Launch(Stage.GATE_UP, "lora_stack_t_gate_up", grid, (LORA_MMA_WARPS * 32,),
+        # with shrink_runs a run's tiles go LORA_SUB rows a block (cuda/lora.cu lora_run_piece): grouped.cu's
+        # tiles (64 rows, w8a16), not the TMA GEMM's 128 / 192, where a block would take its tile alone
+        by_runs = lora.shrink_runs and not gemm.kernel.startswith(TMA_GEMM)
+        runs = tuple(u64(name, S(name)) for name in ("num_active", "active_start", "active_len"))
+        shrink = Launch(Stage.GATE_UP, "lora_stack_t_gate_up_runs" if by_runs else "lora_stack_t_gate_up",
+                        grid, (LORA_MMA_WARPS * 32,),
                         (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X),
                          u64("lora_ids", CallValue.LORA_IDS), u64("num_tiles", tiles[0]), u64("tile_info", tiles[1]),
                          u64("sorted_row", S("sorted_row")), L("gate_a"), L("up_a"), L("scale"),
-                         u64("T", S("lora_t_gu")), i32("H", cfg.hidden_size), *tail),
+                         u64("T", S("lora_t_gu")), i32("H", cfg.hidden_size), *tail)
+                        + (runs if by_runs else ()),
                         lora_grouped_smem(lora.max_rank, True))
     else:
         shrink = Launch(Stage.DOWN, "lora_stack_t_down", grid, (LORA_MMA_WARPS * 32,),

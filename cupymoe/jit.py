@@ -116,7 +116,7 @@ def _modules() -> dict[str, ModuleSpec]:
         "repack": ModuleSpec("repack.cu", ("fp4_repack_words",)),  # the fp4 device layout, made at load
         "lora": ModuleSpec("lora.cu", ("lora_router_delta", "lora_gate_up_act", "lora_down_delta",
                                         "lora_grouped_gate_up_act", "lora_grouped_down_delta",
-                                        "lora_grouped_router_delta", "lora_stack_t_gate_up",
+                                        "lora_grouped_router_delta", "lora_stack_t_gate_up", "lora_stack_t_gate_up_runs",
                                         "lora_stack_t_down")
                            + tuple(f"lora_stack_t_seg<{np_}, {bn}>" for np_ in (2, 1) for bn in C.LORA_SEG_BNS)),  # LoRA (lora_slots.py, lora_stack.py)
         "decode_wgmma_fp4": ModuleSpec(

@@ -214,6 +214,10 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                      "router delta follows the router by PDL and shrinks beside it, and each stacked GEMM follows "
                      "its shrink by PDL and runs its K beside it, waiting only before its extra K; 0: both "
                      "launched plainly; read when a layer is built", _on_off, True),
+    "lora_shrink_runs": ("CUPYMOE_LORA_SHRINK_RUNS", "1: the stacked form's gate/up shrink by chunks takes a "
+                         "run's tiles LORA_SUB rows a block (lora_stack_t_gate_up_runs: an expert's adapters' A "
+                         "read once a LORA_SUB rows, not once a tile); 0: a tile a block; read when a layer is "
+                         "built", _on_off, True),
     "lora_down_split": ("CUPYMOE_LORA_DOWN_SPLIT", "what lora_down_delta's blocks of one pair split: cols (its "
                         "expand's output columns, each block the whole shrink) | shrink (the shrink's input "
                         "columns, the slices meeting at a ticket); read when a layer is built",
@@ -271,6 +275,7 @@ class Knobs:
     lora_stack_shrink: LoraShrink = LoraShrink.AUTO
     lora_fold: bool = True
     lora_overlap: bool = True
+    lora_shrink_runs: bool = True
     lora_down_split: LoraDownSplit = LoraDownSplit.COLS
     lora_down_lanes: Optional[tuple[int, int]] = None
     lora_router_t_rows: Optional[int] = None

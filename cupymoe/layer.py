@@ -83,6 +83,7 @@ class MoeLayer:
         self._profile, self._dump_dir, self._graph_launch = knobs.profile, knobs.dump_dir, knobs.graph_launch
         self._lora_stack_shrink, self._lora_fold = knobs.lora_stack_shrink, knobs.lora_fold
         self._lora_down_split, self._lora_overlap = knobs.lora_down_split, knobs.lora_overlap
+        self._lora_shrink_runs = knobs.lora_shrink_runs
         self._guard = GUARD_BYTES if knobs.guard else 0  # red zones in the scratch (guard mode)
         # forwards something watches take _observed_forward; the plain one tests this flag alone
         self._watched = self._profile or self._dump_dir is not None or bool(self._guard)
@@ -358,7 +359,8 @@ class MoeLayer:
         slots = self._lora_slots(what)
         return LoraShape(slots.max_loras, slots.max_rank, self._lora_experts, slots.stack_parts,
                          stack_shrink=self._lora_stack_shrink, fold=self._lora_fold,
-                         down_split=self._lora_down_split, overlap=self._lora_overlap)
+                         down_split=self._lora_down_split, overlap=self._lora_overlap,
+                         shrink_runs=self._lora_shrink_runs)
 
     def _lora_slots(self, what: str) -> "lora_slots.LoraSlots":
         if self._lora is None:

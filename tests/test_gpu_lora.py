@@ -1010,6 +1010,51 @@ def test_prefill_overlap_bit_for_bit(fmt, shrink, rng, monkeypatch):
     _judge_id_past_slots(layer, cfg, hw, rng, adapters, f"overlap {fmt} {shrink}")
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block"])
+def test_shrink_runs_bit_for_bit(fmt, rng, monkeypatch):
+    """The stacked gate/up shrink with a run's tiles LORA_SUB rows a block (lora_stack_t_gate_up_runs,
+    CUPYMOE_LORA_SHRINK_RUNS=1) against a tile a block (=0): qwen2_moe (its shared expert's run
+    too), four adapters of ranks 16, 3, 1 and 2, ids -1 .. 3 mixed, N 300 and 1100: judged, and bit
+    for bit the tile form (a row's t does not depend on the rows beside it in its chunk). w8a16 on
+    64-row tiles (CUPYMOE_MATH_ROWS past every run): runs of several tiles taken three a block, cut
+    at LORA_SUB rows and at the run's end; bf16 on the TMA GEMM's 128-row tiles: a tile a block."""
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng, fmt)
+    kw = {"fp8_compute": "w8a16"} if fmt == "fp8_block" else {}
+    if fmt == "fp8_block":
+        monkeypatch.setenv("CUPYMOE_MATH_ROWS", "65536")  # grouped.cu's 64-row tiles (stream_q)
+    layers = {}
+    for v in ("1", "0"):
+        monkeypatch.setenv("CUPYMOE_LORA_SHRINK_RUNS", v)
+        layers[v] = _grouped_layer(cfg, hw, 16, stack=1, **kw)
+    adapters, n = _ranked_adapters(cfg, rng, 16), 1100
+    for each in layers.values():
+        for slot, lw in adapters.items():
+            each.set_lora(slot, lw)
+    ids = rng.integers(-1, 4, n).astype(np.int32)
+    ids[:5] = [-1, 0, 1, 2, 3]
+    x = separated_input(cfg, hw, rng, n, adapters, ids)
+    for m in (300, n):
+        assert "lora_stack_t_gate_up_runs" in _stack_kernels(layers["1"], m)
+        assert "lora_stack_t_gate_up" in _stack_kernels(layers["0"], m)
+        runs = run(layers["1"], x[:m], ids[:m], "prefill")
+        judge(runs, cfg, hw, x[:m], ids[:m], adapters, layers["1"].select_path(m, "prefill"), f"runs {fmt} N={m}",
+              layers["1"])
+        tiles = run(layers["0"], x[:m], ids[:m], "prefill")
+        assert np.array_equal(runs.view(np.uint32), tiles.view(np.uint32)), f"{fmt} N={m}: not the tile form's bits"
+    layers["1"].check_errors()
+
+
+def _stack_kernels(layer, n):
+    from cupymoe.forward_plan import LoraShape, build_forward_plan
+    from cupymoe.plan import Path
+
+    shape = LoraShape(layer._lora.max_loras, layer._lora.max_rank, True, layer._lora.stack_parts,
+                      layer._lora_stack_shrink, shrink_runs=layer._lora_shrink_runs)
+    plan = build_forward_plan(layer.plan, layer.device, n, Path.PREFILL, lora=shape).at(n)
+    return [s.kernel for s in plan.steps if getattr(s, "kernel", "").startswith("lora_stack_t")]
+
+
 def _router_kernels(layer, n):
     from cupymoe.forward_plan import LoraShape, build_forward_plan
     from cupymoe.plan import Path

@@ -208,6 +208,7 @@ def test_stacked_plan(preset, n, parts):
             assert shrink.kernel == ("lora_stack_t_seg<2, 32>" if g.stage == Stage.GATE_UP else "lora_stack_t_seg<1, 16>")
             assert shrink.stage == g.stage and shrink.grid == (g.grid[1], 4) and shrink.block == (128,)
         else:
+            # the TMA GEMM's 128 / 192-row tiles: a tile a block (runs are grouped.cu's 64-row tiles')
             assert shrink.kernel == ("lora_stack_t_gate_up" if g.stage == Stage.GATE_UP else "lora_stack_t_down")
             assert shrink.stage == g.stage and shrink.grid == (g.grid[1], lora_chunk_blocks(4))
             assert shrink.block == (LORA_MMA_WARPS * 32,)
@@ -363,8 +364,8 @@ def _kernel_params(src: str, name: str) -> list[tuple[str, str]]:
 def test_stacked_launches_match_the_kernels_parameters():
     """Each stacked-form launch passes the kernel's parameters in order, by name and by kind (u64 for a
     pointer, i32 for an int, f32 for a float): NVRTC cannot check what the plan packs. So do the
-    router's LoRA form's (grouped_gemm_lora<2, ...>, topk_route_lora) and the experts-only entry's
-    (experts_route_in and its LoRA form)."""
+    router's LoRA form's (grouped_gemm_lora<2, ...>, topk_route_lora), the experts-only entry's
+    (experts_route_in and its LoRA form) and both gate/up chunk shrinks."""
     from dataclasses import replace
 
     from cupymoe.forward_plan import lora_router_t_rows
@@ -397,8 +398,9 @@ def test_stacked_launches_match_the_kernels_parameters():
             want = _kernel_params(src, base)
             got = [(a.name, kinds[a.type]) for a in s.args]
             assert got == want, k
-    assert seen == {"lora_stack_t_gate_up", "lora_stack_t_down", "lora_stack_t_seg", "grouped_gemm_sm90_tma_lora",
-                    "grouped_gemm_lora", "topk_route_lora", "experts_route_in", "experts_route_in_lora"}
+    assert seen == {"lora_stack_t_gate_up", "lora_stack_t_gate_up_runs", "lora_stack_t_down", "lora_stack_t_seg",
+                    "grouped_gemm_sm90_tma_lora", "grouped_gemm_lora", "topk_route_lora", "experts_route_in",
+                    "experts_route_in_lora"}
 
 
 def _w8a16_plan(preset, n, parts, shrink=LoraShrink.CHUNKS):
@@ -435,7 +437,7 @@ def test_stacked_w8a16_plan(preset, n, parts):
         b0, b1 = ("lora_gate_bx", "lora_up_bx") if gu else ("lora_down_bx", "lora_down_bx")
         assert (s.arg("lora_b0"), s.arg("lora_b1")) == (Buf(Space.LAYER, b0), Buf(Space.LAYER, b1))
         assert s.arg("KS") == LS.stack_width(4, 16, parts)
-        assert shrink.kernel == ("lora_stack_t_gate_up" if gu else "lora_stack_t_down")
+        assert shrink.kernel == ("lora_stack_t_gate_up_runs" if gu else "lora_stack_t_down")
     kinds = {getattr(s, "kernel", None) for s in plan.steps}
     assert not {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} & kinds
 
