@@ -232,13 +232,16 @@ grouped_gemm_sm90_fp8_tma(GEMM_ARGS, const u8* __restrict__ qa, const float* __r
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 fp8_block_products(blk, da, wgmma_desc(sB + (s * BN + half * 128) * BK));
+                // the stage is read once the last half's wgmmas are: free it before promoting
+                if (half == 1 && lane == 0) mbar_arrive(&empty[s]);
                 if (MODE == MODE_GATE_UP)
                     fp8_promote<true>(acc[half], blk, a, s0, s1);
                 else
                     fp8_promote<false>(acc[half], blk, a, half ? s1 : s0, 0.0f);
             }
+        } else if (lane == 0) {
+            mbar_arrive(&empty[s]);  // no wgmmas: the handshake alone
         }
-        if (lane == 0) mbar_arrive(&empty[s]);  // this warp's wgmmas of the stage are done
     }
     if (!has_rows) return;
 
