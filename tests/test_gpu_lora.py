@@ -1017,7 +1017,8 @@ def test_shrink_runs_bit_for_bit(fmt, rng, monkeypatch):
     too), four adapters of ranks 16, 3, 1 and 2, ids -1 .. 3 mixed, N 300 and 1100: judged, and bit
     for bit the tile form (a row's t does not depend on the rows beside it in its chunk). w8a16 on
     64-row tiles (CUPYMOE_MATH_ROWS past every run): runs of several tiles taken three a block, cut
-    at LORA_SUB rows and at the run's end; bf16 on the TMA GEMM's 128-row tiles: a tile a block."""
+    at LORA_SUB rows and at the run's end; bf16 on the TMA GEMM's 128-row tiles: the plan keeps a tile a
+    block (forward_plan._stacked_gemm), the same bits."""
     cfg = testing.tiny_config("qwen2_moe")
     hw = testing.random_host_weights(cfg, rng, fmt)
     kw = {"fp8_compute": "w8a16"} if fmt == "fp8_block" else {}
@@ -1035,7 +1036,9 @@ def test_shrink_runs_bit_for_bit(fmt, rng, monkeypatch):
     ids[:5] = [-1, 0, 1, 2, 3]
     x = separated_input(cfg, hw, rng, n, adapters, ids)
     for m in (300, n):
-        assert "lora_stack_t_gate_up_runs" in _stack_kernels(layers["1"], m)
+        # bf16: the TMA GEMM's tiles hold an expert's rows whole, so the plan keeps the tile form
+        assert ("lora_stack_t_gate_up_runs" if fmt == "fp8_block" else "lora_stack_t_gate_up") \
+            in _stack_kernels(layers["1"], m)
         assert "lora_stack_t_gate_up" in _stack_kernels(layers["0"], m)
         runs = run(layers["1"], x[:m], ids[:m], "prefill")
         judge(runs, cfg, hw, x[:m], ids[:m], adapters, layers["1"].select_path(m, "prefill"), f"runs {fmt} N={m}",
