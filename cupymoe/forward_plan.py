@@ -573,14 +573,14 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, segments: bool,
         # with shrink_runs a run's tiles go LORA_SUB rows a block (cuda/lora.cu lora_run_piece): grouped.cu's
         # tiles (64 rows, w8a16), not the TMA GEMM's 128 / 192, where a block would take its tile alone
         by_runs = lora.shrink_runs and not gemm.kernel.startswith(TMA_GEMM)
-        runs = tuple(u64(name, S(name)) for name in ("num_active", "active_start", "active_len"))
         shrink = Launch(Stage.GATE_UP, "lora_stack_t_gate_up_runs" if by_runs else "lora_stack_t_gate_up",
                         grid, (LORA_MMA_WARPS * 32,),
                         (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X),
                          u64("lora_ids", CallValue.LORA_IDS), u64("num_tiles", tiles[0]), u64("tile_info", tiles[1]),
                          u64("sorted_row", S("sorted_row")), L("gate_a"), L("up_a"), L("scale"),
                          u64("T", S("lora_t_gu")), i32("H", cfg.hidden_size), *tail)
-                        + (runs if by_runs else ()),
+                        + (tuple(u64(name, S(name)) for name in ("num_active", "active_start", "active_len"))
+                           if by_runs else ()),
                         lora_grouped_smem(lora.max_rank, True))
     else:
         shrink = Launch(Stage.DOWN, "lora_stack_t_down", grid, (LORA_MMA_WARPS * 32,),

@@ -15,17 +15,20 @@ import json
 import shutil
 import sys
 import tempfile
+from statistics import median_high
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKS = 16384  # probe rows a GEMM; blocks past it share the last row (the counts say so)
+
 # a block's stamps (ns), then its SM and rows: PROBE_SLOTS a block
 STAMPS = ("entry", "first_full", "loop_end", "epilogue_end", "tile_found", "barriers_ready", "epilogue_mid")
-PROBE_SLOTS = 9
+SM, ROWS = len(STAMPS), len(STAMPS) + 1
+PROBE_SLOTS = len(STAMPS) + 2
 
 HELPERS = f"""
 #define F8T_PROBE_BLOCKS {BLOCKS}
-__device__ unsigned long long f8t_probe[2][F8T_PROBE_BLOCKS][9];  // [gate/up, down][block][stamps, SM, rows]
+__device__ unsigned long long f8t_probe[2][F8T_PROBE_BLOCKS][{PROBE_SLOTS}];  // [gate/up, down][block][stamps, SM, rows]
 __device__ __forceinline__ unsigned long long f8t_now() {{
     unsigned long long t;
     asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -76,42 +79,43 @@ def patched_tree(dest: Path) -> Path:
     return dest
 
 
-def median(v):
-    v = sorted(v)
-    return v[len(v) // 2] if v else None
-
-
 def summarize(rows) -> dict:
     """One GEMM's blocks (STAMPS in ns, SM, rows) as figures, µs: the medians of each block's parts, from
     entry to its tile found (the tile lists' loads), its barriers ready, its first stage full, its main
     loop's end, gate/up's activation made (the row maxima known) and its epilogue's end."""
-    rows = [r[:7] + [r[7], r[8]] for r in rows if r[0] and r[3]]
+    at = {name: i for i, name in enumerate(STAMPS)}
+    rows = [r for r in rows if r[at["entry"]] and r[at["epilogue_end"]]]
     if not rows:
         return {"tiles": 0}
-    t0, t1 = min(r[0] for r in rows), max(r[3] for r in rows)
+
+    def part(start: str, end: str, of=None) -> float:
+        """The median of end - start over the blocks (`of`: those blocks alone), µs."""
+        return median_high([r[at[end]] - r[at[start]] for r in (of or rows)]) * 1e-3
+
+    t0, t1 = min(r[at["entry"]] for r in rows), max(r[at["epilogue_end"]] for r in rows)
     by_sm: dict[int, list] = {}
     for r in rows:
-        by_sm.setdefault(int(r[7]), []).append(r)
+        by_sm.setdefault(int(r[SM]), []).append(r)
     gaps, busy = [], 0
     for blocks in by_sm.values():
-        blocks.sort(key=lambda r: r[0])
-        gaps += [b[0] - a[3] for a, b in zip(blocks, blocks[1:])]
-        busy += sum(r[3] - r[0] for r in blocks)
-    us = 1e-3
-    return {"tiles": len(rows), "span_us": (t1 - t0) * us, "sms": len(by_sm),
+        blocks.sort(key=lambda r: r[at["entry"]])
+        gaps += [b[at["entry"]] - a[at["epilogue_end"]] for a, b in zip(blocks, blocks[1:])]
+        busy += sum(r[at["epilogue_end"]] - r[at["entry"]] for r in blocks)
+    with_act = [r for r in rows if r[at["epilogue_mid"]]]  # gate/up's blocks stamp it
+    return {"tiles": len(rows), "span_us": (t1 - t0) * 1e-3, "sms": len(by_sm),
             "blocks_an_sm_max": max(len(b) for b in by_sm.values()),
-            "fill_us": median([r[1] - r[0] for r in rows]) * us,
-            "find_tile_us": median([r[4] - r[0] for r in rows]) * us,
-            "barriers_us": median([r[5] - r[4] for r in rows]) * us,
-            "first_stage_us": median([r[1] - r[5] for r in rows]) * us,
-            "loop_us": median([r[2] - r[1] for r in rows]) * us,
-            "epilogue_us": median([r[3] - r[2] for r in rows]) * us,
-            "epilogue_act_us": median([r[6] - r[2] for r in rows if r[6]]) * us if any(r[6] for r in rows) else None,
-            "block_us": median([r[3] - r[0] for r in rows]) * us,
-            "gap_between_blocks_us": (median(gaps) or 0) * us,
+            "fill_us": part("entry", "first_full"),
+            "find_tile_us": part("entry", "tile_found"),
+            "barriers_us": part("tile_found", "barriers_ready"),
+            "first_stage_us": part("barriers_ready", "first_full"),
+            "loop_us": part("first_full", "loop_end"),
+            "epilogue_us": part("loop_end", "epilogue_end"),
+            "epilogue_act_us": part("loop_end", "epilogue_mid", with_act) if with_act else None,
+            "block_us": part("entry", "epilogue_end"),
+            "gap_between_blocks_us": median_high(gaps) * 1e-3 if gaps else 0.0,
             "busy_share": busy / ((t1 - t0) * len(by_sm)),
-            "last_start_us": (max(r[0] for r in rows) - t0) * us,
-            "rows_median": median([int(r[8]) for r in rows])}
+            "last_start_us": (max(r[at["entry"]] for r in rows) - t0) * 1e-3,
+            "rows_median": median_high([int(r[ROWS]) for r in rows])}
 
 
 def main() -> None:
