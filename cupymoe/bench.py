@@ -55,6 +55,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import knobs
 from .config import MoeConfig
 from .profiling import record_stage_events
 
@@ -1031,7 +1032,7 @@ def run_bench(args) -> int:
         cfg = preset_config(shape, routed_only=not args.full_layer)
         for fmt in fmts:
             results += _bench_format(shape, cfg, fmt, args, ceilings, baselines, skipped)
-    meta = dict(gpu=gpu, commit=_git_commit(), sources=jit.tree_digest(),
+    meta = dict(gpu=gpu, commit=_git_commit(), sources=jit.tree_digest(), knobs=knobs.chosen() or None,
                 date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 python=platform.python_version(), cupy=cupy.__version__, formats=fmts,
                 full_layer=bool(args.full_layer), **ceilings, ceilings_measured=measured,

@@ -233,6 +233,9 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                         "two up to 16 (compile time; default 16)", _rank_row_lanes, None),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),
+    "fp8_epilogue_fma": ("CUPYMOE_FP8_EPILOGUE_FMA", "1: the w8a8 gate/up epilogue's exact reciprocal and "
+                         "division as one Newton step by fmas (cuda/fp8_gemm.cuh; the same bits); 0: the least "
+                         "remainder of three candidates (compile time)", _on_off, False),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "
                        "time)", _count, None),
 }
@@ -281,6 +284,7 @@ class Knobs:
     lora_router_t_rows: Optional[int] = None
     lora_router_tpr: Optional[int] = None
     math_rows: Optional[int] = None
+    fp8_epilogue_fma: bool = False
     gemm_band_cols: Optional[int] = None
 
     @classmethod
@@ -298,6 +302,13 @@ class Knobs:
             raw = env.get(name)
             values[f.name] = default if raw is None else parse(name, raw)
         return cls(**values)
+
+
+def chosen(env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The dispatch and build knobs `env` (default os.environ) sets, as set: what a result was measured
+    under. Folder knobs are left out (a result names no machine's paths)."""
+    env = os.environ if env is None else env
+    return {name: env[name] for name, _, parse, _ in TABLE.values() if name in env and parse is not _text}
 
 
 def describe() -> str:

@@ -1,7 +1,9 @@
-"""GPU: the w8a8 SiLU's reciprocal rule (cuda/fp8_gemm.cuh rcp_rn_nearest, silu_rn_nearest) on the
-hardware's rcp.approx, exhaustively: every float y in [1, 2^125] against 1.0f / y (rcp.rn), and every
-float g > -80 (with a u of each) against activation<ACT_SILU>, bit for bit. tests/test_fp8_epilogue.py
-checks the rule itself on the CPU, for any approximation within one float of 1 / y rounded. sm_90a."""
+"""GPU: the w8a8 gate/up epilogue's exact reciprocal and division (cuda/fp8_gemm.cuh rcp_rn_nearest,
+silu_rn_nearest, div_rn_nearest) on the hardware, exhaustively, in both forms (FP8_EPILOGUE_FMA 0 / 1):
+every float y in [1, 2^125] against 1.0f / y (rcp.rn) from the hardware's rcp.approx, every float g > -80
+(with a u of each) against activation<ACT_SILU>, and every float a over 16 scales against a / sc (div.rn)
+wherever |q| >= 2^-11 and by e4m3 code everywhere, bit for bit. tests/test_fp8_epilogue.py checks the
+rules themselves on the CPU. sm_90a."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 from cupymoe import jit, testing
+from cupymoe.knobs import Knobs
 
 pytestmark = pytest.mark.gpu
 
@@ -36,6 +39,27 @@ extern "C" __global__ void check_rcp(unsigned base, unsigned n, unsigned long lo
     atomicMin(out + 3, first);
 }
 
+// out: a checked, quotients missed (|q| >= 2^-11: below, q is the rule's), codes missed, the least a bits missed
+extern "C" __global__ void check_div(float sc, unsigned long long* out) {
+    const float binv = 1.0f / sc;
+    unsigned long long seen = 0, bad = 0, codes = 0, first = ~0ull;
+    for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < (1ull << 32); i += gridDim.x * blockDim.x) {
+        const float a = __uint_as_float((unsigned)i);
+        if (!(fabsf(a) <= 896.0f * sc)) continue;  // the epilogue's a: |a| <= amax = 448 sc
+        const float want = a / sc, got = div_rn_nearest(a, sc, binv);
+        ++seen;
+        const bool miss = fabsf(a * binv) >= 0x1p-11f && __float_as_int(got) != __float_as_int(want);
+        const bool code_miss = e4m3x2_codes(got, 0.0f) != e4m3x2_codes(want, 0.0f);
+        bad += miss;
+        codes += code_miss;
+        if (miss || code_miss) first = min(first, i);
+    }
+    atomicAdd(out, seen);
+    atomicAdd(out + 1, bad);
+    atomicAdd(out + 2, codes);
+    atomicMin(out + 3, first);
+}
+
 // out: g checked, mismatches, the least g bits missed
 extern "C" __global__ void check_silu(unsigned long long* out) {
     unsigned long long seen = 0, bad = 0, first = ~0ull;
@@ -57,24 +81,36 @@ extern "C" __global__ void check_silu(unsigned long long* out) {
 '''
 
 
-def compile_checks(arch: str = "sm_90a") -> bytes:
+FORMS = {"remainders": 0, "fma": 1}
+
+
+def compile_checks(form: str, arch: str = "sm_90a") -> bytes:
     nvrtc = jit._nvrtc()
     prog = nvrtc.createProgram(SOURCE, "fp8_epilogue_checks.cu", (), ())
     try:
-        nvrtc.compileProgram(prog, jit.compile_options(arch))
+        options = jit.compile_options(arch, Knobs())  # the form by FORMS, not by the environment's knob
+        nvrtc.compileProgram(prog, (*options, f"-DFP8_EPILOGUE_FMA={FORMS[form]}"))
         return nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
 
 
-def test_the_rule_on_every_y_and_every_g():
+def _module(form):
     import cupy
 
     if not testing.on_sm90a():
         pytest.skip("the w8a8 kernels need sm_90a")
     mod = cupy.cuda.function.Module()
-    mod.load(compile_checks())
+    mod.load(compile_checks(form))
     grid, block = (cupy.cuda.Device().attributes["MultiProcessorCount"] * 8,), (256,)
+    return mod, grid, block
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_rule_on_every_y_and_every_g(form):
+    import cupy
+
+    mod, grid, block = _module(form)
     out = cupy.array([0, 0, 0, 2**64 - 1], dtype=cupy.uint64)
     base, top = 0x3F800000, 0x7E000000  # 1 .. 2^125
     mod.get_function("check_rcp")(grid, block, (np.uint32(base), np.uint32(top - base + 1), out))
@@ -86,3 +122,25 @@ def test_the_rule_on_every_y_and_every_g():
     seen, bad, first = (int(v) for v in out.get())
     assert seen == 0x7F800001 + (0xC2A00000 - 0x80000000)  # +0 .. +inf, and -0 .. -80 (bits 0xC2A00000) less -80
     assert bad == 0, f"{bad} g missed, the least {np.uint32(first).view(np.float32)!r}"
+
+
+# the least scale the rule takes (2^-90), amax / 448 of bf16 and plain amax from 2^-60 to 2^60; with them the
+# four scales of [1, 2) whose 1 / sc rounds worst (tests/test_fp8_epilogue.py _worst_reciprocals)
+SCALES = [2.0**-90, 1 / 448, 3 / 448, 0.3, 2.0**-60 * 1.7 / 448, 2.0**60 / 448]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_division_on_every_a(form):
+    import cupy
+
+    mod, grid, block = _module(form)
+    from test_fp8_epilogue import _worst_reciprocals
+
+    for sc in [np.float32(v) for v in SCALES + [float(b) for b in _worst_reciprocals(4)]]:
+        out = cupy.array([0, 0, 0, 2**64 - 1], dtype=cupy.uint64)
+        mod.get_function("check_div")(grid, block, (sc, out))
+        seen, bad, codes, first = (int(v) for v in out.get())
+        assert seen == 2 * (int((np.float32(896) * sc).view(np.uint32)) + 1), sc  # every a of both signs
+        assert bad == 0 and codes == 0, f"sc {sc!r}: {bad} quotients, {codes} codes missed, the least " \
+            f"a {np.uint32(first).view(np.float32)!r}"
+

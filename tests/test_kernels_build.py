@@ -94,7 +94,8 @@ def test_bad_arch_is_refused(bad):
 
 def test_measurement_knobs_pick_the_hopper_variants_and_math_rows():
     """CUPYMOE_SM90_VARIANT, CUPYMOE_SM90_DOWN_VARIANT and CUPYMOE_MATH_ROWS take only what they
-    name; unset, the tuning table's choices apply; CUPYMOE_GEMM_BAND_COLS reaches the build options."""
+    name; unset, the tuning table's choices apply; CUPYMOE_GEMM_BAND_COLS and CUPYMOE_FP8_EPILOGUE_FMA reach the
+    build options."""
     auto = TUNING.sm90_auto
     k = Knobs()
     # gate/up: gathering 128-row tiles below I = 1024, 192-row tiles from it
@@ -119,6 +120,9 @@ def test_measurement_knobs_pick_the_hopper_variants_and_math_rows():
         Knobs.from_env({"CUPYMOE_SM90_VARIANT": "fast"})
     assert not any("GEMM_BAND_COLS" in o for o in jit.compile_options("sm_90a", Knobs()))
     assert "-DGEMM_BAND_COLS=8" in jit.compile_options("sm_90a", Knobs.from_env({"CUPYMOE_GEMM_BAND_COLS": "8"}))
+    assert not any("FP8_EPILOGUE_FMA" in o for o in jit.compile_options("sm_90a", Knobs()))
+    fma = Knobs.from_env({"CUPYMOE_FP8_EPILOGUE_FMA": "1"})
+    assert "-DFP8_EPILOGUE_FMA=1" in jit.compile_options("sm_90a", fma)
     for name in ("CUPYMOE_GEMM_BAND_COLS", "CUPYMOE_MATH_ROWS"):
         with pytest.raises(ValueError, match="'0'"):
             Knobs.from_env({name: "0"})

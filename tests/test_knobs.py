@@ -96,3 +96,10 @@ def test_an_empty_folder_knob_is_unset():
     """CUPYMOE_DUMP_DIR="" would have dumped into the current folder: an empty folder knob is unset."""
     k = Knobs.from_env({"CUPYMOE_DUMP_DIR": "", "CUPYMOE_CACHE_DIR": ""})
     assert k.dump_dir is None and k.cache_dir is None
+
+
+def test_a_result_records_the_knobs_set_but_no_folder():
+    env = {"CUPYMOE_FP8_EPILOGUE_FMA": "1", "CUPYMOE_CACHE_DIR": "/x/y", "CUPYMOE_DUMP_DIR": "/d", "HOME": "/h",
+           "CUPYMOE_SM90_FP8_VARIANT": "tma"}
+    assert knobs.chosen(env) == {"CUPYMOE_FP8_EPILOGUE_FMA": "1", "CUPYMOE_SM90_FP8_VARIANT": "tma"}
+    assert knobs.chosen({}) == {}
