@@ -236,6 +236,9 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
     "fp8_epilogue_fma": ("CUPYMOE_FP8_EPILOGUE_FMA", "1: the w8a8 gate/up epilogue's exact reciprocal and "
                          "division as one Newton step by fmas (cuda/fp8_gemm.cuh; the same bits); 0: the least "
                          "remainder of three candidates (compile time)", _on_off, False),
+    "gemm_tile_early": ("CUPYMOE_GEMM_TILE_EARLY", "1: the grouped GEMMs look their tile up in two dependent "
+                        "rounds of loads, not four (cuda/gemm_common.cuh gemm_tile_at; the same bits; compile "
+                        "time)", _on_off, False),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "
                        "time)", _count, None),
 }
@@ -285,6 +288,7 @@ class Knobs:
     lora_router_tpr: Optional[int] = None
     math_rows: Optional[int] = None
     fp8_epilogue_fma: bool = False
+    gemm_tile_early: bool = False
     gemm_band_cols: Optional[int] = None
 
     @classmethod

@@ -294,8 +294,10 @@ class Workspace:
         with cupy.cuda.Device(self.device_id):
             self._mem = cupy.cuda.memory.Memory(max(ALIGN, need.total_bytes))  # never moves: graphs stay valid
             self.base = int(self._mem.ptr)
-            if self.zeroed_bytes:
-                cupy.cuda.runtime.memset(self.base, 0, self.zeroed_bytes)
+            # all of it, not only the zeroed region: the GEMMs read a tile list's entry beside its count,
+            # past the count too (never used), and no read should meet uninitialized memory
+            cupy.cuda.runtime.memset(self.base, 0, max(ALIGN, need.total_bytes))
+            cupy.cuda.runtime.deviceSynchronize()  # the memset ran on the legacy stream; layers launch on others
             self._done = cupy.cuda.Event(disable_timing=True)  # recorded after each forward
         self.scratch_base = self.base + self.zeroed_bytes
         self.scratch_bytes = _align(need.scratch_bytes)

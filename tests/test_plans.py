@@ -315,3 +315,30 @@ def test_a_forced_knob_the_layer_cannot_take_is_logged(env, fmt, arch, says, cap
         plan_layer(cfg, "fp8_block", None, "sm_90a", knobs=Knobs.from_env({"CUPYMOE_A8_DOWN_TILES": "4"}))
         plan_layer(cfg, fmt, None, arch, knobs=Knobs())
     assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("dev", [H200, A100], ids=["sm_90a", "sm_80"])
+@pytest.mark.parametrize("family, fmt", CASES)
+def test_every_tiled_launch_s_grid_stays_within_its_tile_list(family, fmt, dev):
+    """A grouped GEMM may read its M-tile's tile_info entry before it tests the tile count
+    (cuda/gemm_common.cuh gemm_tile_at, EARLY): every M-tile its grid can start lies within the
+    buffer, at every row count up to the layer's max_tokens."""
+    from cupymoe.workspace import layer_need
+
+    cfg = testing.tiny_config(family)
+    lp = _plan(cfg, fmt, dev, decode_max_tokens=64)
+    max_tokens = 5000
+    placements = layer_need(lp, max_tokens)[0].placements
+    seen = 0
+    for n, path in [(n, Path.PREFILL) for n in (1, 8, 65, 300, 1023, 4096, max_tokens)] + \
+            [(n, choose_path(lp, "auto", n)) for n in (1, 8, 64)]:
+        plan = build_forward_plan(lp, dev, n, path).at(n)
+        for launch in plan.launches:
+            names = {a.name for a in launch.args}
+            if not names >= {"act_code", "tile_info"} or isinstance(launch.arg("tile_info"), int):
+                continue
+            buf = launch.arg("tile_info")
+            assert isinstance(buf, Buf), launch
+            assert launch.grid[1] * 16 <= placements[buf.name].nbytes, (n, launch.kernel, launch.grid)
+            seen += 1
+    assert seen >= 2  # gate/up and down at least at the prefill row counts
