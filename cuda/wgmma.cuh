@@ -73,6 +73,39 @@ __device__ __forceinline__ void tma_store_wait_read() {
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// The down epilogue of a warpgroup whose 64 rows all lie in the tile, by TMA store: the
+// weighted bf16 outputs (stage_down_outputs, as emit_wgmma_down_staged's) written into the
+// warpgroup's A blocks as BN / 64 boxes of 64 x 64 in TMA's 128-byte swizzle (box b in
+// stage b's block), then one thread stores them to yw and waits only until they are read
+// out of shared memory: the warpgroup's threads issue no 16-byte loads and stores of their
+// own (the stores were a large share of a short-K down's warp samples). Columns past H are
+// not written (the map's extent). A warpgroup of fewer rows keeps emit_wgmma_down_staged:
+// a box would write the next tile's rows.
+template <int BN, int S>
+__device__ __forceinline__ void emit_wgmma_down_tma(const GemmTile& t, const float* d, const float (&w)[2], int row0,
+                                                    bf16* a0, int stage_elems, const u8* map_yw, GEMM_ARGS) {
+    static_assert(BN / 64 <= S, "a box in each stage's block");
+    const int wt = threadIdx.x & 127, wg_bar = 1 + (threadIdx.x >> 7);  // barrier 0 is __syncthreads
+    const FragRows fr(0, 64);
+    const int t4 = fr.t4, r = fr.r;
+    auto at = [&](int r, int c) -> unsigned char* {  // row r's 16-byte chunk c: box c / 8, swizzled by row
+        return reinterpret_cast<unsigned char*>(a0 + (size_t)(c >> 3) * stage_elems) + r * 128 +
+               (((c & 7) ^ (r & 7)) << 4);
+    };
+    const float* bias = reinterpret_cast<const float*>(b0_ptrs[t.slot]);
+    asm volatile("bar.sync %0, 128;\n" ::"r"(wg_bar) : "memory");  // every warp's wgmmas have read A
+    stage_down_outputs<BN>(t, d, w, r, t4, bias, at);
+    fence_proxy_async();  // the generic proxy's writes, before the async proxy reads them
+    asm volatile("bar.sync %0, 128;\n" ::"r"(wg_bar) : "memory");
+    if (wt == 0) {
+#pragma unroll
+        for (int b = 0; b < BN / 64; ++b)
+            if (t.n0 + 64 * b < t.ncols) tma_store_2d(map_yw, t.n0 + 64 * b, t.pos0 + row0, a0 + (size_t)b * stage_elems);
+        tma_store_commit();
+        tma_store_wait_read<0>();  // the block's shared memory stays until the boxes are read
+    }
+}
+
 // The gathering producers' handshake (grouped_sm90_tma.cu, grouped_sm90_fp8_tma.cu,
 // decode_swapab_sm90.cu): cp.async writes through the generic proxy and wgmma reads through
 // the async one, so a thread marks a stage full only once its own copies of it have landed

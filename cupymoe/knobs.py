@@ -239,6 +239,9 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
     "gemm_tile_early": ("CUPYMOE_GEMM_TILE_EARLY", "1: the grouped GEMMs look their tile up in two dependent "
                         "rounds of loads, not four (cuda/gemm_common.cuh gemm_tile_at; the same bits; compile "
                         "time)", _on_off, False),
+    "fp8_down_tma_store": ("CUPYMOE_FP8_DOWN_TMA_STORE", "1: the w8a8 TMA GEMM's down stores a full "
+                           "warpgroup's outputs by TMA (emit_wgmma_down_tma, as the bf16 TMA GEMM's down does; the "
+                           "same bits); 0: 16-byte stores from every thread (compile time)", _on_off, False),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "
                        "time)", _count, None),
 }
@@ -289,6 +292,7 @@ class Knobs:
     math_rows: Optional[int] = None
     fp8_epilogue_fma: bool = False
     gemm_tile_early: bool = False
+    fp8_down_tma_store: bool = False
     gemm_band_cols: Optional[int] = None
 
     @classmethod

@@ -94,8 +94,9 @@ def test_bad_arch_is_refused(bad):
 
 def test_measurement_knobs_pick_the_hopper_variants_and_math_rows():
     """CUPYMOE_SM90_VARIANT, CUPYMOE_SM90_DOWN_VARIANT and CUPYMOE_MATH_ROWS take only what they
-    name; unset, the tuning table's choices apply; CUPYMOE_GEMM_BAND_COLS, CUPYMOE_FP8_EPILOGUE_FMA and
-    CUPYMOE_GEMM_TILE_EARLY reach the build options."""
+    name; unset, the tuning table's choices apply; CUPYMOE_GEMM_BAND_COLS and the build knobs of
+    pending measurements (CUPYMOE_FP8_EPILOGUE_FMA, CUPYMOE_GEMM_TILE_EARLY, CUPYMOE_FP8_DOWN_TMA_STORE) reach
+    the build options."""
     auto = TUNING.sm90_auto
     k = Knobs()
     # gate/up: gathering 128-row tiles below I = 1024, 192-row tiles from it
@@ -126,6 +127,8 @@ def test_measurement_knobs_pick_the_hopper_variants_and_math_rows():
     early = Knobs.from_env({"CUPYMOE_GEMM_TILE_EARLY": "1"})
     assert "-DGEMM_TILE_EARLY=1" in jit.compile_options("sm_90a", early)
     assert not any("GEMM_TILE_EARLY" in o for o in jit.compile_options("sm_90a", Knobs()))
+    stores = Knobs.from_env({"CUPYMOE_FP8_DOWN_TMA_STORE": "1"})
+    assert "-DFP8_DOWN_TMA_STORE=1" in jit.compile_options("sm_90a", stores)
     for name in ("CUPYMOE_GEMM_BAND_COLS", "CUPYMOE_MATH_ROWS"):
         with pytest.raises(ValueError, match="'0'"):
             Knobs.from_env({name: "0"})
