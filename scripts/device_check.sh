@@ -12,7 +12,9 @@
 #   PARTS="hf": the CPU tests that need transformers (skipped in CI and on a machine without it; the
 #   device image has it, and peft): against transformers' own MoE blocks, PEFT's adapters and merges
 #   PARTS="equiv": the output bits against an older tree exported (git archive REV cupymoe cuda)
-#   into .old/ (carried), scripts/plan_equivalence.py; PARTS="host": the eager forward's host time
+#   into .old/ (carried), scripts/plan_equivalence.py; with EQUIV_KNOBS="KNOB=V,KNOB=V" instead this
+#   tree without those knobs against itself with them (a same-bits build knob's check)
+#   PARTS="host": the eager forward's host time
 #   PARTS="tune": the tuning sweep of the six presets, bf16 and fp8_block, N = 16-2048, into
 #   $OUT/tune.json (apply it here with `python -m cupymoe tune --apply FILE`)
 #   GRID_FLAGS=--no-peers: the grid without the torch peers (vLLM's figures still come
@@ -63,8 +65,14 @@ if want hf; then
   grep -E "^FAILED|^ERROR" "$OUT/hf_tests.log" | head -5
 fi
 if want equiv; then
-  PYTHONPATH=.old timeout 240 python3 scripts/plan_equivalence.py --out "$OUT/equiv-old.json" > "$OUT/equiv.log" 2>&1
-  PYTHONPATH=. timeout 240 python3 scripts/plan_equivalence.py --out "$OUT/equiv-new.json" >> "$OUT/equiv.log" 2>&1
+  if [ -n "${EQUIV_KNOBS:-}" ]; then  # the same tree, plain, then under the knobs
+    old_tree=. new_env=${EQUIV_KNOBS//,/ }
+  else
+    old_tree=.old new_env=
+  fi
+  PYTHONPATH=$old_tree timeout 240 python3 scripts/plan_equivalence.py --out "$OUT/equiv-old.json" > "$OUT/equiv.log" 2>&1
+  env $new_env PYTHONPATH=. timeout 240 python3 scripts/plan_equivalence.py --out "$OUT/equiv-new.json" \
+    >> "$OUT/equiv.log" 2>&1
   python3 scripts/plan_equivalence.py --compare "$OUT/equiv-old.json" "$OUT/equiv-new.json" >> "$OUT/equiv.log" 2>&1
   echo "equiv rc $?: $(tail -1 "$OUT/equiv.log")"
   grep DIFFERS "$OUT/equiv.log" | head -5
