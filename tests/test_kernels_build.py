@@ -39,6 +39,22 @@ def test_every_kernel_compiles_without_spills(arch, cache):
     print(f"\n{arch}\n" + jit.format_report(mods))
 
 
+# the build knobs of forms that keep main's bits and wait to be measured (benchmarks/DECISIONS.md), all on
+PENDING_FORMS = {"CUPYMOE_FP8_EPILOGUE_FMA": "1", "CUPYMOE_GEMM_TILE_EARLY": "1", "CUPYMOE_FP8_DOWN_TMA_STORE": "1"}
+GEMM_MODULES = ("grouped", "grouped_sm90", "grouped_sm90_tma", "grouped_sm90_fp8", "grouped_sm90_fp8_tma")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_the_pending_forms_compile_without_spills(arch, cache, monkeypatch):
+    """The grouped GEMM modules under every pending build knob at once: no spills, no stack frame."""
+    for name, value in PENDING_FORMS.items():
+        monkeypatch.setenv(name, value)
+    mods = jit.compile_modules([m for m in GEMM_MODULES if jit.MODULES[m].builds_for(arch)], arch)
+    for m in mods:
+        for r in m.resources():
+            assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), f"{arch} {r.name}: {r}"
+
+
 def test_cache_hits_and_keys_on_arch(cache):
     a = jit.compile_module("topk", "sm_90a")
     b = jit.compile_module("topk", "sm_90a")
