@@ -35,31 +35,19 @@ __device__ __forceinline__ void fp8_promote(float* acc, const float* blk, const 
     }
 }
 
-#ifndef FP8_EPILOGUE_FMA
-#define FP8_EPILOGUE_FMA 0  // 1: the exact reciprocal and division below as one Newton step (CUPYMOE_FP8_EPILOGUE_FMA)
-#endif
-
 // 1 / y as rcp.rn.f32 rounds it, without rcp.rn's slow-path branch (the SiLU's sigmoid: a branch an
 // element kept the epilogue's elements from interleaving), for 1 <= y <= 2^125 (1 / y a normal float,
-// which rcp.approx.ftz keeps). q = rcp.approx(y) lies within one float of 1 / y rounded.
-// FP8_EPILOGUE_FMA: one Newton step q + q (1 - y q) by fmas is 1 / y rounded (Markstein) but where y's
-// significand is all ones, whose 1 / y rounded is 2^-(e+1) (1 + 2^-23), taken in closed form.
-// Else: of q and its neighbours, the one whose remainder 1 - y q (exact by fma) is least (no
-// reciprocal lies exactly between two floats).
-// tests/test_fp8_epilogue.py checks both rules against division, tests/test_gpu_fp8_epilogue.py every y.
+// which rcp.approx.ftz keeps). q = rcp.approx(y) lies within 1 ulp of 1 / y (PTX's bound), so one Newton
+// step q + q (1 - y q) by fmas is 1 / y rounded (Markstein) but where y's significand is all ones, whose
+// 1 / y rounded is 2^-(e+1) (1 + 2^-23), taken in closed form (two fmas, where choosing the least remainder
+// among q and its neighbours takes six).
+// tests/test_fp8_epilogue.py checks the rule against division, tests/test_gpu_fp8_epilogue.py every y.
 __device__ __forceinline__ float rcp_rn_nearest(float y) {
     float q;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(q) : "f"(y));
-#if FP8_EPILOGUE_FMA
     const int yb = __float_as_int(y);
     const float step = fmaf(fmaf(-y, q, 1.0f), q, q);
     return (yb & 0x7FFFFF) == 0x7FFFFF ? __int_as_float(0x7E800001 - (yb & 0x7F800000)) : step;
-#else
-    const float lo = __int_as_float(__float_as_int(q) - 1), hi = __int_as_float(__float_as_int(q) + 1);
-    const float r = fabsf(fmaf(-y, q, 1.0f)), rl = fabsf(fmaf(-y, lo, 1.0f)), rh = fabsf(fmaf(-y, hi, 1.0f));
-    const float best = rl < r ? lo : q;
-    return rh < fminf(r, rl) ? hi : best;
-#endif
 }
 
 // activation<ACT_SILU>'s g * sigmoidf_(g) * u, the same bits, its 1 / y by rcp_rn_nearest: for g > -80
@@ -144,22 +132,13 @@ __device__ __forceinline__ void fp8_gate_up_act(const GemmTile& tw, float* d, in
 
 // a / b as div.rn.f32 rounds it, without div.rn's slow-path branch (a branch an element kept the
 // epilogue's elements from interleaving), given binv = 1 / b rounded and b >= 2^-90. q = a binv lies
-// within 1.5 ulps of a / b, so a / b rounded is q or a neighbour.
-// FP8_EPILOGUE_FMA: one correction q + binv (a - b q) by fmas (Markstein's step; q may be 1.5 ulps off
-// and the remainder subnormal: tests/test_fp8_epilogue.py checks every a of a binade on the worst b).
-// Else: of q and its neighbours, the one whose remainder a - b q (exact by fma) is least (no quotient of
-// two floats lies exactly between two floats but where it is a float).
+// within 1.5 ulps of a / b; one correction q + binv (a - b q) by fmas rounds it (Markstein's step; q may be
+// 1.5 ulps off and the remainder subnormal: tests/test_fp8_epilogue.py checks every a of a binade on the
+// worst b, tests/test_gpu_fp8_epilogue.py every a on the hardware).
 // Quotients with |q| under 2^-11 are q itself: under 2^-10 the e4m3 code is a signed zero either way.
 __device__ __forceinline__ float div_rn_nearest(float a, float b, float binv) {
     const float q = a * binv;
-#if FP8_EPILOGUE_FMA
     const float best = fmaf(fmaf(-b, q, a), binv, q);
-#else
-    const float lo = __int_as_float(__float_as_int(q) - 1), hi = __int_as_float(__float_as_int(q) + 1);
-    const float r = fabsf(fmaf(-b, q, a)), rl = fabsf(fmaf(-b, lo, a)), rh = fabsf(fmaf(-b, hi, a));
-    float best = rl < r ? lo : q;
-    best = rh < fminf(r, rl) ? hi : best;
-#endif
     return fabsf(q) < 0x1p-11f ? q : best;
 }
 

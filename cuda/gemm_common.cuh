@@ -94,6 +94,29 @@ struct GemmTile {
 #define GEMM_TILE_EARLY 0  // 1: a tile's lookups in two dependent rounds of loads (CUPYMOE_GEMM_TILE_EARLY)
 #endif
 
+// Loads issued where they stand: volatile, so the compiler neither sinks them below a later branch nor
+// drops an unused one (EARLY's rounds must each leave for L2 together, ahead of the tests).
+__device__ __forceinline__ int ld_issued(const int* p) {
+    int v;
+    asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float ld_issued(const float* p) {
+    float v;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u64 ld_issued(const u64* p) {
+    u64 v;
+    asm volatile("ld.global.nc.b64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ int4 ld_issued(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
 // Tile (cx, ty): column tile cx of M-tile ty; false when there is nothing to do (past the
 // tiles or the columns, or a tile of another weight format than this kernel's FMT).
 // EARLY: the loads in two rounds, each behind one L2 trip: the count beside the tile's entry (the
@@ -103,16 +126,17 @@ struct GemmTile {
 template <int MODE, int BM, int BN, int FMT = FMT_BF16, bool EARLY = GEMM_TILE_EARLY>
 __device__ __forceinline__ bool gemm_tile_at(GemmTile& t, int cx, int ty, GEMM_ARGS) {
     if (EARLY && MODE != MODE_ROUTER) {
-        const int count = *num_tiles;
-        const int4 ti = tile_info[ty];
+        const int count = ld_issued(num_tiles);
+        const int4 ti = ld_issued(tile_info + ty);
         if (ty >= count) return false;
         t.slot = ti.x;
         t.pos0 = ti.y;
         t.rows = ti.z;
-        const int fmt = slot_fmt[t.slot], n_inter = inter[t.slot];
-        const u64 w0 = w0_ptrs[t.slot], s0 = s0_ptrs[t.slot];
-        const u64 w1 = MODE == MODE_GATE_UP ? w1_ptrs[t.slot] : 0, s1 = MODE == MODE_GATE_UP ? s1_ptrs[t.slot] : 0;
-        const float g0 = gs0[t.slot], g1 = MODE == MODE_GATE_UP ? gs1[t.slot] : 1.0f;
+        const int fmt = ld_issued(slot_fmt + t.slot), n_inter = ld_issued(inter + t.slot);
+        const u64 w0 = ld_issued(w0_ptrs + t.slot), s0 = ld_issued(s0_ptrs + t.slot);
+        const u64 w1 = MODE == MODE_GATE_UP ? ld_issued(w1_ptrs + t.slot) : 0;
+        const u64 s1 = MODE == MODE_GATE_UP ? ld_issued(s1_ptrs + t.slot) : 0;
+        const float g0 = ld_issued(gs0 + t.slot), g1 = MODE == MODE_GATE_UP ? ld_issued(gs1 + t.slot) : 1.0f;
         if (fmt != FMT) return false;
         t.K = MODE == MODE_DOWN ? n_inter : H;
         t.k_lo = 0;

@@ -233,9 +233,6 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                         "two up to 16 (compile time; default 16)", _rank_row_lanes, None),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),
-    "fp8_epilogue_fma": ("CUPYMOE_FP8_EPILOGUE_FMA", "1: the w8a8 gate/up epilogue's exact reciprocal and "
-                         "division as one Newton step by fmas (cuda/fp8_gemm.cuh; the same bits); 0: the least "
-                         "remainder of three candidates (compile time)", _on_off, False),
     "gemm_tile_early": ("CUPYMOE_GEMM_TILE_EARLY", "1: the grouped GEMMs look their tile up in two dependent "
                         "rounds of loads, not four (cuda/gemm_common.cuh gemm_tile_at; the same bits; compile "
                         "time)", _on_off, False),
@@ -290,7 +287,6 @@ class Knobs:
     lora_router_t_rows: Optional[int] = None
     lora_router_tpr: Optional[int] = None
     math_rows: Optional[int] = None
-    fp8_epilogue_fma: bool = False
     gemm_tile_early: bool = False
     fp8_down_tma_store: bool = False
     gemm_band_cols: Optional[int] = None

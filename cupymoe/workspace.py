@@ -297,7 +297,9 @@ class Workspace:
             # all of it, not only the zeroed region: the GEMMs read a tile list's entry beside its count,
             # past the count too (never used), and no read should meet uninitialized memory
             cupy.cuda.runtime.memset(self.base, 0, max(ALIGN, need.total_bytes))
-            cupy.cuda.runtime.deviceSynchronize()  # the memset ran on the legacy stream; layers launch on others
+            # the memset ran on the legacy stream; layers launch on others (so a Workspace cannot be made
+            # while another stream captures in global mode: make it before capturing, as its address must be)
+            cupy.cuda.runtime.deviceSynchronize()
             self._done = cupy.cuda.Event(disable_timing=True)  # recorded after each forward
         self.scratch_base = self.base + self.zeroed_bytes
         self.scratch_bytes = _align(need.scratch_bytes)

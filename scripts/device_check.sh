@@ -66,11 +66,12 @@ if want hf; then
 fi
 if want equiv; then
   if [ -n "${EQUIV_KNOBS:-}" ]; then  # the same tree, plain, then under the knobs
-    old_tree=. new_env=${EQUIV_KNOBS//,/ }
+    old_tree=. new_env=${EQUIV_KNOBS//,/ } old_env=
+    for kv in ${EQUIV_KNOBS//,/ }; do old_env+=" -u ${kv%%=*}"; done  # the plain run free of them
   else
-    old_tree=.old new_env=
+    old_tree=.old new_env= old_env=
   fi
-  PYTHONPATH=$old_tree timeout 240 python3 scripts/plan_equivalence.py --out "$OUT/equiv-old.json" > "$OUT/equiv.log" 2>&1
+  env $old_env PYTHONPATH=$old_tree timeout 240 python3 scripts/plan_equivalence.py --out "$OUT/equiv-old.json" > "$OUT/equiv.log" 2>&1
   env $new_env PYTHONPATH=. timeout 240 python3 scripts/plan_equivalence.py --out "$OUT/equiv-new.json" \
     >> "$OUT/equiv.log" 2>&1
   python3 scripts/plan_equivalence.py --compare "$OUT/equiv-old.json" "$OUT/equiv-new.json" >> "$OUT/equiv.log" 2>&1

@@ -1,16 +1,13 @@
 """The w8a8 gate/up epilogue's exact division and reciprocal (cuda/fp8_gemm.cuh div_rn_nearest,
-rcp_rn_nearest), emulated in numpy float32 in both of the kernel's forms (FP8_EPILOGUE_FMA, the build knob
-CUPYMOE_FP8_EPILOGUE_FMA):
+rcp_rn_nearest), emulated in numpy float32: one Newton step by fmas from q (Markstein), the reciprocal's
+all-ones significands in closed form.
 
-- remainders: of q and its two neighbours, the one with the least remainder (one rounding, as fma gives it);
-- fma: one Newton step by fmas from q (Markstein), the reciprocal's all-ones significands in closed form.
-
-Each is checked against IEEE division wherever the quotient reaches the e4m3 codes (|q| >= 2^-11, b >=
+The rule is checked against IEEE division wherever the quotient reaches the e4m3 codes (|q| >= 2^-11, b >=
 2^-90; below, the codes of q and of a / b are the same signed zero): on random rows of scales over
 2^-80 .. 2^60 (bf16 values and plain floats, zeros of both signs, the group's own amax), at every e4m3
 rounding midpoint and its float neighbours, and on every a of a binade over the scales whose 1 / b rounds
-worst; the reciprocal on every y of a binade from any q within one float of 1 / y rounded (the error
-rcp.approx allows). The fma emulation itself is checked against exact rationals."""
+worst; the reciprocal on every y of a binade from any q within 1 ulp of 1 / y (the error PTX allows
+rcp.approx). The fma emulation itself is checked against exact rationals."""
 
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ import pytest
 
 F32 = np.float32
 E4M3 = ml_dtypes.float8_e4m3fn
-FORMS = ("remainders", "fma")
 REACH = F32(2.0 ** -11)  # |q| below: the quotient's e4m3 code is a signed zero whatever its last bits
 
 
@@ -44,31 +40,19 @@ def _step(x, k):
     return (x.view(np.int32) + np.int32(k)).view(F32)
 
 
-def div_rn_nearest(a, b, form):
+def div_rn_nearest(a, b):
     binv = (F32(1) / b).astype(F32)
     q = (a * binv).astype(F32)
-    if form == "fma":
-        best = _fma(_fma(-b, q, a), binv, q)
-    else:
-        lo, hi = _step(q, -1), _step(q, 1)
-        r, rl, rh = (np.abs(_fma(-b, c, a)) for c in (q, lo, hi))
-        best = np.where(rl < r, lo, q)
-        best = np.where(rh < np.minimum(r, rl), hi, best)
+    best = _fma(_fma(-b, q, a), binv, q)
     return np.where(np.abs(q) < REACH, q, best), q
 
 
-def rcp_rn_nearest(y, q, form):
-    """1 / y by the kernel's rule from q, an approximation within one float of 1 / y rounded."""
-    if form == "fma":
-        yb = y.view(np.int32)
-        ones = (yb & 0x7FFFFF) == 0x7FFFFF
-        closed = (np.int32(0x7E800001) - (yb & np.int32(0x7F800000))).view(F32)
-        return np.where(ones, closed, _fma(_fma(-y, q, F32(1)), q, q))
-    one = np.ones_like(y)
-    lo, hi = _step(q, -1), _step(q, 1)
-    r, rl, rh = (np.abs(_fma(-y, c, one)) for c in (q, lo, hi))
-    best = np.where(rl < r, lo, q)
-    return np.where(rh < np.minimum(r, rl), hi, best)
+def rcp_rn_nearest(y, q):
+    """1 / y by the kernel's rule from q, an approximation within 1 ulp of 1 / y."""
+    yb = y.view(np.int32)
+    ones = (yb & 0x7FFFFF) == 0x7FFFFF
+    closed = (np.int32(0x7E800001) - (yb & np.int32(0x7F800000))).view(F32)
+    return np.where(ones, closed, _fma(_fma(-y, q, F32(1)), q, q))
 
 
 def _codes(v):
@@ -123,8 +107,7 @@ def test_the_rounding_helper_takes_ties_to_even():
 # --- division
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_the_division_rounds_as_division_on_random_rows(form):
+def test_the_division_rounds_as_division_on_random_rows():
     rng = np.random.default_rng(7)
     for trial in range(12):
         n = 250_000
@@ -134,7 +117,7 @@ def test_the_division_rounds_as_division_on_random_rows(form):
         a[::97], a[1::97], a[2::97], a[3::97] = amax[::97], -amax[1::97], 0.0, -0.0
         if trial % 2:  # bf16 values, as the kernel's activations are
             a = (a.view(np.uint32) & 0xFFFF0000).view(F32)
-        got, q = div_rn_nearest(a, sc, form)
+        got, q = div_rn_nearest(a, sc)
         assert _same_where_reached((a / sc).astype(F32), got, q), trial
 
 
@@ -152,8 +135,7 @@ def test_the_midpoints_are_where_the_codes_change():
     assert mids.size == 8 * 15 - 2 + 8 and np.all(_codes(below) + 1 == _codes(above))
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_the_division_at_e4m3_midpoints(form):
+def test_the_division_at_e4m3_midpoints():
     rng = np.random.default_rng(8)
     mids = _e4m3_midpoints()
     for _ in range(20):
@@ -161,7 +143,7 @@ def test_the_division_at_e4m3_midpoints(form):
         base = (mids * sc.astype(np.float64)).astype(F32)
         for step in range(-3, 4):
             a = _step(base, step)
-            want, (got, _) = (a / sc).astype(F32), div_rn_nearest(a, sc, form)
+            want, (got, _) = (a / sc).astype(F32), div_rn_nearest(a, sc)
             assert np.array_equal(want.view(np.int32), got.view(np.int32))
             assert np.array_equal(_codes(want), _codes(got))
 
@@ -179,12 +161,13 @@ def _worst_reciprocals(count):
     return b[np.argsort(err)[-count:]]
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_the_division_on_every_a_of_a_binade(form):
+def test_the_division_on_every_a_of_a_binade():
     """Every a of [1, 2) (both signs by symmetry) over the four worst b, b = 1, the all-ones b and two
     at random: quotients in (1/2, 2), so q's distance from a / b in ulps covers both of its binades. A
-    power of two times a or b moves every value of the rule by that power, while no value leaves the
-    normal floats (every reached quotient's remainder does not: tests above, scales to 2^-90)."""
+    power of two times a or b moves every value of the rule by that power, but where the remainder
+    a - b q turns subnormal (b near 2^-90), and there q is already a / b rounded. Why these b suffice
+    for the rule: where a / b is in [1, 2), q is faithful, so Markstein's step rounds it; below 1 a
+    miss needs a, b >= 2 - 3.5 2^-23 with b the all-ones significand, which the all-ones b covers."""
     rng = np.random.default_rng(13)
     a = _binade()
     bs = np.concatenate([_worst_reciprocals(4), np.array([1.0, 2 - 2.0 ** -23], F32),
@@ -192,7 +175,7 @@ def test_the_division_on_every_a_of_a_binade(form):
     off = 0
     for b in bs:
         want = (a / b).astype(F32)
-        got, q = div_rn_nearest(a, np.full_like(a, b), form)
+        got, q = div_rn_nearest(a, np.full_like(a, b))
         off += int(np.count_nonzero(q != want))
         assert np.array_equal(want.view(np.int32), got.view(np.int32)), float(b)
     assert off > 0  # q itself misses somewhere: the rule is what makes these exact
@@ -211,26 +194,22 @@ def _within_one_ulp(y, q):
         return np.abs(q.astype(np.float64) * yd - 1) <= binade * 2.0 ** -23 * yd
 
 
-def _approx(rng, y, form):
-    """1 / y rounded, moved by -1, 0 or +1 float: any error rcp.approx's 1 ulp allows. The remainders
-    form takes any q within one float of 1 / y rounded; the fma form (Markstein's step) a q within 1 ulp
-    of 1 / y, the bound PTX gives rcp.approx (tests/test_gpu_fp8_epilogue.py checks the hardware's)."""
+def _approx(rng, y):
+    """1 / y rounded, moved by -1, 0 or +1 float where that stays within 1 ulp of 1 / y, the bound PTX
+    gives rcp.approx and Markstein's step needs (tests/test_gpu_fp8_epilogue.py checks the hardware's)."""
     want = (F32(1) / y).astype(F32)
     q = _step(want, rng.integers(-1, 2, y.size).astype(np.int32))
-    if form == "fma":
-        q = np.where(_within_one_ulp(y, q), q, want)
-    return want, q
+    return want, np.where(_within_one_ulp(y, q), q, want)
 
 
-def _check_rcp(rng, y, form):
+def _check_rcp(rng, y):
     assert y.dtype == F32 and np.all((y >= 1) & (y <= F32(2.0 ** 125)))
-    want, q = _approx(rng, y, form)
-    got = rcp_rn_nearest(y, q, form)
+    want, q = _approx(rng, y)
+    got = rcp_rn_nearest(y, q)
     assert np.array_equal(want.view(np.int32), got.view(np.int32))
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_the_reciprocal_on_random_y(form):
+def test_the_reciprocal_on_random_y():
     rng = np.random.default_rng(9)
     for trial in range(12):
         n = 250_000
@@ -242,26 +221,37 @@ def test_the_reciprocal_on_random_y(form):
         y[::101], y[1::101] = F32(1), F32(2.0 ** 125)
         if trial % 2:  # bf16 values
             y = (y.view(np.uint32) & 0xFFFF0000).view(F32)
-        _check_rcp(rng, y, form)
+        _check_rcp(rng, y)
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_the_reciprocal_on_every_y_of_a_binade(form):
-    """Every y of [1, 2) from each q one float below, at and above 1 / y rounded (the fma form: those
-    within 1 ulp of 1 / y). A power of two times y moves every value by its inverse while 1 / y stays
+def test_the_reciprocal_on_every_y_of_a_binade():
+    """Every y of [1, 2) from each q one float below, at and above 1 / y rounded that is within 1 ulp of
+    1 / y. A power of two times y moves every value by its inverse while 1 / y stays
     normal: y up to 2^125 (its top, 2^125, is 1 times a power of two)."""
     y = _binade()
     want = (F32(1) / y).astype(F32)
     for k in (-1, 0, 1):
         q = _step(want, k)
-        keep = _within_one_ulp(y, q) if form == "fma" else np.ones(y.size, bool)
-        got = rcp_rn_nearest(y[keep], q[keep], form)
+        keep = _within_one_ulp(y, q)
+        got = rcp_rn_nearest(y[keep], q[keep])
         assert np.array_equal(want[keep].view(np.int32), got.view(np.int32)), k
         assert keep.mean() > 0.25, k
 
 
+def test_the_fma_reciprocal_of_a_power_of_two_from_two_floats_below():
+    """y = 2^k: 1 / y is a float at a binade's foot, and the floats below it are half as far apart, so
+    1 ulp of 1 / y reaches two floats below; from there (and one below, at, one above) one step is exact."""
+    y = (np.float64(2.0) ** np.arange(0, 126)).astype(F32)
+    want = (F32(1) / y).astype(F32)
+    for k in (-2, -1, 0, 1):
+        q = _step(want, k)
+        assert np.all(_within_one_ulp(y, q)), k
+        assert np.array_equal(rcp_rn_nearest(y, q).view(np.int32), want.view(np.int32)), k
+    assert not np.all(_within_one_ulp(y, _step(want, -3)))
+
+
 def test_one_newton_step_misses_only_all_ones_significands():
-    """The fma form's closed form is needed: one step from 1 / y rounded plus one float misses at the
+    """The closed form is needed: one step from 1 / y rounded plus one float misses at the
     all-ones significand, and the closed form is 1 / y rounded there in every binade of the range."""
     y = F32(2 - 2.0 ** -23)
     want = (F32(1) / y).astype(F32)
@@ -272,8 +262,7 @@ def test_one_newton_step_misses_only_all_ones_significands():
     assert np.array_equal(closed, (F32(1) / ones).astype(F32))
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_the_reciprocal_on_the_silu_y(form):
+def test_the_reciprocal_on_the_silu_y():
     """y = 1 + e^-g of g over -90 .. 90 (plain floats and bf16 values), as the kernel picks:
     rcp_rn_nearest where every g of the thread's 32 exceeds -80 (then y < 2^125), else the division;
     the product g (1 / y) u equals the division's bit for bit either way."""
@@ -289,36 +278,11 @@ def test_the_reciprocal_on_the_silu_y(form):
             y = (F32(1) + np.exp(-g)).astype(F32)  # inf under g = -88.7
         fast = np.repeat((g > -80).reshape(-1, 32).all(axis=1), 32)
         assert np.all(y[g > -80] < F32(2.0 ** 125))
-        _, q = _approx(rng, y, form)
+        _, q = _approx(rng, y)
         with np.errstate(over="ignore", invalid="ignore"):
-            rule = rcp_rn_nearest(np.where(fast, y, F32(1)), np.where(fast, q, F32(1)), form)
+            rule = rcp_rn_nearest(np.where(fast, y, F32(1)), np.where(fast, q, F32(1)))
             got = (g * np.where(fast, rule, F32(1) / y)).astype(F32) * u
             ref = (g * (F32(1) / y)).astype(F32) * u
         assert np.array_equal(got.view(np.int32), ref.view(np.int32)), trial
         assert fast.any() and (trial % 4 in (1, 3) or not fast.all()), trial
-        _check_rcp(rng, y[fast], form)
-
-
-def test_one_ulp_is_one_float_and_the_remainders_are_exact():
-    """What the remainders form rests on, in exact arithmetic on y next to the powers of two (and at
-    random): a float within 1 ulp of 1 / y (the ulp of 1 / y's binade) is 1 / y rounded or a neighbour,
-    but for y = 2^k, whose 1 / y is a float that rcp.approx should return itself
-    (tests/test_gpu_fp8_epilogue.py checks every y); the float64 remainders 1 - y q are exact, so rounded to
-    float32 they are fma's."""
-    rng = np.random.default_rng(11)
-    e = rng.integers(0, 125, 3000)
-    m = np.concatenate([rng.integers(0, 8, 1000), (1 << 23) - 1 - rng.integers(0, 8, 1000),
-                        rng.integers(0, 1 << 23, 1000)])
-    y = ((e + 127) << 23 | m).astype(np.int32).view(F32)
-    want = (F32(1) / y).astype(F32)
-    for yi, wi in zip(y.tolist(), want.tolist()):
-        exact = 1 / Fraction(yi)
-        k = exact.numerator.bit_length() - exact.denominator.bit_length()
-        k -= Fraction(2) ** k > exact  # 2^k <= 1 / y < 2^(k + 1)
-        ulp = Fraction(2) ** (k - 23)
-        bits = np.array([wi], F32).view(np.int32)[0]
-        for step in (-2, -1, 0, 1, 2):  # every candidate of a q at most one float off 1 / y rounded
-            qi = float(np.array([bits + step], np.int32).view(F32)[0])
-            if abs(step) == 2:  # but 2^-k less two floats of [2^(k-1), 2^k): 1 ulp of 1 / 2^k exactly
-                assert abs(Fraction(qi) - exact) > ulp or (exact.numerator == 1 and step == -2), (yi, step)
-            assert Fraction(1.0 - yi * qi) == 1 - Fraction(yi) * Fraction(qi), (yi, step)
+        _check_rcp(rng, y[fast])

@@ -1,5 +1,5 @@
 """GPU: the w8a8 gate/up epilogue's exact reciprocal and division (cuda/fp8_gemm.cuh rcp_rn_nearest,
-silu_rn_nearest, div_rn_nearest) on the hardware, exhaustively, in both forms (FP8_EPILOGUE_FMA 0 / 1):
+silu_rn_nearest, div_rn_nearest) on the hardware, exhaustively:
 every float y in [1, 2^125] against 1.0f / y (rcp.rn) from the hardware's rcp.approx, every float g > -80
 (with a u of each) against activation<ACT_SILU>, and every float a over 16 scales against a / sc (div.rn)
 wherever |q| >= 2^-11 and by e4m3 code everywhere, bit for bit. tests/test_fp8_epilogue.py checks the
@@ -81,36 +81,31 @@ extern "C" __global__ void check_silu(unsigned long long* out) {
 '''
 
 
-FORMS = {"remainders": 0, "fma": 1}
-
-
-def compile_checks(form: str, arch: str = "sm_90a") -> bytes:
+def compile_checks(arch: str = "sm_90a") -> bytes:
     nvrtc = jit._nvrtc()
     prog = nvrtc.createProgram(SOURCE, "fp8_epilogue_checks.cu", (), ())
     try:
-        options = jit.compile_options(arch, Knobs())  # the form by FORMS, not by the environment's knob
-        nvrtc.compileProgram(prog, (*options, f"-DFP8_EPILOGUE_FMA={FORMS[form]}"))
+        nvrtc.compileProgram(prog, jit.compile_options(arch, Knobs()))
         return nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
 
 
-def _module(form):
+def _module():
     import cupy
 
     if not testing.on_sm90a():
         pytest.skip("the w8a8 kernels need sm_90a")
     mod = cupy.cuda.function.Module()
-    mod.load(compile_checks(form))
+    mod.load(compile_checks())
     grid, block = (cupy.cuda.Device().attributes["MultiProcessorCount"] * 8,), (256,)
     return mod, grid, block
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_the_rule_on_every_y_and_every_g(form):
+def test_the_rule_on_every_y_and_every_g():
     import cupy
 
-    mod, grid, block = _module(form)
+    mod, grid, block = _module()
     out = cupy.array([0, 0, 0, 2**64 - 1], dtype=cupy.uint64)
     base, top = 0x3F800000, 0x7E000000  # 1 .. 2^125
     mod.get_function("check_rcp")(grid, block, (np.uint32(base), np.uint32(top - base + 1), out))
@@ -129,11 +124,10 @@ def test_the_rule_on_every_y_and_every_g(form):
 SCALES = [2.0**-90, 1 / 448, 3 / 448, 0.3, 2.0**-60 * 1.7 / 448, 2.0**60 / 448]
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_the_division_on_every_a(form):
+def test_the_division_on_every_a():
     import cupy
 
-    mod, grid, block = _module(form)
+    mod, grid, block = _module()
     from test_fp8_epilogue import _worst_reciprocals
 
     for sc in [np.float32(v) for v in SCALES + [float(b) for b in _worst_reciprocals(4)]]:
