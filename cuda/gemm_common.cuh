@@ -90,67 +90,10 @@ struct GemmTile {
     float g0, g1;          // their global scales, applied to the fp32 accumulators
 };
 
-#ifndef GEMM_TILE_EARLY
-#define GEMM_TILE_EARLY 0  // 1: a tile's lookups in two dependent rounds of loads (CUPYMOE_GEMM_TILE_EARLY)
-#endif
-
-// Loads issued where they stand: volatile, so the compiler neither sinks them below a later branch nor
-// drops an unused one (EARLY's rounds must each leave for L2 together, ahead of the tests).
-__device__ __forceinline__ int ld_issued(const int* p) {
-    int v;
-    asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ float ld_issued(const float* p) {
-    float v;
-    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ u64 ld_issued(const u64* p) {
-    u64 v;
-    asm volatile("ld.global.nc.b64 %0, [%1];" : "=l"(v) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ int4 ld_issued(const int4* p) {
-    int4 v;
-    asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
 // Tile (cx, ty): column tile cx of M-tile ty; false when there is nothing to do (past the
 // tiles or the columns, or a tile of another weight format than this kernel's FMT).
-// EARLY: the loads in two rounds, each behind one L2 trip: the count beside the tile's entry (the
-// grid's M-tiles never pass the tile list's buffer, and the workspace is zeroed when made, so an entry
-// past the count is read but never used), then every slot-indexed value beside the slot's format.
-// Else in four (count, entry, format, the rest), each behind the test before it.
-template <int MODE, int BM, int BN, int FMT = FMT_BF16, bool EARLY = GEMM_TILE_EARLY>
+template <int MODE, int BM, int BN, int FMT = FMT_BF16>
 __device__ __forceinline__ bool gemm_tile_at(GemmTile& t, int cx, int ty, GEMM_ARGS) {
-    if (EARLY && MODE != MODE_ROUTER) {
-        const int count = ld_issued(num_tiles);
-        const int4 ti = ld_issued(tile_info + ty);
-        if (ty >= count) return false;
-        t.slot = ti.x;
-        t.pos0 = ti.y;
-        t.rows = ti.z;
-        const int fmt = ld_issued(slot_fmt + t.slot), n_inter = ld_issued(inter + t.slot);
-        const u64 w0 = ld_issued(w0_ptrs + t.slot), s0 = ld_issued(s0_ptrs + t.slot);
-        const u64 w1 = MODE == MODE_GATE_UP ? ld_issued(w1_ptrs + t.slot) : 0;
-        const u64 s1 = MODE == MODE_GATE_UP ? ld_issued(s1_ptrs + t.slot) : 0;
-        const float g0 = ld_issued(gs0 + t.slot), g1 = MODE == MODE_GATE_UP ? ld_issued(gs1 + t.slot) : 1.0f;
-        if (fmt != FMT) return false;
-        t.K = MODE == MODE_DOWN ? n_inter : H;
-        t.k_lo = 0;
-        t.ncols = MODE == MODE_GATE_UP ? n_inter : H;
-        t.n0 = cx * (MODE == MODE_GATE_UP ? BN / 2 : BN);
-        if (t.n0 >= t.ncols) return false;
-        t.W0 = reinterpret_cast<const bf16*>(w0);
-        t.W1 = reinterpret_cast<const bf16*>(w1);
-        t.S0 = reinterpret_cast<const void*>(s0);
-        t.S1 = reinterpret_cast<const void*>(s1);
-        t.g0 = g0 * gemm_weight_unscale<FMT>();
-        t.g1 = MODE == MODE_GATE_UP ? g1 * gemm_weight_unscale<FMT>() : 1.0f;
-        return true;
-    }
     if (MODE == MODE_ROUTER) {
         t.slot = 0;
         t.pos0 = ty * BM;
@@ -209,10 +152,10 @@ __device__ __forceinline__ int2 banded_tile(int L, int ncol, int mt) {
 }
 
 // The block's tile: grid (column tiles, M-tiles), started in banded order.
-template <int MODE, int BM, int BN, int FMT = FMT_BF16, bool EARLY = GEMM_TILE_EARLY>
+template <int MODE, int BM, int BN, int FMT = FMT_BF16>
 __device__ __forceinline__ bool gemm_tile(GemmTile& t, GEMM_ARGS) {
     const int2 ct = banded_tile(blockIdx.y * gridDim.x + blockIdx.x, gridDim.x, gridDim.y);
-    return gemm_tile_at<MODE, BM, BN, FMT, EARLY>(t, ct.x, ct.y, GEMM_ARG_NAMES);
+    return gemm_tile_at<MODE, BM, BN, FMT>(t, ct.x, ct.y, GEMM_ARG_NAMES);
 }
 
 // Each thread copies a fixed set of 16-byte chunks per stage: its rows' sources are

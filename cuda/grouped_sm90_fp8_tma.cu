@@ -146,8 +146,7 @@ grouped_gemm_sm90_fp8_tma(GEMM_ARGS, const u8* __restrict__ qa, const float* __r
     u64* empty = full + S;
 
     GemmTile t;
-    // the 64-row form sits at its 128-register cap: the two-round lookups spill there
-    if (!gemm_tile<MODE, BM, BN, FMT_FP8, GEMM_TILE_EARLY && WGS == 2>(t, GEMM_ARG_NAMES)) return;
+    if (!gemm_tile<MODE, BM, BN, FMT_FP8>(t, GEMM_ARG_NAMES)) return;
     const int KT = (t.K + BK - 1) / BK;
     const int subs = (t.rows + F8T_SUB - 1) / F8T_SUB;  // A boxes holding rows (down); warpgroups with rows
     if (threadIdx.x == 0) {

@@ -233,9 +233,6 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                         "two up to 16 (compile time; default 16)", _rank_row_lanes, None),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),
-    "gemm_tile_early": ("CUPYMOE_GEMM_TILE_EARLY", "1: the grouped GEMMs look their tile up in two dependent "
-                        "rounds of loads, not four (cuda/gemm_common.cuh gemm_tile_at; the same bits; compile "
-                        "time)", _on_off, False),
     "fp8_down_tma_store": ("CUPYMOE_FP8_DOWN_TMA_STORE", "1: the w8a8 TMA GEMM's down stores a full "
                            "warpgroup's outputs by TMA (emit_wgmma_down_tma, as the bf16 TMA GEMM's down does; the "
                            "same bits); 0: 16-byte stores from every thread (compile time)", _on_off, False),
@@ -287,7 +284,6 @@ class Knobs:
     lora_router_t_rows: Optional[int] = None
     lora_router_tpr: Optional[int] = None
     math_rows: Optional[int] = None
-    gemm_tile_early: bool = False
     fp8_down_tma_store: bool = False
     gemm_band_cols: Optional[int] = None
 

@@ -294,9 +294,8 @@ class Workspace:
         with cupy.cuda.Device(self.device_id):
             self._mem = cupy.cuda.memory.Memory(max(ALIGN, need.total_bytes))  # never moves: graphs stay valid
             self.base = int(self._mem.ptr)
-            # all of it, not only the zeroed region: the GEMMs read a tile list's entry beside its count,
-            # past the count too (never used), and no read should meet uninitialized memory
-            cupy.cuda.runtime.memset(self.base, 0, max(ALIGN, need.total_bytes))
+            if self.zeroed_bytes:
+                cupy.cuda.runtime.memset(self.base, 0, self.zeroed_bytes)
             # the memset ran on the legacy stream; layers launch on others (so a Workspace cannot be made
             # while another stream captures in global mode: make it before capturing, as its address must be)
             cupy.cuda.runtime.deviceSynchronize()

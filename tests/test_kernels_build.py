@@ -40,7 +40,7 @@ def test_every_kernel_compiles_without_spills(arch, cache):
 
 
 # the build knobs of forms that keep main's bits and wait to be measured (benchmarks/DECISIONS.md), all on
-PENDING_FORMS = {"CUPYMOE_GEMM_TILE_EARLY": "1", "CUPYMOE_FP8_DOWN_TMA_STORE": "1"}
+PENDING_FORMS = {"CUPYMOE_FP8_DOWN_TMA_STORE": "1"}
 GEMM_MODULES = ("grouped", "grouped_sm90", "grouped_sm90_tma", "grouped_sm90_fp8", "grouped_sm90_fp8_tma")
 
 
@@ -111,7 +111,7 @@ def test_bad_arch_is_refused(bad):
 def test_measurement_knobs_pick_the_hopper_variants_and_math_rows():
     """CUPYMOE_SM90_VARIANT, CUPYMOE_SM90_DOWN_VARIANT and CUPYMOE_MATH_ROWS take only what they
     name; unset, the tuning table's choices apply; CUPYMOE_GEMM_BAND_COLS and the build knobs of
-    pending measurements (CUPYMOE_GEMM_TILE_EARLY, CUPYMOE_FP8_DOWN_TMA_STORE) reach
+    pending measurements (CUPYMOE_FP8_DOWN_TMA_STORE) reach
     the build options."""
     auto = TUNING.sm90_auto
     k = Knobs()
@@ -137,9 +137,6 @@ def test_measurement_knobs_pick_the_hopper_variants_and_math_rows():
         Knobs.from_env({"CUPYMOE_SM90_VARIANT": "fast"})
     assert not any("GEMM_BAND_COLS" in o for o in jit.compile_options("sm_90a", Knobs()))
     assert "-DGEMM_BAND_COLS=8" in jit.compile_options("sm_90a", Knobs.from_env({"CUPYMOE_GEMM_BAND_COLS": "8"}))
-    early = Knobs.from_env({"CUPYMOE_GEMM_TILE_EARLY": "1"})
-    assert "-DGEMM_TILE_EARLY=1" in jit.compile_options("sm_90a", early)
-    assert not any("GEMM_TILE_EARLY" in o for o in jit.compile_options("sm_90a", Knobs()))
     stores = Knobs.from_env({"CUPYMOE_FP8_DOWN_TMA_STORE": "1"})
     assert "-DFP8_DOWN_TMA_STORE=1" in jit.compile_options("sm_90a", stores)
     for name in ("CUPYMOE_GEMM_BAND_COLS", "CUPYMOE_MATH_ROWS"):
