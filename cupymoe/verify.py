@@ -195,9 +195,16 @@ BF16_ROUNDINGS = 4  # the bf16 budget above: output, activation, pre-normed inpu
 W8A8_NORMWISE = 2.0 ** -4
 
 
+# The size term: the error is a mean over elements and scatters more at few of them; the reference's own w8a8
+# model at 96 elements reached 2^-4 (1 + 5.4 / sqrt(96)) in 20000 draws (scripts/w8a8_bound_tail.py,
+# benchmarks/results/20261205-cpu-s30-w8a8-bound-tail.json), and its tail grows ~0.013 a decade of rarity,
+# so 7 leaves about a decade more.
+W8A8_SIZE_TERM = 7.0
+
+
 def w8a8_normwise_bound(elements: int) -> float:
     """The w8a8 output's normwise bound against the exact reference (the rules above)."""
-    return W8A8_NORMWISE * (1.0 + 4.0 / math.sqrt(max(elements, 1)))
+    return W8A8_NORMWISE * (1.0 + W8A8_SIZE_TERM / math.sqrt(max(elements, 1)))
 
 
 def compare(out: np.ndarray, ref: np.ndarray, faithful: Optional[np.ndarray] = None, *,

@@ -8,6 +8,7 @@
 #   synccheck  the same slices as memcheck
 #   racecheck  (~100x slower on shared memory) a slice a format, family and path group: decode +
 #              atomic at rows 1 5 12 64, prefill at 64 and 640; --racecheck-report hazard
+#   (and racecheck, synccheck, memcheck on the LoRA plans: --lora, w8a16 fp8 and bf16, rows 1 37 300)
 #   initcheck  a slice a format and path group (decode + atomic, prefill); prefill with the grouped
 #              down on the cp.async "twin" GEMM (CUPYMOE_SM90_DOWN_VARIANT=twin: yw stored by
 #              st.global), since initcheck does not see TMA bulk-tensor stores and flags
@@ -33,6 +34,7 @@ FORMATS="bf16 fp8_block nvfp4 mxfp4"
 FAMILIES="qwen3_moe deepseek_v3"
 DECODE="--paths decode atomic --tokens 1 5 12 64"
 PREFILL="--paths prefill --tokens 64 640"
+LORA_ROWS="--paths decode prefill --tokens 1 37 300"
 
 # tool:name|environment|workload arguments, one slice a line, the slowest tool first
 slices() {
@@ -53,6 +55,11 @@ slices() {
   [[ ${TMA_INITCHECK:-0} == 1 ]] && echo "initcheck:bf16-prefill-tma-stores||--formats bf16 $PREFILL"
   for f in $FORMATS; do echo "memcheck:$f||--formats $f"; done
   for f in $FORMATS; do echo "synccheck:$f||--formats $f"; done
+  # LoRA: the stacked GEMMs beside their shrinks (by PDL), w8a16 with a shared expert and bf16
+  for tool in racecheck synccheck memcheck; do
+    echo "$tool:lora-fp8-w8a16||--lora --fp8-compute w8a16 --formats fp8_block --families qwen2_moe deepseek_v3 $LORA_ROWS"
+    echo "$tool:lora-bf16||--lora --formats bf16 --families qwen3_moe $LORA_ROWS"
+  done
 }
 
 # the findings a log reports: memcheck / synccheck / initcheck errors, racecheck hazards

@@ -4,6 +4,11 @@ random inputs, every output element written (--check: against cupymoe.reference 
 
     python scripts/sanitize_workload.py [--formats bf16 fp8_block nvfp4 mxfp4] [--tokens 1 5 12 64 640]
                                         [--families qwen3_moe deepseek_v3] [--paths decode atomic prefill]
+                                        [--lora] [--fp8-compute w8a16]
+
+--lora: two adapters on every module the layer has (ranks 8 and 3), the rows' slots cycling -1, 0, 1: the
+LoRA plans (on the prefill path the shrinks and the stacked GEMMs, those by PDL). Families other than
+the two shaped here take testing.tiny_config's sizes.
 
 Rows: 1 and 5 take the decode path's fused routing + lists (decode_route_lists), 12 the top-k +
 lists kernel (decode_topk_lists), 64 topk_route with the one-block list builder and the grouped
@@ -24,8 +29,25 @@ SHAPES = {
 }
 
 
+def run_with_lora(layer, x: np.ndarray, path: str) -> np.ndarray:
+    """verify.run_layer with the rows' adapter slots -1, 0, 1, -1, ...: one forward, the output as float32."""
+    import cupy
+
+    from cupymoe.verify import bf16_bits, bits_to_f32
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        xd = cupy.asarray(bf16_bits(x))
+        ids = cupy.asarray((np.arange(x.shape[0]) % 3 - 1).astype(np.int32))
+        out = cupy.full(xd.shape, 0x7FC0, dtype=cupy.uint16)  # bf16 NaN: unwritten elements fail
+    layer.forward(int(xd.data.ptr), x.shape[0], int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(ids.data.ptr))
+    s.synchronize()
+    return bits_to_f32(out.get())
+
+
 def main() -> int:
     from cupymoe import MoeLayer, testing
+    from cupymoe.lora import random_lora
     from cupymoe.verify import check, run_layer, well_separated_input
 
     ap = argparse.ArgumentParser()
@@ -35,21 +57,31 @@ def main() -> int:
     ap.add_argument("--paths", nargs="+", default=["decode", "atomic", "prefill"])
     ap.add_argument("--check", action="store_true",
                     help="also check every output against the float64 reference (slow on the CPU at 640 rows)")
+    ap.add_argument("--lora", action="store_true", help="two adapters on every module, the rows' slots mixed")
+    ap.add_argument("--fp8-compute", choices=["w8a8", "w8a16"], help="fp8_block's compute (default the layer's)")
     args = ap.parse_args()
+    if args.lora and args.check:
+        ap.error("--check compares against the reference without adapters: give --lora or --check, not both")
     rng = np.random.default_rng(5)
     bad = runs = 0
     for fam in args.families:
-        cfg = testing.tiny_config(fam, **SHAPES[fam])
+        cfg = testing.tiny_config(fam, **SHAPES.get(fam, {}))
         for fmt in args.formats:
             hw = testing.random_host_weights(cfg, rng, fmt)
             # --check reads the w8a8 prefill's bf16 activation, which only then is stored
+            extra = dict(max_loras=2, max_lora_rank=8) if args.lora else {}
+            if args.fp8_compute and fmt == "fp8_block":
+                extra["fp8_compute"] = args.fp8_compute
             layer = MoeLayer(cfg, hw, max_tokens=max(args.tokens), decode_max_tokens=64, atomic_max_tokens=8,
-                             keep_w8a8_activation=bool(args.check))
+                             keep_w8a8_activation=bool(args.check), **extra)
+            if args.lora:
+                for slot, (rank, size) in enumerate(((8, 0.3), (3, 0.5))):
+                    layer.set_lora(slot, random_lora(cfg, rng, rank=rank, size=size))
             for n in args.tokens:
                 paths = ["decode", "atomic", "prefill"] if n <= 8 else ["decode", "prefill"] if n <= 64 else ["prefill"]
                 for path in (p for p in paths if p in args.paths):
                     x = well_separated_input(cfg, hw, rng, n)
-                    out = run_layer(layer, x, path)
+                    out = run_with_lora(layer, x, path) if args.lora else run_layer(layer, x, path)
                     ok = bool(np.isfinite(out).all())  # poisoned with NaN: every element written
                     why = "" if ok else "unwritten or non-finite output"
                     if ok and args.check:
