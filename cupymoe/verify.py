@@ -589,16 +589,17 @@ def bits_to_f32(bits: np.ndarray) -> np.ndarray:
 
 
 def run_layer(layer, x: np.ndarray, path: Optional[str] = None, token_ids: Optional[np.ndarray] = None,
-              stream=None) -> np.ndarray:
-    """Upload x, poison the output with NaN, run one forward, return the output as float32."""
+              stream=None, lora_ids: Optional[np.ndarray] = None) -> np.ndarray:
+    """Upload x, poison the output with NaN, run one forward, return the output as float32 (`lora_ids`:
+    each row's adapter slot, -1 = base)."""
     import cupy
 
     s = stream or cupy.cuda.Stream(non_blocking=True)
     with s:  # the upload and the poison on the forward's own stream: ordered before it
         xd = cupy.asarray(bf16_bits(x))
         out = cupy.full(xd.shape, 0x7FC0, dtype=cupy.uint16)  # bf16 NaN: unwritten elements fail
-        tids = None if token_ids is None else cupy.asarray(token_ids.astype(np.int32))
-        layer(xd, out=out, token_ids=tids, path=path, stream=s.ptr)
+        tids, lids = (None if a is None else cupy.asarray(a.astype(np.int32)) for a in (token_ids, lora_ids))
+        layer(xd, out=out, token_ids=tids, path=path, stream=s.ptr, lora_ids=lids)
     s.synchronize()
     return bits_to_f32(out.get())
 

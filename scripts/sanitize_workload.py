@@ -29,22 +29,6 @@ SHAPES = {
 }
 
 
-def run_with_lora(layer, x: np.ndarray, path: str) -> np.ndarray:
-    """verify.run_layer with the rows' adapter slots -1, 0, 1, -1, ...: one forward, the output as float32."""
-    import cupy
-
-    from cupymoe.verify import bf16_bits, bits_to_f32
-
-    s = cupy.cuda.Stream(non_blocking=True)
-    with s:
-        xd = cupy.asarray(bf16_bits(x))
-        ids = cupy.asarray((np.arange(x.shape[0]) % 3 - 1).astype(np.int32))
-        out = cupy.full(xd.shape, 0x7FC0, dtype=cupy.uint16)  # bf16 NaN: unwritten elements fail
-    layer.forward(int(xd.data.ptr), x.shape[0], int(out.data.ptr), s.ptr, path=path, lora_ids_ptr=int(ids.data.ptr))
-    s.synchronize()
-    return bits_to_f32(out.get())
-
-
 def main() -> int:
     from cupymoe import MoeLayer, testing
     from cupymoe.lora import random_lora
@@ -81,7 +65,8 @@ def main() -> int:
                 paths = ["decode", "atomic", "prefill"] if n <= 8 else ["decode", "prefill"] if n <= 64 else ["prefill"]
                 for path in (p for p in paths if p in args.paths):
                     x = well_separated_input(cfg, hw, rng, n)
-                    out = run_with_lora(layer, x, path) if args.lora else run_layer(layer, x, path)
+                    ids = (np.arange(n) % 3 - 1) if args.lora else None  # slots -1, 0, 1, -1, ...
+                    out = run_layer(layer, x, path, lora_ids=ids)
                     ok = bool(np.isfinite(out).all())  # poisoned with NaN: every element written
                     why = "" if ok else "unwritten or non-finite output"
                     if ok and args.check:
