@@ -57,11 +57,6 @@ struct Fp8TmaShape {
 #define F8T_MAP_SHARED_GATE 5
 #define F8T_MAP_SHARED_UP 6
 #define F8T_MAP_SHARED_DOWN 7
-#define F8T_MAP_YW 8             // down's bf16 output (FP8_DOWN_TMA_STORE: full 64-row blocks by TMA store)
-
-#ifndef FP8_DOWN_TMA_STORE
-#define FP8_DOWN_TMA_STORE 0  // 1: down's full warpgroups store by TMA (CUPYMOE_FP8_DOWN_TMA_STORE)
-#endif
 
 template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() {
@@ -265,19 +260,14 @@ grouped_gemm_sm90_fp8_tma(GEMM_ARGS, const u8* __restrict__ qa, const float* __r
             for (int half = 0; half < 2; ++half)
                 fp8_quantize_act(tw[half], acc[half], wg * F8T_SUB, amax, half == 0, q_out, s_out, I_max);
         });
-    } else {  // each half's weighted bf16 outputs through the warpgroup's A blocks
+    } else {  // each half's weighted bf16 outputs through the warpgroup's A blocks, 16-byte stores
         bf16* a0 = reinterpret_cast<bf16*>(sA + wg * F8T_SUB * BK);
-        const bool full_rows = FP8_DOWN_TMA_STORE && t.rows - wg * F8T_SUB >= F8T_SUB;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             GemmTile tw = t;
             tw.n0 = t.n0 + half * 128;
-            if (tw.n0 >= tw.ncols) continue;
-            if (full_rows)  // two 64 x 64 boxes a half: the second half in the next two stages' blocks where S holds them
-                emit_wgmma_down_tma<GG_BN, S>(tw, acc[half], w, wg * F8T_SUB, a0 + (S >= 4 ? half * BM * BK : 0),
-                                              BM * BK / 2, maps + F8T_MAP_BYTES * F8T_MAP_YW, GEMM_ARG_NAMES);
-            else  // 16-byte stores
-                emit_wgmma_down_staged<GG_BN, S>(tw, acc[half], w, wg * F8T_SUB, a0, BM * BK / 2, GEMM_ARG_NAMES);
+            if (tw.n0 < tw.ncols) emit_wgmma_down_staged<GG_BN, S>(tw, acc[half], w, wg * F8T_SUB, a0, BM * BK / 2,
+                                                                   GEMM_ARG_NAMES);
         }
     }
 }

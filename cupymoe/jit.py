@@ -208,7 +208,6 @@ def compile_options(arch: str, knobs: Optional[Knobs] = None) -> tuple[str, ...]
         *((f"-DGEMM_BAND_COLS={band}",) if band else ()),
         *((f"-DLORA_DOWN_TPR={lanes[0]}", f"-DLORA_DOWN_VPT={lanes[1]}") if lanes else ()),
         *((f"-DLORA_ROUTER_TPR={router_tpr}",) if router_tpr else ()),
-        *(("-DFP8_DOWN_TMA_STORE=1",) if knobs.fp8_down_tma_store else ()),
         f"-I{kernel_dir()}",
         *(f"-I{d}" for d in cuda_include_dirs()),
         "-Xptxas=-v",  # resource report in the program log (registers, spills, smem)

@@ -233,9 +233,6 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                         "two up to 16 (compile time; default 16)", _rank_row_lanes, None),
     "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles", _count,
                   None),
-    "fp8_down_tma_store": ("CUPYMOE_FP8_DOWN_TMA_STORE", "1: the w8a8 TMA GEMM's down stores a full "
-                           "warpgroup's outputs by TMA (emit_wgmma_down_tma, as the bf16 TMA GEMM's down does; the "
-                           "same bits); 0: 16-byte stores from every thread (compile time)", _on_off, False),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "
                        "time)", _count, None),
 }
@@ -284,7 +281,6 @@ class Knobs:
     lora_router_t_rows: Optional[int] = None
     lora_router_tpr: Optional[int] = None
     math_rows: Optional[int] = None
-    fp8_down_tma_store: bool = False
     gemm_band_cols: Optional[int] = None
 
     @classmethod

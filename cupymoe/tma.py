@@ -207,9 +207,8 @@ def lora_maps(lp, scratch, lora) -> list:
 
 
 # the w8a8 TMA GEMM's maps (cuda/grouped_sm90_fp8_tma.cu F8T_MAP_*), in order: e4m3 codes
-# in boxes of FP8_BOX_ROWS rows x 128 codes (one warpgroup's A rows, a quarter of a B tile), and
-# down's bf16 output yw in boxes of FP8_BOX_ROWS rows x 64 columns (its TMA stores)
-FP8_MAPS = ("a_down", "shared_a_down", "gate", "up", "down", "shared_gate", "shared_up", "shared_down", "yw")
+# in boxes of FP8_BOX_ROWS rows x 128 codes (one warpgroup's A rows, a quarter of a B tile)
+FP8_MAPS = ("a_down", "shared_a_down", "gate", "up", "down", "shared_gate", "shared_up", "shared_down")
 FP8_BOX_ROWS = 64
 
 
@@ -217,8 +216,7 @@ def fp8_table(lp, slot_ptrs: dict, scratch) -> bytes:
     """The maps of the w8a8 TMA GEMM (`lp` a plan.LayerPlan with fp8-block experts as w8a8):
     down's A (the activation's codes `qact` [P, I_max], through the routed experts' I and the
     shared expert's), the stacked routed e4m3 weights ([n_local * rows, K]) and the shared
-    expert's, and down's output (yw). Gate/up's A is gathered by cp.async: no map. A matrix the
-    layer lacks stays zero."""
+    expert's. Gate/up's A is gathered by cp.async: no map. A matrix the layer lacks stays zero."""
     cfg, n, i_max = lp.cfg, lp.n_local, lp.i_max
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     Is = cfg.shared_expert_intermediate_size if cfg.has_shared_expert else 0
@@ -235,5 +233,4 @@ def fp8_table(lp, slot_ptrs: dict, scratch) -> bytes:
         (Matrix2D(scratch.ptr("qact"), act_rows, Is, i_max, elem=1), box) if sfp8 else None,
         w("gate", 0, n * I, H, n and fp8), w("up", 0, n * I, H, n and fp8), w("down", 0, n * H, I, n and fp8),
         w("gate", n, Is, H, sfp8), w("up", n, Is, H, sfp8), w("down", n, H, Is, sfp8),
-        (Matrix2D(scratch.ptr("yw"), scratch.nbytes("yw") // (2 * H), H), box) if (n and fp8) or sfp8 else None,
     ], FP8_MAPS)

@@ -196,7 +196,7 @@ W8A8_NORMWISE = 2.0 ** -4
 
 
 # The size term: the error is a mean over elements and scatters more at few of them; the reference's own w8a8
-# model at 96 elements reached 2^-4 (1 + 5.4 / sqrt(96)) in 20000 draws (scripts/w8a8_bound_tail.py,
+# model at 96 elements reached 2^-4 (1 + 5.4 / sqrt(96)) in 20000 draws (scripts/normwise_tail.py,
 # benchmarks/results/20261205-cpu-s30-w8a8-bound-tail.json), and its tail grows ~0.013 a decade of rarity,
 # so 7 leaves about a decade more.
 W8A8_SIZE_TERM = 7.0
@@ -205,6 +205,14 @@ W8A8_SIZE_TERM = 7.0
 def w8a8_normwise_bound(elements: int) -> float:
     """The w8a8 output's normwise bound against the exact reference (the rules above)."""
     return W8A8_NORMWISE * (1.0 + W8A8_SIZE_TERM / math.sqrt(max(elements, 1)))
+
+
+EXACT_SIZE_TERM = 0.0
+
+
+def exact_normwise_bound(elements: int) -> float:
+    """The bf16 paths' normwise bound against the exact reference (EXACT_SIZE_TERM above)."""
+    return EXACT_NORMWISE * (1.0 + EXACT_SIZE_TERM / math.sqrt(max(elements, 1)))
 
 
 def compare(out: np.ndarray, ref: np.ndarray, faithful: Optional[np.ndarray] = None, *,
@@ -226,7 +234,7 @@ def compare(out: np.ndarray, ref: np.ndarray, faithful: Optional[np.ndarray] = N
     if spread is not None:
         env = env + DOWN_SPREAD * np.asarray(spread, dtype=np.float64)
     worst = 0.0 if w8a8 else float((np.abs(o - ref) / env).max())  # w8a8: no envelope (above)
-    c = Comparison(bad, _normwise(o, ref), worst, exact_bound=w8a8_normwise_bound(o.size) if w8a8 else EXACT_NORMWISE)
+    c = Comparison(bad, _normwise(o, ref), worst, exact_bound=w8a8_normwise_bound(o.size) if w8a8 else exact_normwise_bound(o.size))
     if faithful is not None:
         f = np.asarray(faithful, dtype=np.float64)
         frms = float(np.sqrt(np.mean(f ** 2))) or 1.0

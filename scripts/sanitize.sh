@@ -29,6 +29,8 @@
 set -u
 OUT=${OUT:-/tmp/sanitize}
 mkdir -p "$OUT"
+# the workload imports cupymoe from this tree (a script's own folder is its first import path)
+export PYTHONPATH=$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}
 CS=${CS:-/usr/local/cuda/bin/compute-sanitizer}
 FORMATS="bf16 fp8_block nvfp4 mxfp4"
 FAMILIES="qwen3_moe deepseek_v3"

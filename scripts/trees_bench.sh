@@ -8,7 +8,7 @@
 # with its LoRA figure where there is one. TEST_FILES: the test files (default tests/test_gpu_quant.py).
 #
 #   OUT=/tmp/out TREES="main:.old a:.va b:." bash scripts/trees_bench.sh --format fp8_block --preset qwen3-30b-a3b --tokens 16
-#   OUT=/tmp/out TREES="main:. store:.:CUPYMOE_FP8_DOWN_TMA_STORE=1" bash scripts/trees_bench.sh --format fp8_block
+#   OUT=/tmp/out TREES="main:. bands:.:CUPYMOE_GEMM_BAND_COLS=8" bash scripts/trees_bench.sh --format fp8_block
 set -u
 OUTER=${OUT:?set OUT to a folder for the results}
 TREES=${TREES:?TREES: name:folder pairs}

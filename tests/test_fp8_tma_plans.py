@@ -208,20 +208,16 @@ class _Scratch:
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-next-80b"])
 def test_the_maps_read_e4m3_rows(preset, monkeypatch):
     """fp8_table: 64-row boxes of 128 codes; down's A over qact's rows with the I_max pitch;
-    the routed experts' stacked weights; the shared expert's own (where it is fp8); down's bf16
-    output yw over its rows, 64-row boxes of 64 columns (FP8_DOWN_TMA_STORE's stores)."""
+    the routed experts' stacked weights; the shared expert's own (where it is fp8)."""
     cfg = bench.preset_config(preset)
     lp = _lp(cfg)
     seen = {}
     monkeypatch.setattr(tma, "encode", lambda m, box, what: seen.setdefault(what, (m, box)) and bytes(tma.MAP_BYTES))
     rows = 4096 * cfg.num_experts_per_tok
     ptrs = {p: [0x100000 * (i + 1) for i in range(lp.n_local + lp.has_shared)] for p in ("gate", "up", "down")}
-    H, I, n = cfg.hidden_size, cfg.moe_intermediate_size, lp.n_local
-    pairs = rows + 4096 * lp.has_shared
-    table = tma.fp8_table(lp, ptrs, _Scratch({"qact": rows * lp.i_max, "yw": pairs * H * 2}))
+    table = tma.fp8_table(lp, ptrs, _Scratch({"qact": rows * lp.i_max}))
     assert len(table) == tma.MAP_BYTES * len(tma.FP8_MAPS)
-    yw, box = seen.pop("yw")
-    assert (yw.rows, yw.cols, yw.elem, yw.box_k, box) == (pairs, H, 2, 64, tma.FP8_BOX_ROWS)
+    H, I, n = cfg.hidden_size, cfg.moe_intermediate_size, lp.n_local
     assert all(box == tma.FP8_BOX_ROWS and m.elem == 1 for m, box in seen.values())
     a = seen["a_down"][0]
     assert (a.rows, a.cols, a.row_bytes) == (rows, I, lp.i_max)
@@ -253,7 +249,7 @@ def test_the_tune_candidates_offer_it_from_16_rows_an_expert():
 
 def test_the_weight_maps_take_the_knobs_l2_promotion(monkeypatch):
     """CUPYMOE_WEIGHT_L2_PROMOTION reaches the weights' maps through the plan; the scratch maps
-    (down's A, its output) keep 256 bytes."""
+    (down's A) keep 256 bytes."""
     import dataclasses
 
     from cupymoe.knobs import Knobs, L2Promotion
@@ -267,9 +263,9 @@ def test_the_weight_maps_take_the_knobs_l2_promotion(monkeypatch):
     seen = {}
     monkeypatch.setattr(tma, "encode", lambda m, box, what: seen.setdefault(what, m) and bytes(tma.MAP_BYTES))
     ptrs = {p: [0x100000 * (i + 1) for i in range(lp.n_local + lp.has_shared)] for p in ("gate", "up", "down")}
-    tma.fp8_table(lp, ptrs, _Scratch({"qact": 4096 * 8 * lp.i_max, "yw": 4096 * 8 * cfg.hidden_size * 2}))
+    tma.fp8_table(lp, ptrs, _Scratch({"qact": 4096 * 8 * lp.i_max}))
     assert {seen[p].l2_promotion for p in ("gate", "up", "down")} == {"64"}
-    assert seen["a_down"].l2_promotion == seen["yw"].l2_promotion == "256"
+    assert seen["a_down"].l2_promotion == "256"
     seen.clear()
     tma.swapab_table(lp, ptrs)
     assert {m.l2_promotion for m in seen.values()} == {"64"}

@@ -39,22 +39,6 @@ def test_every_kernel_compiles_without_spills(arch, cache):
     print(f"\n{arch}\n" + jit.format_report(mods))
 
 
-# the build knobs of forms that keep main's bits and wait to be measured (benchmarks/DECISIONS.md), all on
-PENDING_FORMS = {"CUPYMOE_FP8_DOWN_TMA_STORE": "1"}
-GEMM_MODULES = ("grouped", "grouped_sm90", "grouped_sm90_tma", "grouped_sm90_fp8", "grouped_sm90_fp8_tma")
-
-
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_the_pending_forms_compile_without_spills(arch, cache, monkeypatch):
-    """The grouped GEMM modules under every pending build knob at once: no spills, no stack frame."""
-    for name, value in PENDING_FORMS.items():
-        monkeypatch.setenv(name, value)
-    mods = jit.compile_modules([m for m in GEMM_MODULES if jit.MODULES[m].builds_for(arch)], arch)
-    for m in mods:
-        for r in m.resources():
-            assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), f"{arch} {r.name}: {r}"
-
-
 def test_cache_hits_and_keys_on_arch(cache):
     a = jit.compile_module("topk", "sm_90a")
     b = jit.compile_module("topk", "sm_90a")
@@ -110,9 +94,7 @@ def test_bad_arch_is_refused(bad):
 
 def test_measurement_knobs_pick_the_hopper_variants_and_math_rows():
     """CUPYMOE_SM90_VARIANT, CUPYMOE_SM90_DOWN_VARIANT and CUPYMOE_MATH_ROWS take only what they
-    name; unset, the tuning table's choices apply; CUPYMOE_GEMM_BAND_COLS and the build knobs of
-    pending measurements (CUPYMOE_FP8_DOWN_TMA_STORE) reach
-    the build options."""
+    name; unset, the tuning table's choices apply; CUPYMOE_GEMM_BAND_COLS reaches the build options."""
     auto = TUNING.sm90_auto
     k = Knobs()
     # gate/up: gathering 128-row tiles below I = 1024, 192-row tiles from it
@@ -137,8 +119,6 @@ def test_measurement_knobs_pick_the_hopper_variants_and_math_rows():
         Knobs.from_env({"CUPYMOE_SM90_VARIANT": "fast"})
     assert not any("GEMM_BAND_COLS" in o for o in jit.compile_options("sm_90a", Knobs()))
     assert "-DGEMM_BAND_COLS=8" in jit.compile_options("sm_90a", Knobs.from_env({"CUPYMOE_GEMM_BAND_COLS": "8"}))
-    stores = Knobs.from_env({"CUPYMOE_FP8_DOWN_TMA_STORE": "1"})
-    assert "-DFP8_DOWN_TMA_STORE=1" in jit.compile_options("sm_90a", stores)
     for name in ("CUPYMOE_GEMM_BAND_COLS", "CUPYMOE_MATH_ROWS"):
         with pytest.raises(ValueError, match="'0'"):
             Knobs.from_env({name: "0"})

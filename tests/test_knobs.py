@@ -99,7 +99,7 @@ def test_an_empty_folder_knob_is_unset():
 
 
 def test_a_result_records_the_knobs_set_but_no_folder():
-    env = {"CUPYMOE_FP8_DOWN_TMA_STORE": "1", "CUPYMOE_CACHE_DIR": "/x/y", "CUPYMOE_DUMP_DIR": "/d", "HOME": "/h",
+    env = {"CUPYMOE_GEMM_BAND_COLS": "8", "CUPYMOE_CACHE_DIR": "/x/y", "CUPYMOE_DUMP_DIR": "/d", "HOME": "/h",
            "CUPYMOE_SM90_FP8_VARIANT": "tma"}
-    assert knobs.chosen(env) == {"CUPYMOE_FP8_DOWN_TMA_STORE": "1", "CUPYMOE_SM90_FP8_VARIANT": "tma"}
+    assert knobs.chosen(env) == {"CUPYMOE_GEMM_BAND_COLS": "8", "CUPYMOE_SM90_FP8_VARIANT": "tma"}
     assert knobs.chosen({}) == {}

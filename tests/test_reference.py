@@ -688,7 +688,7 @@ def test_w8a8_activation_quantization_and_how_far_it_moves_the_output():
 def test_w8a8_exact_bound_holds_for_single_rows():
     """The w8a8 exact-reference bound (verify.w8a8_normwise_bound) is a mean over elements and
     scatters more at few elements: at N = 1 a flat 2^-4 was exceeded (8.0 % at 96 elements in
-    400 draws), and 2^-4 (1 + 4 / sqrt(elements)) in 4 of 20000 (scripts/w8a8_bound_tail.py). The
+    400 draws), and 2^-4 (1 + 4 / sqrt(elements)) in 4 of 20000 (scripts/normwise_tail.py). The
     reference's own w8a8 model against the exact one, fresh single rows and three-row batches of
     three families, stays inside the size-aware bound, with the median near the ~4 % that every
     size shares."""
