@@ -203,23 +203,25 @@ W8A8_NORMWISE = 2.0 ** -4
 W8A8_SIZE_TERM = 7.0
 
 
+def _sized(bound: float, size_term: float, elements: int) -> float:
+    """A normwise bound over `elements`: a mean over elements scatters more the fewer there are."""
+    return bound * (1.0 + size_term / math.sqrt(max(elements, 1)))
+
+
 def w8a8_normwise_bound(elements: int) -> float:
     """The w8a8 output's normwise bound against the exact reference (the rules above)."""
-    return W8A8_NORMWISE * (1.0 + W8A8_SIZE_TERM / math.sqrt(max(elements, 1)))
+    return _sized(W8A8_NORMWISE, W8A8_SIZE_TERM, elements)
 
 
-# The bf16 bound, 2^-7 above, is a mean over elements too and scatters likewise at few of them: the
-# faithful model against the exact one at one row (scripts/normwise_tail.py --rule faithful,
-# benchmarks/results/20261205-cpu-s31-exact-bound-tail.json, 10000 draws a family) passed 2^-7 in up to
-# 25 draws in 10000 with the LoRA plans' stores (largest 0.0101 at 96 elements: 2^-7 (1 + 2.9 / sqrt(96))),
-# and its tail grows ~0.0023 a decade of rarity, so 6 leaves about a decade more and the kernels' own
-# error. A real model's single row (2048 elements) is held to 2^-7 * 1.13.
+# The bf16 bound, 2^-7, scatters likewise: with the LoRA plans' stores the faithful model alone passed it in
+# up to 25 of 10000 single rows, the largest needing 2.9 (benchmarks/results/20261205-cpu-s31-exact-bound-tail.json,
+# scripts/normwise_tail.py --rule faithful); 6 leaves about a decade of its tail and the kernels' own error.
 EXACT_SIZE_TERM = 6.0
 
 
 def exact_normwise_bound(elements: int) -> float:
     """The bf16 paths' normwise bound against the exact reference (EXACT_SIZE_TERM above)."""
-    return EXACT_NORMWISE * (1.0 + EXACT_SIZE_TERM / math.sqrt(max(elements, 1)))
+    return _sized(EXACT_NORMWISE, EXACT_SIZE_TERM, elements)
 
 
 def compare(out: np.ndarray, ref: np.ndarray, faithful: Optional[np.ndarray] = None, *,
@@ -531,9 +533,7 @@ def discount_flips(c: Comparison, out: np.ndarray, ref: np.ndarray, tight: tuple
     r = np.asarray(ref, dtype=np.float64).ravel()
     err = np.abs(np.where(np.isfinite(o), o, 0.0) - r)
     rms = float(np.sqrt(np.mean(r ** 2))) or 1.0
-    mag = np.where(r != 0, np.abs(r), np.finfo(np.float32).tiny)
-    ulp = 2.0 ** (np.floor(np.log2(mag)) - 7)  # bf16: 8 significant bits
-    flip = (err > tight[0] * np.abs(r) + tight[1] * rms) & (err <= ulp)
+    flip = (err > tight[0] * np.abs(r) + tight[1] * rms) & (err <= bf16_ulp(r))
     c.faithful_normwise = _normwise(np.where(flip, r, o), r)
 
 
@@ -577,22 +577,28 @@ def check_w8a8(out: np.ndarray, layer, cfg: MoeConfig, hw: HostWeights, x: np.nd
 
 
 def well_separated_input(cfg: MoeConfig, hw: HostWeights, rng: np.random.Generator, n: int,
-                         token_ids: Optional[np.ndarray] = None) -> np.ndarray:
-    """A random bf16 input whose every row routes with a clear margin (redraws near ties)."""
+                         token_ids: Optional[np.ndarray] = None, *, lora=None, lora_ids=None) -> np.ndarray:
+    """A random bf16 input whose every row routes with a clear margin (redraws near ties); `lora` /
+    `lora_ids` (reference.route's): under the rows' adapters, whose router deltas move the margins."""
     x = testing.random_input(rng, n, cfg.hidden_size)
     # a quantized router runs as bf16 (reference.kernel_weights): both must agree, clearly
     kernel_hw = reference.kernel_weights(hw, "decode")
     for _ in range(50):
-        exact = reference.route(cfg, hw, x, token_ids)
+        exact = reference.route(cfg, hw, x, token_ids, lora=lora, lora_ids=lora_ids)
         margin = exact.margin
         if kernel_hw.router is not hw.router:
-            held = reference.route(cfg, kernel_hw, x, token_ids)
+            held = reference.route(cfg, kernel_hw, x, token_ids, lora=lora, lora_ids=lora_ids)
             margin = np.where((held.ids == exact.ids).all(axis=1), np.minimum(margin, held.margin), 0.0)
         close = np.flatnonzero(margin < ROUTING_MARGIN)
         if close.size == 0:
             return x
         x[close] = testing.random_input(rng, close.size, cfg.hidden_size)
     raise RuntimeError(f"could not draw {n} rows with routing margin >= {ROUTING_MARGIN}")
+
+
+def bf16_ulp(v: np.ndarray) -> np.ndarray:
+    """One unit in the last place of bf16 (8 significant bits) at each |v|; zero's: the least normal's."""
+    return 2.0 ** (np.floor(np.log2(np.maximum(np.abs(np.asarray(v, np.float64)), 2.0 ** -126))) - 7)
 
 
 def bf16_bits(a: np.ndarray) -> np.ndarray:

@@ -72,12 +72,6 @@ def collect(out: str, draws: int, seed: int, fmts) -> None:
         json.dump(judged, f)
 
 
-def bf16_ulp(v: np.ndarray) -> np.ndarray:
-    """One unit in the last place of bf16 at each |v| (8 significant bits)."""
-    a = np.maximum(np.abs(np.asarray(v, np.float64)), 2.0 ** -126)
-    return 2.0 ** (np.floor(np.log2(a)) - 7)
-
-
 def analyze(path: str) -> int:
     data = np.load(path)
     cases = sorted({k.rsplit("|", 1)[0] for k in data.files})
@@ -99,7 +93,7 @@ def analyze(path: str) -> int:
         err = np.abs(out - f)
         ratio = float((err / tight).max())
         # beyond the tight bound: how far, in ulps of the output's own bf16 value
-        ulp = bf16_ulp(f)
+        ulp = verify.bf16_ulp(f)
         beyond = err > tight
         ulps = float(((err - verify.FAITHFUL_TIGHT[1] * np.sqrt(np.mean(f ** 2))) / ulp)[beyond].max()) if beyond.any() else 0.0
         s = summary.setdefault((f"{name} {fmt}", p, int(n)), dict(draws=0, failed=0, worst=0.0, outliers=[], ulps=0.0))

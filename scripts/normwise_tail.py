@@ -26,22 +26,6 @@ import sys
 import numpy as np
 
 
-def _separated(cfg, hw, rng, n, adapters, ids):
-    """well_separated_input under the rows' adapters (their router deltas move the margins)."""
-    from cupymoe import reference, testing
-    from cupymoe.verify import ROUTING_MARGIN, well_separated_input
-
-    if adapters is None:
-        return well_separated_input(cfg, hw, rng, n)
-    x = testing.random_input(rng, n, cfg.hidden_size)
-    for _ in range(50):
-        close = np.flatnonzero(reference.route(cfg, hw, x, lora=adapters, lora_ids=ids).margin < ROUTING_MARGIN)
-        if close.size == 0:
-            return x
-        x[close] = testing.random_input(rng, close.size, cfg.hidden_size)
-    raise RuntimeError(f"could not draw {n} rows with routing margin >= {ROUTING_MARGIN}")
-
-
 def _model(args, cfg, hw, x, adapters, ids):
     from cupymoe import reference
 
@@ -64,7 +48,7 @@ def tail(args, fam: str, n: int) -> dict:
         if d % 20 == 0:
             hw = testing.random_host_weights(cfg, rng, fmt)
             adapters = {0: random_lora(cfg, rng, args.lora, size=0.3)} if args.lora else None
-        x = _separated(cfg, hw, rng, n, adapters, ids)
+        x = verify.well_separated_input(cfg, hw, rng, n, lora=adapters, lora_ids=ids)
         exact = reference.moe_forward(cfg, hw, x, lora=adapters, lora_ids=ids)
         errs[d] = np.linalg.norm(_model(args, cfg, hw, x, adapters, ids) - exact) / np.linalg.norm(exact)
     elements = n * cfg.hidden_size

@@ -170,8 +170,7 @@ def _same_bits(out, expected, path, what):
     if path != "atomic":
         np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32), err_msg=what)
         return
-    big = np.maximum(np.abs(out), np.abs(expected)).astype(np.float64)
-    ulp = 2.0 ** (np.floor(np.log2(np.maximum(big, 2.0 ** -126))) - 7)
+    ulp = verify.bf16_ulp(np.maximum(np.abs(out), np.abs(expected)))
     gap = np.abs(out.astype(np.float64) - expected)
     assert np.isfinite(out).all() and (gap <= ulp).all(), f"{what}: {int((gap > ulp).sum())} elements past one ulp"
 
