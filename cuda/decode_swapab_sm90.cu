@@ -8,6 +8,8 @@
 //                       fuses in registers
 //   decode_swapab_down<NT>     y[pos, h] = act[pos] . W_down[h] (or, atomic, w * y added into
 //                       acc[row, h]) for 128 hidden columns a block
+//   decode_swapab_gate_up_lora<NT>  gate/up's blocks (ACT_PAIR), then the LoRA slots' gate/up
+//                       shrinks s A x as more blocks an expert, the adapters' A rows as its tiles
 //
 // Why: at 16-256 rows an expert gets 1-64 rows, so the grouped GEMMs' 64/128-row A tiles are
 // mostly padding and the register decode (decode.cu) re-reads each weight row once per 4
@@ -41,6 +43,8 @@
 #define SA_MAP_SHARED_GATE 3
 #define SA_MAP_SHARED_UP 4
 #define SA_MAP_SHARED_DOWN 5
+#define SA_MAP_LORA_GATE_A 6  // the LoRA slots' A rows (decode_swapab_gate_up_lora), max_rank-row boxes
+#define SA_MAP_LORA_UP_A 7
 
 // A token tile's configuration (cupymoe/catalog.py SWAPAB_* mirror it). One consumer
 // warpgroup holds both tiles' accumulators (NT floats a thread): two warpgroups and a producer
@@ -85,6 +89,7 @@ struct SaWork {
     int K, KT;
     const bf16* tok;
     int pitch;
+    int boxes, box_rows, box_stride;  // a LoRA block's tiles: `boxes` boxes of box_rows A rows, box_stride apart
 };
 
 template <int NT>
@@ -107,11 +112,22 @@ __device__ __forceinline__ SaRing<NT> sa_ring(unsigned char* smem) {
 }
 
 // Lane 0 of the producer: step kt's two weight boxes into stage s, counted on its barrier.
-template <int NT>
+// A LoRA block (LORA): each tile is w.boxes adapters' A rows (gate's, up's), w.box_rows rows a box, stacked
+// in the tile in adapter order; rows past the boxes are never copied (their products are discarded).
+template <int NT, bool LORA = false>
 __device__ __forceinline__ void sa_copy_weights(const SaRing<NT>& ring, const SaWork& w, int s, int kt) {
-    mbar_arrive_expect_tx(&ring.full[s], SA_ROWS * SA_BK * 2);
-    tma_load_2d(ring.weights(s), w.map0, kt * SA_BK, w.row0, &ring.full[s]);
-    tma_load_2d(ring.weights(s) + SA_TILE_BYTES, w.map1, kt * SA_BK, w.row1, &ring.full[s]);
+    if constexpr (LORA) {
+        mbar_arrive_expect_tx(&ring.full[s], 2 * w.boxes * w.box_rows * SA_BK * 2);
+        for (int i = 0; i < w.boxes; ++i) {
+            const int off = i * w.box_rows * SA_BK * 2, row = w.row0 + i * w.box_stride;
+            tma_load_2d(ring.weights(s) + off, w.map0, kt * SA_BK, row, &ring.full[s]);
+            tma_load_2d(ring.weights(s) + SA_TILE_BYTES + off, w.map1, kt * SA_BK, row, &ring.full[s]);
+        }
+    } else {
+        mbar_arrive_expect_tx(&ring.full[s], SA_ROWS * SA_BK * 2);
+        tma_load_2d(ring.weights(s), w.map0, kt * SA_BK, w.row0, &ring.full[s]);
+        tma_load_2d(ring.weights(s) + SA_TILE_BYTES, w.map1, kt * SA_BK, w.row1, &ring.full[s]);
+    }
 }
 
 // The producer warp over every pass of the run: a step's weight boxes (lane 0; the first
@@ -121,7 +137,7 @@ __device__ __forceinline__ void sa_copy_weights(const SaRing<NT>& ring, const Sa
 // LAG steps after its copies went out, once they have landed and been fenced for the async
 // proxy. row_of(t): the index of run row t in w.tok's rows; `ahead`: the first steps whose
 // weight boxes lane 0 already issued (sa_copy_ahead).
-template <int NT, class RowOf>
+template <int NT, bool LORA = false, class RowOf>
 __device__ __forceinline__ void sa_producer(const SaRing<NT>& ring, const SaWork& w, RowOf row_of, int ahead) {
     using Cfg = SwapAbConfig<NT>;
     constexpr int S = Cfg::STAGES, LAG = Cfg::LAG;
@@ -140,7 +156,7 @@ __device__ __forceinline__ void sa_producer(const SaRing<NT>& ring, const SaWork
         for (int kt = 0; kt < w.KT; ++kt) {
             const int g = p * w.KT + kt, s = g % S;
             if (g >= S) mbar_wait(&ring.empty[s], ((g / S) - 1) & 1);  // its previous use is read
-            if (lane == 0 && g >= ahead) sa_copy_weights(ring, w, s, kt);
+            if (lane == 0 && g >= ahead) sa_copy_weights<NT, LORA>(ring, w, s, kt);
             const int kc = kt * SA_BK + c * 8;
             const bool kin = kc < w.K;
             unsigned char* dst = ring.tokens(s);
@@ -158,10 +174,10 @@ __device__ __forceinline__ void sa_producer(const SaRing<NT>& ring, const SaWork
 
 // Lane 0 of the producer, before the PDL wait: the weight boxes of the ring's first `steps`
 // steps (step g: pass g / KT's k step g % KT), which need nothing from the launches before.
-template <int NT>
+template <int NT, bool LORA = false>
 __device__ __forceinline__ int sa_copy_ahead(const SaRing<NT>& ring, const SaWork& w, int steps) {
     if ((threadIdx.x & 31) == 0)
-        for (int g = 0; g < steps; ++g) sa_copy_weights(ring, w, g, g % w.KT);
+        for (int g = 0; g < steps; ++g) sa_copy_weights<NT, LORA>(ring, w, g, g % w.KT);
     return steps;
 }
 
@@ -229,25 +245,42 @@ struct SaFrag {
     }
 };
 
-// grid (ceil(I_max / 64), max_active), block SwapAbConfig<NT>::THREADS, dynamic shared memory
-// catalog.swapab_smem_bytes(NT). Arguments: DECODE_GATE_UP_ARGS, then the layer's swap-AB
-// tensor maps (bf16 experts only: a block of another format's expert leaves), then
-// `slot_active`: where set (the lists' slot -> active index), the grid's y is the table slot
-// (n_local, and the shared expert's) and a block's first weight stages go out before it waits
-// for the lists (PDL), so the stream is in flight while routing runs; a slot nobody chose
-// copies them for nothing (forward_plan takes this where that comes to few bytes). Else y is
-// the active expert and the block waits first.
-template <int NT>
-__global__ void __launch_bounds__(SwapAbConfig<NT>::THREADS, SwapAbConfig<NT>::BLOCKS_PER_SM)
-decode_swapab_gate_up(DECODE_GATE_UP_ARGS, const u8* __restrict__ maps, const int* __restrict__ slot_active) {
+// A gate/up block's expert run, once its tiles are set in `w`: by slot (slot_active) its first
+// stages' weight boxes go out before the wait for the lists; then the run's start and length.
+// False where nobody chose the expert (the copies drained: the block leaves).
+template <int NT, bool LORA>
+__device__ __forceinline__ bool sa_gate_up_run(const SaRing<NT>& ring, SaWork& w, int slot,
+                                               const int* __restrict__ slot_active,
+                                               const int* __restrict__ active_start,
+                                               const int* __restrict__ active_len, bool producer, int& ahead) {
     using Cfg = SwapAbConfig<NT>;
-    extern __shared__ unsigned char sa_smem[];
-    const int slot = gate_up_block_slot<FMT_BF16>(slot_active, num_active, active_slot, slot_fmt);
-    if (slot < 0) return;
     int j = blockIdx.y;
-    const int I = inter[slot], c0 = blockIdx.x * SA_GATE_UP_COLUMNS;
+    // by slot: pass 0's first steps (every chosen expert has one), then the lists
+    ahead = slot_active && producer ? sa_copy_ahead<NT, LORA>(ring, w, min(Cfg::STAGES, w.KT)) : 0;
+    if (slot_active) {
+        pdl_wait_then_release_next();
+        j = slot_active[slot];
+        if (j < 0) {  // nobody chose the expert: the copies were for nothing
+            if (producer) sa_drain_ahead(ring, ahead);
+            return false;
+        }
+    }
+    w.start = active_start[j], w.len = active_len[j];
+    return true;
+}
+
+// A gate/up block of 64 activation columns (xb: its column block) of expert `slot`.
+template <int NT>
+__device__ __forceinline__ void sa_gate_up_columns(
+    unsigned char* smem, int slot, int xb, const bf16* __restrict__ x, const bf16* __restrict__ xe,
+    const int* __restrict__ active_start, const int* __restrict__ active_len, const int* __restrict__ sorted_row,
+    const u64* __restrict__ gate_bias_ptrs, const u64* __restrict__ up_bias_ptrs, const int* __restrict__ inter,
+    int shared_slot, bf16* __restrict__ act, int H, int I_max, int act_code, float alpha, float limit,
+    const u8* __restrict__ maps, const int* __restrict__ slot_active) {
+    using Cfg = SwapAbConfig<NT>;
+    const int I = inter[slot], c0 = xb * SA_GATE_UP_COLUMNS;
     if (c0 >= I) return pdl_leave_early();  // (by active expert the wait came first: then a no-op)
-    const SaRing<NT> ring = sa_ring<NT>(sa_smem);
+    const SaRing<NT> ring = sa_ring<NT>(smem);
     const bool sh = slot == shared_slot;  // the shared expert reads x and its own maps
     SaWork w;
     w.map0 = maps + SA_MAP_BYTES * (sh ? SA_MAP_SHARED_GATE : SA_MAP_GATE);
@@ -256,17 +289,8 @@ decode_swapab_gate_up(DECODE_GATE_UP_ARGS, const u8* __restrict__ maps, const in
     w.K = H, w.KT = (H + SA_BK - 1) / SA_BK;
     w.tok = sh ? x : xe, w.pitch = H;
     const bool producer = threadIdx.x >= Cfg::CWG * 128;
-    // by slot: pass 0's first steps (every chosen expert has one), then the lists
-    const int ahead = slot_active && producer ? sa_copy_ahead(ring, w, min(Cfg::STAGES, w.KT)) : 0;
-    if (slot_active) {
-        pdl_wait_then_release_next();
-        j = slot_active[slot];
-        if (j < 0) {  // nobody chose the expert: the copies were for nothing
-            if (producer) sa_drain_ahead(ring, ahead);
-            return;
-        }
-    }
-    w.start = active_start[j], w.len = active_len[j];
+    int ahead;
+    if (!sa_gate_up_run<NT, false>(ring, w, slot, slot_active, active_start, active_len, producer, ahead)) return;
     if (producer) {
         const int start = w.start;
         sa_producer<NT>(ring, w, [&](int t) { return sorted_row[start + t]; }, ahead);
@@ -292,6 +316,103 @@ decode_swapab_gate_up(DECODE_GATE_UP_ARGS, const u8* __restrict__ maps, const in
             }
         }
     }
+}
+
+// grid (ceil(I_max / 64), max_active), block SwapAbConfig<NT>::THREADS, dynamic shared memory
+// catalog.swapab_smem_bytes(NT). Arguments: DECODE_GATE_UP_ARGS, then the layer's swap-AB
+// tensor maps (bf16 experts only: a block of another format's expert leaves), then
+// `slot_active`: where set (the lists' slot -> active index), the grid's y is the table slot
+// (n_local, and the shared expert's) and a block's first weight stages go out before it waits
+// for the lists (PDL), so the stream is in flight while routing runs; a slot nobody chose
+// copies them for nothing (forward_plan takes this where that comes to few bytes). Else y is
+// the active expert and the block waits first.
+template <int NT>
+__global__ void __launch_bounds__(SwapAbConfig<NT>::THREADS, SwapAbConfig<NT>::BLOCKS_PER_SM)
+decode_swapab_gate_up(DECODE_GATE_UP_ARGS, const u8* __restrict__ maps, const int* __restrict__ slot_active) {
+    extern __shared__ unsigned char sa_smem[];
+    const int slot = gate_up_block_slot<FMT_BF16>(slot_active, num_active, active_slot, slot_fmt);
+    if (slot < 0) return;
+    sa_gate_up_columns<NT>(sa_smem, slot, blockIdx.x, x, xe, active_start, active_len, sorted_row, gate_bias_ptrs,
+                           up_bias_ptrs, inter, shared_slot, act, H, I_max, act_code, alpha, limit, maps,
+                           slot_active);
+}
+
+// A LoRA block of decode_swapab_gate_up_lora (group: which 64 / max_rank adapters it takes): the
+// shrinks t = A x of every adapter of the group against every row of the expert's run, the adapters'
+// gate A rows as tile 0 and up's as tile 1 (the slots' arrays [K, S, max_rank, H] by the LoRA maps, a
+// box an adapter), so the adapters' A stream through the ring as the expert's weights do; a row's
+// own adapter's sums, times its scales, go to lora_t [positions, 2 max_rank] (gate's, then up's),
+// the others are discarded.
+template <int NT>
+__device__ __forceinline__ void sa_lora_shrink(
+    unsigned char* smem, int slot, int group, const bf16* __restrict__ x, const bf16* __restrict__ xe,
+    const int* __restrict__ active_start, const int* __restrict__ active_len, const int* __restrict__ sorted_row,
+    int shared_slot, int H, const u8* __restrict__ maps, const int* __restrict__ slot_active,
+    const int* __restrict__ lora_ids, const float* __restrict__ lora_scale, float* __restrict__ lora_t, int n_local,
+    int max_rank, int max_loras) {
+    using Cfg = SwapAbConfig<NT>;
+    const int per = 64 / max_rank, a0 = group * per, S = n_local + 1;  // table slot `slot` (shared: n_local)
+    const SaRing<NT> ring = sa_ring<NT>(smem);
+    const bool sh = slot == shared_slot;
+    SaWork w;
+    w.map0 = maps + SA_MAP_BYTES * SA_MAP_LORA_GATE_A;
+    w.map1 = maps + SA_MAP_BYTES * SA_MAP_LORA_UP_A;
+    w.row0 = w.row1 = (a0 * S + slot) * max_rank;
+    w.boxes = min(per, max_loras - a0), w.box_rows = max_rank, w.box_stride = S * max_rank;
+    w.K = H, w.KT = (H + SA_BK - 1) / SA_BK;
+    w.tok = sh ? x : xe, w.pitch = H;
+    const bool producer = threadIdx.x >= Cfg::CWG * 128;
+    int ahead;
+    if (!sa_gate_up_run<NT, true>(ring, w, slot, slot_active, active_start, active_len, producer, ahead)) return;
+    if (producer) {
+        const int start = w.start;
+        sa_producer<NT, true>(ring, w, [&](int t) { return sorted_row[start + t]; }, ahead);
+        return;
+    }
+    const int wg = threadIdx.x / 128;
+#pragma unroll 1
+    for (int p = 0, r0 = 0; r0 < w.len; ++p, r0 += NT) {
+        float acc[2][Cfg::WN / 2];  // gate's shrinks, up's
+        const int t0 = r0 + wg * Cfg::WN;
+        sa_consume_pass<NT>(ring, p * w.KT, w.KT, t0 < w.len, acc);
+#pragma unroll
+        for (int i = 0; i < Cfg::WN / 2; ++i) {
+            const SaFrag f(i);
+            const int a = a0 + f.row / max_rank, r = f.row % max_rank, t = t0 + f.tok;
+            if (a < max_loras && t < w.len) {
+                const int pos = w.start + t;
+                if (lora_ids[sorted_row[pos]] == a) {
+                    const float* sc = lora_scale + ((size_t)a * S + slot) * 3;
+                    float* o = lora_t + (size_t)pos * 2 * max_rank + r;
+                    o[0] = acc[0][i] * sc[0];
+                    o[max_rank] = acc[1][i] * sc[1];
+                }
+            }
+        }
+    }
+}
+
+// decode_swapab_gate_up with the LoRA plans' gate/up shrinks (forward_plan.lora_swapab): grid x
+// lora_x0 column blocks (decode_swapab_gate_up's, storing g and u with ACT_PAIR), then
+// ceil(max_loras max_rank / 64) LoRA blocks an expert (sa_lora_shrink; max_rank 8, 16, 32 or 64);
+// lora_gate_up_expand_act adds B t and makes act after it. Arguments: decode_swapab_gate_up's, then
+// the rows' adapter ids, the slots' scales [K, S, 3], lora_t, and the slots' shape.
+template <int NT>
+__global__ void __launch_bounds__(SwapAbConfig<NT>::THREADS, SwapAbConfig<NT>::BLOCKS_PER_SM)
+decode_swapab_gate_up_lora(DECODE_GATE_UP_ARGS, const u8* __restrict__ maps, const int* __restrict__ slot_active,
+                           const int* __restrict__ lora_ids, const float* __restrict__ lora_scale,
+                           float* __restrict__ lora_t, int lora_x0, int n_local, int max_rank, int max_loras) {
+    extern __shared__ unsigned char sa_smem[];
+    const int slot = gate_up_block_slot<FMT_BF16>(slot_active, num_active, active_slot, slot_fmt);
+    if (slot < 0) return;
+    if ((int)blockIdx.x < lora_x0)
+        sa_gate_up_columns<NT>(sa_smem, slot, blockIdx.x, x, xe, active_start, active_len, sorted_row,
+                               gate_bias_ptrs, up_bias_ptrs, inter, shared_slot, act, H, I_max, act_code, alpha,
+                               limit, maps, slot_active);
+    else
+        sa_lora_shrink<NT>(sa_smem, slot, blockIdx.x - lora_x0, x, xe, active_start, active_len, sorted_row,
+                           shared_slot, H, maps, slot_active, lora_ids, lora_scale, lora_t, n_local, max_rank,
+                           max_loras);
 }
 
 // grid (ceil(H / 128), max_active), block SwapAbConfig<NT>::THREADS, dynamic shared memory

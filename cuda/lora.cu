@@ -199,6 +199,27 @@ __device__ __forceinline__ void lora_expand_held(float (&d)[HOLD], const bf16* _
     }
 }
 
+// A round of act's columns c = c0 + threadIdx.x + i blockDim.x below I (i < LORA_HOLD): act(g + dg,
+// u + du) from the pair's g and u (gr: g, then u at I_max), with its deltas hg, hu where `on`. The
+// round's g and u are loaded together (one round trip); the store loop stays rolled (one activation site).
+__device__ __forceinline__ void lora_act_round(const bf16* __restrict__ gr, bf16* __restrict__ ar, int c0, int I,
+                                               int I_max, bool on, const float (&hg)[LORA_HOLD],
+                                               const float (&hu)[LORA_HOLD], int act_code, float alpha, float limit) {
+    float gv[LORA_HOLD], uv[LORA_HOLD];
+#pragma unroll
+    for (int i = 0; i < LORA_HOLD; ++i) {
+        const int c = c0 + threadIdx.x + i * blockDim.x;
+        gv[i] = c < I ? __bfloat162float(gr[c]) : 0.f;
+        uv[i] = c < I ? __bfloat162float(gr[I_max + c]) : 0.f;
+    }
+    for (int i = 0, c = c0 + threadIdx.x; i < LORA_HOLD && c < I; ++i, c += blockDim.x) {
+        float g = 0.f, u = 0.f, dg = 0.f, du = 0.f;
+        lora_pick(gv, i, g), lora_pick(uv, i, u);
+        if (on) lora_pick(hg, i, dg), lora_pick(hu, i, du), g += dg, u += du;
+        ar[c] = __float2bfloat16(apply_activation(act_code, g, u, alpha, limit));
+    }
+}
+
 // grid (N k + N has_shared, slices), block LORA_THREADS, 2 max_rank + LORA_RED floats of shared
 // memory. gu [positions, 2 I_max] holds the pair's g and u (bf16, stored in one pass by gate/up
 // with ACT_PAIR: g at column c, u at I_max + c); this adds each adapter's gate / up delta (rows
@@ -247,21 +268,54 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
             pdl_wait_then_release_next();  // gate/up's g and u from here on
             if (!go) return;
         }
-        float gv[LORA_HOLD], uv[LORA_HOLD];  // the round's g and u, loaded together: one round trip
-#pragma unroll
-        for (int i = 0; i < LORA_HOLD; ++i) {
-            const int c = c0 + threadIdx.x + i * blockDim.x;
-            gv[i] = c < I ? __bfloat162float(gr[c]) : 0.f;
-            uv[i] = c < I ? __bfloat162float(gr[I_max + c]) : 0.f;
-        }
-        for (int i = 0, c = c0 + threadIdx.x; i < LORA_HOLD && c < I; ++i, c += blockDim.x) {  // rolled: one activation site
-            float g = 0.f, u = 0.f, dg = 0.f, du = 0.f;
-            lora_pick(gv, i, g), lora_pick(uv, i, u);
-            if (on) lora_pick(hg, i, dg), lora_pick(hu, i, du), g += dg, u += du;
-            ar[c] = __float2bfloat16(apply_activation(act_code, g, u, alpha, limit));
-        }
+        lora_act_round(gr, ar, c0, I, I_max, on, hg, hu, act_code, alpha, limit);
         if (c0 + round >= I) break;
     }
+}
+
+// grid (N k + N has_shared), block LORA_THREADS, 2 max_rank + LORA_RED floats of shared memory: the
+// swap-AB LoRA form's second half (forward_plan.lora_swapab). decode_swapab_gate_up_lora stored g and
+// u (ACT_PAIR) and each pair's s t (gate's, then up's) into lora_t [positions, 2 max_rank]; this adds
+// the expands B t to g and u and writes act = act(g, u) for every pair gate/up stored, with or
+// without an adapter, as lora_gate_up_act does. Before the PDL wait only the pair's B rows are
+// fetched into L2 (t and g, u are gate/up's).
+__global__ void LORA_HELD_BOUNDS
+lora_gate_up_expand_act(const float* __restrict__ lora_t, const int* __restrict__ lora_ids,
+                        const int* __restrict__ ids, const int* __restrict__ pair_pos,
+                        const int* __restrict__ slot_of, const int* __restrict__ inter,
+                        const bf16* __restrict__ gate_b, const bf16* __restrict__ up_b, const bf16* __restrict__ gu,
+                        bf16* __restrict__ act, int N, int k, int I_max, int n_local, int max_rank, int max_loras,
+                        int act_code, float alpha, float limit) {
+#if CUPYMOE_SM >= 90  // its gate/up, the swap-AB kernel, is sm_90a's alone (NVVM spills this body at sm_80)
+    extern __shared__ float t[];  // [2 max_rank]: gate's, then up's
+    const LoraPair pr = lora_pair(blockIdx.x, N, k, ids, pair_pos, slot_of, n_local);
+    const int I = pr.pos < 0 ? 0 : inter[pr.slot];
+    const int lid = pr.pos < 0 ? -1 : lora_ids[pr.row];
+    const bool on = lid >= 0 && lid < max_loras;  // an id >= K was flagged (lora_router_delta, experts_route_in_lora)
+    const size_t ks = on ? (size_t)lid * (n_local + 1) + pr.slot : 0;
+    const bf16* gb = gate_b + ks * I_max * max_rank;
+    const bf16* ub = up_b + ks * I_max * max_rank;
+    if (on) lora_prefetch_rows(gb, 0, I, max_rank), lora_prefetch_rows(ub, 0, I, max_rank);
+    if (pr.pos < 0 && !lora_block0()) return;  // block 0 waits anyway
+    pdl_wait_then_release_next();  // gate/up's g, u and s t from here on
+    if (pr.pos < 0) return;
+    if (on)
+        for (int e = threadIdx.x; e < 2 * max_rank; e += blockDim.x) t[e] = lora_t[(size_t)pr.pos * 2 * max_rank + e];
+    __syncthreads();
+    const bf16* gr = gu + (size_t)pr.pos * 2 * I_max;  // g, then u at I_max
+    bf16* ar = act + (size_t)pr.pos * I_max;
+    const int round = LORA_HOLD * blockDim.x;
+    for (int c0 = 0;; c0 += round) {
+        float hg[LORA_HOLD], hu[LORA_HOLD];
+        const int cols = on ? I - c0 : 0;
+        lora_expand_held(hg, gb + (size_t)c0 * max_rank, t, cols, max_rank);
+        lora_expand_held(hu, ub + (size_t)c0 * max_rank, t + max_rank, cols, max_rank);
+        lora_act_round(gr, ar, c0, I, I_max, on, hg, hu, act_code, alpha, limit);
+        if (c0 + round >= I) break;
+    }
+#else
+    __trap();
+#endif
 }
 
 #define LORA_DOWN_DECODE 0   // y [pos, H] fp32, unweighted (decode_reduce weights it)

@@ -132,6 +132,19 @@ SWAPAB_MAX_ROWS = 256  # the decode cap CUPYMOE_DECODE_KERNEL=swapab raises a bf
 
 
 SWAPAB_THREADS = 128 + 32  # one consumer warpgroup, one producer warp
+# decode_swapab_gate_up_lora: the adapters' A rows stacked in 64-row tiles, a box an adapter on
+# whole 128-byte swizzle atoms (8 rows), so ranks dividing 64 in multiples of 8
+SWAPAB_LORA_RANKS = (8, 16, 32, 64)
+
+
+def swapab_lora_rank(max_rank: int) -> bool:
+    """Whether the swap-AB gate/up takes LoRA slots of this rank as more blocks (SWAPAB_LORA_RANKS)."""
+    return max_rank in SWAPAB_LORA_RANKS
+
+
+def swapab_lora_blocks(max_loras: int, max_rank: int) -> int:
+    """LoRA blocks an expert of decode_swapab_gate_up_lora: 64 / max_rank adapters each."""
+    return -(-max_loras * max_rank // 64)
 
 
 def swapab_smem_bytes(token_tile: int) -> int:

@@ -22,7 +22,7 @@ from . import catalog as C
 from . import heuristics as HX
 from .catalog import Activation, GemmMode, LoraDownMode, Scoring, WeightFormat
 from .errors import LoraError
-from .knobs import LoraDownSplit, LoraShrink
+from .knobs import LoraDownSplit, LoraShrink, LoraSwapab
 from .workspace import LORA_TICKETS, lora_part_floats
 from .plan import (AllReduce, Arg, ArgType, Buf, CallValue, DeviceFacts, ForwardPlan, Launch, LayerPlan, Memset,
                    Path, PerN, Space, Stage)
@@ -157,6 +157,7 @@ class LoraShape:
     down_split: LoraDownSplit = LoraDownSplit.COLS  # what lora_down_delta's grid y splits (CUPYMOE_LORA_DOWN_SPLIT)
     overlap: bool = True  # prefill: the router delta and the stacked GEMMs by PDL (CUPYMOE_LORA_OVERLAP; lora_overlap)
     shrink_runs: bool = True  # the chunks' gate/up shrink a run's tiles LORA_SUB rows a block (CUPYMOE_LORA_SHRINK_RUNS)
+    swapab: LoraSwapab = LoraSwapab.AUTO  # the decode's gate/up shrinks in the bf16 swap-AB gate/up (CUPYMOE_LORA_SWAPAB)
 
 
 LORA_THREADS = 256  # cuda/lora.cu
@@ -486,10 +487,11 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
         raise LoraError("LoRA on the experts with fp8_compute='w8a8' is not implemented; build the layer with "
                         "fp8_compute='w8a16' or use router-only adapters")
     stacked = {stage: lora_in_gemm(plan, lp, lora, steps, stage) for stage in (Stage.GATE_UP, Stage.DOWN)}
+    swapab = lora_swapab(plan, lp, lora, steps)
     out: list = []
     for s in steps:
         if _is_gemm(s, Stage.GATE_UP) and not stacked[Stage.GATE_UP]:
-            out.append(_pair(s))
+            out.append(_pair(_swapab_lora(s, lp, lora) if swapab else s))
         elif _is_gemm(s, Stage.GATE_UP) or _is_gemm(s, Stage.DOWN):
             out.extend(_stacked_gemm(s, lp, lora, _segments(plan, lora), overlap) if stacked[s.stage] else (s,))
         else:
@@ -498,7 +500,7 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
         gate_up_act, down = _grouped_delta_launches(_tile_list(out, Stage.GATE_UP), _tile_list(out, Stage.DOWN), lp,
                                                     lora)
     else:
-        gate_up_act, down = _expert_delta_launches(plan, lp, lora, has_shared)
+        gate_up_act, down = _expert_delta_launches(plan, lp, lora, has_shared, swapab)
     if not stacked[Stage.GATE_UP]:
         at = max(i for i, s in enumerate(out) if s.stage == Stage.GATE_UP) + 1
         out.insert(at, _as_successor(gate_up_act, out[at]))
@@ -506,6 +508,36 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
         at = next(i for i, s in enumerate(out) if s.stage == Stage.REDUCE)
         out.insert(at, _as_successor(down, out[at]))
     return out
+
+
+SWAPAB_GATE_UP = "decode_swapab_gate_up<"
+
+
+def lora_swapab(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, steps) -> bool:
+    """Whether the decode's gate/up deltas go in the swap-AB form (lora.swapab: CUPYMOE_LORA_SWAPAB; auto:
+    heuristics.lora_swapab_rows): the plan's one gate/up launch is the bf16 swap-AB kernel and the
+    slots' rank has its form (catalog.swapab_lora_rank); its shrinks then run as more blocks of that
+    launch (decode_swapab_gate_up_lora) and lora_gate_up_expand_act adds the expands, instead of
+    lora_gate_up_act's per-pair shrinks after it."""
+    if not (lora.experts and lora.swapab != LoraSwapab.OFF and C.swapab_lora_rank(lora.max_rank)) \
+            or lora_grouped(plan, lp, lora):
+        return False
+    if lora.swapab == LoraSwapab.AUTO and not HX.lora_swapab_rows(lp, plan.built_for, lora.max_loras):
+        return False
+    gemms = [s for s in steps if _is_gemm(s, Stage.GATE_UP)]
+    return len(gemms) == 1 and gemms[0].kernel.startswith(SWAPAB_GATE_UP) and isinstance(gemms[0].grid[0], int)
+
+
+def _swapab_lora(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> Launch:
+    """The swap-AB gate/up as decode_swapab_gate_up_lora: its column blocks, then
+    catalog.swapab_lora_blocks LoRA blocks an expert writing s t into lora_pair_t."""
+    x0 = gemm.grid[0]
+    extra = (u64("lora_ids", CallValue.LORA_IDS), u64("lora_scale", Buf(Space.LAYER, "lora_scale")),
+             u64("lora_t", S("lora_pair_t")), i32("lora_x0", x0), i32("n_local", lp.n_local),
+             i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras))
+    return replace(gemm, kernel=gemm.kernel.replace(SWAPAB_GATE_UP, "decode_swapab_gate_up_lora<"),
+                   grid=(x0 + C.swapab_lora_blocks(lora.max_loras, lora.max_rank),) + tuple(gemm.grid[1:]),
+                   args=gemm.args + extra)
 
 
 def _is_gemm(step, stage: Stage) -> bool:
@@ -634,9 +666,10 @@ def _pair(launch: Launch) -> Launch:
 
 
 def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape,
-                           has_shared: int) -> tuple[Launch, Launch]:
+                           has_shared: int, swapab: bool = False) -> tuple[Launch, Launch]:
     """The per-pair deltas' launches: a block (row of blocks) a routed pair, then (has_shared, where the
-    plan runs the shared expert) one a row for the shared expert's pair."""
+    plan runs the shared expert) one a row for the shared expert's pair. `swapab` (lora_swapab): gate/up's
+    is lora_gate_up_expand_act, the expands alone, the swap-AB gate/up having made s t."""
     cfg = lp.cfg
     k, sh, H = cfg.num_experts_per_tok, has_shared, cfg.hidden_size
     exact = plan.shape is None
@@ -663,6 +696,14 @@ def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape,
                       u64("gu", S(LORA_GU)), u64("act", S("act")), *slice_args, *sizes,
                       i32("act_code", Activation[cfg.hidden_act.upper()]), f32("alpha", cfg.swiglu_alpha),
                       f32("limit", cfg.swiglu_limit)), (2 * lora.max_rank + LORA_RED) * 4)
+    if swapab:
+        gate_up = Launch(Stage.GATE_UP, "lora_gate_up_expand_act", (pairs,), (LORA_THREADS,),
+                         (u64("lora_t", S("lora_pair_t")), *where, L("gate_b"), L("up_b"), u64("gu", S(LORA_GU)),
+                          u64("act", S("act")), i32("N", rows), i32("k", k), i32("I_max", lp.i_max),
+                          i32("n_local", lp.n_local), i32("max_rank", lora.max_rank),
+                          i32("max_loras", lora.max_loras), i32("act_code", Activation[cfg.hidden_act.upper()]),
+                          f32("alpha", cfg.swiglu_alpha), f32("limit", cfg.swiglu_limit)),
+                         (2 * lora.max_rank + LORA_RED) * 4)
     mode = {Path.DECODE: LoraDownMode.DECODE, Path.ATOMIC: LoraDownMode.ATOMIC,
             Path.PREFILL: LoraDownMode.GROUPED}[plan.path]
     down = Launch(Stage.DOWN, "lora_down_delta", (pairs, down_slices), (LORA_THREADS,),

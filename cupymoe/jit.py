@@ -108,13 +108,13 @@ def _modules() -> dict[str, ModuleSpec]:
             "decode_wgmma_a8.cu", tuple(f"decode_wgmma_{m}_a8<{nt}>" for m in ("gate_up", "down")
                                         for nt in C.WGMMA_DECODE_TOKEN_TILES), archs=hopper),
         "decode_swapab_sm90": ModuleSpec(
-            "decode_swapab_sm90.cu", tuple(f"decode_swapab_{m}<{nt}>" for m in ("gate_up", "down")
+            "decode_swapab_sm90.cu", tuple(f"decode_swapab_{m}<{nt}>" for m in ("gate_up", "down", "gate_up_lora")
                                            for nt in C.SWAPAB_TOKEN_TILES), archs=hopper),
         "decode_swapab_fp8_sm90": ModuleSpec(
             "decode_swapab_fp8_sm90.cu", tuple(f"decode_swapab_fp8_{m}<{nt}>" for m in ("gate_up", "down")
                                                for nt in C.SWAPAB_FP8_TOKEN_TILES), archs=hopper),
         "repack": ModuleSpec("repack.cu", ("fp4_repack_words",)),  # the fp4 device layout, made at load
-        "lora": ModuleSpec("lora.cu", ("lora_router_delta", "lora_gate_up_act", "lora_down_delta",
+        "lora": ModuleSpec("lora.cu", ("lora_router_delta", "lora_gate_up_act", "lora_gate_up_expand_act", "lora_down_delta",
                                         "lora_grouped_gate_up_act", "lora_grouped_down_delta",
                                         "lora_grouped_router_delta", "lora_stack_t_gate_up", "lora_stack_t_gate_up_runs",
                                         "lora_stack_t_down")
@@ -458,7 +458,7 @@ def opt_in_smem(expr: str, max_smem: int) -> int:
         return min(max_smem, C.topk_route_lora_smem_bytes(C.MAX_ROUTER_WIDTH, C.LORA_ROUTER_T_MAX_RANK))
     if expr.startswith("topk_route"):  # its warps' scratch grows with the router's width
         return min(max_smem, C.topk_route_smem_bytes(C.MAX_ROUTER_WIDTH))
-    m = re.fullmatch(r"decode_swapab_(?:gate_up|down)<(\d+)>", expr)
+    m = re.fullmatch(r"decode_swapab_(?:gate_up|down|gate_up_lora)<(\d+)>", expr)
     if m:  # its ring, sized by the token tile
         return C.swapab_smem_bytes(int(m.group(1)))
     m = re.fullmatch(r"decode_swapab_fp8_(?:gate_up|down)<(\d+)>", expr)

@@ -76,6 +76,13 @@ class GateUpAhead(str, enum.Enum):
     OFF = "off"
 
 
+class LoraSwapab(str, enum.Enum):
+    """Whether the decode's LoRA gate/up shrinks run as blocks of the bf16 swap-AB gate/up (forward_plan.lora_swapab)."""
+    AUTO = "auto"  # where the per-pair shrinks would read the adapters' A rows twice over (heuristics.lora_swapab_rows)
+    ON = "on"  # wherever the swap-AB gate/up runs and the rank has the form
+    OFF = "off"
+
+
 class DecodeRouter(str, enum.Enum):
     AUTO = "auto"  # tensor cores from a measured number of multiply-adds
     MMA = "mma"
@@ -218,6 +225,12 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                          "run's tiles LORA_SUB rows a block (lora_stack_t_gate_up_runs: an expert's adapters' A "
                          "read once a LORA_SUB rows, not once a tile); 0: a tile a block; read when a layer is "
                          "built", _on_off, True),
+    "lora_swapab": ("CUPYMOE_LORA_SWAPAB", "where the decode's gate/up is the bf16 swap-AB kernel, its LoRA "
+                    "gate/up shrinks as more of its blocks (the adapters' A rows through its TMA ring: "
+                    "decode_swapab_gate_up_lora; lora_gate_up_expand_act adds the expands) instead of "
+                    "lora_gate_up_act's per-pair shrinks: auto (from heuristics.LORA_SWAPAB_PAIRS_A_SLOT routed "
+                    "pairs a (local expert, adapter slot)) | on | off; read when a layer is built",
+                    _choice(LoraSwapab), LoraSwapab.AUTO),
     "lora_down_split": ("CUPYMOE_LORA_DOWN_SPLIT", "what lora_down_delta's blocks of one pair split: cols (its "
                         "expand's output columns, each block the whole shrink) | shrink (the shrink's input "
                         "columns, the slices meeting at a ticket); read when a layer is built",
@@ -276,6 +289,7 @@ class Knobs:
     lora_fold: bool = True
     lora_overlap: bool = True
     lora_shrink_runs: bool = True
+    lora_swapab: LoraSwapab = LoraSwapab.AUTO
     lora_down_split: LoraDownSplit = LoraDownSplit.COLS
     lora_down_lanes: Optional[tuple[int, int]] = None
     lora_router_t_rows: Optional[int] = None

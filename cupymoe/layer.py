@@ -39,7 +39,7 @@ _UNTRIED = object()  # a plan whose forward graph was not captured yet
 # the tensor-map tables a plan's kernels may read, by buffer name: (plan, weight tables' pointers,
 # scratch, LoRA slots) -> the table's bytes
 MAP_TABLES = {"tma_maps": tma.layer_table,  # with the LoRA stacked form's maps where the slots have them
-              "swapab_maps": lambda plan, ptrs, scratch, lora: tma.swapab_table(plan, ptrs),
+              "swapab_maps": lambda plan, ptrs, scratch, lora: tma.swapab_table(plan, ptrs, lora),
               "fp8_maps": lambda plan, ptrs, scratch, lora: tma.fp8_table(plan, ptrs, scratch)}
 
 
@@ -83,7 +83,7 @@ class MoeLayer:
         self._profile, self._dump_dir, self._graph_launch = knobs.profile, knobs.dump_dir, knobs.graph_launch
         self._lora_stack_shrink, self._lora_fold = knobs.lora_stack_shrink, knobs.lora_fold
         self._lora_down_split, self._lora_overlap = knobs.lora_down_split, knobs.lora_overlap
-        self._lora_shrink_runs = knobs.lora_shrink_runs
+        self._lora_shrink_runs, self._lora_swapab = knobs.lora_shrink_runs, knobs.lora_swapab
         self._guard = GUARD_BYTES if knobs.guard else 0  # red zones in the scratch (guard mode)
         # forwards something watches take _observed_forward; the plain one tests this flag alone
         self._watched = self._profile or self._dump_dir is not None or bool(self._guard)
@@ -360,7 +360,7 @@ class MoeLayer:
         return LoraShape(slots.max_loras, slots.max_rank, self._lora_experts, slots.stack_parts,
                          stack_shrink=self._lora_stack_shrink, fold=self._lora_fold,
                          down_split=self._lora_down_split, overlap=self._lora_overlap,
-                         shrink_runs=self._lora_shrink_runs)
+                         shrink_runs=self._lora_shrink_runs, swapab=self._lora_swapab)
 
     def _lora_slots(self, what: str) -> "lora_slots.LoraSlots":
         if self._lora is None:

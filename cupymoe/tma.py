@@ -126,16 +126,19 @@ def encode_table(maps: Sequence[Optional[tuple[Matrix2D, int]]], names: Sequence
 
 
 # the swap-AB decode's maps (cuda/decode_swapab_sm90.cu SA_MAP_*, decode_swapab_fp8_sm90.cu
-# SF_MAP_*), in order: each projection's weights in boxes of SWAPAB_BOX_ROWS rows (one m64 wgmma tile)
-SWAPAB_MAPS = ("gate", "up", "down", "shared_gate", "shared_up", "shared_down")
+# SF_MAP_*), in order: each projection's weights in boxes of SWAPAB_BOX_ROWS rows (one m64 wgmma tile),
+# then the LoRA slots' gate and up A in boxes of max_rank rows (decode_swapab_gate_up_lora)
+SWAPAB_MAPS = ("gate", "up", "down", "shared_gate", "shared_up", "shared_down", "lora_gate_a", "lora_up_a")
 SWAPAB_BOX_ROWS = 64
 
 
-def swapab_table(lp, slot_ptrs: dict) -> bytes:
+def swapab_table(lp, slot_ptrs: dict, lora=None) -> bytes:
     """The maps of the swap-AB decode (`lp` a plan.LayerPlan whose experts are bf16 or fp8-block
     as w8a8): the stacked routed weights ([n_local * rows, K]) and the shared expert's, 64-row
     boxes, bf16 bits or e4m3 codes by each one's format, in SWAPAB_MAPS order; a map the layer
-    has no matrix for stays zero. Its tokens come by cp.async: no scratch map."""
+    has no matrix for stays zero. Its tokens come by cp.async: no scratch map. `lora`
+    (lora_slots.LoraSlots): the expert slots' gate and up A ([K S R, H], R-row boxes) where
+    catalog.swapab_lora_rank allows their rank, else zeros."""
     cfg, n = lp.cfg, lp.n_local
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     Is = cfg.shared_expert_intermediate_size if cfg.has_shared_expert else 0
@@ -149,7 +152,20 @@ def swapab_table(lp, slot_ptrs: dict) -> bytes:
         return encode(weight_matrix(lp, slot_ptrs[p][slot], rows, cols, elem[slot]), box, f"swapab {p} of slot {slot}")
 
     return b"".join([one("gate", 0, n * I, H, n), one("up", 0, n * I, H, n), one("down", 0, n * H, I, n),
-                     one("gate", n, Is, H, Is), one("up", n, Is, H, Is), one("down", n, H, Is, Is)])
+                     one("gate", n, Is, H, Is), one("up", n, Is, H, Is), one("down", n, H, Is, Is),
+                     *swapab_lora_maps(H, lora)])
+
+
+def swapab_lora_maps(H: int, lora) -> list[bytes]:
+    """The LoRA slots' gate and up A maps of the swap-AB table (zeros where the slots hold no expert
+    deltas or their rank has no swap-AB form)."""
+    from .catalog import swapab_lora_rank
+
+    if lora is None or lora.experts is None or not swapab_lora_rank(lora.max_rank):
+        return [bytes(MAP_BYTES)] * 2
+    rows = lora.max_loras * lora.experts.table_slots * lora.max_rank
+    return [encode(Matrix2D(lora.ptr(f"lora_{p}_a"), rows, H), lora.max_rank, f"swapab LoRA {p} A")
+            for p in ("gate", "up")]
 
 
 def layer_table(lp, slot_ptrs: dict, scratch, lora=None) -> bytes:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A LoRA plan knob's values against each other in one device call: the LoRA GPU tests selected by TESTS_K
-# (SUITE=0, the default) or the GPU suite (SUITE=1: scripts/device_check.sh PARTS=tests), then bench --lora 4
-# --lora-rank 16 at TOKENS (default "1 8 32") with KNOB (an environment variable) set to each of FORMS, the values
-# alternating within each round (ROUNDS, default 2), PRESETS (default qwen3-30b-a3b) in bf16 and fp8_block as
-# w8a16, and once for ONCE's presets; then (TIMELINE=1) the LoRA forward on the timeline for each
+# (SUITE=0, the default; TESTS=0: none) or the GPU suite (SUITE=1: scripts/device_check.sh PARTS=tests), then
+# bench --lora 4 --lora-rank 16 at TOKENS (default "1 8 32") with KNOB (an environment variable) set to each of
+# FORMS, the values alternating within each round (ROUNDS, default 2), PRESETS (default qwen3-30b-a3b) in FORMATS
+# (default "bf16 fp8_block", fp8_block as w8a16), and once for ONCE's presets; then (TIMELINE=1) the LoRA forward on the timeline for each
 # value (TL_TOKENS rows, default 1). Logs and JSON as $OUT/run.tgz (the suite's as $OUT/check.tgz).
 #
 #   OUT=/tmp/out KNOB=CUPYMOE_LORA_DOWN_SPLIT FORMS="cols shrink" bash scripts/lora_knob_check.sh    (.whl carried)
@@ -13,7 +13,7 @@ KNOB=${KNOB:?set KNOB to a CUPYMOE_ variable}
 FORMS=${FORMS:?set FORMS to its values}
 if [ "${SUITE:-0}" = 1 ]; then
   OUT=$DEST PARTS=tests SHARD_S=${SHARD_S:-220} bash scripts/device_check.sh
-else
+elif [ "${TESTS:-1}" = 1 ]; then
   KERNELS=0 TESTS_S=240 bash scripts/gpu_tests.sh "$DEST" "${TESTS_K:-by_columns or early or fold}" lora \
     tests/test_gpu_lora.py
 fi
@@ -28,8 +28,10 @@ bench() {  # preset format value tag [more bench arguments]
 }
 values() {  # preset round
   for value in $FORMS; do
-    bench "$1" bf16 "$value" "$1-bf16-$value-$2"
-    bench "$1" fp8_block "$value" "$1-fp8-$value-$2" --fp8-compute w8a16
+    for fmt in ${FORMATS:-bf16 fp8_block}; do
+      if [ "$fmt" = bf16 ]; then bench "$1" bf16 "$value" "$1-bf16-$value-$2"
+      else bench "$1" fp8_block "$value" "$1-fp8-$value-$2" --fp8-compute w8a16; fi
+    done
   done
 }
 for round in $(seq 1 "${ROUNDS:-2}"); do

@@ -283,13 +283,58 @@ def test_swapab_gate_up_stores_act_pair(path):
                     knobs=dataclasses.replace(Knobs(), decode_kernel=Bf16Decode.SWAPAB))
     plan = build_forward_plan(lp, H200, 32, path, lora=EXPERTS).at(32)
     gemms = _gate_up_gemms(plan)
-    assert gemms and all(g.kernel.startswith("decode_swapab_gate_up<") for g in gemms)
+    assert gemms and all(g.kernel.startswith(("decode_swapab_gate_up<", "decode_swapab_gate_up_lora<")) for g in gemms)
     for g in gemms:
         assert g.arg("act_code") == int(Activation.PAIR) and g.arg("act") == Buf(Space.SCRATCH, "lora_gu")
     src = (FsPath(jit.__file__).resolve().parent.parent / "cuda" / "decode_swapab_sm90.cu").read_text()
-    body = _kernel_body(src, "decode_swapab_gate_up")
+    assert "sa_gate_up_columns<NT>(" in _kernel_body(src, "decode_swapab_gate_up")  # its blocks' body
+    at = src.index("void sa_gate_up_columns(")
+    body = src[at:src.index("__global__", at)]
     assert any(s in body for s in _PAIR_STORES), "decode_swapab_gate_up ignores ACT_PAIR"
     assert "apply_activation(" not in body
+
+
+@pytest.mark.parametrize("max_loras, max_rank, blocks", [(3, 16, 1), (4, 16, 1), (3, 32, 2), (9, 8, 2), (3, 12, 0)])
+def test_swapab_lora_form(max_loras, max_rank, blocks):
+    """CUPYMOE_LORA_SWAPAB: where the decode's one gate/up is the bf16 swap-AB kernel, it becomes
+    decode_swapab_gate_up_lora with ceil(K R / 64) more blocks an expert past its column blocks
+    (lora_x0), storing s t into lora_pair_t, and lora_gate_up_expand_act replaces lora_gate_up_act;
+    a rank the form has no tiles for (12) keeps the per-pair kernels; so do the knob off, the
+    register decode and the prefill path."""
+    import dataclasses
+
+    from cupymoe import heuristics as HX
+    from cupymoe.knobs import Bf16Decode, LoraSwapab
+    cfg = testing.tiny_config("qwen2_moe")
+    lp = plan_layer(cfg, "bf16", None, H200.arch, options=LayerOptions(decode_max_tokens=64),
+                    knobs=dataclasses.replace(Knobs(), decode_kernel=Bf16Decode.SWAPAB))
+    shape = dataclasses.replace(EXPERTS, max_loras=max_loras, max_rank=max_rank, swapab=LoraSwapab.ON)
+    plan = build_forward_plan(lp, H200, 32, Path.DECODE, lora=shape).at(32)
+    kinds = [getattr(st, "kernel", "") for st in plan.steps]
+    if not blocks:
+        assert "lora_gate_up_act" in kinds and "lora_gate_up_expand_act" not in kinds, kinds
+        return
+    off = dataclasses.replace(shape, swapab=LoraSwapab.OFF)
+    base = build_forward_plan(lp, H200, 32, Path.DECODE, lora=off).at(32)
+    (gemm,), (was,) = _gate_up_gemms(plan), _gate_up_gemms(base)
+    assert gemm.kernel == was.kernel.replace("decode_swapab_gate_up<", "decode_swapab_gate_up_lora<")
+    assert gemm.grid == (was.grid[0] + blocks,) + tuple(was.grid[1:]) and gemm.arg("lora_x0") == was.grid[0]
+    assert gemm.arg("lora_t") == Buf(Space.SCRATCH, "lora_pair_t") and gemm.arg("act_code") == int(Activation.PAIR)
+    assert jit.opt_in_smem(gemm.kernel, H200.max_smem) == gemm.smem > 48 * 1024  # its ring, opted in at load
+    assert "lora_gate_up_expand_act" in kinds and "lora_gate_up_act" not in kinds, kinds
+    expand = next(st for st in plan.steps if getattr(st, "kernel", "") == "lora_gate_up_expand_act")
+    assert expand.grid == (32 * (cfg.num_experts_per_tok + 1),) and expand.pdl == gemm.pdl
+    kinds = [getattr(st, "kernel", "") for st in build_forward_plan(lp, H200, 32, Path.DECODE, lora=off).at(32).steps]
+    assert "lora_gate_up_act" in kinds, kinds
+    auto = dataclasses.replace(shape, swapab=LoraSwapab.AUTO)  # from LORA_SWAPAB_PAIRS_A_SLOT pairs a (expert, slot)
+    for n in (8, 16, 32, 64):
+        kinds = [getattr(st, "kernel", "") for st in build_forward_plan(lp, H200, n, Path.DECODE, lora=auto).at(n).steps]
+        want = n * cfg.num_experts_per_tok >= HX.LORA_SWAPAB_PAIRS_A_SLOT * lp.n_local * max_loras
+        assert ("lora_gate_up_expand_act" in kinds) == want == HX.lora_swapab_rows(lp, n, max_loras), (n, kinds)
+    reg = plan_layer(cfg, "bf16", None, H200.arch, options=LayerOptions(decode_max_tokens=64),
+                     knobs=dataclasses.replace(Knobs(), decode_kernel=Bf16Decode.REGISTER))
+    kinds = [getattr(st, "kernel", "") for st in build_forward_plan(reg, H200, 32, Path.DECODE, lora=shape).at(32).steps]
+    assert "lora_gate_up_act" in kinds, kinds
 
 
 def test_row_invariant_per_pair_deltas_do_not_split_with_n():
