@@ -121,8 +121,9 @@ LORA_ROUTER_T_ROWS = 1024
 
 
 # The decode's LoRA gate/up shrinks as blocks of the bf16 swap-AB gate/up (CUPYMOE_LORA_SWAPAB=auto) from this
-# many routed pairs a (local expert, adapter slot): the per-pair shrinks then read each slot's A about
-# this many times over, the swap-AB form once an expert. At one pair a slot (qwen3-30b-a3b, 4 slots, 64
+# many routed pairs a (expert, adapter slot) (an expert-parallel rank's experts get their share of the
+# pairs): the per-pair shrinks then read each slot's A about this many times over, the swap-AB form once
+# an expert's NT-row pass. At one pair a slot (qwen3-30b-a3b, 4 slots, 64
 # rows) the per-pair kernels, streaming in gate/up's last wave, won; at two (128 rows) and four (256)
 # the swap-AB form (benchmarks/DECISIONS.md "LoRA: the decode's gate/up shrinks in the swap-AB gate/up").
 LORA_SWAPAB_PAIRS_A_SLOT = 2
@@ -130,7 +131,7 @@ LORA_SWAPAB_PAIRS_A_SLOT = 2
 
 def lora_swapab_rows(lp: LayerPlan, n: int, max_loras: int) -> bool:
     """Whether CUPYMOE_LORA_SWAPAB=auto takes the swap-AB form at a decode of n rows with max_loras slots."""
-    return n * lp.cfg.num_experts_per_tok >= LORA_SWAPAB_PAIRS_A_SLOT * lp.n_local * max_loras
+    return n * lp.cfg.num_experts_per_tok >= LORA_SWAPAB_PAIRS_A_SLOT * lp.cfg.num_experts * max_loras
 
 
 def lora_shrink_segments(n: int) -> bool:

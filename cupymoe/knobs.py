@@ -229,7 +229,7 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                     "gate/up shrinks as more of its blocks (the adapters' A rows through its TMA ring: "
                     "decode_swapab_gate_up_lora; lora_gate_up_expand_act adds the expands) instead of "
                     "lora_gate_up_act's per-pair shrinks: auto (from heuristics.LORA_SWAPAB_PAIRS_A_SLOT routed "
-                    "pairs a (local expert, adapter slot)) | on | off; read when a layer is built",
+                    "pairs an (expert, adapter slot)) | on | off; read when a layer is built",
                     _choice(LoraSwapab), LoraSwapab.AUTO),
     "lora_down_split": ("CUPYMOE_LORA_DOWN_SPLIT", "what lora_down_delta's blocks of one pair split: cols (its "
                         "expand's output columns, each block the whole shrink) | shrink (the shrink's input "

@@ -1319,14 +1319,18 @@ def test_decode_down_by_columns_against_the_sliced_form(family, fmt, rng, monkey
 # forward_plan.lora_swapab): decode_swapab_gate_up_lora's LoRA blocks stream the adapters' A rows
 # through its ring and store s t, lora_gate_up_expand_act adds the expands and makes act. Ranks 8
 # and 16 (one LoRA block an expert: 3 adapters of 8 or 16 rows, the tile's other rows never
-# copied) and 32 (two blocks: adapters 0-1, then 2 alone), on a routed-only family and on shared
-# experts; N from 9 (the smallest swap-AB decode) to 64 with one expert taking most rows.
-SWAPAB_LORA_CASES = [("qwen3_moe", 8), ("qwen2_moe", 16), ("deepseek_v3", 32), ("mixtral", 16)]
+# copied), 32 (two blocks: adapters 0-1, then 2 alone) and 64 (a block an adapter), on a routed-only
+# family and on shared experts; N from 9 (the smallest swap-AB decode) to 64 with one expert taking
+# most rows; the grid by table slot (the tiny layers' default) and by active expert
+# (CUPYMOE_GATE_UP_AHEAD=off: the lists first, as past SMALL_SORT_PAIRS pairs).
+SWAPAB_LORA_CASES = [("qwen3_moe", 8, "auto"), ("qwen2_moe", 16, "auto"), ("deepseek_v3", 32, "off"),
+                     ("mixtral", 16, "off"), ("qwen2_moe", 64, "off")]
 
 
-@pytest.mark.parametrize("family, max_rank", SWAPAB_LORA_CASES)
-def test_swapab_lora_shrink(family, max_rank, rng, monkeypatch):
-    """Mixed ids (-1, 0, 1, and 2: an empty slot) at N = 9, 37, 64 on the decode path, outputs
+@pytest.mark.parametrize("family, max_rank, ahead", SWAPAB_LORA_CASES)
+def test_swapab_lora_shrink(family, max_rank, ahead, rng, monkeypatch):
+    """Mixed ids (-1, 0, 1, and 2: an empty slot) at N = 9, 37, 64 on the decode path (and 37 on the
+    atomic path), outputs
     poisoned first and judged (`judge`); the same inputs through the per-pair kernels' layer (knob
     off) agree to fp32 summation order (the shrink's sums in the wgmma's order, not the block's
     reduction), and bit for bit where no row has an adapter; the plan runs the swap-AB form;
@@ -1338,6 +1342,7 @@ def test_swapab_lora_shrink(family, max_rank, rng, monkeypatch):
     from cupymoe.plan import Path
 
     monkeypatch.setenv("CUPYMOE_DECODE_KERNEL", "swapab")  # read when the layer is built
+    monkeypatch.setenv("CUPYMOE_GATE_UP_AHEAD", ahead)
     cfg = testing.tiny_config(family)
     hw = testing.random_host_weights(cfg, rng, "bf16")
     adapters = _expert_adapters(cfg, rng)
@@ -1369,6 +1374,9 @@ def test_swapab_lora_shrink(family, max_rank, rng, monkeypatch):
         base = run(layer, x, np.full(n, -1, np.int32), "decode")
         assert np.array_equal(base.view(np.uint32), run(layers["off"], x, np.full(n, -1, np.int32),
                                                         "decode").view(np.uint32)), f"N={n}: base rows differ"
+        if n == 37:  # the atomic path's gate/up is the same launch (its down adds into acc)
+            judge(run(layer, x, ids, "atomic"), cfg, hw, x, ids, adapters, "atomic",
+                  f"{family} rank {max_rank} swap-AB atomic N={n}", layer)
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
         xd = cupy.asarray(bf16_bits(x))

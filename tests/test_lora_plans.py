@@ -326,10 +326,10 @@ def test_swapab_lora_form(max_loras, max_rank, blocks):
     assert expand.grid == (32 * (cfg.num_experts_per_tok + 1),) and expand.pdl == gemm.pdl
     kinds = [getattr(st, "kernel", "") for st in build_forward_plan(lp, H200, 32, Path.DECODE, lora=off).at(32).steps]
     assert "lora_gate_up_act" in kinds, kinds
-    auto = dataclasses.replace(shape, swapab=LoraSwapab.AUTO)  # from LORA_SWAPAB_PAIRS_A_SLOT pairs a (expert, slot)
+    auto = dataclasses.replace(shape, swapab=LoraSwapab.AUTO)  # from LORA_SWAPAB_PAIRS_A_SLOT pairs an (expert, slot)
     for n in (8, 16, 32, 64):
         kinds = [getattr(st, "kernel", "") for st in build_forward_plan(lp, H200, n, Path.DECODE, lora=auto).at(n).steps]
-        want = n * cfg.num_experts_per_tok >= HX.LORA_SWAPAB_PAIRS_A_SLOT * lp.n_local * max_loras
+        want = n * cfg.num_experts_per_tok >= HX.LORA_SWAPAB_PAIRS_A_SLOT * cfg.num_experts * max_loras
         assert ("lora_gate_up_expand_act" in kinds) == want == HX.lora_swapab_rows(lp, n, max_loras), (n, kinds)
     reg = plan_layer(cfg, "bf16", None, H200.arch, options=LayerOptions(decode_max_tokens=64),
                      knobs=dataclasses.replace(Knobs(), decode_kernel=Bf16Decode.REGISTER))
