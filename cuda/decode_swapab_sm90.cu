@@ -357,7 +357,7 @@ __device__ __forceinline__ void sa_lora_shrink(
     SaWork w;
     w.map0 = maps + SA_MAP_BYTES * SA_MAP_LORA_GATE_A;
     w.map1 = maps + SA_MAP_BYTES * SA_MAP_LORA_UP_A;
-    w.row0 = w.row1 = (a0 * S + slot) * max_rank;
+    w.row0 = (a0 * S + slot) * max_rank;  // box i at row0 + i box_stride (sa_copy_weights<NT, true>)
     w.boxes = min(per, max_loras - a0), w.box_rows = max_rank, w.box_stride = S * max_rank;
     w.K = H, w.KT = (H + SA_BK - 1) / SA_BK;
     w.tok = sh ? x : xe, w.pitch = H;

@@ -157,7 +157,7 @@ class LoraShape:
     down_split: LoraDownSplit = LoraDownSplit.COLS  # what lora_down_delta's grid y splits (CUPYMOE_LORA_DOWN_SPLIT)
     overlap: bool = True  # prefill: the router delta and the stacked GEMMs by PDL (CUPYMOE_LORA_OVERLAP; lora_overlap)
     shrink_runs: bool = True  # the chunks' gate/up shrink a run's tiles LORA_SUB rows a block (CUPYMOE_LORA_SHRINK_RUNS)
-    swapab: LoraSwapab = LoraSwapab.AUTO  # the decode's gate/up shrinks in the bf16 swap-AB gate/up (CUPYMOE_LORA_SWAPAB)
+    swapab: LoraSwapab = LoraSwapab.AUTO  # the decode's gate/up shrinks in the swap-AB gate/up (CUPYMOE_LORA_SWAPAB)
 
 
 LORA_THREADS = 256  # cuda/lora.cu
@@ -519,8 +519,7 @@ def lora_swapab(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, steps) -> boo
     slots' rank has its form (catalog.swapab_lora_rank); its shrinks then run as more blocks of that
     launch (decode_swapab_gate_up_lora) and lora_gate_up_expand_act adds the expands, instead of
     lora_gate_up_act's per-pair shrinks after it."""
-    if not (lora.experts and lora.swapab != LoraSwapab.OFF and C.swapab_lora_rank(lora.max_rank)) \
-            or lora_grouped(plan, lp, lora):
+    if not (lora.experts and lora.swapab != LoraSwapab.OFF and C.swapab_lora_rank(lora.max_rank)):
         return False
     if lora.swapab == LoraSwapab.AUTO and not HX.lora_swapab_rows(lp, plan.built_for, lora.max_loras):
         return False
@@ -690,20 +689,18 @@ def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape,
     sizes = (i32("N", rows), i32("k", k), i32("H", H), i32("I_max", lp.i_max), i32("n_local", lp.n_local),
              i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras))
     L = lambda name: u64(name, Buf(Space.LAYER, "lora_" + name))  # noqa: E731  (lora_slots.LoraSlots.ptr)
-    gate_up = Launch(Stage.GATE_UP, "lora_gate_up_act", (pairs, gate_up_slices), (LORA_THREADS,),
-                     (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X), *where,
-                      *(L(f"{p}_{m}") for p in ("gate", "up") for m in "ab"), L("scale"),
-                      u64("gu", S(LORA_GU)), u64("act", S("act")), *slice_args, *sizes,
-                      i32("act_code", Activation[cfg.hidden_act.upper()]), f32("alpha", cfg.swiglu_alpha),
-                      f32("limit", cfg.swiglu_limit)), (2 * lora.max_rank + LORA_RED) * 4)
+    activation = (i32("act_code", Activation[cfg.hidden_act.upper()]), f32("alpha", cfg.swiglu_alpha),
+                  f32("limit", cfg.swiglu_limit))
+    gu_act = (u64("gu", S(LORA_GU)), u64("act", S("act")))
     if swapab:
         gate_up = Launch(Stage.GATE_UP, "lora_gate_up_expand_act", (pairs,), (LORA_THREADS,),
-                         (u64("lora_t", S("lora_pair_t")), *where, L("gate_b"), L("up_b"), u64("gu", S(LORA_GU)),
-                          u64("act", S("act")), i32("N", rows), i32("k", k), i32("I_max", lp.i_max),
-                          i32("n_local", lp.n_local), i32("max_rank", lora.max_rank),
-                          i32("max_loras", lora.max_loras), i32("act_code", Activation[cfg.hidden_act.upper()]),
-                          f32("alpha", cfg.swiglu_alpha), f32("limit", cfg.swiglu_limit)),
-                         (2 * lora.max_rank + LORA_RED) * 4)
+                         (u64("lora_t", S("lora_pair_t")), *where, L("gate_b"), L("up_b"), *gu_act,
+                          *(a for a in sizes if a.name != "H"), *activation), (2 * lora.max_rank + LORA_RED) * 4)
+    else:
+        gate_up = Launch(Stage.GATE_UP, "lora_gate_up_act", (pairs, gate_up_slices), (LORA_THREADS,),
+                         (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X), *where,
+                          *(L(f"{p}_{m}") for p in ("gate", "up") for m in "ab"), L("scale"), *gu_act, *slice_args,
+                          *sizes, *activation), (2 * lora.max_rank + LORA_RED) * 4)
     mode = {Path.DECODE: LoraDownMode.DECODE, Path.ATOMIC: LoraDownMode.ATOMIC,
             Path.PREFILL: LoraDownMode.GROUPED}[plan.path]
     down = Launch(Stage.DOWN, "lora_down_delta", (pairs, down_slices), (LORA_THREADS,),

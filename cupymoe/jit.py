@@ -114,7 +114,8 @@ def _modules() -> dict[str, ModuleSpec]:
             "decode_swapab_fp8_sm90.cu", tuple(f"decode_swapab_fp8_{m}<{nt}>" for m in ("gate_up", "down")
                                                for nt in C.SWAPAB_FP8_TOKEN_TILES), archs=hopper),
         "repack": ModuleSpec("repack.cu", ("fp4_repack_words",)),  # the fp4 device layout, made at load
-        "lora": ModuleSpec("lora.cu", ("lora_router_delta", "lora_gate_up_act", "lora_gate_up_expand_act", "lora_down_delta",
+        "lora": ModuleSpec("lora.cu", ("lora_router_delta", "lora_gate_up_act", "lora_gate_up_expand_act",
+                                        "lora_down_delta",
                                         "lora_grouped_gate_up_act", "lora_grouped_down_delta",
                                         "lora_grouped_router_delta", "lora_stack_t_gate_up", "lora_stack_t_gate_up_runs",
                                         "lora_stack_t_down")

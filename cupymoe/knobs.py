@@ -77,7 +77,7 @@ class GateUpAhead(str, enum.Enum):
 
 
 class LoraSwapab(str, enum.Enum):
-    """Whether the decode's LoRA gate/up shrinks run as blocks of the bf16 swap-AB gate/up (forward_plan.lora_swapab)."""
+    """Whether the decode's LoRA gate/up shrinks run as blocks of the swap-AB gate/up (forward_plan.lora_swapab)."""
     AUTO = "auto"  # where the per-pair shrinks would read the adapters' A rows twice over (heuristics.lora_swapab_rows)
     ON = "on"  # wherever the swap-AB gate/up runs and the rank has the form
     OFF = "off"

@@ -184,8 +184,9 @@ def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, dec
     `lora_experts`: lora_gu, the LoRA plans' pre-activation g and u, a row 2 i_max wide;
     `lora_rank` (> 0: the layer reserved adapter slots of that rank): lora_part, the per-pair
     LoRA kernels' slice sums (forward_plan.lora_slices: fewer than 2 LORA_TICKETS items' slices,
-    2 rank rows an item at most), and with `lora_experts` lora_pair_t, the swap-AB LoRA gate/up's s t of
-    the decode's positions [Pd, 2 lora_rank] fp32; `lora_stack_ks` (> 0: the LoRA stacked form's KS, cupymoe/lora_stack.py):
+    2 rank rows an item at most), and with `lora_experts` lora_pair_t, the swap-AB LoRA gate/up's s t
+    of the decode's positions [Pd, 2 lora_rank] fp32; `lora_stack_ks` (> 0: the LoRA stacked form's KS,
+    cupymoe/lora_stack.py):
     its shrinks' T of gate/up [P, 2 KS] and of down [P, KS], bf16 (the TMA GEMMs' extra A);
     `lora_router_t` (rows, columns): the router GEMM's LoRA t, a copy a K split, fp32 (topk_route_lora)."""
     T, k, H, R = max_tokens, cfg.num_experts_per_tok, cfg.hidden_size, cfg.router_width
@@ -231,7 +232,7 @@ def layer_scratch(cfg: MoeConfig, max_tokens: int, n_local: int, i_max: int, dec
         buffers.append(BufferSpec("lora_gu", P * 2 * i_max * 2, "gate_up", "gate_up"))
     if lora_rank:  # written and read inside one LoRA launch: route (the router's delta) to down
         buffers.append(BufferSpec("lora_part", lora_part_floats(lora_rank) * 4, "route", "down"))
-    if lora_experts and lora_rank:  # the swap-AB LoRA gate/up's s t of the decode's positions (forward_plan.lora_swapab)
+    if lora_experts and lora_rank:  # the swap-AB LoRA gate/up's s t of decode positions (forward_plan.lora_swapab)
         buffers.append(BufferSpec("lora_pair_t", Pd * 2 * lora_rank * 4, "gate_up", "gate_up"))
     if lora_stack_ks:  # written just before the GEMM that reads it; last, as lora_gu
         buffers.append(BufferSpec("lora_t_gu", P * 2 * lora_stack_ks * 2, "gate_up", "gate_up"))
