@@ -524,7 +524,7 @@ def lora_swapab(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape, steps) -> boo
     if lora.swapab == LoraSwapab.AUTO and not HX.lora_swapab_rows(lp, plan.built_for, lora.max_loras):
         return False
     gemms = [s for s in steps if _is_gemm(s, Stage.GATE_UP)]
-    return len(gemms) == 1 and gemms[0].kernel.startswith(SWAPAB_GATE_UP) and isinstance(gemms[0].grid[0], int)
+    return len(gemms) == 1 and gemms[0].kernel.startswith(SWAPAB_GATE_UP)
 
 
 def _swapab_lora(gemm: Launch, lp: LayerPlan, lora: LoraShape) -> Launch:
