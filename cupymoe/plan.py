@@ -464,7 +464,9 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
     tuned = (tuned_buckets(cfg, routed, n_local, fp8 == Fp8Compute.W8A8, knobs, options.row_invariant, table)
              if measured_here else ())
     if swapab_ok and knobs.decode_kernel == Bf16Decode.SWAPAB:  # the table's paths were measured without it
-        tuned = tuple((b, replace(c, path=None) if b <= C.SWAPAB_MAX_ROWS else c) for b, c in tuned)
+        # (with the prefill GEMM variants a bucket's path brought: they need path='prefill')
+        tuned = tuple((b, replace(c, path=None, sm90_gate_up=None, sm90_down=None) if b <= C.SWAPAB_MAX_ROWS else c)
+                      for b, c in tuned)
     dmax, amax = _path_caps(tuned, options, auto_dmax)
     sm90 = _sm90_plan(cfg, formats, arch, options.row_invariant, knobs)
     hopper = arch == "sm_90a" and not options.row_invariant

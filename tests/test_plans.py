@@ -342,3 +342,20 @@ def test_every_tiled_launch_s_grid_stays_within_its_tile_list(family, fmt, dev):
             assert launch.grid[1] * 16 <= placements[buf.name].nbytes, (n, launch.kernel, launch.grid)
             seen += 1
     assert seen >= 2  # gate/up and down at least at the prefill row counts
+
+
+def test_forced_swapab_decode_builds_where_the_table_names_prefill_variants():
+    """CUPYMOE_DECODE_KERNEL=swapab leaves the table's paths to the rule up to SWAPAB_MAX_ROWS rows; a
+    bucket there that chose a prefill GEMM variant (mixtral-8x7b bf16: tma_wide) loses it with its path,
+    where it raised a ValueError building the layer."""
+    from cupymoe import catalog as C
+
+    cfg = bench.preset_config("mixtral-8x7b")
+    plain = plan_layer(cfg, "bf16", None, "sm_90a", knobs=Knobs())
+    assert any(c.sm90_gate_up and b <= C.SWAPAB_MAX_ROWS for b, c in plain.tuned)  # the case this covers
+    lp = plan_layer(cfg, "bf16", None, "sm_90a", knobs=Knobs.from_env({"CUPYMOE_DECODE_KERNEL": "swapab"}))
+    for b, c in lp.tuned:
+        if b <= C.SWAPAB_MAX_ROWS:
+            assert c.path is None and c.sm90_gate_up is None and c.sm90_down is None, (b, c)
+    assert {b: c for b, c in lp.tuned if b > C.SWAPAB_MAX_ROWS} == {b: c for b, c in plain.tuned
+                                                                     if b > C.SWAPAB_MAX_ROWS}
