@@ -297,6 +297,9 @@ def test_wgmma_gate_up_by_slot_where_little_is_copied_for_nothing():
                                for s in ("2, 3, 3, 128", "4, 2, 2, 128", "2, 4, 2, 128", "4, 3, 1, 128", "4, 2, 3, 64",
                                          "4, 3, 3, 64", "4, 4, 2, 64")], True),
     ("n1_stream_floor_probe", [], True),
+    # the promotion schedules' probe: every (schedule, warpgroups, partner) it runs
+    ("wgmma_promote_probe", [f"wgmma_promote_probe<{s}, {w}, {p}>" for s in range(3)
+                             for w, p in ((1, "false"), (2, "false"), (2, "true"))], True),
     # v30's probe: its probe4 kernel spills 156 bytes here and as its script compiles it (sm_90, C++17)
     ("stream_pattern_probe", [], False),
 ])
