@@ -8,8 +8,8 @@ from .config import MoeConfig
 from .errors import (ActivationNotKeptError, ArenaError, BufferTooSmallError, CheckpointError, CheckpointFileError,
                      ConfigError, CudaUnavailableError, DenseLayerError, Error, GuardError, KernelBuildError,
                      LaunchError, LoraError, MissingConfigKeyError, MissingTensorError, MoeCallError, OptionError,
-                     PathUnavailableError, TmaError, UnsupportedFormatError, UnsupportedModelError, WeightError,
-                     WorkspaceError)
+                     PathUnavailableError, TmaError, UnsupportedFormatError, UnsupportedModelError, VerifyError,
+                     WeightError, WorkspaceError)
 from .host_weights import HostWeights
 
 __version__ = "0.1.0"
@@ -20,6 +20,7 @@ __all__ = [
     "MissingTensorError", "CheckpointFileError", "WeightError", "UnsupportedFormatError", "CudaUnavailableError",
     "KernelBuildError", "LaunchError", "TmaError", "WorkspaceError", "ArenaError", "BufferTooSmallError", "GuardError",
     "MoeCallError", "PathUnavailableError", "LoraError", "ActivationNotKeptError", "MissingConfigKeyError",
+    "VerifyError",
 ]
 
 
@@ -34,4 +35,12 @@ def __getattr__(name):
         from .workspace import Workspace
 
         return Workspace
+    if name in _SUBMODULES:  # cupymoe.reference.moe_forward(...) after a plain `import cupymoe`
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'cupymoe' has no attribute {name!r}")
+
+
+# the host-side modules the public calls live in (docs/DESIGN.md section 5), imported on first use
+_SUBMODULES = ("checkpoint", "lora", "reference", "formats", "verify", "testing", "integrations")

@@ -1,4 +1,4 @@
-"""python -m cupymoe: kernels (build check, no GPU), info, verify (GPU), bench (GPU).
+"""python -m cupymoe: kernels (build check, no GPU), info, knobs, inspect, verify (GPU), bench (GPU), tune (GPU).
 
     python -m cupymoe kernels --arch sm_90a   compile cuda/ through NVRTC, print resources
     python -m cupymoe info                    versions, device, the arch we compile for
@@ -6,7 +6,7 @@
     python -m cupymoe inspect DIR             a checkpoint's MoE layers as cupymoe reads them
     python -m cupymoe inspect DIR --lora A    ... and a PEFT adapter's share of the layer
     python -m cupymoe verify                  every family and format on the GPU against the reference
-    python -m cupymoe bench --help            decode timings against the floor
+    python -m cupymoe bench --help            per-cell timings (graph replays) against the floor
     python -m cupymoe tune --help             the dispatch choices timed per shape and N (GPU)
 """
 

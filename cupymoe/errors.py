@@ -104,6 +104,10 @@ class GuardError(Error, RuntimeError):
     """Guard mode (CUPYMOE_GUARD=1): a kernel wrote into a red zone of the workspace; names the buffer before it."""
 
 
+class VerifyError(Error, RuntimeError):
+    """cupymoe.verify could not set a check up (e.g. no input rows drawn clear of the routing margin)."""
+
+
 # --- calls ----------------------------------------------------------------------------
 
 class MoeCallError(Error, ValueError):

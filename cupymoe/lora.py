@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,11 @@ def _check_key(cfg: MoeConfig, key: LoraKey, name: str) -> None:
 def _check_module(m: LoraModule, inn: int, out: int, max_rank: Optional[int]) -> None:
     """Shapes [r, in] / [out, r], the rank against `max_rank`, finite values and scale."""
     a, b = m.a, m.b
+    for part, t in (("lora_A", a), ("lora_B", b)):
+        real = isinstance(t, np.ndarray) and (t.dtype.kind == "f" or t.dtype.name == "bfloat16")
+        if not real:  # complex or integer weights are no adapter's
+            raise LoraError(f"{m.name}.{part}.weight: dtype {getattr(t, 'dtype', type(t).__name__)}: "
+                            "must be a real floating-point array")
     if a.ndim != 2 or a.shape[1] != inn or a.shape[0] < 1:
         raise LoraError(f"{m.name}.lora_A.weight: expected shape [r, {inn}], found {list(a.shape)}")
     if b.ndim != 2 or b.shape != (out, a.shape[0]):
@@ -194,6 +200,9 @@ class _PeftConfig:
 _REFUSED = (("use_dora", True, "DoRA (magnitude vectors) is not served"),
             ("fan_in_fan_out", True, "fan_in_fan_out (Conv1D-transposed weights) is not served"),
             ("lora_bias", True, "a bias on lora_B is not served"))
+# (key, why): keys whose any non-empty value changes where or how the delta applies
+_REFUSED_PRESENT = (("alora_invocation_tokens", "activated LoRA (a delta only after the invocation tokens) is not served"),
+                    ("layer_replication", "replicated layers (a layer's adapter reused elsewhere) are not served"))
 
 
 def _number(v: Any, key: str, what: type) -> Any:
@@ -208,8 +217,14 @@ def _peft_config(raw: Mapping[str, Any]) -> _PeftConfig:
     if raw.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"{ADAPTER_CONFIG}: peft_type={raw['peft_type']!r}: only LORA adapters are served")
     for key, bad, why in _REFUSED:
-        if raw.get(key) == bad:
+        v = raw.get(key, False)
+        if not isinstance(v, bool) and v is not None:  # "true" would pass an equality test and be served wrong
+            raise LoraError(f"{ADAPTER_CONFIG}: {key}={v!r} must be true or false")
+        if v == bad:
             raise LoraError(f"{ADAPTER_CONFIG}: {key}={bad!r}: {why}")
+    for key, why in _REFUSED_PRESENT:
+        if raw.get(key):
+            raise LoraError(f"{ADAPTER_CONFIG}: {key}={raw[key]!r}: {why}")
     if raw.get("bias", "none") != "none":
         raise LoraError(f"{ADAPTER_CONFIG}: bias={raw['bias']!r}: only 'none' is served (no trained biases)")
     if not isinstance(raw.get("use_rslora", False), bool):
@@ -301,6 +316,8 @@ def load_peft(adapter_dir: Union[str, Path], layer_idx: int, cfg: MoeConfig, *,
     """Layer `layer_idx`'s modules of a PEFT LoRA adapter directory (adapter_config.json and
     adapter_model.safetensors); tensors of other layers and of non-MoE modules are ignored,
     unknown names under this layer's MLP prefix refused. `max_rank` refuses larger ranks."""
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral) or layer_idx < 0:
+        raise LoraError(f"load_peft: layer_idx={layer_idx!r} must be a non-negative whole number (the decoder layer)")
     root = Path(adapter_dir)
     pc = _peft_config(raw_peft_config(root))
     weights = _weights_file(root)

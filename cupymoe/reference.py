@@ -45,7 +45,7 @@ import numpy as np
 
 from . import formats
 from .config import MoeConfig
-from .errors import LoraError
+from .errors import ConfigError, LoraError, MoeCallError, OptionError
 from .host_weights import HostWeights
 
 __all__ = ["Routing", "moe_forward", "experts_forward", "given_routing", "route", "expert_input", "activation",
@@ -85,9 +85,9 @@ def _as_input(cfg: MoeConfig, x: Any, dtype) -> np.ndarray:
     """[N, H] input (bf16 or any float array) -> `dtype`; bf16 converts exactly."""
     a = np.asarray(x)
     if a.ndim != 2 or a.shape[1] != cfg.hidden_size:
-        raise ValueError(f"x: expected shape [N, {cfg.hidden_size}], found {a.shape}")
+        raise MoeCallError(f"x: expected shape [N, {cfg.hidden_size}], found {a.shape}")
     if a.dtype.kind != "f" and a.dtype != formats.BF16:  # integers would be values here, not bf16 bits (uint16 views)
-        raise ValueError(f"x: dtype {a.dtype} is not a float (bf16 bits travel as uint16 on the device only: "
+        raise MoeCallError(f"x: dtype {a.dtype} is not a float (bf16 bits travel as uint16 on the device only: "
                          "give the bf16 values)")
     return a.astype(dtype)
 
@@ -145,7 +145,7 @@ def scores(cfg: MoeConfig, logits: np.ndarray) -> np.ndarray:
         return _sigmoid(logits)
     if cfg.scoring_func == "sqrtsoftplus":
         return np.sqrt(np.logaddexp(0.0, logits))  # logaddexp(0, l) = softplus(l), overflow-free
-    raise ValueError(f"scoring_func={cfg.scoring_func!r} is not defined")
+    raise ConfigError(f"scoring_func={cfg.scoring_func!r} is not defined")
 
 
 def _topk(c: np.ndarray, k: int) -> np.ndarray:
@@ -193,15 +193,15 @@ def _select_grouped(cfg: MoeConfig, c: np.ndarray) -> tuple[np.ndarray, np.ndarr
 def _hash_ids(cfg: MoeConfig, host_weights: HostWeights, token_ids: Any, n: int) -> np.ndarray:
     """Static routing (DeepSeek-V4 hash layers): ids = tid2eid[token_id]."""
     if token_ids is None:
-        raise ValueError("hash routing (cfg.hash_routing=True) needs token_ids: pass the [N] token ids "
+        raise MoeCallError("hash routing (cfg.hash_routing=True) needs token_ids: pass the [N] token ids "
                          "of the rows, the static tid2eid table is indexed by them")
     t = np.asarray(token_ids)
     if t.shape != (n,) or not np.issubdtype(t.dtype, np.integer):
-        raise ValueError(f"token_ids: expected [{n}] integers (one per row of x), found shape {t.shape} "
+        raise MoeCallError(f"token_ids: expected [{n}] integers (one per row of x), found shape {t.shape} "
                          f"dtype {t.dtype}")
     V = cfg.hash_vocab_size
     if n and (t.min() < 0 or t.max() >= V):
-        raise ValueError(f"token_ids must lie in 0..{V - 1} (tid2eid rows, cfg.hash_vocab_size), "
+        raise MoeCallError(f"token_ids must lie in 0..{V - 1} (tid2eid rows, cfg.hash_vocab_size), "
                          f"found {int(t.min())}..{int(t.max())}")
     return np.asarray(host_weights.tid2eid)[t].astype(np.int64)
 
@@ -262,10 +262,10 @@ def given_routing(cfg: MoeConfig, topk_ids: Any, topk_weights: Any) -> Routing:
     ids, w = np.asarray(topk_ids), np.asarray(topk_weights)
     k, R = cfg.num_experts_per_tok, cfg.router_width
     if ids.ndim != 2 or ids.shape[1] != k or not np.issubdtype(ids.dtype, np.integer) or w.shape != ids.shape:
-        raise ValueError(f"given routing: expected integer ids [N, {k}] and weights of their shape, found ids "
+        raise MoeCallError(f"given routing: expected integer ids [N, {k}] and weights of their shape, found ids "
                          f"{ids.shape} {ids.dtype}, weights {w.shape} {w.dtype}")
     if ids.size and (ids.min() < -1 or ids.max() >= R):  # -1: a pair that adds nothing (a flagged id's fate)
-        raise ValueError(f"given routing: ids must lie in 0..{R - 1} (or -1: no expert), found "
+        raise MoeCallError(f"given routing: ids must lie in 0..{R - 1} (or -1: no expert), found "
                          f"{int(ids.min())}..{int(ids.max())}")
     n = ids.shape[0]
     return Routing(logits=np.zeros((n, 0)), ids=ids.astype(np.int64), weights=w.astype(np.float32).astype(np.float64),
@@ -303,7 +303,7 @@ def activation(cfg: MoeConfig, g: np.ndarray, u: np.ndarray) -> np.ndarray:
         g = np.minimum(g, lim)
         u = np.clip(u, -lim, lim)
         return g * _sigmoid(cfg.swiglu_alpha * g) * (u + 1.0)
-    raise ValueError(f"hidden_act={act!r} is not defined")
+    raise ConfigError(f"hidden_act={act!r} is not defined")
 
 
 # Kernel-faithful rounding (moe_forward's `rounding`): which intermediates the GPU paths
@@ -602,14 +602,14 @@ def without_shared_expert(cfg: MoeConfig, hw: HostWeights) -> tuple[MoeConfig, H
 def _checked_options(absolute: Union[bool, str], rounding: Optional[str], activations: str, dtype) -> np.dtype:
     """Refuse moe_forward's options it has no meaning for; the computing dtype."""
     if absolute not in (False, True, "down"):
-        raise ValueError(f"absolute={absolute!r}: must be False, True or 'down'")
+        raise OptionError(f"absolute={absolute!r}: must be False, True or 'down'")
     if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding={rounding!r}: must be one of {ROUNDINGS}")
+        raise OptionError(f"rounding={rounding!r}: must be one of {ROUNDINGS}")
     if activations not in ACTIVATIONS:
-        raise ValueError(f"activations={activations!r}: must be one of {ACTIVATIONS}")
+        raise OptionError(f"activations={activations!r}: must be one of {ACTIVATIONS}")
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
-        raise ValueError(f"dtype={dtype}: the reference computes in float32 or float64")
+        raise OptionError(f"dtype={dtype}: the reference computes in float32 or float64")
     return dtype
 
 
@@ -632,7 +632,7 @@ def _layer_output(cfg: MoeConfig, hw: HostWeights, xf: np.ndarray, token_ids: An
     if routing is None:
         routing = _route(cfg, hw, xf, token_ids, lora)  # the router reads x, not the normed copy
     elif routing.ids.shape[0] != xf.shape[0]:
-        raise ValueError(f"given routing has {routing.ids.shape[0]} rows, x {xf.shape[0]}")
+        raise MoeCallError(f"given routing has {routing.ids.shape[0]} rows, x {xf.shape[0]}")
     xe = expert_input(cfg, hw, xf, dtype=dtype)
     if rounding and cfg.pre_expert_norm:
         xe = _bf16(xe)

@@ -1,4 +1,4 @@
-"""cupymoe in torch: `torch.ops.cupymoe.moe_forward` and an nn.Module around a MoeLayer.
+"""cupymoe in torch: `torch.ops.cupymoe.moe_forward` / `moe_experts` and an nn.Module around a MoeLayer.
 
     import cupymoe.torch
     module = cupymoe.torch.MoeModule(layer)            # or MoeModule.from_pretrained(dir, i, max_tokens=...)
@@ -7,7 +7,7 @@
     y = module.experts(x2d, topk_ids, topk_weights)   # a server's own routing (MoeLayer.forward_experts)
     y = torch.ops.cupymoe.moe_experts(x2d, module.layer_id, topk_ids, topk_weights, None)
 
-Importing this module registers the op (with a fake implementation, so torch.compile(fullgraph=True)
+Importing this module registers the ops (each with a fake implementation, so torch.compile(fullgraph=True)
 traces through it as one opaque node) and needs torch; the rest of cupymoe does not. The op runs on
 torch's current stream and allocates its output through torch's allocator, so it works inside
 torch.cuda.graph capture too.
@@ -47,6 +47,7 @@ def moe_forward(x: torch.Tensor, layer_id: int, token_ids: Optional[torch.Tensor
     """bf16 [N, H] -> bf16 [N, H]: the MoE layer registered under `layer_id`, on torch's current stream;
     `lora_ids` [N] int32: each row's adapter slot (-1 = base; the layer's set_lora fills the slots)."""
     layer = _layer(layer_id)
+    _on_gpu("x", x)
     out = torch.empty_like(x)
     layer(x, out=out, token_ids=token_ids, lora_ids=lora_ids, stream=torch.cuda.current_stream(x.device).cuda_stream)
     return out
@@ -66,6 +67,7 @@ def moe_experts(x: torch.Tensor, layer_id: int, topk_ids: torch.Tensor, topk_wei
     adds the shared expert where the layer has one; `lora_ids` [N] int32: each row's adapter slot, the
     experts' deltas added (MoeLayer.forward_experts)."""
     layer = _layer(layer_id)
+    _on_gpu("x", x)
     out = torch.empty_like(x)
     layer.run_experts(x, topk_ids, topk_weights, out=out, stream=torch.cuda.current_stream(x.device).cuda_stream,
                       shared_expert=shared_expert, lora_ids=lora_ids)
@@ -78,13 +80,35 @@ def _moe_experts_fake(x: torch.Tensor, layer_id: int, topk_ids: torch.Tensor, to
     return torch.empty_like(x)
 
 
+_INT32_MAX = 2**31 - 1
+# integer dtypes whose every value an int32 holds (int64 is narrowed by _as_int32)
+_NARROW_EXACT = (torch.int8, torch.uint8, torch.int16, torch.int32)
+
+
+def _as_int32(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Integer ids as int32 (int32 ones as they are), an int64 value outside int32 as INT32_MAX: every
+    kernel that reads ids flags that one as out of range, where a plain cast would wrap it into a valid
+    id. On the device, no host sync (capturable). A MoeCallError naming `name` unless integer."""
+    if t.dtype == torch.int32:
+        return t
+    if t.dtype == torch.int64:
+        return torch.where((t < -_INT32_MAX - 1) | (t > _INT32_MAX), _INT32_MAX, t).to(torch.int32)
+    if t.dtype in _NARROW_EXACT:
+        return t.to(torch.int32)
+    raise MoeCallError(f"{name}: an integer tensor is required (int8-int64, uint8), got {t.dtype}")
+
+
 def _int32_rows(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Ids one a row as contiguous int32 (int32 ones as they are); a MoeCallError naming `name` unless integer."""
+    """Ids one a row as contiguous int32 (_as_int32)."""
     if t is None:
         return None
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise MoeCallError(f"{name}: an integer tensor is required, got {t.dtype}")
-    return t.to(torch.int32).reshape(-1).contiguous()
+    return _as_int32(name, t).reshape(-1).contiguous()
+
+
+def _on_gpu(name: str, t: torch.Tensor) -> None:
+    """A MoeCallError naming `name` for a tensor in host memory (the layer reads device pointers)."""
+    if not t.is_cuda:
+        raise MoeCallError(f"{name}: a CUDA tensor is required, got one on {t.device}")
 
 
 class MoeModule(torch.nn.Module):
@@ -123,13 +147,19 @@ class MoeModule(torch.nn.Module):
         """The experts alone on the caller's routing (vLLM's fused_experts): x [N, H] bf16, topk_ids
         [N, k] (any integer dtype: int32 is passed as it is), topk_weights [N, k] (float32 as it is),
         lora_ids [N] (each row's adapter slot, any integer dtype) or None."""
-        if topk_ids.dtype != torch.int32:
-            topk_ids = topk_ids.to(torch.int32)
+        topk_ids = _as_int32("topk_ids", topk_ids)
+        if not topk_weights.is_floating_point():  # (x, weights, ids) swapped would pass every shape check
+            raise MoeCallError(f"topk_weights: a floating-point tensor is required, got {topk_weights.dtype}")
         if topk_weights.dtype != torch.float32:
             topk_weights = topk_weights.float()
         ids = _int32_rows("lora_ids", lora_ids)
         return torch.ops.cupymoe.moe_experts(x.contiguous(), self.layer_id, topk_ids.contiguous(),
                                              topk_weights.contiguous(), shared_expert, ids)
+
+    def check_errors(self) -> None:
+        """Raise what the layer's kernels flagged (a LoRA slot, token or expert id out of range: those rows
+        got the base layer or no expert); synchronises the device, so call it outside capture."""
+        self.layer.check_errors()
 
     def extra_repr(self) -> str:
         cfg = self.layer.cfg

@@ -95,7 +95,7 @@ import numpy as np
 
 from . import formats, reference, testing
 from .config import MoeConfig
-from .errors import ActivationNotKeptError
+from .errors import ActivationNotKeptError, VerifyError
 from .formats import BF16
 from .host_weights import HostWeights
 
@@ -593,7 +593,7 @@ def well_separated_input(cfg: MoeConfig, hw: HostWeights, rng: np.random.Generat
         if close.size == 0:
             return x
         x[close] = testing.random_input(rng, close.size, cfg.hidden_size)
-    raise RuntimeError(f"could not draw {n} rows with routing margin >= {ROUTING_MARGIN}")
+    raise VerifyError(f"could not draw {n} rows with routing margin >= {ROUTING_MARGIN}")
 
 
 def bf16_ulp(v: np.ndarray) -> np.ndarray:

@@ -30,3 +30,17 @@ def test_a_layer_without_a_gpu_is_refused_by_name():
     hw = testing.random_host_weights(cfg, np.random.default_rng(0))
     with pytest.raises(cupymoe.CudaUnavailableError):
         cupymoe.MoeLayer(cfg, hw, max_tokens=4)
+
+
+def test_the_reference_refuses_by_name_and_the_submodules_follow_a_plain_import():
+    """docs/DESIGN.md section 5 calls cupymoe.reference.moe_forward after `import cupymoe`; its refusals
+    are the package's own (MoeCallError for the input, OptionError for an option), still ValueErrors."""
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, np.random.default_rng(0))
+    x = np.zeros((2, cfg.hidden_size + 1), np.float32)
+    with pytest.raises(cupymoe.MoeCallError, match=rf"x: expected shape \[N, {cfg.hidden_size}\]"):
+        cupymoe.reference.moe_forward(cfg, hw, x)
+    assert issubclass(cupymoe.MoeCallError, ValueError)
+    for name in ("checkpoint", "lora", "reference", "formats", "verify", "testing", "integrations"):
+        assert getattr(cupymoe, name).__name__ == f"cupymoe.{name}"
+    assert cupymoe.integrations.transformers.replace_moe_blocks

@@ -451,6 +451,13 @@ def test_router_slots_refuse_expert_adapters(rng):
             layer.set_lora(0, experts)
         assert 0 not in layer._lora.loaded
         layer.set_lora(0, random_lora(cfg, rng, rank=2, targets=[LoraTarget.ROUTER]))
+        # the experts-only entry leaves the router's delta to the caller: these slots would add nothing
+        import cupy as cp
+        n, k = 3, cfg.num_experts_per_tok
+        x, ids = cp.zeros((n, cfg.hidden_size), cp.uint16), cp.zeros((n, k), cp.int32)
+        w, out, lids = cp.ones((n, k), cp.float32), cp.zeros((n, cfg.hidden_size), cp.uint16), cp.zeros(n, cp.int32)
+        with pytest.raises(LoraError, match=r"lora_experts=False\), and the experts-only entry adds expert deltas"):
+            layer.forward_experts(x.data.ptr, n, ids.data.ptr, w.data.ptr, out.data.ptr, 0, lora_ids_ptr=lids.data.ptr)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])

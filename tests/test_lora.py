@@ -102,6 +102,11 @@ def _refused(tmp_path, cfg, lw, config=None, extra=None, match=""):
     ("peft_type", "IA3", "peft_type='IA3'"),
     ("r", 0, "r=0 must be a positive integer"),
     ("lora_alpha", "x", "lora_alpha='x' must be a number"),
+    # a string passes an equality test with True: served as plain LoRA it would be wrong
+    ("use_dora", "true", "use_dora='true' must be true or false"),
+    ("fan_in_fan_out", "yes", "fan_in_fan_out='yes' must be true or false"),
+    ("alora_invocation_tokens", [1, 2, 3], r"alora_invocation_tokens=\[1, 2, 3\]: activated LoRA"),
+    ("layer_replication", [[0, 4]], r"layer_replication=\[\[0, 4\]\]: replicated layers"),
     ("use_rslora", "yes", "use_rslora='yes'"),
     ("rank_pattern", {"mlp.gate": 2.5}, r"rank_pattern\['mlp.gate'\]=2.5"),
     ("target_parameters", "experts.gate_up_proj", r"target_parameters='experts.gate_up_proj' must be a list"),
@@ -248,3 +253,25 @@ def test_patterns_scales_factors_and_options_refused_by_name(tmp_path):
     _refused(tmp_path, cfg, lw, {"r": 2, "lora_alpha": 4e39}, match=r"scale 2e\+39 is not a finite float32")
     with pytest.raises(LoraError, match="max_rank='3': must be a whole number"):
         load_peft(write_peft(tmp_path / "ok", lw, {"r": 2, "lora_alpha": 2}), LAYER, cfg, max_rank="3")
+
+
+@pytest.mark.parametrize("layer_idx", [-1, True, 0.9, "3"])
+def test_a_layer_index_that_is_no_layer_is_refused(tmp_path, layer_idx):
+    """-1 and True would read another layer's modules or none at all, 0.9 layer 0's under another name."""
+    cfg = _cfg()
+    lw = random_lora(cfg, np.random.default_rng(5), rank=2, layer_idx=LAYER, targets=["router"])
+    d = write_peft(tmp_path / "a", lw, {"r": 2, "lora_alpha": 2})
+    with pytest.raises(LoraError, match=rf"load_peft: layer_idx={layer_idx!r} must be a non-negative whole number"):
+        load_peft(d, layer_idx, cfg)
+
+
+def test_adapter_weights_that_are_not_real_floats_are_refused():
+    """A complex lora_A would lose its imaginary part in the slot's copy; integers are no trained adapter."""
+    from cupymoe.lora import LoraKey, LoraModule, LoraTarget, LoraWeights
+
+    cfg = _cfg()
+    a, b = np.zeros((2, cfg.hidden_size), np.complex64), np.zeros((cfg.num_experts, 2), np.float32)
+    for bad, other in ((a, b), (a.real.astype(np.int32), b)):
+        lw = LoraWeights({LoraKey(LoraTarget.ROUTER): LoraModule("mlp.gate", bad, other, 1.0)})
+        with pytest.raises(LoraError, match=rf"mlp.gate.lora_A.weight: dtype {bad.dtype}: must be a real floating"):
+            lw.check(cfg)

@@ -70,7 +70,75 @@ def test_the_module_refuses_ids_that_are_not_integers():
 
     module = MoeModule(SimpleNamespace(cfg=SimpleNamespace(hidden_size=8)))
     x = torch.zeros(3, 8, dtype=torch.bfloat16)
-    with pytest.raises(MoeCallError, match="token_ids: an integer tensor is required, got torch.float32"):
+    with pytest.raises(MoeCallError, match=r"token_ids: an integer tensor is required \(int8-int64, uint8\), "
+                                           r"got torch.float32"):
         module(x, torch.zeros(3))
-    with pytest.raises(MoeCallError, match="lora_ids: an integer tensor is required, got torch.bool"):
+    with pytest.raises(MoeCallError, match=r"lora_ids: an integer tensor is required .*, got torch.bool"):
         module(x, None, torch.zeros(3, dtype=torch.bool))
+
+
+def test_int64_ids_outside_int32_reach_the_kernels_as_out_of_range():
+    """A plain cast would wrap 2^32 into slot 0 (a valid adapter) and 2^32 + 3 into expert 3: every id
+    outside int32 goes on as INT32_MAX, which the kernels flag, and the rest unchanged (no host sync)."""
+    from cupymoe.torch import _int32_rows
+
+    t = torch.tensor([0, -1, 2**32, 2**32 + 3, -(2**31) - 5, 7, 2**31 - 1, -(2**31)], dtype=torch.int64)
+    out = _int32_rows("lora_ids", t)
+    assert out.dtype == torch.int32
+    assert out.tolist() == [0, -1, 2**31 - 1, 2**31 - 1, 2**31 - 1, 7, 2**31 - 1, -(2**31)]
+    assert _int32_rows("ids", torch.tensor([-3, 5], dtype=torch.int16)).tolist() == [-3, 5]
+
+
+def test_the_experts_entry_refuses_ids_and_weights_of_the_wrong_kind(monkeypatch):
+    """(x, topk_weights, topk_ids) swapped passes every shape check: float ids and integer weights are
+    refused by name before the op, where a cast would have run wrong routing."""
+    from types import SimpleNamespace
+
+    from cupymoe.errors import MoeCallError
+    from cupymoe.torch import MoeModule
+
+    seen = {}
+
+    def fake_op(x, layer_id, topk_ids, topk_weights, shared_expert, lora_ids):
+        seen.update(ids=topk_ids, w=topk_weights)
+        return x
+
+    monkeypatch.setattr(torch.ops.cupymoe, "moe_experts", fake_op)
+    module = MoeModule(SimpleNamespace(cfg=SimpleNamespace(hidden_size=8)))
+    x = torch.zeros(3, 8, dtype=torch.bfloat16)
+    ids, w = torch.tensor([[0, 1]] * 3, dtype=torch.int64), torch.full((3, 2), 0.5, dtype=torch.bfloat16)
+    with pytest.raises(MoeCallError, match="topk_ids: an integer tensor is required .*, got torch.bfloat16"):
+        module.experts(x, w, ids)
+    with pytest.raises(MoeCallError, match="topk_weights: a floating-point tensor is required, got torch.int64"):
+        module.experts(x, ids, ids)
+    module.experts(x, torch.tensor([[0, 2**32 + 1]] * 3), w)
+    assert seen["ids"].dtype == torch.int32 and seen["ids"].tolist() == [[0, 2**31 - 1]] * 3
+    assert seen["w"].dtype == torch.float32
+
+
+def test_the_ops_refuse_host_tensors():
+    """x in host memory: the op's named refusal, not torch's error about the stream of a CPU device."""
+    import cupymoe.torch as ct
+    from types import SimpleNamespace
+
+    from cupymoe.errors import MoeCallError
+
+    layer_id = ct.register(SimpleNamespace())
+    with pytest.raises(MoeCallError, match="x: a CUDA tensor is required, got one on cpu"):
+        torch.ops.cupymoe.moe_forward(torch.zeros(2, 8, dtype=torch.bfloat16), layer_id)
+
+
+def test_replaced_blocks_take_row_ids_only_in_the_rows_order():
+    """[batch, seq] ids or flat ones fit hidden_states [batch, seq, H]; a [seq, batch] tensor of as many ids
+    would cross sequences' slots and is refused naming both shapes."""
+    from cupymoe.errors import MoeCallError
+    from cupymoe.integrations.transformers import _row_ids
+
+    shape = (2, 3, 8)
+    flat = torch.arange(6)
+    assert _row_ids(flat, shape).tolist() == list(range(6))
+    assert _row_ids(flat.reshape(2, 3), shape).tolist() == list(range(6))
+    assert _row_ids(torch.tensor([4, 7]), shape).tolist() == [4, 4, 4, 7, 7, 7]
+    with pytest.raises(MoeCallError, match=r"lora_ids of shape \(3, 2\) fit neither the 6 rows of hidden_states "
+                                           r"\(2, 3, 8\)"):
+        _row_ids(flat.reshape(3, 2), shape)

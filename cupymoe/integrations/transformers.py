@@ -21,7 +21,7 @@ from ..config import SUPPORTED_MODEL_TYPES
 from ..errors import CheckpointError, UnsupportedModelError
 
 __all__ = ["MoeBlockRef", "BlockOutput", "BLOCK_OUTPUT", "moe_blocks", "block_tensors", "replace_moe_blocks",
-           "replaced_blocks", "load_lora", "clear_lora", "set_lora_ids"]
+           "replaced_blocks", "load_lora", "clear_lora", "set_lora_ids", "check_errors"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,9 @@ def replace_moe_blocks(model: Any, *, max_tokens: int, **options: Any) -> int:
             layer = build(None)
         shared.setdefault(device, layer.workspace)
         layers.append(layer)
+    if given is not None and given.device_id not in {layer.device_id for layer in layers}:
+        raise WorkspaceError(f"the workspace passed to replace_moe_blocks is on device {given.device_id}, the "
+                             f"model's MoE blocks on {sorted({layer.device_id for layer in layers})}: it would serve none")
     layers = _one_workspace(layers, Workspace)
     for ref, layer in zip(refs, layers):
         parent, _, name = ref.path.rpartition(".")
@@ -252,6 +255,22 @@ def set_lora_ids(model: Any, ids: Any) -> int:
     return len(blocks)
 
 
+def check_errors(model: Any) -> int:
+    """Raise what a replaced block's kernels flagged (a LoRA slot, token or expert id out of range: its
+    rows got the base layer or no expert), one MoeCallError naming the block; synchronises the blocks'
+    devices, so call it outside capture (after a batch, in tests, at a debugging point). Returns how
+    many blocks were checked."""
+    from ..errors import MoeCallError
+
+    blocks = _blocks_or_refuse(model, "check_errors")
+    for path, block in blocks:
+        try:
+            block.layer.check_errors()
+        except MoeCallError as e:
+            raise MoeCallError(f"{path}: {e}") from None
+    return len(blocks)
+
+
 def _row_ids(ids: Any, shape: tuple) -> Any:
     """`ids` as one a row of hidden_states `shape` ([batch, seq, H] or [rows, H]): [batch] ids expanded
     over each sequence's rows; a MoeCallError naming both shapes where they do not fit."""
@@ -260,7 +279,8 @@ def _row_ids(ids: Any, shape: tuple) -> Any:
     rows = 1
     for d in shape[:-1]:
         rows *= int(d)
-    if ids.numel() == rows:
+    # one a row: flat, or [batch, seq] as the rows are (a [seq, batch] tensor of as many ids would cross them)
+    if ids.numel() == rows and (ids.dim() == 1 or tuple(ids.shape) == tuple(shape[:-1])):
         return ids.reshape(-1)
     if len(shape) == 3 and ids.dim() == 1 and ids.shape[0] == shape[0]:
         return ids[:, None].expand(int(shape[0]), int(shape[1])).reshape(-1)
@@ -309,6 +329,9 @@ def _block_module(layer, family: str, layer_idx: int):
         def forward(self, hidden_states, *args, **kwargs):
             shape, dtype = hidden_states.shape, hidden_states.dtype
             rows = self.rows_of(hidden_states, "hidden_states").to(torch.bfloat16)
+            if rows.shape[0] == 0:  # no rows: nothing routed, the empty output
+                out = torch.empty_like(hidden_states)
+                return (out, None) if BLOCK_OUTPUT[family].returns_tuple else out
             ids = None if self.lora_ids is None else _row_ids(self.lora_ids, tuple(shape))
             limit = self.layer.max_tokens
             parts = [MoeModule.forward(self, rows[i:i + limit], lora_ids=None if ids is None else ids[i:i + limit])
