@@ -72,6 +72,9 @@ class MoeLayer:
         check_token_limit(cfg, max_tokens, len(owned))
         lora_k, lora_r = lora_slots.check_options(max_loras, max_lora_rank)
         lora_slots.serves_experts(lora_experts, False)  # its value refused before anything is read
+        if lora_experts is not None and not lora_k:  # it says what the slots take: no slots, nothing to say
+            raise OptionError(f"lora_experts={lora_experts!r} without adapter slots: give max_loras=K, "
+                              "max_lora_rank=R too")
         cupy = cupy_module()
         self.cfg, self.max_tokens, self.default_path = cfg, int(max_tokens), path
         self._owned = owned  # the routed experts this layer computes (expert parallelism)
@@ -116,6 +119,7 @@ class MoeLayer:
                       lora_experts: Optional[bool]) -> None:
         """The adapter slots and the LayerPlan of the LoRA forwards (a w8a8 layer's experts as w8a16 where
         its slots take expert adapters: their deltas go before the activation)."""
+        lora_slots.check_rank_fits(self.cfg, lora_r, self.device.max_smem)
         with_experts = lora_slots.serves_experts(lora_experts, self.plan.w8a8)
         if with_experts and self.plan.w8a8:
             self._lora_plan = self._plan_layer(lora_options(options), knobs)
@@ -153,7 +157,11 @@ class MoeLayer:
 
     # --- scratch -------------------------------------------------------------------------
     def workspace_need(self, max_tokens: Optional[int] = None) -> WorkspaceNeed:
-        """What this layer needs of a workspace at `max_tokens` (default its own)."""
+        """What this layer needs of a workspace at `max_tokens` (default its own; refused as the
+        constructor refuses it: OptionError, ConfigError past the kernels' limit)."""
+        if max_tokens is not None:
+            check_options(self.cfg, max_tokens, self.default_path, False)
+            check_token_limit(self.cfg, max_tokens, len(self._owned))
         return layer_need(self.plan, max_tokens or self.max_tokens, self._guard, self._lora_experts,
                           self._lora_rank, self._lora_stack_ks, self._lora_router_t_cols, self._lora_plan)[1]
 
@@ -259,7 +267,8 @@ class MoeLayer:
     def forward(self, input_ptr: int, num_tokens: int, output_ptr: int, stream: int, *,
                 token_ids_ptr: int = 0, path: Optional[str] = None, lora_ids_ptr: int = 0) -> None:
         """Enqueue the layer on `stream`: output[N, H] bf16 = MoE(input[N, H] bf16); `token_ids_ptr`:
-        [N] int32 (hash routing); `path`: force a path for this call; `lora_ids_ptr`: [N] int32 adapter
+        [N] int32, read by a hash-routing layer (required there) and by no other, so a model's caller may
+        pass it to every layer; `path`: force a path for this call; `lora_ids_ptr`: [N] int32 adapter
         slots a row (-1 = base), 0 = no LoRA (the base plans, bit for bit). Outside a caller's
         capture an unwatched forward without LoRA is one CUDA-graph launch (cupymoe/graph_launch.py)."""
         n, x, out, token_ids = checked_call(self, input_ptr, num_tokens, output_ptr, token_ids_ptr)
@@ -309,8 +318,9 @@ class MoeLayer:
     # --- LoRA ------------------------------------------------------------------------------
     def set_lora(self, slot: int, adapter, stream: Optional[int] = None) -> None:
         """Copy `adapter` (cupymoe.lora.LoraWeights) into `slot` on `stream` (None: synchronously);
-        outside capture. LoraError names what the layer cannot serve before anything is copied."""
-        self._lora_slots("set_lora").fill(slot, adapter, stream)
+        outside capture. The copy waits for the forwards this layer's workspace has enqueued (they may
+        read the slot). LoraError names what the layer cannot serve before anything is copied."""
+        self._lora_slots("set_lora").fill(slot, adapter, stream, after=self.workspace.done_event)
 
     def check_lora(self, slot: int, adapter) -> None:
         """LoraError naming what set_lora(slot, adapter) would refuse; nothing is copied (to check an
@@ -323,8 +333,8 @@ class MoeLayer:
         return self._lora_rank
 
     def clear_lora(self, slot: int, stream: Optional[int] = None) -> None:
-        """Empty `slot`: rows with its id get the base layer again."""
-        self._lora_slots("clear_lora").clear(slot, stream)
+        """Empty `slot`: rows with its id get the base layer again (after the workspace's forwards, as set_lora)."""
+        self._lora_slots("clear_lora").clear(slot, stream, after=self.workspace.done_event)
 
     @property
     def _lora_experts(self) -> bool:

@@ -44,6 +44,17 @@ def check_options(max_loras, max_lora_rank) -> tuple[int, int]:
     return int(max_loras), int(max_lora_rank)
 
 
+def check_rank_fits(cfg: MoeConfig, max_rank: int, max_smem: int) -> None:
+    """OptionError where a LoRA kernel's shared memory at `max_rank` would pass what the GPU opts in to
+    (`max_smem` bytes a block): the per-pair kernels hold t (two projections' ranks in lora_gate_up_act),
+    top-k's LoRA form each warp's t; refused at construction, not mid-forward."""
+    red = 8  # cuda/lora.cu LORA_RED: floats past t
+    need = max((2 * max_rank + red) * 4, C.topk_route_lora_smem_bytes(cfg.router_width, max_rank))
+    if need > max_smem:
+        raise OptionError(f"max_lora_rank={max_rank}: the LoRA kernels would ask {need} bytes of shared memory a "
+                          f"block, this GPU gives at most {max_smem}; reserve a smaller rank")
+
+
 def bf16_parts(a: np.ndarray, parts: int) -> np.ndarray:
     """fp32 `a` as `parts` bf16 values (returned as float32) whose sum is `a`: each the bf16 nearest
     the rest so far (cuda/lora.cu lora_split3's split; three parts hold fp32's 24 bits)."""
@@ -133,10 +144,11 @@ class LoraSlots:
             raise LoraError(f"slot={slot!r}: must be in 0..max_loras-1 = 0..{self.max_loras - 1}")
         return int(slot)
 
-    def fill(self, slot, adapter: LoraWeights, stream: Optional[int]) -> None:
-        """Check `adapter` whole, then copy it into `slot` on `stream` (None: synchronously)."""
+    def fill(self, slot, adapter: LoraWeights, stream: Optional[int], after: int = 0) -> None:
+        """Check `adapter` whole, then copy it into `slot` on `stream` (None: synchronously), once the
+        event `after` (0: none) has completed."""
         slot = self.check(slot, adapter)
-        self._copy(slot, self._host_slot(adapter), stream)
+        self._copy(slot, self._host_slot(adapter), stream, after)
         self.loaded[slot] = adapter
 
     def check(self, slot, adapter: LoraWeights) -> int:
@@ -183,20 +195,24 @@ class LoraSlots:
             b[:m.b.shape[0], :m.rank] = m.b
             host["lora_scale"][ts, p] = m.scale
 
-    def clear(self, slot, stream: Optional[int]) -> None:
-        """Empty `slot` (zeros: rows with its id then get the base layer)."""
+    def clear(self, slot, stream: Optional[int], after: int = 0) -> None:
+        """Empty `slot` (zeros: rows with its id then get the base layer), after the event `after`."""
         slot = self._slot(slot)
-        self._copy(slot, None, stream)
+        self._copy(slot, None, stream, after)
         self.loaded.pop(slot, None)
 
-    def _copy(self, slot: int, host: Optional[dict[str, np.ndarray]], stream: Optional[int]) -> None:
+    def _copy(self, slot: int, host: Optional[dict[str, np.ndarray]], stream: Optional[int], after: int = 0) -> None:
         import cupy
+
+        from .launch import Driver
 
         with cupy.cuda.Device(self.device_id):
             s = cupy.cuda.ExternalStream(stream) if stream is not None else cupy.cuda.Stream.null
             if s.is_capturing():  # a copy of host memory recorded into a graph would replay stale bytes
                 raise LoraError("set_lora / clear_lora during stream capture: fill slots outside capture "
                                 "(a captured graph reads the slots' fixed addresses at replay)")
+            if after:  # forwards still reading the slot on another stream (a non-blocking one ignores the null stream)
+                Driver.wait(int(s.ptr), after)
             with s:
                 for name, dst in self._arrays.items():
                     if host is None:

@@ -570,6 +570,9 @@ def test_lora_experts_option():
     with pytest.raises(OptionError, match="lora_experts='yes'"):
         MoeLayer(cfg, testing.random_host_weights(cfg, __import__("numpy").random.default_rng(0)), max_tokens=4,
                  lora_experts="yes")
+    with pytest.raises(OptionError, match=r"lora_experts=True without adapter slots: give max_loras=K"):
+        MoeLayer(cfg, testing.random_host_weights(cfg, __import__("numpy").random.default_rng(0)), max_tokens=4,
+                 lora_experts=True)
 
 
 @pytest.mark.parametrize("path, n", [(Path.DECODE, 1), (Path.DECODE, 9), (Path.ATOMIC, 5), (Path.PREFILL, 300),
@@ -612,3 +615,15 @@ def test_experts_only_lora_without_the_shared_expert(path, n):
         grids = {s.kernel: s.grid for s in plan.steps if getattr(s, "kernel", "") in ("lora_gate_up_act",
                                                                                        "lora_down_delta")}
         assert len(grids) == 2 and all(g[0] == pairs for g in grids.values()), (shared, grids)
+
+
+def test_a_rank_past_the_kernels_shared_memory_is_refused_at_construction():
+    """max_lora_rank 65536 made lora_gate_up_act and top-k's LoRA form ask 262-524 KB a block: a LaunchError
+    mid-forward, after the router was enqueued. Now an OptionError naming both sizes; rank 64 fits."""
+    from cupymoe.lora_slots import check_rank_fits
+
+    cfg = testing.tiny_config("qwen3_moe")
+    check_rank_fits(cfg, 64, 232448)
+    with pytest.raises(OptionError, match=r"max_lora_rank=65536: the LoRA kernels would ask \d+ bytes of shared "
+                                          r"memory a block, this GPU gives at most 232448"):
+        check_rank_fits(cfg, 65536, 232448)

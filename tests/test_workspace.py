@@ -144,3 +144,21 @@ def test_a_workspace_on_gpu_has_fixed_aligned_addresses_and_checks_fit():
         ws.check_fits(WorkspaceNeed(6000, 0), "a layer")
     with pytest.raises(WorkspaceError, match="a WorkspaceNeed or a number of bytes"):
         Workspace("lots")
+
+
+def test_a_workspace_need_at_tokens_no_layer_could_take_is_refused():
+    """workspace_need(0) gave the layer's own size, -5 an arena error, 10**9 a 1.4 TB need: refused as the
+    constructor refuses max_tokens (a stand-in layer: the checks come before anything is sized)."""
+    from types import SimpleNamespace
+
+    from cupymoe import testing
+    from cupymoe.errors import ConfigError, OptionError
+    from cupymoe.layer import MoeLayer
+
+    cfg = testing.tiny_config("qwen3_moe")
+    layer = SimpleNamespace(cfg=cfg, default_path="auto", _owned=tuple(range(cfg.num_experts)))
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(OptionError, match=rf"max_tokens={bad!r}: must be a positive integer"):
+            MoeLayer.workspace_need(layer, bad)
+    with pytest.raises(ConfigError, match=r"max_tokens=1000000000: the kernels serve at most"):
+        MoeLayer.workspace_need(layer, 10**9)
