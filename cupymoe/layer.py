@@ -25,7 +25,7 @@ from .host_weights import HostWeights
 from .knobs import Knobs
 from .launch import CaptureStatus, Driver, PackedPlan
 from .layer_checks import (check_options, check_path, check_smem_fits, check_stream, check_token_limit, checked_call,
-                           cupy_module, device_of, optional_pointer)
+                           cupy_module, device_of, optional_pointer, seed_checked_call)
 from .parallel import Communicator, check_communicator, owned_experts
 from .plan import (Buf, CallValue, DeviceFacts, ForwardPlan, LayerOptions, Path, Space, error_text,
                    choose_path, lora_options, plan_layer)
@@ -448,8 +448,9 @@ class MoeLayer:
         tp, lp = (0 if a is None else arrays.checked_ptr(a, name, device=self.device_id, dtypes=("int32",),
                                                          shape=(n,))
                   for name, a in (("token_ids", token_ids), ("lora_ids", lora_ids)))
-        self.forward(xa.ptr, n, op, arrays.current_stream(x) if stream is None else stream,
-                     token_ids_ptr=tp, path=path, lora_ids_ptr=lp)
+        seed_checked_call(self, int(xa.ptr), int(n), int(op), int(tp))  # the arrays' devices are checked
+        self.forward(int(xa.ptr), int(n), int(op), arrays.current_stream(x) if stream is None else stream,
+                     token_ids_ptr=int(tp), path=path, lora_ids_ptr=lp)
         return out
 
     def check_guard(self) -> None:

@@ -26,6 +26,8 @@ def cupy_module():
 
 def device_of(cupy, device: Optional[int]) -> int:
     """The CUDA device the layer lives on (the current one by default), or a named error without one."""
+    if device is not None and not _is_int(device):  # int(1.9) and int(True) would pick device 1
+        raise OptionError(f"device={device!r}: a device index (int) is required")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
         current = cupy.cuda.runtime.getDevice()
@@ -119,8 +121,11 @@ def check_disjoint(x: int, out: int, nbytes: int) -> None:
                            "whole input rows while others write the output; give the output its own memory")
 
 
-def check_call(layer, input_ptr, num_tokens, output_ptr, token_ids_ptr) -> tuple[int, int, int, int]:
-    """Refuse a bad call before anything is launched; returns (N, input, output, token ids) as ints."""
+def check_call(layer, input_ptr, num_tokens, output_ptr, token_ids_ptr,
+               device_memory: bool = True) -> tuple[int, int, int, int]:
+    """Refuse a bad call before anything is launched; returns (N, input, output, token ids) as ints.
+    `device_memory`: also ask the runtime what each pointer points at (raw pointers; arrays whose
+    device was checked already skip it)."""
     n = row_count(num_tokens, layer.max_tokens)
     x = pointer("input_ptr", input_ptr, 16)  # the kernels read 16-byte vectors
     out = pointer("output_ptr", output_ptr, 16)
@@ -128,7 +133,44 @@ def check_call(layer, input_ptr, num_tokens, output_ptr, token_ids_ptr) -> tuple
     token_ids = optional_pointer("token_ids_ptr", token_ids_ptr, 4)
     if not token_ids and layer.cfg.hash_routing:
         raise MoeCallError("hash routing (tid2eid) needs token_ids_ptr: a device pointer to num_tokens int32 ids")
+    for name, p in (("input_ptr", x), ("output_ptr", out), ("token_ids_ptr", token_ids)):
+        if p and device_memory:
+            check_device_memory(name, p, layer.device_id)
     return n, x, out, token_ids
+
+
+# cudaMemoryType: what cudaPointerGetAttributes says of an address
+_UNREGISTERED, _DEVICE = 0, 2
+
+
+def check_device_memory(name: str, p: int, device_id: int) -> None:
+    """A MoeCallError where the runtime knows `p` as no CUDA memory (pageable host memory, a stray
+    address: the kernels would fault and leave the context unusable) or as device memory of another
+    GPU; pinned host and managed memory pass (the GPU reads them). Asked once per new pointer
+    (checked_call keeps the last call's); an answer the runtime cannot give lets the pointer pass."""
+    cupy = cupy_module()
+    try:
+        attrs = cupy.cuda.runtime.pointerGetAttributes(p)
+        kind, device = int(attrs.type), int(attrs.device)
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        if "InvalidValue" not in str(e):  # older runtimes answer an unregistered address so
+            return
+        kind, device = _UNREGISTERED, -1
+    except Exception:  # noqa: BLE001 (a best-effort guard: never in a correct call's way)
+        return
+    if kind == _UNREGISTERED:
+        raise MoeCallError(f"{name}=0x{p:x}: not CUDA memory (host memory or a stray address); the layer "
+                           f"reads device memory of cuda:{device_id}")
+    if kind == _DEVICE and device != device_id:
+        raise MoeCallError(f"{name}=0x{p:x}: device memory of cuda:{device}, the layer on cuda:{device_id}")
+
+
+def seed_checked_call(layer, input_ptr: int, num_tokens: int, output_ptr: int, token_ids_ptr: int) -> None:
+    """check_call without the runtime's pointer query, kept as the last call's (so the forward that follows
+    takes it from checked_call's cache): for arrays whose device arrays.checked_ptr has checked."""
+    call = (input_ptr, num_tokens, output_ptr, token_ids_ptr)
+    if call != layer._checked[0]:
+        layer._checked = (call, check_call(layer, *call, device_memory=False))
 
 
 def checked_call(layer, input_ptr, num_tokens, output_ptr, token_ids_ptr) -> tuple[int, int, int, int]:

@@ -206,6 +206,10 @@ class LoraSlots:
 
         from .launch import Driver
 
+        if stream is not None:
+            from .layer_checks import check_stream
+
+            stream = check_stream(stream)  # a cudaStream_t as an int, before CuPy wraps it
         with cupy.cuda.Device(self.device_id):
             s = cupy.cuda.ExternalStream(stream) if stream is not None else cupy.cuda.Stream.null
             if s.is_capturing():  # a copy of host memory recorded into a graph would replay stale bytes

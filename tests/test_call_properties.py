@@ -53,10 +53,10 @@ class Cfg:
 class StandIn:
     """What check_call and checked_call read of a MoeLayer, and nothing else."""
 
-    __slots__ = ("cfg", "max_tokens", "_checked")
+    __slots__ = ("cfg", "max_tokens", "_checked", "device_id")
 
     def __init__(self, cfg, max_tokens):
-        self.cfg, self.max_tokens, self._checked = cfg, max_tokens, (None, None)
+        self.cfg, self.max_tokens, self._checked, self.device_id = cfg, max_tokens, (None, None), 0
 
 
 LAYERS = st.builds(StandIn, st.builds(Cfg, st.sampled_from([64, 2048, 7168]), st.booleans()),
@@ -357,3 +357,42 @@ def test_a_torch_or_cupy_object_that_is_no_array_is_refused_by_name():
                 type("Stream", (), {"__module__": "cupy.cuda.stream"})()):
         with pytest.raises(MoeCallError, match="out: expected a dense torch tensor or CuPy array, got"):
             arrays.view(obj, "out")
+
+
+def test_raw_pointers_the_runtime_knows_as_no_memory_of_the_layers_gpu_are_refused(monkeypatch):
+    """check_device_memory reads cudaPointerGetAttributes (a stand-in runtime here): unregistered memory
+    and another GPU's device memory are refused by name; pinned host and managed memory pass, and so does
+    an address the runtime cannot answer for (a guard that never stands in a correct call's way)."""
+    from types import SimpleNamespace
+
+    import cupy
+
+    from cupymoe.layer_checks import check_device_memory
+
+    answers = {0x1000: (0, -2), 0x2000: (2, 1), 0x3000: (2, 0), 0x4000: (1, 0), 0x5000: (3, 1)}
+
+    def attrs(p):
+        if p == 0x6000:
+            raise RuntimeError("no driver")
+        kind, device = answers[p]
+        return SimpleNamespace(type=kind, device=device)
+
+    monkeypatch.setattr(cupy.cuda.runtime, "pointerGetAttributes", attrs)
+    with pytest.raises(MoeCallError, match=r"input_ptr=0x1000: not CUDA memory \(host memory or a stray address\); "
+                                           r"the layer reads device memory of cuda:0"):
+        check_device_memory("input_ptr", 0x1000, 0)
+    with pytest.raises(MoeCallError, match=r"output_ptr=0x2000: device memory of cuda:1, the layer on cuda:0"):
+        check_device_memory("output_ptr", 0x2000, 0)
+    for p in (0x3000, 0x4000, 0x5000, 0x6000):
+        check_device_memory("input_ptr", p, 0)
+
+
+@pytest.mark.parametrize("bad", [1.9, True, "0"])
+def test_a_device_that_is_no_index_is_refused(bad):
+    """int(1.9) and int(True) picked device 1 silently."""
+    import cupy
+
+    from cupymoe.layer_checks import device_of
+
+    with pytest.raises(OptionError, match=rf"device={bad!r}: a device index \(int\) is required"):
+        device_of(cupy, bad)

@@ -139,6 +139,29 @@ def test_pointers_outside_the_address_space_are_refused_before_the_first_launch(
     _assert_nothing_ran(layer, out)
 
 
+def test_raw_pointers_to_host_memory_are_refused_before_the_first_launch(rng):
+    """A server's raw pointer into pageable host memory (or a stray address) would fault the kernels and
+    leave the context unusable: refused by name, for each pointer, before anything is enqueued."""
+    import cupy
+
+    cfg, hw, layer = _layer(rng, "deepseek_v3", hash_routing=True, hash_vocab_size=50, n_group=1, topk_group=1)
+    n = 4
+    ids_h = testing.random_token_ids(rng, n, 50)
+    x = cupy.asarray(bf16_bits(well_separated_input(cfg, hw, rng, n, ids_h)))
+    ids = cupy.asarray(ids_h)
+    out = cupy.full_like(x, NAN)
+    host = np.zeros((n, cfg.hidden_size + 64), np.uint16)
+    hp = (host.ctypes.data + 15) // 16 * 16  # 16-byte aligned, as the pointer checks want
+    s = cupy.cuda.Stream(non_blocking=True)
+    good = dict(input_ptr=int(x.data.ptr), output_ptr=int(out.data.ptr), token_ids_ptr=int(ids.data.ptr))
+    _poison_scratch(layer)
+    for name in good:
+        with pytest.raises(MoeCallError, match=rf"{name}=0x{hp:x}: not CUDA memory"):
+            layer.forward(num_tokens=n, stream=s.ptr, **{**good, name: hp})
+    s.synchronize()
+    _assert_nothing_ran(layer, out)
+
+
 def test_arrays_on_another_device_are_refused(rng):
     """A CuPy x (or out, or token ids) on another GPU than the layer's: refused by name (needs two GPUs)."""
     import cupy

@@ -162,3 +162,11 @@ def test_a_workspace_need_at_tokens_no_layer_could_take_is_refused():
             MoeLayer.workspace_need(layer, bad)
     with pytest.raises(ConfigError, match=r"max_tokens=1000000000: the kernels serve at most"):
         MoeLayer.workspace_need(layer, 10**9)
+
+
+@pytest.mark.parametrize("bad", [1.5, True, "0"])
+def test_a_workspace_device_that_is_no_index_is_refused(bad):
+    from cupymoe.workspace import Workspace
+
+    with pytest.raises(WorkspaceError, match=rf"Workspace\(device={bad!r}\): a device index \(int\) is required"):
+        Workspace(1024, device=bad)
