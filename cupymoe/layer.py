@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
@@ -77,6 +78,7 @@ class MoeLayer:
                               "max_lora_rank=R too")
         cupy = cupy_module()
         self.cfg, self.max_tokens, self.default_path = cfg, int(max_tokens), path
+        self.layer_idx: Optional[int] = None  # the decoder layer it was loaded as (from_pretrained, from_hf)
         self._owned = owned  # the routed experts this layer computes (expert parallelism)
         self.device_id = device_of(cupy, device)
         self.comm = comm
@@ -145,7 +147,10 @@ class MoeLayer:
         from .checkpoint import load_layer_from_tensors
 
         cfg, hw = load_layer_from_tensors(config_dict, tensors, prefix)
-        return cls(cfg, hw, max_tokens=max_tokens, **options)
+        layer = cls(cfg, hw, max_tokens=max_tokens, **options)
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", prefix)  # hub prefixes name the decoder layer
+        layer.layer_idx = int(m.group(1)) if m else None
+        return layer
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir, layer_idx: int, *, max_tokens: int, **options) -> "MoeLayer":
@@ -153,7 +158,9 @@ class MoeLayer:
         from .checkpoint import load_layer
 
         cfg, hw = load_layer(checkpoint_dir, layer_idx)
-        return cls(cfg, hw, max_tokens=max_tokens, **options)
+        layer = cls(cfg, hw, max_tokens=max_tokens, **options)
+        layer.layer_idx = int(layer_idx)
+        return layer
 
     # --- scratch -------------------------------------------------------------------------
     def workspace_need(self, max_tokens: Optional[int] = None) -> WorkspaceNeed:
@@ -319,12 +326,21 @@ class MoeLayer:
     def set_lora(self, slot: int, adapter, stream: Optional[int] = None) -> None:
         """Copy `adapter` (cupymoe.lora.LoraWeights) into `slot` on `stream` (None: synchronously);
         outside capture. The copy waits for the forwards this layer's workspace has enqueued (they may
-        read the slot). LoraError names what the layer cannot serve before anything is copied."""
+        read the slot). LoraError names what the layer cannot serve before anything is copied, and an
+        adapter read for another decoder layer than the one this layer was loaded as."""
+        self._check_adapter_layer(adapter)
         self._lora_slots("set_lora").fill(slot, adapter, stream, after=self.workspace.done_event)
+
+    def _check_adapter_layer(self, adapter) -> None:
+        theirs = getattr(adapter, "layer_idx", None)
+        if theirs is not None and self.layer_idx is not None and theirs != self.layer_idx:
+            raise LoraError(f"adapter {getattr(adapter, 'source', '')!r}: read for decoder layer {theirs}, this "
+                            f"layer was loaded as layer {self.layer_idx} (load_peft(dir, {self.layer_idx}, cfg))")
 
     def check_lora(self, slot: int, adapter) -> None:
         """LoraError naming what set_lora(slot, adapter) would refuse; nothing is copied (to check an
         adapter against many layers before any takes it)."""
+        self._check_adapter_layer(adapter)
         self._lora_slots("check_lora").check(slot, adapter)
 
     @property

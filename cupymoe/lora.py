@@ -89,6 +89,7 @@ class LoraWeights:
 
     modules: Mapping[LoraKey, LoraModule] = field(default_factory=dict)
     source: str = ""  # where it came from, for messages
+    layer_idx: Optional[int] = None  # the decoder layer it was read for (load_peft), None: unsaid
 
     def get(self, target: LoraTarget, expert: Optional[int] = None) -> Optional[LoraModule]:
         return self.modules.get(LoraKey(LoraTarget(target), expert))
@@ -325,7 +326,7 @@ def load_peft(adapter_dir: Union[str, Path], layer_idx: int, cfg: MoeConfig, *,
     if not tensors:  # none for this layer: fine where the adapter leaves it out, not where it nests elsewhere
         _check_layout(weights, lora_keys)
     modules = _assemble(cfg, layer_idx, tensors, pc)
-    return LoraWeights(modules, source=f"{root} layer {layer_idx}").check(cfg, max_rank)
+    return LoraWeights(modules, source=f"{root} layer {layer_idx}", layer_idx=int(layer_idx)).check(cfg, max_rank)
 
 
 def adapter_lora_keys(adapter_dir: Union[str, Path]) -> list[str]:

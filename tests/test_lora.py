@@ -275,3 +275,23 @@ def test_adapter_weights_that_are_not_real_floats_are_refused():
         lw = LoraWeights({LoraKey(LoraTarget.ROUTER): LoraModule("mlp.gate", bad, other, 1.0)})
         with pytest.raises(LoraError, match=rf"mlp.gate.lora_A.weight: dtype {bad.dtype}: must be a real floating"):
             lw.check(cfg)
+
+
+def test_an_adapter_read_for_another_layer_is_refused_by_a_layer_that_knows_its_own(tmp_path):
+    """load_peft(dir, 3, cfg) into the layer loaded as layer 5 would serve layer 3's deltas there; layers
+    built from a config and weights (no index known) and hand-made adapters (no index) are not checked."""
+    from types import SimpleNamespace
+
+    from cupymoe.layer import MoeLayer
+    from cupymoe.lora import LoraWeights
+
+    cfg = _cfg()
+    lw = random_lora(cfg, np.random.default_rng(9), rank=2, layer_idx=LAYER, targets=["router"])
+    read = load_peft(write_peft(tmp_path / "a", lw, {"r": 2, "lora_alpha": 2}), LAYER, cfg)
+    assert read.layer_idx == LAYER
+    with pytest.raises(LoraError, match=rf"read for decoder layer {LAYER}, this layer was loaded as layer "
+                                        rf"{LAYER + 2} \(load_peft\(dir, {LAYER + 2}, cfg\)\)"):
+        MoeLayer._check_adapter_layer(SimpleNamespace(layer_idx=LAYER + 2), read)
+    MoeLayer._check_adapter_layer(SimpleNamespace(layer_idx=LAYER), read)
+    MoeLayer._check_adapter_layer(SimpleNamespace(layer_idx=None), read)
+    MoeLayer._check_adapter_layer(SimpleNamespace(layer_idx=LAYER + 2), LoraWeights(read.modules))
