@@ -14,8 +14,9 @@
 //
 // PARTNER: warpgroup 1 runs no wgmmas but the gate/up epilogue's arithmetic (silu_rn_nearest and a
 // quotient an element, fp8_gemm.cuh) until warpgroup 0 is done, as a ping-pong's other warpgroup would.
-// Each block writes its warpgroup 0's clock64 cycles a step into cycles[blockIdx.x]; the sink's store
-// (never taken) keeps the accumulators alive.
+// Each block writes its warpgroup 0's clock64 cycles a step into cycles[blockIdx.x] and the loop's
+// %globaltimer nanoseconds into nanos[blockIdx.x]; the sink's store (never taken) keeps the
+// accumulators alive.
 #include "fp8_gemm.cuh"
 
 #define SCHED_HALVES 0
@@ -54,13 +55,15 @@ __device__ __forceinline__ float main_loop(const u8* sA, const u8* sB, int steps
     const float a[2] = {scales[threadIdx.x & 7], scales[8 + (threadIdx.x & 7)]};
     float sum = 0.0f;
     if (SCHED == SCHED_QUARTERS) {
-        float acc[4][32], blk[2][32];
+        float acc[4][32], blk[2][32];  // blk: fresh at each quarter's first wgmma, no zeros needed
 #pragma unroll
-        for (int i = 0; i < 32; ++i) acc[0][i] = acc[1][i] = acc[2][i] = acc[3][i] = blk[0][i] = blk[1][i] = 0.0f;
+        for (int i = 0; i < 32; ++i) acc[0][i] = acc[1][i] = acc[2][i] = acc[3][i] = 0.0f;
+        steps = __shfl_sync(0xffffffffu, steps, 0);  // warp-uniform as ptxas sees it, or it serializes the wgmmas
         auto db = [&](int k, int q) { return wgmma_desc(sB + ((k % PROBE_STAGES) * BN + q * 64) * BK); };
         auto da = [&](int k) { return wgmma_desc(sA + (k % PROBE_STAGES) * 64 * BK); };
         quarter_products(blk[0], da(0), db(0, 0));
-        for (int k = 0; k < steps; ++k) {
+        int k = 0;
+        do {  // steps >= 1
             const float s = scales[16 + (k & 15)];
             quarter_products(blk[1], da(k), db(k, 1));
             wgmma_wait<1>();
@@ -78,7 +81,7 @@ __device__ __forceinline__ float main_loop(const u8* sA, const u8* sB, int steps
                 wgmma_wait<0>();
             }
             promote_quarter(acc[3], blk[1], a, s);
-        }
+        } while (++k < steps);
 #pragma unroll
         for (int i = 0; i < 32; ++i) sum += acc[0][i] + acc[1][i] + acc[2][i] + acc[3][i];
     } else {
@@ -125,7 +128,7 @@ __device__ __forceinline__ float epilogue_work(const float* scales, volatile int
 // warpgroups + 256) x 128 bytes + 1 KB for alignment. scales: 48 floats.
 template <int SCHED, int WGS, bool PARTNER>
 __global__ void __launch_bounds__(128 * WGS, 1)
-wgmma_promote_probe(int steps, const float* __restrict__ scales, long long* cycles, float* sink) {
+wgmma_promote_probe(int steps, const float* __restrict__ scales, long long* cycles, long long* nanos, float* sink) {
     static_assert(WGS == 1 || WGS == 2, "one or two warpgroups");
     static_assert(!PARTNER || WGS == 2, "the partner is warpgroup 1");
     constexpr int BK = PROBE_BK, BN = PROBE_BN;
@@ -139,16 +142,20 @@ wgmma_promote_probe(int steps, const float* __restrict__ scales, long long* cycl
         reinterpret_cast<unsigned*>(sB)[i] = 0x38383838u;  // e4m3 1.0 everywhere: finite products
     if (threadIdx.x == 0) done = 0;
     __syncthreads();
-    const int wg = threadIdx.x / 128;
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);  // warp-uniform to ptxas (as steps)
     float r;
     if (PARTNER && wg == 1) {
         r = epilogue_work(scales, &done);
     } else {
+        unsigned long long g0, g1;  // wall time too: a cross-check of the cycle counts against the known rate
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g0));
         const long long t0 = clock64();
         r = main_loop<SCHED>(sA + wg * PROBE_STAGES * 64 * BK, sB, steps, scales);
         const long long t1 = clock64();
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g1));
         if (threadIdx.x == 0) {
             cycles[blockIdx.x] = (t1 - t0) / steps;
+            nanos[blockIdx.x] = (long long)(g1 - g0);
             if (PARTNER) *reinterpret_cast<volatile int*>(&done) = 1;
         }
     }

@@ -83,22 +83,27 @@ def run(steps: int, out: str | None) -> int:
     rng = np.random.default_rng(0)
     scales = cp.asarray(rng.uniform(0.5, 2.0, 64).astype(np.float32))
     cycles = cp.zeros(sms, dtype=cp.int64)
+    nanos = cp.zeros(sms, dtype=cp.int64)
     sink = cp.zeros(256, dtype=cp.float32)
     rows = []
     for sched, wgs, partner in CONFIGS:
         fn = module.get_function(lowered[name(sched, wgs, partner)])
         drv = cp.cuda.driver
         drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(wgs))
-        args = (np.int32(steps), scales, cycles, sink)
+        args = (np.int32(steps), scales, cycles, nanos, sink)
         for _ in range(2):  # the second launch is the one read (clocks up, code loaded)
             fn((sms,), (128 * wgs,), args, shared_mem=smem_bytes(wgs))
             cp.cuda.runtime.deviceSynchronize()
         per_step = float(np.median(cp.asnumpy(cycles)))
-        busy = (1 if partner else wgs) * STEP_MACS / PEAK_MACS_PER_CYCLE / per_step
+        ns_step = float(np.median(cp.asnumpy(nanos))) / steps
+        working = 1 if partner else wgs  # warpgroups running the main loop
+        busy = working * STEP_MACS / PEAK_MACS_PER_CYCLE / per_step
+        tflops = working * STEP_MACS * 2 * sms / ns_step / 1e3  # the whole GPU's rate at this schedule
         rows.append({"schedule": sched, "warpgroups": wgs, "partner_epilogue": partner,
-                     "cycles_a_step": round(per_step, 1), "tensor_share": round(busy, 3)})
-        print(f"{sched:9s} wgs {wgs} partner {partner!s:5s}: {per_step:8.1f} cycles a step of warpgroup 0, "
-              f"tensor cores {100 * busy:5.1f} % busy", flush=True)
+                     "cycles_a_step": round(per_step, 1), "ns_a_step": round(ns_step, 1),
+                     "gpu_TFLOPs": round(tflops, 1), "tensor_share": round(busy, 3)})
+        print(f"{sched:9s} wgs {wgs} partner {partner!s:5s}: {per_step:8.1f} cycles / {ns_step:7.1f} ns a step of "
+              f"warpgroup 0, {tflops:7.1f} TFLOP/s over the GPU, tensor cores {100 * busy:5.1f} % busy", flush=True)
     if out:
         meta = {"gpu": gpu, "command": "python scripts/wgmma_promote_probe.py " + " ".join(sys.argv[1:]),
                 "steps": steps, "peak_macs_per_cycle": PEAK_MACS_PER_CYCLE,
