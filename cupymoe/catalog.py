@@ -403,6 +403,15 @@ def lora_router_t_cols(max_loras: int, max_rank: int) -> int:
     return LORA_ROUTER_PARTS * max_loras * max_rank
 
 
+LORA_RED = 8  # cuda/lora.cu LORA_RED: floats of the per-pair kernels' shared memory past t (the last-block flag)
+
+
+def lora_pair_smem_bytes(max_rank: int, projections: int = 1) -> int:
+    """A per-pair LoRA kernel's shared memory (cuda/lora.cu): t of `projections` projections' ranks
+    (lora_gate_up_act's gate and up: 2), then LORA_RED floats."""
+    return (projections * max_rank + LORA_RED) * 4
+
+
 def topk_route_lora_smem_bytes(router_width: int, max_rank: int) -> int:
     """topk_route_lora: topk_route's, then each warp's row t (max_rank floats)."""
     return topk_route_smem_bytes(router_width) + TOPK_WARPS * max_rank * 4

@@ -87,7 +87,7 @@ def forward_experts(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr
     """MoeLayer.forward_experts (the module docstring says what the routing means)."""
     n, x, ids, w, out = check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr)
     lora_ids = optional_pointer("lora_ids_ptr", lora_ids_ptr, 4)
-    if lora_ids and layer._lora is not None and not layer.lora_experts:
+    if lora_ids and layer.max_lora_rank and not layer.lora_experts:
         # the caller's routing leaves the router's delta out, so these slots would add nothing
         raise LoraError("forward_experts(lora_ids_ptr=...): this layer's slots take the router's adapters "
                         "alone (lora_experts=False), and the experts-only entry adds expert deltas only; "

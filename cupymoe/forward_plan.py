@@ -161,7 +161,6 @@ class LoraShape:
 
 
 LORA_THREADS = 256  # cuda/lora.cu
-LORA_RED = 8  # cuda/lora.cu LORA_RED: floats of the per-pair kernels' shared memory past t (the last-block flag)
 LORA_BLOCKS = LORA_TICKETS  # the per-pair kernels' tickets and slice sums bound their splits (workspace.py)
 # blocks the slices aim at: two an SM on 132 (measured against 528 and 1056: results/20261202-h200-s6-lora-slices.json)
 LORA_SLICE_TARGET = 264
@@ -316,7 +315,7 @@ def _router_delta(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> Launch:
     slices = (lora_slices(rows, H, ri) if isinstance(rows, int)
               else PerN("lora_router_slices", lambda n: lora_slices(n, H, ri)))
     return Launch(Stage.ROUTER, "lora_router_delta", (rows, slices), (LORA_THREADS,), args + slice_args + sizes,
-                  (lora.max_rank + LORA_RED) * 4)
+                  C.lora_pair_smem_bytes(lora.max_rank))
 
 
 def lora_fold(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> bool:
@@ -695,19 +694,19 @@ def _expert_delta_launches(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape,
     if swapab:
         gate_up = Launch(Stage.GATE_UP, "lora_gate_up_expand_act", (pairs,), (LORA_THREADS,),
                          (u64("lora_t", S("lora_pair_t")), *where, L("gate_b"), L("up_b"), *gu_act,
-                          *(a for a in sizes if a.name != "H"), *activation), (2 * lora.max_rank + LORA_RED) * 4)
+                          *(a for a in sizes if a.name != "H"), *activation), C.lora_pair_smem_bytes(lora.max_rank, 2))
     else:
         gate_up = Launch(Stage.GATE_UP, "lora_gate_up_act", (pairs, gate_up_slices), (LORA_THREADS,),
                          (u64("x", X), u64("xe", S("xe") if cfg.pre_expert_norm else X), *where,
                           *(L(f"{p}_{m}") for p in ("gate", "up") for m in "ab"), L("scale"), *gu_act, *slice_args,
-                          *sizes, *activation), (2 * lora.max_rank + LORA_RED) * 4)
+                          *sizes, *activation), C.lora_pair_smem_bytes(lora.max_rank, 2))
     mode = {Path.DECODE: LoraDownMode.DECODE, Path.ATOMIC: LoraDownMode.ATOMIC,
             Path.PREFILL: LoraDownMode.GROUPED}[plan.path]
     down = Launch(Stage.DOWN, "lora_down_delta", (pairs, down_slices), (LORA_THREADS,),
                   (u64("act", S("act")), *where, L("down_a"), L("down_b"), L("scale"), u64("topk_w", S("topk_w")),
                    u64("y", S("y")), u64("acc", S("acc")), u64("yw", S("yw")), *slice_args, *sizes,
                    i32("mode", int(mode)), i32("by_cols", int(by_cols))),
-                  (lora.max_rank + LORA_RED) * 4)
+                  C.lora_pair_smem_bytes(lora.max_rank))
     return gate_up, down
 
 

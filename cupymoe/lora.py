@@ -202,8 +202,9 @@ _REFUSED = (("use_dora", True, "DoRA (magnitude vectors) is not served"),
             ("fan_in_fan_out", True, "fan_in_fan_out (Conv1D-transposed weights) is not served"),
             ("lora_bias", True, "a bias on lora_B is not served"))
 # (key, why): keys whose any non-empty value changes where or how the delta applies
-_REFUSED_PRESENT = (("alora_invocation_tokens", "activated LoRA (a delta only after the invocation tokens) is not served"),
-                    ("layer_replication", "replicated layers (a layer's adapter reused elsewhere) are not served"))
+_REFUSED_PRESENT = (
+    ("alora_invocation_tokens", "activated LoRA (a delta only after the invocation tokens) is not served"),
+    ("layer_replication", "replicated layers (a layer's adapter reused elsewhere) are not served"))
 
 
 def _number(v: Any, key: str, what: type) -> Any:

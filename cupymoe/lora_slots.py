@@ -26,6 +26,8 @@ from . import catalog as C
 from .config import MoeConfig
 from .errors import LoraError, OptionError
 from .formats import BF16
+from .launch import Driver
+from .layer_checks import check_stream
 from . import lora_stack
 from .lora import LoraTarget, LoraWeights
 
@@ -48,8 +50,7 @@ def check_rank_fits(cfg: MoeConfig, max_rank: int, max_smem: int) -> None:
     """OptionError where a LoRA kernel's shared memory at `max_rank` would pass what the GPU opts in to
     (`max_smem` bytes a block): the per-pair kernels hold t (two projections' ranks in lora_gate_up_act),
     top-k's LoRA form each warp's t; refused at construction, not mid-forward."""
-    red = 8  # cuda/lora.cu LORA_RED: floats past t
-    need = max((2 * max_rank + red) * 4, C.topk_route_lora_smem_bytes(cfg.router_width, max_rank))
+    need = max(C.lora_pair_smem_bytes(max_rank, 2), C.topk_route_lora_smem_bytes(cfg.router_width, max_rank))
     if need > max_smem:
         raise OptionError(f"max_lora_rank={max_rank}: the LoRA kernels would ask {need} bytes of shared memory a "
                           f"block, this GPU gives at most {max_smem}; reserve a smaller rank")
@@ -204,11 +205,7 @@ class LoraSlots:
     def _copy(self, slot: int, host: Optional[dict[str, np.ndarray]], stream: Optional[int], after: int = 0) -> None:
         import cupy
 
-        from .launch import Driver
-
         if stream is not None:
-            from .layer_checks import check_stream
-
             stream = check_stream(stream)  # a cudaStream_t as an int, before CuPy wraps it
         with cupy.cuda.Device(self.device_id):
             s = cupy.cuda.ExternalStream(stream) if stream is not None else cupy.cuda.Stream.null

@@ -88,7 +88,7 @@ def _as_input(cfg: MoeConfig, x: Any, dtype) -> np.ndarray:
         raise MoeCallError(f"x: expected shape [N, {cfg.hidden_size}], found {a.shape}")
     if a.dtype.kind != "f" and a.dtype != formats.BF16:  # integers would be values here, not bf16 bits (uint16 views)
         raise MoeCallError(f"x: dtype {a.dtype} is not a float (bf16 bits travel as uint16 on the device only: "
-                         "give the bf16 values)")
+                           "give the bf16 values)")
     return a.astype(dtype)
 
 
@@ -194,15 +194,15 @@ def _hash_ids(cfg: MoeConfig, host_weights: HostWeights, token_ids: Any, n: int)
     """Static routing (DeepSeek-V4 hash layers): ids = tid2eid[token_id]."""
     if token_ids is None:
         raise MoeCallError("hash routing (cfg.hash_routing=True) needs token_ids: pass the [N] token ids "
-                         "of the rows, the static tid2eid table is indexed by them")
+                           "of the rows, the static tid2eid table is indexed by them")
     t = np.asarray(token_ids)
     if t.shape != (n,) or not np.issubdtype(t.dtype, np.integer):
         raise MoeCallError(f"token_ids: expected [{n}] integers (one per row of x), found shape {t.shape} "
-                         f"dtype {t.dtype}")
+                           f"dtype {t.dtype}")
     V = cfg.hash_vocab_size
     if n and (t.min() < 0 or t.max() >= V):
         raise MoeCallError(f"token_ids must lie in 0..{V - 1} (tid2eid rows, cfg.hash_vocab_size), "
-                         f"found {int(t.min())}..{int(t.max())}")
+                           f"found {int(t.min())}..{int(t.max())}")
     return np.asarray(host_weights.tid2eid)[t].astype(np.int64)
 
 
@@ -263,10 +263,10 @@ def given_routing(cfg: MoeConfig, topk_ids: Any, topk_weights: Any) -> Routing:
     k, R = cfg.num_experts_per_tok, cfg.router_width
     if ids.ndim != 2 or ids.shape[1] != k or not np.issubdtype(ids.dtype, np.integer) or w.shape != ids.shape:
         raise MoeCallError(f"given routing: expected integer ids [N, {k}] and weights of their shape, found ids "
-                         f"{ids.shape} {ids.dtype}, weights {w.shape} {w.dtype}")
+                           f"{ids.shape} {ids.dtype}, weights {w.shape} {w.dtype}")
     if ids.size and (ids.min() < -1 or ids.max() >= R):  # -1: a pair that adds nothing (a flagged id's fate)
         raise MoeCallError(f"given routing: ids must lie in 0..{R - 1} (or -1: no expert), found "
-                         f"{int(ids.min())}..{int(ids.max())}")
+                           f"{int(ids.min())}..{int(ids.max())}")
     n = ids.shape[0]
     return Routing(logits=np.zeros((n, 0)), ids=ids.astype(np.int64), weights=w.astype(np.float32).astype(np.float64),
                    margin=np.full(n, np.inf))

@@ -17,10 +17,10 @@ import pytest
 from cupymoe import catalog as C
 from cupymoe import jit, testing
 from cupymoe.bench import preset_config
-from cupymoe.catalog import Activation, LoraDownMode
+from cupymoe.catalog import LORA_RED, Activation, LoraDownMode
 from cupymoe.errors import LoraError, OptionError
-from cupymoe.forward_plan import (LORA_GROUPED_SMEM_MAX, LORA_MMA_WARPS, LORA_RED, LORA_ROUTER_ROWS, LORA_ROUTER_WAVE,
-                                  LORA_SUB, LoraShape, build_forward_plan, lora_chunk_blocks, lora_down_slices,
+from cupymoe.forward_plan import (LORA_GROUPED_SMEM_MAX, LORA_MMA_WARPS, LORA_ROUTER_ROWS, LORA_ROUTER_WAVE, LORA_SUB,
+                                  LoraShape, build_forward_plan, lora_chunk_blocks, lora_down_slices,
                                   lora_grouped, lora_grouped_smem, lora_router_span, lora_slices)
 from cupymoe.knobs import Knobs
 from cupymoe.lora_slots import check_options

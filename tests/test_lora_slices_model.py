@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupymoe.forward_plan import LORA_BLOCKS, LORA_RED, LORA_SLICE_MIN, LORA_SLICE_TARGET, lora_slices
+from cupymoe.catalog import LORA_RED
+from cupymoe.forward_plan import LORA_BLOCKS, LORA_SLICE_MIN, LORA_SLICE_TARGET, lora_slices
 from cupymoe.workspace import LORA_TICKETS
 
 KERNELS = Path(__file__).parents[1] / "cuda"

@@ -145,12 +145,15 @@ def replace_moe_blocks(model: Any, *, max_tokens: int, **options: Any) -> int:
     from ..workspace import Workspace
 
     refs = moe_blocks(model)
-    layers = []
+    blocks = [block_tensors(model, ref) for ref in refs]  # (config dict, tensors, prefix) of each
+    devices = [_cuda_index(ref, tensors) for ref, (_, tensors, _) in zip(refs, blocks)]
     given = options.pop("workspace", None)
+    if given is not None and given.device_id not in devices:  # before any layer's weights are uploaded
+        raise WorkspaceError(f"the workspace passed to replace_moe_blocks is on device {given.device_id}, the "
+                             f"model's MoE blocks on {sorted(set(devices))}: it would serve none")
     shared: dict[int, Any] = {given.device_id: given} if given is not None else {}  # device -> its layers' workspace
-    for ref in refs:
-        config_dict, tensors, prefix = block_tensors(model, ref)
-        device = _cuda_index(ref, tensors)
+    layers = []
+    for ref, (config_dict, tensors, prefix), device in zip(refs, blocks, devices):
 
         def build(ws):
             return MoeLayer.from_hf(config_dict, tensors, prefix, max_tokens=max_tokens, device=device,
@@ -165,9 +168,6 @@ def replace_moe_blocks(model: Any, *, max_tokens: int, **options: Any) -> int:
             layer = build(None)
         shared.setdefault(device, layer.workspace)
         layers.append(layer)
-    if given is not None and given.device_id not in {layer.device_id for layer in layers}:
-        raise WorkspaceError(f"the workspace passed to replace_moe_blocks is on device {given.device_id}, the "
-                             f"model's MoE blocks on {sorted({layer.device_id for layer in layers})}: it would serve none")
     layers = _one_workspace(layers, Workspace)
     for ref, layer in zip(refs, layers):
         parent, _, name = ref.path.rpartition(".")
