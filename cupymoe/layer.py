@@ -96,6 +96,8 @@ class MoeLayer:
             self.lib = jit.library(self.device_id)
             self.device = DeviceFacts(self.lib.arch, self.lib.sm_count, self.lib.max_smem)
             check_smem_fits(cfg, len(owned), self.device)
+            if lora_k:  # before any weight is uploaded
+                lora_slots.check_rank_fits(cfg, lora_r, self.device.max_smem)
             self.weights = DeviceWeights(cfg, host_weights, self.device_id, owned)
             self.plan = self._plan_layer(options, knobs)
             assert self.plan.i_max == self.weights.i_max, (self.plan.i_max, self.weights.i_max)
@@ -121,7 +123,6 @@ class MoeLayer:
                       lora_experts: Optional[bool]) -> None:
         """The adapter slots and the LayerPlan of the LoRA forwards (a w8a8 layer's experts as w8a16 where
         its slots take expert adapters: their deltas go before the activation)."""
-        lora_slots.check_rank_fits(self.cfg, lora_r, self.device.max_smem)
         with_experts = lora_slots.serves_experts(lora_experts, self.plan.w8a8)
         if with_experts and self.plan.w8a8:
             self._lora_plan = self._plan_layer(lora_options(options), knobs)
