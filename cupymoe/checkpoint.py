@@ -559,6 +559,10 @@ class _Planner:
         else:
             self.check_dtype(w, FLOAT_DTYPES, "a float weight (bf16/f16/f32) or a quantized one")
             self.check_shape(w, (out, inn))
+            scales = [module + p for p in (".weight_scale", ".weight_scale_2") if self.src.has(module + p)]
+            if scales:  # served without it, the map would be off by that scale
+                raise CheckpointError(f"{w} is {dt} but {', '.join(scales)} lies beside it in {self.src.where(w)}: "
+                                      "a float weight with a scale is not a format cupymoe reads")
             lin = _Linear(module, "bf16", {"w": w}, dt)
         if lin.fmt != "bf16" and is_excluded(module, self.exclude):
             logger.warning("%s is stored %s although the quantization config excludes it; loading it as stored",

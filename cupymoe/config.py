@@ -312,6 +312,10 @@ def _weight_format(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
         block = q.get("weight_block_size")
         if not isinstance(block, (list, tuple)) or list(block) != [128, 128]:
             raise ConfigError(f"quantization_config.weight_block_size={block!r}: only [128, 128] fp8 blocks are supported")
+        scheme = _enum_value(q.get("activation_scheme", "dynamic"))
+        if scheme != "dynamic":  # a static scheme's input_scale would be left out: the activations are scaled per row
+            raise ConfigError(f"quantization_config.activation_scheme={scheme!r}: block fp8 activations are quantized "
+                              "dynamically (per row and 128 columns); a static input scale is not served")
         return "fp8_block", _patterns(q.get("modules_to_not_convert"), "modules_to_not_convert")
     if method == "modelopt":
         if q.get("quant_algo") is None:  # an export that quantizes only the KV cache: weights as stored

@@ -560,6 +560,17 @@ def test_experts_must_share_a_format(tmp_path):
         load_layer(write_checkpoint(tmp_path, config, t), LAYER)
 
 
+@pytest.mark.parametrize("part", ["weight_scale", "weight_scale_2"])
+def test_a_scale_beside_a_float_weight_is_refused(tmp_path, part):
+    """Served without its scale the expert would be off by it: refused, not logged as an extra tensor."""
+    rng = np.random.default_rng(29)
+    config, t = small_qwen3(rng)
+    t[f"model.layers.1.mlp.experts.3.down_proj.{part}"] = np.full((), 0.5, np.float32)
+    with pytest.raises(CheckpointError, match=rf"experts\.3\.down_proj\.weight is bfloat16 but "
+                                              rf".*experts\.3\.down_proj\.{part} lies beside it"):
+        load_layer(write_checkpoint(tmp_path, config, t), LAYER)
+
+
 def test_unused_tensors_under_prefix_are_reported(tmp_path, caplog):
     """A tensor the layer has no place for is logged; a bias that would add something (the router's, an
     expert's) is refused by name, as the layer would be served without it; a bias of zeros is logged."""

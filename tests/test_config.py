@@ -18,6 +18,7 @@ import pytest
 
 from cupymoe.config import (ACTIVATIONS, SCORING_FUNCS, SUPPORTED_MODEL_TYPES, WEIGHT_FORMATS,
                             DenseLayerError, MoeConfig, UnsupportedModelError)
+from cupymoe.errors import ConfigError
 from cupymoe.testing import FAMILIES, hf_config_dict, tiny_config
 
 BASE = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
@@ -617,6 +618,16 @@ def test_fp8_other_block_sizes_refused(block):
     q = {"quant_method": "fp8", "weight_block_size": block}
     with pytest.raises(ValueError, match=re.escape(f"weight_block_size={block!r}")):
         MoeConfig.from_hf({**DEEPSEEK_V3, "quantization_config": q})
+
+
+@pytest.mark.parametrize("scheme", ["static", None, "Dynamic"])
+def test_fp8_activation_schemes_other_than_dynamic_refused(scheme):
+    """A static scheme's per-tensor input scale would be left out, the rows scaled dynamically instead."""
+    q = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": scheme}
+    with pytest.raises(ConfigError, match=re.escape(f"activation_scheme={scheme!r}")):
+        MoeConfig.from_hf({**DEEPSEEK_V3, "quantization_config": q})
+    q["activation_scheme"] = "dynamic"
+    assert MoeConfig.from_hf({**DEEPSEEK_V3, "quantization_config": q}).weight_format == "fp8_block"
 
 
 def test_modelopt_nvfp4():

@@ -161,3 +161,15 @@ def test_forwards_carry_the_rows_slots(monkeypatch):
     set_lora_ids(model, None)
     block(h)
     assert seen == [None, None]
+
+
+def test_a_block_refuses_arguments_it_would_drop(monkeypatch):
+    """The blocks it replaces take hidden_states alone; anything else (a mask, routing) would be ignored."""
+    cfg = testing.tiny_config(FAMILY)
+    block = _model([StandInLayer(cfg, max_tokens=4)]).model.layers[0].mlp
+    monkeypatch.setattr(torch.ops.cupymoe, "moe_forward", lambda rows, layer_id, token_ids, lora_ids: rows)
+    h = torch.zeros(1, 3, cfg.hidden_size, dtype=torch.bfloat16)
+    assert block(h, None, padding_mask=None).shape == h.shape  # None is no argument
+    with pytest.raises(MoeCallError, match=r"the replaced qwen3_moe MoE block takes hidden_states alone; it was "
+                                           r"also given argument 2, padding_mask"):
+        block(h, torch.ones(3), padding_mask=torch.ones(3))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..config import SUPPORTED_MODEL_TYPES
-from ..errors import CheckpointError, UnsupportedModelError
+from ..errors import CheckpointError, MoeCallError, UnsupportedModelError
 
 __all__ = ["MoeBlockRef", "BlockOutput", "BLOCK_OUTPUT", "moe_blocks", "block_tensors", "replace_moe_blocks",
            "replaced_blocks", "load_lora", "clear_lora", "set_lora_ids", "check_errors"]
@@ -241,7 +241,6 @@ def set_lora_ids(model: Any, ids: Any) -> int:
     captured graph replays whatever it holds then (update it in place). Returns how many blocks."""
     import torch
 
-    from ..errors import MoeCallError
 
     if ids is not None:
         if not isinstance(ids, torch.Tensor) or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
@@ -260,7 +259,6 @@ def check_errors(model: Any) -> int:
     rows got the base layer or no expert), one MoeCallError naming the block; synchronises the blocks'
     devices, so call it outside capture (after a batch, in tests, at a debugging point). Returns how
     many blocks were checked."""
-    from ..errors import MoeCallError
 
     blocks = _blocks_or_refuse(model, "check_errors")
     for path, block in blocks:
@@ -274,7 +272,6 @@ def check_errors(model: Any) -> int:
 def _row_ids(ids: Any, shape: tuple) -> Any:
     """`ids` as one a row of hidden_states `shape` ([batch, seq, H] or [rows, H]): [batch] ids expanded
     over each sequence's rows; a MoeCallError naming both shapes where they do not fit."""
-    from ..errors import MoeCallError
 
     rows = 1
     for d in shape[:-1]:
@@ -327,6 +324,11 @@ def _block_module(layer, family: str, layer_idx: int):
             self.lora_ids = None
 
         def forward(self, hidden_states, *args, **kwargs):
+            extra = [f"argument {i + 2}" for i, a in enumerate(args) if a is not None]
+            extra += [k for k, v in kwargs.items() if v is not None]
+            if extra:  # the layer would go on without them: nothing the caller asked of them would happen
+                raise MoeCallError(f"the replaced {family} MoE block takes hidden_states alone; it was also "
+                                   f"given {', '.join(extra)}")
             shape, dtype = hidden_states.shape, hidden_states.dtype
             rows = self.rows_of(hidden_states, "hidden_states").to(torch.bfloat16)
             if rows.shape[0] == 0:  # no rows: nothing routed, the empty output
