@@ -113,7 +113,7 @@ lora_router_delta(const bf16* __restrict__ x,       // [N, H]: the router's inpu
     extern __shared__ float t[];  // [max_rank], then LORA_RED
     const int row = blockIdx.x;
     const int slot = row < N ? lora_ids[row] : -1;
-    if (slot >= max_loras && blockIdx.y == 0 && threadIdx.x == 0) atomicOr(err, ERR_LORA_ID_RANGE);  // err only ORed
+    if (lora_id_invalid(slot, max_loras) && blockIdx.y == 0 && threadIdx.x == 0) atomicOr(err, ERR_LORA_ID_RANGE);  // err only ORed
     bool add = slot >= 0 && slot < max_loras;  // block-uniform
     if (add) {
         int lo, hi;
@@ -1431,7 +1431,7 @@ lora_grouped_router_delta(const bf16* __restrict__ x, const int* __restrict__ lo
     float* t = parts + LORA_MMA_WARPS * n;
     for (int i = threadIdx.x; i < m; i += blockDim.x) {
         const int id = lora_ids[row0 + i];
-        if (id >= max_loras && blockIdx.y == 0) atomicOr(err, ERR_LORA_ID_RANGE);
+        if (lora_id_invalid(id, max_loras) && blockIdx.y == 0) atomicOr(err, ERR_LORA_ID_RANGE);
         b.lid[i] = id >= 0 && id < max_loras ? id : -1;
     }
     __syncthreads();

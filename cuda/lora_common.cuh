@@ -7,6 +7,9 @@
 #define LORA_THREADS 256
 #define ERR_LORA_ID_RANGE 4  // routing.cuh: ERR_TOKEN_ID_RANGE 1, ERR_EXPERT_ID_RANGE 2
 
+// A row's adapter slot that is neither -1 (the base layer) nor a slot: flagged, the row gets no delta.
+__device__ __forceinline__ bool lora_id_invalid(int id, int max_loras) { return id < -1 || id >= max_loras; }
+
 // The per-pair kernels split each pair's (or row's) shrink over gridDim.y blocks (slices of the
 // input columns, whole 8-column vectors): a block's threads take a rank row LORA_TPR at a time
 // (16-byte vectors of A against the slice's vectors of the input, which each thread loads once),

@@ -131,7 +131,7 @@ router_logits_bf16_lora(const bf16* __restrict__ x, const bf16* __restrict__ W, 
         for (int i = 0; i < ROWS; ++i) {  // block-uniform: every thread reads the row's id
             const int row = blockIdx.y * ROWS + i;
             const int id = row < N ? lora_ids[row] : -1;
-            if (id >= max_loras && s == 0 && threadIdx.x == 0) atomicOr(err, ERR_LORA_ID_RANGE);
+            if (lora_id_invalid(id, max_loras) && s == 0 && threadIdx.x == 0) atomicOr(err, ERR_LORA_ID_RANGE);
             if (id < 0 || id >= max_loras) continue;
             const float* b = lora_bs + (size_t)id * R * max_rank;
             // the first B row a thread expands, into L1 while the shrink's loads are out

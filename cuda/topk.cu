@@ -99,7 +99,7 @@ __device__ __forceinline__ void add_router_lora(float* __restrict__ logits, floa
                                                 int* __restrict__ err, int max_rank, int max_loras, int lane) {
     constexpr int CC = LORA_ROUTER_COLS;
     const int id = lora_ids[row];
-    if (id >= max_loras && lane == 0) atomicOr(err, ERR_LORA_ID_RANGE);
+    if (lora_id_invalid(id, max_loras) && lane == 0) atomicOr(err, ERR_LORA_ID_RANGE);
     const bool has = id >= 0 && id < max_loras;
     const int cols = LORA_ROUTER_PARTS * max_loras * max_rank;
     if (has) router_lora_t(ts, lora_t + (size_t)row * cols + (size_t)id * LORA_ROUTER_PARTS * max_rank, N, cols,
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(TOPK_WARPS * 32) experts_route_in(ROUTE_IN_ARG
 }
 
 // experts_route_in with the rows' adapter slots (lora_ids [N]) checked where no router delta runs to
-// do it: an id >= max_loras sets ERR_LORA_ID_RANGE (the experts' delta kernels add nothing for it).
+// do it: an id outside -1..max_loras-1 sets ERR_LORA_ID_RANGE (the experts' delta kernels add nothing for it).
 __global__ void __launch_bounds__(TOPK_WARPS * 32)
 experts_route_in_lora(ROUTE_IN_ARGS, const int* __restrict__ lora_ids, int max_loras) {
     pdl_wait_then_release_next();  // as experts_route_in
@@ -199,5 +199,5 @@ experts_route_in_lora(ROUTE_IN_ARGS, const int* __restrict__ lora_ids, int max_l
     const int row = blockIdx.x * TOPK_WARPS + warp;
     if (row >= N) return;
     route_in_row(row, lane, ids_in, w_in, ids_out, w_out, err, N, R, k, x, H, qx, sx);
-    if (lane == 0 && lora_ids[row] >= max_loras) atomicOr(err, ERR_LORA_ID_RANGE);
+    if (lane == 0 && lora_id_invalid(lora_ids[row], max_loras)) atomicOr(err, ERR_LORA_ID_RANGE);
 }

@@ -66,7 +66,7 @@ def test_the_error_bits_are_named():
     from cupymoe.plan import error_text
 
     assert "expert id outside 0..router_width-1" in error_text(3) and "token id" in error_text(3)
-    assert "LoRA id >= max_loras" in error_text(4) and error_text(8) == "unknown bits"
+    assert "LoRA id outside -1..max_loras-1" in error_text(4) and error_text(8) == "unknown bits"
 
 
 def test_bad_experts_calls_are_refused_by_name():

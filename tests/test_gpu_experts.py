@@ -240,3 +240,8 @@ def test_lora_forwards_routing_given_back_reproduces_it_bit_for_bit(path, rng):
     s.synchronize()
     with pytest.raises(MoeCallError, match="bit 2 = a LoRA id"):
         layer.check_errors()
+    with cupy.cuda.Stream(non_blocking=True) as s:  # below -1: flagged as well
+        layer.run_experts(xd, idd, wd, out=out, stream=s.ptr, path=path, lora_ids=cupy.asarray(bad[[2, 0, 2]] - 1))
+    s.synchronize()
+    with pytest.raises(MoeCallError, match="bit 2 = a LoRA id outside -1"):
+        layer.check_errors()

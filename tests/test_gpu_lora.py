@@ -340,6 +340,10 @@ def test_refusals(rng):
     layer.forward(int(x.data.ptr), 4, int(out.data.ptr), s.ptr, lora_ids_ptr=int(ids.data.ptr))
     with pytest.raises(MoeCallError, match="bit 2 = a LoRA id"):
         layer.check_errors()
+    ids = cupy.asarray(np.array([0, -2, -1, 1], np.int32))  # -2: neither the base layer nor a slot
+    layer.forward(int(x.data.ptr), 4, int(out.data.ptr), s.ptr, lora_ids_ptr=int(ids.data.ptr))
+    with pytest.raises(MoeCallError, match="bit 2 = a LoRA id outside -1"):
+        layer.check_errors()
 
 
 # --- the experts' deltas -------------------------------------------------------------------------
@@ -598,11 +602,11 @@ def _judge_ranked(layer, cfg, hw, rng, adapters, n, what):
 
 
 def _judge_id_past_slots(layer, cfg, hw, rng, adapters, what, n=1100):
-    """Ids -1 .. 3 and every 97th row 4 (past the 4 slots): that row gets the base layer and the
-    call an error bit."""
+    """Ids -1 .. 3, every 97th row 4 (past the 4 slots) and every 97th from row 50 -3: those rows get
+    the base layer and the call an error bit."""
     ids = rng.integers(-1, 4, n).astype(np.int32)
-    ids[::97] = 4
-    x = separated_input(cfg, hw, rng, n, adapters, np.where(ids < 4, ids, -1))
+    ids[::97], ids[50::97] = 4, -3
+    x = separated_input(cfg, hw, rng, n, adapters, np.where((ids < 4) & (ids >= -1), ids, -1))
     judge(run(layer, x, ids, "prefill"), cfg, hw, x, ids, adapters, layer.select_path(n, "prefill"),
           f"{what} N={n} with id 4", layer)
     with pytest.raises(MoeCallError, match="bit 2 = a LoRA id"):
