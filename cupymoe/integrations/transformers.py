@@ -241,7 +241,6 @@ def set_lora_ids(model: Any, ids: Any) -> int:
     captured graph replays whatever it holds then (update it in place). Returns how many blocks."""
     import torch
 
-
     if ids is not None:
         if not isinstance(ids, torch.Tensor) or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
             raise MoeCallError(f"set_lora_ids: a torch integer tensor or None is required, found "
@@ -259,7 +258,6 @@ def check_errors(model: Any) -> int:
     rows got the base layer or no expert), one MoeCallError naming the block; synchronises the blocks'
     devices, so call it outside capture (after a batch, in tests, at a debugging point). Returns how
     many blocks were checked."""
-
     blocks = _blocks_or_refuse(model, "check_errors")
     for path, block in blocks:
         try:
@@ -272,7 +270,6 @@ def check_errors(model: Any) -> int:
 def _row_ids(ids: Any, shape: tuple) -> Any:
     """`ids` as one a row of hidden_states `shape` ([batch, seq, H] or [rows, H]): [batch] ids expanded
     over each sequence's rows; a MoeCallError naming both shapes where they do not fit."""
-
     rows = 1
     for d in shape[:-1]:
         rows *= int(d)
