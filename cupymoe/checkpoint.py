@@ -975,6 +975,12 @@ def load_layer(checkpoint_dir: PathLike, layer_idx: int) -> tuple[MoeConfig, Hos
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index_of(prefix: str) -> Optional[int]:
+    """The decoder layer a hub prefix names (`model.layers.3.mlp.` -> 3), None where it names none."""
+    m = _LAYER_RE.search(prefix)
+    return int(m.group(1)) if m else None
 _HUB_LAYER = re.compile(r"^model\.layers\.(0|[1-9][0-9]{0,8})\.")  # at most 9 digits: int() stays cheap
 
 
@@ -1003,8 +1009,7 @@ def load_layer_from_tensors(cfg_or_config_dict: Union[MoeConfig, Mapping[str, An
     if isinstance(cfg_or_config_dict, MoeConfig):
         cfg = cfg_or_config_dict
     else:
-        m = _LAYER_RE.search(prefix)
-        cfg = MoeConfig.from_hf(cfg_or_config_dict, int(m.group(1)) if m else None)
+        cfg = MoeConfig.from_hf(cfg_or_config_dict, layer_index_of(prefix))
     return _load(cfg, _MappingSource(tensors), prefix)
 
 

@@ -343,10 +343,15 @@ def layer_count(config: Mapping[str, Any]) -> int | None:
     return None if n_layers is None else _whole(n_layers, _key(config, *keys))
 
 
+def is_integer(v: Any) -> bool:
+    """A Python or numpy integer, never a bool (True is no index, count or address)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None) -> None:
     if layer_idx is None:
         return
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+    if not is_integer(layer_idx):
         raise ConfigError(f"layer_idx={layer_idx!r}: must be a whole number (the decoder layer's index)")
     n_layers = layer_count(cfg)
     if n_layers is not None and not 0 <= layer_idx < n_layers:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
@@ -145,12 +144,11 @@ class MoeLayer:
     def from_hf(cls, config_dict: Mapping[str, Any], tensors: Mapping[str, Any], prefix: str, *,
                 max_tokens: int, **options) -> "MoeLayer":
         """Build from a config.json dict and a mapping of hub tensor names (numpy, torch, CuPy)."""
-        from .checkpoint import load_layer_from_tensors
+        from .checkpoint import layer_index_of, load_layer_from_tensors
 
         cfg, hw = load_layer_from_tensors(config_dict, tensors, prefix)
         layer = cls(cfg, hw, max_tokens=max_tokens, **options)
-        m = re.search(r"(?:^|\.)layers\.(\d+)\.", prefix)  # hub prefixes name the decoder layer
-        layer.layer_idx = int(m.group(1)) if m else None
+        layer.layer_idx = layer_index_of(prefix)
         return layer
 
     @classmethod

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import enum
 import math
-import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import numpy as np
 
-from .config import MoeConfig
+from .config import MoeConfig, is_integer
 from .errors import CheckpointError, LoraError
 from .lora_fused import (NEST, in_axis_by_version, in_axis_of, nested_pairs, peft_version, per_expert, stacked_params,
                          which_param)
@@ -318,7 +317,7 @@ def load_peft(adapter_dir: Union[str, Path], layer_idx: int, cfg: MoeConfig, *,
     """Layer `layer_idx`'s modules of a PEFT LoRA adapter directory (adapter_config.json and
     adapter_model.safetensors); tensors of other layers and of non-MoE modules are ignored,
     unknown names under this layer's MLP prefix refused. `max_rank` refuses larger ranks."""
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral) or layer_idx < 0:
+    if not is_integer(layer_idx) or layer_idx < 0:
         raise LoraError(f"load_peft: layer_idx={layer_idx!r} must be a non-negative whole number (the decoder layer)")
     root = Path(adapter_dir)
     pc = _peft_config(raw_peft_config(root))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import numbers
 import re
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Union
@@ -22,7 +21,7 @@ import numpy as np
 
 from . import catalog as C
 from .catalog import GemmMode, WeightFormat
-from .config import MoeConfig
+from .config import MoeConfig, is_integer
 from .errors import OptionError, PathUnavailableError, UnsupportedFormatError
 from .knobs import (Bf16Decode, DecodeRouter, Fp4Decode, Fp8Decode, GateUpAhead, Knobs, L2Promotion, Sm90Fp8,
                     W8a8Decode)
@@ -433,7 +432,7 @@ class LayerOptions:
                 raise OptionError(f"{name}={getattr(self, name)!r}: must be True or False")
         for name, least in (("decode_max_tokens", 1), ("atomic_max_tokens", 0)):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral) or v < least):
+            if v is not None and (not is_integer(v) or v < least):
                 raise OptionError(f"{name}={v!r}: must be a whole number of rows, at least {least} (None: the "
                                   "measured crossover)")
         if (self.decode_max_tokens is not None and self.atomic_max_tokens is not None

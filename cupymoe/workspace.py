@@ -16,11 +16,10 @@ wait for eager work (nor query it without invalidating the capture), so its call
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
-from .config import MoeConfig
+from .config import MoeConfig, is_integer
 from .errors import ArenaError, BufferTooSmallError, WorkspaceError
 from . import catalog as C
 
@@ -294,7 +293,7 @@ class Workspace:
         if not isinstance(need, WorkspaceNeed) or need.scratch_bytes < 0 or need.zeroed_bytes < 0:
             raise WorkspaceError(f"Workspace({need!r}): give a WorkspaceNeed or a number of bytes >= 0")
         self.need = need
-        if device is not None and (isinstance(device, bool) or not isinstance(device, numbers.Integral)):
+        if device is not None and not is_integer(device):
             raise WorkspaceError(f"Workspace(device={device!r}): a device index (int) is required")
         self.device_id = cupy.cuda.runtime.getDevice() if device is None else int(device)
         self.zeroed_bytes = _align(need.zeroed_bytes)
