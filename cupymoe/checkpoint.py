@@ -975,13 +975,13 @@ def load_layer(checkpoint_dir: PathLike, layer_idx: int) -> tuple[MoeConfig, Hos
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_HUB_LAYER = re.compile(r"^model\.layers\.(0|[1-9][0-9]{0,8})\.")  # at most 9 digits: int() stays cheap
 
 
 def layer_index_of(prefix: str) -> Optional[int]:
     """The decoder layer a hub prefix names (`model.layers.3.mlp.` -> 3), None where it names none."""
     m = _LAYER_RE.search(prefix)
     return int(m.group(1)) if m else None
-_HUB_LAYER = re.compile(r"^model\.layers\.(0|[1-9][0-9]{0,8})\.")  # at most 9 digits: int() stays cheap
 
 
 def layer_indices(checkpoint_dir: PathLike) -> list[int]:

@@ -344,8 +344,9 @@ def layer_count(config: Mapping[str, Any]) -> int | None:
 
 
 def is_integer(v: Any) -> bool:
-    """A Python or numpy integer, never a bool (True is no index, count or address)."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    """A Python or numpy integer, never a bool (True is no index, count or address). The exact-int
+    test first: the per-call checks (row counts, addresses) take it on every forward."""
+    return type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
 
 
 def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None) -> None:

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
-
-from .config import MoeConfig, kernel_limits_violations
+from .config import MoeConfig, is_integer, kernel_limits_violations
 from .errors import (ConfigError, CudaUnavailableError, MoeCallError, OptionError, PathUnavailableError,
                      UnsupportedModelError)
 from .plan import PATH_NAMES, DeviceFacts
@@ -26,7 +24,7 @@ def cupy_module():
 
 def device_of(cupy, device: Optional[int]) -> int:
     """The CUDA device the layer lives on (the current one by default), or a named error without one."""
-    if device is not None and not _is_int(device):  # int(1.9) and int(True) would pick device 1
+    if device is not None and not is_integer(device):  # int(1.9) and int(True) would pick device 1
         raise OptionError(f"device={device!r}: a device index (int) is required")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
@@ -41,7 +39,7 @@ def device_of(cupy, device: Optional[int]) -> int:
 
 def check_options(cfg: MoeConfig, max_tokens, path: str, row_invariant: bool) -> None:
     """Refuse what no layer could run, before anything is uploaded."""
-    if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens <= 0:
+    if not is_integer(max_tokens) or max_tokens <= 0:
         raise OptionError(f"max_tokens={max_tokens!r}: must be a positive integer")
     if not isinstance(path, str) or path not in PATH_NAMES:  # an array's `in` would raise ValueError
         raise OptionError(f"path={path!r}: must be one of {PATH_NAMES}")
@@ -84,13 +82,8 @@ def check_smem_fits(cfg: MoeConfig, n_local: int, dev: DeviceFacts) -> None:
                                     "over more ranks (ep_world_size)")
 
 
-def _is_int(v) -> bool:
-    """A Python or numpy integer, never a bool (True is no row count and no address)."""
-    return type(v) is int or (isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)))
-
-
 def row_count(num_tokens, max_tokens: int) -> int:
-    if not _is_int(num_tokens):
+    if not is_integer(num_tokens):
         raise MoeCallError(f"num_tokens={num_tokens!r}: must be an int")
     n = int(num_tokens)
     if not 1 <= n <= max_tokens:
@@ -99,7 +92,7 @@ def row_count(num_tokens, max_tokens: int) -> int:
 
 
 def pointer(name: str, p, align: int) -> int:
-    if not _is_int(p):
+    if not is_integer(p):
         raise MoeCallError(f"{name}={p!r}: a device pointer (int) is required")
     if not 0 < p < _MAX_PTR:
         raise MoeCallError(f"{name}={p!r}: not a device address (must be in 1..2^64-1)")
@@ -110,7 +103,7 @@ def pointer(name: str, p, align: int) -> int:
 
 def optional_pointer(name: str, p, align: int) -> int:
     """0 where the pointer is absent (None or an integer 0), else `pointer`'s checks."""
-    if p is None or (_is_int(p) and p == 0):
+    if p is None or (is_integer(p) and p == 0):
         return 0
     return pointer(name, p, align)
 
@@ -187,7 +180,7 @@ def checked_call(layer, input_ptr, num_tokens, output_ptr, token_ids_ptr) -> tup
 
 def check_stream(stream) -> int:
     """A cudaStream_t as an int (0, 1 and 2 are the legacy, per-thread default streams)."""
-    if not _is_int(stream) or not 0 <= stream < _MAX_PTR:
+    if not is_integer(stream) or not 0 <= stream < _MAX_PTR:
         raise MoeCallError(f"stream={stream!r}: a cudaStream_t as an int is required")
     return int(stream)
 

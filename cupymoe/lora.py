@@ -103,7 +103,7 @@ class LoraWeights:
 
     def check(self, cfg: MoeConfig, max_rank: Optional[int] = None) -> "LoraWeights":
         """LoraError naming the first module whose key, shape, rank or values `cfg` cannot take."""
-        if max_rank is not None and (isinstance(max_rank, bool) or not isinstance(max_rank, (int, np.integer))):
+        if max_rank is not None and not is_integer(max_rank):
             raise LoraError(f"max_rank={max_rank!r}: must be a whole number or None")
         shapes = _in_out(cfg)
         for key, m in self.modules.items():

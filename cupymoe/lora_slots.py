@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import catalog as C
-from .config import MoeConfig
+from .config import MoeConfig, is_integer
 from .errors import LoraError, OptionError
 from .formats import BF16
 from .launch import Driver
@@ -39,7 +39,7 @@ PROJECTIONS = ((LoraTarget.GATE, LoraTarget.SHARED_GATE), (LoraTarget.UP, LoraTa
 def check_options(max_loras, max_lora_rank) -> tuple[int, int]:
     """(K, R): both 0 (no LoRA) or both positive integers."""
     for name, v in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+        if not is_integer(v) or v < 0:
             raise OptionError(f"{name}={v!r}: must be a non-negative integer")
     if (max_loras == 0) != (max_lora_rank == 0):
         raise OptionError(f"max_loras={max_loras}, max_lora_rank={max_lora_rank}: give both (LoRA on) or neither")
@@ -141,7 +141,7 @@ class LoraSlots:
         return int(self._arrays[name].data.ptr)
 
     def _slot(self, slot) -> int:
-        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < self.max_loras:
+        if not is_integer(slot) or not 0 <= slot < self.max_loras:
             raise LoraError(f"slot={slot!r}: must be in 0..max_loras-1 = 0..{self.max_loras - 1}")
         return int(slot)
 
