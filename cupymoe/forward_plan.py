@@ -71,6 +71,7 @@ class PrefillShape:
     sm90_down: Optional[str] = None
     lora_segments: bool = False  # the stacked LoRA shrinks by segments where the knob is auto (heuristics.lora_shrink_segments)
     lora_router_t: bool = False  # the router's LoRA t from the router GEMM (n <= lp.lora_router_t_rows; lora_router_t)
+    lora_down_segments: bool = False  # down's stacked shrink by segments where the knob is auto (heuristics.lora_down_shrink_segments)
 
 
 def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
@@ -83,7 +84,7 @@ def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
                         pairs <= C.SMALL_SORT_PAIRS and lists_smem <= dev.max_smem, HX.grouped_config(lp, n),
                         HX.sm90_fp8_variant(lp, n), HX.sm90_variant(lp, GemmMode.GATE_UP, n),
                         HX.sm90_variant(lp, GemmMode.DOWN, n), HX.lora_shrink_segments(n),
-                        n <= lp.lora_router_t_rows)
+                        n <= lp.lora_router_t_rows, HX.lora_down_shrink_segments(n, lp.i_max))
 
 
 def prefill_buckets(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[tuple[int, int, PrefillShape]]:
@@ -492,7 +493,7 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
         if _is_gemm(s, Stage.GATE_UP) and not stacked[Stage.GATE_UP]:
             out.append(_pair(_swapab_lora(s, lp, lora) if swapab else s))
         elif _is_gemm(s, Stage.GATE_UP) or _is_gemm(s, Stage.DOWN):
-            out.extend(_stacked_gemm(s, lp, lora, _segments(plan, lora), overlap) if stacked[s.stage] else (s,))
+            out.extend(_stacked_gemm(s, lp, lora, _segments(plan, lora, s.stage), overlap) if stacked[s.stage] else (s,))
         else:
             out.append(s)
     if lora_grouped(plan, lp, lora):
@@ -576,10 +577,12 @@ def lora_kernel_name(kernel: str) -> str:
     return f"grouped_gemm_sm90_tma_lora<{', '.join(args)}>"
 
 
-def _segments(plan: ForwardPlan, lora: LoraShape) -> bool:
-    """Whether the stacked form's shrinks go by segments (lora_stack_t_seg) or by chunks."""
+def _segments(plan: ForwardPlan, lora: LoraShape, stage: Stage) -> bool:
+    """Whether the stacked form's shrink of `stage` (gate/up or down) goes by segments (lora_stack_t_seg)
+    or by chunks."""
     if lora.stack_shrink == LoraShrink.AUTO:
-        return plan.shape is not None and plan.shape.lora_segments
+        shape = plan.shape
+        return shape is not None and (shape.lora_down_segments if stage == Stage.DOWN else shape.lora_segments)
     return lora.stack_shrink == LoraShrink.SEGMENTS
 
 

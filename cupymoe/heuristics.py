@@ -139,6 +139,21 @@ def lora_shrink_segments(n: int) -> bool:
     return n >= LORA_SEGMENTS_FROM_ROWS
 
 
+# Down's stacked shrink by segments at every prefill row count where its K (the experts' I_max) is at
+# most this many columns: a short K is a short chain of K steps for one segment block, which is what
+# lost gate/up's segments at 1024 rows (K = H, 32 steps at qwen3-30b-a3b), and down's segments read
+# each row and each adapter's A once a segment (qwen3-30b-a3b down, I 768: 12 steps; session 19 measured
+# down 18.5 µs by segments against 19.5-20.5 by chunks at 1024 rows; DECISIONS "LoRA: the stacked
+# shrinks by segments").
+LORA_DOWN_SEGMENTS_MAX_K = 1024
+
+
+def lora_down_shrink_segments(n: int, k: int) -> bool:
+    """Whether CUPYMOE_LORA_STACK_SHRINK=auto takes the segments form for down's shrink (K = k) at a
+    prefill of n rows."""
+    return lora_shrink_segments(n) or k <= LORA_DOWN_SEGMENTS_MAX_K
+
+
 def sm90_fp8_variant(lp: LayerPlan, n: int) -> str:
     """The w8a8 grouped GEMM of a prefill of `n` rows: "tma" or "tma64" (grouped_sm90_fp8_tma.cu's two
     forms) where it serves and CUPYMOE_SM90_FP8_VARIANT or the tuning table's entry for the N bucket

@@ -57,7 +57,7 @@ class L2Promotion(str, enum.Enum):
 
 class LoraShrink(str, enum.Enum):
     """How the stacked form makes T (forward_plan._stacked_gemm)."""
-    AUTO = "auto"  # segments past heuristics.LORA_SEGMENTS_FROM_ROWS rows, chunks below
+    AUTO = "auto"  # segments past heuristics.LORA_SEGMENTS_FROM_ROWS rows (down: also where its K is short)
     CHUNKS = "chunks"  # lora_stack_t_gate_up / _down: a tile's rows bucketed by adapter, a chunk's shrink at a time
     SEGMENTS = "segments"  # lora_stack_t_seg: a block a (tile, adapter), its rows against that adapter's A rows, pipelined
 
@@ -211,7 +211,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                      "where it can run (forward_plan.lora_stack_parts: rank <= 32, KS <= 128), else the "
                      "grouped deltas; read when a layer is built", _lora_parts, 1),
     "lora_stack_shrink": ("CUPYMOE_LORA_STACK_SHRINK", "how the stacked form's shrinks make T: auto (segments from "
-                          "heuristics.LORA_SEGMENTS_FROM_ROWS rows, chunks below) | chunks (a tile's rows bucketed "
+                          "heuristics.LORA_SEGMENTS_FROM_ROWS rows, chunks below; down's by segments at every N "
+                          "where its K is at most heuristics.LORA_DOWN_SEGMENTS_MAX_K) | chunks (a tile's rows bucketed "
                           "by adapter, a chunk at a time) | segments (a block a tile's rows of one adapter, on a "
                           "cp.async ring); read when a layer is built", _choice(LoraShrink), LoraShrink.AUTO),
     "lora_fold": ("CUPYMOE_LORA_FOLD", "1: at the decode chain's fewest rows (heuristics.LORA_FOLD_ROWS) the "

@@ -204,7 +204,9 @@ def test_stacked_plan(preset, n, parts):
         assert s.arg("lora_steps") == LS.lora_steps(4, 16, parts)
         assert (s.grid, s.block, s.smem) == (g.grid, g.block, g.smem)
         assert s.pdl and not shrink.pdl and not g.pdl  # lora_overlap: by PDL after its shrink, launched plainly
-        if n > 2048:  # CUPYMOE_LORA_STACK_SHRINK=auto: by segments (heuristics.lora_shrink_segments)
+        # CUPYMOE_LORA_STACK_SHRINK=auto: by segments past 2048 rows (heuristics.lora_shrink_segments), and
+        # down's at every N where its K is short (lora_down_shrink_segments: qwen3-30b-a3b's I 768)
+        if n > 2048 or (g.stage == Stage.DOWN and lp.i_max <= 1024):
             assert shrink.kernel == ("lora_stack_t_seg<2, 32>" if g.stage == Stage.GATE_UP else "lora_stack_t_seg<1, 16>")
             assert shrink.stage == g.stage and shrink.grid == (g.grid[1], 4) and shrink.block == (128,)
         else:
@@ -264,16 +266,22 @@ def test_the_segments_width_refuses_past_64_columns():
         lora_seg_bn(2, 33)
 
 
-@pytest.mark.parametrize("n, segments", [(2048, False), (2049, True), (16384, True)])
-def test_auto_takes_the_segments_past_2048_rows(n, segments):
+@pytest.mark.parametrize("n, segments", [(300, False), (2048, False), (2049, True), (16384, True)])
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_auto_takes_the_segments_past_2048_rows(preset, n, segments):
     """CUPYMOE_LORA_STACK_SHRINK=auto: chunks to 2048 rows, segments past them; the prefill shapes
-    split there, so a bucket plan never spans both."""
+    split there, so a bucket plan never spans both. Down's shrink by segments at every N where its K
+    (I_max) is at most 1024 columns (qwen3-30b-a3b's 768; deepseek-v3's 2048 goes as gate/up's)."""
     from cupymoe.forward_plan import prefill_shape
 
-    cfg, lp, _, plan = _plans("qwen3-30b-a3b", n, 1)
+    cfg, lp, _, plan = _plans(preset, n, 1)
     kinds = {getattr(s, "kernel", "") for s in plan.steps}
+    down_segments = segments or lp.i_max <= 1024
+    assert down_segments == (preset == "qwen3-30b-a3b" or segments)
     assert ("lora_stack_t_seg<2, 32>" in kinds) == segments and ("lora_stack_t_gate_up" in kinds) == (not segments)
-    assert prefill_shape(lp, H200, n).lora_segments == segments
+    assert ("lora_stack_t_seg<1, 16>" in kinds) == down_segments and ("lora_stack_t_down" in kinds) == (not down_segments)
+    shape = prefill_shape(lp, H200, n)
+    assert (shape.lora_segments, shape.lora_down_segments) == (segments, down_segments)
 
 
 def test_stacked_form_only_where_it_serves():
