@@ -805,8 +805,9 @@ def _prefill_uses_stacked(layer, n, max_rank):
     # the LoRA plans' LayerPlan (a w8a8 layer with expert slots: its w8a16 one)
     plan = build_forward_plan(layer._lora_plan, layer.device, n, Path.PREFILL, lora=shape).at(n)
     kinds = [getattr(s, "kernel", "") for s in plan.steps]
-    stacked = any(all(any(k.startswith(s) for k in kinds) for s in shrinks)
-                  for shrinks in (("lora_stack_t_seg<2,", "lora_stack_t_seg<1,"), ("lora_stack_t_gate_up", "lora_stack_t_down")))
+    # a gate/up shrink and a down shrink, each in either form (auto mixes them: down's by segments where its K is short)
+    stacked = all(any(k.startswith(forms) for k in kinds)
+                  for forms in (("lora_stack_t_seg<2,", "lora_stack_t_gate_up"), ("lora_stack_t_seg<1,", "lora_stack_t_down")))
     if layer._lora_stack_shrink == "segments":
         assert not stacked or "lora_stack_t_gate_up" not in kinds
     assert stacked == (sum(k.startswith(("grouped_gemm_sm90_tma_lora<", "grouped_gemm_lora<0", "grouped_gemm_lora<1")) for k in kinds) == 2)
