@@ -1158,12 +1158,12 @@ __device__ __forceinline__ void lora_seg_mma_step(float (&acc)[BN / 8][4], const
     }
 }
 
-// The tile's positions (sub-tile pos0 .., m of them) of adapter a into list[0, n) in position
+// The sub-tile's positions (pos0 .., m of them) of adapter a appended to list[n0, n) in position
 // order (a ballot a warp, the warps' counts met in shared memory); returns n. lid must be
 // written and the block met.
-__device__ __forceinline__ int lora_seg_list(const int* lid, int* list, int* warp_n, int m, int a) {
+__device__ __forceinline__ int lora_seg_list(const int* lid, int* list, int* warp_n, int m, int a, int pos0, int n0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int n = 0;
+    int n = n0;
     for (int i0 = 0; i0 < m; i0 += LSS_THREADS) {
         const int i = i0 + threadIdx.x;
         const bool mine = i < m && lid[i] == a;
@@ -1176,33 +1176,30 @@ __device__ __forceinline__ int lora_seg_list(const int* lid, int* list, int* war
             before += w < warp ? warp_n[w] : 0;
             total += warp_n[w];
         }
-        if (mine) list[before + __popc(bal & ((1u << lane) - 1u))] = i;
+        if (mine) list[before + __popc(bal & ((1u << lane) - 1u))] = pos0 + i;
         n = total;
         __syncthreads();  // warp_n is rewritten next round
     }
     return n;
 }
 
-// grid (the GEMM's tile bound, max_loras), block LSS_THREADS, dynamic shared memory LSS_STAGES
-// (LSS_BM + BN) LSS_BK bf16 (catalog.lora_seg_smem). NP 2: gate/up (x's rows through sorted_row,
-// xe for routed experts; gate_a, up_a; K = H); NP 1: down (act's rows by position; down_a; K = the
-// expert's I, row stride I_max). T as lora_stack_t_gate_up / lora_stack_t_down write it.
+// Block (t, a)'s rows: ti = (expert, first position, rows) of its tile or expert piece. Adapter a's
+// positions are listed sub-tile by sub-tile (LORA_SUB at a time) and multiplied LSS_BM at a time, the
+// fewer left over waiting for the next sub-tile's, so a's A rows stream once for each LSS_BM of its rows.
+#define LORA_SEG_ARGS const bf16 *__restrict__ x, const bf16 *__restrict__ xe, const bf16 *__restrict__ act, \
+    const int *__restrict__ lora_ids, const int *__restrict__ sorted_row, const int *__restrict__ inter, \
+    const bf16 *__restrict__ a0, const bf16 *__restrict__ a1, const float *__restrict__ scale, bf16 *__restrict__ T, \
+    int H, int I_max, int n_local, int max_rank, int max_loras, int parts, int KS
+#define LORA_SEG_ARG_NAMES x, xe, act, lora_ids, sorted_row, inter, a0, a1, scale, T, H, I_max, n_local, max_rank, \
+    max_loras, parts, KS
+
 template <int NP, int BN>
-__global__ void __launch_bounds__(LSS_THREADS, LssShape<BN>::MIN_BLOCKS)
-lora_stack_t_seg(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16* __restrict__ act,
-                 const int* __restrict__ lora_ids, const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
-                 const int* __restrict__ sorted_row, const int* __restrict__ inter, const bf16* __restrict__ a0,
-                 const bf16* __restrict__ a1, const float* __restrict__ scale, bf16* __restrict__ T, int H, int I_max,
-                 int n_local, int max_rank, int max_loras, int parts, int KS) {
+__device__ __forceinline__ void lora_seg_rows(const int4 ti, LORA_SEG_ARGS) {
     using Shape = LssShape<BN>;
     constexpr int LD = Shape::LD;
     extern __shared__ __align__(128) unsigned char lss_smem[];
-    __shared__ int lid[LORA_SUB], list[LORA_SUB], warp_n[LSS_THREADS / 32];
+    __shared__ int lid[LORA_SUB], list[LORA_SUB + LSS_BM], warp_n[LSS_THREADS / 32];
     __shared__ float col_scale[BN];
-    // launched plainly (the prefill path alone); its GEMM may follow by PDL and run its K beside it
-    pdl_wait_then_release_next();
-    if ((int)blockIdx.x >= *num_tiles) return;
-    const int4 ti = tile_info[blockIdx.x];
     const int e = ti.x, a = blockIdx.y, R = max_rank, KR = max_loras * max_rank, width = NP * KS;
     const int K = NP == 2 ? H : inter[e], stride = NP == 2 ? H : I_max, KT = (K + LSS_BK - 1) / LSS_BK;
     const bf16* in = NP == 2 ? (e == n_local ? x : xe) : act;  // the shared expert reads x
@@ -1225,6 +1222,7 @@ lora_stack_t_seg(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
     for (int c = threadIdx.x; c < BN; c += LSS_THREADS)
         col_scale[c] = c < NP * R ? scale[slot * 3 + (NP == 2 ? c / R : 2)] : 0.f;
 
+    int have = 0;  // adapter a's positions listed, not yet multiplied (fewer than LSS_BM between sub-tiles)
     for (int s0 = 0; s0 < ti.z; s0 += LORA_SUB) {
         const int pos0 = ti.y + s0, m = min(LORA_SUB, ti.z - s0);
         for (int i = threadIdx.x; i < m; i += LSS_THREADS) {
@@ -1238,14 +1236,16 @@ lora_stack_t_seg(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
             if (lid[i] < 0)
                 *reinterpret_cast<uint4*>(T + (size_t)(pos0 + i) * width + 8 * (v - i * (width >> 3))) = make_uint4(0u, 0u, 0u, 0u);
         }
-        const int n = lora_seg_list(lid, list, warp_n, m, a);
-        for (int r0 = 0; r0 < n; r0 += LSS_BM) {
-            const int rows = min(LSS_BM, n - r0);
+        have = lora_seg_list(lid, list, warp_n, m, a, pos0, have);
+        const bool last = s0 + LORA_SUB >= ti.z;
+        int r0 = 0;
+        for (; have - r0 >= LSS_BM || (last && r0 < have); r0 += LSS_BM) {
+            const int rows = min(LSS_BM, have - r0);
             ld.a_ok = 0u;
 #pragma unroll
             for (int i = 0; i < Shape::A_PER; ++i) {
                 const int r = (threadIdx.x + i * LSS_THREADS) / Shape::CHUNKS;
-                const int pos = pos0 + list[r0 + min(r, rows - 1)];
+                const int pos = list[r0 + min(r, rows - 1)];
                 ld.a_ok |= (unsigned)(r < rows) << i;
                 ld.a_src[i] = in + (size_t)(NP == 2 ? sorted_row[pos] : pos) * stride;
             }
@@ -1302,11 +1302,57 @@ lora_stack_t_seg(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
                     }
                     w[q2] = pack_bf16x2(el[0], el[1]);
                 }
-                *reinterpret_cast<uint4*>(T + (size_t)(pos0 + list[r0 + i]) * width + c0) = make_uint4(w[0], w[1], w[2], w[3]);
+                *reinterpret_cast<uint4*>(T + (size_t)list[r0 + i] * width + c0) = make_uint4(w[0], w[1], w[2], w[3]);
             }
             __syncthreads();  // the next slice's stages overwrite the staging
         }
+        if (r0 > 0) {  // fewer than LSS_BM listed rows wait for the next sub-tile's: to the list's front
+            const int rest = have - r0, p = threadIdx.x < rest ? list[r0 + threadIdx.x] : 0;
+            __syncthreads();
+            if (threadIdx.x < rest) list[threadIdx.x] = p;
+            __syncthreads();
+            have = rest;
+        }
     }
+}
+
+// grid (the GEMM's tile bound, max_loras), block LSS_THREADS, dynamic shared memory LSS_STAGES
+// (LSS_BM + BN) LSS_BK bf16 (catalog.lora_seg_smem). NP 2: gate/up (x's rows through sorted_row,
+// xe for routed experts; gate_a, up_a; K = H); NP 1: down (act's rows by position; down_a; K = the
+// expert's I, row stride I_max). T as lora_stack_t_gate_up / lora_stack_t_down write it.
+template <int NP, int BN>
+__global__ void __launch_bounds__(LSS_THREADS, LssShape<BN>::MIN_BLOCKS)
+lora_stack_t_seg(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16* __restrict__ act,
+                 const int* __restrict__ lora_ids, const int* __restrict__ num_tiles, const int4* __restrict__ tile_info,
+                 const int* __restrict__ sorted_row, const int* __restrict__ inter, const bf16* __restrict__ a0,
+                 const bf16* __restrict__ a1, const float* __restrict__ scale, bf16* __restrict__ T, int H, int I_max,
+                 int n_local, int max_rank, int max_loras, int parts, int KS) {
+    // launched plainly (the prefill path alone); its GEMM may follow by PDL and run its K beside it
+    pdl_wait_then_release_next();
+    if ((int)blockIdx.x >= *num_tiles) return;
+    lora_seg_rows<NP, BN>(tile_info[blockIdx.x], LORA_SEG_ARG_NAMES);
+}
+
+// The same by expert pieces (CUPYMOE_LORA_STACK_SHRINK=experts): grid (the active experts' bound,
+// max_loras, ceil(N / LSS_PIECE)), block (j, a, p) taking rows p LSS_PIECE .. of active expert j's run,
+// so an expert's adapter rows share one block and its A rows are not read again for each GEMM tile.
+#define LSS_PIECE (4 * LORA_SUB)
+template <int NP, int BN>
+__global__ void __launch_bounds__(LSS_THREADS, LssShape<BN>::MIN_BLOCKS)
+lora_stack_t_seg_experts(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16* __restrict__ act,
+                         const int* __restrict__ lora_ids, const int* __restrict__ num_active,
+                         const int* __restrict__ active_slot, const int* __restrict__ active_start,
+                         const int* __restrict__ active_len, const int* __restrict__ sorted_row,
+                         const int* __restrict__ inter, const bf16* __restrict__ a0, const bf16* __restrict__ a1,
+                         const float* __restrict__ scale, bf16* __restrict__ T, int H, int I_max, int n_local,
+                         int max_rank, int max_loras, int parts, int KS) {
+    pdl_wait_then_release_next();  // as lora_stack_t_seg
+    const int j = blockIdx.x, p0 = blockIdx.z * LSS_PIECE;
+    if (j >= *num_active) return;
+    const int len = active_len[j];
+    if (p0 >= len) return;
+    lora_seg_rows<NP, BN>(make_int4(active_slot[j], active_start[j] + p0, min(LSS_PIECE, len - p0), 0),
+                          LORA_SEG_ARG_NAMES);
 }
 
 // ---------------------------------------------------------------------------------------------

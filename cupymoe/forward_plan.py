@@ -69,9 +69,10 @@ class PrefillShape:
     fp8_variant: str = "cp_async"  # the w8a8 grouped GEMM (heuristics.sm90_fp8_variant)
     sm90_gate_up: Optional[str] = None  # the bf16 TMA GEMM variants where the table names them (heuristics.sm90_variant)
     sm90_down: Optional[str] = None
-    lora_segments: bool = False  # the stacked LoRA shrinks by segments where the knob is auto (heuristics.lora_shrink_segments)
     lora_router_t: bool = False  # the router's LoRA t from the router GEMM (n <= lp.lora_router_t_rows; lora_router_t)
-    lora_down_segments: bool = False  # down's stacked shrink by segments where the knob is auto (heuristics.lora_down_shrink_segments)
+    # the stacked LoRA shrinks' forms where the knob is auto (heuristics.lora_shrink_form)
+    lora_gate_up_shrink: LoraShrink = LoraShrink.CHUNKS
+    lora_down_shrink: LoraShrink = LoraShrink.CHUNKS
 
 
 def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
@@ -83,8 +84,8 @@ def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
     return PrefillShape(HX.router_config(lp, dev, n), splits,
                         pairs <= C.SMALL_SORT_PAIRS and lists_smem <= dev.max_smem, HX.grouped_config(lp, n),
                         HX.sm90_fp8_variant(lp, n), HX.sm90_variant(lp, GemmMode.GATE_UP, n),
-                        HX.sm90_variant(lp, GemmMode.DOWN, n), HX.lora_shrink_segments(n),
-                        n <= lp.lora_router_t_rows, HX.lora_down_shrink_segments(n, lp.i_max))
+                        HX.sm90_variant(lp, GemmMode.DOWN, n), n <= lp.lora_router_t_rows,
+                        HX.lora_shrink_form(n, cfg.hidden_size), HX.lora_shrink_form(n, lp.i_max))
 
 
 def prefill_buckets(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[tuple[int, int, PrefillShape]]:
@@ -300,7 +301,7 @@ def _router_delta(plan: ForwardPlan, lp: LayerPlan, lora: LoraShape) -> Launch:
     """The router's delta as a launch of its own: lora_router_delta (a block a row, its H split over
     lora_slices blocks), or lora_grouped_router_delta where the deltas go grouped."""
     cfg = lp.cfg
-    rows = PerN("N", lambda n: n) if plan.shape is not None else plan.built_for
+    rows = _rows(plan)
     args = (u64("x", X), u64("lora_ids", CallValue.LORA_IDS), u64("a", Buf(Space.LAYER, "lora_router_a")),
             u64("bs", Buf(Space.LAYER, "lora_router_bs")), u64("logits", S("logits")))
     slice_args = (u64("part", S("lora_part")), u64("tickets", S("lora_tickets")))
@@ -493,7 +494,8 @@ def _with_expert_deltas(steps: list, plan: ForwardPlan, lp: LayerPlan, lora: Lor
         if _is_gemm(s, Stage.GATE_UP) and not stacked[Stage.GATE_UP]:
             out.append(_pair(_swapab_lora(s, lp, lora) if swapab else s))
         elif _is_gemm(s, Stage.GATE_UP) or _is_gemm(s, Stage.DOWN):
-            out.extend(_stacked_gemm(s, lp, lora, _segments(plan, lora, s.stage), overlap) if stacked[s.stage] else (s,))
+            out.extend(_stacked_gemm(s, lp, lora, _shrink_form(plan, lora, s.stage), overlap, _rows(plan))
+                       if stacked[s.stage] else (s,))
         else:
             out.append(s)
     if lora_grouped(plan, lp, lora):
@@ -577,17 +579,19 @@ def lora_kernel_name(kernel: str) -> str:
     return f"grouped_gemm_sm90_tma_lora<{', '.join(args)}>"
 
 
-def _segments(plan: ForwardPlan, lora: LoraShape, stage: Stage) -> bool:
-    """Whether the stacked form's shrink of `stage` (gate/up or down) goes by segments (lora_stack_t_seg)
-    or by chunks."""
-    if lora.stack_shrink == LoraShrink.AUTO:
-        shape = plan.shape
-        return shape is not None and (shape.lora_down_segments if stage == Stage.DOWN else shape.lora_segments)
-    return lora.stack_shrink == LoraShrink.SEGMENTS
+def _shrink_form(plan: ForwardPlan, lora: LoraShape, stage: Stage) -> LoraShrink:
+    """How the stacked form's shrink of `stage` (gate/up or down) makes T: the knob's form, or where it
+    is auto the prefill shape's."""
+    if lora.stack_shrink != LoraShrink.AUTO:
+        return lora.stack_shrink
+    shape = plan.shape
+    if shape is None:
+        return LoraShrink.CHUNKS
+    return shape.lora_down_shrink if stage == Stage.DOWN else shape.lora_gate_up_shrink
 
 
-def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, segments: bool,
-                  overlap: bool = False) -> tuple[Launch, Launch]:
+def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, form: LoraShrink,
+                  overlap: bool = False, rows=None) -> tuple[Launch, Launch]:
     """A GEMM in the stacked form: its shrink (T of the GEMM's tiles, lora_stack_t_*, lora_chunk_blocks
     blocks a tile) and the GEMM as its twin: grouped_gemm_sm90_tma_lora (lora_steps past its
     arguments) or grouped_gemm_lora (T, gate's or down's Bext, up's, KS past them); with `overlap`
@@ -600,8 +604,8 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, segments: bool,
     tail = (i32("n_local", lp.n_local), i32("max_rank", lora.max_rank), i32("max_loras", lora.max_loras),
             i32("parts", lora.stack_parts), i32("KS", stack_width(lora.max_loras, lora.max_rank, lora.stack_parts)))
     grid = (gemm.grid[1], lora_chunk_blocks(lora.max_loras))  # the chunks form's
-    if segments:
-        shrink = _shrink_segments(gemm, lp, lora, L, tiles, tail)
+    if form != LoraShrink.CHUNKS:
+        shrink = _shrink_segments(gemm, lp, lora, L, tiles, tail, rows, form == LoraShrink.EXPERTS)
     elif gemm.stage == Stage.GATE_UP:
         # with shrink_runs a run's tiles go LORA_SUB rows a block (cuda/lora.cu lora_run_piece): grouped.cu's
         # tiles (64 rows, w8a16), not the TMA GEMM's 128 / 192, where a block would take its tile alone
@@ -635,9 +639,11 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, segments: bool,
     return _as_successor(shrink, gemm), replace(stacked, pdl=True) if overlap else stacked
 
 
-def _shrink_segments(gemm: Launch, lp: LayerPlan, lora: LoraShape, L, tiles, tail) -> Launch:
+def _shrink_segments(gemm: Launch, lp: LayerPlan, lora: LoraShape, L, tiles, tail, rows,
+                     by_experts: bool) -> Launch:
     """The stacked form's shrink as lora_stack_t_seg<NP, BN>: grid (the GEMM's tile bound, max_loras),
-    block (t, a) taking tile t's rows of adapter a against a's NP R A rows (BN: catalog.lora_seg_bn)."""
+    block (t, a) taking tile t's rows of adapter a against a's NP R A rows (BN: catalog.lora_seg_bn);
+    `by_experts`: lora_stack_t_seg_experts, a block (expert piece, adapter)."""
     cfg = lp.cfg
     gate_up = gemm.stage == Stage.GATE_UP
     np_ = 2 if gate_up else 1
@@ -646,12 +652,34 @@ def _shrink_segments(gemm: Launch, lp: LayerPlan, lora: LoraShape, L, tiles, tai
               else (u64("x", 0), u64("xe", 0), u64("act", S("act"))))
     a = ((u64("a0", Buf(Space.LAYER, "lora_gate_a")), u64("a1", Buf(Space.LAYER, "lora_up_a"))) if gate_up
          else (u64("a0", Buf(Space.LAYER, "lora_down_a")), u64("a1", 0)))
-    return Launch(gemm.stage, f"lora_stack_t_seg<{np_}, {bn}>", (gemm.grid[1], lora.max_loras), (C.LORA_SEG_THREADS,),
-                  inputs + (u64("lora_ids", CallValue.LORA_IDS), u64("num_tiles", tiles[0]), u64("tile_info", tiles[1]),
+    if by_experts:
+        name, grid = f"lora_stack_t_seg_experts<{np_}, {bn}>", _expert_pieces_grid(rows, lp, lora)
+        runs = (u64("num_active", S("num_active")),
+                *(u64(b, S(b)) for b in ("active_slot", "active_start", "active_len")))
+    else:
+        name, grid = f"lora_stack_t_seg<{np_}, {bn}>", (gemm.grid[1], lora.max_loras)
+        runs = (u64("num_tiles", tiles[0]), u64("tile_info", tiles[1]))
+    return Launch(gemm.stage, name, grid, (C.LORA_SEG_THREADS,),
+                  inputs + (u64("lora_ids", CallValue.LORA_IDS), *runs,
                             u64("sorted_row", S("sorted_row")), u64("inter", W("inter")), *a, L("scale"),
                             u64("T", S("lora_t_gu" if gate_up else "lora_t_down")), i32("H", cfg.hidden_size),
                             i32("I_max", lp.i_max), *tail),
                   C.lora_seg_smem(bn))
+
+
+def _rows(plan: ForwardPlan):
+    """The call's row count N: the plan's own in an exact plan, a PerN in a bucket plan."""
+    return plan.built_for if plan.shape is None else PerN("N", lambda n: n)
+
+
+def _expert_pieces_grid(rows, lp: LayerPlan, lora: LoraShape) -> tuple:
+    """lora_stack_t_seg_experts' grid: (the active experts' bound, max_loras, ceil(N / LSS_PIECE))."""
+    k, sh = lp.cfg.num_experts_per_tok, int(lp.has_shared)
+    active = lambda n: max(1, min(lp.n_local, n * k) + sh)  # noqa: E731
+    pieces = lambda n: -(-n // C.LORA_SEG_PIECE_ROWS)  # noqa: E731
+    if isinstance(rows, PerN):
+        return PerN("lora_active", active), lora.max_loras, PerN("lora_pieces", pieces)
+    return active(rows), lora.max_loras, pieces(rows)
 
 
 def _pair(launch: Launch) -> Launch:

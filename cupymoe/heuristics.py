@@ -12,7 +12,7 @@ from typing import Optional
 
 from . import catalog as C
 from .catalog import GemmMode, WeightFormat
-from .knobs import Bf16Decode, DecodeRouter, Fp4Decode, GateUpAhead, Sm90Fp8, W8a8Decode
+from .knobs import Bf16Decode, DecodeRouter, Fp4Decode, GateUpAhead, LoraShrink, Sm90Fp8, W8a8Decode
 from .plan import DeviceFacts, LayerPlan
 from .tuning import TUNING
 
@@ -103,9 +103,9 @@ def grouped_config(lp: LayerPlan, n: int) -> str:
     return "math" if n * lp.cfg.num_experts_per_tok >= lp.math_rows * lp.n_local else "stream"
 
 
-# The stacked LoRA form's shrinks by (tile, adapter) segments from this many rows, by chunks below
-# (CUPYMOE_LORA_STACK_SHRINK=auto): segments won at 4096 rows and lost at 1024 in w8a16
-# (benchmarks/DECISIONS.md "LoRA: the stacked shrinks by segments").
+# The stacked LoRA form's shrinks by (tile, adapter) segments from this many rows (CUPYMOE_LORA_STACK_SHRINK
+# =auto): segments won at 4096 rows and lost at 1024 in w8a16 (benchmarks/DECISIONS.md "LoRA: the stacked
+# shrinks by segments"); the expert pieces lost to them at 4096 ("... by expert pieces").
 LORA_SEGMENTS_FROM_ROWS = 2049
 
 
@@ -134,24 +134,18 @@ def lora_swapab_rows(lp: LayerPlan, n: int, max_loras: int) -> bool:
     return n * lp.cfg.num_experts_per_tok >= LORA_SWAPAB_PAIRS_A_SLOT * lp.cfg.num_experts * max_loras
 
 
-def lora_shrink_segments(n: int) -> bool:
-    """Whether CUPYMOE_LORA_STACK_SHRINK=auto takes the segments form at a prefill of n rows."""
-    return n >= LORA_SEGMENTS_FROM_ROWS
+# Below LORA_SEGMENTS_FROM_ROWS a stacked shrink whose K (gate/up: H; down: the experts' I_max) is at
+# most this many columns goes by expert pieces, a block an (expert, adapter) with its rows 64 at a time
+# against A streamed once; a longer K stays with the chunks, whose warps split it (DECISIONS "LoRA: the
+# stacked shrinks by expert pieces": qwen3-30b-a3b 1024 rows, H 2048 and I 768).
+LORA_EXPERTS_MAX_K = 2048
 
 
-# Down's stacked shrink by segments at every prefill row count where its K (the experts' I_max) is at
-# most this many columns: a short K is a short chain of K steps for one segment block, which is what
-# lost gate/up's segments at 1024 rows (K = H, 32 steps at qwen3-30b-a3b), and down's segments read
-# each row and each adapter's A once a segment (qwen3-30b-a3b down, I 768: 12 steps; session 19 measured
-# down 18.5 µs by segments against 19.5-20.5 by chunks at 1024 rows; DECISIONS "LoRA: the stacked
-# shrinks by segments").
-LORA_DOWN_SEGMENTS_MAX_K = 1024
-
-
-def lora_down_shrink_segments(n: int, k: int) -> bool:
-    """Whether CUPYMOE_LORA_STACK_SHRINK=auto takes the segments form for down's shrink (K = k) at a
-    prefill of n rows."""
-    return lora_shrink_segments(n) or k <= LORA_DOWN_SEGMENTS_MAX_K
+def lora_shrink_form(n: int, k: int) -> LoraShrink:
+    """The form CUPYMOE_LORA_STACK_SHRINK=auto takes for a stacked shrink over K = k at a prefill of n rows."""
+    if n >= LORA_SEGMENTS_FROM_ROWS:
+        return LoraShrink.SEGMENTS
+    return LoraShrink.EXPERTS if k <= LORA_EXPERTS_MAX_K else LoraShrink.CHUNKS
 
 
 def sm90_fp8_variant(lp: LayerPlan, n: int) -> str:

@@ -119,7 +119,8 @@ def _modules() -> dict[str, ModuleSpec]:
                                         "lora_grouped_gate_up_act", "lora_grouped_down_delta",
                                         "lora_grouped_router_delta", "lora_stack_t_gate_up", "lora_stack_t_gate_up_runs",
                                         "lora_stack_t_down")
-                           + tuple(f"lora_stack_t_seg<{np_}, {bn}>" for np_ in (2, 1) for bn in C.LORA_SEG_BNS)),  # LoRA (lora_slots.py, lora_stack.py)
+                           + tuple(f"lora_stack_t_seg{by}<{np_}, {bn}>" for by in ("", "_experts") for np_ in (2, 1)
+                                   for bn in C.LORA_SEG_BNS)),  # LoRA (lora_slots.py, lora_stack.py)
         "decode_wgmma_fp4": ModuleSpec(
             "decode_wgmma_fp4.cu", tuple(f"decode_wgmma_{m}_fp4<{int(f)}, {nt}>" for m in ("gate_up", "down")
                                          for f in C.FP4_DECODE_FORMATS for nt in C.WGMMA_FP4_DECODE_TOKEN_TILES),
@@ -467,7 +468,7 @@ def opt_in_smem(expr: str, max_smem: int) -> int:
         return C.swapab_fp8_smem_bytes(int(m.group(1)))
     if expr.startswith("decode_wgmma_"):
         return max_smem - 1024
-    m = re.fullmatch(r"lora_stack_t_seg<\d, (\d+)>", expr)
+    m = re.fullmatch(r"lora_stack_t_seg(?:_experts)?<\d, (\d+)>", expr)
     if m:  # its cp.async ring
         return C.lora_seg_smem(int(m.group(1)))
     if expr.startswith(("lora_grouped_", "lora_stack_t_")):  # its warps' partial t grow with the rank (less its static buckets)

@@ -57,9 +57,10 @@ class L2Promotion(str, enum.Enum):
 
 class LoraShrink(str, enum.Enum):
     """How the stacked form makes T (forward_plan._stacked_gemm)."""
-    AUTO = "auto"  # segments past heuristics.LORA_SEGMENTS_FROM_ROWS rows (down: also where its K is short)
+    AUTO = "auto"  # heuristics.lora_shrink_form: segments past LORA_SEGMENTS_FROM_ROWS rows, below experts or chunks by K
     CHUNKS = "chunks"  # lora_stack_t_gate_up / _down: a tile's rows bucketed by adapter, a chunk's shrink at a time
     SEGMENTS = "segments"  # lora_stack_t_seg: a block a (tile, adapter), its rows against that adapter's A rows, pipelined
+    EXPERTS = "experts"  # lora_stack_t_seg_experts: the same a (expert piece, adapter), A read once for each 64 of its rows
 
 
 class LoraDownSplit(str, enum.Enum):
@@ -211,10 +212,10 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                      "where it can run (forward_plan.lora_stack_parts: rank <= 32, KS <= 128), else the "
                      "grouped deltas; read when a layer is built", _lora_parts, 1),
     "lora_stack_shrink": ("CUPYMOE_LORA_STACK_SHRINK", "how the stacked form's shrinks make T: auto (segments from "
-                          "heuristics.LORA_SEGMENTS_FROM_ROWS rows, chunks below; down's by segments at every N "
-                          "where its K is at most heuristics.LORA_DOWN_SEGMENTS_MAX_K) | chunks (a tile's rows bucketed "
+                          "heuristics.LORA_SEGMENTS_FROM_ROWS rows; below them experts where the shrink's K is at "
+                          "most heuristics.LORA_EXPERTS_MAX_K, else chunks) | chunks (a tile's rows bucketed "
                           "by adapter, a chunk at a time) | segments (a block a tile's rows of one adapter, on a "
-                          "cp.async ring); read when a layer is built", _choice(LoraShrink), LoraShrink.AUTO),
+                          "cp.async ring) | experts (the same a block an expert's rows of one adapter); read when a layer is built", _choice(LoraShrink), LoraShrink.AUTO),
     "lora_fold": ("CUPYMOE_LORA_FOLD", "1: at the decode chain's fewest rows (heuristics.LORA_FOLD_ROWS) the "
                   "LoRA router delta runs as more blocks of the router's launch and is added inside the routing "
                   "launch; 0: lora_router_delta, a launch of its own; read when a layer is built", _on_off, True),

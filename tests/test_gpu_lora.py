@@ -805,10 +805,11 @@ def _prefill_uses_stacked(layer, n, max_rank):
     # the LoRA plans' LayerPlan (a w8a8 layer with expert slots: its w8a16 one)
     plan = build_forward_plan(layer._lora_plan, layer.device, n, Path.PREFILL, lora=shape).at(n)
     kinds = [getattr(s, "kernel", "") for s in plan.steps]
-    # a gate/up shrink and a down shrink, each in either form (auto mixes them: down's by segments where its K is short)
+    # a gate/up shrink and a down shrink, each in any form (auto mixes them: down's by segments where its K is short)
     stacked = all(any(k.startswith(forms) for k in kinds)
-                  for forms in (("lora_stack_t_seg<2,", "lora_stack_t_gate_up"), ("lora_stack_t_seg<1,", "lora_stack_t_down")))
-    if layer._lora_stack_shrink == "segments":
+                  for forms in (("lora_stack_t_seg<2,", "lora_stack_t_seg_experts<2,", "lora_stack_t_gate_up"),
+                                ("lora_stack_t_seg<1,", "lora_stack_t_seg_experts<1,", "lora_stack_t_down")))
+    if layer._lora_stack_shrink in ("segments", "experts"):
         assert not stacked or "lora_stack_t_gate_up" not in kinds
     assert stacked == (sum(k.startswith(("grouped_gemm_sm90_tma_lora<", "grouped_gemm_lora<0", "grouped_gemm_lora<1")) for k in kinds) == 2)
     return stacked and not {"lora_grouped_gate_up_act", "lora_grouped_down_delta"} & set(kinds)
@@ -826,7 +827,7 @@ def _judge_stacked_ns(layer, cfg, hw, rng, max_rank, what):
     return adapters
 
 
-SHRINKS = ("chunks", "segments")  # CUPYMOE_LORA_STACK_SHRINK
+SHRINKS = ("chunks", "segments", "experts")  # CUPYMOE_LORA_STACK_SHRINK
 
 
 @pytest.mark.parametrize("shrink", SHRINKS)

@@ -158,6 +158,7 @@ def test_knob_parses_the_shrink_form():
     assert Knobs.from_env({}).lora_stack_shrink == LoraShrink.AUTO
     assert Knobs.from_env({"CUPYMOE_LORA_STACK_SHRINK": "chunks"}).lora_stack_shrink == LoraShrink.CHUNKS
     assert Knobs.from_env({"CUPYMOE_LORA_STACK_SHRINK": "segments"}).lora_stack_shrink == LoraShrink.SEGMENTS
+    assert Knobs.from_env({"CUPYMOE_LORA_STACK_SHRINK": "experts"}).lora_stack_shrink == LoraShrink.EXPERTS
     with pytest.raises(OptionError, match="CUPYMOE_LORA_STACK_SHRINK"):
         Knobs.from_env({"CUPYMOE_LORA_STACK_SHRINK": "dense"})
 
@@ -204,18 +205,25 @@ def test_stacked_plan(preset, n, parts):
         assert s.arg("lora_steps") == LS.lora_steps(4, 16, parts)
         assert (s.grid, s.block, s.smem) == (g.grid, g.block, g.smem)
         assert s.pdl and not shrink.pdl and not g.pdl  # lora_overlap: by PDL after its shrink, launched plainly
-        # CUPYMOE_LORA_STACK_SHRINK=auto: by segments past 2048 rows (heuristics.lora_shrink_segments), and
-        # down's at every N where its K is short (lora_down_shrink_segments: qwen3-30b-a3b's I 768)
-        if n > 2048 or (g.stage == Stage.DOWN and lp.i_max <= 1024):
-            assert shrink.kernel == ("lora_stack_t_seg<2, 32>" if g.stage == Stage.GATE_UP else "lora_stack_t_seg<1, 16>")
+        # CUPYMOE_LORA_STACK_SHRINK=auto (heuristics.lora_shrink_form): by segments past 2048 rows; below,
+        # by expert pieces where the shrink's K is at most 2048 (qwen3-30b-a3b's H and I; deepseek-v3's I)
+        k = cfg.hidden_size if g.stage == Stage.GATE_UP else lp.i_max
+        seg = "lora_stack_t_seg<2, 32>" if g.stage == Stage.GATE_UP else "lora_stack_t_seg<1, 16>"
+        if n > 2048:
+            assert shrink.kernel == seg
             assert shrink.stage == g.stage and shrink.grid == (g.grid[1], 4) and shrink.block == (128,)
+        elif k <= 2048:
+            assert shrink.kernel == seg.replace("seg<", "seg_experts<") and shrink.block == (128,)
+            assert shrink.grid == (min(lp.n_local, n * cfg.num_experts_per_tok) + int(cfg.has_shared_expert), 4,
+                                   -(-n // 768))
         else:
             # the TMA GEMM's 128 / 192-row tiles: a tile a block (runs are grouped.cu's 64-row tiles')
             assert shrink.kernel == ("lora_stack_t_gate_up" if g.stage == Stage.GATE_UP else "lora_stack_t_down")
             assert shrink.stage == g.stage and shrink.grid == (g.grid[1], lora_chunk_blocks(4))
             assert shrink.block == (LORA_MMA_WARPS * 32,)
             assert shrink.smem == lora_grouped_smem(16, g.stage == Stage.GATE_UP)
-        assert (shrink.arg("num_tiles"), shrink.arg("tile_info")) == (g.arg("num_tiles"), g.arg("tile_info"))
+        if not shrink.kernel.startswith("lora_stack_t_seg_experts"):
+            assert (shrink.arg("num_tiles"), shrink.arg("tile_info")) == (g.arg("num_tiles"), g.arg("tile_info"))
         assert shrink.arg("lora_ids") == CallValue.LORA_IDS and shrink.arg("parts") == parts
         assert shrink.arg("KS") == LS.stack_width(4, 16, parts)
         assert shrink.arg("T") == Buf(Space.SCRATCH, "lora_t_gu" if g.stage == Stage.GATE_UP else "lora_t_down")
@@ -233,7 +241,7 @@ def test_stacked_plan_with_the_shrink_segments(preset, K, R):
     lp = plan_layer(cfg, "bf16", "bf16" if cfg.has_shared_expert else None, H200.arch,
                     options=LayerOptions(), knobs=Knobs(math_rows=1), table={})
     n = 1100
-    chunks = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(K, R, True, 1)).at(n)
+    chunks = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(K, R, True, 1, LoraShrink.CHUNKS)).at(n)
     plan = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(K, R, True, 1, LoraShrink.SEGMENTS)).at(n)
     assert len(plan.steps) == len(chunks.steps)
     names = {k for m in jit.modules_for("sm_90a") for k in jit.MODULES[m].names}
@@ -257,6 +265,40 @@ def test_stacked_plan_with_the_shrink_segments(preset, K, R):
     assert seen == 2
 
 
+@pytest.mark.parametrize("preset, n", [("qwen3-30b-a3b", 1100), ("qwen3-30b-a3b", 4096), ("qwen3-next-80b", 4096)])
+def test_stacked_plan_with_the_shrink_by_experts(preset, n):
+    """CUPYMOE_LORA_STACK_SHRINK=experts: each shrink is lora_stack_t_seg_experts<NP, BN> over the sort's
+    active runs, grid (the active experts' bound, slots, ceil(N / 768) pieces: the shared expert's run
+    of N rows in several), the segments form's other arguments; the grid a value of N in the bucket plan."""
+    cfg = preset_config(preset)
+    lp = plan_layer(cfg, "bf16", "bf16" if cfg.has_shared_expert else None, H200.arch,
+                    options=LayerOptions(), knobs=Knobs(math_rows=1), table={})
+    lora = LoraShape(4, 16, True, 1, LoraShrink.EXPERTS)
+    seg = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(4, 16, True, 1, LoraShrink.SEGMENTS)).at(n)
+    bucket = build_forward_plan(lp, H200, n, Path.PREFILL, lora=lora)
+    plan = bucket.at(n)
+    names = {k for m in jit.modules_for("sm_90a") for k in jit.MODULES[m].names}
+    sh = int(cfg.has_shared_expert)
+    seen = 0
+    for old, new in zip(seg.steps, plan.steps):
+        if not getattr(old, "kernel", "").startswith("lora_stack_t_seg<"):
+            assert new == old
+            continue
+        seen += 1
+        assert new.kernel == old.kernel.replace("lora_stack_t_seg<", "lora_stack_t_seg_experts<") and new.kernel in names
+        assert new.grid == (min(lp.n_local, n * cfg.num_experts_per_tok) + sh, 4, -(-n // 768))
+        assert (new.block, new.smem, new.pdl) == (old.block, old.smem, old.pdl)
+        assert [a.name for a in new.args if a.name.startswith(("num_", "active_", "tile_"))] == [
+            "num_active", "active_slot", "active_start", "active_len"]
+        for a in old.args:
+            if a.name not in ("num_tiles", "tile_info"):
+                assert new.arg(a.name) == a.value, a.name
+    assert seen == 2
+    m = n - 37  # a row count in the same bucket
+    grids = {s.grid for s in bucket.at(m).steps if s.kernel.startswith("lora_stack_t_seg_experts<")}
+    assert grids == {(min(lp.n_local, m * cfg.num_experts_per_tok) + sh, 4, -(-m // 768))}
+
+
 def test_the_segments_width_refuses_past_64_columns():
     from cupymoe.catalog import lora_seg_bn
 
@@ -269,19 +311,25 @@ def test_the_segments_width_refuses_past_64_columns():
 @pytest.mark.parametrize("n, segments", [(300, False), (2048, False), (2049, True), (16384, True)])
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3"])
 def test_auto_takes_the_segments_past_2048_rows(preset, n, segments):
-    """CUPYMOE_LORA_STACK_SHRINK=auto: chunks to 2048 rows, segments past them; the prefill shapes
-    split there, so a bucket plan never spans both. Down's shrink by segments at every N where its K
-    (I_max) is at most 1024 columns (qwen3-30b-a3b's 768; deepseek-v3's 2048 goes as gate/up's)."""
+    """CUPYMOE_LORA_STACK_SHRINK=auto: segments past 2048 rows; below them expert pieces where the
+    shrink's K is at most 2048 columns (qwen3-30b-a3b's H 2048 and I 768, deepseek-v3's I 2048), chunks
+    where it is longer (deepseek-v3's H 7168); the prefill shapes split at 2049, so a bucket plan never
+    spans both."""
     from cupymoe.forward_plan import prefill_shape
 
     cfg, lp, _, plan = _plans(preset, n, 1)
     kinds = {getattr(s, "kernel", "") for s in plan.steps}
-    down_segments = segments or lp.i_max <= 1024
-    assert down_segments == (preset == "qwen3-30b-a3b" or segments)
-    assert ("lora_stack_t_seg<2, 32>" in kinds) == segments and ("lora_stack_t_gate_up" in kinds) == (not segments)
-    assert ("lora_stack_t_seg<1, 16>" in kinds) == down_segments and ("lora_stack_t_down" in kinds) == (not down_segments)
+    want = {Stage.GATE_UP: LoraShrink.SEGMENTS if segments else
+            LoraShrink.EXPERTS if cfg.hidden_size <= 2048 else LoraShrink.CHUNKS,
+            Stage.DOWN: LoraShrink.SEGMENTS if segments else LoraShrink.EXPERTS}
+    assert want[Stage.GATE_UP] == (LoraShrink.SEGMENTS if segments else
+                                   LoraShrink.EXPERTS if preset == "qwen3-30b-a3b" else LoraShrink.CHUNKS)
+    names = {LoraShrink.SEGMENTS: "lora_stack_t_seg<{}, {}>", LoraShrink.EXPERTS: "lora_stack_t_seg_experts<{}, {}>"}
+    for stage, np_, bn, chunks in ((Stage.GATE_UP, 2, 32, "lora_stack_t_gate_up"), (Stage.DOWN, 1, 16, "lora_stack_t_down")):
+        form = want[stage]
+        assert (names.get(form, chunks).format(np_, bn) in kinds) and ((chunks in kinds) == (form == LoraShrink.CHUNKS))
     shape = prefill_shape(lp, H200, n)
-    assert (shape.lora_segments, shape.lora_down_segments) == (segments, down_segments)
+    assert (shape.lora_gate_up_shrink, shape.lora_down_shrink) == (want[Stage.GATE_UP], want[Stage.DOWN])
 
 
 def test_stacked_form_only_where_it_serves():
@@ -407,6 +455,7 @@ def test_stacked_launches_match_the_kernels_parameters():
             got = [(a.name, kinds[a.type]) for a in s.args]
             assert got == want, k
     assert seen == {"lora_stack_t_gate_up", "lora_stack_t_gate_up_runs", "lora_stack_t_down", "lora_stack_t_seg",
+                    "lora_stack_t_seg_experts",
                     "grouped_gemm_sm90_tma_lora", "grouped_gemm_lora", "topk_route_lora", "experts_route_in",
                     "experts_route_in_lora"}
 

@@ -14,7 +14,7 @@ import pytest
 
 from cupymoe import bench, heuristics as HX
 from cupymoe.forward_plan import build_forward_plan
-from cupymoe.knobs import Knobs
+from cupymoe.knobs import Knobs, LoraShrink
 from cupymoe.plan import DeviceFacts, LayerOptions, choose_path, plan_layer
 from cupymoe.errors import ConfigError
 from cupymoe.tuning import Choice, format_key, load, n_bucket, parse_by_shape, shape_key
@@ -150,7 +150,8 @@ def test_prefill_buckets_cut_at_the_tables_buckets():
         assert all(prefill_shape(lp, H200, n) == shape for n in list(range(a, b + 1, 7)) + [b])
     # the last cut is the stacked LoRA shrinks' (heuristics.LORA_SEGMENTS_FROM_ROWS)
     assert [s.grouped_config for _, _, s in runs] == ["stream", "math", "stream", "math", "math"]
-    assert runs[-1][0] == 2049 and runs[-1][2].lora_segments and not runs[-2][2].lora_segments
+    assert runs[-1][0] == 2049 and runs[-1][2].lora_gate_up_shrink == LoraShrink.SEGMENTS
+    assert runs[-2][2].lora_gate_up_shrink == LoraShrink.EXPERTS
 
 
 def test_a_row_names_the_swapab_token_tile():
