@@ -231,6 +231,19 @@ def test_stacked_plan(preset, n, parts):
     assert rest == [s for s in base.steps if s not in gemms]  # the router-LoRA plan's other launches, in order
 
 
+def _launches_that_differ(a, b, prefix: str) -> list:
+    """The (a's, b's) launch pairs whose a-kernel starts with `prefix`; every other step of the two
+    plans is the same."""
+    assert len(a.steps) == len(b.steps)
+    pairs = []
+    for old, new in zip(a.steps, b.steps):
+        if getattr(old, "kernel", "").startswith(prefix):
+            pairs.append((old, new))
+        else:
+            assert new == old
+    return pairs
+
+
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "deepseek-v3"])
 @pytest.mark.parametrize("K, R", [(4, 16), (8, 16), (2, 32), (4, 5)])
 def test_stacked_plan_with_the_shrink_segments(preset, K, R):
@@ -243,14 +256,9 @@ def test_stacked_plan_with_the_shrink_segments(preset, K, R):
     n = 1100
     chunks = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(K, R, True, 1, LoraShrink.CHUNKS)).at(n)
     plan = build_forward_plan(lp, H200, n, Path.PREFILL, lora=LoraShape(K, R, True, 1, LoraShrink.SEGMENTS)).at(n)
-    assert len(plan.steps) == len(chunks.steps)
     names = {k for m in jit.modules_for("sm_90a") for k in jit.MODULES[m].names}
-    seen = 0
-    for old, new in zip(chunks.steps, plan.steps):
-        if not getattr(old, "kernel", "").startswith("lora_stack_t_"):
-            assert new == old
-            continue
-        seen += 1
+    pairs = _launches_that_differ(chunks, plan, "lora_stack_t_")
+    for old, new in pairs:
         gu = old.stage == Stage.GATE_UP
         np_ = 2 if gu else 1
         bn = next(b for b in (16, 32, 64) if np_ * R <= b)
@@ -262,7 +270,7 @@ def test_stacked_plan_with_the_shrink_segments(preset, K, R):
         want = ("lora_gate_a", "lora_up_a") if gu else ("lora_down_a", None)
         assert new.arg("a0") == Buf(Space.LAYER, want[0])
         assert new.arg("a1") == (Buf(Space.LAYER, want[1]) if gu else 0)
-    assert seen == 2
+    assert len(pairs) == 2
 
 
 @pytest.mark.parametrize("preset, n", [("qwen3-30b-a3b", 1100), ("qwen3-30b-a3b", 4096), ("qwen3-next-80b", 4096)])
@@ -279,12 +287,8 @@ def test_stacked_plan_with_the_shrink_by_experts(preset, n):
     plan = bucket.at(n)
     names = {k for m in jit.modules_for("sm_90a") for k in jit.MODULES[m].names}
     sh = int(cfg.has_shared_expert)
-    seen = 0
-    for old, new in zip(seg.steps, plan.steps):
-        if not getattr(old, "kernel", "").startswith("lora_stack_t_seg<"):
-            assert new == old
-            continue
-        seen += 1
+    pairs = _launches_that_differ(seg, plan, "lora_stack_t_seg<")
+    for old, new in pairs:
         assert new.kernel == old.kernel.replace("lora_stack_t_seg<", "lora_stack_t_seg_experts<") and new.kernel in names
         assert new.grid == (min(lp.n_local, n * cfg.num_experts_per_tok) + sh, 4, -(-n // 768))
         assert (new.block, new.smem, new.pdl) == (old.block, old.smem, old.pdl)
@@ -293,7 +297,7 @@ def test_stacked_plan_with_the_shrink_by_experts(preset, n):
         for a in old.args:
             if a.name not in ("num_tiles", "tile_info"):
                 assert new.arg(a.name) == a.value, a.name
-    assert seen == 2
+    assert len(pairs) == 2
     m = n - 37  # a row count in the same bucket
     grids = {s.grid for s in bucket.at(m).steps if s.kernel.startswith("lora_stack_t_seg_experts<")}
     assert grids == {(min(lp.n_local, m * cfg.num_experts_per_tok) + sh, 4, -(-m // 768))}
