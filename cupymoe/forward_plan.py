@@ -590,11 +590,12 @@ def _shrink_form(plan: ForwardPlan, lora: LoraShape, stage: Stage) -> LoraShrink
     return shape.lora_down_shrink if stage == Stage.DOWN else shape.lora_gate_up_shrink
 
 
-def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, form: LoraShrink,
-                  overlap: bool = False, rows=None) -> tuple[Launch, Launch]:
+def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, form: LoraShrink, overlap: bool,
+                  rows) -> tuple[Launch, Launch]:
     """A GEMM in the stacked form: its shrink (T of the GEMM's tiles, lora_stack_t_*, lora_chunk_blocks
     blocks a tile) and the GEMM as its twin: grouped_gemm_sm90_tma_lora (lora_steps past its
-    arguments) or grouped_gemm_lora (T, gate's or down's Bext, up's, KS past them); with `overlap`
+    arguments) or grouped_gemm_lora (T, gate's or down's Bext, up's, KS past them); `form`: the shrink's
+    (chunks, segments or expert pieces; `rows`: the call's N, _rows); with `overlap`
     the twin by PDL (it reads T only after its wait, before the extra K)."""
     from .lora_stack import lora_steps, stack_width
 
