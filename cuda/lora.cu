@@ -1336,7 +1336,7 @@ lora_stack_t_seg(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
 // The same by expert pieces (CUPYMOE_LORA_STACK_SHRINK=experts): grid (the active experts' bound,
 // max_loras, ceil(N / LSS_PIECE)), block (j, a, p) taking rows p LSS_PIECE .. of active expert j's run,
 // so an expert's adapter rows share one block and its A rows are not read again for each GEMM tile.
-#define LSS_PIECE (4 * LORA_SUB)
+#define LSS_PIECE 768  // four LORA_SUB sub-tiles (catalog.LORA_SEG_PIECE_ROWS)
 template <int NP, int BN>
 __global__ void __launch_bounds__(LSS_THREADS, LssShape<BN>::MIN_BLOCKS)
 lora_stack_t_seg_experts(const bf16* __restrict__ x, const bf16* __restrict__ xe, const bf16* __restrict__ act,

@@ -280,7 +280,7 @@ def grouped_kernel(mode: int, bm: int, bk: int, stages: int, fmt: int = 0) -> tu
 # slice against its NP R A rows (BN: NP R rounded up to one of these), four 64-column K stages
 LORA_SEG_BNS = (16, 32, 64)
 LORA_SEG_THREADS = 128
-LORA_SEG_PIECE_ROWS = 4 * 192  # lora_stack_t_seg_experts' rows a block at most (LSS_PIECE: four LORA_SUB sub-tiles)
+LORA_SEG_PIECE_ROWS = 768  # cuda/lora.cu LSS_PIECE: lora_stack_t_seg_experts' rows a block at most
 
 
 def lora_seg_bn(np_: int, max_rank: int) -> int:

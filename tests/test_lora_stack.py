@@ -303,6 +303,18 @@ def test_stacked_plan_with_the_shrink_by_experts(preset, n):
     assert grids == {(min(lp.n_local, m * cfg.num_experts_per_tok) + sh, 4, -(-m // 768))}
 
 
+def test_the_catalog_mirrors_the_segment_kernels_rows():
+    """catalog.LORA_SEG_PIECE_ROWS (the expert pieces' grid) and forward_plan.LORA_SUB are cuda/lora.cu's."""
+    from _kernel_source import define
+
+    from cupymoe.catalog import LORA_SEG_PIECE_ROWS
+    from cupymoe.forward_plan import LORA_SUB
+
+    src = (jit.kernel_dir() / "lora.cu").read_text()
+    assert define(src, "LSS_PIECE") == LORA_SEG_PIECE_ROWS and define(src, "LORA_SUB") == LORA_SUB
+    assert LORA_SEG_PIECE_ROWS % LORA_SUB == 0
+
+
 def test_the_segments_width_refuses_past_64_columns():
     from cupymoe.catalog import lora_seg_bn
 
