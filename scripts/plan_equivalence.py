@@ -7,7 +7,9 @@
 Every case draws its weights and inputs from fixed seeds with the public API only (MoeLayer,
 testing.random_host_weights, bench.random_device_weights), runs one forward on a forced
 bit-reproducible path (decode, prefill) and records the sha256 of the output's bits. The
-atomic path is left out: its float atomics may sum in any order.
+atomic path is left out: its float atomics may sum in any order. The LoRA cases (tiny layers with
+four adapters of mixed ranks, ids -1 mixed in) cover the per-pair, grouped and stacked forms;
+`--lora-only` runs them alone.
 """
 
 from __future__ import annotations
@@ -26,20 +28,25 @@ TINY_TOKENS = ((1, "decode"), (3, "decode"), (8, "decode"), (17, "decode"), (64,
 PRESETS = (("qwen3-30b-a3b", ("bf16", "fp8_block", "nvfp4", "mxfp4")), ("deepseek-v3", ("fp8_block", "nvfp4")),
            ("qwen3-next-80b", ("bf16",)), ("gpt-oss-120b", ("mxfp4",)), ("mixtral-8x7b", ("bf16",)))
 PRESET_TOKENS = (1, 2, 5, 16, 64, 200, 1024, 4096)
+LORA_FAMILIES = ("qwen3_moe", "qwen2_moe")  # without and with the shared expert
+LORA_FORMATS = (("bf16", {}), ("fp8_block", {"fp8_compute": "w8a16"}))
+LORA_RANKS = (16, 3, 1, 8)  # the slots' adapters
+LORA_TOKENS = ((9, "decode"), (300, "prefill"), (1100, "prefill"))  # 1100: the stacked form on a tiny layer
 
 
 def _bits(a) -> np.ndarray:
     return (np.asarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
-def _run(layer, x_bits: np.ndarray, path: str) -> str:
+def _run(layer, x_bits: np.ndarray, path: str, lora_ids=None) -> str:
     import cupy
 
     s = cupy.cuda.Stream(non_blocking=True)
     with s:  # upload and poison ordered before the forward
         x = cupy.asarray(x_bits)
         out = cupy.full(x.shape, 0x7FC0, cupy.uint16)
-    layer(x, out=out, path=path, stream=s.ptr)
+        ids = None if lora_ids is None else cupy.asarray(lora_ids)
+    layer(x, out=out, path=path, stream=s.ptr, lora_ids=ids)
     s.synchronize()
     return hashlib.sha256(cupy.asnumpy(out).tobytes()).hexdigest()[:32]
 
@@ -60,6 +67,26 @@ def tiny_cases(results: dict) -> None:
                     x = _bits(np.random.default_rng([n, 5]).standard_normal((n, cfg.hidden_size)) * 0.5)
                     results[f"tiny {fam} {fmt} {tag} N={n} {path}"] = _run(layer, x, path)
                 del layer
+
+
+def lora_cases(results: dict) -> None:
+    from cupymoe import MoeLayer, testing
+    from cupymoe.lora import random_lora
+
+    for fam in LORA_FAMILIES:
+        cfg = testing.tiny_config(fam)
+        for fmt, options in LORA_FORMATS:
+            rng = np.random.default_rng(13)
+            hw = testing.random_host_weights(cfg, rng, fmt)
+            layer = MoeLayer(cfg, hw, max_tokens=1100, decode_max_tokens=64, atomic_max_tokens=64,
+                             max_loras=len(LORA_RANKS), max_lora_rank=max(LORA_RANKS), **options)
+            for slot, rank in enumerate(LORA_RANKS):
+                layer.set_lora(slot, random_lora(cfg, rng, rank))
+            for n, path in LORA_TOKENS:
+                x = _bits(np.random.default_rng([n, 7]).standard_normal((n, cfg.hidden_size)) * 0.5)
+                ids = np.random.default_rng([n, 8]).integers(-1, len(LORA_RANKS), n).astype(np.int32)
+                results[f"lora {fam} {fmt} N={n} {path}"] = _run(layer, x, path, ids)
+            del layer
 
 
 def preset_cases(results: dict) -> None:
@@ -85,6 +112,7 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--compare", nargs=2)
     ap.add_argument("--tiny-only", action="store_true")
+    ap.add_argument("--lora-only", action="store_true", help="the LoRA cases alone")
     args = ap.parse_args()
     if args.compare:
         a, b = (json.load(open(f))["outputs"] for f in args.compare)
@@ -97,8 +125,10 @@ def main() -> int:
         return 1 if differ or not common else 0
     t0 = time.time()
     results: dict = {}
-    tiny_cases(results)
-    if not args.tiny_only:
+    if not args.lora_only:
+        tiny_cases(results)
+    lora_cases(results)
+    if not (args.tiny_only or args.lora_only):
         preset_cases(results)
     import cupymoe
 
