@@ -11,7 +11,10 @@ import statistics
 import sys
 
 COLUMNS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-           "launch__registers_per_thread", "launch__grid_size")  # us, MB, %, registers, blocks
+           "launch__registers_per_thread", "launch__grid_size",  # us, MB, %, registers, blocks
+           "lts__throughput.avg.pct_of_peak_sustained_elapsed",  # L2 %
+           "sm__throughput.avg.pct_of_peak_sustained_elapsed",  # SM %
+           "sm__warps_active.avg.pct_of_peak_sustained_active")  # achieved occupancy %
 SCALE = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,  # to us
          "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}  # to MB
 
