@@ -595,8 +595,8 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, form: LoraShrink
     """A GEMM in the stacked form: its shrink (T of the GEMM's tiles, lora_stack_t_*, lora_chunk_blocks
     blocks a tile) and the GEMM as its twin: grouped_gemm_sm90_tma_lora (lora_steps past its
     arguments) or grouped_gemm_lora (T, gate's or down's Bext, up's, KS past them); `form`: the shrink's
-    (chunks, segments or expert pieces; `rows`: the call's N, _rows); with `overlap`
-    the twin by PDL (it reads T only after its wait, before the extra K)."""
+    (chunks, segments or expert pieces), `rows`: the call's N (_rows); with `overlap` the twin by PDL
+    (it reads T only after its wait, before the extra K)."""
     from .lora_stack import lora_steps, stack_width
 
     cfg = lp.cfg
@@ -606,7 +606,7 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, form: LoraShrink
             i32("parts", lora.stack_parts), i32("KS", stack_width(lora.max_loras, lora.max_rank, lora.stack_parts)))
     grid = (gemm.grid[1], lora_chunk_blocks(lora.max_loras))  # the chunks form's
     if form != LoraShrink.CHUNKS:
-        shrink = _shrink_segments(gemm, lp, lora, L, tiles, tail, rows, form == LoraShrink.EXPERTS)
+        shrink = _shrink_segments(gemm, lp, lora, L, tiles, tail, rows, form)
     elif gemm.stage == Stage.GATE_UP:
         # with shrink_runs a run's tiles go LORA_SUB rows a block (cuda/lora.cu lora_run_piece): grouped.cu's
         # tiles (64 rows, w8a16), not the TMA GEMM's 128 / 192, where a block would take its tile alone
@@ -641,10 +641,10 @@ def _stacked_gemm(gemm: Launch, lp: LayerPlan, lora: LoraShape, form: LoraShrink
 
 
 def _shrink_segments(gemm: Launch, lp: LayerPlan, lora: LoraShape, L, tiles, tail, rows,
-                     by_experts: bool) -> Launch:
+                     form: LoraShrink) -> Launch:
     """The stacked form's shrink as lora_stack_t_seg<NP, BN>: grid (the GEMM's tile bound, max_loras),
     block (t, a) taking tile t's rows of adapter a against a's NP R A rows (BN: catalog.lora_seg_bn);
-    `by_experts`: lora_stack_t_seg_experts, a block (expert piece, adapter)."""
+    `form` EXPERTS: lora_stack_t_seg_experts, a block (expert piece, adapter)."""
     cfg = lp.cfg
     gate_up = gemm.stage == Stage.GATE_UP
     np_ = 2 if gate_up else 1
@@ -653,7 +653,7 @@ def _shrink_segments(gemm: Launch, lp: LayerPlan, lora: LoraShape, L, tiles, tai
               else (u64("x", 0), u64("xe", 0), u64("act", S("act"))))
     a = ((u64("a0", Buf(Space.LAYER, "lora_gate_a")), u64("a1", Buf(Space.LAYER, "lora_up_a"))) if gate_up
          else (u64("a0", Buf(Space.LAYER, "lora_down_a")), u64("a1", 0)))
-    if by_experts:
+    if form == LoraShrink.EXPERTS:
         name, grid = f"lora_stack_t_seg_experts<{np_}, {bn}>", _expert_pieces_grid(rows, lp, lora)
         runs = (u64("num_active", S("num_active")),
                 *(u64(b, S(b)) for b in ("active_slot", "active_start", "active_len")))

@@ -215,7 +215,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                           "heuristics.LORA_SEGMENTS_FROM_ROWS rows; below them experts where the shrink's K is at "
                           "most heuristics.LORA_EXPERTS_MAX_K, else chunks) | chunks (a tile's rows bucketed "
                           "by adapter, a chunk at a time) | segments (a block a tile's rows of one adapter, on a "
-                          "cp.async ring) | experts (the same a block an expert's rows of one adapter); read when a layer is built", _choice(LoraShrink), LoraShrink.AUTO),
+                          "cp.async ring) | experts (the same a block an expert's rows of one adapter); read when "
+                          "a layer is built", _choice(LoraShrink), LoraShrink.AUTO),
     "lora_fold": ("CUPYMOE_LORA_FOLD", "1: at the decode chain's fewest rows (heuristics.LORA_FOLD_ROWS) the "
                   "LoRA router delta runs as more blocks of the router's launch and is added inside the routing "
                   "launch; 0: lora_router_delta, a launch of its own; read when a layer is built", _on_off, True),
