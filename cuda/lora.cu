@@ -907,29 +907,30 @@ __device__ __forceinline__ void lora_stack_zero_rows(const LoraBuckets& b, bf16*
     }
 }
 
-// Column col of T (of np KS) for row i of a chunk of adapter `key`: part q of t's rank r, or 0.
-__device__ __forceinline__ float lora_stack_elem(const float* t, int rp, int i, int col, int KS, int parts, int key,
+// Column col of T (of np KS) for a row whose projection p's scaled t starts at row[p pstride]: part q
+// of t's rank r where col is adapter `key`'s, else 0.
+__device__ __forceinline__ float lora_stack_elem(const float* row, int pstride, int col, int KS, int parts, int key,
                                                  int max_loras, int max_rank) {
     const int p = col / KS, u = col - p * KS, kr = max_loras * max_rank;
     if (u >= parts * kr) return 0.f;
     const int q = u / kr, rem = u - q * kr, a = rem / max_rank, r = rem - a * max_rank;
     if (a != key) return 0.f;
-    const float v = t[(p * LORA_CHUNK + i) * rp + r];
+    const float v = row[p * pstride + r];
     const float hi = __bfloat162float(__float2bfloat16(v));
     return q == 0 ? hi : v - hi;  // rounded to bf16 by the store
 }
 
-// T's vector of columns c0 .. c0 + 7 (c0 a multiple of 8) for row i of a chunk of adapter `key`, as
-// lora_stack_elem's: where max_rank is a multiple of 8 the vector lies in one (projection, part,
-// adapter) block (KS and K R are too), so it is decoded once, not per element.
-__device__ __forceinline__ uint4 lora_stack_vec(const float* t, int rp, int i, int c0, int KS, int parts, int key,
+// T's vector of columns c0 .. c0 + 7 (c0 a multiple of 8) for one row, as lora_stack_elem's: where
+// max_rank is a multiple of 8 the vector lies in one (projection, part, adapter) block (KS and K R are
+// too), so it is decoded once, not per element.
+__device__ __forceinline__ uint4 lora_stack_vec(const float* row, int pstride, int c0, int KS, int parts, int key,
                                                 int max_loras, int max_rank) {
     unsigned w[4];
     if ((max_rank & 7) == 0) {
         const int p = c0 / KS, u = c0 - p * KS, kr = max_loras * max_rank;
         const int q = u / kr, rem = u - q * kr, a = rem / max_rank;
         if (u >= parts * kr || a != key) return make_uint4(0u, 0u, 0u, 0u);
-        const float* v = t + (p * LORA_CHUNK + i) * rp + rem - a * max_rank;
+        const float* v = row + p * pstride + rem - a * max_rank;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             float e[2];
@@ -943,8 +944,8 @@ __device__ __forceinline__ uint4 lora_stack_vec(const float* t, int rp, int i, i
     } else {
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            w[j] = pack_bf16x2(lora_stack_elem(t, rp, i, c0 + 2 * j, KS, parts, key, max_loras, max_rank),
-                               lora_stack_elem(t, rp, i, c0 + 2 * j + 1, KS, parts, key, max_loras, max_rank));
+            w[j] = pack_bf16x2(lora_stack_elem(row, pstride, c0 + 2 * j, KS, parts, key, max_loras, max_rank),
+                               lora_stack_elem(row, pstride, c0 + 2 * j + 1, KS, parts, key, max_loras, max_rank));
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
@@ -957,7 +958,7 @@ __device__ __forceinline__ void lora_stack_write(const float* t, int rp, int np,
     for (int e = threadIdx.x; e < b.rows[c] * V; e += blockDim.x) {
         const int i = e / V, c0 = 8 * (e - i * V);
         *reinterpret_cast<uint4*>(T + (size_t)(pos0 + b.list[b.first[c] + i]) * width + c0) =
-            lora_stack_vec(t, rp, i, c0, KS, parts, key, max_loras, max_rank);
+            lora_stack_vec(t + i * rp, LORA_CHUNK * rp, c0, KS, parts, key, max_loras, max_rank);
     }
 }
 
@@ -1200,7 +1201,7 @@ __device__ __forceinline__ void lora_seg_rows(const int4 ti, LORA_SEG_ARGS) {
     extern __shared__ __align__(128) unsigned char lss_smem[];
     __shared__ int lid[LORA_SUB], list[LORA_SUB + LSS_BM], warp_n[LSS_THREADS / 32];
     __shared__ float col_scale[BN];
-    const int e = ti.x, a = blockIdx.y, R = max_rank, KR = max_loras * max_rank, width = NP * KS;
+    const int e = ti.x, a = blockIdx.y, R = max_rank, width = NP * KS;
     const int K = NP == 2 ? H : inter[e], stride = NP == 2 ? H : I_max, KT = (K + LSS_BK - 1) / LSS_BK;
     const bf16* in = NP == 2 ? (e == n_local ? x : xe) : act;  // the shared expert reads x
     const size_t slot = (size_t)a * (n_local + 1) + e;
@@ -1267,7 +1268,8 @@ __device__ __forceinline__ void lora_seg_rows(const int4 ti, LORA_SEG_ARGS) {
                 }
                 cp_async_commit();
                 const int s = kt % LSS_STAGES;
-                lora_seg_mma_step<BN>(acc, sA + s * LSS_BM * LSS_BK, sB + s * BN * LSS_BK, warp, lane);
+                if (warp * 16 < rows)  // a warp whose 16 rows are past the slice's has nothing to multiply
+                    lora_seg_mma_step<BN>(acc, sA + s * LSS_BM * LSS_BK, sB + s * BN * LSS_BK, warp, lane);
             }
             cp_async_wait<0>();
             __syncthreads();  // every warp is done with the stages: they become the staging
@@ -1285,24 +1287,9 @@ __device__ __forceinline__ void lora_seg_rows(const int4 ti, LORA_SEG_ARGS) {
             // the rows' whole T rows (16-byte stores): part q of s t in adapter a's columns, zeros elsewhere
             const int V = width >> 3;
             for (int v = threadIdx.x; v < rows * V; v += LSS_THREADS) {
-                const int i = v / V, c0 = 8 * (v - i * V), p = c0 / KS;
-                unsigned w[4];
-#pragma unroll
-                for (int q2 = 0; q2 < 4; ++q2) {
-                    float el[2];
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int u = c0 + 2 * q2 + h - p * KS, q = u / KR, rem = u - q * KR;
-                        float val = 0.f;
-                        if (q < parts && rem / R == a) {
-                            const float y = st[i * LD + p * R + rem % R], hi = __bfloat162float(__float2bfloat16(y));
-                            val = q == 0 ? hi : y - hi;  // rounded to bf16 by the store
-                        }
-                        el[h] = val;
-                    }
-                    w[q2] = pack_bf16x2(el[0], el[1]);
-                }
-                *reinterpret_cast<uint4*>(T + (size_t)list[r0 + i] * width + c0) = make_uint4(w[0], w[1], w[2], w[3]);
+                const int i = v / V, c0 = 8 * (v - i * V);
+                *reinterpret_cast<uint4*>(T + (size_t)list[r0 + i] * width + c0) =
+                    lora_stack_vec(st + i * LD, R, c0, KS, parts, a, max_loras, R);
             }
             __syncthreads();  // the next slice's stages overwrite the staging
         }
