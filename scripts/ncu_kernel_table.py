@@ -1,5 +1,7 @@
 """An ncu --csv run (raw metrics, one row a kernel launch and metric) as a table a kernel: the median
-of its launches for each metric, kernels in first-launch order. For scripts/lora_kernel_times.sh.
+of its launches for each metric, kernels in first-launch order; the kernels that draw the run's
+random weights and inputs (CuPy's elementwise and reductions, cuRAND's) are left out, so the table
+holds the layer's kernels alone. For scripts/lora_kernel_times.sh.
 
     python scripts/ncu_kernel_table.py NCU.csv
 """
@@ -24,6 +26,9 @@ def rows(text: str):
     return list(csv.DictReader(io.StringIO(text[start:]))) if start >= 0 else []
 
 
+SETUP = re.compile(r"^(void )?(cupy_|cub::|init_curand|execute_dist)")  # the weights' and inputs' draws
+
+
 def short(name: str) -> str:
     return re.sub(r"\(.*", "", name).strip()[:48]
 
@@ -31,6 +36,8 @@ def short(name: str) -> str:
 def table(text: str) -> str:
     seen: dict[str, dict[str, list[float]]] = {}
     for r in rows(text):
+        if SETUP.match(r["Kernel Name"]):
+            continue
         value = float(r["Metric Value"].replace(",", "")) * SCALE.get(r["Metric Unit"], 1.0)
         seen.setdefault(short(r["Kernel Name"]), {}).setdefault(r["Metric Name"], []).append(value)
     lines = []

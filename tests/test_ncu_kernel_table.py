@@ -31,3 +31,12 @@ def test_medians_in_launch_order_with_units_scaled():
 
 def test_no_csv_says_so():
     assert "no kernels" in ncu_kernel_table.table("==ERROR== failed\n")
+
+
+def test_the_random_draws_kernels_are_left_out():
+    text = HEAD
+    for i, k in enumerate(["void init_curand<curand_pseudo_state<curandState>>", "cupy_multiply__float32_float_float32",
+                           "void cub::DeviceReduceKernel<cub::policy_hub<unsigned>>",
+                           "void execute_dist<standard_normal_float_functor>", "void grouped_gemm<2, 64, 64, 4, 0>"]):
+        text += line(i, k, "gpu__time_duration.sum", "usecond", "3.0")
+    assert [o.split()[:2] for o in ncu_kernel_table.table(text).splitlines()] == [["void", "grouped_gemm<2,"]]
