@@ -31,7 +31,9 @@ PRESET_TOKENS = (1, 2, 5, 16, 64, 200, 1024, 4096)
 LORA_FAMILIES = ("qwen3_moe", "qwen2_moe")  # without and with the shared expert
 LORA_FORMATS = (("bf16", {}), ("fp8_block", {"fp8_compute": "w8a16"}))
 LORA_RANKS = (16, 3, 1, 8)  # the slots' adapters
-LORA_TOKENS = ((9, "decode"), (300, "prefill"), (1100, "prefill"))  # 1100: the stacked form on a tiny layer
+# 1100: the stacked form on a tiny layer (shrinks by expert pieces or chunks); 2100: by segments
+# (heuristics.LORA_SEGMENTS_FROM_ROWS)
+LORA_TOKENS = ((9, "decode"), (300, "prefill"), (1100, "prefill"), (2100, "prefill"))
 
 
 def _bits(a) -> np.ndarray:
@@ -78,7 +80,7 @@ def lora_cases(results: dict) -> None:
         for fmt, options in LORA_FORMATS:
             rng = np.random.default_rng(13)
             hw = testing.random_host_weights(cfg, rng, fmt)
-            layer = MoeLayer(cfg, hw, max_tokens=1100, decode_max_tokens=64, atomic_max_tokens=64,
+            layer = MoeLayer(cfg, hw, max_tokens=max(n for n, _ in LORA_TOKENS), decode_max_tokens=64, atomic_max_tokens=64,
                              max_loras=len(LORA_RANKS), max_lora_rank=max(LORA_RANKS), **options)
             for slot, rank in enumerate(LORA_RANKS):
                 layer.set_lora(slot, random_lora(cfg, rng, rank))
