@@ -234,17 +234,55 @@ __device__ __forceinline__ void grouped_mma_step(float (&acc)[2][8][4], const bf
     }
 }
 
+// One BK step of the stacked form's extra K: grouped_mma_step's without the products that are zeros,
+// so the accumulators keep their values: a 16-row fragment's 16 columns of T that are all zeros
+// (other adapters' columns, rows without an adapter or past the tile), and in gate/up the n-tiles of
+// the projection whose Bext half of this step is zeros (HALF: 0 gate's columns, 1 up's, 2 both).
+template <int MODE, int BK, int HALF>
+__device__ __forceinline__ void grouped_lora_mma_step(float (&acc)[2][8][4], const bf16* tA, const bf16* tB, int wm,
+                                                      int wn, int lane) {
+    constexpr int JP0 = HALF == 1 ? 2 : 0, JP1 = HALF == 0 ? 2 : 4;  // gate's n-tiles are j < 4 (brow)
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        unsigned af[2][4];
+        bool live[2];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            const int r = wm * 32 + mt * 16 + (lane & 15);
+            ldmatrix_x4(af[mt][0], af[mt][1], af[mt][2], af[mt][3], tA + swz<BK>(r, kk * 2 + (lane >> 4)));
+            const unsigned bits = (af[mt][0] | af[mt][1] | af[mt][2] | af[mt][3]) & 0x7fff7fffu;  // -0 is a zero
+            live[mt] = __any_sync(CUPYMOE_FULL_MASK, bits != 0u);
+        }
+        if (!live[0] && !live[1]) continue;
+#pragma unroll
+        for (int jp = JP0; jp < JP1; ++jp) {
+            const int r = (MODE == MODE_GATE_UP ? (jp < 2 ? 0 : 64) + wn * 32 + (2 * jp & 3) * 8 : wn * 64 + 2 * jp * 8) +
+                          (lane & 7) + ((lane >> 4) << 3);
+            unsigned b0, b1, b2, b3;
+            ldmatrix_x4(b0, b1, b2, b3, tB + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+                if (live[mt]) {
+                    mma_bf16(acc[mt][2 * jp], af[mt], b0, b1);
+                    mma_bf16(acc[mt][2 * jp + 1], af[mt], b2, b3);
+                }
+        }
+    }
+}
+
 // The stacked form's extra K steps (grouped_gemm_lora), after the main loop: a two-stage cp.async
 // pipeline through the first two A and B stage tiles (bf16 both: T's rows and Bext's), the
 // same mma steps. Step j reads T's columns j BK .. (j + 1) BK - 1 of the tile's rows; gate/up's
 // B tile holds gate's Bext rows (columns j BK of gate's KS, zeros past it) in its first GG_BN / 2
 // rows and up's (columns j BK - KS, zeros before) in the rest, so each projection's block of T
 // meets only its own B; down's, Bext rows slot H + column.
-template <int MODE, int BM, int BK, class Step>
-__device__ __forceinline__ void grouped_lora_steps(const GemmTile& t, bf16* sA, bf16* sB, Step& mma_step,
+template <int MODE, int BM, int BK>
+__device__ __forceinline__ void grouped_lora_steps(const GemmTile& t, bf16* sA, bf16* sB, float (&acc)[2][8][4], int wm,
+                                                   int wn, int lane,
                                                    const bf16* __restrict__ lora_t, const bf16* __restrict__ lora_b0,
                                                    const bf16* __restrict__ lora_b1, int KS, GEMM_ARGS) {
     constexpr int THREADS = BM * 2, CHUNKS = BK / 8, NP = MODE == MODE_GATE_UP ? 2 : 1;
+    static_assert(64 % BK == 0, "KS is whole 64-column steps, so each step is gate's or up's (grouped_lora_mma_step)");
     constexpr int A_PER = BM * CHUNKS / THREADS, B_PER = GG_BN * CHUNKS / THREADS;
     const int width = NP * KS, steps = width / BK, chunk = threadIdx.x % CHUNKS;
     auto load = [&](int s, int j) {
@@ -273,7 +311,13 @@ __device__ __forceinline__ void grouped_lora_steps(const GemmTile& t, bf16* sA, 
         cp_async_commit();
         cp_async_wait<1>();  // step j's copies have landed
         __syncthreads();
-        mma_step(sA + (j & 1) * BM * BK, sB + (j & 1) * GG_BN * BK);
+        const bf16 *tA = sA + (j & 1) * BM * BK, *tB = sB + (j & 1) * GG_BN * BK;
+        if (MODE != MODE_GATE_UP)
+            grouped_lora_mma_step<MODE, BK, 2>(acc, tA, tB, wm, wn, lane);
+        else if (j * BK < KS)  // KS is whole steps: a step's columns are gate's or up's
+            grouped_lora_mma_step<MODE, BK, 0>(acc, tA, tB, wm, wn, lane);
+        else
+            grouped_lora_mma_step<MODE, BK, 1>(acc, tA, tB, wm, wn, lane);
         __syncthreads();  // its tiles are refilled by step j + 2's copies
     }
     cp_async_wait<0>();
@@ -372,7 +416,7 @@ __device__ __forceinline__ void grouped_gemm_body(GEMM_ARGS, const bf16* __restr
     if constexpr (STACKED) {  // the stacked form's extra K: T's columns against Bext's, after the weights' K
         __syncthreads();  // every warp is done with the main loop's tiles
         pdl_wait();       // T is the shrink's, the launch before (by PDL on the prefill path: it may still run)
-        grouped_lora_steps<MODE, BM, BK>(t, sA, sB, mma_step, lora_t, lora_b0, lora_b1, KS, GEMM_ARG_NAMES);
+        grouped_lora_steps<MODE, BM, BK>(t, sA, sB, acc, wm, wn, lane, lora_t, lora_b0, lora_b1, KS, GEMM_ARG_NAMES);
     }
 
     // Epilogue: accumulator (mt, j, h * 2 + e) is row wm*32 + mt*16 + g + 8h, column
