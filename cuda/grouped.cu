@@ -237,15 +237,15 @@ __device__ __forceinline__ void grouped_mma_step(float (&acc)[2][8][4], const bf
 // One BK step of the stacked form's extra K: grouped_mma_step's without the products that are zeros,
 // so the accumulators keep their values: a 16-row fragment's 16 columns of T that are all zeros
 // (other adapters' columns, rows without an adapter or past the tile), and in gate/up the n-tiles of
-// the projection whose Bext half of this step is zeros (HALF: 0 gate's columns, 1 up's, 2 both).
+// the projection whose Bext half of this step is zeros. Gate's n-tiles (j < 4, brow) read T tile
+// tG, up's tU (down: tG for all). HALF: 0 gate's n-tiles alone, 1 up's alone, 2 both.
 template <int MODE, int BK, int HALF>
-__device__ __forceinline__ void grouped_lora_mma_step(float (&acc)[2][8][4], const bf16* tA, const bf16* tB, int wm,
-                                                      int wn, int lane) {
-    constexpr int JP0 = HALF == 1 ? 2 : 0, JP1 = HALF == 0 ? 2 : 4;  // gate's n-tiles are j < 4 (brow)
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-        unsigned af[2][4];
-        bool live[2];
+__device__ __forceinline__ void grouped_lora_mma_step(float (&acc)[2][8][4], const bf16* tG, const bf16* tU,
+                                                      const bf16* tB, int wm, int wn, int lane) {
+    constexpr bool GU = MODE == MODE_GATE_UP;
+    constexpr int JP0 = HALF == 1 ? 2 : 0, JP1 = HALF == 0 ? 2 : 4;
+    constexpr bool USE_G = !GU || HALF != 1, USE_U = GU && HALF != 0;
+    auto frags = [&](unsigned (&af)[2][4], bool (&live)[2], const bf16* tA, int kk) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
             const int r = wm * 32 + mt * 16 + (lane & 15);
@@ -253,54 +253,76 @@ __device__ __forceinline__ void grouped_lora_mma_step(float (&acc)[2][8][4], con
             const unsigned bits = (af[mt][0] | af[mt][1] | af[mt][2] | af[mt][3]) & 0x7fff7fffu;  // -0 is a zero
             live[mt] = __any_sync(CUPYMOE_FULL_MASK, bits != 0u);
         }
-        if (!live[0] && !live[1]) continue;
+    };
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        unsigned ag[2][4], au[2][4];
+        bool lg[2] = {false, false}, lu[2] = {false, false};
+        if (USE_G) frags(ag, lg, tG, kk);
+        if (USE_U) frags(au, lu, tU, kk);
+        if (!(lg[0] || lg[1] || lu[0] || lu[1])) continue;
 #pragma unroll
         for (int jp = JP0; jp < JP1; ++jp) {
-            const int r = (MODE == MODE_GATE_UP ? (jp < 2 ? 0 : 64) + wn * 32 + (2 * jp & 3) * 8 : wn * 64 + 2 * jp * 8) +
-                          (lane & 7) + ((lane >> 4) << 3);
+            const bool up = GU && jp >= 2;
+            const bool* live = up ? lu : lg;
+            if (!(live[0] || live[1])) continue;
+            const int r = (GU ? (jp < 2 ? 0 : 64) + wn * 32 + (2 * jp & 3) * 8 : wn * 64 + 2 * jp * 8) + (lane & 7) +
+                          ((lane >> 4) << 3);
             unsigned b0, b1, b2, b3;
             ldmatrix_x4(b0, b1, b2, b3, tB + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)));
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-                if (live[mt]) {
-                    mma_bf16(acc[mt][2 * jp], af[mt], b0, b1);
-                    mma_bf16(acc[mt][2 * jp + 1], af[mt], b2, b3);
+            for (int mt = 0; mt < 2; ++mt) {
+                if (!live[mt]) continue;
+                if (up) {
+                    mma_bf16(acc[mt][2 * jp], au[mt], b0, b1);
+                    mma_bf16(acc[mt][2 * jp + 1], au[mt], b2, b3);
+                } else {
+                    mma_bf16(acc[mt][2 * jp], ag[mt], b0, b1);
+                    mma_bf16(acc[mt][2 * jp + 1], ag[mt], b2, b3);
                 }
+            }
         }
     }
 }
 
 // The stacked form's extra K steps (grouped_gemm_lora), after the main loop: a two-stage cp.async
-// pipeline through the first two A and B stage tiles (bf16 both: T's rows and Bext's), the
-// same mma steps. Step j reads T's columns j BK .. (j + 1) BK - 1 of the tile's rows; gate/up's
-// B tile holds gate's Bext rows (columns j BK of gate's KS, zeros past it) in its first GG_BN / 2
-// rows and up's (columns j BK - KS, zeros before) in the rest, so each projection's block of T
-// meets only its own B; down's, Bext rows slot H + column.
-template <int MODE, int BM, int BK>
+// pipeline through the first A and B stage tiles (bf16 both: T's rows and Bext's), the MMAs of
+// grouped_lora_mma_step. Down: step j reads T's columns j BK .. (j + 1) BK - 1 of the tile's rows
+// against Bext rows slot H + column. Gate/up: gate's Bext rows fill the B tile's first GG_BN / 2
+// rows, up's the rest. PAIRED (four A tiles fit the stages): step j holds gate's T columns j BK ..
+// and up's KS + j BK .. in two A tiles against both halves at those columns, KS / BK steps; else
+// the 2 KS / BK steps of one A tile each, gate's first, a step's other half zeros and skipped.
+// Each accumulator sums its k-chunks in the same order either way.
+template <int MODE, int BM, int BK, bool PAIRED>
 __device__ __forceinline__ void grouped_lora_steps(const GemmTile& t, bf16* sA, bf16* sB, float (&acc)[2][8][4], int wm,
                                                    int wn, int lane,
                                                    const bf16* __restrict__ lora_t, const bf16* __restrict__ lora_b0,
                                                    const bf16* __restrict__ lora_b1, int KS, GEMM_ARGS) {
-    constexpr int THREADS = BM * 2, CHUNKS = BK / 8, NP = MODE == MODE_GATE_UP ? 2 : 1;
+    constexpr bool GU = MODE == MODE_GATE_UP;
+    constexpr int THREADS = BM * 2, CHUNKS = BK / 8, NP = GU ? 2 : 1, AT = PAIRED ? 2 : 1;  // A tiles a step
     static_assert(64 % BK == 0, "KS is whole 64-column steps, so each step is gate's or up's (grouped_lora_mma_step)");
+    static_assert(!PAIRED || GU, "pairs are gate's and up's");
     constexpr int A_PER = BM * CHUNKS / THREADS, B_PER = GG_BN * CHUNKS / THREADS;
-    const int width = NP * KS, steps = width / BK, chunk = threadIdx.x % CHUNKS;
+    const int width = NP * KS, steps = (PAIRED ? KS : width) / BK, chunk = threadIdx.x % CHUNKS;
     auto load = [&](int s, int j) {
         const int kc = j * BK + chunk * 8;  // this thread's column of T (of NP KS)
 #pragma unroll
-        for (int i = 0; i < A_PER; ++i) {
-            const int r = (threadIdx.x + i * THREADS) / CHUNKS;
-            const int pos = t.pos0 + min(r, t.rows - 1);
-            cp_async16(sA + s * BM * BK + swz<BK>(r, chunk), lora_t + (size_t)pos * width + kc, r < t.rows);
-        }
+        for (int a = 0; a < AT; ++a)
+#pragma unroll
+            for (int i = 0; i < A_PER; ++i) {
+                const int r = (threadIdx.x + i * THREADS) / CHUNKS;
+                const int pos = t.pos0 + min(r, t.rows - 1);
+                cp_async16(sA + (AT * s + a) * BM * BK + swz<BK>(r, chunk), lora_t + (size_t)pos * width + kc + a * KS,
+                           r < t.rows);
+            }
 #pragma unroll
         for (int i = 0; i < B_PER; ++i) {
             const int r = (threadIdx.x + i * THREADS) / CHUNKS;
-            const bool up = MODE == MODE_GATE_UP && r >= GG_BN / 2;
-            const int n = t.n0 + (MODE == MODE_GATE_UP ? (r & (GG_BN / 2 - 1)) : r);
-            const int c = up ? kc - KS : kc;  // the column of this half's Bext
+            const bool up = GU && r >= GG_BN / 2;
+            const int n = t.n0 + (GU ? (r & (GG_BN / 2 - 1)) : r);
+            const int c = up && !PAIRED ? kc - KS : kc;  // the column of this half's Bext
             const bool ok = n < t.ncols && c >= 0 && c < KS;
-            const size_t row = (size_t)t.slot * (MODE == MODE_GATE_UP ? I_max : H) + min(n, t.ncols - 1);
+            const size_t row = (size_t)t.slot * (GU ? I_max : H) + min(n, t.ncols - 1);
             cp_async16(sB + s * GG_BN * BK + swz<BK>(r, chunk), (up ? lora_b1 : lora_b0) + row * KS + (ok ? c : 0), ok);
         }
     };
@@ -311,13 +333,15 @@ __device__ __forceinline__ void grouped_lora_steps(const GemmTile& t, bf16* sA, 
         cp_async_commit();
         cp_async_wait<1>();  // step j's copies have landed
         __syncthreads();
-        const bf16 *tA = sA + (j & 1) * BM * BK, *tB = sB + (j & 1) * GG_BN * BK;
-        if (MODE != MODE_GATE_UP)
-            grouped_lora_mma_step<MODE, BK, 2>(acc, tA, tB, wm, wn, lane);
+        const bf16 *tA = sA + AT * (j & 1) * BM * BK, *tB = sB + (j & 1) * GG_BN * BK;
+        if (!GU)
+            grouped_lora_mma_step<MODE, BK, 2>(acc, tA, tA, tB, wm, wn, lane);
+        else if (PAIRED)
+            grouped_lora_mma_step<MODE, BK, 2>(acc, tA, tA + BM * BK, tB, wm, wn, lane);
         else if (j * BK < KS)  // KS is whole steps: a step's columns are gate's or up's
-            grouped_lora_mma_step<MODE, BK, 0>(acc, tA, tB, wm, wn, lane);
+            grouped_lora_mma_step<MODE, BK, 0>(acc, tA, tA, tB, wm, wn, lane);
         else
-            grouped_lora_mma_step<MODE, BK, 1>(acc, tA, tB, wm, wn, lane);
+            grouped_lora_mma_step<MODE, BK, 1>(acc, tA, tA, tB, wm, wn, lane);
         __syncthreads();  // its tiles are refilled by step j + 2's copies
     }
     cp_async_wait<0>();
@@ -416,7 +440,9 @@ __device__ __forceinline__ void grouped_gemm_body(GEMM_ARGS, const bf16* __restr
     if constexpr (STACKED) {  // the stacked form's extra K: T's columns against Bext's, after the weights' K
         __syncthreads();  // every warp is done with the main loop's tiles
         pdl_wait();       // T is the shrink's, the launch before (by PDL on the prefill path: it may still run)
-        grouped_lora_steps<MODE, BM, BK>(t, sA, sB, acc, wm, wn, lane, lora_t, lora_b0, lora_b1, KS, GEMM_ARG_NAMES);
+        constexpr bool PAIRED = MODE == MODE_GATE_UP && STAGES >= 4;  // gate's and up's T tiles a step fit
+        grouped_lora_steps<MODE, BM, BK, PAIRED>(t, sA, sB, acc, wm, wn, lane, lora_t, lora_b0, lora_b1, KS,
+                                                 GEMM_ARG_NAMES);
     }
 
     // Epilogue: accumulator (mt, j, h * 2 + e) is row wm*32 + mt*16 + g + 8h, column
