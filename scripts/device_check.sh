@@ -44,6 +44,7 @@ if want tests; then
   for ((i = 0; i < shards; i++)); do
     part=("${ids[@]:$((i * per)):$per}")
     [ ${#part[@]} -gt 0 ] || continue
+    printf '%s\n' "${part[@]}" > "$OUT/gpu_tests_$i.ids"  # a failure's replay runs the shard's tests in order
     OMP_NUM_THREADS=2 timeout "${SHARD_S:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf "${part[@]}" \
       > "$OUT/gpu_tests_$i.log" 2>&1 &
   done
@@ -53,6 +54,12 @@ if want tests; then
     case "$last" in *" in "*) echo "gpu tests $(basename "$log" .log): $last";;
                     *) echo "gpu tests $(basename "$log" .log): STOPPED at ${SHARD_S:-420} s, no summary";; esac
     grep -E "^FAILED|^ERROR" "$log" | head -5
+    # a module's tests draw from one generator in order: its seed and the shard's ids replay a failure
+    if grep -qE "^FAILED|^ERROR" "$log"; then
+      grep -oE "rng seed [0-9]+" "$log" | sort -u | while read -r _ _ seed; do
+        echo "  replay: CUPYMOE_TEST_SEED=$seed python3 -m pytest -q -m gpu \$(cat $(basename "$log" .log).ids)"
+      done
+    fi
   done
   echo "gpu tests wall $(( $(date +%s) - t0 )) s"
 fi
