@@ -235,9 +235,9 @@ __device__ __forceinline__ void grouped_mma_step(float (&acc)[2][8][4], const bf
 }
 
 // One BK step of the stacked form's extra K: grouped_mma_step's without the products that are zeros,
-// so the accumulators keep their values: a 16-row fragment's 16 columns of T that are all zeros
-// (other adapters' columns, rows without an adapter or past the tile), and in gate/up the n-tiles of
-// the projection whose Bext half of this step is zeros. Gate's n-tiles (j < 4, brow) read T tile
+// so the accumulators keep their bits (an exact zero sum may keep a - sign): a 16-row fragment's 16
+// columns of T that are all zeros (other adapters' columns, rows without an adapter or past the
+// tile), and in gate/up the n-tiles of the projection whose Bext half of this step is zeros. Gate's n-tiles (j < 4, brow) read T tile
 // tG, up's tU (down: tG for all). HALF: 0 gate's n-tiles alone, 1 up's alone, 2 both.
 template <int MODE, int BK, int HALF>
 __device__ __forceinline__ void grouped_lora_mma_step(float (&acc)[2][8][4], const bf16* tG, const bf16* tU,
