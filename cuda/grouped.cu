@@ -300,7 +300,8 @@ __device__ __forceinline__ void grouped_lora_steps(const GemmTile& t, bf16* sA, 
                                                    const bf16* __restrict__ lora_b1, int KS, GEMM_ARGS) {
     constexpr bool GU = MODE == MODE_GATE_UP;
     constexpr int THREADS = BM * 2, CHUNKS = BK / 8, NP = GU ? 2 : 1, AT = PAIRED ? 2 : 1;  // A tiles a step
-    static_assert(64 % BK == 0, "KS is whole 64-column steps, so each step is gate's or up's (grouped_lora_mma_step)");
+    // KS is whole 64-column steps (lora_stack.stack_width), so each step is gate's or up's, or both whole
+    static_assert(64 % BK == 0, "a step within one 64-column block of KS (grouped_lora_mma_step)");
     static_assert(!PAIRED || GU, "pairs are gate's and up's");
     constexpr int A_PER = BM * CHUNKS / THREADS, B_PER = GG_BN * CHUNKS / THREADS;
     const int width = NP * KS, steps = (PAIRED ? KS : width) / BK, chunk = threadIdx.x % CHUNKS;
