@@ -203,28 +203,36 @@ make_tiles(const int* __restrict__ num_active, const int* __restrict__ active_sl
 // Tensor-core grouped GEMM, mma.sync (any sm_80+). Hopper's wgmma version: grouped_sm90.cu.
 // ---------------------------------------------------------------------------------------
 
-// One BK step of a warp's 32 x 64 accumulators (rows wm 32 .., columns by brow) from stage tiles tA, tB.
+// The warp's 16-row A fragment mt (rows wm 32 + 16 mt ..) of k16 chunk kk of stage tile tA.
+template <int BK>
+__device__ __forceinline__ void grouped_a_frag(unsigned (&af)[4], const bf16* tA, int wm, int mt, int kk, int lane) {
+    const int r = wm * 32 + mt * 16 + (lane & 15);
+    ldmatrix_x4(af[0], af[1], af[2], af[3], tA + swz<BK>(r, kk * 2 + (lane >> 4)));
+}
+
+// The B fragments of the warp's n-tile pair jp (n-tiles 2 jp, 2 jp + 1) of k16 chunk kk of stage tile
+// tB: gate/up's n-tiles j < 4 are gate's B rows (0 ..), the rest up's (64 ..); down's run on.
+template <int MODE, int BK>
+__device__ __forceinline__ void grouped_b_frags(unsigned& b0, unsigned& b1, unsigned& b2, unsigned& b3, const bf16* tB,
+                                                int wn, int jp, int kk, int lane) {
+    const int j = 2 * jp;
+    const int row = MODE == MODE_GATE_UP ? (j < 4 ? 0 : 64) + wn * 32 + (j & 3) * 8 : wn * 64 + j * 8;
+    ldmatrix_x4(b0, b1, b2, b3, tB + swz<BK>(row + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+}
+
+// One BK step of a warp's 32 x 64 accumulators (rows wm 32 .., columns grouped_b_frags') from stage tiles tA, tB.
 template <int MODE, int BK>
 __device__ __forceinline__ void grouped_mma_step(float (&acc)[2][8][4], const bf16* tA, const bf16* tB, int wm, int wn,
                                                  int lane) {
-    // B rows (in the stage tile) of this warp's 8 n-tiles of 8 columns
-    auto brow = [&](int j) -> int {
-        if (MODE == MODE_GATE_UP) return (j < 4 ? 0 : 64) + wn * 32 + (j & 3) * 8;
-        return wn * 64 + j * 8;
-    };
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
         unsigned af[2][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-            const int r = wm * 32 + mt * 16 + (lane & 15);
-            ldmatrix_x4(af[mt][0], af[mt][1], af[mt][2], af[mt][3], tA + swz<BK>(r, kk * 2 + (lane >> 4)));
-        }
+        for (int mt = 0; mt < 2; ++mt) grouped_a_frag<BK>(af[mt], tA, wm, mt, kk, lane);
 #pragma unroll
-        for (int jp = 0; jp < 4; ++jp) {  // pairs of n-tiles (2 jp, 2 jp + 1)
-            const int r = brow(2 * jp) + (lane & 7) + ((lane >> 4) << 3);
+        for (int jp = 0; jp < 4; ++jp) {
             unsigned b0, b1, b2, b3;
-            ldmatrix_x4(b0, b1, b2, b3, tB + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)));
+            grouped_b_frags<MODE, BK>(b0, b1, b2, b3, tB, wn, jp, kk, lane);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 mma_bf16(acc[mt][2 * jp], af[mt], b0, b1);
@@ -237,8 +245,8 @@ __device__ __forceinline__ void grouped_mma_step(float (&acc)[2][8][4], const bf
 // One BK step of the stacked form's extra K: grouped_mma_step's without the products that are zeros,
 // so the accumulators keep their bits (an exact zero sum may keep a - sign): a 16-row fragment's 16
 // columns of T that are all zeros (other adapters' columns, rows without an adapter or past the
-// tile), and in gate/up the n-tiles of the projection whose Bext half of this step is zeros. Gate's n-tiles (j < 4, brow) read T tile
-// tG, up's tU (down: tG for all). HALF: 0 gate's n-tiles alone, 1 up's alone, 2 both.
+// tile), and in gate/up the n-tiles of the projection whose Bext half of this step is zeros. Gate's
+// n-tiles read T tile tG, up's tU (down: tG for all). HALF: 0 gate's n-tiles alone, 1 up's, 2 both.
 template <int MODE, int BK, int HALF>
 __device__ __forceinline__ void grouped_lora_mma_step(float (&acc)[2][8][4], const bf16* tG, const bf16* tU,
                                                       const bf16* tB, int wm, int wn, int lane) {
@@ -248,8 +256,7 @@ __device__ __forceinline__ void grouped_lora_mma_step(float (&acc)[2][8][4], con
     auto frags = [&](unsigned (&af)[2][4], bool (&live)[2], const bf16* tA, int kk) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-            const int r = wm * 32 + mt * 16 + (lane & 15);
-            ldmatrix_x4(af[mt][0], af[mt][1], af[mt][2], af[mt][3], tA + swz<BK>(r, kk * 2 + (lane >> 4)));
+            grouped_a_frag<BK>(af[mt], tA, wm, mt, kk, lane);
             const unsigned bits = (af[mt][0] | af[mt][1] | af[mt][2] | af[mt][3]) & 0x7fff7fffu;  // -0 is a zero
             live[mt] = __any_sync(CUPYMOE_FULL_MASK, bits != 0u);
         }
@@ -266,10 +273,8 @@ __device__ __forceinline__ void grouped_lora_mma_step(float (&acc)[2][8][4], con
             const bool up = GU && jp >= 2;
             const bool* live = up ? lu : lg;
             if (!(live[0] || live[1])) continue;
-            const int r = (GU ? (jp < 2 ? 0 : 64) + wn * 32 + (2 * jp & 3) * 8 : wn * 64 + 2 * jp * 8) + (lane & 7) +
-                          ((lane >> 4) << 3);
             unsigned b0, b1, b2, b3;
-            ldmatrix_x4(b0, b1, b2, b3, tB + swz<BK>(r, kk * 2 + ((lane >> 3) & 1)));
+            grouped_b_frags<MODE, BK>(b0, b1, b2, b3, tB, wn, jp, kk, lane);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 if (!live[mt]) continue;
