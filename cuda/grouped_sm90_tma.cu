@@ -100,7 +100,8 @@ __device__ __forceinline__ void tma_copy_stage(bf16* sA, bf16* sB, u64* full, in
 // Gate/up: T's first KS = 64 lora_steps columns are gate's, the next KS up's; the gate half of
 // the B tile reads gate's Bext at k = 64 j and the up half up's at k = 64 j - KS, so each half
 // is zeros (TMA's fill: the box lies past its map's KS columns) on the other's steps and the
-// accumulator gets g + B_g t_g in gate's columns, u + B_u t_u in up's. Bytes as a base step.
+// accumulator gets g + B_g t_g in gate's columns, u + B_u t_u in up's. Bytes as a base step; the
+// consumers multiply only the half a step holds (wgmma_k64_bf16_half: the other's products are zeros).
 // The coordinates of a box wholly out of its map stay non-negative (KS + 64 j for up's first
 // steps): the fill needs no negative coordinate.
 template <int MODE, int BM, int BN>
@@ -289,7 +290,12 @@ __device__ __forceinline__ void grouped_sm90_tma_body(GEMM_ARGS, const u8* __res
         mbar_wait(&full[s], (kt / S) & 1);
         const u64 da = wgmma_desc(sA + (s * BM + wg * TMA_SUB) * BK);
         const u64 db = wgmma_desc(sB + s * BN * BK);
-        if (has_rows) wgmma_k64_bf16<BN>(d, da, db);
+        if (has_rows) {
+            if (LORA && MODE == MODE_GATE_UP && kt >= KT)  // an extra K step: the other half's B is zeros
+                wgmma_k64_bf16_half<BN>(d, da, db, kt - KT < KX / 2);
+            else
+                wgmma_k64_bf16<BN>(d, da, db);
+        }
         wgmma_wait<1>();  // this warp's wgmmas of step kt - 1 are done: free their stage for
         // the producer, when it refills it (step kt - 1 + S exists)
         if (kt > 0 && kt - 1 + S < KTT && lane == 0) {

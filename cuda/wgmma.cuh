@@ -204,18 +204,24 @@ __device__ __forceinline__ void wgmma_m64nNk16_bf16<256>(float* d, u64 da, u64 d
 // swizzled K-major tiles (descriptors da, db; +32 bytes per k16), committed as one group.
 template <int BN>
 __device__ __forceinline__ void wgmma_k64_bf16(float* d, u64 da, u64 db) {
-    static_assert(BN == 128 || BN == 256, "m64n128 or m64n256");
+    static_assert(BN == 64 || BN == 128 || BN == 256, "m64n64, m64n128 or m64n256");
     fence_acc<BN / 2>(d);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-        if (BN == 256)
-            wgmma_m64n256k16(d, da + kk * 2, db + kk * 2);
-        else
-            wgmma_m64n128k16(d, da + kk * 2, db + kk * 2);
-    }
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64nNk16_bf16<BN>(d, da + kk * 2, db + kk * 2);
     wgmma_commit();
     fence_acc<BN / 2>(d);
+}
+
+// The same step on one half of the B tile's BN rows (its columns 0 .. BN / 2 - 1, or the rest: the
+// accumulators d[BN / 4 ..] and the B rows BN / 2 .. of 128 bytes each, BN * 4 in the descriptor's
+// 16-byte address units), leaving the other half's accumulators as they are.
+template <int BN>
+__device__ __forceinline__ void wgmma_k64_bf16_half(float* d, u64 da, u64 db, bool first) {
+    if (first)
+        wgmma_k64_bf16<BN / 2>(d, da, db);
+    else
+        wgmma_k64_bf16<BN / 2>(d + BN / 4, da, db + BN * 4);
 }
 
 // d[N / 2] (m64 x nN, fp32) = (scale_d ? d : 0) + A (64 x 32, e4m3) * B (32 x N, e4m3), both K-major
