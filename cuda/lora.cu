@@ -326,7 +326,7 @@ lora_gate_up_expand_act(const float* __restrict__ lora_t, const int* __restrict_
 // The down delta of each pair with an adapter: t = s A act[pos], d = B t, added to the expert's
 // output before the routing weight multiplies (mode: where the path keeps that output). Y splits
 // the pair's work: by_cols (forward_plan.lora_down_cols), its H output columns (lora_slice), each
-// block the whole shrink, its B rows fetched into L2 meanwhile, so no block meets another and no
+// block the whole shrink, its B rows fetched into L2 meanwhile (Y > 1), so no block meets another and no
 // block expands all of H alone (a chain of loads at 64 registers); else the shrink's I (slices),
 // d by the last block. A [K, S, max_rank, I_max], B [K, S, H, max_rank] bf16. Early start (above):
 // act is lora_gate_up_act's, done before down's wait, so the shrink and the first LORA_HOLD_DOWN
@@ -350,7 +350,9 @@ lora_down_delta(const bf16* __restrict__ act, const int* __restrict__ lora_ids, 
         const int len = inter[pr.slot];
         int lo = 0, hi = len;
         if (by_cols) {
-            lora_prefetch_rows(b, h_lo, h_hi, max_rank);
+            // one block a pair (from LORA_SLICE_TARGET pairs) would fetch all of B and load it again:
+            // only traffic (DECISIONS "LoRA: the down delta's B prefetch only where a pair has several blocks")
+            if (gridDim.y > 1) lora_prefetch_rows(b, h_lo, h_hi, max_rank);
         } else {
             lora_slice(len, blockIdx.y, gridDim.y, lo, hi);
         }
