@@ -20,8 +20,7 @@
 #   GRID_FLAGS=--no-peers: the grid without the torch peers (vLLM's figures still come
 #   from benchmarks/baselines)
 set -u
-# a carried kernel cache (scripts/kernel_cache_pack.py) saves the device the builds it holds
-[ -f .kcache.tar.xz ] && [ -z "${CUPYMOE_CACHE_DIR:-}" ] && export CUPYMOE_CACHE_DIR=$(python3 scripts/kernel_cache_pack.py --unpack .kcache.tar.xz)
+source scripts/kernel_cache_env.sh  # a carried kernel cache, unpacked once
 PARTS=${PARTS:-"tests hf verify grid quant fp8"}
 want() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 DEST=${OUT:?set OUT to a folder for the logs}

@@ -7,8 +7,7 @@
 #
 #   bash scripts/gpu_tests.sh DEST "EXPR" [NAME [test file ...]]
 set -u
-# a carried kernel cache (scripts/kernel_cache_pack.py) saves the device the builds it holds
-[ -f .kcache.tar.xz ] && [ -z "${CUPYMOE_CACHE_DIR:-}" ] && export CUPYMOE_CACHE_DIR=$(python3 scripts/kernel_cache_pack.py --unpack .kcache.tar.xz)
+source scripts/kernel_cache_env.sh  # a carried kernel cache, unpacked once
 DEST=${1:?DEST: a folder for the logs}; EXPR=${2?EXPR: a pytest -k expression (empty: every GPU test)}; NAME=${3:-tests}
 shift $(( $# < 3 ? $# : 3 ))
 t0=$(date +%s)

@@ -10,9 +10,8 @@ Each TREE (a folder holding cupymoe/ and cuda/: `.`, `.old`, an exported experim
 written as a .tar.xz (carry it). A cache key holds the NVRTC version, so the Python running the pack
 must have the device's NVRTC (`python -m cupymoe kernels` prints it there; 13.0 in the device image:
 a venv with cupy-cuda13x and cuda-toolkit[nvrtc]==13.0.* gives it); the pack refuses, naming both,
-where they differ. On the device a script unpacks first and keeps the folder for every later step:
-
-    [ -f .kcache.tar.xz ] && export CUPYMOE_CACHE_DIR=$(python3 scripts/kernel_cache_pack.py --unpack .kcache.tar.xz)
+where they differ. On the device a script unpacks first and keeps the folder for every later step
+(device_check.sh, gpu_tests.sh and trees_bench.sh do: `source scripts/kernel_cache_env.sh`).
 
 A module whose key does not match (another source, knob or NVRTC) is compiled there as before.
 """

@@ -80,8 +80,8 @@ def lora_cases(results: dict) -> None:
         for fmt, options in LORA_FORMATS:
             rng = np.random.default_rng(13)
             hw = testing.random_host_weights(cfg, rng, fmt)
-            layer = MoeLayer(cfg, hw, max_tokens=max(n for n, _ in LORA_TOKENS), decode_max_tokens=64, atomic_max_tokens=64,
-                             max_loras=len(LORA_RANKS), max_lora_rank=max(LORA_RANKS), **options)
+            layer = MoeLayer(cfg, hw, max_tokens=max(n for n, _ in LORA_TOKENS), decode_max_tokens=64,
+                             atomic_max_tokens=64, max_loras=len(LORA_RANKS), max_lora_rank=max(LORA_RANKS), **options)
             for slot, rank in enumerate(LORA_RANKS):
                 layer.set_lora(slot, random_lora(cfg, rng, rank))
             for n, path in LORA_TOKENS:

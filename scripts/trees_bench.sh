@@ -10,8 +10,7 @@
 #   OUT=/tmp/out TREES="main:.old a:.va b:." bash scripts/trees_bench.sh --format fp8_block --preset qwen3-30b-a3b --tokens 16
 #   OUT=/tmp/out TREES="main:. bands:.:CUPYMOE_GEMM_BAND_COLS=8" bash scripts/trees_bench.sh --format fp8_block
 set -u
-# a carried kernel cache (scripts/kernel_cache_pack.py) saves the device the builds it holds
-[ -f .kcache.tar.xz ] && [ -z "${CUPYMOE_CACHE_DIR:-}" ] && export CUPYMOE_CACHE_DIR=$(python3 scripts/kernel_cache_pack.py --unpack .kcache.tar.xz)
+source scripts/kernel_cache_env.sh  # a carried kernel cache, unpacked once
 OUTER=${OUT:?set OUT to a folder for the results}
 TREES=${TREES:?TREES: name:folder pairs}
 DEST=$(mktemp -d)
