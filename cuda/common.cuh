@@ -38,6 +38,16 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// The release alone, at a kernel's top, before its own wait: only where the successor reads before
+// its wait nothing but what this kernel's own launch already found complete (lora_gate_up_act,
+// released by gate/up past gate/up's wait, lets down stream its first weights beside it; down reads
+// the lists, done before gate/up's wait, and act only past its own wait for this grid).
+__device__ __forceinline__ void pdl_release_early() {
+#if CUPYMOE_SM >= 90
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // A block that leaves before its wait (a decode block with no expert or columns to serve,
 // whose weight copies went out before the wait): the grid's first block waits anyway, so the
 // grid never completes before the kernel it follows. griddepcontrol.wait covers only the

@@ -238,6 +238,7 @@ lora_gate_up_act(const bf16* __restrict__ x, const bf16* __restrict__ xe, const 
                  int* __restrict__ tickets, int N, int k, int H, int I_max, int n_local, int max_rank, int max_loras,
                  int act_code, float alpha, float limit) {
     extern __shared__ float t[];  // [2 max_rank]: gate's, then up's; then LORA_RED
+    pdl_release_early();  // down streams its first weights beside this grid, as beside gate/up without LoRA
     const LoraPair pr = lora_pair(blockIdx.x, N, k, ids, pair_pos, slot_of, n_local);
     const int I = pr.pos < 0 ? 0 : inter[pr.slot];
     const int lid = pr.pos < 0 ? -1 : lora_ids[pr.row];

@@ -384,15 +384,23 @@ def test_router_span_keeps_one_wave_while_it_can():
 def test_early_start_rests_on_release_after_wait():
     """The per-pair kernels' early start (cuda/lora.cu: shrink, ticket and held expand before the
     PDL wait) reads what the kernels before its predecessor wrote, so every kernel must release
-    its successor only after its own wait: griddepcontrol.launch_dependents appears once in cuda/,
-    after the wait in pdl_wait_then_release_next. Each per-pair kernel waits at one site, and any
+    its successor only after its own wait: griddepcontrol.launch_dependents appears in cuda/ after
+    the wait in pdl_wait_then_release_next, and in pdl_release_early, which lora_gate_up_act alone
+    calls at its top (its successor, down, reads before its wait what was complete before
+    lora_gate_up_act launched). Each per-pair kernel waits at one site, and any
     return before it spares block 0 (the grid never completes before the kernel it follows)."""
     from pathlib import Path as P
 
     src = {f.name: f.read_text() for f in (P(jit.kernel_dir())).glob("*.cu*")}
     assert [n for n, s in src.items() if "launch_dependents" in s] == ["common.cuh"]
     common = src["common.cuh"]
-    assert common.count("launch_dependents") == 1
+    assert common.count("launch_dependents") == 2  # pdl_wait_then_release_next and pdl_release_early
+    # the early release (before the wait) serves lora_gate_up_act alone: down reads before its own
+    # wait only the lists, complete before gate/up's wait released lora_gate_up_act
+    assert {n: s.count("pdl_release_early()") for n, s in src.items() if "pdl_release_early()" in s} == \
+        {"common.cuh": 1, "lora.cu": 1}
+    act = src["lora.cu"][src["lora.cu"].index("\nlora_gate_up_act("):]
+    assert act.index("pdl_release_early()") < act.index("pdl_wait_then_release_next()") < act.index("\n}\n")
     body = common[common.index("void pdl_wait_then_release_next()"):]
     assert body.index("griddepcontrol.wait") < body.index("griddepcontrol.launch_dependents")
     lora = src["lora.cu"]
