@@ -40,7 +40,9 @@ __host__ __device__ constexpr int decode_unroll(int fmt, int loads) {
     return fmt == FMT_FP8 ? 2 : ((fmt == FMT_BF16 ? 8 : 16) / loads > 2 ? (fmt == FMT_BF16 ? 8 : 16) / loads : 2);
 }
 // grid 1, block LISTS_THREADS, dynamic smem R ints (the slot table, copied before the wait
-// for top-k: its lookups would be global round trips after it) + build_expert_lists'.
+// for top-k: its lookups would be global round trips after it) + build_expert_lists'. ROUNDS:
+// pairs a thread, N k <= ROUNDS LISTS_THREADS.
+template <int ROUNDS>
 __global__ void __launch_bounds__(LISTS_THREADS)
 decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restrict__ slot_of, int R,
                    int n_local, int has_shared,
@@ -50,7 +52,7 @@ decode_build_lists(const int* __restrict__ ids, int N, int k, const int* __restr
     extern __shared__ int sm[];
     for (int e = threadIdx.x; e < R; e += LISTS_THREADS) sm[e] = slot_of[e];  // the layer's, constant
     pdl_wait_then_release_next();  // (build_expert_lists' first barrier orders the copies)
-    build_expert_lists(sm + R, [&](int p) { return ids[p]; }, N, k, sm, R, n_local, has_shared, num_active,
+    build_expert_lists<ROUNDS>(sm + R, [&](int p) { return ids[p]; }, N, k, sm, R, n_local, has_shared, num_active,
                        active_slot, active_start, active_len, sorted_row, sorted_pair, pair_pos, slot_active);
 }
 
@@ -361,7 +363,7 @@ decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ co
     __syncthreads();  // every row's ids, left in its warp's scratch, are visible to the whole block
     int* slot_tab = slot_table();
     const int* row_ids = reinterpret_cast<const int*>(topk_lists_smem) + 2 * R;
-    build_expert_lists(
+    build_expert_lists<1>(  // N k <= LISTS_THREADS (TOPK_LISTS_WARPS rows)
         slot_tab + R, [&](int p) { return row_ids[(p / k) * stride + p % k]; }, N, k, slot_tab, R, n_local,
         has_shared, num_active, active_slot, active_start, active_len, sorted_row, sorted_pair, pair_pos,
         slot_active);

@@ -99,9 +99,10 @@ __device__ __forceinline__ void store_down_value(float v, int pos, int h, const 
         y[(size_t)pos * H + h] = v;
 }
 
-#define LISTS_THREADS 1024
+#define LISTS_MAX_ROUNDS 4  // build_expert_lists: pairs a thread at most (catalog.LISTS_MAX_ROUNDS)
 
-// One block of LISTS_THREADS threads, P = N k <= LISTS_THREADS pairs (pair p on thread p),
+// One block of LISTS_THREADS threads, P = N k <= ROUNDS LISTS_THREADS pairs (pair p on thread
+// p % LISTS_THREADS, in round p / LISTS_THREADS: 32 consecutive pairs are one warp's chunk),
 // `sm` n_local ints and ceil(P / 32) n_local 16-bit counts of its shared memory
 // (kernels.expert_lists_smem_bytes). id_of(p) is pair p's expert id; slot_of[e] (the
 // callers' copy in shared memory) is expert e's table slot on this rank (0 .. n_local-1),
@@ -118,23 +119,32 @@ __device__ __forceinline__ void store_down_value(float v, int pos, int h, const 
 // loads and no 1024-thread block scan sits in the chain. The one warp's loops are rolled, as
 // is the walk of each expert's column: this code runs once a launch, so its length costs
 // more than its latency (cold instruction fetch, likely).
-template <class IdOf>
+template <int ROUNDS, class IdOf>
 __device__ __forceinline__ void build_expert_lists(int* sm, IdOf id_of, int N, int k,
                                                    const int* slot_of, int R, int n_local, int has_shared,
                                                    int* __restrict__ num_active, int* __restrict__ active_slot,
                                                    int* __restrict__ active_start, int* __restrict__ active_len,
                                                    int* __restrict__ sorted_row, int* __restrict__ sorted_pair,
                                                    int* __restrict__ pair_pos, int* __restrict__ slot_active) {
+    static_assert(ROUNDS >= 1 && ROUNDS <= LISTS_MAX_ROUNDS, "pairs a thread");
     const int P = N * k, warps = (P + 31) >> 5;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = threadIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int* start = sm;                                                             // [n_local]
     unsigned short* before = reinterpret_cast<unsigned short*>(start + n_local);  // [warps][n_local]
     for (int i = threadIdx.x; i < warps * n_local; i += LISTS_THREADS) before[i] = 0;
     __syncthreads();
-    const int e = p < P ? id_of(p) : -1;
-    const int sl = e >= 0 && e < R ? slot_of[e] : -1;
-    int rank = 0;
-    if (warp < warps) rank = warp_slot_rank(before, n_local, sl, warp, lane);
+    int sl[ROUNDS], rank[ROUNDS];  // the thread's pair of each round: its slot, its rank
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {  // every round's id loads before the first match
+        const int p = r * LISTS_THREADS + threadIdx.x;
+        const int e = p < P ? id_of(p) : -1;
+        sl[r] = e >= 0 && e < R ? slot_of[e] : -1;
+    }
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {
+        const int chunk = r * (LISTS_THREADS / 32) + warp;  // warp-uniform
+        rank[r] = chunk < warps ? warp_slot_rank(before, n_local, sl[r], chunk, lane) : 0;
+    }
     __syncthreads();
 #pragma unroll 1
     for (int x = threadIdx.x; x < n_local; x += LISTS_THREADS)  // each expert's count
@@ -183,13 +193,17 @@ __device__ __forceinline__ void build_expert_lists(int* sm, IdOf id_of, int N, i
         if (lane == 0) *num_active = act_base + (has_shared ? 1 : 0);
     }
     __syncthreads();
-    if (p < P) {
-        int pos = -1;
-        if (sl >= 0) {
-            pos = start[sl] + before[warp * n_local + sl] + rank;
-            sorted_row[pos] = p / k;
-            sorted_pair[pos] = p;
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {
+        const int p = r * LISTS_THREADS + threadIdx.x;
+        if (p < P) {
+            int pos = -1;
+            if (sl[r] >= 0) {
+                pos = start[sl[r]] + before[(r * (LISTS_THREADS / 32) + warp) * n_local + sl[r]] + rank[r];
+                sorted_row[pos] = p / k;
+                sorted_pair[pos] = p;
+            }
+            pair_pos[p] = pos;
         }
-        pair_pos[p] = pos;
     }
 }

@@ -190,7 +190,11 @@ MAX_TOKENS = 65536
 MAX_GRID_Y = 65535  # CUDA's gridDim.y limit: the grouped GEMMs' M tiles run along y
 # grouped.cu
 SORT_BLOCK = 1024  # pairs a block of the multi-block sort
-SMALL_SORT_PAIRS = 1024  # up to this many pairs one block sorts them (decode_build_lists)
+SMALL_SORT_PAIRS = 1024  # up to this many pairs the prefill path sorts in one block (decode_build_lists)
+# the decode and atomic paths' one-block sort: up to LISTS_MAX_ROUNDS pairs a thread, a launch where
+# the three-pass sort takes three (DECISIONS "The decode path's lists in one block to 4096 pairs")
+LISTS_MAX_ROUNDS = 4
+DECODE_SORT_PAIRS = LISTS_MAX_ROUNDS * LISTS_THREADS
 SORT_WARPS = 32
 GROUPED_BN = 128  # GG_BN
 GROUPED_BM_MIN = 64  # the smallest M tile of the grouped GEMMs
@@ -381,7 +385,8 @@ def sort_place_smem_bytes(n_local: int) -> int:
 
 
 def expert_lists_smem_bytes(pairs: int, n_local: int) -> int:
-    """build_expert_lists (decode_common.cuh) for <= 1024 pairs: counts, starts, a 16-bit count a warp."""
+    """build_expert_lists (decode_common.cuh), up to LISTS_MAX_ROUNDS x LISTS_THREADS pairs: starts, a
+    16-bit count a slot for each 32 pairs."""
     counts = -(-pairs // 32) * n_local
     return (n_local + (counts + 1) // 2) * 4
 

@@ -88,6 +88,19 @@ def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
                         HX.lora_shrink_form(n, cfg.hidden_size), HX.lora_shrink_form(n, lp.i_max))
 
 
+def decode_lists_in_one_block(lp: LayerPlan, dev: DeviceFacts, n: int) -> bool:
+    """Whether the decode and atomic paths' expert lists of `n` rows are one decode_build_lists launch
+    (which also makes slot_active) rather than the three-pass sort: to SMALL_SORT_PAIRS pairs where
+    its shared memory fits, past them (several pairs a thread, up to lp.decode_sort_pairs) only where
+    its table stays within STATIC_SMEM_LIMIT (DECISIONS "The decode path's lists in one block past
+    1024 pairs": qwen3-next-80b's 512 experts at 256 rows, 84 KB, ran slower than the three passes)."""
+    pairs = n * lp.cfg.num_experts_per_tok
+    smem = lp.cfg.router_width * 4 + C.expert_lists_smem_bytes(pairs, lp.n_local)
+    if pairs <= C.SMALL_SORT_PAIRS:
+        return smem <= dev.max_smem
+    return pairs <= lp.decode_sort_pairs and smem <= C.STATIC_SMEM_LIMIT
+
+
 def prefill_buckets(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[tuple[int, int, PrefillShape]]:
     """The runs of row counts lo..hi of equal PrefillShape, as (first, last, shape). Each part of a
     shape is monotone in N within a router configuration and a tuning-table bucket, so within
@@ -779,6 +792,7 @@ class _Builder:
         self.stage = Stage.ROUTER
         self.has_shared = lp.has_shared
         self.given_routing = False  # the experts-only entry: the call's ids and weights, no router
+        self.slot_active = False  # a one-block list builder made slot_active (the sort stage sets it)
 
     # --- helpers -------------------------------------------------------------------------------
     def v(self, name: str, fn):
@@ -827,6 +841,7 @@ class _Builder:
             xe = self.norm()
         self.stage = Stage.SORT
         tiles = (0, 0)
+        self.slot_active = route_lists or topk_lists
         if not (route_lists or topk_lists):
             tiles = self.sort()
         if self.path == Path.ATOMIC:
@@ -961,15 +976,15 @@ class _Builder:
             gate_up_bm = HX.grouped_kernel(lp, self.dev, GemmMode.GATE_UP, config, fmt0, fp8, self.shape.sm90_gate_up).bm
             down_bm = HX.grouped_kernel(lp, self.dev, GemmMode.DOWN, config, fmt0, fp8, self.shape.sm90_down).bm
             down_bm = down_bm if down_bm != gate_up_bm else 0
-        one_block = self.shape.one_block_sort if self.shape else (
-            self.n * k <= C.SMALL_SORT_PAIRS
-            and R * 4 + C.expert_lists_smem_bytes(self.n * k, lp.n_local) <= self.dev.max_smem)
+        one_block = self.shape.one_block_sort if self.shape else decode_lists_in_one_block(lp, self.dev, self.n)
         if one_block:
             n_local = lp.n_local
             smem = self.v("lists_smem", lambda m: R * 4 + C.expert_lists_smem_bytes(m * k, n_local))
-            self.launch("decode_build_lists", (1,), (C.LISTS_THREADS,),
+            rounds = 1 if self.shape else -(-self.n * k // C.LISTS_THREADS)  # prefill: <= SMALL_SORT_PAIRS pairs
+            self.launch(f"decode_build_lists<{rounds}>", (1,), (C.LISTS_THREADS,),
                         (u64("ids", S("topk_ids")), i32("N", self.rows()), i32("k", k), u64("slot_of", W("slot_of")),
                          i32("R", R), *self.list_args()[1:]), smem, self.pdl)
+            self.slot_active = True
             return 0, 0
         self.three_pass_sort(gate_up_bm, down_bm)
         return gate_up_bm, down_bm
@@ -1006,7 +1021,7 @@ class _Builder:
         for fmt in lp.formats:  # a launch a weight format; each skips the others' experts
             dk = HX.decode_kernel(lp, self.dev, "gate_up", fmt, rows_per_expert, max_active, n)
             # by table slot: the blocks' first weight stages in flight before the lists land
-            by_slot = HX.gate_up_by_slot(lp, n, max_active, self.has_shared, dk)
+            by_slot = HX.gate_up_by_slot(lp, n, max_active, self.has_shared, dk, self.slot_active)
             args = self.decode_gate_up_args(xe, fmt, by_slot and dk.name.startswith("decode_wgmma_gate_up_a8"))
             self.launch(dk.name, (dk.blocks, max_active), (dk.threads,),
                         args + self.swapab_args(dk, "gate_up", by_slot), dk.smem, self.pdl)

@@ -68,13 +68,14 @@ def gate_up_ahead_waste(n_local: int, num_experts: int, k: int, num_tokens: int,
     return idle * blocks * block_bytes
 
 
-def gate_up_by_slot(lp: LayerPlan, n: int, max_active: int, has_shared: bool, dk: DecodeKernel) -> bool:
+def gate_up_by_slot(lp: LayerPlan, n: int, max_active: int, has_shared: bool, dk: DecodeKernel,
+                    slot_active: bool) -> bool:
     """Whether a decode gate/up of `n` rows goes by table slot (its blocks' first weight stages in
-    flight before the lists land): a kernel with that form (dk.ahead_bytes), one list builder
-    made slot_active (the small sort), every slot a row of the grid; then the knob, or in auto
-    where the experts nobody chose would copy at most gate_up_ahead_max_waste bytes."""
+    flight before the lists land): a kernel with that form (dk.ahead_bytes), a one-block list
+    builder made slot_active (`slot_active`), every slot a row of the grid; then the knob, or in
+    auto where the experts nobody chose would copy at most gate_up_ahead_max_waste bytes."""
     k = lp.cfg.num_experts_per_tok
-    if (not dk.ahead_bytes or lp.gate_up_ahead == GateUpAhead.OFF or n * k > C.SMALL_SORT_PAIRS
+    if (not dk.ahead_bytes or lp.gate_up_ahead == GateUpAhead.OFF or not slot_active
             or max_active != lp.n_local + has_shared):
         return False
     if lp.gate_up_ahead == GateUpAhead.ON:

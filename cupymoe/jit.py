@@ -89,8 +89,9 @@ def _modules() -> dict[str, ModuleSpec]:
         "grouped_sm90_fp8_tma": ModuleSpec("grouped_sm90_fp8_tma.cu", C.sm90_fp8_kernels(tma=True), archs=hopper),
         "decode": ModuleSpec(
             "decode.cu",
-            ("decode_build_lists", "decode_route_lists", "decode_topk_lists<0>", "decode_topk_lists<1>",
-             "decode_reduce", "decode_route_lists_lora")
+            tuple(f"decode_build_lists<{r}>" for r in range(1, C.LISTS_MAX_ROUNDS + 1))
+            + ("decode_route_lists", "decode_topk_lists<0>", "decode_topk_lists<1>", "decode_reduce",
+               "decode_route_lists_lora")
             + tuple(f"decode_gate_up<{r}, {c}, {int(f)}>" for f in fmts for r, c in C.GATE_UP_VARIANTS)
             + tuple(f"decode_down<{r}, {c}, {int(f)}>" for f in fmts for r, c in C.DOWN_VARIANTS)),
         "decode_mma": ModuleSpec(
@@ -454,7 +455,7 @@ def opt_in_smem(expr: str, max_smem: int) -> int:
                     return v.smem_bytes(f)
     # sized per launch: sort_place's and the list builders' by the layer's experts, the wgmma
     # decode's by its K (less 1 KB: its static shared memory counts against the opt-in maximum)
-    if expr in ("sort_place", "decode_build_lists") or expr.startswith("decode_topk_lists"):
+    if expr == "sort_place" or expr.startswith(("decode_build_lists", "decode_topk_lists")):
         return max_smem
     if expr.startswith("topk_route_lora"):  # and its warps' t
         return min(max_smem, C.topk_route_lora_smem_bytes(C.MAX_ROUTER_WIDTH, C.LORA_ROUTER_T_MAX_RANK))

@@ -146,6 +146,14 @@ def _variant(name: str, v: str) -> str:
     return v
 
 
+def _sort_pairs(name: str, v: str) -> int:
+    from .catalog import DECODE_SORT_PAIRS
+
+    if not _digits(v) or not 1 <= int(v) <= DECODE_SORT_PAIRS:
+        raise OptionError(f"{name}={v!r}: must be an integer from 1 to {DECODE_SORT_PAIRS} (the one-block sort's most)")
+    return int(v)
+
+
 def _lora_parts(name: str, v: str) -> int:
     if v not in ("0", "1", "2"):
         raise OptionError(f"{name}={v!r}: must be '0', '1' or '2'")
@@ -190,6 +198,9 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
     "pdl": ("CUPYMOE_PDL", "0: launch the decode chain without programmatic dependent launch", _on_off, True),
     "topk_lists": ("CUPYMOE_TOPK_LISTS", "0: top-k and the expert lists as two launches past 8 decode rows",
                    _on_off, True),
+    "decode_sort_pairs": ("CUPYMOE_DECODE_SORT_PAIRS", "pairs up to which the decode and atomic paths build "
+                          "their expert lists in one block (decode_build_lists; past them the three-pass sort); "
+                          "default and most catalog.DECODE_SORT_PAIRS", _sort_pairs, None),
     "mma_down_pairs": ("CUPYMOE_MMA_DECODE_DOWN_PAIRS", "0: the tensor-core decode's down at one fragment a warp",
                        _on_off, True),
     "mma_blocks_per_sm": ("CUPYMOE_MMA_DECODE_BLOCKS_PER_SM", "blocks an SM the tensor-core decode's K split aims "
@@ -279,6 +290,7 @@ class Knobs:
     decode_router: DecodeRouter = DecodeRouter.AUTO
     pdl: bool = True
     topk_lists: bool = True
+    decode_sort_pairs: Optional[int] = None
     mma_down_pairs: bool = True
     mma_blocks_per_sm: int = 1
     fp4_down_tiles: Optional[int] = None

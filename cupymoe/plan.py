@@ -263,6 +263,7 @@ class LayerPlan:
     fp4_down_tiles: Optional[int]  # forced by CUPYMOE_FP4_DOWN_TILES
     a8_down_tiles: Optional[int]  # forced by CUPYMOE_A8_DOWN_TILES
     topk_lists: bool
+    decode_sort_pairs: int  # the decode and atomic paths' one-block sort up to this many pairs
     decode_router: DecodeRouter  # resolved for the arch (tensor cores need sm_90a)
     pdl: bool  # resolved for the arch (sm_90+)
     all_reduce: bool  # expert parallelism with a communicator: the partials are summed last
@@ -484,6 +485,7 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
         fp4_wgmma_ok=arch == "sm_90a" and all(K % 128 == 0 for K in fp4_ks), w8a8_decode=knobs.w8a8_decode,
         mma_blocks_per_sm=knobs.mma_blocks_per_sm, mma_down_pairs=knobs.mma_down_pairs,
         fp4_down_tiles=knobs.fp4_down_tiles, a8_down_tiles=knobs.a8_down_tiles, topk_lists=knobs.topk_lists,
+        decode_sort_pairs=knobs.decode_sort_pairs or C.DECODE_SORT_PAIRS,
         decode_router=knobs.decode_router if arch == "sm_90a" else DecodeRouter.CORES,
         pdl=knobs.pdl and cc >= 90, all_reduce=bool(options.all_reduce), auto_decode_max=auto_dmax, tuned=tuned,
         decode_kernel=knobs.decode_kernel, gate_up_ahead=knobs.gate_up_ahead, swapab_ok=swapab_ok,

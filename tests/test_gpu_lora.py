@@ -1335,7 +1335,7 @@ def test_decode_down_by_columns_against_the_sliced_form(family, fmt, rng, monkey
 # copied), 32 (two blocks: adapters 0-1, then 2 alone) and 64 (a block an adapter), on a routed-only
 # family and on shared experts; N from 9 (the smallest swap-AB decode) to 64 with one expert taking
 # most rows; the grid by table slot (the tiny layers' default) and by active expert
-# (CUPYMOE_GATE_UP_AHEAD=off: the lists first, as past SMALL_SORT_PAIRS pairs).
+# (CUPYMOE_GATE_UP_AHEAD=off: the lists first, as where the three-pass sort makes them).
 SWAPAB_LORA_CASES = [("qwen3_moe", 8, "auto"), ("qwen2_moe", 16, "auto"), ("deepseek_v3", 32, "off"),
                      ("mixtral", 16, "off"), ("qwen2_moe", 64, "off")]
 

@@ -35,13 +35,13 @@ def _swapab(monkeypatch):
     monkeypatch.setenv("CUPYMOE_DECODE_KERNEL", "swapab")
 
 
-def _case(name, rng):
+def _case(name, rng, max_tokens=MAX_TOKENS):
     from cupymoe import MoeLayer
 
     family, overrides = CASES[name]
     cfg = testing.tiny_config(family, **overrides)
     hw = testing.random_host_weights(cfg, rng, "bf16")
-    layer = MoeLayer(cfg, hw, max_tokens=MAX_TOKENS, decode_max_tokens=MAX_TOKENS, atomic_max_tokens=32)
+    layer = MoeLayer(cfg, hw, max_tokens=max_tokens, decode_max_tokens=max_tokens, atomic_max_tokens=32)
     return cfg, hw, layer
 
 
@@ -75,7 +75,8 @@ def test_gate_up_by_slot_matches_by_active_expert(name, monkeypatch):
     wraps onto the stages copied ahead) gives
     the very bits of its grid by active expert (off) on the decode path, and both match the
     reference on the decode and atomic paths, with a shared expert's slot (qwen2_moe); N = 9
-    leaves experts nobody chose (skewed routing: always one)."""
+    leaves experts nobody chose (skewed routing: always one); N = 300 (1200 pairs) has its lists
+    from the one-block sort's second round."""
     import numpy as np
 
     from cupymoe.forward_plan import build_forward_plan
@@ -84,8 +85,8 @@ def test_gate_up_by_slot_matches_by_active_expert(name, monkeypatch):
     outs = {}
     for mode in ("on", "off"):
         monkeypatch.setenv("CUPYMOE_GATE_UP_AHEAD", mode)
-        cfg, hw, layer = _case(name, np.random.default_rng(11))
-        for path, tokens in (("decode", (9, 17, 64)), ("atomic", (9, 17))):
+        cfg, hw, layer = _case(name, np.random.default_rng(11), max_tokens=300)
+        for path, tokens in (("decode", (9, 17, 64, 300)), ("atomic", (9, 17))):
             for n in tokens:
                 plan = build_forward_plan(layer.plan, layer.device, n, Path(path)).at(n)
                 gate_up = next(s for s in plan.launches if s.kernel.startswith("decode_swapab_gate_up<"))
@@ -104,7 +105,8 @@ def test_gate_up_by_slot_matches_by_active_expert(name, monkeypatch):
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
 def test_swapab_past_256_rows(name, rng):
     """The rows the tune sweep offers the swap-AB decode at (tune.SWAPAB_CAP): every expert's run and
-    the shared expert's N rows in many passes, the lists by the three-pass sort (past 1024 pairs)."""
+    the shared expert's N rows in many passes, the lists by the one-block sort's three rounds (513
+    rows) and by the three-pass sort (2047: past DECODE_SORT_PAIRS pairs)."""
     from cupymoe import MoeLayer
 
     family, overrides = CASES[name]

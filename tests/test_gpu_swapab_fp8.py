@@ -112,7 +112,8 @@ def test_swapab_fp8_decode_matches_the_reference(name, rng):
 @pytest.mark.parametrize("name", ["qwen3_moe-longK", "qwen2_moe"])
 def test_swapab_past_256_rows(name, rng):
     """The rows the tune sweep offers the swap-AB decode at (tune.SWAPAB_CAP): every expert's run and
-    the shared expert's N rows in many passes, the lists by the three-pass sort (past 1024 pairs)."""
+    the shared expert's N rows in many passes, the lists by the one-block sort in several rounds or
+    the three-pass sort (past DECODE_SORT_PAIRS pairs)."""
     from cupymoe import MoeLayer
 
     family, overrides, shared_fmt = CASES[name]

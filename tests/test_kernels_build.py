@@ -237,6 +237,8 @@ def test_decode_list_builders_constants_match_the_kernel_files():
     common = (jit.kernel_dir() / "decode_common.cuh").read_text()
     decode = (jit.kernel_dir() / "decode.cu").read_text()
     assert int(re.search(r"^#define LISTS_THREADS (\d+)", common, re.M).group(1)) == layer.LISTS_THREADS
+    assert int(re.search(r"^#define LISTS_MAX_ROUNDS (\d+)", common, re.M).group(1)) == layer.LISTS_MAX_ROUNDS
+    assert layer.DECODE_SORT_PAIRS == layer.LISTS_MAX_ROUNDS * layer.LISTS_THREADS
     assert int(re.search(r"^#define TOPK_LISTS_WARPS (\d+)", decode, re.M).group(1)) == layer.TOPK_LISTS_WARPS
     assert int(re.search(r"^#define TOPK_LISTS_MAX_R (\d+)", decode, re.M).group(1)) == layer.TOPK_LISTS_MAX_R
     assert layer.TOPK_LISTS_WARPS * 32 <= layer.LISTS_THREADS and layer.SMALL_SORT_PAIRS <= layer.LISTS_THREADS

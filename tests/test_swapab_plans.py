@@ -11,7 +11,7 @@ import pytest
 from _kernel_source import define as source_define, map_indices
 from cupymoe import bench, catalog as C, heuristics as HX, jit, testing, tma
 from cupymoe.errors import OptionError
-from cupymoe.forward_plan import SWAPAB_MAPS, build_forward_plan
+from cupymoe.forward_plan import SWAPAB_MAPS, build_forward_plan, decode_lists_in_one_block
 from cupymoe.knobs import Bf16Decode, Knobs
 from cupymoe.plan import DeviceFacts, LayerOptions, Path, choose_path, plan_layer
 from cupymoe.tuning import Choice
@@ -75,7 +75,8 @@ def test_the_knob_names_the_kernels_with_their_grids_and_args(preset, n, nt):
 @pytest.mark.parametrize("preset, n, by_slot", [
     ("qwen3-30b-a3b", 16, False),  # ~45 of 128 experts idle: 12 blocks x 80 KB each copied for nothing
     ("qwen3-30b-a3b", 64, True), ("qwen3-30b-a3b", 128, True),
-    ("qwen3-30b-a3b", 129, False),  # past one block's sort: no slot_active
+    ("qwen3-30b-a3b", 129, True), ("qwen3-30b-a3b", 256, True),  # past 1024 pairs: the one-block sort's rounds
+    ("qwen3-next-80b", 128, False),  # 1280 pairs of 512 experts: the three-pass sort (no slot_active)
     ("mixtral-8x7b", 16, True),  # 8 experts, every one chosen
     ("deepseek-v3", 32, False),  # 256 experts: most idle
 ])
@@ -94,7 +95,8 @@ def test_gate_up_goes_by_slot_where_few_bytes_are_copied_for_nothing(preset, n, 
         grids.add(gate_up.grid)
     assert len(grids) == 1
     assert (slot_arg["auto"] != 0) == by_slot
-    allowed = n * cfg.num_experts_per_tok <= C.SMALL_SORT_PAIRS and n * cfg.num_experts_per_tok >= cfg.num_experts
+    lp = _lp(cfg, Knobs())
+    allowed = decode_lists_in_one_block(lp, H200, n) and n * cfg.num_experts_per_tok >= cfg.num_experts
     assert (slot_arg["on"] != 0) == allowed and slot_arg["off"] == 0
     assert not by_slot or slot_arg["on"] == slot_arg["auto"]  # both name the lists' slot_active
 
