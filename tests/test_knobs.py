@@ -11,7 +11,8 @@ from cupymoe.knobs import DecodeRouter, Fp4Decode, Knobs, W8a8Decode
 BAD = {"build_jobs": "0", "quiet": "yes", "fp4_decode": "tensor", "fp8_decode": "cuda", "w8a8_decode": "tma",
        "decode_router": "tensor", "pdl": "2", "topk_lists": "yes", "mma_down_pairs": "on",
        "mma_blocks_per_sm": "0", "fp4_down_tiles": "-1", "sm90_variant": "fast", "sm90_down_variant": "slim",
-       "math_rows": "0", "gemm_band_cols": "x", "guard": "on", "weight_l2_promotion": "512"}
+       "math_rows": "0", "gemm_band_cols": "x", "guard": "on", "weight_l2_promotion": "512",
+       "decode_sort_pairs": "4097"}
 
 
 def test_unset_knobs_take_their_defaults():
@@ -31,6 +32,18 @@ def test_good_values_are_read():
                         "CUPYMOE_FP4_DOWN_TILES": "2", "CUPYMOE_SM90_VARIANT": "twin", "CUPYMOE_PROFILE": "1"})
     assert (k.pdl, k.w8a8_decode, k.decode_router, k.fp4_down_tiles, k.sm90_variant, k.profile) == \
         (False, W8a8Decode.WGMMA, DecodeRouter.CORES, 2, "twin", True)
+
+
+def test_the_decode_sort_bound_is_read_and_reaches_the_plan():
+    """CUPYMOE_DECODE_SORT_PAIRS lowers the decode path's one-block sort (1024: as before the rounds);
+    unset, the layer takes DECODE_SORT_PAIRS, the most the kernel's rounds hold."""
+    from cupymoe import bench, catalog as C
+    from cupymoe.plan import LayerOptions, plan_layer
+
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    for env, want in (({}, C.DECODE_SORT_PAIRS), ({"CUPYMOE_DECODE_SORT_PAIRS": "1024"}, 1024)):
+        lp = plan_layer(cfg, "bf16", None, "sm_90a", options=LayerOptions(), knobs=Knobs.from_env(env), table={})
+        assert lp.decode_sort_pairs == want
 
 
 def test_every_knob_is_listed_once():
