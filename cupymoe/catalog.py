@@ -191,8 +191,8 @@ MAX_GRID_Y = 65535  # CUDA's gridDim.y limit: the grouped GEMMs' M tiles run alo
 # grouped.cu
 SORT_BLOCK = 1024  # pairs a block of the multi-block sort
 SMALL_SORT_PAIRS = 1024  # up to this many pairs the prefill path sorts in one block (decode_build_lists)
-# the decode and atomic paths' one-block sort: up to LISTS_MAX_ROUNDS pairs a thread, a launch where
-# the three-pass sort takes three (DECISIONS "The decode path's lists in one block to 4096 pairs")
+# the decode and atomic paths' one-block sort: up to LISTS_MAX_ROUNDS pairs a thread, one launch where
+# the three-pass sort takes three (DECISIONS "The decode path's lists in one block past 1024 pairs")
 LISTS_MAX_ROUNDS = 4
 DECODE_SORT_PAIRS = LISTS_MAX_ROUNDS * LISTS_THREADS
 SORT_WARPS = 32

@@ -92,8 +92,8 @@ def decode_lists_in_one_block(lp: LayerPlan, dev: DeviceFacts, n: int) -> bool:
     """Whether the decode and atomic paths' expert lists of `n` rows are one decode_build_lists launch
     (which also makes slot_active) rather than the three-pass sort: to SMALL_SORT_PAIRS pairs where
     its shared memory fits, past them (several pairs a thread, up to lp.decode_sort_pairs) only where
-    its table stays within STATIC_SMEM_LIMIT (DECISIONS "The decode path's lists in one block past
-    1024 pairs": qwen3-next-80b's 512 experts at 256 rows, 84 KB, ran slower than the three passes)."""
+    its table stays within STATIC_SMEM_LIMIT, past which it measured slower than the three passes
+    (DECISIONS "The decode path's lists in one block past 1024 pairs")."""
     pairs = n * lp.cfg.num_experts_per_tok
     smem = lp.cfg.router_width * 4 + C.expert_lists_smem_bytes(pairs, lp.n_local)
     if pairs <= C.SMALL_SORT_PAIRS:

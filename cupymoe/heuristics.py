@@ -74,13 +74,13 @@ def gate_up_by_slot(lp: LayerPlan, n: int, max_active: int, has_shared: bool, dk
     flight before the lists land): a kernel with that form (dk.ahead_bytes), a one-block list
     builder made slot_active (`slot_active`), every slot a row of the grid; then the knob, or in
     auto where the experts nobody chose would copy at most gate_up_ahead_max_waste bytes."""
-    k = lp.cfg.num_experts_per_tok
     if (not dk.ahead_bytes or lp.gate_up_ahead == GateUpAhead.OFF or not slot_active
             or max_active != lp.n_local + has_shared):
         return False
     if lp.gate_up_ahead == GateUpAhead.ON:
         return True
-    waste = gate_up_ahead_waste(lp.n_local, lp.cfg.num_experts, k, n, dk.blocks, dk.ahead_bytes)
+    waste = gate_up_ahead_waste(lp.n_local, lp.cfg.num_experts, lp.cfg.num_experts_per_tok, n, dk.blocks,
+                                dk.ahead_bytes)
     return waste <= TUNING.gate_up_ahead_max_waste
 
 
