@@ -391,6 +391,11 @@ def expert_lists_smem_bytes(pairs: int, n_local: int) -> int:
     return (n_local + (counts + 1) // 2) * 4
 
 
+def build_lists_smem_bytes(pairs: int, n_local: int, router_width: int) -> int:
+    """decode_build_lists (decode.cu): the slot table (router_width ints), then build_expert_lists'."""
+    return router_width * 4 + expert_lists_smem_bytes(pairs, n_local)
+
+
 def topk_route_smem_bytes(router_width: int) -> int:
     """topk_route: each of its warps' scores and candidates (routing.cuh)."""
     return TOPK_WARPS * (2 * router_width + 64) * 4

@@ -80,7 +80,7 @@ def prefill_shape(lp: LayerPlan, dev: DeviceFacts, n: int) -> PrefillShape:
     rk = HX.grouped_kernel(lp, dev, GemmMode.ROUTER, HX.router_config(lp, dev, n))
     splits = HX.router_splits(lp, dev, -(-cfg.router_width // rk.bn) * -(-n // rk.bm))
     pairs = n * cfg.num_experts_per_tok
-    lists_smem = cfg.router_width * 4 + C.expert_lists_smem_bytes(pairs, lp.n_local)
+    lists_smem = C.build_lists_smem_bytes(pairs, lp.n_local, cfg.router_width)
     return PrefillShape(HX.router_config(lp, dev, n), splits,
                         pairs <= C.SMALL_SORT_PAIRS and lists_smem <= dev.max_smem, HX.grouped_config(lp, n),
                         HX.sm90_fp8_variant(lp, n), HX.sm90_variant(lp, GemmMode.GATE_UP, n),
@@ -95,7 +95,7 @@ def decode_lists_in_one_block(lp: LayerPlan, dev: DeviceFacts, n: int) -> bool:
     its table stays within STATIC_SMEM_LIMIT, past which it measured slower than the three passes
     (DECISIONS "The decode path's lists in one block past 1024 pairs")."""
     pairs = n * lp.cfg.num_experts_per_tok
-    smem = lp.cfg.router_width * 4 + C.expert_lists_smem_bytes(pairs, lp.n_local)
+    smem = C.build_lists_smem_bytes(pairs, lp.n_local, lp.cfg.router_width)
     if pairs <= C.SMALL_SORT_PAIRS:
         return smem <= dev.max_smem
     return pairs <= lp.decode_sort_pairs and smem <= C.STATIC_SMEM_LIMIT
@@ -979,7 +979,7 @@ class _Builder:
         one_block = self.shape.one_block_sort if self.shape else decode_lists_in_one_block(lp, self.dev, self.n)
         if one_block:
             n_local = lp.n_local
-            smem = self.v("lists_smem", lambda m: R * 4 + C.expert_lists_smem_bytes(m * k, n_local))
+            smem = self.v("lists_smem", lambda m: C.build_lists_smem_bytes(m * k, n_local, R))
             rounds = 1 if self.shape else -(-self.n * k // C.LISTS_THREADS)  # prefill: <= SMALL_SORT_PAIRS pairs
             self.launch(f"decode_build_lists<{rounds}>", (1,), (C.LISTS_THREADS,),
                         (u64("ids", S("topk_ids")), i32("N", self.rows()), i32("k", k), u64("slot_of", W("slot_of")),
