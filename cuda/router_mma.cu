@@ -4,6 +4,9 @@
 //
 //   router_logits_mma<NT>  a block: RM_COLS router columns x NT * 8 rows of x x 1/RM_CLUSTER
 //                          of K; grid (ceil(R / RM_COLS), RM_CLUSTER, ceil(N / (8 NT)))
+//   router_logits_split<NT> a block: RM_COLS columns x NT * 8 rows x 1/S of K, its sum into
+//                          logits copy S (no cluster); grid (ceil(R / RM_COLS), S, ceil(N / (8 NT)));
+//                          top-k sums the S copies in split order (topk.cu sum_logit_splits)
 //
 // Why: the CUDA-core router (router.cu) reads x once per two router columns: at deepseek-v3
 // N = 64 its 1024 blocks read 117 MB of x from L2 for a 3.7 MB matrix.
@@ -143,6 +146,84 @@ router_logits_mma(const bf16* __restrict__ x, const bf16* __restrict__ W, const 
 
     // w8a8: x's e4m3 codes too, as router_logits_bf16 makes them (256 columns a warp's unit)
     if (qx) {
+        const int blocks = gridDim.x * gridDim.y * gridDim.z;
+        const int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+        e4m3_quantize_units(x, N, H, qx, sx, block + blocks * warp, blocks * (RM_THREADS / 32), lane);
+    }
+}
+
+// K split over the grid's y blocks, each sum one logits copy, instead of a cluster: the block's
+// warps meet once in shared memory (K warp 0 adds the others in order) and nothing waits on
+// another block, so the kernel's fixed cost is one load round trip and one barrier. S is fixed by
+// H (catalog.router_split_copies), so an element's order of additions (a warp's steps in order,
+// the block's K warps in order, the copies in order) never depends on N.
+template <int NT>
+__global__ void __launch_bounds__(RM_THREADS, 1)
+router_logits_split(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
+                    float* __restrict__ logits, int N, int R, int H, u8* __restrict__ qx, float* __restrict__ sx) {
+    constexpr int ACC = NT * 4;
+    constexpr int U = RM_UNROLL(NT);
+    __shared__ float part[RM_KWARPS - 1][2][ACC * 32];  // K warps 1.. : their sums, lane-minor
+    pdl_wait_then_release_next();  // (the chain's first kernel: only the release does anything)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int ct = warp / RM_KWARPS, kw = warp % RM_KWARPS;
+    const int col0 = blockIdx.x * RM_COLS + ct * 16, row0 = blockIdx.z * NT * 8;
+    const bf16* w_lo = W + (size_t)min(col0 + g, R - 1) * H;
+    const bf16* w_hi = W + (size_t)min(col0 + g + 8, R - 1) * H;
+    const bf16* xr[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) xr[n] = x + (size_t)min(row0 + n * 8 + g, N - 1) * H;
+
+    float acc[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;
+    const int steps = (H + RM_KSTEP - 1) / RM_KSTEP, share = (steps + gridDim.y - 1) / gridDim.y;
+    const int s_begin = blockIdx.y * share, s_end = min(steps, s_begin + share);
+#pragma unroll 1
+    for (int s0 = s_begin + kw; s0 < s_end; s0 += U * RM_KWARPS) {
+        uint4 a[U][2], b[U][NT];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int s = s0 + u * RM_KWARPS, k = s * RM_KSTEP + 8 * t;
+            const bool in = s < s_end && k < H;  // H % 8 == 0: a lane's 8 columns are all in or all out
+            a[u][0] = in ? rm_load_stream(w_lo + k) : make_uint4(0, 0, 0, 0);
+            a[u][1] = in ? rm_load_stream(w_hi + k) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                b[u][n] = in ? __ldg(reinterpret_cast<const uint4*>(xr[n] + k)) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const unsigned a0[4] = {a[u][0].x, a[u][1].x, a[u][0].y, a[u][1].y};
+            const unsigned a1[4] = {a[u][0].z, a[u][1].z, a[u][0].w, a[u][1].w};
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                mma_bf16(acc + 4 * n, a0, b[u][n].x, b[u][n].y);
+                mma_bf16(acc + 4 * n, a1, b[u][n].z, b[u][n].w);
+            }
+        }
+    }
+
+    if (kw > 0) {
+#pragma unroll
+        for (int i = 0; i < ACC; ++i) part[kw - 1][ct][i * 32 + lane] = acc[i];
+    }
+    __syncthreads();
+    if (kw == 0) {
+#pragma unroll 1
+        for (int j = 0; j < RM_KWARPS - 1; ++j)
+#pragma unroll
+            for (int i = 0; i < ACC; ++i) acc[i] += part[j][ct][i * 32 + lane];
+        float* copy = logits + (size_t)blockIdx.y * N * R;
+#pragma unroll
+        for (int i = 0; i < ACC; ++i) {  // fragment entry q of n8 tile i / 4 (router_logits_mma's map)
+            const int q = i % 4;
+            const int col = col0 + g + (q >= 2 ? 8 : 0), row = row0 + (i / 4) * 8 + 2 * t + (q & 1);
+            if (col < R && row < N) copy[(size_t)row * R + col] = acc[i] + (bias && blockIdx.y == 0 ? bias[col] : 0.0f);
+        }
+    }
+
+    if (qx) {  // w8a8: x's e4m3 codes, as router_logits_mma makes them
         const int blocks = gridDim.x * gridDim.y * gridDim.z;
         const int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
         e4m3_quantize_units(x, N, H, qx, sx, block + blocks * warp, blocks * (RM_THREADS / 32), lane);

@@ -82,6 +82,8 @@ ROUTER_MMA_TILES = (1, 2, 4, 8)
 ROUTER_MMA_CLUSTER = 8
 ROUTER_MMA_COLS = 32
 ROUTER_MMA_THREADS = 512
+ROUTER_SPLIT_TILES = (1, 2, 4)  # router_logits_split: two k32 steps' loads a warp in flight at each
+ROUTER_SPLIT_STEPS = 16  # k32 steps a copy of router_logits_split at least (two a K warp)
 # decode_mma.cu: warps of a block splitting K, 8-token B fragments a pass, formats served
 MMA_DECODE_K_SPLITS = (1, 2, 4, 8)
 MMA_DECODE_TOKEN_TILES = (1, 2)
@@ -198,7 +200,7 @@ DECODE_SORT_PAIRS = LISTS_MAX_ROUNDS * LISTS_THREADS
 SORT_WARPS = 32
 GROUPED_BN = 128  # GG_BN
 GROUPED_BM_MIN = 64  # the smallest M tile of the grouped GEMMs
-ROUTER_MAX_SPLITS = 4  # gemm_common.cuh gemm_tile_at: K splits of the router, a logits copy each (topk.cu LORA_ROUTER_MAX_SPLITS)
+ROUTER_MAX_SPLITS = 4  # gemm_common.cuh gemm_tile_at, router_logits_split: K splits of the router, a logits copy each (topk.cu LOGIT_SPLITS_MAX)
 # grouped_sm90*.cu
 SM90_BM, SM90_BK = 128, 64
 GATHER_WARPS = 4  # the TMA kernel's gathering producer warps
@@ -209,6 +211,13 @@ SM90_FP8_THREADS = 256
 SM90_FP8_TMA_BN, SM90_FP8_TMA_BK = 256, 128  # grouped_gemm_sm90_fp8_tma, both forms: weight rows a tile, codes a stage row
 # The H200 this was tuned on: 132 SMs x 32 warps of the decode kernels (<= 64 registers)
 WARPS_PER_SM = 32
+
+
+def router_split_copies(hidden_size: int) -> int:
+    """K splits of router_logits_split (router_mma.cu), a logits copy each: a function of H alone,
+    so a logit's order of additions never depends on N."""
+    steps = -(-hidden_size // 32)
+    return max(1, min(ROUTER_MAX_SPLITS, steps // ROUTER_SPLIT_STEPS))
 
 
 def router_split(hidden_size: int) -> int:

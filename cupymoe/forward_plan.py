@@ -863,17 +863,17 @@ class _Builder:
         route_lists = (not prefill and n <= C.ROUTE_LISTS_MAX_ROWS
                        and C.route_lists_smem_bytes(n, k, R) <= C.STATIC_SMEM_LIMIT)
         qx = self.x_codes()
+        topk_lists = (self.lp.topk_lists and not prefill and not route_lists and n <= C.TOPK_LISTS_WARPS
+                      and n * k <= C.SMALL_SORT_PAIRS and R <= C.TOPK_LISTS_MAX_R
+                      and C.topk_lists_smem_bytes(n, k, self.lp.n_local, R) <= self.dev.max_smem)
         splits = 1
         if prefill:
             splits = self.prefill_router()
         elif route_lists and HX.route_lists_quantizes(n, H):  # the idle routing warps make the codes
             self.decode_router((0, 0))
         else:
-            self.decode_router(qx)
+            splits = self.decode_router(qx, copies=HX.decode_router_copies(self.lp, n, not (route_lists or topk_lists)))
             qx = (0, 0)
-        topk_lists = (self.lp.topk_lists and not prefill and not route_lists and n <= C.TOPK_LISTS_WARPS
-                      and n * k <= C.SMALL_SORT_PAIRS and splits == 1 and R <= C.TOPK_LISTS_MAX_R
-                      and C.topk_lists_smem_bytes(n, k, self.lp.n_local, R) <= self.dev.max_smem)
         self.stage = Stage.TOPK
         self.routing(route_lists, topk_lists, qx, splits)
         return route_lists, topk_lists
@@ -907,20 +907,27 @@ class _Builder:
                     gk.smem)
         return shape.router_splits
 
-    def decode_router(self, qx: tuple, logits: Buf = S("logits")) -> None:
-        """The decode path's router logits; with `qx`, x's e4m3 codes and scales too (w8a8)."""
+    def decode_router(self, qx: tuple, logits: Buf = S("logits"), copies: int = 0) -> int:
+        """The decode path's router logits; with `qx`, x's e4m3 codes and scales too (w8a8); with
+        `copies`, K split into that many logits copies (router_logits_split). Returns the copies."""
         cfg, n = self.cfg, self.n
         R, H = cfg.router_width, cfg.hidden_size
         args = (u64("x", X), u64("W", W("router")), u64("bias", W("router_bias")), u64("logits", logits),
                 i32("N", n), i32("R", R), i32("H", H), u64("qx", qx[0]), u64("sx", qx[1]))
+        if copies:
+            nt = HX.row_tile(-(-n // 8), C.ROUTER_SPLIT_TILES)
+            self.launch(f"router_logits_split<{nt}>", (-(-R // C.ROUTER_MMA_COLS), copies, -(-n // (8 * nt))),
+                        (C.ROUTER_MMA_THREADS,), args)
+            return copies
         if HX.router_on_tensor_cores(self.lp, n):
             nt = HX.row_tile(-(-n // 8), C.ROUTER_MMA_TILES)
             self.launch(f"router_logits_mma<{nt}>", (-(-R // C.ROUTER_MMA_COLS), C.ROUTER_MMA_CLUSTER, -(-n // (8 * nt))),
                         (C.ROUTER_MMA_THREADS,), args)
-            return
+            return 1
         rt = HX.row_tile(n, C.ROW_TILES)
         split = C.router_split(H)
         self.launch(f"router_logits_bf16<{rt}, {split}>", ((R + 1) // 2, -(-n // rt)), (2 * split * 32,), args)
+        return 1
 
     def routing_args(self) -> tuple:
         cfg = self.cfg

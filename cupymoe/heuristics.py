@@ -233,10 +233,18 @@ def router_splits(lp: LayerPlan, dev: DeviceFacts, tiles: int) -> int:
 
 
 def router_on_tensor_cores(lp: LayerPlan, n: int) -> bool:
-    """Whether the decode router for `n` rows is router_mma.cu's (tensor cores, K split over a cluster)."""
+    """Whether the decode router for `n` rows is router_mma.cu's (tensor cores)."""
     if lp.decode_router == DecodeRouter.AUTO:
         return lp.cfg.router_width * n * lp.cfg.hidden_size >= TUNING.decode_router_mma_min_macs
-    return lp.decode_router == DecodeRouter.MMA
+    return lp.decode_router in (DecodeRouter.MMA, DecodeRouter.SPLIT)
+
+
+def decode_router_copies(lp: LayerPlan, n: int, topk_routes: bool) -> int:
+    """Logits copies of router_logits_split (its K splits) for `n` rows where it runs: tensor cores,
+    and topk_route, which sums the copies, routes the rows; 0 where another router runs."""
+    if lp.decode_router != DecodeRouter.SPLIT or not topk_routes or not router_on_tensor_cores(lp, n):
+        return 0
+    return C.router_split_copies(lp.cfg.hidden_size)
 
 
 # --- the decode path --------------------------------------------------------------------------

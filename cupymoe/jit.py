@@ -73,7 +73,8 @@ def _modules() -> dict[str, ModuleSpec]:
         "router": ModuleSpec("router.cu", tuple(f"router_logits_bf16<{r}, {sp}>" for r in C.ROW_TILES
                                                 for sp in C.ROUTER_SPLITS) + ("rmsnorm_bf16",)
                              + tuple(f"router_logits_bf16_lora<1, {sp}>" for sp in C.ROUTER_SPLITS)),
-        "router_mma": ModuleSpec("router_mma.cu", tuple(f"router_logits_mma<{nt}>" for nt in C.ROUTER_MMA_TILES),
+        "router_mma": ModuleSpec("router_mma.cu", tuple(f"router_logits_mma<{nt}>" for nt in C.ROUTER_MMA_TILES)
+                                 + tuple(f"router_logits_split<{nt}>" for nt in C.ROUTER_SPLIT_TILES),
                                  archs=hopper),
         "topk": ModuleSpec("topk.cu", ("topk_route<0>", "topk_route<1>", "experts_route_in",  # <1>: group-limited
                                        "topk_route_lora<0>", "topk_route_lora<1>", "experts_route_in_lora")),

@@ -515,8 +515,9 @@ def unserved_knobs(lp: LayerPlan, arch: str, knobs: Knobs) -> list[str]:
     if lp.decode_kernel == Bf16Decode.SWAPAB and not lp.swapab_ok:
         notes.append(f"CUPYMOE_DECODE_KERNEL=swapab: the swap-AB decodes serve bf16 and fp8 as w8a8 on sm_90a, not "
                      f"this layer ({'/'.join(f.label for f in lp.formats)}, {arch}): the formats' own decode kernels run")
-    if knobs.decode_router == DecodeRouter.MMA and lp.decode_router != DecodeRouter.MMA:
-        notes.append(f"CUPYMOE_DECODE_ROUTER=mma: the tensor-core router is sm_90a's, not {arch}'s: the CUDA cores route")
+    if knobs.decode_router in (DecodeRouter.MMA, DecodeRouter.SPLIT) and lp.decode_router != knobs.decode_router:
+        notes.append(f"CUPYMOE_DECODE_ROUTER={knobs.decode_router.value}: the tensor-core router is sm_90a's, not "
+                     f"{arch}'s: the CUDA cores route")
     if lp.fp4_decode == Fp4Decode.WGMMA and fp4 and not lp.fp4_wgmma_ok:
         ks = sorted(set(_fp4_ks(lp.cfg, lp.routed_format, lp.shared_format)))
         notes.append(f"CUPYMOE_FP4_DECODE=wgmma: decode_wgmma_fp4 needs sm_90a and every fp4 K a multiple of 128 "

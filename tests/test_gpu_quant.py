@@ -708,15 +708,20 @@ def test_topk_and_lists_in_one_launch_match_the_two(name, rng, monkeypatch):
 
 @pytest.mark.parametrize("name", ["deepseek_v3-fp8-fp8router-bf16shared", "gpt_oss-mxfp4", "qwen3_moe-bf16-fp8router"])
 def test_decode_router_on_tensor_cores_and_on_cuda_cores(name, rng, monkeypatch):
-    """The decode path with either router (CUPYMOE_DECODE_ROUTER): router_mma.cu's tensor-core
-    kernel (sm_90a; with w8a8 it also makes x's e4m3 codes past decode_route_lists' rows) and
-    router.cu's CUDA-core one, each against the reference on the decode and atomic paths: a
+    """The decode path with each router (CUPYMOE_DECODE_ROUTER): router_mma.cu's tensor-core
+    kernels (sm_90a; K over a cluster, or at 64 rows over the grid into copies top-k sums; with
+    w8a8 they also make x's e4m3 codes past decode_route_lists' rows) and router.cu's CUDA-core one, each against the reference on the decode and atomic paths: a
     quantized (fp8) router, a router bias (gpt-oss), groups and a shared expert (deepseek-v3)."""
-    for knob in ("mma", "cores"):
+    from cupymoe import catalog
+
+    monkeypatch.setattr(catalog, "ROUTER_SPLIT_STEPS", 1)  # the tiny H's 3-5 k32 steps over 3-4 copies, one empty
+    for knob in ("mma", "split", "cores"):
         monkeypatch.setenv("CUPYMOE_DECODE_ROUTER", knob)
         cfg, hw, layer = _case(name, rng)
         router = layer.forward_plan(min(64, layer.decode_max_tokens), "decode").launches[0].kernel
-        assert router.startswith("router_logits_mma") == (knob == "mma" and layer.lib.arch == "sm_90a")
+        sm90 = layer.lib.arch == "sm_90a"
+        assert router.startswith("router_logits_mma") == (knob == "mma" and sm90)
+        assert router.startswith("router_logits_split") == (knob == "split" and sm90)
         _check_decode_paths(layer, cfg, hw, rng, SMALL, f"{name} router {knob}")
 
 

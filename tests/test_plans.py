@@ -194,6 +194,23 @@ def test_decode_routing_takes_one_launch_while_every_row_has_a_warp():
     assert [k for k, _ in routing("qwen3-next-80b", 16)] == ["topk_route", "decode_build_lists"]
 
 
+def test_split_router_runs_where_topk_route_sums_its_copies():
+    """CUPYMOE_DECODE_ROUTER=split: past decode_topk_lists' 32 rows router_logits_split (K over
+    router_split_copies(H) blocks, a logits copy each) and topk_route summing that many copies;
+    below, where the one-launch routers read one copy, the cluster router."""
+    from cupymoe import catalog as C
+    from cupymoe.knobs import DecodeRouter
+
+    lp = plan_layer(bench.preset_config("qwen3-30b-a3b"), "bf16", None, "sm_90a",
+                    knobs=Knobs(decode_router=DecodeRouter.SPLIT))
+    router, topk = build_forward_plan(lp, H200, 64, Path.DECODE).at(64).launches[:2]
+    assert C.router_split_copies(2048) == 4 and C.router_split_copies(96) == 1
+    assert (router.kernel, router.grid) == ("router_logits_split<4>", (4, 4, 2))
+    assert topk.kernel == "topk_route<0>" and topk.arg("splits") == 4
+    router, topk = build_forward_plan(lp, H200, 32, Path.DECODE).at(32).launches[:2]
+    assert router.kernel == "router_logits_mma<4>" and topk.kernel == "decode_topk_lists<0>"
+
+
 def test_w8a8_decode_takes_wgmma_from_the_measured_waves():
     """decode_wgmma_a8.cu where the gate/up grid holds wgmma_decode_min_waves waves of two blocks an
     SM, decode_mma.cu's _a8 kernels below: deepseek-v3 from N = 2 (512 blocks), qwen3-30b-a3b from 8."""
@@ -291,6 +308,7 @@ def test_layer_options_out_of_range_are_refused_by_name(options, message):
 @pytest.mark.parametrize("env, fmt, arch, says", [
     ({"CUPYMOE_DECODE_KERNEL": "swapab"}, "nvfp4", "sm_90a", "CUPYMOE_DECODE_KERNEL=swapab: the swap-AB decodes serve"),
     ({"CUPYMOE_DECODE_ROUTER": "mma"}, "bf16", "sm_80", "CUPYMOE_DECODE_ROUTER=mma: the tensor-core router is sm_90a's"),
+    ({"CUPYMOE_DECODE_ROUTER": "split"}, "bf16", "sm_80", "CUPYMOE_DECODE_ROUTER=split: the tensor-core router is"),
     ({"CUPYMOE_FP4_DECODE": "wgmma"}, "nvfp4", "sm_80", "CUPYMOE_FP4_DECODE=wgmma: decode_wgmma_fp4 needs sm_90a"),
     ({"CUPYMOE_SM90_FP8_VARIANT": "tma"}, "bf16", "sm_90a", "CUPYMOE_SM90_FP8_VARIANT=tma: the layer's w8a8 GEMMs"),
     ({"CUPYMOE_FP4_DOWN_TILES": "2"}, "nvfp4", "sm_80", "CUPYMOE_FP4_DOWN_TILES=2: the fp4 wgmma decode does not run"),
