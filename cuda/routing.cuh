@@ -419,6 +419,7 @@ __device__ __forceinline__ bool warp_topk_by_threshold(const float* c, int R, in
 // Whether route_row_vec<Q> serves a row of this router (topk_route's common case): no
 // hash table, no groups, k <= 32, R a multiple of 4 from 16 up to 128 Q (Q float4 loads a
 // lane; its 96-float candidate scratch fits the warp's 2 R + TOPK_MAX_K).
+#define ROUTE_MAX_COPIES 4  // a split router's logits copies at most (catalog.ROUTER_MAX_SPLITS)
 __device__ __forceinline__ bool vec_route_fits(int Q, int R, int k, int n_group, const int* tid2eid) {
     return !tid2eid && n_group <= 1 && k <= 32 && (R & 3) == 0 && R >= 16 && R <= 128 * Q;
 }
@@ -435,13 +436,14 @@ __device__ __forceinline__ bool vec_route_fits(int Q, int R, int k, int n_group,
 // by route_row. Softmax sums its row in another order than route_row (per-lane sums over
 // other entries), so a weight may differ from route_row's in its last bits. `sel_out`
 // (optional) gets the ids too, as route_row_regs' (decode_topk_lists builds its lists from
-// them in shared memory).
+// them in shared memory). `copies` > 1: the logits are a split router's copies `copy_stride`
+// floats apart, summed here in split order (topk.cu sum_logit_splits' sums, in registers).
 template <int Q>
 __device__ __forceinline__ bool route_row_vec(int row, float* cand, const float* logits,
                                               const float* __restrict__ corr_bias, int* __restrict__ ids_out,
                                               float* __restrict__ w_out, int R, int k, int scoring,
                                               int topk_then_softmax, int renorm, float scale, int lane,
-                                              int* sel_out = nullptr) {
+                                              int* sel_out = nullptr, int copies = 1, size_t copy_stride = 0) {
     constexpr int V = 4 * Q;
     const float* l = logits + (size_t)row * R;
     float c[V], s[V];  // selection scores, weight sources (entry 128 (j / 4) + 4 lane + j % 4)
@@ -450,6 +452,21 @@ __device__ __forceinline__ bool route_row_vec(int row, float* cand, const float*
         const int i = 128 * q + 4 * lane;
         float4 v = make_float4(NAN, NAN, NAN, NAN);  // past R: NaN, never chosen
         if (i < R) v = *reinterpret_cast<const float4*>(l + i);
+        if (copies > 1 && i < R) {  // a split router's copies, every load in flight, added in split order
+            float4 more[ROUTE_MAX_COPIES - 1];
+#pragma unroll
+            for (int z = 1; z < ROUTE_MAX_COPIES; ++z)
+                more[z - 1] = z < copies ? *reinterpret_cast<const float4*>(l + z * copy_stride + i)
+                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int z = 1; z < ROUTE_MAX_COPIES; ++z)
+                if (z < copies) {
+                    v.x += more[z - 1].x;
+                    v.y += more[z - 1].y;
+                    v.z += more[z - 1].z;
+                    v.w += more[z - 1].w;
+                }
+        }
         c[4 * q] = v.x;
         c[4 * q + 1] = v.y;
         c[4 * q + 2] = v.z;

@@ -10,7 +10,7 @@
 
 // The row's logits: its split copies' sum, in split order, into copy 0. A lane's four columns a
 // round with every copy's load in flight together: a row is R / 128 L2 round trips, not one a copy.
-#define LOGIT_SPLITS_MAX 4  // catalog.ROUTER_MAX_SPLITS
+#define LOGIT_SPLITS_MAX ROUTE_MAX_COPIES  // catalog.ROUTER_MAX_SPLITS
 __device__ __forceinline__ void sum_logit_splits(float* __restrict__ logits, int row, int N, int R, int splits,
                                                  int lane) {
     float* l = logits + (size_t)row * R;
@@ -54,12 +54,25 @@ __device__ __forceinline__ void sum_logit_splits(float* __restrict__ logits, int
 // The row's top-k from its logits' copy 0 (its warp's scratch in smem), then (w8a8) x's e4m3 codes
 // for the fp8 gate/up GEMM: x is the caller's, so no stage of ours produces it; its quantization
 // rides in this one-warp-per-row stage instead of a launch.
+// `copies` > 1: a split router's, summed in registers on the register path (route_row_vec), else
+// into copy 0 first (sum_logit_splits), the same sums either way.
 template <int GROUP_REGS>
-__device__ __forceinline__ void route_row(int row, float* smem, int warp, int lane, TOPK_ROUTE_ARGS) {
+__device__ __forceinline__ void route_row(int row, float* smem, int warp, int lane, int copies, TOPK_ROUTE_ARGS) {
     float* scratch = smem + (size_t)warp * (2 * R + TOPK_MAX_K);
-    route_row_topk<4, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, R,
-                                       E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale, vocab,
-                                       lane);
+    bool done = false;
+    if (copies > 1 && vec_route_fits(4, R, k, n_group, tid2eid) && R <= 256) {
+        const size_t copy = (size_t)N * R;
+        done = R <= 128 ? route_row_vec<1>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring,
+                                           topk_then_softmax, renorm, scale, lane, nullptr, copies, copy)
+                        : route_row_vec<2>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring,
+                                           topk_then_softmax, renorm, scale, lane, nullptr, copies, copy);
+    }
+    if (!done) {
+        if (copies > 1) sum_logit_splits(logits, row, N, R, copies, lane);
+        route_row_topk<4, GROUP_REGS != 0>(row, scratch, logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err,
+                                           R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale,
+                                           vocab, lane);
+    }
 #if CUPYMOE_SM >= 89
     if (qx) e4m3_quantize_row(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7), lane);
 #endif
@@ -73,8 +86,7 @@ topk_route(TOPK_ROUTE_ARGS) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.x * TOPK_WARPS + warp;
     if (row >= N) return;
-    if (splits > 1) sum_logit_splits(logits, row, N, R, splits, lane);
-    route_row<GROUP_REGS>(row, smem, warp, lane, TOPK_ROUTE_ARG_NAMES);
+    route_row<GROUP_REGS>(row, smem, warp, lane, splits, TOPK_ROUTE_ARG_NAMES);
 }
 
 // The router's LoRA delta for the row, where the router GEMM made t beside the logits
@@ -169,7 +181,7 @@ topk_route_lora(TOPK_ROUTE_ARGS, const int* __restrict__ lora_ids, const float* 
     if (row >= N) return;
     float* ts = smem + (size_t)TOPK_WARPS * (2 * R + TOPK_MAX_K) + (size_t)warp * max_rank;
     add_router_lora(logits, ts, row, N, R, splits, lora_ids, lora_t, bs, err, max_rank, max_loras, lane);
-    route_row<GROUP_REGS>(row, smem, warp, lane, TOPK_ROUTE_ARG_NAMES);
+    route_row<GROUP_REGS>(row, smem, warp, lane, 1, TOPK_ROUTE_ARG_NAMES);  // (add_router_lora summed the copies)
 }
 
 // The experts-only entry's routing stage (MoeLayer.forward_experts): the caller's expert ids
