@@ -57,39 +57,30 @@ __device__ __forceinline__ float ld_cluster_f32(const float* p, unsigned rank) {
 
 __device__ __forceinline__ uint4 rm_load_stream(const bf16* p) { return load_bf16x8_stream(p).raw; }
 
+// A warp's sums over its k32 steps first, first + stride, ... below s_end, of the 16 router
+// columns from col0 and NT * 8 rows from row0, into its NT * 4 accumulators, U steps' loads in
+// flight before their MMAs (lane (g, t)'s K order: the file's head).
 template <int NT>
-__global__ void __cluster_dims__(1, RM_CLUSTER, 1) __launch_bounds__(RM_THREADS, 1)
-router_logits_mma(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
-                  float* __restrict__ logits, int N, int R, int H, u8* __restrict__ qx, float* __restrict__ sx) {
-    constexpr int ACC = NT * 4;  // a lane's accumulators: NT n8 tiles x the m16n8 fragment's 4
+__device__ __forceinline__ void rm_warp_sums(float* acc, const bf16* __restrict__ x, const bf16* __restrict__ W,
+                                             int N, int R, int H, int col0, int row0, int first, int s_end,
+                                             int stride, int lane) {
     constexpr int U = RM_UNROLL(NT);
-    // the warps' partial sums for the tree (a slot a pair of warps, lane-minor: no bank conflicts)
-    __shared__ float tree[RM_KWARPS / 2][2][ACC * 32];
-    __shared__ float block_sum[2][ACC * 32];  // the block's sums, which the cluster reads
-    pdl_wait_then_release_next();  // (the chain's first kernel: only the release does anything)
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int ct = warp / RM_KWARPS, kw = warp % RM_KWARPS;  // column tile, K share of the block
-    const unsigned rank = cluster_rank();
-    const int col0 = blockIdx.x * RM_COLS + ct * 16, row0 = blockIdx.z * NT * 8;
+    const int g = lane >> 2, t = lane & 3;
     // past R or N: a valid row's values, never stored
     const bf16* w_lo = W + (size_t)min(col0 + g, R - 1) * H;
     const bf16* w_hi = W + (size_t)min(col0 + g + 8, R - 1) * H;
     const bf16* xr[NT];
 #pragma unroll
     for (int n = 0; n < NT; ++n) xr[n] = x + (size_t)min(row0 + n * 8 + g, N - 1) * H;
-
-    float acc[ACC];
 #pragma unroll
-    for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;
-    const int steps = (H + RM_KSTEP - 1) / RM_KSTEP;
-    const int warps_k = RM_CLUSTER * RM_KWARPS, first = (int)rank * RM_KWARPS + kw;
+    for (int i = 0; i < NT * 4; ++i) acc[i] = 0.0f;
 #pragma unroll 1
-    for (int s0 = first; s0 < steps; s0 += U * warps_k) {
+    for (int s0 = first; s0 < s_end; s0 += U * stride) {
         uint4 a[U][2], b[U][NT];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int k = (s0 + u * warps_k) * RM_KSTEP + 8 * t;
-            const bool in = k < H;  // H % 8 == 0: a lane's 8 columns are all in or all out
+            const int s = s0 + u * stride, k = s * RM_KSTEP + 8 * t;
+            const bool in = s < s_end && k < H;  // H % 8 == 0: a lane's 8 columns are all in or all out
             a[u][0] = in ? rm_load_stream(w_lo + k) : make_uint4(0, 0, 0, 0);
             a[u][1] = in ? rm_load_stream(w_hi + k) : make_uint4(0, 0, 0, 0);
 #pragma unroll
@@ -107,6 +98,25 @@ router_logits_mma(const bf16* __restrict__ x, const bf16* __restrict__ W, const 
             }
         }
     }
+}
+
+template <int NT>
+__global__ void __cluster_dims__(1, RM_CLUSTER, 1) __launch_bounds__(RM_THREADS, 1)
+router_logits_mma(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
+                  float* __restrict__ logits, int N, int R, int H, u8* __restrict__ qx, float* __restrict__ sx) {
+    constexpr int ACC = NT * 4;  // a lane's accumulators: NT n8 tiles x the m16n8 fragment's 4
+    // the warps' partial sums for the tree (a slot a pair of warps, lane-minor: no bank conflicts)
+    __shared__ float tree[RM_KWARPS / 2][2][ACC * 32];
+    __shared__ float block_sum[2][ACC * 32];  // the block's sums, which the cluster reads
+    pdl_wait_then_release_next();  // (the chain's first kernel: only the release does anything)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int ct = warp / RM_KWARPS, kw = warp % RM_KWARPS;  // column tile, K share of the block
+    const unsigned rank = cluster_rank();
+    const int row0 = blockIdx.z * NT * 8;
+    float acc[ACC];
+    const int steps = (H + RM_KSTEP - 1) / RM_KSTEP;
+    rm_warp_sums<NT>(acc, x, W, N, R, H, blockIdx.x * RM_COLS + ct * 16, row0, (int)rank * RM_KWARPS + kw, steps,
+                     RM_CLUSTER * RM_KWARPS, lane);
 
     // the block's K shares: a tree over its warps, halves added into the lower half
 #pragma unroll
@@ -162,47 +172,15 @@ __global__ void __launch_bounds__(RM_THREADS, 1)
 router_logits_split(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
                     float* __restrict__ logits, int N, int R, int H, u8* __restrict__ qx, float* __restrict__ sx) {
     constexpr int ACC = NT * 4;
-    constexpr int U = RM_UNROLL(NT);
     __shared__ float part[RM_KWARPS - 1][2][ACC * 32];  // K warps 1.. : their sums, lane-minor
     pdl_wait_then_release_next();  // (the chain's first kernel: only the release does anything)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int ct = warp / RM_KWARPS, kw = warp % RM_KWARPS;
     const int col0 = blockIdx.x * RM_COLS + ct * 16, row0 = blockIdx.z * NT * 8;
-    const bf16* w_lo = W + (size_t)min(col0 + g, R - 1) * H;
-    const bf16* w_hi = W + (size_t)min(col0 + g + 8, R - 1) * H;
-    const bf16* xr[NT];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) xr[n] = x + (size_t)min(row0 + n * 8 + g, N - 1) * H;
-
     float acc[ACC];
-#pragma unroll
-    for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;
     const int steps = (H + RM_KSTEP - 1) / RM_KSTEP, share = (steps + gridDim.y - 1) / gridDim.y;
     const int s_begin = blockIdx.y * share, s_end = min(steps, s_begin + share);
-#pragma unroll 1
-    for (int s0 = s_begin + kw; s0 < s_end; s0 += U * RM_KWARPS) {
-        uint4 a[U][2], b[U][NT];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int s = s0 + u * RM_KWARPS, k = s * RM_KSTEP + 8 * t;
-            const bool in = s < s_end && k < H;  // H % 8 == 0: a lane's 8 columns are all in or all out
-            a[u][0] = in ? rm_load_stream(w_lo + k) : make_uint4(0, 0, 0, 0);
-            a[u][1] = in ? rm_load_stream(w_hi + k) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-                b[u][n] = in ? __ldg(reinterpret_cast<const uint4*>(xr[n] + k)) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const unsigned a0[4] = {a[u][0].x, a[u][1].x, a[u][0].y, a[u][1].y};
-            const unsigned a1[4] = {a[u][0].z, a[u][1].z, a[u][0].w, a[u][1].w};
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                mma_bf16(acc + 4 * n, a0, b[u][n].x, b[u][n].y);
-                mma_bf16(acc + 4 * n, a1, b[u][n].z, b[u][n].w);
-            }
-        }
-    }
+    rm_warp_sums<NT>(acc, x, W, N, R, H, col0, row0, s_begin + kw, s_end, RM_KWARPS, lane);
 
     if (kw > 0) {
 #pragma unroll
