@@ -240,9 +240,10 @@ def router_on_tensor_cores(lp: LayerPlan, n: int) -> bool:
 
 
 def decode_router_copies(lp: LayerPlan, n: int, topk_routes: bool) -> int:
-    """Logits copies of router_logits_split (its K splits) for `n` rows where it runs: tensor cores,
-    and topk_route, which sums the copies, routes the rows; 0 where another router runs."""
-    if lp.decode_router != DecodeRouter.SPLIT or not topk_routes or not router_on_tensor_cores(lp, n):
+    """Logits copies of router_logits_split (its K splits) for `n` rows where it runs: the tensor-core
+    router (auto or split; mma forces the cluster form) where topk_route, which sums the copies,
+    routes the rows; 0 where another router runs (DECISIONS "The decode router's K over the grid")."""
+    if lp.decode_router == DecodeRouter.MMA or not topk_routes or not router_on_tensor_cores(lp, n):
         return 0
     return C.router_split_copies(lp.cfg.hidden_size)
 

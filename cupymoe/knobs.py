@@ -85,9 +85,9 @@ class LoraSwapab(str, enum.Enum):
 
 
 class DecodeRouter(str, enum.Enum):
-    AUTO = "auto"  # tensor cores from a measured number of multiply-adds
-    MMA = "mma"
-    SPLIT = "split"  # tensor cores, K over the grid into logits copies top-k sums (where topk_route routes)
+    AUTO = "auto"  # tensor cores from a measured number of multiply-adds, split where topk_route routes
+    MMA = "mma"  # tensor cores, K over a cluster (router_logits_mma) at every N
+    SPLIT = "split"  # tensor cores, K over the grid into logits copies top-k sums where topk_route routes, else mma
     CORES = "cores"
 
 
@@ -194,8 +194,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
     "gate_up_ahead": ("CUPYMOE_GATE_UP_AHEAD", "decode gate/up blocks by table slot, weights copied before the "
                       "lists land (w8a8 wgmma, bf16 swap-AB): auto (where few bytes go for nothing) | on | off",
                       _choice(GateUpAhead), GateUpAhead.AUTO),
-    "decode_router": ("CUPYMOE_DECODE_ROUTER", "decode router: auto | mma (tensor cores, sm_90a) | split (tensor cores, K split into copies top-k sums, "
-                      "where topk_route routes; else mma) | cores",
+    "decode_router": ("CUPYMOE_DECODE_ROUTER", "decode router: auto | mma (tensor cores, sm_90a, K over a cluster) | split (tensor cores, K over the "
+                      "grid into copies top-k sums where topk_route routes, else mma) | cores",
                       _choice(DecodeRouter), DecodeRouter.AUTO),
     "pdl": ("CUPYMOE_PDL", "0: launch the decode chain without programmatic dependent launch", _on_off, True),
     "topk_lists": ("CUPYMOE_TOPK_LISTS", "0: top-k and the expert lists as two launches past 8 decode rows",

@@ -194,21 +194,31 @@ def test_decode_routing_takes_one_launch_while_every_row_has_a_warp():
     assert [k for k, _ in routing("qwen3-next-80b", 16)] == ["topk_route", "decode_build_lists"]
 
 
-def test_split_router_runs_where_topk_route_sums_its_copies():
-    """CUPYMOE_DECODE_ROUTER=split: past decode_topk_lists' 32 rows router_logits_split (K over
-    router_split_copies(H) blocks, a logits copy each) and topk_route summing that many copies;
-    below, where the one-launch routers read one copy, the cluster router."""
+@pytest.mark.parametrize("knob", ["auto", "split"])
+def test_split_router_runs_where_topk_route_sums_its_copies(knob):
+    """Past decode_topk_lists' 32 rows the tensor-core router is router_logits_split (K over
+    router_split_copies(H) blocks, a logits copy each) and topk_route sums that many copies; below,
+    where the one-launch routers read one copy, the cluster router; CUPYMOE_DECODE_ROUTER=mma keeps
+    the cluster router at every N, and auto the CUDA-core one below its multiply-adds (mixtral-8x7b's
+    8-wide router at 64 rows)."""
     from cupymoe import catalog as C
     from cupymoe.knobs import DecodeRouter
 
-    lp = plan_layer(bench.preset_config("qwen3-30b-a3b"), "bf16", None, "sm_90a",
-                    knobs=Knobs(decode_router=DecodeRouter.SPLIT))
-    router, topk = build_forward_plan(lp, H200, 64, Path.DECODE).at(64).launches[:2]
+    def first_two(preset, n, router=DecodeRouter(knob)):
+        lp = plan_layer(bench.preset_config(preset), "bf16", None, "sm_90a", knobs=Knobs(decode_router=router))
+        return build_forward_plan(lp, H200, n, Path.DECODE).at(n).launches[:2]
+
+    router, topk = first_two("qwen3-30b-a3b", 64)
     assert C.router_split_copies(2048) == 4 and C.router_split_copies(96) == 1
     assert (router.kernel, router.grid) == ("router_logits_split<4>", (4, 4, 2))
     assert topk.kernel == "topk_route<0>" and topk.arg("splits") == 4
-    router, topk = build_forward_plan(lp, H200, 32, Path.DECODE).at(32).launches[:2]
-    assert router.kernel == "router_logits_mma<4>" and topk.kernel == "decode_topk_lists<0>"
+    router, topk = first_two("qwen3-30b-a3b", 32)  # (auto: R N H under the tensor cores' multiply-adds)
+    assert router.kernel == ("router_logits_mma<4>" if knob == "split" else "router_logits_bf16<8, 4>")
+    assert topk.kernel == "decode_topk_lists<0>"
+    router, topk = first_two("qwen3-30b-a3b", 64, DecodeRouter.MMA)
+    assert router.kernel == "router_logits_mma<8>" and topk.arg("splits") == 1
+    if knob == "auto":
+        assert first_two("mixtral-8x7b", 64)[0].kernel.startswith("router_logits_bf16<")
 
 
 def test_w8a8_decode_takes_wgmma_from_the_measured_waves():
