@@ -100,6 +100,16 @@ __device__ __forceinline__ void rm_warp_sums(float* acc, const bf16* __restrict_
     }
 }
 
+// w8a8 (qx set): x's e4m3 codes too, as router_logits_bf16 makes them (256 columns a warp's unit,
+// dealt over every warp of the grid)
+__device__ __forceinline__ void rm_quantize_x(const bf16* __restrict__ x, int N, int H, u8* __restrict__ qx,
+                                              float* __restrict__ sx, int warp, int lane) {
+    if (!qx) return;
+    const int blocks = gridDim.x * gridDim.y * gridDim.z;
+    const int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    e4m3_quantize_units(x, N, H, qx, sx, block + blocks * warp, blocks * (RM_THREADS / 32), lane);
+}
+
 template <int NT>
 __global__ void __cluster_dims__(1, RM_CLUSTER, 1) __launch_bounds__(RM_THREADS, 1)
 router_logits_mma(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
@@ -154,12 +164,7 @@ router_logits_mma(const bf16* __restrict__ x, const bf16* __restrict__ W, const 
     }
     cluster_sync();  // no block leaves while the others still read its sums
 
-    // w8a8: x's e4m3 codes too, as router_logits_bf16 makes them (256 columns a warp's unit)
-    if (qx) {
-        const int blocks = gridDim.x * gridDim.y * gridDim.z;
-        const int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-        e4m3_quantize_units(x, N, H, qx, sx, block + blocks * warp, blocks * (RM_THREADS / 32), lane);
-    }
+    rm_quantize_x(x, N, H, qx, sx, warp, lane);
 }
 
 // K split over the grid's y blocks, each sum one logits copy, instead of a cluster: the block's
@@ -201,10 +206,6 @@ router_logits_split(const bf16* __restrict__ x, const bf16* __restrict__ W, cons
         }
     }
 
-    if (qx) {  // w8a8: x's e4m3 codes, as router_logits_mma makes them
-        const int blocks = gridDim.x * gridDim.y * gridDim.z;
-        const int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-        e4m3_quantize_units(x, N, H, qx, sx, block + blocks * warp, blocks * (RM_THREADS / 32), lane);
-    }
+    rm_quantize_x(x, N, H, qx, sx, warp, lane);
 }
 #endif

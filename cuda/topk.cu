@@ -10,17 +10,16 @@
 
 // The row's logits: its split copies' sum, in split order, into copy 0. A lane's four columns a
 // round with every copy's load in flight together: a row is R / 128 L2 round trips, not one a copy.
-#define LOGIT_SPLITS_MAX ROUTE_MAX_COPIES  // catalog.ROUTER_MAX_SPLITS
 __device__ __forceinline__ void sum_logit_splits(float* __restrict__ logits, int row, int N, int R, int splits,
                                                  int lane) {
     float* l = logits + (size_t)row * R;
     const size_t copy = (size_t)N * R;
     for (int i0 = lane; i0 < R; i0 += 4 * 32) {
-        float v[4][LOGIT_SPLITS_MAX];
+        float v[4][ROUTE_MAX_COPIES];
 #pragma unroll
         for (int c = 0; c < 4; ++c)
 #pragma unroll
-            for (int z = 0; z < LOGIT_SPLITS_MAX; ++z) {
+            for (int z = 0; z < ROUTE_MAX_COPIES; ++z) {
                 const int i = i0 + 32 * c;
                 v[c][z] = z < splits && i < R ? l[z * copy + i] : 0.0f;
             }
@@ -28,7 +27,7 @@ __device__ __forceinline__ void sum_logit_splits(float* __restrict__ logits, int
         for (int c = 0; c < 4; ++c) {
             float sum = v[c][0];
 #pragma unroll
-            for (int z = 1; z < LOGIT_SPLITS_MAX; ++z)
+            for (int z = 1; z < ROUTE_MAX_COPIES; ++z)
                 if (z < splits) sum += v[c][z];
             if (i0 + 32 * c < R) l[i0 + 32 * c] = sum;
         }
@@ -97,23 +96,22 @@ topk_route(TOPK_ROUTE_ARGS) {
 // An id >= max_loras is flagged (and gets no delta), as there. Each lane takes four columns at
 // once, every load of theirs in flight together: the row's chain is a few trips, not one a column.
 #define LORA_ROUTER_PARTS 3
-#define LORA_ROUTER_MAX_SPLITS LOGIT_SPLITS_MAX  // the router's K split copies at most
 #define LORA_ROUTER_COLS 4        // columns a lane at once
 __device__ __forceinline__ void router_lora_t(float* ts, const float* __restrict__ ta, int N, int cols, int splits,
                                               int max_rank, int lane) {
     for (int r = lane; r < max_rank; r += 32) {
-        float v[LORA_ROUTER_PARTS][LORA_ROUTER_MAX_SPLITS];
+        float v[LORA_ROUTER_PARTS][ROUTE_MAX_COPIES];
 #pragma unroll
         for (int p = 0; p < LORA_ROUTER_PARTS; ++p)
 #pragma unroll
-            for (int z = 0; z < LORA_ROUTER_MAX_SPLITS; ++z)
+            for (int z = 0; z < ROUTE_MAX_COPIES; ++z)
                 v[p][z] = z < splits ? ta[(size_t)z * N * cols + p * max_rank + r] : 0.f;
         float t = 0.f;
 #pragma unroll
         for (int p = 0; p < LORA_ROUTER_PARTS; ++p) {
             float s = 0.f;
 #pragma unroll
-            for (int z = 0; z < LORA_ROUTER_MAX_SPLITS; ++z)
+            for (int z = 0; z < ROUTE_MAX_COPIES; ++z)
                 if (z < splits) s += v[p][z];
             t += s;
         }
@@ -141,7 +139,7 @@ __device__ __forceinline__ void add_router_lora(float* __restrict__ logits, floa
             const int i = i0 + 32 * c;
             v[c] = i < R ? l[i] : 0.f;
 #pragma unroll
-            for (int z = 1; z < LORA_ROUTER_MAX_SPLITS; ++z)
+            for (int z = 1; z < ROUTE_MAX_COPIES; ++z)
                 if (z < splits && i < R) v[c] += l[(size_t)z * N * R + i];
             d[c] = 0.f;
         }

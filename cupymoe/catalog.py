@@ -200,7 +200,7 @@ DECODE_SORT_PAIRS = LISTS_MAX_ROUNDS * LISTS_THREADS
 SORT_WARPS = 32
 GROUPED_BN = 128  # GG_BN
 GROUPED_BM_MIN = 64  # the smallest M tile of the grouped GEMMs
-ROUTER_MAX_SPLITS = 4  # gemm_common.cuh gemm_tile_at, router_logits_split: K splits of the router, a logits copy each (topk.cu LOGIT_SPLITS_MAX)
+ROUTER_MAX_SPLITS = 4  # gemm_common.cuh gemm_tile_at, router_logits_split: K splits of the router, a logits copy each (routing.cuh ROUTE_MAX_COPIES)
 # grouped_sm90*.cu
 SM90_BM, SM90_BK = 128, 64
 GATHER_WARPS = 4  # the TMA kernel's gathering producer warps
