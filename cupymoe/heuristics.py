@@ -240,10 +240,13 @@ def router_on_tensor_cores(lp: LayerPlan, n: int) -> bool:
 
 
 def decode_router_copies(lp: LayerPlan, n: int, topk_routes: bool) -> int:
-    """Logits copies of router_logits_split (its K splits) for `n` rows where it runs: the tensor-core
-    router (auto or split; mma forces the cluster form) where topk_route, which sums the copies,
-    routes the rows; 0 where another router runs (DECISIONS "The decode router's K over the grid")."""
-    if lp.decode_router == DecodeRouter.MMA or not topk_routes or not router_on_tensor_cores(lp, n):
+    """Logits copies of router_logits_split (its K splits) for `n` rows where it runs: where topk_route,
+    which sums the copies, routes the rows, from its own measured R N H under auto (below the cluster
+    router's), always under split; 0 where another router runs (DECISIONS "The decode router's K over the grid")."""
+    if not topk_routes or lp.decode_router in (DecodeRouter.MMA, DecodeRouter.CORES):
+        return 0
+    macs = lp.cfg.router_width * n * lp.cfg.hidden_size
+    if lp.decode_router == DecodeRouter.AUTO and macs < TUNING.decode_router_split_min_macs:
         return 0
     return C.router_split_copies(lp.cfg.hidden_size)
 

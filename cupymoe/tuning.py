@@ -157,6 +157,7 @@ class Tuning:
     a8_down_tiles_min_waves: float
     gate_up_ahead_max_waste: int
     decode_router_mma_min_macs: int
+    decode_router_split_min_macs: int
     route_lists_quant_units: int
     math_rows_per_expert: Mapping[str, int]
     router_math_min_rows: int
@@ -181,6 +182,7 @@ class Tuning:
             a8_down_tiles_min_waves=float(v["a8_down_tiles_min_waves"]),
             gate_up_ahead_max_waste=int(v["gate_up_ahead_max_waste"]),
             decode_router_mma_min_macs=int(v["decode_router_mma_min_macs"]),
+            decode_router_split_min_macs=int(v["decode_router_split_min_macs"]),
             route_lists_quant_units=int(v["route_lists_quant_units"]),
             math_rows_per_expert=dict(v["math_rows_per_expert"]),
             router_math_min_rows=int(v["router_math_min_rows"]),

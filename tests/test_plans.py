@@ -199,8 +199,8 @@ def test_split_router_runs_where_topk_route_sums_its_copies(knob):
     """Past decode_topk_lists' 32 rows the tensor-core router is router_logits_split (K over
     router_split_copies(H) blocks, a logits copy each) and topk_route sums that many copies; below,
     where the one-launch routers read one copy, the cluster router; CUPYMOE_DECODE_ROUTER=mma keeps
-    the cluster router at every N, and auto the CUDA-core one below its multiply-adds (mixtral-8x7b's
-    8-wide router at 64 rows)."""
+    the cluster router at every N, and auto the CUDA-core one below the split form's multiply-adds
+    (mixtral-8x7b's 8-wide router at 64 rows; qwen3-next-80b's 512-wide one, routed by topk_route, below 8 rows)."""
     from cupymoe import catalog as C
     from cupymoe.knobs import DecodeRouter
 
@@ -217,8 +217,11 @@ def test_split_router_runs_where_topk_route_sums_its_copies(knob):
     assert topk.kernel == "decode_topk_lists<0>"
     router, topk = first_two("qwen3-30b-a3b", 64, DecodeRouter.MMA)
     assert router.kernel == "router_logits_mma<8>" and topk.arg("splits") == 1
-    if knob == "auto":
+    if knob == "auto":  # the split form from its own multiply-adds (2^23), below the cluster router's
+        assert first_two("qwen3-30b-a3b", 33)[0].kernel.startswith("router_logits_split<")
         assert first_two("mixtral-8x7b", 64)[0].kernel.startswith("router_logits_bf16<")
+        assert first_two("qwen3-next-80b", 9)[0].kernel.startswith("router_logits_split<")
+        assert first_two("qwen3-next-80b", 7)[0].kernel.startswith("router_logits_bf16<")
 
 
 def test_w8a8_decode_takes_wgmma_from_the_measured_waves():
