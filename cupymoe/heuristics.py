@@ -232,10 +232,15 @@ def router_splits(lp: LayerPlan, dev: DeviceFacts, tiles: int) -> int:
     return max(1, min(C.ROUTER_MAX_SPLITS, 2 * dev.sm_count // max(1, tiles), steps // 4))
 
 
+def router_macs(lp: LayerPlan, n: int) -> int:
+    """The router's multiply-adds R N H for `n` rows (what the decode routers' thresholds measure)."""
+    return lp.cfg.router_width * n * lp.cfg.hidden_size
+
+
 def router_on_tensor_cores(lp: LayerPlan, n: int) -> bool:
     """Whether the decode router for `n` rows is router_mma.cu's (tensor cores)."""
     if lp.decode_router == DecodeRouter.AUTO:
-        return lp.cfg.router_width * n * lp.cfg.hidden_size >= TUNING.decode_router_mma_min_macs
+        return router_macs(lp, n) >= TUNING.decode_router_mma_min_macs
     return lp.decode_router in (DecodeRouter.MMA, DecodeRouter.SPLIT)
 
 
@@ -245,8 +250,7 @@ def decode_router_copies(lp: LayerPlan, n: int, topk_routes: bool) -> int:
     router's), always under split; 0 where another router runs (DECISIONS "The decode router's K over the grid")."""
     if not topk_routes or lp.decode_router in (DecodeRouter.MMA, DecodeRouter.CORES):
         return 0
-    macs = lp.cfg.router_width * n * lp.cfg.hidden_size
-    if lp.decode_router == DecodeRouter.AUTO and macs < TUNING.decode_router_split_min_macs:
+    if lp.decode_router == DecodeRouter.AUTO and router_macs(lp, n) < TUNING.decode_router_split_min_macs:
         return 0
     return C.router_split_copies(lp.cfg.hidden_size)
 

@@ -85,7 +85,7 @@ class LoraSwapab(str, enum.Enum):
 
 
 class DecodeRouter(str, enum.Enum):
-    AUTO = "auto"  # tensor cores from a measured number of multiply-adds, split where topk_route routes
+    AUTO = "auto"  # tensor cores from measured multiply-adds (the split form from its own, where topk_route routes)
     MMA = "mma"  # tensor cores, K over a cluster (router_logits_mma) at every N
     SPLIT = "split"  # tensor cores, K over the grid into logits copies top-k sums where topk_route routes, else mma
     CORES = "cores"
