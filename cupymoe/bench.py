@@ -18,9 +18,10 @@ dequantized in registers: W8A16 / W4A16), so `floor_us` uses the bf16 rate; fp8_
 also carry `floor_fp8_us`, the routed experts' FLOPs at the fp8 matrix rate (what a W8A8
 kernel such as vLLM's could reach).
 
-The ceilings default to the ones measured on the lent H200 (4.26 TB/s, 777 TFLOP/s bf16,
-1462 TFLOP/s fp8 through torch._scaled_mm) and can be measured in the same run with
---measure-ceilings.
+The ceilings are the GPU's row of cupymoe/data/ceilings.json (the lent H200's: 4.26 TB/s,
+777 TFLOP/s bf16, 1462 TFLOP/s fp8 through torch._scaled_mm); a GPU without a row is measured
+in the run, as --measure-ceilings does on any GPU. The peers' stored figures are the H200's, so
+on another GPU the rows leave them out.
 
 Steady state. Under sustained load the H200 reaches its 700 W power cap within about 0.1 s
 and lowers its clocks (nvidia-smi: 1980 MHz boost, 1350-1600 MHz capped, reason "software
@@ -51,7 +52,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -78,9 +79,13 @@ PRESETS: dict[str, dict] = {
 FORMATS = ("bf16", "fp8_block", "nvfp4", "mxfp4")  # of the routed experts
 # Ceilings measured on the lent H200 (PERFORMANCE.md): device-to-device copy (bytes read +
 # written), bf16 matrix product 8192^3, fp8 e4m3 torch._scaled_mm 8192^3 (dense fp8 is ~2x bf16).
+# They are data/ceilings.json's reference row; other GPUs have their own rows or are measured.
 COPY_TBPS = 4.26
 BF16_TFLOPS = 777.0
 FP8_TFLOPS = 1462.0
+REFERENCE_GPU = "NVIDIA H200"
+CEILING_KEYS = ("copy_TBps", "bf16_TFLOPs", "fp8_TFLOPs")
+CEILINGS_TABLE = Path(__file__).resolve().parent / "data" / "ceilings.json"
 L2_BYTES = 50e6
 MAX_LAYERS = 32  # copies of the weights rotated through one graph, at most
 STEADY_WARM_S = 0.3  # seconds of load before timing, a cell's or a ceiling's (the power cap settles in ~0.1 s)
@@ -180,17 +185,29 @@ def baseline_path(fmt: str) -> Optional[Path]:
     return None
 
 
-def load_baselines() -> dict[tuple[str, str, int], dict]:
-    """{(format, shape, N): that cell's row} from every baseline file found."""
+def baseline_gpu(doc: dict) -> str:
+    """The device name a baseline file was measured on ("NVIDIA H200 (one GPU)" -> "NVIDIA H200")."""
+    return str(doc.get("gpu", REFERENCE_GPU)).split(" (")[0]
+
+
+def load_baselines(gpu: str = REFERENCE_GPU) -> dict[tuple[str, str, int], dict]:
+    """{(format, shape, N): that cell's row} from every baseline file found that was measured on a
+    GPU of this name; another GPU's files are left out, said so (their vLLM times against ours
+    would be a ratio of two machines)."""
     out: dict[tuple[str, str, int], dict] = {}
     for fmt in BASELINE_FILES:
         p = baseline_path(fmt)
         if p is None:
             continue
         try:
-            rows = json.loads(p.read_text())["rows"]
+            doc = json.loads(p.read_text())
+            rows = doc["rows"]
         except (OSError, ValueError, KeyError) as e:
             print(f"baselines: cannot read {p} ({type(e).__name__}: {e})", file=sys.stderr)
+            continue
+        if baseline_gpu(doc) != gpu:
+            print(f"baselines: {p.name} was measured on {baseline_gpu(doc)} and this GPU is {gpu}: its peers' "
+                  f"columns are left out (time them in the same call: shared peers/README.md)", file=sys.stderr)
             continue
         for r in rows:
             out[(fmt, r["shape"], int(r["N"]))] = r
@@ -615,29 +632,54 @@ def measure_ceilings() -> dict[str, Optional[float]]:
     return res
 
 
-def resolve_ceilings(measure: bool) -> tuple[dict[str, float], dict[str, bool]]:
-    """The ceilings this run uses, and which of them were measured (the rest: defaults)."""
-    ceilings = dict(copy_TBps=COPY_TBPS, bf16_TFLOPs=BF16_TFLOPS, fp8_TFLOPs=FP8_TFLOPS)
+class Ceilings(NamedTuple):
+    """The floors' ceilings a run uses (CEILING_KEYS, plus `<key>_burst` where measured), which
+    keys were measured in the run, and where the others come from."""
+    values: dict
+    measured: dict
+    source: str
+
+
+def table_ceilings(gpu: str) -> Optional[dict]:
+    """The ceilings measured on a GPU of this exact name (data/ceilings.json), or None."""
+    row = json.loads(CEILINGS_TABLE.read_text())["gpus"].get(gpu)
+    return None if row is None else {k: float(row[k]) for k in CEILING_KEYS}
+
+
+def resolve_ceilings(measure: bool, gpu: str = REFERENCE_GPU) -> Ceilings:
+    """The ceilings of this run: the table's row of `gpu`, replaced by figures measured here with
+    --measure-ceilings or where the table has no row for `gpu` (without torch: the reference GPU's
+    row, said so)."""
+    row = table_ceilings(gpu)
+    source = f"data/ceilings.json ({gpu})"
+    if row is None:
+        row, source = table_ceilings(REFERENCE_GPU), f"data/ceilings.json has no row for {gpu}: measured here"
+        measure = True
+    ceilings = dict(row)
     measured = dict.fromkeys(ceilings, False)
     if measure:
         try:
             got = measure_ceilings()
         except ImportError as e:
-            print(f"ceilings: torch is not importable ({e}); using the defaults", file=sys.stderr)
             got = {}
+            if source.endswith("measured here"):
+                source = (f"data/ceilings.json has no row for {gpu} and torch is not importable ({e}): "
+                          f"{REFERENCE_GPU}'s row, so the floors are not this GPU's")
+            print(f"ceilings: torch is not importable ({e}); using {source}", file=sys.stderr)
         for key, val in got.items():
             if val is not None and key in ceilings:
                 ceilings[key], measured[key] = float(val), True
         # the burst figures travel beside the steady ones, only where both were measured
         ceilings.update({f"{key}_burst": float(got[f"{key}_burst"]) for key in measured
                          if measured[key] and got.get(f"{key}_burst") is not None})
-    print("ceilings: copy {:.2f} TB/s, bf16 mm {:.0f} TFLOP/s, fp8 mm {:.0f} TFLOP/s ({})".format(
+    print("ceilings: copy {:.2f} TB/s, bf16 mm {:.0f} TFLOP/s, fp8 mm {:.0f} TFLOP/s ({}; {})".format(
         ceilings["copy_TBps"], ceilings["bf16_TFLOPs"], ceilings["fp8_TFLOPs"],
-        ", ".join(f"{k} {'measured, steady state' if v else 'default'}" for k, v in measured.items())), flush=True)
+        ", ".join(f"{k} {'measured, steady state' if v else 'table'}" for k, v in measured.items()), source),
+        flush=True)
     if any(k.endswith("_burst") for k in ceilings):
         print("ceilings as a burst (3 warm-ups, the mean of 10): " + ", ".join(
             f"{k[:-6]} {v:.2f}" for k, v in ceilings.items() if k.endswith("_burst")), flush=True)
-    return ceilings, measured
+    return Ceilings(ceilings, measured, source)
 
 
 def _git(root: Path, *args: str) -> str:
@@ -1017,9 +1059,9 @@ def _bench_format(shape: str, cfg: MoeConfig, fmt: str, args, ceilings: dict, ba
 def run_bench(args) -> int:
     import cupy
 
-    ceilings, measured = resolve_ceilings(args.measure_ceilings)
-    baselines = load_baselines()
     gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    ceilings, measured, ceilings_source = resolve_ceilings(args.measure_ceilings, gpu)
+    baselines = load_baselines(gpu)
     fmts = list(dict.fromkeys(getattr(args, "formats", None) or ["bf16"]))
     results: list[dict] = []
     skipped: list[dict] = []
@@ -1036,10 +1078,11 @@ def run_bench(args) -> int:
                 date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 python=platform.python_version(), cupy=cupy.__version__, formats=fmts,
                 full_layer=bool(args.full_layer), **ceilings, ceilings_measured=measured,
+                ceilings_source=ceilings_source,
                 floors="floor_us: bytes of the format actually touched / copy_TBps vs FLOPs / bf16_TFLOPs "
                        "(every format's GEMMs on bf16 tensor cores); floor_fp8_us (fp8_block): the routed "
                        "experts' FLOPs / fp8_TFLOPs; floor_burst_us: floor_us from the burst ceilings",
-                baselines={f: baseline_path(f).name for f in BASELINE_FILES if baseline_path(f)},  # no machine paths
+                baselines={f: baseline_path(f).name for f in sorted({k[0] for k in baselines})},  # no machine paths
                 method=f"CUDA-graph replays over several layers, after {STEADY_WARM_S} s of replays the median of "
                        f"repeats; measured ceilings: after {STEADY_WARM_S} s of load, the median of {CEILING_REPEATS} "
                        f"repetitions of {CEILING_CALLS} calls (the steady state; *_burst: 3 warm-ups, the mean of 10)",

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import heuristics as HX
 from .forward_plan import build_forward_plan
@@ -43,6 +44,9 @@ from .plan import DeviceFacts, LayerPlan, choose_path
 from .catalog import GemmMode
 from .errors import ConfigError
 from .tuning import TUNED_SM90, Choice, format_key, n_bucket, shape_key
+
+if TYPE_CHECKING:
+    from .bench import Ceilings
 
 # decode candidates only up to the rows the GPU tests check that path at (`python -m cupymoe verify`:
 # 64; w8a8 to 511: tests/test_gpu_quant.py test_w8a8_decode_kernels_past_64_rows; fp4: its default cap)
@@ -306,9 +310,10 @@ def run_tune(args) -> int:
     from . import jit
     from .bench import preset_config, resolve_ceilings
 
-    ceilings, measured = resolve_ceilings(args.measure_ceilings)
     props = cupy.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode()
+    ceil = resolve_ceilings(args.measure_ceilings, gpu)
+    ceilings = ceil.values
     args.arch_measured = jit.arch_for_capability(props["major"], props["minor"])  # the result's rows are its
     print(jit.tree_line(), flush=True)
     jit.library(cupy.cuda.runtime.getDevice(), progress=lambda line: print("  " + line, flush=True))
@@ -318,7 +323,7 @@ def run_tune(args) -> int:
     for shape in args.preset:
         for fmt in dict.fromkeys(args.formats):
             cells += _tune_format(shape, preset_config(shape), fmt, args, ceilings, skipped)
-            rows = _write_result(path, args, gpu, cells, skipped, ceilings, measured, time.perf_counter() - t0)
+            rows = _write_result(path, args, gpu, cells, skipped, ceil, time.perf_counter() - t0)
     print(f"results written to {path}", flush=True)
     if args.table_out:
         tuning = json.loads((Path(__file__).parent / "data" / "tuning.json").read_text())
@@ -327,7 +332,7 @@ def run_tune(args) -> int:
     return 0 if cells else 1
 
 
-def _write_result(path: Path, args, gpu: str, cells: list, skipped: list, ceilings: dict, measured: dict,
+def _write_result(path: Path, args, gpu: str, cells: list, skipped: list, ceil: "Ceilings",
                   seconds: float) -> list[dict]:
     """The result file of the cells so far (meta, cells, table rows); returns the rows."""
     import cupy
@@ -338,8 +343,9 @@ def _write_result(path: Path, args, gpu: str, cells: list, skipped: list, ceilin
     command = sweep_command(args)
     meta = dict(gpu=gpu, arch=args.arch_measured, commit=_git_commit(), sources=jit.tree_digest(),
                 date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                python=platform.python_version(), cupy=cupy.__version__, command=command, **ceilings,
-                ceilings_measured=measured, seconds=round(seconds, 1), skipped=skipped or None,
+                python=platform.python_version(), cupy=cupy.__version__, command=command, **ceil.values,
+                ceilings_measured=ceil.measured, ceilings_source=ceil.source, seconds=round(seconds, 1),
+                skipped=skipped or None,
                 method=f"bench's cells (CUDA-graph replays over the layer copies, the median of {args.repeats} "
                        f"repetitions of {args.replays} replays; {args.warm_s} s of replays before each cell after "
                        f"the first), each distinct candidate plan forced through the table's lookup; the default "

@@ -31,4 +31,5 @@ echo "vLLM fp8 rc $?"
 timeout 400 python3 -m cupymoe tune --preset $PRESETS --format bf16 fp8_block --tokens $T --json "$OUT/tune.json" \
   > "$OUT/tune.log" 2>&1
 echo "tune rc $?"
-python3 scripts/serving_table.py "$OUT/tune.json" --peers "$OUT/peer.json" "$OUT/peer_fp8.json" | tee "$OUT/table.md" | tail -30
+peers=$(ls "$OUT/peer.json" "$OUT/peer_fp8.json" 2>/dev/null)  # a peer run that failed (e.g. out of memory) left none
+python3 scripts/serving_table.py "$OUT/tune.json" --peers $peers | tee "$OUT/table.md" | tail -30

@@ -11,7 +11,8 @@ vLLM's figure is the one timed in the same device call (peer_bench.py's peer.jso
 peer_bench_fp8.py's peer_fp8.json for fp8_block): each --call names one call's files (tune
 results and peer files, told apart by their contents) and its cells take only its own peers'
 figures (the positional TUNE files and --peers are one such call); where the call timed no vLLM
-figure for a cell, the stored baseline (benchmarks/baselines/h200-{bf16,fp8}-peers.json), marked "b". Columns: the chosen
+figure for a cell, the stored baseline (benchmarks/baselines/h200-{bf16,fp8}-peers.json), marked "b",
+only where the tune ran on the baseline's GPU (an H200), "-" elsewhere. Columns: the chosen
 plan, its µs, ours over the floor (x floor) and vLLM's time over ours (> 1: we are faster).
 Prints a Markdown table and the cells that miss either bar (at or below vLLM; within 1.15x of
 the floor).
@@ -45,16 +46,26 @@ def call_peers(paths: list) -> dict:
 
 
 def latest_cells(calls: list, max_n=None) -> list:
-    """(cell, its call's vLLM figures) in first-seen order, each (shape, format, N) as its last
-    call's last tune file has it; `calls` lists (tune files, peer files) a device call."""
+    """(cell, its call's vLLM figures, the GPU it ran on) in first-seen order, each (shape, format, N)
+    as its last call's last tune file has it; `calls` lists (tune files, peer files) a device call."""
     cells = {}
     for tunes, peers in calls:
         vllm = call_peers(peers)
         for t in tunes:
-            for c in json.loads(Path(t).read_text())["cells"]:
+            doc = json.loads(Path(t).read_text())
+            for c in doc["cells"]:
                 if max_n is None or c["N"] <= max_n:
-                    cells[(c["shape"], c["format_key"].split(":")[0], c["N"])] = (c, vllm)
+                    cells[(c["shape"], c["format_key"].split(":")[0], c["N"])] = (c, vllm, doc["meta"].get("gpu"))
     return list(cells.values())
+
+
+def stored_peers() -> dict:
+    """{format: ({(shape, N): vLLM µs}, the GPU it was measured on)} of the stored baselines."""
+    out = {}
+    for fmt, (f, key) in BASELINES.items():
+        path = ROOT / "benchmarks" / "baselines" / f
+        out[fmt] = (peer_times(path, key), json.loads(path.read_text())["gpu"].split(" (")[0])
+    return out
 
 
 def split_call(paths: list) -> tuple[list, list]:
@@ -74,15 +85,16 @@ def main() -> None:
     calls = ([(args.tune, args.peers)] if args.tune else []) + [split_call(c) for c in args.call]
     if not calls:
         ap.error("no tune results: give TUNE files or --call")
-    stored = {fmt: peer_times(ROOT / "benchmarks" / "baselines" / f, key) for fmt, (f, key) in BASELINES.items()}
+    stored = stored_peers()
     print("| shape | format | N | plan | µs | x floor | vs vLLM |\n|---|---|---|---|---|---|---|")
     misses = []
-    for c, same_call in latest_cells(calls, args.max_n):
+    for c, same_call, gpu in latest_cells(calls, args.max_n):
         fmt = c["format_key"].split(":")[0]
         ch, key = c["chosen"], (c["shape"], c["N"])
         v, mark = same_call.get(fmt, {}).get(key), ""
-        if v is None:
-            v, mark = stored[fmt].get(key), " b"
+        stored_times, stored_gpu = stored[fmt]
+        if v is None and gpu == stored_gpu:
+            v, mark = stored_times.get(key), " b"
         x_floor = 100.0 / ch["pct_of_floor"]
         vs = v / ch["us"] if v else None
         vs_s = f"{vs:.2f}{mark}" if vs else "-"

@@ -256,7 +256,7 @@ def test_measured_ceilings_floor_the_steady_state_and_keep_the_burst_beside_it(m
     got = dict(copy_TBps=4.24, copy_TBps_burst=4.25, bf16_TFLOPs=688.0, bf16_TFLOPs_burst=795.0,
                fp8_TFLOPs=None, fp8_TFLOPs_burst=None)
     monkeypatch.setattr(bench, "measure_ceilings", lambda: got)
-    ceilings, measured = bench.resolve_ceilings(True)
+    ceilings, measured, _ = bench.resolve_ceilings(True)
     assert ceilings["bf16_TFLOPs"] == 688.0 and ceilings["bf16_TFLOPs_burst"] == 795.0
     assert measured == dict(copy_TBps=True, bf16_TFLOPs=True, fp8_TFLOPs=False)
     assert ceilings["fp8_TFLOPs"] == bench.FP8_TFLOPS and "fp8_TFLOPs_burst" not in ceilings  # default, no burst
@@ -270,6 +270,41 @@ def test_measured_ceilings_floor_the_steady_state_and_keep_the_burst_beside_it(m
     assert "of the burst floor" in bench.format_row(row)
     plain = bench.bench_row(cfg, "qwen3-30b-a3b", "bf16", 4096, 128, [800.0], CEIL, {}, path="auto", layers=2)
     assert "pct_of_burst_floor" not in plain and "burst" not in bench.format_row(plain)
+
+
+def test_ceilings_are_the_gpus_own_row_or_measured_never_another_gpus_silently(monkeypatch, capsys):
+    table = json.loads(bench.CEILINGS_TABLE.read_text())["gpus"]
+    assert bench.table_ceilings(bench.REFERENCE_GPU) == dict(
+        copy_TBps=bench.COPY_TBPS, bf16_TFLOPs=bench.BF16_TFLOPS, fp8_TFLOPs=bench.FP8_TFLOPS)
+    for gpu, row in table.items():  # every row carries every ceiling and where it was measured
+        assert set(bench.CEILING_KEYS) <= set(row) and row["measured"], gpu
+    calls = []
+    monkeypatch.setattr(bench, "measure_ceilings", lambda: calls.append(1) or {})
+    known = bench.resolve_ceilings(False, bench.REFERENCE_GPU)
+    assert not calls and not any(known.measured.values()) and bench.REFERENCE_GPU in known.source
+    got = dict(copy_TBps=3.1, copy_TBps_burst=3.2, bf16_TFLOPs=600.0, bf16_TFLOPs_burst=700.0,
+               fp8_TFLOPs=1100.0, fp8_TFLOPs_burst=1300.0)
+    monkeypatch.setattr(bench, "measure_ceilings", lambda: got)
+    other = bench.resolve_ceilings(False, "NVIDIA B300")  # a GPU without a row is measured in the run
+    assert other.values["copy_TBps"] == 3.1 and all(other.measured.values()) and "NVIDIA B300" in other.source
+
+    def no_torch():
+        raise ImportError("No module named 'torch'")
+    monkeypatch.setattr(bench, "measure_ceilings", no_torch)
+    fallback = bench.resolve_ceilings(False, "NVIDIA B300")  # no torch: the reference row, said so
+    assert fallback.values["copy_TBps"] == bench.COPY_TBPS and not any(fallback.measured.values())
+    assert "NVIDIA B300" in fallback.source and "not this GPU's" in fallback.source
+    assert "not this GPU's" in capsys.readouterr().err
+
+
+def test_stored_peers_of_another_gpu_are_left_out(capsys):
+    """The baselines are the H200's: on another GPU a vs-vLLM figure would divide two machines' times."""
+    here = bench.load_baselines(bench.REFERENCE_GPU)
+    if not here:
+        pytest.skip("no baseline files found")
+    assert bench.load_baselines("NVIDIA H100 80GB HBM3") == {}
+    assert "left out" in capsys.readouterr().err
+    assert bench.baseline_gpu({"gpu": "NVIDIA H200 (one GPU, Firecracker)"}) == "NVIDIA H200"
 
 
 def test_random_correction_bias_leaves_deepseek_routing_balanced():

@@ -39,3 +39,16 @@ def test_each_call_takes_its_own_peers():
     # N = 64 was swept in the first call only: its vLLM figure (4270.6 µs), not the second's (4395.8)
     assert "| deepseek-v3 | bf16 | 64 | decode/swapab | 4341.9 | 0.95 | 0.98 |" in out
     assert "| deepseek-v3 | bf16 | 512 | decode/swapab/nt32 | 5544.2 | 1.05 | 1.00 |" in out  # the second call's
+
+
+def test_stored_h200_peers_never_pair_with_another_gpus_cells():
+    """An H100 sweep whose call timed no fp8 vLLM figure (deepseek-v3's quantization ran out of memory)
+    shows "-", not the H200 baseline's figure against an H100 time."""
+    call = [R / "20261206-h100-s47-serving-tune-deepseek-gpt-oss.json",
+            R / "20261206-h100-s47-serving-peers-vllm-bf16-deepseek-gpt-oss.json"]
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "serving_table.py"), "--call", *map(str, call)],
+                         capture_output=True, text=True, check=True).stdout
+    fp8 = [r for r in out.splitlines() if r.startswith("| deepseek-v3 | fp8_block |")]
+    assert len(fp8) == 8 and all(r.endswith(" - |") for r in fp8)
+    assert "| deepseek-v3 | bf16 | 16 | decode/swapab | 2735.7 |" in out and not any(
+        r.endswith(" b |") for r in out.splitlines())
