@@ -85,6 +85,7 @@ def cmd_info(args) -> int:
 
     from . import __version__
     from . import jit
+    from .bench import ceilings_note
 
     print(f"cupymoe {__version__}, numpy {numpy.__version__}")
     try:
@@ -103,6 +104,7 @@ def cmd_info(args) -> int:
         print(f"GPU {d}: {p['name'].decode()}, sm_{cc}, {p['totalGlobalMem'] / 2**30:.0f} GiB, "
               f"{p['multiProcessorCount']} SMs -> kernels compiled for "
               f"{jit.arch_for_capability(int(cc[:-1]), int(cc[-1]))}")
+        print(f"  {ceilings_note(p['name'].decode())}")
     return 0
 
 

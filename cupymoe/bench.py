@@ -646,6 +646,15 @@ def table_ceilings(gpu: str) -> Optional[dict]:
     return None if row is None else {k: float(row[k]) for k in CEILING_KEYS}
 
 
+def ceilings_note(gpu: str) -> str:
+    """What `bench` will take as `gpu`'s ceilings, in a line (`python -m cupymoe info`)."""
+    row = table_ceilings(gpu)
+    if row is None:
+        return "floors' ceilings: no row in data/ceilings.json, so bench measures them (needs torch)"
+    return ("floors' ceilings (data/ceilings.json): copy {copy_TBps:.2f} TB/s, bf16 {bf16_TFLOPs:.0f} TFLOP/s, "
+            "fp8 {fp8_TFLOPs:.0f} TFLOP/s").format(**row)
+
+
 def resolve_ceilings(measure: bool, gpu: str = REFERENCE_GPU) -> Ceilings:
     """The ceilings of this run: the table's row of `gpu`, replaced by figures measured here with
     --measure-ceilings or where the table has no row for `gpu` (without torch: the reference GPU's

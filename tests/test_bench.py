@@ -295,6 +295,8 @@ def test_ceilings_are_the_gpus_own_row_or_measured_never_another_gpus_silently(m
     assert fallback.values["copy_TBps"] == bench.COPY_TBPS and not any(fallback.measured.values())
     assert "NVIDIA B300" in fallback.source and "not this GPU's" in fallback.source
     assert "not this GPU's" in capsys.readouterr().err
+    assert bench.ceilings_note("NVIDIA H100 80GB HBM3").endswith("copy 3.04 TB/s, bf16 725 TFLOP/s, fp8 1136 TFLOP/s")
+    assert "bench measures them" in bench.ceilings_note("NVIDIA B300")
 
 
 def test_stored_peers_of_another_gpu_are_left_out(capsys):
