@@ -660,10 +660,11 @@ def resolve_ceilings(measure: bool, gpu: str = REFERENCE_GPU) -> Ceilings:
     --measure-ceilings or where the table has no row for `gpu` (without torch: the reference GPU's
     row, said so)."""
     row = table_ceilings(gpu)
+    own_row = row is not None
     source = f"data/ceilings.json ({gpu})"
-    if row is None:
-        row, source = table_ceilings(REFERENCE_GPU), f"data/ceilings.json has no row for {gpu}: measured here"
-        measure = True
+    if not own_row:
+        row, measure = table_ceilings(REFERENCE_GPU), True
+        source = f"data/ceilings.json has no row for {gpu}: measured here ({REFERENCE_GPU}'s row where not measured)"
     ceilings = dict(row)
     measured = dict.fromkeys(ceilings, False)
     if measure:
@@ -671,7 +672,7 @@ def resolve_ceilings(measure: bool, gpu: str = REFERENCE_GPU) -> Ceilings:
             got = measure_ceilings()
         except ImportError as e:
             got = {}
-            if source.endswith("measured here"):
+            if not own_row:
                 source = (f"data/ceilings.json has no row for {gpu} and torch is not importable ({e}): "
                           f"{REFERENCE_GPU}'s row, so the floors are not this GPU's")
             print(f"ceilings: torch is not importable ({e}); using {source}", file=sys.stderr)
