@@ -289,7 +289,7 @@ def cmd_tune(args) -> int:
     from .tune import apply_result
 
     if args.apply:  # no GPU: the result file's rows into the table
-        count = apply_result(args.apply, args.table)
+        count = apply_result(args.apply, args.table, other_gpu=args.other_gpu)
         print(f"{count} rows of {args.apply} merged into {args.table}")
         return 0
     require_gpu("tune")

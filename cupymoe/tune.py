@@ -194,14 +194,21 @@ def merge_rows(tuning: dict, rows: list[dict]) -> dict:
     return {**tuning, TABLE_ENTRY: entry}
 
 
-def apply_result(result_path: Path, tuning_path: Path) -> int:
-    """Merge a sweep's result file's table rows into the tuning table file; the rows' count."""
+def apply_result(result_path: Path, tuning_path: Path, other_gpu: bool = False) -> int:
+    """Merge a sweep's result file's table rows into the tuning table file; the rows' count. Rows
+    timed on another GPU than the table's (an H100's into the H200's table: the same arch, other
+    rates) only with `other_gpu`."""
     result = json.loads(Path(result_path).read_text())
     rows = result["table"]
     tuning = json.loads(Path(tuning_path).read_text())
-    measured, table_arch = result.get("meta", {}).get("arch"), tuning.get("arch", "sm_90a")
+    meta = result.get("meta", {})
+    measured, table_arch = meta.get("arch"), tuning.get("arch", "sm_90a")
     if measured is not None and measured != table_arch:  # the rows name that arch's kernels and its timings
         raise ConfigError(f"{result_path}: measured on {measured}, but the tuning table's rows are {table_arch}'s")
+    gpu, table_gpu = meta.get("gpu"), tuning.get("device")
+    if gpu and table_gpu and gpu != table_gpu and not other_gpu:
+        raise ConfigError(f"{result_path}: timed on {gpu}, but the tuning table's rows are {table_gpu}'s "
+                          f"(--other-gpu merges them anyway; --table names another table)")
     name = f"benchmarks/results/{Path(result_path).name}"  # where the result is committed
     rows = [{**r, "result": name} for r in rows]
     Path(tuning_path).write_text(json.dumps(merge_rows(tuning, rows), indent=2) + "\n")
@@ -376,3 +383,5 @@ def add_tune_args(ap) -> None:
                     help="no GPU: merge RESULT's table rows into --table and exit")
     ap.add_argument("--table", default=str(Path(__file__).parent / "data" / "tuning.json"),
                     help="the tuning table --apply writes (default: the package's)")
+    ap.add_argument("--other-gpu", action="store_true",
+                    help="--apply: merge rows timed on another GPU than the table's (same arch)")

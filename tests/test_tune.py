@@ -145,6 +145,13 @@ def test_rows_merge_into_the_table_and_the_layer_reads_them(tmp_path):
     other.write_text(json.dumps(dict(json.loads(result.read_text()), meta={"arch": "sm_80"})))
     with pytest.raises(ConfigError, match="measured on sm_80, but the tuning table's rows are sm_90a's"):
         tune.apply_result(other, table)
+    h100 = tmp_path / "20261206-h100-tune-x.json"  # the same arch, another GPU's rates: only when asked
+    h100.write_text(json.dumps(dict(json.loads(result.read_text()),
+                                    meta={"arch": "sm_90a", "gpu": "NVIDIA H100 80GB HBM3"})))
+    with pytest.raises(ConfigError, match="timed on NVIDIA H100 80GB HBM3, but the tuning table's rows are NVIDIA H200's"):
+        tune.apply_result(h100, table)
+    assert tune.apply_result(h100, table, other_gpu=True) == 2
+    assert tune.apply_result(result, table) == 2  # (the H200's rows back)
     data = json.loads(table.read_text())
     rows = data["by_shape"]["value"]
     assert [(r["n"], r["path"], r["grouped"]) for r in rows] == [(16, "decode", None), (64, "prefill", "math")]
