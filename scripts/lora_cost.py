@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 
-from cupymoe.bench import expected_touched, expert_bytes, preset_config
+from cupymoe.bench import COPY_TBPS, expected_touched, expert_bytes, preset_config
 from cupymoe.forward_plan import LoraShape, build_forward_plan
 from cupymoe.knobs import Knobs
 from cupymoe.plan import DeviceFacts, LayerOptions, Path, Stage, choose_path, plan_layer
 
 K, R = 4, 16
-COPY = 4.26e12  # B/s, the steady copy ceiling
+COPY = COPY_TBPS * 1e12  # B/s, the H200's steady copy ceiling (its base times below)
 LOADS = 132 * 32 * 1.5e9  # scalar loads/s: one warp load instruction a clock an SM at the capped clock
 GAP_US = 2.5  # a plain (non-PDL) launch's gap in a graph, measured order (DECISIONS.md, Host)
 L2_RATE = 8e12  # B/s, L2 hits (a guess within 2x)
