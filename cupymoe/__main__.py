@@ -85,7 +85,7 @@ def cmd_info(args) -> int:
 
     from . import __version__
     from . import jit
-    from .bench import ceilings_note
+    from .ceilings import ceilings_note
 
     print(f"cupymoe {__version__}, numpy {numpy.__version__}")
     try:

@@ -46,7 +46,7 @@ from .errors import ConfigError
 from .tuning import TUNED_SM90, Choice, format_key, n_bucket, shape_key
 
 if TYPE_CHECKING:
-    from .bench import Ceilings
+    from .ceilings import Ceilings
 
 # decode candidates only up to the rows the GPU tests check that path at (`python -m cupymoe verify`:
 # 64; w8a8 to 511: tests/test_gpu_quant.py test_w8a8_decode_kernels_past_64_rows; fp4: its default cap)
@@ -260,7 +260,8 @@ def _timed_dict(t: Timed) -> dict:
 def _tune_cell(layers, lp0: LayerPlan, lp_default: LayerPlan, dev, shape: str, n: int, args, ceilings,
                first: bool) -> dict:
     """Every distinct candidate of one N timed; the cell's record with the chosen one."""
-    from .bench import STEADY_WARM_S, cell_input
+    from .bench import cell_input
+    from .ceilings import STEADY_WARM_S
 
     x, out = cell_input(lp0.cfg, n, args.seed)
     base = default_choice(lp_default, dev, n)
@@ -315,7 +316,8 @@ def run_tune(args) -> int:
     import cupy
 
     from . import jit
-    from .bench import preset_config, resolve_ceilings
+    from .bench import preset_config
+    from .ceilings import resolve_ceilings
 
     props = cupy.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode()

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 
-from cupymoe.bench import COPY_TBPS, expected_touched, expert_bytes, preset_config
+from cupymoe.bench import expected_touched, expert_bytes, preset_config
+from cupymoe.ceilings import COPY_TBPS
 from cupymoe.forward_plan import LoraShape, build_forward_plan
 from cupymoe.knobs import Knobs
 from cupymoe.plan import DeviceFacts, LayerOptions, Path, Stage, choose_path, plan_layer

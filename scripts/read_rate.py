@@ -4,7 +4,7 @@ which the floors (bytes at the copy rate, read + written) understate by a few pe
     python3 scripts/read_rate.py OUT.json        (a GPU, torch and CuPy; ~20 s)
 
 readv: one 16-byte load a thread a trip; readv4: four in flight (grids of 2-16 blocks an SM);
-torch's sum and amax; torch's copy. Each in the steady state (cupymoe.bench.torch_seconds_a_call,
+torch's sum and amax; torch's copy. Each in the steady state (cupymoe.ceilings.torch_seconds_a_call,
 the ceilings' method: 0.3 s of load, then the median of 7 repetitions of 20 calls), over 4 GiB
 (far past the L2). OUT.json: {"meta": {gpu, date, commit, command, what}, "rates_TBps": {...}}."""
 import json
@@ -44,7 +44,7 @@ def rates() -> dict[str, float]:
     import cupy
     import torch
 
-    from cupymoe.bench import torch_seconds_a_call
+    from cupymoe.ceilings import torch_seconds_a_call
 
     def steady(fn):
         return torch_seconds_a_call(fn)[0]

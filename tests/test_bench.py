@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupymoe import bench, formats, testing
+from cupymoe import bench, ceilings, formats, testing
 
 
 def test_bench_help_runs_without_a_gpu_and_says_what_it_needs():
@@ -255,14 +255,14 @@ def test_measured_ceilings_floor_the_steady_state_and_keep_the_burst_beside_it(m
     # the figures of NOTES.md v28's probe: 8192^3 bf16 at 795 TFLOP/s in a burst, 688 sustained
     got = dict(copy_TBps=4.24, copy_TBps_burst=4.25, bf16_TFLOPs=688.0, bf16_TFLOPs_burst=795.0,
                fp8_TFLOPs=None, fp8_TFLOPs_burst=None)
-    monkeypatch.setattr(bench, "measure_ceilings", lambda: got)
-    ceilings, measured, _ = bench.resolve_ceilings(True)
-    assert ceilings["bf16_TFLOPs"] == 688.0 and ceilings["bf16_TFLOPs_burst"] == 795.0
+    monkeypatch.setattr(ceilings, "measure_ceilings", lambda: got)
+    ceil, measured, _ = ceilings.resolve_ceilings(True)
+    assert ceil["bf16_TFLOPs"] == 688.0 and ceil["bf16_TFLOPs_burst"] == 795.0
     assert measured == dict(copy_TBps=True, bf16_TFLOPs=True, fp8_TFLOPs=False)
-    assert ceilings["fp8_TFLOPs"] == bench.FP8_TFLOPS and "fp8_TFLOPs_burst" not in ceilings  # default, no burst
+    assert ceil["fp8_TFLOPs"] == ceilings.FP8_TFLOPS and "fp8_TFLOPs_burst" not in ceil  # default, no burst
     assert "795" in capsys.readouterr().out
     cfg = bench.preset_config("qwen3-30b-a3b")
-    row = bench.bench_row(cfg, "qwen3-30b-a3b", "bf16", 4096, 128, [800.0], ceilings, {}, path="auto", layers=2)
+    row = bench.bench_row(cfg, "qwen3-30b-a3b", "bf16", 4096, 128, [800.0], ceil, {}, path="auto", layers=2)
     flops = 2 * 4096 * 8 * 3 * 2048 * 768 + 2 * 4096 * 2048 * 128  # FLOP-bound at N = 4096
     assert row["floor_us"] == pytest.approx(flops / 688e6, abs=0.01)
     assert row["floor_burst_us"] == pytest.approx(flops / 795e6, abs=0.01)
@@ -273,35 +273,35 @@ def test_measured_ceilings_floor_the_steady_state_and_keep_the_burst_beside_it(m
 
 
 def test_ceilings_are_the_gpus_own_row_or_measured_never_another_gpus_silently(monkeypatch, capsys):
-    table = json.loads(bench.CEILINGS_TABLE.read_text())["gpus"]
-    assert bench.table_ceilings(bench.REFERENCE_GPU) == dict(
-        copy_TBps=bench.COPY_TBPS, bf16_TFLOPs=bench.BF16_TFLOPS, fp8_TFLOPs=bench.FP8_TFLOPS)
+    table = json.loads(ceilings.CEILINGS_TABLE.read_text())["gpus"]
+    assert ceilings.table_ceilings(ceilings.REFERENCE_GPU) == dict(
+        copy_TBps=ceilings.COPY_TBPS, bf16_TFLOPs=ceilings.BF16_TFLOPS, fp8_TFLOPs=ceilings.FP8_TFLOPS)
     for gpu, row in table.items():  # every row carries every ceiling and where it was measured
-        assert set(bench.CEILING_KEYS) <= set(row) and row["measured"], gpu
+        assert set(ceilings.CEILING_KEYS) <= set(row) and row["measured"], gpu
     calls = []
-    monkeypatch.setattr(bench, "measure_ceilings", lambda: calls.append(1) or {})
-    known = bench.resolve_ceilings(False, bench.REFERENCE_GPU)
-    assert not calls and not any(known.measured.values()) and bench.REFERENCE_GPU in known.source
+    monkeypatch.setattr(ceilings, "measure_ceilings", lambda: calls.append(1) or {})
+    known = ceilings.resolve_ceilings(False, ceilings.REFERENCE_GPU)
+    assert not calls and not any(known.measured.values()) and ceilings.REFERENCE_GPU in known.source
     got = dict(copy_TBps=3.1, copy_TBps_burst=3.2, bf16_TFLOPs=600.0, bf16_TFLOPs_burst=700.0,
                fp8_TFLOPs=1100.0, fp8_TFLOPs_burst=1300.0)
-    monkeypatch.setattr(bench, "measure_ceilings", lambda: got)
-    other = bench.resolve_ceilings(False, "NVIDIA B300")  # a GPU without a row is measured in the run
+    monkeypatch.setattr(ceilings, "measure_ceilings", lambda: got)
+    other = ceilings.resolve_ceilings(False, "NVIDIA B300")  # a GPU without a row is measured in the run
     assert other.values["copy_TBps"] == 3.1 and all(other.measured.values()) and "NVIDIA B300" in other.source
 
     def no_torch():
         raise ImportError("No module named 'torch'")
-    monkeypatch.setattr(bench, "measure_ceilings", no_torch)
-    fallback = bench.resolve_ceilings(False, "NVIDIA B300")  # no torch: the reference row, said so
-    assert fallback.values["copy_TBps"] == bench.COPY_TBPS and not any(fallback.measured.values())
+    monkeypatch.setattr(ceilings, "measure_ceilings", no_torch)
+    fallback = ceilings.resolve_ceilings(False, "NVIDIA B300")  # no torch: the reference row, said so
+    assert fallback.values["copy_TBps"] == ceilings.COPY_TBPS and not any(fallback.measured.values())
     assert "NVIDIA B300" in fallback.source and "not this GPU's" in fallback.source
     assert "not this GPU's" in capsys.readouterr().err
-    assert bench.ceilings_note("NVIDIA H100 80GB HBM3").endswith("copy 3.04 TB/s, bf16 725 TFLOP/s, fp8 1136 TFLOP/s")
-    assert "bench measures them" in bench.ceilings_note("NVIDIA B300")
+    assert ceilings.ceilings_note("NVIDIA H100 80GB HBM3").endswith("copy 3.04 TB/s, bf16 725 TFLOP/s, fp8 1136 TFLOP/s")
+    assert "bench measures them" in ceilings.ceilings_note("NVIDIA B300")
 
 
 def test_stored_peers_of_another_gpu_are_left_out(capsys):
     """The baselines are the H200's: on another GPU a vs-vLLM figure would divide two machines' times."""
-    here = bench.load_baselines(bench.REFERENCE_GPU)
+    here = bench.load_baselines(ceilings.REFERENCE_GPU)
     if not here:
         pytest.skip("no baseline files found")
     assert bench.load_baselines("NVIDIA H100 80GB HBM3") == {}
