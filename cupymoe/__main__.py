@@ -286,10 +286,15 @@ def cmd_bench(args) -> int:
 
 
 def cmd_tune(args) -> int:
+    from . import Error
     from .tune import apply_result
 
     if args.apply:  # no GPU: the result file's rows into the table
-        count = apply_result(args.apply, args.table, other_gpu=args.other_gpu)
+        try:
+            count = apply_result(args.apply, args.table, other_gpu=args.other_gpu)
+        except Error as e:  # the table is left as it was: one line naming why
+            print(f"cupymoe tune --apply: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
         print(f"{count} rows of {args.apply} merged into {args.table}")
         return 0
     require_gpu("tune")

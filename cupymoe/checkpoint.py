@@ -42,7 +42,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from .config import MoeConfig, UnsupportedModelError
+from .config import MoeConfig, UnsupportedModelError, is_integer
 from .formats import (
     BF16,
     E4M3,
@@ -1148,6 +1148,8 @@ def save_layer(checkpoint_dir: PathLike, config_dict: Mapping[str, Any], layer_i
     the config excludes. Returns the directory.
     """
     root = Path(checkpoint_dir)
+    if shard_max_tensors is not None and not (is_integer(shard_max_tensors) and shard_max_tensors >= 1):
+        raise OptionError(f"shard_max_tensors={shard_max_tensors!r}: must be a whole number >= 1 (or None)")
     config = dict(config_dict)
     cfg = MoeConfig.from_hf(config, layer_idx)  # also refuses dense layers and unknown families
     host_weights.validate(cfg)
@@ -1200,10 +1202,9 @@ def _save_tensors(root: Path, tensors: dict[str, np.ndarray], shard_max_tensors:
         save_file(tensors, str(root / SINGLE_FILE), metadata=metadata)
         logger.debug("wrote %d tensors to %s", len(tensors), root / SINGLE_FILE)
         return
-    if shard_max_tensors < 1:
-        raise OptionError(f"shard_max_tensors={shard_max_tensors}: must be >= 1")
     names = list(tensors)
-    chunks = [names[i:i + shard_max_tensors] for i in range(0, len(names), shard_max_tensors)]
+    step = int(shard_max_tensors)
+    chunks = [names[i:i + step] for i in range(0, len(names), step)]
     weight_map: dict[str, str] = {}
     for i, chunk in enumerate(chunks):
         fname = f"model-{i + 1:05d}-of-{len(chunks):05d}.safetensors"

@@ -263,13 +263,28 @@ def _get(cfg: Mapping[str, Any], *names: str, default: Any = _MISSING) -> Any:
     return default
 
 
-def _whole(value: Any, key: str) -> int:
-    """A config.json count: an integer (or a float with no fraction), else an error naming the key."""
+def _whole(value: Any, key: str, least: int | None = None) -> int:
+    """A config.json count: an integer (or a float with no fraction), at least `least` where given,
+    else an error naming the key."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    raise ConfigError(f"config.json {key}={value!r}: expected a whole number")
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    else:
+        raise ConfigError(f"config.json {key}={value!r}: expected a whole number")
+    if least is not None and n < least:
+        raise ConfigError(f"config.json {key}={value!r}: must be at least {least}")
+    return n
+
+
+def _whole_or(cfg: Mapping[str, Any], key: str, absent: int, null: int, least: int) -> int:
+    """A count whose absent key and explicit null each mean a value of their own (transformers'
+    default; the modelling code's reading of None); any other value must be a whole number >= `least`
+    (0, false or "" are not read as the default)."""
+    if key not in cfg:
+        return absent
+    value = cfg[key]
+    return null if value is None else _whole(value, key, least)
 
 
 def _flag(value: Any, key: str) -> bool:
@@ -360,14 +375,14 @@ def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None)
     dense = False
     if model_type == "deepseek_v3":
         # absent: transformers' DeepseekV3Config default (3 dense layers first); null: none
-        first = _whole(cfg.get("first_k_dense_replace", 3) or 0, "first_k_dense_replace")
-        freq = _whole(cfg.get("moe_layer_freq") or 1, "moe_layer_freq")
+        first = _whole_or(cfg, "first_k_dense_replace", absent=3, null=0, least=0)
+        freq = _whole_or(cfg, "moe_layer_freq", absent=1, null=1, least=1)
         dense = layer_idx < first or layer_idx % freq != 0
     elif model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         mlp_only = cfg.get("mlp_only_layers") or []
         if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
             raise ConfigError(f"config.json mlp_only_layers={mlp_only!r}: expected a list of layer indices")
-        step = _whole(cfg.get("decoder_sparse_step") or 1, "decoder_sparse_step")
+        step = _whole_or(cfg, "decoder_sparse_step", absent=1, null=1, least=1)
         dense = layer_idx in mlp_only or (layer_idx + 1) % step != 0
     if dense:
         raise DenseLayerError(f"layer {layer_idx} of this {model_type} model is a dense MLP layer, not MoE")
@@ -397,6 +412,10 @@ class _HfReader:
 
 
 def _from_hf(cls, config: Mapping[str, Any], layer_idx: int | None, overrides: dict) -> MoeConfig:
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"config: expected a config.json object (a mapping), found {type(config).__name__}")
+    if unknown := sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)}):
+        raise ConfigError(f"MoeConfig.from_hf overrides {unknown}: no such MoeConfig field")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
@@ -446,12 +465,12 @@ def _deepseek_fields(r: _HfReader) -> dict[str, Any]:
         scoring_func=str(r.get("scoring_func", default="sigmoid")),
         has_correction_bias=not greedy,
         # defaults are transformers' DeepseekV3Config's
-        n_group=1 if greedy else _whole(r.get("n_group", default=8) or 1, "n_group"),
-        topk_group=1 if greedy else _whole(r.get("topk_group", default=4) or 1, "topk_group"),
+        n_group=1 if greedy else _whole(r.get("n_group", default=8), "n_group", least=1),
+        topk_group=1 if greedy else _whole(r.get("topk_group", default=4), "topk_group", least=1),
         norm_topk_prob=r.flag("norm_topk_prob", True),
         routed_scaling_factor=r.num("routed_scaling_factor", 2.5),
         # an explicit null means no shared expert (DeepSeek's modelling code)
-        shared_expert_intermediate_size=I * _whole(r.config.get("n_shared_experts", 1) or 0, "n_shared_experts"),
+        shared_expert_intermediate_size=I * _whole_or(r.config, "n_shared_experts", absent=1, null=0, least=0),
         hidden_act=r.act(),
     )
 
@@ -489,7 +508,7 @@ def _longcat_fields(r: _HfReader) -> dict[str, Any]:
         # absent keys take transformers' LongcatFlashConfig defaults (256 zero experts, a
         # routed scaling of 6.0); an explicit null zero_expert_num means none, as its
         # modelling code reads it (`config.zero_expert_num or 0`)
-        zero_expert_num=_whole(r.config.get("zero_expert_num", 256) or 0, "zero_expert_num"),
+        zero_expert_num=_whole_or(r.config, "zero_expert_num", absent=256, null=0, least=0),
         has_correction_bias=True,
         has_router_bias=r.flag("router_bias", False),  # router.classifier.bias
         norm_topk_prob=r.flag("norm_topk_prob", False),

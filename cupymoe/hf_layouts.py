@@ -274,6 +274,12 @@ class _StackedLinear:
             P.check_dtype(scale, FLOAT_DTYPES, "a float scale")
             self.lin = _Linear(name, "fp8_block", {"q": name, "scale_inv": scale}, dt)
         elif dt in FLOAT_DTYPES:
+            # served without it, the map would be off by that scale (as a per-expert weight's, checkpoint.py)
+            scales = [n for n in src.names(name + "_") if "scale" in n[len(name):]]
+            if scales:
+                raise CheckpointError(f"{name} is {dt} but {', '.join(scales)} lies beside it in {src.where(name)}: "
+                                      "a float stack takes no scale; quantized stacks are block fp8 with "
+                                      f"{name}{SCALE}")
             self.lin = _Linear(name, "bf16", {"w": name}, dt)
         elif dt == E4M3:
             raise MissingTensorError(f"{name} is float8_e4m3fn but {name}{SCALE} is not found in "

@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import numpy as np
 
 from . import formats
-from .config import MoeConfig
+from .config import MoeConfig, is_integer
 from .errors import ConfigError, LoraError, MoeCallError, OptionError
 from .host_weights import HostWeights
 
@@ -261,7 +261,9 @@ def given_routing(cfg: MoeConfig, topk_ids: Any, topk_weights: Any) -> Routing:
     routed_scaling_factor. Raises ValueError for anything else."""
     ids, w = np.asarray(topk_ids), np.asarray(topk_weights)
     k, R = cfg.num_experts_per_tok, cfg.router_width
-    if ids.ndim != 2 or ids.shape[1] != k or not np.issubdtype(ids.dtype, np.integer) or w.shape != ids.shape:
+    real = np.issubdtype(w.dtype, np.floating) or (np.issubdtype(w.dtype, np.integer) and w.dtype != np.bool_)
+    if (ids.ndim != 2 or ids.shape[1] != k or not np.issubdtype(ids.dtype, np.integer) or w.shape != ids.shape
+            or not real):  # strings, complex (its imaginary part dropped) or bools are no weights
         raise MoeCallError(f"given routing: expected integer ids [N, {k}] and weights of their shape, found ids "
                            f"{ids.shape} {ids.dtype}, weights {w.shape} {w.dtype}")
     if ids.size and (ids.min() < -1 or ids.max() >= R):  # -1: a pair that adds nothing (a flagged id's fate)
@@ -575,6 +577,8 @@ def moe_forward(cfg: MoeConfig, host_weights: HostWeights, x: Any, token_ids: An
     added to the stored bf16 term and rounded again (docs/DESIGN.md section 9).
     """
     dtype = _checked_options(absolute, rounding, activations, dtype)
+    if not isinstance(shared_expert, (bool, np.bool_)):  # "no" would read as true
+        raise OptionError(f"shared_expert={shared_expert!r}: must be True or False")
     host_weights.validate(cfg, values=False)  # shapes only: a NaN in an expert nobody routes to is no error here
     host_weights = kernel_weights(host_weights, rounding, w8a8=activations == "fp8_block")
     owned, on_rank0 = _rank_share(cfg, ep_rank, owned_experts)
@@ -607,7 +611,10 @@ def _checked_options(absolute: Union[bool, str], rounding: Optional[str], activa
         raise OptionError(f"rounding={rounding!r}: must be one of {ROUNDINGS}")
     if activations not in ACTIVATIONS:
         raise OptionError(f"activations={activations!r}: must be one of {ACTIVATIONS}")
-    dtype = np.dtype(dtype)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise OptionError(f"dtype={dtype!r}: the reference computes in float32 or float64") from None
     if dtype not in (np.float32, np.float64):
         raise OptionError(f"dtype={dtype}: the reference computes in float32 or float64")
     return dtype
@@ -616,11 +623,24 @@ def _checked_options(absolute: Union[bool, str], rounding: Optional[str], activa
 def _rank_share(cfg: MoeConfig, ep_rank: Optional[int], owned_experts: Optional[Any]) -> tuple[Any, bool]:
     """The routed experts this rank computes, and whether it is rank 0 (the one adding the shared
     expert and the identity terms)."""
+    if ep_rank is not None and not is_integer(ep_rank):  # int(1.9) and int(True) would pick rank 1
+        raise OptionError(f"ep_rank={ep_rank!r}: a rank index (int) is required")
     rank = cfg.ep_rank if ep_rank is None else int(ep_rank)
     owned = cfg.replace(ep_rank=rank).owned_experts()  # validates the rank
     if owned_experts is not None:  # an explicit expert -> rank map's share for this rank
-        owned = frozenset(int(e) for e in owned_experts)
+        owned = frozenset(_expert_ids(cfg, owned_experts))
     return owned, rank == 0
+
+
+def _expert_ids(cfg: MoeConfig, ids: Any) -> list[int]:
+    """`owned_experts` as routed expert ids, each an integer in 0..num_experts-1, else an OptionError."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise OptionError(f"owned_experts={ids!r}: expected a collection of expert ids")
+    ids = list(ids)
+    bad = [e for e in ids if not is_integer(e) or not 0 <= e < cfg.num_experts]
+    if bad:
+        raise OptionError(f"owned_experts holds {bad[:5]}: expert ids are integers in 0..{cfg.num_experts - 1}")
+    return [int(e) for e in ids]
 
 
 def _layer_output(cfg: MoeConfig, hw: HostWeights, xf: np.ndarray, token_ids: Any, owned: Any, on_rank0: bool, *,
@@ -688,5 +708,7 @@ def _lora_rows(cfg: MoeConfig, lora: Optional[Mapping[int, Any]], lora_ids: Any,
     if bad:
         raise LoraError(f"lora_ids holds {bad[:8]}: neither -1 (base) nor a slot of lora ({sorted(lora)})")
     for slot in set(int(i) for i in np.unique(ids)) - {-1}:
+        if not callable(getattr(lora[slot], "check", None)):
+            raise LoraError(f"lora[{slot}]: expected a cupymoe.lora.LoraWeights, found {type(lora[slot]).__name__}")
         lora[slot].check(cfg)
     return None if (ids < 0).all() else _LoraRows(lora, ids.astype(np.int64))

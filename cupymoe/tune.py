@@ -43,7 +43,7 @@ from .forward_plan import build_forward_plan
 from .plan import DeviceFacts, LayerPlan, choose_path
 from .catalog import GemmMode
 from .errors import ConfigError
-from .tuning import TUNED_SM90, Choice, format_key, n_bucket, shape_key
+from .tuning import TUNED_SM90, Choice, Tuning, format_key, n_bucket, parse_by_shape, shape_key
 
 if TYPE_CHECKING:
     from .ceilings import Ceilings
@@ -198,10 +198,13 @@ def apply_result(result_path: Path, tuning_path: Path, other_gpu: bool = False) 
     """Merge a sweep's result file's table rows into the tuning table file; the rows' count. Rows
     timed on another GPU than the table's (an H100's into the H200's table: the same arch, other
     rates) only with `other_gpu`."""
-    result = json.loads(Path(result_path).read_text())
-    rows = result["table"]
-    tuning = json.loads(Path(tuning_path).read_text())
-    meta = result.get("meta", {})
+    result = _json_object(result_path, "a tune result")
+    rows, meta = result.get("table"), result.get("meta", {})
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows) or not isinstance(meta, dict):
+        raise ConfigError(f"{result_path}: not a tune result (expected an object with a 'table' list of rows "
+                          "and a 'meta' object, as `python -m cupymoe tune --json` writes)")
+    tuning = _json_object(tuning_path, "a tuning table")
+    _check_table(tuning, tuning_path)
     measured, table_arch = meta.get("arch"), tuning.get("arch", "sm_90a")
     if measured is not None and measured != table_arch:  # the rows name that arch's kernels and its timings
         raise ConfigError(f"{result_path}: measured on {measured}, but the tuning table's rows are {table_arch}'s")
@@ -211,8 +214,31 @@ def apply_result(result_path: Path, tuning_path: Path, other_gpu: bool = False) 
                           f"(--other-gpu merges them anyway; --table names another table)")
     name = f"benchmarks/results/{Path(result_path).name}"  # where the result is committed
     rows = [{**r, "result": name} for r in rows]
-    Path(tuning_path).write_text(json.dumps(merge_rows(tuning, rows), indent=2) + "\n")
+    parse_by_shape(rows)  # each row as the table would read it, before they are sorted in
+    merged = merge_rows(tuning, rows)
+    _check_table(merged, tuning_path)  # the whole table loads, or nothing is written
+    Path(tuning_path).write_text(json.dumps(merged, indent=2) + "\n")
     return len(rows)
+
+
+def _check_table(doc: dict, path: Path) -> None:
+    """`doc` loads as the tuning table, else a ConfigError naming `path`."""
+    try:
+        Tuning.from_json(doc)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{path}: not a loadable tuning table ({type(e).__name__}: {e})") from None
+
+
+def _json_object(path: Path, what: str) -> dict:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read as {what}: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: not {what} (expected a JSON object, found {type(doc).__name__})")
+    return doc
 
 
 # ----------------------------------------------------------------------------------

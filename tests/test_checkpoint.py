@@ -26,7 +26,7 @@ from cupymoe import checkpoint
 from cupymoe.checkpoint import (CheckpointError, CheckpointFileError, MissingTensorError, load_layer,
                                 load_layer_from_tensors, read_config, save_layer)
 from cupymoe.config import DenseLayerError, MoeConfig, UnsupportedModelError
-from cupymoe.errors import ConfigError
+from cupymoe.errors import ConfigError, OptionError
 from cupymoe.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from cupymoe.host_weights import HostWeights
 from cupymoe.testing import FAMILIES, hf_config_dict, random_host_weights, tiny_config
@@ -163,6 +163,20 @@ def test_round_trip_bit_exact(tmp_path, family, fmt):
 
     assert got_cfg == cfg
     assert_same_weights(got, hw)
+
+
+def test_a_shard_size_that_is_no_count_is_refused_before_anything_is_written(tmp_path):
+    """shard_max_tensors 0, 2.5, "4" or True is refused by name with the directory left empty (a refusal
+    after config.json was written made the retry fail on the half-written directory)."""
+    rng = np.random.default_rng(1)
+    config = config_for("qwen3_moe", "bf16")
+    hw = random_host_weights(MoeConfig.from_hf(config, LAYER), rng)
+    for bad in (0, -1, 2.5, "4", True):
+        with pytest.raises(OptionError, match=rf"shard_max_tensors={bad!r}: must be a whole number >= 1"):
+            save_layer(tmp_path, config, LAYER, hw, shard_max_tensors=bad)
+        assert not any(tmp_path.iterdir())
+    save_layer(tmp_path, config, LAYER, hw, shard_max_tensors=np.int64(20))
+    assert load_layer(tmp_path, LAYER)[0] == MoeConfig.from_hf(config, LAYER)
 
 
 def test_round_trip_sharded_mixed_formats(tmp_path):

@@ -364,6 +364,39 @@ def test_from_hf_refuses_mistyped_values_naming_the_key():
     assert MoeConfig.from_hf({**QWEN3_30B_A3B, "num_experts": 128.0}, 3).num_experts == 128
 
 
+def test_from_hf_refuses_zero_false_or_empty_counts_instead_of_reading_a_default():
+    """0, false or "" for a group count, a layer step or a shared / zero expert count is refused by
+    name: read as `value or default` they became 1 (deepseek-v3 routed in one group, a qwen3
+    decoder_sparse_step of 0 serving every layer as MoE) where transformers' own code divides by them
+    or masks every group. An explicit null keeps its documented meaning."""
+    at_least = [
+        (DEEPSEEK_V3, "n_group", 1), (DEEPSEEK_V3, "topk_group", 1), (DEEPSEEK_V3, "moe_layer_freq", 1),
+        (QWEN3_30B_A3B, "decoder_sparse_step", 1), (DEEPSEEK_V3, "first_k_dense_replace", 0),
+        (DEEPSEEK_V3, "n_shared_experts", 0), (LONGCAT_FLASH, "zero_expert_num", 0),
+    ]
+    for base, key, least in at_least:
+        for bad in ([0] if least else []) + [-1, False, ""]:
+            expect = rf"config.json {key}={bad!r}: " + ("must be at least" if isinstance(bad, int) and bad is not False
+                                                          else "expected a whole number")
+            with pytest.raises(ConfigError, match=expect):
+                MoeConfig.from_hf({**base, key: bad}, 3)
+    # null: no shared expert, no zero experts, no dense layers first, steps of 1
+    assert MoeConfig.from_hf({**DEEPSEEK_V3, "n_shared_experts": None}, 3).shared_expert_intermediate_size == 0
+    assert MoeConfig.from_hf({**LONGCAT_FLASH, "zero_expert_num": None}, 0).zero_expert_num == 0
+    assert MoeConfig.from_hf({**DEEPSEEK_V3, "first_k_dense_replace": None}, 0).num_experts == 256
+    assert MoeConfig.from_hf({**QWEN3_30B_A3B, "decoder_sparse_step": None}, 0).num_experts == 128
+    cfg = MoeConfig.from_hf({**DEEPSEEK_V3, "n_group": 8, "topk_group": 4}, 3)
+    assert (cfg.n_group, cfg.topk_group) == (8, 4)
+
+
+def test_from_hf_refuses_a_config_that_is_no_mapping_and_overrides_no_field_has():
+    with pytest.raises(ConfigError, match="config: expected a config.json object .a mapping., found list"):
+        MoeConfig.from_hf([], 0)
+    with pytest.raises(ConfigError, match=r"overrides \['num_expert'\]: no such MoeConfig field"):
+        MoeConfig.from_hf(QWEN3_30B_A3B, 0, num_expert=4)
+    assert MoeConfig.from_hf(QWEN3_30B_A3B, 0, ep_world_size=2, ep_rank=1).ep_rank == 1
+
+
 def test_from_hf_quant_method_as_a_string_enum():
     """A loaded model's config.to_dict() keeps transformers' QuantizationMethod enum (a str subclass whose
     str() is 'QuantizationMethod.FP8'): its value is what counts."""

@@ -32,6 +32,40 @@ def test_a_layer_without_a_gpu_is_refused_by_name():
         cupymoe.MoeLayer(cfg, hw, max_tokens=4)
 
 
+def test_the_reference_refuses_ranks_experts_and_options_it_would_otherwise_coerce():
+    """ep_rank 1.9 / "1" / True read as rank 1, owned_experts [0.5, 7.9] as [0, 7] and [99] as an all-zero
+    partial, shared_expert="no" as true, complex weights lost their imaginary part: each is refused by
+    name; a bad dtype, owned_experts that is no collection and a lora slot that is no LoraWeights raise
+    the package's errors, not TypeError / AttributeError."""
+    cfg = testing.tiny_config("qwen3_moe", num_experts=16, ep_world_size=2)
+    hw = testing.random_host_weights(cfg, np.random.default_rng(0))
+    x = np.random.default_rng(1).standard_normal((3, cfg.hidden_size)).astype(np.float32)
+    ref = cupymoe.reference
+    for rank in (1.9, "1", True, "one"):
+        with pytest.raises(cupymoe.OptionError, match=rf"ep_rank={rank!r}: a rank index \(int\) is required"):
+            ref.moe_forward(cfg, hw, x, ep_rank=rank)
+    E = cfg.num_experts
+    for owned in ([0.5, 7.9], [99], [-1], ["3"]):
+        with pytest.raises(cupymoe.OptionError, match=rf"owned_experts holds .*: expert ids are integers in 0..{E - 1}"):
+            ref.moe_forward(cfg, hw, x, ep_rank=1, owned_experts=owned)
+    with pytest.raises(cupymoe.OptionError, match="owned_experts=5: expected a collection of expert ids"):
+        ref.moe_forward(cfg, hw, x, ep_rank=1, owned_experts=5)
+    with pytest.raises(cupymoe.OptionError, match="dtype='bogus': the reference computes in float32 or float64"):
+        ref.moe_forward(cfg, hw, x, dtype="bogus")
+    with pytest.raises(cupymoe.OptionError, match="shared_expert='no': must be True or False"):
+        ref.moe_forward(cfg, hw, x, shared_expert="no")
+    with pytest.raises(cupymoe.LoraError, match=r"lora\[0\]: expected a cupymoe.lora.LoraWeights, found str"):
+        ref.moe_forward(cfg, hw, x, lora={0: "x"}, lora_ids=np.zeros(3, np.int32))
+    ids = np.zeros((3, cfg.num_experts_per_tok), np.int32)
+    for w in (ids.astype(np.complex64), ids.astype(str), ids.astype(bool)):
+        with pytest.raises(cupymoe.MoeCallError, match="given routing: expected integer ids"):
+            ref.experts_forward(cfg, hw, x, ids, w)
+    # an explicit map's share: the same as the contiguous block it names
+    block = sorted(cfg.replace(ep_rank=1).owned_experts())
+    assert np.array_equal(ref.moe_forward(cfg, hw, x, ep_rank=1, owned_experts=np.array(block)),
+                          ref.moe_forward(cfg, hw, x, ep_rank=np.int64(1)))
+
+
 def test_the_reference_refuses_by_name_and_the_submodules_follow_a_plain_import():
     """docs/DESIGN.md section 5 calls cupymoe.reference.moe_forward after `import cupymoe`; its refusals
     are the package's own (MoeCallError for the input, OptionError for an option), still ValueErrors."""

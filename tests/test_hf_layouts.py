@@ -153,6 +153,20 @@ def test_refuses_half_stacked(tmp_path):
         checkpoint.load_layer_from_tensors(config, stacked, prefix)
 
 
+@pytest.mark.parametrize("layout,suffix", [(hf_layouts.TRANSFORMERS, "_scale"), (hf_layouts.TRANSFORMERS, "_weight_scale_2"),
+                                           (hf_layouts.VLLM, "_scale"), (hf_layouts.VLLM, "_scale_2")])
+def test_refuses_a_scale_beside_a_float_stack(tmp_path, layout, suffix):
+    """A float stack with a scale beside it loaded with the scale ignored (one log line); served so, the map
+    is off by that scale. Refused as the per-expert weight's twin is."""
+    config, tensors, prefix, hw = _hub(tmp_path, "qwen3_moe")
+    stacked = _stacked(tensors, prefix, hw, layout)
+    name = prefix + "experts." + layout.down
+    stacked[name + suffix] = np.full((hw.down.shape[0],), 0.5, np.float32)
+    with pytest.raises(CheckpointError, match=rf"{name} is .* but {name}{suffix} lies beside it .*a float stack takes "
+                                              "no scale"):
+        checkpoint.load_layer_from_tensors(config, stacked, prefix)
+
+
 def test_refuses_stacked_beside_per_expert(tmp_path):
     config, tensors, prefix, hw = _hub(tmp_path, "qwen2_moe")
     mixed = {**tensors, prefix + "experts.gate_up_proj": np.concatenate([hw.gate, hw.up], axis=1)}

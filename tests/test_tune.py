@@ -175,6 +175,42 @@ def test_tune_apply_runs_without_a_gpu(tmp_path):
     assert json.loads(table.read_text())["by_shape"]["value"][0]["n"] == 32
 
 
+def test_apply_refuses_a_result_the_table_could_not_load_and_writes_nothing(tmp_path):
+    """A row the table would refuse (n 48, an unknown path), rows that cannot be sorted together, or a file
+    that is no tune result is a ConfigError naming it, and the table file is left byte for byte: a bad
+    row merged into the package's own table would make every later `import cupymoe` fail."""
+    good = tune.table_rows([_cell(32, Choice("decode"), Choice("prefill", "stream"))], "python -m cupymoe tune", "x")[0]
+    table = _empty_table(tmp_path)
+    before = table.read_bytes()
+    cases = [
+        (dict(table=[{**good, "n": 48}]), "n=48 is not a power of two"),
+        (dict(table=[{**good, "path": "warp-speed"}]), "path"),
+        (dict(table=[good, {**good, "n": "16"}]), "n='16' is not a power of two"),
+        (dict(table=[{k: v for k, v in good.items() if k != "shape"}]), "shape must read like"),
+        (dict(rows=[good]), "not a tune result"),
+        (dict(table=good), "not a tune result"),
+        ([good], "not a tune result .expected a JSON object, found list"),
+    ]
+    for i, (doc, message) in enumerate(cases):
+        result = tmp_path / f"r{i}.json"
+        result.write_text(json.dumps(doc))
+        with pytest.raises(ConfigError, match=message):
+            tune.apply_result(result, table)
+        assert table.read_bytes() == before
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="bad.json: cannot be read as a tune result"):
+        tune.apply_result(tmp_path / "bad.json", table)
+    broken = tmp_path / "broken-table.json"
+    broken.write_text(json.dumps({"by_shape": {"value": []}}))
+    (tmp_path / "ok.json").write_text(json.dumps(dict(table=[good])))
+    with pytest.raises(ConfigError, match="broken-table.json: not a loadable tuning table"):
+        tune.apply_result(tmp_path / "ok.json", broken)
+    r = subprocess.run([sys.executable, "-m", "cupymoe", "tune", "--apply", str(tmp_path / "r0.json"),
+                        "--table", str(table)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("cupymoe tune --apply: ConfigError: ") and r.stderr.count("\n") == 1
+    assert table.read_bytes() == before
+
+
 @pytest.mark.parametrize("path", ["decode", "prefill"])
 def test_stage_bytes_and_flops_add_up_to_the_cell(path):
     cfg = bench.preset_config("qwen3-30b-a3b")
