@@ -519,4 +519,7 @@ class MoeLayer:
             flags = int(self._err.get()[0])
             if flags:
                 self._err.fill(0)
+                # the reset runs on the null stream, which a non-blocking caller stream does not wait
+                # for: finish it now, or it may land after the next forward's flags and erase them
+                cupy.cuda.runtime.deviceSynchronize()
                 raise MoeCallError(f"a kernel flagged bad input (error bits 0x{flags:x}: {error_text(flags)})")

@@ -182,3 +182,21 @@ def test_arrays_on_another_device_are_refused(rng):
     _assert_nothing_ran(layer, out)
     with cupy.cuda.Device(1):
         assert int((out1 != NAN).sum()) == 0
+
+
+def test_each_flagged_forward_on_a_non_blocking_stream_raises_after_the_last_reset(rng):
+    """check_errors resets the flags on the null stream, which a non-blocking caller stream does not wait
+    for: unless the reset has finished when check_errors returns, it can land after the next forward's
+    flags and erase them (a bad id then goes unreported). Flag, check, flag again, many times."""
+    import cupy
+
+    cfg, hw, layer = _layer(rng, "deepseek_v3", hash_routing=True, hash_vocab_size=50, n_group=1, topk_group=1)
+    s = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.asarray(bf16_bits(well_separated_input(cfg, hw, rng, 2)))
+    out = cupy.zeros_like(x)
+    bad = cupy.asarray(np.array([3, 99], np.int32))  # 99 >= hash_vocab_size: error bit 0
+    for _ in range(50):
+        layer.forward(int(x.data.ptr), 2, int(out.data.ptr), s.ptr, token_ids_ptr=int(bad.data.ptr))
+        with pytest.raises(MoeCallError, match="bit 0 = a token id outside"):
+            layer.check_errors()
+    layer.check_errors()  # the flags were reset: nothing left to raise
