@@ -238,6 +238,8 @@ def _print_workspace(config, moe: list[int], cfg, plan, plan_of, arch: str, max_
     """The scratch of the inspected layer, and the workspace every MoE layer of the model would share
     (each layer's config as from_hf maps it, with the inspected layer's weight formats)."""
     from .config import MoeConfig
+    from .errors import ConfigError
+    from .layer_checks import check_token_limit
     from .workspace import WorkspaceNeed, layer_need
 
     notes = [f"decode path up to {plan.decode_max_tokens} rows"]
@@ -249,6 +251,11 @@ def _print_workspace(config, moe: list[int], cfg, plan, plan_of, arch: str, max_
         if c not in plans:
             plans[c] = plan_of(c)
     for T in max_tokens:
+        try:  # a count the layer would refuse is no scratch size to report
+            check_token_limit(cfg, T, cfg.num_experts)
+        except ConfigError as e:
+            print(f"  max_tokens={T}: refused ({e})")
+            continue
         need = layer_need(plan, T)[1]
         print(f"  scratch at max_tokens={T} on {arch}: {need.total_bytes / 1e6:.1f} MB "
               f"({need.total_bytes} bytes; {', '.join(notes)})")

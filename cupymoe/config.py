@@ -370,6 +370,8 @@ def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None)
     if not is_integer(layer_idx):
         raise ConfigError(f"layer_idx={layer_idx!r}: must be a whole number (the decoder layer's index)")
     n_layers = layer_count(cfg)
+    if layer_idx < 0:
+        raise ConfigError(f"layer_idx={layer_idx}: a decoder layer's index is >= 0")
     if n_layers is not None and not 0 <= layer_idx < n_layers:
         raise ConfigError(f"layer_idx={layer_idx} is outside 0..{int(n_layers) - 1} for {model_type}")
     dense = False
@@ -379,7 +381,8 @@ def _check_layer(model_type: str, cfg: Mapping[str, Any], layer_idx: int | None)
         freq = _whole_or(cfg, "moe_layer_freq", absent=1, null=1, least=1)
         dense = layer_idx < first or layer_idx % freq != 0
     elif model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
-        mlp_only = cfg.get("mlp_only_layers") or []
+        mlp_only = cfg.get("mlp_only_layers")
+        mlp_only = [] if mlp_only is None else mlp_only  # 0 or "" is no list of layers
         if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
             raise ConfigError(f"config.json mlp_only_layers={mlp_only!r}: expected a list of layer indices")
         step = _whole_or(cfg, "decoder_sparse_step", absent=1, null=1, least=1)

@@ -303,8 +303,37 @@ def check_e4m3_codes(a: Any, what: str) -> None:
     _check_codes(a, E4M3, what, "an e4m3 NaN code")
 
 
-def _check_codes(a: Any, dt: np.dtype, what: str, why: str) -> None:
-    unsigned, signed, floor = _NONFINITE_BITS[dt]
+def _overflow_floor(dt: np.dtype, narrow: np.dtype) -> int:
+    """The magnitude bits of `dt` from which rounding to `narrow` (float64 through float32, as the
+    uploads round) gives Inf: the midpoint past `narrow`'s largest finite value (a tie rounds up, to even)."""
+    info = ml_dtypes.finfo(narrow) if narrow == BF16 else np.finfo(narrow)
+    mid = float(info.max) + 2.0 ** (int(info.maxexp) - 2 - int(info.nmant))  # the largest + half its ulp
+    if dt == np.float64 and narrow == BF16:  # through float32 first: from the float32 below mid's halfway
+        mid -= 2.0 ** (int(np.finfo(np.float32).maxexp) - 2 - int(np.finfo(np.float32).nmant))
+    if dt == np.float32:
+        return int(np.array(mid, np.float32).view(np.uint32))
+    return int(np.array(mid, np.float64).view(np.uint64))
+
+
+# the uploads' roundings that can overflow: (the array's dtype, what it is served as) -> magnitude floor
+_SERVED_FLOORS = {(np.dtype(np.float32), BF16): _overflow_floor(np.dtype(np.float32), BF16),
+                  (np.dtype(np.float64), BF16): _overflow_floor(np.dtype(np.float64), BF16),
+                  (np.dtype(np.float64), np.dtype(np.float32)): _overflow_floor(np.dtype(np.float64),
+                                                                               np.dtype(np.float32))}
+
+
+def check_servable(a: Any, what: str, served: np.dtype) -> None:
+    """WeightError naming the first finite value that rounds to Inf where the layer uploads it as
+    `served` (bf16 matrices, float32 vectors): 3.4e38 is a float32 but no bf16."""
+    dt = _float_dtype(a, what)
+    floor = _SERVED_FLOORS.get((dt, np.dtype(served)))
+    if floor is not None:
+        _check_codes(a, dt, what, f"past {np.dtype(served).name}'s range: it would be served as Inf", floor)
+
+
+def _check_codes(a: Any, dt: np.dtype, what: str, why: str, floor: Optional[int] = None) -> None:
+    unsigned, signed, nonfinite = _NONFINITE_BITS[dt]
+    floor = nonfinite if floor is None else floor
     bits = a.view(unsigned)
     sign = 1 << (8 * np.dtype(unsigned).itemsize - 1)
     first = _first_hit(bits, _magnitude_hit(signed, floor, sign))
@@ -569,13 +598,17 @@ def _quantizer_input(w: Any, who: str) -> np.ndarray:
     """A float matrix (stack) as float32, refusing what no format encodes: fewer than two
     axes, and NaN or infinite weights (they would become finite codes, or NaN codes that
     no scale check sees, and take their block's scale with them)."""
-    w = np.asarray(w, dtype=np.float32)
+    raw = np.asarray(w)
+    if raw.dtype.kind not in "biuf" and raw.dtype != BF16:  # complex (its imaginary part dropped), strings
+        raise WeightError(f"{who}: expected real weights, found dtype {raw.dtype}")
+    with np.errstate(over="ignore"):  # a float64 past float32's range: Inf, named below
+        w = raw.astype(np.float32)
     if w.ndim < 2:
         raise WeightError(f"{who}: expected a [..., out, in] matrix (stack), found shape {w.shape}")
-    bad = ~np.isfinite(w)
+    bad = ~np.isfinite(w)  # also a float64 past float32's range: Inf once read
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise WeightError(f"{who}: weight{list(idx)} = {w[idx]}: only finite weights can be quantized")
+        raise WeightError(f"{who}: weight{list(idx)} = {raw[idx]}: only finite weights can be quantized")
     return w
 
 
@@ -649,8 +682,12 @@ QUANTIZERS = {"fp8_block": quantize_fp8_block, "nvfp4": quantize_nvfp4, "mxfp4":
 
 def quantize(w: np.ndarray, fmt: str) -> Any:
     """Quantize a float matrix (stack) to `fmt`; 'bf16' rounds to bfloat16."""
+    if not isinstance(fmt, str):
+        raise OptionError(f"quantize: format {fmt!r} is no format name; known: bf16, {', '.join(QUANTIZERS)}")
     if fmt == "bf16":
-        return np.asarray(w, dtype=np.float32).astype(BF16)
+        w32 = _quantizer_input(w, "quantize(bf16)")
+        check_servable(w32, "quantize(bf16)", BF16)  # 3.4e38 would round to Inf
+        return w32.astype(BF16)
     if fmt not in QUANTIZERS:
         raise OptionError(f"quantize: unknown format {fmt!r}; known: bf16, {', '.join(QUANTIZERS)}")
     return QUANTIZERS[fmt](w)

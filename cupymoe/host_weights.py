@@ -36,6 +36,11 @@ def tensor_shape(t: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in t.shape)
 
 
+# the vectors the layer uploads as float32 (weights.py _f32); every other plain array is uploaded as bf16
+SERVED_AS = {name: np.dtype(np.float32) for name in ("router_bias", "correction_bias", "gate_bias", "up_bias",
+                                                     "down_bias", "shared_expert_gate", "norm_weight")}
+
+
 @dataclass
 class HostWeights:
     router: Any
@@ -107,7 +112,10 @@ class HostWeights:
         if values:
             for name in self.names():
                 if name != "tid2eid":
-                    formats.check_values(getattr(self, name), f"HostWeights.{name}")
+                    t = getattr(self, name)
+                    formats.check_values(t, f"HostWeights.{name}")
+                    if formats.weight_format(t) == "bf16":  # a plain array: rounded where it is uploaded
+                        formats.check_servable(t, f"HostWeights.{name}", SERVED_AS.get(name, formats.BF16))
         return self
 
     def names(self) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,9 @@ class LoraWeights:
             raise LoraError(f"max_rank={max_rank!r}: must be a whole number or None")
         shapes = _in_out(cfg)
         for key, m in self.modules.items():
+            if not isinstance(key, LoraKey) or not isinstance(key.target, LoraTarget) or not isinstance(m, LoraModule):
+                raise LoraError(f"LoraWeights.modules[{key!r}]: expected LoraKey(LoraTarget, expert) -> LoraModule, "
+                                f"found {type(key).__name__} -> {type(m).__name__}")
             _check_key(cfg, key, m.name)
             _check_module(m, *shapes[key.target], max_rank)
         return self
@@ -114,6 +118,8 @@ class LoraWeights:
 
 def lora_scale(alpha: float, rank: int, use_rslora: bool) -> float:
     """PEFT's scaling: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora."""
+    if not is_integer(rank) or rank < 1:
+        raise LoraError(f"rank={rank!r}: must be a whole number >= 1")
     return float(alpha) / (math.sqrt(rank) if use_rslora else rank)
 
 
@@ -131,6 +137,8 @@ def _in_out(cfg: MoeConfig) -> dict[LoraTarget, tuple[int, int]]:
 def _check_key(cfg: MoeConfig, key: LoraKey, name: str) -> None:
     if key.target.per_expert != (key.expert is not None):
         raise LoraError(f"{name}: LoraKey {key} must carry an expert id exactly when its target is per expert")
+    if key.expert is not None and not is_integer(key.expert):  # 0.5 matched no expert's slot, True read as 1
+        raise LoraError(f"{name}: expert {key.expert!r} is no expert id (an int)")
     if key.expert is not None and not 0 <= key.expert < cfg.num_experts:
         raise LoraError(f"{name}: expert {key.expert} outside 0..{cfg.num_experts - 1}")
     if key.target.value.startswith("shared") and not cfg.has_shared_expert:
@@ -157,6 +165,8 @@ def _check_module(m: LoraModule, inn: int, out: int, max_rank: Optional[int]) ->
         if bad.size:
             idx = np.unravel_index(int(bad[0]), t.shape)
             raise LoraError(f"{m.name}.{part}.weight: non-finite value {t[idx]} at {list(map(int, idx))}")
+    if not isinstance(m.scale, numbers.Real) or isinstance(m.scale, (bool, np.bool_)):
+        raise LoraError(f"{m.name}: scale {m.scale!r} is no real number")
     if not math.isfinite(m.scale) or abs(m.scale) > float(np.finfo(np.float32).max):
         raise LoraError(f"{m.name}: scale {m.scale} is not a finite float32 (the kernels' scale)")
 
@@ -232,16 +242,18 @@ def _peft_config(raw: Mapping[str, Any]) -> _PeftConfig:
         raise LoraError(f"{ADAPTER_CONFIG}: use_rslora={raw['use_rslora']!r} must be true or false")
     patterns = {}
     for key, what in (("rank_pattern", int), ("alpha_pattern", float)):
-        p = raw.get(key) or {}
+        p = raw.get(key)
+        p = {} if p is None else p  # "" or [] is no mapping, not an empty one
         if not isinstance(p, dict):
             raise LoraError(f"{ADAPTER_CONFIG}: {key}={p!r} must map module patterns to numbers")
         patterns[key] = {str(k): _number(v, f"{key}[{k!r}]", what) for k, v in p.items()}
         for k in patterns[key]:
             try:
-                re.compile(k)
+                re.compile(rf"(.*\.)?(?:{k})")  # as pattern_key matches it (an inline flag fails only there)
             except re.error as e:  # PEFT matches each key as a regular expression
                 raise LoraError(f"{ADAPTER_CONFIG}: {key}[{k!r}]: not a regular expression ({e})") from None
-    targets = raw.get("target_parameters") or []
+    targets = raw.get("target_parameters")
+    targets = [] if targets is None else targets
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise LoraError(f"{ADAPTER_CONFIG}: target_parameters={targets!r} must be a list of parameter names")
     return _PeftConfig(r=_number(raw.get("r", 8), "r", int),

@@ -271,6 +271,12 @@ class WorkspaceNeed:
     scratch_bytes: int
     zeroed_bytes: int = 0
 
+    def __post_init__(self):
+        for name in ("scratch_bytes", "zeroed_bytes"):
+            v = getattr(self, name)
+            if not is_integer(v) or v < 0:
+                raise WorkspaceError(f"WorkspaceNeed.{name}={v!r}: must be a whole number of bytes >= 0")
+
     def __or__(self, other: "WorkspaceNeed") -> "WorkspaceNeed":
         return WorkspaceNeed(max(self.scratch_bytes, other.scratch_bytes), max(self.zeroed_bytes, other.zeroed_bytes))
 
@@ -286,16 +292,17 @@ class Workspace:
     `MoeLayer.workspace_need(...)`) or a number of scratch bytes."""
 
     def __init__(self, need: Union[WorkspaceNeed, int], *, device: Optional[int] = None):
-        import cupy
+        from .layer_checks import cupy_module, device_of
 
-        if isinstance(need, int) and not isinstance(need, bool):
-            need = WorkspaceNeed(need)
-        if not isinstance(need, WorkspaceNeed) or need.scratch_bytes < 0 or need.zeroed_bytes < 0:
+        if is_integer(need) and need >= 0:
+            need = WorkspaceNeed(int(need))
+        if not isinstance(need, WorkspaceNeed):
             raise WorkspaceError(f"Workspace({need!r}): give a WorkspaceNeed or a number of bytes >= 0")
         self.need = need
         if device is not None and not is_integer(device):
             raise WorkspaceError(f"Workspace(device={device!r}): a device index (int) is required")
-        self.device_id = cupy.cuda.runtime.getDevice() if device is None else int(device)
+        cupy = cupy_module()  # no CuPy, no device, or an index past them: CudaUnavailableError
+        self.device_id = device_of(cupy, device)
         self.zeroed_bytes = _align(need.zeroed_bytes)
         with cupy.cuda.Device(self.device_id):
             self._mem = cupy.cuda.memory.Memory(max(ALIGN, need.total_bytes))  # never moves: graphs stay valid
@@ -315,6 +322,8 @@ class Workspace:
     def for_layers(cls, needs: Iterable[WorkspaceNeed], *, device: Optional[int] = None) -> "Workspace":
         total = WorkspaceNeed(0)
         for n in needs:
+            if not isinstance(n, WorkspaceNeed):  # a bare count: its zeroed share would be lost
+                raise WorkspaceError(f"Workspace.for_layers: {n!r} is no WorkspaceNeed (MoeLayer.workspace_need(...))")
             total = total | n
         return cls(total, device=device)
 

@@ -748,6 +748,11 @@ def test_inspect_scratch_is_the_layers_plan(tmp_path, capsys, inspect_scratch):
     assert main(["inspect", str(tmp_path / "ds"), "--arch", "sm_80", "--fp8-compute", "w8a8"]) == 2
     refused = capsys.readouterr()
     assert "fp8_compute='w8a8' needs sm_90a" in refused.err
+    # a max_tokens the layer would refuse gets no scratch figure: the refusal, named
+    assert main(["inspect", str(tmp_path / "ds"), "--max-tokens", "64", "65537"]) == 0
+    out = capsys.readouterr().out
+    assert "scratch at max_tokens=64 " in out and "scratch at max_tokens=65537" not in out
+    assert "max_tokens=65537: refused (max_tokens=65537: the kernels serve at most 65536 rows a call" in out
     assert refused.out == ""  # the refusal alone: nothing of the listing before it
     assert main(["inspect", str(tmp_path / "ds"), "--arch", "sm_70"]) == 2
     assert "sm_80 or newer" in capsys.readouterr().err

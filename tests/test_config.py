@@ -387,6 +387,12 @@ def test_from_hf_refuses_zero_false_or_empty_counts_instead_of_reading_a_default
     assert MoeConfig.from_hf({**QWEN3_30B_A3B, "decoder_sparse_step": None}, 0).num_experts == 128
     cfg = MoeConfig.from_hf({**DEEPSEEK_V3, "n_group": 8, "topk_group": 4}, 3)
     assert (cfg.n_group, cfg.topk_group) == (8, 4)
+    for bad in (0, "", False):  # no list of layers, not an empty one
+        with pytest.raises(ConfigError, match=rf"mlp_only_layers={bad!r}: expected a list of layer indices"):
+            MoeConfig.from_hf({**QWEN3_30B_A3B, "mlp_only_layers": bad}, 0)
+    no_count = {k: v for k, v in QWEN3_30B_A3B.items() if k != "num_hidden_layers"}
+    with pytest.raises(ConfigError, match=r"layer_idx=-1: a decoder layer's index is >= 0"):
+        MoeConfig.from_hf(no_count, -1)
 
 
 def test_from_hf_refuses_a_config_that_is_no_mapping_and_overrides_no_field_has():

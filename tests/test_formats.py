@@ -18,6 +18,7 @@ left is the quantizer's own and the bounds need no float32 slop term.
 from __future__ import annotations
 
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -896,6 +897,31 @@ def test_quantizers_refuse_vectors_and_take_empty_stacks(fmt):
         formats.quantize(np.ones(64, np.float32), fmt)
     empty = formats.quantize(np.zeros((0, 64), np.float32), fmt)  # nvfp4 had failed in numpy's max
     assert empty.shape == (0, 64) and formats.dequantize(empty).shape == (0, 64)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "nvfp4", "mxfp4"])
+def test_quantizers_refuse_weights_no_format_encodes(fmt):
+    """Complex weights quantized to their real part (a ComplexWarning only); 'bf16' skipped every check
+    (NaN and 1-D passed, 3.4e38 rounded to Inf); a float64 1e300 became Inf with no name; a format that
+    is no string raised TypeError."""
+    w = np.ones((3, 64))
+    with pytest.raises(formats.WeightError, match="expected real weights, found dtype complex128"):
+        formats.quantize(w + 5j, fmt)
+    for bad in (np.nan, 1e300):
+        v = w.copy()
+        v[2, 5] = bad
+        with pytest.raises(formats.WeightError, match=rf"weight\[2, 5\] = {re.escape(str(bad))}: only finite weights"):
+            formats.quantize(v, fmt)
+    with pytest.raises(formats.WeightError, match=r"expected a \[\.\.\., out, in\] matrix"):
+        formats.quantize(np.ones(64, np.float32), fmt)
+    with pytest.raises(formats.OptionError, match=rf"quantize: format \['{fmt}'\] is no format name"):
+        formats.quantize(w, [fmt])
+    if fmt == "bf16":
+        v = w.astype(np.float32)
+        v[1, 1] = 3.4e38
+        with pytest.raises(formats.WeightError, match=r"quantize\(bf16\)\[1, 1\] = .*past bfloat16's range"):
+            formats.quantize(v, fmt)
+        assert formats.quantize(w, fmt).dtype == formats.BF16
 
 
 def test_tiny_blocks_quantize_without_nans():

@@ -110,11 +110,37 @@ def _refused(tmp_path, cfg, lw, config=None, extra=None, match=""):
     ("use_rslora", "yes", "use_rslora='yes'"),
     ("rank_pattern", {"mlp.gate": 2.5}, r"rank_pattern\['mlp.gate'\]=2.5"),
     ("target_parameters", "experts.gate_up_proj", r"target_parameters='experts.gate_up_proj' must be a list"),
+    # falsy values that are no mapping / list were read as empty ones
+    ("rank_pattern", "", r"rank_pattern='' must map module patterns to numbers"),
+    ("alpha_pattern", [], r"alpha_pattern=\[\] must map module patterns to numbers"),
+    ("target_parameters", 0, r"target_parameters=0 must be a list"),
+    # compiles alone, but not as PEFT (and pattern_key) match it: an inline flag not at the start
+    ("alpha_pattern", {"(?i)gate_proj": 16}, r"alpha_pattern\['\(\?i\)gate_proj'\]: not a regular expression"),
 ])
 def test_config_refusals(tmp_path, key, value, match):
     cfg = _cfg()
     lw = random_lora(cfg, np.random.default_rng(3), rank=2, layer_idx=LAYER, targets=["router"])
     _refused(tmp_path, cfg, lw, {"r": 2, "lora_alpha": 4, key: value}, match=match)
+
+
+def test_weights_made_by_hand_with_keys_or_scales_no_adapter_has_are_refused():
+    """An expert id of 0.5 matched no slot (the module silently dropped), True was read as expert 1; a key
+    that is no LoraKey, a string scale or a rank of 0 raised AttributeError / TypeError / ZeroDivisionError."""
+    cfg = _cfg()
+    lw = random_lora(cfg, np.random.default_rng(5), rank=2, targets=[LoraTarget.GATE], experts=[1])
+    (key, m), = lw.modules.items()
+    cases = [({LoraKey(LoraTarget.GATE, 0.5): m}, "expert 0.5 is no expert id"),
+             ({LoraKey(LoraTarget.GATE, True): m}, "expert True is no expert id"),
+             ({("gate", 1): m}, r"modules\[\('gate', 1\)\]: expected LoraKey\(LoraTarget, expert\) -> LoraModule"),
+             ({LoraKey("gate", 1): m}, "expected LoraKey"),
+             ({key: type(m)(m.name, m.a, m.b, "2")}, "scale '2' is no real number"),
+             ({key: type(m)(m.name, m.a, m.b, 1j)}, "scale 1j is no real number")]
+    for modules, match in cases:
+        with pytest.raises(LoraError, match=match):
+            LoraWeights(modules).check(cfg)
+    for rank in (0, 2.5):
+        with pytest.raises(LoraError, match=f"rank={rank!r}: must be a whole number >= 1"):
+            lora_scale(8, rank, False)
 
 
 def _t(shape):

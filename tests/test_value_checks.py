@@ -62,6 +62,30 @@ def test_validate_refuses_non_finite_weights_and_vectors(family, field, idx, bad
     hw.validate(cfg, values=False)  # shapes alone still pass
 
 
+def test_validate_refuses_finite_values_the_upload_would_round_to_inf():
+    """3.4e38 is a float32 but no bf16: the matrices are uploaded as bf16 and the vectors as float32 (a
+    float64 1e39 bias), so such a value was served as Inf though validate passed it. The largest value
+    that still rounds to a finite one passes, in each dtype and rounding."""
+    cfg = tiny_config("deepseek_v3")
+    hw = random_host_weights(cfg, np.random.default_rng(3))
+    f32_floor = np.array(0x7F7F8000, np.uint32).view(np.float32)  # bf16's largest + half an ulp: a tie, to Inf
+    cases = [("gate", np.float32, f32_floor, "bfloat16"),
+             ("gate", np.float64, float(np.nextafter(np.float32(f32_floor), np.float32(0))) + 2.0 ** 103, "bfloat16"),
+             ("correction_bias", np.float64, float(np.finfo(np.float32).max) + 2.0 ** 103, "float32")]
+    for field, dtype, bad, served in cases:
+        good = getattr(hw, field)
+        t = np.asarray(good, np.float64).astype(dtype)
+        idx = (1,) * t.ndim
+        t[idx] = -bad
+        setattr(hw, field, t)
+        with pytest.raises(WeightError, match=rf"HostWeights\.{field}\[{', '.join(['1'] * t.ndim)}\] = .*: past "
+                                              f"{served}'s range: it would be served as Inf"):
+            hw.validate(cfg)
+        t[idx] = np.nextafter(dtype(-bad), dtype(0))  # the largest magnitude still finite once served
+        hw.validate(cfg)
+        setattr(hw, field, good)
+
+
 def test_validate_refuses_unusable_quantized_values():
     cfg = tiny_config("qwen3_moe")
     rng = np.random.default_rng(2)

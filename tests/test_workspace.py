@@ -1,5 +1,6 @@
 """The scratch planner's alias proof and the workspace's sizing (CPU), one real allocation (GPU)."""
 
+import numpy as np
 import pytest
 
 from cupymoe.config import MoeConfig
@@ -170,3 +171,24 @@ def test_a_workspace_device_that_is_no_index_is_refused(bad):
 
     with pytest.raises(WorkspaceError, match=rf"Workspace\(device={bad!r}\): a device index \(int\) is required"):
         Workspace(1024, device=bad)
+
+
+def test_workspace_needs_that_are_no_byte_counts_are_refused_and_no_gpu_is_named():
+    """WorkspaceNeed(2.5) and WorkspaceNeed(10, True) passed; Workspace(WorkspaceNeed("a")) raised
+    TypeError, for_layers([4096]) AttributeError; without a GPU, Workspace raised CuPy's own error."""
+    from cupymoe.errors import CudaUnavailableError
+    from conftest import gpu_unavailable_reason
+    from cupymoe.workspace import Workspace, WorkspaceNeed
+
+    for args in ((2.5,), (10, True), ("a",), (-1,), (0, -8)):
+        with pytest.raises(WorkspaceError, match=r"WorkspaceNeed\.\w+=.*: must be a whole number of bytes >= 0"):
+            WorkspaceNeed(*args)
+    for bad in (-1, True, 2.5, "1024"):
+        with pytest.raises(WorkspaceError, match="give a WorkspaceNeed or a number of bytes >= 0"):
+            Workspace(bad)
+    with pytest.raises(WorkspaceError, match=r"for_layers: 4096 is no WorkspaceNeed"):
+        Workspace.for_layers([WorkspaceNeed(8), 4096])
+    assert (WorkspaceNeed(np.int64(8)) | WorkspaceNeed(4, 2)) == WorkspaceNeed(8, 2)
+    if gpu_unavailable_reason() is not None:
+        with pytest.raises(CudaUnavailableError):
+            Workspace(1 << 20)
