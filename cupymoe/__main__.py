@@ -38,8 +38,14 @@ def require_gpu(what: str) -> None:
 
 
 def cmd_kernels(args) -> int:
-    from . import jit
+    from . import Error, jit
 
+    try:
+        for arch in args.arch:
+            jit.compile_options(arch)  # an arch NVRTC is not asked for: one line, before any compile
+    except Error as e:
+        print(f"cupymoe kernels: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     bad = 0
     for arch in args.arch:
         print(f"== {arch}: NVRTC {'.'.join(map(str, jit.nvrtc_version()))}, options "

@@ -567,4 +567,6 @@ def _names_or_keys(cfg: MoeConfig, layer_idx: int) -> dict[str, LoraKey]:
 
 def round_robin_ids(n: int, k: int) -> np.ndarray:
     """[n] int32 adapter slots spread over the rows: row i takes slot i mod k (k = 0: all -1)."""
+    if not (is_integer(n) and n >= 0 and is_integer(k) and k >= 0):
+        raise LoraError(f"round_robin_ids(n={n!r}, k={k!r}): whole numbers >= 0 are required")
     return (np.arange(n, dtype=np.int32) % k) if k > 0 else np.full(n, -1, np.int32)

@@ -23,7 +23,7 @@ pointer `ptr`, enqueued on the raw `cudaStream_t` `stream`). Two are provided:
 from __future__ import annotations
 
 import operator
-from typing import Optional, Protocol, Sequence
+from typing import Mapping, Optional, Protocol, Sequence
 
 from .config import MoeConfig
 from .errors import OptionError
@@ -54,6 +54,9 @@ def owned_experts(cfg: MoeConfig, expert_owner: Optional[Sequence[int]] = None) 
     E / ep_world_size by default, or those with `expert_owner[e] == ep_rank`."""
     if expert_owner is None:
         return list(cfg.owned_experts())
+    if isinstance(expert_owner, (Mapping, str, bytes)) or not hasattr(expert_owner, "__iter__"):
+        raise OptionError(f"expert_owner={expert_owner!r}: expected a sequence of ranks, one per expert "
+                          "(a mapping's keys would be read as the ranks)")
     owner = list(expert_owner)
     if len(owner) != cfg.num_experts:
         raise OptionError(f"expert_owner has {len(owner)} entries; the layer has num_experts={cfg.num_experts}")

@@ -75,6 +75,15 @@ def test_cli_prints_the_table_for_both_archs(cache):
     assert "== sm_90a" in r.stdout and "decode_gate_up<4, 1, 0>" in r.stdout and "grouped_gemm<0, 128, 32, 3, 0>" in r.stdout and "SPILLS" not in r.stdout
 
 
+def test_cli_refuses_an_arch_nvrtc_is_not_asked_for_in_one_line(capsys):
+    """`kernels --arch foo` ended in a traceback; it is an OptionError, said in one line, exit 2."""
+    from cupymoe.__main__ import main
+
+    assert main(["kernels", "--arch", "sm_90a", "foo"]) == 2
+    err = capsys.readouterr().err
+    assert err == "cupymoe kernels: OptionError: arch='foo': expected a real architecture like sm_80 or sm_90a\n"
+
+
 def test_concurrent_processes_share_one_cache_safely(tmp_path):
     code = ("import sys; from cupymoe import jit; "
             "m = jit.compile_module('router', 'sm_90a'); print(len(m.cubin))")

@@ -141,6 +141,11 @@ def test_weights_made_by_hand_with_keys_or_scales_no_adapter_has_are_refused():
     for rank in (0, 2.5):
         with pytest.raises(LoraError, match=f"rank={rank!r}: must be a whole number >= 1"):
             lora_scale(8, rank, False)
+    from cupymoe.lora import round_robin_ids
+    for n, k in ((5, 2.5), (5, -1), (-1, 2)):  # float slots [0, 1, 2, 0.5, 1.5], or all -1 for k = -1
+        with pytest.raises(LoraError, match="whole numbers >= 0 are required"):
+            round_robin_ids(n, k)
+    assert round_robin_ids(5, 2).tolist() == [0, 1, 0, 1, 0] and round_robin_ids(3, 0).tolist() == [-1] * 3
 
 
 def _t(shape):

@@ -24,6 +24,9 @@ def test_owned_experts_contiguous_by_default_or_from_a_map():
     with pytest.raises(OptionError, match=r"not whole rank numbers: \(expert, entry\) \[\(1, 1.7\)\]"):
         owned_experts(cfg, [0, 1.7] + [0] * 8)  # int() would have made it rank 1
     assert owned_experts(cfg, np.arange(10) % 2) == [1, 3, 5, 7, 9]  # numpy (and torch) integers are ranks
+    for bad in ({e: e % 2 for e in range(10)}, 1, "0101010101"):  # a dict's keys were read as the ranks
+        with pytest.raises(OptionError, match="expected a sequence of ranks, one per expert"):
+            owned_experts(cfg, bad)
 
 
 def test_communicator_must_match_the_ep_world():
