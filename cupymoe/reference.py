@@ -47,6 +47,7 @@ from . import formats
 from .config import MoeConfig, is_integer
 from .errors import ConfigError, LoraError, MoeCallError, OptionError
 from .host_weights import HostWeights
+from .lora import LoraWeights
 
 __all__ = ["Routing", "moe_forward", "experts_forward", "given_routing", "route", "expert_input", "activation",
            "router_logits", "scores"]
@@ -708,7 +709,7 @@ def _lora_rows(cfg: MoeConfig, lora: Optional[Mapping[int, Any]], lora_ids: Any,
     if bad:
         raise LoraError(f"lora_ids holds {bad[:8]}: neither -1 (base) nor a slot of lora ({sorted(lora)})")
     for slot in set(int(i) for i in np.unique(ids)) - {-1}:
-        if not callable(getattr(lora[slot], "check", None)):
+        if not isinstance(lora[slot], LoraWeights):
             raise LoraError(f"lora[{slot}]: expected a cupymoe.lora.LoraWeights, found {type(lora[slot]).__name__}")
         lora[slot].check(cfg)
     return None if (ids < 0).all() else _LoraRows(lora, ids.astype(np.int64))
