@@ -16,29 +16,39 @@ torch.cuda.graph capture too.
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+import weakref
+from typing import Any, Optional
 
 import torch
 
 from .errors import MoeCallError
+from .experts import shared_flag
 from .layer import MoeLayer
 
-_LAYERS: dict[int, MoeLayer] = {}  # the op's layer_id -> layer (ops take plain values)
+# the op's layer_id -> layer (ops take plain values); weak, so a dropped module frees its layer's memory
+_LAYERS: "weakref.WeakValueDictionary[int, MoeLayer]" = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
 
 
 def register(layer: MoeLayer) -> int:
-    """An id under which torch.ops.cupymoe.moe_forward finds `layer`."""
+    """An id under which torch.ops.cupymoe.moe_forward finds `layer` while the caller holds the layer
+    (MoeModule does): the registry keeps no layer alive."""
     layer_id = next(_IDS)
     _LAYERS[layer_id] = layer
     return layer_id
 
 
 def _layer(layer_id: int) -> MoeLayer:
-    try:
-        return _LAYERS[layer_id]
-    except KeyError:
-        raise MoeCallError(f"layer_id={layer_id}: no cupymoe layer is registered under it") from None
+    layer = _LAYERS.get(layer_id)
+    if layer is None:
+        raise MoeCallError(f"layer_id={layer_id}: no cupymoe layer is registered under it (never registered, "
+                           "or its layer was freed: hold the MoeModule or the layer)")
+    return layer
+
+
+def _inference_only(ctx: Any, grad: torch.Tensor) -> None:
+    raise MoeCallError("cupymoe's ops are inference-only: no gradient flows through the MoE layer (run the "
+                       "forward under torch.no_grad() or torch.inference_mode())")
 
 
 @torch.library.custom_op("cupymoe::moe_forward", mutates_args=())
@@ -57,6 +67,9 @@ def moe_forward(x: torch.Tensor, layer_id: int, token_ids: Optional[torch.Tensor
 def _moe_forward_fake(x: torch.Tensor, layer_id: int, token_ids: Optional[torch.Tensor] = None,
                       lora_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+moe_forward.register_autograd(_inference_only)
 
 
 @torch.library.custom_op("cupymoe::moe_experts", mutates_args=())
@@ -80,29 +93,52 @@ def _moe_experts_fake(x: torch.Tensor, layer_id: int, topk_ids: torch.Tensor, to
     return torch.empty_like(x)
 
 
+moe_experts.register_autograd(_inference_only)
+
+
 _INT32_MAX = 2**31 - 1
 # integer dtypes whose every value an int32 holds (int64 is narrowed by _as_int32)
 _NARROW_EXACT = (torch.int8, torch.uint8, torch.int16, torch.int32)
+
+
+def _tensor(name: str, t: Any) -> torch.Tensor:
+    """`t` itself; a MoeCallError naming `name` and what it is unless a torch tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise MoeCallError(f"{name}: a torch tensor is required, got {type(t).__module__}.{type(t).__qualname__}")
+    return t
 
 
 def _as_int32(name: str, t: torch.Tensor) -> torch.Tensor:
     """Integer ids as int32 (int32 ones as they are), an int64 value outside int32 as INT32_MAX: every
     kernel that reads ids flags that one as out of range, where a plain cast would wrap it into a valid
     id. On the device, no host sync (capturable). A MoeCallError naming `name` unless integer."""
+    t = _tensor(name, t)
     if t.dtype == torch.int32:
         return t
     if t.dtype == torch.int64:
         return torch.where((t < -_INT32_MAX - 1) | (t > _INT32_MAX), _INT32_MAX, t).to(torch.int32)
     if t.dtype in _NARROW_EXACT:
         return t.to(torch.int32)
-    raise MoeCallError(f"{name}: an integer tensor is required (int8-int64, uint8), got {t.dtype}")
+    raise MoeCallError(f"{name}: an integer tensor of dtype {', '.join(ID_DTYPE_NAMES)} is required, got {t.dtype}")
 
 
-def _int32_rows(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Ids one a row as contiguous int32 (_as_int32)."""
+ID_DTYPES = _NARROW_EXACT + (torch.int64,)
+ID_DTYPE_NAMES = tuple(str(d).removeprefix("torch.") for d in ID_DTYPES)
+
+
+def _int32_rows(name: str, t: Optional[torch.Tensor], lead: tuple) -> Optional[torch.Tensor]:
+    """Ids one a row of x [*lead, H] as contiguous int32 (_as_int32): flat [N] or shaped as `lead`;
+    a MoeCallError naming both shapes otherwise (a [seq, batch] tensor of N ids would cross the rows)."""
     if t is None:
         return None
-    return _as_int32(name, t).reshape(-1).contiguous()
+    t = _as_int32(name, t)
+    rows = 1
+    for d in lead:
+        rows *= int(d)
+    if t.numel() != rows or (t.dim() != 1 and tuple(t.shape) != tuple(lead)):
+        raise MoeCallError(f"{name} of shape {tuple(t.shape)}: one id a row of x is required, [{rows}] or "
+                           f"{tuple(lead)} (x's shape without its hidden size)")
+    return t.reshape(-1).contiguous()
 
 
 def _on_gpu(name: str, t: torch.Tensor) -> None:
@@ -117,6 +153,16 @@ class MoeModule(torch.nn.Module):
     def __init__(self, layer: MoeLayer):
         super().__init__()
         self.layer = layer
+
+    @property
+    def layer(self) -> MoeLayer:
+        return self._layer
+
+    @layer.setter
+    def layer(self, layer: MoeLayer) -> None:
+        """A new layer (e.g. `layer.with_workspace(ws)`) is registered anew: forward and check_errors
+        use the same one."""
+        self._layer = layer
         self.layer_id = register(layer)
         self.hidden_size = layer.cfg.hidden_size
 
@@ -127,6 +173,7 @@ class MoeModule(torch.nn.Module):
     def rows_of(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x [..., H] as rows [N, H]; a MoeCallError naming `name` where its last dimension is not H
         (a reshape alone would turn [N, 2H] into 2N rows)."""
+        _tensor(name, x)
         if x.dim() == 0 or x.shape[-1] != self.hidden_size:
             raise MoeCallError(f"{name} has shape {tuple(x.shape)}: its last dimension must be the layer's "
                                f"hidden size {self.hidden_size}")
@@ -139,7 +186,8 @@ class MoeModule(torch.nn.Module):
         rows = self.rows_of(x, "x")
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        tokens, ids = _int32_rows("token_ids", token_ids), _int32_rows("lora_ids", lora_ids)
+        lead = tuple(x.shape[:-1])
+        tokens, ids = _int32_rows("token_ids", token_ids, lead), _int32_rows("lora_ids", lora_ids, lead)
         return torch.ops.cupymoe.moe_forward(rows, self.layer_id, tokens, ids).reshape(x.shape)
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -147,12 +195,14 @@ class MoeModule(torch.nn.Module):
         """The experts alone on the caller's routing (vLLM's fused_experts): x [N, H] bf16, topk_ids
         [N, k] (any integer dtype: int32 is passed as it is), topk_weights [N, k] (float32 as it is),
         lora_ids [N] (each row's adapter slot, any integer dtype) or None."""
+        _tensor("x", x)
         topk_ids = _as_int32("topk_ids", topk_ids)
-        if not topk_weights.is_floating_point():  # (x, weights, ids) swapped would pass every shape check
+        if not _tensor("topk_weights", topk_weights).is_floating_point():  # (x, weights, ids) swapped would pass every shape check
             raise MoeCallError(f"topk_weights: a floating-point tensor is required, got {topk_weights.dtype}")
         if topk_weights.dtype != torch.float32:
             topk_weights = topk_weights.float()
-        ids = _int32_rows("lora_ids", lora_ids)
+        shared_flag(self.layer, shared_expert)  # the op's bool schema would take 2 or -1 as True
+        ids = _int32_rows("lora_ids", lora_ids, tuple(x.shape[:-1]))
         return torch.ops.cupymoe.moe_experts(x.contiguous(), self.layer_id, topk_ids.contiguous(),
                                              topk_weights.contiguous(), shared_expert, ids)
 

@@ -149,11 +149,11 @@ def test_forwards_carry_the_rows_slots(monkeypatch):
     set_lora_ids(model, torch.tensor([0, 1, 2]))
     with pytest.raises(MoeCallError, match=r"lora_ids of shape \(3,\) fit neither the 6 rows"):
         block(h)
-    with pytest.raises(MoeCallError, match="a torch integer tensor or None is required, found list"):
+    with pytest.raises(MoeCallError, match=r"a torch integer tensor of dtype int8, uint8, int16, int32, int64 or None is required, found list"):
         set_lora_ids(model, [0, 1])
     for bad, what in ((np.zeros(2, np.int32), "int32"), (torch.zeros(2), "torch.float32"),
-                      (torch.zeros(2, dtype=torch.bool), "torch.bool")):
-        with pytest.raises(MoeCallError, match=f"integer tensor or None is required, found {what}"):
+                      (torch.zeros(2, dtype=torch.bool), "torch.bool"), (torch.zeros(2, dtype=torch.uint32), "torch.uint32")):
+        with pytest.raises(MoeCallError, match=f"or None is required, found {what}"):
             set_lora_ids(model, bad)
     with pytest.raises(MoeCallError, match="a 0-d tensor"):
         set_lora_ids(model, torch.tensor(1))
@@ -173,3 +173,25 @@ def test_a_block_refuses_arguments_it_would_drop(monkeypatch):
     with pytest.raises(MoeCallError, match=r"the replaced qwen3_moe MoE block takes hidden_states alone; it was "
                                            r"also given argument 2, padding_mask"):
         block(h, torch.ones(3), padding_mask=torch.ones(3))
+
+
+def test_moe_only_must_be_a_bool(tmp_path):
+    """moe_only="False" is truthy: it would skip the refusal of the adapter's tensors outside the blocks."""
+    from cupymoe.errors import OptionError
+    from cupymoe.integrations.transformers import load_lora
+
+    model = _model([StandInLayer(testing.tiny_config(FAMILY))])
+    for bad in ("False", "no", 0, 1.0, None):
+        with pytest.raises(OptionError, match=rf"load_lora: moe_only={bad!r}: must be True or False"):
+            load_lora(model, 0, tmp_path, moe_only=bad)
+
+
+def test_a_model_whose_blocks_are_replaced_is_refused_a_second_replacement():
+    """The replaced blocks are no transformers blocks: a second call names them, not their weights' device."""
+    from cupymoe.errors import OptionError
+    from cupymoe.integrations.transformers import replace_moe_blocks
+
+    cfg = testing.tiny_config(FAMILY)
+    model = _model([StandInLayer(cfg), StandInLayer(cfg)])
+    with pytest.raises(OptionError, match=r"model\.layers\.0\.mlp \(and 1 more\) is already a cupymoe block"):
+        replace_moe_blocks(model, max_tokens=8)

@@ -17,6 +17,8 @@ Needs torch and transformers (not among the test dependencies: skipped without t
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -255,6 +257,24 @@ def test_refuses_weights_on_the_meta_device():
     ref = hf.moe_blocks(model)[0]
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.\S+ is on the meta device"):
         hf.block_tensors(model, ref)
+
+
+def test_replace_refuses_options_no_layer_takes_before_reading_a_block():
+    """A misspelt option, `device` (each layer goes on its block's GPU) and a bad max_tokens: named
+    refusals, also where the model has no MoE block to build (they were checked by the first layer only)."""
+    from cupymoe.errors import OptionError
+
+    model = _model("mixtral")  # on the host: a block read would be refused for that instead
+    with pytest.raises(OptionError, match=r"unknown option max_lora; MoeLayer takes .*max_loras"):
+        hf.replace_moe_blocks(model, max_tokens=8, max_lora=2)
+    with pytest.raises(OptionError, match=r"device=0: each layer is built on the GPU its block's weights are on"):
+        hf.replace_moe_blocks(model, max_tokens=8, device=0)
+    dense = _model("qwen3_moe", mlp_only_layers=[0, 1])
+    assert hf.moe_blocks(dense) == []
+    for bad in (-1, 0, 2.5, "8", None):
+        with pytest.raises(OptionError, match=rf"max_tokens={re.escape(repr(bad))}: must be a positive integer"):
+            hf.replace_moe_blocks(dense, max_tokens=bad)
+    assert hf.replace_moe_blocks(dense, max_tokens=8) == 0
 
 
 def test_refuses_other_families_and_a_model_on_the_host():

@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..config import SUPPORTED_MODEL_TYPES
-from ..errors import CheckpointError, MoeCallError, UnsupportedModelError
+from ..config import SUPPORTED_MODEL_TYPES, is_integer
+from ..errors import CheckpointError, MoeCallError, OptionError, UnsupportedModelError
 
 __all__ = ["MoeBlockRef", "BlockOutput", "BLOCK_OUTPUT", "moe_blocks", "block_tensors", "replace_moe_blocks",
            "replaced_blocks", "load_lora", "clear_lora", "set_lora_ids", "check_errors"]
@@ -88,7 +88,7 @@ def moe_blocks(model: Any) -> list[MoeBlockRef]:
     refs = []
     for path, module in model.named_modules():
         m = _BLOCK_PATH.search(path)
-        if m and hasattr(module, "experts"):
+        if m and hasattr(module, "experts") and not getattr(module, "is_cupymoe_block", False):
             refs.append(MoeBlockRef(path, int(m.group(1)), family, module))
     return refs
 
@@ -144,6 +144,11 @@ def replace_moe_blocks(model: Any, *, max_tokens: int, **options: Any) -> int:
     from ..layer import MoeLayer
     from ..workspace import Workspace
 
+    _check_replace_options(max_tokens, options, MoeLayer)
+    done = replaced_blocks(model)
+    if done:
+        raise OptionError(f"replace_moe_blocks: {done[0][0]} (and {len(done) - 1} more) is already a cupymoe block; "
+                          "load the model again to build its layers with other options")
     refs = moe_blocks(model)
     blocks = [block_tensors(model, ref) for ref in refs]  # (config dict, tensors, prefix) of each
     devices = [_cuda_index(ref, tensors) for ref, (_, tensors, _) in zip(refs, blocks)]
@@ -176,6 +181,23 @@ def replace_moe_blocks(model: Any, *, max_tokens: int, **options: Any) -> int:
     return len(refs)
 
 
+def _check_replace_options(max_tokens: Any, options: dict, layer_type: Any) -> None:
+    """Refuse, before any block is read, what no layer would take: a max_tokens that is no positive
+    integer, an option MoeLayer does not know, and `device` (each layer goes on its block's GPU)."""
+    import inspect
+
+    if not is_integer(max_tokens) or max_tokens <= 0:
+        raise OptionError(f"replace_moe_blocks: max_tokens={max_tokens!r}: must be a positive integer")
+    if "device" in options:
+        raise OptionError(f"replace_moe_blocks: device={options['device']!r}: each layer is built on the GPU its "
+                          "block's weights are on; move the model there (model.to(...)) instead")
+    accepted = set(inspect.signature(layer_type.__init__).parameters) - {"self", "cfg", "host_weights", "max_tokens"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise OptionError(f"replace_moe_blocks: unknown option {', '.join(unknown)}; MoeLayer takes "
+                          f"{', '.join(sorted(accepted - {'device'}))}")
+
+
 # --- LoRA on the replaced blocks ------------------------------------------------------------------
 
 def replaced_blocks(model: Any) -> list[tuple[str, Any]]:
@@ -204,6 +226,8 @@ def load_lora(model: Any, slot: int, adapter_dir: Any, *, stream: Optional[int] 
     from ..errors import LoraError
     from ..lora import PEFT_PREFIX, adapter_lora_keys, load_peft
 
+    if not isinstance(moe_only, bool):  # "False" would skip the refusal below
+        raise OptionError(f"load_lora: moe_only={moe_only!r}: must be True or False")
     blocks = _blocks_or_refuse(model, "load_lora")
     if not moe_only:
         inside = tuple(f"{PEFT_PREFIX}{path}." for path, _ in blocks)
@@ -241,10 +265,12 @@ def set_lora_ids(model: Any, ids: Any) -> int:
     captured graph replays whatever it holds then (update it in place). Returns how many blocks."""
     import torch
 
+    from ..torch import ID_DTYPE_NAMES, ID_DTYPES
+
     if ids is not None:
-        if not isinstance(ids, torch.Tensor) or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-            raise MoeCallError(f"set_lora_ids: a torch integer tensor or None is required, found "
-                               f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in ID_DTYPES:
+            raise MoeCallError(f"set_lora_ids: a torch integer tensor of dtype {', '.join(ID_DTYPE_NAMES)} or None "
+                               f"is required, found {getattr(ids, 'dtype', type(ids).__name__)}")
         if ids.dim() == 0:
             raise MoeCallError("set_lora_ids: a 0-d tensor; give one slot a sequence ([batch]) or a row")
     blocks = _blocks_or_refuse(model, "set_lora_ids")
