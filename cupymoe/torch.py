@@ -99,6 +99,8 @@ moe_experts.register_autograd(_inference_only)
 _INT32_MAX = 2**31 - 1
 # integer dtypes whose every value an int32 holds (int64 is narrowed by _as_int32)
 _NARROW_EXACT = (torch.int8, torch.uint8, torch.int16, torch.int32)
+ID_DTYPES = _NARROW_EXACT + (torch.int64,)  # what the module and set_lora_ids take as ids
+ID_DTYPE_NAMES = tuple(str(d).removeprefix("torch.") for d in ID_DTYPES)
 
 
 def _tensor(name: str, t: Any) -> torch.Tensor:
@@ -120,10 +122,6 @@ def _as_int32(name: str, t: torch.Tensor) -> torch.Tensor:
     if t.dtype in _NARROW_EXACT:
         return t.to(torch.int32)
     raise MoeCallError(f"{name}: an integer tensor of dtype {', '.join(ID_DTYPE_NAMES)} is required, got {t.dtype}")
-
-
-ID_DTYPES = _NARROW_EXACT + (torch.int64,)
-ID_DTYPE_NAMES = tuple(str(d).removeprefix("torch.") for d in ID_DTYPES)
 
 
 def _int32_rows(name: str, t: Optional[torch.Tensor], lead: tuple) -> Optional[torch.Tensor]:
