@@ -260,9 +260,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                            "built", _rows, None),
     "lora_router_tpr": ("CUPYMOE_LORA_ROUTER_TPR", "lora_router_delta's shrink: lanes a rank row, a power of "
                         "two up to 16 (compile time; default 16)", _rank_row_lanes, None),
-    "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles (default: tuning.json's "
-                  "math_rows_per_expert, 96 mma / 40 wgmma)", _count,
-                  None),
+    "math_rows": ("CUPYMOE_MATH_ROWS", "rows per expert from which the grouped GEMMs take 128-row tiles "
+                  "(default: tuning.json's math_rows_per_expert, 96 mma / 40 wgmma)", _count, None),
     "gemm_band_cols": ("CUPYMOE_GEMM_BAND_COLS", "column tiles a band of the grouped GEMMs' tile order (compile "
                        "time; default 16)", _count, None),
 }

@@ -37,10 +37,14 @@ def device_of(cupy, device: Optional[int]) -> int:
     return dev
 
 
-def check_options(cfg: MoeConfig, max_tokens, path: str, row_invariant: bool) -> None:
-    """Refuse what no layer could run, before anything is uploaded."""
+def check_max_tokens(max_tokens) -> None:
     if not is_integer(max_tokens) or max_tokens <= 0:
         raise OptionError(f"max_tokens={max_tokens!r}: must be a positive integer")
+
+
+def check_options(cfg: MoeConfig, max_tokens, path: str, row_invariant: bool) -> None:
+    """Refuse what no layer could run, before anything is uploaded."""
+    check_max_tokens(max_tokens)
     if not isinstance(path, str) or path not in PATH_NAMES:  # an array's `in` would raise ValueError
         raise OptionError(f"path={path!r}: must be one of {PATH_NAMES}")
     if not isinstance(row_invariant, bool):

@@ -124,18 +124,29 @@ def _as_int32(name: str, t: torch.Tensor) -> torch.Tensor:
     raise MoeCallError(f"{name}: an integer tensor of dtype {', '.join(ID_DTYPE_NAMES)} is required, got {t.dtype}")
 
 
-def _int32_rows(name: str, t: Optional[torch.Tensor], lead: tuple) -> Optional[torch.Tensor]:
-    """Ids one a row of x [*lead, H] as contiguous int32 (_as_int32): flat [N] or shaped as `lead`;
-    a MoeCallError naming both shapes otherwise (a [seq, batch] tensor of N ids would cross the rows)."""
-    if t is None:
-        return None
-    t = _as_int32(name, t)
+def row_count(lead: tuple) -> int:
+    """The rows of x [*lead, H]."""
     rows = 1
     for d in lead:
         rows *= int(d)
-    if t.numel() != rows or (t.dim() != 1 and tuple(t.shape) != tuple(lead)):
-        raise MoeCallError(f"{name} of shape {tuple(t.shape)}: one id a row of x is required, [{rows}] or "
-                           f"{tuple(lead)} (x's shape without its hidden size)")
+    return rows
+
+
+def one_a_row(ids: torch.Tensor, lead: tuple) -> bool:
+    """Whether `ids` hold one id a row of x [*lead, H] in the rows' order: flat, or shaped as `lead`
+    (a [seq, batch] tensor of as many ids would cross the rows)."""
+    return ids.numel() == row_count(lead) and (ids.dim() == 1 or tuple(ids.shape) == tuple(lead))
+
+
+def _int32_rows(name: str, t: Optional[torch.Tensor], lead: tuple) -> Optional[torch.Tensor]:
+    """Ids one a row of x [*lead, H] (one_a_row) as contiguous int32 (_as_int32); a MoeCallError
+    naming both shapes otherwise."""
+    if t is None:
+        return None
+    t = _as_int32(name, t)
+    if not one_a_row(t, lead):
+        raise MoeCallError(f"{name} of shape {tuple(t.shape)}: one id a row of x is required, [{row_count(lead)}] "
+                           f"or {tuple(lead)} (x's shape without its hidden size)")
     return t.reshape(-1).contiguous()
 
 

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..config import SUPPORTED_MODEL_TYPES, is_integer
+from ..config import SUPPORTED_MODEL_TYPES
 from ..errors import CheckpointError, MoeCallError, OptionError, UnsupportedModelError
 
 __all__ = ["MoeBlockRef", "BlockOutput", "BLOCK_OUTPUT", "moe_blocks", "block_tensors", "replace_moe_blocks",
@@ -186,8 +186,9 @@ def _check_replace_options(max_tokens: Any, options: dict, layer_type: Any) -> N
     integer, an option MoeLayer does not know, and `device` (each layer goes on its block's GPU)."""
     import inspect
 
-    if not is_integer(max_tokens) or max_tokens <= 0:
-        raise OptionError(f"replace_moe_blocks: max_tokens={max_tokens!r}: must be a positive integer")
+    from ..layer_checks import check_max_tokens
+
+    check_max_tokens(max_tokens)
     if "device" in options:
         raise OptionError(f"replace_moe_blocks: device={options['device']!r}: each layer is built on the GPU its "
                           "block's weights are on; move the model there (model.to(...)) instead")
@@ -296,15 +297,13 @@ def check_errors(model: Any) -> int:
 def _row_ids(ids: Any, shape: tuple) -> Any:
     """`ids` as one a row of hidden_states `shape` ([batch, seq, H] or [rows, H]): [batch] ids expanded
     over each sequence's rows; a MoeCallError naming both shapes where they do not fit."""
-    rows = 1
-    for d in shape[:-1]:
-        rows *= int(d)
-    # one a row: flat, or [batch, seq] as the rows are (a [seq, batch] tensor of as many ids would cross them)
-    if ids.numel() == rows and (ids.dim() == 1 or tuple(ids.shape) == tuple(shape[:-1])):
+    from ..torch import one_a_row, row_count
+
+    if one_a_row(ids, tuple(shape[:-1])):
         return ids.reshape(-1)
     if len(shape) == 3 and ids.dim() == 1 and ids.shape[0] == shape[0]:
         return ids[:, None].expand(int(shape[0]), int(shape[1])).reshape(-1)
-    raise MoeCallError(f"lora_ids of shape {tuple(ids.shape)} fit neither the {rows} rows of hidden_states "
+    raise MoeCallError(f"lora_ids of shape {tuple(ids.shape)} fit neither the {row_count(tuple(shape[:-1]))} rows of hidden_states "
                        f"{tuple(shape)} nor its {shape[0]} sequences (set_lora_ids)")
 
 
