@@ -205,10 +205,12 @@ class LoraSlots:
     def _copy(self, slot: int, host: Optional[dict[str, np.ndarray]], stream: Optional[int], after: int = 0) -> None:
         import cupy
 
+        from .debug import cupy_stream
+
         if stream is not None:
             stream = check_stream(stream)  # a cudaStream_t as an int, before CuPy wraps it
         with cupy.cuda.Device(self.device_id):
-            s = cupy.cuda.ExternalStream(stream) if stream is not None else cupy.cuda.Stream.null
+            s = cupy_stream(stream, self.device_id) if stream is not None else cupy.cuda.Stream.null
             if s.is_capturing():  # a copy of host memory recorded into a graph would replay stale bytes
                 raise LoraError("set_lora / clear_lora during stream capture: fill slots outside capture "
                                 "(a captured graph reads the slots' fixed addresses at replay)")

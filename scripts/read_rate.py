@@ -45,6 +45,7 @@ def rates() -> dict[str, float]:
     import torch
 
     from cupymoe.ceilings import torch_seconds_a_call
+    from cupymoe.debug import cupy_stream
 
     def steady(fn):
         return torch_seconds_a_call(fn)[0]
@@ -55,7 +56,7 @@ def rates() -> dict[str, float]:
     mod = cupy.RawModule(code=SRC, options=("-std=c++17",))
     out = cupy.zeros(1, cupy.uint32)
     ptr = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(a.data_ptr(), nb, a), 0)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    stream = cupy_stream(torch.cuda.current_stream().cuda_stream, 0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     res = {}
     for name in ("readv", "readv4"):

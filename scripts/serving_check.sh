@@ -8,28 +8,35 @@
 # Needs .peer/ (ignored, carried to the GPU machine): vllm_kernel.py and configs/ from the shared
 # get_vllm_kernel.sh, and peer_bench.py, peer_bench_fp8.py copied beside them.
 #
+# LIMIT (seconds, default 560) bounds the whole call: each peer run gets PEER_S (default 120) and
+# the tune what is left (its result file is rewritten after each preset and format, so a sweep cut
+# short keeps the cells it timed; PRESETS' order is the order they are timed in).
+#
 #   OUT=/tmp/out bash scripts/serving_check.sh
-#   OUT=/tmp/out PRESETS="qwen3-30b-a3b" PEER_PRESETS="qwen3-30b-a3b" bash scripts/serving_check.sh
+#   OUT=/tmp/out LIMIT=400 PRESETS="qwen3-30b-a3b" PEER_PRESETS="qwen3-30b-a3b" bash scripts/serving_check.sh
 set -u
+t0=$(date +%s)
+left() { echo $(( ${LIMIT:-560} - ($(date +%s) - t0) )); }
 OUT=${OUT:?set OUT to a folder for the results}
 cd "$(dirname "$0")/.."
+source scripts/kernel_cache_env.sh  # a carried kernel cache, unpacked once
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PEER_DIR=${PEER_DIR:-$PWD/.peer}
 PRESETS=${PRESETS:-"qwen3-30b-a3b deepseek-v3 mixtral-8x7b qwen3-next-80b qwen3-235b-a22b gpt-oss-120b"}
 PEER_PRESETS=${PEER_PRESETS:-"qwen3-30b-a3b deepseek-v3"}
 T=${TOKENS:-"16 32 64 128 256 512 1024 2048"}
 mkdir -p "$OUT"
 shapes=${PEER_PRESETS// /,}
-(cd "$OUT" && OUT=$OUT timeout 150 python3 "$PEER_DIR/peer_bench.py" --shapes "$shapes" --tokens "${T// /,}" \
+(cd "$OUT" && OUT=$OUT timeout "${PEER_S:-120}" python3 "$PEER_DIR/peer_bench.py" --shapes "$shapes" --tokens "${T// /,}" \
   --impls vllm_compute_only > "$OUT/peer.log" 2>&1)
-echo "vLLM bf16 rc $?"
+echo "vLLM bf16 rc $? ($(left) s left)"
 # peer_bench_fp8.py quantizes in 128 x 128 blocks: gpt-oss-120b's I = 2880 is not a multiple of 128
 # (it raised for the whole run), so vLLM's fp8 GEMMs leave it out
 fp8_shapes=$(echo "$PEER_PRESETS" | tr ' ' '\n' | grep -vx gpt-oss-120b | paste -sd, -)
-(cd "$OUT" && OUT=$OUT FP8_SHAPES=$fp8_shapes FP8_TOKENS=${T// /,} timeout 120 python3 "$PEER_DIR/peer_bench_fp8.py" \
+(cd "$OUT" && OUT=$OUT FP8_SHAPES=$fp8_shapes FP8_TOKENS=${T// /,} timeout "${PEER_S:-120}" python3 "$PEER_DIR/peer_bench_fp8.py" \
   > "$OUT/peer_fp8.log" 2>&1)
-echo "vLLM fp8 rc $?"
-timeout 400 python3 -m cupymoe tune --preset $PRESETS --format bf16 fp8_block --tokens $T --json "$OUT/tune.json" \
+echo "vLLM fp8 rc $? ($(left) s left)"
+timeout $(( $(left) - 15 )) python3 -m cupymoe tune --preset $PRESETS --format bf16 fp8_block --tokens $T --json "$OUT/tune.json" \
   > "$OUT/tune.log" 2>&1
-echo "tune rc $?"
+echo "tune rc $? ($(left) s left)"
 peers=$(ls "$OUT/peer.json" "$OUT/peer_fp8.json" 2>/dev/null)  # a peer run that failed (e.g. out of memory) left none
 python3 scripts/serving_table.py "$OUT/tune.json" --peers $peers | tee "$OUT/table.md" | tail -30
