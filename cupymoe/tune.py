@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from . import heuristics as HX
 from .forward_plan import build_forward_plan
@@ -307,13 +307,26 @@ def _tune_cell(layers, lp0: LayerPlan, lp_default: LayerPlan, dev, shape: str, n
                 pruned_by_floor=len(timed) == 1 and bool(others), speedup=round(default.us / chosen.us, 4))
 
 
-def _tune_format(shape: str, cfg, fmt: str, args, ceilings: dict, skipped: list) -> list[dict]:
-    """Every N of one preset and format: the layers built once with caps admitting every candidate."""
+def _out_of_time(deadline: Optional[float], shape: str, fmt: str, tokens, skipped: list) -> bool:
+    """Past --time-limit: `tokens`' cells of (shape, fmt) listed as skipped, so the result says what was not timed."""
+    if deadline is None or time.perf_counter() < deadline:
+        return False
+    skipped.append(dict(shape=shape, format=fmt, N=list(tokens), reason="--time-limit reached"))
+    print(f"[tune {shape} {fmt}] --time-limit reached: N = {' '.join(map(str, tokens))} not timed", flush=True)
+    return True
+
+
+def _tune_format(shape: str, cfg, fmt: str, args, ceilings: dict, skipped: list,
+                 deadline: Optional[float] = None) -> list[dict]:
+    """Every N of one preset and format: the layers built once with caps admitting every candidate;
+    no cell starts past `deadline` (perf_counter seconds)."""
     from .bench import build_layers, free_layers, layer_options
     from .plan import LayerOptions, plan_layer
 
     tag = f"[tune {shape} {fmt}]"
     layers: list = []
+    if _out_of_time(deadline, shape, fmt, args.tokens, skipped):
+        return []
     try:
         w8a8 = fmt == "fp8_block" and args.fp8_compute != "w8a16"
         cap = DECODE_CAP.get(format_key(fmt, w8a8), 0)
@@ -330,8 +343,12 @@ def _tune_format(shape: str, cfg, fmt: str, args, ceilings: dict, skipped: list)
         lp_default = plan_layer(cfg, fmt, None, dev.arch, n_local=lp0.n_local, options=opts,
                                 mxfp4_scale_bytes=layers[0].weights.mxfp4_scale_bytes)  # what a layer runs today
         print(f"{tag} {len(layers)} layer copies; timing", flush=True)
-        return [_tune_cell(layers, lp0, lp_default, dev, shape, n, args, ceilings, i == 0)
-                for i, n in enumerate(args.tokens)]
+        cells = []
+        for i, n in enumerate(args.tokens):
+            if _out_of_time(deadline, shape, fmt, args.tokens[i:], skipped):
+                break
+            cells.append(_tune_cell(layers, lp0, lp_default, dev, shape, n, args, ceilings, i == 0))
+        return cells
     finally:
         del layers
         free_layers()
@@ -355,9 +372,10 @@ def run_tune(args) -> int:
     path = Path(args.json) if args.json else Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-tune.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     t0, cells, skipped = time.perf_counter(), [], []
+    deadline = t0 + args.time_limit if args.time_limit else None
     for shape in args.preset:
         for fmt in dict.fromkeys(args.formats):
-            cells += _tune_format(shape, preset_config(shape), fmt, args, ceilings, skipped)
+            cells += _tune_format(shape, preset_config(shape), fmt, args, ceilings, skipped, deadline)
             rows = _write_result(path, args, gpu, cells, skipped, ceil, time.perf_counter() - t0)
     print(f"results written to {path}", flush=True)
     if args.table_out:
@@ -404,6 +422,9 @@ def add_tune_args(ap) -> None:
                     "after the first")
     ap.add_argument("--measure-ceilings", action="store_true", help="measure the floors' ceilings in this run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                    help="start no cell after this many seconds; the cells left are listed as skipped in the result "
+                         "(a device call's budget; the preset order is the timing order)")
     ap.set_defaults(stages=False)  # bench's cell timer reads it: a tuning cell times no stages
     ap.add_argument("--json", default=None, help="the result file (default benchmarks/results/<date>-tune.json)")
     ap.add_argument("--table-out", default=None, help="also write the tuning table with this sweep's rows here")

@@ -94,7 +94,7 @@ if want host; then
 fi
 if want tune; then
   timeout 420 python3 -m cupymoe tune --preset qwen3-30b-a3b qwen3-235b-a22b deepseek-v3 mixtral-8x7b qwen3-next-80b \
-    gpt-oss-120b --format bf16 fp8_block --tokens 16 32 64 128 256 512 1024 2048 --json "$OUT/tune.json" \
+    gpt-oss-120b --format bf16 fp8_block --tokens 16 32 64 128 256 512 1024 2048 --time-limit 380 --json "$OUT/tune.json" \
     > "$OUT/tune.log" 2>&1
   echo "tune rc $?"
   grep -E "^\[tune|->" "$OUT/tune.log" | grep -v drawing | head -120

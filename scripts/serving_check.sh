@@ -9,8 +9,8 @@
 # get_vllm_kernel.sh, and peer_bench.py, peer_bench_fp8.py copied beside them.
 #
 # LIMIT (seconds, default 560) bounds the whole call: each peer run gets PEER_S (default 120) and
-# the tune what is left (its result file is rewritten after each preset and format, so a sweep cut
-# short keeps the cells it timed; PRESETS' order is the order they are timed in).
+# the tune what is left (`tune --time-limit`: no cell starts past it, the cells left are listed as
+# skipped in its result; PRESETS' order is the order they are timed in).
 #
 #   OUT=/tmp/out bash scripts/serving_check.sh
 #   OUT=/tmp/out LIMIT=400 PRESETS="qwen3-30b-a3b" PEER_PRESETS="qwen3-30b-a3b" bash scripts/serving_check.sh
@@ -35,8 +35,9 @@ fp8_shapes=$(echo "$PEER_PRESETS" | tr ' ' '\n' | grep -vx gpt-oss-120b | paste 
 (cd "$OUT" && OUT=$OUT FP8_SHAPES=$fp8_shapes FP8_TOKENS=${T// /,} timeout "${PEER_S:-120}" python3 "$PEER_DIR/peer_bench_fp8.py" \
   > "$OUT/peer_fp8.log" 2>&1)
 echo "vLLM fp8 rc $? ($(left) s left)"
-timeout $(( $(left) - 15 )) python3 -m cupymoe tune --preset $PRESETS --format bf16 fp8_block --tokens $T --json "$OUT/tune.json" \
-  > "$OUT/tune.log" 2>&1
+# the tune stops starting cells ~40 s before the limit (a cell takes up to ~20 s), the timeout is the backstop
+timeout $(( $(left) - 10 )) python3 -m cupymoe tune --preset $PRESETS --format bf16 fp8_block --tokens $T \
+  --time-limit $(( $(left) - 40 )) --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
 echo "tune rc $? ($(left) s left)"
 peers=$(ls "$OUT/peer.json" "$OUT/peer_fp8.json" 2>/dev/null)  # a peer run that failed (e.g. out of memory) left none
 python3 scripts/serving_table.py "$OUT/tune.json" --peers $peers | tee "$OUT/table.md" | tail -30

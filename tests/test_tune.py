@@ -164,6 +164,18 @@ def test_rows_merge_into_the_table_and_the_layer_reads_them(tmp_path):
     assert [choose_path(lp, "auto", n) for n in (8, 9, 16, 17)] == ["decode", "decode", "decode", "prefill"]
 
 
+def test_the_time_limit_skips_what_it_leaves_untimed():
+    """Past --time-limit no cell starts and no layer is built: the result's skipped lists the preset's N."""
+    args = argparse.Namespace(tokens=[16, 64, 256])
+    skipped: list = []
+    assert tune._tune_format("qwen3-30b-a3b", None, "bf16", args, {}, skipped, deadline=0.0) == []
+    assert skipped == [dict(shape="qwen3-30b-a3b", format="bf16", N=[16, 64, 256], reason="--time-limit reached")]
+    assert not tune._out_of_time(None, "qwen3-30b-a3b", "bf16", [16], skipped)  # no limit: never out of time
+    ap = argparse.ArgumentParser()
+    tune.add_tune_args(ap)
+    assert ap.parse_args(["--time-limit", "300"]).time_limit == 300.0 and ap.parse_args([]).time_limit is None
+
+
 def test_tune_apply_runs_without_a_gpu(tmp_path):
     result = tmp_path / "r.json"
     result.write_text(json.dumps(dict(table=tune.table_rows([_cell(32, Choice("decode"), Choice("prefill", "stream"))],
