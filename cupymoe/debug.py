@@ -28,16 +28,17 @@ class _StreamHandle:
 
 
 def cupy_stream(ptr: int, device_id: int):
-    """A CuPy stream object over a raw stream (for syncs and events), made once a stream."""
+    """A CuPy stream object over a raw stream (for syncs and events), made once a stream and device
+    (a freed stream's handle may come back on another device)."""
     import cupy
 
-    s = _STREAMS.get(ptr)
+    s = _STREAMS.get((ptr, device_id))
     if s is None:
         if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14: the CUDA stream protocol
             s = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
         else:
             s = cupy.cuda.ExternalStream(ptr, device_id)
-        _STREAMS[ptr] = s
+        _STREAMS[ptr, device_id] = s
     return s
 
 
