@@ -355,13 +355,15 @@ def _tune_format(shape: str, cfg, fmt: str, args, ceilings: dict, skipped: list,
 
 
 def run_tune(args) -> int:
-    """The sweep; the result file is rewritten after each preset and format (a run cut short keeps its cells)."""
+    """The sweep; the result file is rewritten after each preset and format (a run cut short keeps its cells).
+    --time-limit counts from here, the kernels' build and the ceilings included."""
     import cupy
 
     from . import jit
     from .bench import preset_config
     from .ceilings import resolve_ceilings
 
+    deadline = time.perf_counter() + args.time_limit if args.time_limit else None
     props = cupy.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode()
     ceil = resolve_ceilings(args.measure_ceilings, gpu)
@@ -372,7 +374,6 @@ def run_tune(args) -> int:
     path = Path(args.json) if args.json else Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-tune.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     t0, cells, skipped = time.perf_counter(), [], []
-    deadline = t0 + args.time_limit if args.time_limit else None
     for shape in args.preset:
         for fmt in dict.fromkeys(args.formats):
             cells += _tune_format(shape, preset_config(shape), fmt, args, ceilings, skipped, deadline)
@@ -423,8 +424,9 @@ def add_tune_args(ap) -> None:
     ap.add_argument("--measure-ceilings", action="store_true", help="measure the floors' ceilings in this run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                    help="start no cell after this many seconds; the cells left are listed as skipped in the result "
-                         "(a device call's budget; the preset order is the timing order)")
+                    help="start no cell this many seconds after the command starts (the kernels' build included); "
+                         "the cells left are listed as skipped in the result (a device call's budget; the preset "
+                         "order is the timing order)")
     ap.set_defaults(stages=False)  # bench's cell timer reads it: a tuning cell times no stages
     ap.add_argument("--json", default=None, help="the result file (default benchmarks/results/<date>-tune.json)")
     ap.add_argument("--table-out", default=None, help="also write the tuning table with this sweep's rows here")
