@@ -36,8 +36,13 @@ fp8_shapes=$(echo "$PEER_PRESETS" | tr ' ' '\n' | grep -vx gpt-oss-120b | paste 
   > "$OUT/peer_fp8.log" 2>&1)
 echo "vLLM fp8 rc $? ($(left) s left)"
 # the tune stops starting cells ~40 s before the limit (a cell takes up to ~20 s), the timeout is the backstop
-timeout $(( $(left) - 10 )) python3 -m cupymoe tune --preset $PRESETS --format bf16 fp8_block --tokens $T \
-  --time-limit $(( $(left) - 40 )) --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
-echo "tune rc $? ($(left) s left)"
+tune_s=$(( $(left) - 40 ))
+if [ "$tune_s" -gt 20 ]; then
+  timeout $(( tune_s + 30 )) python3 -m cupymoe tune --preset $PRESETS --format bf16 fp8_block --tokens $T \
+    --time-limit "$tune_s" --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
+  echo "tune rc $? ($(left) s left)"
+else
+  echo "tune not run: $(left) s left of LIMIT"
+fi
 peers=$(ls "$OUT/peer.json" "$OUT/peer_fp8.json" 2>/dev/null)  # a peer run that failed (e.g. out of memory) left none
 python3 scripts/serving_table.py "$OUT/tune.json" --peers $peers | tee "$OUT/table.md" | tail -30
