@@ -6,7 +6,7 @@
 #      here with `python -m cupymoe tune --apply FILE`);
 #   3. scripts/serving_table.py over both: each cell's plan, µs, x floor and vs vLLM.
 # Needs .peer/ (ignored, carried to the GPU machine): vllm_kernel.py and configs/ from the shared
-# get_vllm_kernel.sh, and peer_bench.py, peer_bench_fp8.py copied beside them.
+# get_vllm_kernel.sh, and peer_bench.py, peer_bench_fp8.py copied beside them (scripts/device_setup.sh makes it).
 #
 # LIMIT (seconds, default 560) bounds the whole call: each peer run gets PEER_S (default 120) and
 # the tune what is left (`tune --time-limit`: no cell starts past it, the cells left are listed as
