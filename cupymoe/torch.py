@@ -16,6 +16,7 @@ torch.cuda.graph capture too.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from typing import Any, Optional
 
@@ -126,10 +127,7 @@ def _as_int32(name: str, t: torch.Tensor) -> torch.Tensor:
 
 def row_count(lead: tuple) -> int:
     """The rows of x [*lead, H]."""
-    rows = 1
-    for d in lead:
-        rows *= int(d)
-    return rows
+    return math.prod(int(d) for d in lead)
 
 
 def one_a_row(ids: torch.Tensor, lead: tuple) -> bool:
@@ -206,7 +204,8 @@ class MoeModule(torch.nn.Module):
         lora_ids [N] (each row's adapter slot, any integer dtype) or None."""
         _tensor("x", x)
         topk_ids = _as_int32("topk_ids", topk_ids)
-        if not _tensor("topk_weights", topk_weights).is_floating_point():  # (x, weights, ids) swapped would pass every shape check
+        # (x, weights, ids) swapped would pass every shape check
+        if not _tensor("topk_weights", topk_weights).is_floating_point():
             raise MoeCallError(f"topk_weights: a floating-point tensor is required, got {topk_weights.dtype}")
         if topk_weights.dtype != torch.float32:
             topk_weights = topk_weights.float()

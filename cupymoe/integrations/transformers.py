@@ -303,8 +303,8 @@ def _row_ids(ids: Any, shape: tuple) -> Any:
         return ids.reshape(-1)
     if len(shape) == 3 and ids.dim() == 1 and ids.shape[0] == shape[0]:
         return ids[:, None].expand(int(shape[0]), int(shape[1])).reshape(-1)
-    raise MoeCallError(f"lora_ids of shape {tuple(ids.shape)} fit neither the {row_count(tuple(shape[:-1]))} rows of hidden_states "
-                       f"{tuple(shape)} nor its {shape[0]} sequences (set_lora_ids)")
+    raise MoeCallError(f"lora_ids of shape {tuple(ids.shape)} fit neither the {row_count(tuple(shape[:-1]))} rows "
+                       f"of hidden_states {tuple(shape)} nor its {shape[0]} sequences (set_lora_ids)")
 
 
 def _cuda_index(ref: MoeBlockRef, tensors: dict) -> int:
