@@ -363,7 +363,7 @@ def run_tune(args) -> int:
     from .bench import preset_config
     from .ceilings import resolve_ceilings
 
-    deadline = time.perf_counter() + args.time_limit if args.time_limit else None
+    deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit  # 0: time nothing
     props = cupy.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode()
     ceil = resolve_ceilings(args.measure_ceilings, gpu)
