@@ -1,5 +1,5 @@
 """GPU: the swap-AB bf16 decode (cuda/decode_swapab_sm90.cu, CUPYMOE_DECODE_KERNEL=swapab) against
-cupymoe.reference on the decode and atomic paths, at row counts that take every token tile and
+cupymoe.reference on the decode and atomic paths, at row counts that take every token tile (1-8 rows too) and
 runs longer than a tile (passes > 1): awkward N, K and I past whole 64-wide steps (H = 96, 160;
 I = 40, a shared expert of 96), down's 128-row blocks reaching past H, one expert holding most
 rows, experts nobody chose, outputs poisoned with NaN first; a captured graph's replay equals
@@ -24,7 +24,7 @@ CASES = {
     "gpt_oss": ("gpt_oss", {}),  # expert biases, swiglu_oai
     "qwen3_moe-H512": ("qwen3_moe", {"hidden_size": 512}),  # gate/up's K of 8 steps: the ring wraps
 }
-TOKENS = (9, 17, 64, 255)
+TOKENS = (1, 3, 8, 9, 17, 64, 255)  # 1-8: the tuning table takes it below 9 rows on some shapes
 MAX_TOKENS = 256
 
 
@@ -49,7 +49,7 @@ def _case(name, rng, max_tokens=MAX_TOKENS):
 def test_swapab_decode_matches_the_reference(name, rng):
     cfg, hw, layer = _case(name, rng)
     assert layer.plan.swapab_chosen
-    for path, tokens in (("decode", TOKENS), ("atomic", (9, 17))):
+    for path, tokens in (("decode", TOKENS), ("atomic", (2, 9, 17))):
         for n in tokens:
             kernels = testing.expert_kernels(layer, n, path)
             assert all(k.startswith("decode_swapab_") for k in kernels), (n, kernels)
@@ -125,4 +125,4 @@ def test_swapab_past_256_rows(name, rng):
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_a_captured_graph_replays_the_eager_forward(name, rng):
     cfg, hw, layer = _case(name, rng)
-    check_replay_matches_eager(layer, cfg, hw, rng, (17, 255), "decode", name)
+    check_replay_matches_eager(layer, cfg, hw, rng, (2, 17, 255), "decode", name)
