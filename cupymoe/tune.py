@@ -197,7 +197,7 @@ def merge_rows(tuning: dict, rows: list[dict]) -> dict:
 def apply_result(result_path: Path, tuning_path: Path, other_gpu: bool = False) -> int:
     """Merge a sweep's result file's table rows into the tuning table file; the rows' count. Rows
     timed on another GPU than the table's (an H100's into the H200's table: the same arch, other
-    rates) only with `other_gpu`."""
+    rates) only with `other_gpu`, each marked `timed_on` that GPU."""
     result = _json_object(result_path, "a tune result")
     rows, meta = result.get("table"), result.get("meta", {})
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows) or not isinstance(meta, dict):
@@ -213,7 +213,8 @@ def apply_result(result_path: Path, tuning_path: Path, other_gpu: bool = False) 
         raise ConfigError(f"{result_path}: timed on {gpu}, but the tuning table's rows are {table_gpu}'s "
                           f"(--other-gpu merges them anyway; --table names another table)")
     name = f"benchmarks/results/{Path(result_path).name}"  # where the result is committed
-    rows = [{**r, "result": name} for r in rows]
+    foreign = {"timed_on": gpu} if gpu and table_gpu and gpu != table_gpu else {}  # rows an H200 sweep should re-time
+    rows = [{**{k: v for k, v in r.items() if k != "timed_on"}, "result": name, **foreign} for r in rows]
     parse_by_shape(rows)  # each row as the table would read it, before they are sorted in
     merged = merge_rows(tuning, rows)
     _check_table(merged, tuning_path)  # the whole table loads, or nothing is written

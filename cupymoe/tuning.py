@@ -115,7 +115,9 @@ def format_key(label: str, w8a8: bool) -> str:
 
 
 # what a by_shape row may hold besides its Choice's fields: its key and its record of the measurement
-ROW_KEYS = ("shape", "format", "n", "us", "default", "default_us", "preset", "measured_at", "result", "command")
+# timed_on: the GPU a row was timed on where it is not the table's `device` (tune --apply --other-gpu)
+ROW_KEYS = ("shape", "format", "n", "us", "default", "default_us", "preset", "measured_at", "result", "command",
+            "timed_on")
 ROW_FORMATS = ("bf16", "fp8_block:w8a8", "fp8_block:w8a16", "nvfp4", "mxfp4")
 SHAPE_KEY = re.compile(r"H\d+ I\d+ E\d+/\d+ k\d+( S\d+)?")
 

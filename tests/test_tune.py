@@ -151,11 +151,14 @@ def test_rows_merge_into_the_table_and_the_layer_reads_them(tmp_path):
     with pytest.raises(ConfigError, match="timed on NVIDIA H100 80GB HBM3, but the tuning table's rows are NVIDIA H200's"):
         tune.apply_result(h100, table)
     assert tune.apply_result(h100, table, other_gpu=True) == 2
-    assert tune.apply_result(result, table) == 2  # (the H200's rows back)
+    assert {r.get("timed_on") for r in json.loads(table.read_text())["by_shape"]["value"]} == {"NVIDIA H100 80GB HBM3"}
+    load(table.read_text())  # a marked row loads
+    assert tune.apply_result(result, table) == 2  # (the H200's rows back, unmarked)
     data = json.loads(table.read_text())
     rows = data["by_shape"]["value"]
     assert [(r["n"], r["path"], r["grouped"]) for r in rows] == [(16, "decode", None), (64, "prefill", "math")]
     assert {r["result"] for r in rows} == {"benchmarks/results/20261202-h200-tune-x.json"}
+    assert not any("timed_on" in r for r in rows)
     assert rows[0]["command"] == command
     assert {k: v for k, v in data.items() if k != "by_shape"} == {k: v for k, v in json.loads(
         PACKAGE_TABLE.read_text()).items() if k != "by_shape"}
