@@ -209,12 +209,13 @@ def apply_result(result_path: Path, tuning_path: Path, other_gpu: bool = False) 
     if measured is not None and measured != table_arch:  # the rows name that arch's kernels and its timings
         raise ConfigError(f"{result_path}: measured on {measured}, but the tuning table's rows are {table_arch}'s")
     gpu, table_gpu = meta.get("gpu"), tuning.get("device")
-    if gpu and table_gpu and gpu != table_gpu and not other_gpu:
+    foreign = bool(gpu and table_gpu and gpu != table_gpu)
+    if foreign and not other_gpu:
         raise ConfigError(f"{result_path}: timed on {gpu}, but the tuning table's rows are {table_gpu}'s "
                           f"(--other-gpu merges them anyway; --table names another table)")
     name = f"benchmarks/results/{Path(result_path).name}"  # where the result is committed
-    foreign = {"timed_on": gpu} if gpu and table_gpu and gpu != table_gpu else {}  # rows an H200 sweep should re-time
-    rows = [{**{k: v for k, v in r.items() if k != "timed_on"}, "result": name, **foreign} for r in rows]
+    mark = {"timed_on": gpu} if foreign else {}  # the rows a sweep on the table's GPU should re-time
+    rows = [{**r, "result": name, **mark} for r in rows]
     parse_by_shape(rows)  # each row as the table would read it, before they are sorted in
     merged = merge_rows(tuning, rows)
     _check_table(merged, tuning_path)  # the whole table loads, or nothing is written
