@@ -144,7 +144,7 @@ def cmd_inspect(args) -> int:
 
         def plan_of(c):
             return plan_layer(c, routed, shared, arch, n_local=c.num_experts,
-                              options=LayerOptions(fp8_compute=args.fp8_compute))
+                              options=LayerOptions(fp8_compute=args.fp8_compute), device_name=args.gpu)
 
         plan = plan_of(cfg)
     except MemoryError as e:  # sizes no loader check bounded: one line, as for every refusal
@@ -304,11 +304,11 @@ def cmd_tune(args) -> int:
 
     if args.apply:  # no GPU: the result file's rows into the table
         try:
-            count = apply_result(args.apply, args.table, other_gpu=args.other_gpu)
+            applied = apply_result(args.apply, args.table, other_gpu=args.other_gpu)
         except Error as e:  # the table is left as it was: one line naming why
             print(f"cupymoe tune --apply: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
-        print(f"{count} rows of {args.apply} merged into {args.table}")
+        print(f"{applied.rows} rows of {args.apply} merged into {args.table}, entry {applied.into}")
         return 0
     require_gpu("tune")
     from .tune import run_tune
@@ -378,6 +378,9 @@ def _add_inspect_parser(sub) -> None:
     c.add_argument("--arch", default="sm_90a",
                    help="the GPU architecture the scratch is planned for, as the layer would compile for it "
                         "(sm_90a: Hopper; sm_80, sm_89, ...)")
+    c.add_argument("--gpu", default="", metavar="NAME",
+                   help="the GPU model as the driver names it (python -m cupymoe info), for the tuning table's rows "
+                        "timed on it, e.g. 'NVIDIA H100 80GB HBM3' (default: the table's own GPU)")
     c.add_argument("--fp8-compute", choices=FP8_COMPUTE, default="auto",
                    help="fp8-block experts' compute, as MoeLayer's fp8_compute (w8a8 adds scratch)")
     c.add_argument("--lora", metavar="ADAPTER_DIR", default=None,

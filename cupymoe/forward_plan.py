@@ -23,6 +23,7 @@ from . import heuristics as HX
 from .catalog import Activation, GemmMode, LoraDownMode, Scoring, WeightFormat
 from .errors import LoraError
 from .knobs import LoraDownSplit, LoraShrink, LoraSwapab
+from .tuning import bucket_start
 from .workspace import LORA_TICKETS, lora_part_floats
 from .plan import (AllReduce, Arg, ArgType, Buf, CallValue, DeviceFacts, ForwardPlan, Launch, LayerPlan, Memset,
                    Path, PerN, Space, Stage)
@@ -116,8 +117,8 @@ def prefill_buckets(lp: LayerPlan, dev: DeviceFacts, lo: int, hi: int) -> list[t
 
 
 def _table_segments(lp: LayerPlan, lo: int, hi: int) -> list[tuple[int, int]]:
-    """lo..hi cut where a tuning-table bucket of the layer starts or ends (b/2 < N <= b)."""
-    cuts = sorted({c for b, _ in lp.tuned for c in (b // 2, b) if lo <= c < hi})
+    """lo..hi cut where a tuning-table bucket of the layer starts or ends (b/2 < N <= b; 2m/3 < N <= m)."""
+    cuts = sorted({c for b, _ in lp.tuned for c in (bucket_start(b), b) if lo <= c < hi})
     starts = [lo] + [c + 1 for c in cuts]
     return list(zip(starts, cuts + [hi]))
 

@@ -493,6 +493,7 @@ class KernelLibrary:
             self.arch = arch_for_capability(int(cc[:-1]), int(cc[-1]))
             self.max_smem = int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
             self.sm_count = int(dev.attributes["MultiProcessorCount"])
+            self.name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"].decode()
             self._functions: dict[str, object] = {}
             self._modules = []
             names = modules_for(self.arch) if modules is None else list(modules)

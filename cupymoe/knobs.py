@@ -211,6 +211,8 @@ TABLE: dict[str, tuple[str, str, Callable[[str, str], object], object]] = {
                        "measured rule)", _count, None),
     "a8_down_tiles": ("CUPYMOE_A8_DOWN_TILES", "128-row tiles a block of the w8a8 wgmma decode's down takes "
                       "(default: the measured rule; one where it does not divide H / 128)", _count, None),
+    "device_rows": ("CUPYMOE_DEVICE_ROWS", "0: the tuning table's own per-shape rows only, not those timed on this "
+                    "GPU model (its by_device section)", _on_off, True),
     "sm90_variant": ("CUPYMOE_SM90_VARIANT", "the Hopper grouped GEMM variant of gate/up and down (auto or a name "
                      "of the tuning table)", _variant, "auto"),
     "sm90_down_variant": ("CUPYMOE_SM90_DOWN_VARIANT", "the Hopper grouped GEMM variant of down alone", _variant,
@@ -297,6 +299,7 @@ class Knobs:
     mma_blocks_per_sm: int = 1
     fp4_down_tiles: Optional[int] = None
     a8_down_tiles: Optional[int] = None
+    device_rows: bool = True
     sm90_variant: str = "auto"
     sm90_down_variant: str = "auto"
     sm90_fp8_variant: Sm90Fp8 = Sm90Fp8.AUTO

@@ -93,7 +93,7 @@ class MoeLayer:
         self._watched = self._profile or self._dump_dir is not None or bool(self._guard)
         with cupy.cuda.Device(self.device_id):
             self.lib = jit.library(self.device_id)
-            self.device = DeviceFacts(self.lib.arch, self.lib.sm_count, self.lib.max_smem)
+            self.device = DeviceFacts(self.lib.arch, self.lib.sm_count, self.lib.max_smem, self.lib.name)
             check_smem_fits(cfg, len(owned), self.device)
             if lora_k:  # before any weight is uploaded
                 lora_slots.check_rank_fits(cfg, lora_r, self.device.max_smem)
@@ -116,7 +116,7 @@ class MoeLayer:
     def _plan_layer(self, options: LayerOptions, knobs: Knobs):
         return plan_layer(self.cfg, self.weights.format, self.weights.shared_format, self.lib.arch,
                           n_local=len(self._owned), options=options, knobs=knobs,
-                          mxfp4_scale_bytes=self.weights.mxfp4_scale_bytes)
+                          mxfp4_scale_bytes=self.weights.mxfp4_scale_bytes, device_name=self.device.name)
 
     def _reserve_lora(self, options: LayerOptions, knobs: Knobs, lora_k: int, lora_r: int,
                       lora_experts: Optional[bool]) -> None:

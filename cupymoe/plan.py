@@ -25,7 +25,7 @@ from .config import MoeConfig, is_integer
 from .errors import OptionError, PathUnavailableError, UnsupportedFormatError
 from .knobs import (Bf16Decode, DecodeRouter, Fp4Decode, Fp8Decode, GateUpAhead, Knobs, L2Promotion, Sm90Fp8,
                     W8a8Decode)
-from .tuning import TUNING, Choice, TunedBuckets, format_key, n_bucket, shape_key
+from .tuning import TUNING, Choice, TunedBuckets, bucket_lookup, format_key, shape_key
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +224,7 @@ class DeviceFacts:
     arch: str  # the arch the kernels are compiled for, e.g. "sm_90a"
     sm_count: int
     max_smem: int  # dynamic shared memory a block may opt in to
+    name: str = ""  # as the driver reports it: the tuning table's by_device section it takes ("": none)
 
     @classmethod
     def h200(cls) -> "DeviceFacts":
@@ -300,11 +301,7 @@ class LayerPlan:
 
     def choice(self, n: int) -> Choice:
         """The table's choice for a forward of `n` rows (Choice() where it has none)."""
-        b = n_bucket(n)
-        for bucket, c in self.tuned:
-            if bucket == b:
-                return c
-        return Choice()
+        return bucket_lookup(self.tuned, n) or Choice()
 
     @property
     def w8a8(self) -> bool:
@@ -384,14 +381,15 @@ def mma_decode_formats(knobs: Knobs, mxfp4_scale_bytes: Optional[tuple[int, int]
 
 
 def tuned_buckets(cfg: MoeConfig, routed: WeightFormat, n_local: int, w8a8: bool, knobs: Knobs,
-                  row_invariant: bool, table=None) -> TunedBuckets:
-    """The tuning table's entries for this layer's shape and format, less what a knob forces;
-    none for row-invariant layers (every N runs the grouped path's instructions)."""
+                  row_invariant: bool, table=None, device: str = "") -> TunedBuckets:
+    """The tuning table's entries for this layer's shape and format on the GPU named `device` (its
+    by_device rows over the table's, unless CUPYMOE_DEVICE_ROWS=0), less what a knob forces; none for
+    row-invariant layers (every N runs the grouped path's instructions)."""
     if row_invariant:
         return ()
     key = (shape_key(cfg.hidden_size, cfg.moe_intermediate_size, n_local, cfg.num_experts, cfg.num_experts_per_tok,
                      cfg.shared_expert_intermediate_size), format_key(routed.label, w8a8))
-    found = (TUNING.by_shape if table is None else table).get(key, ())
+    found = TUNING.rows_for(key, device if knobs.device_rows else "") if table is None else table.get(key, ())
     drop = {"grouped": knobs.math_rows is not None, "w8a8_decode": knobs.w8a8_decode != W8a8Decode.AUTO,
             "decode_kernel": knobs.decode_kernel != Bf16Decode.AUTO, "sm90_fp8": knobs.sm90_fp8_variant != Sm90Fp8.AUTO}
     drop["sm90_gate_up"] = knobs.sm90_variant != "auto"
@@ -446,9 +444,10 @@ class LayerOptions:
 def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str], arch: str, *,
                n_local: Optional[int] = None, options: LayerOptions = LayerOptions(),
                knobs: Optional[Knobs] = None, mxfp4_scale_bytes: Optional[tuple[int, int]] = None,
-               table=None) -> LayerPlan:
+               table=None, device_name: str = "") -> LayerPlan:
     """A layer's choices for routed experts of `routed_format` (and a shared expert of
-    `shared_format`, None without one) on a GPU the kernels are compiled for as `arch`;
+    `shared_format`, None without one) on a GPU the kernels are compiled for as `arch`, named
+    `device_name` (the tuning table's rows timed on that model, where it has some);
     `table`: per-shape entries in place of the tuning table's (tests)."""
     knobs = knobs or Knobs.from_env()
     routed = WeightFormat.named(routed_format)
@@ -461,8 +460,8 @@ def plan_layer(cfg: MoeConfig, routed_format: str, shared_format: Optional[str],
     n_local = cfg.experts_per_rank if n_local is None else int(n_local)
     # the package table's per-shape rows were measured on one arch and name its kernels: elsewhere, the rules
     measured_here = table is not None or arch == TUNING.by_shape_arch
-    tuned = (tuned_buckets(cfg, routed, n_local, fp8 == Fp8Compute.W8A8, knobs, options.row_invariant, table)
-             if measured_here else ())
+    tuned = (tuned_buckets(cfg, routed, n_local, fp8 == Fp8Compute.W8A8, knobs, options.row_invariant, table,
+                           device_name) if measured_here else ())
     if swapab_ok and knobs.decode_kernel == Bf16Decode.SWAPAB:  # the table's paths were measured without it
         # (with the prefill GEMM variants a bucket's path brought: they need path='prefill')
         tuned = tuple((b, replace(c, path=None, sm90_gate_up=None, sm90_down=None) if b <= C.SWAPAB_MAX_ROWS else c)

@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Optional
 from . import heuristics as HX
 from .forward_plan import build_forward_plan
 from .plan import DeviceFacts, LayerPlan, choose_path
-from .catalog import GemmMode
+from .catalog import WGMMA_DECODE_TOKEN_TILES, GemmMode
 from .errors import ConfigError
-from .tuning import TUNED_SM90, Choice, Tuning, format_key, n_bucket, parse_by_shape, shape_key
+from .tuning import TUNED_SM90, Choice, Tuning, fine_bucket, format_key, parse_by_shape, shape_key
 
 if TYPE_CHECKING:
     from .ceilings import Ceilings
@@ -64,6 +64,13 @@ MARGIN = 0.01  # a candidate must beat the default by this fraction (the repetit
 MAX_REL_ERR = 0.05  # a candidate whose output differs from the default's by more is never picked
 TUNE_WARM_S = 0.1  # seconds of replays before each cell after the first (the GPU stays loaded)
 TABLE_ENTRY = "by_shape"
+DEVICE_ENTRY = "by_device"  # rows timed on other GPUs of the table's arch, a section each by the GPU's name
+DEVICE_ENTRY_ABOUT = {
+    "decides": "per GPU model (the name the driver reports) of the table's arch, by_shape rows timed on it: on that "
+               "GPU each replaces the by_shape row of its shape, format and bucket (the copy rate moves the "
+               "crossovers; the kernels are the same). CUPYMOE_DEVICE_ROWS=0 leaves them out",
+    "result": [], "command": "python -m cupymoe tune ... on that GPU, then tune --apply RESULT (each row records its own)",
+    "value": {}}
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,11 @@ def default_choice(lp: LayerPlan, dev: DeviceFacts, n: int) -> Choice:
         return Choice(path)
     k = lp.cfg.num_experts_per_tok
     max_active = max(1, min(lp.n_local, n * k) + lp.has_shared)
-    return Choice(path, w8a8_decode="wgmma" if HX.w8a8_decode_wgmma(lp, dev, max_active, n) else "mma")
+    if not HX.w8a8_decode_wgmma(lp, dev, max_active, n):
+        return Choice(path, w8a8_decode="mma")
+    row = lp.choice(n)  # the table's token tile where its row names one (heuristics.a8_token_tile)
+    tile = row.token_tile if row.w8a8_decode == "wgmma" and row.token_tile in WGMMA_DECODE_TOKEN_TILES else None
+    return Choice(path, w8a8_decode="wgmma", token_tile=tile)
 
 
 def candidates(lp: LayerPlan, n: int) -> list[Choice]:
@@ -137,8 +148,8 @@ def sm90_pairs(lp: LayerPlan) -> list[tuple[str, str]]:
 
 
 def forced(lp: LayerPlan, n: int, choice: Choice) -> LayerPlan:
-    """`lp` with the table's entry for n's bucket set to `choice` (and no other)."""
-    return replace(lp, tuned=((n_bucket(n), choice),))
+    """`lp` with the table's entry for n's finest bucket set to `choice` (and no other)."""
+    return replace(lp, tuned=((fine_bucket(n), choice),))
 
 
 def distinct(lp: LayerPlan, dev: DeviceFacts, n: int, choices: list[Choice]) -> list[Choice]:
@@ -173,7 +184,7 @@ def table_rows(cells: list[dict], command: str, result: str) -> list[dict]:
     rows = []
     for c in cells:
         ch = c["chosen"]
-        rows.append(dict(shape=c["shape_key"], format=c["format_key"], n=n_bucket(c["N"]), path=ch["path"],
+        rows.append(dict(shape=c["shape_key"], format=c["format_key"], n=fine_bucket(c["N"]), path=ch["path"],
                          grouped=ch["grouped"], w8a8_decode=ch["w8a8_decode"],
                          decode_kernel=ch.get("decode_kernel"), sm90_fp8=ch.get("sm90_fp8"),
                          token_tile=ch.get("token_tile"), sm90_gate_up=ch.get("sm90_gate_up"),
@@ -183,21 +194,41 @@ def table_rows(cells: list[dict], command: str, result: str) -> list[dict]:
     return rows
 
 
-def merge_rows(tuning: dict, rows: list[dict]) -> dict:
-    """The tuning table's JSON with `rows` in its by_shape entry (a row of the same shape, format
-    and bucket replaced), sorted; the entry's result list names every file its rows came from."""
-    entry = dict(tuning[TABLE_ENTRY])
-    keep = {(r["shape"], r["format"], r["n"]): r for r in entry.get("value", [])}
+def merge_rows(tuning: dict, rows: list[dict], device: str = "") -> dict:
+    """The tuning table's JSON with `rows` in its by_shape entry, or with `device` in that GPU's by_device
+    section (a row of the same shape, format and bucket replaced), sorted; the entry's result list names
+    every file its rows came from."""
+    if not device:
+        entry = dict(tuning[TABLE_ENTRY])
+        entry["value"] = _merged(entry.get("value", []), rows)
+        entry["result"] = sorted({r["result"] for r in entry["value"]})
+        return {**tuning, TABLE_ENTRY: entry}
+    entry = dict(tuning.get(DEVICE_ENTRY) or DEVICE_ENTRY_ABOUT)
+    sections = {**entry.get("value", {}), device: _merged(entry.get("value", {}).get(device, []), rows)}
+    entry["value"] = dict(sorted(sections.items()))
+    entry["result"] = sorted({r["result"] for rs in sections.values() for r in rs})
+    return {**tuning, DEVICE_ENTRY: entry}
+
+
+def _merged(old: list[dict], rows: list[dict]) -> list[dict]:
+    keep = {(r["shape"], r["format"], r["n"]): r for r in old}
     keep.update({(r["shape"], r["format"], r["n"]): r for r in rows})
-    entry["value"] = [keep[k] for k in sorted(keep)]
-    entry["result"] = sorted({r["result"] for r in entry["value"]})
-    return {**tuning, TABLE_ENTRY: entry}
+    return [keep[k] for k in sorted(keep)]
 
 
-def apply_result(result_path: Path, tuning_path: Path, other_gpu: bool = False) -> int:
-    """Merge a sweep's result file's table rows into the tuning table file; the rows' count. Rows
+@dataclass(frozen=True)
+class Applied:
+    """What `tune --apply` merged: its rows' count and the entry they went to."""
+
+    rows: int
+    into: str  # "by_shape" or "by_device['<GPU>']"
+
+
+def apply_result(result_path: Path, tuning_path: Path, other_gpu: bool = False) -> Applied:
+    """Merge a sweep's result file's table rows into the tuning table file. Rows
     timed on another GPU than the table's (an H100's into the H200's table: the same arch, other
-    rates) only with `other_gpu`, each marked `timed_on` that GPU."""
+    rates) go to that GPU's by_device section, or with `other_gpu` into the table's own rows, each
+    marked `timed_on` that GPU."""
     result = _json_object(result_path, "a tune result")
     rows, meta = result.get("table"), result.get("meta", {})
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows) or not isinstance(meta, dict):
@@ -210,17 +241,17 @@ def apply_result(result_path: Path, tuning_path: Path, other_gpu: bool = False) 
         raise ConfigError(f"{result_path}: measured on {measured}, but the tuning table's rows are {table_arch}'s")
     gpu, table_gpu = meta.get("gpu"), tuning.get("device")
     foreign = bool(gpu and table_gpu and gpu != table_gpu)
-    if foreign and not other_gpu:
-        raise ConfigError(f"{result_path}: timed on {gpu}, but the tuning table's rows are {table_gpu}'s "
-                          f"(--other-gpu merges them anyway; --table names another table)")
+    if foreign and not isinstance(gpu, str):
+        raise ConfigError(f"{result_path}: meta.gpu must be the GPU's name, found {gpu!r}")
     name = f"benchmarks/results/{Path(result_path).name}"  # where the result is committed
-    mark = {"timed_on": gpu} if foreign else {}  # the rows a sweep on the table's GPU should re-time
+    mark = {"timed_on": gpu} if foreign and other_gpu else {}  # the rows a sweep on the table's GPU should re-time
     rows = [{**r, "result": name, **mark} for r in rows]
     parse_by_shape(rows)  # each row as the table would read it, before they are sorted in
-    merged = merge_rows(tuning, rows)
+    device = gpu if foreign and not other_gpu else ""
+    merged = merge_rows(tuning, rows, device)
     _check_table(merged, tuning_path)  # the whole table loads, or nothing is written
     Path(tuning_path).write_text(json.dumps(merged, indent=2) + "\n")
-    return len(rows)
+    return Applied(len(rows), f"{DEVICE_ENTRY}[{device!r}]" if device else TABLE_ENTRY)
 
 
 def _check_table(doc: dict, path: Path) -> None:
@@ -343,7 +374,8 @@ def _tune_format(shape: str, cfg, fmt: str, args, ceilings: dict, skipped: list,
         lp0, dev = layers[0].plan, layers[0].device
         opts = LayerOptions(fp8_compute=layer_options(fmt, args).get("fp8_compute", "auto"))
         lp_default = plan_layer(cfg, fmt, None, dev.arch, n_local=lp0.n_local, options=opts,
-                                mxfp4_scale_bytes=layers[0].weights.mxfp4_scale_bytes)  # what a layer runs today
+                                mxfp4_scale_bytes=layers[0].weights.mxfp4_scale_bytes,
+                                device_name=dev.name)  # what a layer runs on this GPU today
         print(f"{tag} {len(layers)} layer copies; timing", flush=True)
         cells = []
         for i, n in enumerate(args.tokens):
@@ -437,4 +469,5 @@ def add_tune_args(ap) -> None:
     ap.add_argument("--table", default=str(Path(__file__).parent / "data" / "tuning.json"),
                     help="the tuning table --apply writes (default: the package's)")
     ap.add_argument("--other-gpu", action="store_true",
-                    help="--apply: merge rows timed on another GPU than the table's (same arch)")
+                    help="--apply: rows timed on another GPU than the table's (same arch) into the table's own rows, "
+                         "marked timed_on, not into that GPU's by_device section")

@@ -93,13 +93,42 @@ class Choice:
                                     self.sm90_fp8, gu, dn) if v) or "default"
 
 
-# a layer's entries: (bucket, choice) by rising bucket; bucket b serves b/2 < N <= b
+# a layer's entries: (bucket, choice) by rising bucket. Bucket b, a power of two, serves b/2 < N <= b; a
+# three-quarter bucket m = 3b/4 (b >= 4), where a row has it, takes b/2 < N <= m from it (crossovers
+# fall between the powers of two; bucket_lookup)
 TunedBuckets = tuple[tuple[int, Choice], ...]
 
 
 def n_bucket(n: int) -> int:
     """The power of two a row count's entry is filed under: b/2 < n <= b."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def fine_bucket(n: int) -> int:
+    """The finest bucket holding n: its three-quarter bucket 3b/4 where n <= 3b/4, else n_bucket's b."""
+    b = n_bucket(n)
+    return 3 * b // 4 if b >= 4 and n <= 3 * b // 4 else b
+
+
+def is_bucket(b: int) -> bool:
+    """Whether b is a bucket a row may be filed under: a power of two or three quarters of one (3, 6, 12, ...)."""
+    return b >= 1 and (b == n_bucket(b) or (b % 3 == 0 and b // 3 == n_bucket(b // 3)))
+
+
+def bucket_start(b: int) -> int:
+    """The largest row count below what bucket b serves (b/2 for a power of two, 2b/3 for a three-quarter one)."""
+    return b // 2 if b == n_bucket(b) else 2 * b // 3
+
+
+def bucket_lookup(buckets: TunedBuckets, n: int) -> Optional[Choice]:
+    """The row that serves n: its three-quarter bucket's where it has one, else its power of two's; None."""
+    found = dict(buckets)
+    return found.get(fine_bucket(n), found.get(n_bucket(n)))
+
+
+def merged_buckets(base: TunedBuckets, over: TunedBuckets) -> TunedBuckets:
+    """`base` with each bucket `over` has replaced by its row (a GPU's own rows over the table's)."""
+    return tuple(sorted({**dict(base), **dict(over)}.items()))
 
 
 def shape_key(hidden: int, intermediate: int, n_local: int, num_experts: int, top_k: int,
@@ -136,8 +165,8 @@ def parse_by_shape(rows) -> Mapping[tuple[str, str], TunedBuckets]:
             raise ConfigError(f"{where}: shape must read like 'H2048 I768 E128/128 k8' (tuning.shape_key)")
         if fmt not in ROW_FORMATS:
             raise ConfigError(f"{where}: format must be one of {ROW_FORMATS}")
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1 or b != n_bucket(b):
-            raise ConfigError(f"{where}: n={b!r} is not a power of two")
+        if isinstance(b, bool) or not isinstance(b, int) or not is_bucket(b):
+            raise ConfigError(f"{where}: n={b!r} is neither a power of two nor three quarters of one")
         try:
             c = Choice(**{f.name: r.get(f.name) for f in fields(Choice)})
         except ValueError as e:
@@ -146,6 +175,21 @@ def parse_by_shape(rows) -> Mapping[tuple[str, str], TunedBuckets]:
             raise ConfigError(f"{where}: a second row for this shape, format and N bucket")
         out[(shape, fmt)][b] = c
     return {k: tuple(sorted(v.items())) for k, v in out.items()}
+
+
+def parse_by_device(sections) -> Mapping[str, Mapping[tuple[str, str], TunedBuckets]]:
+    """The by_device entry: {GPU name as the driver reports it: by_shape rows timed on that GPU}."""
+    if not isinstance(sections, Mapping):
+        raise ConfigError(f"tuning table: by_device must map a GPU's name to its rows, found {type(sections).__name__}")
+    out = {}
+    for gpu, rows in sections.items():
+        if not isinstance(gpu, str) or not gpu or not isinstance(rows, list):
+            raise ConfigError(f"tuning table: by_device[{gpu!r}] must be a GPU's name with a list of by_shape rows")
+        try:
+            out[gpu] = parse_by_shape(rows)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (by_device[{gpu!r}])") from None
+    return out
 
 
 @dataclass(frozen=True)
@@ -169,6 +213,9 @@ class Tuning:
     sm90_auto: Sm90Auto
     by_shape: Mapping[tuple[str, str], TunedBuckets]  # measured per (shape, format, N bucket); may be empty
     by_shape_arch: str  # the architecture by_shape was measured on (its rows name that arch's kernels)
+    # rows timed on other GPUs of that arch, by the name the driver reports: each replaces the table's row
+    # of its bucket on that GPU (the copy rate moves the crossovers; the arch's kernels are the same)
+    by_device: Mapping[str, Mapping[tuple[str, str], TunedBuckets]]
     sources: Mapping[str, Mapping]  # entry -> {"decides", "result", "command"}
 
     @classmethod
@@ -194,9 +241,14 @@ class Tuning:
             sm90_auto=Sm90Auto(**v["sm90_auto"]),
             by_shape=parse_by_shape(v.get("by_shape", [])),
             by_shape_arch=str(data.get("arch", "sm_90a")),
+            by_device=parse_by_device(v.get("by_device", {})),
             sources={k: {f: e[f] for f in ("decides", "result", "command") if f in e}
                      for k, e in data.items() if isinstance(e, dict)},
         )
+
+    def rows_for(self, key: tuple[str, str], device: Optional[str] = None) -> TunedBuckets:
+        """A (shape, format) key's buckets on the GPU named `device`: its own rows over the table's."""
+        return merged_buckets(self.by_shape.get(key, ()), self.by_device.get(device or "", {}).get(key, ()))
 
 
 def load(text: str | None = None) -> Tuning:

@@ -259,7 +259,8 @@ def test_from_pretrained_matches_reference(tmp_path, rng, inspect_scratch):
     checkpoint.save_layer(tmp_path, testing.hf_config_dict(fam), 1, hw)
     layer = MoeLayer.from_pretrained(tmp_path, 1, max_tokens=16)
     assert layer.cfg == cfg
-    assert inspect_scratch(tmp_path, "--layer", 1, "--max-tokens", 16, "--arch", layer.lib.arch) == \
+    assert inspect_scratch(tmp_path, "--layer", 1, "--max-tokens", 16, "--arch", layer.lib.arch,
+                           "--gpu", layer.device.name) == \
         {16: layer.workspace.nbytes}
     x = well_separated_input(cfg, hw, rng, 7)
     assert check(run_layer(layer, x), cfg, hw, x, layer.select_path(7), layer=layer).ok

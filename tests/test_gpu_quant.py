@@ -352,7 +352,8 @@ def test_from_pretrained_quantized_checkpoint(tmp_path, rng, inspect_scratch, fa
     want_cfg, loaded = checkpoint.load_layer(tmp_path, 1)
     layer = MoeLayer.from_pretrained(tmp_path, 1, max_tokens=300, keep_w8a8_activation=True)
     assert layer.cfg == want_cfg and layer.weights.format == fmt
-    assert inspect_scratch(tmp_path, "--layer", 1, "--max-tokens", 300, "--arch", layer.lib.arch) == \
+    assert inspect_scratch(tmp_path, "--layer", 1, "--max-tokens", 300, "--arch", layer.lib.arch,
+                           "--gpu", layer.device.name) == \
         {300: layer.workspace.nbytes}
     for n in (3, 300):
         x = well_separated_input(want_cfg, loaded, rng, n)

@@ -24,9 +24,10 @@ PACKAGE_TABLE = Path(tune.__file__).parent / "data" / "tuning.json"
 
 
 def _empty_table(tmp_path) -> Path:
-    """The package's tuning table with no by_shape rows, in tmp_path."""
+    """The package's tuning table with no by_shape rows and no by_device sections, in tmp_path."""
     data = json.loads(PACKAGE_TABLE.read_text())
     data["by_shape"] = {**data["by_shape"], "value": []}
+    data.pop("by_device", None)
     p = tmp_path / "tuning.json"
     p.write_text(json.dumps(data, indent=2) + "\n")
     return p
@@ -108,13 +109,21 @@ def test_the_default_choice_is_what_the_layer_runs():
         lp = plan_layer(bench.preset_config("qwen3-30b-a3b"), fmt, None, "sm_90a",
                         options=LayerOptions(decode_max_tokens=256), knobs=Knobs(), table={})
         assert tune.default_choice(replace(lp, tuned=((128, swapab),)), H200, 128) == swapab
+    # and on the w8a8 wgmma decode's: timed as the layer runs it, not at the rule's tile
+    wgmma = Choice("decode", w8a8_decode="wgmma", token_tile=16)
+    lp = plan_layer(bench.preset_config("gpt-oss-120b"), "fp8_block", None, "sm_90a",
+                    options=LayerOptions(decode_max_tokens=256), knobs=Knobs(), table={})
+    assert tune.default_choice(replace(lp, tuned=((128, wgmma),)), H200, 128) == wgmma
+    assert tune.default_choice(lp, H200, 128) == Choice("decode", w8a8_decode="wgmma")
 
 
 def test_forcing_a_choice_goes_through_the_tables_lookup():
     lp0, _ = _plans("mixtral-8x7b", "bf16")
-    f = tune.forced(lp0, 48, Choice("decode"))
+    f = tune.forced(lp0, 48, Choice("decode"))  # filed under its three-quarter bucket: 33..48
     assert choose_path(f, "auto", 48) == "decode" and choose_path(f, "auto", 33) == "decode"
-    assert choose_path(f, "auto", 65) == "prefill" and f.tuned == ((64, Choice("decode")),)
+    assert choose_path(f, "auto", 65) == "prefill" and f.tuned == ((48, Choice("decode")),)
+    f = tune.forced(lp0, 64, Choice("decode"))  # a power of two: 33..64
+    assert choose_path(f, "auto", 33) == choose_path(f, "auto", 64) == "decode" and f.tuned == ((64, Choice("decode")),)
 
 
 def test_the_pick_keeps_the_default_within_the_margin():
@@ -139,32 +148,45 @@ def test_rows_merge_into_the_table_and_the_layer_reads_them(tmp_path):
     result = tmp_path / "20261202-h200-tune-x.json"
     result.write_text(json.dumps(dict(meta={}, cells=cells, table=tune.table_rows(cells, command, "elsewhere"))))
     table = _empty_table(tmp_path)
-    assert tune.apply_result(result, table) == 2
-    assert tune.apply_result(result, table) == 2  # the same rows again replace, not add
+    assert tune.apply_result(result, table).rows == 2
+    assert tune.apply_result(result, table).rows == 2  # the same rows again replace, not add
     other = tmp_path / "20261202-a100-tune-x.json"  # rows timed on another arch name its kernels, not the table's
     other.write_text(json.dumps(dict(json.loads(result.read_text()), meta={"arch": "sm_80"})))
     with pytest.raises(ConfigError, match="measured on sm_80, but the tuning table's rows are sm_90a's"):
         tune.apply_result(other, table)
-    h100 = tmp_path / "20261206-h100-tune-x.json"  # the same arch, another GPU's rates: only when asked
+    h100 = tmp_path / "20261206-h100-tune-x.json"  # the same arch, another GPU's rates: that GPU's own section
     h100.write_text(json.dumps(dict(json.loads(result.read_text()),
                                     meta={"arch": "sm_90a", "gpu": "NVIDIA H100 80GB HBM3"})))
-    with pytest.raises(ConfigError, match="timed on NVIDIA H100 80GB HBM3, but the tuning table's rows are NVIDIA H200's"):
-        tune.apply_result(h100, table)
-    assert tune.apply_result(h100, table, other_gpu=True) == 2
+    h100_rows = [{**r, "path": "prefill", "grouped": "stream"} if r["n"] == 16 else r
+                 for r in json.loads(h100.read_text())["table"]]
+    h100.write_text(json.dumps({**json.loads(h100.read_text()), "table": h100_rows}))
+    assert tune.apply_result(h100, table) == tune.Applied(2, "by_device['NVIDIA H100 80GB HBM3']")
+    data = json.loads(table.read_text())
+    section = data["by_device"]["value"]["NVIDIA H100 80GB HBM3"]
+    assert [(r["n"], r["path"]) for r in section] == [(16, "prefill"), (48, "prefill")]  # N = 48: 3/4 of 64
+    assert not any("timed_on" in r for r in section) and len(data["by_shape"]["value"]) == 2
+    assert data["by_device"]["result"] == ["benchmarks/results/20261206-h100-tune-x.json"]
+    t = load(table.read_text())
+    key = ("H2048 I768 E128/128 k8", "bf16")
+    assert dict(t.rows_for(key))[16] == Choice("decode")  # the table's own GPU
+    assert dict(t.rows_for(key, "NVIDIA H100 80GB HBM3"))[16] == Choice("prefill", "stream")
+    assert dict(t.rows_for(key, "NVIDIA A100-SXM4-80GB"))[16] == Choice("decode")  # no section: the table's
+    assert tune.apply_result(h100, table, other_gpu=True).rows == 2  # asked: into the table's rows, marked
     assert {r.get("timed_on") for r in json.loads(table.read_text())["by_shape"]["value"]} == {"NVIDIA H100 80GB HBM3"}
     load(table.read_text())  # a marked row loads
-    assert tune.apply_result(result, table) == 2  # (the H200's rows back, unmarked)
+    assert tune.apply_result(result, table).rows == 2  # (the H200's rows back, unmarked)
     data = json.loads(table.read_text())
     rows = data["by_shape"]["value"]
-    assert [(r["n"], r["path"], r["grouped"]) for r in rows] == [(16, "decode", None), (64, "prefill", "math")]
+    assert [(r["n"], r["path"], r["grouped"]) for r in rows] == [(16, "decode", None), (48, "prefill", "math")]
     assert {r["result"] for r in rows} == {"benchmarks/results/20261202-h200-tune-x.json"}
     assert not any("timed_on" in r for r in rows)
     assert rows[0]["command"] == command
-    assert {k: v for k, v in data.items() if k != "by_shape"} == {k: v for k, v in json.loads(
-        PACKAGE_TABLE.read_text()).items() if k != "by_shape"}
+    assert {k: v for k, v in data.items() if k not in ("by_shape", "by_device")} == {k: v for k, v in json.loads(
+        PACKAGE_TABLE.read_text()).items() if k not in ("by_shape", "by_device")}
     lp = plan_layer(bench.preset_config("qwen3-30b-a3b"), "bf16", None, "sm_90a", knobs=Knobs(),
                     table=load(table.read_text()).by_shape)
-    assert [choose_path(lp, "auto", n) for n in (8, 9, 16, 17)] == ["decode", "decode", "decode", "prefill"]
+    assert [choose_path(lp, "auto", n) for n in (8, 9, 16, 33, 48)] == ["decode", "decode", "decode", "prefill",
+                                                                         "prefill"]
 
 
 def test_the_time_limit_skips_what_it_leaves_untimed():
@@ -191,16 +213,16 @@ def test_tune_apply_runs_without_a_gpu(tmp_path):
 
 
 def test_apply_refuses_a_result_the_table_could_not_load_and_writes_nothing(tmp_path):
-    """A row the table would refuse (n 48, an unknown path), rows that cannot be sorted together, or a file
+    """A row the table would refuse (n 40, an unknown path), rows that cannot be sorted together, or a file
     that is no tune result is a ConfigError naming it, and the table file is left byte for byte: a bad
     row merged into the package's own table would make every later `import cupymoe` fail."""
     good = tune.table_rows([_cell(32, Choice("decode"), Choice("prefill", "stream"))], "python -m cupymoe tune", "x")[0]
     table = _empty_table(tmp_path)
     before = table.read_bytes()
     cases = [
-        (dict(table=[{**good, "n": 48}]), "n=48 is not a power of two"),
+        (dict(table=[{**good, "n": 40}]), "n=40 is neither a power of two nor three quarters of one"),
         (dict(table=[{**good, "path": "warp-speed"}]), "path"),
-        (dict(table=[good, {**good, "n": "16"}]), "n='16' is not a power of two"),
+        (dict(table=[good, {**good, "n": "16"}]), "n='16' is neither a power of two"),
         (dict(table=[{k: v for k, v in good.items() if k != "shape"}]), "shape must read like"),
         (dict(rows=[good]), "not a tune result"),
         (dict(table=good), "not a tune result"),

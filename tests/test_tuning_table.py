@@ -17,10 +17,12 @@ from cupymoe.forward_plan import build_forward_plan
 from cupymoe.knobs import Knobs, LoraShrink
 from cupymoe.plan import DeviceFacts, LayerOptions, choose_path, plan_layer
 from cupymoe.errors import ConfigError
-from cupymoe.tuning import Choice, format_key, load, n_bucket, parse_by_shape, shape_key
+from cupymoe.tuning import (Choice, bucket_start, fine_bucket, format_key, is_bucket, load, n_bucket, parse_by_shape,
+                            shape_key)
 
 H200 = DeviceFacts.h200()
 DIGESTS = Path(__file__).with_name("plan_digests.json")
+PACKAGE_TABLE = Path(__file__).parents[1] / "cupymoe" / "data" / "tuning.json"
 # powers of two and three times them, each +-1: every bucket edge of 1..16384
 NS = sorted({m + d for p in range(15) for m in (1 << p, 3 << p) for d in (-1, 0, 1) if 1 <= m + d <= 16384})
 
@@ -50,9 +52,53 @@ def test_an_empty_table_builds_the_plans_of_the_global_rules():
 
 def test_the_packaged_table_loads_and_names_known_shapes():
     t = load()
-    for (shape, fmt), buckets in t.by_shape.items():
+    for (shape, fmt), buckets in [*t.by_shape.items(), *(kv for rows in t.by_device.values() for kv in rows.items())]:
         assert shape.startswith("H") and fmt.split(":")[0] in bench.FORMATS
-        assert all(b == n_bucket(b) for b, _ in buckets)
+        assert all(is_bucket(b) for b, _ in buckets)
+    doc = json.loads(PACKAGE_TABLE.read_text())
+    assert doc["device"] not in t.by_device  # the table's own GPU's rows are by_shape
+
+
+def test_three_quarter_buckets_take_the_lower_part_of_their_power_of_two():
+    """A row at m = 3b/4 serves b/2 < N <= m; the row at b keeps m < N <= b (all of b/2 < N <= b where
+    no row has m); the plans' segments cut at both."""
+    assert [fine_bucket(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 33, 48, 49, 64, 257, 384, 385)] == \
+        [1, 2, 3, 4, 6, 6, 8, 8, 48, 48, 64, 64, 384, 384, 512]
+    assert [is_bucket(b) for b in (1, 2, 3, 6, 12, 24, 48, 96, 384, 5, 9, 40, 72, 0)] == [True] * 9 + [False] * 5
+    assert [bucket_start(b) for b in (64, 48, 512, 384)] == [32, 32, 256, 256]
+    lp = _qwen(rows=[(48, Choice(path="prefill")), (64, Choice(path="decode"))])
+    assert [choose_path(lp, "auto", n) for n in (33, 48, 49, 64)] == ["prefill", "prefill", "decode", "decode"]
+    alone = _qwen(rows=[(48, Choice(path="prefill"))])  # no row at 64: 49..64 take the rules
+    assert [choose_path(alone, "auto", n) for n in (33, 48)] == ["prefill", "prefill"]
+    assert alone.choice(49) == Choice() and alone.choice(64) == Choice()
+    from cupymoe.forward_plan import _table_segments
+    assert _table_segments(lp, 1, 100) == [(1, 32), (33, 48), (49, 64), (65, 100)]
+
+
+def test_a_gpus_own_rows_replace_the_tables_bucket_by_bucket():
+    """by_device rows replace the table's row of their bucket on that GPU (by the driver's name) and
+    nowhere else; buckets they lack keep the table's; CUPYMOE_DEVICE_ROWS=0 leaves them out."""
+    key = (shape_key(2048, 768, 128, 128, 8), "bf16")
+    doc = json.loads(PACKAGE_TABLE.read_text())
+    row = dict(shape=key[0], format="bf16", path="decode")
+    doc["by_shape"]["value"] = [{**row, "n": 16}, {**row, "n": 64}]
+    doc["by_device"] = {"value": {"NVIDIA H100 80GB HBM3": [{**row, "n": 64, "path": "prefill"},
+                                                            {**row, "n": 96, "path": "prefill"}]}}
+    t = load(json.dumps(doc))
+    assert t.rows_for(key) == ((16, Choice("decode")), (64, Choice("decode")))
+    assert t.rows_for(key, "NVIDIA H100 80GB HBM3") == ((16, Choice("decode")), (64, Choice("prefill")),
+                                                         (96, Choice("prefill")))
+    assert t.rows_for(key, "NVIDIA H100 PCIe") == t.rows_for(key)
+    with pytest.raises(ConfigError, match=r"n=40 is neither .*by_device\['NVIDIA H100 80GB HBM3'\]"):
+        load(json.dumps({**doc, "by_device": {"value": {"NVIDIA H100 80GB HBM3": [{**row, "n": 40}]}}}))
+    with pytest.raises(ConfigError, match="by_device must map a GPU's name to its rows"):
+        load(json.dumps({**doc, "by_device": {"value": [row]}}))
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    packaged = load()
+    h100 = "NVIDIA H100 80GB HBM3"
+    for knobs, want in ((Knobs(), packaged.rows_for(key, h100)), (Knobs(device_rows=False), packaged.rows_for(key))):
+        lp = plan_layer(cfg, "bf16", None, "sm_90a", knobs=knobs, device_name=h100)
+        assert lp.tuned == tuple((b, c) for b, c in want)
 
 
 def _qwen(fmt="bf16", rows=(), knobs=None, **options):
@@ -100,8 +146,8 @@ def test_bad_entries_are_refused_by_name():
     with pytest.raises(ValueError, match="path='warp'"):
         Choice(path="warp")
     row = dict(shape="H2048 I768 E128/128 k8", format="bf16", n=16, path="decode")
-    with pytest.raises(ConfigError, match="n=24 is not a power of two"):
-        parse_by_shape([{**row, "n": 24}])
+    with pytest.raises(ConfigError, match="n=20 is neither a power of two nor three quarters of one"):
+        parse_by_shape([{**row, "n": 20}])
     assert n_bucket(1) == 1 and n_bucket(9) == 16 and n_bucket(16) == 16 and n_bucket(17) == 32
 
 
@@ -109,7 +155,7 @@ def test_bad_entries_are_refused_by_name():
     (dict(decode_kernal="swapab"), r"unknown field\(s\) \['decode_kernal'\]"),
     (dict(shape="H1"), "shape must read like"),
     (dict(format="fp8_block"), "format must be one of"),
-    (dict(n=True), "n=True is not a power of two"),
+    (dict(n=True), "n=True is neither a power of two"),
     (dict(path="warp"), "path='warp'"),
 ])
 def test_a_bad_row_is_refused_naming_the_row(change, message):
