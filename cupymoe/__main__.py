@@ -135,6 +135,7 @@ def cmd_inspect(args) -> int:
         layer = args.layer if args.layer is not None else (moe[0] if moe else 0)
         cfg, hw = checkpoint.load_layer(args.dir, layer)
         from .plan import LayerOptions, plan_layer
+        from .tuning import TUNING
 
         # the scratch MoeLayer would allocate on a GPU of that arch with every expert local: the
         # same plan (decode rows by format, w8a8 buffers, gathered inputs) as its constructor.
@@ -162,7 +163,10 @@ def cmd_inspect(args) -> int:
     for why in kernel_limits_violations(cfg):
         print(f"  NOT served by the GPU kernels: {why}")
     _print_tensors(hw)
-    _print_workspace(config, moe, cfg, plan, plan_of, arch, args.max_tokens)
+    if args.gpu and args.gpu not in TUNING.by_device:  # a misspelt name would size another GPU's scratch unseen
+        print(f"  --gpu {args.gpu!r}: the tuning table has no rows timed on it (it has them for "
+              f"{', '.join(map(repr, TUNING.by_device)) or 'no GPU'}): its by_shape rows size this scratch")
+    _print_workspace(config, moe, cfg, plan, plan_of, f"{arch} ({args.gpu})" if args.gpu else arch, args.max_tokens)
     if args.lora is not None:
         return _print_lora(args.lora, layer, cfg, plan)
     return 0

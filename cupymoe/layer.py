@@ -55,7 +55,8 @@ class MoeLayer:
         """Options: `path` ("auto", "decode", "atomic", "prefill"), `row_invariant` (the grouped path at
         every N: a row's bits never depend on N or the batch), `decode_max_tokens` / `atomic_max_tokens`
         (default: the measured crossover for the routed experts' format, raised to the tuning table's
-        decode-path buckets for the layer's shape on the arch it was measured on), `comm` (sums the
+        decode-path buckets for the layer's shape on the arch it was measured on, this GPU's by_device
+        rows over its by_shape rows), `comm` (sums the
         expert-parallel partials), `expert_owner[e]` (the rank computing expert e), `fp8_compute`
         ("auto", "w8a8", "w8a16"), `workspace` (scratch shared with other layers run in turn on one
         stream; default: the layer's own), `max_loras` / `max_lora_rank` (adapter slots reserved once:

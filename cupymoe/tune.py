@@ -23,7 +23,8 @@ heuristics pick today) already runs at FLOOR_PRUNE_PCT of the floor, nothing els
 candidate replaces the default only when faster by more than MARGIN and its output is within
 MAX_REL_ERR of the default's (the paths sum in other orders; a larger gap is a fault, not a choice). The run writes a result
 file (benchmarks/results style) whose `table` rows, each with the command that measured it,
-`--apply` merges into the tuning table (cupymoe/data/tuning.json, entry by_shape).
+`--apply` merges into the tuning table (cupymoe/data/tuning.json, entry by_shape; a sweep timed on
+another GPU than the table's into that GPU's by_device section).
 """
 
 from __future__ import annotations
@@ -216,6 +217,12 @@ def _merged(old: list[dict], rows: list[dict]) -> list[dict]:
     return [keep[k] for k in sorted(keep)]
 
 
+def foreign_gpu(tuning: dict, gpu: Optional[str]) -> bool:
+    """Whether rows timed on `gpu` belong to its by_device section of `tuning` (another GPU than the table's)."""
+    table_gpu = tuning.get("device")
+    return bool(gpu and table_gpu and gpu != table_gpu)
+
+
 @dataclass(frozen=True)
 class Applied:
     """What `tune --apply` merged: its rows' count and the entry they went to."""
@@ -239,10 +246,10 @@ def apply_result(result_path: Path, tuning_path: Path, other_gpu: bool = False) 
     measured, table_arch = meta.get("arch"), tuning.get("arch", "sm_90a")
     if measured is not None and measured != table_arch:  # the rows name that arch's kernels and its timings
         raise ConfigError(f"{result_path}: measured on {measured}, but the tuning table's rows are {table_arch}'s")
-    gpu, table_gpu = meta.get("gpu"), tuning.get("device")
-    foreign = bool(gpu and table_gpu and gpu != table_gpu)
-    if foreign and not isinstance(gpu, str):
+    gpu = meta.get("gpu")
+    if "gpu" in meta and (not isinstance(gpu, str) or not gpu):
         raise ConfigError(f"{result_path}: meta.gpu must be the GPU's name, found {gpu!r}")
+    foreign = foreign_gpu(tuning, gpu)
     name = f"benchmarks/results/{Path(result_path).name}"  # where the result is committed
     mark = {"timed_on": gpu} if foreign and other_gpu else {}  # the rows a sweep on the table's GPU should re-time
     rows = [{**r, "result": name, **mark} for r in rows]
@@ -415,7 +422,8 @@ def run_tune(args) -> int:
     print(f"results written to {path}", flush=True)
     if args.table_out:
         tuning = json.loads((Path(__file__).parent / "data" / "tuning.json").read_text())
-        Path(args.table_out).write_text(json.dumps(merge_rows(tuning, rows), indent=2) + "\n")
+        merged = merge_rows(tuning, rows, gpu if foreign_gpu(tuning, gpu) else "")  # as --apply files them
+        Path(args.table_out).write_text(json.dumps(merged, indent=2) + "\n")
         print(f"tuning table with these rows written to {args.table_out}", flush=True)
     return 0 if cells else 1
 

@@ -1,8 +1,9 @@
 """A GPU's by_device rows against the tuning table's own, from tune sweeps timed on that GPU.
 
-A sweep run with the rows in the package times their plan as its default and every candidate beside
-it, the plan the table's own rows give among them. For each cell this prints (and with --json writes)
-both times and their difference; no GPU needed:
+A sweep times every candidate plan of each cell, the section's plan and the one the table's own rows
+give among them (run with the rows in the package, the section's is its default: a check on another
+input; on the sweep that chose the rows, the figures are that sweep's own). For each cell this prints
+(and with --json writes) both times and their difference; no GPU needed:
 
     python scripts/device_rows_check.py RESULT.json [RESULT.json ...] [--json OUT.json]
 
@@ -20,18 +21,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cupymoe import bench, tune  # noqa: E402
+from cupymoe.knobs import Knobs  # noqa: E402
 from cupymoe.plan import DeviceFacts, LayerOptions, plan_layer  # noqa: E402
 
 
+# what the plans read of each GPU a sweep may come from (SMs, opt-in shared memory a block)
+GPUS = {"NVIDIA H100 80GB HBM3": (132, 232448), "NVIDIA H200": (132, 232448)}
+
+
 def table_label(shape: str, fmt_key: str, n: int, gpu: str) -> tuple[str, str]:
-    """(the label of what the layer runs at n with the GPU's rows, without them)."""
+    """(the label of what the layer runs at n with the GPU's rows, without them), as with no knob set."""
+    if gpu not in GPUS:
+        sys.exit(f"device_rows_check.py: no SM count known for {gpu!r} (add it to GPUS)")
     cfg = bench.preset_config(shape)
     fmt, _, compute = fmt_key.partition(":")
-    dev = DeviceFacts("sm_90a", 132, 232448, gpu)
+    dev = DeviceFacts("sm_90a", *GPUS[gpu], gpu)
     opts = LayerOptions(fp8_compute=compute or "auto")
     out = []
     for name in (gpu, ""):
-        lp = plan_layer(cfg, fmt, None, "sm_90a", n_local=cfg.num_experts, options=opts, device_name=name)
+        lp = plan_layer(cfg, fmt, None, "sm_90a", n_local=cfg.num_experts, options=opts, knobs=Knobs(),
+                        device_name=name)
         out.append(tune.default_choice(lp, dev, n).label())
     return out[0], out[1]
 

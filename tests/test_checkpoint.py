@@ -742,6 +742,13 @@ def test_inspect_scratch_is_the_layers_plan(tmp_path, capsys, inspect_scratch):
     assert ampere == w8a16 and all(w8a16[T] < hopper[T] for T in hopper)
     # Hopper is compiled for as sm_90a whichever way it is named
     assert inspect_scratch(tmp_path / "ds", "--max-tokens", "64", "300", "--arch", "sm_90") == hopper
+    # a GPU the tuning table has rows of (none for this shape: the same scratch) or not (said so)
+    assert inspect_scratch(tmp_path / "ds", "--max-tokens", "64", "--gpu", "NVIDIA H100 80GB HBM3") == {64: hopper[64]}
+    from cupymoe.__main__ import main
+    assert main(["inspect", str(tmp_path / "ds"), "--max-tokens", "64", "--gpu", "NVIDIA H100 PCI"]) == 0
+    out = capsys.readouterr().out
+    assert "--gpu 'NVIDIA H100 PCI': the tuning table has no rows timed on it" in out
+    assert "scratch at max_tokens=64 on sm_90a (NVIDIA H100 PCI):" in out
     # fp8 experts on sm_80 cannot run w8a8: refused as the layer would refuse it
     from cupymoe.__main__ import main
 

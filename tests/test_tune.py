@@ -226,6 +226,8 @@ def test_apply_refuses_a_result_the_table_could_not_load_and_writes_nothing(tmp_
         (dict(table=[{k: v for k, v in good.items() if k != "shape"}]), "shape must read like"),
         (dict(rows=[good]), "not a tune result"),
         (dict(table=good), "not a tune result"),
+        (dict(table=[good], meta={"gpu": 0}), "meta.gpu must be the GPU's name, found 0"),
+        (dict(table=[good], meta={"gpu": ["NVIDIA H100 80GB HBM3"]}), "meta.gpu must be the GPU's name"),
         ([good], "not a tune result .expected a JSON object, found list"),
     ]
     for i, (doc, message) in enumerate(cases):

@@ -59,6 +59,42 @@ def test_the_packaged_table_loads_and_names_known_shapes():
     assert doc["device"] not in t.by_device  # the table's own GPU's rows are by_shape
 
 
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-next-80b", "qwen3-235b-a22b", "mixtral-8x7b",
+                                    "gpt-oss-120b", "deepseek-v3"])
+def test_the_h100_rows_are_what_an_h100_layer_runs_across_their_buckets(preset):
+    """Each row of the packaged H100 section is the layer's choice at both ends of the row counts it
+    serves on that GPU, and the plans there build; its decode-path rows raise that GPU's decode cap
+    (and so its scratch), not the table's GPU's."""
+    from cupymoe.workspace import layer_need
+
+    cfg = bench.preset_config(preset)
+    h100 = DeviceFacts("sm_90a", 132, 232448, H100)
+    table = load()
+    for fmt in ("bf16", "fp8_block"):
+        lp = plan_layer(cfg, fmt, None, "sm_90a", knobs=Knobs(), device_name=H100)
+        key = (shape_key(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts,
+                         cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size), format_key(fmt, lp.w8a8))
+        rows = dict(table.by_device[H100].get(key, ()))
+        assert rows, key
+        for b, c in rows.items():
+            lo = bucket_start(b) + 1
+            if b == n_bucket(b) and 3 * b // 4 in rows:
+                lo = 3 * b // 4 + 1  # its three quarters' row serves below
+            for n in (lo, b):
+                assert lp.choice(n) == c, (key, b, n)
+                path = choose_path(lp, "auto", n)
+                assert c.path is None or path == c.path, (key, b, n, path)
+                assert build_forward_plan(lp, h100, n, path).at(n).launches
+    gpt = bench.preset_config("gpt-oss-120b")
+    h200_plan = plan_layer(gpt, "bf16", None, "sm_90a", knobs=Knobs())
+    h100_plan = plan_layer(gpt, "bf16", None, "sm_90a", knobs=Knobs(), device_name=H100)
+    assert h100_plan.decode_max_tokens > h200_plan.decode_max_tokens
+    assert layer_need(h100_plan, 4096)[1].total_bytes > layer_need(h200_plan, 4096)[1].total_bytes
+
+
 def test_three_quarter_buckets_take_the_lower_part_of_their_power_of_two():
     """A row at m = 3b/4 serves b/2 < N <= m; the row at b keeps m < N <= b (all of b/2 < N <= b where
     no row has m); the plans' segments cut at both."""
