@@ -614,6 +614,25 @@ def test_fp4_decode_kernels_by_knob(mode, rng, monkeypatch):
     assert chosen == ({"wgmma", "mma"} if mode == "auto" else {mode}), chosen
 
 
+@pytest.mark.parametrize("mode", ["wgmma", "mma"])
+def test_fp4_decode_kernels_past_256_rows(mode, rng, monkeypatch):
+    """The fp4 decode kernels at the rows `python -m cupymoe tune` offers them (tune.DECODE_CAP, up
+    to 2048; the tuning table's H100 rows send gpt-oss-120b mxfp4 and deepseek-v3 nvfp4 there):
+    N = 257, 700 and 2047 on the decode path of a layer whose decode cap is 2048, its experts'
+    rows in many passes of 16 (and the shared expert's N in more), against the reference."""
+    if not _hopper():
+        pytest.skip("decode_wgmma_fp4.cu needs sm_90a")
+    monkeypatch.setenv("CUPYMOE_FP4_DECODE", mode)
+    for name, H, I, Is in WGMMA_FP4_CASES:
+        cfg, hw, layer = _sized_case(name, H, I, Is, rng, max_tokens=2048, decode_max_tokens=2048)
+        assert layer.select_path(2047) == "decode"
+        for n in (257, 700, 2047):
+            x = well_separated_input(cfg, hw, rng, n)
+            c = check(run_layer(layer, x, "decode"), cfg, hw, x, "decode", layer=layer)
+            assert c.ok, f"{name} N={n} fp4 decode on {mode}: {c}"
+        layer.check_errors()
+
+
 @pytest.mark.parametrize("fp4_decode", ["wgmma", "mma"])
 def test_format_launch_with_no_chosen_expert_keeps_the_decode_chain_ordered(fp4_decode, rng, monkeypatch):
     """EP rank 0 of two, nvfp4 routed experts beside an fp8 shared expert (two launches a
