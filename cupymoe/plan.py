@@ -317,10 +317,19 @@ class LayerPlan:
         return 1 if self.cfg.has_shared_expert else 0
 
 
+# rows up to which a w8a8 layer's LoRA forwards take the decode path unless the caller sets its cap: the
+# rows tests/test_gpu_lora.py checks the w8a16 LoRA decode at (the table's w8a16 decode rows reach 512)
+LORA_W8A16_DECODE_MAX_ROWS = 64
+
+
 def lora_options(options: LayerOptions) -> LayerOptions:
     """The options of a w8a8 layer's LoRA forwards with expert adapters: its fp8 experts as w8a16 (the
-    deltas go into g and u before the activation, which the w8a8 gate/up quantizes in its epilogue)."""
-    return replace(options, fp8_compute=Fp8Compute.W8A16.value, keep_w8a8_activation=False)
+    deltas go into g and u before the activation, which the w8a8 gate/up quantizes in its epilogue), on
+    the decode path to LORA_W8A16_DECODE_MAX_ROWS rows where the caller left the cap to the table."""
+    cap = options.decode_max_tokens
+    if cap is None:
+        cap = max(LORA_W8A16_DECODE_MAX_ROWS, options.atomic_max_tokens or 0)
+    return replace(options, fp8_compute=Fp8Compute.W8A16.value, keep_w8a8_activation=False, decode_max_tokens=cap)
 
 
 def resolve_fp8_compute(fp8_compute: str, formats: tuple[WeightFormat, ...], arch: str) -> Optional[Fp8Compute]:

@@ -50,9 +50,9 @@ if TYPE_CHECKING:
     from .ceilings import Ceilings
 
 # decode candidates only up to the rows the GPU tests check that path at (`python -m cupymoe verify`:
-# 64; w8a8 to 511: tests/test_gpu_quant.py test_w8a8_decode_kernels_past_64_rows; fp4 to 2047:
-# test_fp4_decode_kernels_past_256_rows)
-DECODE_CAP = {"bf16": 64, "fp8_block:w8a8": 512, "fp8_block:w8a16": 64, "nvfp4": 2048, "mxfp4": 2048}
+# 64; w8a8 and w8a16 to 511: tests/test_gpu_quant.py test_w8a8_decode_kernels_past_64_rows,
+# test_w8a16_decode_kernels_past_64_rows; fp4 to 2047: test_fp4_decode_kernels_past_256_rows)
+DECODE_CAP = {"bf16": 64, "fp8_block:w8a8": 512, "fp8_block:w8a16": 512, "nvfp4": 2048, "mxfp4": 2048}
 # bf16 and w8a8 decode candidates on the swap-AB kernels up to this many rows (tests/test_gpu_swapab*.py
 # test_swapab_past_256_rows: 2047), where heuristics.swapab_holds_busy_expert
 SWAPAB_CAP = 2048

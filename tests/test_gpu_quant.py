@@ -475,6 +475,22 @@ def test_w8a8_decode_kernels_past_64_rows(mode, rng, monkeypatch):
         layer.check_errors()
 
 
+@pytest.mark.parametrize("mode", ["mma", "cores"])
+def test_w8a16_decode_kernels_past_64_rows(mode, rng, monkeypatch):
+    """The w8a16 fp8 decode kernels (CUPYMOE_FP8_DECODE) at the rows `python -m cupymoe tune` offers
+    them (tune.DECODE_CAP, up to 512): N = 65, 129, 255 and 511 on the decode path of a layer whose
+    decode cap is 512, against the reference."""
+    monkeypatch.setenv("CUPYMOE_FP8_DECODE", mode)
+    for name in ("qwen3_moe-fp8", "deepseek_v3-fp8-fp8router-bf16shared"):
+        cfg, hw, layer = _case(name, rng, fp8_compute="w8a16", decode_max_tokens=512, max_tokens=512)
+        assert layer.fp8_compute == "w8a16" and layer.select_path(511) == "decode"
+        for n in (65, 129, 255, 511):
+            x = well_separated_input(cfg, hw, rng, n)
+            c = check(run_layer(layer, x, "decode"), cfg, hw, x, "decode", layer=layer)
+            assert c.ok, f"{name} N={n} decode w8a16 on {mode}: {c}"
+        layer.check_errors()
+
+
 @pytest.mark.parametrize("tile", [16, 32])
 def test_w8a8_decode_tuned_token_tile(tile, rng, monkeypatch):
     """A tuning-table row of decode/wgmma naming a token tile: passes of that many rows at every N

@@ -111,7 +111,7 @@ def test_three_quarter_buckets_take_the_lower_part_of_their_power_of_two():
     assert _table_segments(lp, 1, 100) == [(1, 32), (33, 48), (49, 64), (65, 100)]
 
 
-def test_a_gpus_own_rows_replace_the_tables_bucket_by_bucket():
+def test_a_devices_own_rows_replace_the_tables_bucket_by_bucket():
     """by_device rows replace the table's row of their bucket on that GPU (by the driver's name) and
     nowhere else; buckets they lack keep the table's; CUPYMOE_DEVICE_ROWS=0 leaves them out."""
     key = (shape_key(2048, 768, 128, 128, 8), "bf16")
@@ -267,3 +267,21 @@ def test_a_wgmma_token_tile_goes_with_its_kernel_under_the_knobs():
     assert forced_wgmma[64] == Choice("decode") and forced_wgmma[128].token_tile == 32
     forced_kernel = buckets({"CUPYMOE_DECODE_KERNEL": "register"})
     assert forced_kernel[64].token_tile == 16 and forced_kernel[128] == Choice("decode")
+
+
+def test_w8a8_layers_lora_forwards_keep_the_decode_rows_their_lora_checks_cover():
+    """A w8a16 layer takes the table's w8a16 decode rows (qwen3-30b-a3b: to 256 rows); the LoRA forwards of a
+    w8a8 layer, whose experts run as w8a16, keep the decode path to LORA_W8A16_DECODE_MAX_ROWS unless the
+    caller sets the cap."""
+    from cupymoe.plan import LORA_W8A16_DECODE_MAX_ROWS, lora_options
+
+    cfg = bench.preset_config("qwen3-30b-a3b")
+    w8a16 = plan_layer(cfg, "fp8_block", None, "sm_90a", options=LayerOptions(fp8_compute="w8a16"), knobs=Knobs())
+    assert w8a16.decode_max_tokens == 256 and choose_path(w8a16, "auto", 200) == "decode"
+    lora = plan_layer(cfg, "fp8_block", None, "sm_90a", options=lora_options(LayerOptions()), knobs=Knobs())
+    assert not lora.w8a8 and lora.decode_max_tokens == LORA_W8A16_DECODE_MAX_ROWS == 64
+    assert choose_path(lora, "auto", 64) == "decode" and choose_path(lora, "auto", 65) == "prefill"
+    asked = plan_layer(cfg, "fp8_block", None, "sm_90a", options=lora_options(LayerOptions(decode_max_tokens=200)),
+                       knobs=Knobs())
+    assert asked.decode_max_tokens == 200
+    assert lora_options(LayerOptions(atomic_max_tokens=100)).decode_max_tokens == 100
