@@ -92,6 +92,7 @@ def cmd_info(args) -> int:
     from . import __version__
     from . import jit
     from .ceilings import ceilings_note
+    from .tuning import TUNING
 
     print(f"cupymoe {__version__}, numpy {numpy.__version__}")
     try:
@@ -111,6 +112,7 @@ def cmd_info(args) -> int:
               f"{p['multiProcessorCount']} SMs -> kernels compiled for "
               f"{jit.arch_for_capability(int(cc[:-1]), int(cc[-1]))}")
         print(f"  {ceilings_note(p['name'].decode())}")
+        print(f"  {TUNING.note(p['name'].decode(), jit.arch_for_capability(int(cc[:-1]), int(cc[-1])))}")
     return 0
 
 

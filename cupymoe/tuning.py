@@ -216,6 +216,7 @@ class Tuning:
     # rows timed on other GPUs of that arch, by the name the driver reports: each replaces the table's row
     # of its bucket on that GPU (the copy rate moves the crossovers; the arch's kernels are the same)
     by_device: Mapping[str, Mapping[tuple[str, str], TunedBuckets]]
+    device: str  # the GPU by_shape was timed on (the driver's name)
     sources: Mapping[str, Mapping]  # entry -> {"decides", "result", "command"}
 
     @classmethod
@@ -242,9 +243,23 @@ class Tuning:
             by_shape=parse_by_shape(v.get("by_shape", [])),
             by_shape_arch=str(data.get("arch", "sm_90a")),
             by_device=parse_by_device(v.get("by_device", {})),
+            device=str(data.get("device", "")),
             sources={k: {f: e[f] for f in ("decides", "result", "command") if f in e}
                      for k, e in data.items() if isinstance(e, dict)},
         )
+
+    def note(self, gpu: str, arch: str) -> str:
+        """Which per-shape rows a layer on `gpu` (compiled for `arch`) takes, in a line (`python -m cupymoe info`)."""
+        own = sum(len(b) for b in self.by_shape.values())
+        if arch != self.by_shape_arch:
+            return f"tuning table: its per-shape rows name {self.by_shape_arch}'s kernels; on {arch} the global rules decide"
+        if gpu in self.by_device:
+            mine = sum(len(b) for b in self.by_device[gpu].values())
+            return f"tuning table: {mine} rows timed on this GPU, the {own} made for {self.device} where they lack a bucket"
+        if gpu == self.device:
+            return f"tuning table: its {own} per-shape rows, made for this GPU"
+        return (f"tuning table: the {own} per-shape rows made for {self.device} (none of this GPU's own: "
+                "`python -m cupymoe tune`, then `tune --apply`, adds them)")
 
     def rows_for(self, key: tuple[str, str], device: Optional[str] = None) -> TunedBuckets:
         """A (shape, format) key's buckets on the GPU named `device`: its own rows over the table's."""

@@ -285,3 +285,15 @@ def test_w8a8_layers_lora_forwards_keep_the_decode_rows_their_lora_checks_cover(
                        knobs=Knobs())
     assert asked.decode_max_tokens == 200
     assert lora_options(LayerOptions(atomic_max_tokens=100)).decode_max_tokens == 100
+
+
+def test_info_says_which_rows_a_device_takes():
+    """`python -m cupymoe info`'s line on the tuning table: the device's own section, the table's GPU, another
+    GPU of the arch (none of its own), another arch (the rules)."""
+    t = load()
+    assert t.device == "NVIDIA H200"
+    assert t.note("NVIDIA H100 80GB HBM3", "sm_90a").startswith("tuning table: ") and "rows timed on this GPU, the" in \
+        t.note("NVIDIA H100 80GB HBM3", "sm_90a")
+    assert t.note("NVIDIA H200", "sm_90a").endswith("per-shape rows, made for this GPU")
+    assert "none of this GPU's own" in t.note("NVIDIA H100 PCIe", "sm_90a")
+    assert t.note("NVIDIA A100-SXM4-80GB", "sm_80").endswith("on sm_80 the global rules decide")
