@@ -92,6 +92,8 @@ def cmd_info(args) -> int:
     from . import __version__
     from . import jit
     from .ceilings import ceilings_note
+    from .errors import OptionError
+    from .knobs import Knobs
     from .tuning import TUNING
 
     print(f"cupymoe {__version__}, numpy {numpy.__version__}")
@@ -105,6 +107,11 @@ def cmd_info(args) -> int:
         return 0
     import cupy
 
+    try:
+        device_rows = Knobs.from_env().device_rows
+    except OptionError as e:  # a misspelt knob: one line, as every command refuses it
+        print(f"cupymoe info: OptionError: {e}", file=sys.stderr)
+        return 2
     for d in range(cupy.cuda.runtime.getDeviceCount()):
         p = cupy.cuda.runtime.getDeviceProperties(d)
         cc = cupy.cuda.Device(d).compute_capability
@@ -112,7 +119,7 @@ def cmd_info(args) -> int:
               f"{p['multiProcessorCount']} SMs -> kernels compiled for "
               f"{jit.arch_for_capability(int(cc[:-1]), int(cc[-1]))}")
         print(f"  {ceilings_note(p['name'].decode())}")
-        print(f"  {TUNING.note(p['name'].decode(), jit.arch_for_capability(int(cc[:-1]), int(cc[-1])))}")
+        print(f"  {TUNING.note(p['name'].decode(), jit.arch_for_capability(int(cc[:-1]), int(cc[-1])), device_rows)}")
     return 0
 
 

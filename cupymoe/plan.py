@@ -326,10 +326,12 @@ def lora_options(options: LayerOptions) -> LayerOptions:
     """The options of a w8a8 layer's LoRA forwards with expert adapters: its fp8 experts as w8a16 (the
     deltas go into g and u before the activation, which the w8a8 gate/up quantizes in its epilogue), on
     the decode path to LORA_W8A16_DECODE_MAX_ROWS rows where the caller left the cap to the table."""
-    cap = options.decode_max_tokens
-    if cap is None:
-        cap = max(LORA_W8A16_DECODE_MAX_ROWS, options.atomic_max_tokens or 0)
-    return replace(options, fp8_compute=Fp8Compute.W8A16.value, keep_w8a8_activation=False, decode_max_tokens=cap)
+    caps = {}
+    if options.decode_max_tokens is None:
+        caps["decode_max_tokens"] = LORA_W8A16_DECODE_MAX_ROWS
+        if options.atomic_max_tokens is not None:
+            caps["atomic_max_tokens"] = min(options.atomic_max_tokens, LORA_W8A16_DECODE_MAX_ROWS)
+    return replace(options, fp8_compute=Fp8Compute.W8A16.value, keep_w8a8_activation=False, **caps)
 
 
 def resolve_fp8_compute(fp8_compute: str, formats: tuple[WeightFormat, ...], arch: str) -> Optional[Fp8Compute]:

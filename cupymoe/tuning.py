@@ -248,17 +248,20 @@ class Tuning:
                      for k, e in data.items() if isinstance(e, dict)},
         )
 
-    def note(self, gpu: str, arch: str) -> str:
-        """Which per-shape rows a layer on `gpu` (compiled for `arch`) takes, in a line (`python -m cupymoe info`)."""
+    def note(self, gpu: str, arch: str, device_rows: bool = True) -> str:
+        """Which per-shape rows a layer on `gpu` (compiled for `arch`) takes, in a line (`python -m cupymoe info`;
+        `device_rows`: CUPYMOE_DEVICE_ROWS)."""
         own = sum(len(b) for b in self.by_shape.values())
         if arch != self.by_shape_arch:
             return f"tuning table: its per-shape rows name {self.by_shape_arch}'s kernels; on {arch} the global rules decide"
+        if gpu in self.by_device and not device_rows:
+            return f"tuning table: the table's {own} per-shape rows (for {self.device}): CUPYMOE_DEVICE_ROWS=0 leaves this GPU's own out"
         if gpu in self.by_device:
             mine = sum(len(b) for b in self.by_device[gpu].values())
-            return f"tuning table: {mine} rows timed on this GPU, the {own} made for {self.device} where they lack a bucket"
+            return f"tuning table: {mine} rows timed on this GPU, the table's {own} (for {self.device}) where they lack a bucket"
         if gpu == self.device:
-            return f"tuning table: its {own} per-shape rows, made for this GPU"
-        return (f"tuning table: the {own} per-shape rows made for {self.device} (none of this GPU's own: "
+            return f"tuning table: its {own} per-shape rows, for this GPU"
+        return (f"tuning table: the {own} per-shape rows for {self.device} (none of this GPU's own: "
                 "`python -m cupymoe tune`, then `tune --apply`, adds them)")
 
     def rows_for(self, key: tuple[str, str], device: Optional[str] = None) -> TunedBuckets:

@@ -284,7 +284,9 @@ def test_w8a8_layers_lora_forwards_keep_the_decode_rows_their_lora_checks_cover(
     asked = plan_layer(cfg, "fp8_block", None, "sm_90a", options=lora_options(LayerOptions(decode_max_tokens=200)),
                        knobs=Knobs())
     assert asked.decode_max_tokens == 200
-    assert lora_options(LayerOptions(atomic_max_tokens=100)).decode_max_tokens == 100
+    capped = lora_options(LayerOptions(atomic_max_tokens=100))  # an atomic cap the caller set stays under it
+    assert (capped.decode_max_tokens, capped.atomic_max_tokens) == (64, 64)
+    assert lora_options(LayerOptions(atomic_max_tokens=16)).atomic_max_tokens == 16
 
 
 def test_info_says_which_rows_a_device_takes():
@@ -292,8 +294,9 @@ def test_info_says_which_rows_a_device_takes():
     GPU of the arch (none of its own), another arch (the rules)."""
     t = load()
     assert t.device == "NVIDIA H200"
-    assert t.note("NVIDIA H100 80GB HBM3", "sm_90a").startswith("tuning table: ") and "rows timed on this GPU, the" in \
+    assert t.note("NVIDIA H100 80GB HBM3", "sm_90a").startswith("tuning table: ") and "rows timed on this GPU, the table's" in \
         t.note("NVIDIA H100 80GB HBM3", "sm_90a")
-    assert t.note("NVIDIA H200", "sm_90a").endswith("per-shape rows, made for this GPU")
+    assert t.note("NVIDIA H200", "sm_90a").endswith("per-shape rows, for this GPU")
+    assert "CUPYMOE_DEVICE_ROWS=0 leaves this GPU's own out" in t.note("NVIDIA H100 80GB HBM3", "sm_90a", device_rows=False)
     assert "none of this GPU's own" in t.note("NVIDIA H100 PCIe", "sm_90a")
     assert t.note("NVIDIA A100-SXM4-80GB", "sm_80").endswith("on sm_80 the global rules decide")
