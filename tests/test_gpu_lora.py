@@ -358,6 +358,31 @@ def _expert_adapters(cfg, rng):
 EXPERT_CASES = (("decode", (1, 5, 37)), ("atomic", (5, 37)), ("prefill", (1, 5, 37, 300)))
 
 
+@pytest.mark.parametrize("family, fmt, kernel", [("qwen3_moe", "bf16", "register"), ("qwen3_moe", "bf16", "swapab"),
+                                                 ("deepseek_v3", "bf16", "swapab"), ("qwen3_moe", "fp8_block", None),
+                                                 ("deepseek_v3", "fp8_block", None), ("qwen3_moe", "nvfp4", None)])
+def test_expert_deltas_on_the_decode_path_past_64_rows(family, fmt, kernel, rng, monkeypatch):
+    """The tuning table sends bf16, w8a16 and fp4 layers' decode path past 64 rows (bf16 swap-AB to 1024 on
+    the H100, w8a16 to 512, fp4 to 768): the LoRA forwards there, mixed ids, N = 65, 200, 300, 769, judged."""
+    if kernel == "swapab" and not testing.on_sm90a():
+        pytest.skip("the swap-AB decode needs sm_90a")
+    if kernel:
+        monkeypatch.setenv("CUPYMOE_DECODE_KERNEL", kernel)
+    cfg = testing.tiny_config(family)
+    hw = testing.random_host_weights(cfg, rng, fmt)
+    from cupymoe import MoeLayer
+
+    layer = MoeLayer(cfg, hw, max_tokens=800, max_loras=K, max_lora_rank=RMAX, fp8_compute="w8a16",
+                     decode_max_tokens=800, atomic_max_tokens=64)
+    adapters = _expert_adapters(cfg, rng)
+    for slot, lw in adapters.items():
+        layer.set_lora(slot, lw)
+    for n in (65, 200, 300, 769):
+        assert layer.select_path(n) == "decode"
+        _mixed(layer, cfg, hw, rng, adapters, n, "decode", f"{family} {fmt} {kernel or ''}")
+    layer.check_errors()
+
+
 @pytest.mark.parametrize("family, fmt", [(f, "bf16") for f in testing.FAMILIES] +
                          [("qwen3_moe", "nvfp4"), ("deepseek_v3", "fp8_block"), ("gpt_oss", "mxfp4"),
                           ("qwen2_moe", "fp8_block")])
