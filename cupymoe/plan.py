@@ -317,21 +317,11 @@ class LayerPlan:
         return 1 if self.cfg.has_shared_expert else 0
 
 
-# rows up to which a w8a8 layer's LoRA forwards take the decode path unless the caller sets its cap: the
-# rows tests/test_gpu_lora.py checks the w8a16 LoRA decode at (the table's w8a16 decode rows reach 512)
-LORA_W8A16_DECODE_MAX_ROWS = 64
-
-
 def lora_options(options: LayerOptions) -> LayerOptions:
     """The options of a w8a8 layer's LoRA forwards with expert adapters: its fp8 experts as w8a16 (the
-    deltas go into g and u before the activation, which the w8a8 gate/up quantizes in its epilogue), on
-    the decode path to LORA_W8A16_DECODE_MAX_ROWS rows where the caller left the cap to the table."""
-    caps = {}
-    if options.decode_max_tokens is None:
-        caps["decode_max_tokens"] = LORA_W8A16_DECODE_MAX_ROWS
-        if options.atomic_max_tokens is not None:
-            caps["atomic_max_tokens"] = min(options.atomic_max_tokens, LORA_W8A16_DECODE_MAX_ROWS)
-    return replace(options, fp8_compute=Fp8Compute.W8A16.value, keep_w8a8_activation=False, **caps)
+    deltas go into g and u before the activation, which the w8a8 gate/up quantizes in its epilogue); the
+    table's w8a16 rows choose their paths (tests/test_gpu_lora.py checks the LoRA decode to 769 rows)."""
+    return replace(options, fp8_compute=Fp8Compute.W8A16.value, keep_w8a8_activation=False)
 
 
 def resolve_fp8_compute(fp8_compute: str, formats: tuple[WeightFormat, ...], arch: str) -> Optional[Fp8Compute]:

@@ -269,23 +269,20 @@ def test_a_wgmma_token_tile_goes_with_its_kernel_under_the_knobs():
     assert forced_kernel[64].token_tile == 16 and forced_kernel[128] == Choice("decode")
 
 
-def test_w8a8_layers_lora_forwards_keep_the_decode_rows_their_lora_checks_cover():
-    """A w8a16 layer takes the table's w8a16 decode rows (qwen3-30b-a3b: to 256 rows); the LoRA forwards of a
-    w8a8 layer, whose experts run as w8a16, keep the decode path to LORA_W8A16_DECODE_MAX_ROWS unless the
-    caller sets the cap."""
-    from cupymoe.plan import LORA_W8A16_DECODE_MAX_ROWS, lora_options
+def test_w8a8_layers_lora_forwards_take_the_w8a16_rows():
+    """The LoRA forwards of a w8a8 layer run its experts as w8a16 and take the table's w8a16 decode rows
+    (qwen3-30b-a3b: to 256 rows) as a w8a16 layer does; a cap the caller set stays."""
+    from cupymoe.plan import lora_options
 
     cfg = bench.preset_config("qwen3-30b-a3b")
     w8a16 = plan_layer(cfg, "fp8_block", None, "sm_90a", options=LayerOptions(fp8_compute="w8a16"), knobs=Knobs())
     assert w8a16.decode_max_tokens == 256 and choose_path(w8a16, "auto", 200) == "decode"
     lora = plan_layer(cfg, "fp8_block", None, "sm_90a", options=lora_options(LayerOptions()), knobs=Knobs())
-    assert not lora.w8a8 and lora.decode_max_tokens == LORA_W8A16_DECODE_MAX_ROWS == 64
-    assert choose_path(lora, "auto", 64) == "decode" and choose_path(lora, "auto", 65) == "prefill"
-    asked = plan_layer(cfg, "fp8_block", None, "sm_90a", options=lora_options(LayerOptions(decode_max_tokens=200)),
+    assert not lora.w8a8 and lora.decode_max_tokens == w8a16.decode_max_tokens
+    assert choose_path(lora, "auto", 200) == "decode" and choose_path(lora, "auto", 257) == "prefill"
+    asked = plan_layer(cfg, "fp8_block", None, "sm_90a", options=lora_options(LayerOptions(decode_max_tokens=100)),
                        knobs=Knobs())
-    assert asked.decode_max_tokens == 200
-    capped = lora_options(LayerOptions(atomic_max_tokens=100))  # an atomic cap the caller set stays under it
-    assert (capped.decode_max_tokens, capped.atomic_max_tokens) == (64, 64)
+    assert asked.decode_max_tokens == 100
     assert lora_options(LayerOptions(atomic_max_tokens=16)).atomic_max_tokens == 16
 
 
