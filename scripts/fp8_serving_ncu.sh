@@ -6,6 +6,7 @@
 #   OUT=/tmp/out TOKENS="256 512" bash scripts/fp8_serving_ncu.sh
 #   OUT=/tmp/out TOKENS=512 VLLM=0 TAG=tma64 FORM="CUPYMOE_SM90_FP8_VARIANT=tma64" ARGS="--path prefill" bash scripts/fp8_serving_ncu.sh
 # FORM (environment settings) and ARGS (scripts/stage_times.py's) force one of our forms; TAG names its files.
+# Each run's CSV as JSON, a launch each: python scripts/ncu_launches.py TAG-N.csv ... (from the tarball).
 set -u
 OUT=${OUT:?set OUT to a folder for the results}
 cd "$(dirname "$0")/.."
