@@ -8,15 +8,14 @@ whose tarball holds one CSV a run (ours-N.csv, vllm-N.csv, or a forced form's TA
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import re
 import sys
 from pathlib import Path
 
-SCALE = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,  # to us
-         "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}  # to MB
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ncu_kernel_table import SCALE, rows  # noqa: E402  (the CSV's table and its units, as that script reads them)
+
 FIELDS = {"us": "gpu__time_duration.sum", "dram_read_MB": "dram__bytes_read.sum",
           "dram_pct_of_peak": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
           "l2_pct_of_peak": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
@@ -34,12 +33,11 @@ def number(text: str, unit: str) -> float:
 
 def launches(text: str) -> list[dict]:
     """The launches of one raw CSV, in launch order (nothing where ncu wrote no table)."""
-    start = text.find('"ID"')
-    if start < 0:
+    table = rows(text)
+    if not table:
         return []
-    rows = list(csv.DictReader(io.StringIO(text[start:])))
-    units, out = rows[0], []
-    for r in rows[1:]:
+    units, out = table[0], []  # --page raw: a units row under the header
+    for r in table[1:]:
         launch = {"kernel": re.sub(r"\(.*", "", r["Kernel Name"]).replace("void ", "").strip()}
         for name, metric in FIELDS.items():
             if metric in r:
