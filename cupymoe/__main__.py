@@ -32,8 +32,8 @@ def _no_gpu_reason() -> str | None:
 def require_gpu(what: str) -> None:
     reason = _no_gpu_reason()
     if reason:
-        print(f"cupymoe {what}: needs an NVIDIA GPU (sm_80 or newer), but {reason}.\n"
-              f"Without a GPU you can run: python -m cupymoe kernels --arch sm_90a", file=sys.stderr)
+        print(f"cupymoe {what}: needs an NVIDIA GPU (sm_80 or newer), but {reason}; "
+              f"without one, `python -m cupymoe kernels --arch sm_90a` builds the kernels", file=sys.stderr)
         sys.exit(2)
 
 
@@ -357,8 +357,15 @@ def main(argv=None) -> int:
     return args.fn(args)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad arguments as one line on stderr and exit 2 (argparse prints its whole usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m cupymoe", description=__doc__,
+    ap = _OneLineParser(prog="python -m cupymoe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = ap.add_subparsers(dest="cmd", required=True)

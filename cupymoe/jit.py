@@ -529,7 +529,7 @@ def _progress_lines(arch: str, names: list[str], progress: Optional[Callable[[st
     missing = [m for m in names if not is_cached(m, arch)]
     if missing and not Knobs.from_env().quiet:
         print(f"cupymoe: compiling {len(missing)} of {len(names)} kernel modules for {arch} once "
-              f"(cached in {cache_dir()}; ~1 min on 2 cores; `python -m cupymoe kernels` shows progress)",
+              f"(cached in {cache_dir()}; ~2 min on 2 cores; `python -m cupymoe kernels` shows progress)",
               file=sys.stderr, flush=True)
     if progress is None:
         return None

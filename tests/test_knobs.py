@@ -83,6 +83,29 @@ def test_the_knobs_command_reads_this_environment(monkeypatch, capsys):
     assert "this environment: unknown environment variable(s) CUPYMOE_PLD" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv", [["bench", "--preset", "nope"], ["inspect", "ck", "--max-tokens", "0"], ["frob"],
+                                  ["tune", "--tokens", "x"]])
+def test_bad_command_arguments_are_one_line_and_exit_2(argv, capsys):
+    """A bad argument of `python -m cupymoe` is one stderr line naming it (no usage block), exit 2."""
+    from cupymoe.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "error: " in err and "--help for usage" in err
+
+
+def test_the_no_gpu_refusal_is_one_line(monkeypatch, capsys):
+    """verify / bench / tune without a GPU: one stderr line saying why and what runs without one, exit 2."""
+    from cupymoe import __main__ as cli
+
+    monkeypatch.setattr(cli, "_no_gpu_reason", lambda: "no CUDA device found")
+    with pytest.raises(SystemExit) as e:
+        cli.require_gpu("verify")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "kernels --arch" in err
+
+
 @pytest.mark.parametrize("value", ["16", "32x8", "16x0", "12x4", "x"])
 def test_lora_down_lanes_refused_outside_one_mask_word(value):
     with pytest.raises(OptionError, match=f"CUPYMOE_LORA_DOWN_LANES={value!r}"):
