@@ -19,12 +19,13 @@ import enum
 import math
 import numbers
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import numpy as np
 
+from .bounded_match import MatchTimeout, first_matches
 from .config import MoeConfig, is_integer
 from .errors import CheckpointError, LoraError
 from .lora_fused import (NEST, in_axis_by_version, in_axis_of, nested_pairs, peft_version, per_expert, stacked_params,
@@ -171,6 +172,9 @@ def _check_module(m: LoraModule, inn: int, out: int, max_rank: Optional[int]) ->
         raise LoraError(f"{m.name}: scale {m.scale} is not a finite float32 (the kernels' scale)")
 
 
+PATTERN_MATCH_S = 10.0  # the bound on matching an adapter's rank / alpha patterns against a layer's names
+
+
 # ----------------------------------------------------------------------------------
 # the adapter's config
 # ----------------------------------------------------------------------------------
@@ -191,17 +195,29 @@ class _PeftConfig:
         param = module + ".weight"
         return param if any(param == t or param.endswith("." + t) for t in self.target_parameters) else module
 
-    def pattern_key(self, patterns: Mapping[str, Any], module: str) -> Optional[str]:
-        """PEFT's rule (get_pattern_key): the first pattern, in the file's order, matching the name or a
-        dotted suffix of it (a key equal to the name is one such)."""
-        for key in patterns:
-            if re.fullmatch(rf"(.*\.)?(?:{key})", module):
-                return key
-        return None
+    # name -> (rank_pattern key, alpha_pattern key) PEFT takes for it (resolve); None: no key matched
+    matched: Mapping[str, tuple[Optional[str], Optional[str]]] = field(default_factory=dict)
+
+    def resolve(self, names: Iterable[str]) -> "_PeftConfig":
+        """This config with each name's pattern keys found, by PEFT's rule (get_pattern_key): the first
+        pattern, in the file's order, matching the name or a dotted suffix of it (a key equal to the name
+        is one such). Keys are the file's regular expressions, matched in bounded time (bounded_match)."""
+        names = sorted(set(names) - set(self.matched))
+        found = {}
+        for attr in ("rank_pattern", "alpha_pattern"):
+            keys = list(getattr(self, attr))
+            try:
+                hits = first_matches(keys, names, r"(.*\.)?(?:{})", PATTERN_MATCH_S) if keys else [None] * len(names)
+            except MatchTimeout as e:
+                raise LoraError(f"{ADAPTER_CONFIG}: {attr} key(s) {e.args[0]}: matching {len(names)} module names "
+                                f"took over {PATTERN_MATCH_S:g} s (nested or many repeats backtrack without bound): "
+                                "refused") from None
+            found[attr] = [None if i is None else keys[i] for i in hits]
+        return replace(self, matched={**self.matched, **{n: (found["rank_pattern"][j], found["alpha_pattern"][j])
+                                                         for j, n in enumerate(names)}})
 
     def rank_alpha(self, module: str) -> tuple[int, float]:
-        rk = self.pattern_key(self.rank_pattern, module)
-        ak = self.pattern_key(self.alpha_pattern, module)
+        rk, ak = self.matched[module] if module in self.matched else self.resolve([module]).matched[module]
         r = self.rank_pattern[rk] if rk is not None else self.r
         return r, (self.alpha_pattern[ak] if ak is not None else self.alpha)
 
@@ -506,6 +522,8 @@ def _assemble(cfg: MoeConfig, layer_idx: int, tensors: Mapping[str, np.ndarray],
         if module is None or (module not in names and not any(_in_nesting(module, b) for b in stacked)):
             raise LoraError(f"{PEFT_PREFIX}{key}: {_why_unknown(key)}")
         parts.setdefault(module, {})[m.group("part")] = a
+    pc = pc.resolve([pc.pattern_name(m) for m in parts] +
+                    [f"{base}.{name}" for base in stacked for name in stacked_params(cfg)])
     from_stacked = _stacked(cfg, layer_idx, parts, pc)
     modules = {}
     for module, p in sorted(parts.items()):

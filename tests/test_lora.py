@@ -86,6 +86,37 @@ def test_rank_and_alpha_patterns(tmp_path):
         load_peft(tmp_path / "p", LAYER, cfg, max_rank=3)
 
 
+def test_regular_expression_patterns_match_as_peft_matches_them(tmp_path):
+    """Keys with groups, classes and repeats (matched in a child interpreter, bounded_match) give the
+    same ranks and alphas as PEFT's regular expressions: the first key in the file's order that matches
+    the name or a dotted suffix of it."""
+    cfg = _cfg("qwen3_moe")
+    rng = np.random.default_rng(3)
+    lw = LoraWeights({**random_lora(cfg, rng, rank=2, layer_idx=LAYER, targets=["gate", "down"], experts=[0, 1]).modules,
+                      **random_lora(cfg, rng, rank=4, layer_idx=LAYER, targets=["up"], experts=[1]).modules})
+    config = {"r": 2, "lora_alpha": 8, "rank_pattern": {r"experts\.[1-9]\d*\.up_proj": 4},
+              "alpha_pattern": {r"experts\.(0|1)\.(gate|down)_proj": 2, r".*down_proj": 6}}
+    got = load_peft(write_peft(tmp_path / "p", lw, config), LAYER, cfg)
+    assert got.get("up", 1).rank == 4 and got.get("up", 1).scale == 8 / 4
+    assert [got.get(t, e).scale for t in ("gate", "down") for e in (0, 1)] == [1.0] * 4  # the first key wins
+
+
+def test_a_pattern_that_backtracks_without_bound_is_refused_in_bounded_time(tmp_path, monkeypatch):
+    """`(.+)+Q` against a module name backtracks for hours in Python's re (holding the GIL); the match
+    runs in a child killed past PATTERN_MATCH_S, and the key is named."""
+    import time
+
+    from cupymoe import lora
+
+    monkeypatch.setattr(lora, "PATTERN_MATCH_S", 1.0)
+    cfg = _cfg("qwen3_moe")
+    lw = random_lora(cfg, np.random.default_rng(4), rank=2, layer_idx=LAYER, targets=["gate"], experts=[0])
+    t0 = time.monotonic()
+    _refused(tmp_path, cfg, lw, {"r": 2, "lora_alpha": 2, "rank_pattern": {"gate_proj": 2, "(.+)+Q": 2}},
+             match=r"rank_pattern key\(s\) \['\(\.\+\)\+Q'\]: matching \d+ module names took over 1 s")
+    assert time.monotonic() - t0 < 10
+
+
 def _refused(tmp_path, cfg, lw, config=None, extra=None, match=""):
     d = write_peft(tmp_path / "r", lw, config, extra=extra)
     with pytest.raises(LoraError, match=match) as e:
