@@ -35,7 +35,7 @@ from . import arrays, guard, profiling
 from .errors import LoraError, MoeCallError
 from .forward_plan import build_forward_plan, prefill_shape
 from .launch import PackedPlan
-from .layer_checks import check_path, optional_pointer
+from .layer_checks import check_path, note_device_pointers, optional_pointer
 from .plan import CallValue, Path
 
 log = logging.getLogger(__name__)
@@ -69,24 +69,29 @@ def plan_for(layer, n: int, path: Optional[str], shared: bool, separated: bool =
     return packed
 
 
-def check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr) -> tuple[int, ...]:
-    """Refuse a bad experts-only call before anything is launched: (N, x, ids, weights, out) as ints."""
-    from .layer_checks import check_disjoint, pointer, row_count
+def check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr,
+               lora_ids_ptr=0) -> tuple[int, ...]:
+    """Refuse a bad experts-only call before anything is launched: (N, x, ids, weights, out, lora ids)
+    as ints, each pointer known to the runtime as memory the layer's GPU reads (check_device_pointers)."""
+    from .layer_checks import check_device_pointers, check_disjoint, pointer, row_count
 
     n = row_count(num_tokens, layer.max_tokens)
     x = pointer("input_ptr", input_ptr, 16)  # the kernels read 16-byte vectors
     out = pointer("output_ptr", output_ptr, 16)
     ids = pointer("topk_ids_ptr", topk_ids_ptr, 4)
     w = pointer("topk_weights_ptr", topk_weights_ptr, 4)
+    lora_ids = optional_pointer("lora_ids_ptr", lora_ids_ptr, 4)
     check_disjoint(x, out, n * layer.cfg.hidden_size * 2)
-    return n, x, ids, w, out
+    check_device_pointers(layer, (("input_ptr", x), ("topk_ids_ptr", ids), ("topk_weights_ptr", w),
+                                  ("output_ptr", out), ("lora_ids_ptr", lora_ids)))
+    return n, x, ids, w, out, lora_ids
 
 
 def forward_experts(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr, stream, *,
                     shared_expert: Optional[bool] = None, path: Optional[str] = None, lora_ids_ptr: int = 0) -> None:
     """MoeLayer.forward_experts (the module docstring says what the routing means)."""
-    n, x, ids, w, out = check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr)
-    lora_ids = optional_pointer("lora_ids_ptr", lora_ids_ptr, 4)
+    n, x, ids, w, out, lora_ids = check_call(layer, input_ptr, num_tokens, topk_ids_ptr, topk_weights_ptr, output_ptr,
+                                             lora_ids_ptr)
     if lora_ids and layer.max_lora_rank and not layer.lora_experts:
         # the caller's routing leaves the router's delta out, so these slots would add nothing
         raise LoraError("forward_experts(lora_ids_ptr=...): this layer's slots take the router's adapters "
@@ -137,6 +142,7 @@ def run_experts(layer, x, topk_ids, topk_weights, *, out=None, stream=None, shar
     if out is None:
         out = arrays.empty_like(x)
     op = arrays.checked_ptr(out, "out", device=layer.device_id, dtypes=arrays.BF16_BITS, shape=xa.shape)
+    note_device_pointers(layer, int(xa.ptr), int(ids), int(w), int(lp), int(op))  # checked_ptr checked their device
     forward_experts(layer, xa.ptr, n, ids, w, op, arrays.current_stream(x) if stream is None else stream,
                     shared_expert=shared_expert, path=path, lora_ids_ptr=lp)
     return out

@@ -9,6 +9,7 @@ whole forward can be captured into a CUDA graph. Every refusal comes before the 
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 import logging
 from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
@@ -25,6 +26,7 @@ from .host_weights import HostWeights
 from .knobs import Knobs
 from .launch import CaptureStatus, Driver, PackedPlan
 from .layer_checks import (check_options, check_path, check_smem_fits, check_stream, check_token_limit, checked_call,
+                           check_device_pointers, note_device_pointers,
                            cupy_module, device_of, optional_pointer, seed_checked_call)
 from .parallel import Communicator, check_communicator, owned_experts
 from .plan import (Buf, CallValue, DeviceFacts, ForwardPlan, LayerOptions, Path, Space, error_text,
@@ -190,6 +192,7 @@ class MoeLayer:
         self._graphs: dict[PackedPlan, Optional[PlanGraph]] = {}  # None: the plan launches step by step
         self._capture_status = CaptureStatus()
         self._checked: tuple = (None, None)  # (arguments, what _check_call made of them) of the last forward
+        self._device_ptrs: OrderedDict[int, None] = OrderedDict()  # raw pointers checked as device memory
         self._lora_plans: dict[tuple, PackedPlan] = {}  # (path asked, N, separated) -> its LoRA plan
 
     def with_workspace(self, workspace: Workspace) -> "MoeLayer":
@@ -285,6 +288,7 @@ class MoeLayer:
         if type(lora_ids_ptr) is not int or lora_ids_ptr:
             lora_ids = optional_pointer("lora_ids_ptr", lora_ids_ptr, 4)
             if lora_ids:
+                check_device_pointers(self, (("lora_ids_ptr", lora_ids),))
                 return self._lora_forward(x, n, out, stream, token_ids, lora_ids, path)
         if self._watched or profiling.observed():
             return self._observed_forward(x, n, out, stream, token_ids, path)
@@ -465,6 +469,7 @@ class MoeLayer:
                                                          shape=(n,))
                   for name, a in (("token_ids", token_ids), ("lora_ids", lora_ids)))
         seed_checked_call(self, int(xa.ptr), int(n), int(op), int(tp))  # the arrays' devices are checked
+        note_device_pointers(self, int(lp))
         self.forward(int(xa.ptr), int(n), int(op), arrays.current_stream(x) if stream is None else stream,
                      token_ids_ptr=int(tp), path=path, lora_ids_ptr=lp)
         return out

@@ -162,6 +162,31 @@ def check_device_memory(name: str, p: int, device_id: int) -> None:
         raise MoeCallError(f"{name}=0x{p:x}: device memory of cuda:{device}, the layer on cuda:{device_id}")
 
 
+DEVICE_POINTERS_KEPT = 64  # pointers a layer remembers as checked device memory (a server reuses a few buffers)
+
+
+def check_device_pointers(layer, named) -> None:
+    """check_device_memory of each nonzero (name, pointer) the layer has not seen checked, then kept
+    (layer._device_ptrs, the oldest dropped past DEVICE_POINTERS_KEPT): the experts-only entry's and the
+    LoRA ids' raw pointers, which checked_call's one-call cache does not hold."""
+    seen = layer._device_ptrs
+    for name, p in named:
+        if p and p not in seen:
+            check_device_memory(name, p, layer.device_id)
+            note_device_pointers(layer, p)
+
+
+def note_device_pointers(layer, *ptrs: int) -> None:
+    """Keep pointers whose device was checked already (arrays.checked_ptr) so check_device_pointers skips them."""
+    seen = layer._device_ptrs
+    for p in ptrs:
+        if p:
+            seen[p] = None
+            seen.move_to_end(p)
+    while len(seen) > DEVICE_POINTERS_KEPT:
+        seen.popitem(last=False)
+
+
 def seed_checked_call(layer, input_ptr: int, num_tokens: int, output_ptr: int, token_ids_ptr: int) -> None:
     """check_call without the runtime's pointer query, kept as the last call's (so the forward that follows
     takes it from checked_call's cache): for arrays whose device arrays.checked_ptr has checked."""

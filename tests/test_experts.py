@@ -4,6 +4,7 @@ stages; its refusals name the values; the reference with a given routing is the 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from cupymoe import bench, reference, testing
 from cupymoe.errors import MoeCallError
 from cupymoe.experts import check_call, shared_flag
+from cupymoe.layer_checks import note_device_pointers
 from cupymoe.forward_plan import S, build_forward_plan
 from cupymoe.knobs import Knobs
 from cupymoe.plan import ErrorBit, CallValue, DeviceFacts, LayerOptions, Path, plan_layer
@@ -71,9 +73,10 @@ def test_the_error_bits_are_named():
 
 def test_bad_experts_calls_are_refused_by_name():
     cfg = testing.tiny_config("qwen3_moe")
-    layer = SimpleNamespace(cfg=cfg, max_tokens=8)
+    layer = SimpleNamespace(cfg=cfg, max_tokens=8, _device_ptrs=OrderedDict(), device_id=0)
     ok = dict(input_ptr=0x10000, num_tokens=4, topk_ids_ptr=0x20000, topk_weights_ptr=0x30000, output_ptr=0x40000)
-    assert check_call(layer, **ok) == (4, 0x10000, 0x20000, 0x30000, 0x40000)
+    note_device_pointers(layer, *(p for k, p in ok.items() if k.endswith("_ptr")))  # as if the runtime had said so
+    assert check_call(layer, **ok) == (4, 0x10000, 0x20000, 0x30000, 0x40000, 0)
     for change, match in (({"num_tokens": 9}, "1..max_tokens=8"), ({"num_tokens": 0}, "num_tokens=0"),
                           ({"num_tokens": True}, "must be an int"), ({"topk_ids_ptr": 0x20002}, "topk_ids_ptr=.*4-byte"),
                           ({"topk_weights_ptr": 0}, "topk_weights_ptr=0"), ({"topk_ids_ptr": None}, "topk_ids_ptr=None"),
@@ -87,6 +90,31 @@ def test_bad_experts_calls_are_refused_by_name():
         shared_flag(layer, "yes")
     shared = SimpleNamespace(cfg=testing.tiny_config("qwen2_moe"), max_tokens=8)
     assert shared_flag(shared, None) is True and shared_flag(shared, False) is False
+
+
+def test_experts_call_pointers_are_asked_of_the_runtime_once(monkeypatch):
+    """forward_experts' raw pointers (x, ids, weights, out, LoRA ids) are asked of the runtime as
+    forward's are (a host topk_ids_ptr would fault the kernels and lose the context), each new pointer
+    once, a pointer the runtime calls host memory refused by name."""
+    from cupymoe import layer_checks
+
+    asked = []
+
+    def runtime(name, p, device_id):
+        asked.append(p)
+        if p == 0x50000:
+            raise MoeCallError(f"{name}=0x{p:x}: not CUDA memory")
+
+    monkeypatch.setattr(layer_checks, "check_device_memory", runtime)
+    layer = SimpleNamespace(cfg=testing.tiny_config("qwen3_moe"), max_tokens=8, _device_ptrs=OrderedDict(), device_id=0)
+    ok = dict(input_ptr=0x10000, num_tokens=4, topk_ids_ptr=0x20000, topk_weights_ptr=0x30000, output_ptr=0x40000)
+    check_call(layer, **ok, lora_ids_ptr=0x60000)
+    check_call(layer, **ok)
+    assert asked == [0x10000, 0x20000, 0x30000, 0x40000, 0x60000]
+    with pytest.raises(MoeCallError, match="topk_ids_ptr=0x50000: not CUDA memory"):
+        check_call(layer, **{**ok, "topk_ids_ptr": 0x50000})
+    layer_checks.note_device_pointers(layer, *range(0x100000, 0x100000 + 16 * 100, 16))
+    assert len(layer._device_ptrs) == layer_checks.DEVICE_POINTERS_KEPT  # the oldest dropped
 
 
 @pytest.mark.parametrize("family", testing.FAMILIES)

@@ -162,6 +162,41 @@ def test_raw_pointers_to_host_memory_are_refused_before_the_first_launch(rng):
     _assert_nothing_ran(layer, out)
 
 
+def test_experts_and_lora_id_pointers_to_host_memory_are_refused_before_the_first_launch(rng):
+    """forward_experts' raw pointers (x, a server's router ids or weights left on the host, out) and
+    forward's lora_ids_ptr into pageable host memory: refused by name, nothing enqueued."""
+    import cupy
+
+    from cupymoe import MoeLayer
+
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer = MoeLayer(cfg, hw, max_tokens=16, max_loras=2, max_lora_rank=4)
+    n, k = 4, cfg.num_experts_per_tok
+    x = cupy.asarray(bf16_bits(testing.random_input(rng, n, cfg.hidden_size)))
+    ids = cupy.asarray(np.tile(np.arange(k, dtype=np.int32), (n, 1)))
+    w = cupy.full((n, k), 1.0 / k, cupy.float32)
+    out = cupy.full_like(x, NAN)
+    host = np.zeros((n, cfg.hidden_size + 64), np.uint16)
+    hp = (host.ctypes.data + 15) // 16 * 16
+    s = cupy.cuda.Stream(non_blocking=True)
+    good = dict(input_ptr=int(x.data.ptr), topk_ids_ptr=int(ids.data.ptr), topk_weights_ptr=int(w.data.ptr),
+                output_ptr=int(out.data.ptr))
+    _poison_scratch(layer)
+    for name in good:
+        with pytest.raises(MoeCallError, match=rf"{name}=0x{hp:x}: not CUDA memory"):
+            layer.forward_experts(num_tokens=n, stream=s.ptr, **{**good, name: hp})
+    with pytest.raises(MoeCallError, match=rf"lora_ids_ptr=0x{hp:x}: not CUDA memory"):
+        layer.forward_experts(num_tokens=n, stream=s.ptr, lora_ids_ptr=hp, **good)
+    with pytest.raises(MoeCallError, match=rf"lora_ids_ptr=0x{hp:x}: not CUDA memory"):
+        layer.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr, lora_ids_ptr=hp)
+    s.synchronize()
+    _assert_nothing_ran(layer, out)
+    layer.forward_experts(num_tokens=n, stream=s.ptr, **good)  # the same call on device memory runs
+    s.synchronize()
+    assert int((out == NAN).sum()) == 0
+
+
 def test_arrays_on_another_device_are_refused(rng):
     """A CuPy x (or out, or token ids) on another GPU than the layer's: refused by name (needs two GPUs)."""
     import cupy
