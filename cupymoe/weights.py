@@ -119,10 +119,13 @@ class WeightMemory:
     tables: int  # per-slot pointer tables and slot maps
 
 
+BORROW_ALIGN = 16  # the kernels' 16-byte vector loads and TMA's global addresses; a view of a file may be less
+
+
 class _Store:
     """The layer's device arrays: a caller's CuPy array already as the kernels read it (C-contiguous,
-    on this device) is borrowed and kept alive; anything else is copied, on the device for a device
-    array (never through the host), uploaded for a host one."""
+    on this device, 16-byte aligned) is borrowed and kept alive; anything else is copied, on the device
+    for a device array (never through the host), uploaded for a host one."""
 
     def __init__(self, device_id: int):
         self.device_id = device_id
@@ -136,7 +139,8 @@ class _Store:
             return None
         import cupy
 
-        if (formats.on_device(a) and not copy and a.device.id == self.device_id and a.flags.c_contiguous):
+        if (formats.on_device(a) and not copy and a.device.id == self.device_id and a.flags.c_contiguous
+                and a.data.ptr % BORROW_ALIGN == 0):
             d, kind = a, "owned" if fresh else "borrowed"
         else:
             d, kind = cupy.array(a, copy=True, order="C"), "tables" if table else "owned"

@@ -598,3 +598,32 @@ def test_route_lists_expert_lists_match_a_model_of_them(case, rng):
             for name, v in want.items():
                 if len(v):
                     assert got[name] == [int(a) for a in v], f"{case} N={n} {path}: {name} {got[name]} != {v}"
+
+
+def test_device_weights_off_16_byte_alignment_are_copied_not_borrowed(rng):
+    """A caller's device arrays at an address off 16 bytes (a view into a file's bytes, whose offsets
+    are only element-aligned) would fault the kernels' 16-byte loads: the layer copies them (owned,
+    none borrowed) and computes the host-weights layer's bits on both paths."""
+    from dataclasses import replace
+
+    import cupy
+
+    from cupymoe import MoeLayer
+
+    cfg = testing.tiny_config("qwen3_moe")
+    hw = testing.random_host_weights(cfg, rng)
+
+    def off_by_two(a):
+        a = np.ascontiguousarray(a).view(np.uint16)
+        v = cupy.empty(a.size + 1, cupy.uint16)[1:].reshape(a.shape)
+        v.set(a)
+        assert v.data.ptr % 16 == 2
+        return v  # bf16 bits, as a caller's device bf16 weights arrive
+
+    dev = replace(hw, gate=off_by_two(hw.gate), up=off_by_two(hw.up), down=off_by_two(hw.down))
+    host, layer = MoeLayer(cfg, hw, max_tokens=16), MoeLayer(cfg, dev, max_tokens=16)
+    assert layer.weights.memory().borrowed == 0
+    x = testing.random_input(rng, 5, cfg.hidden_size)
+    for path in ("decode", "prefill"):
+        want, got = run_layer(host, x, path), run_layer(layer, x, path)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), path
