@@ -181,6 +181,8 @@ class MoeLayer:
                                 self._lora_stack_ks, self._lora_router_t_cols, self._lora_plan)
         ws.check_fits(need, f"a {self.cfg.model_type or 'MoE'} layer at max_tokens={self.max_tokens}")
         self.workspace, self.scratch = ws, ScratchView.on(plan, ws, layer_tickets_offset(self.plan))
+        if self._lora is not None:  # the slots wait for this workspace's forwards too before a fill
+            self._lora.readers.add(ws)
         # the tensor-map tables of the kernels the plan picks, encoded now; others on first use
         self._maps = {name: self._encode_maps(name) for name, chosen in
                       (("tma_maps", self.plan.tma), ("swapab_maps", self.plan.swapab_chosen),
@@ -329,11 +331,12 @@ class MoeLayer:
     # --- LoRA ------------------------------------------------------------------------------
     def set_lora(self, slot: int, adapter, stream: Optional[int] = None) -> None:
         """Copy `adapter` (cupymoe.lora.LoraWeights) into `slot` on `stream` (None: synchronously);
-        outside capture. The copy waits for the forwards this layer's workspace has enqueued (they may
-        read the slot). LoraError names what the layer cannot serve before anything is copied, and an
+        outside capture. The copy waits for the last forward enqueued on every workspace this layer
+        or a copy of it (with_workspace, which shares the slots) is bound to (they may read the slot). LoraError names what the layer cannot serve before anything is copied, and an
         adapter read for another decoder layer than the one this layer was loaded as."""
         self._check_adapter_layer(adapter)
-        self._lora_slots("set_lora").fill(slot, adapter, stream, after=self.workspace.done_event)
+        slots = self._lora_slots("set_lora")
+        slots.fill(slot, adapter, stream, after=slots.reader_events())
 
     def _check_adapter_layer(self, adapter) -> None:
         theirs = getattr(adapter, "layer_idx", None)
@@ -353,8 +356,9 @@ class MoeLayer:
         return self._lora_rank
 
     def clear_lora(self, slot: int, stream: Optional[int] = None) -> None:
-        """Empty `slot`: rows with its id get the base layer again (after the workspace's forwards, as set_lora)."""
-        self._lora_slots("clear_lora").clear(slot, stream, after=self.workspace.done_event)
+        """Empty `slot`: rows with its id get the base layer again (after the workspaces' forwards, as set_lora)."""
+        slots = self._lora_slots("clear_lora")
+        slots.clear(slot, stream, after=slots.reader_events())
 
     @property
     def _lora_experts(self) -> bool:

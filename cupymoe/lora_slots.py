@@ -17,6 +17,7 @@ Bext [E_local + 1, rows, KS] (cupymoe/lora_stack.py), filled and cleared with th
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -91,6 +92,9 @@ class LoraSlots:
 
         self.cfg, self.max_loras, self.max_rank, self.device_id = cfg, max_loras, max_rank, device_id
         self.experts = experts
+        # every workspace a layer reading these slots is bound to (MoeLayer.with_workspace shares them):
+        # a fill or clear waits for each one's last forward
+        self.readers: "weakref.WeakSet" = weakref.WeakSet()
         # the stacked form's Bext (cupymoe/lora_stack.py), parts of s t its T keeps; 0: none
         self.stack_parts = int(stack_parts) if experts is not None else 0
         self._stacked: dict[str, object] = {}  # Bext by name: every slot's columns, no K axis
@@ -145,9 +149,13 @@ class LoraSlots:
             raise LoraError(f"slot={slot!r}: must be in 0..max_loras-1 = 0..{self.max_loras - 1}")
         return int(slot)
 
-    def fill(self, slot, adapter: LoraWeights, stream: Optional[int], after: int = 0) -> None:
+    def reader_events(self) -> tuple[int, ...]:
+        """The done events of the workspaces whose forwards may read the slots."""
+        return tuple(ws.done_event for ws in self.readers)
+
+    def fill(self, slot, adapter: LoraWeights, stream: Optional[int], after: Sequence[int] = ()) -> None:
         """Check `adapter` whole, then copy it into `slot` on `stream` (None: synchronously), once the
-        event `after` (0: none) has completed."""
+        events `after` have completed."""
         slot = self.check(slot, adapter)
         self._copy(slot, self._host_slot(adapter), stream, after)
         self.loaded[slot] = adapter
@@ -196,13 +204,14 @@ class LoraSlots:
             b[:m.b.shape[0], :m.rank] = m.b
             host["lora_scale"][ts, p] = m.scale
 
-    def clear(self, slot, stream: Optional[int], after: int = 0) -> None:
-        """Empty `slot` (zeros: rows with its id then get the base layer), after the event `after`."""
+    def clear(self, slot, stream: Optional[int], after: Sequence[int] = ()) -> None:
+        """Empty `slot` (zeros: rows with its id then get the base layer), after the events `after`."""
         slot = self._slot(slot)
         self._copy(slot, None, stream, after)
         self.loaded.pop(slot, None)
 
-    def _copy(self, slot: int, host: Optional[dict[str, np.ndarray]], stream: Optional[int], after: int = 0) -> None:
+    def _copy(self, slot: int, host: Optional[dict[str, np.ndarray]], stream: Optional[int],
+              after: Sequence[int] = ()) -> None:
         import cupy
 
         from .debug import cupy_stream
@@ -214,8 +223,8 @@ class LoraSlots:
             if s.is_capturing():  # a copy of host memory recorded into a graph would replay stale bytes
                 raise LoraError("set_lora / clear_lora during stream capture: fill slots outside capture "
                                 "(a captured graph reads the slots' fixed addresses at replay)")
-            if after:  # forwards still reading the slot on another stream (a non-blocking one ignores the null stream)
-                Driver.wait(int(s.ptr), after)
+            for event in after:  # forwards still reading the slot on other streams (a non-blocking one ignores the null stream)
+                Driver.wait(int(s.ptr), event)
             with s:
                 for name, dst in self._arrays.items():
                     if host is None:

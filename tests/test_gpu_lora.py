@@ -310,6 +310,30 @@ def test_grouped_router_delta_spans_and_row_groups(experts, rng):
     np.testing.assert_array_equal(run(layer, x[rows], ids[rows], "prefill").view(np.uint32), out[rows].view(np.uint32))
 
 
+def test_a_slot_fill_waits_for_every_workspace_that_reads_the_slots(rng, monkeypatch):
+    """with_workspace copies share the adapter slots: set_lora / clear_lora on any of them wait for the
+    last forward of every bound workspace (a second stream's forwards could read a slot mid-copy)."""
+    import cupy
+
+    from cupymoe import Workspace, lora_slots
+
+    cfg = testing.tiny_config("qwen2_moe")
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _layer(cfg, hw)
+    ws2 = Workspace.for_layers([layer.workspace_need()])
+    other = layer.with_workspace(ws2)
+    waited = []
+    real_wait = lora_slots.Driver.wait
+    monkeypatch.setattr(lora_slots.Driver, "wait", staticmethod(lambda s, e: (waited.append(e), real_wait(s, e))))
+    s = cupy.cuda.Stream(non_blocking=True)
+    adapter = random_lora(cfg, rng, rank=2, targets=[LoraTarget.ROUTER])
+    for fill in (lambda: layer.set_lora(0, adapter, s.ptr), lambda: other.clear_lora(0, s.ptr)):
+        waited.clear()
+        fill()
+        assert sorted(waited) == sorted([layer.workspace.done_event, ws2.done_event])
+    s.synchronize()
+
+
 def test_refusals(rng):
     import cupy
 
