@@ -103,8 +103,7 @@ class MoeConfig:
                 raise _bad(f.name, v, "must be below 2**31 in magnitude")
             if f.type in ("bool", bool) and not isinstance(v, bool):
                 raise _bad(f.name, v, "must be True or False")
-            if f.type in ("float", float) and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                               or not math.isfinite(v)):
+            if f.type in ("float", float) and not is_finite_number(v):
                 raise _bad(f.name, v, "must be a finite number")
             if f.type in ("str", str) and not isinstance(v, str):
                 raise _bad(f.name, v, "must be a string")
@@ -295,7 +294,7 @@ def _flag(value: Any, key: str) -> bool:
 
 
 def _number(value: Any, key: str) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+    if is_finite_number(value):
         return float(value)
     raise ConfigError(f"config.json {key}={value!r}: expected a finite number")
 
@@ -356,6 +355,17 @@ def layer_count(config: Mapping[str, Any]) -> int | None:
             else ("num_hidden_layers", "num_layers"))
     n_layers = _get(config, *keys, default=None)
     return None if n_layers is None else _whole(n_layers, _key(config, *keys))
+
+
+def is_finite_number(v: Any) -> bool:
+    """A real number (not a bool) that is finite as a float: an integer past float's range (a JSON
+    literal of 400 digits) is not, where math.isfinite would raise OverflowError."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def is_integer(v: Any) -> bool:

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import numpy as np
 
 from .bounded_match import MatchTimeout, first_matches
-from .config import MoeConfig, is_integer
+from .config import MoeConfig, is_finite_number, is_integer
 from .errors import CheckpointError, LoraError
 from .lora_fused import (NEST, in_axis_by_version, in_axis_of, nested_pairs, peft_version, per_expert, stacked_params,
                          which_param)
@@ -233,7 +233,7 @@ _REFUSED_PRESENT = (
 
 
 def _number(v: Any, key: str, what: type) -> Any:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ok = is_finite_number(v)
     if not ok or (what is int and (v != int(v) or v < 1)):
         raise LoraError(f"{ADAPTER_CONFIG}: {key}={v!r} must be a {'positive integer' if what is int else 'number'}")
     return int(v) if what is int else float(v)

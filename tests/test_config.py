@@ -356,6 +356,9 @@ def test_from_hf_refuses_mistyped_values_naming_the_key():
         ({**LONGCAT_FLASH, "zero_expert_num": 255.7}, "zero_expert_num=255.7: expected a whole number"),
         ({**GPT_OSS_120B, "swiglu_limit": float("nan")}, "swiglu_limit=nan: expected a finite number"),
         ({**QWEN3_30B_A3B, "quantization_config": "fp8"}, "quantization_config='fp8': expected an object"),
+        # a JSON integer past float's range: refused by name, not an OverflowError from math.isfinite
+        ({**QWEN3_30B_A3B, "rms_norm_eps": 10 ** 400}, r"rms_norm_eps=10{400}: expected a finite number"),
+        ({**DEEPSEEK_V3, "routed_scaling_factor": -10 ** 400}, r"routed_scaling_factor=-10{400}: expected a finite"),
     ]
     for config, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -139,6 +139,7 @@ def _refused(tmp_path, cfg, lw, config=None, extra=None, match=""):
     ("alora_invocation_tokens", [1, 2, 3], r"alora_invocation_tokens=\[1, 2, 3\]: activated LoRA"),
     ("layer_replication", [[0, 4]], r"layer_replication=\[\[0, 4\]\]: replicated layers"),
     ("use_rslora", "yes", "use_rslora='yes'"),
+    ("lora_alpha", 10 ** 400, "lora_alpha=10{400} must be a number"),  # past float: not an OverflowError
     ("rank_pattern", {"mlp.gate": 2.5}, r"rank_pattern\['mlp.gate'\]=2.5"),
     ("target_parameters", "experts.gate_up_proj", r"target_parameters='experts.gate_up_proj' must be a list"),
     # falsy values that are no mapping / list were read as empty ones

@@ -122,6 +122,7 @@ def test_square_alone_by_version(tmp_path, family, overrides, version):
 def test_peft_version_parse():
     assert peft_version("0.19.1+gabc") == (0, 19, 1, True) and peft_version("0.20.0rc1") == (0, 20, 0, False)
     assert peft_version("x") is None and peft_version(None) is None
+    assert peft_version("1" * 5000 + ".0.0") is None  # no version; int() of 4300+ digits would raise
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "longcat_flash", "mixtral"])
