@@ -23,11 +23,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
 
+import ml_dtypes
 import numpy as np
 
 from .bounded_match import MatchTimeout, first_matches
 from .config import MoeConfig, is_finite_number, is_integer
 from .errors import CheckpointError, LoraError
+from .formats import BF16
 from .lora_fused import (NEST, in_axis_by_version, in_axis_of, nested_pairs, peft_version, per_expert, stacked_params,
                          which_param)
 
@@ -170,6 +172,14 @@ def _check_module(m: LoraModule, inn: int, out: int, max_rank: Optional[int]) ->
         raise LoraError(f"{m.name}: scale {m.scale!r} is no real number")
     if not math.isfinite(m.scale) or abs(m.scale) > float(np.finfo(np.float32).max):
         raise LoraError(f"{m.name}: scale {m.scale} is not a finite float32 (the kernels' scale)")
+    for part, t in (("lora_A", a), ("lora_B", b)):  # the slots hold bf16 (experts) or fp32 (router) copies
+        big = np.float32(np.max(np.abs(t))) if t.size else np.float32(0)
+        if np.isinf(big.astype(BF16)):
+            raise LoraError(f"{m.name}.{part}.weight: |value| {float(big):g} rounds to inf in bfloat16 (largest "
+                            f"{float(ml_dtypes.finfo(BF16).max):g}; the slots keep bf16 copies)")
+    bs = float(np.max(np.abs(b))) * abs(float(m.scale)) if b.size else 0.0
+    if bs > float(np.finfo(np.float32).max):  # the router's slot holds s B in float32
+        raise LoraError(f"{m.name}: scale x |lora_B| reaches {bs:g}, past float32 (the router's slot holds s B)")
 
 
 PATTERN_MATCH_S = 10.0  # the bound on matching an adapter's rank / alpha patterns against a layer's names

@@ -18,7 +18,7 @@ import pytest
 from _lora import random_lora, write_peft
 from cupymoe import testing
 from cupymoe.errors import Error, LoraError
-from cupymoe.lora import LoraKey, LoraTarget, LoraWeights, load_peft, lora_scale
+from cupymoe.lora import LoraKey, LoraModule, LoraTarget, LoraWeights, load_peft, lora_scale
 
 BF16 = ml_dtypes.bfloat16
 LAYER = 3
@@ -314,6 +314,13 @@ def test_patterns_scales_factors_and_options_refused_by_name(tmp_path):
                    match=r"lora_A.weight: expected 2 dimensions \[r, in\], found \[\]")
     assert p in msg
     _refused(tmp_path, cfg, lw, {"r": 2, "lora_alpha": 4e39}, match=r"scale 2e\+39 is not a finite float32")
+    # finite float32 factors the slots could not hold: bf16 copies past its range, s B past float32
+    (key, m), = lw.modules.items()
+    big_a = LoraWeights({key: LoraModule(m.name, np.full(m.a.shape, 3.4e38, np.float32), m.b, m.scale)})
+    with pytest.raises(LoraError, match=r"lora_A.weight: \|value\| 3.4e\+38 rounds to inf in bfloat16"):
+        big_a.check(cfg)  # (a bf16 file cannot hold it: weights made by hand)
+    big_sb = LoraWeights({key: LoraModule(m.name, m.a, np.full_like(m.b, 1e30), m.scale)})
+    _refused(tmp_path, cfg, big_sb, {"r": 2, "lora_alpha": 2e10}, match=r"scale x \|lora_B\| reaches 1[.0-9]*e\+40, past float32")
     with pytest.raises(LoraError, match="max_rank='3': must be a whole number"):
         load_peft(write_peft(tmp_path / "ok", lw, {"r": 2, "lora_alpha": 2}), LAYER, cfg, max_rank="3")
 
