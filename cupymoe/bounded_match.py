@@ -2,8 +2,9 @@
 matched against a fixed list of names in bounded time.
 
 Python's `re` backtracks and holds the GIL, so a key such as `(.+)+Q` against a 40-character module
-name would stop every thread of a serving process for hours. Keys made only of name characters (no
-quantifier, group, class or alternation) match in linear time here; any other key is matched in a
+name would stop every thread of a serving process for hours. A key whose structure bounds the
+backtracking (no repeat inside a repeat, no alternation or back-reference inside a repeat, at most
+two unbounded repeats: polynomial in the name's length) is matched in process; any other key in a
 child interpreter that is killed past `timeout_s`.
 """
 
@@ -15,38 +16,109 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
-# word characters, dots, dashes and escapes of them: no way to backtrack more than once a character
-_PLAIN = re.compile(r"(?:[\w.\-]|\\[\w.\-])*")
+try:  # the parser `re` compiles with (private, stable since 3.11); without it every key goes to the child
+    from re import _constants as _sre_c, _parser as _sre_parse
+except ImportError:  # pragma: no cover
+    _sre_c = _sre_parse = None
 
 _CHILD = """
 import json, re, sys
 job = json.load(sys.stdin)
 rx = [re.compile(job["template"].format(k)) for k in job["keys"]]
-print(json.dumps([next((i for i, r in enumerate(rx) if r.fullmatch(n)), None) for n in job["names"]]))
+print(json.dumps([next((i for i, r in enumerate(rx) if r.match(n)), None) for n in job["names"]]))
 """
+MAX_UNBOUNDED_REPEATS = 2  # with the template's own `.*`: at most n^3 steps over a name of n characters
 
 
-class MatchTimeout(Exception):
-    """The keys did not finish matching the names within the time bound; args[0]: the keys that are not plain."""
+class MatchError(Exception):
+    """The keys could not be matched in bounded time: args[0] says why (a timeout names the keys)."""
 
 
-def is_plain(key: str) -> bool:
-    """Whether `key` matches in linear time (no quantifier, group, class or alternation)."""
-    return _PLAIN.fullmatch(key) is not None
+def _repeat_ops() -> tuple:
+    return tuple(getattr(_sre_c, op) for op in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") if hasattr(_sre_c, op))
+
+
+def _children(op, av) -> list:
+    """The sub-patterns of one parsed node (empty for a leaf)."""
+    c = _sre_c
+    if op in _repeat_ops():
+        return [av[2]]
+    if op == c.SUBPATTERN:
+        return [av[-1]]
+    if op == c.BRANCH:
+        return list(av[1])
+    if op in (c.ASSERT, c.ASSERT_NOT):
+        return [av[1]]
+    if op == c.GROUPREF_EXISTS:
+        return [p for p in av[1:] if p is not None]
+    if op == getattr(c, "ATOMIC_GROUP", None):
+        return [av]
+    return []
+
+
+def in_process_safe(key: str) -> bool:
+    """Whether `key`'s backtracking is bounded by its structure (module docstring), so it is matched in
+    process; a key the parser refuses is left to the caller's compile (False here)."""
+    if _sre_parse is None:
+        return re.fullmatch(r"(?:[\w.\-^$]|\\[\w.\-])*", key) is not None
+    try:
+        tree = _sre_parse.parse(key)
+    except Exception:  # noqa: BLE001 (re.error, OverflowError, RecursionError: the compile check names it)
+        return False
+    unbounded = 0
+
+    def walk(items, in_repeat: bool) -> bool:
+        nonlocal unbounded
+        for op, av in items:
+            if op == _sre_c.GROUPREF or (in_repeat and op in (_sre_c.BRANCH, _sre_c.GROUPREF_EXISTS)):
+                return False
+            repeat = op in _repeat_ops() and av[1] > 1
+            if repeat and in_repeat:
+                return False
+            if repeat and av[1] == _sre_c.MAXREPEAT:
+                unbounded += 1
+            if not all(walk(sub, in_repeat or repeat) for sub in _children(op, av)):
+                return False
+        return unbounded <= MAX_UNBOUNDED_REPEATS
+
+    return walk(tree, False)
 
 
 def first_matches(keys: Sequence[str], names: Sequence[str], template: str = "{}",
                   timeout_s: float = 10.0) -> list[Optional[int]]:
-    """For each name, the index of the first key whose `template.format(key)` fullmatches it, or None.
-    Raises MatchTimeout when a key that is not plain keeps the child matching past `timeout_s`."""
+    """For each name, the index of the first key whose `template.format(key)` matches it at its start
+    (`re.match`; the template anchors its end), or None. Raises MatchError where a key that is not
+    in_process_safe keeps the child past `timeout_s`, or the child cannot run."""
     keys, names = list(keys), list(names)
-    if all(is_plain(k) for k in keys):
+    if not keys or not names:
+        return [None] * len(names)
+    if all(in_process_safe(k) for k in keys):
         rx = [re.compile(template.format(k)) for k in keys]
-        return [next((i for i, r in enumerate(rx) if r.fullmatch(n)), None) for n in names]
+        return [next((i for i, r in enumerate(rx) if r.match(n)), None) for n in names]
+    return _in_child(keys, names, template, timeout_s)
+
+
+def _in_child(keys: list[str], names: list[str], template: str, timeout_s: float) -> list[Optional[int]]:
+    slow = [k for k in keys if not in_process_safe(k)]
+    if not sys.executable or getattr(sys, "frozen", False):  # an embedding app: no interpreter to run
+        raise MatchError(f"key(s) {slow} need a Python interpreter to be matched in bounded time, and "
+                         f"sys.executable is {sys.executable!r}")
     job = json.dumps({"template": template, "keys": keys, "names": names})
     try:
         done = subprocess.run([sys.executable, "-I", "-c", _CHILD], input=job, capture_output=True, text=True,
                               timeout=timeout_s, check=True)
+        hits = json.loads(done.stdout)
     except subprocess.TimeoutExpired:
-        raise MatchTimeout([k for k in keys if not is_plain(k)]) from None
-    return json.loads(done.stdout)
+        raise MatchError(f"key(s) {slow}: matching {len(names)} names took over {timeout_s:g} s (nested or "
+                         "many repeats backtrack without bound)") from None
+    except subprocess.CalledProcessError as e:
+        tail = (e.stderr or "").strip().splitlines()[-1:] or ["no message"]
+        raise MatchError(f"key(s) {slow}: the matching interpreter {sys.executable} exited {e.returncode} "
+                         f"({tail[0]})") from None
+    except (OSError, ValueError) as e:  # cannot start it; its output no JSON
+        raise MatchError(f"key(s) {slow}: the matching interpreter {sys.executable!r} failed "
+                         f"({type(e).__name__}: {e})") from None
+    if not (isinstance(hits, list) and len(hits) == len(names)
+            and all(h is None or (type(h) is int and 0 <= h < len(keys)) for h in hits)):
+        raise MatchError(f"key(s) {slow}: the matching interpreter {sys.executable!r} answered {str(hits)[:80]}")
+    return hits

@@ -182,7 +182,7 @@ class MoeLayer:
         ws.check_fits(need, f"a {self.cfg.model_type or 'MoE'} layer at max_tokens={self.max_tokens}")
         self.workspace, self.scratch = ws, ScratchView.on(plan, ws, layer_tickets_offset(self.plan))
         if self._lora is not None:  # the slots wait for this workspace's forwards too before a fill
-            self._lora.readers.add(ws)
+            self._lora.add_reader(ws)
         # the tensor-map tables of the kernels the plan picks, encoded now; others on first use
         self._maps = {name: self._encode_maps(name) for name, chosen in
                       (("tma_maps", self.plan.tma), ("swapab_maps", self.plan.swapab_chosen),

@@ -130,9 +130,8 @@ def check_call(layer, input_ptr, num_tokens, output_ptr, token_ids_ptr,
     token_ids = optional_pointer("token_ids_ptr", token_ids_ptr, 4)
     if not token_ids and layer.cfg.hash_routing:
         raise MoeCallError("hash routing (tid2eid) needs token_ids_ptr: a device pointer to num_tokens int32 ids")
-    for name, p in (("input_ptr", x), ("output_ptr", out), ("token_ids_ptr", token_ids)):
-        if p and device_memory:
-            check_device_memory(name, p, layer.device_id)
+    if device_memory:
+        check_device_pointers(layer, (("input_ptr", x), ("output_ptr", out), ("token_ids_ptr", token_ids)))
     return n, x, out, token_ids
 
 
@@ -144,7 +143,7 @@ def check_device_memory(name: str, p: int, device_id: int) -> None:
     """A MoeCallError where the runtime knows `p` as no CUDA memory (pageable host memory, a stray
     address: the kernels would fault and leave the context unusable) or as device memory of another
     GPU; pinned host and managed memory pass (the GPU reads them). Asked once per new pointer
-    (checked_call keeps the last call's); an answer the runtime cannot give lets the pointer pass."""
+    (check_device_pointers keeps them); an answer the runtime cannot give lets the pointer pass."""
     cupy = cupy_module()
     try:
         attrs = cupy.cuda.runtime.pointerGetAttributes(p)
@@ -167,11 +166,15 @@ DEVICE_POINTERS_KEPT = 64  # pointers a layer remembers as checked device memory
 
 def check_device_pointers(layer, named) -> None:
     """check_device_memory of each nonzero (name, pointer) the layer has not seen checked, then kept
-    (layer._device_ptrs, the oldest dropped past DEVICE_POINTERS_KEPT): the experts-only entry's and the
-    LoRA ids' raw pointers, which checked_call's one-call cache does not hold."""
+    (layer._device_ptrs, the least recently used dropped past DEVICE_POINTERS_KEPT): every raw pointer
+    of forward and forward_experts, so buffers a server cycles through are asked once."""
     seen = layer._device_ptrs
     for name, p in named:
-        if p and p not in seen:
+        if not p:
+            continue
+        if p in seen:
+            seen.move_to_end(p)  # least recently used goes first
+        else:
             check_device_memory(name, p, layer.device_id)
             note_device_pointers(layer, p)
 

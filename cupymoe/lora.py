@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import ml_dtypes
 import numpy as np
 
-from .bounded_match import MatchTimeout, first_matches
+from .bounded_match import MatchError, first_matches
 from .config import MoeConfig, is_finite_number, is_integer
 from .errors import CheckpointError, LoraError
 from .formats import BF16
@@ -170,7 +170,7 @@ def _check_module(m: LoraModule, inn: int, out: int, max_rank: Optional[int]) ->
             raise LoraError(f"{m.name}.{part}.weight: non-finite value {t[idx]} at {list(map(int, idx))}")
     if not isinstance(m.scale, numbers.Real) or isinstance(m.scale, (bool, np.bool_)):
         raise LoraError(f"{m.name}: scale {m.scale!r} is no real number")
-    if not math.isfinite(m.scale) or abs(m.scale) > float(np.finfo(np.float32).max):
+    if not is_finite_number(m.scale) or abs(m.scale) > float(np.finfo(np.float32).max):
         raise LoraError(f"{m.name}: scale {m.scale} is not a finite float32 (the kernels' scale)")
     for part, t in (("lora_A", a), ("lora_B", b)):  # the slots hold bf16 (experts) or fp32 (router) copies
         big = np.float32(np.max(np.abs(t))) if t.size else np.float32(0)
@@ -182,7 +182,8 @@ def _check_module(m: LoraModule, inn: int, out: int, max_rank: Optional[int]) ->
         raise LoraError(f"{m.name}: scale x |lora_B| reaches {bs:g}, past float32 (the router's slot holds s B)")
 
 
-PATTERN_MATCH_S = 10.0  # the bound on matching an adapter's rank / alpha patterns against a layer's names
+PATTERN_MATCH_S = 10.0  # the bound on matching one of an adapter's pattern maps against a layer's names
+PEFT_PATTERN = r"(.*\.)?({})$"  # PEFT's get_pattern_key: re.match of this, the key formatted in
 
 
 # ----------------------------------------------------------------------------------
@@ -217,11 +218,9 @@ class _PeftConfig:
         for attr in ("rank_pattern", "alpha_pattern"):
             keys = list(getattr(self, attr))
             try:
-                hits = first_matches(keys, names, r"(.*\.)?(?:{})", PATTERN_MATCH_S) if keys else [None] * len(names)
-            except MatchTimeout as e:
-                raise LoraError(f"{ADAPTER_CONFIG}: {attr} key(s) {e.args[0]}: matching {len(names)} module names "
-                                f"took over {PATTERN_MATCH_S:g} s (nested or many repeats backtrack without bound): "
-                                "refused") from None
+                hits = first_matches(keys, names, PEFT_PATTERN, PATTERN_MATCH_S)
+            except MatchError as e:
+                raise LoraError(f"{ADAPTER_CONFIG}: {attr} {e.args[0]}: refused") from None
             found[attr] = [None if i is None else keys[i] for i in hits]
         return replace(self, matched={**self.matched, **{n: (found["rank_pattern"][j], found["alpha_pattern"][j])
                                                          for j, n in enumerate(names)}})
@@ -275,9 +274,10 @@ def _peft_config(raw: Mapping[str, Any]) -> _PeftConfig:
         patterns[key] = {str(k): _number(v, f"{key}[{k!r}]", what) for k, v in p.items()}
         for k in patterns[key]:
             try:
-                re.compile(rf"(.*\.)?(?:{k})")  # as pattern_key matches it (an inline flag fails only there)
-            except re.error as e:  # PEFT matches each key as a regular expression
-                raise LoraError(f"{ADAPTER_CONFIG}: {key}[{k!r}]: not a regular expression ({e})") from None
+                re.compile(PEFT_PATTERN.format(k))  # as resolve matches it (an inline flag fails only there)
+            except (re.error, OverflowError, RecursionError) as e:  # PEFT matches each key as a regular expression
+                raise LoraError(f"{ADAPTER_CONFIG}: {key}[{k!r}]: not a regular expression "
+                                f"({type(e).__name__}: {str(e)[:120]})") from None
     targets = raw.get("target_parameters")
     targets = [] if targets is None else targets
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):

@@ -17,6 +17,7 @@ Bext [E_local + 1, rows, KS] (cupymoe/lora_stack.py), filled and cleared with th
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -93,8 +94,10 @@ class LoraSlots:
         self.cfg, self.max_loras, self.max_rank, self.device_id = cfg, max_loras, max_rank, device_id
         self.experts = experts
         # every workspace a layer reading these slots is bound to (MoeLayer.with_workspace shares them):
-        # a fill or clear waits for each one's last forward
-        self.readers: "weakref.WeakSet" = weakref.WeakSet()
+        # a fill or clear waits for each one's last forward (a copy and its workspace must outlive their
+        # forwards anyway: the scratch they run in is the workspace's)
+        self._readers: "weakref.WeakSet" = weakref.WeakSet()
+        self._readers_lock = threading.Lock()  # a layer bound on one thread while another fills a slot
         # the stacked form's Bext (cupymoe/lora_stack.py), parts of s t its T keeps; 0: none
         self.stack_parts = int(stack_parts) if experts is not None else 0
         self._stacked: dict[str, object] = {}  # Bext by name: every slot's columns, no K axis
@@ -149,9 +152,15 @@ class LoraSlots:
             raise LoraError(f"slot={slot!r}: must be in 0..max_loras-1 = 0..{self.max_loras - 1}")
         return int(slot)
 
+    def add_reader(self, ws) -> None:
+        """A workspace whose forwards read the slots from now on (MoeLayer._bind)."""
+        with self._readers_lock:
+            self._readers.add(ws)
+
     def reader_events(self) -> tuple[int, ...]:
         """The done events of the workspaces whose forwards may read the slots."""
-        return tuple(ws.done_event for ws in self.readers)
+        with self._readers_lock:
+            return tuple(ws.done_event for ws in self._readers)
 
     def fill(self, slot, adapter: LoraWeights, stream: Optional[int], after: Sequence[int] = ()) -> None:
         """Check `adapter` whole, then copy it into `slot` on `stream` (None: synchronously), once the

@@ -17,6 +17,8 @@ arrays (a torch module, a CuPy stream, a sparse tensor, numpy arrays, lists).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import os
 from types import SimpleNamespace
 
@@ -53,10 +55,11 @@ class Cfg:
 class StandIn:
     """What check_call and checked_call read of a MoeLayer, and nothing else."""
 
-    __slots__ = ("cfg", "max_tokens", "_checked", "device_id")
+    __slots__ = ("cfg", "max_tokens", "_checked", "device_id", "_device_ptrs")
 
     def __init__(self, cfg, max_tokens):
         self.cfg, self.max_tokens, self._checked, self.device_id = cfg, max_tokens, (None, None), 0
+        self._device_ptrs = OrderedDict()
 
 
 LAYERS = st.builds(StandIn, st.builds(Cfg, st.sampled_from([64, 2048, 7168]), st.booleans()),
