@@ -624,9 +624,9 @@ def test_device_weights_off_16_byte_alignment_are_copied_not_borrowed(rng):
     aligned = replace(hw, **{p: cupy.asarray(np.ascontiguousarray(getattr(hw, p)).view(np.uint16))
                              for p in ("gate", "up", "down")})
     host, layer = MoeLayer(cfg, hw, max_tokens=16), MoeLayer(cfg, dev, max_tokens=16)
-    assert layer.weights.memory().borrowed == 0
+    assert layer.weights.memory.borrowed == 0
     stacks = sum(getattr(aligned, p).nbytes for p in ("gate", "up", "down"))
-    assert MoeLayer(cfg, aligned, max_tokens=16).weights.memory().borrowed >= stacks  # the same, aligned: borrowed
+    assert MoeLayer(cfg, aligned, max_tokens=16).weights.memory.borrowed >= stacks  # the same, aligned: borrowed
     x = testing.random_input(rng, 5, cfg.hidden_size)
     for path in ("decode", "prefill"):
         want, got = run_layer(host, x, path), run_layer(layer, x, path)
