@@ -111,8 +111,14 @@ struct WgA8Block {
         const size_t toff = TILED && kin ? (size_t)tile * WG_ROWS * K : 0;
         if (WEIGHTS)
 #pragma unroll
-            for (int i = 0; i < A_PER; ++i)
-                cp_async16(a_dst + swz128(row(i), c), a_src[i] + toff + (kin ? kc : 0), a_ok[i] && kin);
+            for (int i = 0; i < A_PER; ++i) {
+                u8* dst = a_dst + swz128(row(i), c);
+                const u8* src = a_src[i] + toff + (kin ? kc : 0);
+                if constexpr (KSUB == 1)  // a stage reads 128 bytes a row: L2 brings the next stage's too
+                    cp_async16_l2_256(dst, src, a_ok[i] && kin);
+                else
+                    cp_async16(dst, src, a_ok[i] && kin);
+            }
         if (ROWS) {
 #pragma unroll
             for (int i = 0; i < B_PER; ++i)

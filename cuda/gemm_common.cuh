@@ -34,6 +34,13 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
     const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
 }
+// cp_async16 with L2 fetching the 256-byte pair around the address: for rows read 128 bytes a stage,
+// the next stage's half is then an L2 hit, not another DRAM request
+__device__ __forceinline__ void cp_async16_l2_256(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
 // 4 and 8 bytes (scales), through L1: cp.async.cg takes only 16
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
