@@ -4,7 +4,7 @@ matched against a fixed list of names in bounded time.
 Python's `re` backtracks and holds the GIL, so a key such as `(.+)+Q` against a 40-character module
 name would stop every thread of a serving process for hours. A key whose structure bounds the
 backtracking (no repeat inside a repeat, no alternation or back-reference inside a repeat, at most
-two unbounded repeats: polynomial in the name's length) is matched in process; any other key in a
+two unbounded repeats: polynomial in the name's length) is matched in process under the same deadline; any other key in a
 child interpreter that is killed past `timeout_s`.
 """
 
@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from typing import Optional, Sequence
 
 try:  # the parser `re` compiles with (private, stable since 3.11); without it every key goes to the child
@@ -93,9 +94,19 @@ def first_matches(keys: Sequence[str], names: Sequence[str], template: str = "{}
     if not keys or not names:
         return [None] * len(names)
     if all(in_process_safe(k) for k in keys):
-        rx = [re.compile(template.format(k)) for k in keys]
-        return [next((i for i, r in enumerate(rx) if r.match(n)), None) for n in names]
+        return _in_process(keys, names, template, timeout_s)
     return _in_child(keys, names, template, timeout_s)
+
+
+def _in_process(keys: list[str], names: list[str], template: str, timeout_s: float) -> list[Optional[int]]:
+    """One name's match is polynomial here (in_process_safe); the deadline bounds their sum."""
+    rx = [re.compile(template.format(k)) for k in keys]
+    deadline, hits = time.monotonic() + timeout_s, []
+    for n in names:
+        if time.monotonic() > deadline:
+            raise MatchError(f"key(s) {keys}: matching {len(names)} names took over {timeout_s:g} s")
+        hits.append(next((i for i, r in enumerate(rx) if r.match(n)), None))
+    return hits
 
 
 def _in_child(keys: list[str], names: list[str], template: str, timeout_s: float) -> list[Optional[int]]:

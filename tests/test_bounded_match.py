@@ -55,3 +55,11 @@ def test_a_child_that_cannot_match_is_named(exe, why, monkeypatch):
 def test_nothing_to_match_starts_no_child(monkeypatch):
     monkeypatch.setattr(BM, "_in_child", lambda *a: pytest.fail("a child for nothing"))
     assert BM.first_matches(["(.+)+Q"], [], PEFT_PATTERN) == [] and BM.first_matches([], ["a"]) == [None]
+
+
+def test_the_in_process_matches_keep_the_deadline_too(monkeypatch):
+    """Keys matched in process (polynomial a name) still stop at the bound over many names."""
+    clock = iter(range(0, 1000, 4))
+    monkeypatch.setattr(BM.time, "monotonic", lambda: next(clock))
+    with pytest.raises(BM.MatchError, match=r"key\(s\) \['gate'\]: matching 5 names took over 10 s"):
+        BM.first_matches(["gate"], ["a.gate", "b", "c", "d", "e"], PEFT_PATTERN, 10.0)
