@@ -9,8 +9,8 @@ whole forward can be captured into a CUDA graph. Every refusal comes before the 
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 import logging
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
@@ -331,9 +331,10 @@ class MoeLayer:
     # --- LoRA ------------------------------------------------------------------------------
     def set_lora(self, slot: int, adapter, stream: Optional[int] = None) -> None:
         """Copy `adapter` (cupymoe.lora.LoraWeights) into `slot` on `stream` (None: synchronously);
-        outside capture. The copy waits for the last forward enqueued on every workspace this layer
-        or a copy of it (with_workspace, which shares the slots) is bound to (they may read the slot). LoraError names what the layer cannot serve before anything is copied, and an
-        adapter read for another decoder layer than the one this layer was loaded as."""
+        outside capture. The copy waits for the last forward enqueued on every workspace this layer or
+        a copy of it (with_workspace, which shares the slots) is bound to (they may read the slot).
+        LoraError names what the layer cannot serve before anything is copied, and an adapter read for
+        another decoder layer than the one this layer was loaded as."""
         self._check_adapter_layer(adapter)
         slots = self._lora_slots("set_lora")
         slots.fill(slot, adapter, stream, after=slots.reader_events())

@@ -45,7 +45,8 @@ from .errors import LoraError
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
 NEST = "base_layer"  # PEFT's wrapper nesting: the inner ParamWrapper's factors sit under it
-_VERSION = re.compile(r"^(\d{1,9})\.(\d{1,9})\.(\d{1,9})(.*)$")  # a longer number is no version (int() refuses 4300+ digits)
+# a longer number is no version (int() refuses 4300+ digits)
+_VERSION = re.compile(r"^(\d{1,9})\.(\d{1,9})\.(\d{1,9})(.*)$")
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,8 @@ class LoraSlots:
             if s.is_capturing():  # a copy of host memory recorded into a graph would replay stale bytes
                 raise LoraError("set_lora / clear_lora during stream capture: fill slots outside capture "
                                 "(a captured graph reads the slots' fixed addresses at replay)")
-            for event in after:  # forwards still reading the slot on other streams (a non-blocking one ignores the null stream)
+            # forwards still reading the slot on other streams (a non-blocking one ignores the null stream)
+            for event in after:
                 Driver.wait(int(s.ptr), event)
             with s:
                 for name, dst in self._arrays.items():

@@ -19,7 +19,8 @@ routed experts is the common case), and the kernels run once per format present.
 Device arrays are used where they lie when they are already what the kernels read (_Store): a
 CuPy array (a torch CUDA tensor comes as a DLPack view, no copy) that is C-contiguous on the
 layer's device in the kernels' dtype (bf16 bits as uint16, e4m3 / e8m0 bytes as uint8, float32
-scales and vectors) at a 16-byte aligned address (the kernels' vector loads and TMA) is borrowed and kept alive; it must not change while the layer lives.
+scales and vectors) at a 16-byte aligned address (the kernels' vector loads and TMA) is borrowed
+and kept alive; it must not change while the layer lives.
 Anything else is copied, on the device for a device array (never through the host): strided
 views (transformers 5's gate and up halves of `gate_up_proj`, since the TMA GEMM reads each
 stack as one contiguous matrix), float32 / float16 values (rounded to bf16 there), an expert
