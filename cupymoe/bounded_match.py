@@ -35,14 +35,14 @@ class MatchError(Exception):
     """The keys could not be matched in bounded time: args[0] says why (a timeout names the keys)."""
 
 
-def _repeat_ops() -> tuple:
-    return tuple(getattr(_sre_c, op) for op in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") if hasattr(_sre_c, op))
+_REPEATS = tuple(getattr(_sre_c, op) for op in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+                 if hasattr(_sre_c, op)) if _sre_c else ()
 
 
 def _children(op, av) -> list:
     """The sub-patterns of one parsed node (empty for a leaf)."""
     c = _sre_c
-    if op in _repeat_ops():
+    if op in _REPEATS:
         return [av[2]]
     if op == c.SUBPATTERN:
         return [av[-1]]
@@ -73,7 +73,7 @@ def in_process_safe(key: str) -> bool:
         for op, av in items:
             if op == _sre_c.GROUPREF or (in_repeat and op in (_sre_c.BRANCH, _sre_c.GROUPREF_EXISTS)):
                 return False
-            repeat = op in _repeat_ops() and av[1] > 1
+            repeat = op in _REPEATS and av[1] > 1
             if repeat and in_repeat:
                 return False
             if repeat and av[1] == _sre_c.MAXREPEAT:
@@ -93,9 +93,10 @@ def first_matches(keys: Sequence[str], names: Sequence[str], template: str = "{}
     keys, names = list(keys), list(names)
     if not keys or not names:
         return [None] * len(names)
-    if all(in_process_safe(k) for k in keys):
+    slow = [k for k in keys if not in_process_safe(k)]
+    if not slow:
         return _in_process(keys, names, template, timeout_s)
-    return _in_child(keys, names, template, timeout_s)
+    return _in_child(keys, names, template, timeout_s, slow)
 
 
 def _in_process(keys: list[str], names: list[str], template: str, timeout_s: float) -> list[Optional[int]]:
@@ -109,8 +110,9 @@ def _in_process(keys: list[str], names: list[str], template: str, timeout_s: flo
     return hits
 
 
-def _in_child(keys: list[str], names: list[str], template: str, timeout_s: float) -> list[Optional[int]]:
-    slow = [k for k in keys if not in_process_safe(k)]
+def _in_child(keys: list[str], names: list[str], template: str, timeout_s: float,
+              slow: list[str]) -> list[Optional[int]]:
+    """All keys matched by a child interpreter killed past `timeout_s`; `slow`: the keys that sent them there."""
     if not sys.executable or getattr(sys, "frozen", False):  # an embedding app: no interpreter to run
         raise MatchError(f"key(s) {slow} need a Python interpreter to be matched in bounded time, and "
                          f"sys.executable is {sys.executable!r}")
