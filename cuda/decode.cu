@@ -326,13 +326,9 @@ decode_route_lists_lora(ROUTE_LISTS_ARGS, const int* __restrict__ lora_ids, cons
 // ints + build_expert_lists' (opted in past 48 KB); N <= TOPK_LISTS_WARPS, R <= TOPK_LISTS_MAX_R.
 #define TOPK_LISTS_MAX_R 256
 #define TOPK_LISTS_WARPS 32  // every warp of the block
-// sm_80 names its one block an SM: without it ptxas held the kernel at 32 registers and
-// spilled (sm_90a's allocation, measured, left as it is).
-#if CUPYMOE_SM >= 90
-#define TOPK_LISTS_BOUNDS __launch_bounds__(LISTS_THREADS)
-#else
+// Its one block an SM: without it ptxas may hold the kernel at 32 registers (two blocks an SM)
+// and spill.
 #define TOPK_LISTS_BOUNDS __launch_bounds__(LISTS_THREADS, 1)
-#endif
 template <int GROUP_REGS>  // as topk_route's
 __global__ void TOPK_LISTS_BOUNDS
 decode_topk_lists(const float* __restrict__ logits, const float* __restrict__ corr_bias,

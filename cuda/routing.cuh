@@ -18,6 +18,10 @@
 // Error bits written to `err` (read by MoeLayer.check_errors()).
 #define ERR_TOKEN_ID_RANGE 1
 #define ERR_EXPERT_ID_RANGE 2  // the experts-only entry: a caller's expert id outside 0..R-1 (topk.cu)
+// NaN router scores (NaN or inf in x; weights are refused non-finite at load): a pick that finds no
+// non-NaN score is id -1 with weight 0, one with a NaN weight keeps it (lora_common.cuh has 4)
+#define ERR_ROUTER_NAN 8
+#define NO_PICK 0x7fffffff  // a selection round that found no choosable entry
 
 // The score of a logit x where it is element-wise (scoring sigmoid or sqrtsoftplus):
 // sigmoid(x), or sqrt(softplus(x)) with softplus = log(1 + e^x) computed without overflow.
@@ -45,7 +49,7 @@ __device__ __forceinline__ void warp_argmax(float& best, int& bi) {
 // The lane-strided best of v[lo, hi) (NaN entries are never chosen), then the warp's best.
 __device__ __forceinline__ int warp_select(const float* v, int lo, int hi, int lane) {
     float best = -INFINITY;
-    int bi = 0x7fffffff;
+    int bi = NO_PICK;
     for (int i = lo + lane; i < hi; i += 32) argmax_merge(best, bi, v[i], i);
     warp_argmax(best, bi);
     return bi;
@@ -184,9 +188,9 @@ __device__ __forceinline__ bool regs_route_fits(int V, int R, int E, int n_group
 template <int V>
 __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const float* logits,
                                                const float* __restrict__ corr_bias, int* __restrict__ ids_out,
-                                               float* __restrict__ w_out, int R, int E, int k, int scoring,
-                                               int n_group, int topk_group, int topk_then_softmax, int renorm,
-                                               float scale, int lane) {
+                                               float* __restrict__ w_out, int* __restrict__ err, int R, int E,
+                                               int k, int scoring, int n_group, int topk_group,
+                                               int topk_then_softmax, int renorm, float scale, int lane) {
     const float* l = logits + (size_t)row * R;
     float s[V], c[V];
 #pragma unroll
@@ -294,7 +298,7 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
     unsigned bk;
     int bj;
     lane_best(key, bk, bj);
-    int my_id[2] = {0x7fffffff, 0x7fffffff};  // round lane and lane + 32 (k <= TOPK_MAX_K)
+    int my_id[2] = {NO_PICK, NO_PICK};  // round lane and lane + 32 (k <= TOPK_MAX_K)
     float my_v[2] = {0.0f, 0.0f};
     float val[V];  // a pick's weight source: its logit (topk_then_softmax) or its score
 #pragma unroll
@@ -302,21 +306,21 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
     const bool ranked = k <= 32 && sel_out && warp_select_by_rank(key, val, bk, k, sel_out, lane, my_id[0], my_v[0]);
     for (int t = 0; t < (ranked ? 0 : k); ++t) {
         const unsigned m = __reduce_max_sync(CUPYMOE_FULL_MASK, bk);
-        const int win = __reduce_min_sync(CUPYMOE_FULL_MASK, m != 0u && bk == m ? lane + 32 * bj : 0x7fffffff);
+        const int win = __reduce_min_sync(CUPYMOE_FULL_MASK, m != 0u && bk == m ? lane + 32 * bj : NO_PICK);
         float v = 0.0f;  // the winner's weight source (val)
         const int wj = win >> 5;
 #pragma unroll
         for (int j = 0; j < V; ++j)
             if (j == wj) v = val[j];
         v = __shfl_sync(CUPYMOE_FULL_MASK, v, win & 31);
-        if (win != 0x7fffffff && lane == (win & 31)) {
+        if (win != NO_PICK && lane == (win & 31)) {
 #pragma unroll
             for (int j = 0; j < V; ++j)
                 if (j == wj) key[j] = 0u;
             lane_best(key, bk, bj);
         }
         if (lane == (t & 31)) {  // (two named registers: an index would put them in local memory)
-            const float mv = win != 0x7fffffff ? v : 0.0f;
+            const float mv = win != NO_PICK ? v : 0.0f;
             if (t < 32) {
                 my_id[0] = win;
                 my_v[0] = mv;
@@ -327,14 +331,14 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
         }
     }
 
-    // 4. routing weights (lanes t, t + 32 hold round t's)
+    // 4. routing weights (lanes t, t + 32 hold round t's; a round that found nothing weighs 0)
     float w[2];
     float part = 0.0f;
     if (topk_then_softmax) {
         const float m = __shfl_sync(CUPYMOE_FULL_MASK, my_v[0], 0);  // the first pick is the largest logit
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            w[h] = lane + 32 * h < k ? expf(my_v[h] - m) : 0.0f;
+            w[h] = lane + 32 * h < k && my_id[h] != NO_PICK ? expf(my_v[h] - m) : 0.0f;
             part += w[h];
         }
         const float sum = warp_sum(part);
@@ -355,9 +359,11 @@ __device__ __forceinline__ void route_row_regs(int row, int* sel_out, const floa
     for (int h = 0; h < 2; ++h) {
         const int t = lane + 32 * h;
         if (t < k) {
-            ids_out[(size_t)row * k + t] = my_id[h];
-            w_out[(size_t)row * k + t] = w[h];
-            if (sel_out) sel_out[t] = my_id[h];
+            const bool picked = my_id[h] != NO_PICK;
+            if (!picked || w[h] != w[h]) atomicOr(err, ERR_ROUTER_NAN);
+            ids_out[(size_t)row * k + t] = picked ? my_id[h] : -1;
+            w_out[(size_t)row * k + t] = picked ? w[h] : 0.0f;
+            if (sel_out) sel_out[t] = picked ? my_id[h] : -1;
         }
     }
 }
@@ -442,7 +448,7 @@ template <int Q>
 __device__ __forceinline__ bool route_row_vec(int row, float* cand, const float* logits,
                                               const float* __restrict__ corr_bias, int* __restrict__ ids_out,
                                               float* __restrict__ w_out, int R, int k, int scoring,
-                                              int topk_then_softmax, int renorm, float scale, int lane,
+                                              int topk_then_softmax, int renorm, float scale, int* err, int lane,
                                               int* sel_out = nullptr, int copies = 1, size_t copy_stride = 0) {
     constexpr int V = 4 * Q;
     const float* l = logits + (size_t)row * R;
@@ -558,6 +564,7 @@ __device__ __forceinline__ bool route_row_vec(int row, float* cand, const float*
     }
     if (sel_out) __syncwarp();  // (sel_out may overlap `cand`, whose reads are done above)
     if (lane < k) {
+        if (w != w) atomicOr(err, ERR_ROUTER_NAN);  // an inf logit's softmax
         ids_out[(size_t)row * k + lane] = my_id;
         w_out[(size_t)row * k + lane] = w;
         if (sel_out) sel_out[lane] = my_id;
@@ -582,12 +589,12 @@ __device__ __forceinline__ void route_row(int row, float* s, const float* logits
     float* c = s + R;
     int* sel = reinterpret_cast<int*>(c + R);
     if (regs && regs_route_fits(8, R, E, n_group, tid2eid)) {
-        route_row_regs<8>(row, sel, logits, corr_bias, ids_out, w_out, R, E, k, scoring, n_group, topk_group,
+        route_row_regs<8>(row, sel, logits, corr_bias, ids_out, w_out, err, R, E, k, scoring, n_group, topk_group,
                           topk_then_softmax, renorm, scale, lane);
         return;
     }
     if (regs && regs_route_fits(16, R, E, n_group, tid2eid)) {
-        route_row_regs<16>(row, sel, logits, corr_bias, ids_out, w_out, R, E, k, scoring, n_group, topk_group,
+        route_row_regs<16>(row, sel, logits, corr_bias, ids_out, w_out, err, R, E, k, scoring, n_group, topk_group,
                            topk_then_softmax, renorm, scale, lane);
         return;
     }
@@ -664,8 +671,9 @@ __device__ __forceinline__ void route_row(int row, float* s, const float* logits
             for (int j = 0; j < k; ++j) {
                 const int bi = warp_select(c, 0, R, lane);
                 if (lane == 0) {
-                    sel[j] = bi;
-                    c[bi] = NAN;
+                    sel[j] = bi == NO_PICK ? -1 : bi;
+                    if (bi != NO_PICK) c[bi] = NAN;
+                    else atomicOr(err, ERR_ROUTER_NAN);
                 }
                 __syncwarp();
             }
@@ -679,13 +687,13 @@ __device__ __forceinline__ void route_row(int row, float* s, const float* logits
         int* ids = ids_out + (size_t)row * k;
         float sum = 0.0f;
         if (topk_then_softmax) {
-            const float m = l[sel[0]];  // the first pick is the largest logit
+            const float m = sel[0] >= 0 ? l[sel[0]] : 0.0f;  // the first pick is the largest logit
             for (int j = 0; j < k; ++j) {
-                const float e = expf(l[sel[j]] - m);
+                const float e = sel[j] >= 0 ? expf(l[sel[j]] - m) : 0.0f;
                 w[j] = e;
                 sum += e;
             }
-            for (int j = 0; j < k; ++j) w[j] = w[j] / sum * scale;
+            for (int j = 0; j < k; ++j) w[j] = sum > 0.0f ? w[j] / sum * scale : 0.0f;
         } else {
             for (int j = 0; j < k; ++j) {
                 const float v = sel[j] >= 0 ? s[sel[j]] : 0.0f;
@@ -695,7 +703,10 @@ __device__ __forceinline__ void route_row(int row, float* s, const float* logits
             const float inv = renorm ? 1.0f / (sum + 1e-20f) : 1.0f;
             for (int j = 0; j < k; ++j) w[j] = w[j] * inv * scale;
         }
-        for (int j = 0; j < k; ++j) ids[j] = sel[j];
+        for (int j = 0; j < k; ++j) {
+            ids[j] = sel[j];
+            if (w[j] != w[j]) atomicOr(err, ERR_ROUTER_NAN);
+        }
     }
 }
 
@@ -719,18 +730,18 @@ __device__ __forceinline__ void route_row_topk(int row, float* scratch, const fl
     if (vec_route_fits(4, R, k, n_group, tid2eid)) {
         if (R <= 128)
             done = route_row_vec<1>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring, topk_then_softmax,
-                                    renorm, scale, lane, kept_ids);
+                                    renorm, scale, err, lane, kept_ids);
         else if (R <= 256)
             done = route_row_vec<2>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring, topk_then_softmax,
-                                    renorm, scale, lane, kept_ids);
+                                    renorm, scale, err, lane, kept_ids);
         else if (MAX_Q >= 4)  // (the instantiation without it names route_row_vec<2> here, never run)
             done = route_row_vec<(MAX_Q >= 4 ? 4 : 2)>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring,
-                                                      topk_then_softmax, renorm, scale, lane, kept_ids);
+                                                      topk_then_softmax, renorm, scale, err, lane, kept_ids);
     }
     // (sm_90+ only: on sm_80 decode_topk_lists' 64 registers spilled with it, and both kernels
     // must route alike)
     if (GROUP_REGS && CUPYMOE_SM >= 90 && !done && n_group > 1 && regs_route_fits(8, R, E, n_group, tid2eid)) {
-        route_row_regs<8>(row, reinterpret_cast<int*>(scratch + 2 * R), logits, corr_bias, ids_out, w_out, R, E, k,
+        route_row_regs<8>(row, reinterpret_cast<int*>(scratch + 2 * R), logits, corr_bias, ids_out, w_out, err, R, E, k,
                           scoring, n_group, topk_group, topk_then_softmax, renorm, scale, lane);
         done = true;
     }

@@ -62,9 +62,9 @@ __device__ __forceinline__ void route_row(int row, float* smem, int warp, int la
     if (copies > 1 && vec_route_fits(4, R, k, n_group, tid2eid) && R <= 256) {
         const size_t copy = (size_t)N * R;
         done = R <= 128 ? route_row_vec<1>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring,
-                                           topk_then_softmax, renorm, scale, lane, nullptr, copies, copy)
+                                           topk_then_softmax, renorm, scale, err, lane, nullptr, copies, copy)
                         : route_row_vec<2>(row, scratch, logits, corr_bias, ids_out, w_out, R, k, scoring,
-                                           topk_then_softmax, renorm, scale, lane, nullptr, copies, copy);
+                                           topk_then_softmax, renorm, scale, err, lane, nullptr, copies, copy);
     }
     if (!done) {
         if (copies > 1) sum_logit_splits(logits, row, N, R, copies, lane);

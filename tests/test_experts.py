@@ -64,11 +64,22 @@ def test_an_experts_plan_without_the_shared_expert_leaves_it_out_everywhere():
 
 
 def test_the_error_bits_are_named():
-    assert (ErrorBit.TOKEN_ID_RANGE, ErrorBit.EXPERT_ID_RANGE, ErrorBit.LORA_ID_RANGE) == (1, 2, 4)
+    assert (ErrorBit.TOKEN_ID_RANGE, ErrorBit.EXPERT_ID_RANGE, ErrorBit.LORA_ID_RANGE, ErrorBit.ROUTER_NAN) == (1, 2, 4, 8)
     from cupymoe.plan import error_text
 
     assert "expert id outside 0..router_width-1" in error_text(3) and "token id" in error_text(3)
-    assert "LoRA id outside -1..max_loras-1" in error_text(4) and error_text(8) == "unknown bits"
+    assert "LoRA id outside -1..max_loras-1" in error_text(4) and error_text(16) == "unknown bits"
+    assert "NaN router logits" in error_text(8)
+
+
+def test_the_kernels_error_bits_are_the_named_ones():
+    import re
+    from pathlib import Path
+
+    cuda = Path(__file__).resolve().parents[1] / "cuda"
+    defined = {m[1]: int(m[2]) for f in sorted(cuda.glob("*.cu*"))
+               for m in re.finditer(r"#define ERR_(\w+) (\d+)", f.read_text())}
+    assert defined == {b.name: b.value for b in ErrorBit}
 
 
 def test_bad_experts_calls_are_refused_by_name():

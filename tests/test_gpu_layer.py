@@ -70,6 +70,36 @@ VARIANTS = {
 }
 
 
+NAN_ROUTERS = {f: dict(family=f) for f in testing.FAMILIES} | {
+    v: VARIANTS[v] for v in ("register_groups", "wide_router", "k_over_32", "topk_softmax_scaled")}
+
+
+@pytest.mark.parametrize("name", sorted(NAN_ROUTERS))
+def test_a_nan_input_row_is_flagged_and_the_other_rows_are_as_the_reference(name, rng):
+    """A row of x that is NaN makes NaN router logits: check_errors names them (ErrorBit.ROUTER_NAN)
+    on every path, and the other rows are judged against the reference without that row."""
+    from cupymoe.layer import MoeCallError
+
+    kw = dict(NAN_ROUTERS[name])
+    cfg = testing.tiny_config(kw.pop("family"), **kw)
+    hw = testing.random_host_weights(cfg, rng)
+    layer = _layer(cfg, hw)
+    for path in ("decode", "atomic", "prefill"):
+        for n in (1, 4, 33):
+            x = well_separated_input(cfg, hw, rng, n)
+            bad = n // 2
+            with_nan = x.copy()
+            with_nan[bad] = np.nan
+            out = run_layer(layer, with_nan, path)
+            with pytest.raises(MoeCallError, match="NaN router logits"):
+                layer.check_errors()
+            keep = np.arange(n) != bad
+            if keep.any():
+                c = check(out[keep], cfg, hw, x[keep], layer.select_path(n, path))
+                assert c.ok, f"{name} N={n} {path}: {c}"
+    layer.check_errors()  # the bit was cleared
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 @pytest.mark.parametrize("path", ["decode", "atomic", "prefill"])
 def test_routing_and_expert_variants(name, path, rng):

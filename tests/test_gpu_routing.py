@@ -104,6 +104,16 @@ def _run_topk_route(group_regs: int, logits, bias, k: int, scoring: int, n_group
                     renorm: bool, scale: float):
     """topk_route<group_regs> on planted logits, its outputs poisoned first: (ids, weights),
     after checking that every output was written and no error raised."""
+    got_ids, got_w, err = _launch_topk_route(group_regs, logits, bias, k, scoring, n_group, topk_group, tts, renorm,
+                                             scale)
+    assert (got_ids >= 0).all() and np.isfinite(got_w).all(), "an unwritten or non-finite output"
+    assert err == 0
+    return got_ids, got_w
+
+
+def _launch_topk_route(group_regs: int, logits, bias, k: int, scoring: int, n_group: int, topk_group: int, tts: bool,
+                       renorm: bool, scale: float):
+    """topk_route<group_regs>'s (ids, weights, error bits), its outputs poisoned first (-7, NaN)."""
     import cupy
 
     from cupymoe import jit
@@ -123,10 +133,7 @@ def _run_topk_route(group_regs: int, logits, bias, k: int, scoring: int, n_group
          null, np.int32(0), null, null, np.int32(1)),
         shared_mem=TOPK_WARPS * (2 * R + TOPK_MAX_K) * 4)
     cupy.cuda.runtime.deviceSynchronize()
-    got_ids, got_w = cupy.asnumpy(ids), cupy.asnumpy(w)
-    assert (got_ids >= 0).all() and np.isfinite(got_w).all(), "an unwritten or non-finite output"
-    assert int(err[0]) == 0
-    return got_ids, got_w
+    return cupy.asnumpy(ids), cupy.asnumpy(w), int(err[0])
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"R{c[0]}-k{c[1]}-{c[2]}{'-tts' if c[3] else ''}" for c in CASES])
@@ -199,3 +206,43 @@ def test_topk_route_groups_as_the_reference(case, variant, rng):
     bad = np.nonzero(judged & (got_ids != ids_exp).any(axis=1))[0]
     assert bad.size == 0, f"rows {bad[:8].tolist()}: ids {got_ids[bad[0]].tolist()} vs {ids_exp[bad[0]].tolist()}"
     np.testing.assert_allclose(got_w[judged], w_exp[judged], rtol=1e-5, atol=1e-7)
+
+
+ROUTER_NAN = 8  # cuda/routing.cuh ERR_ROUTER_NAN (plan.ErrorBit.ROUTER_NAN)
+# (R, k, scoring, topk_then_softmax, n_group, topk_group): every selection path (the register
+# path's fallback to route_row's rounds, the group-limited register and shared-memory paths)
+NAN_CASES = [(c[0], c[1], c[2], c[3], 1, 1) for c in CASES] + [
+    (256, 8, "sigmoid", False, 8, 4), (256, 4, "sigmoid", False, 4, 2), (512, 8, "sigmoid", False, 16, 4)]
+
+
+@pytest.mark.parametrize("variant", [1, 0])
+@pytest.mark.parametrize("case", NAN_CASES, ids=[f"R{c[0]}-k{c[1]}-{c[2]}{'-tts' if c[3] else ''}-g{c[4]}"
+                                                 for c in NAN_CASES])
+def test_topk_route_flags_nan_logits_and_routes_the_other_rows_as_without_them(case, variant, rng):
+    """A row of NaN logits (NaN in x or the router) sets ERR_ROUTER_NAN; its picks that find no
+    non-NaN score are id -1 with weight 0 (no expert), and a pick whose weight is NaN keeps it
+    (the reference's output is NaN there). A row with one NaN logit: under softmax every score
+    is NaN (flagged the same way); element-wise scores never pick the NaN entry. Every other row
+    gets the bits it gets without the NaN rows (one warp a row)."""
+    R, k, scoring, tts, n_group, topk_group = case
+    n = 9
+    logits = _planted_logits(rng, n, R, k)
+    clean = _launch_topk_route(variant, logits, None, k, SCORING[scoring], n_group, topk_group, tts, True, 1.0)
+    assert clean[2] == 0
+    col = int(clean[0][5, 0])  # row 5's first pick, made NaN
+    logits[2] = np.nan
+    logits[5, col] = np.nan
+    ids, w, err = _launch_topk_route(variant, logits, None, k, SCORING[scoring], n_group, topk_group, tts, True, 1.0)
+    assert err == ROUTER_NAN
+    others = [r for r in range(n) if r not in (2, 5)]
+    np.testing.assert_array_equal(ids[others], clean[0][others])
+    np.testing.assert_array_equal(w[others].view(np.int32), clean[1][others].view(np.int32))
+    nan_rows = [2] + ([5] if scoring == "softmax" and not tts else [])
+    for r in nan_rows:
+        no_pick = ids[r] == -1
+        assert ((ids[r] >= 0) & (ids[r] < R) | no_pick).all(), f"row {r}: ids {ids[r].tolist()}"
+        assert (w[r][no_pick] == 0).all() and (no_pick | np.isnan(w[r])).all(), f"row {r}: {w[r].tolist()}"
+    if n_group == 1:  # (group-limited: the groups left out score -inf, which is choosable, with NaN weights)
+        assert (ids[2] == -1).all()
+    if 5 not in nan_rows:  # one NaN logit: never picked
+        assert col not in ids[5] and (ids[5] >= 0).all() and np.isfinite(w[5]).all()
