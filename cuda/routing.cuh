@@ -18,8 +18,8 @@
 // Error bits written to `err` (read by MoeLayer.check_errors()).
 #define ERR_TOKEN_ID_RANGE 1
 #define ERR_EXPERT_ID_RANGE 2  // the experts-only entry: a caller's expert id outside 0..R-1 (topk.cu)
-// NaN router scores (NaN or inf in x; weights are refused non-finite at load): a pick that finds no
-// non-NaN score is id -1 with weight 0, one with a NaN weight keeps it (lora_common.cuh has 4)
+// NaN router scores or weights (NaN in x, or an inf logit under softmax; weights are refused non-finite
+// at load): a pick that finds no non-NaN score is id -1 with weight 0, a NaN weight is kept (lora_common.cuh: 4)
 #define ERR_ROUTER_NAN 8
 #define NO_PICK 0x7fffffff  // a selection round that found no choosable entry
 
@@ -693,7 +693,7 @@ __device__ __forceinline__ void route_row(int row, float* s, const float* logits
                 w[j] = e;
                 sum += e;
             }
-            for (int j = 0; j < k; ++j) w[j] = sum > 0.0f ? w[j] / sum * scale : 0.0f;
+            for (int j = 0; j < k; ++j) w[j] = sel[j] >= 0 ? w[j] / sum * scale : 0.0f;  // (an inf logit: NaN)
         } else {
             for (int j = 0; j < k; ++j) {
                 const float v = sel[j] >= 0 ? s[sel[j]] : 0.0f;

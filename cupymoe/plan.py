@@ -93,7 +93,7 @@ class ErrorBit(enum.IntFlag):
     TOKEN_ID_RANGE = 1  # a token id outside 0..hash_vocab_size-1: the row got no routed experts
     EXPERT_ID_RANGE = 2  # forward_experts: an expert id outside 0..router_width-1: that pair got no expert
     LORA_ID_RANGE = 4  # a LoRA id outside -1..max_loras-1: the row got no delta (-1 is the base layer)
-    ROUTER_NAN = 8  # NaN router scores: a row got fewer than k routed experts (id -1, weight 0) or NaN weights
+    ROUTER_NAN = 8  # NaN router scores or weights: a row got fewer than k experts (id -1, weight 0) or NaN weights
 
 
 def error_text(flags: int) -> str:
@@ -102,8 +102,8 @@ def error_text(flags: int) -> str:
             ErrorBit.EXPERT_ID_RANGE: "forward_experts: an expert id outside 0..router_width-1 (those pairs got no "
                                       "expert)",
             ErrorBit.LORA_ID_RANGE: "a LoRA id outside -1..max_loras-1 (those rows got no delta)",
-            ErrorBit.ROUTER_NAN: "NaN router logits, from NaN or inf in x or logits past float32 (those rows got "
-                                 "fewer than k routed experts, or NaN weights)"}
+            ErrorBit.ROUTER_NAN: "NaN router logits or weights, from NaN in x or an inf logit under softmax (those "
+                                 "rows got fewer than k routed experts, or NaN weights)"}
     return "; ".join(f"bit {b.bit_length() - 1} = {text}" for b, text in what.items() if flags & b) or "unknown bits"
 
 

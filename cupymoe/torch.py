@@ -216,7 +216,8 @@ class MoeModule(torch.nn.Module):
 
     def check_errors(self) -> None:
         """Raise what the layer's kernels flagged (a LoRA slot, token or expert id out of range: those rows
-        got the base layer or no expert); synchronises the device, so call it outside capture."""
+        got the base layer or no expert; NaN router logits or weights: plan.ErrorBit); synchronises the device,
+        so call it outside capture."""
         self.layer.check_errors()
 
     def extra_repr(self) -> str:

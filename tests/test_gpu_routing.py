@@ -246,3 +246,29 @@ def test_topk_route_flags_nan_logits_and_routes_the_other_rows_as_without_them(c
         assert (ids[2] == -1).all()
     if 5 not in nan_rows:  # one NaN logit: never picked
         assert col not in ids[5] and (ids[5] >= 0).all() and np.isfinite(w[5]).all()
+
+
+INF_CASES = [c for c in NAN_CASES if c[3] or c[2] == "softmax"]
+
+
+@pytest.mark.parametrize("variant", [1, 0])
+@pytest.mark.parametrize("case", INF_CASES, ids=[f"R{c[0]}-k{c[1]}-{c[2]}{'-tts' if c[3] else ''}" for c in INF_CASES])
+def test_topk_route_flags_inf_logits_that_make_nan_weights(case, variant, rng):
+    """Under softmax (scores or the chosen logits' weights) a +inf logit, or a row all -inf, makes NaN
+    (inf - inf): flagged as NaN logits are, on the register path and on route_row's (the all -inf row ties
+    past 32 entries, so route_row takes it); the picks found keep their NaN weights, every other row its bits."""
+    R, k, scoring, tts, n_group, topk_group = case
+    n = 9
+    logits = _planted_logits(rng, n, R, k)
+    clean = _launch_topk_route(variant, logits, None, k, SCORING[scoring], n_group, topk_group, tts, True, 1.0)
+    logits[6, int(clean[0][6, 0])] = np.inf
+    logits[7] = -np.inf
+    ids, w, err = _launch_topk_route(variant, logits, None, k, SCORING[scoring], n_group, topk_group, tts, True, 1.0)
+    assert err == ROUTER_NAN
+    others = [r for r in range(n) if r not in (6, 7)]
+    np.testing.assert_array_equal(ids[others], clean[0][others])
+    np.testing.assert_array_equal(w[others].view(np.int32), clean[1][others].view(np.int32))
+    for r in (6, 7):
+        no_pick = ids[r] == -1
+        assert ((ids[r] >= 0) & (ids[r] < R) | no_pick).all(), f"row {r}: ids {ids[r].tolist()}"
+        assert (w[r][no_pick] == 0).all() and (no_pick | np.isnan(w[r])).all(), f"row {r}: {w[r].tolist()}"
