@@ -64,7 +64,8 @@ def test_an_experts_plan_without_the_shared_expert_leaves_it_out_everywhere():
 
 
 def test_the_error_bits_are_named():
-    assert (ErrorBit.TOKEN_ID_RANGE, ErrorBit.EXPERT_ID_RANGE, ErrorBit.LORA_ID_RANGE, ErrorBit.ROUTER_NAN) == (1, 2, 4, 8)
+    bits = (ErrorBit.TOKEN_ID_RANGE, ErrorBit.EXPERT_ID_RANGE, ErrorBit.LORA_ID_RANGE, ErrorBit.ROUTER_NAN)
+    assert bits == (1, 2, 4, 8)
     from cupymoe.plan import error_text
 
     assert "expert id outside 0..router_width-1" in error_text(3) and "token id" in error_text(3)

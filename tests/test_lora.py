@@ -92,7 +92,8 @@ def test_regular_expression_patterns_match_as_peft_matches_them(tmp_path):
     the name or a dotted suffix of it."""
     cfg = _cfg("qwen3_moe")
     rng = np.random.default_rng(3)
-    lw = LoraWeights({**random_lora(cfg, rng, rank=2, layer_idx=LAYER, targets=["gate", "down"], experts=[0, 1]).modules,
+    gate_down = random_lora(cfg, rng, rank=2, layer_idx=LAYER, targets=["gate", "down"], experts=[0, 1])
+    lw = LoraWeights({**gate_down.modules,
                       **random_lora(cfg, rng, rank=4, layer_idx=LAYER, targets=["up"], experts=[1]).modules})
     config = {"r": 2, "lora_alpha": 8, "rank_pattern": {r"experts\.[1-9]\d*\.up_proj": 4},
               "alpha_pattern": {r"experts\.(0|1)\.(gate|down)_proj": 2, r".*down_proj": 6}}
@@ -320,7 +321,8 @@ def test_patterns_scales_factors_and_options_refused_by_name(tmp_path):
     with pytest.raises(LoraError, match=r"lora_A.weight: \|value\| 3.4e\+38 rounds to inf in bfloat16"):
         big_a.check(cfg)  # (a bf16 file cannot hold it: weights made by hand)
     big_sb = LoraWeights({key: LoraModule(m.name, m.a, np.full_like(m.b, 1e30), m.scale)})
-    _refused(tmp_path, cfg, big_sb, {"r": 2, "lora_alpha": 2e10}, match=r"scale x \|lora_B\| reaches 1[.0-9]*e\+40, past float32")
+    _refused(tmp_path, cfg, big_sb, {"r": 2, "lora_alpha": 2e10},
+             match=r"scale x \|lora_B\| reaches 1[.0-9]*e\+40, past float32")
     with pytest.raises(LoraError, match="max_rank='3': must be a whole number"):
         load_peft(write_peft(tmp_path / "ok", lw, {"r": 2, "lora_alpha": 2}), LAYER, cfg, max_rank="3")
 

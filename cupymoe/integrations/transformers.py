@@ -282,9 +282,9 @@ def set_lora_ids(model: Any, ids: Any) -> int:
 
 def check_errors(model: Any) -> int:
     """Raise what a replaced block's kernels flagged (a LoRA slot, token or expert id out of range: its
-    rows got the base layer or no expert; NaN router logits or weights), one MoeCallError naming the block; synchronises the blocks'
-    devices, so call it outside capture (after a batch, in tests, at a debugging point). Returns how
-    many blocks were checked."""
+    rows got the base layer or no expert; NaN router logits or weights), one MoeCallError naming the
+    block; synchronises the blocks' devices, so call it outside capture (after a batch, in tests, at a
+    debugging point). Returns how many blocks were checked."""
     blocks = _blocks_or_refuse(model, "check_errors")
     for path, block in blocks:
         try:
