@@ -3,9 +3,12 @@
 
     python scripts/serving_table.py TUNE.json [TUNE.json ...] [--peers PEER.json PEER_FP8.json] [--max-n 2048]
     python scripts/serving_table.py --call TUNE.json PEER.json PEER_FP8.json --call TUNE2.json PEER2.json ...
+    python scripts/serving_table.py --call ... --against EARLIER_TUNE.json [...] [--within 0.6]
 
 A later TUNE file's cell replaces an earlier one's of the same (shape, format, N) in place (a
 re-tune of some presets over a whole sweep); --max-n leaves out larger N (a prefill sweep's).
+--against names an earlier sweep's tune files: after the table, how many cells' chosen µs stay within
+--within percent of that sweep's and each cell beyond it (a machine's drift read beside a change's).
 
 vLLM's figure is the one timed in the same device call (peer_bench.py's peer.json for bf16,
 peer_bench_fp8.py's peer_fp8.json for fp8_block): each --call names one call's files (tune
@@ -74,6 +77,27 @@ def split_call(paths: list) -> tuple[list, list]:
     return tunes, [p for p in paths if p not in tunes]
 
 
+def changes_against(cells: list, earlier: list, within: float) -> list[str]:
+    """Lines comparing each cell's chosen µs with the earlier sweep's same cell: a count, then the cells
+    that moved past `within` percent (their plans before and now)."""
+    before = {(c["shape"], c["format_key"].split(":")[0], c["N"]): c["chosen"] for c, _, _ in earlier}
+    moved, same = [], 0
+    for c, _, _ in cells:
+        fmt = c["format_key"].split(":")[0]
+        old = before.get((c["shape"], fmt, c["N"]))
+        if old is None:
+            continue
+        now = c["chosen"]
+        change = 100.0 * (now["us"] / old["us"] - 1.0)
+        if abs(change) <= within:
+            same += 1
+        else:
+            moved.append(f"{c['shape']} {fmt} N={c['N']}: {old['label']} {old['us']:.1f} -> {now['label']} "
+                         f"{now['us']:.1f} us ({change:+.1f} %)")
+    return [f"\nAgainst the earlier sweep: {same} of {same + len(moved)} cells within {within:g} %; beyond it:",
+            *moved]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("tune", nargs="*", type=Path)
@@ -81,6 +105,9 @@ def main() -> None:
     ap.add_argument("--call", nargs="+", type=Path, action="append", default=[],
                     help="one device call's tune results and peer files (repeat for each call)")
     ap.add_argument("--max-n", type=int, default=None, help="leave out cells of more rows")
+    ap.add_argument("--against", nargs="+", type=Path, default=[],
+                    help="an earlier sweep's tune files: each cell's chosen µs against its own there")
+    ap.add_argument("--within", type=float, default=0.6, help="percent a cell may move and count as unchanged")
     args = ap.parse_args()
     calls = ([(args.tune, args.peers)] if args.tune else []) + [split_call(c) for c in args.call]
     if not calls:
@@ -88,7 +115,8 @@ def main() -> None:
     stored = stored_peers()
     print("| shape | format | N | plan | µs | x floor | vs vLLM |\n|---|---|---|---|---|---|---|")
     misses = []
-    for c, same_call, gpu in latest_cells(calls, args.max_n):
+    cells = latest_cells(calls, args.max_n)
+    for c, same_call, gpu in cells:
         fmt = c["format_key"].split(":")[0]
         ch, key = c["chosen"], (c["shape"], c["N"])
         v, mark = same_call.get(fmt, {}).get(key), ""
@@ -103,6 +131,8 @@ def main() -> None:
             misses.append(f"{c['shape']} {fmt} N={c['N']}: {ch['us']:.1f} us, x floor {x_floor:.2f}, vs vLLM {vs_s}")
     print(f"\n{len(misses)} cells miss a bar:")
     print("\n".join(misses))
+    if args.against:
+        print("\n".join(changes_against(cells, latest_cells([(args.against, [])], args.max_n), args.within)))
 
 
 if __name__ == "__main__":

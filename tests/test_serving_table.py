@@ -52,3 +52,19 @@ def test_stored_h200_peers_never_pair_with_another_gpus_cells():
     assert len(fp8) == 8 and all(r.endswith(" - |") for r in fp8)
     assert "| deepseek-v3 | bf16 | 16 | decode/swapab | 2735.7 |" in out and not any(
         r.endswith(" b |") for r in out.splitlines())
+
+
+def test_against_an_earlier_sweep_counts_the_cells_that_stayed_and_names_the_rest():
+    """Session 58's H100 sweep of mixtral-8x7b read against session 47's: its cells that moved past 0.6 %."""
+    now = [R / "20261207-h100-s58-serving-tune-mixtral-8x7b.json"]
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "serving_table.py"), *map(str, now),
+                          "--against", str(R / "20261206-h100-s47-serving-tune-4-presets.json")],
+                         capture_output=True, text=True, check=True).stdout
+    tail = out[out.index("Against the earlier sweep"):].splitlines()
+    assert tail[0] == "Against the earlier sweep: 11 of 16 cells within 0.6 %; beyond it:"
+    assert "mixtral-8x7b fp8_block N=128: prefill 541.6 -> prefill 558.3 us (+3.1 %)" in tail
+    assert len(tail) == 1 + 5
+    wide = subprocess.run([sys.executable, str(ROOT / "scripts" / "serving_table.py"), *map(str, now),
+                           "--against", str(R / "20261206-h100-s47-serving-tune-4-presets.json"), "--within", "5"],
+                          capture_output=True, text=True, check=True).stdout
+    assert wide.rstrip().endswith("Against the earlier sweep: 16 of 16 cells within 5 %; beyond it:")
