@@ -1,13 +1,14 @@
-"""python -m cupymoe: kernels (build check, no GPU), info, knobs, inspect, verify (GPU), bench (GPU), tune (GPU).
+"""python -m cupymoe: kernels (build check, no GPU), info, knobs, inspect, verify (GPU), bench (GPU), tune (GPU;
+--apply: none).
 
     python -m cupymoe kernels --arch sm_90a   compile cuda/ through NVRTC, print resources
-    python -m cupymoe info                    versions, device, the arch we compile for
+    python -m cupymoe info                    versions, each GPU's arch, its floors' ceilings and tuning rows
     python -m cupymoe knobs                   every CUPYMOE_* variable and its default
     python -m cupymoe inspect DIR             a checkpoint's MoE layers as cupymoe reads them
     python -m cupymoe inspect DIR --lora A    ... and a PEFT adapter's share of the layer
     python -m cupymoe verify                  every family and format on the GPU against the reference
     python -m cupymoe bench --help            per-cell timings (graph replays) against the floor
-    python -m cupymoe tune --help             the dispatch choices timed per shape and N (GPU)
+    python -m cupymoe tune --help             the dispatch choices timed per shape and N (GPU; --apply: none)
 """
 
 from __future__ import annotations
@@ -375,7 +376,7 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--no-cache", action="store_true", help="recompile even when the cache has the cubin")
     k.set_defaults(fn=cmd_kernels)
 
-    i = sub.add_parser("info", help="versions, GPUs and the arch the kernels are compiled for")
+    i = sub.add_parser("info", help="versions, GPUs, the arch the kernels are compiled for, each GPU's ceilings and tuning rows")
     i.set_defaults(fn=cmd_info)
     sub.add_parser("knobs", help="every CUPYMOE_* environment variable, what it does, its default").set_defaults(
         fn=cmd_knobs)

@@ -3,7 +3,7 @@ matched against a fixed list of names in bounded time.
 
 Python's `re` backtracks and holds the GIL, so a key such as `(.+)+Q` against a 40-character module
 name would stop every thread of a serving process for hours. A key whose structure bounds the
-backtracking (no repeat inside a repeat, no alternation or back-reference inside a repeat, at most
+backtracking (no repeat inside a repeat, no back-reference, no alternation inside a repeat, at most
 two unbounded repeats: polynomial in the name's length) is matched in process, its names checked
 against the deadline one by one; any other key in a child interpreter killed past `timeout_s`.
 """
