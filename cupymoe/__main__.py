@@ -376,7 +376,8 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--no-cache", action="store_true", help="recompile even when the cache has the cubin")
     k.set_defaults(fn=cmd_kernels)
 
-    i = sub.add_parser("info", help="versions, GPUs, the arch the kernels are compiled for, each GPU's ceilings and tuning rows")
+    i = sub.add_parser("info", help="versions, GPUs, the arch the kernels are compiled for, each GPU's ceilings "
+                                    "and tuning rows")
     i.set_defaults(fn=cmd_info)
     sub.add_parser("knobs", help="every CUPYMOE_* environment variable, what it does, its default").set_defaults(
         fn=cmd_knobs)
