@@ -48,6 +48,15 @@ def call_peers(paths: list) -> dict:
     return out
 
 
+def weight_format(cell: dict) -> str:
+    """A tune cell's weight format without its compute form ("fp8_block:w8a8" -> "fp8_block")."""
+    return cell["format_key"].split(":")[0]
+
+
+def cell_key(cell: dict) -> tuple:
+    return cell["shape"], weight_format(cell), cell["N"]
+
+
 def latest_cells(calls: list, max_n=None) -> list:
     """(cell, its call's vLLM figures, the GPU it ran on) in first-seen order, each (shape, format, N)
     as its last call's last tune file has it; `calls` lists (tune files, peer files) a device call."""
@@ -58,7 +67,7 @@ def latest_cells(calls: list, max_n=None) -> list:
             doc = json.loads(Path(t).read_text())
             for c in doc["cells"]:
                 if max_n is None or c["N"] <= max_n:
-                    cells[(c["shape"], c["format_key"].split(":")[0], c["N"])] = (c, vllm, doc["meta"].get("gpu"))
+                    cells[cell_key(c)] = (c, vllm, doc["meta"].get("gpu"))
     return list(cells.values())
 
 
@@ -80,11 +89,10 @@ def split_call(paths: list) -> tuple[list, list]:
 def changes_against(cells: list, earlier: list, within: float) -> list[str]:
     """Lines comparing each cell's chosen µs with the earlier sweep's same cell: a count, then the cells
     that moved past `within` percent (their plans before and now)."""
-    before = {(c["shape"], c["format_key"].split(":")[0], c["N"]): c["chosen"] for c, _, _ in earlier}
+    before = {cell_key(c): c["chosen"] for c, _, _ in earlier}
     moved, same = [], 0
     for c, _, _ in cells:
-        fmt = c["format_key"].split(":")[0]
-        old = before.get((c["shape"], fmt, c["N"]))
+        old = before.get(cell_key(c))
         if old is None:
             continue
         now = c["chosen"]
@@ -92,7 +100,7 @@ def changes_against(cells: list, earlier: list, within: float) -> list[str]:
         if abs(change) <= within:
             same += 1
         else:
-            moved.append(f"{c['shape']} {fmt} N={c['N']}: {old['label']} {old['us']:.1f} -> {now['label']} "
+            moved.append(f"{c['shape']} {weight_format(c)} N={c['N']}: {old['label']} {old['us']:.1f} -> {now['label']} "
                          f"{now['us']:.1f} us ({change:+.1f} %)")
     return [f"\nAgainst the earlier sweep: {same} of {same + len(moved)} cells within {within:g} %; beyond it:",
             *moved]
@@ -117,7 +125,7 @@ def main() -> None:
     misses = []
     cells = latest_cells(calls, args.max_n)
     for c, same_call, gpu in cells:
-        fmt = c["format_key"].split(":")[0]
+        fmt = weight_format(c)
         ch, key = c["chosen"], (c["shape"], c["N"])
         v, mark = same_call.get(fmt, {}).get(key), ""
         stored_times, stored_gpu = stored[fmt]
