@@ -112,8 +112,9 @@ def _run_topk_route(group_regs: int, logits, bias, k: int, scoring: int, n_group
 
 
 def _launch_topk_route(group_regs: int, logits, bias, k: int, scoring: int, n_group: int, topk_group: int, tts: bool,
-                       renorm: bool, scale: float):
-    """topk_route<group_regs>'s (ids, weights, error bits), its outputs poisoned first (-7, NaN)."""
+                       renorm: bool, scale: float, x_codes: tuple = ()):
+    """topk_route<group_regs>'s (ids, weights, error bits), its outputs poisoned first (-7, NaN).
+    x_codes: (x, H, qx, sx) device arrays for w8a8's x codes, written beside the routing."""
     import cupy
 
     from cupymoe import jit
@@ -130,7 +131,7 @@ def _launch_topk_route(group_regs: int, logits, bias, k: int, scoring: int, n_gr
         (d_logits, d_bias if d_bias is not None else null, null, null, ids, w, err,
          np.int32(n), np.int32(R), np.int32(R), np.int32(k), np.int32(scoring), np.int32(n_group),
          np.int32(topk_group), np.int32(int(tts)), np.int32(int(renorm)), np.float32(scale), np.int32(0),
-         null, np.int32(0), null, null, np.int32(1)),
+         *(x_codes or (null, np.int32(0), null, null)), np.int32(1)),
         shared_mem=TOPK_WARPS * (2 * R + TOPK_MAX_K) * 4)
     cupy.cuda.runtime.deviceSynchronize()
     return cupy.asnumpy(ids), cupy.asnumpy(w), int(err[0])
@@ -272,3 +273,42 @@ def test_topk_route_flags_inf_logits_that_make_nan_weights(case, variant, rng):
         no_pick = ids[r] == -1
         assert ((ids[r] >= 0) & (ids[r] < R) | no_pick).all(), f"row {r}: ids {ids[r].tolist()}"
         assert (w[r][no_pick] == 0).all() and (no_pick | np.isnan(w[r])).all(), f"row {r}: {w[r].tolist()}"
+
+
+# H: one partial 256-column chunk (136); a partial last chunk past eleven whole ones (2880); 28 chunks (7168)
+@pytest.mark.parametrize("H", [136, 2880, 7168])
+def test_topk_route_writes_x_codes_by_the_w8a8_rule(H, rng):
+    """w8a8 prefill: topk_route also writes x's e4m3 codes and scales (quant.cuh e4m3_quantize_row, a warp
+    a row, 256 columns at a time): per row and 128 columns s = amax / 448 in float32
+    and codes e4m3(x / s) rounded to nearest even (reference.quantize_activations_fp8's rule), bit for bit;
+    a group of zeros has scale 0 and codes 0, the guard row past N stays poisoned, and the routing beside
+    it is the same bits as without x."""
+    import cupy
+    import ml_dtypes
+
+    from cupymoe import formats
+
+    n, R, k = 9, 128, 8
+    logits = _planted_logits(rng, n, R, k)
+    x = (rng.standard_normal((n, H)) * 3).astype(ml_dtypes.bfloat16)
+    x[2, :128] = 0
+    groups = -(-H // formats.FP8_BLOCK)
+    qx = cupy.full((n + 1, H), 0xAB, dtype=cupy.uint8)  # poisoned, a guard row past N
+    sx = cupy.full((n + 1, groups), cupy.nan, dtype=cupy.float32)
+    d_x = cupy.asarray(x.view(np.uint16))
+    plain = _launch_topk_route(0, logits, None, k, SCORING["softmax"], 1, 1, False, True, 1.0)
+    ids, w, err = _launch_topk_route(0, logits, None, k, SCORING["softmax"], 1, 1, False, True, 1.0,
+                                     x_codes=(d_x, np.int32(H), qx, sx))
+    assert err == 0
+    np.testing.assert_array_equal(ids, plain[0])
+    np.testing.assert_array_equal(w.view(np.int32), plain[1].view(np.int32))
+
+    g = np.pad(x.astype(np.float32), ((0, 0), (0, groups * formats.FP8_BLOCK - H))).reshape(n, groups, -1)
+    s = (np.abs(g).max(axis=2) / np.float32(formats.E4M3_MAX)).astype(np.float32)
+    scaled = np.where(s[..., None] > 0, g / np.where(s > 0, s, np.float32(1))[..., None], np.float32(0))
+    codes = np.clip(scaled, -formats.E4M3_MAX, formats.E4M3_MAX).astype(formats.E4M3).view(np.uint8)
+    got_q, got_s = cupy.asnumpy(qx), cupy.asnumpy(sx)
+    assert (got_q[n] == 0xAB).all() and np.isnan(got_s[n]).all(), "the guard row past N was written"
+    np.testing.assert_array_equal(got_s[:n].view(np.int32), s.view(np.int32))
+    np.testing.assert_array_equal(got_q[:n], codes.reshape(n, -1)[:, :H])
+    assert s[2, 0] == 0 and (got_q[2, :128] == 0).all()
