@@ -16,7 +16,7 @@ from cupymoe.experts import check_call, shared_flag
 from cupymoe.layer_checks import note_device_pointers
 from cupymoe.forward_plan import S, build_forward_plan
 from cupymoe.knobs import Knobs
-from cupymoe.plan import ErrorBit, CallValue, DeviceFacts, LayerOptions, Path, plan_layer
+from cupymoe.plan import ErrorBit, CallValue, DeviceFacts, LayerOptions, Path, Stage, plan_layer
 
 H200 = DeviceFacts.h200()
 ROUTING_KERNELS = ("router_logits", "topk_route", "decode_route_lists", "decode_topk_lists")
@@ -46,7 +46,8 @@ def test_an_experts_plan_takes_the_calls_routing_then_runs_the_routed_stages(fam
         assert all(CallValue.TOKEN_IDS not in [a.value for a in launch.args] for launch in plan.launches)
         if n == 300 or n == 37:  # past the fused routing + lists: the routed plan's steps after its routing
             routed = build_forward_plan(lp, H200, n, path).at(n)
-            assert routed.steps[2:] == plan.steps[1:], (path, n)
+            past_routing = [s for s in routed.steps if s.stage not in (Stage.ROUTER, Stage.TOPK)]
+            assert past_routing == list(plan.steps[1:]), (path, n)
         assert rest[-1].kernel in ("decode_reduce", "grouped_reduce") and rest[-1].arg("out") == CallValue.OUTPUT
 
 
