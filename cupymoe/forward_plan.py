@@ -832,7 +832,11 @@ class _Builder:
         H = cfg.hidden_size
         if self.given_routing:
             self.stage = Stage.TOPK
-            self.given(self.x_codes())
+            qx = self.x_codes()
+            if self.path == Path.PREFILL and qx != (0, 0):  # as the routed plan makes them
+                self.quantize_x(qx)
+                qx = (0, 0)
+            self.given(qx)
             route_lists = topk_lists = False
         else:
             route_lists, topk_lists = self.route()
