@@ -88,6 +88,19 @@ topk_route(TOPK_ROUTE_ARGS) {
     route_row<GROUP_REGS>(row, smem, warp, lane, splits, TOPK_ROUTE_ARG_NAMES);
 }
 
+// w8a8 prefill: x's e4m3 codes and scales for the fp8 gate/up GEMM ahead of the router, one 256-column
+// unit a warp over the whole grid (quant.cuh e4m3_quantize_units), so every unit's load is in flight at
+// once; topk_route, one warp a row, then routes only. grid ceil(N * ceil(H / 256) / X_CODES_WARPS).
+#define X_CODES_WARPS 8
+__global__ void __launch_bounds__(X_CODES_WARPS * 32)
+x_codes_e4m3(const bf16* __restrict__ x, int N, int H, u8* __restrict__ qx, float* __restrict__ sx) {
+    pdl_wait_then_release_next();  // (the chain's first kernel: only the release does anything)
+#if CUPYMOE_SM >= 89
+    e4m3_quantize_units(x, N, H, qx, sx, blockIdx.x * X_CODES_WARPS + (threadIdx.x >> 5), gridDim.x * X_CODES_WARPS,
+                        threadIdx.x & 31);
+#endif
+}
+
 // The router's LoRA delta for the row, where the router GEMM made t beside the logits
 // (grouped_gemm_lora<MODE_ROUTER, ...>, forward_plan.with_lora), with the split copies' sum:
 // logits[row] = (its copies' sum, in split order) + (s B)_a t, a = lora_ids[row] and t its

@@ -182,6 +182,7 @@ TOPK_LISTS_WARPS = 32  # decode_topk_lists' routing warps: its rows, one a warp
 TOPK_LISTS_MAX_R = 256  # the widest router decode_topk_lists routes as topk_route does
 REDUCE_THREADS = 256  # decode_reduce's block; a thread writes 4 columns a step
 TOPK_WARPS = 4  # topk_route's warps a block, a row each
+X_CODES_WARPS = 8  # x_codes_e4m3's warps a block, a 256-column unit of x each (topk.cu)
 MAX_ROUTER_WIDTH = 4096  # routing.cuh: the widest router (E + zero experts) the top-k kernels take
 MAX_TOPK = 64  # ... and the most experts a row
 MAX_GROUPS = 32  # ... and the most expert groups

@@ -77,7 +77,8 @@ def _modules() -> dict[str, ModuleSpec]:
                                  + tuple(f"router_logits_split<{nt}>" for nt in C.ROUTER_SPLIT_TILES),
                                  archs=hopper),
         "topk": ModuleSpec("topk.cu", ("topk_route<0>", "topk_route<1>", "experts_route_in",  # <1>: group-limited
-                                       "topk_route_lora<0>", "topk_route_lora<1>", "experts_route_in_lora")),
+                                       "topk_route_lora<0>", "topk_route_lora<1>", "experts_route_in_lora",
+                                       "x_codes_e4m3")),
         "grouped": ModuleSpec("grouped.cu", _grouped_names()),
         "grouped_sm90": ModuleSpec("grouped_sm90.cu", tuple(dict.fromkeys(
             [v.kernel(m) for m in (0, 1, 2) for v in V if not v.tma]

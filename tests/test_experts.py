@@ -16,7 +16,7 @@ from cupymoe.experts import check_call, shared_flag
 from cupymoe.layer_checks import note_device_pointers
 from cupymoe.forward_plan import S, build_forward_plan
 from cupymoe.knobs import Knobs
-from cupymoe.plan import ErrorBit, CallValue, DeviceFacts, LayerOptions, Path, plan_layer
+from cupymoe.plan import ErrorBit, CallValue, DeviceFacts, LayerOptions, Path, Stage, plan_layer
 
 H200 = DeviceFacts.h200()
 ROUTING_KERNELS = ("router_logits", "topk_route", "decode_route_lists", "decode_topk_lists")
@@ -34,19 +34,26 @@ def test_an_experts_plan_takes_the_calls_routing_then_runs_the_routed_stages(fam
     lp = _plan(cfg, fmt)
     for path, n in ((Path.DECODE, 1), (Path.DECODE, 37), (Path.ATOMIC, 5), (Path.PREFILL, 300)):
         plan = build_forward_plan(lp, H200, n, path, given_routing=True).at(n)
-        first, rest = plan.launches[0], plan.launches[1:]
+        # w8a8 prefill: x_codes_e4m3, then the ids (x's codes, or x's for a shared expert behind a norm)
+        codes_first = path == Path.PREFILL and lp.w8a8 and (not cfg.pre_expert_norm or lp.w8a8_shared_x)
+        assert (plan.launches[0].kernel == "x_codes_e4m3") == codes_first
+        if codes_first:
+            assert plan.launches[0].arg("qx") in (S("qx"), S("qx_shared"))
+        first, rest = plan.launches[int(codes_first)], plan.launches[int(codes_first) + 1:]
         assert first.kernel == "experts_route_in" and not first.pdl
         assert first.arg("ids_in") == CallValue.TOPK_IDS and first.arg("w_in") == CallValue.TOPK_WEIGHTS
         assert first.arg("ids_out") == S("topk_ids") and first.arg("w_out") == S("topk_w")
         assert (first.arg("N"), first.arg("R"), first.arg("k")) == (n, cfg.router_width, cfg.num_experts_per_tok)
         assert first.grid == (-(-n // 4),)
-        assert lp.w8a8 == (first.arg("qx") != 0) or cfg.pre_expert_norm  # x's e4m3 codes where w8a8 needs them
+        # x's e4m3 codes where w8a8 needs them (at prefill by x_codes_e4m3)
+        assert lp.w8a8 == (first.arg("qx") != 0 or codes_first) or cfg.pre_expert_norm
         assert not any(launch.kernel.startswith(ROUTING_KERNELS) for launch in plan.launches)
         assert all(S("logits") not in [a.value for a in launch.args] for launch in plan.launches)  # no router GEMM
         assert all(CallValue.TOKEN_IDS not in [a.value for a in launch.args] for launch in plan.launches)
         if n == 300 or n == 37:  # past the fused routing + lists: the routed plan's steps after its routing
             routed = build_forward_plan(lp, H200, n, path).at(n)
-            assert routed.steps[2:] == plan.steps[1:], (path, n)
+            past_routing = [s for s in routed.steps if s.stage not in (Stage.ROUTER, Stage.TOPK)]
+            assert past_routing == list(plan.steps[int(codes_first) + 1:]), (path, n)
         assert rest[-1].kernel in ("decode_reduce", "grouped_reduce") and rest[-1].arg("out") == CallValue.OUTPUT
 
 

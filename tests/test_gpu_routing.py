@@ -275,40 +275,76 @@ def test_topk_route_flags_inf_logits_that_make_nan_weights(case, variant, rng):
         assert (w[r][no_pick] == 0).all() and (no_pick | np.isnan(w[r])).all(), f"row {r}: {w[r].tolist()}"
 
 
-# H: one partial 256-column chunk (136); a partial last chunk past eleven whole ones (2880); 28 chunks (7168)
-@pytest.mark.parametrize("H", [136, 2880, 7168])
-def test_topk_route_writes_x_codes_by_the_w8a8_rule(H, rng):
-    """w8a8 prefill: topk_route also writes x's e4m3 codes and scales (quant.cuh e4m3_quantize_row, a warp
-    a row, 256 columns at a time): per row and 128 columns s = amax / 448 in float32
-    and codes e4m3(x / s) rounded to nearest even (reference.quantize_activations_fp8's rule), bit for bit;
-    a group of zeros has scale 0 and codes 0, the guard row past N stays poisoned, and the routing beside
-    it is the same bits as without x."""
+def _w8a8_codes(x) -> tuple:
+    """x's e4m3 codes [n, H] (uint8) and scales [n, ceil(H / 128)] by the w8a8 rule
+    (reference.quantize_activations_fp8's): per row and 128 columns s = amax / 448 in float32, codes
+    e4m3(x / s) rounded to nearest even; a group of zeros has scale 0 and codes 0."""
+    from cupymoe import formats
+
+    n, H = x.shape
+    groups = -(-H // formats.FP8_BLOCK)
+    g = np.pad(x.astype(np.float32), ((0, 0), (0, groups * formats.FP8_BLOCK - H))).reshape(n, groups, -1)
+    s = (np.abs(g).max(axis=2) / np.float32(formats.E4M3_MAX)).astype(np.float32)
+    scaled = np.where(s[..., None] > 0, g / np.where(s > 0, s, np.float32(1))[..., None], np.float32(0))
+    codes = np.clip(scaled, -formats.E4M3_MAX, formats.E4M3_MAX).astype(formats.E4M3).view(np.uint8)
+    return codes.reshape(n, -1)[:, :H], s
+
+
+def _x_and_poisoned_codes(rng, n: int, H: int):
+    """x (bf16, row 2's first group zeros) on the device, and its codes and scales poisoned with a guard
+    row past n."""
     import cupy
     import ml_dtypes
 
-    from cupymoe import formats
-
-    n, R, k = 9, 128, 8
-    logits = _planted_logits(rng, n, R, k)
     x = (rng.standard_normal((n, H)) * 3).astype(ml_dtypes.bfloat16)
     x[2, :128] = 0
-    groups = -(-H // formats.FP8_BLOCK)
-    qx = cupy.full((n + 1, H), 0xAB, dtype=cupy.uint8)  # poisoned, a guard row past N
-    sx = cupy.full((n + 1, groups), cupy.nan, dtype=cupy.float32)
-    d_x = cupy.asarray(x.view(np.uint16))
+    qx = cupy.full((n + 1, H), 0xAB, dtype=cupy.uint8)
+    sx = cupy.full((n + 1, -(-H // 128)), cupy.nan, dtype=cupy.float32)
+    return x, cupy.asarray(x.view(np.uint16)), qx, sx
+
+
+def _assert_w8a8_codes(x, qx, sx) -> None:
+    import cupy
+
+    n = x.shape[0]
+    codes, s = _w8a8_codes(x)
+    got_q, got_s = cupy.asnumpy(qx), cupy.asnumpy(sx)
+    assert (got_q[n] == 0xAB).all() and np.isnan(got_s[n]).all(), "the guard row past N was written"
+    np.testing.assert_array_equal(got_s[:n].view(np.int32), s.view(np.int32))
+    np.testing.assert_array_equal(got_q[:n], codes)
+    assert s[2, 0] == 0 and (got_q[2, :128] == 0).all()
+
+
+# H: one partial 256-column chunk (136); a partial last chunk past eleven whole ones (2880); 28 chunks (7168)
+@pytest.mark.parametrize("H", [136, 2880, 7168])
+def test_topk_route_writes_x_codes_by_the_w8a8_rule(H, rng):
+    """topk_route can also write x's e4m3 codes and scales (quant.cuh e4m3_quantize_row, a warp a row,
+    256 columns at a time): bit for bit the w8a8 rule (_w8a8_codes), the guard row past N left poisoned,
+    and the routing beside it the same bits as without x."""
+    n, R, k = 9, 128, 8
+    logits = _planted_logits(rng, n, R, k)
+    x, d_x, qx, sx = _x_and_poisoned_codes(rng, n, H)
     plain = _launch_topk_route(0, logits, None, k, SCORING["softmax"], 1, 1, False, True, 1.0)
     ids, w, err = _launch_topk_route(0, logits, None, k, SCORING["softmax"], 1, 1, False, True, 1.0,
                                      x_codes=(d_x, np.int32(H), qx, sx))
     assert err == 0
     np.testing.assert_array_equal(ids, plain[0])
     np.testing.assert_array_equal(w.view(np.int32), plain[1].view(np.int32))
+    _assert_w8a8_codes(x, qx, sx)
 
-    g = np.pad(x.astype(np.float32), ((0, 0), (0, groups * formats.FP8_BLOCK - H))).reshape(n, groups, -1)
-    s = (np.abs(g).max(axis=2) / np.float32(formats.E4M3_MAX)).astype(np.float32)
-    scaled = np.where(s[..., None] > 0, g / np.where(s > 0, s, np.float32(1))[..., None], np.float32(0))
-    codes = np.clip(scaled, -formats.E4M3_MAX, formats.E4M3_MAX).astype(formats.E4M3).view(np.uint8)
-    got_q, got_s = cupy.asnumpy(qx), cupy.asnumpy(sx)
-    assert (got_q[n] == 0xAB).all() and np.isnan(got_s[n]).all(), "the guard row past N was written"
-    np.testing.assert_array_equal(got_s[:n].view(np.int32), s.view(np.int32))
-    np.testing.assert_array_equal(got_q[:n], codes.reshape(n, -1)[:, :H])
-    assert s[2, 0] == 0 and (got_q[2, :128] == 0).all()
+
+@pytest.mark.parametrize("n,H", [(9, 136), (33, 2880), (130, 7168)])
+def test_x_codes_kernel_writes_x_codes_by_the_w8a8_rule(n, H, rng):
+    """w8a8 prefill's x codes ahead of the router (topk.cu x_codes_e4m3, a 256-column unit a warp over the
+    grid, the grid as forward_plan sizes it): bit for bit the w8a8 rule, the guard row left poisoned."""
+    import cupy
+
+    from cupymoe import catalog as C
+    from cupymoe import jit
+
+    x, d_x, qx, sx = _x_and_poisoned_codes(rng, n, H)
+    units = -(-H // 256)
+    jit.library(0)["x_codes_e4m3"]((-(-n * units // C.X_CODES_WARPS),), (C.X_CODES_WARPS * 32,),
+                                   (d_x, np.int32(n), np.int32(H), qx, sx))
+    cupy.cuda.runtime.deviceSynchronize()
+    _assert_w8a8_codes(x, qx, sx)
