@@ -14,6 +14,7 @@
 #
 #   OUT=/tmp/out bash scripts/serving_check.sh
 #   OUT=/tmp/out LIMIT=400 PRESETS="qwen3-30b-a3b" PEER_PRESETS="qwen3-30b-a3b" bash scripts/serving_check.sh
+#   OUT=/tmp/out FORMATS=fp8_block bash scripts/serving_check.sh     (one format: the other's peer run left out)
 set -u
 t0=$(date +%s)
 left() { echo $(( ${LIMIT:-560} - ($(date +%s) - t0) )); }
@@ -24,21 +25,26 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PEER_DIR=${PEER_DIR:-$PWD/.pee
 PRESETS=${PRESETS:-"qwen3-30b-a3b deepseek-v3 mixtral-8x7b qwen3-next-80b qwen3-235b-a22b gpt-oss-120b"}
 PEER_PRESETS=${PEER_PRESETS:-"qwen3-30b-a3b deepseek-v3"}
 T=${TOKENS:-"16 32 64 128 256 512 1024 2048"}
+FORMATS=${FORMATS:-"bf16 fp8_block"}
 mkdir -p "$OUT"
 shapes=${PEER_PRESETS// /,}
-(cd "$OUT" && OUT=$OUT timeout "${PEER_S:-120}" python3 "$PEER_DIR/peer_bench.py" --shapes "$shapes" --tokens "${T// /,}" \
-  --impls vllm_compute_only > "$OUT/peer.log" 2>&1)
-echo "vLLM bf16 rc $? ($(left) s left)"
+if [[ " $FORMATS " == *" bf16 "* ]]; then
+  (cd "$OUT" && OUT=$OUT timeout "${PEER_S:-120}" python3 "$PEER_DIR/peer_bench.py" --shapes "$shapes" --tokens "${T// /,}" \
+    --impls vllm_compute_only > "$OUT/peer.log" 2>&1)
+  echo "vLLM bf16 rc $? ($(left) s left)"
+fi
 # peer_bench_fp8.py quantizes in 128 x 128 blocks: gpt-oss-120b's I = 2880 is not a multiple of 128
 # (it raised for the whole run), so vLLM's fp8 GEMMs leave it out
 fp8_shapes=$(echo "$PEER_PRESETS" | tr ' ' '\n' | grep -vx gpt-oss-120b | paste -sd, -)
-(cd "$OUT" && OUT=$OUT FP8_SHAPES=$fp8_shapes FP8_TOKENS=${T// /,} timeout "${PEER_S:-120}" python3 "$PEER_DIR/peer_bench_fp8.py" \
-  > "$OUT/peer_fp8.log" 2>&1)
-echo "vLLM fp8 rc $? ($(left) s left)"
+if [[ " $FORMATS " == *" fp8_block "* ]]; then
+  (cd "$OUT" && OUT=$OUT FP8_SHAPES=$fp8_shapes FP8_TOKENS=${T// /,} timeout "${PEER_S:-120}" \
+    python3 "$PEER_DIR/peer_bench_fp8.py" > "$OUT/peer_fp8.log" 2>&1)
+  echo "vLLM fp8 rc $? ($(left) s left)"
+fi
 # the tune stops starting cells ~40 s before the limit (a cell takes up to ~20 s), the timeout is the backstop
 tune_s=$(( $(left) - 40 ))
 if [ "$tune_s" -gt 20 ]; then
-  timeout $(( tune_s + 30 )) python3 -m cupymoe tune --preset $PRESETS --format bf16 fp8_block --tokens $T \
+  timeout $(( tune_s + 30 )) python3 -m cupymoe tune --preset $PRESETS --format $FORMATS --tokens $T \
     --time-limit "$tune_s" --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
   echo "tune rc $? ($(left) s left)"
 else
