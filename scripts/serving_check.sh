@@ -29,8 +29,8 @@ FORMATS=${FORMATS:-"bf16 fp8_block"}
 mkdir -p "$OUT"
 shapes=${PEER_PRESETS// /,}
 if [[ " $FORMATS " == *" bf16 "* ]]; then
-  (cd "$OUT" && OUT=$OUT timeout "${PEER_S:-120}" python3 "$PEER_DIR/peer_bench.py" --shapes "$shapes" --tokens "${T// /,}" \
-    --impls vllm_compute_only > "$OUT/peer.log" 2>&1)
+  (cd "$OUT" && OUT=$OUT timeout "${PEER_S:-120}" python3 "$PEER_DIR/peer_bench.py" --shapes "$shapes" \
+    --tokens "${T// /,}" --impls vllm_compute_only > "$OUT/peer.log" 2>&1)
   echo "vLLM bf16 rc $? ($(left) s left)"
 fi
 # peer_bench_fp8.py quantizes in 128 x 128 blocks: gpt-oss-120b's I = 2880 is not a multiple of 128
