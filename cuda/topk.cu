@@ -50,9 +50,8 @@ __device__ __forceinline__ void sum_logit_splits(float* __restrict__ logits, int
     logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, N, R, E, k, scoring, n_group, topk_group,     \
         topk_then_softmax, renorm, scale, vocab, x, H, qx, sx, splits
 
-// The row's top-k from its logits' copy 0 (its warp's scratch in smem), then (w8a8) x's e4m3 codes
-// for the fp8 gate/up GEMM: x is the caller's, so no stage of ours produces it; its quantization
-// rides in this one-warp-per-row stage instead of a launch.
+// The row's top-k from its logits' copy 0 (its warp's scratch in smem), then, with qx, x's e4m3 codes
+// a warp a row (the plans pass none: w8a8 prefill makes them by x_codes_e4m3 ahead of the router).
 // `copies` > 1: a split router's, summed in registers on the register path (route_row_vec), else
 // into copy 0 first (sum_logit_splits), the same sums either way.
 template <int GROUP_REGS>

@@ -833,10 +833,7 @@ class _Builder:
         if self.given_routing:
             self.stage = Stage.TOPK
             qx = self.x_codes()
-            if self.path == Path.PREFILL and qx != (0, 0):  # as the routed plan makes them
-                self.quantize_x(qx)
-                qx = (0, 0)
-            self.given(qx)
+            self.given(self.codes_ahead(qx) if self.path == Path.PREFILL else qx)  # as the routed plan makes them
             route_lists = topk_lists = False
         else:
             route_lists, topk_lists = self.route()
@@ -873,9 +870,7 @@ class _Builder:
                       and C.topk_lists_smem_bytes(n, k, self.lp.n_local, R) <= self.dev.max_smem)
         splits = 1
         if prefill:
-            if qx != (0, 0):  # x's codes over the whole grid first, so topk_route routes only
-                self.quantize_x(qx)
-                qx = (0, 0)
+            qx = self.codes_ahead(qx)
             splits = self.prefill_router()
         elif route_lists and HX.route_lists_quantizes(n, H):  # the idle routing warps make the codes
             self.decode_router((0, 0))
@@ -898,13 +893,17 @@ class _Builder:
                      i32("H", cfg.hidden_size), u64("qx", qx[0]), u64("sx", qx[1])))
 
     # --- router and top-k ------------------------------------------------------------------------
-    def quantize_x(self, qx: tuple) -> None:
-        """w8a8 prefill: x's e4m3 codes and scales, a 256-column unit a warp over the whole grid."""
+    def codes_ahead(self, qx: tuple) -> tuple:
+        """w8a8 prefill: x's e4m3 codes and scales into `qx` ahead of the router, a 256-column unit a warp
+        over the whole grid, so topk_route routes only. Returns what the routing stage is to write: none."""
+        if qx == (0, 0):
+            return qx
         H, warps = self.cfg.hidden_size, C.X_CODES_WARPS
         units = -(-H // 256)
         self.launch("x_codes_e4m3", (self.v(f"ceil(N*{units}/{warps})", lambda m: -(-m * units // warps)),),
                     (warps * 32,), (u64("x", X), i32("N", self.rows()), i32("H", H), u64("qx", qx[0]),
                                     u64("sx", qx[1])))
+        return (0, 0)
 
     def prefill_router(self) -> int:
         """The router's logits as a grouped GEMM on tensor cores; returns its K splits."""
