@@ -60,13 +60,11 @@ def per_kernel(records: list[tuple[float, float, str]], names: list[str]) -> dic
 
 
 def main() -> None:
-    import cupy
-    import numpy as np
+    import types
 
-    from cupymoe.bench import (PRESETS, expected_touched, expert_bytes, layer_options, layer_weight_bytes,
-                               layers_needed, preset_config, random_device_weights)
-    from cupymoe.layer import MoeLayer
-    from cupymoe.verify import bf16_bits
+    import cupy
+
+    from cupymoe.bench import PRESETS, build_layers, cell_input, layer_options, preset_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
@@ -77,17 +75,10 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg, n = preset_config(args.preset), args.tokens
-    H, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
-    lb = layer_weight_bytes(cfg, args.format)
-    free = 0.6 * cupy.cuda.runtime.memGetInfo()[1] - lb
-    nl = layers_needed(lb, expected_touched(E, k, n) * expert_bytes(args.format, H, I), free)
-    hw = random_device_weights(cfg, 0, args.format)
-    layers = [MoeLayer(cfg, hw, max_tokens=n, **layer_options(args.format, args)) for _ in range(nl)]
-    del hw
-    for layer in layers:
-        layer.warmup()
-    x = cupy.asarray(bf16_bits(np.random.default_rng([0, n]).standard_normal((n, H), dtype=np.float32)))
-    out = cupy.empty_like(x)
+    layers = build_layers(cfg, args.format, types.SimpleNamespace(tokens=[n], seed=0), args.preset,
+                          **layer_options(args.format, args))  # the bench's copies, as bench builds them
+    nl = len(layers)
+    x, out = cell_input(cfg, n, 0)
     s = cupy.cuda.Stream(non_blocking=True)
     for layer in layers:
         layer.forward(int(x.data.ptr), n, int(out.data.ptr), s.ptr)
