@@ -38,20 +38,18 @@ __device__ __forceinline__ void sum_logit_splits(float* __restrict__ logits, int
 // topk_route's arguments (topk_route_lora's first):
 //   logits [splits, N, R] fp32 (router bias already added); corr_bias [R] or null: selection-only
 //   correction bias; tid2eid [V, k] or null: hash routing table; token_ids [N] (hash routing only);
-//   ids_out, w_out [N, k]; err: error bits; x [N, H]: quantized when qx is set; qx: w8a8 or null,
-//   x's e4m3 codes [N, H], and sx their scales [N, ceil(H / 128)]; splits: the split router's copies.
+//   ids_out, w_out [N, k]; err: error bits; splits: the split router's copies.
 #define TOPK_ROUTE_ARGS                                                                                         \
     float *__restrict__ logits, const float *__restrict__ corr_bias, const int *__restrict__ tid2eid,          \
         const int *__restrict__ token_ids, int *__restrict__ ids_out, float *__restrict__ w_out,               \
         int *__restrict__ err, int N, int R, int E, int k, int scoring, int n_group, int topk_group,           \
-        int topk_then_softmax, int renorm, float scale, int vocab, const bf16 *__restrict__ x, int H,           \
-        u8 *__restrict__ qx, float *__restrict__ sx, int splits
+        int topk_then_softmax, int renorm, float scale, int vocab, int splits
 #define TOPK_ROUTE_ARG_NAMES                                                                                  \
     logits, corr_bias, tid2eid, token_ids, ids_out, w_out, err, N, R, E, k, scoring, n_group, topk_group,     \
-        topk_then_softmax, renorm, scale, vocab, x, H, qx, sx, splits
+        topk_then_softmax, renorm, scale, vocab, splits
 
-// The row's top-k from its logits' copy 0 (its warp's scratch in smem), then, with qx, x's e4m3 codes
-// a warp a row (the plans pass none: w8a8 prefill makes them by x_codes_e4m3 ahead of the router).
+// The row's top-k from its logits' copy 0 (its warp's scratch in smem); w8a8 prefill's x codes are
+// x_codes_e4m3's, ahead of the router.
 // `copies` > 1: a split router's, summed in registers on the register path (route_row_vec), else
 // into copy 0 first (sum_logit_splits), the same sums either way.
 template <int GROUP_REGS>
@@ -71,9 +69,6 @@ __device__ __forceinline__ void route_row(int row, float* smem, int warp, int la
                                            R, E, k, scoring, n_group, topk_group, topk_then_softmax, renorm, scale,
                                            vocab, lane);
     }
-#if CUPYMOE_SM >= 89
-    if (qx) e4m3_quantize_row(x + (size_t)row * H, H, qx + (size_t)row * H, sx + (size_t)row * ((H + 127) >> 7), lane);
-#endif
 }
 
 template <int GROUP_REGS>
@@ -198,7 +193,7 @@ topk_route_lora(TOPK_ROUTE_ARGS, const int* __restrict__ lora_ids, const float* 
 // and weights into the scratch topk_route writes, so every stage after it runs unchanged.
 // An id outside 0..R-1 sets ERR_EXPERT_ID_RANGE and goes on as -1 with weight 0, which every
 // later stage reads as no expert (no out-of-bounds access). Weights are copied as given. With
-// qx (w8a8), x's e4m3 codes too, as topk_route makes them. ids_in [N, k] and w_in [N, k]: the
+// qx (w8a8), x's e4m3 codes too, by the w8a8 rule (quant.cuh). ids_in [N, k] and w_in [N, k]: the
 // caller's expert ids and routing weights; ids_out, w_out [N, k]: topk_route's outputs.
 #define ROUTE_IN_ARGS                                                                                         \
     const int *__restrict__ ids_in, const float *__restrict__ w_in, int *__restrict__ ids_out,               \

@@ -973,10 +973,11 @@ class _Builder:
                         self.routing_args() + self.list_args(),
                         C.topk_lists_smem_bytes(n, k, self.lp.n_local, R), self.pdl)
         else:
+            assert qx == (0, 0), "x's codes are x_codes_e4m3's or the router's past decode_route_lists' rows"
             warps = C.TOPK_WARPS
             self.launch(f"topk_route<{group_regs}>", (self.v(f"ceil(N/{warps})", lambda m: -(-m // warps)),),
-                        (warps * 32,), self.routing_args() + x_args + (i32("splits", splits),),
-                        C.topk_route_smem_bytes(R), self.pdl)
+                        (warps * 32,), self.routing_args() + (i32("splits", splits),), C.topk_route_smem_bytes(R),
+                        self.pdl)
 
     def norm(self) -> Buf:
         cfg = self.cfg

@@ -112,9 +112,8 @@ def _run_topk_route(group_regs: int, logits, bias, k: int, scoring: int, n_group
 
 
 def _launch_topk_route(group_regs: int, logits, bias, k: int, scoring: int, n_group: int, topk_group: int, tts: bool,
-                       renorm: bool, scale: float, x_codes: tuple = ()):
-    """topk_route<group_regs>'s (ids, weights, error bits), its outputs poisoned first (-7, NaN).
-    x_codes: (x, H, qx, sx) device arrays for w8a8's x codes, written beside the routing."""
+                       renorm: bool, scale: float):
+    """topk_route<group_regs>'s (ids, weights, error bits), its outputs poisoned first (-7, NaN)."""
     import cupy
 
     from cupymoe import jit
@@ -131,7 +130,7 @@ def _launch_topk_route(group_regs: int, logits, bias, k: int, scoring: int, n_gr
         (d_logits, d_bias if d_bias is not None else null, null, null, ids, w, err,
          np.int32(n), np.int32(R), np.int32(R), np.int32(k), np.int32(scoring), np.int32(n_group),
          np.int32(topk_group), np.int32(int(tts)), np.int32(int(renorm)), np.float32(scale), np.int32(0),
-         *(x_codes or (null, np.int32(0), null, null)), np.int32(1)),
+         np.int32(1)),
         shared_mem=TOPK_WARPS * (2 * R + TOPK_MAX_K) * 4)
     cupy.cuda.runtime.deviceSynchronize()
     return cupy.asnumpy(ids), cupy.asnumpy(w), int(err[0])
@@ -313,24 +312,6 @@ def _assert_w8a8_codes(x, qx, sx) -> None:
     np.testing.assert_array_equal(got_s[:n].view(np.int32), s.view(np.int32))
     np.testing.assert_array_equal(got_q[:n], codes)
     assert s[2, 0] == 0 and (got_q[2, :128] == 0).all()
-
-
-# H: one partial 256-column chunk (136); a partial last chunk past eleven whole ones (2880); 28 chunks (7168)
-@pytest.mark.parametrize("H", [136, 2880, 7168])
-def test_topk_route_writes_x_codes_by_the_w8a8_rule(H, rng):
-    """topk_route can also write x's e4m3 codes and scales (quant.cuh e4m3_quantize_row, a warp a row,
-    256 columns at a time): bit for bit the w8a8 rule (_w8a8_codes), the guard row past N left poisoned,
-    and the routing beside it the same bits as without x."""
-    n, R, k = 9, 128, 8
-    logits = _planted_logits(rng, n, R, k)
-    x, d_x, qx, sx = _x_and_poisoned_codes(rng, n, H)
-    plain = _launch_topk_route(0, logits, None, k, SCORING["softmax"], 1, 1, False, True, 1.0)
-    ids, w, err = _launch_topk_route(0, logits, None, k, SCORING["softmax"], 1, 1, False, True, 1.0,
-                                     x_codes=(d_x, np.int32(H), qx, sx))
-    assert err == 0
-    np.testing.assert_array_equal(ids, plain[0])
-    np.testing.assert_array_equal(w.view(np.int32), plain[1].view(np.int32))
-    _assert_w8a8_codes(x, qx, sx)
 
 
 @pytest.mark.parametrize("n,H", [(9, 136), (33, 2880), (130, 7168)])
