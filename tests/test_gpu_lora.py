@@ -360,11 +360,13 @@ def test_refusals(rng):
             layer.set_lora(0, random_lora(cfg, rng, rank=2, targets=[LoraTarget.ROUTER]), stream=s.ptr)
     finally:
         s.end_capture()
-    ids = cupy.asarray(np.array([0, 5, -1, 1], np.int32))  # 5 >= max_loras: an error bit, no delta
+    with s:  # uploaded on the forward's stream: a non-blocking stream does not wait for the null stream's copy
+        ids = cupy.asarray(np.array([0, 5, -1, 1], np.int32))  # 5 >= max_loras: an error bit, no delta
     layer.forward(int(x.data.ptr), 4, int(out.data.ptr), s.ptr, lora_ids_ptr=int(ids.data.ptr))
     with pytest.raises(MoeCallError, match="bit 2 = a LoRA id"):
         layer.check_errors()
-    ids = cupy.asarray(np.array([0, -2, -1, 1], np.int32))  # -2: neither the base layer nor a slot
+    with s:
+        ids = cupy.asarray(np.array([0, -2, -1, 1], np.int32))  # -2: neither the base layer nor a slot
     layer.forward(int(x.data.ptr), 4, int(out.data.ptr), s.ptr, lora_ids_ptr=int(ids.data.ptr))
     with pytest.raises(MoeCallError, match="bit 2 = a LoRA id outside -1"):
         layer.check_errors()
