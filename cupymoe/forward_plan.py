@@ -961,19 +961,18 @@ class _Builder:
 
     def routing(self, route_lists: bool, topk_lists: bool, qx: tuple, splits: int) -> None:
         cfg, n = self.cfg, self.n
-        k, R, H = cfg.num_experts_per_tok, cfg.router_width, cfg.hidden_size
+        k, R = cfg.num_experts_per_tok, cfg.router_width
         group_regs = 1 if cfg.n_group > 1 else 0  # group-limited routers' rows from registers
-        x_args = (u64("x", X), i32("H", H), u64("qx", qx[0]), u64("sx", qx[1]))
+        assert route_lists or qx == (0, 0), "x's codes are x_codes_e4m3's or the router's past decode_route_lists' rows"
         if route_lists:
+            x_args = (u64("x", X), i32("H", cfg.hidden_size), u64("qx", qx[0]), u64("sx", qx[1]))
             self.launch("decode_route_lists", (1,), (C.ROUTE_LISTS_THREADS,),
                         self.routing_args() + self.list_args() + x_args, C.route_lists_smem_bytes(n, k, R), self.pdl)
         elif topk_lists:
-            assert qx == (0, 0), "x's codes are the router's past decode_route_lists' rows"
             self.launch(f"decode_topk_lists<{group_regs}>", (1,), (C.LISTS_THREADS,),
                         self.routing_args() + self.list_args(),
                         C.topk_lists_smem_bytes(n, k, self.lp.n_local, R), self.pdl)
         else:
-            assert qx == (0, 0), "x's codes are x_codes_e4m3's or the router's past decode_route_lists' rows"
             warps = C.TOPK_WARPS
             self.launch(f"topk_route<{group_regs}>", (self.v(f"ceil(N/{warps})", lambda m: -(-m // warps)),),
                         (warps * 32,), self.routing_args() + (i32("splits", splits),), C.topk_route_smem_bytes(R),
