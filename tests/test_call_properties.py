@@ -166,8 +166,15 @@ def test_drawn_experts_only_arguments_are_accepted_as_meant_or_refused_by_name(l
         ids_v, bad = _address("topk_ids_ptr", ids, 4)
         w_v, bad = (None, bad) if bad else _address("topk_weights_ptr", w, 4)
         name = bad or ("output_ptr" if name == "overlap" else None)
-        want = None if name else (want[0], want[1], ids_v, w_v, want[2])
+        want = None if name else (want[0], want[1], ids_v, w_v, want[2], 0)  # no lora_ids_ptr: 0
     _same(lambda: experts_check_call(layer, x, n, ids, w, out), want, name)
+
+
+def test_a_good_experts_only_call_returns_its_ints_and_no_lora_ids():
+    """The accepted path the draws above reach only now and then: six ints, lora_ids_ptr absent as 0."""
+    layer = StandIn(Cfg(64, False), 1)
+    got = experts_check_call(layer, 0x10, 1, 0x10, 0x10, 0x90)
+    assert got == (1, 0x10, 0x10, 0x10, 0x90, 0) and all(type(v) is int for v in got)
 
 
 @examples(200)
