@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 40's measurement in one device call: vLLM timed beside us at N >= 4096, then our layer, then the table.
 #   1. vLLM's compute-only bf16 time (the shared peers' peer_bench.py) for BF16_PRESETS and its fp8 GEMMs
-#      (peer_bench_fp8.py) for FP8_PRESETS, at TOKENS (default 4096 16384);
+#      (peer_bench_fp8.py) for FP8_PEER_PRESETS (default FP8_PRESETS; on an 80 GB card leave deepseek-v3 out:
+#      its quantization runs out of memory and takes the whole peer run down), at TOKENS (default 4096 16384);
 #   2. `python -m cupymoe bench --no-peers` of the same presets and formats, the table's plans;
 #   3. scripts/prefill_table.py over both: each cell's µs, % of its floor and vs vLLM against issue 40's bars.
 # Needs .peer/ (scripts/device_setup.sh). PEER_S bounds each peer run (default 150 s), BENCH_S each
@@ -38,7 +39,7 @@ if [[ " $FORMATS " == *" bf16 "* ]]; then
   peers+=("$OUT/peer.json")
 fi
 if [[ " $FORMATS " == *" fp8_block "* ]]; then
-  (cd "$OUT" && OUT=$OUT FP8_SHAPES=${FP8_PRESETS// /,} FP8_TOKENS=${T// /,} timeout "${PEER_S:-150}" \
+  (cd "$OUT" && OUT=$OUT FP8_SHAPES=$(echo ${FP8_PEER_PRESETS:-$FP8_PRESETS} | tr ' ' ,) FP8_TOKENS=${T// /,} timeout "${PEER_S:-150}" \
     python3 "$PEER_DIR/peer_bench_fp8.py" > "$OUT/peer_fp8.log" 2>&1)
   echo "vLLM fp8 rc $?"
   bench fp8_block $FP8_PRESETS
