@@ -39,7 +39,8 @@ if [[ " $FORMATS " == *" bf16 "* ]]; then
   peers+=("$OUT/peer.json")
 fi
 if [[ " $FORMATS " == *" fp8_block "* ]]; then
-  (cd "$OUT" && OUT=$OUT FP8_SHAPES=$(echo ${FP8_PEER_PRESETS:-$FP8_PRESETS} | tr ' ' ,) FP8_TOKENS=${T// /,} timeout "${PEER_S:-150}" \
+  shapes=$(echo ${FP8_PEER_PRESETS:-$FP8_PRESETS} | tr ' ' ,)
+  (cd "$OUT" && OUT=$OUT FP8_SHAPES=$shapes FP8_TOKENS=${T// /,} timeout "${PEER_S:-150}" \
     python3 "$PEER_DIR/peer_bench_fp8.py" > "$OUT/peer_fp8.log" 2>&1)
   echo "vLLM fp8 rc $?"
   bench fp8_block $FP8_PRESETS

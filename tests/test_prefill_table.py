@@ -22,7 +22,8 @@ def test_cells_judged_by_their_formats_bars(tmp_path):
     peers = _write(tmp_path / "peer.json", {"rows": [
         dict(shape="mixtral-8x7b", N=4096, vllm_compute_only=5100.0),
         dict(shape="mixtral-8x7b", N=16384, vllm_compute_only=23000.0)]})
-    peers8 = _write(tmp_path / "peer_fp8.json", {"rows": [dict(shape="qwen3-30b-a3b", N=4096, vllm_fp8_gemms_only=990.0)]})
+    peers8 = _write(tmp_path / "peer_fp8.json",
+                    {"rows": [dict(shape="qwen3-30b-a3b", N=4096, vllm_fp8_gemms_only=990.0)]})
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "prefill_table.py"), str(bench), "--peers",
                           str(peers), str(peers8)], capture_output=True, text=True, check=True).stdout
     assert "| mixtral-8x7b | bf16 | 4096 | 4000.0 | 76.0 | 1.27x | yes |" in out
