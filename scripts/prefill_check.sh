@@ -46,5 +46,6 @@ if [[ " $FORMATS " == *" fp8_block "* ]]; then
   bench fp8_block $FP8_PRESETS
   peers+=("$OUT/peer_fp8.json")
 fi
-have=$(ls "${peers[@]}" 2>/dev/null)  # a peer run that failed left none
-python3 scripts/prefill_table.py "$OUT"/bench_*.json --peers $have | tee "$OUT/table.md"
+have=()  # a peer run that failed left no file
+for p in "${peers[@]}"; do [ -f "$p" ] && have+=("$p"); done
+python3 scripts/prefill_table.py "$OUT"/bench_*.json --peers "${have[@]}" | tee "$OUT/table.md"
