@@ -3,9 +3,11 @@ matched against a fixed list of names in bounded time.
 
 Python's `re` backtracks and holds the GIL, so a key such as `(.+)+Q` against a 40-character module
 name would stop every thread of a serving process for hours. A key whose structure bounds the
-backtracking (no repeat inside a repeat, no back-reference, no alternation inside a repeat, at most
-two unbounded repeats: polynomial in the name's length) is matched in process, its names checked
-against the deadline one by one; any other key in a child interpreter killed past `timeout_s`.
+backtracking is matched in process, its names checked against the deadline one by one: no
+back-reference, nothing that repeats or chooses inside a repeat, and at most two choice points (a
+repeat of variable count, `?` and `{0,9}` included, or an alternation), so a name of n characters
+costs polynomial steps, not 2^(choices). Any other key goes to a child interpreter killed past
+`timeout_s`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ job = json.load(sys.stdin)
 rx = [re.compile(job["template"].format(k)) for k in job["keys"]]
 print(json.dumps([next((i for i, r in enumerate(rx) if r.match(n)), None) for n in job["names"]]))
 """
-MAX_UNBOUNDED_REPEATS = 2  # with the template's own `.*`: at most n^3 steps over a name of n characters
+# choice points a key matched in process may hold: each multiplies a name's steps by at most n + 1 (or its
+# alternatives); with the template's own `.*` at most ~n^3 steps over a name of n characters
+MAX_CHOICE_POINTS = 2
 
 
 class MatchError(Exception):
@@ -66,21 +70,22 @@ def in_process_safe(key: str) -> bool:
         tree = _sre_parse.parse(key)
     except Exception:  # noqa: BLE001 (re.error, OverflowError, RecursionError: the compile check names it)
         return False
-    unbounded = 0
+    choices = 0
 
     def walk(items, in_repeat: bool) -> bool:
-        nonlocal unbounded
+        nonlocal choices
         for op, av in items:
-            if op == _sre_c.GROUPREF or (in_repeat and op in (_sre_c.BRANCH, _sre_c.GROUPREF_EXISTS)):
+            if op == _sre_c.GROUPREF:
                 return False
-            repeat = op in _REPEATS and av[1] > 1
-            if repeat and in_repeat:
+            chooses = op in (_sre_c.BRANCH, _sre_c.GROUPREF_EXISTS) or (op in _REPEATS and av[0] != av[1])
+            repeats = op in _REPEATS and av[1] > 1
+            if in_repeat and (chooses or repeats):
                 return False
-            if repeat and av[1] == _sre_c.MAXREPEAT:
-                unbounded += 1
-            if not all(walk(sub, in_repeat or repeat) for sub in _children(op, av)):
+            choices += chooses
+            if not all(walk(sub, in_repeat or repeats or (chooses and op in _REPEATS))
+                       for sub in _children(op, av)):
                 return False
-        return unbounded <= MAX_UNBOUNDED_REPEATS
+        return choices <= MAX_CHOICE_POINTS
 
     return walk(tree, False)
 

@@ -374,7 +374,8 @@ class _FileSource(_Source):
                 raise CheckpointFileError(f"{self._index} maps tensors to {rel!r}, which cannot be opened "
                                           f"({e.strerror})") from None
             if not is_file:
-                raise CheckpointFileError(f"{self._index} maps tensors to {rel}, but {path} does not exist")
+                why = "is no regular file" if real.exists() else "does not exist"  # a directory: '.', 'sub/'
+                raise CheckpointFileError(f"{self._index} maps tensors to {rel!r}, but {path} {why}")
             logger.debug("opening %s", path)
             try:
                 h = self._stack.enter_context(safe_open(str(real), framework="numpy"))

@@ -41,7 +41,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PEFT's saved names: this, then the base model's module name
 _KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
 _MLP_PREFIXES = ("mlp.", "block_sparse_moe.")  # every family's MLP prefix, transformers 4 and 5
-_FLOATS = ("bfloat16", "float16", "float32")  # every one converts to float32 exactly
+# the tensor dtypes read (safetensors' names): every one converts to float32 exactly
+_FILE_FLOATS = ("BF16", "F16", "F32")
 
 
 class LoraTarget(str, enum.Enum):
@@ -433,10 +434,10 @@ def _read_layer_tensors(path: Path, prefix: str) -> tuple[dict[str, np.ndarray],
             for key in f.keys():
                 if not key.startswith(prefix) or not key[len(prefix):].startswith(_MLP_PREFIXES):
                     continue
-                a = f.get_tensor(key)
-                if a.dtype.name not in _FLOATS:
-                    raise LoraError(f"{key}: dtype {a.dtype.name} is not served (expected one of {_FLOATS})")
-                out[key[len(PEFT_PREFIX):]] = a.astype(np.float32)
+                dtype = f.get_slice(key).get_dtype()  # before reading: numpy cannot hold some (fp8)
+                if dtype not in _FILE_FLOATS:
+                    raise LoraError(f"{key}: dtype {dtype} is not served (expected one of {_FILE_FLOATS})")
+                out[key[len(PEFT_PREFIX):]] = f.get_tensor(key).astype(np.float32)
     except LoraError:
         raise
     except Exception as e:  # safetensors' own errors (a truncated or corrupt file) name no file

@@ -34,9 +34,19 @@ def test_first_matches_are_pefts(keys, where, monkeypatch):
     ("gate_proj", True), (r"^model\.layers\.\d+\.mlp\.experts\.\d+\.gate_proj$", True), ("(gate|up)_proj", True),
     (r"[a-z]+\.[0-9]+", True), ("(.+)+Q", False), ("(a|a)*b", False), (r"(a)\1", False), (".*.*.*x", False),
     ("(ab|a)+c", False), ("(a+){2,}", False), ("a{1,99999999999}", False), ("(" * 3000 + ")" * 3000, False),
-    ("gate(", False)])
+    ("gate(", False),
+    # optional and bounded repeats choose too: n of them in a row backtrack 2^n ways
+    ("(.?){20}.{20}Q", False), (".?" * 22 + ".{22}Q", False), ("a?b?c?", False), ("(ab|cd)(ef|gh)(ij|kl)", False),
+    ("(a?){2}", False), ("a?b?", True), (".{0,30}x", True), ("(ab|cd)_proj", True), ("x{3}(ab){2}", True)])
 def test_keys_whose_structure_bounds_their_backtracking_match_in_process(key, safe):
     assert BM.in_process_safe(key) is safe
+
+
+@pytest.mark.parametrize("key", ["(.?){25}.{25}Q", ".?" * 25 + ".{25}Q"])
+def test_optional_repeats_that_backtrack_are_cut_off_too(key):
+    """Matched in process, one name of these would hold the GIL for seconds to days (2^25 steps and up)."""
+    with pytest.raises(BM.MatchError, match="took over 0.5 s"):
+        BM.first_matches([key], ["model.layers.3.mlp.experts.0.gate_proj"], PEFT_PATTERN, 0.5)
 
 
 def test_a_key_that_backtracks_without_bound_is_cut_off_and_named():

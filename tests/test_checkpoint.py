@@ -525,8 +525,21 @@ def test_index_naming_missing_shard(tmp_path):
     config, t = small_qwen3(np.random.default_rng(23))
     root = write_checkpoint(tmp_path, config, t, shards=[list(t)[:10], list(t)[10:]])
     (root / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(CheckpointFileError, match=r"model-00002-of-00002\.safetensors, but .*model-00002-of-00002"
+    with pytest.raises(CheckpointFileError, match=r"model-00002-of-00002\.safetensors', but .*model-00002-of-00002"
                                                   r"\.safetensors does not exist"):
+        load_layer(root, LAYER)
+
+
+@pytest.mark.parametrize("shard", [".", "sub"])
+def test_index_naming_a_directory_as_a_shard(tmp_path, shard):
+    config, t = small_qwen3(np.random.default_rng(23))
+    root = write_checkpoint(tmp_path, config, t, shards=[list(t)[:10], list(t)[10:]])
+    (root / "sub").mkdir()
+    index_path = root / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {n: shard if f.endswith("00002.safetensors") else f for n, f in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointFileError, match=rf"maps tensors to '{re.escape(shard)}', but .* is no regular file"):
         load_layer(root, LAYER)
 
 
