@@ -89,6 +89,13 @@ class Driver:
         cls.check(cls.lib().cuStreamGetCtx(ctypes.c_void_p(stream), ctypes.byref(ctx)), "cuStreamGetCtx")
         return ctx.value or 0
 
+    @staticmethod
+    def current_context() -> int:
+        """The calling thread's current CUDA context (0: none), whose default streams 0, 1 and 2 are."""
+        import cupy
+
+        return cupy.cuda.driver.ctxGetCurrent()
+
     @classmethod
     def check(cls, rc: int, what: str) -> None:
         if rc != 0:

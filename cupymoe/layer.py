@@ -37,6 +37,8 @@ from .workspace import GUARD_BYTES, ScratchView, Workspace, WorkspaceNeed, layer
 
 log = logging.getLogger(__name__)
 
+DEFAULT_STREAMS = (0, 1, 2)  # the legacy and per-thread default streams: the current context's
+
 _UNTRIED = object()  # a plan whose forward graph was not captured yet
 # the tensor-map tables a plan's kernels may read, by buffer name: (plan, weight tables' pointers,
 # scratch, LoRA slots) -> the table's bytes
@@ -171,6 +173,7 @@ class MoeLayer:
         if max_tokens is not None:
             check_options(self.cfg, max_tokens, self.default_path, False)
             check_token_limit(self.cfg, max_tokens, len(self._owned))
+            max_tokens = int(max_tokens)  # a numpy integer passes the checks; the buffers' sizes take ints
         return layer_need(self.plan, max_tokens or self.max_tokens, self._guard, self._lora_experts,
                           self._lora_rank, self._lora_stack_ks, self._lora_router_t_cols, self._lora_plan)[1]
 
@@ -426,14 +429,20 @@ class MoeLayer:
         return (lambda ptr, nbytes, stream: comm.all_reduce(ptr, nbytes, "bf16", stream)) if comm else None
 
     def _stream(self, stream) -> int:
-        """The raw stream, checked once to belong to this layer's device."""
+        """The raw stream, checked once to belong to this layer's device; a default stream (0, 1, 2: the
+        current context's) every call, since the thread's current device may have changed."""
         s = self._streams.get(stream) if type(stream) is int else None  # a list is unhashable, 16.0 == 16
         if s is None:
             s = check_stream(stream)
-            if s not in (0, 1, 2) and Driver.stream_context(s) != self._ctx:
+            if s not in DEFAULT_STREAMS and Driver.stream_context(s) != self._ctx:
                 raise MoeCallError(f"stream 0x{s:x} belongs to another device's context than this "
                                    f"layer's device {self.device_id}")
             self._streams[s] = s
+        if s in DEFAULT_STREAMS and Driver.current_context() != self._ctx:
+            where = "a device other than" if Driver.current_context() else "no device (no CUDA context) for"
+            raise MoeCallError(f"stream={s} is the default stream of the thread's current device, here {where} "
+                               f"this layer's device {self.device_id}: make it current (cupy.cuda.Device"
+                               f"({self.device_id}), torch.cuda.device({self.device_id})) or pass a stream of it")
         return s
 
     def _observed_forward(self, x: int, n: int, out: int, stream: int, token_ids: int, path) -> None:

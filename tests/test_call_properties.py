@@ -397,6 +397,34 @@ def test_raw_pointers_the_runtime_knows_as_no_memory_of_the_layers_gpu_are_refus
         check_device_memory("input_ptr", p, 0)
 
 
+def test_a_default_stream_of_another_devices_context_is_refused_every_call(monkeypatch):
+    """Streams 0, 1 and 2 are the thread's current context's: a layer on cuda:1 called while cuda:0 (or no
+    device) is current would launch its kernels into the wrong context (the driver's error, and the forward
+    graph dropped). Checked on every call, since the current device changes; a non-default stream once."""
+    from types import SimpleNamespace
+
+    from cupymoe.launch import Driver
+    from cupymoe.layer import MoeLayer
+
+    current = {"ctx": 0xC1}
+    monkeypatch.setattr(Driver, "current_context", staticmethod(lambda: current["ctx"]))
+    monkeypatch.setattr(Driver, "stream_context", classmethod(lambda cls, s: {0x7000: 0xC1, 0x8000: 0xC0}[s]))
+    layer = SimpleNamespace(_streams={}, _ctx=0xC1, device_id=1)
+    for s in (0, 1, 2, np.int64(2), 0x7000):
+        assert MoeLayer._stream(layer, s) == int(s)
+    with pytest.raises(MoeCallError, match="stream 0x8000 belongs to another device's context"):
+        MoeLayer._stream(layer, 0x8000)
+    current["ctx"] = 0xC0
+    assert MoeLayer._stream(layer, 0x7000) == 0x7000  # a stream carries its own context
+    for s in (0, 1, 2):
+        with pytest.raises(MoeCallError, match=rf"stream={s} is the default stream of the thread's current device, "
+                                               r"here a device other than this layer's device 1: make it current"):
+            MoeLayer._stream(layer, s)
+    current["ctx"] = 0
+    with pytest.raises(MoeCallError, match=r"here no device \(no CUDA context\) for this layer's device 1"):
+        MoeLayer._stream(layer, 0)
+
+
 @pytest.mark.parametrize("bad", [1.9, True, "0"])
 def test_a_device_that_is_no_index_is_refused(bad):
     """int(1.9) and int(True) picked device 1 silently."""

@@ -165,6 +165,28 @@ def test_a_workspace_need_at_tokens_no_layer_could_take_is_refused():
         MoeLayer.workspace_need(layer, 10**9)
 
 
+def test_a_workspace_need_at_a_numpy_integer_is_the_ints():
+    """np.int64(256) passes the checks as 256 does; the buffers were sized with it (an ArenaError)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from cupymoe import testing
+    from cupymoe.knobs import Knobs
+    from cupymoe.layer import MoeLayer
+    from cupymoe.plan import LayerOptions, plan_layer
+
+    cfg = testing.tiny_config("qwen3_moe")
+    lp = plan_layer(cfg, "bf16", None, "sm_90a", options=LayerOptions(), knobs=Knobs(), table={})
+    layer = SimpleNamespace(cfg=cfg, default_path="auto", _owned=tuple(range(cfg.num_experts)), plan=lp,
+                            _lora_plan=lp, _guard=0, _lora_experts=False, _lora_rank=0, _lora_stack_ks=0,
+                            _lora_router_t_cols=0, max_tokens=512)
+    want = MoeLayer.workspace_need(layer, 256)
+    assert want != MoeLayer.workspace_need(layer, None)
+    for v in (np.int64(256), np.int32(256), np.uint16(256)):
+        assert MoeLayer.workspace_need(layer, v) == want
+
+
 @pytest.mark.parametrize("bad", [1.5, True, "0"])
 def test_a_workspace_device_that_is_no_index_is_refused(bad):
     from cupymoe.workspace import Workspace
