@@ -8,8 +8,8 @@ from .config import MoeConfig
 from .errors import (ActivationNotKeptError, ArenaError, BufferTooSmallError, CheckpointError, CheckpointFileError,
                      ConfigError, CudaUnavailableError, DenseLayerError, Error, GuardError, KernelBuildError,
                      LaunchError, LoraError, MissingConfigKeyError, MissingTensorError, MoeCallError, OptionError,
-                     PathUnavailableError, TmaError, UnsupportedFormatError, UnsupportedModelError, VerifyError,
-                     WeightError, WorkspaceError)
+                     ParallelError, PathUnavailableError, TmaError, UnsupportedFormatError, UnsupportedModelError,
+                     VerifyError, WeightError, WorkspaceError)
 from .host_weights import HostWeights
 
 __version__ = "0.1.0"
@@ -20,7 +20,7 @@ __all__ = [
     "MissingTensorError", "CheckpointFileError", "WeightError", "UnsupportedFormatError", "CudaUnavailableError",
     "KernelBuildError", "LaunchError", "TmaError", "WorkspaceError", "ArenaError", "BufferTooSmallError", "GuardError",
     "MoeCallError", "PathUnavailableError", "LoraError", "ActivationNotKeptError", "MissingConfigKeyError",
-    "VerifyError",
+    "VerifyError", "ParallelError",
 ]
 
 

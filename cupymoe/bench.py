@@ -60,6 +60,7 @@ from . import knobs
 from .ceilings import (BF16_TFLOPS, CEILING_CALLS, CEILING_REPEATS, COPY_TBPS, FP8_TFLOPS, REFERENCE_GPU,
                        STEADY_WARM_S, resolve_ceilings)
 from .config import MoeConfig
+from .errors import OptionError
 from .profiling import record_stage_events
 
 # PERFORMANCE.md's grid. The peers ran routed experts only; "shared" is reported apart.
@@ -234,13 +235,13 @@ def matrix_bytes(fmt: str, out: int, inn: int) -> int:
         return out * inn + _ceil_div(out, 128) * _ceil_div(inn, 128) * 4
     if fmt == "nvfp4":  # e2m1 nibbles + e4m3 scale per 16 + one fp32 scale_2
         if inn % 16:
-            raise ValueError(f"nvfp4: in={inn} is not a multiple of 16")
+            raise OptionError(f"nvfp4: in={inn} is not a multiple of 16")
         return out * inn // 2 + out * inn // 16 + 4
     if fmt == "mxfp4":  # e2m1 nibbles + e8m0 scale per 32
         if inn % 32:
-            raise ValueError(f"mxfp4: in={inn} is not a multiple of 32")
+            raise OptionError(f"mxfp4: in={inn} is not a multiple of 32")
         return out * inn // 2 + out * inn // 32
-    raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    raise OptionError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
 
 
 def expert_bytes(fmt: str, H: int, I: int) -> int:
@@ -448,7 +449,7 @@ def _quantized_random(xp, rng, fmt: str, shape: tuple[int, ...]) -> dict[str, An
         return {"q": q, "scale_inv": (jitter * xp.float32(std / FP8_SIGMA)).astype(xp.float32)}
     if fmt == "nvfp4":
         if inn % 16:
-            raise ValueError(f"nvfp4: in={inn} is not a multiple of 16")
+            raise OptionError(f"nvfp4: in={inn} is not a multiple of 16")
         lo, hi = NVFP4_SCALE_CODES
         scale_rms = math.sqrt(sum(_e4m3_value(c) ** 2 for c in range(lo, hi)) / (hi - lo))
         scale = rng.integers(lo, hi, size=lead + (out, inn // 16), dtype=xp.int32).astype(xp.uint8)
@@ -456,7 +457,7 @@ def _quantized_random(xp, rng, fmt: str, shape: tuple[int, ...]) -> dict[str, An
         return {"packed": _random_bytes(xp, rng, lead + (out, inn // 2)), "scale": scale, "scale_2": s2}
     if fmt == "mxfp4":
         if inn % 32:
-            raise ValueError(f"mxfp4: in={inn} is not a multiple of 32")
+            raise OptionError(f"mxfp4: in={inn} is not a multiple of 32")
         # each group's exponent is e_lo or e_lo + 1, the upper with the probability that
         # makes the mean square exactly std^2: p 4 + (1 - p) = (std / (rms 2^e_lo))^2
         x = math.log2(std / _E2M1_RMS)
@@ -465,7 +466,7 @@ def _quantized_random(xp, rng, fmt: str, shape: tuple[int, ...]) -> dict[str, An
         up = rng.random(lead + (out, inn // 32), dtype=xp.float32) < xp.float32(p)
         scales = (up.astype(xp.int32) + (127 + e_lo)).astype(xp.uint8)  # far from the NaN exponent 255
         return {"blocks": _random_bytes(xp, rng, lead + (out, inn // 32, 16)), "scales": scales}
-    raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    raise OptionError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
 
 
 def _random_stack(xp, rng, fmt: str, shape: tuple[int, ...], chunk_elems: int = 1 << 28) -> dict[str, Any]:
@@ -502,7 +503,7 @@ def _container(fmt: str, raw: dict[str, Any]):
                                    scale_2=_host(raw["scale_2"]).astype(np.float32))
     if fmt == "mxfp4":
         return formats.Mxfp4Weight(blocks=raw["blocks"], scales=raw["scales"])
-    raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    raise OptionError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
 
 
 # The random e_score_correction_bias's spread. A trained one balances the experts' loads; a
@@ -526,7 +527,7 @@ def random_device_weights(cfg: MoeConfig, seed: int, fmt: str = "bf16"):
     from .host_weights import HostWeights
 
     if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+        raise OptionError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
     g = cupy.random.default_rng(seed)
     E, H, I, R = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.router_width
     Is = cfg.shared_expert_intermediate_size

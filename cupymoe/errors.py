@@ -100,6 +100,10 @@ class BufferTooSmallError(WorkspaceError):
     """A request larger than the buffer planned for it."""
 
 
+class ParallelError(Error, RuntimeError):
+    """Expert parallelism that cannot go on: a rank failed or died, or a closed communicator was used."""
+
+
 class GuardError(Error, RuntimeError):
     """Guard mode (CUPYMOE_GUARD=1): a kernel wrote into a red zone of the workspace; names the buffer before it."""
 

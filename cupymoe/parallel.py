@@ -26,7 +26,7 @@ import operator
 from typing import Mapping, Optional, Protocol, Sequence
 
 from .config import MoeConfig
-from .errors import OptionError
+from .errors import OptionError, ParallelError
 
 DTYPES = ("bf16", "fp32")
 _ELEM = {"bf16": 2, "fp32": 4}
@@ -81,9 +81,9 @@ def check_communicator(cfg: MoeConfig, comm: Communicator) -> None:
 
 def _count(nbytes: int, dtype: str) -> int:
     if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: all_reduce takes one of {DTYPES}")
+        raise OptionError(f"dtype={dtype!r}: all_reduce takes one of {DTYPES}")
     if nbytes % _ELEM[dtype]:
-        raise ValueError(f"nbytes={nbytes} is not a whole number of {dtype} elements")
+        raise OptionError(f"nbytes={nbytes} is not a whole number of {dtype} elements")
     return nbytes // _ELEM[dtype]
 
 
@@ -94,10 +94,10 @@ class NcclCommunicator:
     _NCCL_TYPES = {"fp32": 7, "bf16": 9}
 
     def __init__(self, world_size: int, rank: int, unique_id):
+        if not 0 <= rank < world_size:  # before NCCL is loaded or joined
+            raise OptionError(f"rank={rank} outside 0..{world_size - 1}")
         from cupy.cuda import nccl
 
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} outside 0..{world_size - 1}")
         self.world_size, self.rank = int(world_size), int(rank)
         self._nccl = nccl
         self._comm = nccl.NcclCommunicator(self.world_size, unique_id, self.rank)
@@ -118,7 +118,7 @@ class NcclCommunicator:
 
     def all_reduce(self, ptr: int, nbytes: int, dtype: str, stream: int) -> None:
         if self._comm is None:
-            raise RuntimeError("all_reduce on a closed NcclCommunicator")
+            raise ParallelError("all_reduce on a closed NcclCommunicator")
         count = _count(nbytes, dtype)
         self._comm.allReduce(ptr, ptr, count, self._NCCL_TYPES[dtype], self._nccl.NCCL_SUM, stream)
 
@@ -156,7 +156,7 @@ def spawn_ranks(fn, world_size: int, *args, timeout: float = 900.0, make_unique_
                 use_gpus: bool = True) -> list:
     """Run `fn(rank, world_size, unique_id, *args)` in one fresh process per GPU (rank r on
     device r) and return the ranks' results in rank order. `fn` must be importable (a
-    module-level function); a rank's exception comes back as a RuntimeError with its
+    module-level function); a rank's exception comes back as a ParallelError (a RuntimeError) with its
     traceback, and a rank that dies without one (a native crash) fails the call at once
     instead of leaving the others waiting. `make_unique_id` defaults to NCCL's; the
     launcher example scripts/ep_launch.py is built on this."""
@@ -202,7 +202,7 @@ def spawn_ranks(fn, world_size: int, *args, timeout: float = 900.0, make_unique_
             if p.is_alive():
                 p.kill()
     if failures:
-        raise RuntimeError("expert-parallel ranks failed:\n" + "\n".join(failures))
+        raise ParallelError("expert-parallel ranks failed:\n" + "\n".join(failures))
     return [got[r] for r in range(world_size)]
 
 

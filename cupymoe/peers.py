@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .errors import OptionError
+
 
 def same_function(cfg) -> bool:
     return (cfg.scoring_func == "softmax" and cfg.norm_topk_prob and not cfg.topk_then_softmax
@@ -39,12 +41,12 @@ class TorchPeers:
         self.torch = torch
         cfg = layer.cfg
         if cfg.ep_world_size != 1:
-            raise ValueError("the torch peers run the whole layer on one GPU (ep_world_size must be 1)")
+            raise OptionError("the torch peers run the whole layer on one GPU (ep_world_size must be 1)")
         self.k, self.E = cfg.num_experts_per_tok, cfg.num_experts
         W = layer.weights
         fmt = getattr(W, "format", "bf16")
         if fmt != "bf16":  # the stacked arrays would be codes, not bf16 bits
-            raise ValueError(f"the torch peers read bf16 routed experts; this layer's are {fmt}")
+            raise OptionError(f"the torch peers read bf16 routed experts; this layer's are {fmt}")
         self.router = _bf16(torch, W.router)[: cfg.num_experts]  # [E, H]
         self.gate = _bf16(torch, W.experts["gate"])  # [E, I, H]
         self.up = _bf16(torch, W.experts["up"])

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import formats
 from .config import MoeConfig
+from .errors import OptionError
 from .host_weights import HostWeights
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "deepseek_v3", "mixtral", "gpt_oss", "longcat_flash")
@@ -115,7 +116,7 @@ _HF: dict[str, dict[str, Any]] = {
 
 def _check_family(family: str) -> None:
     if family not in _TINY:
-        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+        raise OptionError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 
 
 def tiny_config(family: str, **overrides: Any) -> MoeConfig:

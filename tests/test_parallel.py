@@ -59,15 +59,34 @@ def _rank_dies(rank, world, uid):
     time.sleep(60)  # rank 0 would wait in a collective for the dead rank
 
 
+def test_communicator_misuse_is_refused_by_name():
+    """A rank outside the world (before NCCL is touched), an all-reduce of no whole elements or of a dtype it
+    does not take, and one on a closed communicator: cupymoe errors, not bare ValueError / RuntimeError."""
+    from cupymoe.errors import OptionError, ParallelError
+    from cupymoe.parallel import NcclCommunicator, _count
+
+    with pytest.raises(OptionError, match=r"rank=2 outside 0\.\.1"):
+        NcclCommunicator(2, 2, None)
+    with pytest.raises(OptionError, match=r"dtype='fp16': all_reduce takes one of"):
+        _count(64, "fp16")
+    with pytest.raises(OptionError, match="nbytes=6 is not a whole number of fp32 elements"):
+        _count(6, "fp32")
+    closed = object.__new__(NcclCommunicator)
+    closed._comm = None
+    with pytest.raises(ParallelError, match="all_reduce on a closed NcclCommunicator"):
+        closed.all_reduce(0, 64, "fp32", 0)
+
+
 def test_spawn_ranks_collects_results_and_reports_failed_or_dead_ranks():
+    from cupymoe.errors import ParallelError
     from cupymoe.parallel import spawn_ranks
 
     kw = dict(make_unique_id=lambda: b"uid", use_gpus=False)
     assert spawn_ranks(_rank_ok, 3, 10, **kw) == [0, 10, 20]
-    with pytest.raises(RuntimeError, match="(?s)rank 1:.*ValueError: rank one refuses"):
+    with pytest.raises(ParallelError, match="(?s)rank 1:.*ValueError: rank one refuses"):
         spawn_ranks(_rank_raises, 2, **kw)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] exited with code\(s\) \[3\]"):
+    with pytest.raises(ParallelError, match=r"rank\(s\) \[1\] exited with code\(s\) \[3\]"):
         spawn_ranks(_rank_dies, 2, **kw)
     assert time.monotonic() - t0 < 30, "a dead rank must fail the launch at once"
 
