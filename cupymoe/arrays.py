@@ -56,8 +56,17 @@ def view(obj: Any, what: str) -> DeviceArray:
     raise MoeCallError(f"{what}: expected a torch tensor or a CuPy array, got {type(obj).__name__}")
 
 
+def accepted_dtypes(framework: str, dtypes: tuple[str, ...]) -> tuple[str, ...]:
+    """`dtypes` as an array of `framework` may carry them: uint16 stands for bf16 bits in CuPy alone
+    (torch has bfloat16, and a torch uint16 tensor holds integers)."""
+    if framework == "torch" and "bfloat16" in dtypes:
+        return tuple(d for d in dtypes if d != "uint16")
+    return dtypes
+
+
 def check(a: DeviceArray, what: str, *, device: int, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> None:
-    """Refuse `a` unless it is contiguous, on `device`, of one of `dtypes` and of `shape`."""
+    """Refuse `a` unless it is contiguous, on `device`, of one of `dtypes` (accepted_dtypes) and of `shape`."""
+    dtypes = accepted_dtypes(a.framework, dtypes)
     want = f"a contiguous {' or '.join(dtypes)} array {list(shape)} on cuda:{device}"
     if a.device != device or a.dtype not in dtypes or a.shape != shape or not a.contiguous:
         raise MoeCallError(f"{what}: expected {want}, got {a.describe()}")

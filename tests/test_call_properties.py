@@ -318,7 +318,7 @@ def test_drawn_arrays_give_their_address_or_are_refused_by_name(data, hidden, n,
     shape = {"x": (n, hidden), "n": (n,), "nk": (n, 2)}[form]
     obj, meant = data.draw(st.one_of(described_arrays(shape), NOT_ARRAYS.map(lambda o: (o, None))))
     ok = meant is not None and (meant.device, meant.shape, meant.contiguous) == (0, shape, True) and \
-        meant.dtype in dtypes
+        meant.dtype in arrays.accepted_dtypes(meant.framework, dtypes)
     _same(lambda: (arrays.checked_ptr(obj, what, device=0, dtypes=dtypes, shape=shape),),
           (meant.ptr,) if ok else None, what)
 
@@ -328,12 +328,26 @@ def test_drawn_arrays_give_their_address_or_are_refused_by_name(data, hidden, n,
 def test_drawn_inputs_give_their_row_count_or_are_refused_by_name(data, hidden):
     n = data.draw(st.integers(0, 6))
     obj, meant = data.draw(st.one_of(described_arrays((n, hidden)), NOT_ARRAYS.map(lambda o: (o, None))))
-    ok = meant is not None and meant.device == 0 and meant.dtype in arrays.BF16_BITS and meant.contiguous and \
-        len(meant.shape) == 2 and meant.shape[1] == hidden and meant.shape[0] >= 1
+    ok = meant is not None and meant.device == 0 and meant.contiguous and len(meant.shape) == 2 and \
+        meant.dtype in arrays.accepted_dtypes(meant.framework, arrays.BF16_BITS) and meant.shape[1] == hidden and \
+        meant.shape[0] >= 1
     _same(lambda: (arrays.rows_of(arrays.view(obj, "x"), hidden, 0),), (meant.shape[0],) if ok else None, "x")
 
 
 # --- the escapes these draws found, one by one --------------------------------------------
+
+def test_a_torch_uint16_tensor_is_no_bf16():
+    """CuPy carries bf16 as uint16 bits; torch has bfloat16, and its uint16 holds integers: refused, not read as
+    bf16."""
+    x = _torch(0x1000, (3, 64), "uint16", 0, True)
+    with pytest.raises(MoeCallError, match=r"x: expected a contiguous bfloat16 array \[3, 64\] on cuda:0, "
+                                           r"got torch uint16"):
+        arrays.rows_of(arrays.view(x, "x"), 64, 0)
+    with pytest.raises(MoeCallError, match="out: expected a contiguous bfloat16 array"):
+        arrays.checked_ptr(x, "out", device=0, dtypes=arrays.BF16_BITS, shape=(3, 64))
+    assert arrays.rows_of(arrays.view(_cupy(0x1000, (3, 64), "uint16", 0, True), "x"), 64, 0) == 3
+    assert arrays.rows_of(arrays.view(_torch(0x1000, (3, 64), "bfloat16", 0, True), "x"), 64, 0) == 3
+
 
 def test_an_array_as_token_ids_ptr_is_refused_by_name_not_by_its_truth_value():
     layer = StandIn(Cfg(64, False), 8)
