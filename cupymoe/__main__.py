@@ -59,7 +59,11 @@ def cmd_kernels(args) -> int:
             print(f"   {cm.module}: " + ("cached" if cm.from_cache else f"compiled in {seconds:.1f} s"),
                   file=sys.stderr, flush=True)
 
-        mods = jit.compile_modules(names, arch, use_cache=not args.no_cache, progress=heard)
+        try:
+            mods = jit.compile_modules(names, arch, use_cache=not args.no_cache, progress=heard)
+        except Error as e:  # NVRTC refusing the arch (one newer than it knows) or a module: its log, no traceback
+            print(f"cupymoe kernels: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
         print(jit.format_report(mods))
         spills = [(cm.module, r.name) for cm in mods for r in cm.resources() if r.spill_stores or r.spill_loads]
         if spills:
@@ -102,17 +106,17 @@ def cmd_info(args) -> int:
         print(f"NVRTC {'.'.join(map(str, jit.nvrtc_version()))}, headers {jit.cuda_include_dirs()[0]}")
     except Exception as e:
         print(f"NVRTC unavailable: {e}")
+    try:  # with or without a GPU: the environment a layer would refuse
+        device_rows = Knobs.from_env().device_rows
+    except OptionError as e:  # a misspelt knob: one line, as every command refuses it
+        print(f"cupymoe info: OptionError: {e}", file=sys.stderr)
+        return 2
     reason = _no_gpu_reason()
     if reason:
         print(f"GPU: none ({reason})")
         return 0
     import cupy
 
-    try:
-        device_rows = Knobs.from_env().device_rows
-    except OptionError as e:  # a misspelt knob: one line, as every command refuses it
-        print(f"cupymoe info: OptionError: {e}", file=sys.stderr)
-        return 2
     for d in range(cupy.cuda.runtime.getDeviceCount()):
         p = cupy.cuda.runtime.getDeviceProperties(d)
         cc = cupy.cuda.Device(d).compute_capability
@@ -298,6 +302,27 @@ def _ranges(idx: list[int]) -> str:
     return ", ".join(out)
 
 
+def _cannot_write(command: str, paths: dict) -> bool:
+    """Whether one of `paths` (flag -> path or None) cannot be written, said in one line before a sweep's
+    minutes are lost: each opened for append (nothing truncated), removed again where the check made it."""
+    from pathlib import Path
+
+    for flag, path in paths.items():
+        if path is None:
+            continue
+        p = Path(path)
+        made = not p.exists()
+        try:
+            with open(p, "a"):
+                pass
+        except OSError as e:
+            print(f"cupymoe {command}: {flag} {path}: cannot be written ({e.strerror or e})", file=sys.stderr)
+            return True
+        if made:
+            p.unlink(missing_ok=True)
+    return False
+
+
 def cmd_verify(args) -> int:
     require_gpu("verify")
     from .verify import verify_families
@@ -307,6 +332,8 @@ def cmd_verify(args) -> int:
 
 def cmd_bench(args) -> int:
     require_gpu("bench")
+    if _cannot_write("bench", {"--json": args.json}):
+        return 2
     from .bench import run_bench
 
     return run_bench(args)
@@ -317,6 +344,8 @@ def cmd_tune(args) -> int:
     from .tune import apply_result
 
     if args.apply:  # no GPU: the result file's rows into the table
+        if _cannot_write("tune --apply", {"--table": args.table}):  # a read-only site-packages
+            return 2
         try:
             applied = apply_result(args.apply, args.table, other_gpu=args.other_gpu)
         except Error as e:  # the table is left as it was: one line naming why
@@ -325,6 +354,8 @@ def cmd_tune(args) -> int:
         print(f"{applied.rows} rows of {args.apply} merged into {args.table}, entry {applied.into}")
         return 0
     require_gpu("tune")
+    if _cannot_write("tune", {"--json": args.json, "--table-out": args.table_out}):
+        return 2
     from .tune import run_tune
 
     return run_tune(args)

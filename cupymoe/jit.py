@@ -183,14 +183,24 @@ def cuda_include_dirs() -> list[str]:
     return found[:1]
 
 
+# NVIDIA's real architectures from Ampere on; `a` (arch-specific) from Hopper, `f` (family) from Blackwell: any
+# other name up to the newest (sm_99, sm_80z) would print a plan for no GPU or fail inside NVRTC mid-build; past
+# the newest, a GPU this list predates, NVRTC decides
+REAL_ARCHS = (80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121)
+ARCH_SUFFIXES = {"": 80, "a": 90, "f": 100}  # suffix -> the first architecture that has it
+
+
 def parse_arch(arch: str) -> tuple[int, str]:
     """'sm_90a' -> (90, 'sm_90a'). Real architectures only: the cubin is what loads."""
-    m = re.fullmatch(r"sm_(\d+)([a-z]?)", arch)
+    m = re.fullmatch(r"sm_(\d+)([a-z]?)", arch) if isinstance(arch, str) else None
     if not m:
         raise OptionError(f"arch={arch!r}: expected a real architecture like sm_80 or sm_90a")
-    cc = int(m.group(1))
+    cc, suffix = int(m.group(1)), m.group(2)
     if cc < 80:
         raise OptionError(f"arch={arch!r}: cupymoe needs sm_80 or newer (bf16 tensor cores, cp.async)")
+    if (cc not in REAL_ARCHS and cc < REAL_ARCHS[-1]) or cc < ARCH_SUFFIXES.get(suffix, 10**9):
+        raise OptionError(f"arch={arch!r}: no such GPU architecture; one of "
+                          f"{', '.join(f'sm_{c}' for c in REAL_ARCHS)}, with 'a' from sm_90 and 'f' from sm_100")
     return cc, arch
 
 

@@ -95,10 +95,17 @@ def test_concurrent_processes_share_one_cache_safely(tmp_path):
     assert not list(tmp_path.glob("*.tmp")), "a temporary file was left behind"
 
 
-@pytest.mark.parametrize("bad", ["sm_70", "compute_90", "90"])
+@pytest.mark.parametrize("bad", ["sm_70", "compute_90", "90", "sm_99", "sm_80z", "sm_90z", "sm_80a", "sm_90f",
+                                 "sm_88", "sm_1000z"])
 def test_bad_arch_is_refused(bad):
     with pytest.raises(ValueError, match=repr(bad)):
         jit.parse_arch(bad)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100a", "sm_100f", "sm_120",
+                                  "sm_130"])  # past the newest known: a GPU the list predates, NVRTC decides
+def test_real_archs_are_taken(arch):
+    assert jit.parse_arch(arch) == (int(arch[3:].rstrip("af")), arch)
 
 
 def test_measurement_knobs_pick_the_hopper_variants_and_math_rows():

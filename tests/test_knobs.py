@@ -83,6 +83,17 @@ def test_the_knobs_command_reads_this_environment(monkeypatch, capsys):
     assert "this environment: unknown environment variable(s) CUPYMOE_PLD" in capsys.readouterr().out
 
 
+def test_info_refuses_a_misspelt_knob_with_or_without_a_gpu(monkeypatch, capsys):
+    """Without a GPU `info` returned 0 before it read the environment, so a misspelt knob went unnamed."""
+    from cupymoe.__main__ import main
+
+    for k in [k for k in __import__("os").environ if k.startswith("CUPYMOE_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("CUPYMOE_PLD", "0")
+    assert main(["info"]) == 2
+    assert "cupymoe info: OptionError: unknown environment variable(s) CUPYMOE_PLD" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["bench", "--preset", "nope"], ["inspect", "ck", "--max-tokens", "0"], ["frob"],
                                   ["tune", "--tokens", "x"]])
 def test_bad_command_arguments_are_one_line_and_exit_2(argv, capsys):

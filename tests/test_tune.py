@@ -379,3 +379,28 @@ def test_a_tuned_token_tile_reaches_the_wgmma_decode():
     with pytest.raises(ValueError, match="w8a8_decode='mma'"):
         Choice("decode", w8a8_decode="mma", token_tile=16)
     assert Choice("decode", w8a8_decode="wgmma", token_tile=16).label() == "decode/wgmma/nt16"
+
+
+def test_output_paths_that_cannot_be_written_are_refused_before_any_timing(tmp_path, monkeypatch, capsys):
+    """bench --json, tune --json / --table-out were written after the sweep (its minutes lost to a traceback),
+    tune --apply's --table after the merge; each is now tried first: one line, exit 2, nothing timed. A path
+    the check creates is removed again, and an existing file keeps its bytes."""
+    from cupymoe import __main__ as cli
+
+    monkeypatch.setattr(cli, "require_gpu", lambda what: None)
+    monkeypatch.setattr("cupymoe.bench.run_bench", lambda args: pytest.fail("timed"))
+    monkeypatch.setattr("cupymoe.tune.run_tune", lambda args: pytest.fail("timed"))
+    monkeypatch.setattr("cupymoe.tune.apply_result", lambda *a, **k: pytest.fail("merged"))
+    missing = tmp_path / "no-such-dir" / "x.json"
+    cases = [(["bench", "--json", str(missing)], "cupymoe bench: --json"),
+             (["tune", "--json", str(tmp_path)], "cupymoe tune: --json"),  # a directory
+             (["tune", "--table-out", str(missing)], "cupymoe tune: --table-out"),
+             (["tune", "--apply", str(tmp_path / "r.json"), "--table", str(missing)], "cupymoe tune --apply: --table")]
+    for argv, head in cases:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"{head} ") and "cannot be written" in err and err.count("\n") == 1, err
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}")
+    assert not cli._cannot_write("bench", {"--json": str(kept), "--table-out": str(tmp_path / "new.json")})
+    assert kept.read_text() == "{}" and not (tmp_path / "new.json").exists()
