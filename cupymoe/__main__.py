@@ -162,6 +162,11 @@ def cmd_inspect(args) -> int:
                               options=LayerOptions(fp8_compute=args.fp8_compute), device_name=args.gpu)
 
         plan = plan_of(cfg)
+        adapter = None
+        if args.lora is not None:  # as load_peft reads it, before the listing: a refused adapter is its line only
+            from .lora import load_peft, raw_peft_config
+
+            adapter = load_peft(args.lora, layer, cfg), raw_peft_config(args.lora)
     except MemoryError as e:  # sizes no loader check bounded: one line, as for every refusal
         print(f"cupymoe inspect: MemoryError: {e or 'the checkpoint asks for more memory than there is'}",
               file=sys.stderr)
@@ -181,25 +186,16 @@ def cmd_inspect(args) -> int:
         print(f"  --gpu {args.gpu!r}: the tuning table has no rows timed on it (it has them for "
               f"{', '.join(map(repr, TUNING.by_device)) or 'no GPU'}): its by_shape rows size this scratch")
     _print_workspace(config, moe, cfg, plan, plan_of, f"{arch} ({args.gpu})" if args.gpu else arch, args.max_tokens)
-    if args.lora is not None:
-        return _print_lora(args.lora, layer, cfg, plan)
+    if adapter is not None:
+        _print_lora(args.lora, layer, *adapter, plan)
     return 0
 
 
-def _print_lora(adapter_dir, layer: int, cfg, plan) -> int:
-    """The adapter's share of the inspected layer as load_peft reads it: per target, the modules, ranks,
-    scales and where they come from; what this layer's plan would not serve. A refusal: one line, 2."""
+def _print_lora(adapter_dir, layer: int, lw, raw: dict, plan) -> None:
+    """The adapter's share of the inspected layer (`lw`, load_peft's; `raw`, its adapter_config.json): per
+    target, the modules, ranks, scales and where they come from; what this layer's plan would not serve."""
     import re
 
-    from . import Error
-    from .lora import load_peft, raw_peft_config
-
-    try:
-        lw = load_peft(adapter_dir, layer, cfg)
-        raw = raw_peft_config(adapter_dir)
-    except Error as e:
-        print(f"cupymoe inspect: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
     print(f"adapter {adapter_dir}: peft_version {raw.get('peft_version', '?')}, r {raw.get('r', '?')}, "
           f"lora_alpha {raw.get('lora_alpha', '?')}; layer {layer}: {len(lw.modules)} modules, max rank {lw.max_rank} "
           f"(MoeLayer(..., max_lora_rank >= {lw.max_rank}))")
@@ -218,7 +214,6 @@ def _print_lora(adapter_dir, layer: int, cfg, plan) -> int:
     if plan.w8a8 and any(k.target.value != "router" for k in lw.modules):
         print("  expert modules on a w8a8 layer: served with MoeLayer(lora_experts=True), whose LoRA forwards run "
               "the experts as w8a16 (the default slots take the router's alone)")
-    return 0
 
 
 def _moe_layers(config, present: list[int]) -> list[int]:

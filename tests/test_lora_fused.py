@@ -250,8 +250,10 @@ def test_inspect_shows_the_adapters_share(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "ckpt"), "--layer", str(LAYER), "--lora", str(adapter),
                  "--fp8-compute", "w8a8"]) == 0
     assert "expert modules on a w8a8 layer: served with MoeLayer(lora_experts=True)" in capsys.readouterr().out
-    assert main(["inspect", str(tmp_path / "ckpt"), "--layer", str(LAYER), "--lora", str(tmp_path)]) == 2
-    assert "cupymoe inspect: LoraError:" in capsys.readouterr().err
+    for bad in (tmp_path, tmp_path / "missing"):  # a refused adapter is its one line, no listing before it
+        assert main(["inspect", str(tmp_path / "ckpt"), "--layer", str(LAYER), "--lora", str(bad)]) == 2
+        got = capsys.readouterr()
+        assert got.err.startswith("cupymoe inspect: LoraError:") and got.err.count("\n") == 1 and got.out == ""
 
 
 def test_both_mlp_spellings_refused(tmp_path):
