@@ -89,12 +89,17 @@ class Driver:
         cls.check(cls.lib().cuStreamGetCtx(ctypes.c_void_p(stream), ctypes.byref(ctx)), "cuStreamGetCtx")
         return ctx.value or 0
 
-    @staticmethod
-    def current_context() -> int:
-        """The calling thread's current CUDA context (0: none), whose default streams 0, 1 and 2 are."""
-        import cupy
+    _ctx_get = None
 
-        return cupy.cuda.driver.ctxGetCurrent()
+    @classmethod
+    def current_context(cls) -> int:
+        """The calling thread's current CUDA context (0: none), whose default streams 0, 1 and 2 are
+        (a forward on a default stream asks every call: the entry point is looked up once)."""
+        if cls._ctx_get is None:
+            import cupy
+
+            cls._ctx_get = cupy.cuda.driver.ctxGetCurrent
+        return cls._ctx_get()
 
     @classmethod
     def check(cls, rc: int, what: str) -> None:

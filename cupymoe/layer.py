@@ -438,8 +438,9 @@ class MoeLayer:
                 raise MoeCallError(f"stream 0x{s:x} belongs to another device's context than this "
                                    f"layer's device {self.device_id}")
             self._streams[s] = s
-        if s in DEFAULT_STREAMS and Driver.current_context() != self._ctx:
-            where = "a device other than" if Driver.current_context() else "no device (no CUDA context) for"
+        current = Driver.current_context() if s in DEFAULT_STREAMS else self._ctx
+        if current != self._ctx:
+            where = "a device other than" if current else "no device (no CUDA context) for"
             raise MoeCallError(f"stream={s} is the default stream of the thread's current device, here {where} "
                                f"this layer's device {self.device_id}: make it current (cupy.cuda.Device"
                                f"({self.device_id}), torch.cuda.device({self.device_id})) or pass a stream of it")
